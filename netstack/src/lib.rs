@@ -1,0 +1,16 @@
+//! flexns netstack: a software-programmable RDMA network stack.
+//!
+//! Layers, bottom up (see `docs/ARCHITECTURE.md`):
+//! - [`wire`]: RoCEv2 headers, the ICRC, a checked zero-copy packet view.
+//! - [`mem`]: registered memory regions and the key table (the one `unsafe` memory module).
+//! - [`work`]: work requests and completions with ibverbs' names.
+//! - [`transport`]: sans-IO transports ([`transport::rc`]).
+//! - [`link`]: UDP sockets with batched `sendmmsg`/`recvmmsg`.
+//! - [`engine`]: the data-core threads that drive transports over a link.
+//! - [`verbs`]: the application API (`Context`, `Pd`, `Mr`, `Cq`, `Qp`).
+//! - [`cm`]: connection management over gRPC.
+
+pub mod mem;
+pub mod transport;
+pub mod wire;
+pub mod work;

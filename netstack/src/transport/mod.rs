@@ -1,0 +1,73 @@
+//! Transports as sans-IO state machines: they take packets, posted work requests and the
+//! current time, and return packets to send, completions and timer deadlines. They never touch
+//! sockets or clocks; the engine drives them, and so does the deterministic simulator in tests.
+
+pub mod rc;
+
+use crate::mem::Region;
+use crate::wire::{HeaderBuf, MASK24};
+use smallvec::SmallVec;
+use std::net::SocketAddrV4;
+use std::sync::Arc;
+
+/// A slice of registered memory that is the payload (or part of it) of an outgoing packet.
+#[derive(Debug, Clone)]
+pub struct PayloadPart {
+    pub region: Arc<Region>,
+    pub off: usize,
+    pub len: usize,
+}
+
+/// An outgoing packet: headers built in a small buffer, payload referenced in place
+/// (header-only TX). The link appends pad and ICRC.
+#[derive(Debug, Clone, Default)]
+pub struct TxPacket {
+    pub hdr: HeaderBuf,
+    pub payload: SmallVec<[PayloadPart; 2]>,
+}
+
+impl TxPacket {
+    /// Payload bytes (excluding pad).
+    pub fn payload_len(&self) -> usize {
+        self.payload.iter().map(|p| p.len).sum()
+    }
+
+    /// Serializes the packet with pad and ICRC (simulator and tests; the engine uses iovecs).
+    pub fn encode(&self, src: SocketAddrV4, dst: SocketAddrV4, out: &mut Vec<u8>) {
+        let mut bufs: SmallVec<[Vec<u8>; 2]> = SmallVec::new();
+        for p in &self.payload {
+            let mut v = vec![0u8; p.len];
+            p.region.read(p.off, &mut v);
+            bufs.push(v);
+        }
+        let parts: SmallVec<[&[u8]; 2]> = bufs.iter().map(|b| b.as_slice()).collect();
+        crate::wire::encode_into(out, &self.hdr, &parts, src, dst);
+    }
+}
+
+/// Extends a 24-bit PSN to the 64-bit sequence space nearest to `reference`.
+pub fn psn_unwrap(reference: u64, psn24: u32) -> u64 {
+    let r24 = (reference & MASK24 as u64) as u32;
+    let diff = psn24.wrapping_sub(r24) & MASK24;
+    // sign-extend the 24-bit difference
+    let d = if diff & 0x80_0000 != 0 {
+        diff as i64 - (1 << 24)
+    } else {
+        diff as i64
+    };
+    (reference as i64 + d).max(0) as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn psn_unwrap_wraps() {
+        assert_eq!(psn_unwrap(5, 7), 7);
+        assert_eq!(psn_unwrap(5, 3), 3);
+        let r = (1u64 << 24) - 2; // near a wrap
+        assert_eq!(psn_unwrap(r, 1), (1 << 24) + 1);
+        assert_eq!(psn_unwrap((1 << 24) + 1, 0xFF_FFFE), (1 << 24) - 2);
+    }
+}

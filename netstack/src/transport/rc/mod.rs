@@ -1,0 +1,410 @@
+//! Reliable Connection (RC) transport with the semantics of the InfiniBand spec as RoCEv2 uses
+//! them: 24-bit PSNs, MTU segmentation, FIRST/MIDDLE/LAST/ONLY opcodes, coalesced ACKs with
+//! AckReq, NAKs (PSN sequence error, RNR, remote access, invalid request), retransmission timeout
+//! with backoff and a retry budget, READ responses, atomics with a responder replay cache, FENCE.
+//!
+//! Two loss-recovery modes per QP ([`Recovery`]): go-back-N (the standard) and IRN-style
+//! selective repeat, where every data packet carries an [`crate::wire::SrExt`] so it can be
+//! placed when it arrives out of order, and ACKs carry a [`crate::wire::SackExt`].
+//!
+//! An [`RcQp`] holds both halves of a QP: the requester (its send queue) and the responder (its
+//! receive queue and the peer's requests). Drive it with [`RcQp::handle_packet`],
+//! [`RcQp::poll_transmit`], [`RcQp::poll_timeout`] / [`RcQp::handle_timeout`] and drain
+//! [`RcQp::poll_completion`].
+
+mod requester;
+mod responder;
+
+use crate::mem::MrTable;
+use crate::wire::{PacketView, MASK24};
+use crate::work::{RecvWr, SendWr, Wc, WcStatus};
+use requester::Requester;
+use responder::Responder;
+use std::collections::VecDeque;
+
+pub use requester::rnr_delay_ns;
+
+/// Loss recovery of a QP.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Recovery {
+    /// Standard RC: the responder accepts only the expected PSN, the requester resends from the
+    /// first lost packet.
+    #[default]
+    GoBackN,
+    /// IRN-style: out-of-order packets are placed directly, ACKs carry a SACK bitmap, only lost
+    /// packets are resent.
+    SelectiveRepeat,
+}
+
+/// QP states (`IBV_QPS_*`; SQD and SQE are not modelled).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QpState {
+    Reset,
+    Init,
+    Rtr,
+    Rts,
+    Err,
+}
+
+/// Per-QP transport parameters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RcConfig {
+    /// Path MTU in bytes: 256, 512, 1024, 2048 or 4096.
+    pub mtu: u32,
+    pub recovery: Recovery,
+    /// Local ACK timeout in nanoseconds (ibverbs encodes it as 4.096 µs × 2^timeout).
+    pub timeout_ns: u64,
+    /// Retries after a timeout before the WQE completes with RETRY_EXC_ERR.
+    pub retry_cnt: u8,
+    /// RNR retries (7 means infinite, as in ibverbs).
+    pub rnr_retry: u8,
+    /// RNR timer code this QP's responder advertises in RNR NAKs.
+    pub min_rnr_timer: u8,
+    /// Outstanding READ/atomic requests this QP may have in flight (initiator depth).
+    pub max_rd_atomic: u32,
+    pub max_send_wr: u32,
+    pub max_recv_wr: u32,
+    /// Most unacknowledged packets in flight.
+    pub window_pkts: u32,
+    /// The responder ACKs at least every this many packets.
+    pub ack_every: u32,
+    /// The responder ACKs pending packets at the latest after this long.
+    pub ack_delay_ns: u64,
+    /// Retransmission timeouts double up to this many times.
+    pub max_backoff_shift: u8,
+}
+
+impl Default for RcConfig {
+    fn default() -> Self {
+        RcConfig {
+            mtu: 4096,
+            recovery: Recovery::GoBackN,
+            timeout_ns: 4_096 << 12, // ibverbs' encoding: 4.096 µs × 2^12 ≈ 16.8 ms
+            retry_cnt: 7,
+            rnr_retry: 7,
+            min_rnr_timer: 12,
+            max_rd_atomic: 16,
+            max_send_wr: 4096,
+            max_recv_wr: 4096,
+            window_pkts: 512,
+            ack_every: 16,
+            ack_delay_ns: 20_000,
+            max_backoff_shift: 4,
+        }
+    }
+}
+
+impl RcConfig {
+    /// Checks the parameters; the error names the field.
+    pub fn validate(&self) -> Result<(), String> {
+        if ![256, 512, 1024, 2048, 4096].contains(&self.mtu) {
+            return Err(format!(
+                "mtu: {} is not one of 256, 512, 1024, 2048, 4096",
+                self.mtu
+            ));
+        }
+        if self.timeout_ns == 0 {
+            return Err("timeout_ns: must be > 0".into());
+        }
+        if self.retry_cnt > 7 {
+            return Err(format!("retry_cnt: {} > 7", self.retry_cnt));
+        }
+        if self.rnr_retry > 7 {
+            return Err(format!("rnr_retry: {} > 7", self.rnr_retry));
+        }
+        if self.min_rnr_timer > 31 {
+            return Err(format!("min_rnr_timer: {} > 31", self.min_rnr_timer));
+        }
+        if self.window_pkts == 0 || self.window_pkts > 1 << 20 {
+            return Err(format!(
+                "window_pkts: {} not in 1..=1048576",
+                self.window_pkts
+            ));
+        }
+        if self.max_rd_atomic == 0
+            || self.max_send_wr == 0
+            || self.max_recv_wr == 0
+            || self.ack_every == 0
+        {
+            return Err("max_rd_atomic, max_send_wr, max_recv_wr and ack_every must be > 0".into());
+        }
+        Ok(())
+    }
+
+    /// Longest time a requester keeps retrying an unanswered packet before RETRY_EXC_ERR.
+    pub fn retry_bound_ns(&self) -> u64 {
+        (0..=self.retry_cnt as u32)
+            .map(|i| self.timeout_ns << i.min(self.max_backoff_shift as u32))
+            .sum()
+    }
+}
+
+/// Why a post was refused (the work request was not queued).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PostError {
+    #[error("QP is in state {0:?}, which does not accept this work request")]
+    InvalidState(QpState),
+    #[error("queue is full ({0} outstanding work requests)")]
+    QueueFull(u32),
+    #[error("invalid work request: {0}")]
+    Invalid(&'static str),
+}
+
+/// Why a state transition was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid QP state transition {from:?} -> {to:?}")]
+pub struct ModifyError {
+    pub from: QpState,
+    pub to: QpState,
+}
+
+/// Counters of one QP.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RcStats {
+    pub tx_packets: u64,
+    pub rx_packets: u64,
+    pub retransmitted_packets: u64,
+    pub timeouts: u64,
+    pub seq_naks_sent: u64,
+    pub rnr_naks_sent: u64,
+    pub rnr_naks_received: u64,
+    pub duplicate_requests: u64,
+    pub out_of_order_packets: u64,
+    pub stale_responses: u64,
+    pub dropped_packets: u64,
+    pub acks_sent: u64,
+}
+
+/// One RC queue pair's transport state.
+pub struct RcQp {
+    qpn: u32,
+    pd: u32,
+    cfg: RcConfig,
+    state: QpState,
+    dest_qpn: u32,
+    req: Requester,
+    resp: Responder,
+    completions: VecDeque<Wc>,
+    stats: RcStats,
+}
+
+impl RcQp {
+    /// A QP in RESET.
+    pub fn new(qpn: u32, pd: u32, cfg: RcConfig) -> RcQp {
+        RcQp {
+            qpn: qpn & MASK24,
+            pd,
+            cfg,
+            state: QpState::Reset,
+            dest_qpn: 0,
+            req: Requester::new(0),
+            resp: Responder::new(0),
+            completions: VecDeque::new(),
+            stats: RcStats::default(),
+        }
+    }
+
+    pub fn qpn(&self) -> u32 {
+        self.qpn
+    }
+    pub fn dest_qpn(&self) -> u32 {
+        self.dest_qpn
+    }
+    pub fn state(&self) -> QpState {
+        self.state
+    }
+    pub fn config(&self) -> &RcConfig {
+        &self.cfg
+    }
+    pub fn stats(&self) -> RcStats {
+        self.stats
+    }
+    /// Bytes of state this QP holds beyond its fixed struct (queues and windows).
+    pub fn state_bytes(&self) -> usize {
+        std::mem::size_of::<RcQp>() + self.req.heap_bytes() + self.resp.heap_bytes()
+    }
+
+    /// RESET -> INIT (receive WRs may be posted from now on).
+    pub fn modify_to_init(&mut self) -> Result<(), ModifyError> {
+        self.transition(&[QpState::Reset, QpState::Init], QpState::Init)
+    }
+
+    /// INIT -> RTR: connect to the remote QP; `rq_psn` is the first PSN expected from it.
+    pub fn modify_to_rtr(
+        &mut self,
+        dest_qpn: u32,
+        rq_psn: u32,
+        cfg: RcConfig,
+    ) -> Result<(), ModifyError> {
+        self.transition(&[QpState::Init], QpState::Rtr)?;
+        self.cfg = cfg;
+        self.dest_qpn = dest_qpn & MASK24;
+        self.resp.reset_psn(rq_psn as u64 & MASK24 as u64);
+        Ok(())
+    }
+
+    /// RTR -> RTS; `sq_psn` is the first PSN this QP sends.
+    pub fn modify_to_rts(&mut self, sq_psn: u32) -> Result<(), ModifyError> {
+        self.transition(&[QpState::Rtr], QpState::Rts)?;
+        self.req.reset_psn(sq_psn as u64 & MASK24 as u64);
+        Ok(())
+    }
+
+    /// Any state -> ERR: outstanding work requests complete with WR_FLUSH_ERR.
+    pub fn modify_to_err(&mut self) {
+        self.enter_error();
+    }
+
+    /// Any state -> RESET: everything is dropped without completions.
+    pub fn modify_to_reset(&mut self) {
+        let qpn = self.qpn;
+        *self = RcQp::new(qpn, self.pd, self.cfg);
+    }
+
+    fn transition(&mut self, from: &[QpState], to: QpState) -> Result<(), ModifyError> {
+        if from.contains(&self.state) {
+            self.state = to;
+            Ok(())
+        } else {
+            Err(ModifyError {
+                from: self.state,
+                to,
+            })
+        }
+    }
+
+    /// Queues a send work request. Its local memory is checked now; a bad lkey completes the
+    /// WR with LOC_PROT_ERR when its turn comes.
+    pub fn post_send(&mut self, wr: SendWr, mrs: &MrTable) -> Result<(), PostError> {
+        match self.state {
+            QpState::Rts => {}
+            QpState::Err => {
+                // ibverbs: WRs posted to a QP in ERR complete with WR_FLUSH_ERR
+                self.push_completion(requester::flush_wc(&wr, self.qpn, self.dest_qpn));
+                return Ok(());
+            }
+            s => return Err(PostError::InvalidState(s)),
+        }
+        if self.req.outstanding() >= self.cfg.max_send_wr as usize {
+            return Err(PostError::QueueFull(self.cfg.max_send_wr));
+        }
+        self.req.post(wr, self.pd, &self.cfg, mrs)?;
+        Requester::progress(self);
+        Ok(())
+    }
+
+    /// Queues a receive work request.
+    pub fn post_recv(&mut self, wr: RecvWr) -> Result<(), PostError> {
+        match self.state {
+            QpState::Init | QpState::Rtr | QpState::Rts => {}
+            QpState::Err => {
+                self.push_completion(responder::flush_recv_wc(&wr, self.qpn, self.dest_qpn));
+                return Ok(());
+            }
+            s => return Err(PostError::InvalidState(s)),
+        }
+        if self.resp.rq_len() >= self.cfg.max_recv_wr as usize {
+            return Err(PostError::QueueFull(self.cfg.max_recv_wr));
+        }
+        self.resp.post(wr);
+        Ok(())
+    }
+
+    /// Handles a received packet addressed to this QP (the caller has verified its ICRC).
+    pub fn handle_packet(&mut self, now: u64, pkt: &PacketView<'_>, mrs: &MrTable) {
+        if !matches!(self.state, QpState::Rtr | QpState::Rts) {
+            self.stats.dropped_packets += 1;
+            return;
+        }
+        self.stats.rx_packets += 1;
+        if pkt.opcode.is_request() {
+            Responder::handle(self, now, pkt, mrs);
+        } else if self.state == QpState::Rts {
+            Requester::handle(self, now, pkt);
+        } else {
+            self.stats.dropped_packets += 1;
+        }
+    }
+
+    /// Next packet to send, if any. Responses (read data, atomics, NAKs, ACKs) go first.
+    pub fn poll_transmit(&mut self, now: u64) -> Option<crate::transport::TxPacket> {
+        if !matches!(self.state, QpState::Rtr | QpState::Rts) {
+            return None;
+        }
+        let p = Responder::poll_transmit(self, now).or_else(|| {
+            if self.state == QpState::Rts {
+                Requester::poll_transmit(self, now)
+            } else {
+                None
+            }
+        });
+        if p.is_some() {
+            self.stats.tx_packets += 1;
+        }
+        p
+    }
+
+    /// Whether [`RcQp::poll_transmit`] may return a packet now.
+    pub fn wants_transmit(&self, now: u64) -> bool {
+        matches!(self.state, QpState::Rtr | QpState::Rts)
+            && (self.resp.wants_transmit(now)
+                || (self.state == QpState::Rts && self.req.wants_transmit(now, &self.cfg)))
+    }
+
+    /// The earliest time at which [`RcQp::handle_timeout`] has work to do.
+    pub fn poll_timeout(&self) -> Option<u64> {
+        if !matches!(self.state, QpState::Rtr | QpState::Rts) {
+            return None;
+        }
+        match (self.req.deadline(), self.resp.deadline()) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Runs expired timers (retransmission, RNR wait, delayed ACK).
+    pub fn handle_timeout(&mut self, now: u64) {
+        if !matches!(self.state, QpState::Rtr | QpState::Rts) {
+            return;
+        }
+        self.resp.handle_timeout(now);
+        if self.state == QpState::Rts {
+            Requester::handle_timeout(self, now);
+        }
+    }
+
+    /// Next work completion.
+    pub fn poll_completion(&mut self) -> Option<Wc> {
+        self.completions.pop_front()
+    }
+
+    /// Whether completions are waiting.
+    pub fn has_completions(&self) -> bool {
+        !self.completions.is_empty()
+    }
+
+    fn push_completion(&mut self, wc: Wc) {
+        self.completions.push_back(wc);
+    }
+
+    fn enter_error(&mut self) {
+        if self.state == QpState::Err {
+            return;
+        }
+        self.state = QpState::Err;
+        let (qpn, dq) = (self.qpn, self.dest_qpn);
+        for wc in self.req.flush(qpn, dq) {
+            self.completions.push_back(wc);
+        }
+        for wc in self.resp.flush(qpn, dq) {
+            self.completions.push_back(wc);
+        }
+    }
+
+    fn complete_error(&mut self, wc: Wc) {
+        debug_assert_ne!(wc.status, WcStatus::Success);
+        self.completions.push_back(wc);
+        self.enter_error();
+    }
+}

@@ -1,0 +1,869 @@
+//! The requester half of an RC QP: the send queue, PSN assignment, segmentation, the
+//! acknowledgement window, retransmission (go-back-N or selective) and send-side completions.
+
+use super::{QpState, RcConfig, RcQp, Recovery};
+use crate::mem::{Access, MrTable, Region};
+use crate::transport::{psn_unwrap, PayloadPart, TxPacket};
+use crate::wire::*;
+use crate::work::*;
+use smallvec::SmallVec;
+use std::collections::{BTreeSet, VecDeque};
+use std::sync::Arc;
+
+/// Every this many packets of a long message carries AckReq.
+const ACKREQ_EVERY: u32 = 16;
+
+/// RNR timer codes (IBA Table 45) in nanoseconds.
+pub fn rnr_delay_ns(code: u8) -> u64 {
+    const US_X100: [u64; 32] = [
+        65536, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024,
+        1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576, 32768, 49152,
+    ];
+    US_X100[(code & 31) as usize] * 10_000
+}
+
+#[derive(Debug, Clone)]
+struct Seg {
+    region: Arc<Region>,
+    off: usize,
+    len: usize,
+}
+
+#[derive(Debug)]
+struct SendWqe {
+    wr_id: u64,
+    op: WrOpcode,
+    signaled: bool,
+    fence: bool,
+    solicited: bool,
+    total: u64,
+    segs: SmallVec<[Seg; 2]>,
+    /// Set when the local memory check failed at post time.
+    bad: Option<WcStatus>,
+    remote_addr: u64,
+    rkey: u32,
+    imm: u32,
+    compare_add: u64,
+    swap: u64,
+    recv_seq: u32,
+    first_psn: Option<u64>,
+    npkts: u32,
+}
+
+impl SendWqe {
+    fn is_rd_atomic(&self) -> bool {
+        matches!(
+            self.op,
+            WrOpcode::RdmaRead | WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd
+        )
+    }
+    fn contains(&self, psn: u64) -> bool {
+        self.first_psn
+            .is_some_and(|f| psn >= f && psn < f + self.npkts as u64)
+    }
+    fn wc(&self, status: WcStatus, qpn: u32, dest: u32) -> Wc {
+        Wc {
+            wr_id: self.wr_id,
+            status,
+            opcode: WcOpcode::from_wr(self.op),
+            byte_len: if status == WcStatus::Success {
+                self.total as u32
+            } else {
+                0
+            },
+            imm_data: None,
+            qp_num: qpn,
+            src_qp: dest,
+        }
+    }
+}
+
+/// A WC with WR_FLUSH_ERR for a WR posted to a QP in ERR.
+pub(super) fn flush_wc(wr: &SendWr, qpn: u32, dest: u32) -> Wc {
+    Wc {
+        wr_id: wr.wr_id,
+        status: WcStatus::WrFlushErr,
+        opcode: WcOpcode::from_wr(wr.opcode),
+        byte_len: 0,
+        imm_data: None,
+        qp_num: qpn,
+        src_qp: dest,
+    }
+}
+
+fn gather(segs: &[Seg], mut off: usize, mut len: usize) -> SmallVec<[PayloadPart; 2]> {
+    let mut out = SmallVec::new();
+    for s in segs {
+        if len == 0 {
+            break;
+        }
+        if off >= s.len {
+            off -= s.len;
+            continue;
+        }
+        let n = (s.len - off).min(len);
+        out.push(PayloadPart {
+            region: s.region.clone(),
+            off: s.off + off,
+            len: n,
+        });
+        len -= n;
+        off = 0;
+    }
+    out
+}
+
+fn scatter(segs: &[Seg], mut off: usize, mut data: &[u8]) {
+    for s in segs {
+        if data.is_empty() {
+            break;
+        }
+        if off >= s.len {
+            off -= s.len;
+            continue;
+        }
+        let n = (s.len - off).min(data.len());
+        s.region.write(s.off + off, &data[..n]);
+        data = &data[n..];
+        off = 0;
+    }
+}
+
+pub(super) struct Requester {
+    sq: VecDeque<SendWqe>,
+    /// Index in `sq` of the WQE being transmitted, and the packet within it.
+    cursor: usize,
+    cursor_pkt: u32,
+    next_psn: u64,
+    /// Oldest unacknowledged PSN.
+    una: u64,
+    /// One past the highest PSN ever sent.
+    sent_max: u64,
+    /// Acknowledged flags for PSNs `una..next_psn`.
+    acked: VecDeque<bool>,
+    /// Selective repeat: PSNs to resend, and the PSN below which holes were already resent.
+    retx: BTreeSet<u64>,
+    retx_done_up_to: u64,
+    deadline: Option<u64>,
+    retries: u32,
+    rnr_retries: u32,
+    rnr_until: Option<u64>,
+    rnr_psn: u64,
+    last_rewind: Option<u64>,
+    rd_outstanding: u32,
+    next_recv_seq: u32,
+}
+
+impl Requester {
+    pub(super) fn new(psn: u64) -> Requester {
+        Requester {
+            sq: VecDeque::new(),
+            cursor: 0,
+            cursor_pkt: 0,
+            next_psn: psn,
+            una: psn,
+            sent_max: psn,
+            acked: VecDeque::new(),
+            retx: BTreeSet::new(),
+            retx_done_up_to: psn,
+            deadline: None,
+            retries: 0,
+            rnr_retries: 0,
+            rnr_until: None,
+            rnr_psn: 0,
+            last_rewind: None,
+            rd_outstanding: 0,
+            next_recv_seq: 0,
+        }
+    }
+
+    pub(super) fn reset_psn(&mut self, psn: u64) {
+        let sq = std::mem::take(&mut self.sq);
+        *self = Requester::new(psn);
+        self.sq = sq;
+    }
+
+    pub(super) fn outstanding(&self) -> usize {
+        self.sq.len()
+    }
+
+    pub(super) fn heap_bytes(&self) -> usize {
+        self.sq.capacity() * std::mem::size_of::<SendWqe>()
+            + self.acked.capacity()
+            + self.retx.len() * 24
+    }
+
+    pub(super) fn post(
+        &mut self,
+        wr: SendWr,
+        pd: u32,
+        cfg: &RcConfig,
+        mrs: &MrTable,
+    ) -> Result<(), super::PostError> {
+        use super::PostError::Invalid;
+        let total = wr.total_len();
+        let atomic = matches!(
+            wr.opcode,
+            WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd
+        );
+        if atomic && (wr.sg_list.len() != 1 || total != 8) {
+            return Err(Invalid(
+                "atomic work requests take one 8-byte scatter-gather element",
+            ));
+        }
+        if atomic && wr.remote_addr % 8 != 0 {
+            return Err(Invalid("atomic remote address must be 8-byte aligned"));
+        }
+        if total > 1 << 31 {
+            return Err(Invalid("message longer than 2 GiB"));
+        }
+        let need = if matches!(wr.opcode, WrOpcode::RdmaRead) || atomic {
+            Access::LOCAL_WRITE
+        } else {
+            Access(0)
+        };
+        let mut segs: SmallVec<[Seg; 2]> = SmallVec::new();
+        let mut bad = None;
+        for s in &wr.sg_list {
+            match mrs.check(s.lkey, pd, s.addr, s.length as u64, need) {
+                Ok((region, off)) => segs.push(Seg {
+                    region,
+                    off,
+                    len: s.length as usize,
+                }),
+                Err(_) => bad = Some(WcStatus::LocProtErr),
+            }
+        }
+        if wr.flags.contains(SendFlags::INLINE) && bad.is_none() {
+            if !matches!(
+                wr.opcode,
+                WrOpcode::Send
+                    | WrOpcode::SendWithImm
+                    | WrOpcode::RdmaWrite
+                    | WrOpcode::RdmaWriteWithImm
+            ) {
+                return Err(Invalid("INLINE is only valid for SEND and WRITE"));
+            }
+            // copy the payload now, so the caller may reuse its buffer as soon as post returns
+            let r = Region::alloc(total as usize);
+            let mut off = 0;
+            for s in &segs {
+                let mut tmp = vec![0u8; s.len];
+                s.region.read(s.off, &mut tmp);
+                r.write(off, &tmp);
+                off += s.len;
+            }
+            segs = SmallVec::new();
+            segs.push(Seg {
+                region: Arc::new(r),
+                off: 0,
+                len: total as usize,
+            });
+        }
+        let consumes_recv = matches!(
+            wr.opcode,
+            WrOpcode::Send | WrOpcode::SendWithImm | WrOpcode::RdmaWriteWithImm
+        );
+        let recv_seq = self.next_recv_seq;
+        if consumes_recv {
+            self.next_recv_seq = self.next_recv_seq.wrapping_add(1);
+        }
+        let mtu = cfg.mtu as u64;
+        let npkts = if atomic {
+            1
+        } else {
+            total.div_ceil(mtu).max(1) as u32
+        };
+        self.sq.push_back(SendWqe {
+            wr_id: wr.wr_id,
+            op: wr.opcode,
+            signaled: wr.flags.contains(SendFlags::SIGNALED),
+            fence: wr.flags.contains(SendFlags::FENCE),
+            solicited: wr.flags.contains(SendFlags::SOLICITED),
+            total,
+            segs,
+            bad,
+            remote_addr: wr.remote_addr,
+            rkey: wr.rkey,
+            imm: wr.imm_data,
+            compare_add: wr.compare_add,
+            swap: wr.swap,
+            recv_seq,
+            first_psn: None,
+            npkts,
+        });
+        Ok(())
+    }
+
+    fn is_acked(&self, psn: u64) -> bool {
+        psn < self.una
+            || self
+                .acked
+                .get((psn - self.una) as usize)
+                .copied()
+                .unwrap_or(false)
+    }
+
+    fn mark(&mut self, psn: u64) {
+        if psn >= self.una {
+            if let Some(a) = self.acked.get_mut((psn - self.una) as usize) {
+                *a = true;
+            }
+        }
+    }
+
+    fn find(&self, psn: u64) -> Option<usize> {
+        // WQEs are in PSN order; started ones precede unstarted ones.
+        let started = self.sq.partition_point(|w| w.first_psn.is_some());
+        let idx = self
+            .sq
+            .partition_point(|w| w.first_psn.is_some_and(|f| f + w.npkts as u64 <= psn));
+        (idx < started && self.sq[idx].contains(psn)).then_some(idx)
+    }
+
+    fn cursor_psn(&self) -> Option<u64> {
+        self.sq
+            .get(self.cursor)
+            .and_then(|w| w.first_psn)
+            .map(|f| f + self.cursor_pkt as u64)
+    }
+
+    fn rewind(&mut self, psn: u64, guarded: bool) {
+        if guarded && self.last_rewind == Some(psn) && self.cursor_psn().is_none_or(|c| c > psn) {
+            return;
+        }
+        if let Some(i) = self.find(psn) {
+            self.cursor = i;
+            self.cursor_pkt = (psn - self.sq[i].first_psn.unwrap_or(psn)) as u32;
+            self.last_rewind = Some(psn);
+        }
+    }
+
+    pub(super) fn deadline(&self) -> Option<u64> {
+        match (self.deadline, self.rnr_until) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    pub(super) fn wants_transmit(&self, _now: u64, cfg: &RcConfig) -> bool {
+        if self.rnr_until.is_some() {
+            return false;
+        }
+        if !self.retx.is_empty() {
+            return true;
+        }
+        match self.sq.get(self.cursor) {
+            None => false,
+            Some(w) => {
+                let psn = w
+                    .first_psn
+                    .map(|f| f + self.cursor_pkt as u64)
+                    .unwrap_or(self.next_psn);
+                w.bad.is_none() && psn < self.una + cfg.window_pkts as u64
+            }
+        }
+    }
+
+    pub(super) fn flush(&mut self, qpn: u32, dest: u32) -> Vec<Wc> {
+        let v = self
+            .sq
+            .drain(..)
+            .map(|w| w.wc(WcStatus::WrFlushErr, qpn, dest))
+            .collect();
+        self.cursor = 0;
+        self.cursor_pkt = 0;
+        self.retx.clear();
+        self.deadline = None;
+        self.rnr_until = None;
+        v
+    }
+
+    /// Builds packet `k` of WQE `w`; for a READ, the request covers packets `k..end`.
+    fn build(w: &SendWqe, k: u32, end: u32, cfg: &RcConfig, dest_qpn: u32) -> TxPacket {
+        let first = w.first_psn.unwrap_or(0);
+        let psn = (first + k as u64) as u32;
+        let mtu = cfg.mtu as u64;
+        match w.op {
+            WrOpcode::RdmaRead => {
+                let off = k as u64 * mtu;
+                let len = (end as u64 * mtu).min(w.total) - off.min(w.total);
+                let mut bth = Bth::new(Opcode::ReadRequest as u8, dest_qpn, psn);
+                bth.ack_req = true;
+                let mut hdr = HeaderBuf::with_bth(&bth);
+                hdr.push_reth(&Reth {
+                    va: w.remote_addr.wrapping_add(off),
+                    rkey: w.rkey,
+                    dma_len: len as u32,
+                });
+                TxPacket {
+                    hdr,
+                    payload: SmallVec::new(),
+                }
+            }
+            WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd => {
+                let cas = w.op == WrOpcode::AtomicCmpAndSwp;
+                let op = if cas {
+                    Opcode::CompareSwap
+                } else {
+                    Opcode::FetchAdd
+                };
+                let mut bth = Bth::new(op as u8, dest_qpn, psn);
+                bth.ack_req = true;
+                let mut hdr = HeaderBuf::with_bth(&bth);
+                let (swap_add, compare) = if cas {
+                    (w.swap, w.compare_add)
+                } else {
+                    (w.compare_add, 0)
+                };
+                hdr.push_atomic(&AtomicEth {
+                    va: w.remote_addr,
+                    rkey: w.rkey,
+                    swap_add,
+                    compare,
+                });
+                TxPacket {
+                    hdr,
+                    payload: SmallVec::new(),
+                }
+            }
+            _ => {
+                let write = matches!(w.op, WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm);
+                let imm = matches!(w.op, WrOpcode::SendWithImm | WrOpcode::RdmaWriteWithImm);
+                let off = k as u64 * mtu;
+                let len = (w.total - off.min(w.total)).min(mtu) as usize;
+                let (is_first, is_last) = (k == 0, k + 1 == w.npkts);
+                let mut bth = Bth::new(
+                    Opcode::for_position(write, is_first, is_last, imm) as u8,
+                    dest_qpn,
+                    psn,
+                );
+                bth.ack_req = is_last || k % ACKREQ_EVERY == ACKREQ_EVERY - 1;
+                bth.solicited = is_last && w.solicited;
+                let mut hdr = HeaderBuf::with_bth(&bth);
+                if write && is_first {
+                    hdr.push_reth(&Reth {
+                        va: w.remote_addr,
+                        rkey: w.rkey,
+                        dma_len: w.total as u32,
+                    });
+                }
+                if imm && is_last {
+                    hdr.push_u32(w.imm);
+                }
+                let mut ext_len = 0;
+                if cfg.recovery == Recovery::SelectiveRepeat {
+                    hdr.push_sr(&SrExt {
+                        msg_offset: off as u32,
+                        recv_seq: w.recv_seq,
+                        va: if write { w.remote_addr } else { 0 },
+                        rkey: if write { w.rkey } else { 0 },
+                        msg_len: w.total as u32,
+                    });
+                    ext_len = SrExt::LEN;
+                }
+                hdr.set_pad_for(len + ext_len);
+                TxPacket {
+                    hdr,
+                    payload: gather(&w.segs, off as usize, len),
+                }
+            }
+        }
+    }
+
+    pub(super) fn poll_transmit(qp: &mut RcQp, now: u64) -> Option<TxPacket> {
+        let cfg = qp.cfg;
+        let dest = qp.dest_qpn;
+        let r = &mut qp.req;
+        if r.rnr_until.is_some() {
+            return None;
+        }
+        while let Some(p) = r.retx.pop_first() {
+            if r.is_acked(p) {
+                continue;
+            }
+            let Some(i) = r.find(p) else { continue };
+            let w = &r.sq[i];
+            let k = (p - w.first_psn.unwrap_or(p)) as u32;
+            let mut end = k + 1;
+            if w.op == WrOpcode::RdmaRead {
+                let f = w.first_psn.unwrap_or(p);
+                while end < w.npkts && !r.is_acked(f + end as u64) {
+                    r.retx.remove(&(f + end as u64));
+                    end += 1;
+                }
+            }
+            let pkt = Self::build(&r.sq[i], k, end, &cfg, dest);
+            qp.stats.retransmitted_packets += 1;
+            let r = &mut qp.req;
+            r.deadline.get_or_insert(now + cfg.timeout_ns);
+            return Some(pkt);
+        }
+        let w = r.sq.get(r.cursor)?;
+        if w.first_psn.is_none() {
+            if w.bad.is_some()
+                || (w.fence && r.rd_outstanding > 0)
+                || (w.is_rd_atomic() && r.rd_outstanding >= cfg.max_rd_atomic)
+                || r.next_psn >= r.una + cfg.window_pkts as u64
+            {
+                return None;
+            }
+            let n = w.npkts;
+            let rd = w.is_rd_atomic();
+            let first = r.next_psn;
+            r.sq[r.cursor].first_psn = Some(first);
+            r.next_psn += n as u64;
+            r.acked.extend(std::iter::repeat_n(false, n as usize));
+            if rd {
+                r.rd_outstanding += 1;
+            }
+            r.cursor_pkt = 0;
+        }
+        let w = &r.sq[r.cursor];
+        let first = w.first_psn.unwrap_or(0);
+        let psn = first + r.cursor_pkt as u64;
+        if psn >= r.una + cfg.window_pkts as u64 {
+            return None;
+        }
+        let (k, end) = if w.op == WrOpcode::RdmaRead {
+            (r.cursor_pkt, w.npkts)
+        } else {
+            (r.cursor_pkt, r.cursor_pkt + 1)
+        };
+        let pkt = Self::build(w, k, end, &cfg, dest);
+        let npkts = w.npkts;
+        if end >= npkts {
+            r.cursor += 1;
+            r.cursor_pkt = 0;
+        } else {
+            r.cursor_pkt = end;
+        }
+        if psn < r.sent_max {
+            qp.stats.retransmitted_packets += 1;
+        }
+        let r = &mut qp.req;
+        r.sent_max = r.sent_max.max(first + end as u64);
+        r.deadline.get_or_insert(now + cfg.timeout_ns);
+        Some(pkt)
+    }
+
+    /// Marks PSNs `una..=a` acknowledged. PSNs of READs and atomics are only acknowledged by
+    /// their responses: an ACK beyond one that has no response means the response was lost.
+    /// Returns the first such PSN.
+    fn cum_ack(&mut self, a: u64) -> Option<u64> {
+        if a < self.una || a >= self.next_psn {
+            return None;
+        }
+        let mut missing = None;
+        let mut i = self.find(self.una)?;
+        while let Some(w) = self.sq.get(i) {
+            let Some(f) = w.first_psn else { break };
+            if f > a {
+                break;
+            }
+            let end = (f + w.npkts as u64 - 1).min(a);
+            if w.is_rd_atomic() {
+                if let Some(p) = (f.max(self.una)..=end).find(|&p| !self.is_acked(p)) {
+                    missing = Some(p);
+                    break;
+                }
+            } else {
+                for p in f.max(self.una)..=end {
+                    self.mark(p);
+                }
+            }
+            i += 1;
+        }
+        missing
+    }
+
+    fn advance(&mut self, now: u64, cfg: &RcConfig) -> bool {
+        let mut moved = false;
+        while self.acked.front() == Some(&true) {
+            self.acked.pop_front();
+            self.una += 1;
+            moved = true;
+        }
+        if moved {
+            self.retries = 0;
+            self.rnr_retries = 0;
+            self.last_rewind = None;
+            self.retx_done_up_to = self.retx_done_up_to.max(self.una);
+            self.deadline = (self.una < self.sent_max).then_some(now + cfg.timeout_ns);
+        }
+        moved
+    }
+
+    fn retx_all_from(&mut self, psn: u64) {
+        for p in psn.max(self.una)..self.sent_max {
+            if !self.is_acked(p) {
+                self.retx.insert(p);
+            }
+        }
+    }
+
+    fn recover(&mut self, psn: u64, cfg: &RcConfig, guarded: bool) {
+        match cfg.recovery {
+            Recovery::GoBackN => self.rewind(psn, guarded),
+            Recovery::SelectiveRepeat => {
+                self.retx.insert(psn);
+            }
+        }
+    }
+
+    pub(super) fn handle(qp: &mut RcQp, now: u64, pkt: &PacketView<'_>) {
+        let cfg = qp.cfg;
+        let r = &mut qp.req;
+        let p = psn_unwrap(r.una, pkt.bth.psn);
+        if p >= r.next_psn || (p < r.una && pkt.opcode != Opcode::Acknowledge) {
+            qp.stats.stale_responses += 1;
+            return;
+        }
+        match pkt.opcode {
+            Opcode::Acknowledge => {
+                let Some(aeth) = pkt.aeth else { return };
+                match aeth.syndrome {
+                    Syndrome::Ack { .. } => {
+                        if p < r.una {
+                            qp.stats.stale_responses += 1;
+                        }
+                        if let Some(m) = r.cum_ack(p) {
+                            r.recover(m, &cfg, true);
+                        }
+                        if cfg.recovery == Recovery::SelectiveRepeat
+                            && pkt.trailer.len() >= SackExt::LEN
+                        {
+                            r.sack(&SackExt::parse(pkt.trailer));
+                        }
+                    }
+                    Syndrome::Rnr { timer } => {
+                        qp.stats.rnr_naks_received += 1;
+                        r.cum_ack(p.saturating_sub(1));
+                        r.advance(now, &cfg);
+                        if cfg.rnr_retry != 7 {
+                            r.rnr_retries += 1;
+                            if r.rnr_retries > cfg.rnr_retry as u32 {
+                                return Self::fail_at(qp, p, WcStatus::RnrRetryExcErr);
+                            }
+                        }
+                        r.rnr_until = Some(now + rnr_delay_ns(timer));
+                        r.rnr_psn = p;
+                        r.deadline = None;
+                    }
+                    Syndrome::Nak(NakCode::PsnSequenceError) => {
+                        r.cum_ack(p.saturating_sub(1));
+                        r.recover(p, &cfg, true);
+                    }
+                    Syndrome::Nak(code) => {
+                        r.cum_ack(p.saturating_sub(1));
+                        r.advance(now, &cfg);
+                        let st = match code {
+                            NakCode::RemoteAccessError => WcStatus::RemAccessErr,
+                            NakCode::RemoteOperationalError => WcStatus::RemOpErr,
+                            _ => WcStatus::RemInvReqErr,
+                        };
+                        Self::progress(qp);
+                        return Self::fail_at(qp, p, st);
+                    }
+                    Syndrome::Reserved(_) => {
+                        qp.stats.dropped_packets += 1;
+                        return;
+                    }
+                }
+            }
+            op if op.is_read_response() => {
+                let Some(i) = r.find(p) else {
+                    qp.stats.stale_responses += 1;
+                    return;
+                };
+                let w = &r.sq[i];
+                let f = w.first_psn.unwrap_or(p);
+                let k = (p - f) as u32;
+                let off = k as u64 * cfg.mtu as u64;
+                let want = (w.total - off.min(w.total)).min(cfg.mtu as u64) as usize;
+                // a re-requested tail of a READ is answered FIRST..LAST relative to the new
+                // request, so only the payload length of this PSN is checked, not the position
+                if w.op != WrOpcode::RdmaRead || pkt.payload.len() != want {
+                    qp.stats.dropped_packets += 1;
+                    return;
+                }
+                if r.is_acked(p) {
+                    qp.stats.stale_responses += 1;
+                    return;
+                }
+                if cfg.recovery == Recovery::GoBackN && p != r.una {
+                    // an earlier response was lost: request again from the first missing one
+                    let una = r.una;
+                    r.rewind(una, true);
+                    qp.stats.out_of_order_packets += 1;
+                    return;
+                }
+                scatter(&w.segs, off as usize, pkt.payload);
+                r.cum_ack(p.saturating_sub(1));
+                r.mark(p);
+            }
+            Opcode::AtomicAcknowledge => {
+                let (Some(i), Some(ack)) = (r.find(p), pkt.atomic_ack) else {
+                    qp.stats.stale_responses += 1;
+                    return;
+                };
+                let w = &r.sq[i];
+                if !matches!(
+                    w.op,
+                    WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd
+                ) || r.is_acked(p)
+                {
+                    qp.stats.stale_responses += 1;
+                    return;
+                }
+                if cfg.recovery == Recovery::GoBackN && p != r.una {
+                    let una = r.una;
+                    r.rewind(una, true);
+                    return;
+                }
+                scatter(&w.segs, 0, &ack.orig.to_le_bytes());
+                r.cum_ack(p.saturating_sub(1));
+                r.mark(p);
+            }
+            _ => {
+                qp.stats.dropped_packets += 1;
+                return;
+            }
+        }
+        qp.req.advance(now, &cfg);
+        Self::progress(qp);
+    }
+
+    fn sack(&mut self, s: &SackExt) {
+        let base = psn_unwrap(self.una, s.base);
+        let mut highest = None;
+        for i in 0..64u64 {
+            if s.bitmap & (1 << i) != 0 {
+                let p = base + 1 + i;
+                if p >= self.next_psn {
+                    break;
+                }
+                if let Some(j) = self.find(p) {
+                    if !self.sq[j].is_rd_atomic() {
+                        self.mark(p);
+                    }
+                }
+                highest = Some(p);
+            }
+        }
+        let Some(h) = highest else { return };
+        // holes below the highest received PSN were lost (or are still in flight behind a
+        // reordering; resending those once is the price IRN also pays)
+        let from = self.una.max(self.retx_done_up_to);
+        for p in from..h {
+            let received = p >= base + 1 && s.bitmap & (1 << (p - base - 1)) != 0;
+            if received || self.is_acked(p) {
+                continue;
+            }
+            if let Some(j) = self.find(p) {
+                let w = &self.sq[j];
+                // only the request PSN of a READ/atomic is a hole; its response PSNs are not sent by us
+                if w.is_rd_atomic() && w.first_psn != Some(p) {
+                    continue;
+                }
+            }
+            self.retx.insert(p);
+        }
+        self.retx_done_up_to = self.retx_done_up_to.max(h + 1);
+    }
+
+    fn fail_at(qp: &mut RcQp, psn: u64, status: WcStatus) {
+        let (qpn, dest) = (qp.qpn, qp.dest_qpn);
+        let r = &mut qp.req;
+        let i = r.find(psn).unwrap_or(0);
+        // WQEs before the failed one completed (their PSNs were acknowledged)
+        for _ in 0..i {
+            if let Some(w) = r.sq.pop_front() {
+                if w.signaled {
+                    qp.completions.push_back(w.wc(WcStatus::Success, qpn, dest));
+                }
+            }
+        }
+        if let Some(w) = qp.req.sq.pop_front() {
+            qp.complete_error(w.wc(status, qpn, dest));
+        } else {
+            qp.enter_error();
+        }
+    }
+
+    pub(super) fn handle_timeout(qp: &mut RcQp, now: u64) {
+        let cfg = qp.cfg;
+        let r = &mut qp.req;
+        if let Some(t) = r.rnr_until {
+            if now >= t {
+                r.rnr_until = None;
+                let p = r.rnr_psn;
+                match cfg.recovery {
+                    Recovery::GoBackN => r.rewind(p, false),
+                    Recovery::SelectiveRepeat => r.retx_all_from(p),
+                }
+                r.deadline = Some(now + cfg.timeout_ns);
+            }
+        }
+        let Some(d) = r.deadline else { return };
+        if now < d {
+            return;
+        }
+        if r.una >= r.sent_max {
+            r.deadline = None;
+            return;
+        }
+        qp.stats.timeouts += 1;
+        r.retries += 1;
+        if r.retries > cfg.retry_cnt as u32 {
+            let una = r.una;
+            return Self::fail_at(qp, una, WcStatus::RetryExcErr);
+        }
+        r.deadline = Some(now + (cfg.timeout_ns << r.retries.min(cfg.max_backoff_shift as u32)));
+        let una = r.una;
+        match cfg.recovery {
+            Recovery::GoBackN => r.rewind(una, false),
+            Recovery::SelectiveRepeat => {
+                r.retx_done_up_to = una;
+                r.retx_all_from(una);
+            }
+        }
+    }
+
+    /// Completes finished WQEs in order; a WQE whose local check failed completes with its
+    /// error when it reaches the head, and the QP enters ERR.
+    pub(super) fn progress(qp: &mut RcQp) {
+        let (qpn, dest) = (qp.qpn, qp.dest_qpn);
+        loop {
+            let r = &mut qp.req;
+            let Some(w) = r.sq.front() else { break };
+            if w.first_psn.is_none() {
+                if let Some(st) = w.bad {
+                    if r.cursor == 0 {
+                        let w = r.sq.pop_front().expect("front exists");
+                        qp.complete_error(w.wc(st, qpn, dest));
+                    }
+                }
+                break;
+            }
+            let f = w.first_psn.unwrap_or(0);
+            if f + w.npkts as u64 > r.una {
+                break;
+            }
+            let w = r.sq.pop_front().expect("front exists");
+            if r.cursor == 0 {
+                // the cursor was resending this (now acknowledged) WQE: move to the next one
+                r.cursor_pkt = 0;
+            } else {
+                r.cursor -= 1;
+            }
+            if w.is_rd_atomic() {
+                r.rd_outstanding -= 1;
+            }
+            if w.signaled {
+                qp.completions.push_back(w.wc(WcStatus::Success, qpn, dest));
+            }
+        }
+        debug_assert!(qp.state != QpState::Rts || qp.req.cursor <= qp.req.sq.len());
+    }
+}

@@ -1,0 +1,698 @@
+//! The responder half of an RC QP: the expected PSN, placement of SEND and WRITE payloads,
+//! READ responses, atomics with a replay cache, receive-side completions, ACK/NAK generation.
+
+use super::{RcConfig, RcQp, Recovery};
+use crate::mem::{Access, MrTable, Region};
+use crate::transport::{psn_unwrap, PayloadPart, TxPacket};
+use crate::wire::*;
+use crate::work::*;
+use smallvec::SmallVec;
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+
+/// Atomic results kept for replaying duplicate atomic requests.
+const ATOMIC_CACHE: usize = 64;
+
+struct RecvWqe {
+    wr_id: u64,
+    sg: SgList,
+    total: u64,
+}
+
+/// What remains to be done for a request packet once every earlier PSN has been processed.
+#[derive(Debug, Clone, Copy)]
+enum Action {
+    /// A data packet that ends no message.
+    Placed,
+    /// The last packet of a message: complete it (and its receive WQE when it consumes one).
+    Complete {
+        consumes_recv: bool,
+        write: bool,
+        imm: Option<u32>,
+        len: u32,
+    },
+    Read(Reth),
+    Atomic {
+        eth: AtomicEth,
+        cas: bool,
+    },
+}
+
+/// In-order message state (go-back-N): where the next MIDDLE/LAST packet goes.
+#[derive(Debug, Clone, Copy)]
+struct CurMsg {
+    write: bool,
+    offset: u64,
+    va: u64,
+    rkey: u32,
+    len: u64,
+}
+
+enum Resp {
+    Read {
+        first: u64,
+        region: Option<Arc<Region>>,
+        off: usize,
+        len: u64,
+        n: u32,
+        next: u32,
+    },
+    Atomic {
+        psn: u64,
+        orig: u64,
+    },
+}
+
+/// Why a request packet could not be processed.
+enum Reject {
+    Nak(NakCode),
+    Rnr,
+    /// Silently dropped (out-of-order packet that cannot be handled yet).
+    Drop,
+}
+
+pub(super) fn flush_recv_wc(wr: &RecvWr, qpn: u32, dest: u32) -> Wc {
+    Wc {
+        wr_id: wr.wr_id,
+        status: WcStatus::WrFlushErr,
+        opcode: WcOpcode::Recv,
+        byte_len: 0,
+        imm_data: None,
+        qp_num: qpn,
+        src_qp: dest,
+    }
+}
+
+pub(super) struct Responder {
+    epsn: u64,
+    msn: u32,
+    rq: VecDeque<RecvWqe>,
+    rq_head_seq: u32,
+    cur: Option<CurMsg>,
+    ooo: BTreeMap<u64, Action>,
+    resp_q: VecDeque<Resp>,
+    atomic_cache: VecDeque<(u64, u64)>,
+    ack_pending: bool,
+    ack_deadline: Option<u64>,
+    unacked: u32,
+    nak: Option<(Syndrome, u64)>,
+    seq_nak_sent: bool,
+}
+
+impl Responder {
+    pub(super) fn new(psn: u64) -> Responder {
+        Responder {
+            epsn: psn,
+            msn: 0,
+            rq: VecDeque::new(),
+            rq_head_seq: 0,
+            cur: None,
+            ooo: BTreeMap::new(),
+            resp_q: VecDeque::new(),
+            atomic_cache: VecDeque::new(),
+            ack_pending: false,
+            ack_deadline: None,
+            unacked: 0,
+            nak: None,
+            seq_nak_sent: false,
+        }
+    }
+
+    pub(super) fn reset_psn(&mut self, psn: u64) {
+        self.epsn = psn;
+    }
+
+    pub(super) fn rq_len(&self) -> usize {
+        self.rq.len()
+    }
+
+    pub(super) fn heap_bytes(&self) -> usize {
+        self.rq.capacity() * std::mem::size_of::<RecvWqe>()
+            + self.ooo.len() * 48
+            + self.resp_q.capacity() * std::mem::size_of::<Resp>()
+            + self.atomic_cache.capacity() * 16
+    }
+
+    pub(super) fn post(&mut self, wr: RecvWr) {
+        let total = wr.sg_list.iter().map(|s| s.length as u64).sum();
+        self.rq.push_back(RecvWqe {
+            wr_id: wr.wr_id,
+            sg: wr.sg_list,
+            total,
+        });
+    }
+
+    pub(super) fn flush(&mut self, qpn: u32, dest: u32) -> Vec<Wc> {
+        self.resp_q.clear();
+        self.ooo.clear();
+        self.nak = None;
+        self.ack_pending = false;
+        self.ack_deadline = None;
+        self.rq
+            .drain(..)
+            .map(|w| Wc {
+                wr_id: w.wr_id,
+                status: WcStatus::WrFlushErr,
+                opcode: WcOpcode::Recv,
+                byte_len: 0,
+                imm_data: None,
+                qp_num: qpn,
+                src_qp: dest,
+            })
+            .collect()
+    }
+
+    pub(super) fn deadline(&self) -> Option<u64> {
+        self.ack_deadline
+    }
+
+    pub(super) fn wants_transmit(&self, now: u64) -> bool {
+        !self.resp_q.is_empty()
+            || self.nak.is_some()
+            || self.ack_pending
+            || self.ack_deadline.is_some_and(|d| d <= now)
+    }
+
+    pub(super) fn handle_timeout(&mut self, now: u64) {
+        if self.ack_deadline.is_some_and(|d| d <= now) {
+            self.ack_pending = true;
+            self.ack_deadline = None;
+        }
+    }
+
+    pub(super) fn handle(qp: &mut RcQp, now: u64, pkt: &PacketView<'_>, mrs: &MrTable) {
+        let cfg = qp.cfg;
+        let s = &mut qp.resp;
+        let p = psn_unwrap(s.epsn, pkt.bth.psn);
+        if p < s.epsn {
+            qp.stats.duplicate_requests += 1;
+            return Self::duplicate(qp, p, pkt, mrs);
+        }
+        if p > s.epsn {
+            qp.stats.out_of_order_packets += 1;
+            match cfg.recovery {
+                Recovery::GoBackN => {
+                    if !s.seq_nak_sent {
+                        s.nak = Some((Syndrome::Nak(NakCode::PsnSequenceError), s.epsn));
+                        s.seq_nak_sent = true;
+                        qp.stats.seq_naks_sent += 1;
+                    }
+                }
+                Recovery::SelectiveRepeat => {
+                    if p - s.epsn < 2 * cfg.window_pkts as u64 && !s.ooo.contains_key(&p) {
+                        match Self::process(qp, p, pkt, mrs, false) {
+                            Ok(a) => {
+                                qp.resp.ooo.insert(p, a);
+                            }
+                            Err(_) => qp.stats.dropped_packets += 1,
+                        }
+                    }
+                    qp.resp.ack_pending = true;
+                }
+            }
+            return;
+        }
+        let res = Self::process(qp, p, pkt, mrs, true).and_then(|a| Self::execute(qp, p, a, mrs));
+        match res {
+            Ok(()) => {
+                // drain packets that arrived early and are now in order
+                while let Some((&q, &a)) = qp.resp.ooo.first_key_value() {
+                    if q != qp.resp.epsn {
+                        if q < qp.resp.epsn {
+                            qp.resp.ooo.pop_first();
+                            continue;
+                        }
+                        break;
+                    }
+                    qp.resp.ooo.pop_first();
+                    if let Err(e) = Self::execute(qp, q, a, mrs) {
+                        Self::reject(qp, q, e);
+                        break;
+                    }
+                }
+                let s = &mut qp.resp;
+                s.seq_nak_sent = false;
+                s.unacked += 1;
+                if pkt.bth.ack_req || s.unacked >= cfg.ack_every {
+                    s.ack_pending = true;
+                } else {
+                    s.ack_deadline.get_or_insert(now + cfg.ack_delay_ns);
+                }
+            }
+            Err(e) => Self::reject(qp, p, e),
+        }
+    }
+
+    fn reject(qp: &mut RcQp, p: u64, e: Reject) {
+        match e {
+            Reject::Nak(code) => qp.resp.nak = Some((Syndrome::Nak(code), p)),
+            Reject::Rnr => {
+                qp.resp.nak = Some((
+                    Syndrome::Rnr {
+                        timer: qp.cfg.min_rnr_timer,
+                    },
+                    p,
+                ));
+                qp.stats.rnr_naks_sent += 1;
+            }
+            Reject::Drop => qp.stats.dropped_packets += 1,
+        }
+    }
+
+    fn duplicate(qp: &mut RcQp, p: u64, pkt: &PacketView<'_>, mrs: &MrTable) {
+        match pkt.opcode {
+            Opcode::ReadRequest => {
+                // IBA: a duplicate READ is executed again from its PSN
+                if let Some(reth) = pkt.reth {
+                    if let Ok(r) = Self::read_resp(qp, p, &reth, mrs) {
+                        qp.resp.resp_q.push_back(r);
+                    }
+                }
+            }
+            Opcode::CompareSwap | Opcode::FetchAdd => {
+                // replay the saved result; never execute an atomic twice
+                if let Some(&(_, orig)) = qp.resp.atomic_cache.iter().find(|(q, _)| *q == p) {
+                    qp.resp.resp_q.push_back(Resp::Atomic { psn: p, orig });
+                } else {
+                    qp.stats.dropped_packets += 1;
+                }
+            }
+            _ => qp.resp.ack_pending = true,
+        }
+    }
+
+    /// Validates a request packet and places its payload; returns what is left to do in PSN order.
+    fn process(
+        qp: &mut RcQp,
+        p: u64,
+        pkt: &PacketView<'_>,
+        mrs: &MrTable,
+        in_order: bool,
+    ) -> Result<Action, Reject> {
+        let _ = p;
+        let op = pkt.opcode;
+        if op == Opcode::ReadRequest {
+            return pkt
+                .reth
+                .map(Action::Read)
+                .ok_or(Reject::Nak(NakCode::InvalidRequest));
+        }
+        if op.is_atomic() {
+            let eth = pkt.atomic.ok_or(Reject::Nak(NakCode::InvalidRequest))?;
+            return Ok(Action::Atomic {
+                eth,
+                cas: op == Opcode::CompareSwap,
+            });
+        }
+        if matches!(
+            op,
+            Opcode::SendLastWithInvalidate | Opcode::SendOnlyWithInvalidate
+        ) {
+            return Err(Reject::Nak(NakCode::InvalidRequest));
+        }
+        let cfg = qp.cfg;
+        let pd = qp.pd;
+        let s = &mut qp.resp;
+        let write = op.is_write();
+        let (first, last) = (op.is_first(), op.is_last());
+        // where this packet goes: (offset in message, receive sequence, va, rkey, message length if known)
+        let (offset, recv_seq, va, rkey, msg_len, data) = match cfg.recovery {
+            Recovery::SelectiveRepeat => {
+                if pkt.payload.len() < SrExt::LEN {
+                    return Err(if in_order {
+                        Reject::Nak(NakCode::InvalidRequest)
+                    } else {
+                        Reject::Drop
+                    });
+                }
+                let e = SrExt::parse(pkt.payload);
+                (
+                    e.msg_offset as u64,
+                    e.recv_seq,
+                    e.va,
+                    e.rkey,
+                    Some(e.msg_len as u64),
+                    &pkt.payload[SrExt::LEN..],
+                )
+            }
+            Recovery::GoBackN => {
+                let ctx = if first {
+                    if s.cur.is_some() {
+                        return Err(Reject::Nak(NakCode::InvalidRequest));
+                    }
+                    match (write, pkt.reth) {
+                        (true, Some(r)) => CurMsg {
+                            write,
+                            offset: 0,
+                            va: r.va,
+                            rkey: r.rkey,
+                            len: r.dma_len as u64,
+                        },
+                        (true, None) => return Err(Reject::Nak(NakCode::InvalidRequest)),
+                        (false, _) => CurMsg {
+                            write,
+                            offset: 0,
+                            va: 0,
+                            rkey: 0,
+                            len: 0,
+                        },
+                    }
+                } else {
+                    match s.cur {
+                        Some(c) if c.write == write => c,
+                        _ => return Err(Reject::Nak(NakCode::InvalidRequest)),
+                    }
+                };
+                (
+                    ctx.offset,
+                    s.rq_head_seq,
+                    ctx.va,
+                    ctx.rkey,
+                    write.then_some(ctx.len),
+                    pkt.payload,
+                )
+            }
+        };
+        if (!last && data.len() != cfg.mtu as usize) || data.len() > cfg.mtu as usize {
+            return Err(Reject::Nak(NakCode::InvalidRequest));
+        }
+        let end = offset + data.len() as u64;
+        let consumes_recv = !write || pkt.imm.is_some();
+        let idx = recv_seq.wrapping_sub(s.rq_head_seq) as usize;
+        if consumes_recv && idx >= s.rq.len() {
+            return Err(if in_order { Reject::Rnr } else { Reject::Drop });
+        }
+        if write {
+            let len = msg_len.unwrap_or(0);
+            if end > len || (last && end != len) {
+                return Err(Reject::Nak(NakCode::InvalidRequest));
+            }
+            if len > 0 {
+                // the whole message range is checked on every packet, so a bad access never
+                // writes a byte, whichever of its packets arrives first
+                let (region, off) = mrs
+                    .check(rkey, pd, va, len, Access::REMOTE_WRITE)
+                    .map_err(|_| Reject::Nak(NakCode::RemoteAccessError))?;
+                region.write(off + offset as usize, data);
+            }
+        } else {
+            let w = &s.rq[idx];
+            if end > w.total || msg_len.is_some_and(|l| end > l || (last && end != l)) {
+                if in_order {
+                    // IBA: a message longer than the receive buffer fails the receive WQE
+                    let w = s.rq.pop_front().expect("checked above");
+                    s.rq_head_seq = s.rq_head_seq.wrapping_add(1);
+                    s.cur = None;
+                    let wc = Wc {
+                        wr_id: w.wr_id,
+                        status: WcStatus::LocLenErr,
+                        opcode: WcOpcode::Recv,
+                        byte_len: 0,
+                        imm_data: None,
+                        qp_num: qp.qpn,
+                        src_qp: qp.dest_qpn,
+                    };
+                    qp.completions.push_back(wc);
+                    return Err(Reject::Nak(NakCode::InvalidRequest));
+                }
+                return Err(Reject::Drop);
+            }
+            if !data.is_empty() {
+                Self::scatter_recv(&w.sg, offset as usize, data, pd, mrs)
+                    .map_err(|_| Reject::Nak(NakCode::RemoteOperationalError))?;
+            }
+        }
+        if cfg.recovery == Recovery::GoBackN {
+            let s = &mut qp.resp;
+            s.cur = if last {
+                None
+            } else {
+                let mut c = s.cur.unwrap_or(CurMsg {
+                    write,
+                    offset: 0,
+                    va,
+                    rkey,
+                    len: msg_len.unwrap_or(0),
+                });
+                c.offset = end;
+                Some(c)
+            };
+        }
+        Ok(if last {
+            Action::Complete {
+                consumes_recv,
+                write,
+                imm: pkt.imm,
+                len: end as u32,
+            }
+        } else {
+            Action::Placed
+        })
+    }
+
+    fn scatter_recv(
+        sg: &SgList,
+        mut off: usize,
+        mut data: &[u8],
+        pd: u32,
+        mrs: &MrTable,
+    ) -> Result<(), ()> {
+        for s in sg {
+            if data.is_empty() {
+                break;
+            }
+            let l = s.length as usize;
+            if off >= l {
+                off -= l;
+                continue;
+            }
+            let n = (l - off).min(data.len());
+            let (region, roff) = mrs
+                .check(
+                    s.lkey,
+                    pd,
+                    s.addr + off as u64,
+                    n as u64,
+                    Access::LOCAL_WRITE,
+                )
+                .map_err(|_| ())?;
+            region.write(roff, &data[..n]);
+            data = &data[n..];
+            off = 0;
+        }
+        Ok(())
+    }
+
+    fn read_resp(qp: &RcQp, p: u64, reth: &Reth, mrs: &MrTable) -> Result<Resp, Reject> {
+        let len = reth.dma_len as u64;
+        if len > 1 << 31 {
+            return Err(Reject::Nak(NakCode::InvalidRequest));
+        }
+        let (region, off) = if len == 0 {
+            (None, 0)
+        } else {
+            let (r, o) = mrs
+                .check(reth.rkey, qp.pd, reth.va, len, Access::REMOTE_READ)
+                .map_err(|_| Reject::Nak(NakCode::RemoteAccessError))?;
+            (Some(r), o)
+        };
+        let n = len.div_ceil(qp.cfg.mtu as u64).max(1) as u32;
+        Ok(Resp::Read {
+            first: p,
+            region,
+            off,
+            len,
+            n,
+            next: 0,
+        })
+    }
+
+    /// Performs the in-order part of a request at PSN `p == epsn` and advances `epsn`.
+    fn execute(qp: &mut RcQp, p: u64, a: Action, mrs: &MrTable) -> Result<(), Reject> {
+        match a {
+            Action::Placed => qp.resp.epsn = p + 1,
+            Action::Complete {
+                consumes_recv,
+                write,
+                imm,
+                len,
+            } => {
+                let s = &mut qp.resp;
+                if consumes_recv {
+                    let Some(w) = s.rq.pop_front() else {
+                        return Err(Reject::Rnr);
+                    };
+                    s.rq_head_seq = s.rq_head_seq.wrapping_add(1);
+                    let opcode = if write {
+                        WcOpcode::RecvRdmaWithImm
+                    } else {
+                        WcOpcode::Recv
+                    };
+                    let wc = Wc {
+                        wr_id: w.wr_id,
+                        status: WcStatus::Success,
+                        opcode,
+                        byte_len: len,
+                        imm_data: imm,
+                        qp_num: qp.qpn,
+                        src_qp: qp.dest_qpn,
+                    };
+                    qp.completions.push_back(wc);
+                }
+                let s = &mut qp.resp;
+                s.msn = (s.msn + 1) & MASK24;
+                s.epsn = p + 1;
+            }
+            Action::Read(reth) => {
+                let r = Self::read_resp(qp, p, &reth, mrs)?;
+                let n = match &r {
+                    Resp::Read { n, .. } => *n,
+                    Resp::Atomic { .. } => 1,
+                };
+                let s = &mut qp.resp;
+                s.resp_q.push_back(r);
+                s.msn = (s.msn + 1) & MASK24;
+                s.epsn = p + n as u64;
+            }
+            Action::Atomic { eth, cas } => {
+                if eth.va % 8 != 0 {
+                    return Err(Reject::Nak(NakCode::InvalidRequest));
+                }
+                let (region, off) = mrs
+                    .check(eth.rkey, qp.pd, eth.va, 8, Access::REMOTE_ATOMIC)
+                    .map_err(|_| Reject::Nak(NakCode::RemoteAccessError))?;
+                let orig = if cas {
+                    region.compare_swap(off, eth.compare, eth.swap_add)
+                } else {
+                    region.fetch_add(off, eth.swap_add)
+                };
+                let orig = orig.ok_or(Reject::Nak(NakCode::InvalidRequest))?;
+                let s = &mut qp.resp;
+                if s.atomic_cache.len() == ATOMIC_CACHE {
+                    s.atomic_cache.pop_front();
+                }
+                s.atomic_cache.push_back((p, orig));
+                s.resp_q.push_back(Resp::Atomic { psn: p, orig });
+                s.msn = (s.msn + 1) & MASK24;
+                s.epsn = p + 1;
+            }
+        }
+        Ok(())
+    }
+
+    fn aeth(&self, syndrome: Syndrome) -> Aeth {
+        Aeth {
+            syndrome,
+            msn: self.msn,
+        }
+    }
+
+    pub(super) fn poll_transmit(qp: &mut RcQp, now: u64) -> Option<TxPacket> {
+        let cfg: RcConfig = qp.cfg;
+        let dest = qp.dest_qpn;
+        let s = &mut qp.resp;
+        let ack = Syndrome::Ack { credits: 0x1F };
+        if let Some(front) = s.resp_q.front_mut() {
+            let (pkt, done, last_psn) = match front {
+                Resp::Read {
+                    first,
+                    region,
+                    off,
+                    len,
+                    n,
+                    next,
+                } => {
+                    let k = *next;
+                    let op = Opcode::read_response(k, *n);
+                    let bth = Bth::new(op as u8, dest, (*first + k as u64) as u32);
+                    let mut hdr = HeaderBuf::with_bth(&bth);
+                    if op.headers().aeth {
+                        hdr.push_aeth(&Aeth {
+                            syndrome: ack,
+                            msn: s.msn,
+                        });
+                    }
+                    let poff = k as u64 * cfg.mtu as u64;
+                    let plen = (*len - poff.min(*len)).min(cfg.mtu as u64) as usize;
+                    hdr.set_pad_for(plen);
+                    let mut payload = SmallVec::new();
+                    if let (Some(r), true) = (region.as_ref(), plen > 0) {
+                        payload.push(PayloadPart {
+                            region: r.clone(),
+                            off: *off + poff as usize,
+                            len: plen,
+                        });
+                    }
+                    *next += 1;
+                    (TxPacket { hdr, payload }, *next == *n, *first + k as u64)
+                }
+                Resp::Atomic { psn, orig } => {
+                    let mut hdr = HeaderBuf::with_bth(&Bth::new(
+                        Opcode::AtomicAcknowledge as u8,
+                        dest,
+                        *psn as u32,
+                    ));
+                    hdr.push_aeth(&Aeth {
+                        syndrome: ack,
+                        msn: s.msn,
+                    })
+                    .push_atomic_ack(&AtomicAckEth { orig: *orig });
+                    (
+                        TxPacket {
+                            hdr,
+                            payload: SmallVec::new(),
+                        },
+                        true,
+                        *psn,
+                    )
+                }
+            };
+            if done {
+                s.resp_q.pop_front();
+                if s.resp_q.is_empty() && last_psn + 1 == s.epsn && s.ooo.is_empty() {
+                    // the response acknowledged everything received
+                    s.ack_pending = false;
+                    s.ack_deadline = None;
+                    s.unacked = 0;
+                }
+            }
+            return Some(pkt);
+        }
+        if let Some((syn, psn)) = s.nak.take() {
+            let mut hdr =
+                HeaderBuf::with_bth(&Bth::new(Opcode::Acknowledge as u8, dest, psn as u32));
+            hdr.push_aeth(&s.aeth(syn));
+            return Some(TxPacket {
+                hdr,
+                payload: SmallVec::new(),
+            });
+        }
+        if s.ack_pending || s.ack_deadline.is_some_and(|d| d <= now) {
+            s.ack_pending = false;
+            s.ack_deadline = None;
+            s.unacked = 0;
+            let mut hdr = HeaderBuf::with_bth(&Bth::new(
+                Opcode::Acknowledge as u8,
+                dest,
+                (s.epsn.wrapping_sub(1)) as u32,
+            ));
+            hdr.push_aeth(&s.aeth(ack));
+            if cfg.recovery == Recovery::SelectiveRepeat {
+                let mut bitmap = 0u64;
+                for (&q, _) in s.ooo.range(s.epsn + 1..s.epsn + 65) {
+                    bitmap |= 1 << (q - s.epsn - 1);
+                }
+                hdr.push_sack(&SackExt {
+                    base: s.epsn as u32,
+                    bitmap,
+                });
+            }
+            qp.stats.acks_sent += 1;
+            return Some(TxPacket {
+                hdr,
+                payload: SmallVec::new(),
+            });
+        }
+        None
+    }
+}

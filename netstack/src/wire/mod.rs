@@ -1,0 +1,47 @@
+//! RoCEv2 wire format: RC opcodes, the BTH and its extension headers, the ICRC, and a checked
+//! zero-copy packet view. Decoders take untrusted input and return a [`WireError`], never panic.
+
+pub mod headers;
+pub mod icrc;
+pub mod opcode;
+pub mod packet;
+
+pub use headers::*;
+pub use opcode::Opcode;
+pub use packet::{
+    encode_into, HeaderBuf, PacketView, MAX_DATAGRAM, MAX_HDR_LEN, MAX_MTU, PAD_ZEROS,
+};
+
+/// The IANA-assigned RoCEv2 UDP destination port.
+pub const ROCEV2_PORT: u16 = 4791;
+
+/// Why a received datagram was rejected.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum WireError {
+    #[error("truncated packet: need {need} bytes, have {have}")]
+    Truncated { need: usize, have: usize },
+    #[error("oversized datagram of {len} bytes")]
+    Oversized { len: usize },
+    #[error("unknown or non-RC opcode {0:#04x}")]
+    UnknownOpcode(u8),
+    #[error("unsupported transport header version {0}")]
+    BadVersion(u8),
+    #[error("pad count {pad} larger than the {len} payload bytes")]
+    BadPad { pad: u8, len: usize },
+    #[error("bad ICRC: computed {want:#010x}, packet carries {got:#010x}")]
+    BadIcrc { want: u32, got: u32 },
+}
+
+impl WireError {
+    /// A short stable name for counters.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            WireError::Truncated { .. } => "truncated",
+            WireError::Oversized { .. } => "oversized",
+            WireError::UnknownOpcode(_) => "unknown_opcode",
+            WireError::BadVersion(_) => "bad_version",
+            WireError::BadPad { .. } => "bad_pad",
+            WireError::BadIcrc { .. } => "bad_icrc",
+        }
+    }
+}

@@ -1,0 +1,317 @@
+//! Zero-copy checked view over a received RoCEv2 UDP payload, and the header buffer a sender builds.
+
+use super::headers::*;
+use super::icrc::{self, ICRC_LEN};
+use super::opcode::Opcode;
+use super::WireError;
+use std::net::SocketAddrV4;
+
+/// Largest header stack this stack emits (BTH + RETH + ImmDt + SR extension = 56).
+pub const MAX_HDR_LEN: usize = 64;
+/// Largest payload MTU (IBA path MTU 4096).
+pub const MAX_MTU: usize = 4096;
+/// Largest datagram accepted: headers, an MTU of payload (plus the SR extension), pad and ICRC.
+pub const MAX_DATAGRAM: usize = MAX_HDR_LEN + MAX_MTU + 4 + ICRC_LEN;
+
+/// A parsed packet whose header fields have been length-checked; `payload` borrows the datagram.
+#[derive(Debug, Clone)]
+pub struct PacketView<'a> {
+    pub bth: Bth,
+    pub opcode: Opcode,
+    pub reth: Option<Reth>,
+    pub aeth: Option<Aeth>,
+    pub atomic: Option<AtomicEth>,
+    pub atomic_ack: Option<AtomicAckEth>,
+    pub imm: Option<u32>,
+    pub ieth: Option<u32>,
+    /// Payload without pad and ICRC.
+    pub payload: &'a [u8],
+    /// Trailing bytes after the defined headers for opcodes without payload (e.g. the SACK
+    /// extension of an ACK). Empty for opcodes that carry payload.
+    pub trailer: &'a [u8],
+    /// The ICRC as received (little-endian on the wire).
+    pub icrc: u32,
+}
+
+impl<'a> PacketView<'a> {
+    /// Parses a UDP payload. Never panics: every malformed input is a [`WireError`].
+    pub fn parse(d: &'a [u8]) -> Result<PacketView<'a>, WireError> {
+        if d.len() > MAX_DATAGRAM {
+            return Err(WireError::Oversized { len: d.len() });
+        }
+        if d.len() < Bth::LEN + ICRC_LEN {
+            return Err(WireError::Truncated {
+                need: Bth::LEN + ICRC_LEN,
+                have: d.len(),
+            });
+        }
+        let bth = Bth::parse(d);
+        if bth.tver != 0 {
+            return Err(WireError::BadVersion(bth.tver));
+        }
+        let opcode = Opcode::from_u8(bth.opcode).ok_or(WireError::UnknownOpcode(bth.opcode))?;
+        let hs = opcode.headers();
+        let mut need = Bth::LEN;
+        need += if hs.reth { Reth::LEN } else { 0 };
+        need += if hs.aeth { Aeth::LEN } else { 0 };
+        need += if hs.atomic_eth { AtomicEth::LEN } else { 0 };
+        need += if hs.atomic_ack_eth {
+            AtomicAckEth::LEN
+        } else {
+            0
+        };
+        need += if hs.imm { IMM_LEN } else { 0 };
+        need += if hs.ieth { IETH_LEN } else { 0 };
+        if d.len() < need + ICRC_LEN {
+            return Err(WireError::Truncated {
+                need: need + ICRC_LEN,
+                have: d.len(),
+            });
+        }
+        let mut off = Bth::LEN;
+        let mut take = |n: usize| {
+            let s = &d[off..off + n];
+            off += n;
+            s
+        };
+        let reth = hs.reth.then(|| Reth::parse(take(Reth::LEN)));
+        let aeth = hs.aeth.then(|| Aeth::parse(take(Aeth::LEN)));
+        let atomic = hs
+            .atomic_eth
+            .then(|| AtomicEth::parse(take(AtomicEth::LEN)));
+        let atomic_ack = hs
+            .atomic_ack_eth
+            .then(|| AtomicAckEth::parse(take(AtomicAckEth::LEN)));
+        let imm = hs
+            .imm
+            .then(|| u32::from_be_bytes(take(4).try_into().unwrap_or_default()));
+        let ieth = hs
+            .ieth
+            .then(|| u32::from_be_bytes(take(4).try_into().unwrap_or_default()));
+        let end = d.len() - ICRC_LEN;
+        let rest = &d[off..end];
+        let icrc = u32::from_le_bytes([d[end], d[end + 1], d[end + 2], d[end + 3]]);
+        let (payload, trailer) = if hs.payload {
+            let pad = bth.pad as usize;
+            if pad > rest.len() {
+                return Err(WireError::BadPad {
+                    pad: bth.pad,
+                    len: rest.len(),
+                });
+            }
+            (&rest[..rest.len() - pad], &rest[..0])
+        } else {
+            (&rest[..0], rest)
+        };
+        Ok(PacketView {
+            bth,
+            opcode,
+            reth,
+            aeth,
+            atomic,
+            atomic_ack,
+            imm,
+            ieth,
+            payload,
+            trailer,
+            icrc,
+        })
+    }
+
+    /// Checks the ICRC of `datagram` (the bytes this view was parsed from) as sent from `src` to `dst`.
+    pub fn verify_icrc(
+        datagram: &[u8],
+        src: SocketAddrV4,
+        dst: SocketAddrV4,
+    ) -> Result<(), WireError> {
+        if datagram.len() < ICRC_LEN {
+            return Err(WireError::Truncated {
+                need: ICRC_LEN,
+                have: datagram.len(),
+            });
+        }
+        let end = datagram.len() - ICRC_LEN;
+        let got = u32::from_le_bytes([
+            datagram[end],
+            datagram[end + 1],
+            datagram[end + 2],
+            datagram[end + 3],
+        ]);
+        let want = icrc::compute(src, dst, &[&datagram[..end]]);
+        if got == want {
+            Ok(())
+        } else {
+            Err(WireError::BadIcrc { want, got })
+        }
+    }
+}
+
+/// Headers of one outgoing packet, built in a small fixed buffer (header-only TX: the payload
+/// travels as its own scatter-gather element and is never copied in here).
+#[derive(Clone, Copy)]
+pub struct HeaderBuf {
+    bytes: [u8; MAX_HDR_LEN],
+    len: u8,
+}
+
+impl Default for HeaderBuf {
+    fn default() -> Self {
+        HeaderBuf {
+            bytes: [0; MAX_HDR_LEN],
+            len: 0,
+        }
+    }
+}
+
+impl std::fmt::Debug for HeaderBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "HeaderBuf({:02x?})", self.as_bytes())
+    }
+}
+
+impl HeaderBuf {
+    /// Starts a header stack with a BTH.
+    pub fn with_bth(bth: &Bth) -> HeaderBuf {
+        let mut h = HeaderBuf::default();
+        bth.emit(&mut h.bytes[..Bth::LEN]);
+        h.len = Bth::LEN as u8;
+        h
+    }
+    fn grow(&mut self, n: usize) -> &mut [u8] {
+        let s = self.len as usize;
+        self.len += n as u8;
+        &mut self.bytes[s..s + n]
+    }
+    pub fn push_reth(&mut self, r: &Reth) -> &mut Self {
+        r.emit(self.grow(Reth::LEN));
+        self
+    }
+    pub fn push_aeth(&mut self, a: &Aeth) -> &mut Self {
+        a.emit(self.grow(Aeth::LEN));
+        self
+    }
+    pub fn push_atomic(&mut self, a: &AtomicEth) -> &mut Self {
+        a.emit(self.grow(AtomicEth::LEN));
+        self
+    }
+    pub fn push_atomic_ack(&mut self, a: &AtomicAckEth) -> &mut Self {
+        a.emit(self.grow(AtomicAckEth::LEN));
+        self
+    }
+    pub fn push_u32(&mut self, v: u32) -> &mut Self {
+        self.grow(4).copy_from_slice(&v.to_be_bytes());
+        self
+    }
+    pub fn push_sr(&mut self, s: &SrExt) -> &mut Self {
+        s.emit(self.grow(SrExt::LEN));
+        self
+    }
+    pub fn push_sack(&mut self, s: &SackExt) -> &mut Self {
+        s.emit(self.grow(SackExt::LEN));
+        self
+    }
+    /// Sets the BTH pad count so that `payload_len` bytes after these headers end on a 4-byte boundary.
+    pub fn set_pad_for(&mut self, payload_len: usize) -> usize {
+        let pad = (4 - payload_len % 4) % 4;
+        self.bytes[1] = (self.bytes[1] & !0x30) | ((pad as u8) << 4);
+        pad
+    }
+    pub fn bth(&self) -> Bth {
+        Bth::parse(&self.bytes)
+    }
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.bytes[..self.len as usize]
+    }
+    pub fn len(&self) -> usize {
+        self.len as usize
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// Zero bytes for the pad of a payload.
+pub const PAD_ZEROS: [u8; 3] = [0; 3];
+
+/// Serializes a whole packet into `out` (used by the simulator and tests; the engine sends the
+/// same parts as an iovec list instead).
+pub fn encode_into(
+    out: &mut Vec<u8>,
+    hdr: &HeaderBuf,
+    payload: &[&[u8]],
+    src: SocketAddrV4,
+    dst: SocketAddrV4,
+) {
+    out.clear();
+    out.extend_from_slice(hdr.as_bytes());
+    for p in payload {
+        out.extend_from_slice(p);
+    }
+    let pad = hdr.bth().pad as usize;
+    out.extend_from_slice(&PAD_ZEROS[..pad]);
+    let c = icrc::compute(src, dst, &[out.as_slice()]);
+    out.extend_from_slice(&c.to_le_bytes());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn addrs() -> (SocketAddrV4, SocketAddrV4) {
+        (
+            "127.0.0.1:5000".parse().unwrap(),
+            "127.0.0.2:4791".parse().unwrap(),
+        )
+    }
+
+    #[test]
+    fn write_first_round_trip() {
+        let (s, d) = addrs();
+        let mut h = HeaderBuf::with_bth(&Bth::new(Opcode::WriteFirst as u8, 17, 100));
+        h.push_reth(&Reth {
+            va: 0x1000,
+            rkey: 0x55,
+            dma_len: 8193,
+        });
+        let payload = vec![7u8; 4095];
+        h.set_pad_for(payload.len());
+        let mut out = Vec::new();
+        encode_into(&mut out, &h, &[&payload], s, d);
+        assert_eq!(out.len() % 4, 0);
+        let v = PacketView::parse(&out).unwrap();
+        assert_eq!(v.opcode, Opcode::WriteFirst);
+        assert_eq!(v.reth.unwrap().dma_len, 8193);
+        assert_eq!(v.payload, &payload[..]);
+        PacketView::verify_icrc(&out, s, d).unwrap();
+        assert!(PacketView::verify_icrc(&out, d, s).is_err());
+    }
+
+    #[test]
+    fn errors_not_panics() {
+        assert!(matches!(
+            PacketView::parse(&[]),
+            Err(WireError::Truncated { .. })
+        ));
+        let mut b = [0u8; 16];
+        b[0] = 0x18;
+        assert!(matches!(
+            PacketView::parse(&b),
+            Err(WireError::UnknownOpcode(0x18))
+        ));
+        b[0] = Opcode::ReadRequest as u8;
+        assert!(matches!(
+            PacketView::parse(&b),
+            Err(WireError::Truncated { .. })
+        ));
+        b[0] = Opcode::SendOnly as u8;
+        b[1] = 0x30; // pad 3 with no payload
+        assert!(matches!(
+            PacketView::parse(&b),
+            Err(WireError::BadPad { .. })
+        ));
+        assert!(matches!(
+            PacketView::parse(&vec![0u8; MAX_DATAGRAM + 1]),
+            Err(WireError::Oversized { .. })
+        ));
+    }
+}
