@@ -10,7 +10,11 @@
 //! - [`verbs`]: the application API (`Context`, `Pd`, `Mr`, `Cq`, `Qp`).
 //! - [`cm`]: connection management over gRPC.
 
+pub mod config;
+pub mod engine;
+pub mod link;
 pub mod mem;
 pub mod transport;
+pub mod verbs;
 pub mod wire;
 pub mod work;

@@ -155,6 +155,15 @@ impl Region {
         Some(self.word(off)?.load(Ordering::Acquire))
     }
 
+    /// Runs `f` over bytes `off..off+n` in place (checksumming and sending without a copy).
+    /// Like a NIC's DMA read, the view may observe a concurrent remote write to the same bytes;
+    /// the transport never sends from memory it is placing into.
+    pub fn with_slice<R>(&self, off: usize, n: usize, f: impl FnOnce(&[u8]) -> R) -> R {
+        self.check(off, n);
+        // SAFETY: bounds checked above; the memory lives as long as &self.
+        f(unsafe { std::slice::from_raw_parts(self.ptr.add(off), n) })
+    }
+
     /// Raw pointer to `off` for scatter-gather I/O; `off..off+n` must be in bounds.
     pub fn ptr_at(&self, off: usize, n: usize) -> *const u8 {
         self.check(off, n);

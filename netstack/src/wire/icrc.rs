@@ -10,48 +10,71 @@ use std::net::SocketAddrV4;
 /// Length of the ICRC trailer.
 pub const ICRC_LEN: usize = 4;
 
-/// Computes the ICRC of a RoCEv2 packet sent from `src` to `dst`. `parts` concatenated are the
-/// UDP payload up to (not including) the ICRC, starting with the BTH; splitting it lets a sender
-/// checksum a header buffer and an application payload without copying them together.
-pub fn compute(src: SocketAddrV4, dst: SocketAddrV4, parts: &[&[u8]]) -> u32 {
-    let body: usize = parts.iter().map(|p| p.len()).sum();
-    let udp_len = (8 + body + ICRC_LEN) as u16;
-    let ip_len = 20 + udp_len;
-    let mut pseudo = [0u8; 8 + 20 + 8];
-    pseudo[..8].fill(0xFF);
-    let ip = &mut pseudo[8..28];
-    ip[0] = 0x45;
-    ip[1] = 0xFF; // TOS masked
-    ip[2..4].copy_from_slice(&ip_len.to_be_bytes());
-    // identification 0, flags DF, fragment offset 0
-    ip[6] = 0x40;
-    ip[8] = 0xFF; // TTL masked
-    ip[9] = 17; // UDP
-    ip[10] = 0xFF; // header checksum masked
-    ip[11] = 0xFF;
-    ip[12..16].copy_from_slice(&src.ip().octets());
-    ip[16..20].copy_from_slice(&dst.ip().octets());
-    let udp = &mut pseudo[28..36];
-    udp[0..2].copy_from_slice(&src.port().to_be_bytes());
-    udp[2..4].copy_from_slice(&dst.port().to_be_bytes());
-    udp[4..6].copy_from_slice(&udp_len.to_be_bytes());
-    udp[6] = 0xFF; // UDP checksum masked
-    udp[7] = 0xFF;
-    let mut h = crc32fast::Hasher::new();
-    h.update(&pseudo);
-    let mut first = true;
-    for p in parts {
-        if first && p.len() >= 5 {
-            // mask BTH byte 4 without copying the rest of the part
-            h.update(&p[..4]);
-            h.update(&[0xFF]);
-            h.update(&p[5..]);
-        } else {
-            h.update(p);
-        }
-        first = false;
+/// Incremental ICRC: seed it with the addresses and the UDP payload length, feed the bytes
+/// (the BTH first) in any number of pieces, then finish.
+pub struct Icrc {
+    h: crc32fast::Hasher,
+    /// Bytes fed so far (to find BTH byte 4 across pieces).
+    fed: usize,
+}
+
+impl Icrc {
+    /// `body_len` is the UDP payload length without the ICRC (headers, payload and pad).
+    pub fn new(src: SocketAddrV4, dst: SocketAddrV4, body_len: usize) -> Icrc {
+        let udp_len = (8 + body_len + ICRC_LEN) as u16;
+        let ip_len = 20 + udp_len;
+        let mut pseudo = [0u8; 8 + 20 + 8];
+        pseudo[..8].fill(0xFF);
+        let ip = &mut pseudo[8..28];
+        ip[0] = 0x45;
+        ip[1] = 0xFF; // TOS masked
+        ip[2..4].copy_from_slice(&ip_len.to_be_bytes());
+        // identification 0, flags DF, fragment offset 0
+        ip[6] = 0x40;
+        ip[8] = 0xFF; // TTL masked
+        ip[9] = 17; // UDP
+        ip[10] = 0xFF; // header checksum masked
+        ip[11] = 0xFF;
+        ip[12..16].copy_from_slice(&src.ip().octets());
+        ip[16..20].copy_from_slice(&dst.ip().octets());
+        let udp = &mut pseudo[28..36];
+        udp[0..2].copy_from_slice(&src.port().to_be_bytes());
+        udp[2..4].copy_from_slice(&dst.port().to_be_bytes());
+        udp[4..6].copy_from_slice(&udp_len.to_be_bytes());
+        udp[6] = 0xFF; // UDP checksum masked
+        udp[7] = 0xFF;
+        let mut h = crc32fast::Hasher::new();
+        h.update(&pseudo);
+        Icrc { h, fed: 0 }
     }
-    h.finalize()
+
+    /// Feeds the next bytes of the UDP payload.
+    pub fn update(&mut self, b: &[u8]) {
+        if self.fed <= 4 && self.fed + b.len() > 4 {
+            // BTH byte 4 (FECN/BECN/reserved) is masked to ones
+            let i = 4 - self.fed;
+            self.h.update(&b[..i]);
+            self.h.update(&[0xFF]);
+            self.h.update(&b[i + 1..]);
+        } else {
+            self.h.update(b);
+        }
+        self.fed += b.len();
+    }
+
+    pub fn finish(self) -> u32 {
+        self.h.finalize()
+    }
+}
+
+/// Computes the ICRC of a RoCEv2 packet sent from `src` to `dst`. `parts` concatenated are the
+/// UDP payload up to (not including) the ICRC, starting with the BTH.
+pub fn compute(src: SocketAddrV4, dst: SocketAddrV4, parts: &[&[u8]]) -> u32 {
+    let mut c = Icrc::new(src, dst, parts.iter().map(|p| p.len()).sum());
+    for p in parts {
+        c.update(p);
+    }
+    c.finish()
 }
 
 #[cfg(test)]

@@ -48,7 +48,8 @@ pub enum QpState {
 }
 
 /// Per-QP transport parameters.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct RcConfig {
     /// Path MTU in bytes: 256, 512, 1024, 2048 or 4096.
     pub mtu: u32,

@@ -1,0 +1,96 @@
+//! Context configuration, from TOML or code; every field has a default.
+
+use crate::engine::PollMode;
+use crate::transport::rc::RcConfig;
+use serde::{Deserialize, Serialize};
+use std::net::SocketAddrV4;
+
+/// Configuration of a [`crate::verbs::Context`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ContextConfig {
+    /// Local IPv4 address and UDP port of the data path. Port 0 picks a free port; the RoCEv2
+    /// port 4791 needs a distinct address per context on one host (e.g. 127.0.0.1, 127.0.0.2).
+    pub bind: SocketAddrV4,
+    /// How idle engine threads wait.
+    pub poll_mode: PollMode,
+    /// Spin time before an adaptive engine sleeps, in microseconds.
+    pub spin_us: u64,
+    /// Largest INLINE payload accepted by `post_send`.
+    pub max_inline: u32,
+    /// Defaults of new queue pairs.
+    pub qp: RcConfig,
+}
+
+impl Default for ContextConfig {
+    fn default() -> Self {
+        ContextConfig {
+            bind: "127.0.0.1:0".parse().expect("valid"),
+            poll_mode: PollMode::Adaptive,
+            spin_us: 50,
+            max_inline: 256,
+            qp: RcConfig::default(),
+        }
+    }
+}
+
+/// A configuration error naming the field.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("config: {0}")]
+    Parse(#[from] toml::de::Error),
+    #[error("config field {0}")]
+    Invalid(String),
+}
+
+impl ContextConfig {
+    /// Parses TOML (unknown fields are errors that name them).
+    pub fn from_toml(s: &str) -> Result<ContextConfig, ConfigError> {
+        let c: ContextConfig = toml::from_str(s)?;
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// Checks every field; the error names the first bad one.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.qp
+            .validate()
+            .map_err(|e| ConfigError::Invalid(format!("qp.{e}")))?;
+        if self.bind.ip().is_unspecified() {
+            return Err(ConfigError::Invalid(
+                "bind: must be a concrete IPv4 address, not 0.0.0.0 (the ICRC covers it)".into(),
+            ));
+        }
+        if self.max_inline > 4096 {
+            return Err(ConfigError::Invalid(format!(
+                "max_inline: {} > 4096",
+                self.max_inline
+            )));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn toml_round_trip_and_errors_name_fields() {
+        let c = ContextConfig::from_toml("bind = \"127.0.0.1:4791\"\npoll_mode = \"sleep\"\n[qp]\nmtu = 1024\nrecovery = \"selective-repeat\"\n").unwrap();
+        assert_eq!(c.qp.mtu, 1024);
+        assert_eq!(c.poll_mode, PollMode::Sleep);
+        let e = ContextConfig::from_toml("[qp]\nmtu = 1000\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("qp.mtu"), "{e}");
+        let e = ContextConfig::from_toml("bogus = 1\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("bogus"), "{e}");
+        let e = ContextConfig::from_toml("bind = \"0.0.0.0:1\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("bind"), "{e}");
+    }
+}

@@ -1,0 +1,97 @@
+//! Engine counters: what came in, what was dropped and why, what went out.
+
+use serde::Serialize;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// A relaxed atomic counter.
+#[derive(Default, Debug)]
+pub struct Counter(AtomicU64);
+
+impl Counter {
+    pub fn inc(&self) {
+        self.0.fetch_add(1, Ordering::Relaxed);
+    }
+    pub fn add(&self, n: u64) {
+        self.0.fetch_add(n, Ordering::Relaxed);
+    }
+    pub fn get(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// Counters of one engine.
+#[derive(Default, Debug)]
+pub struct EngineStats {
+    pub rx_datagrams: Counter,
+    pub rx_bytes: Counter,
+    pub rx_truncated: Counter,
+    pub rx_oversized: Counter,
+    pub rx_unknown_opcode: Counter,
+    pub rx_bad_version: Counter,
+    pub rx_bad_pad: Counter,
+    pub rx_bad_icrc: Counter,
+    pub rx_unknown_qp: Counter,
+    pub rx_wrong_source: Counter,
+    pub tx_packets: Counter,
+    pub tx_bytes: Counter,
+    pub tx_errors: Counter,
+    /// Payload bytes the transmit path copied (header-only TX keeps this at 0; INLINE posts copy
+    /// at post time, in the application thread, and are not counted here).
+    pub tx_payload_copy_bytes: Counter,
+    pub staging_bytes: Counter,
+}
+
+/// A point-in-time copy of the counters.
+#[derive(Debug, Clone, Copy, Default, Serialize, PartialEq, Eq)]
+pub struct StatsSnapshot {
+    pub rx_datagrams: u64,
+    pub rx_bytes: u64,
+    pub rx_malformed: u64,
+    pub rx_bad_icrc: u64,
+    pub rx_unknown_qp: u64,
+    pub rx_wrong_source: u64,
+    pub tx_packets: u64,
+    pub tx_bytes: u64,
+    pub tx_errors: u64,
+    pub tx_payload_copy_bytes: u64,
+    pub staging_bytes: u64,
+}
+
+impl EngineStats {
+    /// Counts a malformed datagram by the kind of its [`crate::wire::WireError`].
+    pub fn rx_malformed(&self, kind: &str) {
+        match kind {
+            "truncated" => &self.rx_truncated,
+            "oversized" => &self.rx_oversized,
+            "unknown_opcode" => &self.rx_unknown_opcode,
+            "bad_version" => &self.rx_bad_version,
+            "bad_pad" => &self.rx_bad_pad,
+            _ => &self.rx_bad_icrc,
+        }
+        .inc()
+    }
+
+    pub(crate) fn set_staging_bytes(&self, n: u64) {
+        self.staging_bytes.0.store(n, Ordering::Relaxed);
+    }
+
+    pub fn snapshot(&self) -> StatsSnapshot {
+        StatsSnapshot {
+            rx_datagrams: self.rx_datagrams.get(),
+            rx_bytes: self.rx_bytes.get(),
+            rx_malformed: self.rx_truncated.get()
+                + self.rx_oversized.get()
+                + self.rx_unknown_opcode.get()
+                + self.rx_bad_version.get()
+                + self.rx_bad_pad.get(),
+            rx_bad_icrc: self.rx_bad_icrc.get(),
+            rx_unknown_qp: self.rx_unknown_qp.get(),
+            rx_wrong_source: self.rx_wrong_source.get(),
+            tx_packets: self.tx_packets.get(),
+            tx_bytes: self.tx_bytes.get(),
+            tx_errors: self.tx_errors.get(),
+            tx_payload_copy_bytes: self.tx_payload_copy_bytes.get(),
+            staging_bytes: self.staging_bytes.get(),
+        }
+    }
+}

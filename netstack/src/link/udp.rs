@@ -1,0 +1,70 @@
+//! The UDP link: one nonblocking socket per engine, DF set (so Linux sends IP ID 0 on an
+//! unconnected socket, which the ICRC covers), large buffers, batched send and receive.
+
+use super::sys::{self, OutMsg, RecvBatch};
+use std::io;
+use std::net::{SocketAddrV4, UdpSocket};
+use std::os::fd::{AsRawFd, RawFd};
+
+/// Socket buffer size requested for both directions.
+pub const SOCKET_BUFFER: i32 = 8 << 20;
+
+/// A bound UDP socket carrying RoCEv2 datagrams.
+pub struct UdpLink {
+    sock: UdpSocket,
+    local: SocketAddrV4,
+}
+
+impl UdpLink {
+    /// Binds `addr`. The address must be a concrete IPv4 address (the ICRC covers it, so the
+    /// receiver must know which address a datagram was sent to); port 0 picks a free port.
+    pub fn bind(addr: SocketAddrV4) -> io::Result<UdpLink> {
+        if addr.ip().is_unspecified() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "bind address must be a concrete IPv4 address, not 0.0.0.0 (the ICRC covers it)",
+            ));
+        }
+        let sock = UdpSocket::bind(addr)?;
+        sock.set_nonblocking(true)?;
+        let fd = sock.as_raw_fd();
+        sys::setsockopt_int(
+            fd,
+            libc::IPPROTO_IP,
+            libc::IP_MTU_DISCOVER,
+            libc::IP_PMTUDISC_DO,
+        )?;
+        for (force, plain) in [
+            (libc::SO_SNDBUFFORCE, libc::SO_SNDBUF),
+            (libc::SO_RCVBUFFORCE, libc::SO_RCVBUF),
+        ] {
+            // FORCE works as root and ignores the sysctl cap; otherwise ask within the cap
+            if sys::setsockopt_int(fd, libc::SOL_SOCKET, force, SOCKET_BUFFER).is_err() {
+                let _ = sys::setsockopt_int(fd, libc::SOL_SOCKET, plain, SOCKET_BUFFER);
+            }
+        }
+        let local = match sock.local_addr()? {
+            std::net::SocketAddr::V4(a) => a,
+            _ => return Err(io::Error::new(io::ErrorKind::InvalidInput, "IPv4 only")),
+        };
+        Ok(UdpLink { sock, local })
+    }
+
+    pub fn local_addr(&self) -> SocketAddrV4 {
+        self.local
+    }
+
+    pub fn fd(&self) -> RawFd {
+        self.sock.as_raw_fd()
+    }
+
+    /// Sends a batch; returns how many datagrams the kernel accepted.
+    pub fn send_batch(&self, msgs: &mut [OutMsg]) -> io::Result<usize> {
+        sys::sendmmsg(self.fd(), msgs)
+    }
+
+    /// Receives into `batch` without blocking.
+    pub fn recv_batch(&self, batch: &mut RecvBatch) -> io::Result<usize> {
+        batch.recv(self.fd())
+    }
+}

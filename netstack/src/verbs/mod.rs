@@ -1,0 +1,283 @@
+//! The verbs API: [`Context`], [`Pd`], [`Mr`], [`Cq`], [`Qp`], named after ibverbs so an RDMA
+//! engineer finds `post_send`, `post_recv`, `poll`, `lkey`/`rkey` and the QP state machine
+//! where they expect them.
+//!
+//! ```no_run
+//! use netstack::verbs::*;
+//! let ctx = Context::open(ContextConfig::default()).unwrap();
+//! let pd = ctx.alloc_pd();
+//! let mr = pd.reg_mr(4096, Access::LOCAL_WRITE | Access::REMOTE_WRITE).unwrap();
+//! let cq = ctx.create_cq(256);
+//! let qp = ctx.create_qp(&pd, &cq, &cq, QpInitAttr::default()).unwrap();
+//! // exchange qp.local_endpoint() with the peer (see `netstack::cm`), then:
+//! # let remote = qp.local_endpoint();
+//! qp.connect(&remote).unwrap();
+//! qp.post_send(SendWr::new(1, WrOpcode::RdmaWrite).sge(mr.sge(0, 4096)).remote(0x1000, 0x1234)).unwrap();
+//! ```
+
+mod qp;
+
+pub use crate::config::ContextConfig;
+pub use crate::engine::{PollMode, StatsSnapshot};
+pub use crate::mem::{Access, AccessError};
+pub use crate::transport::rc::{QpState, RcConfig, RcStats, Recovery};
+pub use crate::work::*;
+pub use qp::{Endpoint, Qp, QpInitAttr};
+
+use crate::engine::{CqShared, Engine};
+use crate::mem::{MrEntry, MrTable, Region};
+use std::net::SocketAddrV4;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Errors of the verbs API.
+#[derive(Debug, thiserror::Error)]
+pub enum VerbsError {
+    #[error("I/O: {0}")]
+    Io(#[from] std::io::Error),
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
+    #[error(transparent)]
+    Post(#[from] crate::transport::rc::PostError),
+    #[error(transparent)]
+    Modify(#[from] crate::transport::rc::ModifyError),
+    #[error("INLINE payload of {len} bytes exceeds max_inline {max}")]
+    InlineTooLong { len: u64, max: u32 },
+    #[error("peer {0}")]
+    Peer(String),
+    #[error("invalid argument: {0}")]
+    Invalid(String),
+}
+
+pub(crate) struct CtxInner {
+    pub(crate) engine: Engine,
+    pub(crate) cfg: ContextConfig,
+    next_qpn: AtomicU32,
+    next_pd: AtomicU32,
+}
+
+/// An open device context: one engine (data core) with its link and memory-region table.
+#[derive(Clone)]
+pub struct Context {
+    pub(crate) inner: Arc<CtxInner>,
+}
+
+impl Context {
+    /// Opens a context: binds the data-path socket and starts the engine.
+    pub fn open(cfg: ContextConfig) -> Result<Context, VerbsError> {
+        cfg.validate()?;
+        let engine = Engine::start(
+            cfg.bind,
+            Arc::new(MrTable::new()),
+            cfg.poll_mode,
+            Duration::from_micros(cfg.spin_us),
+        )?;
+        // QPNs start at a per-context random-ish base, so a stale packet for a previous run's QP
+        // on a reused port is unlikely to hit a new QP
+        let base = (std::process::id().wrapping_mul(2654435761)
+            ^ engine.shared().local_addr().port() as u32)
+            & 0x7F_FF00;
+        Ok(Context {
+            inner: Arc::new(CtxInner {
+                engine,
+                cfg,
+                next_qpn: AtomicU32::new(base.max(0x100)),
+                next_pd: AtomicU32::new(1),
+            }),
+        })
+    }
+
+    /// The data-path address peers send to.
+    pub fn local_addr(&self) -> SocketAddrV4 {
+        self.inner.engine.shared().local_addr()
+    }
+
+    pub fn config(&self) -> &ContextConfig {
+        &self.inner.cfg
+    }
+
+    /// Allocates a protection domain.
+    pub fn alloc_pd(&self) -> Pd {
+        Pd {
+            ctx: self.clone(),
+            id: self.inner.next_pd.fetch_add(1, Ordering::Relaxed),
+        }
+    }
+
+    /// Creates a completion queue with room for `cqe` completions.
+    pub fn create_cq(&self, cqe: usize) -> Cq {
+        Cq {
+            shared: Arc::new(CqShared::new(cqe.max(1))),
+        }
+    }
+
+    /// Creates an RC queue pair, already in INIT so receives can be posted before connecting.
+    pub fn create_qp(
+        &self,
+        pd: &Pd,
+        send_cq: &Cq,
+        recv_cq: &Cq,
+        attr: QpInitAttr,
+    ) -> Result<Qp, VerbsError> {
+        let qpn = self.inner.next_qpn.fetch_add(1, Ordering::Relaxed) & crate::wire::MASK24;
+        Qp::create(
+            self.clone(),
+            pd.id,
+            qpn,
+            send_cq.shared.clone(),
+            recv_cq.shared.clone(),
+            attr,
+        )
+    }
+
+    /// Engine counters (malformed packets, bytes, staging memory...).
+    pub fn stats(&self) -> StatsSnapshot {
+        self.inner.engine.shared().stats.snapshot()
+    }
+
+    pub(crate) fn mrs(&self) -> &Arc<MrTable> {
+        &self.inner.engine.shared().mrs
+    }
+}
+
+/// A protection domain: memory regions and QPs of one PD only see each other.
+#[derive(Clone)]
+pub struct Pd {
+    ctx: Context,
+    id: u32,
+}
+
+impl Pd {
+    /// Allocates `len` zeroed bytes and registers them.
+    pub fn reg_mr(&self, len: usize, access: Access) -> Result<Mr, VerbsError> {
+        Ok(self.register(Arc::new(Region::alloc(len)), access))
+    }
+
+    /// Registers caller memory.
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must stay valid until the returned [`Mr`] and every work request using
+    /// it are gone, and must not be accessed through Rust references while peers may access it.
+    pub unsafe fn reg_mr_raw(&self, ptr: *mut u8, len: usize, access: Access) -> Mr {
+        self.register(Arc::new(Region::from_raw(ptr, len)), access)
+    }
+
+    fn register(&self, region: Arc<Region>, access: Access) -> Mr {
+        let entry = self.ctx.mrs().register(region, self.id, access);
+        Mr {
+            entry,
+            table: self.ctx.mrs().clone(),
+        }
+    }
+
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+}
+
+/// A registered memory region. Deregistered on drop.
+pub struct Mr {
+    entry: MrEntry,
+    table: Arc<MrTable>,
+}
+
+impl Mr {
+    pub fn lkey(&self) -> u32 {
+        self.entry.lkey
+    }
+    pub fn rkey(&self) -> u32 {
+        self.entry.rkey
+    }
+    /// Virtual address of the first byte (for RETHs and SGEs).
+    pub fn addr(&self) -> u64 {
+        self.entry.region.addr()
+    }
+    pub fn len(&self) -> usize {
+        self.entry.region.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// A scatter-gather element over `len` bytes at offset `off`.
+    pub fn sge(&self, off: usize, len: usize) -> Sge {
+        Sge {
+            addr: self.addr() + off as u64,
+            length: len as u32,
+            lkey: self.lkey(),
+        }
+    }
+    /// Copies bytes out of the region.
+    pub fn read(&self, off: usize, dst: &mut [u8]) {
+        self.entry.region.read(off, dst)
+    }
+    /// Copies bytes into the region.
+    pub fn write(&self, off: usize, src: &[u8]) {
+        self.entry.region.write(off, src)
+    }
+    /// Atomic load of an aligned 8-byte word.
+    pub fn load_u64(&self, off: usize) -> Option<u64> {
+        self.entry.region.load_u64(off)
+    }
+    /// The underlying region.
+    pub fn region(&self) -> &Arc<Region> {
+        &self.entry.region
+    }
+}
+
+impl Drop for Mr {
+    fn drop(&mut self) {
+        self.table.deregister(self.entry.lkey);
+    }
+}
+
+/// A completion queue.
+#[derive(Clone)]
+pub struct Cq {
+    shared: Arc<CqShared>,
+}
+
+impl Cq {
+    /// Moves up to `wc.len()` completions into `wc` (like `ibv_poll_cq`); returns how many.
+    pub fn poll(&self, wc: &mut [Wc]) -> usize {
+        self.shared.poll(wc)
+    }
+    /// Blocks until a completion is available or `timeout` passes.
+    pub fn wait(&self, timeout: Duration) -> bool {
+        self.shared.wait(timeout)
+    }
+    /// Waits asynchronously until a completion is available.
+    pub async fn wait_async(&self) {
+        self.shared.wait_async().await
+    }
+    /// Polls one completion, blocking up to `timeout`.
+    pub fn next(&self, timeout: Duration) -> Option<Wc> {
+        let deadline = std::time::Instant::now() + timeout;
+        let mut wc = [EMPTY_WC];
+        loop {
+            if self.poll(&mut wc) == 1 {
+                return Some(wc[0]);
+            }
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return None;
+            }
+            self.wait(left);
+        }
+    }
+    /// Completions that arrived while the queue was full.
+    pub fn overruns(&self) -> u64 {
+        self.shared.overruns()
+    }
+}
+
+/// A placeholder completion for initializing arrays passed to [`Cq::poll`].
+pub const EMPTY_WC: Wc = Wc {
+    wr_id: 0,
+    status: WcStatus::Success,
+    opcode: WcOpcode::Send,
+    byte_len: 0,
+    imm_data: None,
+    qp_num: 0,
+    src_qp: 0,
+};
