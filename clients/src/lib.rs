@@ -1,1 +1,4 @@
+//! Shared code of the flexns command-line clients and benchmarks.
 
+pub mod bench;
+pub mod perf;

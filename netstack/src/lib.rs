@@ -10,6 +10,7 @@
 //! - [`verbs`]: the application API (`Context`, `Pd`, `Mr`, `Cq`, `Qp`).
 //! - [`cm`]: connection management over gRPC.
 
+pub mod cm;
 pub mod config;
 pub mod engine;
 pub mod link;

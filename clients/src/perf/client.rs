@@ -1,0 +1,470 @@
+//! The `nsperf client`: runs one operation for a bounded time over one or more QPs, verifies the
+//! data it moved, and reports per `BENCH.md`; optionally interleaved with a reference system.
+
+use super::server::parse_recovery;
+use super::{reference, Hello, Op, System, Welcome};
+use crate::bench::{histogram, median, pattern_byte, rusage, BenchResult, ChildServer};
+use anyhow::{bail, Context as _, Result};
+use netstack::cm;
+use netstack::verbs::*;
+use std::net::{SocketAddr, SocketAddrV4};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+/// Client options.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ClientArgs {
+    /// Connection manager of a running `nsperf server`; without it a server is started as a
+    /// child process on 127.0.0.1 and stopped at the end.
+    #[arg(long)]
+    pub server: Option<SocketAddr>,
+    /// udp-raw reference server address (with --server).
+    #[arg(long)]
+    pub udp: Option<SocketAddr>,
+    /// tcp reference server address (with --server).
+    #[arg(long)]
+    pub tcp: Option<SocketAddr>,
+    #[arg(long, value_enum, default_value = "flexns")]
+    pub system: System,
+    #[arg(long, value_enum, default_value = "write")]
+    pub op: Op,
+    /// Message size.
+    #[arg(long, default_value = "64KiB", value_parser = crate::bench::parse_size)]
+    pub size: u64,
+    /// Outstanding work requests per QP.
+    #[arg(long, default_value_t = 64)]
+    pub depth: u32,
+    #[arg(long, default_value_t = 1)]
+    pub qps: u32,
+    /// Seconds per run.
+    #[arg(long, default_value_t = 3.0)]
+    pub duration: f64,
+    /// One JSON object per result line.
+    #[arg(long)]
+    pub json: bool,
+    #[arg(long, default_value = "go-back-n", value_parser = parse_recovery)]
+    pub recovery: Recovery,
+    #[arg(long, default_value_t = 4096)]
+    pub mtu: u32,
+    /// Local data-path address.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub data: SocketAddrV4,
+    /// Also run this reference, interleaved (A B A B ...), and print the median ratio.
+    #[arg(long, value_enum)]
+    pub compare: Option<System>,
+    /// Runs of each system with --compare.
+    #[arg(long, default_value_t = 3)]
+    pub pairs: u32,
+    /// Memory region of a server this client starts.
+    #[arg(long, default_value = "256MiB", value_parser = crate::bench::parse_size)]
+    pub server_mr_size: u64,
+}
+
+/// How to start a server child: this executable and the subcommand words before its flags.
+#[derive(Debug, Clone)]
+pub struct ServerSpawn {
+    pub exe: PathBuf,
+    pub subcommand: Vec<String>,
+}
+
+struct Peers {
+    cm: SocketAddr,
+    udp: Option<SocketAddr>,
+    tcp: Option<SocketAddr>,
+    child: Option<ChildServer>,
+}
+
+fn peers(a: &ClientArgs, spawn: &ServerSpawn) -> Result<Peers> {
+    if let Some(cm) = a.server {
+        return Ok(Peers {
+            cm,
+            udp: a.udp,
+            tcp: a.tcp,
+            child: None,
+        });
+    }
+    let mut args = spawn.subcommand.clone();
+    let rec = match a.recovery {
+        Recovery::GoBackN => "go-back-n",
+        Recovery::SelectiveRepeat => "selective-repeat",
+    };
+    args.extend([
+        "--mr-size".to_string(),
+        a.server_mr_size.to_string(),
+        "--recovery".into(),
+        rec.into(),
+    ]);
+    let child = ChildServer::start(&spawn.exe, &args)?;
+    let f = |k: &str| -> Result<SocketAddr> {
+        child
+            .field(k)
+            .with_context(|| format!("server banner lacks {k}: {}", child.banner))?
+            .parse()
+            .context("bad address in banner")
+    };
+    Ok(Peers {
+        cm: f("cm")?,
+        udp: Some(f("udp")?),
+        tcp: Some(f("tcp")?),
+        child: Some(child),
+    })
+}
+
+/// Runs the client: every result line is printed as it is produced; returns them.
+pub fn run(a: &ClientArgs, spawn: &ServerSpawn) -> Result<Vec<BenchResult>> {
+    if a.size == 0 || a.depth == 0 || a.qps == 0 || a.duration <= 0.0 {
+        bail!("--size, --depth, --qps and --duration must be positive");
+    }
+    let mut p = peers(a, spawn)?;
+    let mut out = Vec::new();
+    let runs = match a.compare {
+        Some(r) => (0..a.pairs).flat_map(|_| [a.system, r]).collect::<Vec<_>>(),
+        None => vec![a.system],
+    };
+    for sys in runs {
+        let (c0, _) = rusage(false);
+        let mut r = match sys {
+            System::Flexns => flexns(a, p.cm)?,
+            System::UdpRaw => {
+                let s = p.udp.context("udp-raw needs --udp with --server")?;
+                if a.op == Op::Send && a.depth == 1 {
+                    reference::udp_lat(s, a.size as usize, a.duration)?
+                } else {
+                    let mut r =
+                        reference::udp_bw(s, (a.size as usize).min(a.mtu as usize), a.duration)?;
+                    r.bench = bench_name(a).into();
+                    r
+                }
+            }
+            System::Tcp => {
+                let s = p.tcp.context("tcp needs --tcp with --server")?;
+                if a.op == Op::Send && a.depth == 1 {
+                    reference::tcp_lat(s, a.size as usize, a.duration)?
+                } else {
+                    let mut r = reference::tcp_bw(s, a.size as usize, a.duration)?;
+                    r.bench = bench_name(a).into();
+                    r
+                }
+            }
+        };
+        let (c1, rss) = rusage(false);
+        r.cpu_secs = ((c1 - c0) * 1000.0).round() / 1000.0;
+        r.peak_rss_kib = rss;
+        r.print(a.json);
+        out.push(r);
+    }
+    if let Some(reference) = a.compare {
+        let lat = a.op == Op::Send && a.depth == 1;
+        let metric = if lat { "p50_us" } else { "gbps" };
+        let val = |r: &BenchResult| {
+            if lat {
+                r.p50_us.unwrap_or(f64::NAN)
+            } else {
+                r.gbps
+            }
+        };
+        let mut ratios: Vec<f64> = out.chunks(2).map(|c| val(&c[0]) / val(&c[1])).collect();
+        let ratio = (median(&mut ratios) * 1000.0).round() / 1000.0;
+        let line = serde_json::json!({"bench": "ratio", "metric": metric, "system": a.system.name(), "reference": reference.name(), "op": a.op, "msg_bytes": a.size, "depth": a.depth, "qps": a.qps, "pairs": a.pairs, "ratio": ratio, "ratios": ratios});
+        if a.json {
+            println!("{line}");
+        } else {
+            println!(
+                "ratio {} / {} ({metric}), median of {} pairs: {ratio}",
+                a.system.name(),
+                reference.name(),
+                a.pairs
+            );
+        }
+    }
+    if let Some(mut c) = p.child.take() {
+        let (ccpu, crss) = rusage(false);
+        if let Some((scpu, srss)) = c.stop() {
+            let line = serde_json::json!({"bench": "processes", "client_cpu_secs": (ccpu * 1000.0).round() / 1000.0, "client_peak_rss_kib": crss, "server_cpu_secs": (scpu * 1000.0).round() / 1000.0, "server_peak_rss_kib": srss});
+            if a.json {
+                println!("{line}");
+            } else {
+                println!("processes: client cpu {ccpu:.2}s rss {crss} KiB; server cpu {scpu:.2}s rss {srss} KiB");
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn bench_name(a: &ClientArgs) -> &'static str {
+    match (a.op, a.depth) {
+        (Op::Write, _) => "write_bw",
+        (Op::Read, _) => "read_bw",
+        (Op::Send, 1) => "send_lat",
+        (Op::Send, _) => "send_bw",
+        (Op::Atomic, _) => "atomic_bw",
+    }
+}
+
+/// Waits for the next completion: spins briefly (latency), then sleeps on the CQ.
+fn next_wc(cq: &Cq, wcs: &mut [Wc], limit: Instant) -> Result<usize> {
+    let spin_until = Instant::now() + Duration::from_micros(20);
+    loop {
+        let n = cq.poll(wcs);
+        if n > 0 {
+            return Ok(n);
+        }
+        if Instant::now() > limit {
+            bail!("no completion before the deadline: the peer stopped answering");
+        }
+        if Instant::now() < spin_until {
+            std::thread::yield_now();
+        } else {
+            cq.wait(Duration::from_millis(5));
+        }
+    }
+}
+
+fn flexns(a: &ClientArgs, cm_addr: SocketAddr) -> Result<BenchResult> {
+    let qcfg = RcConfig {
+        mtu: a.mtu,
+        recovery: a.recovery,
+        ..Default::default()
+    };
+    let ctx = Context::open(ContextConfig {
+        bind: a.data,
+        qp: qcfg,
+        ..Default::default()
+    })?;
+    let pd = ctx.alloc_pd();
+    let (size, depth, nq) = (a.size as usize, a.depth as usize, a.qps as usize);
+    let slots = depth * nq;
+    let cq = ctx.create_cq(slots * 2 + 64);
+    let unit = if a.op == Op::Atomic { 8 } else { size };
+    let mr = pd.reg_mr(unit * slots, Access::LOCAL_WRITE)?;
+    let check = pd.reg_mr(unit * slots, Access::LOCAL_WRITE)?;
+    let mut buf = vec![0u8; unit * slots];
+    crate::bench::fill_pattern(&mut buf, 0, 1);
+    mr.write(0, &buf);
+    let echo = a.op == Op::Send && a.depth == 1;
+    let mut qps = Vec::new();
+    let mut remote = None;
+    for _ in 0..nq {
+        let qp = ctx.create_qp(&pd, &cq, &cq, QpInitAttr::default())?;
+        let hello = Hello {
+            op: a.op,
+            size: a.size,
+            depth: a.depth,
+            echo,
+        };
+        let w: Welcome = serde_json::from_slice(&cm::connect_blocking(
+            cm_addr,
+            &qp,
+            serde_json::to_vec(&hello)?,
+        )?)
+        .context("bad welcome from server")?;
+        if (unit * slots) as u64 > w.len {
+            bail!("server memory region ({} bytes) is smaller than {} QPs x depth {} x {} bytes; start the server with a larger --mr-size", w.len, nq, depth, unit);
+        }
+        remote = Some(w);
+        qps.push(qp);
+    }
+    let w = remote.context("no QP")?;
+    let raddr = |slot: usize| w.addr + (slot * unit) as u64;
+    let wr_for = |slot: usize, id: u64| -> SendWr {
+        let sge = mr.sge(slot * unit, unit);
+        match a.op {
+            Op::Write => SendWr::new(id, WrOpcode::RdmaWrite)
+                .sge(sge)
+                .remote(raddr(slot), w.rkey),
+            Op::Read => SendWr::new(id, WrOpcode::RdmaRead)
+                .sge(sge)
+                .remote(raddr(slot), w.rkey),
+            Op::Send => SendWr::new(id, WrOpcode::Send).sge(sge),
+            Op::Atomic => SendWr::new(id, WrOpcode::AtomicFetchAndAdd)
+                .sge(sge)
+                .remote(w.addr + (id as usize % nq * 8) as u64, w.rkey)
+                .atomic(1, 0),
+        }
+    };
+    let mut wcs = [EMPTY_WC; 64];
+    let read_counters = |wcs: &mut [Wc]| -> Result<Vec<u64>> {
+        for (q, qp) in qps.iter().enumerate() {
+            qp.post_send(
+                SendWr::new(q as u64, WrOpcode::RdmaRead)
+                    .sge(check.sge(q * 8, 8))
+                    .remote(w.addr + (q * 8) as u64, w.rkey),
+            )?;
+        }
+        for _ in 0..nq {
+            next_wc(&cq, &mut wcs[..1], Instant::now() + Duration::from_secs(30))?;
+        }
+        Ok((0..nq)
+            .map(|q| check.load_u64(q * 8).unwrap_or(0))
+            .collect())
+    };
+    // atomics: the counters' starting values (earlier runs may have moved them)
+    let start_counters = if a.op == Op::Atomic {
+        read_counters(&mut wcs)?
+    } else {
+        Vec::new()
+    };
+    let mut h = histogram();
+    let mut ops = 0u64;
+    let start = Instant::now();
+    let end = start + Duration::from_secs_f64(a.duration);
+    let limit = end + Duration::from_secs(30);
+    let mut verified = true;
+    if echo {
+        // ping-pong: SEND, wait for the echo; half the round trip is the latency, as perftest
+        let qp = &qps[0];
+        let mut n = 0u64;
+        while Instant::now() < end {
+            mr.write(0, &n.to_le_bytes()[..size.min(8)]);
+            qp.post_recv(RecvWr {
+                wr_id: 1,
+                sg_list: [check.sge(0, size)].into_iter().collect(),
+            })?;
+            let t = Instant::now();
+            qp.post_send(
+                SendWr::new(0, WrOpcode::Send)
+                    .sge(mr.sge(0, size))
+                    .flags(SendFlags(0)),
+            )?;
+            loop {
+                let k = next_wc(&cq, &mut wcs[..1], limit)?;
+                let wc = wcs[0];
+                if wc.status != WcStatus::Success {
+                    bail!("work completion {:?} on QP {:#x}", wc.status, wc.qp_num);
+                }
+                if k == 1 && wc.opcode == WcOpcode::Recv {
+                    break;
+                }
+            }
+            h.record((t.elapsed().as_nanos() as u64 / 2).max(1))?;
+            let (mut x, mut y) = (vec![0u8; size], vec![0u8; size]);
+            mr.read(0, &mut x);
+            check.read(0, &mut y);
+            verified &= x == y;
+            n += 1;
+        }
+        ops = n;
+    } else {
+        let mut posted_at = vec![start; slots];
+        let mut outstanding = 0usize;
+        for (q, qp) in qps.iter().enumerate() {
+            let batch: Vec<SendWr> = (0..depth)
+                .map(|s| wr_for(q * depth + s, (q * depth + s) as u64))
+                .collect();
+            qp.post_send_batch(batch)?;
+            outstanding += depth;
+        }
+        while outstanding > 0 {
+            let n = next_wc(&cq, &mut wcs, limit)?;
+            let now = Instant::now();
+            for wc in &wcs[..n] {
+                if wc.status != WcStatus::Success {
+                    bail!(
+                        "work completion {:?} for wr {} on QP {:#x}",
+                        wc.status,
+                        wc.wr_id,
+                        wc.qp_num
+                    );
+                }
+                let slot = wc.wr_id as usize;
+                h.record((now - posted_at[slot]).as_nanos() as u64)?;
+                ops += 1;
+                if now < end {
+                    posted_at[slot] = now;
+                    qps[slot / depth].post_send(wr_for(slot, wc.wr_id))?;
+                } else {
+                    outstanding -= 1;
+                }
+            }
+        }
+    }
+    let secs = start.elapsed().as_secs_f64();
+    // end-to-end verification
+    let mut note = None;
+    match a.op {
+        Op::Write => {
+            // read every remote slot back and compare with what was written
+            for (q, qp) in qps.iter().enumerate() {
+                for s in 0..depth {
+                    let slot = q * depth + s;
+                    qp.post_send(
+                        SendWr::new(slot as u64, WrOpcode::RdmaRead)
+                            .sge(check.sge(slot * unit, unit))
+                            .remote(raddr(slot), w.rkey),
+                    )?;
+                }
+            }
+            for _ in 0..slots {
+                let n = next_wc(&cq, &mut wcs[..1], limit)?;
+                verified &= n == 1 && wcs[0].status == WcStatus::Success;
+            }
+            let mut got = vec![0u8; unit * slots];
+            check.read(0, &mut got);
+            verified &= got == buf;
+        }
+        Op::Read => {
+            let mut got = vec![0u8; unit * slots];
+            mr.read(0, &mut got);
+            verified = got
+                .iter()
+                .enumerate()
+                .all(|(i, &b)| b == pattern_byte(i as u64, w.seed));
+        }
+        Op::Atomic => {
+            // each completed FETCH_ADD added 1 to counter (wr_id % qps)
+            let end_counters = read_counters(&mut wcs)?;
+            let total: u64 = end_counters
+                .iter()
+                .zip(&start_counters)
+                .map(|(e, s)| e.wrapping_sub(*s))
+                .sum();
+            verified = total == ops;
+            if !verified {
+                note = Some(format!(
+                    "remote counters advanced by {total}, {ops} FETCH_ADDs completed"
+                ));
+            }
+        }
+        Op::Send if !echo => {
+            verified = false;
+            note = Some("SEND bandwidth mode: the server does not check payloads".into());
+        }
+        Op::Send => {}
+    }
+    let st = ctx.stats();
+    let mut r = BenchResult {
+        bench: bench_name(a).into(),
+        system: "flexns".into(),
+        transport: Some("rc".into()),
+        msg_bytes: a.size,
+        qps: a.qps,
+        depth: a.depth,
+        bytes: ops * a.size,
+        ops,
+        secs,
+        verified,
+        note,
+        ..Default::default()
+    };
+    r.latencies(&h);
+    r.rates();
+    r.extra.insert(
+        "tx_payload_copy_bytes".into(),
+        st.tx_payload_copy_bytes.into(),
+    );
+    r.extra
+        .insert("staging_bytes".into(), st.staging_bytes.into());
+    r.extra.insert(
+        "qp_state_bytes".into(),
+        qps.iter()
+            .map(|q| q.state_bytes())
+            .max()
+            .unwrap_or(0)
+            .into(),
+    );
+    let retx: u64 = qps.iter().map(|q| q.stats().retransmitted_packets).sum();
+    r.extra.insert("retransmitted_packets".into(), retx.into());
+    r.extra
+        .insert("recovery".into(), serde_json::to_value(a.recovery)?);
+    Ok(r)
+}

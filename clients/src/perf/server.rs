@@ -1,0 +1,237 @@
+//! The `nsperf server` process: a flexns context with one large memory region that clients
+//! WRITE to, READ from and run atomics on, receive queues for SENDs (echoed for ping-pong), and
+//! the `udp-raw` and `tcp` reference servers on their own sockets.
+
+use super::{Hello, Op, Welcome};
+use crate::bench::fill_pattern;
+use anyhow::{Context as _, Result};
+use netstack::cm::{self, Accepted, Acceptor};
+use netstack::verbs::*;
+use parking_lot::Mutex;
+use std::net::SocketAddrV4;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Server options.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServerArgs {
+    /// Connection-manager (gRPC) listen address.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub listen: SocketAddrV4,
+    /// Data-path (RoCEv2/UDP) address.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub data: SocketAddrV4,
+    /// Size of the memory region clients access.
+    #[arg(long, default_value = "64MiB", value_parser = crate::bench::parse_size)]
+    pub mr_size: u64,
+    /// Loss recovery of the server's QPs (must match the client's).
+    #[arg(long, default_value = "go-back-n", value_parser = parse_recovery)]
+    pub recovery: Recovery,
+    /// Optional context config (TOML); flags given explicitly override it.
+    #[arg(long)]
+    pub config: Option<std::path::PathBuf>,
+}
+
+/// Parses a recovery-mode flag value.
+pub fn parse_recovery(s: &str) -> Result<Recovery, String> {
+    match s {
+        "go-back-n" | "gbn" => Ok(Recovery::GoBackN),
+        "selective-repeat" | "sr" => Ok(Recovery::SelectiveRepeat),
+        _ => Err(format!(
+            "unknown recovery {s:?}: use go-back-n or selective-repeat"
+        )),
+    }
+}
+
+/// Pattern seed of the server region.
+pub const SEED: u64 = 0x5eed;
+
+struct PerfAcceptor {
+    ctx: Context,
+    pd: Pd,
+    cq: Cq,
+    mr: Arc<Mr>,
+    qps: Mutex<Vec<Arc<Qp>>>,
+    /// Receive slots per QP, for SEND: (qp, slot size, slot base offset, echo)
+    recv: Arc<Mutex<std::collections::HashMap<u32, (Arc<Qp>, u64, u64, bool)>>>,
+    next_recv_base: Mutex<u64>,
+    pending: Mutex<Option<(u32, u64, u64, bool, u32)>>,
+}
+
+impl Acceptor for PerfAcceptor {
+    fn accept(&self, _remote: &Endpoint, pd: &[u8]) -> Result<Accepted, String> {
+        let hello: Hello = serde_json::from_slice(pd).map_err(|e| format!("bad hello: {e}"))?;
+        let qp = self
+            .ctx
+            .create_qp(&self.pd, &self.cq, &self.cq, QpInitAttr::default())
+            .map_err(|e| e.to_string())?;
+        if hello.op == Op::Send {
+            let slots = (hello.depth as u64 * 2).max(2);
+            let need = hello.size.max(1) * slots;
+            let mut nb = self.next_recv_base.lock();
+            if *nb + need > self.mr.len() as u64 {
+                *nb = 0;
+            }
+            let base = *nb;
+            if base + need > self.mr.len() as u64 {
+                return Err(format!(
+                    "memory region of {} bytes is too small for {slots} receive slots of {} bytes",
+                    self.mr.len(),
+                    hello.size
+                ));
+            }
+            *nb += need;
+            for s in 0..slots {
+                qp.post_recv(RecvWr {
+                    wr_id: s,
+                    sg_list: [self
+                        .mr
+                        .sge((base + s * hello.size.max(1)) as usize, hello.size as usize)]
+                    .into_iter()
+                    .collect(),
+                })
+                .map_err(|e| e.to_string())?;
+            }
+            *self.pending.lock() = Some((
+                qp.qp_num(),
+                hello.size.max(1),
+                base,
+                hello.echo,
+                slots as u32,
+            ));
+        }
+        let w = Welcome {
+            addr: self.mr.addr(),
+            rkey: self.mr.rkey(),
+            len: self.mr.len() as u64,
+            seed: SEED,
+        };
+        Ok(Accepted {
+            qp,
+            private_data: serde_json::to_vec(&w).expect("serializable"),
+        })
+    }
+
+    fn connected(&self, qp: Qp) {
+        let qp = Arc::new(qp);
+        if let Some((qpn, size, base, echo, _)) = self.pending.lock().take() {
+            if qpn == qp.qp_num() {
+                self.recv.lock().insert(qpn, (qp.clone(), size, base, echo));
+            }
+        }
+        let mut v = self.qps.lock();
+        // drop QPs whose peers are gone
+        v.retain(|q| q.state() == QpState::Rts);
+        v.push(qp);
+    }
+}
+
+/// Runs the server until SIGTERM/SIGINT. Prints one banner line first:
+/// `nsperf-server cm=ADDR data=ADDR udp=ADDR tcp=ADDR`.
+pub fn run(args: ServerArgs) -> Result<()> {
+    let mut cfg = match &args.config {
+        Some(p) => ContextConfig::from_toml(
+            &std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?,
+        )?,
+        None => ContextConfig::default(),
+    };
+    cfg.bind = args.data;
+    cfg.qp.recovery = args.recovery;
+    let ctx = Context::open(cfg)?;
+    let pd = ctx.alloc_pd();
+    let cq = ctx.create_cq(1 << 16);
+    let mr = Arc::new(pd.reg_mr(args.mr_size as usize, Access::ALL)?);
+    // the region holds a known pattern so READs can be verified by the client
+    let mut chunk = vec![0u8; 1 << 20];
+    let mut off = 0u64;
+    while off < args.mr_size {
+        let n = ((args.mr_size - off) as usize).min(chunk.len());
+        fill_pattern(&mut chunk[..n], off, SEED);
+        mr.write(off as usize, &chunk[..n]);
+        off += n as u64;
+    }
+    let recv = Arc::new(Mutex::new(std::collections::HashMap::new()));
+    let acc = Arc::new(PerfAcceptor {
+        ctx: ctx.clone(),
+        pd,
+        cq: cq.clone(),
+        mr: mr.clone(),
+        qps: Mutex::new(Vec::new()),
+        recv: recv.clone(),
+        next_recv_base: Mutex::new(0),
+        pending: Mutex::new(None),
+    });
+
+    let udp = super::reference::UdpServer::bind(SocketAddrV4::new(*args.data.ip(), 0))?;
+    let tcp = std::net::TcpListener::bind(SocketAddrV4::new(*args.listen.ip(), 0))?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
+    let listener = rt.block_on(tokio::net::TcpListener::bind(args.listen))?;
+    println!(
+        "nsperf-server cm={} data={} udp={} tcp={}",
+        listener.local_addr()?,
+        ctx.local_addr(),
+        udp.local_addr()?,
+        tcp.local_addr()?
+    );
+    use std::io::Write;
+    std::io::stdout().flush()?;
+
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    std::thread::spawn(move || udp.run());
+    std::thread::spawn(move || super::reference::tcp_serve(tcp));
+    // completion thread: repost receives, echo for ping-pong
+    {
+        let stop = stop.clone();
+        let mr = mr.clone();
+        std::thread::spawn(move || {
+            let mut wcs = [EMPTY_WC; 64];
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                if !cq.wait(Duration::from_millis(100)) {
+                    continue;
+                }
+                let n = cq.poll(&mut wcs);
+                for wc in &wcs[..n] {
+                    if wc.opcode != WcOpcode::Recv {
+                        continue; // echo send completions (unsignaled ones never come)
+                    }
+                    let Some((qp, size, base, echo)) = recv.lock().get(&wc.qp_num).cloned() else {
+                        continue;
+                    };
+                    if wc.status != WcStatus::Success {
+                        recv.lock().remove(&wc.qp_num);
+                        continue;
+                    }
+                    let off = (base + wc.wr_id * size) as usize;
+                    if echo {
+                        let _ = qp.post_send(
+                            SendWr::new(wc.wr_id, WrOpcode::Send)
+                                .sge(mr.sge(off, wc.byte_len as usize))
+                                .flags(SendFlags(0)),
+                        );
+                    }
+                    let _ = qp.post_recv(RecvWr {
+                        wr_id: wc.wr_id,
+                        sg_list: [mr.sge(off, size as usize)].into_iter().collect(),
+                    });
+                }
+            }
+        });
+    }
+    rt.block_on(async move {
+        let shutdown = async {
+            let mut term =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                    .expect("signal handler");
+            tokio::select! {
+                _ = term.recv() => {},
+                _ = tokio::signal::ctrl_c() => {},
+            }
+        };
+        cm::serve(listener, acc, shutdown).await
+    })?;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    Ok(())
+}
