@@ -12,22 +12,17 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     let t = s.trim();
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, suf) = t.split_at(split);
-    let n: u64 = num.parse().map_err(|_| {
-        format!("invalid size {s:?}: expected a number with an optional k/KiB/M/MiB/G/GiB suffix")
-    })?;
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("invalid size {s:?}: expected a number with an optional k/KiB/M/MiB/G/GiB suffix"))?;
     let mul = match suf.to_ascii_lowercase().as_str() {
         "" | "b" => 1,
         "k" | "kb" | "kib" => 1 << 10,
         "m" | "mb" | "mib" => 1 << 20,
         "g" | "gb" | "gib" => 1 << 30,
-        _ => {
-            return Err(format!(
-                "invalid size suffix in {s:?}: use k, KiB, M, MiB, G or GiB"
-            ))
-        }
+        _ => return Err(format!("invalid size suffix in {s:?}: use k, KiB, M, MiB, G or GiB")),
     };
-    n.checked_mul(mul)
-        .ok_or_else(|| format!("size {s:?} overflows"))
+    n.checked_mul(mul).ok_or_else(|| format!("size {s:?} overflows"))
 }
 
 /// One result line (fields that do not apply are left out of the JSON).
@@ -174,6 +169,11 @@ impl ChildServer {
                 .and_then(|r| r.strip_prefix('='))
                 .map(str::to_string)
         })
+    }
+
+    /// Whether the child is still running (it has not exited or crashed by itself).
+    pub fn is_running(&mut self) -> bool {
+        self.child.as_mut().is_some_and(|c| matches!(c.try_wait(), Ok(None)))
     }
 
     /// Stops the child; returns its CPU seconds and peak RSS (KiB).

@@ -55,17 +55,14 @@ impl TryFrom<Option<pb::QpEndpoint>> for Endpoint {
     type Error = CmError;
     fn try_from(e: Option<pb::QpEndpoint>) -> Result<Endpoint, CmError> {
         let e = e.ok_or_else(|| CmError::BadEndpoint("endpoint: missing".into()))?;
-        let addr = e.addr.parse().map_err(|_| {
-            CmError::BadEndpoint(format!("addr: {:?} is not an IPv4 socket address", e.addr))
-        })?;
+        let addr = e
+            .addr
+            .parse()
+            .map_err(|_| CmError::BadEndpoint(format!("addr: {:?} is not an IPv4 socket address", e.addr)))?;
         let recovery = match e.recovery.as_str() {
             "go-back-n" | "" => Recovery::GoBackN,
             "selective-repeat" => Recovery::SelectiveRepeat,
-            o => {
-                return Err(CmError::BadEndpoint(format!(
-                    "recovery: unknown mode {o:?}"
-                )))
-            }
+            o => return Err(CmError::BadEndpoint(format!("recovery: unknown mode {o:?}"))),
         };
         if e.qpn > crate::wire::MASK24 || e.psn > crate::wire::MASK24 {
             return Err(CmError::BadEndpoint("qpn/psn: wider than 24 bits".into()));
@@ -104,8 +101,7 @@ impl<A: Acceptor> pb::connection_manager_server::ConnectionManager for Service<A
         req: tonic::Request<pb::ConnectRequest>,
     ) -> Result<tonic::Response<pb::ConnectReply>, tonic::Status> {
         let req = req.into_inner();
-        let remote = Endpoint::try_from(req.endpoint)
-            .map_err(|e| tonic::Status::invalid_argument(e.to_string()))?;
+        let remote = Endpoint::try_from(req.endpoint).map_err(|e| tonic::Status::invalid_argument(e.to_string()))?;
         let acc = self
             .0
             .accept(&remote, &req.private_data)
@@ -131,9 +127,9 @@ pub async fn serve<A: Acceptor>(
     let addr = listener.local_addr()?.to_string();
     let incoming = tokio_stream_from(listener);
     tonic::transport::Server::builder()
-        .add_service(pb::connection_manager_server::ConnectionManagerServer::new(
-            Service(acceptor),
-        ))
+        .add_service(pb::connection_manager_server::ConnectionManagerServer::new(Service(
+            acceptor,
+        )))
         .serve_with_incoming_shutdown(incoming, shutdown)
         .await
         .map_err(|source| CmError::Transport { addr, source })
@@ -169,13 +165,7 @@ pub async fn connect(cm: SocketAddr, qp: &Qp, private_data: Vec<u8>) -> Result<V
 }
 
 /// Blocking form of [`connect`] for threads outside a tokio runtime.
-pub fn connect_blocking(
-    cm: SocketAddr,
-    qp: &Qp,
-    private_data: Vec<u8>,
-) -> Result<Vec<u8>, CmError> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
+pub fn connect_blocking(cm: SocketAddr, qp: &Qp, private_data: Vec<u8>) -> Result<Vec<u8>, CmError> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     rt.block_on(connect(cm, qp, private_data))
 }

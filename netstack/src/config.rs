@@ -62,10 +62,7 @@ impl ContextConfig {
             ));
         }
         if self.max_inline > 4096 {
-            return Err(ConfigError::Invalid(format!(
-                "max_inline: {} > 4096",
-                self.max_inline
-            )));
+            return Err(ConfigError::Invalid(format!("max_inline: {} > 4096", self.max_inline)));
         }
         Ok(())
     }
@@ -77,16 +74,15 @@ mod tests {
 
     #[test]
     fn toml_round_trip_and_errors_name_fields() {
-        let c = ContextConfig::from_toml("bind = \"127.0.0.1:4791\"\npoll_mode = \"sleep\"\n[qp]\nmtu = 1024\nrecovery = \"selective-repeat\"\n").unwrap();
+        let c = ContextConfig::from_toml(
+            "bind = \"127.0.0.1:4791\"\npoll_mode = \"sleep\"\n[qp]\nmtu = 1024\nrecovery = \"selective-repeat\"\n",
+        )
+        .unwrap();
         assert_eq!(c.qp.mtu, 1024);
         assert_eq!(c.poll_mode, PollMode::Sleep);
-        let e = ContextConfig::from_toml("[qp]\nmtu = 1000\n")
-            .unwrap_err()
-            .to_string();
+        let e = ContextConfig::from_toml("[qp]\nmtu = 1000\n").unwrap_err().to_string();
         assert!(e.contains("qp.mtu"), "{e}");
-        let e = ContextConfig::from_toml("bogus = 1\n")
-            .unwrap_err()
-            .to_string();
+        let e = ContextConfig::from_toml("bogus = 1\n").unwrap_err().to_string();
         assert!(e.contains("bogus"), "{e}");
         let e = ContextConfig::from_toml("bind = \"0.0.0.0:1\"\n")
             .unwrap_err()

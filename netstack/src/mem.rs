@@ -78,11 +78,7 @@ impl Region {
     /// Region (and of every memory region registered over it), and must not be accessed through
     /// Rust references while remote peers may access it.
     pub unsafe fn from_raw(ptr: *mut u8, len: usize) -> Region {
-        Region {
-            ptr,
-            len,
-            _owned: None,
-        }
+        Region { ptr, len, _owned: None }
     }
 
     /// The virtual address of the first byte (what a peer puts in a RETH).
@@ -287,9 +283,7 @@ impl MrTable {
             return Err(AccessError::NoPermission(need));
         }
         let base = e.region.addr();
-        let end = va
-            .checked_add(len)
-            .ok_or(AccessError::OutOfBounds { va, len })?;
+        let end = va.checked_add(len).ok_or(AccessError::OutOfBounds { va, len })?;
         if va < base || end > base + e.region.len() as u64 {
             return Err(AccessError::OutOfBounds { va, len });
         }
@@ -309,12 +303,8 @@ mod tests {
         let a = r.addr();
         assert!(t.check(e.rkey, 1, a, 4096, Access::REMOTE_READ).is_ok());
         assert_eq!(
-            t.check(e.rkey, 1, a + 1, 4096, Access::REMOTE_READ)
-                .unwrap_err(),
-            AccessError::OutOfBounds {
-                va: a + 1,
-                len: 4096
-            }
+            t.check(e.rkey, 1, a + 1, 4096, Access::REMOTE_READ).unwrap_err(),
+            AccessError::OutOfBounds { va: a + 1, len: 4096 }
         );
         assert_eq!(
             t.check(e.rkey, 2, a, 1, Access::REMOTE_READ).unwrap_err(),
@@ -328,9 +318,7 @@ mod tests {
             t.check(e.rkey ^ 1, 1, a, 1, Access::REMOTE_READ),
             Err(AccessError::BadKey(_))
         ));
-        assert!(t
-            .check(e.rkey, 1, u64::MAX, 2, Access::REMOTE_READ)
-            .is_err());
+        assert!(t.check(e.rkey, 1, u64::MAX, 2, Access::REMOTE_READ).is_err());
         assert!(t.deregister(e.rkey));
         assert!(t.check(e.rkey, 1, a, 1, Access::REMOTE_READ).is_err());
         // a new registration in the same slot gets a new key

@@ -139,26 +139,10 @@ impl Scenario {
         };
         let lossy = rng.random_bool(0.8);
         let link = LinkCfg {
-            loss: if lossy {
-                rng.random_range(0.0..0.10)
-            } else {
-                0.0
-            },
-            reorder: if lossy {
-                rng.random_range(0.0..0.2)
-            } else {
-                0.0
-            },
-            dup: if lossy {
-                rng.random_range(0.0..0.05)
-            } else {
-                0.0
-            },
-            corrupt: if lossy {
-                rng.random_range(0.0..0.05)
-            } else {
-                0.0
-            },
+            loss: if lossy { rng.random_range(0.0..0.10) } else { 0.0 },
+            reorder: if lossy { rng.random_range(0.0..0.2) } else { 0.0 },
+            dup: if lossy { rng.random_range(0.0..0.05) } else { 0.0 },
+            corrupt: if lossy { rng.random_range(0.0..0.05) } else { 0.0 },
             delay_ns: rng.random_range(1_000..20_000),
             jitter_ns: rng.random_range(0..5_000),
             gap_ns: rng.random_range(100..2_000),
@@ -212,11 +196,7 @@ impl Scenario {
             }
             let src_off = self.rng.random_range(0..MR - len.max(1));
             let signaled = self.rng.random_bool(0.7) || kind >= 4;
-            let flags = if signaled {
-                SendFlags::SIGNALED
-            } else {
-                SendFlags(0)
-            };
+            let flags = if signaled { SendFlags::SIGNALED } else { SendFlags(0) };
             let fence = if self.rng.random_bool(0.1) {
                 SendFlags::FENCE
             } else {
@@ -263,9 +243,11 @@ impl Scenario {
                     let mut wr = SendWr::new(wr_id, WrOpcode::Send).flags(flags | fence);
                     if len > 1 && self.rng.random_bool(0.3) {
                         let h = len / 2;
-                        wr = wr
-                            .sge(self.nodes[s].sge("src", src_off, h))
-                            .sge(self.nodes[s].sge("src", src_off + h, len - h));
+                        wr = wr.sge(self.nodes[s].sge("src", src_off, h)).sge(self.nodes[s].sge(
+                            "src",
+                            src_off + h,
+                            len - h,
+                        ));
                     } else if len > 0 {
                         wr = wr.sge(self.nodes[s].sge("src", src_off, len));
                     }
@@ -294,10 +276,7 @@ impl Scenario {
                     (wr, e)
                 }
                 _ => {
-                    let (rr, rk) = (
-                        self.nodes[d].mr["atomic"].0.addr(),
-                        self.nodes[d].mr["atomic"].1,
-                    );
+                    let (rr, rk) = (self.nodes[d].mr["atomic"].0.addr(), self.nodes[d].mr["atomic"].1);
                     let res = self.nodes[s].sge("atomic", 16 + 8 * (i % 4), 8);
                     if self.rng.random_bool(0.5) {
                         let add = self.rng.random_range(1..1000);
@@ -322,16 +301,12 @@ impl Scenario {
             };
             if let Expect::Send { len, recv_off, .. }
             | Expect::WriteImm {
-                len,
-                dst_off: recv_off,
-                ..
+                len, dst_off: recv_off, ..
             } = exp
             {
                 // post a receive for every message that consumes one (WRITE_IMM needs no buffer)
                 let sg = if matches!(exp, Expect::Send { .. }) && len > 0 {
-                    [self.nodes[d].sge("recv", recv_off, len)]
-                        .into_iter()
-                        .collect()
+                    [self.nodes[d].sge("recv", recv_off, len)].into_iter().collect()
                 } else {
                     SgList::new()
                 };
@@ -398,8 +373,7 @@ impl Scenario {
                     t += self.rng.random_range(0..l.delay_ns * 4);
                 }
                 self.seq += 1;
-                self.queue
-                    .push(Ev(std::cmp::Reverse((t, self.seq)), 1 - i, b));
+                self.queue.push(Ev(std::cmp::Reverse((t, self.seq)), 1 - i, b));
             }
         }
     }
@@ -477,11 +451,7 @@ fn check_scenario(seed: u64) -> Result<(), String> {
             }
         }
     });
-    let ctx = format!(
-        "seed {seed} link {:?} cfg {:?}",
-        sc.link,
-        sc.nodes[0].qp.config()
-    );
+    let ctx = format!("seed {seed} link {:?} cfg {:?}", sc.link, sc.nodes[0].qp.config());
     for (s, exp) in [(0usize, &exp_a), (1, &exp_b)] {
         let d = 1 - s;
         let send_wcs: Vec<&Wc> = wcs[s]
@@ -503,24 +473,15 @@ fn check_scenario(seed: u64) -> Result<(), String> {
                     .next()
                     .ok_or_else(|| format!("{ctx}: missing completion for {wr_id:#x} ({e:?})"))?;
                 if w.wr_id != *wr_id {
-                    return Err(format!(
-                        "{ctx}: completion order: got {:#x}, want {wr_id:#x}",
-                        w.wr_id
-                    ));
+                    return Err(format!("{ctx}: completion order: got {:#x}, want {wr_id:#x}", w.wr_id));
                 }
                 if w.status != WcStatus::Success {
                     return Err(format!("{ctx}: {wr_id:#x} status {:?}", w.status));
                 }
             }
             match e {
-                Expect::Write {
-                    dst_off,
-                    src_off,
-                    len,
-                } => {
-                    if sc.nodes[d].bytes("dst", *dst_off, *len)
-                        != sc.nodes[s].bytes("src", *src_off, *len)
-                    {
+                Expect::Write { dst_off, src_off, len } => {
+                    if sc.nodes[d].bytes("dst", *dst_off, *len) != sc.nodes[s].bytes("src", *src_off, *len) {
                         return Err(format!("{ctx}: WRITE {wr_id:#x} data mismatch"));
                     }
                 }
@@ -530,51 +491,28 @@ fn check_scenario(seed: u64) -> Result<(), String> {
                     len,
                     imm,
                 } => {
-                    if sc.nodes[d].bytes("dst", *dst_off, *len)
-                        != sc.nodes[s].bytes("src", *src_off, *len)
-                    {
+                    if sc.nodes[d].bytes("dst", *dst_off, *len) != sc.nodes[s].bytes("src", *src_off, *len) {
                         return Err(format!("{ctx}: WRITE_IMM {wr_id:#x} data mismatch"));
                     }
-                    let r = recv_wcs
-                        .get(recv_i)
-                        .ok_or(format!("{ctx}: missing recv completion"))?;
+                    let r = recv_wcs.get(recv_i).ok_or(format!("{ctx}: missing recv completion"))?;
                     recv_i += 1;
-                    if r.imm_data != Some(*imm)
-                        || r.byte_len as usize != *len
-                        || r.opcode != WcOpcode::RecvRdmaWithImm
+                    if r.imm_data != Some(*imm) || r.byte_len as usize != *len || r.opcode != WcOpcode::RecvRdmaWithImm
                     {
                         return Err(format!("{ctx}: WRITE_IMM recv completion {r:?}"));
                     }
                 }
-                Expect::Send {
-                    src_off,
-                    len,
-                    recv_off,
-                } => {
-                    let r = recv_wcs
-                        .get(recv_i)
-                        .ok_or(format!("{ctx}: missing recv completion"))?;
+                Expect::Send { src_off, len, recv_off } => {
+                    let r = recv_wcs.get(recv_i).ok_or(format!("{ctx}: missing recv completion"))?;
                     recv_i += 1;
-                    if r.status != WcStatus::Success
-                        || r.byte_len as usize != *len
-                        || r.opcode != WcOpcode::Recv
-                    {
+                    if r.status != WcStatus::Success || r.byte_len as usize != *len || r.opcode != WcOpcode::Recv {
                         return Err(format!("{ctx}: SEND recv completion {r:?}"));
                     }
-                    if sc.nodes[d].bytes("recv", *recv_off, *len)
-                        != sc.nodes[s].bytes("src", *src_off, *len)
-                    {
+                    if sc.nodes[d].bytes("recv", *recv_off, *len) != sc.nodes[s].bytes("src", *src_off, *len) {
                         return Err(format!("{ctx}: SEND {wr_id:#x} data mismatch"));
                     }
                 }
-                Expect::Read {
-                    src_off,
-                    dst_off,
-                    len,
-                } => {
-                    if sc.nodes[s].bytes("dst", *dst_off, *len)
-                        != sc.nodes[d].bytes("src", *src_off, *len)
-                    {
+                Expect::Read { src_off, dst_off, len } => {
+                    if sc.nodes[s].bytes("dst", *dst_off, *len) != sc.nodes[d].bytes("src", *src_off, *len) {
                         return Err(format!("{ctx}: READ {wr_id:#x} data mismatch"));
                     }
                 }
@@ -586,10 +524,7 @@ fn check_scenario(seed: u64) -> Result<(), String> {
             return Err(format!("{ctx}: extra completion {w:?}"));
         }
         if recv_i != recv_wcs.len() {
-            return Err(format!(
-                "{ctx}: {} recv completions, expected {recv_i}",
-                recv_wcs.len()
-            ));
+            return Err(format!("{ctx}: {} recv completions, expected {recv_i}", recv_wcs.len()));
         }
         // atomics executed exactly once
         let fa = sc.nodes[d].mr["atomic"].0.load_u64(0).unwrap();
@@ -685,15 +620,8 @@ fn vanished_peer_ends_in_retry_exc_err_within_bound() {
         }
         let st = sc.nodes[0].qp.state();
         assert_eq!(st, QpState::Err, "seed {seed}: QP should be in ERR");
-        let errs: Vec<_> = wcs
-            .iter()
-            .filter(|w| w.status != WcStatus::Success)
-            .collect();
-        assert_eq!(
-            errs[0].status,
-            WcStatus::RetryExcErr,
-            "seed {seed}: {wcs:?}"
-        );
+        let errs: Vec<_> = wcs.iter().filter(|w| w.status != WcStatus::Success).collect();
+        assert_eq!(errs[0].status, WcStatus::RetryExcErr, "seed {seed}: {wcs:?}");
         assert!(
             errs[1..].iter().all(|w| w.status == WcStatus::WrFlushErr),
             "seed {seed}: {wcs:?}"
@@ -701,10 +629,7 @@ fn vanished_peer_ends_in_retry_exc_err_within_bound() {
         let t = first_err.unwrap();
         // bound: the retry budget after the last progress (which is at most the kill time plus one RTT)
         let bound = kill_at + cfg.retry_bound_ns() + cfg.timeout_ns + 1_000_000;
-        assert!(
-            t <= bound,
-            "seed {seed}: RETRY_EXC_ERR at {t} ns, bound {bound}"
-        );
+        assert!(t <= bound, "seed {seed}: RETRY_EXC_ERR at {t} ns, bound {bound}");
         // every WR completed exactly once
         let mut ids: Vec<u64> = wcs.iter().map(|w| w.wr_id).collect();
         ids.sort();
@@ -728,8 +653,7 @@ fn rnr_then_recv_posted_completes() {
     };
     let sge = sc.nodes[0].sge("src", 0, 100);
     let n = &mut sc.nodes[0];
-    n.qp.post_send(SendWr::new(1, WrOpcode::Send).sge(sge), &n.mrs)
-        .unwrap();
+    n.qp.post_send(SendWr::new(1, WrOpcode::Send).sge(sge), &n.mrs).unwrap();
     let mut posted = false;
     let mut done = None;
     sc.run(1_000_000_000, |sc| {

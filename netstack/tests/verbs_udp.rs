@@ -161,9 +161,7 @@ fn garbage_datagrams_are_counted_and_dropped() {
     let dst = b.ctx.local_addr();
     let mut rng = 12345u64;
     for i in 0..2000 {
-        rng = rng
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
+        rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
         let len = (rng >> 33) as usize % 5000;
         let mut buf: Vec<u8> = (0..len).map(|j| (rng >> (j % 56)) as u8).collect();
         if i % 3 == 0 && buf.len() > 16 {

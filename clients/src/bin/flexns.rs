@@ -50,9 +50,7 @@ fn demo(duration: f64, json: bool) -> Result<()> {
     };
     if !json {
         println!("flexns demo: a second netstack node starts as a child process on 127.0.0.1;");
-        println!(
-            "this process connects RC queue pairs to it through the gRPC connection manager and"
-        );
+        println!("this process connects RC queue pairs to it through the gRPC connection manager and");
         println!("moves data over RoCEv2/UDP, verifying every byte end to end.\n");
     }
     let steps: [(&str, Op, u64, u32, Option<System>); 4] = [
@@ -97,10 +95,7 @@ fn demo(duration: f64, json: bool) -> Result<()> {
             server_mr_size: 64 << 20,
         };
         let res = client::run(&a, &spawn)?;
-        all_verified &= res
-            .iter()
-            .filter(|r| r.system == "flexns")
-            .all(|r| r.verified);
+        all_verified &= res.iter().filter(|r| r.system == "flexns").all(|r| r.verified);
         if !json {
             println!();
         }

@@ -130,8 +130,7 @@ pub fn run(a: &ClientArgs, spawn: &ServerSpawn) -> Result<Vec<BenchResult>> {
                 if a.op == Op::Send && a.depth == 1 {
                     reference::udp_lat(s, a.size as usize, a.duration)?
                 } else {
-                    let mut r =
-                        reference::udp_bw(s, (a.size as usize).min(a.mtu as usize), a.duration)?;
+                    let mut r = reference::udp_bw(s, (a.size as usize).min(a.mtu as usize), a.duration)?;
                     r.bench = bench_name(a).into();
                     r
                 }
@@ -252,12 +251,8 @@ fn flexns(a: &ClientArgs, cm_addr: SocketAddr) -> Result<BenchResult> {
             depth: a.depth,
             echo,
         };
-        let w: Welcome = serde_json::from_slice(&cm::connect_blocking(
-            cm_addr,
-            &qp,
-            serde_json::to_vec(&hello)?,
-        )?)
-        .context("bad welcome from server")?;
+        let w: Welcome = serde_json::from_slice(&cm::connect_blocking(cm_addr, &qp, serde_json::to_vec(&hello)?)?)
+            .context("bad welcome from server")?;
         if (unit * slots) as u64 > w.len {
             bail!("server memory region ({} bytes) is smaller than {} QPs x depth {} x {} bytes; start the server with a larger --mr-size", w.len, nq, depth, unit);
         }
@@ -272,9 +267,7 @@ fn flexns(a: &ClientArgs, cm_addr: SocketAddr) -> Result<BenchResult> {
             Op::Write => SendWr::new(id, WrOpcode::RdmaWrite)
                 .sge(sge)
                 .remote(raddr(slot), w.rkey),
-            Op::Read => SendWr::new(id, WrOpcode::RdmaRead)
-                .sge(sge)
-                .remote(raddr(slot), w.rkey),
+            Op::Read => SendWr::new(id, WrOpcode::RdmaRead).sge(sge).remote(raddr(slot), w.rkey),
             Op::Send => SendWr::new(id, WrOpcode::Send).sge(sge),
             Op::Atomic => SendWr::new(id, WrOpcode::AtomicFetchAndAdd)
                 .sge(sge)
@@ -294,9 +287,7 @@ fn flexns(a: &ClientArgs, cm_addr: SocketAddr) -> Result<BenchResult> {
         for _ in 0..nq {
             next_wc(&cq, &mut wcs[..1], Instant::now() + Duration::from_secs(30))?;
         }
-        Ok((0..nq)
-            .map(|q| check.load_u64(q * 8).unwrap_or(0))
-            .collect())
+        Ok((0..nq).map(|q| check.load_u64(q * 8).unwrap_or(0)).collect())
     };
     // atomics: the counters' starting values (earlier runs may have moved them)
     let start_counters = if a.op == Op::Atomic {
@@ -321,11 +312,7 @@ fn flexns(a: &ClientArgs, cm_addr: SocketAddr) -> Result<BenchResult> {
                 sg_list: [check.sge(0, size)].into_iter().collect(),
             })?;
             let t = Instant::now();
-            qp.post_send(
-                SendWr::new(0, WrOpcode::Send)
-                    .sge(mr.sge(0, size))
-                    .flags(SendFlags(0)),
-            )?;
+            qp.post_send(SendWr::new(0, WrOpcode::Send).sge(mr.sge(0, size)).flags(SendFlags(0)))?;
             loop {
                 let k = next_wc(&cq, &mut wcs[..1], limit)?;
                 let wc = wcs[0];
@@ -448,23 +435,15 @@ fn flexns(a: &ClientArgs, cm_addr: SocketAddr) -> Result<BenchResult> {
     };
     r.latencies(&h);
     r.rates();
-    r.extra.insert(
-        "tx_payload_copy_bytes".into(),
-        st.tx_payload_copy_bytes.into(),
-    );
     r.extra
-        .insert("staging_bytes".into(), st.staging_bytes.into());
+        .insert("tx_payload_copy_bytes".into(), st.tx_payload_copy_bytes.into());
+    r.extra.insert("staging_bytes".into(), st.staging_bytes.into());
     r.extra.insert(
         "qp_state_bytes".into(),
-        qps.iter()
-            .map(|q| q.state_bytes())
-            .max()
-            .unwrap_or(0)
-            .into(),
+        qps.iter().map(|q| q.state_bytes()).max().unwrap_or(0).into(),
     );
     let retx: u64 = qps.iter().map(|q| q.stats().retransmitted_packets).sum();
     r.extra.insert("retransmitted_packets".into(), retx.into());
-    r.extra
-        .insert("recovery".into(), serde_json::to_value(a.recovery)?);
+    r.extra.insert("recovery".into(), serde_json::to_value(a.recovery)?);
     Ok(r)
 }

@@ -54,4 +54,8 @@ pub struct Welcome {
     pub len: u64,
     /// Seed of the pattern the server's region holds (READ verification).
     pub seed: u64,
+    /// A second region the server registered with REMOTE_READ only (access-check tests).
+    pub ro_addr: u64,
+    pub ro_rkey: u32,
+    pub ro_len: u64,
 }

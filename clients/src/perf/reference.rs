@@ -87,8 +87,7 @@ pub fn udp_bw(server: SocketAddr, dgram: usize, secs: f64) -> Result<BenchResult
     // reset the server's counter
     sock.send_to(&[REPORT], dst)?;
     let mut b = [0u8; 8];
-    sock.recv_from(&mut b)
-        .context("udp-raw server did not answer")?;
+    sock.recv_from(&mut b).context("udp-raw server did not answer")?;
     let mut buf = vec![0u8; dgram.max(1)];
     buf[0] = DATA;
     let start = Instant::now();
@@ -111,8 +110,7 @@ pub fn udp_bw(server: SocketAddr, dgram: usize, secs: f64) -> Result<BenchResult
     let secs = start.elapsed().as_secs_f64();
     std::thread::sleep(Duration::from_millis(50));
     sock.send_to(&[REPORT], dst)?;
-    sock.recv_from(&mut b)
-        .context("udp-raw server did not report")?;
+    sock.recv_from(&mut b).context("udp-raw server did not report")?;
     let bytes = u64::from_le_bytes(b);
     let mut r = BenchResult {
         bench: "write_bw".into(),

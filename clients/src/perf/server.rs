@@ -37,9 +37,7 @@ pub fn parse_recovery(s: &str) -> Result<Recovery, String> {
     match s {
         "go-back-n" | "gbn" => Ok(Recovery::GoBackN),
         "selective-repeat" | "sr" => Ok(Recovery::SelectiveRepeat),
-        _ => Err(format!(
-            "unknown recovery {s:?}: use go-back-n or selective-repeat"
-        )),
+        _ => Err(format!("unknown recovery {s:?}: use go-back-n or selective-repeat")),
     }
 }
 
@@ -51,6 +49,7 @@ struct PerfAcceptor {
     pd: Pd,
     cq: Cq,
     mr: Arc<Mr>,
+    ro: Mr,
     qps: Mutex<Vec<Arc<Qp>>>,
     /// Receive slots per QP, for SEND: (qp, slot size, slot base offset, echo)
     recv: Arc<Mutex<std::collections::HashMap<u32, (Arc<Qp>, u64, u64, bool)>>>,
@@ -92,19 +91,16 @@ impl Acceptor for PerfAcceptor {
                 })
                 .map_err(|e| e.to_string())?;
             }
-            *self.pending.lock() = Some((
-                qp.qp_num(),
-                hello.size.max(1),
-                base,
-                hello.echo,
-                slots as u32,
-            ));
+            *self.pending.lock() = Some((qp.qp_num(), hello.size.max(1), base, hello.echo, slots as u32));
         }
         let w = Welcome {
             addr: self.mr.addr(),
             rkey: self.mr.rkey(),
             len: self.mr.len() as u64,
             seed: SEED,
+            ro_addr: self.ro.addr(),
+            ro_rkey: self.ro.rkey(),
+            ro_len: self.ro.len() as u64,
         };
         Ok(Accepted {
             qp,
@@ -130,9 +126,9 @@ impl Acceptor for PerfAcceptor {
 /// `nsperf-server cm=ADDR data=ADDR udp=ADDR tcp=ADDR`.
 pub fn run(args: ServerArgs) -> Result<()> {
     let mut cfg = match &args.config {
-        Some(p) => ContextConfig::from_toml(
-            &std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?,
-        )?,
+        Some(p) => {
+            ContextConfig::from_toml(&std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?)?
+        }
         None => ContextConfig::default(),
     };
     cfg.bind = args.data;
@@ -150,12 +146,17 @@ pub fn run(args: ServerArgs) -> Result<()> {
         mr.write(off as usize, &chunk[..n]);
         off += n as u64;
     }
+    let ro = pd.reg_mr(4096, Access::REMOTE_READ)?;
+    let mut page = vec![0u8; 4096];
+    fill_pattern(&mut page, 0, SEED ^ 1);
+    ro.write(0, &page);
     let recv = Arc::new(Mutex::new(std::collections::HashMap::new()));
     let acc = Arc::new(PerfAcceptor {
         ctx: ctx.clone(),
         pd,
         cq: cq.clone(),
         mr: mr.clone(),
+        ro,
         qps: Mutex::new(Vec::new()),
         recv: recv.clone(),
         next_recv_base: Mutex::new(0),
@@ -194,7 +195,7 @@ pub fn run(args: ServerArgs) -> Result<()> {
                 }
                 let n = cq.poll(&mut wcs);
                 for wc in &wcs[..n] {
-                    if wc.opcode != WcOpcode::Recv {
+                    if !matches!(wc.opcode, WcOpcode::Recv | WcOpcode::RecvRdmaWithImm) {
                         continue; // echo send completions (unsignaled ones never come)
                     }
                     let Some((qp, size, base, echo)) = recv.lock().get(&wc.qp_num).cloned() else {
@@ -205,7 +206,12 @@ pub fn run(args: ServerArgs) -> Result<()> {
                         continue;
                     }
                     let off = (base + wc.wr_id * size) as usize;
-                    if echo {
+                    if echo && wc.opcode == WcOpcode::RecvRdmaWithImm {
+                        // echo a WRITE_WITH_IMM's immediate back in an empty SEND_WITH_IMM
+                        let imm = wc.imm_data.unwrap_or(0);
+                        let wr = SendWr::new(wc.wr_id, WrOpcode::SendWithImm).imm(imm);
+                        let _ = qp.post_send(wr.flags(SendFlags(0)));
+                    } else if echo {
                         let _ = qp.post_send(
                             SendWr::new(wc.wr_id, WrOpcode::Send)
                                 .sge(mr.sge(off, wc.byte_len as usize))
@@ -223,8 +229,7 @@ pub fn run(args: ServerArgs) -> Result<()> {
     rt.block_on(async move {
         let shutdown = async {
             let mut term =
-                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-                    .expect("signal handler");
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("signal handler");
             tokio::select! {
                 _ = term.recv() => {},
                 _ = tokio::signal::ctrl_c() => {},

@@ -101,12 +101,7 @@ pub struct Engine {
 
 impl Engine {
     /// Binds the link and starts the data-core thread.
-    pub fn start(
-        bind: SocketAddrV4,
-        mrs: Arc<MrTable>,
-        mode: PollMode,
-        spin: Duration,
-    ) -> std::io::Result<Engine> {
+    pub fn start(bind: SocketAddrV4, mrs: Arc<MrTable>, mode: PollMode, spin: Duration) -> std::io::Result<Engine> {
         let link = UdpLink::bind(bind)?;
         let (active_tx, active_rx) = crossbeam_channel::unbounded();
         let shared = Arc::new(EngineShared {

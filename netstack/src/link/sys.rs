@@ -16,12 +16,7 @@ fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
 }
 
 /// Sets an integer socket option.
-pub fn setsockopt_int(
-    fd: RawFd,
-    level: libc::c_int,
-    name: libc::c_int,
-    v: libc::c_int,
-) -> io::Result<()> {
+pub fn setsockopt_int(fd: RawFd, level: libc::c_int, name: libc::c_int, v: libc::c_int) -> io::Result<()> {
     // SAFETY: passes a pointer to a live c_int and its size.
     cvt(unsafe {
         libc::setsockopt(
@@ -40,15 +35,7 @@ pub fn getsockopt_int(fd: RawFd, level: libc::c_int, name: libc::c_int) -> io::R
     let mut v: libc::c_int = 0;
     let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
     // SAFETY: v and len are live and sized for the kernel to fill.
-    cvt(unsafe {
-        libc::getsockopt(
-            fd,
-            level,
-            name,
-            &mut v as *mut _ as *mut libc::c_void,
-            &mut len,
-        )
-    })?;
+    cvt(unsafe { libc::getsockopt(fd, level, name, &mut v as *mut _ as *mut libc::c_void, &mut len) })?;
     Ok(v)
 }
 
@@ -258,24 +245,12 @@ impl EventFd {
     pub fn notify(&self) {
         let v: u64 = 1;
         // SAFETY: writes 8 bytes from a live u64.
-        unsafe {
-            libc::write(
-                self.0.as_raw_fd(),
-                &v as *const u64 as *const libc::c_void,
-                8,
-            )
-        };
+        unsafe { libc::write(self.0.as_raw_fd(), &v as *const u64 as *const libc::c_void, 8) };
     }
     pub fn drain(&self) {
         let mut v: u64 = 0;
         // SAFETY: reads 8 bytes into a live u64.
-        unsafe {
-            libc::read(
-                self.0.as_raw_fd(),
-                &mut v as *mut u64 as *mut libc::c_void,
-                8,
-            )
-        };
+        unsafe { libc::read(self.0.as_raw_fd(), &mut v as *mut u64 as *mut libc::c_void, 8) };
     }
     pub fn fd(&self) -> RawFd {
         self.0.as_raw_fd()
@@ -318,14 +293,7 @@ pub fn ppoll_readable(fds: &[RawFd], timeout_ns: u64) -> io::Result<()> {
         tv_nsec: (timeout_ns % 1_000_000_000) as libc::c_long,
     };
     // SAFETY: p is a live pollfd array of the given length; ts is a live timespec; no sigmask.
-    let r = unsafe {
-        libc::ppoll(
-            p.as_mut_ptr(),
-            p.len() as libc::nfds_t,
-            &ts,
-            std::ptr::null(),
-        )
-    };
+    let r = unsafe { libc::ppoll(p.as_mut_ptr(), p.len() as libc::nfds_t, &ts, std::ptr::null()) };
     if r < 0 {
         let e = io::Error::last_os_error();
         if e.kind() != io::ErrorKind::Interrupted {

@@ -28,12 +28,7 @@ impl UdpLink {
         let sock = UdpSocket::bind(addr)?;
         sock.set_nonblocking(true)?;
         let fd = sock.as_raw_fd();
-        sys::setsockopt_int(
-            fd,
-            libc::IPPROTO_IP,
-            libc::IP_MTU_DISCOVER,
-            libc::IP_PMTUDISC_DO,
-        )?;
+        sys::setsockopt_int(fd, libc::IPPROTO_IP, libc::IP_MTU_DISCOVER, libc::IP_PMTUDISC_DO)?;
         for (force, plain) in [
             (libc::SO_SNDBUFFORCE, libc::SO_SNDBUF),
             (libc::SO_RCVBUFFORCE, libc::SO_RCVBUF),

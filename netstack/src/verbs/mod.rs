@@ -75,9 +75,8 @@ impl Context {
         )?;
         // QPNs start at a per-context random-ish base, so a stale packet for a previous run's QP
         // on a reused port is unlikely to hit a new QP
-        let base = (std::process::id().wrapping_mul(2654435761)
-            ^ engine.shared().local_addr().port() as u32)
-            & 0x7F_FF00;
+        let base =
+            (std::process::id().wrapping_mul(2654435761) ^ engine.shared().local_addr().port() as u32) & 0x7F_FF00;
         Ok(Context {
             inner: Arc::new(CtxInner {
                 engine,
@@ -113,13 +112,7 @@ impl Context {
     }
 
     /// Creates an RC queue pair, already in INIT so receives can be posted before connecting.
-    pub fn create_qp(
-        &self,
-        pd: &Pd,
-        send_cq: &Cq,
-        recv_cq: &Cq,
-        attr: QpInitAttr,
-    ) -> Result<Qp, VerbsError> {
+    pub fn create_qp(&self, pd: &Pd, send_cq: &Cq, recv_cq: &Cq, attr: QpInitAttr) -> Result<Qp, VerbsError> {
         let qpn = self.inner.next_qpn.fetch_add(1, Ordering::Relaxed) & crate::wire::MASK24;
         Qp::create(
             self.clone(),

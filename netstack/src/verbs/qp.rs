@@ -55,20 +55,10 @@ impl Qp {
             send_cq,
             recv_cq,
         }));
-        ctx.inner
-            .engine
-            .shared()
-            .qps
-            .write()
-            .insert(qpn, slot.clone());
+        ctx.inner.engine.shared().qps.write().insert(qpn, slot.clone());
         // a random-ish initial PSN, as NICs pick one
         let psn = (qpn.wrapping_mul(0x9E37_79B9) ^ std::process::id()) & crate::wire::MASK24;
-        Ok(Qp {
-            ctx,
-            qpn,
-            psn,
-            slot,
-        })
+        Ok(Qp { ctx, qpn, psn, slot })
     }
 
     pub fn qp_num(&self) -> u32 {
@@ -150,9 +140,7 @@ impl Qp {
 
     /// Posts a send work request (`ibv_post_send`).
     pub fn post_send(&self, wr: SendWr) -> Result<(), VerbsError> {
-        if wr.flags.contains(SendFlags::INLINE)
-            && wr.total_len() > self.ctx.inner.cfg.max_inline as u64
-        {
+        if wr.flags.contains(SendFlags::INLINE) && wr.total_len() > self.ctx.inner.cfg.max_inline as u64 {
             return Err(VerbsError::InlineTooLong {
                 len: wr.total_len(),
                 max: self.ctx.inner.cfg.max_inline,
@@ -168,17 +156,12 @@ impl Qp {
     }
 
     /// Posts several send work requests; stops at the first refused one.
-    pub fn post_send_batch(
-        &self,
-        wrs: impl IntoIterator<Item = SendWr>,
-    ) -> Result<usize, VerbsError> {
+    pub fn post_send_batch(&self, wrs: impl IntoIterator<Item = SendWr>) -> Result<usize, VerbsError> {
         let mut n = 0;
         {
             let mut s = self.slot.lock();
             for wr in wrs {
-                if wr.flags.contains(SendFlags::INLINE)
-                    && wr.total_len() > self.ctx.inner.cfg.max_inline as u64
-                {
+                if wr.flags.contains(SendFlags::INLINE) && wr.total_len() > self.ctx.inner.cfg.max_inline as u64 {
                     return Err(VerbsError::InlineTooLong {
                         len: wr.total_len(),
                         max: self.ctx.inner.cfg.max_inline,

@@ -317,10 +317,7 @@ mod tests {
         for v in 0u8..=0x7F {
             assert_eq!(Syndrome::from_u8(v).to_u8(), v);
         }
-        assert_eq!(
-            Syndrome::from_u8(0x62),
-            Syndrome::Nak(NakCode::RemoteAccessError)
-        );
+        assert_eq!(Syndrome::from_u8(0x62), Syndrome::Nak(NakCode::RemoteAccessError));
         assert_eq!(Syndrome::from_u8(0x3F), Syndrome::Rnr { timer: 0x1F });
     }
 

@@ -92,10 +92,7 @@ mod tests {
         let dst: SocketAddrV4 = "127.0.0.2:4791".parse().unwrap();
         let body: Vec<u8> = (0..300u32).map(|i| i as u8).collect();
         let whole = compute(src, dst, &[&body]);
-        assert_eq!(
-            whole,
-            compute(src, dst, &[&body[..12], &body[12..100], &body[100..]])
-        );
+        assert_eq!(whole, compute(src, dst, &[&body[..12], &body[12..100], &body[100..]]));
         // byte 4 of the BTH is masked: FECN/BECN changes in flight do not change the ICRC
         let mut b2 = body.clone();
         b2[4] = 0x80;

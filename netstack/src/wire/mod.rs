@@ -8,9 +8,7 @@ pub mod packet;
 
 pub use headers::*;
 pub use opcode::Opcode;
-pub use packet::{
-    encode_into, HeaderBuf, PacketView, MAX_DATAGRAM, MAX_HDR_LEN, MAX_MTU, PAD_ZEROS,
-};
+pub use packet::{encode_into, HeaderBuf, PacketView, MAX_DATAGRAM, MAX_HDR_LEN, MAX_MTU, PAD_ZEROS};
 
 /// The IANA-assigned RoCEv2 UDP destination port.
 pub const ROCEV2_PORT: u16 = 4791;

@@ -170,11 +170,7 @@ impl Opcode {
 
     /// A SEND-family opcode (consumes a receive WQE).
     pub fn is_send(self) -> bool {
-        (self as u8) <= 0x05
-            || matches!(
-                self,
-                Opcode::SendLastWithInvalidate | Opcode::SendOnlyWithInvalidate
-            )
+        (self as u8) <= 0x05 || matches!(self, Opcode::SendLastWithInvalidate | Opcode::SendOnlyWithInvalidate)
     }
 
     /// A WRITE-family opcode.
@@ -242,14 +238,8 @@ mod tests {
 
     #[test]
     fn positions() {
-        assert_eq!(
-            Opcode::for_position(true, true, false, true),
-            Opcode::WriteFirst
-        );
-        assert_eq!(
-            Opcode::for_position(false, false, true, true),
-            Opcode::SendLastWithImm
-        );
+        assert_eq!(Opcode::for_position(true, true, false, true), Opcode::WriteFirst);
+        assert_eq!(Opcode::for_position(false, false, true, true), Opcode::SendLastWithImm);
         assert_eq!(Opcode::read_response(0, 1), Opcode::ReadResponseOnly);
         assert_eq!(Opcode::read_response(2, 3), Opcode::ReadResponseLast);
         assert!(Opcode::SendOnlyWithInvalidate.is_send());

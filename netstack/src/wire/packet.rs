@@ -55,11 +55,7 @@ impl<'a> PacketView<'a> {
         need += if hs.reth { Reth::LEN } else { 0 };
         need += if hs.aeth { Aeth::LEN } else { 0 };
         need += if hs.atomic_eth { AtomicEth::LEN } else { 0 };
-        need += if hs.atomic_ack_eth {
-            AtomicAckEth::LEN
-        } else {
-            0
-        };
+        need += if hs.atomic_ack_eth { AtomicAckEth::LEN } else { 0 };
         need += if hs.imm { IMM_LEN } else { 0 };
         need += if hs.ieth { IETH_LEN } else { 0 };
         if d.len() < need + ICRC_LEN {
@@ -76,12 +72,8 @@ impl<'a> PacketView<'a> {
         };
         let reth = hs.reth.then(|| Reth::parse(take(Reth::LEN)));
         let aeth = hs.aeth.then(|| Aeth::parse(take(Aeth::LEN)));
-        let atomic = hs
-            .atomic_eth
-            .then(|| AtomicEth::parse(take(AtomicEth::LEN)));
-        let atomic_ack = hs
-            .atomic_ack_eth
-            .then(|| AtomicAckEth::parse(take(AtomicAckEth::LEN)));
+        let atomic = hs.atomic_eth.then(|| AtomicEth::parse(take(AtomicEth::LEN)));
+        let atomic_ack = hs.atomic_ack_eth.then(|| AtomicAckEth::parse(take(AtomicAckEth::LEN)));
         let imm = hs
             .imm
             .then(|| u32::from_be_bytes(take(4).try_into().unwrap_or_default()));
@@ -119,11 +111,7 @@ impl<'a> PacketView<'a> {
     }
 
     /// Checks the ICRC of `datagram` (the bytes this view was parsed from) as sent from `src` to `dst`.
-    pub fn verify_icrc(
-        datagram: &[u8],
-        src: SocketAddrV4,
-        dst: SocketAddrV4,
-    ) -> Result<(), WireError> {
+    pub fn verify_icrc(datagram: &[u8], src: SocketAddrV4, dst: SocketAddrV4) -> Result<(), WireError> {
         if datagram.len() < ICRC_LEN {
             return Err(WireError::Truncated {
                 need: ICRC_LEN,
@@ -131,12 +119,7 @@ impl<'a> PacketView<'a> {
             });
         }
         let end = datagram.len() - ICRC_LEN;
-        let got = u32::from_le_bytes([
-            datagram[end],
-            datagram[end + 1],
-            datagram[end + 2],
-            datagram[end + 3],
-        ]);
+        let got = u32::from_le_bytes([datagram[end], datagram[end + 1], datagram[end + 2], datagram[end + 3]]);
         let want = icrc::compute(src, dst, &[&datagram[..end]]);
         if got == want {
             Ok(())
@@ -235,13 +218,7 @@ pub const PAD_ZEROS: [u8; 3] = [0; 3];
 
 /// Serializes a whole packet into `out` (used by the simulator and tests; the engine sends the
 /// same parts as an iovec list instead).
-pub fn encode_into(
-    out: &mut Vec<u8>,
-    hdr: &HeaderBuf,
-    payload: &[&[u8]],
-    src: SocketAddrV4,
-    dst: SocketAddrV4,
-) {
+pub fn encode_into(out: &mut Vec<u8>, hdr: &HeaderBuf, payload: &[&[u8]], src: SocketAddrV4, dst: SocketAddrV4) {
     out.clear();
     out.extend_from_slice(hdr.as_bytes());
     for p in payload {
@@ -258,10 +235,7 @@ mod tests {
     use super::*;
 
     fn addrs() -> (SocketAddrV4, SocketAddrV4) {
-        (
-            "127.0.0.1:5000".parse().unwrap(),
-            "127.0.0.2:4791".parse().unwrap(),
-        )
+        ("127.0.0.1:5000".parse().unwrap(), "127.0.0.2:4791".parse().unwrap())
     }
 
     #[test]
@@ -288,27 +262,15 @@ mod tests {
 
     #[test]
     fn errors_not_panics() {
-        assert!(matches!(
-            PacketView::parse(&[]),
-            Err(WireError::Truncated { .. })
-        ));
+        assert!(matches!(PacketView::parse(&[]), Err(WireError::Truncated { .. })));
         let mut b = [0u8; 16];
         b[0] = 0x18;
-        assert!(matches!(
-            PacketView::parse(&b),
-            Err(WireError::UnknownOpcode(0x18))
-        ));
+        assert!(matches!(PacketView::parse(&b), Err(WireError::UnknownOpcode(0x18))));
         b[0] = Opcode::ReadRequest as u8;
-        assert!(matches!(
-            PacketView::parse(&b),
-            Err(WireError::Truncated { .. })
-        ));
+        assert!(matches!(PacketView::parse(&b), Err(WireError::Truncated { .. })));
         b[0] = Opcode::SendOnly as u8;
         b[1] = 0x30; // pad 3 with no payload
-        assert!(matches!(
-            PacketView::parse(&b),
-            Err(WireError::BadPad { .. })
-        ));
+        assert!(matches!(PacketView::parse(&b), Err(WireError::BadPad { .. })));
         assert!(matches!(
             PacketView::parse(&vec![0u8; MAX_DATAGRAM + 1]),
             Err(WireError::Oversized { .. })

@@ -100,10 +100,7 @@ impl RcConfig {
     /// Checks the parameters; the error names the field.
     pub fn validate(&self) -> Result<(), String> {
         if ![256, 512, 1024, 2048, 4096].contains(&self.mtu) {
-            return Err(format!(
-                "mtu: {} is not one of 256, 512, 1024, 2048, 4096",
-                self.mtu
-            ));
+            return Err(format!("mtu: {} is not one of 256, 512, 1024, 2048, 4096", self.mtu));
         }
         if self.timeout_ns == 0 {
             return Err("timeout_ns: must be > 0".into());
@@ -118,16 +115,9 @@ impl RcConfig {
             return Err(format!("min_rnr_timer: {} > 31", self.min_rnr_timer));
         }
         if self.window_pkts == 0 || self.window_pkts > 1 << 20 {
-            return Err(format!(
-                "window_pkts: {} not in 1..=1048576",
-                self.window_pkts
-            ));
+            return Err(format!("window_pkts: {} not in 1..=1048576", self.window_pkts));
         }
-        if self.max_rd_atomic == 0
-            || self.max_send_wr == 0
-            || self.max_recv_wr == 0
-            || self.ack_every == 0
-        {
+        if self.max_rd_atomic == 0 || self.max_send_wr == 0 || self.max_recv_wr == 0 || self.ack_every == 0 {
             return Err("max_rd_atomic, max_send_wr, max_recv_wr and ack_every must be > 0".into());
         }
         Ok(())
@@ -232,12 +222,7 @@ impl RcQp {
     }
 
     /// INIT -> RTR: connect to the remote QP; `rq_psn` is the first PSN expected from it.
-    pub fn modify_to_rtr(
-        &mut self,
-        dest_qpn: u32,
-        rq_psn: u32,
-        cfg: RcConfig,
-    ) -> Result<(), ModifyError> {
+    pub fn modify_to_rtr(&mut self, dest_qpn: u32, rq_psn: u32, cfg: RcConfig) -> Result<(), ModifyError> {
         self.transition(&[QpState::Init], QpState::Rtr)?;
         self.cfg = cfg;
         self.dest_qpn = dest_qpn & MASK24;
@@ -268,10 +253,7 @@ impl RcQp {
             self.state = to;
             Ok(())
         } else {
-            Err(ModifyError {
-                from: self.state,
-                to,
-            })
+            Err(ModifyError { from: self.state, to })
         }
     }
 

@@ -16,8 +16,8 @@ const ACKREQ_EVERY: u32 = 16;
 /// RNR timer codes (IBA Table 45) in nanoseconds.
 pub fn rnr_delay_ns(code: u8) -> u64 {
     const US_X100: [u64; 32] = [
-        65536, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024,
-        1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576, 32768, 49152,
+        65536, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072,
+        4096, 6144, 8192, 12288, 16384, 24576, 32768, 49152,
     ];
     US_X100[(code & 31) as usize] * 10_000
 }
@@ -58,8 +58,7 @@ impl SendWqe {
         )
     }
     fn contains(&self, psn: u64) -> bool {
-        self.first_psn
-            .is_some_and(|f| psn >= f && psn < f + self.npkts as u64)
+        self.first_psn.is_some_and(|f| psn >= f && psn < f + self.npkts as u64)
     }
     fn wc(&self, status: WcStatus, qpn: u32, dest: u32) -> Wc {
         Wc {
@@ -188,28 +187,15 @@ impl Requester {
     }
 
     pub(super) fn heap_bytes(&self) -> usize {
-        self.sq.capacity() * std::mem::size_of::<SendWqe>()
-            + self.acked.capacity()
-            + self.retx.len() * 24
+        self.sq.capacity() * std::mem::size_of::<SendWqe>() + self.acked.capacity() + self.retx.len() * 24
     }
 
-    pub(super) fn post(
-        &mut self,
-        wr: SendWr,
-        pd: u32,
-        cfg: &RcConfig,
-        mrs: &MrTable,
-    ) -> Result<(), super::PostError> {
+    pub(super) fn post(&mut self, wr: SendWr, pd: u32, cfg: &RcConfig, mrs: &MrTable) -> Result<(), super::PostError> {
         use super::PostError::Invalid;
         let total = wr.total_len();
-        let atomic = matches!(
-            wr.opcode,
-            WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd
-        );
+        let atomic = matches!(wr.opcode, WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd);
         if atomic && (wr.sg_list.len() != 1 || total != 8) {
-            return Err(Invalid(
-                "atomic work requests take one 8-byte scatter-gather element",
-            ));
+            return Err(Invalid("atomic work requests take one 8-byte scatter-gather element"));
         }
         if atomic && wr.remote_addr % 8 != 0 {
             return Err(Invalid("atomic remote address must be 8-byte aligned"));
@@ -237,10 +223,7 @@ impl Requester {
         if wr.flags.contains(SendFlags::INLINE) && bad.is_none() {
             if !matches!(
                 wr.opcode,
-                WrOpcode::Send
-                    | WrOpcode::SendWithImm
-                    | WrOpcode::RdmaWrite
-                    | WrOpcode::RdmaWriteWithImm
+                WrOpcode::Send | WrOpcode::SendWithImm | WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm
             ) {
                 return Err(Invalid("INLINE is only valid for SEND and WRITE"));
             }
@@ -269,11 +252,7 @@ impl Requester {
             self.next_recv_seq = self.next_recv_seq.wrapping_add(1);
         }
         let mtu = cfg.mtu as u64;
-        let npkts = if atomic {
-            1
-        } else {
-            total.div_ceil(mtu).max(1) as u32
-        };
+        let npkts = if atomic { 1 } else { total.div_ceil(mtu).max(1) as u32 };
         self.sq.push_back(SendWqe {
             wr_id: wr.wr_id,
             op: wr.opcode,
@@ -296,12 +275,7 @@ impl Requester {
     }
 
     fn is_acked(&self, psn: u64) -> bool {
-        psn < self.una
-            || self
-                .acked
-                .get((psn - self.una) as usize)
-                .copied()
-                .unwrap_or(false)
+        psn < self.una || self.acked.get((psn - self.una) as usize).copied().unwrap_or(false)
     }
 
     fn mark(&mut self, psn: u64) {
@@ -356,10 +330,7 @@ impl Requester {
         match self.sq.get(self.cursor) {
             None => false,
             Some(w) => {
-                let psn = w
-                    .first_psn
-                    .map(|f| f + self.cursor_pkt as u64)
-                    .unwrap_or(self.next_psn);
+                let psn = w.first_psn.map(|f| f + self.cursor_pkt as u64).unwrap_or(self.next_psn);
                 w.bad.is_none() && psn < self.una + cfg.window_pkts as u64
             }
         }
@@ -403,11 +374,7 @@ impl Requester {
             }
             WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd => {
                 let cas = w.op == WrOpcode::AtomicCmpAndSwp;
-                let op = if cas {
-                    Opcode::CompareSwap
-                } else {
-                    Opcode::FetchAdd
-                };
+                let op = if cas { Opcode::CompareSwap } else { Opcode::FetchAdd };
                 let mut bth = Bth::new(op as u8, dest_qpn, psn);
                 bth.ack_req = true;
                 let mut hdr = HeaderBuf::with_bth(&bth);
@@ -433,11 +400,7 @@ impl Requester {
                 let off = k as u64 * mtu;
                 let len = (w.total - off.min(w.total)).min(mtu) as usize;
                 let (is_first, is_last) = (k == 0, k + 1 == w.npkts);
-                let mut bth = Bth::new(
-                    Opcode::for_position(write, is_first, is_last, imm) as u8,
-                    dest_qpn,
-                    psn,
-                );
+                let mut bth = Bth::new(Opcode::for_position(write, is_first, is_last, imm) as u8, dest_qpn, psn);
                 bth.ack_req = is_last || k % ACKREQ_EVERY == ACKREQ_EVERY - 1;
                 bth.solicited = is_last && w.solicited;
                 let mut hdr = HeaderBuf::with_bth(&bth);
@@ -630,9 +593,7 @@ impl Requester {
                         if let Some(m) = r.cum_ack(p) {
                             r.recover(m, &cfg, true);
                         }
-                        if cfg.recovery == Recovery::SelectiveRepeat
-                            && pkt.trailer.len() >= SackExt::LEN
-                        {
+                        if cfg.recovery == Recovery::SelectiveRepeat && pkt.trailer.len() >= SackExt::LEN {
                             r.sack(&SackExt::parse(pkt.trailer));
                         }
                     }
@@ -708,11 +669,7 @@ impl Requester {
                     return;
                 };
                 let w = &r.sq[i];
-                if !matches!(
-                    w.op,
-                    WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd
-                ) || r.is_acked(p)
-                {
+                if !matches!(w.op, WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd) || r.is_acked(p) {
                     qp.stats.stale_responses += 1;
                     return;
                 }

@@ -167,10 +167,7 @@ impl Responder {
     }
 
     pub(super) fn wants_transmit(&self, now: u64) -> bool {
-        !self.resp_q.is_empty()
-            || self.nak.is_some()
-            || self.ack_pending
-            || self.ack_deadline.is_some_and(|d| d <= now)
+        !self.resp_q.is_empty() || self.nak.is_some() || self.ack_pending || self.ack_deadline.is_some_and(|d| d <= now)
     }
 
     pub(super) fn handle_timeout(&mut self, now: u64) {
@@ -282,20 +279,11 @@ impl Responder {
     }
 
     /// Validates a request packet and places its payload; returns what is left to do in PSN order.
-    fn process(
-        qp: &mut RcQp,
-        p: u64,
-        pkt: &PacketView<'_>,
-        mrs: &MrTable,
-        in_order: bool,
-    ) -> Result<Action, Reject> {
+    fn process(qp: &mut RcQp, p: u64, pkt: &PacketView<'_>, mrs: &MrTable, in_order: bool) -> Result<Action, Reject> {
         let _ = p;
         let op = pkt.opcode;
         if op == Opcode::ReadRequest {
-            return pkt
-                .reth
-                .map(Action::Read)
-                .ok_or(Reject::Nak(NakCode::InvalidRequest));
+            return pkt.reth.map(Action::Read).ok_or(Reject::Nak(NakCode::InvalidRequest));
         }
         if op.is_atomic() {
             let eth = pkt.atomic.ok_or(Reject::Nak(NakCode::InvalidRequest))?;
@@ -304,10 +292,7 @@ impl Responder {
                 cas: op == Opcode::CompareSwap,
             });
         }
-        if matches!(
-            op,
-            Opcode::SendLastWithInvalidate | Opcode::SendOnlyWithInvalidate
-        ) {
+        if matches!(op, Opcode::SendLastWithInvalidate | Opcode::SendOnlyWithInvalidate) {
             return Err(Reject::Nak(NakCode::InvalidRequest));
         }
         let cfg = qp.cfg;
@@ -450,13 +435,7 @@ impl Responder {
         })
     }
 
-    fn scatter_recv(
-        sg: &SgList,
-        mut off: usize,
-        mut data: &[u8],
-        pd: u32,
-        mrs: &MrTable,
-    ) -> Result<(), ()> {
+    fn scatter_recv(sg: &SgList, mut off: usize, mut data: &[u8], pd: u32, mrs: &MrTable) -> Result<(), ()> {
         for s in sg {
             if data.is_empty() {
                 break;
@@ -468,13 +447,7 @@ impl Responder {
             }
             let n = (l - off).min(data.len());
             let (region, roff) = mrs
-                .check(
-                    s.lkey,
-                    pd,
-                    s.addr + off as u64,
-                    n as u64,
-                    Access::LOCAL_WRITE,
-                )
+                .check(s.lkey, pd, s.addr + off as u64, n as u64, Access::LOCAL_WRITE)
                 .map_err(|_| ())?;
             region.write(roff, &data[..n]);
             data = &data[n..];
@@ -627,11 +600,7 @@ impl Responder {
                     (TxPacket { hdr, payload }, *next == *n, *first + k as u64)
                 }
                 Resp::Atomic { psn, orig } => {
-                    let mut hdr = HeaderBuf::with_bth(&Bth::new(
-                        Opcode::AtomicAcknowledge as u8,
-                        dest,
-                        *psn as u32,
-                    ));
+                    let mut hdr = HeaderBuf::with_bth(&Bth::new(Opcode::AtomicAcknowledge as u8, dest, *psn as u32));
                     hdr.push_aeth(&Aeth {
                         syndrome: ack,
                         msn: s.msn,
@@ -659,8 +628,7 @@ impl Responder {
             return Some(pkt);
         }
         if let Some((syn, psn)) = s.nak.take() {
-            let mut hdr =
-                HeaderBuf::with_bth(&Bth::new(Opcode::Acknowledge as u8, dest, psn as u32));
+            let mut hdr = HeaderBuf::with_bth(&Bth::new(Opcode::Acknowledge as u8, dest, psn as u32));
             hdr.push_aeth(&s.aeth(syn));
             return Some(TxPacket {
                 hdr,
