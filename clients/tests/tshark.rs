@@ -1,0 +1,223 @@
+//! tshark decodes packets captured from a real run on the loopback interface as InfiniBand,
+//! with the opcode, QPN, PSN, VA, rkey and length the stack put there, and nothing malformed;
+//! scapy independently recomputes every ICRC. Needs root (capture) and tshark; `.ci/run`
+//! installs both tools and CI runs as root.
+
+use netstack::verbs::*;
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+fn have(cmd: &str, arg: &str) -> bool {
+    Command::new(cmd)
+        .arg(arg)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+fn skip(why: &str) -> bool {
+    if std::env::var_os("CI").is_some() && !why.contains("root") {
+        panic!("CI must run this test, but {why}");
+    }
+    eprintln!("SKIPPED tshark wire test: {why}");
+    true
+}
+
+fn parse_num(s: &str) -> u64 {
+    let s = s.trim();
+    match s.strip_prefix("0x") {
+        Some(h) => u64::from_str_radix(h, 16).unwrap_or(u64::MAX),
+        None => s.parse().unwrap_or(u64::MAX),
+    }
+}
+
+#[test]
+fn tshark_decodes_our_packets_as_infiniband() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 && skip("not root (capturing on lo needs root)") {
+        return;
+    }
+    if !have("tshark", "--version") && skip("tshark is not installed (.ci/run installs it)") {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("flexns-tshark-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cap = dir.join("cap.pcapng");
+    let mut ts = Command::new("tshark")
+        .args(["-i", "lo", "-f", "udp port 4791", "-w"])
+        .arg(&cap)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("tshark starts");
+    let mut err = BufReader::new(ts.stderr.take().unwrap());
+    let mut line = String::new();
+    loop {
+        line.clear();
+        assert!(err.read_line(&mut line).unwrap() > 0, "tshark exited before capturing");
+        if line.contains("Capture started") {
+            break;
+        }
+        if line.contains("Capturing on") {
+            // some versions print no "Capture started": give dumpcap a moment
+            std::thread::sleep(Duration::from_millis(1500));
+            break;
+        }
+    }
+    std::thread::spawn(move || {
+        let mut s = String::new();
+        while err.read_line(&mut s).is_ok_and(|n| n > 0) {
+            s.clear();
+        }
+    });
+
+    // two nodes on the RoCEv2 port, on two loopback addresses
+    let open = |ip: &str| {
+        Context::open(ContextConfig {
+            bind: format!("{ip}:4791").parse().unwrap(),
+            ..Default::default()
+        })
+        .unwrap()
+    };
+    let (ca, cb) = (open("127.0.0.1"), open("127.0.0.2"));
+    let (pa, pb) = (ca.alloc_pd(), cb.alloc_pd());
+    let (qa_cq, qb_cq) = (ca.create_cq(64), cb.create_cq(64));
+    let qa = ca.create_qp(&pa, &qa_cq, &qa_cq, QpInitAttr::default()).unwrap();
+    let qb = cb.create_qp(&pb, &qb_cq, &qb_cq, QpInitAttr::default()).unwrap();
+    let (ea, eb) = (qa.local_endpoint(), qb.local_endpoint());
+    qa.connect(&eb).unwrap();
+    qb.connect(&ea).unwrap();
+    let ma = pa.reg_mr(1 << 16, Access::ALL).unwrap();
+    let mb = pb.reg_mr(1 << 16, Access::ALL).unwrap();
+    ma.write(0, &[0x42; 20_000]);
+    qb.post_recv(RecvWr {
+        wr_id: 1,
+        sg_list: [mb.sge(40_000, 100)].into_iter().collect(),
+    })
+    .unwrap();
+    qb.post_recv(RecvWr {
+        wr_id: 2,
+        sg_list: Default::default(),
+    })
+    .unwrap();
+    let wrs = vec![
+        SendWr::new(1, WrOpcode::RdmaWrite)
+            .sge(ma.sge(0, 10_000))
+            .remote(mb.addr(), mb.rkey()),
+        SendWr::new(2, WrOpcode::RdmaRead)
+            .sge(ma.sge(20_000, 100))
+            .remote(mb.addr() + 64, mb.rkey()),
+        SendWr::new(3, WrOpcode::Send).sge(ma.sge(0, 50)),
+        SendWr::new(4, WrOpcode::RdmaWriteWithImm)
+            .sge(ma.sge(0, 10))
+            .remote(mb.addr() + 30_000, mb.rkey())
+            .imm(7),
+        SendWr::new(5, WrOpcode::AtomicCmpAndSwp)
+            .sge(ma.sge(30_000, 8))
+            .remote(mb.addr() + 32_768, mb.rkey())
+            .atomic(0, 1),
+        SendWr::new(6, WrOpcode::AtomicFetchAndAdd)
+            .sge(ma.sge(30_008, 8))
+            .remote(mb.addr() + 32_768, mb.rkey())
+            .atomic(5, 0),
+    ];
+    for wr in wrs {
+        qa.post_send(wr).unwrap();
+        let wc = qa_cq.next(Duration::from_secs(10)).unwrap();
+        assert_eq!(wc.status, WcStatus::Success);
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(ts.id() as i32, libc::SIGINT) };
+    ts.wait().unwrap();
+
+    let out = Command::new("tshark")
+        .arg("-r")
+        .arg(&cap)
+        .args([
+            "--disable-heuristic",
+            "rpcrdma_infiniband",
+            "-T",
+            "fields",
+            "-E",
+            "separator=;",
+        ])
+        .args([
+            "-e",
+            "ip.src",
+            "-e",
+            "infiniband.bth.opcode",
+            "-e",
+            "infiniband.bth.destqp",
+            "-e",
+            "infiniband.bth.psn",
+        ])
+        .args([
+            "-e",
+            "infiniband.reth.va",
+            "-e",
+            "infiniband.reth.r_key",
+            "-e",
+            "infiniband.reth.dmalen",
+            "-e",
+            "_ws.malformed",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "tshark -r failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    let rows: Vec<Vec<&str>> = text.lines().map(|l| l.split(';').collect()).collect();
+    eprintln!("{text}");
+    assert!(rows.len() >= 12, "expected at least 12 packets, got {}", rows.len());
+    for r in &rows {
+        assert_eq!(r.len(), 8, "row {r:?}");
+        assert!(r[7].is_empty(), "tshark reports a malformed packet: {r:?}");
+        assert!(!r[1].is_empty(), "not decoded as InfiniBand: {r:?}");
+    }
+    let from_a: Vec<&Vec<&str>> = rows.iter().filter(|r| r[0] == "127.0.0.1").collect();
+    let op = |r: &Vec<&str>| parse_num(r[1]);
+    // requests from A, in order: WRITE FIRST/MIDDLE/LAST, READ, SEND ONLY, WRITE ONLY IMM, CAS, FETCH_ADD
+    let reqs: Vec<&&Vec<&str>> = from_a.iter().filter(|r| op(r) != 0x11).collect();
+    let ops: Vec<u64> = reqs.iter().map(|r| op(r)).collect();
+    assert_eq!(ops, vec![0x06, 0x07, 0x08, 0x0C, 0x04, 0x0B, 0x13, 0x14], "{reqs:?}");
+    for r in &reqs {
+        assert_eq!(parse_num(r[2]), eb.qpn as u64, "dest QP of {r:?}");
+    }
+    // PSNs: the WRITE takes 3, READ of 100 B one, then one each
+    let psns: Vec<u64> = reqs.iter().map(|r| parse_num(r[3])).collect();
+    let p0 = ea.psn as u64;
+    assert_eq!(psns, (0..8).map(|i| (p0 + i) & 0xFF_FFFF).collect::<Vec<_>>());
+    let first = reqs[0];
+    assert_eq!(parse_num(first[4]), mb.addr(), "RETH VA");
+    assert_eq!(parse_num(first[5]), mb.rkey() as u64, "RETH rkey");
+    assert_eq!(parse_num(first[6]), 10_000, "RETH length");
+    assert_eq!(parse_num(reqs[3][4]), mb.addr() + 64);
+    assert_eq!(parse_num(reqs[3][6]), 100);
+    // responses from B: an ACK, the READ response and the atomic ACKs are there
+    let resp_ops: Vec<u64> = rows.iter().filter(|r| r[0] == "127.0.0.2").map(op).collect();
+    for want in [0x11, 0x10, 0x12] {
+        assert!(resp_ops.contains(&want), "no response opcode {want:#x} in {resp_ops:?}");
+    }
+
+    // independent ICRC check
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/icrc_check.py");
+    match Command::new("python3").arg(script).arg(&cap).output() {
+        Ok(o) if o.status.success() => eprintln!("{}", String::from_utf8_lossy(&o.stdout)),
+        Ok(o) if String::from_utf8_lossy(&o.stderr).contains("No module named 'scapy'") => {
+            skip("scapy is not installed (.ci/run installs it), ICRC not cross-checked");
+        }
+        Ok(o) => panic!(
+            "ICRC check failed:\n{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        ),
+        Err(e) => panic!("cannot run python3: {e}"),
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
