@@ -73,10 +73,14 @@ impl Context {
             cfg.poll_mode,
             Duration::from_micros(cfg.spin_us),
         )?;
-        // QPNs start at a per-context random-ish base, so a stale packet for a previous run's QP
-        // on a reused port is unlikely to hit a new QP
-        let base =
-            (std::process::id().wrapping_mul(2654435761) ^ engine.shared().local_addr().port() as u32) & 0x7F_FF00;
+        // QPNs start at a per-context base (process, address and a per-process count mixed), so
+        // contexts in one process differ and a stale packet for an earlier run's QP on a reused
+        // port is unlikely to hit a new QP
+        static CONTEXTS: AtomicU32 = AtomicU32::new(0);
+        let local = engine.shared().local_addr();
+        let n = CONTEXTS.fetch_add(1, Ordering::Relaxed);
+        let mix = std::process::id() ^ u32::from(*local.ip()) ^ ((local.port() as u32) << 8) ^ (n << 16);
+        let base = mix.wrapping_mul(2654435761) & 0x7F_FF00;
         Ok(Context {
             inner: Arc::new(CtxInner {
                 engine,
