@@ -90,3 +90,12 @@ mod tests {
         assert!(e.contains("bind"), "{e}");
     }
 }
+
+#[cfg(test)]
+mod example_tests {
+    #[test]
+    fn the_shipped_example_config_parses() {
+        let s = include_str!("../../deploy/config/context.toml");
+        super::ContextConfig::from_toml(s).unwrap();
+    }
+}

@@ -123,7 +123,7 @@ impl Region {
     }
 
     fn word(&self, off: usize) -> Option<&AtomicU64> {
-        if off % 8 != 0 || (self.ptr as usize + off) % 8 != 0 || off.checked_add(8)? > self.len {
+        if !off.is_multiple_of(8) || !(self.ptr as usize + off).is_multiple_of(8) || off.checked_add(8)? > self.len {
             return None;
         }
         // SAFETY: aligned, in bounds, and the memory lives as long as &self.

@@ -183,3 +183,77 @@ fn garbage_datagrams_are_counted_and_dropped() {
     .unwrap();
     assert_eq!(a.cq.next(T).unwrap().status, WcStatus::Success);
 }
+
+#[test]
+fn local_errors_and_queue_states() {
+    let (a, b) = pair(RcConfig::default(), 1 << 16);
+    // INLINE: the payload is copied at post time, so the buffer may change right after
+    a.mr.write(0, b"inline!!");
+    a.qp.post_send(
+        SendWr::new(1, WrOpcode::RdmaWrite)
+            .sge(a.mr.sge(0, 8))
+            .remote(b.mr.addr(), b.mr.rkey())
+            .flags(SendFlags::SIGNALED | SendFlags::INLINE),
+    )
+    .unwrap();
+    a.mr.write(0, b"changed!");
+    assert_eq!(a.cq.next(T).unwrap().status, WcStatus::Success);
+    let mut g = [0u8; 8];
+    b.mr.read(0, &mut g);
+    assert_eq!(&g, b"inline!!");
+    // INLINE above max_inline is refused at post time
+    let big = SendWr::new(2, WrOpcode::RdmaWrite)
+        .sge(a.mr.sge(0, 4096))
+        .remote(b.mr.addr(), b.mr.rkey())
+        .flags(SendFlags::INLINE);
+    assert!(matches!(a.qp.post_send(big), Err(VerbsError::InlineTooLong { .. })));
+    // a receive buffer smaller than the SEND: LOC_LEN_ERR at the receiver, REM_INV_REQ_ERR at the sender
+    b.qp.post_recv(RecvWr {
+        wr_id: 5,
+        sg_list: [b.mr.sge(0, 10)].into_iter().collect(),
+    })
+    .unwrap();
+    a.qp.post_send(SendWr::new(3, WrOpcode::Send).sge(a.mr.sge(0, 100)))
+        .unwrap();
+    assert_eq!(a.cq.next(T).unwrap().status, WcStatus::RemInvReqErr);
+    let r = b.cq.next(T).unwrap();
+    assert_eq!((r.wr_id, r.status), (5, WcStatus::LocLenErr));
+    // a QP in ERR flushes what is posted to it
+    a.qp.post_send(
+        SendWr::new(4, WrOpcode::RdmaWrite)
+            .sge(a.mr.sge(0, 8))
+            .remote(b.mr.addr(), b.mr.rkey()),
+    )
+    .unwrap();
+    assert_eq!(a.cq.next(T).unwrap().status, WcStatus::WrFlushErr);
+
+    // a bad lkey completes with LOC_PROT_ERR
+    let (c, d) = pair(RcConfig::default(), 4096);
+    let bad = Sge {
+        addr: c.mr.addr(),
+        length: 8,
+        lkey: c.mr.lkey() ^ 0x300,
+    };
+    c.qp.post_send(
+        SendWr::new(9, WrOpcode::RdmaWrite)
+            .sge(bad)
+            .remote(d.mr.addr(), d.mr.rkey()),
+    )
+    .unwrap();
+    assert_eq!(c.cq.next(T).unwrap().status, WcStatus::LocProtErr);
+    assert_eq!(c.qp.state(), QpState::Err);
+
+    // posting a send before RTS is refused
+    let e = side(RcConfig::default(), 4096);
+    let r = e.qp.post_send(SendWr::new(1, WrOpcode::RdmaWrite).sge(e.mr.sge(0, 8)));
+    assert!(matches!(r, Err(VerbsError::Post(_))), "{r:?}");
+    // recovery modes must match
+    let f = side(
+        RcConfig {
+            recovery: Recovery::SelectiveRepeat,
+            ..Default::default()
+        },
+        4096,
+    );
+    assert!(matches!(e.qp.connect(&f.qp.local_endpoint()), Err(VerbsError::Peer(_))));
+}

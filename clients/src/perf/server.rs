@@ -44,6 +44,16 @@ pub fn parse_recovery(s: &str) -> Result<Recovery, String> {
 /// Pattern seed of the server region.
 pub const SEED: u64 = 0x5eed;
 
+/// Where a QP's receive slots for SENDs live in the region, and whether to echo.
+#[derive(Debug, Clone, Copy)]
+struct RecvSlots {
+    size: u64,
+    base: u64,
+    echo: bool,
+}
+
+type RecvTable = Arc<Mutex<std::collections::HashMap<u32, (Arc<Qp>, RecvSlots)>>>;
+
 struct PerfAcceptor {
     ctx: Context,
     pd: Pd,
@@ -52,9 +62,10 @@ struct PerfAcceptor {
     ro: Mr,
     qps: Mutex<Vec<Arc<Qp>>>,
     /// Receive slots per QP, for SEND: (qp, slot size, slot base offset, echo)
-    recv: Arc<Mutex<std::collections::HashMap<u32, (Arc<Qp>, u64, u64, bool)>>>,
+    recv: RecvTable,
     next_recv_base: Mutex<u64>,
-    pending: Mutex<Option<(u32, u64, u64, bool, u32)>>,
+    /// Receive slots of accepted QPs until `connected` hands each QP over.
+    pending: Mutex<std::collections::HashMap<u32, RecvSlots>>,
 }
 
 impl Acceptor for PerfAcceptor {
@@ -91,7 +102,14 @@ impl Acceptor for PerfAcceptor {
                 })
                 .map_err(|e| e.to_string())?;
             }
-            *self.pending.lock() = Some((qp.qp_num(), hello.size.max(1), base, hello.echo, slots as u32));
+            self.pending.lock().insert(
+                qp.qp_num(),
+                RecvSlots {
+                    size: hello.size.max(1),
+                    base,
+                    echo: hello.echo,
+                },
+            );
         }
         let w = Welcome {
             addr: self.mr.addr(),
@@ -110,10 +128,8 @@ impl Acceptor for PerfAcceptor {
 
     fn connected(&self, qp: Qp) {
         let qp = Arc::new(qp);
-        if let Some((qpn, size, base, echo, _)) = self.pending.lock().take() {
-            if qpn == qp.qp_num() {
-                self.recv.lock().insert(qpn, (qp.clone(), size, base, echo));
-            }
+        if let Some(slots) = self.pending.lock().remove(&qp.qp_num()) {
+            self.recv.lock().insert(qp.qp_num(), (qp.clone(), slots));
         }
         let mut v = self.qps.lock();
         // drop QPs whose peers are gone
@@ -160,7 +176,7 @@ pub fn run(args: ServerArgs) -> Result<()> {
         qps: Mutex::new(Vec::new()),
         recv: recv.clone(),
         next_recv_base: Mutex::new(0),
-        pending: Mutex::new(None),
+        pending: Mutex::new(Default::default()),
     });
 
     let udp = super::reference::UdpServer::bind(SocketAddrV4::new(*args.data.ip(), 0))?;
@@ -198,7 +214,7 @@ pub fn run(args: ServerArgs) -> Result<()> {
                     if !matches!(wc.opcode, WcOpcode::Recv | WcOpcode::RecvRdmaWithImm) {
                         continue; // echo send completions (unsignaled ones never come)
                     }
-                    let Some((qp, size, base, echo)) = recv.lock().get(&wc.qp_num).cloned() else {
+                    let Some((qp, RecvSlots { size, base, echo })) = recv.lock().get(&wc.qp_num).cloned() else {
                         continue;
                     };
                     if wc.status != WcStatus::Success {

@@ -197,7 +197,7 @@ impl Requester {
         if atomic && (wr.sg_list.len() != 1 || total != 8) {
             return Err(Invalid("atomic work requests take one 8-byte scatter-gather element"));
         }
-        if atomic && wr.remote_addr % 8 != 0 {
+        if atomic && !wr.remote_addr.is_multiple_of(8) {
             return Err(Invalid("atomic remote address must be 8-byte aligned"));
         }
         if total > 1 << 31 {
@@ -713,7 +713,7 @@ impl Requester {
         // reordering; resending those once is the price IRN also pays)
         let from = self.una.max(self.retx_done_up_to);
         for p in from..h {
-            let received = p >= base + 1 && s.bitmap & (1 << (p - base - 1)) != 0;
+            let received = p > base && s.bitmap & (1 << (p - base - 1)) != 0;
             if received || self.is_acked(p) {
                 continue;
             }

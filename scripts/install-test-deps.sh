@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Installs what the test suite needs beyond cargo, idempotently: tshark (wire-format check)
+# and scapy (independent ICRC check). Needs root for apt; without root it says what is missing
+# and the tests that need those tools skip with a message.
+set -euo pipefail
+
+missing=()
+command -v tshark >/dev/null 2>&1 || missing+=(tshark)
+command -v ip >/dev/null 2>&1 || missing+=(iproute2)
+
+if [ "${#missing[@]}" -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "installing: ${missing[*]}"
+    echo "wireshark-common wireshark-common/install-setuid boolean false" | debconf-set-selections
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+  else
+    echo "not root: cannot install ${missing[*]}; tests that need them will skip" >&2
+  fi
+fi
+
+if ! python3 -c 'import scapy.contrib.roce' >/dev/null 2>&1; then
+  echo "installing: scapy (PyPI)"
+  python3 -m pip install -q --disable-pip-version-check scapy 2>/dev/null \
+    || python3 -m pip install -q --disable-pip-version-check --break-system-packages scapy 2>/dev/null \
+    || { [ "$(id -u)" = 0 ] && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-scapy >/dev/null; } \
+    || echo "could not install scapy; the ICRC cross-check will skip" >&2
+fi
