@@ -48,7 +48,7 @@ impl UdpServer {
         let mut batch = RecvBatch::new(64, 65536);
         let mut count = 0u64;
         loop {
-            let _ = sys::poll_readable(&[fd], 1000);
+            let _ = sys::ppoll_readable(&[fd], 1_000_000_000);
             let n = batch.recv(fd).unwrap_or(0);
             for i in 0..n {
                 let (d, src) = batch.get(i);
@@ -129,40 +129,40 @@ pub fn udp_bw(server: SocketAddr, dgram: usize, secs: f64) -> Result<BenchResult
     Ok(r)
 }
 
-/// udp-raw ping-pong latency with `size`-byte datagrams; reports half the round trip.
-pub fn udp_lat(server: SocketAddr, size: usize, secs: f64) -> Result<BenchResult> {
-    let sock = UdpSocket::bind("127.0.0.1:0")?;
-    sock.connect(server)?;
-    sock.set_read_timeout(Some(Duration::from_millis(200)))?;
-    let mut buf = vec![0u8; size.max(9)];
+/// Runs a ping-pong for `secs`: `exchange` sends the first buffer and receives the echo into the
+/// second, returning the received length (`None` for a lost round). Each message carries a
+/// sequence number after `prefix`, and every echo is compared with what was sent.
+fn ping_pong(
+    system: &str,
+    size: usize,
+    secs: f64,
+    prefix: &[u8],
+    mut exchange: impl FnMut(&[u8], &mut [u8]) -> Result<Option<usize>>,
+) -> Result<BenchResult> {
+    let mut buf = vec![0u8; size.max(prefix.len() + 8)];
+    buf[..prefix.len()].copy_from_slice(prefix);
     let mut rbuf = vec![0u8; buf.len()];
-    buf[0] = ECHO;
+    let seq = prefix.len()..prefix.len() + 8;
     let mut h = histogram();
     let start = Instant::now();
     let end = start + Duration::from_secs_f64(secs);
-    let mut ops = 0u64;
-    let mut verified = true;
+    let (mut ops, mut verified) = (0u64, true);
     while Instant::now() < end {
-        buf[1..9].copy_from_slice(&ops.to_le_bytes());
+        buf[seq.clone()].copy_from_slice(&ops.to_le_bytes());
         let t = Instant::now();
-        sock.send(&buf)?;
-        match sock.recv(&mut rbuf) {
-            Ok(n) => {
-                verified &= n == buf.len() && rbuf[..n] == buf[..];
-                h.record((t.elapsed().as_nanos() as u64 / 2).max(1))?;
-                ops += 1;
-            }
-            Err(_) => continue, // lost datagram: not counted
-        }
+        let Some(n) = exchange(&buf, &mut rbuf)? else { continue };
+        h.record((t.elapsed().as_nanos() as u64 / 2).max(1))?;
+        verified &= n == buf.len() && rbuf == buf;
+        ops += 1;
     }
     let mut r = BenchResult {
         bench: "send_lat".into(),
-        system: "udp-raw".into(),
-        msg_bytes: size as u64,
+        system: system.into(),
+        msg_bytes: buf.len() as u64,
         depth: 1,
         qps: 1,
         ops,
-        bytes: ops * size as u64,
+        bytes: ops * buf.len() as u64,
         secs: start.elapsed().as_secs_f64(),
         verified,
         ..Default::default()
@@ -170,6 +170,17 @@ pub fn udp_lat(server: SocketAddr, size: usize, secs: f64) -> Result<BenchResult
     r.latencies(&h);
     r.rates();
     Ok(r)
+}
+
+/// udp-raw ping-pong latency with `size`-byte datagrams; reports half the round trip.
+pub fn udp_lat(server: SocketAddr, size: usize, secs: f64) -> Result<BenchResult> {
+    let sock = UdpSocket::bind("127.0.0.1:0")?;
+    sock.connect(server)?;
+    sock.set_read_timeout(Some(Duration::from_millis(200)))?;
+    ping_pong("udp-raw", size, secs, &[ECHO], |buf, rbuf| {
+        sock.send(buf)?;
+        Ok(sock.recv(rbuf).ok()) // a lost datagram is not counted
+    })
 }
 
 /// The tcp reference server: per connection, mode byte `E` + u32 size echoes size-byte
@@ -252,35 +263,9 @@ pub fn tcp_lat(server: SocketAddr, size: usize, secs: f64) -> Result<BenchResult
     let mut hdr = vec![ECHO];
     hdr.extend_from_slice(&(size as u32).to_le_bytes());
     s.write_all(&hdr)?;
-    let mut buf = vec![0u8; size];
-    let mut rbuf = vec![0u8; size];
-    let mut h = histogram();
-    let start = Instant::now();
-    let end = start + Duration::from_secs_f64(secs);
-    let mut ops = 0u64;
-    let mut verified = true;
-    while Instant::now() < end {
-        buf[..8].copy_from_slice(&ops.to_le_bytes());
-        let t = Instant::now();
-        s.write_all(&buf)?;
-        s.read_exact(&mut rbuf)?;
-        h.record((t.elapsed().as_nanos() as u64 / 2).max(1))?;
-        verified &= rbuf == buf;
-        ops += 1;
-    }
-    let mut r = BenchResult {
-        bench: "send_lat".into(),
-        system: "tcp".into(),
-        msg_bytes: size as u64,
-        depth: 1,
-        qps: 1,
-        ops,
-        bytes: ops * size as u64,
-        secs: start.elapsed().as_secs_f64(),
-        verified,
-        ..Default::default()
-    };
-    r.latencies(&h);
-    r.rates();
-    Ok(r)
+    ping_pong("tcp", size, secs, &[], |buf, rbuf| {
+        s.write_all(buf)?;
+        s.read_exact(rbuf)?;
+        Ok(Some(rbuf.len()))
+    })
 }

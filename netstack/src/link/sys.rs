@@ -257,27 +257,6 @@ impl EventFd {
     }
 }
 
-/// Waits until one of `fds` is readable or `timeout_ms` passes.
-pub fn poll_readable(fds: &[RawFd], timeout_ms: i32) -> io::Result<()> {
-    let mut p: Vec<libc::pollfd> = fds
-        .iter()
-        .map(|&fd| libc::pollfd {
-            fd,
-            events: libc::POLLIN,
-            revents: 0,
-        })
-        .collect();
-    // SAFETY: p is a live array of pollfd of the given length.
-    let r = unsafe { libc::poll(p.as_mut_ptr(), p.len() as libc::nfds_t, timeout_ms) };
-    if r < 0 {
-        let e = io::Error::last_os_error();
-        if e.kind() != io::ErrorKind::Interrupted {
-            return Err(e);
-        }
-    }
-    Ok(())
-}
-
 /// Waits until one of `fds` is readable or `timeout_ns` passes (nanosecond resolution).
 pub fn ppoll_readable(fds: &[RawFd], timeout_ns: u64) -> io::Result<()> {
     let mut p: Vec<libc::pollfd> = fds

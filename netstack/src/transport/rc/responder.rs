@@ -71,16 +71,22 @@ enum Reject {
     Drop,
 }
 
-pub(super) fn flush_recv_wc(wr: &RecvWr, qpn: u32, dest: u32) -> Wc {
+/// A receive-side completion that carries no data (errors and flushes).
+fn recv_error_wc(wr_id: u64, status: WcStatus, qpn: u32, dest: u32) -> Wc {
     Wc {
-        wr_id: wr.wr_id,
-        status: WcStatus::WrFlushErr,
+        wr_id,
+        status,
         opcode: WcOpcode::Recv,
         byte_len: 0,
         imm_data: None,
         qp_num: qpn,
         src_qp: dest,
     }
+}
+
+/// A WC with WR_FLUSH_ERR for a receive posted to a QP in ERR.
+pub(super) fn flush_recv_wc(wr: &RecvWr, qpn: u32, dest: u32) -> Wc {
+    recv_error_wc(wr.wr_id, WcStatus::WrFlushErr, qpn, dest)
 }
 
 pub(super) struct Responder {
@@ -150,15 +156,7 @@ impl Responder {
         self.ack_deadline = None;
         self.rq
             .drain(..)
-            .map(|w| Wc {
-                wr_id: w.wr_id,
-                status: WcStatus::WrFlushErr,
-                opcode: WcOpcode::Recv,
-                byte_len: 0,
-                imm_data: None,
-                qp_num: qpn,
-                src_qp: dest,
-            })
+            .map(|w| recv_error_wc(w.wr_id, WcStatus::WrFlushErr, qpn, dest))
             .collect()
     }
 
@@ -388,16 +386,8 @@ impl Responder {
                     let w = s.rq.pop_front().expect("checked above");
                     s.rq_head_seq = s.rq_head_seq.wrapping_add(1);
                     s.cur = None;
-                    let wc = Wc {
-                        wr_id: w.wr_id,
-                        status: WcStatus::LocLenErr,
-                        opcode: WcOpcode::Recv,
-                        byte_len: 0,
-                        imm_data: None,
-                        qp_num: qp.qpn,
-                        src_qp: qp.dest_qpn,
-                    };
-                    qp.completions.push_back(wc);
+                    qp.completions
+                        .push_back(recv_error_wc(w.wr_id, WcStatus::LocLenErr, qp.qpn, qp.dest_qpn));
                     return Err(Reject::Nak(NakCode::InvalidRequest));
                 }
                 return Err(Reject::Drop);
