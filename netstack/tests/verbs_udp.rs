@@ -257,3 +257,34 @@ fn local_errors_and_queue_states() {
     );
     assert!(matches!(e.qp.connect(&f.qp.local_endpoint()), Err(VerbsError::Peer(_))));
 }
+
+#[test]
+fn async_cq_wait_and_caller_memory() {
+    let (a, b) = pair(RcConfig::default(), 4096);
+    // caller-owned memory registered with the unsafe constructor
+    let mut mine = vec![0u8; 8192].into_boxed_slice();
+    // SAFETY: `mine` outlives the MR and the work requests below, and is not touched through
+    // Rust references until the MR is dropped.
+    let raw = unsafe { a._pd.reg_mr_raw(mine.as_mut_ptr(), mine.len(), Access::LOCAL_WRITE) };
+    b.mr.write(100, b"from the peer");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        a.qp.post_send(
+            SendWr::new(1, WrOpcode::RdmaRead)
+                .sge(raw.sge(10, 13))
+                .remote(b.mr.addr() + 100, b.mr.rkey()),
+        )
+        .unwrap();
+        tokio::time::timeout(T, a.cq.wait_async())
+            .await
+            .expect("completion arrives");
+        let mut wc = [EMPTY_WC];
+        assert_eq!(a.cq.poll(&mut wc), 1);
+        assert_eq!(wc[0].status, WcStatus::Success);
+    });
+    drop(raw);
+    assert_eq!(&mine[10..23], b"from the peer");
+}

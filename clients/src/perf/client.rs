@@ -202,7 +202,7 @@ fn bench_name(a: &ClientArgs) -> &'static str {
 
 /// Waits for the next completion: spins briefly (latency), then sleeps on the CQ.
 fn next_wc(cq: &Cq, wcs: &mut [Wc], limit: Instant) -> Result<usize> {
-    let spin_until = Instant::now() + Duration::from_micros(20);
+    let spin_until = Instant::now() + Duration::from_micros(200);
     loop {
         let n = cq.poll(wcs);
         if n > 0 {

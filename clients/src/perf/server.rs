@@ -205,11 +205,19 @@ pub fn run(args: ServerArgs) -> Result<()> {
         let mr = mr.clone();
         std::thread::spawn(move || {
             let mut wcs = [EMPTY_WC; 64];
+            let mut last_work = std::time::Instant::now();
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                if !cq.wait(Duration::from_millis(100)) {
+                let n = cq.poll(&mut wcs);
+                if n == 0 {
+                    // spin briefly after work (ping-pong latency), then sleep on the CQ
+                    if last_work.elapsed() < Duration::from_micros(200) {
+                        std::thread::yield_now();
+                    } else {
+                        cq.wait(Duration::from_millis(100));
+                    }
                     continue;
                 }
-                let n = cq.poll(&mut wcs);
+                last_work = std::time::Instant::now();
                 for wc in &wcs[..n] {
                     if !matches!(wc.opcode, WcOpcode::Recv | WcOpcode::RecvRdmaWithImm) {
                         continue; // echo send completions (unsignaled ones never come)
