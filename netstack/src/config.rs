@@ -18,6 +18,12 @@ pub struct ContextConfig {
     pub spin_us: u64,
     /// Largest INLINE payload accepted by `post_send`.
     pub max_inline: u32,
+    /// Hand several same-size packets to the kernel in one UDP GSO send.
+    pub gso: bool,
+    /// Receive with UDP GRO (several datagrams per receive buffer).
+    pub gro: bool,
+    /// Receive staging memory per data core, in bytes (recycled, hottest buffers first).
+    pub rx_staging_bytes: usize,
     /// Defaults of new queue pairs.
     pub qp: RcConfig,
 }
@@ -29,6 +35,9 @@ impl Default for ContextConfig {
             poll_mode: PollMode::Adaptive,
             spin_us: 50,
             max_inline: 256,
+            gso: true,
+            gro: true,
+            rx_staging_bytes: 2 << 20,
             qp: RcConfig::default(),
         }
     }
@@ -60,6 +69,12 @@ impl ContextConfig {
             return Err(ConfigError::Invalid(
                 "bind: must be a concrete IPv4 address, not 0.0.0.0 (the ICRC covers it)".into(),
             ));
+        }
+        if self.rx_staging_bytes < 64 << 10 || self.rx_staging_bytes > 256 << 20 {
+            return Err(ConfigError::Invalid(format!(
+                "rx_staging_bytes: {} not in 64 KiB..256 MiB",
+                self.rx_staging_bytes
+            )));
         }
         if self.max_inline > 4096 {
             return Err(ConfigError::Invalid(format!("max_inline: {} > 4096", self.max_inline)));

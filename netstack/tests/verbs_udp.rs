@@ -288,3 +288,59 @@ fn async_cq_wait_and_caller_memory() {
     drop(raw);
     assert_eq!(&mine[10..23], b"from the peer");
 }
+
+#[test]
+fn gso_and_gro_batch_packets_when_on_and_not_when_off() {
+    for on in [true, false] {
+        let open = || {
+            let cfg = ContextConfig {
+                gso: on,
+                gro: on,
+                ..Default::default()
+            };
+            let ctx = Context::open(cfg).unwrap();
+            let pd = ctx.alloc_pd();
+            let cq = ctx.create_cq(64);
+            let qp = ctx.create_qp(&pd, &cq, &cq, QpInitAttr::default()).unwrap();
+            let mr = pd.reg_mr(4 << 20, Access::ALL).unwrap();
+            Side {
+                ctx,
+                _pd: pd,
+                cq,
+                qp,
+                mr,
+            }
+        };
+        let (a, b) = (open(), open());
+        a.qp.connect(&b.qp.local_endpoint()).unwrap();
+        b.qp.connect(&a.qp.local_endpoint()).unwrap();
+        let data = pattern(4 << 20, 1);
+        a.mr.write(0, &data);
+        a.qp.post_send(
+            SendWr::new(1, WrOpcode::RdmaWrite)
+                .sge(a.mr.sge(0, 4 << 20))
+                .remote(b.mr.addr(), b.mr.rkey()),
+        )
+        .unwrap();
+        assert_eq!(a.cq.next(T).unwrap().status, WcStatus::Success);
+        let mut got = vec![0u8; 4 << 20];
+        b.mr.read(0, &mut got);
+        assert!(got == data, "data differs with gso/gro {on}");
+        let (sa, sb) = (a.ctx.stats(), b.ctx.stats());
+        assert!(sa.tx_packets >= 1024, "{sa:?}");
+        if on {
+            assert!(
+                sa.tx_messages * 4 < sa.tx_packets,
+                "GSO should pack several packets per send: {sa:?}"
+            );
+            assert!(
+                sb.staging_fills < sb.rx_datagrams,
+                "GRO should coalesce receives: {sb:?}"
+            );
+        } else {
+            assert_eq!(sa.tx_messages, sa.tx_packets, "{sa:?}");
+            assert_eq!(sb.staging_fills, sb.rx_datagrams, "{sb:?}");
+        }
+        assert!(sb.staging_bytes <= 2 << 20, "{sb:?}");
+    }
+}

@@ -12,6 +12,7 @@ mod stats;
 pub use cq::CqShared;
 pub use stats::{EngineStats, StatsSnapshot};
 
+use crate::config::ContextConfig;
 use crate::link::sys::{self, EventFd, OutMsg, RecvBatch};
 use crate::link::udp::UdpLink;
 use crate::mem::MrTable;
@@ -39,8 +40,10 @@ pub enum PollMode {
     Sleep,
 }
 
-/// Datagrams per send or receive batch.
+/// Receive buffers per recvmmsg call (at most).
 pub const BATCH: usize = 64;
+/// Packets gathered before a send (several GSO messages of up to 15 packets of 4 KiB).
+pub const TX_BATCH: usize = 256;
 
 /// A QP as the engine holds it.
 pub struct QpSlot {
@@ -101,8 +104,11 @@ pub struct Engine {
 
 impl Engine {
     /// Binds the link and starts the data-core thread.
-    pub fn start(bind: SocketAddrV4, mrs: Arc<MrTable>, mode: PollMode, spin: Duration) -> std::io::Result<Engine> {
-        let link = UdpLink::bind(bind)?;
+    pub fn start(cfg: &ContextConfig, mrs: Arc<MrTable>) -> std::io::Result<Engine> {
+        let link = UdpLink::bind(cfg.bind)?;
+        if cfg.gro {
+            link.set_gro(true)?;
+        }
         let (active_tx, active_rx) = crossbeam_channel::unbounded();
         let shared = Arc::new(EngineShared {
             mrs,
@@ -116,9 +122,16 @@ impl Engine {
             epoch: Instant::now(),
         });
         let s2 = shared.clone();
+        let opts = CoreOptions {
+            mode: cfg.poll_mode,
+            spin: Duration::from_micros(cfg.spin_us),
+            gso: cfg.gso,
+            gro: cfg.gro,
+            staging: cfg.rx_staging_bytes,
+        };
         let thread = std::thread::Builder::new()
             .name(format!("flexns-engine-{}", link.local_addr().port()))
-            .spawn(move || DataCore::new(s2, link, active_rx, mode, spin).run())?;
+            .spawn(move || DataCore::new(s2, link, active_rx, &opts).run())?;
         Ok(Engine {
             shared,
             thread: Some(thread),
@@ -149,36 +162,43 @@ struct Outgoing {
     trailer_len: usize,
 }
 
+/// What a data core needs from the context configuration.
+struct CoreOptions {
+    mode: PollMode,
+    spin: Duration,
+    gso: bool,
+    gro: bool,
+    staging: usize,
+}
+
 struct DataCore {
     shared: Arc<EngineShared>,
     link: UdpLink,
     active_rx: Receiver<u32>,
     mode: PollMode,
     spin: Duration,
+    gso: bool,
     active: HashSet<u32>,
     rx: RecvBatch,
     out: Vec<Outgoing>,
 }
 
 impl DataCore {
-    fn new(
-        shared: Arc<EngineShared>,
-        link: UdpLink,
-        active_rx: Receiver<u32>,
-        mode: PollMode,
-        spin: Duration,
-    ) -> DataCore {
-        let rx = RecvBatch::new(BATCH, MAX_DATAGRAM + 64);
+    fn new(shared: Arc<EngineShared>, link: UdpLink, active_rx: Receiver<u32>, o: &CoreOptions) -> DataCore {
+        // with GRO one receive may hold up to 64 KiB of coalesced datagrams
+        let buf = if o.gro { 1 << 16 } else { MAX_DATAGRAM + 64 };
+        let rx = RecvBatch::new((o.staging / buf).clamp(1, BATCH), buf);
         shared.stats.set_staging_bytes(rx.staging_bytes() as u64);
         DataCore {
             shared,
             link,
             active_rx,
-            mode,
-            spin,
+            mode: o.mode,
+            spin: o.spin,
+            gso: o.gso,
             active: HashSet::new(),
             rx,
-            out: Vec::with_capacity(BATCH),
+            out: Vec::with_capacity(TX_BATCH),
         }
     }
 
@@ -231,41 +251,52 @@ impl DataCore {
             }
         };
         let local = self.link.local_addr();
-        let stats = &self.shared.stats;
         for i in 0..n {
-            let (d, src) = self.rx.get(i);
-            stats.rx_datagrams.inc();
+            let (d, src, seg) = self.rx.get(i);
             let Some(d) = d else {
-                stats.rx_malformed("oversized");
+                self.shared.stats.rx_datagrams.inc();
+                self.shared.stats.rx_malformed("oversized");
                 continue;
             };
-            stats.rx_bytes.add(d.len() as u64);
-            let v = match PacketView::parse(d) {
-                Ok(v) => v,
-                Err(e) => {
-                    stats.rx_malformed(e.kind());
-                    continue;
+            self.shared.stats.staging_fills.inc();
+            for dgram in sys::segments(d, seg) {
+                if let Some(qpn) = Self::dispatch(&self.shared, now, dgram, src, local) {
+                    self.active.insert(qpn);
                 }
-            };
-            if let Err(e) = PacketView::verify_icrc(d, src, local) {
-                stats.rx_malformed(e.kind());
-                continue;
             }
-            let qpn = v.bth.dest_qp;
-            let Some(slot) = self.shared.qps.read().get(&qpn).cloned() else {
-                stats.rx_unknown_qp.inc();
-                continue;
-            };
-            let mut s = slot.lock();
-            if s.remote != Some(src) {
-                stats.rx_wrong_source.inc();
-                continue;
-            }
-            s.qp.handle_packet(now, &v, &self.shared.mrs);
-            s.deliver_completions();
-            self.active.insert(qpn);
         }
         n > 0
+    }
+
+    /// Checks one datagram and hands it to its QP; returns the QPN it went to.
+    fn dispatch(shared: &EngineShared, now: u64, d: &[u8], src: SocketAddrV4, local: SocketAddrV4) -> Option<u32> {
+        let stats = &shared.stats;
+        stats.rx_datagrams.inc();
+        stats.rx_bytes.add(d.len() as u64);
+        let v = match PacketView::parse(d) {
+            Ok(v) => v,
+            Err(e) => {
+                stats.rx_malformed(e.kind());
+                return None;
+            }
+        };
+        if let Err(e) = PacketView::verify_icrc(d, src, local) {
+            stats.rx_malformed(e.kind());
+            return None;
+        }
+        let qpn = v.bth.dest_qp;
+        let Some(slot) = shared.qps.read().get(&qpn).cloned() else {
+            stats.rx_unknown_qp.inc();
+            return None;
+        };
+        let mut s = slot.lock();
+        if s.remote != Some(src) {
+            stats.rx_wrong_source.inc();
+            return None;
+        }
+        s.qp.handle_packet(now, &v, &shared.mrs);
+        s.deliver_completions();
+        Some(qpn)
     }
 
     /// Runs due timers; returns the earliest future deadline.
@@ -302,7 +333,7 @@ impl DataCore {
                 self.active.remove(&qpn);
                 continue;
             };
-            while self.out.len() < BATCH {
+            while self.out.len() < TX_BATCH {
                 match s.qp.poll_transmit(now) {
                     Some(pkt) => {
                         self.out.push(self.finish(pkt, dst));
@@ -315,7 +346,7 @@ impl DataCore {
                 self.active.remove(&qpn);
             }
             drop(s);
-            if self.out.len() >= BATCH {
+            if self.out.len() >= TX_BATCH {
                 sent_any |= self.flush();
             }
         }
@@ -344,40 +375,76 @@ impl DataCore {
         }
     }
 
+    /// Sends the batch. With GSO, runs of packets to one destination with the same length
+    /// (the last of a run may be shorter) go out as one message the kernel segments.
     fn flush(&mut self) -> bool {
         if self.out.is_empty() {
             return false;
         }
-        let mut msgs: Vec<OutMsg> = self
-            .out
-            .iter()
-            .map(|o| {
-                let mut m = OutMsg::new(&o.dst);
-                m.push(o.pkt.hdr.as_bytes().as_ptr(), o.pkt.hdr.len());
-                for p in &o.pkt.payload {
-                    m.push(p.region.ptr_at(p.off, p.len), p.len);
+        let mut msgs: Vec<OutMsg> = Vec::with_capacity(self.out.len());
+        let mut per_msg: Vec<usize> = Vec::with_capacity(self.out.len());
+        let mut i = 0;
+        while i < self.out.len() {
+            let o = &self.out[i];
+            let seg = o.wire_len();
+            let mut m = OutMsg::new(&o.dst);
+            o.push_spans(&mut m);
+            let mut n = 1;
+            if self.gso {
+                let max = sys::MAX_GSO_SEGMENTS.min(sys::MAX_GSO_BYTES / seg);
+                while n < max {
+                    let Some(p) = self.out.get(i + n) else { break };
+                    let l = p.wire_len();
+                    if p.dst != o.dst || l > seg || m.room() < p.spans() {
+                        break;
+                    }
+                    p.push_spans(&mut m);
+                    n += 1;
+                    if l < seg {
+                        break; // only the last segment may be shorter
+                    }
                 }
-                m.push(o.trailer.as_ptr(), o.trailer_len);
-                m
-            })
-            .collect();
-        let n = match self.link.send_batch(&mut msgs) {
-            Ok(n) => n,
+                if n > 1 {
+                    m.gso = seg as u16;
+                }
+            }
+            msgs.push(m);
+            per_msg.push(n);
+            i += n;
+        }
+        let sent_msgs = match self.link.send_batch(&mut msgs) {
+            Ok(k) => k,
             Err(e) => {
                 tracing::warn!("send failed: {e}");
                 self.shared.stats.tx_errors.inc();
-                self.out.len() // drop the batch; the transport retransmits
+                msgs.len() // drop the batch; the transport retransmits
             }
         };
+        let n: usize = per_msg[..sent_msgs].iter().sum();
         let stats = &self.shared.stats;
         for o in &self.out[..n] {
             stats.tx_packets.inc();
-            stats
-                .tx_bytes
-                .add((o.pkt.hdr.len() + o.pkt.payload_len() + o.trailer_len) as u64);
+            stats.tx_bytes.add(o.wire_len() as u64);
         }
+        stats.tx_messages.add(sent_msgs as u64);
         // what the kernel did not take (socket buffer full) is kept for the next round
         self.out.drain(..n);
         n > 0
+    }
+}
+
+impl Outgoing {
+    fn wire_len(&self) -> usize {
+        self.pkt.hdr.len() + self.pkt.payload_len() + self.trailer_len
+    }
+    fn spans(&self) -> usize {
+        2 + self.pkt.payload.len()
+    }
+    fn push_spans(&self, m: &mut OutMsg) {
+        m.push(self.pkt.hdr.as_bytes().as_ptr(), self.pkt.hdr.len());
+        for p in &self.pkt.payload {
+            m.push(p.region.ptr_at(p.off, p.len), p.len);
+        }
+        m.push(self.trailer.as_ptr(), self.trailer_len);
     }
 }

@@ -35,6 +35,10 @@ pub struct EngineStats {
     pub tx_packets: Counter,
     pub tx_bytes: Counter,
     pub tx_errors: Counter,
+    /// sendmmsg messages (a GSO message carries several packets).
+    pub tx_messages: Counter,
+    /// Receives into staging buffers (a GRO receive carries several datagrams).
+    pub staging_fills: Counter,
     /// Payload bytes the transmit path copied (header-only TX keeps this at 0; INLINE posts copy
     /// at post time, in the application thread, and are not counted here).
     pub tx_payload_copy_bytes: Counter,
@@ -53,6 +57,8 @@ pub struct StatsSnapshot {
     pub tx_packets: u64,
     pub tx_bytes: u64,
     pub tx_errors: u64,
+    pub tx_messages: u64,
+    pub staging_fills: u64,
     pub tx_payload_copy_bytes: u64,
     pub staging_bytes: u64,
 }
@@ -90,6 +96,8 @@ impl EngineStats {
             tx_packets: self.tx_packets.get(),
             tx_bytes: self.tx_bytes.get(),
             tx_errors: self.tx_errors.get(),
+            tx_messages: self.tx_messages.get(),
+            staging_fills: self.staging_fills.get(),
             tx_payload_copy_bytes: self.tx_payload_copy_bytes.get(),
             staging_bytes: self.staging_bytes.get(),
         }

@@ -57,15 +57,31 @@ fn from_sockaddr(s: &libc::sockaddr_in) -> SocketAddrV4 {
     )
 }
 
-/// One datagram to send: a destination and up to [`MAX_IOV`] byte spans.
+/// `SOL_UDP` (the libc crate lacks it for glibc targets).
+pub const SOL_UDP: libc::c_int = 17;
+/// UDP generic segmentation offload: the segment size of a multi-datagram send.
+pub const UDP_SEGMENT: libc::c_int = 103;
+/// UDP generic receive offload: coalesced receives report their segment size in a cmsg.
+pub const UDP_GRO: libc::c_int = 104;
+
+/// Most iovecs in one message (a GSO message holds up to [`MAX_GSO_SEGMENTS`] packets of a few
+/// spans each).
+pub const MAX_IOV: usize = 64;
+/// Most segments the kernel accepts in one GSO send.
+pub const MAX_GSO_SEGMENTS: usize = 64;
+/// Largest GSO super-datagram payload (the IP packet must stay under 64 KiB).
+pub const MAX_GSO_BYTES: usize = 65_000;
+
+/// One message to send: a destination, up to [`MAX_IOV`] byte spans, and, for GSO, the segment
+/// size at which the kernel cuts the concatenated spans into datagrams.
 pub struct OutMsg {
     pub dst: libc::sockaddr_in,
     pub iov: [libc::iovec; MAX_IOV],
     pub iovcnt: usize,
+    /// Segment size for UDP GSO; 0 sends one datagram.
+    pub gso: u16,
+    cmsg: [u64; 4],
 }
-
-/// Most iovecs per datagram (header, payload parts, pad + ICRC trailer).
-pub const MAX_IOV: usize = 6;
 
 impl OutMsg {
     pub fn new(dst: &SocketAddrV4) -> OutMsg {
@@ -76,6 +92,8 @@ impl OutMsg {
                 iov_len: 0,
             }; MAX_IOV],
             iovcnt: 0,
+            gso: 0,
+            cmsg: [0; 4],
         }
     }
     /// Appends a span. The caller keeps the bytes alive until [`sendmmsg`] returns.
@@ -90,33 +108,57 @@ impl OutMsg {
         self.iovcnt += 1;
         true
     }
+    /// Spans left.
+    pub fn room(&self) -> usize {
+        MAX_IOV - self.iovcnt
+    }
 }
 
-/// Sends `msgs` with one `sendmmsg` call (repeated for what the kernel did not take);
-/// returns how many were sent. Nonblocking: stops early on EAGAIN.
+/// Sends `msgs` with `sendmmsg` (repeated for what the kernel did not take); returns how many
+/// messages were sent. Nonblocking: stops early on EAGAIN.
 ///
 /// The iovecs must point to live memory; callers build them from buffers they hold (header
 /// buffers in the batch, payload in registered regions held by `Arc`) until this returns.
 pub fn sendmmsg(fd: RawFd, msgs: &mut [OutMsg]) -> io::Result<usize> {
+    let space = cmsg_space(std::mem::size_of::<u16>());
     let mut hdrs: Vec<libc::mmsghdr> = msgs
         .iter_mut()
-        .map(|m| libc::mmsghdr {
-            msg_hdr: libc::msghdr {
-                msg_name: &mut m.dst as *mut _ as *mut libc::c_void,
-                msg_namelen: std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
-                msg_iov: m.iov.as_mut_ptr(),
-                msg_iovlen: m.iovcnt as _,
-                msg_control: std::ptr::null_mut(),
-                msg_controllen: 0,
-                msg_flags: 0,
-            },
-            msg_len: 0,
+        .map(|m| {
+            let (control, controllen) = if m.gso > 0 {
+                // SAFETY: the control buffer is 32 bytes, u64-aligned, larger than
+                // CMSG_SPACE(2); the CMSG macros only compute offsets into it.
+                unsafe {
+                    let mut mh: libc::msghdr = std::mem::zeroed();
+                    mh.msg_control = m.cmsg.as_mut_ptr() as *mut libc::c_void;
+                    mh.msg_controllen = space as _;
+                    let c = libc::CMSG_FIRSTHDR(&mh);
+                    (*c).cmsg_level = SOL_UDP;
+                    (*c).cmsg_type = UDP_SEGMENT;
+                    (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<u16>() as u32) as _;
+                    std::ptr::write_unaligned(libc::CMSG_DATA(c) as *mut u16, m.gso);
+                }
+                (m.cmsg.as_mut_ptr() as *mut libc::c_void, space)
+            } else {
+                (std::ptr::null_mut(), 0)
+            };
+            libc::mmsghdr {
+                msg_hdr: libc::msghdr {
+                    msg_name: &mut m.dst as *mut _ as *mut libc::c_void,
+                    msg_namelen: std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
+                    msg_iov: m.iov.as_mut_ptr(),
+                    msg_iovlen: m.iovcnt as _,
+                    msg_control: control,
+                    msg_controllen: controllen as _,
+                    msg_flags: 0,
+                },
+                msg_len: 0,
+            }
         })
         .collect();
     let mut done = 0;
     while done < hdrs.len() {
-        // SAFETY: hdrs[done..] are valid mmsghdrs whose names and iovecs point into `msgs`
-        // (borrowed mutably for this call) and into memory the caller keeps alive.
+        // SAFETY: hdrs[done..] are valid mmsghdrs whose names, iovecs and control buffers point
+        // into `msgs` (borrowed mutably for this call) and into memory the caller keeps alive.
         let r = unsafe {
             libc::sendmmsg(
                 fd,
@@ -140,13 +182,20 @@ pub fn sendmmsg(fd: RawFd, msgs: &mut [OutMsg]) -> io::Result<usize> {
     Ok(done)
 }
 
-/// Receive buffers for [`recvmmsg`].
+fn cmsg_space(n: usize) -> usize {
+    // SAFETY: CMSG_SPACE only computes a size.
+    unsafe { libc::CMSG_SPACE(n as u32) as usize }
+}
+
+/// Receive buffers for [`recvmmsg`], with room for the GRO segment-size cmsg.
 pub struct RecvBatch {
     bufs: Vec<Vec<u8>>,
     names: Vec<libc::sockaddr_in>,
     iovs: Vec<libc::iovec>,
+    cmsgs: Vec<[u64; 4]>,
     hdrs: Vec<libc::mmsghdr>,
     lens: Vec<usize>,
+    segs: Vec<usize>,
 }
 
 impl RecvBatch {
@@ -167,8 +216,10 @@ impl RecvBatch {
             bufs,
             names,
             iovs,
+            cmsgs: vec![[0; 4]; n],
             hdrs,
             lens: vec![0; n],
+            segs: vec![0; n],
         }
     }
 
@@ -182,14 +233,14 @@ impl RecvBatch {
                     msg_namelen: std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
                     msg_iov: &mut self.iovs[i],
                     msg_iovlen: 1,
-                    msg_control: std::ptr::null_mut(),
-                    msg_controllen: 0,
+                    msg_control: self.cmsgs[i].as_mut_ptr() as *mut libc::c_void,
+                    msg_controllen: std::mem::size_of::<[u64; 4]>() as _,
                     msg_flags: 0,
                 },
                 msg_len: 0,
             };
         }
-        // SAFETY: every header points at a live name and a live iovec over a buffer owned by self.
+        // SAFETY: every header points at a live name, iovec and control buffer owned by self.
         let r = unsafe {
             libc::recvmmsg(
                 fd,
@@ -207,22 +258,36 @@ impl RecvBatch {
             return Err(e);
         }
         for i in 0..r as usize {
+            let h = &self.hdrs[i].msg_hdr;
             // MSG_TRUNC in msg_flags: the datagram was larger than the buffer
-            self.lens[i] = if self.hdrs[i].msg_hdr.msg_flags & libc::MSG_TRUNC != 0 {
+            self.lens[i] = if h.msg_flags & libc::MSG_TRUNC != 0 {
                 usize::MAX
             } else {
                 self.hdrs[i].msg_len as usize
             };
+            self.segs[i] = 0;
+            // SAFETY: the kernel filled msg_control/msg_controllen; the CMSG macros walk it
+            // within those bounds.
+            unsafe {
+                let mut c = libc::CMSG_FIRSTHDR(h);
+                while !c.is_null() {
+                    if (*c).cmsg_level == SOL_UDP && (*c).cmsg_type == UDP_GRO {
+                        self.segs[i] = std::ptr::read_unaligned(libc::CMSG_DATA(c) as *const libc::c_int) as usize;
+                    }
+                    c = libc::CMSG_NXTHDR(h, c);
+                }
+            }
         }
         Ok(r as usize)
     }
 
-    /// Datagram `i` of the last receive and its source; `None` for a truncated (oversized) one.
-    pub fn get(&self, i: usize) -> (Option<&[u8]>, SocketAddrV4) {
+    /// Datagram `i` of the last receive, its source, and the GRO segment size when several
+    /// datagrams were coalesced into it (0 otherwise); `None` data for a truncated one.
+    pub fn get(&self, i: usize) -> (Option<&[u8]>, SocketAddrV4, usize) {
         let src = from_sockaddr(&self.names[i]);
         match self.lens[i] {
-            usize::MAX => (None, src),
-            l => (Some(&self.bufs[i][..l]), src),
+            usize::MAX => (None, src, 0),
+            l => (Some(&self.bufs[i][..l]), src, self.segs[i]),
         }
     }
 
@@ -230,6 +295,12 @@ impl RecvBatch {
     pub fn staging_bytes(&self) -> usize {
         self.bufs.iter().map(|b| b.len()).sum()
     }
+}
+
+/// Splits a (possibly GRO-coalesced) receive into its datagrams.
+pub fn segments(data: &[u8], seg: usize) -> impl Iterator<Item = &[u8]> {
+    let step = if seg == 0 { data.len().max(1) } else { seg };
+    data.chunks(step)
 }
 
 /// An eventfd used to wake a sleeping engine thread.

@@ -45,6 +45,12 @@ impl UdpLink {
         Ok(UdpLink { sock, local })
     }
 
+    /// Turns UDP generic receive offload on or off: with it on, the kernel may hand several
+    /// datagrams of one flow to a single receive (split them with [`sys::segments`]).
+    pub fn set_gro(&self, on: bool) -> io::Result<()> {
+        sys::setsockopt_int(self.fd(), sys::SOL_UDP, sys::UDP_GRO, on as i32)
+    }
+
     pub fn local_addr(&self) -> SocketAddrV4 {
         self.local
     }

@@ -67,12 +67,7 @@ impl Context {
     /// Opens a context: binds the data-path socket and starts the engine.
     pub fn open(cfg: ContextConfig) -> Result<Context, VerbsError> {
         cfg.validate()?;
-        let engine = Engine::start(
-            cfg.bind,
-            Arc::new(MrTable::new()),
-            cfg.poll_mode,
-            Duration::from_micros(cfg.spin_us),
-        )?;
+        let engine = Engine::start(&cfg, Arc::new(MrTable::new()))?;
         // QPNs start at a per-context base (process, address and a per-process count mixed), so
         // contexts in one process differ and a stale packet for an earlier run's QP on a reused
         // port is unlikely to hit a new QP
