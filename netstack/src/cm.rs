@@ -141,27 +141,46 @@ fn tokio_stream_from(
     tonic::codegen::tokio_stream::wrappers::TcpListenerStream::new(l)
 }
 
+/// A client of one connection manager, reusing its gRPC channel for many QPs.
+pub struct Connector {
+    client: pb::connection_manager_client::ConnectionManagerClient<tonic::transport::Channel>,
+}
+
+impl Connector {
+    /// Opens a channel to the connection manager at `cm`.
+    pub async fn new(cm: SocketAddr) -> Result<Connector, CmError> {
+        let client = pb::connection_manager_client::ConnectionManagerClient::connect(format!("http://{cm}"))
+            .await
+            .map_err(|source| CmError::Transport {
+                addr: cm.to_string(),
+                source,
+            })?;
+        Ok(Connector { client })
+    }
+
+    /// Connects `qp` to the QP the server creates for it; returns the reply's private data.
+    /// On return the QP is in RTS.
+    pub async fn connect(&mut self, qp: &Qp, private_data: Vec<u8>) -> Result<Vec<u8>, CmError> {
+        let req = pb::ConnectRequest {
+            endpoint: Some(qp.local_endpoint().into()),
+            private_data,
+        };
+        let reply = self
+            .client
+            .connect_qp(req)
+            .await
+            .map_err(|s| CmError::Refused(s.message().to_string()))?
+            .into_inner();
+        let remote = Endpoint::try_from(reply.endpoint)?;
+        qp.connect(&remote)?;
+        Ok(reply.private_data)
+    }
+}
+
 /// Connects `qp` to the QP a connection manager at `cm` creates for it; returns the reply's
 /// private data. On return the QP is in RTS.
 pub async fn connect(cm: SocketAddr, qp: &Qp, private_data: Vec<u8>) -> Result<Vec<u8>, CmError> {
-    let url = format!("http://{cm}");
-    let mut c = pb::connection_manager_client::ConnectionManagerClient::connect(url)
-        .await
-        .map_err(|source| CmError::Transport {
-            addr: cm.to_string(),
-            source,
-        })?;
-    let reply = c
-        .connect_qp(pb::ConnectRequest {
-            endpoint: Some(qp.local_endpoint().into()),
-            private_data,
-        })
-        .await
-        .map_err(|s| CmError::Refused(s.message().to_string()))?
-        .into_inner();
-    let remote = Endpoint::try_from(reply.endpoint)?;
-    qp.connect(&remote)?;
-    Ok(reply.private_data)
+    Connector::new(cm).await?.connect(qp, private_data).await
 }
 
 /// Blocking form of [`connect`] for threads outside a tokio runtime.

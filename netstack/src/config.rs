@@ -12,6 +12,9 @@ pub struct ContextConfig {
     /// Local IPv4 address and UDP port of the data path. Port 0 picks a free port; the RoCEv2
     /// port 4791 needs a distinct address per context on one host (e.g. 127.0.0.1, 127.0.0.2).
     pub bind: SocketAddrV4,
+    /// Engine threads ("data cores"), each with its own socket (port `bind.port + i`, or free
+    /// ports when the port is 0); QPs are sharded over them by QPN.
+    pub data_cores: usize,
     /// How idle engine threads wait.
     pub poll_mode: PollMode,
     /// Spin time before an adaptive engine sleeps, in microseconds.
@@ -32,6 +35,7 @@ impl Default for ContextConfig {
     fn default() -> Self {
         ContextConfig {
             bind: "127.0.0.1:0".parse().expect("valid"),
+            data_cores: 1,
             poll_mode: PollMode::Adaptive,
             spin_us: 50,
             max_inline: 256,
@@ -69,6 +73,12 @@ impl ContextConfig {
             return Err(ConfigError::Invalid(
                 "bind: must be a concrete IPv4 address, not 0.0.0.0 (the ICRC covers it)".into(),
             ));
+        }
+        if self.data_cores == 0 || self.data_cores > 64 {
+            return Err(ConfigError::Invalid(format!(
+                "data_cores: {} not in 1..=64",
+                self.data_cores
+            )));
         }
         if self.rx_staging_bytes < 64 << 10 || self.rx_staging_bytes > 256 << 20 {
             return Err(ConfigError::Invalid(format!(

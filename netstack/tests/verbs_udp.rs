@@ -344,3 +344,48 @@ fn gso_and_gro_batch_packets_when_on_and_not_when_off() {
         assert!(sb.staging_bytes <= 2 << 20, "{sb:?}");
     }
 }
+
+#[test]
+fn qps_are_sharded_over_several_data_cores() {
+    let open = || {
+        Context::open(ContextConfig {
+            data_cores: 3,
+            ..Default::default()
+        })
+        .unwrap()
+    };
+    let (ca, cb) = (open(), open());
+    let (pa, pb) = (ca.alloc_pd(), cb.alloc_pd());
+    let (cqa, cqb) = (ca.create_cq(256), cb.create_cq(256));
+    let ma = pa.reg_mr(1 << 20, Access::ALL).unwrap();
+    let mb = pb.reg_mr(1 << 20, Access::ALL).unwrap();
+    ma.write(0, &pattern(1 << 20, 5));
+    let mut ports = std::collections::HashSet::new();
+    let mut qps = Vec::new();
+    for _ in 0..12 {
+        let qa = ca.create_qp(&pa, &cqa, &cqa, QpInitAttr::default()).unwrap();
+        let qb = cb.create_qp(&pb, &cqb, &cqb, QpInitAttr::default()).unwrap();
+        qa.connect(&qb.local_endpoint()).unwrap();
+        qb.connect(&qa.local_endpoint()).unwrap();
+        ports.insert(qa.local_endpoint().addr.port());
+        qps.push((qa, qb));
+    }
+    assert_eq!(ports.len(), 3, "QPs should be spread over 3 data cores (3 sockets)");
+    for (i, (qa, _)) in qps.iter().enumerate() {
+        let off = i * 65536;
+        qa.post_send(
+            SendWr::new(i as u64, WrOpcode::RdmaWrite)
+                .sge(ma.sge(off, 65536))
+                .remote(mb.addr() + off as u64, mb.rkey()),
+        )
+        .unwrap();
+    }
+    for _ in 0..qps.len() {
+        assert_eq!(cqa.next(T).unwrap().status, WcStatus::Success);
+    }
+    let (mut x, mut y) = (vec![0u8; 12 * 65536], vec![0u8; 12 * 65536]);
+    ma.read(0, &mut x);
+    mb.read(0, &mut y);
+    assert!(x == y);
+    assert!(cb.stats().staging_bytes > 2 << 20, "each core has its own staging set");
+}

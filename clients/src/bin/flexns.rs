@@ -93,6 +93,7 @@ fn demo(duration: f64, json: bool) -> Result<()> {
             compare,
             pairs: 1,
             server_mr_size: 64 << 20,
+            data_cores: 1,
         };
         let res = client::run(&a, &spawn)?;
         all_verified &= res.iter().filter(|r| r.system == "flexns").all(|r| r.verified);

@@ -55,6 +55,9 @@ pub struct ClientArgs {
     /// Runs of each system with --compare.
     #[arg(long, default_value_t = 3)]
     pub pairs: u32,
+    /// Engine threads of this client's context (and of a server it starts).
+    #[arg(long, default_value_t = 1)]
+    pub data_cores: usize,
     /// Memory region of a server this client starts.
     #[arg(long, default_value = "256MiB", value_parser = crate::bench::parse_size)]
     pub server_mr_size: u64,
@@ -228,6 +231,7 @@ fn flexns(a: &ClientArgs, cm_addr: SocketAddr) -> Result<BenchResult> {
     let ctx = Context::open(ContextConfig {
         bind: a.data,
         qp: qcfg,
+        data_cores: a.data_cores,
         ..Default::default()
     })?;
     let pd = ctx.alloc_pd();
@@ -243,6 +247,8 @@ fn flexns(a: &ClientArgs, cm_addr: SocketAddr) -> Result<BenchResult> {
     let echo = a.op == Op::Send && a.depth == 1;
     let mut qps = Vec::new();
     let mut remote = None;
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let mut connector = rt.block_on(cm::Connector::new(cm_addr))?;
     for _ in 0..nq {
         let qp = ctx.create_qp(&pd, &cq, &cq, QpInitAttr::default())?;
         let hello = Hello {
@@ -251,8 +257,8 @@ fn flexns(a: &ClientArgs, cm_addr: SocketAddr) -> Result<BenchResult> {
             depth: a.depth,
             echo,
         };
-        let w: Welcome = serde_json::from_slice(&cm::connect_blocking(cm_addr, &qp, serde_json::to_vec(&hello)?)?)
-            .context("bad welcome from server")?;
+        let reply = rt.block_on(connector.connect(&qp, serde_json::to_vec(&hello)?))?;
+        let w: Welcome = serde_json::from_slice(&reply).context("bad welcome from server")?;
         if (unit * slots) as u64 > w.len {
             bail!("server memory region ({} bytes) is smaller than {} QPs x depth {} x {} bytes; start the server with a larger --mr-size", w.len, nq, depth, unit);
         }

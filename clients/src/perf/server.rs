@@ -27,6 +27,9 @@ pub struct ServerArgs {
     /// Loss recovery of the server's QPs (must match the client's).
     #[arg(long, default_value = "go-back-n", value_parser = parse_recovery)]
     pub recovery: Recovery,
+    /// Engine threads (data cores).
+    #[arg(long, default_value_t = 1)]
+    pub data_cores: usize,
     /// Optional context config (TOML); flags given explicitly override it.
     #[arg(long)]
     pub config: Option<std::path::PathBuf>,
@@ -148,6 +151,7 @@ pub fn run(args: ServerArgs) -> Result<()> {
         None => ContextConfig::default(),
     };
     cfg.bind = args.data;
+    cfg.data_cores = args.data_cores;
     cfg.qp.recovery = args.recovery;
     let ctx = Context::open(cfg)?;
     let pd = ctx.alloc_pd();

@@ -66,7 +66,7 @@ impl QpSlot {
     }
 }
 
-/// State shared between the engine thread and application handles.
+/// State of one data core shared between its thread and application handles.
 pub struct EngineShared {
     pub mrs: Arc<MrTable>,
     pub qps: RwLock<HashMap<u32, Arc<Mutex<QpSlot>>>>,
@@ -98,56 +98,85 @@ impl EngineShared {
 
 /// A running engine thread.
 pub struct Engine {
-    shared: Arc<EngineShared>,
-    thread: Option<std::thread::JoinHandle<()>>,
+    cores: Vec<Arc<EngineShared>>,
+    threads: Vec<std::thread::JoinHandle<()>>,
 }
 
 impl Engine {
-    /// Binds the link and starts the data-core thread.
+    /// Binds one link per data core and starts the data-core threads. Core `i` binds the
+    /// configured address with port `port + i` (or a free port when the port is 0).
     pub fn start(cfg: &ContextConfig, mrs: Arc<MrTable>) -> std::io::Result<Engine> {
-        let link = UdpLink::bind(cfg.bind)?;
-        if cfg.gro {
-            link.set_gro(true)?;
-        }
-        let (active_tx, active_rx) = crossbeam_channel::unbounded();
-        let shared = Arc::new(EngineShared {
-            mrs,
-            qps: RwLock::new(HashMap::new()),
-            active_tx,
-            wake: EventFd::new()?,
-            sleeping: AtomicBool::new(false),
-            stop: AtomicBool::new(false),
-            stats: EngineStats::default(),
-            local: link.local_addr(),
-            epoch: Instant::now(),
-        });
-        let s2 = shared.clone();
-        let opts = CoreOptions {
-            mode: cfg.poll_mode,
-            spin: Duration::from_micros(cfg.spin_us),
-            gso: cfg.gso,
-            gro: cfg.gro,
-            staging: cfg.rx_staging_bytes,
+        let epoch = Instant::now();
+        let mut e = Engine {
+            cores: Vec::new(),
+            threads: Vec::new(),
         };
-        let thread = std::thread::Builder::new()
-            .name(format!("flexns-engine-{}", link.local_addr().port()))
-            .spawn(move || DataCore::new(s2, link, active_rx, &opts).run())?;
-        Ok(Engine {
-            shared,
-            thread: Some(thread),
-        })
+        for i in 0..cfg.data_cores.max(1) {
+            let mut bind = cfg.bind;
+            if bind.port() != 0 {
+                bind.set_port(bind.port() + i as u16);
+            }
+            let link = UdpLink::bind(bind)?;
+            if cfg.gro {
+                link.set_gro(true)?;
+            }
+            let (active_tx, active_rx) = crossbeam_channel::unbounded();
+            let shared = Arc::new(EngineShared {
+                mrs: mrs.clone(),
+                qps: RwLock::new(HashMap::new()),
+                active_tx,
+                wake: EventFd::new()?,
+                sleeping: AtomicBool::new(false),
+                stop: AtomicBool::new(false),
+                stats: EngineStats::default(),
+                local: link.local_addr(),
+                epoch,
+            });
+            let s2 = shared.clone();
+            let opts = CoreOptions {
+                mode: cfg.poll_mode,
+                spin: Duration::from_micros(cfg.spin_us),
+                gso: cfg.gso,
+                gro: cfg.gro,
+                staging: cfg.rx_staging_bytes,
+            };
+            // started threads are joined by Engine's drop if a later core fails to start
+            let thread = std::thread::Builder::new()
+                .name(format!("flexns-core{i}-{}", link.local_addr().port()))
+                .spawn(move || DataCore::new(s2, link, active_rx, &opts).run())?;
+            e.cores.push(shared);
+            e.threads.push(thread);
+        }
+        Ok(e)
     }
 
-    pub fn shared(&self) -> &Arc<EngineShared> {
-        &self.shared
+    /// The data core that owns QP `qpn` (QPs are sharded by QPN).
+    pub fn core_for(&self, qpn: u32) -> &Arc<EngineShared> {
+        &self.cores[qpn as usize % self.cores.len()]
+    }
+
+    /// All data cores.
+    pub fn cores(&self) -> &[Arc<EngineShared>] {
+        &self.cores
+    }
+
+    /// Counters summed over the data cores.
+    pub fn stats(&self) -> StatsSnapshot {
+        let mut t = StatsSnapshot::default();
+        for c in &self.cores {
+            t.add(&c.stats.snapshot());
+        }
+        t
     }
 }
 
 impl Drop for Engine {
     fn drop(&mut self) {
-        self.shared.stop.store(true, Ordering::SeqCst);
-        self.shared.wake.notify();
-        if let Some(t) = self.thread.take() {
+        for c in &self.cores {
+            c.stop.store(true, Ordering::SeqCst);
+            c.wake.notify();
+        }
+        for t in self.threads.drain(..) {
             let _ = t.join();
         }
     }

@@ -63,6 +63,25 @@ pub struct StatsSnapshot {
     pub staging_bytes: u64,
 }
 
+impl StatsSnapshot {
+    /// Adds another core's counters (staging bytes add up too: each core has its own set).
+    pub fn add(&mut self, o: &StatsSnapshot) {
+        self.rx_datagrams += o.rx_datagrams;
+        self.rx_bytes += o.rx_bytes;
+        self.rx_malformed += o.rx_malformed;
+        self.rx_bad_icrc += o.rx_bad_icrc;
+        self.rx_unknown_qp += o.rx_unknown_qp;
+        self.rx_wrong_source += o.rx_wrong_source;
+        self.tx_packets += o.tx_packets;
+        self.tx_bytes += o.tx_bytes;
+        self.tx_errors += o.tx_errors;
+        self.tx_messages += o.tx_messages;
+        self.staging_fills += o.staging_fills;
+        self.tx_payload_copy_bytes += o.tx_payload_copy_bytes;
+        self.staging_bytes += o.staging_bytes;
+    }
+}
+
 impl EngineStats {
     /// Counts a malformed datagram by the kind of its [`crate::wire::WireError`].
     pub fn rx_malformed(&self, kind: &str) {

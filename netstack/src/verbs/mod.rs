@@ -72,7 +72,7 @@ impl Context {
         // contexts in one process differ and a stale packet for an earlier run's QP on a reused
         // port is unlikely to hit a new QP
         static CONTEXTS: AtomicU32 = AtomicU32::new(0);
-        let local = engine.shared().local_addr();
+        let local = engine.cores()[0].local_addr();
         let n = CONTEXTS.fetch_add(1, Ordering::Relaxed);
         let mix = std::process::id() ^ u32::from(*local.ip()) ^ ((local.port() as u32) << 8) ^ (n << 16);
         let base = mix.wrapping_mul(2654435761) & 0x7F_FF00;
@@ -86,9 +86,9 @@ impl Context {
         })
     }
 
-    /// The data-path address peers send to.
+    /// The data-path address of the first data core (each QP's own is in its endpoint).
     pub fn local_addr(&self) -> SocketAddrV4 {
-        self.inner.engine.shared().local_addr()
+        self.inner.engine.cores()[0].local_addr()
     }
 
     pub fn config(&self) -> &ContextConfig {
@@ -125,11 +125,11 @@ impl Context {
 
     /// Engine counters (malformed packets, bytes, staging memory...).
     pub fn stats(&self) -> StatsSnapshot {
-        self.inner.engine.shared().stats.snapshot()
+        self.inner.engine.stats()
     }
 
     pub(crate) fn mrs(&self) -> &Arc<MrTable> {
-        &self.inner.engine.shared().mrs
+        &self.inner.engine.cores()[0].mrs
     }
 }
 

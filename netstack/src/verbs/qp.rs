@@ -1,7 +1,7 @@
 //! Queue pairs: creation, the RESET/INIT/RTR/RTS/ERR transitions, posting.
 
 use super::{Context, VerbsError};
-use crate::engine::{CqShared, QpSlot};
+use crate::engine::{CqShared, EngineShared, QpSlot};
 use crate::transport::rc::{QpState, RcConfig, RcQp, RcStats, Recovery};
 use crate::work::{RecvWr, SendFlags, SendWr};
 use parking_lot::Mutex;
@@ -33,6 +33,8 @@ pub struct Qp {
     qpn: u32,
     psn: u32,
     slot: Arc<Mutex<QpSlot>>,
+    /// The data core that owns this QP.
+    core: Arc<EngineShared>,
 }
 
 impl Qp {
@@ -55,10 +57,17 @@ impl Qp {
             send_cq,
             recv_cq,
         }));
-        ctx.inner.engine.shared().qps.write().insert(qpn, slot.clone());
+        let core = ctx.inner.engine.core_for(qpn).clone();
+        core.qps.write().insert(qpn, slot.clone());
         // a random-ish initial PSN, as NICs pick one
         let psn = (qpn.wrapping_mul(0x9E37_79B9) ^ std::process::id()) & crate::wire::MASK24;
-        Ok(Qp { ctx, qpn, psn, slot })
+        Ok(Qp {
+            ctx,
+            qpn,
+            psn,
+            slot,
+            core,
+        })
     }
 
     pub fn qp_num(&self) -> u32 {
@@ -88,7 +97,7 @@ impl Qp {
         Endpoint {
             qpn: self.qpn,
             psn: self.psn,
-            addr: self.ctx.local_addr(),
+            addr: self.core.local_addr(),
             mtu: cfg.mtu,
             recovery: cfg.recovery,
         }
@@ -151,7 +160,7 @@ impl Qp {
             s.qp.post_send(wr, self.ctx.mrs())?;
             s.deliver_completions();
         }
-        self.ctx.inner.engine.shared().kick(self.qpn);
+        self.core.kick(self.qpn);
         Ok(())
     }
 
@@ -172,7 +181,7 @@ impl Qp {
             }
             s.deliver_completions();
         }
-        self.ctx.inner.engine.shared().kick(self.qpn);
+        self.core.kick(self.qpn);
         Ok(n)
     }
 
@@ -190,6 +199,6 @@ impl Qp {
 
 impl Drop for Qp {
     fn drop(&mut self) {
-        self.ctx.inner.engine.shared().qps.write().remove(&self.qpn);
+        self.core.qps.write().remove(&self.qpn);
     }
 }
