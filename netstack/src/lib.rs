@@ -4,6 +4,7 @@
 //! - [`wire`]: RoCEv2 headers, the ICRC, a checked zero-copy packet view.
 //! - [`mem`]: registered memory regions and the key table (the one `unsafe` memory module).
 //! - [`work`]: work requests and completions with ibverbs' names.
+//! - [`pipe`]: SPSC notification pipes of 64-byte slots between application and engine threads.
 //! - [`transport`]: sans-IO transports ([`transport::rc`]).
 //! - [`link`]: UDP sockets with batched `sendmmsg`/`recvmmsg`.
 //! - [`engine`]: the data-core threads that drive transports over a link.
@@ -15,6 +16,7 @@ pub mod config;
 pub mod engine;
 pub mod link;
 pub mod mem;
+pub mod pipe;
 pub mod transport;
 pub mod verbs;
 pub mod wire;
