@@ -71,6 +71,13 @@ impl Region {
         }
     }
 
+    /// Allocates a region holding a copy of `data`.
+    pub fn from_bytes(data: &[u8]) -> Region {
+        let r = Region::alloc(data.len());
+        r.write(0, data);
+        r
+    }
+
     /// Wraps caller memory.
     ///
     /// # Safety

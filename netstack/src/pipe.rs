@@ -135,6 +135,12 @@ impl<T: Copy + Send> Producer<T> {
         Ok(())
     }
 
+    /// Slots that can be written now without waiting for the consumer.
+    pub fn free(&mut self) -> usize {
+        self.cached_consumed = self.ring.consumed.0.load(Ordering::Acquire);
+        ((self.ring.mask + 1) - (self.head - self.cached_consumed)) as usize
+    }
+
     /// Wakes the consumer if it said it is going to sleep. Call after a batch of pushes.
     pub fn notify(&self) {
         // SeqCst pairs with the consumer's SeqCst store of `sleeping` before its last check

@@ -164,3 +164,27 @@ pub struct Wc {
     pub qp_num: u32,
     pub src_qp: u32,
 }
+
+/// Checks what can be checked of a send WR without its QP or memory: atomics take one 8-byte
+/// SGE and an aligned remote address, messages are at most 2 GiB, INLINE is for SEND and WRITE.
+pub fn validate_send(wr: &SendWr) -> Result<(), &'static str> {
+    let atomic = matches!(wr.opcode, WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd);
+    if atomic && (wr.sg_list.len() != 1 || wr.total_len() != 8) {
+        return Err("atomic work requests take one 8-byte scatter-gather element");
+    }
+    if atomic && !wr.remote_addr.is_multiple_of(8) {
+        return Err("atomic remote address must be 8-byte aligned");
+    }
+    if wr.total_len() > 1 << 31 {
+        return Err("message longer than 2 GiB");
+    }
+    if wr.flags.contains(SendFlags::INLINE)
+        && !matches!(
+            wr.opcode,
+            WrOpcode::Send | WrOpcode::SendWithImm | WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm
+        )
+    {
+        return Err("INLINE is only valid for SEND and WRITE");
+    }
+    Ok(())
+}

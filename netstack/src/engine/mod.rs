@@ -7,6 +7,7 @@
 //! receive.
 
 mod cq;
+pub mod sq;
 mod stats;
 
 pub use cq::CqShared;
@@ -16,14 +17,14 @@ use crate::config::ContextConfig;
 use crate::link::sys::{self, EventFd, OutMsg, RecvBatch};
 use crate::link::udp::UdpLink;
 use crate::mem::MrTable;
-use crate::transport::rc::RcQp;
+use crate::pipe::{self, Consumer, Producer};
+use crate::transport::rc::{QpState, RcQp};
 use crate::transport::TxPacket;
 use crate::wire::{icrc, PacketView, MAX_DATAGRAM, PAD_ZEROS};
-use crossbeam_channel::{Receiver, Sender};
 use parking_lot::{Mutex, RwLock};
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddrV4;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -42,8 +43,32 @@ pub enum PollMode {
 
 /// Receive buffers per recvmmsg call (at most).
 pub const BATCH: usize = 64;
+/// Slots of each data core's shared send queue.
+pub const SQ_SLOTS: usize = 8192;
+/// Work requests moved from the send queue per engine loop.
+const SQ_DRAIN: usize = 256;
 /// Packets gathered before a send (several GSO messages of up to 15 packets of 4 KiB).
 pub const TX_BATCH: usize = 256;
+
+/// What an application handle may read about its QP without taking the QP's lock: its state
+/// and how many send WQEs have left the send queue. The engine refreshes it after every change.
+#[derive(Default)]
+pub struct QpMirror {
+    pub state: AtomicU8,
+    pub retired: AtomicU64,
+}
+
+impl QpMirror {
+    pub fn state(&self) -> QpState {
+        match self.state.load(Ordering::Acquire) {
+            0 => QpState::Reset,
+            1 => QpState::Init,
+            2 => QpState::Rtr,
+            3 => QpState::Rts,
+            _ => QpState::Err,
+        }
+    }
+}
 
 /// A QP as the engine holds it.
 pub struct QpSlot {
@@ -51,11 +76,21 @@ pub struct QpSlot {
     pub remote: Option<SocketAddrV4>,
     pub send_cq: Arc<CqShared>,
     pub recv_cq: Arc<CqShared>,
+    pub mirror: Arc<QpMirror>,
 }
 
 impl QpSlot {
-    /// Moves the transport's completions to the completion queues.
+    /// Moves the transport's completions to the completion queues and refreshes the mirror.
     pub fn deliver_completions(&mut self) {
+        let st = match self.qp.state() {
+            QpState::Reset => 0,
+            QpState::Init => 1,
+            QpState::Rtr => 2,
+            QpState::Rts => 3,
+            QpState::Err => 4,
+        };
+        self.mirror.state.store(st, Ordering::Release);
+        self.mirror.retired.store(self.qp.retired_sends(), Ordering::Release);
         while let Some(wc) = self.qp.poll_completion() {
             let recv = matches!(
                 wc.opcode,
@@ -70,9 +105,10 @@ impl QpSlot {
 pub struct EngineShared {
     pub mrs: Arc<MrTable>,
     pub qps: RwLock<HashMap<u32, Arc<Mutex<QpSlot>>>>,
-    active_tx: Sender<u32>,
+    /// The shared send queue of this core (producers serialize on the lock).
+    pub sq: Mutex<Producer<sq::Slot>>,
+    /// Wakes the thread for control events (stop).
     wake: EventFd,
-    sleeping: AtomicBool,
     stop: AtomicBool,
     pub stats: EngineStats,
     local: SocketAddrV4,
@@ -80,13 +116,6 @@ pub struct EngineShared {
 }
 
 impl EngineShared {
-    /// Tells the engine a QP has work; wakes it only if it said it sleeps.
-    pub fn kick(&self, qpn: u32) {
-        let _ = self.active_tx.send(qpn);
-        if self.sleeping.load(Ordering::SeqCst) {
-            self.wake.notify();
-        }
-    }
     /// Nanoseconds since the engine started (the transports' clock).
     pub fn now(&self) -> u64 {
         self.epoch.elapsed().as_nanos() as u64
@@ -120,13 +149,12 @@ impl Engine {
             if cfg.gro {
                 link.set_gro(true)?;
             }
-            let (active_tx, active_rx) = crossbeam_channel::unbounded();
+            let (sq_tx, sq_rx) = pipe::pipe::<sq::Slot>(SQ_SLOTS, 32)?;
             let shared = Arc::new(EngineShared {
                 mrs: mrs.clone(),
                 qps: RwLock::new(HashMap::new()),
-                active_tx,
+                sq: Mutex::new(sq_tx),
                 wake: EventFd::new()?,
-                sleeping: AtomicBool::new(false),
                 stop: AtomicBool::new(false),
                 stats: EngineStats::default(),
                 local: link.local_addr(),
@@ -143,7 +171,7 @@ impl Engine {
             // started threads are joined by Engine's drop if a later core fails to start
             let thread = std::thread::Builder::new()
                 .name(format!("flexns-core{i}-{}", link.local_addr().port()))
-                .spawn(move || DataCore::new(s2, link, active_rx, &opts).run())?;
+                .spawn(move || DataCore::new(s2, link, sq_rx, &opts).run())?;
             e.cores.push(shared);
             e.threads.push(thread);
         }
@@ -203,7 +231,7 @@ struct CoreOptions {
 struct DataCore {
     shared: Arc<EngineShared>,
     link: UdpLink,
-    active_rx: Receiver<u32>,
+    sq: Consumer<sq::Slot>,
     mode: PollMode,
     spin: Duration,
     gso: bool,
@@ -213,7 +241,7 @@ struct DataCore {
 }
 
 impl DataCore {
-    fn new(shared: Arc<EngineShared>, link: UdpLink, active_rx: Receiver<u32>, o: &CoreOptions) -> DataCore {
+    fn new(shared: Arc<EngineShared>, link: UdpLink, sq: Consumer<sq::Slot>, o: &CoreOptions) -> DataCore {
         // with GRO one receive may hold up to 64 KiB of coalesced datagrams
         let buf = if o.gro { 1 << 16 } else { MAX_DATAGRAM + 64 };
         let rx = RecvBatch::new((o.staging / buf).clamp(1, BATCH), buf);
@@ -221,7 +249,7 @@ impl DataCore {
         DataCore {
             shared,
             link,
-            active_rx,
+            sq,
             mode: o.mode,
             spin: o.spin,
             gso: o.gso,
@@ -236,10 +264,7 @@ impl DataCore {
         while !self.shared.stop.load(Ordering::Relaxed) {
             let now = self.shared.now();
             let mut work = false;
-            while let Ok(q) = self.active_rx.try_recv() {
-                self.active.insert(q);
-                work = true;
-            }
+            work |= self.drain_sq(now);
             work |= self.receive(now);
             let next_deadline = self.timers(now);
             work |= self.transmit(now);
@@ -257,18 +282,60 @@ impl DataCore {
     }
 
     fn sleep(&mut self, next_deadline: Option<u64>) {
-        self.shared.sleeping.store(true, Ordering::SeqCst);
-        // a post between our last check and the flag would not ring: check again
-        if self.active_rx.is_empty() {
-            let now = self.shared.now();
-            let wait = next_deadline
-                .map(|d| d.saturating_sub(now))
-                .unwrap_or(100_000_000)
-                .min(100_000_000);
-            let _ = sys::ppoll_readable(&[self.link.fd(), self.shared.wake.fd()], wait.max(1_000));
-            self.shared.wake.drain();
+        // the send queue's consumer says it sleeps, then checks once more, so a post racing
+        // with this either is seen now or rings the queue's eventfd
+        if !self.sq.prepare_sleep() {
+            return;
         }
-        self.shared.sleeping.store(false, Ordering::SeqCst);
+        let now = self.shared.now();
+        let wait = next_deadline
+            .map(|d| d.saturating_sub(now))
+            .unwrap_or(100_000_000)
+            .min(100_000_000);
+        let _ = sys::ppoll_readable(
+            &[self.link.fd(), self.sq.wake_fd(), self.shared.wake.fd()],
+            wait.max(1_000),
+        );
+        self.sq.woke();
+        self.shared.wake.drain();
+    }
+
+    /// Moves posted work requests from the shared send queue into their QPs.
+    fn drain_sq(&mut self, _now: u64) -> bool {
+        let mut n = 0;
+        while n < SQ_DRAIN {
+            let Some(req) = sq::pop_request(&mut self.sq) else {
+                break;
+            };
+            n += 1;
+            let qpn = match &req {
+                sq::Request::Send { qpn, .. } | sq::Request::Recv { qpn, .. } => *qpn,
+            };
+            let Some(slot) = self.shared.qps.read().get(&qpn).cloned() else {
+                continue;
+            };
+            let mut s = slot.lock();
+            match req {
+                sq::Request::Send { wr, inline, .. } => {
+                    if let Err(e) =
+                        s.qp.post_send_with_inline(wr.clone(), inline.as_deref(), &self.shared.mrs)
+                    {
+                        // the application checked state and depth when it posted; a QP that
+                        // changed since answers with an error completion
+                        tracing::debug!("QP {qpn:#x}: queued work request refused: {e}");
+                        s.qp.reject_send(&wr, crate::work::WcStatus::LocQpOpErr);
+                    }
+                }
+                sq::Request::Recv { wr, .. } => {
+                    if let Err(e) = s.qp.post_recv(wr) {
+                        tracing::debug!("QP {qpn:#x}: queued receive refused: {e}");
+                    }
+                }
+            }
+            s.deliver_completions();
+            self.active.insert(qpn);
+        }
+        n > 0
     }
 
     fn receive(&mut self, now: u64) -> bool {

@@ -1,12 +1,15 @@
 //! Queue pairs: creation, the RESET/INIT/RTR/RTS/ERR transitions, posting.
 
 use super::{Context, VerbsError};
-use crate::engine::{CqShared, EngineShared, QpSlot};
+use crate::engine::{sq, CqShared, EngineShared, QpMirror, QpSlot};
+use crate::mem::Access;
+use crate::transport::rc::PostError;
 use crate::transport::rc::{QpState, RcConfig, RcQp, RcStats, Recovery};
 use crate::work::{RecvWr, SendFlags, SendWr};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use std::net::SocketAddrV4;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// Creation attributes of a QP.
@@ -35,6 +38,12 @@ pub struct Qp {
     slot: Arc<Mutex<QpSlot>>,
     /// The data core that owns this QP.
     core: Arc<EngineShared>,
+    pd: u32,
+    /// State and retired-WQE count as the engine last published them.
+    mirror: Arc<QpMirror>,
+    /// Send WRs posted so far (with `mirror.retired`, the send queue's depth).
+    posted: AtomicU64,
+    max_send_wr: u32,
 }
 
 impl Qp {
@@ -51,12 +60,16 @@ impl Qp {
             .map_err(|e| VerbsError::Invalid(format!("qp config field {e}")))?;
         let mut qp = RcQp::new(qpn, pd, cfg);
         qp.modify_to_init()?;
-        let slot = Arc::new(Mutex::new(QpSlot {
+        let mirror = Arc::new(QpMirror::default());
+        let mut qs = QpSlot {
             qp,
             remote: None,
             send_cq,
             recv_cq,
-        }));
+            mirror: mirror.clone(),
+        };
+        qs.deliver_completions();
+        let slot = Arc::new(Mutex::new(qs));
         let core = ctx.inner.engine.core_for(qpn).clone();
         core.qps.write().insert(qpn, slot.clone());
         // a random-ish initial PSN, as NICs pick one
@@ -65,8 +78,12 @@ impl Qp {
             ctx,
             qpn,
             psn,
+            pd,
             slot,
             core,
+            mirror,
+            posted: AtomicU64::new(0),
+            max_send_wr: cfg.max_send_wr,
         })
     }
 
@@ -74,8 +91,9 @@ impl Qp {
         self.qpn
     }
 
+    /// The QP state (as the engine last published it; no lock taken).
     pub fn state(&self) -> QpState {
-        self.slot.lock().qp.state()
+        self.mirror.state()
     }
 
     pub fn stats(&self) -> RcStats {
@@ -125,12 +143,15 @@ impl Qp {
             .map_err(|e| VerbsError::Peer(format!("offers an invalid {e}")))?;
         s.qp.modify_to_rtr(remote.qpn, remote.psn, cfg)?;
         s.remote = Some(remote.addr);
+        s.deliver_completions();
         Ok(())
     }
 
     /// RTR -> RTS.
     pub fn modify_to_rts(&self) -> Result<(), VerbsError> {
-        self.slot.lock().qp.modify_to_rts(self.psn)?;
+        let mut s = self.slot.lock();
+        s.qp.modify_to_rts(self.psn)?;
+        s.deliver_completions();
         Ok(())
     }
 
@@ -147,42 +168,89 @@ impl Qp {
         self.modify_to_rts()
     }
 
-    /// Posts a send work request (`ibv_post_send`).
+    /// Posts a send work request (`ibv_post_send`): the request is checked, encoded into the
+    /// data core's shared send queue (INLINE payload inside the slots) and the core is woken if
+    /// it sleeps. The QP's lock is not taken.
     pub fn post_send(&self, wr: SendWr) -> Result<(), VerbsError> {
-        if wr.flags.contains(SendFlags::INLINE) && wr.total_len() > self.ctx.inner.cfg.max_inline as u64 {
-            return Err(VerbsError::InlineTooLong {
-                len: wr.total_len(),
-                max: self.ctx.inner.cfg.max_inline,
-            });
-        }
-        {
-            let mut s = self.slot.lock();
-            s.qp.post_send(wr, self.ctx.mrs())?;
-            s.deliver_completions();
-        }
-        self.core.kick(self.qpn);
-        Ok(())
+        self.post_send_batch(std::iter::once(wr)).map(|_| ())
     }
 
-    /// Posts several send work requests; stops at the first refused one.
+    /// Posts several send work requests; stops at the first refused one and returns how many
+    /// were posted before it in the error's absence.
     pub fn post_send_batch(&self, wrs: impl IntoIterator<Item = SendWr>) -> Result<usize, VerbsError> {
+        let mut slots = Vec::with_capacity(sq::MAX_SLOTS);
         let mut n = 0;
-        {
-            let mut s = self.slot.lock();
-            for wr in wrs {
-                if wr.flags.contains(SendFlags::INLINE) && wr.total_len() > self.ctx.inner.cfg.max_inline as u64 {
-                    return Err(VerbsError::InlineTooLong {
-                        len: wr.total_len(),
-                        max: self.ctx.inner.cfg.max_inline,
-                    });
-                }
-                s.qp.post_send(wr, self.ctx.mrs())?;
-                n += 1;
+        let mut q = self.core.sq.lock();
+        let mut res = Ok(());
+        for wr in wrs {
+            if let Err(e) = self.encode(&wr, &mut slots) {
+                res = Err(e);
+                break;
             }
-            s.deliver_completions();
+            // the engine drains the queue continuously; wait briefly for room
+            let deadline = std::time::Instant::now() + std::time::Duration::from_millis(100);
+            while !sq::push_all(&mut q, &slots) {
+                q.notify();
+                if std::time::Instant::now() > deadline {
+                    res = Err(PostError::QueueFull(sq::MAX_SLOTS as u32).into());
+                    break;
+                }
+                std::thread::yield_now();
+            }
+            if res.is_err() {
+                break;
+            }
+            self.posted.fetch_add(1, Ordering::Relaxed);
+            n += 1;
         }
-        self.core.kick(self.qpn);
-        Ok(n)
+        q.notify();
+        res.map(|_| n)
+    }
+
+    /// Checks a WR against what the application side knows and encodes it.
+    fn encode(&self, wr: &SendWr, slots: &mut Vec<sq::Slot>) -> Result<(), VerbsError> {
+        crate::work::validate_send(wr).map_err(PostError::Invalid)?;
+        match self.mirror.state() {
+            QpState::Rts | QpState::Err => {}
+            st => return Err(PostError::InvalidState(st).into()),
+        }
+        let depth = self
+            .posted
+            .load(Ordering::Relaxed)
+            .saturating_sub(self.mirror.retired.load(Ordering::Acquire));
+        if depth >= self.max_send_wr as u64 {
+            return Err(PostError::QueueFull(self.max_send_wr).into());
+        }
+        if wr.sg_list.len() > sq::MAX_SGE {
+            return Err(VerbsError::Invalid(format!(
+                "{} SGEs, at most {} per work request",
+                wr.sg_list.len(),
+                sq::MAX_SGE
+            )));
+        }
+        if wr.flags.contains(SendFlags::INLINE) {
+            let max = self.ctx.inner.cfg.max_inline;
+            if wr.total_len() > max as u64 {
+                return Err(VerbsError::InlineTooLong {
+                    len: wr.total_len(),
+                    max,
+                });
+            }
+            // INLINE: the payload is copied now, into the WQE slots
+            let mut data = Vec::with_capacity(wr.total_len() as usize);
+            for g in &wr.sg_list {
+                let (region, off) = self
+                    .ctx
+                    .mrs()
+                    .check(g.lkey, self.pd, g.addr, g.length as u64, Access(0))
+                    .map_err(|e| VerbsError::Invalid(format!("INLINE scatter-gather element: {e}")))?;
+                region.with_slice(off, g.length as usize, |b| data.extend_from_slice(b));
+            }
+            sq::encode_send(self.qpn, wr, Some(&data), slots);
+        } else {
+            sq::encode_send(self.qpn, wr, None, slots);
+        }
+        Ok(())
     }
 
     /// Posts a receive work request (`ibv_post_recv`).

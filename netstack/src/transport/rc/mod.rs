@@ -211,6 +211,21 @@ impl RcQp {
     pub fn stats(&self) -> RcStats {
         self.stats
     }
+    /// Completes a send WR that never entered the send queue (posted in ERR, or refused by
+    /// [`RcQp::post_send`] after it was accepted by an asynchronous queue) with `status`.
+    pub fn reject_send(&mut self, wr: &SendWr, status: WcStatus) {
+        let mut wc = requester::flush_wc(wr, self.qpn, self.dest_qpn);
+        wc.status = status;
+        self.push_completion(wc);
+        self.req.retire_unqueued();
+    }
+
+    /// Send WQEs retired so far (completed, failed or flushed, signaled or not): with a count
+    /// of posts, the number still in the send queue.
+    pub fn retired_sends(&self) -> u64 {
+        self.req.retired()
+    }
+
     /// Bytes of state this QP holds beyond its fixed struct (queues and windows).
     pub fn state_bytes(&self) -> usize {
         std::mem::size_of::<RcQp>() + self.req.heap_bytes() + self.resp.heap_bytes()
@@ -260,11 +275,17 @@ impl RcQp {
     /// Queues a send work request. Its local memory is checked now; a bad lkey completes the
     /// WR with LOC_PROT_ERR when its turn comes.
     pub fn post_send(&mut self, wr: SendWr, mrs: &MrTable) -> Result<(), PostError> {
+        self.post_send_with_inline(wr, None, mrs)
+    }
+
+    /// [`RcQp::post_send`] for an INLINE WR whose payload was already copied out of the
+    /// caller's memory (into the WQE slots of the engine's send queue).
+    pub fn post_send_with_inline(&mut self, wr: SendWr, inline: Option<&[u8]>, mrs: &MrTable) -> Result<(), PostError> {
         match self.state {
             QpState::Rts => {}
             QpState::Err => {
                 // ibverbs: WRs posted to a QP in ERR complete with WR_FLUSH_ERR
-                self.push_completion(requester::flush_wc(&wr, self.qpn, self.dest_qpn));
+                self.reject_send(&wr, WcStatus::WrFlushErr);
                 return Ok(());
             }
             s => return Err(PostError::InvalidState(s)),
@@ -272,7 +293,7 @@ impl RcQp {
         if self.req.outstanding() >= self.cfg.max_send_wr as usize {
             return Err(PostError::QueueFull(self.cfg.max_send_wr));
         }
-        self.req.post(wr, self.pd, &self.cfg, mrs)?;
+        self.req.post(wr, inline, self.pd, &self.cfg, mrs)?;
         Requester::progress(self);
         Ok(())
     }

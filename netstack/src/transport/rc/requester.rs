@@ -151,6 +151,8 @@ pub(super) struct Requester {
     last_rewind: Option<u64>,
     rd_outstanding: u32,
     next_recv_seq: u32,
+    /// WQEs removed from the send queue (completed, failed or flushed) so far.
+    retired: u64,
 }
 
 impl Requester {
@@ -173,13 +175,25 @@ impl Requester {
             last_rewind: None,
             rd_outstanding: 0,
             next_recv_seq: 0,
+            retired: 0,
         }
     }
 
     pub(super) fn reset_psn(&mut self, psn: u64) {
         let sq = std::mem::take(&mut self.sq);
+        let retired = self.retired;
         *self = Requester::new(psn);
         self.sq = sq;
+        self.retired = retired;
+    }
+
+    pub(super) fn retired(&self) -> u64 {
+        self.retired
+    }
+
+    /// Counts a WR that was answered without entering the send queue.
+    pub(super) fn retire_unqueued(&mut self) {
+        self.retired += 1;
     }
 
     pub(super) fn outstanding(&self) -> usize {
@@ -190,19 +204,19 @@ impl Requester {
         self.sq.capacity() * std::mem::size_of::<SendWqe>() + self.acked.capacity() + self.retx.len() * 24
     }
 
-    pub(super) fn post(&mut self, wr: SendWr, pd: u32, cfg: &RcConfig, mrs: &MrTable) -> Result<(), super::PostError> {
-        use super::PostError::Invalid;
-        let total = wr.total_len();
+    /// Queues a WR. `inline` carries the payload of an INLINE WR that was copied out of the
+    /// caller's buffers already (the engine's send queue carries it in the WQE slots); without
+    /// it an INLINE WR's payload is copied from its SGEs now.
+    pub(super) fn post(
+        &mut self,
+        wr: SendWr,
+        inline: Option<&[u8]>,
+        pd: u32,
+        cfg: &RcConfig,
+        mrs: &MrTable,
+    ) -> Result<(), super::PostError> {
+        crate::work::validate_send(&wr).map_err(super::PostError::Invalid)?;
         let atomic = matches!(wr.opcode, WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd);
-        if atomic && (wr.sg_list.len() != 1 || total != 8) {
-            return Err(Invalid("atomic work requests take one 8-byte scatter-gather element"));
-        }
-        if atomic && !wr.remote_addr.is_multiple_of(8) {
-            return Err(Invalid("atomic remote address must be 8-byte aligned"));
-        }
-        if total > 1 << 31 {
-            return Err(Invalid("message longer than 2 GiB"));
-        }
         let need = if matches!(wr.opcode, WrOpcode::RdmaRead) || atomic {
             Access::LOCAL_WRITE
         } else {
@@ -210,38 +224,38 @@ impl Requester {
         };
         let mut segs: SmallVec<[Seg; 2]> = SmallVec::new();
         let mut bad = None;
-        for s in &wr.sg_list {
-            match mrs.check(s.lkey, pd, s.addr, s.length as u64, need) {
-                Ok((region, off)) => segs.push(Seg {
-                    region,
-                    off,
-                    len: s.length as usize,
-                }),
-                Err(_) => bad = Some(WcStatus::LocProtErr),
-            }
-        }
-        if wr.flags.contains(SendFlags::INLINE) && bad.is_none() {
-            if !matches!(
-                wr.opcode,
-                WrOpcode::Send | WrOpcode::SendWithImm | WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm
-            ) {
-                return Err(Invalid("INLINE is only valid for SEND and WRITE"));
-            }
-            // copy the payload now, so the caller may reuse its buffer as soon as post returns
-            let r = Region::alloc(total as usize);
-            let mut off = 0;
-            for s in &segs {
-                let mut tmp = vec![0u8; s.len];
-                s.region.read(s.off, &mut tmp);
-                r.write(off, &tmp);
-                off += s.len;
-            }
-            segs = SmallVec::new();
+        let mut total = wr.total_len();
+        if let Some(data) = inline {
             segs.push(Seg {
-                region: Arc::new(r),
+                region: Arc::new(Region::from_bytes(data)),
                 off: 0,
-                len: total as usize,
+                len: data.len(),
             });
+            total = data.len() as u64;
+        } else {
+            for s in &wr.sg_list {
+                match mrs.check(s.lkey, pd, s.addr, s.length as u64, need) {
+                    Ok((region, off)) => segs.push(Seg {
+                        region,
+                        off,
+                        len: s.length as usize,
+                    }),
+                    Err(_) => bad = Some(WcStatus::LocProtErr),
+                }
+            }
+            if wr.flags.contains(SendFlags::INLINE) && bad.is_none() {
+                // copy the payload now, so the caller may reuse its buffer as soon as post returns
+                let mut data = Vec::with_capacity(total as usize);
+                for s in &segs {
+                    s.region.with_slice(s.off, s.len, |b| data.extend_from_slice(b));
+                }
+                segs = SmallVec::new();
+                segs.push(Seg {
+                    region: Arc::new(Region::from_bytes(&data)),
+                    off: 0,
+                    len: data.len(),
+                });
+            }
         }
         let consumes_recv = matches!(
             wr.opcode,
@@ -337,6 +351,7 @@ impl Requester {
     }
 
     pub(super) fn flush(&mut self, qpn: u32, dest: u32) -> Vec<Wc> {
+        self.retired += self.sq.len() as u64;
         let v = self
             .sq
             .drain(..)
@@ -736,12 +751,14 @@ impl Requester {
         // WQEs before the failed one completed (their PSNs were acknowledged)
         for _ in 0..i {
             if let Some(w) = r.sq.pop_front() {
+                r.retired += 1;
                 if w.signaled {
                     qp.completions.push_back(w.wc(WcStatus::Success, qpn, dest));
                 }
             }
         }
         if let Some(w) = qp.req.sq.pop_front() {
+            qp.req.retired += 1;
             qp.complete_error(w.wc(status, qpn, dest));
         } else {
             qp.enter_error();
@@ -798,6 +815,7 @@ impl Requester {
                 if let Some(st) = w.bad {
                     if r.cursor == 0 {
                         let w = r.sq.pop_front().expect("front exists");
+                        r.retired += 1;
                         qp.complete_error(w.wc(st, qpn, dest));
                     }
                 }
@@ -808,6 +826,7 @@ impl Requester {
                 break;
             }
             let w = r.sq.pop_front().expect("front exists");
+            r.retired += 1;
             if r.cursor == 0 {
                 // the cursor was resending this (now acknowledged) WQE: move to the next one
                 r.cursor_pkt = 0;
