@@ -69,6 +69,7 @@ fn every_opcode_moves_verified_data_between_processes() {
             size: 65536,
             depth: 4,
             echo: true,
+            low_latency: false,
         },
     );
     let mr = c.pd.reg_mr(1 << 20, Access::LOCAL_WRITE).unwrap();
@@ -204,6 +205,7 @@ fn one_gib_write_with_end_to_end_checksum() {
             size: 1 << 30,
             depth: 1,
             echo: false,
+            low_latency: false,
         },
     );
     const GIB: usize = 1 << 30;
@@ -253,6 +255,7 @@ fn bad_remote_accesses_end_in_rem_access_err_and_touch_nothing() {
         size: 4096,
         depth: 1,
         echo: false,
+        low_latency: false,
     };
     let (good, w) = c.connect(cm_addr, &hello);
     let mr = c.pd.reg_mr(1 << 16, Access::LOCAL_WRITE).unwrap();
@@ -366,6 +369,7 @@ fn garbage_datagrams_do_not_hurt_the_server() {
             size: 4096,
             depth: 1,
             echo: false,
+            low_latency: false,
         },
     );
     let mr = c.pd.reg_mr(8192, Access::LOCAL_WRITE).unwrap();

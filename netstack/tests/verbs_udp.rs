@@ -389,3 +389,105 @@ fn qps_are_sharded_over_several_data_cores() {
     assert!(x == y);
     assert!(cb.stats().staging_bytes > 2 << 20, "each core has its own staging set");
 }
+
+#[test]
+fn low_latency_qps_carry_every_operation() {
+    let open = || {
+        let ctx = Context::open(ContextConfig::default()).unwrap();
+        let pd = ctx.alloc_pd();
+        let cq = ctx.create_cq(256);
+        let qp = ctx
+            .create_qp(
+                &pd,
+                &cq,
+                &cq,
+                QpInitAttr {
+                    low_latency: true,
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+        let mr = pd.reg_mr(1 << 20, Access::ALL).unwrap();
+        Side {
+            ctx,
+            _pd: pd,
+            cq,
+            qp,
+            mr,
+        }
+    };
+    let (a, b) = (open(), open());
+    a.qp.connect(&b.qp.local_endpoint()).unwrap();
+    b.qp.connect(&a.qp.local_endpoint()).unwrap();
+    let data = pattern(200_000, 3);
+    a.mr.write(0, &data);
+    // ping-pong of INLINE SENDs, both sides low-latency
+    for i in 0..200u32 {
+        b.qp.post_recv(RecvWr {
+            wr_id: i as u64,
+            sg_list: [b.mr.sge(0, 64)].into_iter().collect(),
+        })
+        .unwrap();
+        a.qp.post_recv(RecvWr {
+            wr_id: i as u64,
+            sg_list: [a.mr.sge(900_000, 64)].into_iter().collect(),
+        })
+        .unwrap();
+        a.mr.write(500_000, &i.to_le_bytes());
+        let f = SendFlags::INLINE | SendFlags::SIGNALED;
+        a.qp.post_send(
+            SendWr::new(i as u64, WrOpcode::Send)
+                .sge(a.mr.sge(500_000, 64))
+                .flags(f),
+        )
+        .unwrap();
+        let r = b.cq.next(T).unwrap();
+        assert_eq!(
+            (r.status, r.opcode, r.byte_len),
+            (WcStatus::Success, WcOpcode::Recv, 64)
+        );
+        // unsignaled echo: no send completion on b
+        b.qp.post_send(
+            SendWr::new(i as u64, WrOpcode::Send)
+                .sge(b.mr.sge(0, 64))
+                .flags(SendFlags::INLINE),
+        )
+        .unwrap();
+        let mut seen = (false, false);
+        while seen != (true, true) {
+            let w = a.cq.next(T).unwrap_or_else(|| {
+                panic!(
+                    "iteration {i}: seen {seen:?}, a {:?} b {:?}",
+                    a.qp.stats(),
+                    b.qp.stats()
+                )
+            });
+            assert_eq!(w.status, WcStatus::Success);
+            match w.opcode {
+                WcOpcode::Recv => seen.1 = true,
+                _ => seen.0 = true,
+            }
+        }
+        let mut echo = [0u8; 4];
+        a.mr.read(900_000, &mut echo);
+        assert_eq!(u32::from_le_bytes(echo), i);
+    }
+    // multi-packet WRITE and READ over the same low-latency QP
+    a.qp.post_send(
+        SendWr::new(1, WrOpcode::RdmaWrite)
+            .sge(a.mr.sge(0, data.len()))
+            .remote(b.mr.addr() + 100_000, b.mr.rkey()),
+    )
+    .unwrap();
+    assert_eq!(a.cq.next(T).unwrap().status, WcStatus::Success);
+    a.qp.post_send(
+        SendWr::new(2, WrOpcode::RdmaRead)
+            .sge(a.mr.sge(300_000, data.len()))
+            .remote(b.mr.addr() + 100_000, b.mr.rkey()),
+    )
+    .unwrap();
+    assert_eq!(a.cq.next(T).unwrap().status, WcStatus::Success);
+    let mut got = vec![0u8; data.len()];
+    a.mr.read(300_000, &mut got);
+    assert!(got == data);
+}

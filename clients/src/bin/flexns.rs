@@ -94,6 +94,8 @@ fn demo(duration: f64, json: bool) -> Result<()> {
             pairs: 1,
             server_mr_size: 64 << 20,
             data_cores: 1,
+            poll_mode: client::PollModeArg::Adaptive,
+            standard_qp: false,
         };
         let res = client::run(&a, &spawn)?;
         all_verified &= res.iter().filter(|r| r.system == "flexns").all(|r| r.verified);

@@ -55,12 +55,46 @@ pub struct ClientArgs {
     /// Runs of each system with --compare.
     #[arg(long, default_value_t = 3)]
     pub pairs: u32,
+    /// SEND ping-pong over standard QPs instead of low-latency ones.
+    #[arg(long)]
+    pub standard_qp: bool,
+    /// Engine poll mode of this client's context (and of a server it starts).
+    #[arg(long, value_enum, default_value = "adaptive")]
+    pub poll_mode: PollModeArg,
     /// Engine threads of this client's context (and of a server it starts).
     #[arg(long, default_value_t = 1)]
     pub data_cores: usize,
     /// Memory region of a server this client starts.
     #[arg(long, default_value = "256MiB", value_parser = crate::bench::parse_size)]
     pub server_mr_size: u64,
+}
+
+/// `--poll-mode` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum PollModeArg {
+    BusyPoll,
+    Adaptive,
+    Sleep,
+}
+
+impl PollModeArg {
+    pub fn name(self) -> &'static str {
+        match self {
+            PollModeArg::BusyPoll => "busy-poll",
+            PollModeArg::Adaptive => "adaptive",
+            PollModeArg::Sleep => "sleep",
+        }
+    }
+}
+
+impl From<PollModeArg> for PollMode {
+    fn from(p: PollModeArg) -> PollMode {
+        match p {
+            PollModeArg::BusyPoll => PollMode::BusyPoll,
+            PollModeArg::Adaptive => PollMode::Adaptive,
+            PollModeArg::Sleep => PollMode::Sleep,
+        }
+    }
 }
 
 /// How to start a server child: this executable and the subcommand words before its flags.
@@ -250,12 +284,22 @@ fn flexns(a: &ClientArgs, cm_addr: SocketAddr) -> Result<BenchResult> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let mut connector = rt.block_on(cm::Connector::new(cm_addr))?;
     for _ in 0..nq {
-        let qp = ctx.create_qp(&pd, &cq, &cq, QpInitAttr::default())?;
+        let low_latency = echo && !a.standard_qp;
+        let qp = ctx.create_qp(
+            &pd,
+            &cq,
+            &cq,
+            QpInitAttr {
+                low_latency,
+                ..Default::default()
+            },
+        )?;
         let hello = Hello {
             op: a.op,
             size: a.size,
             depth: a.depth,
             echo,
+            low_latency,
         };
         let reply = rt.block_on(connector.connect(&qp, serde_json::to_vec(&hello)?))?;
         let w: Welcome = serde_json::from_slice(&reply).context("bad welcome from server")?;
@@ -318,7 +362,8 @@ fn flexns(a: &ClientArgs, cm_addr: SocketAddr) -> Result<BenchResult> {
                 sg_list: [check.sge(0, size)].into_iter().collect(),
             })?;
             let t = Instant::now();
-            qp.post_send(SendWr::new(0, WrOpcode::Send).sge(mr.sge(0, size)).flags(SendFlags(0)))?;
+            let flags = if size <= 256 { SendFlags::INLINE } else { SendFlags(0) };
+            qp.post_send(SendWr::new(0, WrOpcode::Send).sge(mr.sge(0, size)).flags(flags))?;
             loop {
                 let k = next_wc(&cq, &mut wcs[..1], limit)?;
                 let wc = wcs[0];

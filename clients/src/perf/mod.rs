@@ -44,6 +44,9 @@ pub struct Hello {
     pub depth: u32,
     /// SEND at depth 1: the server echoes each message (ping-pong latency).
     pub echo: bool,
+    /// Use low-latency QPs (transmit from the posting thread) for the exchange.
+    #[serde(default)]
+    pub low_latency: bool,
 }
 
 /// Private data the server answers with: where the client may read and write.

@@ -30,6 +30,9 @@ pub struct ServerArgs {
     /// Engine threads (data cores).
     #[arg(long, default_value_t = 1)]
     pub data_cores: usize,
+    /// Engine poll mode.
+    #[arg(long, value_enum, default_value = "adaptive")]
+    pub poll_mode: super::client::PollModeArg,
     /// Optional context config (TOML); flags given explicitly override it.
     #[arg(long)]
     pub config: Option<std::path::PathBuf>,
@@ -76,7 +79,15 @@ impl Acceptor for PerfAcceptor {
         let hello: Hello = serde_json::from_slice(pd).map_err(|e| format!("bad hello: {e}"))?;
         let qp = self
             .ctx
-            .create_qp(&self.pd, &self.cq, &self.cq, QpInitAttr::default())
+            .create_qp(
+                &self.pd,
+                &self.cq,
+                &self.cq,
+                QpInitAttr {
+                    low_latency: hello.low_latency,
+                    ..Default::default()
+                },
+            )
             .map_err(|e| e.to_string())?;
         if hello.op == Op::Send {
             let slots = (hello.depth as u64 * 2).max(2);
@@ -152,6 +163,7 @@ pub fn run(args: ServerArgs) -> Result<()> {
     };
     cfg.bind = args.data;
     cfg.data_cores = args.data_cores;
+    cfg.poll_mode = args.poll_mode.into();
     cfg.qp.recovery = args.recovery;
     let ctx = Context::open(cfg)?;
     let pd = ctx.alloc_pd();
@@ -240,10 +252,17 @@ pub fn run(args: ServerArgs) -> Result<()> {
                         let wr = SendWr::new(wc.wr_id, WrOpcode::SendWithImm).imm(imm);
                         let _ = qp.post_send(wr.flags(SendFlags(0)));
                     } else if echo {
+                        // small echoes travel INLINE (in the WQE slots, or straight out on a
+                        // low-latency QP)
+                        let flags = if wc.byte_len <= 256 {
+                            SendFlags::INLINE
+                        } else {
+                            SendFlags(0)
+                        };
                         let _ = qp.post_send(
                             SendWr::new(wc.wr_id, WrOpcode::Send)
                                 .sge(mr.sge(off, wc.byte_len as usize))
-                                .flags(SendFlags(0)),
+                                .flags(flags),
                         );
                     }
                     let _ = qp.post_recv(RecvWr {

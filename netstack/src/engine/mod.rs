@@ -107,6 +107,9 @@ pub struct EngineShared {
     pub qps: RwLock<HashMap<u32, Arc<Mutex<QpSlot>>>>,
     /// The shared send queue of this core (producers serialize on the lock).
     pub sq: Mutex<Producer<sq::Slot>>,
+    /// The core's socket: the data core receives and sends on it; low-latency QPs also send on
+    /// it from the posting thread.
+    pub link: Arc<UdpLink>,
     /// Wakes the thread for control events (stop).
     wake: EventFd,
     stop: AtomicBool,
@@ -116,6 +119,49 @@ pub struct EngineShared {
 }
 
 impl EngineShared {
+    /// Sends what `slot`'s QP has to send right now from the calling thread (the low-latency
+    /// path: no handoff to the data core). The caller holds the QP's lock, so the QP's packets
+    /// leave in order; whatever the socket does not take is left to the data core's timers.
+    pub fn transmit_now(&self, slot: &mut QpSlot) -> usize {
+        let Some(dst) = slot.remote else { return 0 };
+        let now = self.now();
+        let src = self.link.local_addr();
+        let mut total = 0;
+        // everything the window allows, 16 packets per system call; later packets are sent by
+        // the data core as acknowledgements open the window
+        loop {
+            let mut out: smallvec::SmallVec<[Outgoing; 16]> = smallvec::SmallVec::new();
+            while out.len() < 16 {
+                match slot.qp.poll_transmit(now) {
+                    Some(p) => out.push(Outgoing::new(p, src, dst)),
+                    None => break,
+                }
+            }
+            if out.is_empty() {
+                return total;
+            }
+            let mut msgs: smallvec::SmallVec<[OutMsg; 16]> = out
+                .iter()
+                .map(|o| {
+                    let mut m = OutMsg::new(&o.dst);
+                    o.push_spans(&mut m);
+                    m
+                })
+                .collect();
+            let sent = self.link.send_batch(&mut msgs).unwrap_or(0);
+            for o in &out[..sent] {
+                self.stats.tx_packets.inc();
+                self.stats.tx_messages.inc();
+                self.stats.tx_bytes.add(o.wire_len() as u64);
+            }
+            total += sent;
+            if sent < out.len() {
+                // the socket is full: the transport's retransmission timer recovers the rest
+                return total;
+            }
+        }
+    }
+
     /// Nanoseconds since the engine started (the transports' clock).
     pub fn now(&self) -> u64 {
         self.epoch.elapsed().as_nanos() as u64
@@ -145,7 +191,7 @@ impl Engine {
             if bind.port() != 0 {
                 bind.set_port(bind.port() + i as u16);
             }
-            let link = UdpLink::bind(bind)?;
+            let link = Arc::new(UdpLink::bind(bind)?);
             if cfg.gro {
                 link.set_gro(true)?;
             }
@@ -154,6 +200,7 @@ impl Engine {
                 mrs: mrs.clone(),
                 qps: RwLock::new(HashMap::new()),
                 sq: Mutex::new(sq_tx),
+                link: link.clone(),
                 wake: EventFd::new()?,
                 stop: AtomicBool::new(false),
                 stats: EngineStats::default(),
@@ -230,7 +277,7 @@ struct CoreOptions {
 
 struct DataCore {
     shared: Arc<EngineShared>,
-    link: UdpLink,
+    link: Arc<UdpLink>,
     sq: Consumer<sq::Slot>,
     mode: PollMode,
     spin: Duration,
@@ -241,7 +288,7 @@ struct DataCore {
 }
 
 impl DataCore {
-    fn new(shared: Arc<EngineShared>, link: UdpLink, sq: Consumer<sq::Slot>, o: &CoreOptions) -> DataCore {
+    fn new(shared: Arc<EngineShared>, link: Arc<UdpLink>, sq: Consumer<sq::Slot>, o: &CoreOptions) -> DataCore {
         // with GRO one receive may hold up to 64 KiB of coalesced datagrams
         let buf = if o.gro { 1 << 16 } else { MAX_DATAGRAM + 64 };
         let rx = RecvBatch::new((o.staging / buf).clamp(1, BATCH), buf);
@@ -450,25 +497,8 @@ impl DataCore {
         sent_any
     }
 
-    /// Computes pad and ICRC over the header buffer and the payload in place (no copy).
     fn finish(&self, pkt: TxPacket, dst: SocketAddrV4) -> Outgoing {
-        let pad = pkt.hdr.bth().pad as usize;
-        let body = pkt.hdr.len() + pkt.payload_len() + pad;
-        let mut c = icrc::Icrc::new(self.link.local_addr(), dst, body);
-        c.update(pkt.hdr.as_bytes());
-        for p in &pkt.payload {
-            p.region.with_slice(p.off, p.len, |s| c.update(s));
-        }
-        c.update(&PAD_ZEROS[..pad]);
-        let mut trailer = [0u8; 8];
-        trailer[..pad].fill(0);
-        trailer[pad..pad + 4].copy_from_slice(&c.finish().to_le_bytes());
-        Outgoing {
-            pkt,
-            dst,
-            trailer,
-            trailer_len: pad + 4,
-        }
+        Outgoing::new(pkt, self.link.local_addr(), dst)
     }
 
     /// Sends the batch. With GSO, runs of packets to one destination with the same length
@@ -530,6 +560,26 @@ impl DataCore {
 }
 
 impl Outgoing {
+    /// Computes pad and ICRC over the header buffer and the payload in place (no copy).
+    fn new(pkt: TxPacket, src: SocketAddrV4, dst: SocketAddrV4) -> Outgoing {
+        let pad = pkt.hdr.bth().pad as usize;
+        let body = pkt.hdr.len() + pkt.payload_len() + pad;
+        let mut c = icrc::Icrc::new(src, dst, body);
+        c.update(pkt.hdr.as_bytes());
+        for p in &pkt.payload {
+            p.region.with_slice(p.off, p.len, |s| c.update(s));
+        }
+        c.update(&PAD_ZEROS[..pad]);
+        let mut trailer = [0u8; 8];
+        trailer[pad..pad + 4].copy_from_slice(&c.finish().to_le_bytes());
+        Outgoing {
+            pkt,
+            dst,
+            trailer,
+            trailer_len: pad + 4,
+        }
+    }
+
     fn wire_len(&self) -> usize {
         self.pkt.hdr.len() + self.pkt.payload_len() + self.trailer_len
     }
