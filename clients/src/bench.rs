@@ -7,6 +7,13 @@ use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+/// Restores the default SIGPIPE action, so a command whose output is piped into `head` ends
+/// quietly when the reader goes away instead of panicking on a failed print.
+pub fn restore_sigpipe() {
+    // SAFETY: setting a signal's disposition to the default has no memory-safety preconditions.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+}
+
 /// Parses a size with an optional suffix: `4096`, `4k`, `64KiB`, `16MiB`, `1G`.
 pub fn parse_size(s: &str) -> Result<u64, String> {
     let t = s.trim();

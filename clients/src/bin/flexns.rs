@@ -33,6 +33,7 @@ enum Cmd {
 }
 
 fn main() -> Result<()> {
+    clients::bench::restore_sigpipe();
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_writer(std::io::stderr)
@@ -96,6 +97,7 @@ fn demo(duration: f64, json: bool) -> Result<()> {
             data_cores: 1,
             poll_mode: client::PollModeArg::Adaptive,
             standard_qp: false,
+            rate_limit: None,
         };
         let res = client::run(&a, &spawn)?;
         all_verified &= res.iter().filter(|r| r.system == "flexns").all(|r| r.verified);

@@ -55,6 +55,9 @@ pub struct ClientArgs {
     /// Runs of each system with --compare.
     #[arg(long, default_value_t = 3)]
     pub pairs: u32,
+    /// Pace each QP to this many bytes per second (the congestion-control pacing hook).
+    #[arg(long, value_parser = crate::bench::parse_size)]
+    pub rate_limit: Option<u64>,
     /// SEND ping-pong over standard QPs instead of low-latency ones.
     #[arg(long)]
     pub standard_qp: bool,
@@ -305,6 +308,9 @@ fn flexns(a: &ClientArgs, cm_addr: SocketAddr) -> Result<BenchResult> {
         let w: Welcome = serde_json::from_slice(&reply).context("bad welcome from server")?;
         if (unit * slots) as u64 > w.len {
             bail!("server memory region ({} bytes) is smaller than {} QPs x depth {} x {} bytes; start the server with a larger --mr-size", w.len, nq, depth, unit);
+        }
+        if let Some(r) = a.rate_limit {
+            qp.set_rate_limit(Some(r), 64 << 10);
         }
         remote = Some(w);
         qps.push(qp);

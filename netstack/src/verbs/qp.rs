@@ -175,6 +175,17 @@ impl Qp {
         self.modify_to_rts()
     }
 
+    /// Limits the QP's sending rate (bytes per second, with a burst) or lifts the limit with
+    /// `None`; like `ibv_modify_qp_rate_limit`. Congestion control drives the same hook.
+    pub fn set_rate_limit(&self, bytes_per_sec: Option<u64>, burst_bytes: u64) {
+        self.slot.lock().qp.set_rate(bytes_per_sec, burst_bytes);
+    }
+
+    /// Limits the payload bytes in flight, or lifts the limit with `None`.
+    pub fn set_window_limit(&self, bytes: Option<u64>) {
+        self.slot.lock().qp.set_window_bytes(bytes);
+    }
+
     /// Posts a send work request (`ibv_post_send`): the request is checked, encoded into the
     /// data core's shared send queue (INLINE payload inside the slots) and the core is woken if
     /// it sleeps. The QP's lock is not taken.

@@ -220,6 +220,22 @@ impl RcQp {
         self.req.retire_unqueued();
     }
 
+    /// Limits this QP's requester to `bytes_per_sec` (with a burst of `burst_bytes`), or lifts
+    /// the limit: the pacing hook congestion control drives.
+    pub fn set_rate(&mut self, bytes_per_sec: Option<u64>, burst_bytes: u64) {
+        self.req.pacer.set_rate(bytes_per_sec, burst_bytes);
+    }
+
+    /// Limits the payload bytes this QP's requester has in flight, or lifts the limit.
+    pub fn set_window_bytes(&mut self, bytes: Option<u64>) {
+        self.req.pacer.set_window(bytes);
+    }
+
+    /// The current pacing limits.
+    pub fn pacer(&self) -> &crate::transport::pacing::Pacer {
+        &self.req.pacer
+    }
+
     /// Send WQEs retired so far (completed, failed or flushed, signaled or not): with a count
     /// of posts, the number still in the send queue.
     pub fn retired_sends(&self) -> u64 {

@@ -3,6 +3,7 @@
 
 use super::{QpState, RcConfig, RcQp, Recovery};
 use crate::mem::{Access, MrTable, Region};
+use crate::transport::pacing::Pacer;
 use crate::transport::{psn_unwrap, PayloadPart, TxPacket};
 use crate::wire::*;
 use crate::work::*;
@@ -90,6 +91,11 @@ pub(super) fn flush_wc(wr: &SendWr, qpn: u32, dest: u32) -> Wc {
     }
 }
 
+/// Bytes a packet occupies on the wire above UDP (headers, payload, pad, ICRC).
+fn wire_bytes(p: &TxPacket) -> u64 {
+    (p.hdr.len() + p.payload_len() + p.hdr.bth().pad as usize + 4) as u64
+}
+
 fn gather(segs: &[Seg], mut off: usize, mut len: usize) -> SmallVec<[PayloadPart; 2]> {
     let mut out = SmallVec::new();
     for s in segs {
@@ -153,6 +159,8 @@ pub(super) struct Requester {
     next_recv_seq: u32,
     /// WQEs removed from the send queue (completed, failed or flushed) so far.
     retired: u64,
+    /// Rate and window limits (driven by congestion control).
+    pub(super) pacer: Pacer,
 }
 
 impl Requester {
@@ -176,15 +184,18 @@ impl Requester {
             rd_outstanding: 0,
             next_recv_seq: 0,
             retired: 0,
+            pacer: Pacer::default(),
         }
     }
 
     pub(super) fn reset_psn(&mut self, psn: u64) {
         let sq = std::mem::take(&mut self.sq);
         let retired = self.retired;
+        let pacer = std::mem::take(&mut self.pacer);
         *self = Requester::new(psn);
         self.sq = sq;
         self.retired = retired;
+        self.pacer = pacer;
     }
 
     pub(super) fn retired(&self) -> u64 {
@@ -328,14 +339,31 @@ impl Requester {
     }
 
     pub(super) fn deadline(&self) -> Option<u64> {
-        match (self.deadline, self.rnr_until) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        // a paced QP with something to send wakes when its next packet conforms
+        let paced = if self.rnr_until.is_none() && self.has_pending() {
+            self.pacer.next_conforming()
+        } else {
+            None
+        };
+        [self.deadline, self.rnr_until, paced].into_iter().flatten().min()
     }
 
-    pub(super) fn wants_transmit(&self, _now: u64, cfg: &RcConfig) -> bool {
-        if self.rnr_until.is_some() {
+    fn has_pending(&self) -> bool {
+        !self.retx.is_empty() || self.cursor < self.sq.len()
+    }
+
+    /// Payload bytes in flight, in whole packets (an upper bound).
+    fn inflight_bytes(&self, cfg: &RcConfig) -> u64 {
+        self.sent_max.saturating_sub(self.una) * cfg.mtu as u64
+    }
+
+    /// Whether the pacer lets a packet go now.
+    fn paced_ok(&self, now: u64, cfg: &RcConfig) -> bool {
+        self.pacer.ready_at(now).is_none() && self.pacer.window_open(self.inflight_bytes(cfg))
+    }
+
+    pub(super) fn wants_transmit(&self, now: u64, cfg: &RcConfig) -> bool {
+        if self.rnr_until.is_some() || !self.paced_ok(now, cfg) {
             return false;
         }
         if !self.retx.is_empty() {
@@ -453,7 +481,7 @@ impl Requester {
         let cfg = qp.cfg;
         let dest = qp.dest_qpn;
         let r = &mut qp.req;
-        if r.rnr_until.is_some() {
+        if r.rnr_until.is_some() || !r.paced_ok(now, &cfg) {
             return None;
         }
         while let Some(p) = r.retx.pop_first() {
@@ -475,6 +503,7 @@ impl Requester {
             qp.stats.retransmitted_packets += 1;
             let r = &mut qp.req;
             r.deadline.get_or_insert(now + cfg.timeout_ns);
+            r.pacer.on_send(now, wire_bytes(&pkt));
             return Some(pkt);
         }
         let w = r.sq.get(r.cursor)?;
@@ -522,6 +551,7 @@ impl Requester {
         let r = &mut qp.req;
         r.sent_max = r.sent_max.max(first + end as u64);
         r.deadline.get_or_insert(now + cfg.timeout_ns);
+        r.pacer.on_send(now, wire_bytes(&pkt));
         Some(pkt)
     }
 
