@@ -88,7 +88,7 @@ fn tshark_decodes_our_packets_as_infiniband() {
     };
     let (ca, cb) = (open("127.0.0.1"), open("127.0.0.2"));
     let (pa, pb) = (ca.alloc_pd(), cb.alloc_pd());
-    let (qa_cq, qb_cq) = (ca.create_cq(64), cb.create_cq(64));
+    let (qa_cq, qb_cq) = (ca.create_cq(64).unwrap(), cb.create_cq(64).unwrap());
     let qa = ca.create_qp(&pa, &qa_cq, &qa_cq, QpInitAttr::default()).unwrap();
     let qb = cb.create_qp(&pb, &qb_cq, &qb_cq, QpInitAttr::default()).unwrap();
     let (ea, eb) = (qa.local_endpoint(), qb.local_endpoint());

@@ -27,7 +27,7 @@ impl Client {
     fn new() -> Client {
         let ctx = Context::open(ContextConfig::default()).unwrap();
         let pd = ctx.alloc_pd();
-        let cq = ctx.create_cq(4096);
+        let cq = ctx.create_cq(4096).unwrap();
         Client { _ctx: ctx, pd, cq }
     }
     fn connect(&self, cm_addr: SocketAddr, hello: &Hello) -> (Qp, Welcome) {

@@ -20,7 +20,7 @@ fn side(cfg: RcConfig, mr_len: usize) -> Side {
     })
     .unwrap();
     let pd = ctx.alloc_pd();
-    let cq = ctx.create_cq(1024);
+    let cq = ctx.create_cq(1024).unwrap();
     let qp = ctx.create_qp(&pd, &cq, &cq, QpInitAttr::default()).unwrap();
     let mr = pd.reg_mr(mr_len, Access::ALL).unwrap();
     Side {
@@ -300,7 +300,7 @@ fn gso_and_gro_batch_packets_when_on_and_not_when_off() {
             };
             let ctx = Context::open(cfg).unwrap();
             let pd = ctx.alloc_pd();
-            let cq = ctx.create_cq(64);
+            let cq = ctx.create_cq(64).unwrap();
             let qp = ctx.create_qp(&pd, &cq, &cq, QpInitAttr::default()).unwrap();
             let mr = pd.reg_mr(4 << 20, Access::ALL).unwrap();
             Side {
@@ -356,7 +356,7 @@ fn qps_are_sharded_over_several_data_cores() {
     };
     let (ca, cb) = (open(), open());
     let (pa, pb) = (ca.alloc_pd(), cb.alloc_pd());
-    let (cqa, cqb) = (ca.create_cq(256), cb.create_cq(256));
+    let (cqa, cqb) = (ca.create_cq(256).unwrap(), cb.create_cq(256).unwrap());
     let ma = pa.reg_mr(1 << 20, Access::ALL).unwrap();
     let mb = pb.reg_mr(1 << 20, Access::ALL).unwrap();
     ma.write(0, &pattern(1 << 20, 5));
@@ -395,7 +395,7 @@ fn low_latency_qps_carry_every_operation() {
     let open = || {
         let ctx = Context::open(ContextConfig::default()).unwrap();
         let pd = ctx.alloc_pd();
-        let cq = ctx.create_cq(256);
+        let cq = ctx.create_cq(256).unwrap();
         let qp = ctx
             .create_qp(
                 &pd,
@@ -490,4 +490,43 @@ fn low_latency_qps_carry_every_operation() {
     let mut got = vec![0u8; data.len()];
     a.mr.read(300_000, &mut got);
     assert!(got == data);
+}
+
+#[test]
+fn a_full_cq_loses_no_completion() {
+    let open = || {
+        let ctx = Context::open(ContextConfig::default()).unwrap();
+        let pd = ctx.alloc_pd();
+        let cq = ctx.create_cq(2).unwrap(); // room for 2 per data core
+        let qp = ctx.create_qp(&pd, &cq, &cq, QpInitAttr::default()).unwrap();
+        let mr = pd.reg_mr(1 << 16, Access::ALL).unwrap();
+        Side {
+            ctx,
+            _pd: pd,
+            cq,
+            qp,
+            mr,
+        }
+    };
+    let (a, b) = (open(), open());
+    a.qp.connect(&b.qp.local_endpoint()).unwrap();
+    b.qp.connect(&a.qp.local_endpoint()).unwrap();
+    for i in 0..100 {
+        a.qp.post_send(
+            SendWr::new(i, WrOpcode::RdmaWrite)
+                .sge(a.mr.sge(0, 64))
+                .remote(b.mr.addr(), b.mr.rkey()),
+        )
+        .unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let mut ids = Vec::new();
+    while ids.len() < 100 {
+        let wc = a.cq.next(T).expect("every completion arrives");
+        assert_eq!(wc.status, WcStatus::Success);
+        ids.push(wc.wr_id);
+    }
+    assert_eq!(ids, (0..100).collect::<Vec<_>>(), "in order, none lost or repeated");
+    assert!(a.cq.overruns() > 0, "the CQ was full at times");
+    assert!(a.cq.next(Duration::from_millis(50)).is_none());
 }

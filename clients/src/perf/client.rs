@@ -274,7 +274,7 @@ fn flexns(a: &ClientArgs, cm_addr: SocketAddr) -> Result<BenchResult> {
     let pd = ctx.alloc_pd();
     let (size, depth, nq) = (a.size as usize, a.depth as usize, a.qps as usize);
     let slots = depth * nq;
-    let cq = ctx.create_cq(slots * 2 + 64);
+    let cq = ctx.create_cq(slots * 2 + 64)?;
     let unit = if a.op == Op::Atomic { 8 } else { size };
     let mr = pd.reg_mr(unit * slots, Access::LOCAL_WRITE)?;
     let check = pd.reg_mr(unit * slots, Access::LOCAL_WRITE)?;

@@ -167,7 +167,7 @@ pub fn run(args: ServerArgs) -> Result<()> {
     cfg.qp.recovery = args.recovery;
     let ctx = Context::open(cfg)?;
     let pd = ctx.alloc_pd();
-    let cq = ctx.create_cq(1 << 16);
+    let cq = ctx.create_cq(1 << 16)?;
     let mr = Arc::new(pd.reg_mr(args.mr_size as usize, Access::ALL)?);
     // the region holds a known pattern so READs can be verified by the client
     let mut chunk = vec![0u8; 1 << 20];

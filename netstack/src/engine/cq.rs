@@ -1,82 +1,146 @@
-//! Completion queue storage shared by the engine (producer) and the application (consumer).
+//! Completion queues over notification pipes: one pipe per data core, whose thread is that
+//! pipe's only producer; the application side polls all of them (consumers serialize on a lock,
+//! as `ibv_poll_cq` callers do). Completions of one QP come from one core, so they stay in
+//! order; completions of QPs on different cores have no order between them, as with ibverbs.
 
+use crate::link::sys;
+use crate::pipe::{pipe, Consumer, Producer};
 use crate::work::Wc;
-use parking_lot::{Condvar, Mutex};
-use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use parking_lot::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
-/// A completion queue's ring, with blocking and async waiting.
+/// A completion queue's pipes, with blocking and async waiting.
 pub struct CqShared {
-    q: Mutex<VecDeque<Wc>>,
-    cv: Condvar,
+    /// `producers[i]` is written only by data core `i` (the lock is never contended).
+    producers: Vec<Mutex<Producer<Wc>>>,
+    consumers: Mutex<Vec<Consumer<Wc>>>,
+    /// An async waiter is parked: producers notify it.
+    async_waiting: AtomicBool,
     notify: tokio::sync::Notify,
-    cap: usize,
-    overflows: AtomicU64,
+    overruns: AtomicU64,
 }
 
 impl CqShared {
-    pub fn new(cap: usize) -> CqShared {
-        CqShared {
-            q: Mutex::new(VecDeque::with_capacity(cap.min(1 << 16))),
-            cv: Condvar::new(),
+    /// A CQ with room for `cap` completions per data core, for `cores` data cores.
+    pub fn new(cap: usize, cores: usize) -> std::io::Result<CqShared> {
+        let mut producers = Vec::new();
+        let mut consumers = Vec::new();
+        for _ in 0..cores.max(1) {
+            let (p, c) = pipe::<Wc>(cap.max(2), 16)?;
+            producers.push(Mutex::new(p));
+            consumers.push(c);
+        }
+        Ok(CqShared {
+            producers,
+            consumers: Mutex::new(consumers),
+            async_waiting: AtomicBool::new(false),
             notify: tokio::sync::Notify::new(),
-            cap,
-            overflows: AtomicU64::new(0),
-        }
+            overruns: AtomicU64::new(0),
+        })
     }
 
-    /// Adds a completion. A full queue keeps the completion and counts an overrun (ibverbs would
-    /// raise a CQ error event; losing a completion would lose track of a buffer).
-    pub fn push(&self, wc: Wc) {
-        let mut q = self.q.lock();
-        if q.len() >= self.cap {
-            self.overflows.fetch_add(1, Ordering::Relaxed);
+    /// Adds completions from data core `core`; returns how many fit (the rest stay with the
+    /// caller, which retries: a full CQ loses nothing).
+    pub fn push(&self, core: usize, wcs: impl IntoIterator<Item = Wc>) -> usize {
+        let mut p = self.producers[core % self.producers.len()].lock();
+        let mut n = 0;
+        for wc in wcs {
+            if p.try_push(wc).is_err() {
+                self.overruns.fetch_add(1, Ordering::Relaxed);
+                break;
+            }
+            n += 1;
         }
-        q.push_back(wc);
-        drop(q);
-        self.cv.notify_all();
-        self.notify.notify_one();
-    }
-
-    /// Moves up to `out.len()` completions into `out`; returns how many.
-    pub fn poll(&self, out: &mut [Wc]) -> usize {
-        let mut q = self.q.lock();
-        let n = out.len().min(q.len());
-        for (o, w) in out.iter_mut().zip(q.drain(..n)) {
-            *o = w;
+        p.notify();
+        drop(p);
+        if n > 0 && self.async_waiting.load(Ordering::SeqCst) {
+            self.notify.notify_one();
         }
         n
     }
 
+    /// Whether data core `core`'s pipe has room.
+    pub fn has_room(&self, core: usize) -> bool {
+        self.producers[core % self.producers.len()].lock().free() > 0
+    }
+
+    /// Moves up to `out.len()` completions into `out`; returns how many.
+    pub fn poll(&self, out: &mut [Wc]) -> usize {
+        let mut cs = self.consumers.lock();
+        let mut n = 0;
+        for c in cs.iter_mut() {
+            while n < out.len() {
+                match c.pop() {
+                    Some(w) => {
+                        out[n] = w;
+                        n += 1;
+                    }
+                    None => break,
+                }
+            }
+        }
+        n
+    }
+
+    fn any_ready(&self) -> bool {
+        self.consumers.lock().iter().any(|c| c.has_data())
+    }
+
     /// Blocks until at least one completion is queued or `timeout` passes; returns whether one is.
     pub fn wait(&self, timeout: Duration) -> bool {
-        let mut q = self.q.lock();
-        if q.is_empty() {
-            self.cv.wait_for(&mut q, timeout);
+        let deadline = Instant::now() + timeout;
+        loop {
+            let fds = {
+                let mut cs = self.consumers.lock();
+                let mut fds = Vec::with_capacity(cs.len());
+                for c in cs.iter_mut() {
+                    if !c.prepare_sleep() {
+                        // data arrived: undo the other sleeping flags
+                        for c in cs.iter_mut() {
+                            c.woke();
+                        }
+                        return true;
+                    }
+                    fds.push(c.wake_fd());
+                }
+                fds
+            };
+            let left = deadline.saturating_duration_since(Instant::now());
+            if !left.is_zero() {
+                let _ = sys::ppoll_readable(&fds, left.as_nanos() as u64);
+            }
+            let mut cs = self.consumers.lock();
+            for c in cs.iter_mut() {
+                c.woke();
+            }
+            if cs.iter().any(|c| c.has_data()) {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
         }
-        !q.is_empty()
     }
 
     /// Waits asynchronously until a completion is queued.
     pub async fn wait_async(&self) {
         loop {
             let n = self.notify.notified();
-            if !self.q.lock().is_empty() {
+            tokio::pin!(n);
+            n.as_mut().enable();
+            self.async_waiting.store(true, Ordering::SeqCst);
+            if self.any_ready() {
+                self.async_waiting.store(false, Ordering::SeqCst);
                 return;
             }
             n.await;
+            self.async_waiting.store(false, Ordering::SeqCst);
         }
     }
 
-    pub fn len(&self) -> usize {
-        self.q.lock().len()
-    }
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-    /// Times completions arrived while the queue held `cap` or more.
+    /// Times a completion found its pipe full (it was kept and delivered later).
     pub fn overruns(&self) -> u64 {
-        self.overflows.load(Ordering::Relaxed)
+        self.overruns.load(Ordering::Relaxed)
     }
 }

@@ -80,8 +80,8 @@ pub struct QpSlot {
 }
 
 impl QpSlot {
-    /// Moves the transport's completions to the completion queues and refreshes the mirror.
-    pub fn deliver_completions(&mut self) {
+    /// Refreshes the mirror the application reads (state, retired WQEs). Any thread may call it.
+    pub fn sync_mirror(&self) {
         let st = match self.qp.state() {
             QpState::Reset => 0,
             QpState::Init => 1,
@@ -91,13 +91,25 @@ impl QpSlot {
         };
         self.mirror.state.store(st, Ordering::Release);
         self.mirror.retired.store(self.qp.retired_sends(), Ordering::Release);
-        while let Some(wc) = self.qp.poll_completion() {
+    }
+
+    /// Moves the transport's completions into the completion queues' pipes of data core
+    /// `core`. Only that core's thread calls it. Returns false when a CQ was full: the rest
+    /// stays in the transport, in order, for a later call.
+    pub fn deliver_completions(&mut self, core: usize) -> bool {
+        self.sync_mirror();
+        while let Some(wc) = self.qp.peek_completion() {
             let recv = matches!(
                 wc.opcode,
                 crate::work::WcOpcode::Recv | crate::work::WcOpcode::RecvRdmaWithImm
             );
-            if recv { &self.recv_cq } else { &self.send_cq }.push(wc);
+            let cq = if recv { &self.recv_cq } else { &self.send_cq };
+            if cq.push(core, std::iter::once(wc)) == 0 {
+                return false;
+            }
+            self.qp.poll_completion();
         }
+        true
     }
 }
 
@@ -119,6 +131,19 @@ pub struct EngineShared {
 }
 
 impl EngineShared {
+    /// Asks the data core to deliver the completions an application thread left in `qpn`'s
+    /// transport (only data-core threads write completion pipes).
+    pub fn poke(&self, qpn: u32) {
+        let mut slots = Vec::with_capacity(1);
+        sq::encode_poke(qpn, &mut slots);
+        let mut q = self.sq.lock();
+        while !sq::push_all(&mut q, &slots) {
+            q.notify();
+            std::thread::yield_now();
+        }
+        q.notify();
+    }
+
     /// Sends what `slot`'s QP has to send right now from the calling thread (the low-latency
     /// path: no handoff to the data core). The caller holds the QP's lock, so the QP's packets
     /// leave in order; whatever the socket does not take is left to the data core's timers.
@@ -209,6 +234,7 @@ impl Engine {
             });
             let s2 = shared.clone();
             let opts = CoreOptions {
+                index: i,
                 mode: cfg.poll_mode,
                 spin: Duration::from_micros(cfg.spin_us),
                 gso: cfg.gso,
@@ -268,6 +294,7 @@ struct Outgoing {
 
 /// What a data core needs from the context configuration.
 struct CoreOptions {
+    index: usize,
     mode: PollMode,
     spin: Duration,
     gso: bool,
@@ -276,6 +303,10 @@ struct CoreOptions {
 }
 
 struct DataCore {
+    /// This core's index (its pipe in every CQ).
+    index: usize,
+    /// QPs whose completions did not fit in a full CQ; retried every loop.
+    stuck: HashSet<u32>,
     shared: Arc<EngineShared>,
     link: Arc<UdpLink>,
     sq: Consumer<sq::Slot>,
@@ -294,6 +325,8 @@ impl DataCore {
         let rx = RecvBatch::new((o.staging / buf).clamp(1, BATCH), buf);
         shared.stats.set_staging_bytes(rx.staging_bytes() as u64);
         DataCore {
+            index: o.index,
+            stuck: HashSet::new(),
             shared,
             link,
             sq,
@@ -312,6 +345,7 @@ impl DataCore {
             let now = self.shared.now();
             let mut work = false;
             work |= self.drain_sq(now);
+            self.retry_stuck();
             work |= self.receive(now);
             let next_deadline = self.timers(now);
             work |= self.transmit(now);
@@ -347,6 +381,21 @@ impl DataCore {
         self.shared.wake.drain();
     }
 
+    /// Delivers completions that found their CQ full earlier.
+    fn retry_stuck(&mut self) {
+        if self.stuck.is_empty() {
+            return;
+        }
+        let stuck: Vec<u32> = self.stuck.drain().collect();
+        for qpn in stuck {
+            if let Some(slot) = self.shared.qps.read().get(&qpn).cloned() {
+                if !slot.lock().deliver_completions(self.index) {
+                    self.stuck.insert(qpn);
+                }
+            }
+        }
+    }
+
     /// Moves posted work requests from the shared send queue into their QPs.
     fn drain_sq(&mut self, _now: u64) -> bool {
         let mut n = 0;
@@ -356,7 +405,7 @@ impl DataCore {
             };
             n += 1;
             let qpn = match &req {
-                sq::Request::Send { qpn, .. } | sq::Request::Recv { qpn, .. } => *qpn,
+                sq::Request::Send { qpn, .. } | sq::Request::Recv { qpn, .. } | sq::Request::Poke { qpn } => *qpn,
             };
             let Some(slot) = self.shared.qps.read().get(&qpn).cloned() else {
                 continue;
@@ -378,8 +427,12 @@ impl DataCore {
                         tracing::debug!("QP {qpn:#x}: queued receive refused: {e}");
                     }
                 }
+                // an application thread left completions in the transport: deliver them
+                sq::Request::Poke { .. } => {}
             }
-            s.deliver_completions();
+            if !s.deliver_completions(self.index) {
+                self.stuck.insert(qpn);
+            }
             self.active.insert(qpn);
         }
         n > 0
@@ -403,16 +456,27 @@ impl DataCore {
             };
             self.shared.stats.staging_fills.inc();
             for dgram in sys::segments(d, seg) {
-                if let Some(qpn) = Self::dispatch(&self.shared, now, dgram, src, local) {
+                if let Some((qpn, delivered)) = Self::dispatch(&self.shared, self.index, now, dgram, src, local) {
                     self.active.insert(qpn);
+                    if !delivered {
+                        self.stuck.insert(qpn);
+                    }
                 }
             }
         }
         n > 0
     }
 
-    /// Checks one datagram and hands it to its QP; returns the QPN it went to.
-    fn dispatch(shared: &EngineShared, now: u64, d: &[u8], src: SocketAddrV4, local: SocketAddrV4) -> Option<u32> {
+    /// Checks one datagram and hands it to its QP; returns the QPN it went to and whether its
+    /// completions all fit in their CQs.
+    fn dispatch(
+        shared: &EngineShared,
+        core: usize,
+        now: u64,
+        d: &[u8],
+        src: SocketAddrV4,
+        local: SocketAddrV4,
+    ) -> Option<(u32, bool)> {
         let stats = &shared.stats;
         stats.rx_datagrams.inc();
         stats.rx_bytes.add(d.len() as u64);
@@ -438,8 +502,7 @@ impl DataCore {
             return None;
         }
         s.qp.handle_packet(now, &v, &shared.mrs);
-        s.deliver_completions();
-        Some(qpn)
+        Some((qpn, s.deliver_completions(core)))
     }
 
     /// Runs due timers; returns the earliest future deadline.
@@ -450,7 +513,9 @@ impl DataCore {
             if let Some(t) = s.qp.poll_timeout() {
                 if t <= now {
                     s.qp.handle_timeout(now);
-                    s.deliver_completions();
+                    if !s.deliver_completions(self.index) {
+                        self.stuck.insert(qpn);
+                    }
                     self.active.insert(qpn);
                     if let Some(t2) = s.qp.poll_timeout() {
                         next = Some(next.map_or(t2, |n| n.min(t2)));
@@ -484,7 +549,9 @@ impl DataCore {
                     None => break,
                 }
             }
-            s.deliver_completions();
+            if !s.deliver_completions(self.index) {
+                self.stuck.insert(qpn);
+            }
             if !s.qp.wants_transmit(now) {
                 self.active.remove(&qpn);
             }

@@ -5,7 +5,8 @@
 //!
 //! A work request is one header slot followed by `extra` slots.
 //!
-//! Header slot, `kind` = 1 (send) or 2 (receive):
+//! Header slot, `kind` = 1 (send), 2 (receive) or 3 (poke: deliver the completions an
+//! application thread left in the QP's transport; only word 1's QPN is used):
 //!
 //! | word | bits 0..8 | 8..16 | 16..24 | 24..32 | 32..64 |
 //! | --- | --- | --- | --- | --- | --- |
@@ -30,6 +31,7 @@ pub type Slot = [u64; 7];
 
 const KIND_SEND: u8 = 1;
 const KIND_RECV: u8 = 2;
+const KIND_POKE: u8 = 3;
 const SGES_PER_SLOT: usize = 3;
 
 /// Most slots one request may take (header, 256 B of inline data or 16 SGEs).
@@ -134,6 +136,15 @@ pub enum Request {
         qpn: u32,
         wr: RecvWr,
     },
+    Poke {
+        qpn: u32,
+    },
+}
+
+/// Encodes a poke: "deliver the completions waiting in this QP's transport".
+pub fn encode_poke(qpn: u32, out: &mut Vec<Slot>) {
+    out.clear();
+    out.push([KIND_POKE as u64, qpn as u64, 0, 0, 0, 0, 0]);
 }
 
 /// Writes all slots of one request, or none when the queue lacks room for all of them.
@@ -216,6 +227,7 @@ pub fn pop_request(c: &mut Consumer<Slot>) -> Option<Request> {
                 sg_list: sges(),
             },
         }),
+        KIND_POKE => Some(Request::Poke { qpn }),
         _ => None,
     }
 }

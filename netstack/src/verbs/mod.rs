@@ -7,7 +7,7 @@
 //! let ctx = Context::open(ContextConfig::default()).unwrap();
 //! let pd = ctx.alloc_pd();
 //! let mr = pd.reg_mr(4096, Access::LOCAL_WRITE | Access::REMOTE_WRITE).unwrap();
-//! let cq = ctx.create_cq(256);
+//! let cq = ctx.create_cq(256).unwrap();
 //! let qp = ctx.create_qp(&pd, &cq, &cq, QpInitAttr::default()).unwrap();
 //! // exchange qp.local_endpoint() with the peer (see `netstack::cm`), then:
 //! # let remote = qp.local_endpoint();
@@ -103,11 +103,12 @@ impl Context {
         }
     }
 
-    /// Creates a completion queue with room for `cqe` completions.
-    pub fn create_cq(&self, cqe: usize) -> Cq {
-        Cq {
-            shared: Arc::new(CqShared::new(cqe.max(1))),
-        }
+    /// Creates a completion queue with room for `cqe` completions per data core (a completion
+    /// that finds it full waits in its QP and is delivered later; `Cq::overruns` counts that).
+    pub fn create_cq(&self, cqe: usize) -> Result<Cq, VerbsError> {
+        Ok(Cq {
+            shared: Arc::new(CqShared::new(cqe.max(1), self.inner.engine.cores().len())?),
+        })
     }
 
     /// Creates an RC queue pair, already in INIT so receives can be posted before connecting.

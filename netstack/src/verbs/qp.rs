@@ -67,14 +67,14 @@ impl Qp {
         let mut qp = RcQp::new(qpn, pd, cfg);
         qp.modify_to_init()?;
         let mirror = Arc::new(QpMirror::default());
-        let mut qs = QpSlot {
+        let qs = QpSlot {
             qp,
             remote: None,
             send_cq,
             recv_cq,
             mirror: mirror.clone(),
         };
-        qs.deliver_completions();
+        qs.sync_mirror();
         let slot = Arc::new(Mutex::new(qs));
         let core = ctx.inner.engine.core_for(qpn).clone();
         core.qps.write().insert(qpn, slot.clone());
@@ -150,7 +150,7 @@ impl Qp {
             .map_err(|e| VerbsError::Peer(format!("offers an invalid {e}")))?;
         s.qp.modify_to_rtr(remote.qpn, remote.psn, cfg)?;
         s.remote = Some(remote.addr);
-        s.deliver_completions();
+        s.sync_mirror();
         Ok(())
     }
 
@@ -158,7 +158,7 @@ impl Qp {
     pub fn modify_to_rts(&self) -> Result<(), VerbsError> {
         let mut s = self.slot.lock();
         s.qp.modify_to_rts(self.psn)?;
-        s.deliver_completions();
+        s.sync_mirror();
         Ok(())
     }
 
@@ -166,7 +166,7 @@ impl Qp {
     pub fn modify_to_err(&self) {
         let mut s = self.slot.lock();
         s.qp.modify_to_err();
-        s.deliver_completions();
+        self.settle(&s);
     }
 
     /// INIT -> RTR -> RTS in one call.
@@ -228,6 +228,16 @@ impl Qp {
         res.map(|_| n)
     }
 
+    /// After an application-thread operation on the transport: refresh the mirror, and have the
+    /// data core deliver any completions it produced (only core threads write CQ pipes, which
+    /// keeps each QP's completions in order).
+    fn settle(&self, s: &QpSlot) {
+        s.sync_mirror();
+        if s.qp.has_completions() {
+            self.core.poke(self.qpn);
+        }
+    }
+
     /// The low-latency path: post into the transport and transmit from this thread.
     fn post_send_direct(&self, wrs: impl IntoIterator<Item = SendWr>) -> Result<usize, VerbsError> {
         let mut s = self.slot.lock();
@@ -248,7 +258,7 @@ impl Qp {
             n += 1;
         }
         self.core.transmit_now(&mut s);
-        s.deliver_completions();
+        self.settle(&s);
         res.map(|_| n)
     }
 
@@ -302,7 +312,7 @@ impl Qp {
     pub fn post_recv(&self, wr: RecvWr) -> Result<(), VerbsError> {
         let mut s = self.slot.lock();
         s.qp.post_recv(wr)?;
-        s.deliver_completions();
+        self.settle(&s);
         drop(s);
         // a receive may unblock an RNR'd peer only by its retry; nothing to send now, but the
         // engine must see ERR flushes delivered, which happened above

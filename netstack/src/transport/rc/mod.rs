@@ -394,6 +394,11 @@ impl RcQp {
         }
     }
 
+    /// The next work completion, left in place.
+    pub fn peek_completion(&self) -> Option<Wc> {
+        self.completions.front().copied()
+    }
+
     /// Next work completion.
     pub fn poll_completion(&mut self) -> Option<Wc> {
         self.completions.pop_front()
