@@ -13,16 +13,31 @@ struct Side {
     mr: Mr,
 }
 
-fn side(cfg: RcConfig, mr_len: usize) -> Side {
-    let ctx = Context::open(ContextConfig {
-        qp: cfg,
-        ..Default::default()
-    })
-    .unwrap();
+/// How a test side is built.
+struct Opts {
+    ctx: ContextConfig,
+    attr: QpInitAttr,
+    cqe: usize,
+    mr_len: usize,
+}
+
+impl Default for Opts {
+    fn default() -> Self {
+        Opts {
+            ctx: ContextConfig::default(),
+            attr: QpInitAttr::default(),
+            cqe: 1024,
+            mr_len: 1 << 20,
+        }
+    }
+}
+
+fn side_with(o: &Opts) -> Side {
+    let ctx = Context::open(o.ctx.clone()).unwrap();
     let pd = ctx.alloc_pd();
-    let cq = ctx.create_cq(1024).unwrap();
-    let qp = ctx.create_qp(&pd, &cq, &cq, QpInitAttr::default()).unwrap();
-    let mr = pd.reg_mr(mr_len, Access::ALL).unwrap();
+    let cq = ctx.create_cq(o.cqe).unwrap();
+    let qp = ctx.create_qp(&pd, &cq, &cq, o.attr).unwrap();
+    let mr = pd.reg_mr(o.mr_len, Access::ALL).unwrap();
     Side {
         ctx,
         _pd: pd,
@@ -32,12 +47,34 @@ fn side(cfg: RcConfig, mr_len: usize) -> Side {
     }
 }
 
-fn pair(cfg: RcConfig, mr_len: usize) -> (Side, Side) {
-    let a = side(cfg, mr_len);
-    let b = side(cfg, mr_len);
+fn pair_with(o: &Opts) -> (Side, Side) {
+    let a = side_with(o);
+    let b = side_with(o);
     a.qp.connect(&b.qp.local_endpoint()).unwrap();
     b.qp.connect(&a.qp.local_endpoint()).unwrap();
     (a, b)
+}
+
+fn side(cfg: RcConfig, mr_len: usize) -> Side {
+    side_with(&Opts {
+        ctx: ContextConfig {
+            qp: cfg,
+            ..Default::default()
+        },
+        mr_len,
+        ..Default::default()
+    })
+}
+
+fn pair(cfg: RcConfig, mr_len: usize) -> (Side, Side) {
+    pair_with(&Opts {
+        ctx: ContextConfig {
+            qp: cfg,
+            ..Default::default()
+        },
+        mr_len,
+        ..Default::default()
+    })
 }
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
@@ -292,28 +329,17 @@ fn async_cq_wait_and_caller_memory() {
 #[test]
 fn gso_and_gro_batch_packets_when_on_and_not_when_off() {
     for on in [true, false] {
-        let open = || {
-            let cfg = ContextConfig {
-                gso: on,
-                gro: on,
-                ..Default::default()
-            };
-            let ctx = Context::open(cfg).unwrap();
-            let pd = ctx.alloc_pd();
-            let cq = ctx.create_cq(64).unwrap();
-            let qp = ctx.create_qp(&pd, &cq, &cq, QpInitAttr::default()).unwrap();
-            let mr = pd.reg_mr(4 << 20, Access::ALL).unwrap();
-            Side {
-                ctx,
-                _pd: pd,
-                cq,
-                qp,
-                mr,
-            }
+        let ctx = ContextConfig {
+            gso: on,
+            gro: on,
+            ..Default::default()
         };
-        let (a, b) = (open(), open());
-        a.qp.connect(&b.qp.local_endpoint()).unwrap();
-        b.qp.connect(&a.qp.local_endpoint()).unwrap();
+        let (a, b) = pair_with(&Opts {
+            ctx,
+            cqe: 64,
+            mr_len: 4 << 20,
+            ..Default::default()
+        });
         let data = pattern(4 << 20, 1);
         a.mr.write(0, &data);
         a.qp.post_send(
@@ -392,33 +418,15 @@ fn qps_are_sharded_over_several_data_cores() {
 
 #[test]
 fn low_latency_qps_carry_every_operation() {
-    let open = || {
-        let ctx = Context::open(ContextConfig::default()).unwrap();
-        let pd = ctx.alloc_pd();
-        let cq = ctx.create_cq(256).unwrap();
-        let qp = ctx
-            .create_qp(
-                &pd,
-                &cq,
-                &cq,
-                QpInitAttr {
-                    low_latency: true,
-                    ..Default::default()
-                },
-            )
-            .unwrap();
-        let mr = pd.reg_mr(1 << 20, Access::ALL).unwrap();
-        Side {
-            ctx,
-            _pd: pd,
-            cq,
-            qp,
-            mr,
-        }
+    let attr = QpInitAttr {
+        low_latency: true,
+        ..Default::default()
     };
-    let (a, b) = (open(), open());
-    a.qp.connect(&b.qp.local_endpoint()).unwrap();
-    b.qp.connect(&a.qp.local_endpoint()).unwrap();
+    let (a, b) = pair_with(&Opts {
+        attr,
+        cqe: 256,
+        ..Default::default()
+    });
     let data = pattern(200_000, 3);
     a.mr.write(0, &data);
     // ping-pong of INLINE SENDs, both sides low-latency
@@ -494,23 +502,12 @@ fn low_latency_qps_carry_every_operation() {
 
 #[test]
 fn a_full_cq_loses_no_completion() {
-    let open = || {
-        let ctx = Context::open(ContextConfig::default()).unwrap();
-        let pd = ctx.alloc_pd();
-        let cq = ctx.create_cq(2).unwrap(); // room for 2 per data core
-        let qp = ctx.create_qp(&pd, &cq, &cq, QpInitAttr::default()).unwrap();
-        let mr = pd.reg_mr(1 << 16, Access::ALL).unwrap();
-        Side {
-            ctx,
-            _pd: pd,
-            cq,
-            qp,
-            mr,
-        }
-    };
-    let (a, b) = (open(), open());
-    a.qp.connect(&b.qp.local_endpoint()).unwrap();
-    b.qp.connect(&a.qp.local_endpoint()).unwrap();
+    // room for 2 completions per data core
+    let (a, b) = pair_with(&Opts {
+        cqe: 2,
+        mr_len: 1 << 16,
+        ..Default::default()
+    });
     for i in 0..100 {
         a.qp.post_send(
             SendWr::new(i, WrOpcode::RdmaWrite)
