@@ -169,6 +169,7 @@ fn tshark_decodes_our_packets_as_infiniband() {
             "-e",
             "_ws.malformed",
         ])
+        .args(["-e", "ip.dsfield.ecn"])
         .output()
         .unwrap();
     assert!(
@@ -181,7 +182,8 @@ fn tshark_decodes_our_packets_as_infiniband() {
     eprintln!("{text}");
     assert!(rows.len() >= 12, "expected at least 12 packets, got {}", rows.len());
     for r in &rows {
-        assert_eq!(r.len(), 8, "row {r:?}");
+        assert_eq!(r.len(), 9, "row {r:?}");
+        assert_eq!(parse_num(r[8]), 2, "packets are sent ECN-capable, ECT(0): {r:?}");
         assert!(r[7].is_empty(), "tshark reports a malformed packet: {r:?}");
         assert!(!r[1].is_empty(), "not decoded as InfiniBand: {r:?}");
     }

@@ -25,6 +25,8 @@ pub struct ContextConfig {
     pub gso: bool,
     /// Receive with UDP GRO (several datagrams per receive buffer).
     pub gro: bool,
+    /// Send ECN-capable packets (ECT(0)) and hand CE marks to congestion control.
+    pub ecn: bool,
     /// Receive staging memory per data core, in bytes (recycled, hottest buffers first).
     pub rx_staging_bytes: usize,
     /// Defaults of new queue pairs.
@@ -41,6 +43,7 @@ impl Default for ContextConfig {
             max_inline: 256,
             gso: true,
             gro: true,
+            ecn: true,
             rx_staging_bytes: 2 << 20,
             qp: RcConfig::default(),
         }

@@ -11,6 +11,7 @@
 //! - [`verbs`]: the application API (`Context`, `Pd`, `Mr`, `Cq`, `Qp`).
 //! - [`cm`]: connection management over gRPC.
 
+pub mod cc;
 pub mod cm;
 pub mod config;
 pub mod engine;

@@ -3,6 +3,7 @@
 //! Every scenario is a seed. `SIM_SEED=N cargo test -p netstack --test sim_rc` replays one seed
 //! (with `SIM_TRACE=1` it prints each packet); `SIM_SCENARIOS=N` changes how many run.
 
+use netstack::cc::CcKind;
 use netstack::mem::{Access, MrTable, Region};
 use netstack::transport::rc::{QpState, RcConfig, RcQp, Recovery};
 use netstack::wire::PacketView;
@@ -114,12 +115,18 @@ struct Scenario {
     corrupted_dropped: u64,
     /// Bytes each node put on the link (headers, payload, pad, ICRC).
     sent_bytes: [u64; 2],
+    /// Mark ECN CE on data packets sent by node 0 (a congested queue on the path to node 1).
+    mark_ce: bool,
 }
 
 const MR: usize = 1 << 17;
 
 impl Scenario {
     fn new(seed: u64) -> Scenario {
+        Scenario::new_with(seed, CcKind::None)
+    }
+
+    fn new_with(seed: u64, cc: CcKind) -> Scenario {
         let mut rng = StdRng::seed_from_u64(seed);
         let mtu = [256, 1024, 4096][rng.random_range(0..3)];
         let recovery = if rng.random_bool(0.5) {
@@ -137,6 +144,7 @@ impl Scenario {
             window_pkts: rng.random_range(4..128),
             ack_every: rng.random_range(1..16),
             ack_delay_ns: 5_000,
+            cc,
             ..RcConfig::default()
         };
         let lossy = rng.random_bool(0.8);
@@ -176,6 +184,7 @@ impl Scenario {
             delivered: 0,
             corrupted_dropped: 0,
             sent_bytes: [0; 2],
+            mark_ce: false,
         }
     }
 
@@ -377,27 +386,34 @@ impl Scenario {
                     t += self.rng.random_range(0..l.delay_ns * 4);
                 }
                 self.seq += 1;
-                self.queue.push(Ev(std::cmp::Reverse((t, self.seq)), 1 - i, b));
+                // the first byte of the event payload carries the CE mark (IP header, not packet)
+                let ce = self.mark_ce && i == 0 && p.payload_len() > 0;
+                let mut framed = Vec::with_capacity(b.len() + 1);
+                framed.push(ce as u8);
+                framed.extend_from_slice(&b);
+                self.queue.push(Ev(std::cmp::Reverse((t, self.seq)), 1 - i, framed));
             }
         }
     }
 
-    fn deliver(&mut self, to: usize, bytes: Vec<u8>) {
+    fn deliver(&mut self, to: usize, framed: Vec<u8>) {
+        let ce = framed[0] == 1;
+        let bytes = &framed[1..];
         let from = self.nodes[1 - to].addr;
         let n = &mut self.nodes[to];
         if n.dead {
             return;
         }
-        let Ok(v) = PacketView::parse(&bytes) else {
+        let Ok(v) = PacketView::parse(bytes) else {
             self.corrupted_dropped += 1;
             return;
         };
-        if PacketView::verify_icrc(&bytes, from, n.addr).is_err() || v.bth.dest_qp != n.qp.qpn() {
+        if PacketView::verify_icrc(bytes, from, n.addr).is_err() || v.bth.dest_qp != n.qp.qpn() {
             self.corrupted_dropped += 1;
             return;
         }
         self.delivered += 1;
-        n.qp.handle_packet(self.now, &v, &n.mrs);
+        n.qp.handle_packet_ecn(self.now, &v, ce, &n.mrs);
     }
 
     /// Runs until both QPs are idle or `limit` ns of simulated time pass.
@@ -727,4 +743,63 @@ fn paced_qp_sends_at_its_rate() {
             "seed {seed} rate {rate}: finished after {got} ns, expected {want} ns"
         );
     }
+}
+
+#[test]
+fn dcqcn_slows_a_marked_sender_and_recovers() {
+    let mut sc = Scenario::new_with(11, CcKind::Dcqcn);
+    sc.link = LinkCfg {
+        loss: 0.0,
+        reorder: 0.0,
+        dup: 0.0,
+        corrupt: 0.0,
+        delay_ns: 2_000,
+        jitter_ns: 0,
+        gap_ns: 100,
+    };
+    let line = netstack::cc::dcqcn::DcqcnParams::default().line_rate;
+    let (rr, rk) = (sc.nodes[1].mr["dst"].0.addr(), sc.nodes[1].mr["dst"].1);
+    let post = |sc: &mut Scenario, n: u64| {
+        for i in 0..n {
+            let sge = sc.nodes[0].sge("src", 0, 65536);
+            let node = &mut sc.nodes[0];
+            node.qp
+                .post_send(
+                    SendWr::new(i, WrOpcode::RdmaWrite)
+                        .sge(sge)
+                        .remote(rr, rk)
+                        .flags(SendFlags(0)),
+                    &node.mrs,
+                )
+                .unwrap();
+        }
+    };
+    // congested: every data packet is marked for 20 ms
+    sc.mark_ce = true;
+    post(&mut sc, 200);
+    sc.run(20_000_000, |_| {});
+    let slowed = sc.nodes[0].qp.pacer().rate().expect("DCQCN sets a rate");
+    let cnps = sc.nodes[1].qp.stats().cnps_sent;
+    assert!(
+        slowed < line / 10,
+        "rate {slowed} should be far below line rate {line} after 20 ms of marks"
+    );
+    assert!(
+        cnps > 0 && cnps <= 20_000_000 / 50_000 + 1,
+        "{cnps} CNPs: at most one per 50 us"
+    );
+    assert_eq!(sc.nodes[0].qp.stats().cnps_received, cnps);
+    // congestion clears: the sender recovers towards line rate
+    sc.mark_ce = false;
+    post(&mut sc, 2000);
+    sc.run(sc.now + 200_000_000, |_| {});
+    let recovered = sc.nodes[0].qp.pacer().rate().unwrap();
+    assert!(recovered > line / 2, "rate {recovered} should recover towards {line}");
+    // a QP without congestion control never sends CNPs, marks or not
+    let mut plain = Scenario::new(11);
+    plain.mark_ce = true;
+    post(&mut plain, 10);
+    plain.run(1_000_000_000, |_| {});
+    assert_eq!(plain.nodes[1].qp.stats().cnps_sent, 0);
+    assert!(plain.nodes[0].qp.pacer().rate().is_none());
 }

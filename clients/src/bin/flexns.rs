@@ -98,6 +98,7 @@ fn demo(duration: f64, json: bool) -> Result<()> {
             poll_mode: client::PollModeArg::Adaptive,
             standard_qp: false,
             rate_limit: None,
+            cc: netstack::cc::CcKind::None,
         };
         let res = client::run(&a, &spawn)?;
         all_verified &= res.iter().filter(|r| r.system == "flexns").all(|r| r.verified);

@@ -55,6 +55,9 @@ pub struct ClientArgs {
     /// Runs of each system with --compare.
     #[arg(long, default_value_t = 3)]
     pub pairs: u32,
+    /// Congestion control of the QPs on both ends (none, dcqcn).
+    #[arg(long, default_value = "none")]
+    pub cc: netstack::cc::CcKind,
     /// Pace each QP to this many bytes per second (the congestion-control pacing hook).
     #[arg(long, value_parser = crate::bench::parse_size)]
     pub rate_limit: Option<u64>,
@@ -263,6 +266,7 @@ fn flexns(a: &ClientArgs, cm_addr: SocketAddr) -> Result<BenchResult> {
     let qcfg = RcConfig {
         mtu: a.mtu,
         recovery: a.recovery,
+        cc: a.cc,
         ..Default::default()
     };
     let ctx = Context::open(ContextConfig {

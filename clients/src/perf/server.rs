@@ -30,6 +30,9 @@ pub struct ServerArgs {
     /// Engine threads (data cores).
     #[arg(long, default_value_t = 1)]
     pub data_cores: usize,
+    /// Congestion control of the server's QPs (the receiver is DCQCN's notification point).
+    #[arg(long, default_value = "none")]
+    pub cc: netstack::cc::CcKind,
     /// Engine poll mode.
     #[arg(long, value_enum, default_value = "adaptive")]
     pub poll_mode: super::client::PollModeArg,
@@ -165,6 +168,7 @@ pub fn run(args: ServerArgs) -> Result<()> {
     cfg.data_cores = args.data_cores;
     cfg.poll_mode = args.poll_mode.into();
     cfg.qp.recovery = args.recovery;
+    cfg.qp.cc = args.cc;
     let ctx = Context::open(cfg)?;
     let pd = ctx.alloc_pd();
     let cq = ctx.create_cq(1 << 16)?;

@@ -43,6 +43,8 @@ pub enum PollMode {
 
 /// Receive buffers per recvmmsg call (at most).
 pub const BATCH: usize = 64;
+/// Deadlines closer than this are waited for without sleeping (adaptive mode).
+const NEAR_DEADLINE_NS: u64 = 100_000;
 /// Slots of each data core's shared send queue.
 pub const SQ_SLOTS: usize = 8192;
 /// Work requests moved from the send queue per engine loop.
@@ -220,6 +222,9 @@ impl Engine {
             if cfg.gro {
                 link.set_gro(true)?;
             }
+            if cfg.ecn {
+                link.set_ecn()?;
+            }
             let (sq_tx, sq_rx) = pipe::pipe::<sq::Slot>(SQ_SLOTS, 32)?;
             let shared = Arc::new(EngineShared {
                 mrs: mrs.clone(),
@@ -340,6 +345,8 @@ impl DataCore {
     }
 
     fn run(mut self) {
+        // sleeps end within a microsecond of their deadline, not the default 50 us slack
+        sys::set_timer_slack_ns(1_000);
         let mut idle_since: Option<Instant> = None;
         while !self.shared.stop.load(Ordering::Relaxed) {
             let now = self.shared.now();
@@ -354,9 +361,12 @@ impl DataCore {
                 continue;
             }
             let since = *idle_since.get_or_insert_with(Instant::now);
+            // a deadline closer than a sleep's wake-up cost (pacing, delayed ACKs) is waited for
+            // awake, or the sleep would overshoot it
+            let near = next_deadline.is_some_and(|d| d.saturating_sub(self.shared.now()) < NEAR_DEADLINE_NS);
             match self.mode {
                 PollMode::BusyPoll => std::hint::spin_loop(),
-                PollMode::Adaptive if since.elapsed() < self.spin => std::thread::yield_now(),
+                PollMode::Adaptive if near || since.elapsed() < self.spin => std::thread::yield_now(),
                 _ => self.sleep(next_deadline),
             }
         }
@@ -455,8 +465,13 @@ impl DataCore {
                 continue;
             };
             self.shared.stats.staging_fills.inc();
+            // GRO coalesces only datagrams with identical IP headers, so one TOS covers all
+            let ce = self.rx.tos(i) & 3 == 3;
+            if ce {
+                self.shared.stats.rx_ce.inc();
+            }
             for dgram in sys::segments(d, seg) {
-                if let Some((qpn, delivered)) = Self::dispatch(&self.shared, self.index, now, dgram, src, local) {
+                if let Some((qpn, delivered)) = Self::dispatch(&self.shared, self.index, now, dgram, src, local, ce) {
                     self.active.insert(qpn);
                     if !delivered {
                         self.stuck.insert(qpn);
@@ -476,6 +491,7 @@ impl DataCore {
         d: &[u8],
         src: SocketAddrV4,
         local: SocketAddrV4,
+        ce: bool,
     ) -> Option<(u32, bool)> {
         let stats = &shared.stats;
         stats.rx_datagrams.inc();
@@ -501,7 +517,7 @@ impl DataCore {
             stats.rx_wrong_source.inc();
             return None;
         }
-        s.qp.handle_packet(now, &v, &shared.mrs);
+        s.qp.handle_packet_ecn(now, &v, ce, &shared.mrs);
         Some((qpn, s.deliver_completions(core)))
     }
 

@@ -32,6 +32,8 @@ pub struct EngineStats {
     pub rx_bad_icrc: Counter,
     pub rx_unknown_qp: Counter,
     pub rx_wrong_source: Counter,
+    /// Receives whose IP header carried ECN CE.
+    pub rx_ce: Counter,
     pub tx_packets: Counter,
     pub tx_bytes: Counter,
     pub tx_errors: Counter,
@@ -54,6 +56,7 @@ pub struct StatsSnapshot {
     pub rx_bad_icrc: u64,
     pub rx_unknown_qp: u64,
     pub rx_wrong_source: u64,
+    pub rx_ce: u64,
     pub tx_packets: u64,
     pub tx_bytes: u64,
     pub tx_errors: u64,
@@ -72,6 +75,7 @@ impl StatsSnapshot {
         self.rx_bad_icrc += o.rx_bad_icrc;
         self.rx_unknown_qp += o.rx_unknown_qp;
         self.rx_wrong_source += o.rx_wrong_source;
+        self.rx_ce += o.rx_ce;
         self.tx_packets += o.tx_packets;
         self.tx_bytes += o.tx_bytes;
         self.tx_errors += o.tx_errors;
@@ -112,6 +116,7 @@ impl EngineStats {
             rx_bad_icrc: self.rx_bad_icrc.get(),
             rx_unknown_qp: self.rx_unknown_qp.get(),
             rx_wrong_source: self.rx_wrong_source.get(),
+            rx_ce: self.rx_ce.get(),
             tx_packets: self.tx_packets.get(),
             tx_bytes: self.tx_bytes.get(),
             tx_errors: self.tx_errors.get(),

@@ -192,10 +192,11 @@ pub struct RecvBatch {
     bufs: Vec<Vec<u8>>,
     names: Vec<libc::sockaddr_in>,
     iovs: Vec<libc::iovec>,
-    cmsgs: Vec<[u64; 4]>,
+    cmsgs: Vec<[u64; 8]>,
     hdrs: Vec<libc::mmsghdr>,
     lens: Vec<usize>,
     segs: Vec<usize>,
+    tos: Vec<u8>,
 }
 
 impl RecvBatch {
@@ -216,10 +217,11 @@ impl RecvBatch {
             bufs,
             names,
             iovs,
-            cmsgs: vec![[0; 4]; n],
+            cmsgs: vec![[0; 8]; n],
             hdrs,
             lens: vec![0; n],
             segs: vec![0; n],
+            tos: vec![0; n],
         }
     }
 
@@ -234,7 +236,7 @@ impl RecvBatch {
                     msg_iov: &mut self.iovs[i],
                     msg_iovlen: 1,
                     msg_control: self.cmsgs[i].as_mut_ptr() as *mut libc::c_void,
-                    msg_controllen: std::mem::size_of::<[u64; 4]>() as _,
+                    msg_controllen: std::mem::size_of::<[u64; 8]>() as _,
                     msg_flags: 0,
                 },
                 msg_len: 0,
@@ -266,6 +268,7 @@ impl RecvBatch {
                 self.hdrs[i].msg_len as usize
             };
             self.segs[i] = 0;
+            self.tos[i] = 0;
             // SAFETY: the kernel filled msg_control/msg_controllen; the CMSG macros walk it
             // within those bounds.
             unsafe {
@@ -273,6 +276,9 @@ impl RecvBatch {
                 while !c.is_null() {
                     if (*c).cmsg_level == SOL_UDP && (*c).cmsg_type == UDP_GRO {
                         self.segs[i] = std::ptr::read_unaligned(libc::CMSG_DATA(c) as *const libc::c_int) as usize;
+                    }
+                    if (*c).cmsg_level == libc::IPPROTO_IP && (*c).cmsg_type == libc::IP_TOS {
+                        self.tos[i] = *libc::CMSG_DATA(c);
                     }
                     c = libc::CMSG_NXTHDR(h, c);
                 }
@@ -289,6 +295,11 @@ impl RecvBatch {
             usize::MAX => (None, src, 0),
             l => (Some(&self.bufs[i][..l]), src, self.segs[i]),
         }
+    }
+
+    /// The IP TOS byte of receive `i` (with `IP_RECVTOS` on; its low two bits are the ECN field).
+    pub fn tos(&self, i: usize) -> u8 {
+        self.tos[i]
     }
 
     /// Bytes of staging memory this batch holds.
@@ -351,4 +362,10 @@ pub fn ppoll_readable(fds: &[RawFd], timeout_ns: u64) -> io::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Sets the calling thread's timer slack (how late the kernel may end its sleeps).
+pub fn set_timer_slack_ns(ns: u64) {
+    // SAFETY: PR_SET_TIMERSLACK takes an integer argument and affects only this thread.
+    unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, ns as libc::c_ulong, 0, 0, 0) };
 }

@@ -45,6 +45,13 @@ impl UdpLink {
         Ok(UdpLink { sock, local })
     }
 
+    /// Marks sent packets ECN-capable (ECT(0)) and reports the received TOS byte, so congestion
+    /// control sees CE marks.
+    pub fn set_ecn(&self) -> io::Result<()> {
+        sys::setsockopt_int(self.fd(), libc::IPPROTO_IP, libc::IP_TOS, 0x02)?;
+        sys::setsockopt_int(self.fd(), libc::IPPROTO_IP, libc::IP_RECVTOS, 1)
+    }
+
     /// Turns UDP generic receive offload on or off: with it on, the kernel may hand several
     /// datagrams of one flow to a single receive (split them with [`sys::segments`]).
     pub fn set_gro(&self, on: bool) -> io::Result<()> {

@@ -27,6 +27,9 @@ pub enum Opcode {
     FetchAdd = 0x14,
     SendLastWithInvalidate = 0x16,
     SendOnlyWithInvalidate = 0x17,
+    /// RoCEv2 congestion notification packet (BTH + 16 reserved bytes), sent by the notification
+    /// point of DCQCN to the QP whose packets were ECN-marked.
+    Cnp = 0x81,
 }
 
 /// Which extension headers follow the BTH for an opcode, in wire order.
@@ -70,6 +73,7 @@ impl Opcode {
             0x14 => FetchAdd,
             0x16 => SendLastWithInvalidate,
             0x17 => SendOnlyWithInvalidate,
+            0x81 => Cnp,
             _ => return None,
         })
     }
@@ -114,15 +118,17 @@ impl Opcode {
                 h.atomic_ack_eth = true
             }
             CompareSwap | FetchAdd => h.atomic_eth = true,
+            Cnp => {}
         }
         h
     }
 
-    /// A request sent by a requester (as opposed to a response from a responder).
+    /// A request sent by a requester (as opposed to a response from a responder, or a CNP).
     pub fn is_request(self) -> bool {
         !matches!(
             self,
-            Opcode::ReadResponseFirst
+            Opcode::Cnp
+                | Opcode::ReadResponseFirst
                 | Opcode::ReadResponseMiddle
                 | Opcode::ReadResponseLast
                 | Opcode::ReadResponseOnly
@@ -231,7 +237,7 @@ mod tests {
                 n += 1;
             }
         }
-        assert_eq!(n, 23);
+        assert_eq!(n, 24, "23 RC opcodes and the RoCEv2 CNP");
         assert!(Opcode::from_u8(0x15).is_none());
         assert!(Opcode::from_u8(0x18).is_none());
     }

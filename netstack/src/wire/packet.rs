@@ -189,6 +189,11 @@ impl HeaderBuf {
         s.emit(self.grow(SrExt::LEN));
         self
     }
+    /// Appends `n` zero bytes (reserved fields, e.g. the 16 of a CNP).
+    pub fn push_zeros(&mut self, n: usize) -> &mut Self {
+        self.grow(n).fill(0);
+        self
+    }
     pub fn push_sack(&mut self, s: &SackExt) -> &mut Self {
         s.emit(self.grow(SackExt::LEN));
         self
@@ -258,6 +263,22 @@ mod tests {
         assert_eq!(v.payload, &payload[..]);
         PacketView::verify_icrc(&out, s, d).unwrap();
         assert!(PacketView::verify_icrc(&out, d, s).is_err());
+    }
+
+    #[test]
+    fn cnp_round_trip() {
+        let (s, d) = addrs();
+        let mut bth = Bth::new(Opcode::Cnp as u8, 0x42, 0);
+        bth.becn = true;
+        let mut h = HeaderBuf::with_bth(&bth);
+        h.push_zeros(16);
+        let mut out = Vec::new();
+        encode_into(&mut out, &h, &[], s, d);
+        assert_eq!(out.len(), 12 + 16 + 4);
+        let v = PacketView::parse(&out).unwrap();
+        assert_eq!((v.opcode, v.bth.dest_qp, v.trailer.len()), (Opcode::Cnp, 0x42, 16));
+        assert!(!v.opcode.is_request());
+        PacketView::verify_icrc(&out, s, d).unwrap();
     }
 
     #[test]

@@ -15,7 +15,9 @@
 mod requester;
 mod responder;
 
+use crate::cc::{CcAlgorithm, CcOutput, Generate, RxKind, RxMeta, Traced};
 use crate::mem::MrTable;
+use crate::wire::{Bth, HeaderBuf, Opcode};
 use crate::wire::{PacketView, MASK24};
 use crate::work::{RecvWr, SendWr, Wc, WcStatus};
 use requester::Requester;
@@ -23,6 +25,9 @@ use responder::Responder;
 use std::collections::VecDeque;
 
 pub use requester::rnr_delay_ns;
+
+/// Burst allowance of a congestion-controlled QP's pacer.
+pub const CC_BURST_BYTES: u64 = 256 << 10;
 
 /// Loss recovery of a QP.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
@@ -74,6 +79,8 @@ pub struct RcConfig {
     pub ack_delay_ns: u64,
     /// Retransmission timeouts double up to this many times.
     pub max_backoff_shift: u8,
+    /// Congestion control algorithm.
+    pub cc: crate::cc::CcKind,
 }
 
 impl Default for RcConfig {
@@ -92,6 +99,7 @@ impl Default for RcConfig {
             ack_every: 16,
             ack_delay_ns: 20_000,
             max_backoff_shift: 4,
+            cc: crate::cc::CcKind::None,
         }
     }
 }
@@ -158,6 +166,8 @@ pub struct RcStats {
     pub retransmitted_packets: u64,
     pub timeouts: u64,
     pub seq_naks_sent: u64,
+    pub cnps_sent: u64,
+    pub cnps_received: u64,
     pub rnr_naks_sent: u64,
     pub rnr_naks_received: u64,
     pub duplicate_requests: u64,
@@ -178,6 +188,18 @@ pub struct RcQp {
     resp: Responder,
     completions: VecDeque<Wc>,
     stats: RcStats,
+    cc: CcSlot,
+}
+
+/// A QP's congestion control: the algorithm's context, whether it started, its timer and a
+/// generated packet waiting to go out.
+#[derive(Debug, Default)]
+struct CcSlot {
+    alg: Option<Box<dyn CcAlgorithm>>,
+    traced: Traced,
+    started: bool,
+    timer: Option<u64>,
+    cnp_pending: bool,
 }
 
 impl RcQp {
@@ -193,6 +215,7 @@ impl RcQp {
             resp: Responder::new(0),
             completions: VecDeque::new(),
             stats: RcStats::default(),
+            cc: CcSlot::default(),
         }
     }
 
@@ -256,6 +279,12 @@ impl RcQp {
     pub fn modify_to_rtr(&mut self, dest_qpn: u32, rq_psn: u32, cfg: RcConfig) -> Result<(), ModifyError> {
         self.transition(&[QpState::Init], QpState::Rtr)?;
         self.cfg = cfg;
+        let alg = cfg.cc.build();
+        self.cc = CcSlot {
+            traced: alg.as_ref().map(|a| a.traced()).unwrap_or_default(),
+            alg,
+            ..CcSlot::default()
+        };
         self.dest_qpn = dest_qpn & MASK24;
         self.resp.reset_psn(rq_psn as u64 & MASK24 as u64);
         Ok(())
@@ -333,11 +362,60 @@ impl RcQp {
 
     /// Handles a received packet addressed to this QP (the caller has verified its ICRC).
     pub fn handle_packet(&mut self, now: u64, pkt: &PacketView<'_>, mrs: &MrTable) {
+        self.handle_packet_ecn(now, pkt, false, mrs)
+    }
+
+    /// [`RcQp::handle_packet`] with the ECN congestion-experienced bit of its IP header.
+    pub fn handle_packet_ecn(&mut self, now: u64, pkt: &PacketView<'_>, ce: bool, mrs: &MrTable) {
         if !matches!(self.state, QpState::Rtr | QpState::Rts) {
             self.stats.dropped_packets += 1;
             return;
         }
         self.stats.rx_packets += 1;
+        let bytes = (pkt.payload.len() + 16) as u32;
+        let t = self.cc.traced;
+        if pkt.opcode == Opcode::Cnp {
+            self.stats.cnps_received += 1;
+            if t.rx_cnp {
+                self.cc_event(now, |a, now, out| {
+                    a.on_rx(
+                        now,
+                        &RxMeta {
+                            kind: RxKind::Cnp,
+                            bytes,
+                            ce,
+                        },
+                        out,
+                    )
+                });
+            }
+            return;
+        }
+        if t.rx_data && !pkt.payload.is_empty() {
+            self.cc_event(now, |a, now, out| {
+                a.on_rx(
+                    now,
+                    &RxMeta {
+                        kind: RxKind::Data,
+                        bytes,
+                        ce,
+                    },
+                    out,
+                )
+            });
+        } else if t.rx_ack && matches!(pkt.opcode, Opcode::Acknowledge | Opcode::AtomicAcknowledge) {
+            self.cc_event(now, |a, now, out| {
+                a.on_rx(
+                    now,
+                    &RxMeta {
+                        kind: RxKind::Ack,
+                        bytes,
+                        ce,
+                    },
+                    out,
+                )
+            });
+        }
         if pkt.opcode.is_request() {
             Responder::handle(self, now, pkt, mrs);
         } else if self.state == QpState::Rts {
@@ -352,6 +430,19 @@ impl RcQp {
         if !matches!(self.state, QpState::Rtr | QpState::Rts) {
             return None;
         }
+        if self.cc.cnp_pending {
+            self.cc.cnp_pending = false;
+            self.stats.cnps_sent += 1;
+            self.stats.tx_packets += 1;
+            let mut bth = Bth::new(Opcode::Cnp as u8, self.dest_qpn, 0);
+            bth.becn = true;
+            let mut hdr = HeaderBuf::with_bth(&bth);
+            hdr.push_zeros(16);
+            return Some(crate::transport::TxPacket {
+                hdr,
+                payload: Default::default(),
+            });
+        }
         let p = Responder::poll_transmit(self, now).or_else(|| {
             if self.state == QpState::Rts {
                 Requester::poll_transmit(self, now)
@@ -359,8 +450,13 @@ impl RcQp {
                 None
             }
         });
-        if p.is_some() {
+        if let Some(pkt) = &p {
             self.stats.tx_packets += 1;
+            let n = pkt.payload_len();
+            if n > 0 && self.cc.traced.tx_data {
+                let bytes = (pkt.hdr.len() + n + 4) as u32;
+                self.cc_event(now, |a, now, out| a.on_tx(now, bytes, out));
+            }
         }
         p
     }
@@ -368,7 +464,8 @@ impl RcQp {
     /// Whether [`RcQp::poll_transmit`] may return a packet now.
     pub fn wants_transmit(&self, now: u64) -> bool {
         matches!(self.state, QpState::Rtr | QpState::Rts)
-            && (self.resp.wants_transmit(now)
+            && (self.cc.cnp_pending
+                || self.resp.wants_transmit(now)
                 || (self.state == QpState::Rts && self.req.wants_transmit(now, &self.cfg)))
     }
 
@@ -377,10 +474,10 @@ impl RcQp {
         if !matches!(self.state, QpState::Rtr | QpState::Rts) {
             return None;
         }
-        match (self.req.deadline(), self.resp.deadline()) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        [self.req.deadline(), self.resp.deadline(), self.cc.timer]
+            .into_iter()
+            .flatten()
+            .min()
     }
 
     /// Runs expired timers (retransmission, RNR wait, delayed ACK).
@@ -389,6 +486,10 @@ impl RcQp {
             return;
         }
         self.resp.handle_timeout(now);
+        if self.cc.timer.is_some_and(|t| t <= now) {
+            self.cc.timer = None;
+            self.cc_event(now, |a, now, out| a.on_timer(now, out));
+        }
         if self.state == QpState::Rts {
             Requester::handle_timeout(self, now);
         }
@@ -407,6 +508,44 @@ impl RcQp {
     /// Whether completions are waiting.
     pub fn has_completions(&self) -> bool {
         !self.completions.is_empty()
+    }
+
+    /// Runs a congestion-control event (starting the algorithm first if needed) and applies
+    /// its output: pacing rate and window, timer, generated packet.
+    fn cc_event(&mut self, now: u64, f: impl FnOnce(&mut dyn CcAlgorithm, u64, &mut CcOutput)) {
+        let Some(alg) = self.cc.alg.as_deref_mut() else { return };
+        let mut out = CcOutput::default();
+        if !self.cc.started {
+            self.cc.started = true;
+            alg.on_start(now, &mut out);
+            self.apply_cc(out);
+            out = CcOutput::default();
+        }
+        let Some(alg) = self.cc.alg.as_deref_mut() else { return };
+        f(alg, now, &mut out);
+        self.apply_cc(out);
+    }
+
+    fn apply_cc(&mut self, out: CcOutput) {
+        if let Some(r) = out.rate {
+            // burst: one engine transmit batch (256 KiB), so pacing does not cut batches (and
+            // their GSO messages) into small sends; the rate stays exact over time either way
+            self.req.pacer.set_rate(r, CC_BURST_BYTES);
+        }
+        if let Some(w) = out.window {
+            self.req.pacer.set_window(w);
+        }
+        if let Some(t) = out.timer {
+            self.cc.timer = Some(t);
+        }
+        if out.generate == Some(Generate::Cnp) {
+            self.cc.cnp_pending = true;
+        }
+    }
+
+    /// The congestion-control algorithm's name and per-QP context bytes, if one runs.
+    pub fn cc_info(&self) -> Option<(&'static str, usize)> {
+        self.cc.alg.as_ref().map(|a| (a.name(), a.context_bytes()))
     }
 
     fn push_completion(&mut self, wc: Wc) {
