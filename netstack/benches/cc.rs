@@ -22,6 +22,7 @@ fn dcqcn_events(c: &mut Criterion) {
                     kind: RxKind::Data,
                     bytes: 4112,
                     ce: now.is_multiple_of(7),
+                    rtt_ns: None,
                 }),
                 &mut out,
             );
@@ -39,6 +40,7 @@ fn dcqcn_events(c: &mut Criterion) {
                     kind: RxKind::Cnp,
                     bytes: 32,
                     ce: false,
+                    rtt_ns: None,
                 }),
                 &mut out,
             );

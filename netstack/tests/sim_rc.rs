@@ -803,3 +803,59 @@ fn dcqcn_slows_a_marked_sender_and_recovers() {
     assert_eq!(plain.nodes[1].qp.stats().cnps_sent, 0);
     assert!(plain.nodes[0].qp.pacer().rate().is_none());
 }
+
+#[test]
+fn timely_follows_the_rtt() {
+    let mut sc = Scenario::new_with(12, CcKind::Timely);
+    let line = netstack::cc::timely::TimelyParams::default().line_rate;
+    let (rr, rk) = (sc.nodes[1].mr["dst"].0.addr(), sc.nodes[1].mr["dst"].1);
+    let post = |sc: &mut Scenario, n: u64| {
+        for i in 0..n {
+            let sge = sc.nodes[0].sge("src", 0, 16384);
+            let node = &mut sc.nodes[0];
+            node.qp
+                .post_send(
+                    SendWr::new(i, WrOpcode::RdmaWrite)
+                        .sge(sge)
+                        .remote(rr, rk)
+                        .flags(SendFlags(0)),
+                    &node.mrs,
+                )
+                .unwrap();
+        }
+    };
+    // short path: RTT far below T_low, the rate stays at line rate
+    sc.link = LinkCfg {
+        loss: 0.0,
+        reorder: 0.0,
+        dup: 0.0,
+        corrupt: 0.0,
+        delay_ns: 2_000,
+        jitter_ns: 0,
+        gap_ns: 100,
+    };
+    post(&mut sc, 50);
+    sc.run(50_000_000, |_| {});
+    assert_eq!(sc.nodes[0].qp.pacer().rate(), Some(line));
+    // queues build: the RTT rises step by step (kept under this scenario's 200 us RTO, so
+    // packets are not resent and every ACK gives a sample); positive gradients cut the rate
+    let mut slow = line;
+    for d in [10_000, 25_000, 40_000, 55_000, 70_000] {
+        sc.link.delay_ns = d;
+        post(&mut sc, 20);
+        sc.run(sc.now + 2_000_000, |sc| {
+            slow = slow.min(sc.nodes[0].qp.pacer().rate().unwrap())
+        });
+    }
+    assert!(slow < line / 2, "rate {slow} while the RTT rises");
+    // and short again: the rate climbs back (additive, then hyper-active)
+    sc.link.delay_ns = 2_000;
+    post(&mut sc, 400);
+    sc.run(sc.now + 500_000_000, |_| {});
+    let back = sc.nodes[0].qp.pacer().rate().unwrap();
+    assert!(back > slow, "rate {back} should grow again from {slow}");
+    assert!(
+        sc.nodes[0].qp.stats().retransmitted_packets == 0,
+        "samples came from first transmissions"
+    );
+}

@@ -55,7 +55,7 @@ pub struct ClientArgs {
     /// Runs of each system with --compare.
     #[arg(long, default_value_t = 3)]
     pub pairs: u32,
-    /// Congestion control of the QPs on both ends (none, dcqcn).
+    /// Congestion control of the QPs on both ends (none, dcqcn, timely).
     #[arg(long, default_value = "none")]
     pub cc: netstack::cc::CcKind,
     /// Pace each QP to this many bytes per second (the congestion-control pacing hook).

@@ -221,6 +221,7 @@ mod tests {
                 kind: RxKind::Cnp,
                 bytes: 0,
                 ce: false,
+                rtt_ns: None,
             },
             &mut out,
         );
@@ -234,6 +235,7 @@ mod tests {
                 kind: RxKind::Cnp,
                 bytes: 0,
                 ce: false,
+                rtt_ns: None,
             },
             &mut out,
         );
@@ -246,6 +248,7 @@ mod tests {
                     kind: RxKind::Cnp,
                     bytes: 0,
                     ce: false,
+                    rtt_ns: None,
                 },
                 &mut out,
             );
@@ -264,6 +267,7 @@ mod tests {
                 kind: RxKind::Cnp,
                 bytes: 0,
                 ce: false,
+                rtt_ns: None,
             },
             &mut out,
         );
@@ -307,6 +311,7 @@ mod tests {
                     kind: RxKind::Data,
                     bytes: 4096,
                     ce: true,
+                    rtt_ns: None,
                 },
                 &mut out,
             );
@@ -319,6 +324,7 @@ mod tests {
                     kind: RxKind::Data,
                     bytes: 4096,
                     ce: false,
+                    rtt_ns: None,
                 },
                 &mut out,
             );

@@ -9,6 +9,7 @@
 //! packets or clocks themselves, so the same code runs in the engine and in the simulator.
 
 pub mod dcqcn;
+pub mod timely;
 
 /// Which events an algorithm wants (selective triggering).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -31,6 +32,9 @@ pub struct RxMeta {
     pub bytes: u32,
     /// The IP header carried ECN CE (congestion experienced).
     pub ce: bool,
+    /// For an ACK: the round-trip time of the packet it acknowledges (none when that packet was
+    /// retransmitted).
+    pub rtt_ns: Option<u64>,
 }
 
 /// What kind of packet arrived.
@@ -89,6 +93,7 @@ pub enum CcKind {
     #[default]
     None,
     Dcqcn,
+    Timely,
 }
 
 impl CcKind {
@@ -98,6 +103,9 @@ impl CcKind {
             CcKind::None => None,
             CcKind::Dcqcn => Some(Box::new(dcqcn::Dcqcn::new(std::sync::Arc::new(
                 dcqcn::DcqcnParams::default(),
+            )))),
+            CcKind::Timely => Some(Box::new(timely::Timely::new(std::sync::Arc::new(
+                timely::TimelyParams::default(),
             )))),
         }
     }
@@ -109,7 +117,8 @@ impl std::str::FromStr for CcKind {
         match s {
             "none" | "off" => Ok(CcKind::None),
             "dcqcn" => Ok(CcKind::Dcqcn),
-            o => Err(format!("unknown congestion control {o:?}: use none or dcqcn")),
+            "timely" => Ok(CcKind::Timely),
+            o => Err(format!("unknown congestion control {o:?}: use none, dcqcn or timely")),
         }
     }
 }

@@ -374,54 +374,33 @@ impl RcQp {
         self.stats.rx_packets += 1;
         let bytes = (pkt.payload.len() + 16) as u32;
         let t = self.cc.traced;
+        let meta = |kind, rtt_ns| RxMeta {
+            kind,
+            bytes,
+            ce,
+            rtt_ns,
+        };
         if pkt.opcode == Opcode::Cnp {
             self.stats.cnps_received += 1;
             if t.rx_cnp {
-                self.cc_event(now, |a, now, out| {
-                    a.on_rx(
-                        now,
-                        &RxMeta {
-                            kind: RxKind::Cnp,
-                            bytes,
-                            ce,
-                        },
-                        out,
-                    )
-                });
+                self.cc_event(now, |a, now, out| a.on_rx(now, &meta(RxKind::Cnp, None), out));
             }
             return;
-        }
-        if t.rx_data && !pkt.payload.is_empty() {
-            self.cc_event(now, |a, now, out| {
-                a.on_rx(
-                    now,
-                    &RxMeta {
-                        kind: RxKind::Data,
-                        bytes,
-                        ce,
-                    },
-                    out,
-                )
-            });
-        } else if t.rx_ack && matches!(pkt.opcode, Opcode::Acknowledge | Opcode::AtomicAcknowledge) {
-            self.cc_event(now, |a, now, out| {
-                a.on_rx(
-                    now,
-                    &RxMeta {
-                        kind: RxKind::Ack,
-                        bytes,
-                        ce,
-                    },
-                    out,
-                )
-            });
         }
         if pkt.opcode.is_request() {
             Responder::handle(self, now, pkt, mrs);
         } else if self.state == QpState::Rts {
+            self.req.rtt_sample = None;
             Requester::handle(self, now, pkt);
         } else {
             self.stats.dropped_packets += 1;
+        }
+        // congestion control sees the packet after the transport (an ACK's RTT sample is known)
+        if t.rx_data && !pkt.payload.is_empty() {
+            self.cc_event(now, |a, now, out| a.on_rx(now, &meta(RxKind::Data, None), out));
+        } else if t.rx_ack && matches!(pkt.opcode, Opcode::Acknowledge | Opcode::AtomicAcknowledge) {
+            let rtt = self.req.rtt_sample.take();
+            self.cc_event(now, |a, now, out| a.on_rx(now, &meta(RxKind::Ack, rtt), out));
         }
     }
 

@@ -11,6 +11,9 @@ use smallvec::SmallVec;
 use std::collections::{BTreeSet, VecDeque};
 use std::sync::Arc;
 
+/// `sent_at` value of a packet that was sent more than once.
+const RETRANSMITTED: u64 = u64::MAX;
+
 /// Every this many packets of a long message carries AckReq.
 const ACKREQ_EVERY: u32 = 16;
 
@@ -146,6 +149,11 @@ pub(super) struct Requester {
     sent_max: u64,
     /// Acknowledged flags for PSNs `una..next_psn`.
     acked: VecDeque<bool>,
+    /// Last transmission time of PSNs `una..next_psn` (`RETRANSMITTED` after a resend: no RTT
+    /// sample from those, Karn's rule; 0 before the first send).
+    sent_at: VecDeque<u64>,
+    /// An RTT sample taken by the last ACK, for congestion control.
+    pub(super) rtt_sample: Option<u64>,
     /// Selective repeat: PSNs to resend, and the PSN below which holes were already resent.
     retx: BTreeSet<u64>,
     retx_done_up_to: u64,
@@ -173,6 +181,8 @@ impl Requester {
             una: psn,
             sent_max: psn,
             acked: VecDeque::new(),
+            sent_at: VecDeque::new(),
+            rtt_sample: None,
             retx: BTreeSet::new(),
             retx_done_up_to: psn,
             deadline: None,
@@ -297,6 +307,18 @@ impl Requester {
             npkts,
         });
         Ok(())
+    }
+
+    fn stamp(&mut self, psn: u64, t: u64) {
+        if let Some(x) = psn.checked_sub(self.una).and_then(|i| self.sent_at.get_mut(i as usize)) {
+            *x = t;
+        }
+    }
+
+    /// The RTT of the packet with PSN `psn`, acknowledged now (none for a resent packet).
+    fn rtt_of(&self, psn: u64, now: u64) -> Option<u64> {
+        let t = *self.sent_at.get(psn.checked_sub(self.una)? as usize)?;
+        (t != 0 && t != RETRANSMITTED).then(|| now.saturating_sub(t))
     }
 
     fn is_acked(&self, psn: u64) -> bool {
@@ -502,6 +524,7 @@ impl Requester {
             let pkt = Self::build(&r.sq[i], k, end, &cfg, dest);
             qp.stats.retransmitted_packets += 1;
             let r = &mut qp.req;
+            r.stamp(p, RETRANSMITTED);
             r.deadline.get_or_insert(now + cfg.timeout_ns);
             r.pacer.on_send(now, wire_bytes(&pkt));
             return Some(pkt);
@@ -521,6 +544,7 @@ impl Requester {
             r.sq[r.cursor].first_psn = Some(first);
             r.next_psn += n as u64;
             r.acked.extend(std::iter::repeat_n(false, n as usize));
+            r.sent_at.extend(std::iter::repeat_n(0, n as usize));
             if rd {
                 r.rd_outstanding += 1;
             }
@@ -545,10 +569,12 @@ impl Requester {
         } else {
             r.cursor_pkt = end;
         }
-        if psn < r.sent_max {
+        let resent = psn < r.sent_max;
+        if resent {
             qp.stats.retransmitted_packets += 1;
         }
         let r = &mut qp.req;
+        r.stamp(psn, if resent { RETRANSMITTED } else { now });
         r.sent_max = r.sent_max.max(first + end as u64);
         r.deadline.get_or_insert(now + cfg.timeout_ns);
         r.pacer.on_send(now, wire_bytes(&pkt));
@@ -589,6 +615,7 @@ impl Requester {
         let mut moved = false;
         while self.acked.front() == Some(&true) {
             self.acked.pop_front();
+            self.sent_at.pop_front();
             self.una += 1;
             moved = true;
         }
@@ -635,6 +662,7 @@ impl Requester {
                         if p < r.una {
                             qp.stats.stale_responses += 1;
                         }
+                        r.rtt_sample = r.rtt_of(p, now);
                         if let Some(m) = r.cum_ack(p) {
                             r.recover(m, &cfg, true);
                         }
