@@ -2,7 +2,9 @@
 //! `t_low` the rate grows additively; above `t_high` it falls towards `t_high`; in between a
 //! negative or zero gradient grows it (five times faster after `hai_thresh` such steps) and a
 //! positive gradient cuts it by `beta × gradient`. One update per `min_rtt` at most. Defaults
-//! from the HPCC ns-3 setup (see `shared/research/congestion.md` §1.2).
+//! from the HPCC ns-3 setup, except the EWMA weight: the TIMELY authors' reference value 0.02
+//! (ns-3 uses 0.875, which turns the tens of microseconds of scheduling jitter of a software
+//! stack into steep gradients and collapses the rate; see `shared/research/congestion.md` §1.2).
 
 use super::{CcAlgorithm, CcOutput, RxKind, RxMeta, Traced};
 use std::sync::Arc;
@@ -13,7 +15,7 @@ pub struct TimelyParams {
     /// Line rate C and floor, bytes per second.
     pub line_rate: u64,
     pub min_rate: u64,
-    /// EWMA weight of the RTT difference.
+    /// EWMA weight of a new RTT difference.
     pub ewma: f64,
     /// Multiplicative decrease factor.
     pub beta: f64,
@@ -34,7 +36,7 @@ impl Default for TimelyParams {
         TimelyParams {
             line_rate: line,
             min_rate: gbit / 10,
-            ewma: 0.875,
+            ewma: 0.02,
             beta: 0.8,
             t_low_ns: 50_000,
             t_high_ns: 500_000,
@@ -167,7 +169,11 @@ mod tests {
 
     #[test]
     fn high_rtt_cuts_rising_rtt_cuts_low_rtt_grows() {
-        let p = Arc::new(TimelyParams::default());
+        // little smoothing (ns-3's weight), so each step shows in the gradient at once
+        let p = Arc::new(TimelyParams {
+            ewma: 0.875,
+            ..TimelyParams::default()
+        });
         let mut t = Timely::new(p.clone());
         let mut now = 0;
         // RTT far above T_high: multiplicative decrease towards T_high
@@ -198,5 +204,17 @@ mod tests {
             &mut CcOutput::default(),
         );
         assert_eq!(t.rate(), r);
+    }
+
+    #[test]
+    fn default_smoothing_rides_out_a_jitter_spike() {
+        let p = Arc::new(TimelyParams::default());
+        let mut t = Timely::new(p.clone());
+        let mut now = 0;
+        feed(&mut t, &mut now, 60_000, 20); // steady RTT between the thresholds
+        let steady = t.rate();
+        feed(&mut t, &mut now, 130_000, 1); // one scheduling hiccup
+        feed(&mut t, &mut now, 60_000, 1);
+        assert!(t.rate() as f64 > steady as f64 * 0.9, "{} vs {steady}", t.rate());
     }
 }
