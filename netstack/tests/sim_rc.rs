@@ -745,6 +745,20 @@ fn paced_qp_sends_at_its_rate() {
     }
 }
 
+/// Posts `n` unsignaled `len`-byte WRITEs from node 0 to node 1's `dst` region.
+fn post_writes(sc: &mut Scenario, n: u64, len: usize) {
+    let (rr, rk) = (sc.nodes[1].mr["dst"].0.addr(), sc.nodes[1].mr["dst"].1);
+    for i in 0..n {
+        let sge = sc.nodes[0].sge("src", 0, len);
+        let node = &mut sc.nodes[0];
+        let wr = SendWr::new(i, WrOpcode::RdmaWrite)
+            .sge(sge)
+            .remote(rr, rk)
+            .flags(SendFlags(0));
+        node.qp.post_send(wr, &node.mrs).unwrap();
+    }
+}
+
 #[test]
 fn dcqcn_slows_a_marked_sender_and_recovers() {
     let mut sc = Scenario::new_with(11, CcKind::Dcqcn);
@@ -758,22 +772,7 @@ fn dcqcn_slows_a_marked_sender_and_recovers() {
         gap_ns: 100,
     };
     let line = netstack::cc::dcqcn::DcqcnParams::default().line_rate;
-    let (rr, rk) = (sc.nodes[1].mr["dst"].0.addr(), sc.nodes[1].mr["dst"].1);
-    let post = |sc: &mut Scenario, n: u64| {
-        for i in 0..n {
-            let sge = sc.nodes[0].sge("src", 0, 65536);
-            let node = &mut sc.nodes[0];
-            node.qp
-                .post_send(
-                    SendWr::new(i, WrOpcode::RdmaWrite)
-                        .sge(sge)
-                        .remote(rr, rk)
-                        .flags(SendFlags(0)),
-                    &node.mrs,
-                )
-                .unwrap();
-        }
-    };
+    let post = |sc: &mut Scenario, n: u64| post_writes(sc, n, 65536);
     // congested: every data packet is marked for 20 ms
     sc.mark_ce = true;
     post(&mut sc, 200);
@@ -808,22 +807,7 @@ fn dcqcn_slows_a_marked_sender_and_recovers() {
 fn timely_follows_the_rtt() {
     let mut sc = Scenario::new_with(12, CcKind::Timely);
     let line = netstack::cc::timely::TimelyParams::default().line_rate;
-    let (rr, rk) = (sc.nodes[1].mr["dst"].0.addr(), sc.nodes[1].mr["dst"].1);
-    let post = |sc: &mut Scenario, n: u64| {
-        for i in 0..n {
-            let sge = sc.nodes[0].sge("src", 0, 16384);
-            let node = &mut sc.nodes[0];
-            node.qp
-                .post_send(
-                    SendWr::new(i, WrOpcode::RdmaWrite)
-                        .sge(sge)
-                        .remote(rr, rk)
-                        .flags(SendFlags(0)),
-                    &node.mrs,
-                )
-                .unwrap();
-        }
-    };
+    let post = |sc: &mut Scenario, n: u64| post_writes(sc, n, 16384);
     // short path: RTT far below T_low, the rate stays at line rate
     sc.link = LinkCfg {
         loss: 0.0,

@@ -25,18 +25,7 @@ impl UdpServer {
     pub fn bind(addr: SocketAddrV4) -> Result<UdpServer> {
         let sock = UdpSocket::bind(addr)?;
         let fd = sock.as_raw_fd();
-        let _ = sys::setsockopt_int(
-            fd,
-            libc::SOL_SOCKET,
-            libc::SO_RCVBUFFORCE,
-            netstack::link::udp::SOCKET_BUFFER,
-        );
-        let _ = sys::setsockopt_int(
-            fd,
-            libc::SOL_SOCKET,
-            libc::SO_SNDBUFFORCE,
-            netstack::link::udp::SOCKET_BUFFER,
-        );
+        netstack::link::udp::set_large_buffers(fd);
         // the link limit includes GRO, as the stack uses it
         sys::setsockopt_int(fd, sys::SOL_UDP, sys::UDP_GRO, 1)?;
         Ok(UdpServer { sock })
@@ -83,12 +72,7 @@ pub fn udp_bw(server: SocketAddr, dgram: usize, secs: f64) -> Result<BenchResult
     let sock = UdpSocket::bind("127.0.0.1:0")?;
     sock.set_read_timeout(Some(Duration::from_secs(5)))?;
     let fd = sock.as_raw_fd();
-    let _ = sys::setsockopt_int(
-        fd,
-        libc::SOL_SOCKET,
-        libc::SO_SNDBUFFORCE,
-        netstack::link::udp::SOCKET_BUFFER,
-    );
+    netstack::link::udp::set_large_buffers(fd);
     // reset the server's counter
     sock.send_to(&[REPORT], dst)?;
     let mut b = [0u8; 8];

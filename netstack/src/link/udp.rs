@@ -9,6 +9,19 @@ use std::os::fd::{AsRawFd, RawFd};
 /// Socket buffer size requested for both directions.
 pub const SOCKET_BUFFER: i32 = 8 << 20;
 
+/// Asks for [`SOCKET_BUFFER`] bytes of send and receive buffer: the FORCE options work as root
+/// and ignore the sysctl cap; otherwise the request is made within the cap.
+pub fn set_large_buffers(fd: RawFd) {
+    for (force, plain) in [
+        (libc::SO_SNDBUFFORCE, libc::SO_SNDBUF),
+        (libc::SO_RCVBUFFORCE, libc::SO_RCVBUF),
+    ] {
+        if sys::setsockopt_int(fd, libc::SOL_SOCKET, force, SOCKET_BUFFER).is_err() {
+            let _ = sys::setsockopt_int(fd, libc::SOL_SOCKET, plain, SOCKET_BUFFER);
+        }
+    }
+}
+
 /// A bound UDP socket carrying RoCEv2 datagrams.
 pub struct UdpLink {
     sock: UdpSocket,
@@ -29,15 +42,7 @@ impl UdpLink {
         sock.set_nonblocking(true)?;
         let fd = sock.as_raw_fd();
         sys::setsockopt_int(fd, libc::IPPROTO_IP, libc::IP_MTU_DISCOVER, libc::IP_PMTUDISC_DO)?;
-        for (force, plain) in [
-            (libc::SO_SNDBUFFORCE, libc::SO_SNDBUF),
-            (libc::SO_RCVBUFFORCE, libc::SO_RCVBUF),
-        ] {
-            // FORCE works as root and ignores the sysctl cap; otherwise ask within the cap
-            if sys::setsockopt_int(fd, libc::SOL_SOCKET, force, SOCKET_BUFFER).is_err() {
-                let _ = sys::setsockopt_int(fd, libc::SOL_SOCKET, plain, SOCKET_BUFFER);
-            }
-        }
+        set_large_buffers(fd);
         let local = match sock.local_addr()? {
             std::net::SocketAddr::V4(a) => a,
             _ => return Err(io::Error::new(io::ErrorKind::InvalidInput, "IPv4 only")),
