@@ -7,6 +7,16 @@ use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+/// What every command-line program of the project does first: default SIGPIPE handling and
+/// `tracing` logs on stderr, filtered by `RUST_LOG` (stdout stays for results).
+pub fn init_cli() {
+    restore_sigpipe();
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .init();
+}
+
 /// Restores the default SIGPIPE action, so a command whose output is piped into `head` ends
 /// quietly when the reader goes away instead of panicking on a failed print.
 pub fn restore_sigpipe() {

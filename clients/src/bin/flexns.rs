@@ -33,11 +33,7 @@ enum Cmd {
 }
 
 fn main() -> Result<()> {
-    clients::bench::restore_sigpipe();
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_writer(std::io::stderr)
-        .init();
+    clients::bench::init_cli();
     match Cli::parse().cmd {
         Cmd::PerfServer(a) => server::run(a),
         Cmd::Demo { duration, json } => demo(duration, json),

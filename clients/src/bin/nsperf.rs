@@ -23,11 +23,7 @@ enum Cmd {
 }
 
 fn main() -> anyhow::Result<()> {
-    clients::bench::restore_sigpipe();
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_writer(std::io::stderr)
-        .init();
+    clients::bench::init_cli();
     match Cli::parse().cmd {
         Cmd::Server(a) => server::run(a),
         Cmd::Client(a) => {

@@ -321,6 +321,10 @@ struct DataCore {
     active: HashSet<u32>,
     rx: RecvBatch,
     out: Vec<Outgoing>,
+    /// Send buffers reused across batches (messages, packets per message, kernel headers).
+    tx_msgs: Vec<OutMsg>,
+    tx_per_msg: Vec<usize>,
+    tx_hdrs: Vec<libc::mmsghdr>,
 }
 
 impl DataCore {
@@ -341,6 +345,9 @@ impl DataCore {
             active: HashSet::new(),
             rx,
             out: Vec::with_capacity(TX_BATCH),
+            tx_msgs: Vec::with_capacity(TX_BATCH),
+            tx_per_msg: Vec::with_capacity(TX_BATCH),
+            tx_hdrs: Vec::with_capacity(TX_BATCH),
         }
     }
 
@@ -590,8 +597,11 @@ impl DataCore {
         if self.out.is_empty() {
             return false;
         }
-        let mut msgs: Vec<OutMsg> = Vec::with_capacity(self.out.len());
-        let mut per_msg: Vec<usize> = Vec::with_capacity(self.out.len());
+        // reused buffers: no allocation per batch
+        let mut msgs = std::mem::take(&mut self.tx_msgs);
+        let mut per_msg = std::mem::take(&mut self.tx_per_msg);
+        msgs.clear();
+        per_msg.clear();
         let mut i = 0;
         while i < self.out.len() {
             let o = &self.out[i];
@@ -621,7 +631,7 @@ impl DataCore {
             per_msg.push(n);
             i += n;
         }
-        let sent_msgs = match self.link.send_batch(&mut msgs) {
+        let sent_msgs = match self.link.send_batch_with(&mut msgs, &mut self.tx_hdrs) {
             Ok(k) => k,
             Err(e) => {
                 tracing::warn!("send failed: {e}");
@@ -638,6 +648,8 @@ impl DataCore {
         stats.tx_messages.add(sent_msgs as u64);
         // what the kernel did not take (socket buffer full) is kept for the next round
         self.out.drain(..n);
+        self.tx_msgs = msgs;
+        self.tx_per_msg = per_msg;
         n > 0
     }
 }

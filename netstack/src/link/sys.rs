@@ -120,41 +120,45 @@ impl OutMsg {
 /// The iovecs must point to live memory; callers build them from buffers they hold (header
 /// buffers in the batch, payload in registered regions held by `Arc`) until this returns.
 pub fn sendmmsg(fd: RawFd, msgs: &mut [OutMsg]) -> io::Result<usize> {
+    sendmmsg_with(fd, msgs, &mut Vec::new())
+}
+
+/// [`sendmmsg`] building the kernel's message headers in `hdrs`, a buffer the caller reuses
+/// across calls (no allocation per batch on the data path).
+pub fn sendmmsg_with(fd: RawFd, msgs: &mut [OutMsg], hdrs: &mut Vec<libc::mmsghdr>) -> io::Result<usize> {
     let space = cmsg_space(std::mem::size_of::<u16>());
-    let mut hdrs: Vec<libc::mmsghdr> = msgs
-        .iter_mut()
-        .map(|m| {
-            let (control, controllen) = if m.gso > 0 {
-                // SAFETY: the control buffer is 32 bytes, u64-aligned, larger than
-                // CMSG_SPACE(2); the CMSG macros only compute offsets into it.
-                unsafe {
-                    let mut mh: libc::msghdr = std::mem::zeroed();
-                    mh.msg_control = m.cmsg.as_mut_ptr() as *mut libc::c_void;
-                    mh.msg_controllen = space as _;
-                    let c = libc::CMSG_FIRSTHDR(&mh);
-                    (*c).cmsg_level = SOL_UDP;
-                    (*c).cmsg_type = UDP_SEGMENT;
-                    (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<u16>() as u32) as _;
-                    std::ptr::write_unaligned(libc::CMSG_DATA(c) as *mut u16, m.gso);
-                }
-                (m.cmsg.as_mut_ptr() as *mut libc::c_void, space)
-            } else {
-                (std::ptr::null_mut(), 0)
-            };
-            libc::mmsghdr {
-                msg_hdr: libc::msghdr {
-                    msg_name: &mut m.dst as *mut _ as *mut libc::c_void,
-                    msg_namelen: std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
-                    msg_iov: m.iov.as_mut_ptr(),
-                    msg_iovlen: m.iovcnt as _,
-                    msg_control: control,
-                    msg_controllen: controllen as _,
-                    msg_flags: 0,
-                },
-                msg_len: 0,
+    hdrs.clear();
+    hdrs.extend(msgs.iter_mut().map(|m| {
+        let (control, controllen) = if m.gso > 0 {
+            // SAFETY: the control buffer is 32 bytes, u64-aligned, larger than
+            // CMSG_SPACE(2); the CMSG macros only compute offsets into it.
+            unsafe {
+                let mut mh: libc::msghdr = std::mem::zeroed();
+                mh.msg_control = m.cmsg.as_mut_ptr() as *mut libc::c_void;
+                mh.msg_controllen = space as _;
+                let c = libc::CMSG_FIRSTHDR(&mh);
+                (*c).cmsg_level = SOL_UDP;
+                (*c).cmsg_type = UDP_SEGMENT;
+                (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<u16>() as u32) as _;
+                std::ptr::write_unaligned(libc::CMSG_DATA(c) as *mut u16, m.gso);
             }
-        })
-        .collect();
+            (m.cmsg.as_mut_ptr() as *mut libc::c_void, space)
+        } else {
+            (std::ptr::null_mut(), 0)
+        };
+        libc::mmsghdr {
+            msg_hdr: libc::msghdr {
+                msg_name: &mut m.dst as *mut _ as *mut libc::c_void,
+                msg_namelen: std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
+                msg_iov: m.iov.as_mut_ptr(),
+                msg_iovlen: m.iovcnt as _,
+                msg_control: control,
+                msg_controllen: controllen as _,
+                msg_flags: 0,
+            },
+            msg_len: 0,
+        }
+    }));
     let mut done = 0;
     while done < hdrs.len() {
         // SAFETY: hdrs[done..] are valid mmsghdrs whose names, iovecs and control buffers point

@@ -76,6 +76,11 @@ impl UdpLink {
         sys::sendmmsg(self.fd(), msgs)
     }
 
+    /// [`UdpLink::send_batch`] with a reused buffer for the kernel's message headers.
+    pub fn send_batch_with(&self, msgs: &mut [OutMsg], hdrs: &mut Vec<libc::mmsghdr>) -> io::Result<usize> {
+        sys::sendmmsg_with(self.fd(), msgs, hdrs)
+    }
+
     /// Receives into `batch` without blocking.
     pub fn recv_batch(&self, batch: &mut RecvBatch) -> io::Result<usize> {
         batch.recv(self.fd())
