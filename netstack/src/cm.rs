@@ -47,6 +47,7 @@ impl From<Endpoint> for pb::QpEndpoint {
             addr: e.addr.to_string(),
             mtu: e.mtu,
             recovery: recovery_str(e.recovery).into(),
+            cc: e.cc.name().into(),
         }
     }
 }
@@ -64,6 +65,11 @@ impl TryFrom<Option<pb::QpEndpoint>> for Endpoint {
             "selective-repeat" => Recovery::SelectiveRepeat,
             o => return Err(CmError::BadEndpoint(format!("recovery: unknown mode {o:?}"))),
         };
+        let cc = if e.cc.is_empty() {
+            crate::cc::CcKind::None
+        } else {
+            e.cc.parse().map_err(|m| CmError::BadEndpoint(format!("cc: {m}")))?
+        };
         if e.qpn > crate::wire::MASK24 || e.psn > crate::wire::MASK24 {
             return Err(CmError::BadEndpoint("qpn/psn: wider than 24 bits".into()));
         }
@@ -73,6 +79,7 @@ impl TryFrom<Option<pb::QpEndpoint>> for Endpoint {
             addr,
             mtu: e.mtu,
             recovery,
+            cc,
         })
     }
 }

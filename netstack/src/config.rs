@@ -29,8 +29,18 @@ pub struct ContextConfig {
     pub ecn: bool,
     /// Receive staging memory per data core, in bytes (recycled, hottest buffers first).
     pub rx_staging_bytes: usize,
+    /// Compute the UDP checksum of sent packets. Off (checksum 0, allowed for UDP over IPv4)
+    /// lets a switch rewrite the congestion-control header in flight, as the testbed's eBPF INT
+    /// stamper does; the ICRC still covers everything else.
+    pub udp_checksum: bool,
+    /// Emulated one-way propagation delay added to every received packet before it is
+    /// processed, in microseconds (0 = none): the testbed's RTT where the kernel cannot add delay
+    /// (no netem).
+    pub rx_delay_us: u64,
     /// Defaults of new queue pairs.
     pub qp: RcConfig,
+    /// Congestion-control parameters of every algorithm (`[cc.dcqcn]`, `[cc.hpcc]`, ...).
+    pub cc: crate::cc::CcParams,
 }
 
 impl Default for ContextConfig {
@@ -45,7 +55,10 @@ impl Default for ContextConfig {
             gro: true,
             ecn: true,
             rx_staging_bytes: 2 << 20,
+            udp_checksum: true,
+            rx_delay_us: 0,
             qp: RcConfig::default(),
+            cc: crate::cc::CcParams::default(),
         }
     }
 }
@@ -89,6 +102,12 @@ impl ContextConfig {
                 self.rx_staging_bytes
             )));
         }
+        self.cc
+            .validate()
+            .map_err(|e| ConfigError::Invalid(format!("cc.{e}")))?;
+        if self.rx_delay_us > 1_000_000 {
+            return Err(ConfigError::Invalid(format!("rx_delay_us: {} > 1 s", self.rx_delay_us)));
+        }
         if self.max_inline > 4096 {
             return Err(ConfigError::Invalid(format!("max_inline: {} > 4096", self.max_inline)));
         }
@@ -110,6 +129,12 @@ mod tests {
         assert_eq!(c.poll_mode, PollMode::Sleep);
         let e = ContextConfig::from_toml("[qp]\nmtu = 1000\n").unwrap_err().to_string();
         assert!(e.contains("qp.mtu"), "{e}");
+        let c = ContextConfig::from_toml("[cc.dcqcn]\nline_rate = \"25gbit\"\n").unwrap();
+        assert_eq!(c.cc.dcqcn.line_rate, 25_000_000_000 / 8);
+        let e = ContextConfig::from_toml("[cc.timely]\nbeta = 3.0\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("cc.timely.beta"), "{e}");
         let e = ContextConfig::from_toml("bogus = 1\n").unwrap_err().to_string();
         assert!(e.contains("bogus"), "{e}");
         let e = ContextConfig::from_toml("bind = \"0.0.0.0:1\"\n")

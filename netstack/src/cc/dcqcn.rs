@@ -3,18 +3,23 @@
 //! alpha/2 and recovers by timer and byte-counter stages (fast recovery, additive, hyper).
 //! Defaults are the paper's (see `shared/research/congestion.md` §1.1).
 
-use super::{CcAlgorithm, CcOutput, Generate, RxKind, RxMeta, Traced};
+use super::{CcAlgorithm, CcOutput, Generate, RxKind, RxMeta, StartInfo, Traced, TxMeta, Verdict};
 use std::sync::Arc;
 
 /// DCQCN parameters (shared by the QPs that use them).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct DcqcnParams {
     /// Line rate C, bytes per second.
+    #[serde(with = "super::params::rate")]
     pub line_rate: u64,
     /// Floor of the rate, bytes per second.
+    #[serde(with = "super::params::rate")]
     pub min_rate: u64,
     /// Additive increase step R_AI and hyper increase step R_HAI, bytes per second.
+    #[serde(with = "super::params::rate")]
     pub rate_ai: u64,
+    #[serde(with = "super::params::rate")]
     pub rate_hai: u64,
     /// alpha gain g.
     pub g: f64,
@@ -44,6 +49,21 @@ impl Default for DcqcnParams {
             fast_recovery: 5,
             cnp_interval_ns: 50_000,
         }
+    }
+}
+
+impl DcqcnParams {
+    pub fn validate(&self) -> Result<(), String> {
+        if self.min_rate > self.line_rate {
+            return Err("min_rate: above line_rate".into());
+        }
+        if !(self.g > 0.0 && self.g <= 1.0) {
+            return Err(format!("g: {} not in (0, 1]", self.g));
+        }
+        if self.alpha_period_ns == 0 || self.rate_timer_ns == 0 || self.byte_counter == 0 {
+            return Err("alpha_period_ns, rate_timer_ns, byte_counter: must be > 0".into());
+        }
+        Ok(())
     }
 }
 
@@ -124,28 +144,30 @@ impl CcAlgorithm for Dcqcn {
         Traced {
             tx_data: true,
             rx_data: true,
-            rx_ack: false,
             rx_cnp: true,
+            ..Traced::default()
         }
     }
 
-    fn on_start(&mut self, now: u64, out: &mut CcOutput) {
+    fn on_start(&mut self, now: u64, _info: &StartInfo, out: &mut CcOutput) {
         self.next_alpha = now + self.p.alpha_period_ns;
         self.next_rate = now + self.p.rate_timer_ns;
         self.emit(out);
     }
 
-    fn on_tx(&mut self, _now: u64, bytes: u32, out: &mut CcOutput) {
-        self.byte_ctr += bytes as u64;
+    fn on_tx(&mut self, _now: u64, pkt: &TxMeta, out: &mut CcOutput) -> Verdict {
+        // rate-based: the pacer defers packets; the TX function only runs the byte counter
+        self.byte_ctr += pkt.bytes as u64;
         if self.byte_ctr >= self.p.byte_counter {
             self.byte_ctr = 0;
             self.bc_cnt += 1;
             self.increase();
             out.rate = Some(Some(self.rc as u64));
         }
+        Verdict::Send
     }
 
-    fn on_rx(&mut self, now: u64, pkt: &RxMeta, out: &mut CcOutput) {
+    fn on_rx(&mut self, now: u64, pkt: &RxMeta<'_>, out: &mut CcOutput) {
         match pkt.kind {
             // notification point: one CNP per interval for CE-marked data
             RxKind::Data
@@ -199,9 +221,20 @@ impl CcAlgorithm for Dcqcn {
 mod tests {
     use super::*;
 
+    fn tx(bytes: u32) -> TxMeta {
+        TxMeta {
+            bytes,
+            payload: bytes,
+            first: false,
+            msg_bytes: 1 << 20,
+            msg_remaining: 1 << 19,
+            retransmit: false,
+        }
+    }
+
     fn dcqcn() -> Dcqcn {
         let mut d = Dcqcn::new(Arc::new(DcqcnParams::default()));
-        d.on_start(0, &mut CcOutput::default());
+        d.on_start(0, &StartInfo { mtu: 4096 }, &mut CcOutput::default());
         d
     }
 
@@ -215,43 +248,16 @@ mod tests {
         let mut d = dcqcn();
         let c = d.p.line_rate;
         let mut out = CcOutput::default();
-        d.on_rx(
-            1000,
-            &RxMeta {
-                kind: RxKind::Cnp,
-                bytes: 0,
-                ce: false,
-                rtt_ns: None,
-            },
-            &mut out,
-        );
+        d.on_rx(1000, &RxMeta::plain(RxKind::Cnp, 0), &mut out);
         assert_eq!(d.rate(), c / 2, "alpha starts at 1");
         assert_eq!(out.rate, Some(Some(c / 2)));
         assert_eq!(d.target_rate(), c);
         let a = d.alpha();
-        d.on_rx(
-            2000,
-            &RxMeta {
-                kind: RxKind::Cnp,
-                bytes: 0,
-                ce: false,
-                rtt_ns: None,
-            },
-            &mut out,
-        );
+        d.on_rx(2000, &RxMeta::plain(RxKind::Cnp, 0), &mut out);
         assert!((d.rate() as f64 - c as f64 / 2.0 * (1.0 - a / 2.0)).abs() < 2.0);
         // floor
         for t in 0..200 {
-            d.on_rx(
-                3000 + t,
-                &RxMeta {
-                    kind: RxKind::Cnp,
-                    bytes: 0,
-                    ce: false,
-                    rtt_ns: None,
-                },
-                &mut out,
-            );
+            d.on_rx(3000 + t, &RxMeta::plain(RxKind::Cnp, 0), &mut out);
         }
         assert_eq!(d.rate(), d.p.min_rate);
     }
@@ -261,16 +267,7 @@ mod tests {
         let mut d = dcqcn();
         let p = d.p.clone();
         let mut out = CcOutput::default();
-        d.on_rx(
-            0,
-            &RxMeta {
-                kind: RxKind::Cnp,
-                bytes: 0,
-                ce: false,
-                rtt_ns: None,
-            },
-            &mut out,
-        );
+        d.on_rx(0, &RxMeta::plain(RxKind::Cnp, 0), &mut out);
         let target = d.target_rate();
         let mut now = 0;
         // F timer stages of fast recovery: the rate approaches the unchanged target
@@ -293,7 +290,7 @@ mod tests {
         for _ in 0..10_000 {
             now += p.rate_timer_ns;
             d.on_timer(now, &mut out);
-            d.on_tx(now, 4096, &mut out);
+            d.on_tx(now, &tx(4096), &mut out);
         }
         assert_eq!(d.rate(), p.line_rate);
     }
@@ -308,10 +305,8 @@ mod tests {
             d.on_rx(
                 t,
                 &RxMeta {
-                    kind: RxKind::Data,
-                    bytes: 4096,
                     ce: true,
-                    rtt_ns: None,
+                    ..RxMeta::plain(RxKind::Data, 4096)
                 },
                 &mut out,
             );
@@ -321,10 +316,8 @@ mod tests {
             d.on_rx(
                 t,
                 &RxMeta {
-                    kind: RxKind::Data,
-                    bytes: 4096,
                     ce: false,
-                    rtt_ns: None,
+                    ..RxMeta::plain(RxKind::Data, 4096)
                 },
                 &mut out,
             );

@@ -1,20 +1,39 @@
 //! Per-packet programmable congestion control (SwCC's model, in software).
 //!
 //! An algorithm is a TX function, an RX function and a timer function over a per-QP context
-//! (the algorithm value itself, budget 128 bytes, see [`CcAlgorithm::context_bytes`]). The three
-//! are separate so an engine may run them on different cores. Each algorithm declares which
-//! packets raise events ([`Traced`], SwCC's selective triggering); an event's effects come back
-//! as a [`CcOutput`]: a new pacing rate or window for the QP's pacer, the next timer, and a
-//! packet to generate (a CNP for DCQCN). The transport applies them; algorithms never touch
-//! packets or clocks themselves, so the same code runs in the engine and in the simulator.
+//! (the algorithm value itself, budget 128 bytes, see [`CcAlgorithm::context_bytes`]). The
+//! functions are separate so an engine may run them on different cores:
+//!
+//! - **TX** ([`CcAlgorithm::on_tx`]) sees each traced data packet before it leaves and returns a
+//!   [`Verdict`]: send now, defer until a time, or hold until an RX event or timer (SwCC's
+//!   `LoopBack`, the credit wait of receiver-driven schemes). It may write the packet's
+//!   congestion-control header ([`CcAlgorithm::write_header`]).
+//! - **RX** ([`CcAlgorithm::on_rx`]) sees each traced arriving packet ([`RxMeta`]: kind, size,
+//!   ECN CE, RTT sample, the CC header) and may generate a packet ([`Generate`]: CNP, GRANT or
+//!   an immediate ACK).
+//! - **Timer** ([`CcAlgorithm::on_timer`]) runs when the algorithm's timer expires.
+//!
+//! Each event's effects come back as a [`CcOutput`]: a new pacing rate or window for the QP's
+//! pacer, the next timer, a packet to generate. SwCC's "done" is an event whose output is empty.
+//! Algorithms declare which packets raise events ([`Traced`], selective triggering) and how
+//! many bytes of CC header their data packets carry after the BTH ([`HeaderSpec`], 0–64 bytes,
+//! negotiated per QP when it connects). Algorithms never touch packets or clocks themselves, so
+//! the same code runs in the engine and in the simulator.
 
 pub mod dcqcn;
+pub mod header;
+pub mod homa;
+pub mod hpcc;
+pub mod params;
+pub mod swift;
 pub mod timely;
+
+pub use params::{CcEnv, CcParams};
 
 /// Which events an algorithm wants (selective triggering).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Traced {
-    /// Every data packet the QP sends (SEND/WRITE/READ-response payload).
+    /// Every data packet the QP sends (SEND/WRITE payload): the TX function and its verdict.
     pub tx_data: bool,
     /// Every data packet the QP receives (the notification point: ECN marks arrive here).
     pub rx_data: bool,
@@ -22,27 +41,91 @@ pub struct Traced {
     pub rx_ack: bool,
     /// Congestion notification packets the QP receives.
     pub rx_cnp: bool,
+    /// Credit grants the QP receives.
+    pub rx_grant: bool,
+    /// Retransmission timeouts of the QP's requester.
+    pub timeout: bool,
+}
+
+/// The congestion-control header an algorithm's QPs carry after the BTH.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct HeaderSpec {
+    /// Bytes on every data packet the QP sends (a multiple of 4, at most 64; 0 = none).
+    pub data_bytes: u8,
+    /// The responder copies the CC header of the latest data packet into its ACKs (HPCC's INT
+    /// echo).
+    pub echo_in_ack: bool,
+}
+
+/// A data packet as the TX function sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TxMeta {
+    /// Bytes of the packet above UDP.
+    pub bytes: u32,
+    /// Payload bytes.
+    pub payload: u32,
+    /// First packet of a message (FIRST or ONLY).
+    pub first: bool,
+    /// Bytes of the message this packet belongs to.
+    pub msg_bytes: u64,
+    /// Payload bytes of the message after this packet.
+    pub msg_remaining: u64,
+    /// A retransmission.
+    pub retransmit: bool,
+}
+
+/// The TX function's decision for a packet (SwCC's verdicts).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// Send it now.
+    Send,
+    /// Not before this time (ns): the packet waits, the QP asks again then.
+    DeferUntil(u64),
+    /// Wait for the next RX event or timer of this algorithm, then ask again (SwCC's LoopBack;
+    /// a credit-based sender without credit).
+    Hold,
 }
 
 /// A received packet as congestion control sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RxMeta {
+pub struct RxMeta<'a> {
     pub kind: RxKind,
     /// Bytes of the packet above UDP.
     pub bytes: u32,
+    /// Payload bytes (data packets).
+    pub payload: u32,
     /// The IP header carried ECN CE (congestion experienced).
     pub ce: bool,
     /// For an ACK: the round-trip time of the packet it acknowledges (none when that packet was
     /// retransmitted).
     pub rtt_ns: Option<u64>,
+    /// The packet's congestion-control header (empty when it carries none).
+    pub cc: &'a [u8],
 }
 
-/// What kind of packet arrived.
+impl<'a> RxMeta<'a> {
+    /// A packet of `kind` with no header, CE mark or RTT sample.
+    pub fn plain(kind: RxKind, bytes: u32) -> RxMeta<'a> {
+        RxMeta {
+            kind,
+            bytes,
+            payload: 0,
+            ce: false,
+            rtt_ns: None,
+            cc: &[],
+        }
+    }
+}
+
+/// What kind of packet arrived (or, for `Timeout`, what happened).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RxKind {
     Data,
     Ack,
     Cnp,
+    Grant,
+    /// The requester's retransmission timer fired.
+    Timeout,
 }
 
 /// A packet an algorithm asks the transport to send.
@@ -50,6 +133,11 @@ pub enum RxKind {
 pub enum Generate {
     /// A RoCEv2 congestion notification packet to the peer QP.
     Cnp,
+    /// A credit grant: the peer may send data up to byte `offset` of this QP's stream, with
+    /// priority `prio` (0 = highest).
+    Grant { offset: u64, prio: u8 },
+    /// An ACK now, without waiting for the coalescing threshold.
+    Ack,
 }
 
 /// The effects of one event.
@@ -62,6 +150,16 @@ pub struct CcOutput {
     /// When to call [`CcAlgorithm::on_timer`] next (replaces the previous timer).
     pub timer: Option<u64>,
     pub generate: Option<Generate>,
+    /// The algorithm cannot run on this path (HPCC without INT telemetry): the transport stops
+    /// the QP with this reason rather than let it guess.
+    pub fault: Option<&'static str>,
+}
+
+/// What a QP tells its algorithm when it starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StartInfo {
+    /// Path MTU in bytes.
+    pub mtu: u32,
 }
 
 /// A congestion-control algorithm: a per-QP context with TX, RX and timer functions.
@@ -70,16 +168,18 @@ pub trait CcAlgorithm: Send + std::fmt::Debug {
     fn name(&self) -> &'static str;
     /// Which packets raise events.
     fn traced(&self) -> Traced;
-    /// Bytes of extensible CC header this algorithm carries after the BTH (0 for DCQCN).
-    fn header_bytes(&self) -> usize {
-        0
+    /// The CC header this algorithm's data packets carry.
+    fn header(&self) -> HeaderSpec {
+        HeaderSpec::default()
     }
     /// The QP starts sending (connected): initial rate, window and timer.
-    fn on_start(&mut self, now: u64, out: &mut CcOutput);
-    /// A traced packet of `bytes` is being sent.
-    fn on_tx(&mut self, now: u64, bytes: u32, out: &mut CcOutput);
-    /// A traced packet arrived.
-    fn on_rx(&mut self, now: u64, pkt: &RxMeta, out: &mut CcOutput);
+    fn on_start(&mut self, now: u64, info: &StartInfo, out: &mut CcOutput);
+    /// TX function: a traced data packet is ready to leave.
+    fn on_tx(&mut self, now: u64, pkt: &TxMeta, out: &mut CcOutput) -> Verdict;
+    /// Fills the CC header (`header().data_bytes` long, zeroed) of a data packet about to leave.
+    fn write_header(&mut self, _now: u64, _pkt: &TxMeta, _hdr: &mut [u8]) {}
+    /// RX function: a traced packet arrived.
+    fn on_rx(&mut self, now: u64, pkt: &RxMeta<'_>, out: &mut CcOutput);
     /// The timer this algorithm asked for expired.
     fn on_timer(&mut self, now: u64, out: &mut CcOutput);
     /// Bytes of per-QP context (the budget is 128).
@@ -87,38 +187,70 @@ pub trait CcAlgorithm: Send + std::fmt::Debug {
 }
 
 /// The algorithm a QP runs, as configured (per QP, selectable at run time).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum CcKind {
     #[default]
     None,
     Dcqcn,
     Timely,
+    Hpcc,
+    Swift,
+    Homa,
 }
 
 impl CcKind {
-    /// A fresh per-QP context, or `None` for no congestion control.
-    pub fn build(self) -> Option<Box<dyn CcAlgorithm>> {
+    /// Every algorithm (and `None`).
+    pub const ALL: [CcKind; 6] = [
+        CcKind::None,
+        CcKind::Dcqcn,
+        CcKind::Timely,
+        CcKind::Hpcc,
+        CcKind::Swift,
+        CcKind::Homa,
+    ];
+
+    /// A fresh per-QP context with the parameters of `env`, or `None` for no congestion
+    /// control.
+    pub fn build(self, env: &std::sync::Arc<CcEnv>) -> Option<Box<dyn CcAlgorithm>> {
+        let p = &env.params;
+        Some(match self {
+            CcKind::None => return None,
+            CcKind::Dcqcn => Box::new(dcqcn::Dcqcn::new(p.dcqcn.clone())),
+            CcKind::Timely => Box::new(timely::Timely::new(p.timely.clone())),
+            CcKind::Hpcc => Box::new(hpcc::Hpcc::new(p.hpcc.clone())),
+            CcKind::Swift => Box::new(swift::Swift::new(p.swift.clone())),
+            CcKind::Homa => Box::new(homa::Homa::new(p.homa.clone(), env.homa.clone())),
+        })
+    }
+
+    pub fn name(self) -> &'static str {
         match self {
-            CcKind::None => None,
-            CcKind::Dcqcn => Some(Box::new(dcqcn::Dcqcn::new(std::sync::Arc::new(
-                dcqcn::DcqcnParams::default(),
-            )))),
-            CcKind::Timely => Some(Box::new(timely::Timely::new(std::sync::Arc::new(
-                timely::TimelyParams::default(),
-            )))),
+            CcKind::None => "none",
+            CcKind::Dcqcn => "dcqcn",
+            CcKind::Timely => "timely",
+            CcKind::Hpcc => "hpcc",
+            CcKind::Swift => "swift",
+            CcKind::Homa => "homa",
         }
+    }
+}
+
+impl std::fmt::Display for CcKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
     }
 }
 
 impl std::str::FromStr for CcKind {
     type Err = String;
     fn from_str(s: &str) -> Result<CcKind, String> {
-        match s {
-            "none" | "off" => Ok(CcKind::None),
-            "dcqcn" => Ok(CcKind::Dcqcn),
-            "timely" => Ok(CcKind::Timely),
-            o => Err(format!("unknown congestion control {o:?}: use none, dcqcn or timely")),
+        if s == "off" {
+            return Ok(CcKind::None);
         }
+        CcKind::ALL
+            .into_iter()
+            .find(|k| k.name() == s)
+            .ok_or_else(|| format!("unknown congestion control {s:?}: use none, dcqcn, timely, hpcc, swift or homa"))
     }
 }

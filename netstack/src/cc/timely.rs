@@ -6,14 +6,17 @@
 //! (ns-3 uses 0.875, which turns the tens of microseconds of scheduling jitter of a software
 //! stack into steep gradients and collapses the rate; see `shared/research/congestion.md` §1.2).
 
-use super::{CcAlgorithm, CcOutput, RxKind, RxMeta, Traced};
+use super::{CcAlgorithm, CcOutput, RxKind, RxMeta, StartInfo, Traced, TxMeta, Verdict};
 use std::sync::Arc;
 
 /// TIMELY parameters.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct TimelyParams {
     /// Line rate C and floor, bytes per second.
+    #[serde(with = "super::params::rate")]
     pub line_rate: u64,
+    #[serde(with = "super::params::rate")]
     pub min_rate: u64,
     /// EWMA weight of a new RTT difference.
     pub ewma: f64,
@@ -24,6 +27,7 @@ pub struct TimelyParams {
     /// Minimum RTT: the gradient's normaliser and the update interval.
     pub min_rtt_ns: u64,
     /// Additive step, bytes per second.
+    #[serde(with = "super::params::rate")]
     pub delta: u64,
     /// Consecutive non-positive gradients before hyper-active increase (N = 5 steps).
     pub hai_thresh: u32,
@@ -45,6 +49,24 @@ impl Default for TimelyParams {
             delta: line / 1000,
             hai_thresh: 5,
         }
+    }
+}
+
+impl TimelyParams {
+    pub fn validate(&self) -> Result<(), String> {
+        if self.min_rate > self.line_rate {
+            return Err("min_rate: above line_rate".into());
+        }
+        if !(self.ewma > 0.0 && self.ewma <= 1.0) {
+            return Err(format!("ewma: {} not in (0, 1]", self.ewma));
+        }
+        if !(self.beta > 0.0 && self.beta < 1.0) {
+            return Err(format!("beta: {} not in (0, 1)", self.beta));
+        }
+        if self.min_rtt_ns == 0 || self.t_low_ns >= self.t_high_ns {
+            return Err("min_rtt_ns: must be > 0, and t_low_ns below t_high_ns".into());
+        }
+        Ok(())
     }
 }
 
@@ -117,13 +139,15 @@ impl CcAlgorithm for Timely {
         }
     }
 
-    fn on_start(&mut self, _now: u64, out: &mut CcOutput) {
+    fn on_start(&mut self, _now: u64, _info: &StartInfo, out: &mut CcOutput) {
         out.rate = Some(Some(self.rate as u64));
     }
 
-    fn on_tx(&mut self, _now: u64, _bytes: u32, _out: &mut CcOutput) {}
+    fn on_tx(&mut self, _now: u64, _pkt: &TxMeta, _out: &mut CcOutput) -> Verdict {
+        Verdict::Send
+    }
 
-    fn on_rx(&mut self, now: u64, pkt: &RxMeta, out: &mut CcOutput) {
+    fn on_rx(&mut self, now: u64, pkt: &RxMeta<'_>, out: &mut CcOutput) {
         let (RxKind::Ack, Some(rtt)) = (pkt.kind, pkt.rtt_ns) else {
             return;
         };
@@ -146,10 +170,12 @@ impl CcAlgorithm for Timely {
 mod tests {
     use super::*;
 
-    fn ack(rtt: u64) -> RxMeta {
+    fn ack(rtt: u64) -> RxMeta<'static> {
         RxMeta {
             kind: RxKind::Ack,
             bytes: 16,
+            payload: 0,
+            cc: &[],
             ce: false,
             rtt_ns: Some(rtt),
         }

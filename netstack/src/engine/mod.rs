@@ -22,7 +22,7 @@ use crate::transport::rc::{QpState, RcQp};
 use crate::transport::TxPacket;
 use crate::wire::{icrc, PacketView, MAX_DATAGRAM, PAD_ZEROS};
 use parking_lot::{Mutex, RwLock};
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::SocketAddrV4;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
@@ -130,6 +130,8 @@ pub struct EngineShared {
     pub stats: EngineStats,
     local: SocketAddrV4,
     epoch: Instant,
+    /// CLOCK_MONOTONIC at `epoch`, so the transports' clock is the host's monotonic clock.
+    epoch_ns: u64,
 }
 
 impl EngineShared {
@@ -189,9 +191,10 @@ impl EngineShared {
         }
     }
 
-    /// Nanoseconds since the engine started (the transports' clock).
+    /// The transports' clock: CLOCK_MONOTONIC in nanoseconds (shared by all processes on the
+    /// host, so a CNP's CE timestamp can be compared by its receiver).
     pub fn now(&self) -> u64 {
-        self.epoch.elapsed().as_nanos() as u64
+        self.epoch_ns + self.epoch.elapsed().as_nanos() as u64
     }
     pub fn local_addr(&self) -> SocketAddrV4 {
         self.local
@@ -209,6 +212,7 @@ impl Engine {
     /// configured address with port `port + i` (or a free port when the port is 0).
     pub fn start(cfg: &ContextConfig, mrs: Arc<MrTable>) -> std::io::Result<Engine> {
         let epoch = Instant::now();
+        let epoch_ns = sys::monotonic_ns();
         let mut e = Engine {
             cores: Vec::new(),
             threads: Vec::new(),
@@ -225,6 +229,9 @@ impl Engine {
             if cfg.ecn {
                 link.set_ecn()?;
             }
+            if !cfg.udp_checksum {
+                link.set_no_checksum()?;
+            }
             let (sq_tx, sq_rx) = pipe::pipe::<sq::Slot>(SQ_SLOTS, 32)?;
             let shared = Arc::new(EngineShared {
                 mrs: mrs.clone(),
@@ -236,6 +243,7 @@ impl Engine {
                 stats: EngineStats::default(),
                 local: link.local_addr(),
                 epoch,
+                epoch_ns,
             });
             let s2 = shared.clone();
             let opts = CoreOptions {
@@ -245,6 +253,7 @@ impl Engine {
                 gso: cfg.gso,
                 gro: cfg.gro,
                 staging: cfg.rx_staging_bytes,
+                rx_delay_ns: cfg.rx_delay_us * 1000,
             };
             // started threads are joined by Engine's drop if a later core fails to start
             let thread = std::thread::Builder::new()
@@ -305,6 +314,15 @@ struct CoreOptions {
     gso: bool,
     gro: bool,
     staging: usize,
+    rx_delay_ns: u64,
+}
+
+/// A received datagram waiting out the emulated propagation delay.
+struct Delayed {
+    due: u64,
+    data: Vec<u8>,
+    src: SocketAddrV4,
+    ce: bool,
 }
 
 struct DataCore {
@@ -325,6 +343,11 @@ struct DataCore {
     tx_msgs: Vec<OutMsg>,
     tx_per_msg: Vec<usize>,
     tx_hdrs: Vec<libc::mmsghdr>,
+    /// Emulated propagation delay of received packets (0 = none), the delay line in arrival
+    /// order, and its recycled buffers.
+    rx_delay: u64,
+    delayed: VecDeque<Delayed>,
+    spare: Vec<Vec<u8>>,
 }
 
 impl DataCore {
@@ -348,6 +371,9 @@ impl DataCore {
             tx_msgs: Vec::with_capacity(TX_BATCH),
             tx_per_msg: Vec::with_capacity(TX_BATCH),
             tx_hdrs: Vec::with_capacity(TX_BATCH),
+            rx_delay: o.rx_delay_ns,
+            delayed: VecDeque::new(),
+            spare: Vec::new(),
         }
     }
 
@@ -361,7 +387,11 @@ impl DataCore {
             work |= self.drain_sq(now);
             self.retry_stuck();
             work |= self.receive(now);
-            let next_deadline = self.timers(now);
+            work |= self.release_delayed(now);
+            let next_deadline = match (self.timers(now), self.delayed.front()) {
+                (t, Some(d)) => Some(t.map_or(d.due, |t| t.min(d.due))),
+                (t, None) => t,
+            };
             work |= self.transmit(now);
             if work {
                 idle_since = None;
@@ -478,6 +508,18 @@ impl DataCore {
                 self.shared.stats.rx_ce.inc();
             }
             for dgram in sys::segments(d, seg) {
+                if self.rx_delay > 0 {
+                    let mut data = self.spare.pop().unwrap_or_default();
+                    data.clear();
+                    data.extend_from_slice(dgram);
+                    self.delayed.push_back(Delayed {
+                        due: now + self.rx_delay,
+                        data,
+                        src,
+                        ce,
+                    });
+                    continue;
+                }
                 if let Some((qpn, delivered)) = Self::dispatch(&self.shared, self.index, now, dgram, src, local, ce) {
                     self.active.insert(qpn);
                     if !delivered {
@@ -487,6 +529,24 @@ impl DataCore {
             }
         }
         n > 0
+    }
+
+    /// Processes the delayed datagrams whose delay has passed.
+    fn release_delayed(&mut self, now: u64) -> bool {
+        let local = self.link.local_addr();
+        let mut any = false;
+        while self.delayed.front().is_some_and(|d| d.due <= now) {
+            let Some(d) = self.delayed.pop_front() else { break };
+            any = true;
+            if let Some((qpn, delivered)) = Self::dispatch(&self.shared, self.index, now, &d.data, d.src, local, d.ce) {
+                self.active.insert(qpn);
+                if !delivered {
+                    self.stuck.insert(qpn);
+                }
+            }
+            self.spare.push(d.data);
+        }
+        any
     }
 
     /// Checks one datagram and hands it to its QP; returns the QPN it went to and whether its

@@ -368,6 +368,15 @@ pub fn ppoll_readable(fds: &[RawFd], timeout_ns: u64) -> io::Result<()> {
     Ok(())
 }
 
+/// CLOCK_MONOTONIC in nanoseconds: the clock every process (and network namespace) on this
+/// host shares, so timestamps one process writes into packets mean the same to another.
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes one timespec into the valid pointer it is given.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
 /// Sets the calling thread's timer slack (how late the kernel may end its sleeps).
 pub fn set_timer_slack_ns(ns: u64) {
     // SAFETY: PR_SET_TIMERSLACK takes an integer argument and affects only this thread.

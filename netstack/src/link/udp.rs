@@ -59,6 +59,11 @@ impl UdpLink {
 
     /// Turns UDP generic receive offload on or off: with it on, the kernel may hand several
     /// datagrams of one flow to a single receive (split them with [`sys::segments`]).
+    /// Sends UDP checksum 0 (no checksum) instead of a computed one.
+    pub fn set_no_checksum(&self) -> io::Result<()> {
+        sys::setsockopt_int(self.fd(), libc::SOL_SOCKET, libc::SO_NO_CHECK, 1)
+    }
+
     pub fn set_gro(&self, on: bool) -> io::Result<()> {
         sys::setsockopt_int(self.fd(), sys::SOL_UDP, sys::UDP_GRO, on as i32)
     }

@@ -53,6 +53,8 @@ pub enum VerbsError {
 pub(crate) struct CtxInner {
     pub(crate) engine: Engine,
     pub(crate) cfg: ContextConfig,
+    /// Congestion-control parameters and host-wide CC state shared by this context's QPs.
+    pub(crate) cc_env: Arc<crate::cc::CcEnv>,
     next_qpn: AtomicU32,
     next_pd: AtomicU32,
 }
@@ -79,6 +81,7 @@ impl Context {
         Ok(Context {
             inner: Arc::new(CtxInner {
                 engine,
+                cc_env: crate::cc::CcEnv::new(&cfg.cc),
                 cfg,
                 next_qpn: AtomicU32::new(base.max(0x100)),
                 next_pd: AtomicU32::new(1),

@@ -33,6 +33,9 @@ pub struct Endpoint {
     pub addr: SocketAddrV4,
     pub mtu: u32,
     pub recovery: Recovery,
+    /// The congestion control this QP runs (`None` adopts the peer's when connecting).
+    #[serde(default)]
+    pub cc: crate::cc::CcKind,
 }
 
 /// An RC queue pair. Destroyed (removed from the engine) on drop.
@@ -65,6 +68,7 @@ impl Qp {
         cfg.validate()
             .map_err(|e| VerbsError::Invalid(format!("qp config field {e}")))?;
         let mut qp = RcQp::new(qpn, pd, cfg);
+        qp.set_cc_env(ctx.inner.cc_env.clone());
         qp.modify_to_init()?;
         let mirror = Arc::new(QpMirror::default());
         let qs = QpSlot {
@@ -103,6 +107,22 @@ impl Qp {
         self.mirror.state()
     }
 
+    /// Why congestion control stopped this QP, if it did (HPCC on a path without INT).
+    pub fn cc_fault(&self) -> Option<&'static str> {
+        self.slot.lock().qp.cc_fault()
+    }
+
+    /// The congestion-control algorithm and its per-QP context bytes, if one runs.
+    pub fn cc_info(&self) -> Option<(&'static str, usize)> {
+        self.slot.lock().qp.cc_info()
+    }
+
+    /// Takes the control-loop delay samples (ns from a CE mark's arrival at the receiver to the
+    /// rate change it caused here) collected since the last call.
+    pub fn take_control_loop_samples(&self) -> Vec<u32> {
+        self.slot.lock().qp.take_control_loop_samples()
+    }
+
     pub fn stats(&self) -> RcStats {
         self.slot.lock().qp.stats()
     }
@@ -125,11 +145,14 @@ impl Qp {
             addr: self.core.local_addr(),
             mtu: cfg.mtu,
             recovery: cfg.recovery,
+            cc: cfg.cc,
         }
     }
 
     /// INIT -> RTR towards `remote`: the path MTU is the smaller of both; the loss-recovery
-    /// modes must match.
+    /// modes must match. Congestion control is negotiated: a QP without one adopts the peer's
+    /// (so the receiver's half of the algorithm, CNPs, grants or the INT echo, runs on the other
+    /// end); two different algorithms are refused.
     pub fn modify_to_rtr(&self, remote: &Endpoint) -> Result<(), VerbsError> {
         let mut s = self.slot.lock();
         let mut cfg = *s.qp.config();
@@ -146,6 +169,16 @@ impl Qp {
             )));
         }
         cfg.mtu = cfg.mtu.min(remote.mtu);
+        match (cfg.cc, remote.cc) {
+            (crate::cc::CcKind::None, theirs) => cfg.cc = theirs,
+            (ours, crate::cc::CcKind::None) => cfg.cc = ours,
+            (ours, theirs) if ours != theirs => {
+                return Err(VerbsError::Peer(format!(
+                    "runs congestion control {theirs}, this QP {ours}"
+                )))
+            }
+            _ => {}
+        }
         cfg.validate()
             .map_err(|e| VerbsError::Peer(format!("offers an invalid {e}")))?;
         s.qp.modify_to_rtr(remote.qpn, remote.psn, cfg)?;

@@ -38,6 +38,9 @@ pub struct Bth {
     pub pkey: u16,
     pub fecn: bool,
     pub becn: bool,
+    /// Length of the congestion-control header that follows the BTH, in 4-byte words (0..=16;
+    /// a flexns extension in the low five reserved bits of byte 4, negotiated per QP).
+    pub cc_words: u8,
     pub dest_qp: u32,
     pub ack_req: bool,
     pub psn: u32,
@@ -57,6 +60,7 @@ impl Bth {
             pkey: DEFAULT_PKEY,
             fecn: false,
             becn: false,
+            cc_words: 0,
             dest_qp: dest_qp & MASK24,
             ack_req: false,
             psn: psn & MASK24,
@@ -73,6 +77,7 @@ impl Bth {
             pkey: be16(&b[2..]),
             fecn: b[4] & 0x80 != 0,
             becn: b[4] & 0x40 != 0,
+            cc_words: b[4] & 0x1F,
             dest_qp: be24(&b[5..]),
             ack_req: b[8] & 0x80 != 0,
             psn: be24(&b[9..]),
@@ -86,7 +91,7 @@ impl Bth {
             | ((self.pad & 3) << 4)
             | (self.tver & 0x0F);
         b[2..4].copy_from_slice(&self.pkey.to_be_bytes());
-        b[4] = (u8::from(self.fecn) << 7) | (u8::from(self.becn) << 6);
+        b[4] = (u8::from(self.fecn) << 7) | (u8::from(self.becn) << 6) | (self.cc_words & 0x1F);
         put24(&mut b[5..], self.dest_qp);
         b[8] = u8::from(self.ack_req) << 7;
         put24(&mut b[9..], self.psn);

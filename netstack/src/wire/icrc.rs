@@ -1,7 +1,9 @@
 //! The RoCEv2 invariant CRC (ICRC): CRC-32 (IEEE 802.3, the zlib polynomial, *not* CRC-32C)
 //! over 8 bytes of 0xFF standing for the masked LRH, the IPv4 header with TOS, TTL and header
 //! checksum masked to ones, the UDP header with its checksum masked to ones, the BTH with byte 4
-//! (FECN/BECN/reserved) masked to ones, then the remaining headers, payload and pad. It is
+//! (FECN/BECN/reserved) masked to ones, then the remaining headers, payload and pad. The
+//! congestion-control header after the BTH (flexns' extension, length in byte 4) is masked to
+//! ones too: switches rewrite it in flight (HPCC's INT records), like the other variant fields. It is
 //! appended little-endian. The IPv4 identification is covered, so senders use DF with an
 //! unconnected socket, which makes Linux send IP ID 0 (see `link::udp`).
 
@@ -14,9 +16,14 @@ pub const ICRC_LEN: usize = 4;
 /// (the BTH first) in any number of pieces, then finish.
 pub struct Icrc {
     h: crc32fast::Hasher,
-    /// Bytes fed so far (to find BTH byte 4 across pieces).
+    /// Bytes fed so far (to find BTH byte 4 and the CC header across pieces).
     fed: usize,
+    /// End of the CC header (known once BTH byte 4 was fed; masked bytes end there).
+    cc_end: usize,
 }
+
+/// Ones fed in place of masked bytes (a CC length field can claim up to 31 words).
+const ONES: [u8; 128] = [0xFF; 128];
 
 impl Icrc {
     /// `body_len` is the UDP payload length without the ICRC (headers, payload and pad).
@@ -45,21 +52,38 @@ impl Icrc {
         udp[7] = 0xFF;
         let mut h = crc32fast::Hasher::new();
         h.update(&pseudo);
-        Icrc { h, fed: 0 }
+        Icrc { h, fed: 0, cc_end: 12 }
     }
 
     /// Feeds the next bytes of the UDP payload.
-    pub fn update(&mut self, b: &[u8]) {
-        if self.fed <= 4 && self.fed + b.len() > 4 {
-            // BTH byte 4 (FECN/BECN/reserved) is masked to ones
-            let i = 4 - self.fed;
-            self.h.update(&b[..i]);
-            self.h.update(&[0xFF]);
-            self.h.update(&b[i + 1..]);
-        } else {
-            self.h.update(b);
+    pub fn update(&mut self, mut b: &[u8]) {
+        while !b.is_empty() {
+            let f = self.fed;
+            if f >= self.cc_end {
+                self.h.update(b);
+                self.fed += b.len();
+                return;
+            }
+            // regions before the payload: [0,4) plain, 4 masked (FECN/BECN/CC length),
+            // [5,12) plain, [12, cc_end) the masked CC header
+            let (end, masked) = match f {
+                0..4 => (4, false),
+                4 => {
+                    self.cc_end = 12 + (b[0] & 0x1F) as usize * 4;
+                    (5, true)
+                }
+                5..12 => (12, false),
+                _ => (self.cc_end, true),
+            };
+            let n = (end - f).min(b.len());
+            if masked {
+                self.h.update(&ONES[..n]);
+            } else {
+                self.h.update(&b[..n]);
+            }
+            self.fed += n;
+            b = &b[n..];
         }
-        self.fed += b.len();
     }
 
     pub fn finish(self) -> u32 {
@@ -90,7 +114,8 @@ mod tests {
     fn split_parts_equal_one_part() {
         let src: SocketAddrV4 = "127.0.0.1:49152".parse().unwrap();
         let dst: SocketAddrV4 = "127.0.0.2:4791".parse().unwrap();
-        let body: Vec<u8> = (0..300u32).map(|i| i as u8).collect();
+        let mut body: Vec<u8> = (0..300u32).map(|i| i as u8).collect();
+        body[4] = 0; // no CC header
         let whole = compute(src, dst, &[&body]);
         assert_eq!(whole, compute(src, dst, &[&body[..12], &body[12..100], &body[100..]]));
         // byte 4 of the BTH is masked: FECN/BECN changes in flight do not change the ICRC
@@ -98,6 +123,27 @@ mod tests {
         b2[4] = 0x80;
         assert_eq!(whole, compute(src, dst, &[&b2]));
         b2[5] ^= 1;
+        assert_ne!(whole, compute(src, dst, &[&b2]));
+    }
+
+    #[test]
+    fn cc_header_is_masked_in_any_split() {
+        let src: SocketAddrV4 = "10.0.0.1:49152".parse().unwrap();
+        let dst: SocketAddrV4 = "10.0.0.2:4791".parse().unwrap();
+        let mut body: Vec<u8> = (0..200u32).map(|i| i as u8).collect();
+        body[4] = 2; // 8-byte CC header at 12..20
+        let whole = compute(src, dst, &[&body]);
+        for split in 0..body.len() {
+            assert_eq!(
+                whole,
+                compute(src, dst, &[&body[..split], &body[split..]]),
+                "split {split}"
+            );
+        }
+        let mut b2 = body.clone();
+        b2[12..20].fill(0x5A); // a switch rewrote the CC header
+        assert_eq!(whole, compute(src, dst, &[&b2]));
+        b2[20] ^= 1; // but the bytes after it are covered
         assert_ne!(whole, compute(src, dst, &[&b2]));
     }
 }

@@ -8,7 +8,7 @@ pub mod packet;
 
 pub use headers::*;
 pub use opcode::Opcode;
-pub use packet::{encode_into, HeaderBuf, PacketView, MAX_DATAGRAM, MAX_HDR_LEN, MAX_MTU, PAD_ZEROS};
+pub use packet::{encode_into, HeaderBuf, PacketView, MAX_CC_HDR_LEN, MAX_DATAGRAM, MAX_HDR_LEN, MAX_MTU, PAD_ZEROS};
 
 /// The IANA-assigned RoCEv2 UDP destination port.
 pub const ROCEV2_PORT: u16 = 4791;
@@ -26,6 +26,8 @@ pub enum WireError {
     BadVersion(u8),
     #[error("pad count {pad} larger than the {len} payload bytes")]
     BadPad { pad: u8, len: usize },
+    #[error("congestion-control header of {words} words (at most 16)")]
+    BadCcHeader { words: u8 },
     #[error("bad ICRC: computed {want:#010x}, packet carries {got:#010x}")]
     BadIcrc { want: u32, got: u32 },
 }
@@ -39,6 +41,7 @@ impl WireError {
             WireError::UnknownOpcode(_) => "unknown_opcode",
             WireError::BadVersion(_) => "bad_version",
             WireError::BadPad { .. } => "bad_pad",
+            WireError::BadCcHeader { .. } => "bad_cc_header",
             WireError::BadIcrc { .. } => "bad_icrc",
         }
     }

@@ -30,6 +30,9 @@ pub enum Opcode {
     /// RoCEv2 congestion notification packet (BTH + 16 reserved bytes), sent by the notification
     /// point of DCQCN to the QP whose packets were ECN-marked.
     Cnp = 0x81,
+    /// A receiver-driven credit grant (SwCC's GRANT type), sent by a receiver-paced congestion
+    /// control such as Homa; the grant itself travels in the congestion-control header.
+    Grant = 0x83,
 }
 
 /// Which extension headers follow the BTH for an opcode, in wire order.
@@ -74,6 +77,7 @@ impl Opcode {
             0x16 => SendLastWithInvalidate,
             0x17 => SendOnlyWithInvalidate,
             0x81 => Cnp,
+            0x83 => Grant,
             _ => return None,
         })
     }
@@ -118,7 +122,7 @@ impl Opcode {
                 h.atomic_ack_eth = true
             }
             CompareSwap | FetchAdd => h.atomic_eth = true,
-            Cnp => {}
+            Cnp | Grant => {}
         }
         h
     }
@@ -128,6 +132,7 @@ impl Opcode {
         !matches!(
             self,
             Opcode::Cnp
+                | Opcode::Grant
                 | Opcode::ReadResponseFirst
                 | Opcode::ReadResponseMiddle
                 | Opcode::ReadResponseLast
@@ -237,7 +242,7 @@ mod tests {
                 n += 1;
             }
         }
-        assert_eq!(n, 24, "23 RC opcodes and the RoCEv2 CNP");
+        assert_eq!(n, 25, "23 RC opcodes, the RoCEv2 CNP and the flexns GRANT");
         assert!(Opcode::from_u8(0x15).is_none());
         assert!(Opcode::from_u8(0x18).is_none());
     }

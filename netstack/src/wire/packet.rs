@@ -6,8 +6,10 @@ use super::opcode::Opcode;
 use super::WireError;
 use std::net::SocketAddrV4;
 
-/// Largest header stack this stack emits (BTH + RETH + ImmDt + SR extension = 56).
-pub const MAX_HDR_LEN: usize = 64;
+/// Largest congestion-control header after the BTH (16 words).
+pub const MAX_CC_HDR_LEN: usize = 64;
+/// Largest header stack this stack emits (BTH + CC header + RETH + ImmDt + SR extension).
+pub const MAX_HDR_LEN: usize = 128;
 /// Largest payload MTU (IBA path MTU 4096).
 pub const MAX_MTU: usize = 4096;
 /// Largest datagram accepted: headers, an MTU of payload (plus the SR extension), pad and ICRC.
@@ -18,6 +20,8 @@ pub const MAX_DATAGRAM: usize = MAX_HDR_LEN + MAX_MTU + 4 + ICRC_LEN;
 pub struct PacketView<'a> {
     pub bth: Bth,
     pub opcode: Opcode,
+    /// The congestion-control header after the BTH (empty unless the QP negotiated one).
+    pub cc: &'a [u8],
     pub reth: Option<Reth>,
     pub aeth: Option<Aeth>,
     pub atomic: Option<AtomicEth>,
@@ -51,7 +55,11 @@ impl<'a> PacketView<'a> {
         }
         let opcode = Opcode::from_u8(bth.opcode).ok_or(WireError::UnknownOpcode(bth.opcode))?;
         let hs = opcode.headers();
-        let mut need = Bth::LEN;
+        if bth.cc_words as usize * 4 > MAX_CC_HDR_LEN {
+            return Err(WireError::BadCcHeader { words: bth.cc_words });
+        }
+        let cc_len = bth.cc_words as usize * 4;
+        let mut need = Bth::LEN + cc_len;
         need += if hs.reth { Reth::LEN } else { 0 };
         need += if hs.aeth { Aeth::LEN } else { 0 };
         need += if hs.atomic_eth { AtomicEth::LEN } else { 0 };
@@ -64,7 +72,8 @@ impl<'a> PacketView<'a> {
                 have: d.len(),
             });
         }
-        let mut off = Bth::LEN;
+        let cc = &d[Bth::LEN..Bth::LEN + cc_len];
+        let mut off = Bth::LEN + cc_len;
         let mut take = |n: usize| {
             let s = &d[off..off + n];
             off += n;
@@ -98,6 +107,7 @@ impl<'a> PacketView<'a> {
         Ok(PacketView {
             bth,
             opcode,
+            cc,
             reth,
             aeth,
             atomic,
@@ -192,6 +202,20 @@ impl HeaderBuf {
     /// Appends `n` zero bytes (reserved fields, e.g. the 16 of a CNP).
     pub fn push_zeros(&mut self, n: usize) -> &mut Self {
         self.grow(n).fill(0);
+        self
+    }
+    /// Inserts a congestion-control header right after the BTH (shifting the headers already
+    /// pushed) and records its length in the BTH. `cc` is at most [`MAX_CC_HDR_LEN`] bytes and
+    /// a multiple of 4; a QP that carries none never calls this.
+    pub fn insert_cc(&mut self, cc: &[u8]) -> &mut Self {
+        debug_assert!(cc.len() <= MAX_CC_HDR_LEN && cc.len().is_multiple_of(4));
+        debug_assert_eq!(self.bytes[4] & 0x1F, 0, "CC header inserted twice");
+        let n = cc.len().min(MAX_CC_HDR_LEN) & !3;
+        let end = self.len as usize;
+        self.bytes.copy_within(Bth::LEN..end, Bth::LEN + n);
+        self.bytes[Bth::LEN..Bth::LEN + n].copy_from_slice(&cc[..n]);
+        self.bytes[4] = (self.bytes[4] & !0x1F) | (n / 4) as u8;
+        self.len += n as u8;
         self
     }
     pub fn push_sack(&mut self, s: &SackExt) -> &mut Self {

@@ -15,14 +15,17 @@
 mod requester;
 mod responder;
 
-use crate::cc::{CcAlgorithm, CcOutput, Generate, RxKind, RxMeta, Traced};
+use crate::cc::header::GrantHdr;
+use crate::cc::{CcAlgorithm, CcEnv, CcOutput, Generate, HeaderSpec, RxKind, RxMeta, StartInfo, Traced, Verdict};
 use crate::mem::MrTable;
+use crate::wire::MAX_CC_HDR_LEN;
 use crate::wire::{Bth, HeaderBuf, Opcode};
 use crate::wire::{PacketView, MASK24};
 use crate::work::{RecvWr, SendWr, Wc, WcStatus};
 use requester::Requester;
 use responder::Responder;
 use std::collections::VecDeque;
+use std::sync::Arc;
 
 pub use requester::rnr_delay_ns;
 
@@ -175,7 +178,14 @@ pub struct RcStats {
     pub stale_responses: u64,
     pub dropped_packets: u64,
     pub acks_sent: u64,
+    pub grants_sent: u64,
+    pub grants_received: u64,
+    /// Packets the congestion-control TX function deferred or held.
+    pub cc_deferred: u64,
 }
+
+/// Most control-loop delay samples a QP keeps before the owner collects them.
+pub const MAX_LOOP_SAMPLES: usize = 1 << 16;
 
 /// One RC queue pair's transport state.
 pub struct RcQp {
@@ -188,19 +198,34 @@ pub struct RcQp {
     resp: Responder,
     completions: VecDeque<Wc>,
     stats: RcStats,
+    cc_env: Arc<CcEnv>,
     cc: CcSlot,
 }
 
-/// A QP's congestion control: the algorithm's context, whether it started, its timer and a
-/// generated packet waiting to go out.
+/// A QP's congestion control: the algorithm's context, whether it started, its timer, the
+/// packets it asked for, the data packet its TX function is holding back, and the CC header to
+/// echo in ACKs.
 #[derive(Debug, Default)]
 struct CcSlot {
     alg: Option<Box<dyn CcAlgorithm>>,
     traced: Traced,
+    header: HeaderSpec,
     started: bool,
     timer: Option<u64>,
-    cnp_pending: bool,
+    /// A CNP to send, with the arrival time of the CE mark that caused it.
+    cnp_pending: Option<u64>,
+    grant_pending: Option<GrantHdr>,
+    /// The TX function deferred (until a time) or held (until the next CC event) this packet.
+    stash: Option<(crate::transport::TxPacket, crate::cc::TxMeta)>,
+    defer_until: Option<u64>,
+    held: bool,
+    echo: Vec<u8>,
+    fault: Option<&'static str>,
+    /// Control-loop delays (CE arrival at the receiver to the sender's new rate), ns.
+    loop_samples: Vec<u32>,
 }
+
+static DEFAULT_CC_ENV: std::sync::OnceLock<Arc<CcEnv>> = std::sync::OnceLock::new();
 
 impl RcQp {
     /// A QP in RESET.
@@ -215,8 +240,15 @@ impl RcQp {
             resp: Responder::new(0),
             completions: VecDeque::new(),
             stats: RcStats::default(),
+            cc_env: DEFAULT_CC_ENV.get_or_init(CcEnv::default_env).clone(),
             cc: CcSlot::default(),
         }
+    }
+
+    /// Uses `env`'s congestion-control parameters (and its host-wide state, such as Homa's
+    /// receiver scheduler) for the algorithm this QP builds when it connects.
+    pub fn set_cc_env(&mut self, env: Arc<CcEnv>) {
+        self.cc_env = env;
     }
 
     pub fn qpn(&self) -> u32 {
@@ -279,9 +311,15 @@ impl RcQp {
     pub fn modify_to_rtr(&mut self, dest_qpn: u32, rq_psn: u32, cfg: RcConfig) -> Result<(), ModifyError> {
         self.transition(&[QpState::Init], QpState::Rtr)?;
         self.cfg = cfg;
-        let alg = cfg.cc.build();
+        let alg = cfg.cc.build(&self.cc_env);
+        let header = alg.as_ref().map(|a| a.header()).unwrap_or_default();
+        if header.echo_in_ack {
+            // per-packet feedback (HPCC's INT echo): every data packet is acknowledged
+            self.cfg.ack_every = 1;
+        }
         self.cc = CcSlot {
             traced: alg.as_ref().map(|a| a.traced()).unwrap_or_default(),
+            header,
             alg,
             ..CcSlot::default()
         };
@@ -305,7 +343,9 @@ impl RcQp {
     /// Any state -> RESET: everything is dropped without completions.
     pub fn modify_to_reset(&mut self) {
         let qpn = self.qpn;
+        let env = self.cc_env.clone();
         *self = RcQp::new(qpn, self.pd, self.cfg);
+        self.cc_env = env;
     }
 
     fn transition(&mut self, from: &[QpState], to: QpState) -> Result<(), ModifyError> {
@@ -374,20 +414,46 @@ impl RcQp {
         self.stats.rx_packets += 1;
         let bytes = (pkt.payload.len() + 16) as u32;
         let t = self.cc.traced;
-        let meta = |kind, rtt_ns| RxMeta {
+        let meta = |kind, payload, rtt_ns| RxMeta {
             kind,
             bytes,
+            payload,
             ce,
             rtt_ns,
+            cc: pkt.cc,
         };
-        if pkt.opcode == Opcode::Cnp {
-            self.stats.cnps_received += 1;
-            if t.rx_cnp {
-                self.cc_event(now, |a, now, out| a.on_rx(now, &meta(RxKind::Cnp, None), out));
+        match pkt.opcode {
+            Opcode::Cnp => {
+                self.stats.cnps_received += 1;
+                if t.rx_cnp {
+                    let out = self.cc_event(now, |a, now, out| a.on_rx(now, &meta(RxKind::Cnp, 0, None), out));
+                    // the CNP carries the arrival time of the CE mark (hosts share the clock)
+                    let ce_at = pkt
+                        .trailer
+                        .get(..8)
+                        .map_or(0, |b| u64::from_be_bytes(b.try_into().unwrap_or_default()));
+                    if out.rate.is_some() && ce_at != 0 && ce_at <= now && self.cc.loop_samples.len() < MAX_LOOP_SAMPLES
+                    {
+                        self.cc.loop_samples.push((now - ce_at).min(u32::MAX as u64) as u32);
+                    }
+                }
+                return;
             }
-            return;
+            Opcode::Grant => {
+                self.stats.grants_received += 1;
+                if t.rx_grant {
+                    self.cc_event(now, |a, now, out| a.on_rx(now, &meta(RxKind::Grant, 0, None), out));
+                }
+                return;
+            }
+            _ => {}
         }
+        let una = self.req.una();
         if pkt.opcode.is_request() {
+            if self.cc.header.echo_in_ack && !pkt.cc.is_empty() {
+                self.cc.echo.clear();
+                self.cc.echo.extend_from_slice(pkt.cc);
+            }
             Responder::handle(self, now, pkt, mrs);
         } else if self.state == QpState::Rts {
             self.req.rtt_sample = None;
@@ -396,56 +462,138 @@ impl RcQp {
             self.stats.dropped_packets += 1;
         }
         // congestion control sees the packet after the transport (an ACK's RTT sample is known)
-        if t.rx_data && !pkt.payload.is_empty() {
-            self.cc_event(now, |a, now, out| a.on_rx(now, &meta(RxKind::Data, None), out));
+        if t.rx_data && pkt.opcode.is_request() && !pkt.payload.is_empty() {
+            let n = pkt.payload.len() as u32;
+            self.cc_event(now, |a, now, out| a.on_rx(now, &meta(RxKind::Data, n, None), out));
         } else if t.rx_ack && matches!(pkt.opcode, Opcode::Acknowledge | Opcode::AtomicAcknowledge) {
             let rtt = self.req.rtt_sample.take();
-            self.cc_event(now, |a, now, out| a.on_rx(now, &meta(RxKind::Ack, rtt), out));
+            let acked = (self.req.una().saturating_sub(una) * self.cfg.mtu as u64).min(u32::MAX as u64) as u32;
+            self.cc_event(now, |a, now, out| a.on_rx(now, &meta(RxKind::Ack, acked, rtt), out));
         }
     }
 
-    /// Next packet to send, if any. Responses (read data, atomics, NAKs, ACKs) go first.
+    /// Next packet to send, if any. Generated CC packets and responses (read data, atomics,
+    /// NAKs, ACKs) go first; the requester's data packets pass the CC TX function's verdict.
     pub fn poll_transmit(&mut self, now: u64) -> Option<crate::transport::TxPacket> {
         if !matches!(self.state, QpState::Rtr | QpState::Rts) {
             return None;
         }
-        if self.cc.cnp_pending {
-            self.cc.cnp_pending = false;
+        if let Some(ce_at) = self.cc.cnp_pending.take() {
             self.stats.cnps_sent += 1;
             self.stats.tx_packets += 1;
             let mut bth = Bth::new(Opcode::Cnp as u8, self.dest_qpn, 0);
             bth.becn = true;
             let mut hdr = HeaderBuf::with_bth(&bth);
-            hdr.push_zeros(16);
+            // 16 reserved bytes; flexns puts the CE arrival time in the first 8
+            hdr.push_u32((ce_at >> 32) as u32).push_u32(ce_at as u32).push_zeros(8);
             return Some(crate::transport::TxPacket {
                 hdr,
                 payload: Default::default(),
             });
         }
-        let p = Responder::poll_transmit(self, now).or_else(|| {
-            if self.state == QpState::Rts {
-                Requester::poll_transmit(self, now)
-            } else {
-                None
-            }
-        });
-        if let Some(pkt) = &p {
+        if let Some(g) = self.cc.grant_pending.take() {
+            self.stats.grants_sent += 1;
             self.stats.tx_packets += 1;
-            let n = pkt.payload_len();
-            if n > 0 && self.cc.traced.tx_data {
-                let bytes = (pkt.hdr.len() + n + 4) as u32;
-                self.cc_event(now, |a, now, out| a.on_tx(now, bytes, out));
+            let mut hdr = HeaderBuf::with_bth(&Bth::new(Opcode::Grant as u8, self.dest_qpn, 0));
+            let mut b = [0u8; GrantHdr::LEN];
+            g.emit(&mut b);
+            hdr.insert_cc(&b);
+            return Some(crate::transport::TxPacket {
+                hdr,
+                payload: Default::default(),
+            });
+        }
+        if let Some(mut p) = Responder::poll_transmit(self, now) {
+            self.stats.tx_packets += 1;
+            if !self.cc.echo.is_empty() && p.hdr.bth().opcode == Opcode::Acknowledge as u8 {
+                p.hdr.insert_cc(&self.cc.echo);
+            }
+            return Some(p);
+        }
+        if self.state != QpState::Rts {
+            return None;
+        }
+        let (pkt, meta) = match self.cc.stash.take() {
+            Some(s) => s,
+            None => {
+                let p = Requester::poll_transmit(self, now)?;
+                match self.req.last_meta.take() {
+                    Some(m) if self.cc.traced.tx_data || self.cc.header.data_bytes > 0 => (p, m),
+                    _ => {
+                        self.stats.tx_packets += 1;
+                        return Some(p);
+                    }
+                }
+            }
+        };
+        if self.cc.held || self.cc.defer_until.is_some_and(|t| t > now) {
+            self.cc.stash = Some((pkt, meta));
+            return None;
+        }
+        self.cc.defer_until = None;
+        if self.cc.traced.tx_data {
+            let mut verdict = Verdict::Send;
+            self.cc_event(now, |a, now, out| verdict = a.on_tx(now, &meta, out));
+            match verdict {
+                Verdict::Send => {}
+                Verdict::DeferUntil(t) => self.cc.defer_until = Some(t),
+                Verdict::Hold => self.cc.held = true,
+            }
+            if verdict != Verdict::Send {
+                self.stats.cc_deferred += 1;
+                self.cc.stash = Some((pkt, meta));
+                return None;
             }
         }
-        p
+        Some(self.finish_data(now, pkt, &meta))
+    }
+
+    /// Adds the algorithm's CC header to a data packet that leaves.
+    fn finish_data(
+        &mut self,
+        now: u64,
+        mut pkt: crate::transport::TxPacket,
+        meta: &crate::cc::TxMeta,
+    ) -> crate::transport::TxPacket {
+        self.stats.tx_packets += 1;
+        let n = self.cc.header.data_bytes as usize;
+        if n > 0 {
+            if let Some(alg) = self.cc.alg.as_deref_mut() {
+                let mut b = [0u8; MAX_CC_HDR_LEN];
+                alg.write_header(now, meta, &mut b[..n]);
+                pkt.hdr.insert_cc(&b[..n]);
+            }
+        }
+        pkt
+    }
+
+    /// The reason congestion control stopped this QP, if it did (e.g. HPCC on a path without
+    /// INT telemetry).
+    pub fn cc_fault(&self) -> Option<&'static str> {
+        self.cc.fault
+    }
+
+    /// Takes the control-loop delay samples collected so far (ns from a CE mark's arrival at the
+    /// receiver to the rate change its CNP caused here).
+    pub fn take_control_loop_samples(&mut self) -> Vec<u32> {
+        std::mem::take(&mut self.cc.loop_samples)
     }
 
     /// Whether [`RcQp::poll_transmit`] may return a packet now.
     pub fn wants_transmit(&self, now: u64) -> bool {
         matches!(self.state, QpState::Rtr | QpState::Rts)
-            && (self.cc.cnp_pending
+            && (self.cc.cnp_pending.is_some()
+                || self.cc.grant_pending.is_some()
                 || self.resp.wants_transmit(now)
-                || (self.state == QpState::Rts && self.req.wants_transmit(now, &self.cfg)))
+                || (self.state == QpState::Rts && self.requester_ready(now)))
+    }
+
+    fn requester_ready(&self, now: u64) -> bool {
+        if self.cc.stash.is_some() {
+            !self.cc.held && self.cc.defer_until.is_none_or(|t| t <= now)
+        } else {
+            self.req.wants_transmit(now, &self.cfg)
+        }
     }
 
     /// The earliest time at which [`RcQp::handle_timeout`] has work to do.
@@ -453,10 +601,15 @@ impl RcQp {
         if !matches!(self.state, QpState::Rtr | QpState::Rts) {
             return None;
         }
-        [self.req.deadline(), self.resp.deadline(), self.cc.timer]
-            .into_iter()
-            .flatten()
-            .min()
+        [
+            self.req.deadline(),
+            self.resp.deadline(),
+            self.cc.timer,
+            self.cc.defer_until,
+        ]
+        .into_iter()
+        .flatten()
+        .min()
     }
 
     /// Runs expired timers (retransmission, RNR wait, delayed ACK).
@@ -470,7 +623,11 @@ impl RcQp {
             self.cc_event(now, |a, now, out| a.on_timer(now, out));
         }
         if self.state == QpState::Rts {
+            let timeouts = self.stats.timeouts;
             Requester::handle_timeout(self, now);
+            if self.stats.timeouts > timeouts && self.cc.traced.timeout {
+                self.cc_event(now, |a, now, out| a.on_rx(now, &RxMeta::plain(RxKind::Timeout, 0), out));
+            }
         }
     }
 
@@ -489,23 +646,31 @@ impl RcQp {
         !self.completions.is_empty()
     }
 
-    /// Runs a congestion-control event (starting the algorithm first if needed) and applies
-    /// its output: pacing rate and window, timer, generated packet.
-    fn cc_event(&mut self, now: u64, f: impl FnOnce(&mut dyn CcAlgorithm, u64, &mut CcOutput)) {
-        let Some(alg) = self.cc.alg.as_deref_mut() else { return };
+    /// Runs a congestion-control event (starting the algorithm first if needed), applies its
+    /// output (pacing rate and window, timer, generated packet, fault) and returns it. Any event
+    /// releases a packet the TX function held, so it is asked again.
+    fn cc_event(&mut self, now: u64, f: impl FnOnce(&mut dyn CcAlgorithm, u64, &mut CcOutput)) -> CcOutput {
+        let mtu = self.cfg.mtu;
+        let Some(alg) = self.cc.alg.as_deref_mut() else {
+            return CcOutput::default();
+        };
         let mut out = CcOutput::default();
         if !self.cc.started {
             self.cc.started = true;
-            alg.on_start(now, &mut out);
-            self.apply_cc(out);
+            alg.on_start(now, &StartInfo { mtu }, &mut out);
+            self.apply_cc(now, out);
             out = CcOutput::default();
         }
-        let Some(alg) = self.cc.alg.as_deref_mut() else { return };
+        let Some(alg) = self.cc.alg.as_deref_mut() else {
+            return out;
+        };
         f(alg, now, &mut out);
-        self.apply_cc(out);
+        self.cc.held = false;
+        self.apply_cc(now, out);
+        out
     }
 
-    fn apply_cc(&mut self, out: CcOutput) {
+    fn apply_cc(&mut self, now: u64, out: CcOutput) {
         if let Some(r) = out.rate {
             // burst: one engine transmit batch (256 KiB), so pacing does not cut batches (and
             // their GSO messages) into small sends; the rate stays exact over time either way
@@ -517,8 +682,18 @@ impl RcQp {
         if let Some(t) = out.timer {
             self.cc.timer = Some(t);
         }
-        if out.generate == Some(Generate::Cnp) {
-            self.cc.cnp_pending = true;
+        match out.generate {
+            Some(Generate::Cnp) => self.cc.cnp_pending = Some(now),
+            Some(Generate::Grant { offset, prio }) => self.cc.grant_pending = Some(GrantHdr { offset, prio }),
+            Some(Generate::Ack) => self.resp.ack_now(),
+            None => {}
+        }
+        if let Some(reason) = out.fault {
+            if self.cc.fault.is_none() {
+                tracing::warn!(qpn = self.qpn, cc = self.cc_info().map_or("", |c| c.0), "{reason}");
+                self.cc.fault = Some(reason);
+                self.enter_error();
+            }
         }
     }
 
@@ -536,6 +711,7 @@ impl RcQp {
             return;
         }
         self.state = QpState::Err;
+        self.cc.stash = None;
         let (qpn, dq) = (self.qpn, self.dest_qpn);
         for wc in self.req.flush(qpn, dq) {
             self.completions.push_back(wc);

@@ -2,6 +2,7 @@
 //! acknowledgement window, retransmission (go-back-N or selective) and send-side completions.
 
 use super::{QpState, RcConfig, RcQp, Recovery};
+use crate::cc::TxMeta;
 use crate::mem::{Access, MrTable, Region};
 use crate::transport::pacing::Pacer;
 use crate::transport::{psn_unwrap, PayloadPart, TxPacket};
@@ -95,6 +96,26 @@ pub(super) fn flush_wc(wr: &SendWr, qpn: u32, dest: u32) -> Wc {
 }
 
 /// Bytes a packet occupies on the wire above UDP (headers, payload, pad, ICRC).
+/// The congestion-control view of packet `k` of a SEND or WRITE (none for other operations).
+fn tx_meta(w: &SendWqe, k: u32, pkt: &TxPacket, retransmit: bool, cfg: &RcConfig) -> Option<TxMeta> {
+    if !matches!(
+        w.op,
+        WrOpcode::Send | WrOpcode::SendWithImm | WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm
+    ) {
+        return None;
+    }
+    let payload = pkt.payload_len() as u64;
+    let end = (k as u64 * cfg.mtu as u64 + payload).min(w.total);
+    Some(TxMeta {
+        bytes: wire_bytes(pkt) as u32,
+        payload: payload as u32,
+        first: k == 0,
+        msg_bytes: w.total,
+        msg_remaining: w.total - end,
+        retransmit,
+    })
+}
+
 fn wire_bytes(p: &TxPacket) -> u64 {
     (p.hdr.len() + p.payload_len() + p.hdr.bth().pad as usize + 4) as u64
 }
@@ -154,6 +175,8 @@ pub(super) struct Requester {
     sent_at: VecDeque<u64>,
     /// An RTT sample taken by the last ACK, for congestion control.
     pub(super) rtt_sample: Option<u64>,
+    /// What congestion control sees of the data packet `poll_transmit` returned last.
+    pub(super) last_meta: Option<TxMeta>,
     /// Selective repeat: PSNs to resend, and the PSN below which holes were already resent.
     retx: BTreeSet<u64>,
     retx_done_up_to: u64,
@@ -183,6 +206,7 @@ impl Requester {
             acked: VecDeque::new(),
             sent_at: VecDeque::new(),
             rtt_sample: None,
+            last_meta: None,
             retx: BTreeSet::new(),
             retx_done_up_to: psn,
             deadline: None,
@@ -219,6 +243,11 @@ impl Requester {
 
     pub(super) fn outstanding(&self) -> usize {
         self.sq.len()
+    }
+
+    /// The oldest unacknowledged PSN.
+    pub(super) fn una(&self) -> u64 {
+        self.una
     }
 
     pub(super) fn heap_bytes(&self) -> usize {
@@ -522,6 +551,7 @@ impl Requester {
                 }
             }
             let pkt = Self::build(&r.sq[i], k, end, &cfg, dest);
+            r.last_meta = tx_meta(&r.sq[i], k, &pkt, true, &cfg);
             qp.stats.retransmitted_packets += 1;
             let r = &mut qp.req;
             r.stamp(p, RETRANSMITTED);
@@ -562,6 +592,8 @@ impl Requester {
             (r.cursor_pkt, r.cursor_pkt + 1)
         };
         let pkt = Self::build(w, k, end, &cfg, dest);
+        let resent = psn < r.sent_max;
+        r.last_meta = tx_meta(w, k, &pkt, resent, &cfg);
         let npkts = w.npkts;
         if end >= npkts {
             r.cursor += 1;
@@ -569,7 +601,6 @@ impl Requester {
         } else {
             r.cursor_pkt = end;
         }
-        let resent = psn < r.sent_max;
         if resent {
             qp.stats.retransmitted_packets += 1;
         }

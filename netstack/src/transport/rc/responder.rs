@@ -164,6 +164,13 @@ impl Responder {
         self.ack_deadline
     }
 
+    /// Acknowledges what arrived at the next transmit opportunity (congestion control asked).
+    pub(super) fn ack_now(&mut self) {
+        if self.unacked > 0 {
+            self.ack_pending = true;
+        }
+    }
+
     pub(super) fn wants_transmit(&self, now: u64) -> bool {
         !self.resp_q.is_empty() || self.nak.is_some() || self.ack_pending || self.ack_deadline.is_some_and(|d| d <= now)
     }

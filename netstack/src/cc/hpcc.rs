@@ -1,0 +1,283 @@
+//! HPCC (Li et al., SIGCOMM'19): window control from in-band network telemetry. Each switch
+//! egress stamps its queue length, transmitted bytes, clock and link rate into the data packet's
+//! INT stack ([`super::header::IntStack`]); the receiver echoes the stack in its ACKs; the sender
+//! estimates the utilisation `U` of the most loaded hop and sets the window to keep it at `eta`,
+//! updating its reference window once per base RTT and reacting to every ACK in between
+//! ("fast react"). The pacing rate is `W / T`. Defaults: eta 95 %, 5 additive stages, W_AI from
+//! 50 Mbit/s × T (the HPCC results' setting; `shared/research/congestion.md` §1.3).
+//!
+//! HPCC needs telemetry: an ACK that echoes an empty stack means no switch on the path stamps
+//! INT, and the algorithm reports a fault rather than guess.
+
+use super::header::{IntHop, IntStack, INT_STACK_LEN, MAX_HOPS};
+use super::{CcAlgorithm, CcOutput, HeaderSpec, RxKind, RxMeta, StartInfo, Traced, TxMeta, Verdict};
+use std::sync::Arc;
+
+/// HPCC parameters.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HpccParams {
+    /// Line rate C of the host, bytes per second.
+    #[serde(with = "super::params::rate")]
+    pub line_rate: u64,
+    /// Base RTT T of the network in nanoseconds (W_init = C × T).
+    pub base_rtt_ns: u64,
+    /// Target utilisation eta.
+    pub eta: f64,
+    /// Additive-increase stages before a multiplicative adjustment (maxStage).
+    pub max_stage: u32,
+    /// Additive increase as a rate: W_AI = rate_ai × T.
+    #[serde(with = "super::params::rate")]
+    pub rate_ai: u64,
+}
+
+impl Default for HpccParams {
+    fn default() -> Self {
+        HpccParams {
+            line_rate: 100_000_000_000 / 8,
+            base_rtt_ns: 10_000,
+            eta: 0.95,
+            max_stage: 5,
+            rate_ai: 50_000_000 / 8,
+        }
+    }
+}
+
+impl HpccParams {
+    pub fn validate(&self) -> Result<(), String> {
+        if !(self.eta > 0.0 && self.eta <= 1.0) {
+            return Err(format!("eta: {} not in (0, 1]", self.eta));
+        }
+        if self.base_rtt_ns == 0 {
+            return Err("base_rtt_ns: must be > 0".into());
+        }
+        Ok(())
+    }
+}
+
+/// What an ACK with no INT records means.
+pub const NO_INT: &str = "HPCC needs INT telemetry and this path has none (no switch stamped the packets); \
+                          use a path with INT switches or another algorithm";
+
+/// The per-QP HPCC context.
+#[derive(Debug)]
+pub struct Hpcc {
+    p: Arc<HpccParams>,
+    w: f64,
+    wc: f64,
+    u: f64,
+    w_init: f64,
+    w_min: f64,
+    inc_stage: u32,
+    next_update: u64,
+    /// The previous ACK's hops (L in the paper).
+    last: [IntHop; MAX_HOPS],
+    nlast: u8,
+}
+
+impl Hpcc {
+    pub fn new(p: Arc<HpccParams>) -> Hpcc {
+        let w_init = p.line_rate as f64 * p.base_rtt_ns as f64 / 1e9;
+        Hpcc {
+            p,
+            w: w_init,
+            wc: w_init,
+            u: 0.0,
+            w_init,
+            w_min: 4096.0,
+            inc_stage: 0,
+            next_update: 0,
+            last: [IntHop::default(); MAX_HOPS],
+            nlast: 0,
+        }
+    }
+
+    /// Current window in bytes.
+    pub fn window(&self) -> u64 {
+        self.w as u64
+    }
+    /// Current utilisation estimate.
+    pub fn utilisation(&self) -> f64 {
+        self.u
+    }
+
+    fn measure_inflight(&mut self, hops: &[IntHop]) -> f64 {
+        let t = self.p.base_rtt_ns as f64;
+        let (mut u, mut tau) = (0.0f64, 0.0f64);
+        for (h, l) in hops.iter().zip(&self.last) {
+            let dt = h.ts_ns.wrapping_sub(l.ts_ns) as f64;
+            if dt <= 0.0 || h.rate_mbps == 0 {
+                continue;
+            }
+            let b = h.rate_mbps as f64 * 1e6 / 8.0 / 1e9; // bytes per ns
+            let tx_rate = h.tx_bytes.wrapping_sub(l.tx_bytes) as f64 / dt;
+            let ui = h.qlen.min(l.qlen) as f64 / (b * t) + tx_rate / b;
+            if ui > u {
+                u = ui;
+                tau = dt;
+            }
+        }
+        let tau = tau.min(t);
+        self.u = (1.0 - tau / t) * self.u + tau / t * u;
+        self.u
+    }
+
+    fn compute_window(&mut self, u: f64, update: bool) {
+        let w_ai = self.p.rate_ai as f64 * self.p.base_rtt_ns as f64 / 1e9;
+        let w = if u >= self.p.eta || self.inc_stage >= self.p.max_stage {
+            if update {
+                self.inc_stage = 0;
+            }
+            self.wc / (u / self.p.eta).max(1e-3) + w_ai
+        } else {
+            if update {
+                self.inc_stage += 1;
+            }
+            self.wc + w_ai
+        };
+        self.w = w.clamp(self.w_min, self.w_init);
+        if update {
+            self.wc = self.w;
+        }
+    }
+
+    fn emit(&self, out: &mut CcOutput) {
+        out.window = Some(Some(self.w as u64));
+        out.rate = Some(Some((self.w * 1e9 / self.p.base_rtt_ns as f64) as u64));
+    }
+}
+
+impl CcAlgorithm for Hpcc {
+    fn name(&self) -> &'static str {
+        "hpcc"
+    }
+
+    fn traced(&self) -> Traced {
+        Traced {
+            rx_ack: true,
+            ..Traced::default()
+        }
+    }
+
+    fn header(&self) -> HeaderSpec {
+        HeaderSpec {
+            data_bytes: INT_STACK_LEN as u8,
+            echo_in_ack: true,
+        }
+    }
+
+    fn on_start(&mut self, _now: u64, info: &StartInfo, out: &mut CcOutput) {
+        self.w_min = info.mtu as f64;
+        self.emit(out);
+    }
+
+    fn on_tx(&mut self, _now: u64, _pkt: &TxMeta, _out: &mut CcOutput) -> Verdict {
+        Verdict::Send
+    }
+
+    fn on_rx(&mut self, now: u64, pkt: &RxMeta<'_>, out: &mut CcOutput) {
+        if pkt.kind != RxKind::Ack || pkt.cc.is_empty() {
+            return;
+        }
+        let Some(stack) = IntStack::parse(pkt.cc) else { return };
+        if stack.nhop == 0 {
+            out.fault = Some(NO_INT);
+            return;
+        }
+        if stack.nhop != self.nlast {
+            // first ACK, or the path changed: remember the hops, measure from the next ACK
+            self.last = stack.hops;
+            self.nlast = stack.nhop;
+            self.next_update = now + self.p.base_rtt_ns;
+            return;
+        }
+        let u = self.measure_inflight(stack.hops());
+        let update = now >= self.next_update;
+        if update {
+            self.next_update = now + self.p.base_rtt_ns;
+        }
+        self.compute_window(u, update);
+        self.last = stack.hops;
+        self.emit(out);
+    }
+
+    fn on_timer(&mut self, _now: u64, _out: &mut CcOutput) {}
+
+    fn context_bytes(&self) -> usize {
+        std::mem::size_of::<Self>()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ack_with(hops: &[IntHop]) -> Vec<u8> {
+        let mut b = vec![0u8; INT_STACK_LEN];
+        for h in hops {
+            assert!(IntStack::push_hop(&mut b, h));
+        }
+        b
+    }
+
+    fn rx<'a>(cc: &'a [u8]) -> RxMeta<'a> {
+        RxMeta {
+            cc,
+            ..RxMeta::plain(RxKind::Ack, 64)
+        }
+    }
+
+    /// A 10 Gbit/s hop seen every microsecond, sending at `util` of its rate with `qlen` queued.
+    fn run(h: &mut Hpcc, util: f64, qlen: u32, steps: u64) -> CcOutput {
+        let mut out = CcOutput::default();
+        for i in 0..steps {
+            let ns = i * 1000;
+            let hop = IntHop {
+                qlen,
+                tx_bytes: (ns as f64 * 1.25 * util) as u32,
+                ts_ns: ns as u32,
+                rate_mbps: 10_000,
+            };
+            h.on_rx(ns, &rx(&ack_with(&[hop])), &mut out);
+        }
+        out
+    }
+
+    fn hpcc() -> Hpcc {
+        let mut h = Hpcc::new(Arc::new(HpccParams {
+            line_rate: 10_000_000_000 / 8,
+            ..HpccParams::default()
+        }));
+        h.on_start(0, &StartInfo { mtu: 1024 }, &mut CcOutput::default());
+        h
+    }
+
+    #[test]
+    fn context_fits_the_budget() {
+        assert!(hpcc().context_bytes() <= 128, "{}", hpcc().context_bytes());
+    }
+
+    #[test]
+    fn a_queue_shrinks_the_window_an_idle_link_grows_it() {
+        let mut h = hpcc();
+        let w0 = h.window();
+        // saturated link with a standing queue of 2 BDPs: U ≈ 3, the window falls to ~eta/U
+        run(&mut h, 1.0, 25_000, 200);
+        assert!(h.utilisation() > 2.0, "U {}", h.utilisation());
+        assert!(h.window() < w0 / 2, "{} vs {}", h.window(), w0);
+        // the queue drains and the link runs at half rate: the window grows back to the cap
+        run(&mut h, 0.5, 0, 2000);
+        assert!(h.utilisation() < 0.7, "U {}", h.utilisation());
+        assert_eq!(h.window(), w0);
+    }
+
+    #[test]
+    fn no_int_is_a_fault_not_a_guess() {
+        let mut h = hpcc();
+        let w0 = h.window();
+        let mut out = CcOutput::default();
+        h.on_rx(1, &rx(&[0u8; INT_STACK_LEN]), &mut out);
+        assert_eq!(out.fault, Some(NO_INT));
+        assert_eq!(h.window(), w0);
+    }
+}

@@ -1,0 +1,272 @@
+//! Swift (Kumar et al., SIGCOMM'20): a delay-based congestion window. Below the target delay the
+//! window grows additively (`ai` packets per window of ACKs); above it the window shrinks in
+//! proportion to the excess, at most once per RTT and by at most `max_mdf`. The target grows with
+//! the hop count and, for small windows, by flow scaling (`fs_*`), so many small flows share a
+//! queue fairly. Below one packet of window the QP is paced at `cwnd × MTU / RTT`. A
+//! retransmission timeout cuts the window by `max_mdf`; `retx_reset` in a row reset it to the
+//! minimum. Defaults from Google's Falcon simulator (`shared/research/congestion.md` §1.4).
+//!
+//! The delay is the transport's RTT sample, which includes the responder's ACK coalescing (at
+//! most one ACK interval); Swift's NIC timestamps would subtract it.
+
+use super::{CcAlgorithm, CcOutput, RxKind, RxMeta, StartInfo, Traced, TxMeta, Verdict};
+use std::sync::Arc;
+
+/// Swift parameters (windows in packets, delays in nanoseconds).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SwiftParams {
+    /// Line rate, bytes per second (caps the pacing rate).
+    #[serde(with = "super::params::rate")]
+    pub line_rate: u64,
+    pub base_target_ns: u64,
+    /// Target added per hop, and the hops assumed on the path.
+    pub per_hop_ns: u64,
+    pub hops: u32,
+    /// Additive increment (packets per window), decrease factor and largest cut.
+    pub ai: f64,
+    pub beta: f64,
+    pub max_mdf: f64,
+    pub min_cwnd: f64,
+    pub max_cwnd: f64,
+    /// Flow scaling: extra target up to `fs_range_ns` for windows between these bounds.
+    pub fs_range_ns: u64,
+    pub fs_min_cwnd: f64,
+    pub fs_max_cwnd: f64,
+    /// Consecutive timeouts that reset the window to the minimum.
+    pub retx_reset: u32,
+    /// Initial window (packets).
+    pub init_cwnd: f64,
+}
+
+impl Default for SwiftParams {
+    fn default() -> Self {
+        SwiftParams {
+            line_rate: 100_000_000_000 / 8,
+            base_target_ns: 25_000,
+            per_hop_ns: 1_000,
+            hops: 1,
+            ai: 1.0,
+            beta: 0.8,
+            max_mdf: 0.5,
+            min_cwnd: 0.01,
+            max_cwnd: 256.0,
+            fs_range_ns: 100_000,
+            fs_min_cwnd: 0.1,
+            fs_max_cwnd: 256.0,
+            retx_reset: 3,
+            init_cwnd: 12.0,
+        }
+    }
+}
+
+impl SwiftParams {
+    pub fn validate(&self) -> Result<(), String> {
+        if !(self.min_cwnd > 0.0 && self.min_cwnd <= self.max_cwnd) {
+            return Err("min_cwnd: must be > 0 and at most max_cwnd".into());
+        }
+        if !(self.beta > 0.0 && self.beta <= 1.0 && self.max_mdf > 0.0 && self.max_mdf < 1.0) {
+            return Err("beta, max_mdf: beta in (0, 1], max_mdf in (0, 1)".into());
+        }
+        if !(self.fs_min_cwnd > 0.0 && self.fs_min_cwnd < self.fs_max_cwnd) {
+            return Err("fs_min_cwnd: must be > 0 and below fs_max_cwnd".into());
+        }
+        Ok(())
+    }
+}
+
+/// The per-QP Swift context.
+#[derive(Debug)]
+pub struct Swift {
+    p: Arc<SwiftParams>,
+    cwnd: f64,
+    srtt: f64,
+    t_last_decrease: u64,
+    retx: u32,
+    mtu: u32,
+}
+
+impl Swift {
+    pub fn new(p: Arc<SwiftParams>) -> Swift {
+        let cwnd = p.init_cwnd.clamp(p.min_cwnd, p.max_cwnd);
+        Swift {
+            p,
+            cwnd,
+            srtt: 0.0,
+            t_last_decrease: 0,
+            retx: 0,
+            mtu: 4096,
+        }
+    }
+
+    /// Congestion window in packets.
+    pub fn cwnd(&self) -> f64 {
+        self.cwnd
+    }
+
+    /// The target delay for the current window (base + hops + flow scaling).
+    pub fn target_ns(&self) -> f64 {
+        let p = &self.p;
+        let alpha = p.fs_range_ns as f64 / (1.0 / p.fs_min_cwnd.sqrt() - 1.0 / p.fs_max_cwnd.sqrt());
+        let beta = -alpha / p.fs_max_cwnd.sqrt();
+        let fs = (alpha / self.cwnd.sqrt() + beta).clamp(0.0, p.fs_range_ns as f64);
+        p.base_target_ns as f64 + (p.hops as u64 * p.per_hop_ns) as f64 + fs
+    }
+
+    fn can_decrease(&self, now: u64) -> bool {
+        now.saturating_sub(self.t_last_decrease) as f64 >= self.srtt
+    }
+
+    fn set_cwnd(&mut self, now: u64, c: f64, out: &mut CcOutput) {
+        let c = c.clamp(self.p.min_cwnd, self.p.max_cwnd);
+        if c < self.cwnd {
+            self.t_last_decrease = now;
+        }
+        self.cwnd = c;
+        let mtu = self.mtu as f64;
+        out.window = Some(Some((c.max(1.0) * mtu) as u64));
+        out.rate = Some(if c < 1.0 && self.srtt > 0.0 {
+            Some(((c * mtu * 1e9 / self.srtt) as u64).clamp(1, self.p.line_rate))
+        } else {
+            None
+        });
+    }
+}
+
+impl CcAlgorithm for Swift {
+    fn name(&self) -> &'static str {
+        "swift"
+    }
+
+    fn traced(&self) -> Traced {
+        Traced {
+            rx_ack: true,
+            timeout: true,
+            ..Traced::default()
+        }
+    }
+
+    fn on_start(&mut self, now: u64, info: &StartInfo, out: &mut CcOutput) {
+        self.mtu = info.mtu;
+        self.set_cwnd(now, self.cwnd, out);
+    }
+
+    fn on_tx(&mut self, _now: u64, _pkt: &TxMeta, _out: &mut CcOutput) -> Verdict {
+        Verdict::Send
+    }
+
+    fn on_rx(&mut self, now: u64, pkt: &RxMeta<'_>, out: &mut CcOutput) {
+        match (pkt.kind, pkt.rtt_ns) {
+            (RxKind::Ack, Some(delay)) => {
+                self.retx = 0;
+                let d = delay as f64;
+                self.srtt = if self.srtt == 0.0 {
+                    d
+                } else {
+                    0.75 * self.srtt + 0.25 * d
+                };
+                // one ACK stands for the packets it acknowledges
+                let acked = (pkt.payload.max(1) as f64 / self.mtu as f64).max(1.0);
+                let target = self.target_ns();
+                let c = self.cwnd;
+                if d < target {
+                    let inc = if c >= 1.0 {
+                        self.p.ai * acked / c
+                    } else {
+                        self.p.ai * acked
+                    };
+                    self.set_cwnd(now, c + inc, out);
+                } else if self.can_decrease(now) {
+                    let f = (1.0 - self.p.beta * (d - target) / d).max(1.0 - self.p.max_mdf);
+                    self.set_cwnd(now, c * f, out);
+                }
+            }
+            (RxKind::Timeout, _) => {
+                self.retx += 1;
+                if self.retx >= self.p.retx_reset {
+                    self.set_cwnd(now, self.p.min_cwnd, out);
+                } else if self.can_decrease(now) {
+                    self.set_cwnd(now, self.cwnd * (1.0 - self.p.max_mdf), out);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn on_timer(&mut self, _now: u64, _out: &mut CcOutput) {}
+
+    fn context_bytes(&self) -> usize {
+        std::mem::size_of::<Self>()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ack(rtt: u64) -> RxMeta<'static> {
+        RxMeta {
+            rtt_ns: Some(rtt),
+            payload: 4096,
+            ..RxMeta::plain(RxKind::Ack, 64)
+        }
+    }
+
+    fn swift() -> Swift {
+        let mut s = Swift::new(Arc::new(SwiftParams::default()));
+        s.on_start(0, &StartInfo { mtu: 4096 }, &mut CcOutput::default());
+        s
+    }
+
+    #[test]
+    fn context_fits_the_budget() {
+        assert!(swift().context_bytes() <= 128);
+    }
+
+    #[test]
+    fn low_delay_grows_high_delay_cuts_once_per_rtt() {
+        let mut s = swift();
+        let c0 = s.cwnd();
+        let mut now = 0;
+        for _ in 0..100 {
+            now += 5_000;
+            s.on_rx(now, &ack(10_000), &mut CcOutput::default());
+        }
+        let grown = s.cwnd();
+        assert!(grown > c0 + 3.0, "{c0} -> {grown}");
+        // delay far above target: one cut per RTT, never below 1 - max_mdf per cut
+        now += 5_000;
+        s.on_rx(now, &ack(400_000), &mut CcOutput::default());
+        let cut = s.cwnd();
+        assert!(cut < grown && cut >= grown * 0.5 - 1e-9, "{grown} -> {cut}");
+        s.on_rx(now + 1_000, &ack(400_000), &mut CcOutput::default());
+        assert_eq!(s.cwnd(), cut, "a second cut within one RTT");
+    }
+
+    #[test]
+    fn small_windows_pace_and_timeouts_reset() {
+        let mut s = swift();
+        let mut now = 0;
+        let mut out = CcOutput::default();
+        for _ in 0..40 {
+            now += 1_000_000;
+            s.on_rx(now, &ack(2_000_000), &mut out);
+        }
+        assert!(s.cwnd() < 1.0, "{}", s.cwnd());
+        assert!(matches!(out.rate, Some(Some(_))), "paced below one packet");
+        assert_eq!(out.window, Some(Some(4096)));
+        for _ in 0..3 {
+            now += 10_000_000;
+            s.on_rx(now, &RxMeta::plain(RxKind::Timeout, 0), &mut out);
+        }
+        assert_eq!(s.cwnd(), s.p.min_cwnd);
+    }
+
+    #[test]
+    fn flow_scaling_raises_the_target_for_small_windows() {
+        let mut s = swift();
+        let big = s.target_ns();
+        s.cwnd = 0.5;
+        assert!(s.target_ns() > big + 10_000.0);
+    }
+}
