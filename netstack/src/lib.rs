@@ -10,6 +10,8 @@
 //! - [`engine`]: the data-core threads that drive transports over a link.
 //! - [`verbs`]: the application API (`Context`, `Pd`, `Mr`, `Cq`, `Qp`).
 //! - [`cm`]: connection management over gRPC.
+//! - [`cc`]: per-packet programmable congestion control (DCQCN, TIMELY, HPCC, Swift, Homa).
+//! - [`sim`]: a deterministic network simulator that runs the real transport and CC.
 
 pub mod cc;
 pub mod cm;
@@ -18,6 +20,7 @@ pub mod engine;
 pub mod link;
 pub mod mem;
 pub mod pipe;
+pub mod sim;
 pub mod transport;
 pub mod verbs;
 pub mod wire;

@@ -7,7 +7,7 @@
 //!   receiver echoes the stack in its ACKs. 4 bytes (`nhop`, 3 reserved) + 16 per hop, at most
 //!   [`MAX_HOPS`] hops: 52 bytes.
 //! - [`GrantHdr`]: a receiver's credit grant (Homa), 12 bytes.
-//! - [`HomaDataHdr`]: what a Homa sender tells the receiver's scheduler, 4 bytes.
+//! - [`HomaDataHdr`]: what a Homa sender tells the receiver's scheduler, 12 bytes.
 
 /// Most INT hops a stack holds.
 pub const MAX_HOPS: usize = 3;
@@ -113,21 +113,27 @@ impl GrantHdr {
     }
 }
 
-/// A Homa data packet's header: bytes of the message still to come after this packet.
+/// A Homa data packet's header: bytes of the message still to come after this packet, and the
+/// sender's stream position after it (first transmissions counted), so the receiver's grants
+/// are in the sender's own byte count whatever the framing overhead.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HomaDataHdr {
     pub remaining: u32,
+    pub sent_end: u64,
 }
 
 impl HomaDataHdr {
-    pub const LEN: usize = 4;
+    pub const LEN: usize = 12;
     pub fn emit(&self, b: &mut [u8]) {
         b[0..4].copy_from_slice(&self.remaining.to_be_bytes());
+        b[4..12].copy_from_slice(&self.sent_end.to_be_bytes());
     }
     pub fn parse(b: &[u8]) -> Option<HomaDataHdr> {
         let r: [u8; 4] = b.get(0..4)?.try_into().ok()?;
+        let e: [u8; 8] = b.get(4..12)?.try_into().ok()?;
         Some(HomaDataHdr {
             remaining: u32::from_be_bytes(r),
+            sent_end: u64::from_be_bytes(e),
         })
     }
 }

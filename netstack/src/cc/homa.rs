@@ -89,7 +89,8 @@ pub struct Homa {
     /// Sender: payload bytes sent (first transmissions) and the most it may have sent.
     sent: u64,
     allowed: u64,
-    /// Receiver: payload bytes received, bytes left in the current message, granted offset.
+    /// Receiver: the sender's stream position seen so far, bytes left in its current message,
+    /// the offset granted.
     received: u64,
     remaining: u64,
     granted: u64,
@@ -184,7 +185,11 @@ impl CcAlgorithm for Homa {
 
     fn write_header(&mut self, _now: u64, pkt: &TxMeta, hdr: &mut [u8]) {
         let remaining = pkt.msg_remaining.min(u32::MAX as u64) as u32;
-        HomaDataHdr { remaining }.emit(hdr);
+        HomaDataHdr {
+            remaining,
+            sent_end: self.sent,
+        }
+        .emit(hdr);
     }
 
     fn on_rx(&mut self, now: u64, pkt: &RxMeta<'_>, out: &mut CcOutput) {
@@ -196,7 +201,10 @@ impl CcAlgorithm for Homa {
             }
             RxKind::Data => {
                 let Some(h) = HomaDataHdr::parse(pkt.cc) else { return };
-                self.received += pkt.payload as u64;
+                if h.sent_end < self.received {
+                    return; // a retransmission or a reordered packet: nothing new
+                }
+                self.received = h.sent_end;
                 self.remaining = h.remaining as u64;
                 if self.granted < self.received {
                     // the unscheduled part counts as granted
@@ -232,14 +240,11 @@ mod tests {
         }
     }
 
-    fn data(remaining: u32, payload: u32) -> (Vec<u8>, u32) {
-        let mut b = vec![0u8; 4];
-        HomaDataHdr { remaining }.emit(&mut b);
-        (b, payload)
-    }
-
     fn rx_data(h: &mut Homa, now: u64, remaining: u32) -> CcOutput {
-        let (cc, payload) = data(remaining, 1000);
+        let mut cc = vec![0u8; HomaDataHdr::LEN];
+        let sent_end = h.received + 1000;
+        HomaDataHdr { remaining, sent_end }.emit(&mut cc);
+        let payload = 1000;
         let mut out = CcOutput::default();
         h.on_rx(
             now,

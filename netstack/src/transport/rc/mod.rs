@@ -29,7 +29,7 @@ use std::sync::Arc;
 
 pub use requester::rnr_delay_ns;
 
-/// Burst allowance of a congestion-controlled QP's pacer.
+/// Default burst allowance of a congestion-controlled QP's pacer ([`RcConfig::pacing_burst`]).
 pub const CC_BURST_BYTES: u64 = 256 << 10;
 
 /// Loss recovery of a QP.
@@ -84,6 +84,10 @@ pub struct RcConfig {
     pub max_backoff_shift: u8,
     /// Congestion control algorithm.
     pub cc: crate::cc::CcKind,
+    /// Bytes a congestion-controlled QP may send back to back above its pacing rate. The
+    /// default (256 KiB, one engine transmit batch) keeps GSO batches whole at tens of Gbit/s;
+    /// a few MTUs make the pacing per-packet, as a NIC's, at the price of more sends.
+    pub pacing_burst: u32,
 }
 
 impl Default for RcConfig {
@@ -103,6 +107,7 @@ impl Default for RcConfig {
             ack_delay_ns: 20_000,
             max_backoff_shift: 4,
             cc: crate::cc::CcKind::None,
+            pacing_burst: CC_BURST_BYTES as u32,
         }
     }
 }
@@ -127,6 +132,12 @@ impl RcConfig {
         }
         if self.window_pkts == 0 || self.window_pkts > 1 << 20 {
             return Err(format!("window_pkts: {} not in 1..=1048576", self.window_pkts));
+        }
+        if self.pacing_burst < self.mtu {
+            return Err(format!(
+                "pacing_burst: {} is below the MTU {}",
+                self.pacing_burst, self.mtu
+            ));
         }
         if self.max_rd_atomic == 0 || self.max_send_wr == 0 || self.max_recv_wr == 0 || self.ack_every == 0 {
             return Err("max_rd_atomic, max_send_wr, max_recv_wr and ack_every must be > 0".into());
@@ -672,9 +683,9 @@ impl RcQp {
 
     fn apply_cc(&mut self, now: u64, out: CcOutput) {
         if let Some(r) = out.rate {
-            // burst: one engine transmit batch (256 KiB), so pacing does not cut batches (and
-            // their GSO messages) into small sends; the rate stays exact over time either way
-            self.req.pacer.set_rate(r, CC_BURST_BYTES);
+            // the burst (by default one engine transmit batch) keeps batches and their GSO
+            // messages whole; the rate stays exact over time either way
+            self.req.pacer.set_rate(r, self.cfg.pacing_burst as u64);
         }
         if let Some(w) = out.window {
             self.req.pacer.set_window(w);

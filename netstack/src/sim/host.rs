@@ -1,0 +1,370 @@
+//! Simulated hosts: RC QPs behind a NIC that serializes their packets, and flows (an
+//! application that keeps WRITEs outstanding until its bytes are acknowledged).
+
+use super::{Ev, Network, Node, NodeId, Packet, Port};
+use crate::cc::{CcEnv, CcKind, CcParams};
+use crate::mem::{Access, MrTable, Region};
+use crate::transport::rc::{RcConfig, RcQp, RcStats};
+use crate::wire::{Opcode, PacketView, ROCEV2_PORT};
+use crate::work::{SendWr, Sge, WcStatus, WrOpcode};
+use std::collections::BTreeMap;
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::sync::Arc;
+
+/// Index of a flow in its network.
+pub type FlowId = usize;
+
+/// Largest WRITE a flow posts; flows post several, `DEPTH` at a time.
+const CHUNK: u64 = 64 << 10;
+const DEPTH: u32 = 4;
+
+/// A flow: `bytes` from `src` to `dst` with congestion control `cc`, starting at `start` (ns).
+/// `bytes == u64::MAX` with a `stop` time is a long-running flow.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct FlowSpec {
+    pub src: NodeId,
+    pub dst: NodeId,
+    pub bytes: u64,
+    pub start: u64,
+    pub stop: Option<u64>,
+    pub cc: CcKind,
+}
+
+/// What a flow did.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct FlowResult {
+    pub spec: FlowSpec,
+    /// Payload bytes acknowledged.
+    pub completed: u64,
+    pub done_at: Option<u64>,
+    pub fct_ns: Option<u64>,
+    /// Payload bytes the receiver got per [`Network::rate_bin_ns`] bin from time 0.
+    pub rx_bins: Vec<u64>,
+    pub failed: Option<String>,
+    pub retransmitted_packets: u64,
+    pub timeouts: u64,
+    pub cnps: u64,
+    pub cc_fault: Option<&'static str>,
+}
+
+pub(super) struct Flow {
+    spec: FlowSpec,
+    qps: Option<(u32, u32)>,
+    posted: u64,
+    completed: u64,
+    outstanding: u32,
+    pub(super) done_at: Option<u64>,
+    rx_bins: Vec<u64>,
+    failed: Option<String>,
+    stats: RcStats,
+    fault: Option<&'static str>,
+}
+
+impl Flow {
+    pub(super) fn new(spec: FlowSpec) -> Flow {
+        Flow {
+            spec,
+            qps: None,
+            posted: 0,
+            completed: 0,
+            outstanding: 0,
+            done_at: None,
+            rx_bins: Vec::new(),
+            failed: None,
+            stats: RcStats::default(),
+            fault: None,
+        }
+    }
+
+    pub(super) fn result(&self) -> FlowResult {
+        FlowResult {
+            spec: self.spec,
+            completed: self.completed,
+            done_at: self.done_at,
+            fct_ns: self.done_at.map(|d| d - self.spec.start),
+            rx_bins: self.rx_bins.clone(),
+            failed: self.failed.clone(),
+            retransmitted_packets: self.stats.retransmitted_packets,
+            timeouts: self.stats.timeouts,
+            cnps: self.stats.cnps_received,
+            cc_fault: self.fault,
+        }
+    }
+}
+
+struct HostQp {
+    qp: RcQp,
+    peer: NodeId,
+    flow: FlowId,
+    sender: bool,
+}
+
+pub(super) struct Host {
+    pub(super) ports: Vec<Port>,
+    addr: SocketAddrV4,
+    qp_cfg: RcConfig,
+    env: Arc<CcEnv>,
+    mrs: MrTable,
+    region: Arc<Region>,
+    key: u32,
+    qps: BTreeMap<u32, HostQp>,
+    next_qpn: u32,
+    rr: u32,
+    pub(super) wake_at: Option<u64>,
+    pub(super) feedback_delay: u64,
+    /// Packets dropped because they were malformed or for a QP that no longer exists.
+    pub(super) dropped: u64,
+}
+
+impl Host {
+    pub(super) fn new(id: NodeId, qp_cfg: RcConfig, cc: &CcParams) -> Host {
+        let mrs = MrTable::new();
+        let region = Arc::new(Region::alloc(CHUNK as usize));
+        let key = mrs.register(region.clone(), 1, Access::ALL).rkey;
+        Host {
+            ports: Vec::new(),
+            addr: SocketAddrV4::new(
+                Ipv4Addr::new(10, (id >> 16) as u8, (id >> 8) as u8, id as u8),
+                ROCEV2_PORT,
+            ),
+            qp_cfg,
+            env: CcEnv::new(cc),
+            mrs,
+            region,
+            key,
+            qps: BTreeMap::new(),
+            next_qpn: 0x100,
+            rr: 0,
+            wake_at: None,
+            feedback_delay: 0,
+            dropped: 0,
+        }
+    }
+
+    fn new_qp(&mut self, cc: CcKind) -> (u32, RcQp) {
+        let qpn = self.next_qpn;
+        self.next_qpn += 1;
+        let mut qp = RcQp::new(qpn, 1, RcConfig { cc, ..self.qp_cfg });
+        qp.set_cc_env(self.env.clone());
+        let _ = qp.modify_to_init();
+        (qpn, qp)
+    }
+}
+
+fn host(net: &mut Network, n: NodeId) -> &mut Host {
+    match &mut net.nodes[n] {
+        Node::Host(h) => h,
+        Node::Switch(_) => unreachable!("node {n} is a switch"),
+    }
+}
+
+fn is_feedback(op: u8) -> bool {
+    op == Opcode::Acknowledge as u8 || op == Opcode::Cnp as u8 || op == Opcode::Grant as u8
+}
+
+impl Network {
+    pub(super) fn flow_start(&mut self, id: FlowId) {
+        let spec = self.flows[id].spec;
+        let cfg_cc = spec.cc;
+        let (sq, mut sqp) = host(self, spec.src).new_qp(cfg_cc);
+        let (rq, mut rqp) = host(self, spec.dst).new_qp(cfg_cc);
+        let (scfg, rcfg) = (*sqp.config(), *rqp.config());
+        let _ = sqp.modify_to_rtr(rq, 0, scfg);
+        let _ = sqp.modify_to_rts(0);
+        let _ = rqp.modify_to_rtr(sq, 0, rcfg);
+        let _ = rqp.modify_to_rts(0);
+        let qp = |qp, peer, sender| HostQp {
+            qp,
+            peer,
+            flow: id,
+            sender,
+        };
+        host(self, spec.src).qps.insert(sq, qp(sqp, spec.dst, true));
+        host(self, spec.dst).qps.insert(rq, qp(rqp, spec.src, false));
+        self.flows[id].qps = Some((sq, rq));
+        self.flow_post(id);
+        self.host_pump(spec.src);
+    }
+
+    /// Keeps `DEPTH` WRITEs outstanding while the flow has bytes left (and has not stopped).
+    fn flow_post(&mut self, id: FlowId) {
+        let now = self.now;
+        let f = &self.flows[id];
+        let (Some((sq, _)), spec) = (f.qps, f.spec) else { return };
+        let (raddr, rkey) = {
+            let d = host(self, spec.dst);
+            (d.region.addr(), d.key)
+        };
+        loop {
+            let f = &self.flows[id];
+            let stopped = spec.stop.is_some_and(|s| now >= s);
+            if f.outstanding >= DEPTH || f.posted >= spec.bytes || stopped {
+                break;
+            }
+            let len = (spec.bytes - f.posted).min(CHUNK);
+            let h = host(self, spec.src);
+            let sge = Sge {
+                addr: h.region.addr(),
+                length: len as u32,
+                lkey: h.key,
+            };
+            let wr = SendWr::new(len, WrOpcode::RdmaWrite).sge(sge).remote(raddr, rkey);
+            let Some(e) = h.qps.get_mut(&sq) else { return };
+            if e.qp.post_send(wr, &h.mrs).is_err() {
+                break;
+            }
+            let f = &mut self.flows[id];
+            f.posted += len;
+            f.outstanding += 1;
+        }
+    }
+
+    /// Handles the completions of `qpn` on host `n`.
+    fn drain_completions(&mut self, n: NodeId, qpn: u32) {
+        let now = self.now;
+        let Some(e) = host(self, n).qps.get_mut(&qpn) else {
+            return;
+        };
+        let (flow, sender) = (e.flow, e.sender);
+        let mut done = Vec::new();
+        while let Some(wc) = e.qp.poll_completion() {
+            done.push(wc);
+        }
+        let fault = e.qp.cc_fault();
+        if !sender {
+            return;
+        }
+        for wc in done {
+            let f = &mut self.flows[flow];
+            f.outstanding = f.outstanding.saturating_sub(1);
+            if wc.status == WcStatus::Success {
+                f.completed += wc.wr_id;
+            } else if f.failed.is_none() {
+                f.failed = Some(format!("{:?}", wc.status));
+            }
+        }
+        let f = &self.flows[flow];
+        if f.done_at.is_some() {
+            return;
+        }
+        let stopped = f.spec.stop.is_some_and(|s| now >= s);
+        let finished = f.completed >= f.spec.bytes || f.failed.is_some() || (stopped && f.outstanding == 0);
+        if finished {
+            self.flow_finish(flow, fault);
+        } else {
+            self.flow_post(flow);
+        }
+    }
+
+    fn flow_finish(&mut self, id: FlowId, fault: Option<&'static str>) {
+        let now = self.now;
+        let spec = self.flows[id].spec;
+        let Some((sq, rq)) = self.flows[id].qps.take() else {
+            return;
+        };
+        let stats = host(self, spec.src).qps.remove(&sq).map(|e| e.qp.stats());
+        host(self, spec.dst).qps.remove(&rq);
+        let f = &mut self.flows[id];
+        f.done_at = Some(now);
+        f.stats = stats.unwrap_or_default();
+        f.fault = fault;
+    }
+
+    pub(super) fn host_receive(&mut self, n: NodeId, mut pkt: Packet) {
+        let now = self.now;
+        let delay = host(self, n).feedback_delay;
+        if delay > 0 && pkt.hash != u64::MAX && pkt.data.first().is_some_and(|&op| is_feedback(op)) {
+            pkt.hash = u64::MAX; // delayed once
+            self.schedule(now + delay, Ev::Arrive { node: n, pkt });
+            return;
+        }
+        let bin = self.rate_bin_ns;
+        let h = host(self, n);
+        let Ok(v) = PacketView::parse(&pkt.data) else {
+            h.dropped += 1;
+            return;
+        };
+        let qpn = v.bth.dest_qp;
+        let Some(e) = h.qps.get_mut(&qpn) else {
+            h.dropped += 1;
+            return;
+        };
+        e.qp.handle_packet_ecn(now, &v, pkt.ce, &h.mrs);
+        let (flow, data) = (e.flow, v.opcode.is_request() && !v.payload.is_empty());
+        let payload = v.payload.len() as u64;
+        if data && bin > 0 {
+            let bins = &mut self.flows[flow].rx_bins;
+            let i = (now / bin) as usize;
+            if bins.len() <= i {
+                bins.resize(i + 1, 0);
+            }
+            bins[i] += payload;
+        }
+        self.drain_completions(n, qpn);
+        self.host_pump(n);
+    }
+
+    pub(super) fn host_timers(&mut self, n: NodeId) {
+        let now = self.now;
+        let due: Vec<u32> = host(self, n)
+            .qps
+            .iter()
+            .filter(|(_, e)| e.qp.poll_timeout().is_some_and(|t| t <= now))
+            .map(|(&q, _)| q)
+            .collect();
+        for q in due {
+            if let Some(e) = host(self, n).qps.get_mut(&q) {
+                e.qp.handle_timeout(now);
+            }
+            self.drain_completions(n, q);
+        }
+    }
+
+    /// Sends the next packet (round robin over QPs) if the NIC is idle, and re-arms the
+    /// host's wake-up for its QPs' earliest deadline.
+    pub(super) fn host_pump(&mut self, n: NodeId) {
+        let now = self.now;
+        let h = host(self, n);
+        if !h.ports[0].busy {
+            let order: Vec<u32> = h
+                .qps
+                .range(h.rr + 1..)
+                .chain(h.qps.range(..=h.rr))
+                .map(|(&q, _)| q)
+                .collect();
+            for q in order {
+                let Some(e) = h.qps.get_mut(&q) else { continue };
+                if !e.qp.wants_transmit(now) {
+                    continue;
+                }
+                let Some(p) = e.qp.poll_transmit(now) else { continue };
+                let peer = e.peer;
+                let dst_addr = SocketAddrV4::new(
+                    Ipv4Addr::new(10, (peer >> 16) as u8, (peer >> 8) as u8, peer as u8),
+                    ROCEV2_PORT,
+                );
+                let mut data = Vec::with_capacity(p.hdr.len() + p.payload_len() + 8);
+                p.encode(h.addr, dst_addr, &mut data);
+                h.rr = q;
+                let hash = (n as u64) << 40 ^ (q as u64) << 8 ^ peer as u64;
+                let pkt = Packet {
+                    data,
+                    dst: peer,
+                    ce: false,
+                    hash: hash.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 1,
+                };
+                self.start_tx(n, 0, pkt);
+                break;
+            }
+        }
+        let h = host(self, n);
+        let next = h.qps.values().filter_map(|e| e.qp.poll_timeout()).min();
+        if let Some(t) = next {
+            let t = t.max(now + 1);
+            if h.wake_at.is_none_or(|w| w <= now || t < w) {
+                h.wake_at = Some(t);
+                self.schedule(t, Ev::HostWake { node: n });
+            }
+        }
+    }
+}
