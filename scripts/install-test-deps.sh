@@ -7,6 +7,8 @@ set -euo pipefail
 missing=()
 command -v tshark >/dev/null 2>&1 || missing+=(tshark)
 command -v ip >/dev/null 2>&1 || missing+=(iproute2)
+# the ccsim plots' font
+[ -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] || missing+=(fonts-dejavu-core)
 
 if [ "${#missing[@]}" -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

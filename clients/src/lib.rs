@@ -1,4 +1,6 @@
 //! Shared code of the flexns command-line clients and benchmarks.
 
 pub mod bench;
+pub mod ccsim;
 pub mod perf;
+pub mod plot;
