@@ -55,7 +55,7 @@ pub struct ClientArgs {
     /// Runs of each system with --compare.
     #[arg(long, default_value_t = 3)]
     pub pairs: u32,
-    /// Congestion control of the QPs on both ends (none, dcqcn, timely).
+    /// Congestion control of the QPs on both ends (none, dcqcn, timely, hpcc, swift, homa).
     #[arg(long, default_value = "none")]
     pub cc: netstack::cc::CcKind,
     /// Pace each QP to this many bytes per second (the congestion-control pacing hook).
@@ -73,6 +73,8 @@ pub struct ClientArgs {
     /// Memory region of a server this client starts.
     #[arg(long, default_value = "256MiB", value_parser = crate::bench::parse_size)]
     pub server_mr_size: u64,
+    #[command(flatten)]
+    pub net: super::NetArgs,
 }
 
 /// `--poll-mode` values.
@@ -137,6 +139,7 @@ fn peers(a: &ClientArgs, spawn: &ServerSpawn) -> Result<Peers> {
         "--recovery".into(),
         rec.into(),
     ]);
+    args.extend(a.net.to_args());
     let child = ChildServer::start(&spawn.exe, &args)?;
     let f = |k: &str| -> Result<SocketAddr> {
         child
@@ -269,12 +272,14 @@ fn flexns(a: &ClientArgs, cm_addr: SocketAddr) -> Result<BenchResult> {
         cc: a.cc,
         ..Default::default()
     };
-    let ctx = Context::open(ContextConfig {
+    let mut cfg = ContextConfig {
         bind: a.data,
         qp: qcfg,
         data_cores: a.data_cores,
         ..Default::default()
-    })?;
+    };
+    a.net.apply(&mut cfg)?;
+    let ctx = Context::open(cfg)?;
     let pd = ctx.alloc_pd();
     let (size, depth, nq) = (a.size as usize, a.depth as usize, a.qps as usize);
     let slots = depth * nq;
@@ -407,6 +412,9 @@ fn flexns(a: &ClientArgs, cm_addr: SocketAddr) -> Result<BenchResult> {
             let now = Instant::now();
             for wc in &wcs[..n] {
                 if wc.status != WcStatus::Success {
+                    if let Some(f) = qps.iter().find_map(|q| q.cc_fault()) {
+                        bail!("congestion control stopped the QP: {f}");
+                    }
                     bail!(
                         "work completion {:?} for wr {} on QP {:#x}",
                         wc.status,
@@ -505,6 +513,28 @@ fn flexns(a: &ClientArgs, cm_addr: SocketAddr) -> Result<BenchResult> {
     );
     let retx: u64 = qps.iter().map(|q| q.stats().retransmitted_packets).sum();
     r.extra.insert("retransmitted_packets".into(), retx.into());
+    if let Some((name, bytes)) = qps[0].cc_info() {
+        let sum = |f: fn(&netstack::transport::rc::RcStats) -> u64| qps.iter().map(|q| f(&q.stats())).sum::<u64>();
+        let mut loops: Vec<u32> = qps.iter().flat_map(|q| q.take_control_loop_samples()).collect();
+        loops.sort_unstable();
+        let p = |q: f64| {
+            loops
+                .get(((loops.len().max(1) - 1) as f64 * q) as usize)
+                .map(|&v| v as f64 / 1000.0)
+        };
+        let cc = serde_json::json!({
+            "algorithm": name,
+            "context_bytes": bytes,
+            "cnps_received": sum(|s| s.cnps_received),
+            "grants_received": sum(|s| s.grants_received),
+            "cc_deferred": sum(|s| s.cc_deferred),
+            "control_loop_samples": loops.len(),
+            "control_loop_p50_us": p(0.5),
+            "control_loop_p99_us": p(0.99),
+            "fault": qps.iter().find_map(|q| q.cc_fault()),
+        });
+        r.extra.insert("cc".into(), cc);
+    }
     r.extra.insert("recovery".into(), serde_json::to_value(a.recovery)?);
     Ok(r)
 }

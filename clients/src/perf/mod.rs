@@ -7,6 +7,79 @@ pub mod server;
 
 use serde::{Deserialize, Serialize};
 
+/// Data-path and congestion-control settings both ends take (the testbed's knobs).
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct NetArgs {
+    /// Line rate the congestion-control algorithms assume (`200mbit`, `10gbit`, bytes/s).
+    #[arg(long, value_parser = netstack::cc::params::parse_rate)]
+    pub line_rate: Option<u64>,
+    /// An algorithm parameter, `ALG.FIELD=VALUE` (e.g. `dcqcn.g=0.0078125`); repeatable.
+    #[arg(long = "cc-param", value_name = "ALG.FIELD=VALUE")]
+    pub cc_params: Vec<String>,
+    /// Emulated one-way propagation delay added to received packets, microseconds.
+    #[arg(long, default_value_t = 0)]
+    pub rx_delay_us: u64,
+    /// Send every packet on its own (no UDP GSO), as a NIC does: what a shaped bottleneck needs.
+    #[arg(long)]
+    pub no_gso: bool,
+    /// Receive datagrams one by one (no UDP GRO).
+    #[arg(long)]
+    pub no_gro: bool,
+    /// Send UDP checksum 0 so a switch may rewrite the CC header (the testbed's INT stamper).
+    #[arg(long)]
+    pub no_udp_checksum: bool,
+    /// Bytes a congestion-controlled QP may send back to back above its rate.
+    #[arg(long, value_parser = crate::bench::parse_size)]
+    pub pacing_burst: Option<u64>,
+}
+
+impl NetArgs {
+    /// Applies these settings to a context configuration; the error names the bad flag.
+    pub fn apply(&self, cfg: &mut netstack::verbs::ContextConfig) -> anyhow::Result<()> {
+        let mut p = cfg.cc.clone();
+        if let Some(r) = self.line_rate {
+            p.set_line_rate(r);
+        }
+        cfg.cc = p
+            .with_overrides(&self.cc_params)
+            .map_err(|e| anyhow::anyhow!("--cc-param: {e}"))?;
+        cfg.rx_delay_us = self.rx_delay_us;
+        cfg.gso &= !self.no_gso;
+        cfg.gro &= !self.no_gro;
+        cfg.udp_checksum &= !self.no_udp_checksum;
+        if let Some(b) = self.pacing_burst {
+            cfg.qp.pacing_burst = u32::try_from(b).map_err(|_| anyhow::anyhow!("--pacing-burst: {b} is too large"))?;
+        }
+        cfg.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
+        Ok(())
+    }
+
+    /// The same settings as command-line words (for a server child process).
+    pub fn to_args(&self) -> Vec<String> {
+        let mut v = Vec::new();
+        if let Some(r) = self.line_rate {
+            v.extend(["--line-rate".into(), r.to_string()]);
+        }
+        for p in &self.cc_params {
+            v.extend(["--cc-param".into(), p.clone()]);
+        }
+        v.extend(["--rx-delay-us".into(), self.rx_delay_us.to_string()]);
+        for (on, flag) in [
+            (self.no_gso, "--no-gso"),
+            (self.no_gro, "--no-gro"),
+            (self.no_udp_checksum, "--no-udp-checksum"),
+        ] {
+            if on {
+                v.push(flag.into());
+            }
+        }
+        if let Some(b) = self.pacing_burst {
+            v.extend(["--pacing-burst".into(), b.to_string()]);
+        }
+        v
+    }
+}
+
 /// The operation a benchmark run exercises.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]

@@ -30,7 +30,8 @@ pub struct ServerArgs {
     /// Engine threads (data cores).
     #[arg(long, default_value_t = 1)]
     pub data_cores: usize,
-    /// Congestion control of the server's QPs (the receiver is DCQCN's notification point).
+    /// Congestion control of the server's QPs; `none` adopts each client's (the receiver runs
+    /// the algorithm's receiving half: DCQCN's CNPs, HPCC's INT echo, Homa's grants).
     #[arg(long, default_value = "none")]
     pub cc: netstack::cc::CcKind,
     /// Engine poll mode.
@@ -39,6 +40,8 @@ pub struct ServerArgs {
     /// Optional context config (TOML); flags given explicitly override it.
     #[arg(long)]
     pub config: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    pub net: super::NetArgs,
 }
 
 /// Parses a recovery-mode flag value.
@@ -169,6 +172,7 @@ pub fn run(args: ServerArgs) -> Result<()> {
     cfg.poll_mode = args.poll_mode.into();
     cfg.qp.recovery = args.recovery;
     cfg.qp.cc = args.cc;
+    args.net.apply(&mut cfg)?;
     let ctx = Context::open(cfg)?;
     let pd = ctx.alloc_pd();
     let cq = ctx.create_cq(1 << 16)?;

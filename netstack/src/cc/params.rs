@@ -62,11 +62,27 @@ impl CcParams {
         Ok(())
     }
 
-    /// Sets the line rate (bytes per second) of every algorithm that has one.
+    /// Sets the line rate (bytes per second) of every algorithm that has one, scaling the
+    /// rate steps and floors (DCQCN's R_AI, R_HAI and R_min, TIMELY's delta and floor, HPCC's
+    /// W_AI rate) by the same factor, so they keep the defaults' proportions to the line rate.
     pub fn set_line_rate(&mut self, bytes_per_sec: u64) {
-        self.dcqcn.line_rate = bytes_per_sec;
-        self.timely.line_rate = bytes_per_sec;
-        self.hpcc.line_rate = bytes_per_sec;
+        let scale =
+            |v: &mut u64, old: u64| *v = ((*v as u128 * bytes_per_sec as u128) / old.max(1) as u128).max(1) as u64;
+        let d = &mut self.dcqcn;
+        let old = d.line_rate;
+        scale(&mut d.rate_ai, old);
+        scale(&mut d.rate_hai, old);
+        scale(&mut d.min_rate, old);
+        d.line_rate = bytes_per_sec;
+        let t = &mut self.timely;
+        let old = t.line_rate;
+        scale(&mut t.delta, old);
+        scale(&mut t.min_rate, old);
+        t.line_rate = bytes_per_sec;
+        let h = &mut self.hpcc;
+        let old = h.line_rate;
+        scale(&mut h.rate_ai, old);
+        h.line_rate = bytes_per_sec;
         self.swift.line_rate = bytes_per_sec;
     }
 }
@@ -191,6 +207,16 @@ mod tests {
         assert!(e.contains("reno"), "{e}");
         let e = CcParams::default().with_overrides(&["hpcc.eta=7".into()]).unwrap_err();
         assert!(e.contains("hpcc.eta"), "{e}");
+    }
+
+    #[test]
+    fn line_rate_scales_the_rate_steps() {
+        let mut p = CcParams::default();
+        let d = p.dcqcn.clone();
+        p.set_line_rate(d.line_rate / 200);
+        assert_eq!(p.dcqcn.rate_ai, d.rate_ai / 200);
+        assert_eq!(p.dcqcn.min_rate, d.min_rate / 200);
+        assert_eq!(p.timely.line_rate, d.line_rate / 200);
     }
 
     #[test]

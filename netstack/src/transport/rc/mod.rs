@@ -524,6 +524,11 @@ impl RcQp {
         if self.state != QpState::Rts {
             return None;
         }
+        if !self.cc.started && self.cc.alg.is_some() {
+            // the algorithm's initial rate and window apply from the first packet on, whatever
+            // events it traces (a window-based one that only sees ACKs would start too late)
+            self.cc_event(now, |_, _, _| {});
+        }
         let (pkt, meta) = match self.cc.stash.take() {
             Some(s) => s,
             None => {
