@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Installs what the test suite needs beyond cargo, idempotently: tshark (wire-format check)
-# and scapy (independent ICRC check). Needs root for apt; without root it says what is missing
+# Installs what the test suite needs beyond cargo, idempotently: tshark (wire-format check),
+# scapy (independent ICRC check), the DejaVu font (ccsim plots), clang, libbpf-dev, bpftool and
+# ethtool (the congestion testbed). Needs root for apt; without root it says what is missing
 # and the tests that need those tools skip with a message.
 set -euo pipefail
 
@@ -9,6 +10,11 @@ command -v tshark >/dev/null 2>&1 || missing+=(tshark)
 command -v ip >/dev/null 2>&1 || missing+=(iproute2)
 # the ccsim plots' font
 [ -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] || missing+=(fonts-dejavu-core)
+# the congestion testbed (deploy/testbed): eBPF build and inspection, offload switches
+command -v clang >/dev/null 2>&1 || missing+=(clang)
+[ -f /usr/include/bpf/bpf_helpers.h ] || missing+=(libbpf-dev)
+command -v bpftool >/dev/null 2>&1 || missing+=(bpftool)
+command -v ethtool >/dev/null 2>&1 || missing+=(ethtool)
 
 if [ "${#missing[@]}" -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
