@@ -18,6 +18,8 @@ pub struct Pacer {
     rem: u64,
     /// Most payload bytes in flight (sent, not acknowledged); `None` = unlimited.
     window: Option<u64>,
+    /// When the last packet was sent.
+    last_send: u64,
 }
 
 impl Pacer {
@@ -50,9 +52,12 @@ impl Pacer {
         (earliest > now).then_some(earliest)
     }
 
-    /// The next time a packet conforms to the rate, if a rate is set.
+    /// The next time a packet conforms to the rate, if the rate held the last packet back (a
+    /// timer is needed only then: otherwise the QP can send as soon as anything else lets it).
     pub fn next_conforming(&self) -> Option<u64> {
-        self.rate.map(|_| self.tat.saturating_sub(self.burst_ns))
+        self.rate?;
+        let t = self.tat.saturating_sub(self.burst_ns);
+        (t > self.last_send).then_some(t)
     }
 
     /// Whether `inflight` bytes leave room for more under the window.
@@ -62,10 +67,18 @@ impl Pacer {
 
     /// Accounts a packet of `bytes` sent at `now`.
     pub fn on_send(&mut self, now: u64, bytes: u64) {
+        self.last_send = now;
         let Some(rate) = self.rate else { return };
-        let num = bytes as u128 * 1_000_000_000 + self.rem as u128;
-        let ns = (num / rate as u128) as u64;
-        self.rem = (num % rate as u128) as u64;
+        // 64-bit division while it cannot overflow (any packet below 16 GiB at any rate below
+        // 1 TB/s), 128-bit otherwise
+        let (ns, rem) = if bytes < 1 << 34 && self.rem < 1 << 40 {
+            let num = bytes * 1_000_000_000 + self.rem;
+            (num / rate, num % rate)
+        } else {
+            let num = bytes as u128 * 1_000_000_000 + self.rem as u128;
+            ((num / rate as u128) as u64, (num % rate as u128) as u64)
+        };
+        self.rem = rem;
         self.tat = self.tat.max(now) + ns;
     }
 }
@@ -114,6 +127,11 @@ mod tests {
         p.set_rate(Some(1_000_000_000), 0); // 1 GB/s: 1 ns per byte
         p.on_send(100, 1000);
         assert_eq!(p.ready_at(100), Some(1100));
+        assert_eq!(p.next_conforming(), Some(1100), "held back: a timer is needed");
         assert_eq!(p.ready_at(1100), None);
+        // well under the rate, within the burst: nothing to wait for, no timer
+        p.set_rate(Some(1_000_000_000), 1000);
+        p.on_send(5000, 10);
+        assert_eq!(p.next_conforming(), None);
     }
 }

@@ -529,48 +529,60 @@ impl RcQp {
             // events it traces (a window-based one that only sees ACKs would start too late)
             self.cc_event(now, |_, _, _| {});
         }
-        let (pkt, meta) = match self.cc.stash.take() {
-            Some(s) => s,
-            None => {
-                let p = Requester::poll_transmit(self, now)?;
-                match self.req.last_meta.take() {
-                    Some(m) if self.cc.traced.tx_data || self.cc.header.data_bytes > 0 => (p, m),
-                    _ => {
-                        self.stats.tx_packets += 1;
-                        return Some(p);
-                    }
-                }
+        if self.cc.stash.is_some() {
+            // a packet the TX function deferred or held: ask again once it may go
+            if self.cc.held || self.cc.defer_until.is_some_and(|t| t > now) {
+                return None;
             }
-        };
-        if self.cc.held || self.cc.defer_until.is_some_and(|t| t > now) {
-            self.cc.stash = Some((pkt, meta));
-            return None;
-        }
-        self.cc.defer_until = None;
-        if self.cc.traced.tx_data {
-            let mut verdict = Verdict::Send;
-            self.cc_event(now, |a, now, out| verdict = a.on_tx(now, &meta, out));
-            match verdict {
-                Verdict::Send => {}
-                Verdict::DeferUntil(t) => self.cc.defer_until = Some(t),
-                Verdict::Hold => self.cc.held = true,
-            }
-            if verdict != Verdict::Send {
-                self.stats.cc_deferred += 1;
+            let (mut pkt, meta) = self.cc.stash.take()?;
+            self.cc.defer_until = None;
+            if !self.cc_verdict(now, &meta) {
                 self.cc.stash = Some((pkt, meta));
                 return None;
             }
+            self.finish_data(now, &mut pkt, &meta);
+            return Some(pkt);
         }
-        Some(self.finish_data(now, pkt, &meta))
+        let mut pkt = Requester::poll_transmit(self, now)?;
+        let Some(meta) = self.req.last_meta.take() else {
+            self.stats.tx_packets += 1;
+            return Some(pkt);
+        };
+        if !self.cc_verdict(now, &meta) {
+            self.cc.stash = Some((pkt, meta));
+            return None;
+        }
+        self.finish_data(now, &mut pkt, &meta);
+        Some(pkt)
+    }
+
+    /// Runs the TX function on a data packet (if the algorithm traces them): whether it may
+    /// leave now. A deferred or held packet is counted and remembered by the caller.
+    fn cc_verdict(&mut self, now: u64, meta: &crate::cc::TxMeta) -> bool {
+        if !self.cc.traced.tx_data {
+            return true;
+        }
+        let Some(alg) = self.cc.alg.as_deref_mut() else {
+            return true;
+        };
+        // the per-packet path: apply only what the TX function changed
+        let mut out = CcOutput::default();
+        let verdict = alg.on_tx(now, meta, &mut out);
+        self.cc.held = false;
+        if out != CcOutput::default() {
+            self.apply_cc(now, out);
+        }
+        match verdict {
+            Verdict::Send => return true,
+            Verdict::DeferUntil(t) => self.cc.defer_until = Some(t),
+            Verdict::Hold => self.cc.held = true,
+        }
+        self.stats.cc_deferred += 1;
+        false
     }
 
     /// Adds the algorithm's CC header to a data packet that leaves.
-    fn finish_data(
-        &mut self,
-        now: u64,
-        mut pkt: crate::transport::TxPacket,
-        meta: &crate::cc::TxMeta,
-    ) -> crate::transport::TxPacket {
+    fn finish_data(&mut self, now: u64, pkt: &mut crate::transport::TxPacket, meta: &crate::cc::TxMeta) {
         self.stats.tx_packets += 1;
         let n = self.cc.header.data_bytes as usize;
         if n > 0 {
@@ -580,7 +592,6 @@ impl RcQp {
                 pkt.hdr.insert_cc(&b[..n]);
             }
         }
-        pkt
     }
 
     /// The reason congestion control stopped this QP, if it did (e.g. HPCC on a path without
@@ -682,7 +693,9 @@ impl RcQp {
         };
         f(alg, now, &mut out);
         self.cc.held = false;
-        self.apply_cc(now, out);
+        if out != CcOutput::default() {
+            self.apply_cc(now, out);
+        }
         out
     }
 
