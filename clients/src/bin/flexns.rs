@@ -95,6 +95,7 @@ fn demo(duration: f64, json: bool) -> Result<()> {
             standard_qp: false,
             rate_limit: None,
             cc: netstack::cc::CcKind::None,
+            compare_cc: None,
             net: Default::default(),
         };
         let res = client::run(&a, &spawn)?;

@@ -58,6 +58,10 @@ pub struct ClientArgs {
     /// Congestion control of the QPs on both ends (none, dcqcn, timely, hpcc, swift, homa).
     #[arg(long, default_value = "none")]
     pub cc: netstack::cc::CcKind,
+    /// Also run flexns with this congestion control, interleaved (A B A B ...), and print the
+    /// median ratio: the cost of `--cc` against, say, `none`.
+    #[arg(long, conflicts_with = "compare")]
+    pub compare_cc: Option<netstack::cc::CcKind>,
     /// Pace each QP to this many bytes per second (the congestion-control pacing hook).
     #[arg(long, value_parser = crate::bench::parse_size)]
     pub rate_limit: Option<u64>,
@@ -163,14 +167,19 @@ pub fn run(a: &ClientArgs, spawn: &ServerSpawn) -> Result<Vec<BenchResult>> {
     }
     let mut p = peers(a, spawn)?;
     let mut out = Vec::new();
-    let runs = match a.compare {
-        Some(r) => (0..a.pairs).flat_map(|_| [a.system, r]).collect::<Vec<_>>(),
-        None => vec![a.system],
+    let runs = match (a.compare, a.compare_cc) {
+        (Some(r), _) => (0..a.pairs)
+            .flat_map(|_| [(a.system, a.cc), (r, a.cc)])
+            .collect::<Vec<_>>(),
+        (None, Some(c)) => (0..a.pairs)
+            .flat_map(|_| [(System::Flexns, a.cc), (System::Flexns, c)])
+            .collect(),
+        (None, None) => vec![(a.system, a.cc)],
     };
-    for sys in runs {
+    for (sys, cc) in runs {
         let (c0, _) = rusage(false);
         let mut r = match sys {
-            System::Flexns => flexns(a, p.cm)?,
+            System::Flexns => flexns(a, cc, p.cm)?,
             System::UdpRaw => {
                 let s = p.udp.context("udp-raw needs --udp with --server")?;
                 if a.op == Op::Send && a.depth == 1 {
@@ -198,7 +207,12 @@ pub fn run(a: &ClientArgs, spawn: &ServerSpawn) -> Result<Vec<BenchResult>> {
         r.print(a.json);
         out.push(r);
     }
-    if let Some(reference) = a.compare {
+    let reference = match (a.compare, a.compare_cc) {
+        (Some(r), _) => Some(r.name().to_string()),
+        (None, Some(c)) => Some(format!("flexns cc={c}")),
+        (None, None) => None,
+    };
+    if let Some(reference) = reference {
         let lat = a.op == Op::Send && a.depth == 1;
         let metric = if lat { "p50_us" } else { "gbps" };
         let val = |r: &BenchResult| {
@@ -210,14 +224,16 @@ pub fn run(a: &ClientArgs, spawn: &ServerSpawn) -> Result<Vec<BenchResult>> {
         };
         let mut ratios: Vec<f64> = out.chunks(2).map(|c| val(&c[0]) / val(&c[1])).collect();
         let ratio = (median(&mut ratios) * 1000.0).round() / 1000.0;
-        let line = serde_json::json!({"bench": "ratio", "metric": metric, "system": a.system.name(), "reference": reference.name(), "op": a.op, "msg_bytes": a.size, "depth": a.depth, "qps": a.qps, "pairs": a.pairs, "ratio": ratio, "ratios": ratios});
+        let system = match a.compare_cc {
+            Some(_) => format!("flexns cc={}", a.cc),
+            None => a.system.name().to_string(),
+        };
+        let line = serde_json::json!({"bench": "ratio", "metric": metric, "system": system, "reference": reference, "op": a.op, "msg_bytes": a.size, "depth": a.depth, "qps": a.qps, "pairs": a.pairs, "ratio": ratio, "ratios": ratios});
         if a.json {
             println!("{line}");
         } else {
             println!(
-                "ratio {} / {} ({metric}), median of {} pairs: {ratio}",
-                a.system.name(),
-                reference.name(),
+                "ratio {system} / {reference} ({metric}), median of {} pairs: {ratio}",
                 a.pairs
             );
         }
@@ -265,11 +281,11 @@ fn next_wc(cq: &Cq, wcs: &mut [Wc], limit: Instant) -> Result<usize> {
     }
 }
 
-fn flexns(a: &ClientArgs, cm_addr: SocketAddr) -> Result<BenchResult> {
+fn flexns(a: &ClientArgs, cc: netstack::cc::CcKind, cm_addr: SocketAddr) -> Result<BenchResult> {
     let qcfg = RcConfig {
         mtu: a.mtu,
         recovery: a.recovery,
-        cc: a.cc,
+        cc,
         ..Default::default()
     };
     let mut cfg = ContextConfig {
