@@ -6,66 +6,7 @@
 use super::{CcAlgorithm, CcOutput, Generate, RxKind, RxMeta, StartInfo, Traced, TxMeta, Verdict};
 use std::sync::Arc;
 
-/// DCQCN parameters (shared by the QPs that use them).
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct DcqcnParams {
-    /// Line rate C, bytes per second.
-    #[serde(with = "super::params::rate")]
-    pub line_rate: u64,
-    /// Floor of the rate, bytes per second.
-    #[serde(with = "super::params::rate")]
-    pub min_rate: u64,
-    /// Additive increase step R_AI and hyper increase step R_HAI, bytes per second.
-    #[serde(with = "super::params::rate")]
-    pub rate_ai: u64,
-    #[serde(with = "super::params::rate")]
-    pub rate_hai: u64,
-    /// alpha gain g.
-    pub g: f64,
-    /// alpha update period K (ns) and rate increase timer T (ns).
-    pub alpha_period_ns: u64,
-    pub rate_timer_ns: u64,
-    /// Byte counter B.
-    pub byte_counter: u64,
-    /// Fast-recovery stages F.
-    pub fast_recovery: u32,
-    /// Receiver: at most one CNP per this interval (ns).
-    pub cnp_interval_ns: u64,
-}
-
-impl Default for DcqcnParams {
-    fn default() -> Self {
-        let gbit = 1_000_000_000 / 8;
-        DcqcnParams {
-            line_rate: 40 * gbit,
-            min_rate: gbit / 10,
-            rate_ai: 40 * gbit / 1000,
-            rate_hai: 400 * gbit / 1000,
-            g: 1.0 / 256.0,
-            alpha_period_ns: 55_000,
-            rate_timer_ns: 55_000,
-            byte_counter: 10 << 20,
-            fast_recovery: 5,
-            cnp_interval_ns: 50_000,
-        }
-    }
-}
-
-impl DcqcnParams {
-    pub fn validate(&self) -> Result<(), String> {
-        if self.min_rate > self.line_rate {
-            return Err("min_rate: above line_rate".into());
-        }
-        if !(self.g > 0.0 && self.g <= 1.0) {
-            return Err(format!("g: {} not in (0, 1]", self.g));
-        }
-        if self.alpha_period_ns == 0 || self.rate_timer_ns == 0 || self.byte_counter == 0 {
-            return Err("alpha_period_ns, rate_timer_ns, byte_counter: must be > 0".into());
-        }
-        Ok(())
-    }
-}
+pub use super::params::DcqcnParams;
 
 /// The per-QP DCQCN context.
 #[derive(Debug)]

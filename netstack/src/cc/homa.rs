@@ -15,36 +15,7 @@ use parking_lot::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-/// Homa parameters.
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct HomaParams {
-    /// Unscheduled bytes per message and how far ahead a grant reaches (one BDP).
-    pub rtt_bytes: u64,
-    /// Messages granted at once per receiver (the overcommit degree k).
-    pub overcommit: u32,
-    /// How often a receiver QP that was not granted re-checks its rank, ns.
-    pub grant_timer_ns: u64,
-}
-
-impl Default for HomaParams {
-    fn default() -> Self {
-        HomaParams {
-            rtt_bytes: 40_000,
-            overcommit: 8,
-            grant_timer_ns: 10_000,
-        }
-    }
-}
-
-impl HomaParams {
-    pub fn validate(&self) -> Result<(), String> {
-        if self.rtt_bytes == 0 || self.overcommit == 0 || self.grant_timer_ns == 0 {
-            return Err("rtt_bytes, overcommit, grant_timer_ns: must be > 0".into());
-        }
-        Ok(())
-    }
-}
+pub use super::params::HomaParams;
 
 /// A receiving host's view of its inbound messages: bytes left per QP, for SRPT ranking.
 #[derive(Debug, Default)]

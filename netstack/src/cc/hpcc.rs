@@ -13,47 +13,7 @@ use super::header::{IntHop, IntStack, INT_STACK_LEN, MAX_HOPS};
 use super::{CcAlgorithm, CcOutput, HeaderSpec, RxKind, RxMeta, StartInfo, Traced, TxMeta, Verdict};
 use std::sync::Arc;
 
-/// HPCC parameters.
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct HpccParams {
-    /// Line rate C of the host, bytes per second.
-    #[serde(with = "super::params::rate")]
-    pub line_rate: u64,
-    /// Base RTT T of the network in nanoseconds (W_init = C × T).
-    pub base_rtt_ns: u64,
-    /// Target utilisation eta.
-    pub eta: f64,
-    /// Additive-increase stages before a multiplicative adjustment (maxStage).
-    pub max_stage: u32,
-    /// Additive increase as a rate: W_AI = rate_ai × T.
-    #[serde(with = "super::params::rate")]
-    pub rate_ai: u64,
-}
-
-impl Default for HpccParams {
-    fn default() -> Self {
-        HpccParams {
-            line_rate: 100_000_000_000 / 8,
-            base_rtt_ns: 10_000,
-            eta: 0.95,
-            max_stage: 5,
-            rate_ai: 50_000_000 / 8,
-        }
-    }
-}
-
-impl HpccParams {
-    pub fn validate(&self) -> Result<(), String> {
-        if !(self.eta > 0.0 && self.eta <= 1.0) {
-            return Err(format!("eta: {} not in (0, 1]", self.eta));
-        }
-        if self.base_rtt_ns == 0 {
-            return Err("base_rtt_ns: must be > 0".into());
-        }
-        Ok(())
-    }
-}
+pub use super::params::HpccParams;
 
 /// What an ACK with no INT records means.
 pub const NO_INT: &str = "HPCC needs INT telemetry and this path has none (no switch stamped the packets); \

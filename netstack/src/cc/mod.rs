@@ -28,7 +28,7 @@ pub mod params;
 pub mod swift;
 pub mod timely;
 
-pub use params::{CcEnv, CcParams};
+pub use params::CcParams;
 
 /// Which events an algorithm wants (selective triggering).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -186,6 +186,43 @@ pub trait CcAlgorithm: Send + std::fmt::Debug {
     fn context_bytes(&self) -> usize;
 }
 
+/// What the QPs of one host share: the parameters and Homa's receiver scheduler.
+#[derive(Debug)]
+pub struct CcEnv {
+    pub params: SharedParams,
+    pub homa: std::sync::Arc<homa::HomaScheduler>,
+}
+
+/// The parameters behind `Arc`s, so each QP's context holds a pointer rather than a copy.
+#[derive(Debug, Clone)]
+pub struct SharedParams {
+    pub dcqcn: std::sync::Arc<params::DcqcnParams>,
+    pub timely: std::sync::Arc<params::TimelyParams>,
+    pub hpcc: std::sync::Arc<params::HpccParams>,
+    pub swift: std::sync::Arc<params::SwiftParams>,
+    pub homa: std::sync::Arc<params::HomaParams>,
+}
+
+impl CcEnv {
+    pub fn new(p: &CcParams) -> std::sync::Arc<CcEnv> {
+        std::sync::Arc::new(CcEnv {
+            params: SharedParams {
+                dcqcn: std::sync::Arc::new(p.dcqcn.clone()),
+                timely: std::sync::Arc::new(p.timely.clone()),
+                hpcc: std::sync::Arc::new(p.hpcc.clone()),
+                swift: std::sync::Arc::new(p.swift.clone()),
+                homa: std::sync::Arc::new(p.homa.clone()),
+            },
+            homa: std::sync::Arc::new(homa::HomaScheduler::default()),
+        })
+    }
+
+    /// The defaults.
+    pub fn default_env() -> std::sync::Arc<CcEnv> {
+        CcEnv::new(&CcParams::default())
+    }
+}
+
 /// The algorithm a QP runs, as configured (per QP, selectable at run time).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -252,5 +289,28 @@ impl std::str::FromStr for CcKind {
             .into_iter()
             .find(|k| k.name() == s)
             .ok_or_else(|| format!("unknown congestion control {s:?}: use none, dcqcn, timely, hpcc, swift or homa"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_context_fits_the_budget_and_names_round_trip() {
+        let env = CcEnv::default_env();
+        for k in CcKind::ALL {
+            assert_eq!(k.name().parse::<CcKind>(), Ok(k));
+            let Some(a) = k.build(&env) else {
+                assert_eq!(k, CcKind::None);
+                continue;
+            };
+            eprintln!("{k}: {} bytes of per-QP context", a.context_bytes());
+            assert!(a.context_bytes() <= 128, "{k}: {}", a.context_bytes());
+            assert_eq!(a.name(), k.name());
+            assert!(a.header().data_bytes as usize <= crate::wire::MAX_CC_HDR_LEN);
+            assert_eq!(a.header().data_bytes % 4, 0);
+        }
+        assert!("reno".parse::<CcKind>().is_err());
     }
 }

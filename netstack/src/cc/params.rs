@@ -2,18 +2,15 @@
 //! TOML config, or `--cc-param ALG.FIELD=VALUE` on the command line. Rates take a number of
 //! bytes per second or a string with a unit (`"10gbit"`, `"500mbit"`, `"1.25GB/s"`).
 
-use super::{dcqcn, homa, hpcc, swift, timely};
-use std::sync::Arc;
-
 /// Parameters of all algorithms (defaults from the papers, see each algorithm's module).
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct CcParams {
-    pub dcqcn: dcqcn::DcqcnParams,
-    pub timely: timely::TimelyParams,
-    pub hpcc: hpcc::HpccParams,
-    pub swift: swift::SwiftParams,
-    pub homa: homa::HomaParams,
+    pub dcqcn: DcqcnParams,
+    pub timely: TimelyParams,
+    pub hpcc: HpccParams,
+    pub swift: SwiftParams,
+    pub homa: HomaParams,
 }
 
 impl CcParams {
@@ -87,40 +84,263 @@ impl CcParams {
     }
 }
 
-/// What the QPs of one host share: the parameters and Homa's receiver scheduler.
-#[derive(Debug)]
-pub struct CcEnv {
-    pub params: SharedParams,
-    pub homa: Arc<homa::HomaScheduler>,
+// ---- each algorithm's parameters (its module documents the algorithm) ----
+
+/// DCQCN parameters (shared by the QPs that use them).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DcqcnParams {
+    /// Line rate C, bytes per second.
+    #[serde(with = "rate")]
+    pub line_rate: u64,
+    /// Floor of the rate, bytes per second.
+    #[serde(with = "rate")]
+    pub min_rate: u64,
+    /// Additive increase step R_AI and hyper increase step R_HAI, bytes per second.
+    #[serde(with = "rate")]
+    pub rate_ai: u64,
+    #[serde(with = "rate")]
+    pub rate_hai: u64,
+    /// alpha gain g.
+    pub g: f64,
+    /// alpha update period K (ns) and rate increase timer T (ns).
+    pub alpha_period_ns: u64,
+    pub rate_timer_ns: u64,
+    /// Byte counter B.
+    pub byte_counter: u64,
+    /// Fast-recovery stages F.
+    pub fast_recovery: u32,
+    /// Receiver: at most one CNP per this interval (ns).
+    pub cnp_interval_ns: u64,
 }
 
-/// The parameters behind `Arc`s, so each QP's context holds a pointer rather than a copy.
-#[derive(Debug, Clone)]
-pub struct SharedParams {
-    pub dcqcn: Arc<dcqcn::DcqcnParams>,
-    pub timely: Arc<timely::TimelyParams>,
-    pub hpcc: Arc<hpcc::HpccParams>,
-    pub swift: Arc<swift::SwiftParams>,
-    pub homa: Arc<homa::HomaParams>,
-}
-
-impl CcEnv {
-    pub fn new(p: &CcParams) -> Arc<CcEnv> {
-        Arc::new(CcEnv {
-            params: SharedParams {
-                dcqcn: Arc::new(p.dcqcn.clone()),
-                timely: Arc::new(p.timely.clone()),
-                hpcc: Arc::new(p.hpcc.clone()),
-                swift: Arc::new(p.swift.clone()),
-                homa: Arc::new(p.homa.clone()),
-            },
-            homa: Arc::new(homa::HomaScheduler::default()),
-        })
+impl Default for DcqcnParams {
+    fn default() -> Self {
+        let gbit = 1_000_000_000 / 8;
+        DcqcnParams {
+            line_rate: 40 * gbit,
+            min_rate: gbit / 10,
+            rate_ai: 40 * gbit / 1000,
+            rate_hai: 400 * gbit / 1000,
+            g: 1.0 / 256.0,
+            alpha_period_ns: 55_000,
+            rate_timer_ns: 55_000,
+            byte_counter: 10 << 20,
+            fast_recovery: 5,
+            cnp_interval_ns: 50_000,
+        }
     }
+}
 
-    /// The defaults.
-    pub fn default_env() -> Arc<CcEnv> {
-        CcEnv::new(&CcParams::default())
+impl DcqcnParams {
+    pub fn validate(&self) -> Result<(), String> {
+        if self.min_rate > self.line_rate {
+            return Err("min_rate: above line_rate".into());
+        }
+        if !(self.g > 0.0 && self.g <= 1.0) {
+            return Err(format!("g: {} not in (0, 1]", self.g));
+        }
+        if self.alpha_period_ns == 0 || self.rate_timer_ns == 0 || self.byte_counter == 0 {
+            return Err("alpha_period_ns, rate_timer_ns, byte_counter: must be > 0".into());
+        }
+        Ok(())
+    }
+}
+
+/// TIMELY parameters.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TimelyParams {
+    /// Line rate C and floor, bytes per second.
+    #[serde(with = "rate")]
+    pub line_rate: u64,
+    #[serde(with = "rate")]
+    pub min_rate: u64,
+    /// EWMA weight of a new RTT difference.
+    pub ewma: f64,
+    /// Multiplicative decrease factor.
+    pub beta: f64,
+    pub t_low_ns: u64,
+    pub t_high_ns: u64,
+    /// Minimum RTT: the gradient's normaliser and the update interval.
+    pub min_rtt_ns: u64,
+    /// Additive step, bytes per second.
+    #[serde(with = "rate")]
+    pub delta: u64,
+    /// Consecutive non-positive gradients before hyper-active increase (N = 5 steps).
+    pub hai_thresh: u32,
+}
+
+impl Default for TimelyParams {
+    fn default() -> Self {
+        let gbit = 1_000_000_000 / 8;
+        let line = 40 * gbit;
+        TimelyParams {
+            line_rate: line,
+            min_rate: gbit / 10,
+            ewma: 0.02,
+            beta: 0.8,
+            t_low_ns: 50_000,
+            t_high_ns: 500_000,
+            min_rtt_ns: 20_000,
+            // 10 Mbit/s per 10 Gbit/s of line rate
+            delta: line / 1000,
+            hai_thresh: 5,
+        }
+    }
+}
+
+impl TimelyParams {
+    pub fn validate(&self) -> Result<(), String> {
+        if self.min_rate > self.line_rate {
+            return Err("min_rate: above line_rate".into());
+        }
+        if !(self.ewma > 0.0 && self.ewma <= 1.0) {
+            return Err(format!("ewma: {} not in (0, 1]", self.ewma));
+        }
+        if !(self.beta > 0.0 && self.beta < 1.0) {
+            return Err(format!("beta: {} not in (0, 1)", self.beta));
+        }
+        if self.min_rtt_ns == 0 || self.t_low_ns >= self.t_high_ns {
+            return Err("min_rtt_ns: must be > 0, and t_low_ns below t_high_ns".into());
+        }
+        Ok(())
+    }
+}
+
+/// HPCC parameters.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HpccParams {
+    /// Line rate C of the host, bytes per second.
+    #[serde(with = "rate")]
+    pub line_rate: u64,
+    /// Base RTT T of the network in nanoseconds (W_init = C × T).
+    pub base_rtt_ns: u64,
+    /// Target utilisation eta.
+    pub eta: f64,
+    /// Additive-increase stages before a multiplicative adjustment (maxStage).
+    pub max_stage: u32,
+    /// Additive increase as a rate: W_AI = rate_ai × T.
+    #[serde(with = "rate")]
+    pub rate_ai: u64,
+}
+
+impl Default for HpccParams {
+    fn default() -> Self {
+        HpccParams {
+            line_rate: 100_000_000_000 / 8,
+            base_rtt_ns: 10_000,
+            eta: 0.95,
+            max_stage: 5,
+            rate_ai: 50_000_000 / 8,
+        }
+    }
+}
+
+impl HpccParams {
+    pub fn validate(&self) -> Result<(), String> {
+        if !(self.eta > 0.0 && self.eta <= 1.0) {
+            return Err(format!("eta: {} not in (0, 1]", self.eta));
+        }
+        if self.base_rtt_ns == 0 {
+            return Err("base_rtt_ns: must be > 0".into());
+        }
+        Ok(())
+    }
+}
+
+/// Swift parameters (windows in packets, delays in nanoseconds).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SwiftParams {
+    /// Line rate, bytes per second (caps the pacing rate).
+    #[serde(with = "rate")]
+    pub line_rate: u64,
+    pub base_target_ns: u64,
+    /// Target added per hop, and the hops assumed on the path.
+    pub per_hop_ns: u64,
+    pub hops: u32,
+    /// Additive increment (packets per window), decrease factor and largest cut.
+    pub ai: f64,
+    pub beta: f64,
+    pub max_mdf: f64,
+    pub min_cwnd: f64,
+    pub max_cwnd: f64,
+    /// Flow scaling: extra target up to `fs_range_ns` for windows between these bounds.
+    pub fs_range_ns: u64,
+    pub fs_min_cwnd: f64,
+    pub fs_max_cwnd: f64,
+    /// Consecutive timeouts that reset the window to the minimum.
+    pub retx_reset: u32,
+    /// Initial window (packets).
+    pub init_cwnd: f64,
+}
+
+impl Default for SwiftParams {
+    fn default() -> Self {
+        SwiftParams {
+            line_rate: 100_000_000_000 / 8,
+            base_target_ns: 25_000,
+            per_hop_ns: 1_000,
+            hops: 1,
+            ai: 1.0,
+            beta: 0.8,
+            max_mdf: 0.5,
+            min_cwnd: 0.01,
+            max_cwnd: 256.0,
+            fs_range_ns: 100_000,
+            fs_min_cwnd: 0.1,
+            fs_max_cwnd: 256.0,
+            retx_reset: 3,
+            init_cwnd: 12.0,
+        }
+    }
+}
+
+impl SwiftParams {
+    pub fn validate(&self) -> Result<(), String> {
+        if !(self.min_cwnd > 0.0 && self.min_cwnd <= self.max_cwnd) {
+            return Err("min_cwnd: must be > 0 and at most max_cwnd".into());
+        }
+        if !(self.beta > 0.0 && self.beta <= 1.0 && self.max_mdf > 0.0 && self.max_mdf < 1.0) {
+            return Err("beta, max_mdf: beta in (0, 1], max_mdf in (0, 1)".into());
+        }
+        if !(self.fs_min_cwnd > 0.0 && self.fs_min_cwnd < self.fs_max_cwnd) {
+            return Err("fs_min_cwnd: must be > 0 and below fs_max_cwnd".into());
+        }
+        Ok(())
+    }
+}
+
+/// Homa parameters.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HomaParams {
+    /// Unscheduled bytes per message and how far ahead a grant reaches (one BDP).
+    pub rtt_bytes: u64,
+    /// Messages granted at once per receiver (the overcommit degree k).
+    pub overcommit: u32,
+    /// How often a receiver QP that was not granted re-checks its rank, ns.
+    pub grant_timer_ns: u64,
+}
+
+impl Default for HomaParams {
+    fn default() -> Self {
+        HomaParams {
+            rtt_bytes: 40_000,
+            overcommit: 8,
+            grant_timer_ns: 10_000,
+        }
+    }
+}
+
+impl HomaParams {
+    pub fn validate(&self) -> Result<(), String> {
+        if self.rtt_bytes == 0 || self.overcommit == 0 || self.grant_timer_ns == 0 {
+            return Err("rtt_bytes, overcommit, grant_timer_ns: must be > 0".into());
+        }
+        Ok(())
     }
 }
 

@@ -12,68 +12,7 @@
 use super::{CcAlgorithm, CcOutput, RxKind, RxMeta, StartInfo, Traced, TxMeta, Verdict};
 use std::sync::Arc;
 
-/// Swift parameters (windows in packets, delays in nanoseconds).
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct SwiftParams {
-    /// Line rate, bytes per second (caps the pacing rate).
-    #[serde(with = "super::params::rate")]
-    pub line_rate: u64,
-    pub base_target_ns: u64,
-    /// Target added per hop, and the hops assumed on the path.
-    pub per_hop_ns: u64,
-    pub hops: u32,
-    /// Additive increment (packets per window), decrease factor and largest cut.
-    pub ai: f64,
-    pub beta: f64,
-    pub max_mdf: f64,
-    pub min_cwnd: f64,
-    pub max_cwnd: f64,
-    /// Flow scaling: extra target up to `fs_range_ns` for windows between these bounds.
-    pub fs_range_ns: u64,
-    pub fs_min_cwnd: f64,
-    pub fs_max_cwnd: f64,
-    /// Consecutive timeouts that reset the window to the minimum.
-    pub retx_reset: u32,
-    /// Initial window (packets).
-    pub init_cwnd: f64,
-}
-
-impl Default for SwiftParams {
-    fn default() -> Self {
-        SwiftParams {
-            line_rate: 100_000_000_000 / 8,
-            base_target_ns: 25_000,
-            per_hop_ns: 1_000,
-            hops: 1,
-            ai: 1.0,
-            beta: 0.8,
-            max_mdf: 0.5,
-            min_cwnd: 0.01,
-            max_cwnd: 256.0,
-            fs_range_ns: 100_000,
-            fs_min_cwnd: 0.1,
-            fs_max_cwnd: 256.0,
-            retx_reset: 3,
-            init_cwnd: 12.0,
-        }
-    }
-}
-
-impl SwiftParams {
-    pub fn validate(&self) -> Result<(), String> {
-        if !(self.min_cwnd > 0.0 && self.min_cwnd <= self.max_cwnd) {
-            return Err("min_cwnd: must be > 0 and at most max_cwnd".into());
-        }
-        if !(self.beta > 0.0 && self.beta <= 1.0 && self.max_mdf > 0.0 && self.max_mdf < 1.0) {
-            return Err("beta, max_mdf: beta in (0, 1], max_mdf in (0, 1)".into());
-        }
-        if !(self.fs_min_cwnd > 0.0 && self.fs_min_cwnd < self.fs_max_cwnd) {
-            return Err("fs_min_cwnd: must be > 0 and below fs_max_cwnd".into());
-        }
-        Ok(())
-    }
-}
+pub use super::params::SwiftParams;
 
 /// The per-QP Swift context.
 #[derive(Debug)]

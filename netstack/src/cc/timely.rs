@@ -9,66 +9,7 @@
 use super::{CcAlgorithm, CcOutput, RxKind, RxMeta, StartInfo, Traced, TxMeta, Verdict};
 use std::sync::Arc;
 
-/// TIMELY parameters.
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct TimelyParams {
-    /// Line rate C and floor, bytes per second.
-    #[serde(with = "super::params::rate")]
-    pub line_rate: u64,
-    #[serde(with = "super::params::rate")]
-    pub min_rate: u64,
-    /// EWMA weight of a new RTT difference.
-    pub ewma: f64,
-    /// Multiplicative decrease factor.
-    pub beta: f64,
-    pub t_low_ns: u64,
-    pub t_high_ns: u64,
-    /// Minimum RTT: the gradient's normaliser and the update interval.
-    pub min_rtt_ns: u64,
-    /// Additive step, bytes per second.
-    #[serde(with = "super::params::rate")]
-    pub delta: u64,
-    /// Consecutive non-positive gradients before hyper-active increase (N = 5 steps).
-    pub hai_thresh: u32,
-}
-
-impl Default for TimelyParams {
-    fn default() -> Self {
-        let gbit = 1_000_000_000 / 8;
-        let line = 40 * gbit;
-        TimelyParams {
-            line_rate: line,
-            min_rate: gbit / 10,
-            ewma: 0.02,
-            beta: 0.8,
-            t_low_ns: 50_000,
-            t_high_ns: 500_000,
-            min_rtt_ns: 20_000,
-            // 10 Mbit/s per 10 Gbit/s of line rate
-            delta: line / 1000,
-            hai_thresh: 5,
-        }
-    }
-}
-
-impl TimelyParams {
-    pub fn validate(&self) -> Result<(), String> {
-        if self.min_rate > self.line_rate {
-            return Err("min_rate: above line_rate".into());
-        }
-        if !(self.ewma > 0.0 && self.ewma <= 1.0) {
-            return Err(format!("ewma: {} not in (0, 1]", self.ewma));
-        }
-        if !(self.beta > 0.0 && self.beta < 1.0) {
-            return Err(format!("beta: {} not in (0, 1)", self.beta));
-        }
-        if self.min_rtt_ns == 0 || self.t_low_ns >= self.t_high_ns {
-            return Err("min_rtt_ns: must be > 0, and t_low_ns below t_high_ns".into());
-        }
-        Ok(())
-    }
-}
+pub use super::params::TimelyParams;
 
 /// The per-QP TIMELY context.
 #[derive(Debug)]
