@@ -152,7 +152,9 @@ fi
 
 # one-way delay in each direction; the algorithms' delay targets from the resulting base RTT, and
 # DCQCN's increase and alpha timers at one base RTT (its defaults, 55 us, assume a 10 us fabric
-# RTT: at a millisecond they recover faster than the CNPs can come back, and the queue runs away)
+# RTT: at a millisecond they recover faster than the CNPs can come back, and the queue runs away);
+# HPCC's additive step at 0.5 % of the line rate per RTT, as in the simulator, so two flows
+# converge within seconds at a millisecond RTT
 half=$(( DELAY_US / 2 ))
 base_ns=$(( (DELAY_US + 100) * 1000 ))
 bdp=$(( RATE_BPS / 8 * (DELAY_US + 100) / 1000000 ))
@@ -160,7 +162,8 @@ net=(--line-rate "$RATE_BPS" --rx-delay-us "$half" --no-gso --no-gro --pacing-bu
   --cc-param "timely.min_rtt_ns=$base_ns" --cc-param "timely.t_low_ns=$(( base_ns + 500000 ))"
   --cc-param "timely.t_high_ns=$(( base_ns + 4000000 ))"
   --cc-param "swift.base_target_ns=$(( base_ns + 500000 ))"
-  --cc-param "hpcc.base_rtt_ns=$base_ns" --cc-param "homa.rtt_bytes=$(( bdp > 4096 ? bdp : 4096 ))"
+  --cc-param "hpcc.base_rtt_ns=$base_ns" --cc-param "hpcc.rate_ai=$(( RATE_BPS / 8 / 200 ))"
+  --cc-param "homa.rtt_bytes=$(( bdp > 4096 ? bdp : 4096 ))"
   --cc-param "dcqcn.rate_timer_ns=$base_ns" --cc-param "dcqcn.alpha_period_ns=$base_ns")
 [ "$CC" = hpcc ] && net+=(--no-udp-checksum)
 
