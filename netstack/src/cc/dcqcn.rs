@@ -152,10 +152,6 @@ impl CcAlgorithm for Dcqcn {
         }
         self.emit(out);
     }
-
-    fn context_bytes(&self) -> usize {
-        std::mem::size_of::<Self>()
-    }
 }
 
 #[cfg(test)]

@@ -190,10 +190,6 @@ impl CcAlgorithm for Homa {
     fn on_timer(&mut self, now: u64, out: &mut CcOutput) {
         self.maybe_grant(now, out);
     }
-
-    fn context_bytes(&self) -> usize {
-        std::mem::size_of::<Self>()
-    }
 }
 
 #[cfg(test)]

@@ -10,7 +10,7 @@
 //! INT, and the algorithm reports a fault rather than guess.
 
 use super::header::{IntHop, IntStack, INT_STACK_LEN, MAX_HOPS};
-use super::{CcAlgorithm, CcOutput, HeaderSpec, RxKind, RxMeta, StartInfo, Traced, TxMeta, Verdict};
+use super::{CcAlgorithm, CcOutput, HeaderSpec, RxKind, RxMeta, StartInfo, Traced};
 use std::sync::Arc;
 
 pub use super::params::HpccParams;
@@ -131,10 +131,6 @@ impl CcAlgorithm for Hpcc {
         self.emit(out);
     }
 
-    fn on_tx(&mut self, _now: u64, _pkt: &TxMeta, _out: &mut CcOutput) -> Verdict {
-        Verdict::Send
-    }
-
     fn on_rx(&mut self, now: u64, pkt: &RxMeta<'_>, out: &mut CcOutput) {
         if pkt.kind != RxKind::Ack || pkt.cc.is_empty() {
             return;
@@ -159,12 +155,6 @@ impl CcAlgorithm for Hpcc {
         self.compute_window(u, update);
         self.last = stack.hops;
         self.emit(out);
-    }
-
-    fn on_timer(&mut self, _now: u64, _out: &mut CcOutput) {}
-
-    fn context_bytes(&self) -> usize {
-        std::mem::size_of::<Self>()
     }
 }
 

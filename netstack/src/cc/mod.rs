@@ -174,16 +174,21 @@ pub trait CcAlgorithm: Send + std::fmt::Debug {
     }
     /// The QP starts sending (connected): initial rate, window and timer.
     fn on_start(&mut self, now: u64, info: &StartInfo, out: &mut CcOutput);
-    /// TX function: a traced data packet is ready to leave.
-    fn on_tx(&mut self, now: u64, pkt: &TxMeta, out: &mut CcOutput) -> Verdict;
+    /// TX function: a traced data packet is ready to leave (rate- and window-based algorithms
+    /// that only pace need not trace these: the pacer defers their packets).
+    fn on_tx(&mut self, _now: u64, _pkt: &TxMeta, _out: &mut CcOutput) -> Verdict {
+        Verdict::Send
+    }
     /// Fills the CC header (`header().data_bytes` long, zeroed) of a data packet about to leave.
     fn write_header(&mut self, _now: u64, _pkt: &TxMeta, _hdr: &mut [u8]) {}
     /// RX function: a traced packet arrived.
     fn on_rx(&mut self, now: u64, pkt: &RxMeta<'_>, out: &mut CcOutput);
     /// The timer this algorithm asked for expired.
-    fn on_timer(&mut self, now: u64, out: &mut CcOutput);
+    fn on_timer(&mut self, _now: u64, _out: &mut CcOutput) {}
     /// Bytes of per-QP context (the budget is 128).
-    fn context_bytes(&self) -> usize;
+    fn context_bytes(&self) -> usize {
+        std::mem::size_of_val(self)
+    }
 }
 
 /// What the QPs of one host share: the parameters and Homa's receiver scheduler.

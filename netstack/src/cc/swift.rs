@@ -9,7 +9,7 @@
 //! The delay is the transport's RTT sample, which includes the responder's ACK coalescing (at
 //! most one ACK interval); Swift's NIC timestamps would subtract it.
 
-use super::{CcAlgorithm, CcOutput, RxKind, RxMeta, StartInfo, Traced, TxMeta, Verdict};
+use super::{CcAlgorithm, CcOutput, RxKind, RxMeta, StartInfo, Traced};
 use std::sync::Arc;
 
 pub use super::params::SwiftParams;
@@ -90,10 +90,6 @@ impl CcAlgorithm for Swift {
         self.set_cwnd(now, self.cwnd, out);
     }
 
-    fn on_tx(&mut self, _now: u64, _pkt: &TxMeta, _out: &mut CcOutput) -> Verdict {
-        Verdict::Send
-    }
-
     fn on_rx(&mut self, now: u64, pkt: &RxMeta<'_>, out: &mut CcOutput) {
         match (pkt.kind, pkt.rtt_ns) {
             (RxKind::Ack, Some(delay)) => {
@@ -130,12 +126,6 @@ impl CcAlgorithm for Swift {
             }
             _ => {}
         }
-    }
-
-    fn on_timer(&mut self, _now: u64, _out: &mut CcOutput) {}
-
-    fn context_bytes(&self) -> usize {
-        std::mem::size_of::<Self>()
     }
 }
 

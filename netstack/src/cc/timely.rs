@@ -6,7 +6,7 @@
 //! (ns-3 uses 0.875, which turns the tens of microseconds of scheduling jitter of a software
 //! stack into steep gradients and collapses the rate; see `shared/research/congestion.md` §1.2).
 
-use super::{CcAlgorithm, CcOutput, RxKind, RxMeta, StartInfo, Traced, TxMeta, Verdict};
+use super::{CcAlgorithm, CcOutput, RxKind, RxMeta, StartInfo, Traced};
 use std::sync::Arc;
 
 pub use super::params::TimelyParams;
@@ -84,10 +84,6 @@ impl CcAlgorithm for Timely {
         out.rate = Some(Some(self.rate as u64));
     }
 
-    fn on_tx(&mut self, _now: u64, _pkt: &TxMeta, _out: &mut CcOutput) -> Verdict {
-        Verdict::Send
-    }
-
     fn on_rx(&mut self, now: u64, pkt: &RxMeta<'_>, out: &mut CcOutput) {
         let (RxKind::Ack, Some(rtt)) = (pkt.kind, pkt.rtt_ns) else {
             return;
@@ -98,12 +94,6 @@ impl CcAlgorithm for Timely {
         self.last_update = now.max(1);
         self.update(rtt);
         out.rate = Some(Some(self.rate as u64));
-    }
-
-    fn on_timer(&mut self, _now: u64, _out: &mut CcOutput) {}
-
-    fn context_bytes(&self) -> usize {
-        std::mem::size_of::<Self>()
     }
 }
 
