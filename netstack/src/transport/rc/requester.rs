@@ -14,6 +14,8 @@ use std::sync::Arc;
 
 /// `sent_at` value of a packet that was sent more than once.
 const RETRANSMITTED: u64 = u64::MAX;
+/// Smallest reordering window of selective repeat (a quarter of the smoothed RTT otherwise).
+const MIN_REORDER_NS: u64 = 2_000;
 
 /// Every this many packets of a long message carries AckReq.
 const ACKREQ_EVERY: u32 = 16;
@@ -180,6 +182,14 @@ pub(super) struct Requester {
     /// Selective repeat: PSNs to resend, and the PSN below which holes were already resent.
     retx: BTreeSet<u64>,
     retx_done_up_to: u64,
+    /// Selective repeat (RACK): one past the highest PSN a SACK reported, the smoothed RTT, the
+    /// send time and RTT of the most recently sent packet known delivered, and when the oldest
+    /// hole that was too young to call lost (it may be reordered) becomes old enough.
+    sack_high: u64,
+    srtt: u64,
+    rack_xmit: u64,
+    rack_rtt: u64,
+    reorder_deadline: Option<u64>,
     deadline: Option<u64>,
     retries: u32,
     rnr_retries: u32,
@@ -209,6 +219,11 @@ impl Requester {
             last_meta: None,
             retx: BTreeSet::new(),
             retx_done_up_to: psn,
+            sack_high: psn,
+            srtt: 0,
+            rack_xmit: 0,
+            rack_rtt: 0,
+            reorder_deadline: None,
             deadline: None,
             retries: 0,
             rnr_retries: 0,
@@ -396,7 +411,10 @@ impl Requester {
         } else {
             None
         };
-        [self.deadline, self.rnr_until, paced].into_iter().flatten().min()
+        [self.deadline, self.rnr_until, paced, self.reorder_deadline]
+            .into_iter()
+            .flatten()
+            .min()
     }
 
     fn has_pending(&self) -> bool {
@@ -694,11 +712,12 @@ impl Requester {
                             qp.stats.stale_responses += 1;
                         }
                         r.rtt_sample = r.rtt_of(p, now);
+                        r.delivered(p, now);
                         if let Some(m) = r.cum_ack(p) {
                             r.recover(m, &cfg, true);
                         }
                         if cfg.recovery == Recovery::SelectiveRepeat && pkt.trailer.len() >= SackExt::LEN {
-                            r.sack(&SackExt::parse(pkt.trailer));
+                            r.sack(&SackExt::parse(pkt.trailer), now);
                         }
                     }
                     Syndrome::Rnr { timer } => {
@@ -795,7 +814,7 @@ impl Requester {
         Self::progress(qp);
     }
 
-    fn sack(&mut self, s: &SackExt) {
+    fn sack(&mut self, s: &SackExt, now: u64) {
         let base = psn_unwrap(self.una, s.base);
         let mut highest = None;
         for i in 0..64u64 {
@@ -809,16 +828,41 @@ impl Requester {
                         self.mark(p);
                     }
                 }
+                self.sack_high = self.sack_high.max(p + 1);
                 highest = Some(p);
             }
         }
-        let Some(h) = highest else { return };
-        // holes below the highest received PSN were lost (or are still in flight behind a
-        // reordering; resending those once is the price IRN also pays)
+        if let Some(h) = highest {
+            self.delivered(h, now);
+        }
+        self.resend_old_holes(now);
+    }
+
+    /// Records that PSN `p` (sent once) was delivered: RTT samples for the smoothed RTT, and the
+    /// newest delivered send time for RACK.
+    fn delivered(&mut self, p: u64, now: u64) {
+        let Some(rtt) = self.rtt_of(p, now) else { return };
+        self.srtt = if self.srtt == 0 { rtt } else { (7 * self.srtt + rtt) / 8 };
+        let sent = now - rtt;
+        if sent >= self.rack_xmit {
+            self.rack_xmit = sent;
+            self.rack_rtt = rtt;
+        }
+    }
+
+    /// Selective repeat: resends the holes below the highest SACKed PSN that RACK's rule calls
+    /// lost: a packet sent more than a reordering window (a quarter RTT) after the hole was
+    /// delivered, or the hole is older than two RTTs plus the window. A
+    /// younger hole may be a packet that took a slower path and is still on its way: it is looked
+    /// at again at the next SACK or when it becomes old enough. Each hole is resent once this way;
+    /// a resent packet lost again is the retransmission timer's.
+    fn resend_old_holes(&mut self, now: u64) {
+        let wnd = (self.srtt / 4).max(MIN_REORDER_NS);
         let from = self.una.max(self.retx_done_up_to);
-        for p in from..h {
-            let received = p > base && s.bitmap & (1 << (p - base - 1)) != 0;
-            if received || self.is_acked(p) {
+        let mut done_to = self.sack_high;
+        self.reorder_deadline = None;
+        for p in from..self.sack_high {
+            if self.is_acked(p) {
                 continue;
             }
             if let Some(j) = self.find(p) {
@@ -828,9 +872,21 @@ impl Requester {
                     continue;
                 }
             }
+            let sent = self.sent_at.get((p - self.una) as usize).copied().unwrap_or(0);
+            if sent == RETRANSMITTED {
+                continue;
+            }
+            // without newer deliveries, a hole is given two RTTs before it counts as lost
+            let due = sent + 2 * self.rack_rtt.max(self.srtt) + wnd;
+            let lost = sent.saturating_add(wnd) < self.rack_xmit || now >= due;
+            if !lost {
+                done_to = done_to.min(p);
+                self.reorder_deadline = Some(self.reorder_deadline.map_or(due, |d| d.min(due)));
+                continue;
+            }
             self.retx.insert(p);
         }
-        self.retx_done_up_to = self.retx_done_up_to.max(h + 1);
+        self.retx_done_up_to = self.retx_done_up_to.max(done_to);
     }
 
     fn fail_at(qp: &mut RcQp, psn: u64, status: WcStatus) {
@@ -857,6 +913,9 @@ impl Requester {
     pub(super) fn handle_timeout(qp: &mut RcQp, now: u64) {
         let cfg = qp.cfg;
         let r = &mut qp.req;
+        if r.reorder_deadline.is_some_and(|t| t <= now) {
+            r.resend_old_holes(now);
+        }
         if let Some(t) = r.rnr_until {
             if now >= t {
                 r.rnr_until = None;
