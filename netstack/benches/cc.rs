@@ -8,6 +8,7 @@ use netstack::cc::{CcAlgorithm, CcEnv, CcKind, CcOutput, RxKind, RxMeta, StartIn
 use std::hint::black_box;
 
 const TX: TxMeta = TxMeta {
+    opcode: 0x07,
     bytes: 4112,
     payload: 4096,
     first: false,

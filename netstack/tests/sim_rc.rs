@@ -871,3 +871,59 @@ fn selective_repeat_rides_out_reordering_without_spurious_retransmissions() {
         assert_eq!(rx.duplicate_requests, 0, "seed {seed}: {rx:?}");
     }
 }
+
+/// A user-written algorithm: counts the events it traces (only the last packet of each WRITE).
+#[derive(Debug)]
+struct CountLast(Arc<std::sync::atomic::AtomicU64>, Arc<std::sync::atomic::AtomicU64>);
+
+impl netstack::cc::CcAlgorithm for CountLast {
+    fn name(&self) -> &'static str {
+        "count-last"
+    }
+    fn traced(&self) -> netstack::cc::Traced {
+        use netstack::wire::Opcode;
+        netstack::cc::Traced {
+            tx_data: true,
+            rx_data: true,
+            data_opcodes: netstack::cc::OpcodeSet::of(&[Opcode::WriteLast, Opcode::WriteOnly]),
+            ..Default::default()
+        }
+    }
+    fn on_start(&mut self, _: u64, _: &netstack::cc::StartInfo, _: &mut netstack::cc::CcOutput) {}
+    fn on_tx(&mut self, _: u64, pkt: &netstack::cc::TxMeta, _: &mut netstack::cc::CcOutput) -> netstack::cc::Verdict {
+        assert_eq!(pkt.msg_remaining, 0, "only last packets are traced");
+        self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        netstack::cc::Verdict::Send
+    }
+    fn on_rx(&mut self, _: u64, _: &netstack::cc::RxMeta<'_>, _: &mut netstack::cc::CcOutput) {
+        self.1.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+#[test]
+fn user_algorithms_see_only_the_opcodes_they_trace() {
+    let mut sc = Scenario::new(21);
+    sc.link = LinkCfg {
+        loss: 0.0,
+        reorder: 0.0,
+        dup: 0.0,
+        corrupt: 0.0,
+        delay_ns: 2_000,
+        jitter_ns: 0,
+        gap_ns: 100,
+    };
+    let (tx, rx): (Arc<std::sync::atomic::AtomicU64>, Arc<std::sync::atomic::AtomicU64>) = Default::default();
+    sc.nodes[0]
+        .qp
+        .install_cc(Box::new(CountLast(tx.clone(), Arc::default())));
+    sc.nodes[1]
+        .qp
+        .install_cc(Box::new(CountLast(Arc::default(), rx.clone())));
+    let mtu = sc.nodes[0].qp.config().mtu as usize;
+    post_writes(&mut sc, 20, mtu * 3 + 1); // four packets per WRITE
+    sc.run(1_000_000_000, |_| {});
+    assert_eq!(sc.nodes[0].qp.retired_sends(), 20);
+    let n = |a: &Arc<std::sync::atomic::AtomicU64>| a.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!((n(&tx), n(&rx)), (20, 20), "one TX and one RX event per WRITE");
+    assert!(sc.nodes[0].qp.stats().tx_packets >= 80);
+}

@@ -160,6 +160,7 @@ mod tests {
 
     fn tx(bytes: u32) -> TxMeta {
         TxMeta {
+            opcode: 0x07,
             bytes,
             payload: bytes,
             first: false,

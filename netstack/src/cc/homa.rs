@@ -198,6 +198,7 @@ mod tests {
 
     fn tx(first: bool, msg: u64, payload: u32) -> TxMeta {
         TxMeta {
+            opcode: 0x07,
             bytes: payload + 40,
             payload,
             first,

@@ -30,6 +30,25 @@ pub mod timely;
 
 pub use params::CcParams;
 
+/// A set of RC opcodes (bit `n` for opcode `n`, 0x00..=0x1F).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct OpcodeSet(pub u32);
+
+impl OpcodeSet {
+    /// The given opcodes.
+    pub fn of(ops: &[crate::wire::Opcode]) -> OpcodeSet {
+        OpcodeSet(
+            ops.iter()
+                .filter(|&&o| (o as u8) < 32)
+                .fold(0, |m, &o| m | 1 << (o as u8)),
+        )
+    }
+    /// Whether `op` is in the set; the empty set stands for every opcode.
+    pub fn admits(self, op: u8) -> bool {
+        self.0 == 0 || (op < 32 && self.0 & (1 << op) != 0)
+    }
+}
+
 /// Which events an algorithm wants (selective triggering).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Traced {
@@ -45,6 +64,9 @@ pub struct Traced {
     pub rx_grant: bool,
     /// Retransmission timeouts of the QP's requester.
     pub timeout: bool,
+    /// The data opcodes that raise `tx_data` and `rx_data` events (empty: all of them), e.g.
+    /// only the last packet of each message.
+    pub data_opcodes: OpcodeSet,
 }
 
 /// The congestion-control header an algorithm's QPs carry after the BTH.
@@ -60,6 +82,8 @@ pub struct HeaderSpec {
 /// A data packet as the TX function sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TxMeta {
+    /// Its BTH opcode.
+    pub opcode: u8,
     /// Bytes of the packet above UDP.
     pub bytes: u32,
     /// Payload bytes.

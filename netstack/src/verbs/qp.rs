@@ -107,6 +107,13 @@ impl Qp {
         self.mirror.state()
     }
 
+    /// Runs a congestion-control algorithm of the caller's on this QP from now on (after
+    /// connecting): SwCC's programmability for algorithms beyond the built-in five. The peer must
+    /// run a matching receiving half, if the algorithm needs one.
+    pub fn install_cc(&self, alg: Box<dyn crate::cc::CcAlgorithm>) {
+        self.slot.lock().qp.install_cc(alg);
+    }
+
     /// Why congestion control stopped this QP, if it did (HPCC on a path without INT).
     pub fn cc_fault(&self) -> Option<&'static str> {
         self.slot.lock().qp.cc_fault()

@@ -473,7 +473,7 @@ impl RcQp {
             self.stats.dropped_packets += 1;
         }
         // congestion control sees the packet after the transport (an ACK's RTT sample is known)
-        if t.rx_data && pkt.opcode.is_request() && !pkt.payload.is_empty() {
+        if t.rx_data && pkt.opcode.is_request() && !pkt.payload.is_empty() && t.data_opcodes.admits(pkt.opcode as u8) {
             let n = pkt.payload.len() as u32;
             self.cc_event(now, |a, now, out| a.on_rx(now, &meta(RxKind::Data, n, None), out));
         } else if t.rx_ack && matches!(pkt.opcode, Opcode::Acknowledge | Opcode::AtomicAcknowledge) {
@@ -559,7 +559,7 @@ impl RcQp {
     /// Runs the TX function on a data packet (if the algorithm traces them): whether it may
     /// leave now. A deferred or held packet is counted and remembered by the caller.
     fn cc_verdict(&mut self, now: u64, meta: &crate::cc::TxMeta) -> bool {
-        if !self.cc.traced.tx_data {
+        if !self.cc.traced.tx_data || !self.cc.traced.data_opcodes.admits(meta.opcode) {
             return true;
         }
         let Some(alg) = self.cc.alg.as_deref_mut() else {
@@ -591,6 +591,21 @@ impl RcQp {
                 alg.write_header(now, meta, &mut b[..n]);
                 pkt.hdr.insert_cc(&b[..n]);
             }
+        }
+    }
+
+    /// Runs `alg`, an algorithm of the caller's (not one of [`crate::cc::CcKind`]'s), on this QP
+    /// from now on, replacing the configured one. Call it after RTR; the peer must run a
+    /// matching receiving half (or none, for an algorithm that needs no receiver).
+    pub fn install_cc(&mut self, alg: Box<dyn CcAlgorithm>) {
+        self.cc = CcSlot {
+            traced: alg.traced(),
+            header: alg.header(),
+            alg: Some(alg),
+            ..CcSlot::default()
+        };
+        if self.cc.header.echo_in_ack {
+            self.cfg.ack_every = 1;
         }
     }
 

@@ -109,6 +109,7 @@ fn tx_meta(w: &SendWqe, k: u32, pkt: &TxPacket, retransmit: bool, cfg: &RcConfig
     let payload = pkt.payload_len() as u64;
     let end = (k as u64 * cfg.mtu as u64 + payload).min(w.total);
     Some(TxMeta {
+        opcode: pkt.hdr.as_bytes()[0],
         bytes: wire_bytes(pkt) as u32,
         payload: payload as u32,
         first: k == 0,
