@@ -25,6 +25,22 @@ struct LinkCfg {
     gap_ns: u64,
 }
 
+impl LinkCfg {
+    /// A link that loses, reorders, duplicates and corrupts nothing (reordering only through
+    /// `jitter_ns`).
+    fn clean(delay_ns: u64, jitter_ns: u64, gap_ns: u64) -> LinkCfg {
+        LinkCfg {
+            loss: 0.0,
+            reorder: 0.0,
+            dup: 0.0,
+            corrupt: 0.0,
+            delay_ns,
+            jitter_ns,
+            gap_ns,
+        }
+    }
+}
+
 struct Node {
     qp: RcQp,
     mrs: MrTable,
@@ -662,15 +678,7 @@ fn vanished_peer_ends_in_retry_exc_err_within_bound() {
 fn rnr_then_recv_posted_completes() {
     // a SEND with no receive posted gets RNR NAKs until the receive appears
     let mut sc = Scenario::new(7);
-    sc.link = LinkCfg {
-        loss: 0.0,
-        reorder: 0.0,
-        dup: 0.0,
-        corrupt: 0.0,
-        delay_ns: 1000,
-        jitter_ns: 0,
-        gap_ns: 100,
-    };
+    sc.link = LinkCfg::clean(1000, 0, 100);
     let sge = sc.nodes[0].sge("src", 0, 100);
     let n = &mut sc.nodes[0];
     n.qp.post_send(SendWr::new(1, WrOpcode::Send).sge(sge), &n.mrs).unwrap();
@@ -707,15 +715,7 @@ fn paced_qp_sends_at_its_rate() {
     });
     for (seed, rate) in seeds.zip([50_000_000u64, 200_000_000, 1_000_000_000]) {
         let mut sc = Scenario::new(seed);
-        sc.link = LinkCfg {
-            loss: 0.0,
-            reorder: 0.0,
-            dup: 0.0,
-            corrupt: 0.0,
-            delay_ns: 5_000,
-            jitter_ns: 0,
-            gap_ns: 50,
-        };
+        sc.link = LinkCfg::clean(5_000, 0, 50);
         sc.nodes[0].qp.set_rate(Some(rate), 0);
         let (rr, rk) = (sc.nodes[1].mr["dst"].0.addr(), sc.nodes[1].mr["dst"].1);
         for i in 0..32 {
@@ -762,15 +762,7 @@ fn post_writes(sc: &mut Scenario, n: u64, len: usize) {
 #[test]
 fn dcqcn_slows_a_marked_sender_and_recovers() {
     let mut sc = Scenario::new_with(11, CcKind::Dcqcn);
-    sc.link = LinkCfg {
-        loss: 0.0,
-        reorder: 0.0,
-        dup: 0.0,
-        corrupt: 0.0,
-        delay_ns: 2_000,
-        jitter_ns: 0,
-        gap_ns: 100,
-    };
+    sc.link = LinkCfg::clean(2_000, 0, 100);
     let line = netstack::cc::dcqcn::DcqcnParams::default().line_rate;
     let post = |sc: &mut Scenario, n: u64| post_writes(sc, n, 65536);
     // congested: every data packet is marked for 20 ms
@@ -809,15 +801,7 @@ fn timely_follows_the_rtt() {
     let line = netstack::cc::timely::TimelyParams::default().line_rate;
     let post = |sc: &mut Scenario, n: u64| post_writes(sc, n, 16384);
     // short path: RTT far below T_low, the rate stays at line rate
-    sc.link = LinkCfg {
-        loss: 0.0,
-        reorder: 0.0,
-        dup: 0.0,
-        corrupt: 0.0,
-        delay_ns: 2_000,
-        jitter_ns: 0,
-        gap_ns: 100,
-    };
+    sc.link = LinkCfg::clean(2_000, 0, 100);
     post(&mut sc, 50);
     sc.run(50_000_000, |_| {});
     assert_eq!(sc.nodes[0].qp.pacer().rate(), Some(line));
@@ -853,15 +837,7 @@ fn selective_repeat_rides_out_reordering_without_spurious_retransmissions() {
     let seeds = (0u64..).filter(|&s| Scenario::new(s).nodes[0].qp.config().recovery == Recovery::SelectiveRepeat);
     for seed in seeds.take(3) {
         let mut sc = Scenario::new(seed);
-        sc.link = LinkCfg {
-            loss: 0.0,
-            reorder: 0.0,
-            dup: 0.0,
-            corrupt: 0.0,
-            delay_ns: 5_000,
-            jitter_ns: 2_000,
-            gap_ns: 100,
-        };
+        sc.link = LinkCfg::clean(5_000, 2_000, 100);
         post_writes(&mut sc, 64, 8192);
         sc.run(2_000_000_000, |_| {});
         let (tx, rx) = (sc.nodes[0].qp.stats(), sc.nodes[1].qp.stats());
@@ -903,15 +879,7 @@ impl netstack::cc::CcAlgorithm for CountLast {
 #[test]
 fn user_algorithms_see_only_the_opcodes_they_trace() {
     let mut sc = Scenario::new(21);
-    sc.link = LinkCfg {
-        loss: 0.0,
-        reorder: 0.0,
-        dup: 0.0,
-        corrupt: 0.0,
-        delay_ns: 2_000,
-        jitter_ns: 0,
-        gap_ns: 100,
-    };
+    sc.link = LinkCfg::clean(2_000, 0, 100);
     let (tx, rx): (Arc<std::sync::atomic::AtomicU64>, Arc<std::sync::atomic::AtomicU64>) = Default::default();
     sc.nodes[0]
         .qp
