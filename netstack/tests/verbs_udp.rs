@@ -528,8 +528,8 @@ fn a_full_cq_loses_no_completion() {
     assert!(a.cq.next(Duration::from_millis(50)).is_none());
 }
 
-fn cc_side(cc: netstack::cc::CcKind, rx_delay_us: u64) -> Side {
-    side_with(&Opts {
+fn cc_opts(cc: netstack::cc::CcKind, rx_delay_us: u64) -> Opts {
+    Opts {
         ctx: ContextConfig {
             qp: RcConfig {
                 cc,
@@ -540,7 +540,11 @@ fn cc_side(cc: netstack::cc::CcKind, rx_delay_us: u64) -> Side {
         },
         mr_len: 4 << 20,
         ..Default::default()
-    })
+    }
+}
+
+fn cc_side(cc: netstack::cc::CcKind) -> Side {
+    side_with(&cc_opts(cc, 0))
 }
 
 fn write_all(a: &Side, b: &Side, len: usize, n: u64) -> Vec<WcStatus> {
@@ -559,8 +563,8 @@ fn write_all(a: &Side, b: &Side, len: usize, n: u64) -> Vec<WcStatus> {
 fn homa_grants_carry_a_transfer_over_udp() {
     use netstack::cc::CcKind;
     // the receiver runs no CC of its own: it adopts Homa from the sender when connecting
-    let a = cc_side(CcKind::Homa, 0);
-    let b = cc_side(CcKind::None, 0);
+    let a = cc_side(CcKind::Homa);
+    let b = cc_side(CcKind::None);
     b.qp.connect(&a.qp.local_endpoint()).unwrap();
     a.qp.connect(&b.qp.local_endpoint()).unwrap();
     assert_eq!(b.qp.cc_info().map(|c| c.0), Some("homa"));
@@ -579,10 +583,7 @@ fn homa_grants_carry_a_transfer_over_udp() {
 #[test]
 fn hpcc_refuses_a_path_without_int_telemetry() {
     use netstack::cc::CcKind;
-    let a = cc_side(CcKind::Hpcc, 0);
-    let b = cc_side(CcKind::Hpcc, 0);
-    a.qp.connect(&b.qp.local_endpoint()).unwrap();
-    b.qp.connect(&a.qp.local_endpoint()).unwrap();
+    let (a, b) = pair_with(&cc_opts(CcKind::Hpcc, 0));
     let st = write_all(&a, &b, 1 << 20, 4);
     assert!(st.iter().any(|s| *s != WcStatus::Success), "{st:?}");
     assert_eq!(a.qp.cc_fault(), Some(netstack::cc::hpcc::NO_INT));
@@ -592,8 +593,8 @@ fn hpcc_refuses_a_path_without_int_telemetry() {
 #[test]
 fn different_cc_algorithms_are_refused_at_connect() {
     use netstack::cc::CcKind;
-    let a = cc_side(CcKind::Dcqcn, 0);
-    let b = cc_side(CcKind::Swift, 0);
+    let a = cc_side(CcKind::Dcqcn);
+    let b = cc_side(CcKind::Swift);
     let e = a.qp.connect(&b.qp.local_endpoint()).unwrap_err().to_string();
     assert!(e.contains("swift") && e.contains("dcqcn"), "{e}");
 }
@@ -601,10 +602,7 @@ fn different_cc_algorithms_are_refused_at_connect() {
 #[test]
 fn the_delay_line_adds_its_delay_to_every_round_trip() {
     use netstack::cc::CcKind;
-    let a = cc_side(CcKind::None, 500);
-    let b = cc_side(CcKind::None, 500);
-    a.qp.connect(&b.qp.local_endpoint()).unwrap();
-    b.qp.connect(&a.qp.local_endpoint()).unwrap();
+    let (a, b) = pair_with(&cc_opts(CcKind::None, 500));
     let t = std::time::Instant::now();
     for _ in 0..10 {
         assert_eq!(write_all(&a, &b, 64, 1), vec![WcStatus::Success]);
