@@ -848,6 +848,37 @@ fn selective_repeat_rides_out_reordering_without_spurious_retransmissions() {
     }
 }
 
+#[test]
+fn a_window_smaller_than_the_losses_still_retransmits() {
+    // congestion control shrinks the window to two packets while losses keep the old packets
+    // unacknowledged: the holes must still be resent (paced, outside the window), or the QP
+    // waits for an ACK that cannot come and ends in RETRY_EXC_ERR
+    for recovery in [Recovery::SelectiveRepeat, Recovery::GoBackN] {
+        let seed = (0u64..)
+            .find(|&s| Scenario::new(s).nodes[0].qp.config().recovery == recovery)
+            .unwrap();
+        let mut sc = Scenario::new(seed);
+        sc.link = LinkCfg {
+            loss: 0.05,
+            ..LinkCfg::clean(5_000, 0, 100)
+        };
+        let mtu = sc.nodes[0].qp.config().mtu as u64;
+        sc.nodes[0].qp.set_window_bytes(Some(2 * mtu));
+        post_writes(&mut sc, 64, 8192);
+        sc.run(20_000_000_000, |_| {});
+        let tx = sc.nodes[0].qp.stats();
+        assert_eq!(sc.nodes[0].qp.retired_sends(), 64, "{recovery:?} seed {seed}: {tx:?}");
+        assert!(
+            tx.retransmitted_packets > 0,
+            "{recovery:?}: the link lost packets: {tx:?}"
+        );
+        assert!(
+            sc.nodes[0].qp.poll_completion().is_none(),
+            "{recovery:?}: no error completion"
+        );
+    }
+}
+
 /// A user-written algorithm: counts the events it traces (only the last packet of each WRITE).
 #[derive(Debug)]
 struct CountLast(Arc<std::sync::atomic::AtomicU64>, Arc<std::sync::atomic::AtomicU64>);

@@ -427,13 +427,16 @@ impl Requester {
         self.sent_max.saturating_sub(self.una) * cfg.mtu as u64
     }
 
-    /// Whether the pacer lets a packet go now.
-    fn paced_ok(&self, now: u64, cfg: &RcConfig) -> bool {
-        self.pacer.ready_at(now).is_none() && self.pacer.window_open(self.inflight_bytes(cfg))
+    /// Whether the window lets a packet of new data go. Retransmissions are exempt: a resent
+    /// packet replaces one presumed lost, and the lost ones still count in `inflight_bytes`, so
+    /// gating them would deadlock a QP whose window shrank below its losses (the rate still
+    /// paces them).
+    fn window_ok(&self, cfg: &RcConfig) -> bool {
+        self.pacer.window_open(self.inflight_bytes(cfg))
     }
 
     pub(super) fn wants_transmit(&self, now: u64, cfg: &RcConfig) -> bool {
-        if self.rnr_until.is_some() || !self.paced_ok(now, cfg) {
+        if self.rnr_until.is_some() || self.pacer.ready_at(now).is_some() {
             return false;
         }
         if !self.retx.is_empty() {
@@ -443,7 +446,9 @@ impl Requester {
             None => false,
             Some(w) => {
                 let psn = w.first_psn.map(|f| f + self.cursor_pkt as u64).unwrap_or(self.next_psn);
-                w.bad.is_none() && psn < self.una + cfg.window_pkts as u64
+                w.bad.is_none()
+                    && psn < self.una + cfg.window_pkts as u64
+                    && (psn < self.sent_max || self.window_ok(cfg))
             }
         }
     }
@@ -551,7 +556,7 @@ impl Requester {
         let cfg = qp.cfg;
         let dest = qp.dest_qpn;
         let r = &mut qp.req;
-        if r.rnr_until.is_some() || !r.paced_ok(now, &cfg) {
+        if r.rnr_until.is_some() || r.pacer.ready_at(now).is_some() {
             return None;
         }
         while let Some(p) = r.retx.pop_first() {
@@ -579,6 +584,10 @@ impl Requester {
             return Some(pkt);
         }
         let w = r.sq.get(r.cursor)?;
+        let resending = w.first_psn.is_some_and(|f| f + (r.cursor_pkt as u64) < r.sent_max);
+        if !resending && !r.window_ok(&cfg) {
+            return None;
+        }
         if w.first_psn.is_none() {
             if w.bad.is_some()
                 || (w.fence && r.rd_outstanding > 0)
