@@ -158,7 +158,7 @@ fi
 half=$(( DELAY_US / 2 ))
 base_ns=$(( (DELAY_US + 100) * 1000 ))
 bdp=$(( RATE_BPS / 8 * (DELAY_US + 100) / 1000000 ))
-net=(--line-rate "$RATE_BPS" --rx-delay-us "$half" --no-gso --no-gro --pacing-burst 4096
+net=(--line-rate "${RATE_BPS}bit" --rx-delay-us "$half" --no-gso --no-gro --pacing-burst 4096
   --cc-param "timely.min_rtt_ns=$base_ns" --cc-param "timely.t_low_ns=$(( base_ns + 500000 ))"
   --cc-param "timely.t_high_ns=$(( base_ns + 4000000 ))"
   --cc-param "swift.base_target_ns=$(( base_ns + 500000 ))"

@@ -113,8 +113,10 @@ int ecn_int(struct __sk_buff *skb)
 	__sync_fetch_and_add(&st->pkts, 1);
 	__sync_fetch_and_add(&st->bytes, len);
 	if (dropped) {
+		/* the virtual FIFO is an estimate: should the real bfifo still take the packet, it
+		 * carries a full-queue INT record rather than none (HPCC reads "no record" as "no INT") */
 		__sync_fetch_and_add(&st->vdrops, 1);
-		return TC_ACT_OK;
+		q = LIMIT;
 	}
 	if (q > st->max_backlog)
 		st->max_backlog = q;

@@ -6,8 +6,9 @@
 //! ("fast react"). The pacing rate is `W / T`. Defaults: eta 95 %, 5 additive stages, W_AI from
 //! 50 Mbit/s × T (the HPCC results' setting; `shared/research/congestion.md` §1.3).
 //!
-//! HPCC needs telemetry: an ACK that echoes an empty stack means no switch on the path stamps
-//! INT, and the algorithm reports a fault rather than guess.
+//! HPCC needs telemetry: [`NO_INT_ACKS`] ACKs in a row that echo an empty stack mean no switch
+//! on the path stamps INT, and the algorithm reports a fault rather than guess. A single
+//! unstamped packet (a switch that skipped one under overload) is ignored, not a fault.
 
 use super::header::{IntHop, IntStack, INT_STACK_LEN, MAX_HOPS};
 use super::{CcAlgorithm, CcOutput, HeaderSpec, RxKind, RxMeta, StartInfo, Traced};
@@ -18,6 +19,9 @@ pub use super::params::HpccParams;
 /// What an ACK with no INT records means.
 pub const NO_INT: &str = "HPCC needs INT telemetry and this path has none (no switch stamped the packets); \
                           use a path with INT switches or another algorithm";
+
+/// Consecutive ACKs with an empty INT stack after which the path counts as having no INT.
+pub const NO_INT_ACKS: u8 = 8;
 
 /// The per-QP HPCC context.
 #[derive(Debug)]
@@ -33,6 +37,8 @@ pub struct Hpcc {
     /// The previous ACK's hops (L in the paper).
     last: [IntHop; MAX_HOPS],
     nlast: u8,
+    /// ACKs in a row whose INT stack was empty.
+    unstamped: u8,
 }
 
 impl Hpcc {
@@ -49,6 +55,7 @@ impl Hpcc {
             next_update: 0,
             last: [IntHop::default(); MAX_HOPS],
             nlast: 0,
+            unstamped: 0,
         }
     }
 
@@ -137,9 +144,13 @@ impl CcAlgorithm for Hpcc {
         }
         let Some(stack) = IntStack::parse(pkt.cc) else { return };
         if stack.nhop == 0 {
-            out.fault = Some(NO_INT);
+            self.unstamped = self.unstamped.saturating_add(1);
+            if self.unstamped >= NO_INT_ACKS {
+                out.fault = Some(NO_INT);
+            }
             return;
         }
+        self.unstamped = 0;
         if stack.nhop != self.nlast {
             // first ACK, or the path changed: remember the hops, measure from the next ACK
             self.last = stack.hops;
@@ -226,7 +237,11 @@ mod tests {
         let mut h = hpcc();
         let w0 = h.window();
         let mut out = CcOutput::default();
-        h.on_rx(1, &rx(&[0u8; INT_STACK_LEN]), &mut out);
+        for i in 1..NO_INT_ACKS as u64 {
+            h.on_rx(i, &rx(&[0u8; INT_STACK_LEN]), &mut out);
+            assert_eq!(out.fault, None, "one unstamped ACK is not yet a path without INT");
+        }
+        h.on_rx(NO_INT_ACKS as u64, &rx(&[0u8; INT_STACK_LEN]), &mut out);
         assert_eq!(out.fault, Some(NO_INT));
         assert_eq!(h.window(), w0);
     }
