@@ -10,6 +10,7 @@
 //! - [`engine`]: the data-core threads that drive transports over a link.
 //! - [`verbs`]: the application API (`Context`, `Pd`, `Mr`, `Cq`, `Qp`).
 //! - [`cm`]: connection management over gRPC.
+//! - [`path`]: multipath: spray policies, per-path RTT, loss and health with probing.
 //! - [`cc`]: per-packet programmable congestion control (DCQCN, TIMELY, HPCC, Swift, Homa).
 //! - [`sim`]: a deterministic network simulator that runs the real transport and CC.
 
@@ -19,6 +20,7 @@ pub mod config;
 pub mod engine;
 pub mod link;
 pub mod mem;
+pub mod path;
 pub mod pipe;
 pub mod sim;
 pub mod transport;

@@ -45,6 +45,9 @@ pub struct FlowResult {
     pub timeouts: u64,
     pub cnps: u64,
     pub cc_fault: Option<&'static str>,
+    /// The sender's paths at the end (see [`Network::set_flow_paths`]).
+    pub paths: Vec<crate::path::PathStats>,
+    pub path_downs: u64,
 }
 
 pub(super) struct Flow {
@@ -58,6 +61,8 @@ pub(super) struct Flow {
     failed: Option<String>,
     stats: RcStats,
     fault: Option<&'static str>,
+    pub(super) paths: Option<(usize, crate::path::SprayPolicy)>,
+    path_stats: Vec<crate::path::PathStats>,
 }
 
 impl Flow {
@@ -73,6 +78,8 @@ impl Flow {
             failed: None,
             stats: RcStats::default(),
             fault: None,
+            paths: None,
+            path_stats: Vec::new(),
         }
     }
 
@@ -88,6 +95,8 @@ impl Flow {
             timeouts: self.stats.timeouts,
             cnps: self.stats.cnps_received,
             cc_fault: self.fault,
+            paths: self.path_stats.clone(),
+            path_downs: self.stats.path_downs,
         }
     }
 }
@@ -158,6 +167,14 @@ fn host(net: &mut Network, n: NodeId) -> &mut Host {
     }
 }
 
+/// SplitMix64's finalizer (0 stays 0): spreads a path index over all bits of the ECMP hash.
+fn mix(x: u64) -> u64 {
+    let mut z = x.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    (z ^ (z >> 31)) >> 1
+}
+
 fn is_feedback(op: u8) -> bool {
     op == Opcode::Acknowledge as u8 || op == Opcode::Cnp as u8 || op == Opcode::Grant as u8
 }
@@ -169,6 +186,14 @@ impl Network {
         let (sq, mut sqp) = host(self, spec.src).new_qp(cfg_cc);
         let (rq, mut rqp) = host(self, spec.dst).new_qp(cfg_cc);
         let (scfg, rcfg) = (*sqp.config(), *rqp.config());
+        if let Some((n, policy)) = self.flows[id].paths {
+            let p = crate::path::PathParams::default();
+            for qp in [&mut sqp, &mut rqp] {
+                if let Err(e) = qp.set_paths(n, policy, p) {
+                    self.flows[id].failed = Some(e);
+                }
+            }
+        }
         let _ = sqp.modify_to_rtr(rq, 0, scfg);
         let _ = sqp.modify_to_rts(0);
         let _ = rqp.modify_to_rtr(sq, 0, rcfg);
@@ -262,9 +287,11 @@ impl Network {
         let Some((sq, rq)) = self.flows[id].qps.take() else {
             return;
         };
-        let stats = host(self, spec.src).qps.remove(&sq).map(|e| e.qp.stats());
+        let sender = host(self, spec.src).qps.remove(&sq);
+        let stats = sender.as_ref().map(|e| e.qp.stats());
         host(self, spec.dst).qps.remove(&rq);
         let f = &mut self.flows[id];
+        f.path_stats = sender.map(|e| e.qp.path_stats()).unwrap_or_default();
         f.done_at = Some(now);
         f.stats = stats.unwrap_or_default();
         f.fault = fault;
@@ -346,12 +373,13 @@ impl Network {
                 let mut data = Vec::with_capacity(p.hdr.len() + p.payload_len() + 8);
                 p.encode(h.addr, dst_addr, &mut data);
                 h.rr = q;
+                // each path is its own 5-tuple (source port) for the switches' ECMP hash
                 let hash = (n as u64) << 40 ^ (q as u64) << 8 ^ peer as u64;
                 let pkt = Packet {
                     data,
                     dst: peer,
                     ce: false,
-                    hash: hash.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 1,
+                    hash: (hash.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 1) ^ mix(p.path as u64),
                 };
                 self.start_tx(n, 0, pkt);
                 break;

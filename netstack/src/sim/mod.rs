@@ -90,6 +90,8 @@ pub(crate) struct Port {
     pub queue: VecDeque<Packet>,
     pub qbytes: u64,
     pub busy: bool,
+    /// A link that is down loses what is sent on it (a cut fiber: the sender does not know).
+    pub up: bool,
     pub stats: PortStats,
 }
 
@@ -198,6 +200,7 @@ impl Network {
             queue: VecDeque::new(),
             qbytes: 0,
             busy: false,
+            up: true,
             stats: PortStats::default(),
         };
         self.ports_mut(a).push(port((b, pb)));
@@ -256,6 +259,12 @@ impl Network {
         }
     }
 
+    /// Cuts (`up = false`) or restores the link from `node`'s `port` towards its peer (one
+    /// direction: call it for the peer's port too to cut both).
+    pub fn set_port_up(&mut self, node: NodeId, port: usize, up: bool) {
+        self.ports_mut(node)[port].up = up;
+    }
+
     /// Records the queue length of `node`'s egress `port` every `every_ns`.
     pub fn monitor(&mut self, node: NodeId, port: usize, every_ns: u64) {
         if self.monitored.is_empty() {
@@ -276,6 +285,11 @@ impl Network {
         if let Node::Host(h) = &mut self.nodes[host] {
             h.feedback_delay = ns;
         }
+    }
+
+    /// Makes flow `flow` (not started yet) use `n` paths with `policy` on both of its QPs.
+    pub fn set_flow_paths(&mut self, flow: FlowId, n: usize, policy: crate::path::SprayPolicy) {
+        self.flows[flow].paths = Some((n, policy));
     }
 
     /// Schedules a flow; it starts at `spec.start`.
@@ -437,9 +451,14 @@ impl Network {
         p.stats.tx_bytes += len;
         p.stats.tx_packets += 1;
         let ser = p.ser_ns(len);
-        let (peer, delay) = (p.peer.0, p.link.delay_ns);
+        let (peer, delay, up) = (p.peer.0, p.link.delay_ns, p.up);
+        if !up {
+            p.stats.drops += 1;
+        }
         self.schedule(now + ser, Ev::PortFree { node, port });
-        self.schedule(now + ser + delay, Ev::Arrive { node: peer, pkt });
+        if up {
+            self.schedule(now + ser + delay, Ev::Arrive { node: peer, pkt });
+        }
     }
 }
 

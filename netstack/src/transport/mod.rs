@@ -25,6 +25,9 @@ pub struct PayloadPart {
 pub struct TxPacket {
     pub hdr: HeaderBuf,
     pub payload: SmallVec<[PayloadPart; 2]>,
+    /// Which of the QP's paths ([`crate::path`]) carries it; the engine maps it to a socket and
+    /// a destination.
+    pub path: u8,
 }
 
 impl TxPacket {

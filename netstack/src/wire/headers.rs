@@ -43,6 +43,9 @@ pub struct Bth {
     pub cc_words: u8,
     pub dest_qp: u32,
     pub ack_req: bool,
+    /// The multipath path the packet was sent on (0..=127; a flexns extension in the seven
+    /// reserved bits of byte 8), so a responder answers on the path its request came on.
+    pub path: u8,
     pub psn: u32,
 }
 
@@ -63,6 +66,7 @@ impl Bth {
             cc_words: 0,
             dest_qp: dest_qp & MASK24,
             ack_req: false,
+            path: 0,
             psn: psn & MASK24,
         }
     }
@@ -80,6 +84,7 @@ impl Bth {
             cc_words: b[4] & 0x1F,
             dest_qp: be24(&b[5..]),
             ack_req: b[8] & 0x80 != 0,
+            path: b[8] & 0x7F,
             psn: be24(&b[9..]),
         }
     }
@@ -93,7 +98,7 @@ impl Bth {
         b[2..4].copy_from_slice(&self.pkey.to_be_bytes());
         b[4] = (u8::from(self.fecn) << 7) | (u8::from(self.becn) << 6) | (self.cc_words & 0x1F);
         put24(&mut b[5..], self.dest_qp);
-        b[8] = u8::from(self.ack_req) << 7;
+        b[8] = (u8::from(self.ack_req) << 7) | (self.path & 0x7F);
         put24(&mut b[9..], self.psn);
     }
 }
@@ -278,24 +283,28 @@ impl SrExt {
 
 /// Selective ACK extension (12 bytes) after the AETH of an ACK in selective-repeat mode.
 /// `bitmap` bit `i` set means PSN `base + 1 + i` was received (`base` is the first missing PSN,
-/// so the AETH's cumulative ACK is `base - 1`).
+/// so the AETH's cumulative ACK is `base - 1`); `high` is the highest PSN received, which may lie
+/// beyond the bitmap when spraying reorders deeply (the sender's loss detection uses its send time).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct SackExt {
     pub base: u32,
     pub bitmap: u64,
+    pub high: u32,
 }
 
 impl SackExt {
-    pub const LEN: usize = 12;
+    pub const LEN: usize = 16;
     pub fn parse(b: &[u8]) -> SackExt {
         SackExt {
             base: be32(b) & MASK24,
             bitmap: be64(&b[4..]),
+            high: be32(&b[12..]) & MASK24,
         }
     }
     pub fn emit(&self, b: &mut [u8]) {
         b[..4].copy_from_slice(&(self.base & MASK24).to_be_bytes());
         b[4..12].copy_from_slice(&self.bitmap.to_be_bytes());
+        b[12..16].copy_from_slice(&(self.high & MASK24).to_be_bytes());
     }
 }
 
@@ -356,6 +365,7 @@ mod tests {
         let k = SackExt {
             base: 0xFFFFFF,
             bitmap: 0x8000_0000_0000_0001,
+            high: 0x12345,
         };
         k.emit(&mut buf);
         assert_eq!(SackExt::parse(&buf), k);

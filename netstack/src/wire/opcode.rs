@@ -33,6 +33,11 @@ pub enum Opcode {
     /// A receiver-driven credit grant (SwCC's GRANT type), sent by a receiver-paced congestion
     /// control such as Homa; the grant itself travels in the congestion-control header.
     Grant = 0x83,
+    /// A multipath probe: asks the peer's QP to answer on whatever path it uses, so a path that
+    /// was taken out of the rotation is found healthy again. The PSN field carries the path.
+    Probe = 0x84,
+    /// The answer to a [`Opcode::Probe`], echoing its PSN field.
+    ProbeReply = 0x85,
 }
 
 /// Which extension headers follow the BTH for an opcode, in wire order.
@@ -78,6 +83,8 @@ impl Opcode {
             0x17 => SendOnlyWithInvalidate,
             0x81 => Cnp,
             0x83 => Grant,
+            0x84 => Probe,
+            0x85 => ProbeReply,
             _ => return None,
         })
     }
@@ -122,7 +129,7 @@ impl Opcode {
                 h.atomic_ack_eth = true
             }
             CompareSwap | FetchAdd => h.atomic_eth = true,
-            Cnp | Grant => {}
+            Cnp | Grant | Probe | ProbeReply => {}
         }
         h
     }
@@ -133,6 +140,8 @@ impl Opcode {
             self,
             Opcode::Cnp
                 | Opcode::Grant
+                | Opcode::Probe
+                | Opcode::ProbeReply
                 | Opcode::ReadResponseFirst
                 | Opcode::ReadResponseMiddle
                 | Opcode::ReadResponseLast
@@ -242,7 +251,10 @@ mod tests {
                 n += 1;
             }
         }
-        assert_eq!(n, 25, "23 RC opcodes, the RoCEv2 CNP and the flexns GRANT");
+        assert_eq!(
+            n, 27,
+            "23 RC opcodes, the RoCEv2 CNP and the flexns GRANT, PROBE, PROBE_REPLY"
+        );
         assert!(Opcode::from_u8(0x15).is_none());
         assert!(Opcode::from_u8(0x18).is_none());
     }

@@ -218,6 +218,11 @@ impl HeaderBuf {
         self.len += n as u8;
         self
     }
+    /// Records the multipath path in the BTH ([`Bth::path`]).
+    pub fn set_path(&mut self, path: u8) -> &mut Self {
+        self.bytes[8] = (self.bytes[8] & 0x80) | (path & 0x7F);
+        self
+    }
     pub fn push_sack(&mut self, s: &SackExt) -> &mut Self {
         s.emit(self.grow(SackExt::LEN));
         self

@@ -12,6 +12,7 @@
 //! [`RcQp::poll_transmit`], [`RcQp::poll_timeout`] / [`RcQp::handle_timeout`] and drain
 //! [`RcQp::poll_completion`].
 
+mod multipath;
 mod requester;
 mod responder;
 
@@ -193,6 +194,11 @@ pub struct RcStats {
     pub grants_received: u64,
     /// Packets the congestion-control TX function deferred or held.
     pub cc_deferred: u64,
+    /// Multipath: probes sent on down paths, probes answered for the peer, paths taken out of
+    /// the rotation.
+    pub probes_sent: u64,
+    pub probes_received: u64,
+    pub path_downs: u64,
 }
 
 /// Most control-loop delay samples a QP keeps before the owner collects them.
@@ -211,6 +217,9 @@ pub struct RcQp {
     stats: RcStats,
     cc_env: Arc<CcEnv>,
     cc: CcSlot,
+    probe: multipath::ProbeSlot,
+    /// The path the latest request came on: responses, ACKs and CNPs go back on it.
+    rx_path: u8,
 }
 
 /// A QP's congestion control: the algorithm's context, whether it started, its timer, the
@@ -253,6 +262,8 @@ impl RcQp {
             stats: RcStats::default(),
             cc_env: DEFAULT_CC_ENV.get_or_init(CcEnv::default_env).clone(),
             cc: CcSlot::default(),
+            probe: Default::default(),
+            rx_path: 0,
         }
     }
 
@@ -457,10 +468,15 @@ impl RcQp {
                 }
                 return;
             }
+            Opcode::Probe | Opcode::ProbeReply => {
+                self.handle_probe(now, pkt);
+                return;
+            }
             _ => {}
         }
         let una = self.req.una();
         if pkt.opcode.is_request() {
+            self.rx_path = pkt.bth.path;
             if self.cc.header.echo_in_ack && !pkt.cc.is_empty() {
                 self.cc.echo.clear();
                 self.cc.echo.extend_from_slice(pkt.cc);
@@ -469,6 +485,8 @@ impl RcQp {
         } else if self.state == QpState::Rts {
             self.req.rtt_sample = None;
             Requester::handle(self, now, pkt);
+            // losses found by this ACK may condemn a path
+            self.check_paths(now);
         } else {
             self.stats.dropped_packets += 1;
         }
@@ -486,6 +504,12 @@ impl RcQp {
     /// Next packet to send, if any. Generated CC packets and responses (read data, atomics,
     /// NAKs, ACKs) go first; the requester's data packets pass the CC TX function's verdict.
     pub fn poll_transmit(&mut self, now: u64) -> Option<crate::transport::TxPacket> {
+        let mut p = self.next_packet(now)?;
+        p.hdr.set_path(p.path);
+        Some(p)
+    }
+
+    fn next_packet(&mut self, now: u64) -> Option<crate::transport::TxPacket> {
         if !matches!(self.state, QpState::Rtr | QpState::Rts) {
             return None;
         }
@@ -498,6 +522,7 @@ impl RcQp {
             // 16 reserved bytes; flexns puts the CE arrival time in the first 8
             hdr.push_u32((ce_at >> 32) as u32).push_u32(ce_at as u32).push_zeros(8);
             return Some(crate::transport::TxPacket {
+                path: self.rx_path,
                 hdr,
                 payload: Default::default(),
             });
@@ -510,12 +535,17 @@ impl RcQp {
             g.emit(&mut b);
             hdr.insert_cc(&b);
             return Some(crate::transport::TxPacket {
+                path: self.rx_path,
                 hdr,
                 payload: Default::default(),
             });
         }
+        if let Some(p) = self.poll_probe() {
+            return Some(p);
+        }
         if let Some(mut p) = Responder::poll_transmit(self, now) {
             self.stats.tx_packets += 1;
+            p.path = self.rx_path;
             if !self.cc.echo.is_empty() && p.hdr.bth().opcode == Opcode::Acknowledge as u8 {
                 p.hdr.insert_cc(&self.cc.echo);
             }
@@ -626,6 +656,7 @@ impl RcQp {
         matches!(self.state, QpState::Rtr | QpState::Rts)
             && (self.cc.cnp_pending.is_some()
                 || self.cc.grant_pending.is_some()
+                || self.probe_pending()
                 || self.resp.wants_transmit(now)
                 || (self.state == QpState::Rts && self.requester_ready(now)))
     }
@@ -643,7 +674,13 @@ impl RcQp {
         if !matches!(self.state, QpState::Rtr | QpState::Rts) {
             return None;
         }
+        let paths = if self.state == QpState::Rts {
+            self.req.paths.next_deadline()
+        } else {
+            None
+        };
         [
+            paths,
             self.req.deadline(),
             self.resp.deadline(),
             self.cc.timer,
@@ -665,6 +702,7 @@ impl RcQp {
             self.cc_event(now, |a, now, out| a.on_timer(now, out));
         }
         if self.state == QpState::Rts {
+            self.check_paths(now);
             let timeouts = self.stats.timeouts;
             Requester::handle_timeout(self, now);
             if self.stats.timeouts > timeouts && self.cc.traced.timeout {

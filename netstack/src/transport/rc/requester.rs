@@ -4,6 +4,7 @@
 use super::{QpState, RcConfig, RcQp, Recovery};
 use crate::cc::TxMeta;
 use crate::mem::{Access, MrTable, Region};
+use crate::path::{PathSet, NO_PATH};
 use crate::transport::pacing::Pacer;
 use crate::transport::{psn_unwrap, PayloadPart, TxPacket};
 use crate::wire::*;
@@ -16,6 +17,11 @@ use std::sync::Arc;
 const RETRANSMITTED: u64 = u64::MAX;
 /// Smallest reordering window of selective repeat (a quarter of the smoothed RTT otherwise).
 const MIN_REORDER_NS: u64 = 2_000;
+
+/// `sent_path` values: below this, the path a packet is in flight on; `LEFT + path`, the path it
+/// was last sent on and is no longer in flight on (delivered, lost or forgotten); [`NO_PATH`],
+/// never sent by us (READ response PSNs).
+const LEFT: u8 = 64;
 
 /// Every this many packets of a long message carries AckReq.
 const ACKREQ_EVERY: u32 = 16;
@@ -183,6 +189,10 @@ pub(super) struct Requester {
     /// Selective repeat: PSNs to resend, and the PSN below which holes were already resent.
     retx: BTreeSet<u64>,
     retx_done_up_to: u64,
+    /// Selective repeat: resent PSNs not yet acknowledged, with when they were resent, so RACK
+    /// finds a lost retransmission too (a packet sent after it was delivered) instead of
+    /// leaving it to the retransmission timer.
+    resent: std::collections::BTreeMap<u64, u64>,
     /// Selective repeat (RACK): one past the highest PSN a SACK reported, the smoothed RTT, the
     /// send time and RTT of the most recently sent packet known delivered, and when the oldest
     /// hole that was too young to call lost (it may be reordered) becomes old enough.
@@ -203,6 +213,9 @@ pub(super) struct Requester {
     retired: u64,
     /// Rate and window limits (driven by congestion control).
     pub(super) pacer: Pacer,
+    /// The QP's paths, and the path of each PSN `una..next_psn` (see [`LEFT`]).
+    pub(super) paths: PathSet,
+    sent_path: VecDeque<u8>,
 }
 
 impl Requester {
@@ -220,6 +233,7 @@ impl Requester {
             last_meta: None,
             retx: BTreeSet::new(),
             retx_done_up_to: psn,
+            resent: Default::default(),
             sack_high: psn,
             srtt: 0,
             rack_xmit: 0,
@@ -235,6 +249,8 @@ impl Requester {
             next_recv_seq: 0,
             retired: 0,
             pacer: Pacer::default(),
+            paths: PathSet::default(),
+            sent_path: VecDeque::new(),
         }
     }
 
@@ -242,10 +258,12 @@ impl Requester {
         let sq = std::mem::take(&mut self.sq);
         let retired = self.retired;
         let pacer = std::mem::take(&mut self.pacer);
+        let paths = std::mem::take(&mut self.paths);
         *self = Requester::new(psn);
         self.sq = sq;
         self.retired = retired;
         self.pacer = pacer;
+        self.paths = paths;
     }
 
     pub(super) fn retired(&self) -> u64 {
@@ -370,10 +388,111 @@ impl Requester {
         psn < self.una || self.acked.get((psn - self.una) as usize).copied().unwrap_or(false)
     }
 
-    fn mark(&mut self, psn: u64) {
+    fn mark(&mut self, psn: u64, now: u64) {
         if psn >= self.una {
-            if let Some(a) = self.acked.get_mut((psn - self.una) as usize) {
+            let i = (psn - self.una) as usize;
+            if let Some(a) = self.acked.get_mut(i) {
                 *a = true;
+            }
+            if let Some(sp) = self.sent_path.get_mut(i) {
+                if *sp < LEFT {
+                    self.paths.on_delivered(*sp, now);
+                    *sp += LEFT;
+                }
+            }
+            if !self.resent.is_empty() {
+                self.resent.remove(&psn);
+            }
+        }
+    }
+
+    /// The path PSN `psn` was last sent on.
+    fn path_of(&self, psn: u64) -> Option<u8> {
+        let v = *self.sent_path.get(psn.checked_sub(self.una)? as usize)?;
+        (v != NO_PATH).then_some(v % LEFT)
+    }
+
+    /// Records that `psn` left on a path the policy picks now (avoiding the path a resent
+    /// packet was lost on) and returns the path.
+    fn send_on_path(&mut self, psn: u64, now: u64) -> u8 {
+        let Some(i) = psn.checked_sub(self.una).map(|i| i as usize) else {
+            return self.paths.first_up();
+        };
+        let avoid = self.path_of(psn);
+        let Some(sp) = self.sent_path.get_mut(i) else {
+            return self.paths.first_up();
+        };
+        if *sp < LEFT {
+            // resent while the earlier copy still counts in flight (go-back-N): forget it
+            self.paths.forget(*sp);
+        }
+        let path = self.paths.pick(avoid);
+        *sp = path;
+        self.paths.on_send(path, now);
+        path
+    }
+
+    /// PSN `psn` is presumed lost: it leaves its path's flight (counted as that path's loss)
+    /// and is queued for retransmission.
+    fn presume_lost(&mut self, psn: u64) {
+        if let Some(sp) = psn
+            .checked_sub(self.una)
+            .and_then(|i| self.sent_path.get_mut(i as usize))
+        {
+            if *sp < LEFT {
+                self.paths.on_lost(*sp);
+                *sp += LEFT;
+            }
+        }
+        self.retx.insert(psn);
+    }
+
+    /// Queues `psn` for retransmission after a timeout: no evidence against its path (the
+    /// peer may have stalled), so it only stops counting in flight there.
+    fn requeue(&mut self, psn: u64) {
+        if let Some(sp) = psn
+            .checked_sub(self.una)
+            .and_then(|i| self.sent_path.get_mut(i as usize))
+        {
+            if *sp < LEFT {
+                self.paths.forget(*sp);
+                *sp += LEFT;
+            }
+        }
+        self.retx.insert(psn);
+    }
+
+    /// Go-back-N resends everything from `psn`: earlier copies stop counting in flight.
+    fn forget_from(&mut self, psn: u64) {
+        let from = psn.saturating_sub(self.una) as usize;
+        for sp in self.sent_path.iter_mut().skip(from) {
+            if *sp < LEFT {
+                self.paths.forget(*sp);
+                *sp += LEFT;
+            }
+        }
+    }
+
+    /// Path `path` went down: what is in flight on it is resent on the others (selective
+    /// repeat) or everything from its oldest packet is (go-back-N).
+    pub(super) fn path_down(&mut self, path: u8, cfg: &RcConfig) {
+        let lost: Vec<u64> = (0..self.sent_path.len())
+            .filter(|&i| self.sent_path[i] == path)
+            .map(|i| self.una + i as u64)
+            .collect();
+        match cfg.recovery {
+            Recovery::SelectiveRepeat => {
+                for p in lost {
+                    if !self.is_acked(p) {
+                        self.presume_lost(p);
+                    }
+                }
+            }
+            Recovery::GoBackN => {
+                if let Some(&first) = lost.first() {
+                    self.forget_from(first);
+                    self.rewind(first, false);
+                }
             }
         }
     }
@@ -486,6 +605,7 @@ impl Requester {
                     dma_len: len as u32,
                 });
                 TxPacket {
+                    path: 0,
                     hdr,
                     payload: SmallVec::new(),
                 }
@@ -508,6 +628,7 @@ impl Requester {
                     compare,
                 });
                 TxPacket {
+                    path: 0,
                     hdr,
                     payload: SmallVec::new(),
                 }
@@ -545,6 +666,7 @@ impl Requester {
                 }
                 hdr.set_pad_for(len + ext_len);
                 TxPacket {
+                    path: 0,
                     hdr,
                     payload: gather(&w.segs, off as usize, len),
                 }
@@ -574,8 +696,10 @@ impl Requester {
                     end += 1;
                 }
             }
-            let pkt = Self::build(&r.sq[i], k, end, &cfg, dest);
+            let mut pkt = Self::build(&r.sq[i], k, end, &cfg, dest);
             r.last_meta = tx_meta(&r.sq[i], k, &pkt, true, &cfg);
+            pkt.path = r.send_on_path(p, now);
+            r.resent.insert(p, now);
             qp.stats.retransmitted_packets += 1;
             let r = &mut qp.req;
             r.stamp(p, RETRANSMITTED);
@@ -603,6 +727,7 @@ impl Requester {
             r.next_psn += n as u64;
             r.acked.extend(std::iter::repeat_n(false, n as usize));
             r.sent_at.extend(std::iter::repeat_n(0, n as usize));
+            r.sent_path.extend(std::iter::repeat_n(NO_PATH, n as usize));
             if rd {
                 r.rd_outstanding += 1;
             }
@@ -619,7 +744,7 @@ impl Requester {
         } else {
             (r.cursor_pkt, r.cursor_pkt + 1)
         };
-        let pkt = Self::build(w, k, end, &cfg, dest);
+        let mut pkt = Self::build(w, k, end, &cfg, dest);
         let resent = psn < r.sent_max;
         r.last_meta = tx_meta(w, k, &pkt, resent, &cfg);
         let npkts = w.npkts;
@@ -633,6 +758,7 @@ impl Requester {
             qp.stats.retransmitted_packets += 1;
         }
         let r = &mut qp.req;
+        pkt.path = r.send_on_path(psn, now);
         r.stamp(psn, if resent { RETRANSMITTED } else { now });
         r.sent_max = r.sent_max.max(first + end as u64);
         r.deadline.get_or_insert(now + cfg.timeout_ns);
@@ -643,7 +769,7 @@ impl Requester {
     /// Marks PSNs `una..=a` acknowledged. PSNs of READs and atomics are only acknowledged by
     /// their responses: an ACK beyond one that has no response means the response was lost.
     /// Returns the first such PSN.
-    fn cum_ack(&mut self, a: u64) -> Option<u64> {
+    fn cum_ack(&mut self, a: u64, now: u64) -> Option<u64> {
         if a < self.una || a >= self.next_psn {
             return None;
         }
@@ -662,7 +788,7 @@ impl Requester {
                 }
             } else {
                 for p in f.max(self.una)..=end {
-                    self.mark(p);
+                    self.mark(p, now);
                 }
             }
             i += 1;
@@ -675,6 +801,7 @@ impl Requester {
         while self.acked.front() == Some(&true) {
             self.acked.pop_front();
             self.sent_at.pop_front();
+            self.sent_path.pop_front();
             self.una += 1;
             moved = true;
         }
@@ -683,6 +810,9 @@ impl Requester {
             self.rnr_retries = 0;
             self.last_rewind = None;
             self.retx_done_up_to = self.retx_done_up_to.max(self.una);
+            if !self.resent.is_empty() {
+                self.resent = self.resent.split_off(&self.una);
+            }
             self.deadline = (self.una < self.sent_max).then_some(now + cfg.timeout_ns);
         }
         moved
@@ -691,7 +821,7 @@ impl Requester {
     fn retx_all_from(&mut self, psn: u64) {
         for p in psn.max(self.una)..self.sent_max {
             if !self.is_acked(p) {
-                self.retx.insert(p);
+                self.requeue(p);
             }
         }
     }
@@ -700,7 +830,7 @@ impl Requester {
         match cfg.recovery {
             Recovery::GoBackN => self.rewind(psn, guarded),
             Recovery::SelectiveRepeat => {
-                self.retx.insert(psn);
+                self.presume_lost(psn);
             }
         }
     }
@@ -723,7 +853,7 @@ impl Requester {
                         }
                         r.rtt_sample = r.rtt_of(p, now);
                         r.delivered(p, now);
-                        if let Some(m) = r.cum_ack(p) {
+                        if let Some(m) = r.cum_ack(p, now) {
                             r.recover(m, &cfg, true);
                         }
                         if cfg.recovery == Recovery::SelectiveRepeat && pkt.trailer.len() >= SackExt::LEN {
@@ -732,7 +862,7 @@ impl Requester {
                     }
                     Syndrome::Rnr { timer } => {
                         qp.stats.rnr_naks_received += 1;
-                        r.cum_ack(p.saturating_sub(1));
+                        r.cum_ack(p.saturating_sub(1), now);
                         r.advance(now, &cfg);
                         if cfg.rnr_retry != 7 {
                             r.rnr_retries += 1;
@@ -745,11 +875,11 @@ impl Requester {
                         r.deadline = None;
                     }
                     Syndrome::Nak(NakCode::PsnSequenceError) => {
-                        r.cum_ack(p.saturating_sub(1));
+                        r.cum_ack(p.saturating_sub(1), now);
                         r.recover(p, &cfg, true);
                     }
                     Syndrome::Nak(code) => {
-                        r.cum_ack(p.saturating_sub(1));
+                        r.cum_ack(p.saturating_sub(1), now);
                         r.advance(now, &cfg);
                         let st = match code {
                             NakCode::RemoteAccessError => WcStatus::RemAccessErr,
@@ -793,8 +923,8 @@ impl Requester {
                     return;
                 }
                 scatter(&w.segs, off as usize, pkt.payload);
-                r.cum_ack(p.saturating_sub(1));
-                r.mark(p);
+                r.cum_ack(p.saturating_sub(1), now);
+                r.mark(p, now);
             }
             Opcode::AtomicAcknowledge => {
                 let (Some(i), Some(ack)) = (r.find(p), pkt.atomic_ack) else {
@@ -812,8 +942,8 @@ impl Requester {
                     return;
                 }
                 scatter(&w.segs, 0, &ack.orig.to_le_bytes());
-                r.cum_ack(p.saturating_sub(1));
-                r.mark(p);
+                r.cum_ack(p.saturating_sub(1), now);
+                r.mark(p, now);
             }
             _ => {
                 qp.stats.dropped_packets += 1;
@@ -835,7 +965,7 @@ impl Requester {
                 }
                 if let Some(j) = self.find(p) {
                     if !self.sq[j].is_rd_atomic() {
-                        self.mark(p);
+                        self.mark(p, now);
                     }
                 }
                 self.sack_high = self.sack_high.max(p + 1);
@@ -845,6 +975,20 @@ impl Requester {
         if let Some(h) = highest {
             self.delivered(h, now);
         }
+        // the highest PSN received, beyond the bitmap: delivered, and the newest send time RACK
+        // compares holes against (the PSNs between stay unknown, so they are not holes yet)
+        let high = psn_unwrap(self.una, s.high);
+        if high > base + 64
+            && high >= self.una
+            && high < self.next_psn
+            && self.find(high).is_some_and(|j| !self.sq[j].is_rd_atomic())
+        {
+            let sent = self.sent_at.get((high - self.una) as usize).copied().unwrap_or(0);
+            if sent != 0 && sent != RETRANSMITTED && sent >= self.rack_xmit {
+                self.rack_xmit = sent;
+            }
+            self.mark(high, now);
+        }
         self.resend_old_holes(now);
     }
 
@@ -852,6 +996,9 @@ impl Requester {
     /// newest delivered send time for RACK.
     fn delivered(&mut self, p: u64, now: u64) {
         let Some(rtt) = self.rtt_of(p, now) else { return };
+        if let Some(path) = self.path_of(p) {
+            self.paths.on_rtt(path, rtt);
+        }
         self.srtt = if self.srtt == 0 { rtt } else { (7 * self.srtt + rtt) / 8 };
         let sent = now - rtt;
         if sent >= self.rack_xmit {
@@ -861,13 +1008,15 @@ impl Requester {
     }
 
     /// Selective repeat: resends the holes below the highest SACKed PSN that RACK's rule calls
-    /// lost: a packet sent more than a reordering window (a quarter RTT) after the hole was
+    /// lost: a packet sent more than a reordering window (a quarter RTT, plus the spread of the
+    /// path RTTs when spraying) after the hole was
     /// delivered, or the hole is older than two RTTs plus the window. A
     /// younger hole may be a packet that took a slower path and is still on its way: it is looked
     /// at again at the next SACK or when it becomes old enough. Each hole is resent once this way;
     /// a resent packet lost again is the retransmission timer's.
     fn resend_old_holes(&mut self, now: u64) {
-        let wnd = (self.srtt / 4).max(MIN_REORDER_NS);
+        // widened by the paths' RTT spread when spraying
+        let wnd = (self.srtt / 4).max(MIN_REORDER_NS) + self.paths.delay_spread();
         let from = self.una.max(self.retx_done_up_to);
         let mut done_to = self.sack_high;
         self.reorder_deadline = None;
@@ -894,9 +1043,24 @@ impl Requester {
                 self.reorder_deadline = Some(self.reorder_deadline.map_or(due, |d| d.min(due)));
                 continue;
             }
-            self.retx.insert(p);
+            self.presume_lost(p);
         }
         self.retx_done_up_to = self.retx_done_up_to.max(done_to);
+        // a resent packet is lost too once a packet sent a reordering window after it arrived
+        if !self.resent.is_empty() {
+            let lost: SmallVec<[u64; 8]> = self
+                .resent
+                .iter()
+                .filter(|&(_, &t)| t.saturating_add(wnd) < self.rack_xmit)
+                .map(|(&p, _)| p)
+                .collect();
+            for p in lost {
+                self.resent.remove(&p);
+                if !self.is_acked(p) && !self.retx.contains(&p) {
+                    self.presume_lost(p);
+                }
+            }
+        }
     }
 
     fn fail_at(qp: &mut RcQp, psn: u64, status: WcStatus) {

@@ -594,7 +594,7 @@ impl Responder {
                         });
                     }
                     *next += 1;
-                    (TxPacket { hdr, payload }, *next == *n, *first + k as u64)
+                    (TxPacket { hdr, payload, path: 0 }, *next == *n, *first + k as u64)
                 }
                 Resp::Atomic { psn, orig } => {
                     let mut hdr = HeaderBuf::with_bth(&Bth::new(Opcode::AtomicAcknowledge as u8, dest, *psn as u32));
@@ -605,6 +605,7 @@ impl Responder {
                     .push_atomic_ack(&AtomicAckEth { orig: *orig });
                     (
                         TxPacket {
+                            path: 0,
                             hdr,
                             payload: SmallVec::new(),
                         },
@@ -628,6 +629,7 @@ impl Responder {
             let mut hdr = HeaderBuf::with_bth(&Bth::new(Opcode::Acknowledge as u8, dest, psn as u32));
             hdr.push_aeth(&s.aeth(syn));
             return Some(TxPacket {
+                path: 0,
                 hdr,
                 payload: SmallVec::new(),
             });
@@ -647,13 +649,16 @@ impl Responder {
                 for (&q, _) in s.ooo.range(s.epsn + 1..s.epsn + 65) {
                     bitmap |= 1 << (q - s.epsn - 1);
                 }
+                let high = s.ooo.last_key_value().map_or(s.epsn.wrapping_sub(1), |(&q, _)| q);
                 hdr.push_sack(&SackExt {
                     base: s.epsn as u32,
                     bitmap,
+                    high: high as u32,
                 });
             }
             qp.stats.acks_sent += 1;
             return Some(TxPacket {
+                path: 0,
                 hdr,
                 payload: SmallVec::new(),
             });

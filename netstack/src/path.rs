@@ -1,0 +1,549 @@
+//! Multipath for one QP (sans-IO): which of its N paths each packet takes (the spray policy),
+//! what each path delivered, lost and how long it takes, and whether it is up.
+//!
+//! A path is an index; the engine maps it to a (local socket, remote address) pair: a UDP source
+//! port of its own (ECMP fabrics hash the 5-tuple, so each port is a different route) or a
+//! local/remote address pair (multi-NIC hosts). The requester tells the [`PathSet`] about every
+//! packet it sends, every packet delivered and every packet it presumes lost, and gives it RTT
+//! samples. From that each path keeps a smoothed RTT, a loss rate and its packets in flight.
+//!
+//! **Health.** A path goes down when `down_after_losses` of its packets in a row were lost and it
+//! delivered nothing for an RTO (a congested path loses bursts too, but keeps delivering), or
+//! when it delivered nothing for `down_after_rtos` of its RTOs (`srtt + 4 rttvar`, at least
+//! `min_rto_ns`) after a packet was sent on it while another path delivered in that time (if no
+//! path delivers, the peer or the QP stalls, not a path). A down path leaves the rotation and the
+//! requester resends what was in flight on it over the others. The last path that is up never
+//! goes down (there is nothing to fail over to; the QP's own retry limit applies). A down path
+//! is probed every `probe_interval_ns` with a PROBE packet the peer answers; the first answer
+//! brings it back.
+//!
+//! **Policies.** `single` uses the first path that is up (the RoCE default with one path;
+//! active-backup failover with several). `round-robin` sprays packets over the paths that are
+//! up in turn. `weighted` sends each packet where it is expected to be delivered soonest: the
+//! path with the fewest packets in flight per unit of its RTT, penalised by its loss rate, so a
+//! route that is slower or shared with other traffic (two source ports that hash onto the same
+//! link) gets fewer packets. Retransmissions avoid the path the packet was lost on.
+
+use smallvec::SmallVec;
+use std::str::FromStr;
+
+/// Most paths one QP may use (the BTH carries the path in 7 bits, per-packet records in 6).
+pub const MAX_PATHS: usize = 64;
+/// "Not in flight on any path" in per-packet path records.
+pub const NO_PATH: u8 = u8::MAX;
+
+/// How a QP spreads packets over its paths.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum SprayPolicy {
+    /// The first path that is up carries everything (fixed source port; failover only).
+    #[default]
+    Single,
+    /// Packets go round robin over the paths that are up.
+    RoundRobin,
+    /// Packets go to the path expected to deliver them first (in flight x RTT x loss).
+    Weighted,
+}
+
+impl SprayPolicy {
+    /// Whether the policy sends one QP's packets over several paths at once (and so reorders).
+    pub fn sprays(self) -> bool {
+        self != SprayPolicy::Single
+    }
+}
+
+impl FromStr for SprayPolicy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "single" | "none" => Ok(SprayPolicy::Single),
+            "round-robin" | "rr" => Ok(SprayPolicy::RoundRobin),
+            "weighted" => Ok(SprayPolicy::Weighted),
+            _ => Err(format!("unknown spray policy {s:?} (single, round-robin, weighted)")),
+        }
+    }
+}
+
+impl std::fmt::Display for SprayPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            SprayPolicy::Single => "single",
+            SprayPolicy::RoundRobin => "round-robin",
+            SprayPolicy::Weighted => "weighted",
+        })
+    }
+}
+
+/// Health-tracking parameters.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PathParams {
+    /// Smallest per-path RTO.
+    pub min_rto_ns: u64,
+    /// RTO of a path before its first RTT sample.
+    pub initial_rto_ns: u64,
+    /// A path that delivers nothing for this many RTOs after a send, while others deliver, is down.
+    pub down_after_rtos: u32,
+    /// A path that lost this many packets in a row is down.
+    pub down_after_losses: u32,
+    /// How often a down path is probed.
+    pub probe_interval_ns: u64,
+}
+
+impl Default for PathParams {
+    fn default() -> Self {
+        PathParams {
+            min_rto_ns: 2_000_000,
+            initial_rto_ns: 16_000_000,
+            down_after_rtos: 3,
+            down_after_losses: 8,
+            probe_interval_ns: 10_000_000,
+        }
+    }
+}
+
+/// What one path did (a snapshot; see [`PathSet::stats`]).
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct PathStats {
+    pub up: bool,
+    /// Packets sent (first transmissions and retransmissions), delivered, presumed lost.
+    pub sent: u64,
+    pub delivered: u64,
+    pub lost: u64,
+    pub inflight: u32,
+    pub srtt_ns: u64,
+    pub rttvar_ns: u64,
+    /// Smoothed fraction of this path's packets that were lost.
+    pub loss_rate: f64,
+    /// Times the path went down and came back.
+    pub downs: u32,
+    pub ups: u32,
+    pub probes_sent: u64,
+    pub probes_answered: u64,
+}
+
+#[derive(Debug, Clone)]
+struct Path {
+    s: PathStats,
+    /// When the first packet sent since the last delivery left (None: nothing unanswered).
+    waiting_since: Option<u64>,
+    last_delivery: u64,
+    losses_in_row: u32,
+    next_probe: u64,
+}
+
+/// The paths of one QP.
+#[derive(Debug, Clone)]
+pub struct PathSet {
+    paths: SmallVec<[Path; 4]>,
+    policy: SprayPolicy,
+    p: PathParams,
+    rr: usize,
+    /// The latest delivery on any path.
+    last_delivery: u64,
+}
+
+impl Default for PathSet {
+    fn default() -> Self {
+        PathSet::new(1, SprayPolicy::Single, PathParams::default())
+    }
+}
+
+/// Loss-rate smoothing: each packet's outcome weighs 1/64.
+const LOSS_GAIN: f64 = 1.0 / 64.0;
+
+impl PathSet {
+    /// `n` paths (1 to [`MAX_PATHS`]), all up.
+    pub fn new(n: usize, policy: SprayPolicy, p: PathParams) -> PathSet {
+        let n = n.clamp(1, MAX_PATHS);
+        let path = Path {
+            s: PathStats {
+                up: true,
+                ..PathStats::default()
+            },
+            waiting_since: None,
+            last_delivery: 0,
+            losses_in_row: 0,
+            next_probe: 0,
+        };
+        PathSet {
+            paths: std::iter::repeat_n(path, n).collect(),
+            policy,
+            p,
+            rr: 0,
+            last_delivery: 0,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.paths.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.paths.is_empty()
+    }
+    pub fn policy(&self) -> SprayPolicy {
+        self.policy
+    }
+    pub fn params(&self) -> &PathParams {
+        &self.p
+    }
+    /// Whether path `i` is in the rotation.
+    pub fn is_up(&self, i: u8) -> bool {
+        self.paths.get(i as usize).is_some_and(|p| p.s.up)
+    }
+    /// Paths that are up.
+    pub fn up_count(&self) -> usize {
+        self.paths.iter().filter(|p| p.s.up).count()
+    }
+
+    /// The path for a packet. `avoid` (the path a retransmitted packet was lost on) is skipped
+    /// when another path is up.
+    pub fn pick(&mut self, avoid: Option<u8>) -> u8 {
+        let n = self.paths.len();
+        if n == 1 {
+            return 0;
+        }
+        let usable = |i: usize, ps: &PathSet| ps.paths[i].s.up && Some(i as u8) != avoid;
+        let any_usable = (0..n).any(|i| usable(i, self));
+        let ok = |i: usize, ps: &PathSet| {
+            if any_usable {
+                usable(i, ps)
+            } else {
+                ps.paths[i].s.up || ps.up_count() == 0
+            }
+        };
+        match self.policy {
+            SprayPolicy::Single => (0..n).find(|&i| ok(i, self)).unwrap_or(0) as u8,
+            SprayPolicy::RoundRobin => {
+                for k in 1..=n {
+                    let i = (self.rr + k) % n;
+                    if ok(i, self) {
+                        self.rr = i;
+                        return i as u8;
+                    }
+                }
+                0
+            }
+            SprayPolicy::Weighted => {
+                // a path without an RTT sample counts as fast as the fastest one that has one
+                let floor = self
+                    .paths
+                    .iter()
+                    .map(|p| p.s.srtt_ns)
+                    .filter(|&r| r > 0)
+                    .min()
+                    .unwrap_or(1);
+                let mut best: Option<(f64, usize)> = None;
+                for k in 1..=n {
+                    let i = (self.rr + k) % n;
+                    if !ok(i, self) {
+                        continue;
+                    }
+                    let s = &self.paths[i].s;
+                    let rtt = if s.srtt_ns > 0 { s.srtt_ns } else { floor } as f64;
+                    let cost = (s.inflight as f64 + 1.0) * rtt * (1.0 + 10.0 * s.loss_rate);
+                    if best.is_none_or(|(c, _)| cost < c) {
+                        best = Some((cost, i));
+                    }
+                }
+                let i = best.map_or(0, |(_, i)| i);
+                self.rr = i;
+                i as u8
+            }
+        }
+    }
+
+    /// The first path that is up.
+    pub fn first_up(&self) -> u8 {
+        self.paths.iter().position(|p| p.s.up).unwrap_or(0) as u8
+    }
+
+    /// A packet left on path `i`.
+    pub fn on_send(&mut self, i: u8, now: u64) {
+        let Some(p) = self.paths.get_mut(i as usize) else {
+            return;
+        };
+        p.waiting_since.get_or_insert(now);
+        p.s.inflight += 1;
+        p.s.sent += 1;
+    }
+
+    /// A packet sent on path `i` was delivered.
+    pub fn on_delivered(&mut self, i: u8, now: u64) {
+        let Some(p) = self.paths.get_mut(i as usize) else {
+            return;
+        };
+        p.s.inflight = p.s.inflight.saturating_sub(1);
+        p.s.delivered += 1;
+        p.s.loss_rate *= 1.0 - LOSS_GAIN;
+        p.losses_in_row = 0;
+        p.last_delivery = now;
+        self.last_delivery = self.last_delivery.max(now);
+        // still waiting for what was sent after the delivered packet, if anything
+        p.waiting_since = (p.s.inflight > 0).then_some(now);
+    }
+
+    /// An RTT sample of a packet first sent on path `i`.
+    pub fn on_rtt(&mut self, i: u8, rtt: u64) {
+        let Some(p) = self.paths.get_mut(i as usize) else {
+            return;
+        };
+        let s = &mut p.s;
+        if s.srtt_ns == 0 {
+            s.srtt_ns = rtt;
+            s.rttvar_ns = rtt / 2;
+        } else {
+            let err = s.srtt_ns.abs_diff(rtt);
+            s.rttvar_ns = (3 * s.rttvar_ns + err) / 4;
+            s.srtt_ns = (7 * s.srtt_ns + rtt) / 8;
+        }
+    }
+
+    /// A packet sent on path `i` is presumed lost.
+    pub fn on_lost(&mut self, i: u8) {
+        let Some(p) = self.paths.get_mut(i as usize) else {
+            return;
+        };
+        p.s.inflight = p.s.inflight.saturating_sub(1);
+        p.s.lost += 1;
+        p.losses_in_row += 1;
+        p.s.loss_rate = p.s.loss_rate * (1.0 - LOSS_GAIN) + LOSS_GAIN;
+    }
+
+    /// A packet sent on path `i` is no longer in flight, neither delivered nor lost (go-back-N
+    /// resends everything after a loss).
+    pub fn forget(&mut self, i: u8) {
+        if let Some(p) = self.paths.get_mut(i as usize) {
+            p.s.inflight = p.s.inflight.saturating_sub(1);
+        }
+    }
+
+    /// Path `i`'s retransmission timeout.
+    pub fn rto(&self, i: u8) -> u64 {
+        let Some(p) = self.paths.get(i as usize) else {
+            return self.p.initial_rto_ns;
+        };
+        if p.s.srtt_ns == 0 {
+            return self.p.initial_rto_ns;
+        }
+        (p.s.srtt_ns + 4 * p.s.rttvar_ns).max(self.p.min_rto_ns)
+    }
+
+    /// When path `i` has waited long enough to be down (if another path delivers meanwhile).
+    fn down_at(&self, i: usize) -> Option<u64> {
+        let p = &self.paths[i];
+        let since = p.waiting_since.filter(|_| p.s.up)?;
+        Some(since + self.p.down_after_rtos.max(1) as u64 * self.rto(i as u8))
+    }
+
+    fn is_dead(&self, i: usize, now: u64) -> bool {
+        let p = &self.paths[i];
+        if !p.s.up {
+            return false;
+        }
+        if p.losses_in_row >= self.p.down_after_losses.max(1) && now >= p.last_delivery + self.rto(i as u8) {
+            return true;
+        }
+        let Some(since) = p.waiting_since else { return false };
+        self.down_at(i).is_some_and(|t| now >= t) && self.last_delivery > since
+    }
+
+    /// Takes paths that stopped delivering out of the rotation; returns those that went down
+    /// now (the requester resends what they had in flight).
+    pub fn check(&mut self, now: u64) -> SmallVec<[u8; 4]> {
+        let mut down = SmallVec::new();
+        for i in 0..self.paths.len() {
+            if self.up_count() <= 1 {
+                break;
+            }
+            if self.is_dead(i, now) {
+                let p = &mut self.paths[i];
+                p.s.up = false;
+                p.s.downs += 1;
+                p.next_probe = now + self.p.probe_interval_ns;
+                down.push(i as u8);
+            }
+        }
+        down
+    }
+
+    /// A down path whose probe is due, marked as probed now.
+    pub fn probe_due(&mut self, now: u64) -> Option<u8> {
+        let interval = self.p.probe_interval_ns;
+        let (i, p) = self
+            .paths
+            .iter_mut()
+            .enumerate()
+            .find(|(_, p)| !p.s.up && p.next_probe <= now)?;
+        p.next_probe = now + interval;
+        p.s.probes_sent += 1;
+        Some(i as u8)
+    }
+
+    /// The peer answered a probe sent on path `i`: the path is back.
+    pub fn on_probe_reply(&mut self, i: u8, _now: u64) {
+        let Some(p) = self.paths.get_mut(i as usize) else {
+            return;
+        };
+        p.s.probes_answered += 1;
+        if !p.s.up {
+            p.s.up = true;
+            p.s.ups += 1;
+            p.s.inflight = 0;
+            p.s.loss_rate = 0.0;
+            p.losses_in_row = 0;
+            p.waiting_since = None;
+        }
+    }
+
+    /// The earliest time [`PathSet::check`] or [`PathSet::probe_due`] has something to do.
+    pub fn next_deadline(&self) -> Option<u64> {
+        if self.paths.len() < 2 {
+            return None;
+        }
+        (0..self.paths.len())
+            .filter_map(|i| {
+                let p = &self.paths[i];
+                if p.s.up {
+                    self.down_at(i)
+                } else {
+                    Some(p.next_probe)
+                }
+            })
+            .min()
+    }
+
+    /// How much later a packet may arrive than one sent at the same time on another path: the
+    /// spread of the paths' RTTs (slowest `srtt + 2 rttvar` minus fastest `srtt`, over the
+    /// paths that are up and were measured). Zero with one path. The requester widens its
+    /// reordering window by it, so spraying over unequal paths causes no spurious resends.
+    pub fn delay_spread(&self) -> u64 {
+        if self.paths.len() < 2 || !self.policy.sprays() {
+            return 0;
+        }
+        let measured = || self.paths.iter().filter(|p| p.s.up && p.s.srtt_ns > 0);
+        let (Some(hi), Some(lo)) = (
+            measured().map(|p| p.s.srtt_ns + 2 * p.s.rttvar_ns).max(),
+            measured().map(|p| p.s.srtt_ns).min(),
+        ) else {
+            return 0;
+        };
+        hi - lo
+    }
+
+    /// Per-path counters.
+    pub fn stats(&self) -> Vec<PathStats> {
+        self.paths.iter().map(|p| p.s.clone()).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn set(n: usize, policy: SprayPolicy) -> PathSet {
+        PathSet::new(n, policy, PathParams::default())
+    }
+
+    #[test]
+    fn round_robin_visits_every_up_path() {
+        let mut s = set(4, SprayPolicy::RoundRobin);
+        let v: Vec<u8> = (0..8).map(|_| s.pick(None)).collect();
+        for i in 0..4u8 {
+            assert_eq!(v.iter().filter(|&&p| p == i).count(), 2, "{v:?}");
+        }
+        // a retransmission avoids the path it was lost on
+        for _ in 0..8 {
+            assert_ne!(s.pick(Some(2)), 2);
+        }
+    }
+
+    #[test]
+    fn single_sticks_to_the_first_up_path_and_fails_over() {
+        let mut s = set(3, SprayPolicy::Single);
+        assert!((0..5).all(|_| s.pick(None) == 0));
+        s.on_send(0, 0);
+        assert!(
+            s.check(3 * 16_000_000).is_empty(),
+            "no path delivered: the peer stalls, not the path"
+        );
+        s.on_send(1, 0);
+        s.on_delivered(1, 1_000);
+        let down = s.check(3 * 16_000_000);
+        assert_eq!(down.as_slice(), &[0]);
+        assert!((0..5).all(|_| s.pick(None) == 1));
+    }
+
+    #[test]
+    fn weighted_prefers_the_path_that_delivers_faster() {
+        let mut s = set(2, SprayPolicy::Weighted);
+        s.on_rtt(0, 100_000);
+        s.on_rtt(1, 300_000);
+        let mut n = [0u32; 2];
+        for t in 0..4000u64 {
+            let p = s.pick(None);
+            n[p as usize] += 1;
+            s.on_send(p, t);
+            // deliveries keep each path's in flight at rate x RTT: drain proportionally
+            if t % 4 == 0 {
+                for i in 0..2u8 {
+                    let keep = [25u32, 25][i as usize];
+                    while s.stats()[i as usize].inflight > keep {
+                        s.on_delivered(i, t);
+                    }
+                }
+            }
+        }
+        assert!(n[0] > 2 * n[1], "the 3x faster path carries most: {n:?}");
+        // losses push traffic away too
+        let mut l = set(2, SprayPolicy::Weighted);
+        for _ in 0..64 {
+            l.on_send(1, 0);
+            l.on_lost(1);
+        }
+        assert!((0..20).all(|_| l.pick(None) == 0));
+    }
+
+    #[test]
+    fn a_silent_path_goes_down_within_three_rtos_and_a_probe_brings_it_back() {
+        let mut s = set(2, SprayPolicy::RoundRobin);
+        for i in 0..2u8 {
+            s.on_send(i, 0);
+            s.on_delivered(i, 100_000);
+            s.on_rtt(i, 100_000);
+        }
+        let rto = s.rto(1);
+        assert_eq!(rto, PathParams::default().min_rto_ns, "RTO floor");
+        s.on_send(0, 1_000_000);
+        s.on_send(1, 1_000_000);
+        s.on_delivered(0, 1_100_000);
+        assert!(s.check(1_000_000 + 3 * rto - 1).is_empty());
+        assert_eq!(s.next_deadline(), Some(1_000_000 + 3 * rto));
+        assert_eq!(s.check(1_000_000 + 3 * rto).as_slice(), &[1]);
+        assert!(!s.is_up(1));
+        assert!((0..4).all(|_| s.pick(None) == 0), "out of the rotation");
+        // the last path up never goes down
+        s.on_send(0, 2_000_000);
+        assert!(s.check(u64::MAX / 2).is_empty());
+        // probing
+        let t = 1_000_000 + 3 * rto;
+        assert_eq!(s.probe_due(t), None, "not before the probe interval");
+        let p = PathParams::default().probe_interval_ns;
+        assert_eq!(s.probe_due(t + p), Some(1));
+        assert_eq!(s.probe_due(t + p), None, "once per interval");
+        s.on_probe_reply(1, t + p + 100_000);
+        assert!(s.is_up(1));
+        let st = &s.stats()[1];
+        assert_eq!((st.downs, st.ups, st.probes_sent, st.probes_answered), (1, 1, 1, 1));
+    }
+
+    #[test]
+    fn policies_parse() {
+        assert_eq!("weighted".parse::<SprayPolicy>(), Ok(SprayPolicy::Weighted));
+        assert_eq!("rr".parse::<SprayPolicy>(), Ok(SprayPolicy::RoundRobin));
+        assert!("ecmp"
+            .parse::<SprayPolicy>()
+            .unwrap_err()
+            .contains("single, round-robin, weighted"));
+    }
+}

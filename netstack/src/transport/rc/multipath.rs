@@ -1,0 +1,121 @@
+//! The RC QP's side of multipath ([`crate::path`]): choosing the paths, taking a path that went
+//! silent out of the rotation (its packets are resent on the others), and probing it with
+//! PROBE packets the peer's QP answers with PROBE_REPLY until it works again.
+
+use super::{QpState, RcQp, Recovery};
+use crate::path::{PathParams, PathSet, PathStats, SprayPolicy, MAX_PATHS};
+use crate::transport::TxPacket;
+use crate::wire::{Bth, HeaderBuf, Opcode, PacketView};
+use smallvec::SmallVec;
+
+/// Probes to send and probes to answer.
+#[derive(Debug, Default)]
+pub(super) struct ProbeSlot {
+    /// Down paths whose probe is due.
+    due: SmallVec<[u8; 4]>,
+    /// PSN fields of received probes, to echo.
+    replies: SmallVec<[u32; 4]>,
+}
+
+/// Most unanswered probes a QP keeps (more are dropped: the peer probes again).
+const MAX_REPLIES: usize = 16;
+
+impl RcQp {
+    /// Uses `n` paths with `policy`. Spraying (any policy but `single` with more than one
+    /// path) reorders packets, so it needs selective repeat; go-back-N would resend on every
+    /// overtaken packet.
+    pub fn set_paths(&mut self, n: usize, policy: SprayPolicy, params: PathParams) -> Result<(), String> {
+        if n == 0 || n > MAX_PATHS {
+            return Err(format!("paths: {n} is not in 1..={MAX_PATHS}"));
+        }
+        if n > 1 && policy.sprays() && self.cfg.recovery != Recovery::SelectiveRepeat {
+            return Err(format!(
+                "spray policy {policy} reorders packets and needs recovery = \"selective-repeat\""
+            ));
+        }
+        if self.req.outstanding() > 0 {
+            return Err("paths: set them before posting work requests".into());
+        }
+        self.req.paths = PathSet::new(n, policy, params);
+        Ok(())
+    }
+
+    /// The QP's paths: how many, the policy, and what each did.
+    pub fn paths(&self) -> &PathSet {
+        &self.req.paths
+    }
+
+    /// Per-path counters.
+    pub fn path_stats(&self) -> Vec<PathStats> {
+        self.req.paths.stats()
+    }
+
+    /// Takes silent paths out of the rotation (resending what they had in flight) and notes
+    /// the probes that are due.
+    pub(super) fn check_paths(&mut self, now: u64) {
+        if self.req.paths.len() < 2 {
+            return;
+        }
+        let cfg = self.cfg;
+        for p in self.req.paths.check(now) {
+            self.stats.path_downs += 1;
+            tracing::debug!(
+                "QP {:#x}: path {p} delivered nothing for 3 RTOs: out of the rotation",
+                self.qpn
+            );
+            self.req.path_down(p, &cfg);
+        }
+        while let Some(p) = self.req.paths.probe_due(now) {
+            if !self.probe.due.contains(&p) {
+                self.probe.due.push(p);
+            }
+        }
+    }
+
+    /// Handles PROBE and PROBE_REPLY; false for other packets.
+    pub(super) fn handle_probe(&mut self, now: u64, pkt: &PacketView<'_>) -> bool {
+        match pkt.opcode {
+            Opcode::Probe => {
+                self.stats.probes_received += 1;
+                if self.probe.replies.len() < MAX_REPLIES {
+                    self.probe.replies.push(pkt.bth.psn);
+                }
+                true
+            }
+            Opcode::ProbeReply => {
+                if self.state == QpState::Rts {
+                    let path = (pkt.bth.psn & 0xFF) as u8;
+                    if path as usize >= self.req.paths.len() {
+                        self.stats.dropped_packets += 1;
+                    } else {
+                        self.req.paths.on_probe_reply(path, now);
+                    }
+                }
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Whether a probe or a probe reply waits to be sent.
+    pub(super) fn probe_pending(&self) -> bool {
+        !self.probe.due.is_empty() || !self.probe.replies.is_empty()
+    }
+
+    /// A probe reply (on the path of the latest request) or a probe (on the down path it tests).
+    pub(super) fn poll_probe(&mut self) -> Option<TxPacket> {
+        let (op, psn, path) = if let Some(psn) = self.probe.replies.pop() {
+            (Opcode::ProbeReply, psn, self.rx_path)
+        } else {
+            let p = self.probe.due.pop()?;
+            self.stats.probes_sent += 1;
+            (Opcode::Probe, p as u32, p)
+        };
+        self.stats.tx_packets += 1;
+        Some(TxPacket {
+            hdr: HeaderBuf::with_bth(&Bth::new(op as u8, self.dest_qpn, psn)),
+            payload: Default::default(),
+            path,
+        })
+    }
+}
