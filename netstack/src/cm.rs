@@ -48,8 +48,25 @@ impl From<Endpoint> for pb::QpEndpoint {
             mtu: e.mtu,
             recovery: recovery_str(e.recovery).into(),
             cc: e.cc.name().into(),
+            paths: e.paths as u32,
+            spray: e.spray.to_string(),
+            extra_addrs: e.extra_addrs.iter().map(|a| a.to_string()).collect(),
+            sources: e.sources.iter().map(|a| a.to_string()).collect(),
         }
     }
+}
+
+fn parse_addrs(field: &str, v: &[String]) -> Result<Vec<std::net::SocketAddrV4>, CmError> {
+    if v.len() > 4096 {
+        return Err(CmError::BadEndpoint(format!("{field}: {} addresses", v.len())));
+    }
+    v.iter()
+        .enumerate()
+        .map(|(i, a)| {
+            a.parse()
+                .map_err(|_| CmError::BadEndpoint(format!("{field}[{i}]: {a:?} is not an IPv4 socket address")))
+        })
+        .collect()
 }
 
 impl TryFrom<Option<pb::QpEndpoint>> for Endpoint {
@@ -70,6 +87,22 @@ impl TryFrom<Option<pb::QpEndpoint>> for Endpoint {
         } else {
             e.cc.parse().map_err(|m| CmError::BadEndpoint(format!("cc: {m}")))?
         };
+        let spray = if e.spray.is_empty() {
+            crate::path::SprayPolicy::Single
+        } else {
+            e.spray
+                .parse()
+                .map_err(|m| CmError::BadEndpoint(format!("spray: {m}")))?
+        };
+        if e.paths as usize > crate::path::MAX_PATHS {
+            return Err(CmError::BadEndpoint(format!(
+                "paths: {} > {}",
+                e.paths,
+                crate::path::MAX_PATHS
+            )));
+        }
+        let extra_addrs = parse_addrs("extra_addrs", &e.extra_addrs)?;
+        let sources = parse_addrs("sources", &e.sources)?;
         if e.qpn > crate::wire::MASK24 || e.psn > crate::wire::MASK24 {
             return Err(CmError::BadEndpoint("qpn/psn: wider than 24 bits".into()));
         }
@@ -80,6 +113,10 @@ impl TryFrom<Option<pb::QpEndpoint>> for Endpoint {
             mtu: e.mtu,
             recovery,
             cc,
+            paths: e.paths.max(1) as u8,
+            spray,
+            extra_addrs,
+            sources,
         })
     }
 }

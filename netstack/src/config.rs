@@ -37,6 +37,16 @@ pub struct ContextConfig {
     /// processed, in microseconds (0 = none): the testbed's RTT where the kernel cannot add delay
     /// (no netem).
     pub rx_delay_us: u64,
+    /// More local IPv4 addresses of this host (other NICs or bonded ports): each gets a socket
+    /// per data core like `bind`'s, and a QP with several paths pairs them with the peer's
+    /// addresses (explicit local/remote address pairs).
+    pub extra_addrs: Vec<std::net::Ipv4Addr>,
+    /// UDP source ports per local address and data core (1..=64): path `k` of a QP leaves from
+    /// port `k / pairs` of address pair `k % pairs`, so an ECMP fabric that hashes the 5-tuple
+    /// routes the paths apart. The first is the main port; the others are free ports.
+    pub path_ports: u8,
+    /// Multipath health parameters of new QPs (`[paths]`).
+    pub paths: crate::path::PathParams,
     /// Defaults of new queue pairs.
     pub qp: RcConfig,
     /// Congestion-control parameters of every algorithm (`[cc.dcqcn]`, `[cc.hpcc]`, ...).
@@ -57,6 +67,9 @@ impl Default for ContextConfig {
             rx_staging_bytes: 2 << 20,
             udp_checksum: true,
             rx_delay_us: 0,
+            extra_addrs: Vec::new(),
+            path_ports: 8,
+            paths: crate::path::PathParams::default(),
             qp: RcConfig::default(),
             cc: crate::cc::CcParams::default(),
         }
@@ -108,6 +121,25 @@ impl ContextConfig {
         if self.rx_delay_us > 1_000_000 {
             return Err(ConfigError::Invalid(format!("rx_delay_us: {} > 1 s", self.rx_delay_us)));
         }
+        if self.path_ports == 0 || self.path_ports as usize > crate::path::MAX_PATHS {
+            return Err(ConfigError::Invalid(format!(
+                "path_ports: {} not in 1..={}",
+                self.path_ports,
+                crate::path::MAX_PATHS
+            )));
+        }
+        for (i, a) in self.extra_addrs.iter().enumerate() {
+            if a.is_unspecified() || a == self.bind.ip() || self.extra_addrs[..i].contains(a) {
+                return Err(ConfigError::Invalid(format!(
+                    "extra_addrs[{i}]: {a} must be a concrete address other than bind's and the others"
+                )));
+            }
+        }
+        if self.paths.down_after_rtos == 0 || self.paths.probe_interval_ns == 0 || self.paths.min_rto_ns == 0 {
+            return Err(ConfigError::Invalid(
+                "paths: down_after_rtos, probe_interval_ns and min_rto_ns must be > 0".into(),
+            ));
+        }
         if self.max_inline > 4096 {
             return Err(ConfigError::Invalid(format!("max_inline: {} > 4096", self.max_inline)));
         }
@@ -141,6 +173,19 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("bind"), "{e}");
+        let e = ContextConfig::from_toml(
+            "path_ports = 0
+",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("path_ports"), "{e}");
+        let e = ContextConfig::from_toml("bind = \"127.0.0.1:0\"\nextra_addrs = [\"127.0.0.1\"]\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("extra_addrs[0]"), "{e}");
+        let c = ContextConfig::from_toml("[paths]\ndown_after_rtos = 5\n").unwrap();
+        assert_eq!(c.paths.down_after_rtos, 5);
     }
 }
 

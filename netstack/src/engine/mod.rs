@@ -79,12 +79,31 @@ impl QpMirror {
 pub struct QpSlot {
     pub qp: RcQp,
     pub remote: Option<SocketAddrV4>,
+    /// Multipath: for each of the QP's paths, the data core's socket it leaves from (an index
+    /// into [`EngineShared::tx_links`]) and the peer's address it goes to; empty means path 0
+    /// only (the core's main socket to `remote`).
+    pub routes: Vec<(usize, SocketAddrV4)>,
+    /// Other addresses the peer sends this QP's packets from (its path sockets).
+    pub peer_sources: Vec<SocketAddrV4>,
     pub send_cq: Arc<CqShared>,
     pub recv_cq: Arc<CqShared>,
     pub mirror: Arc<QpMirror>,
 }
 
 impl QpSlot {
+    /// The socket (index into the core's `tx_links`) and destination of path `path`.
+    pub fn route(&self, path: u8) -> Option<(usize, SocketAddrV4)> {
+        match self.routes.get(path as usize).or(self.routes.first()) {
+            Some(&r) => Some(r),
+            None => self.remote.map(|r| (0, r)),
+        }
+    }
+
+    /// Whether a packet from `src` may be this QP's peer.
+    pub fn accepts(&self, src: SocketAddrV4) -> bool {
+        self.remote == Some(src) || self.peer_sources.contains(&src)
+    }
+
     /// Refreshes the mirror the application reads (state, retired WQEs). Any thread may call it.
     pub fn sync_mirror(&self) {
         let st = match self.qp.state() {
@@ -124,9 +143,15 @@ pub struct EngineShared {
     pub qps: RwLock<HashMap<u32, Arc<Mutex<QpSlot>>>>,
     /// The shared send queue of this core (producers serialize on the lock).
     pub sq: Mutex<Producer<sq::Slot>>,
-    /// The core's socket: the data core receives and sends on it; low-latency QPs also send on
-    /// it from the posting thread.
+    /// The core's main socket (on `bind`): the data core receives and sends on it; low-latency
+    /// QPs also send on it from the posting thread. Same as `tx_links[0]`.
     pub link: Arc<UdpLink>,
+    /// Every socket the core sends from: for each local address (`bind`, then `extra_addrs`),
+    /// its main socket followed by `path_ports - 1` sockets on free ports (source-port entropy
+    /// for ECMP). Index `addr * path_ports + port`.
+    pub tx_links: Vec<Arc<UdpLink>>,
+    /// Source ports per local address (`path_ports`).
+    pub path_ports: usize,
     /// Wakes the thread for control events (stop).
     wake: EventFd,
     stop: AtomicBool,
@@ -155,9 +180,10 @@ impl EngineShared {
     /// path: no handoff to the data core). The caller holds the QP's lock, so the QP's packets
     /// leave in order; whatever the socket does not take is left to the data core's timers.
     pub fn transmit_now(&self, slot: &mut QpSlot) -> usize {
-        let Some(dst) = slot.remote else { return 0 };
+        if slot.remote.is_none() {
+            return 0;
+        }
         let now = self.now();
-        let src = self.link.local_addr();
         let mut total = 0;
         // everything the window allows, 16 packets per system call; later packets are sent by
         // the data core as acknowledgements open the window
@@ -165,10 +191,15 @@ impl EngineShared {
             let mut out: smallvec::SmallVec<[Outgoing; 16]> = smallvec::SmallVec::new();
             while out.len() < 16 {
                 match slot.qp.poll_transmit(now) {
-                    Some(p) => out.push(Outgoing::new(p, src, dst)),
+                    Some(p) => {
+                        let Some((link, dst)) = slot.route(p.path) else { break };
+                        out.push(Outgoing::new(p, link, self.tx_links[link].local_addr(), dst))
+                    }
                     None => break,
                 }
             }
+            // one system call per socket; the transport resends what a full socket refused
+            out.sort_by_key(|o| o.link);
             if out.is_empty() {
                 return total;
             }
@@ -180,15 +211,24 @@ impl EngineShared {
                     m
                 })
                 .collect();
-            let sent = self.link.send_batch(&mut msgs).unwrap_or(0);
-            for o in &out[..sent] {
-                self.stats.tx_packets.inc();
-                self.stats.tx_messages.inc();
-                self.stats.tx_bytes.add(o.wire_len() as u64);
+            let mut sent = 0;
+            let mut full = false;
+            for run in out.chunk_by(|a, b| a.link == b.link) {
+                let k = run.len();
+                let n = self.tx_links[run[0].link]
+                    .send_batch(&mut msgs[sent..sent + k])
+                    .unwrap_or(0);
+                for o in &run[..n] {
+                    self.stats.tx_packets.inc();
+                    self.stats.tx_messages.inc();
+                    self.stats.tx_bytes.add(o.wire_len() as u64);
+                }
+                sent += k;
+                total += n;
+                full |= n < k;
             }
-            total += sent;
-            if sent < out.len() {
-                // the socket is full: the transport's retransmission timer recovers the rest
+            if full {
+                // a socket is full: the transport's retransmission timer recovers the rest
                 return total;
             }
         }
@@ -225,22 +265,34 @@ impl Engine {
             if bind.port() != 0 {
                 bind.set_port(bind.port() + i as u16);
             }
-            let link = Arc::new(UdpLink::bind(bind)?);
-            if cfg.gro {
-                link.set_gro(true)?;
+            let ports = cfg.path_ports.max(1) as usize;
+            let mut tx_links = Vec::new();
+            for ip in std::iter::once(*bind.ip()).chain(cfg.extra_addrs.iter().copied()) {
+                for j in 0..ports {
+                    // the main socket on the configured port, the others on free ports
+                    let port = if j == 0 { bind.port() } else { 0 };
+                    let l = UdpLink::bind(SocketAddrV4::new(ip, port))?;
+                    if cfg.gro && j == 0 {
+                        l.set_gro(true)?;
+                    }
+                    if cfg.ecn {
+                        l.set_ecn()?;
+                    }
+                    if !cfg.udp_checksum {
+                        l.set_no_checksum()?;
+                    }
+                    tx_links.push(Arc::new(l));
+                }
             }
-            if cfg.ecn {
-                link.set_ecn()?;
-            }
-            if !cfg.udp_checksum {
-                link.set_no_checksum()?;
-            }
+            let link = tx_links[0].clone();
             let (sq_tx, sq_rx) = pipe::pipe::<sq::Slot>(SQ_SLOTS, 32)?;
             let shared = Arc::new(EngineShared {
                 mrs: mrs.clone(),
                 qps: RwLock::new(HashMap::new()),
                 sq: Mutex::new(sq_tx),
                 link: link.clone(),
+                tx_links: tx_links.clone(),
+                path_ports: ports,
                 wake: EventFd::new()?,
                 stop: AtomicBool::new(false),
                 stats: EngineStats::default(),
@@ -261,7 +313,7 @@ impl Engine {
             // started threads are joined by Engine's drop if a later core fails to start
             let thread = std::thread::Builder::new()
                 .name(format!("flexns-core{i}-{}", link.local_addr().port()))
-                .spawn(move || DataCore::new(s2, link, sq_rx, &opts).run())?;
+                .spawn(move || DataCore::new(s2, sq_rx, &opts).run())?;
             e.cores.push(shared);
             e.threads.push(thread);
         }
@@ -304,6 +356,8 @@ impl Drop for Engine {
 /// destination, and the pad + ICRC trailer.
 struct Outgoing {
     pkt: TxPacket,
+    /// Index of the socket it leaves from (`EngineShared::tx_links`).
+    link: usize,
     dst: SocketAddrV4,
     trailer: [u8; 8],
     trailer_len: usize,
@@ -325,6 +379,8 @@ struct Delayed {
     due: u64,
     data: Vec<u8>,
     src: SocketAddrV4,
+    /// The address it was received on.
+    local: SocketAddrV4,
     ce: bool,
 }
 
@@ -334,7 +390,8 @@ struct DataCore {
     /// QPs whose completions did not fit in a full CQ; retried every loop.
     stuck: HashSet<u32>,
     shared: Arc<EngineShared>,
-    link: Arc<UdpLink>,
+    /// The sockets the core receives on: the main socket of each local address.
+    rx_links: Vec<Arc<UdpLink>>,
     sq: Consumer<sq::Slot>,
     mode: PollMode,
     spin: Duration,
@@ -354,7 +411,8 @@ struct DataCore {
 }
 
 impl DataCore {
-    fn new(shared: Arc<EngineShared>, link: Arc<UdpLink>, sq: Consumer<sq::Slot>, o: &CoreOptions) -> DataCore {
+    fn new(shared: Arc<EngineShared>, sq: Consumer<sq::Slot>, o: &CoreOptions) -> DataCore {
+        let rx_links = shared.tx_links.iter().step_by(shared.path_ports).cloned().collect();
         // with GRO one receive may hold up to 64 KiB of coalesced datagrams
         let buf = if o.gro { 1 << 16 } else { MAX_DATAGRAM + 64 };
         let rx = RecvBatch::new((o.staging / buf).clamp(1, BATCH), buf);
@@ -363,7 +421,7 @@ impl DataCore {
             index: o.index,
             stuck: HashSet::new(),
             shared,
-            link,
+            rx_links,
             sq,
             mode: o.mode,
             spin: o.spin,
@@ -423,10 +481,9 @@ impl DataCore {
             .map(|d| d.saturating_sub(now))
             .unwrap_or(100_000_000)
             .min(100_000_000);
-        let _ = sys::ppoll_readable(
-            &[self.link.fd(), self.sq.wake_fd(), self.shared.wake.fd()],
-            wait.max(1_000),
-        );
+        let mut fds: smallvec::SmallVec<[std::os::fd::RawFd; 4]> = self.rx_links.iter().map(|l| l.fd()).collect();
+        fds.extend([self.sq.wake_fd(), self.shared.wake.fd()]);
+        let _ = sys::ppoll_readable(&fds, wait.max(1_000));
         self.sq.woke();
         self.shared.wake.drain();
     }
@@ -489,14 +546,22 @@ impl DataCore {
     }
 
     fn receive(&mut self, now: u64) -> bool {
-        let n = match self.link.recv_batch(&mut self.rx) {
+        let mut any = false;
+        for i in 0..self.rx_links.len() {
+            any |= self.receive_on(i, now);
+        }
+        any
+    }
+
+    fn receive_on(&mut self, link: usize, now: u64) -> bool {
+        let n = match self.rx_links[link].recv_batch(&mut self.rx) {
             Ok(n) => n,
             Err(e) => {
                 tracing::warn!("receive failed: {e}");
                 return false;
             }
         };
-        let local = self.link.local_addr();
+        let local = self.rx_links[link].local_addr();
         for i in 0..n {
             let (d, src, seg) = self.rx.get(i);
             let Some(d) = d else {
@@ -519,6 +584,7 @@ impl DataCore {
                         due: now + self.rx_delay,
                         data,
                         src,
+                        local,
                         ce,
                     });
                     continue;
@@ -536,12 +602,12 @@ impl DataCore {
 
     /// Processes the delayed datagrams whose delay has passed.
     fn release_delayed(&mut self, now: u64) -> bool {
-        let local = self.link.local_addr();
         let mut any = false;
         while self.delayed.front().is_some_and(|d| d.due <= now) {
             let Some(d) = self.delayed.pop_front() else { break };
             any = true;
-            if let Some((qpn, delivered)) = Self::dispatch(&self.shared, self.index, now, &d.data, d.src, local, d.ce) {
+            if let Some((qpn, delivered)) = Self::dispatch(&self.shared, self.index, now, &d.data, d.src, d.local, d.ce)
+            {
                 self.active.insert(qpn);
                 if !delivered {
                     self.stuck.insert(qpn);
@@ -583,7 +649,7 @@ impl DataCore {
             return None;
         };
         let mut s = slot.lock();
-        if s.remote != Some(src) {
+        if !s.accepts(src) {
             stats.rx_wrong_source.inc();
             return None;
         }
@@ -623,14 +689,15 @@ impl DataCore {
                 continue;
             };
             let mut s = slot.lock();
-            let Some(dst) = s.remote else {
+            if s.remote.is_none() {
                 self.active.remove(&qpn);
                 continue;
-            };
+            }
             while self.out.len() < TX_BATCH {
                 match s.qp.poll_transmit(now) {
                     Some(pkt) => {
-                        self.out.push(self.finish(pkt, dst));
+                        let Some((link, dst)) = s.route(pkt.path) else { break };
+                        self.out.push(self.finish(pkt, link, dst));
                     }
                     None => break,
                 }
@@ -650,8 +717,8 @@ impl DataCore {
         sent_any
     }
 
-    fn finish(&self, pkt: TxPacket, dst: SocketAddrV4) -> Outgoing {
-        Outgoing::new(pkt, self.link.local_addr(), dst)
+    fn finish(&self, pkt: TxPacket, link: usize, dst: SocketAddrV4) -> Outgoing {
+        Outgoing::new(pkt, link, self.shared.tx_links[link].local_addr(), dst)
     }
 
     /// Sends the batch. With GSO, runs of packets to one destination with the same length
@@ -659,6 +726,12 @@ impl DataCore {
     fn flush(&mut self) -> bool {
         if self.out.is_empty() {
             return false;
+        }
+        // sprayed packets leave from several sockets: group them per socket (stable, so each
+        // path keeps its order) for one sendmmsg and whole GSO messages per socket
+        let first = self.out[0].link;
+        if self.out.iter().any(|o| o.link != first) {
+            self.out.sort_by_key(|o| o.link);
         }
         // reused buffers: no allocation per batch
         let mut msgs = std::mem::take(&mut self.tx_msgs);
@@ -677,7 +750,7 @@ impl DataCore {
                 while n < max {
                     let Some(p) = self.out.get(i + n) else { break };
                     let l = p.wire_len();
-                    if p.dst != o.dst || l > seg || m.room() < p.spans() {
+                    if p.dst != o.dst || p.link != o.link || l > seg || m.room() < p.spans() {
                         break;
                     }
                     p.push_spans(&mut m);
@@ -694,15 +767,33 @@ impl DataCore {
             per_msg.push(n);
             i += n;
         }
-        let sent_msgs = match self.link.send_batch_with(&mut msgs, &mut self.tx_hdrs) {
-            Ok(k) => k,
-            Err(e) => {
-                tracing::warn!("send failed: {e}");
-                self.shared.stats.tx_errors.inc();
-                msgs.len() // drop the batch; the transport retransmits
+        // one sendmmsg per socket run; a socket that takes less stops the batch there
+        let mut sent_msgs = 0;
+        let mut pkt = 0;
+        while sent_msgs < msgs.len() {
+            let link = self.out[pkt].link;
+            let mut k = 0;
+            let mut pk = pkt;
+            while sent_msgs + k < msgs.len() && self.out[pk].link == link {
+                pk += per_msg[sent_msgs + k];
+                k += 1;
             }
-        };
-        let n: usize = per_msg[..sent_msgs].iter().sum();
+            let run = &mut msgs[sent_msgs..sent_msgs + k];
+            let took = match self.shared.tx_links[link].send_batch_with(run, &mut self.tx_hdrs) {
+                Ok(t) => t,
+                Err(e) => {
+                    tracing::warn!("send failed: {e}");
+                    self.shared.stats.tx_errors.inc();
+                    k // drop the run; the transport retransmits
+                }
+            };
+            pkt += per_msg[sent_msgs..sent_msgs + took].iter().sum::<usize>();
+            sent_msgs += took;
+            if took < k {
+                break;
+            }
+        }
+        let n = pkt;
         let stats = &self.shared.stats;
         for o in &self.out[..n] {
             stats.tx_packets.inc();
@@ -719,7 +810,7 @@ impl DataCore {
 
 impl Outgoing {
     /// Computes pad and ICRC over the header buffer and the payload in place (no copy).
-    fn new(pkt: TxPacket, src: SocketAddrV4, dst: SocketAddrV4) -> Outgoing {
+    fn new(pkt: TxPacket, link: usize, src: SocketAddrV4, dst: SocketAddrV4) -> Outgoing {
         let pad = pkt.hdr.bth().pad as usize;
         let body = pkt.hdr.len() + pkt.payload_len() + pad;
         let mut c = icrc::Icrc::new(src, dst, body);
@@ -732,6 +823,7 @@ impl Outgoing {
         trailer[pad..pad + 4].copy_from_slice(&c.finish().to_le_bytes());
         Outgoing {
             pkt,
+            link,
             dst,
             trailer,
             trailer_len: pad + 4,

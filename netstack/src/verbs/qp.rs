@@ -25,7 +25,7 @@ pub struct QpInitAttr {
 }
 
 /// What a peer needs to connect to a QP (exchanged by the connection manager).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Endpoint {
     pub qpn: u32,
     /// First PSN this QP sends (the peer's expected PSN).
@@ -36,6 +36,23 @@ pub struct Endpoint {
     /// The congestion control this QP runs (`None` adopts the peer's when connecting).
     #[serde(default)]
     pub cc: crate::cc::CcKind,
+    /// Multipath: how many paths the QP uses and how it sprays over them (see
+    /// [`Qp::set_paths`]); a QP with one path adopts the peer's when connecting.
+    #[serde(default = "one_path")]
+    pub paths: u8,
+    #[serde(default)]
+    pub spray: crate::path::SprayPolicy,
+    /// The QP's data-path address on each of its host's other local addresses (multi-NIC),
+    /// after `addr`: paths pair them with the peer's.
+    #[serde(default)]
+    pub extra_addrs: Vec<SocketAddrV4>,
+    /// The other addresses its paths send from (the peer accepts packets from them).
+    #[serde(default)]
+    pub sources: Vec<SocketAddrV4>,
+}
+
+fn one_path() -> u8 {
+    1
 }
 
 /// An RC queue pair. Destroyed (removed from the engine) on drop.
@@ -74,6 +91,8 @@ impl Qp {
         let qs = QpSlot {
             qp,
             remote: None,
+            routes: Vec::new(),
+            peer_sources: Vec::new(),
             send_cq,
             recv_cq,
             mirror: mirror.clone(),
@@ -143,9 +162,33 @@ impl Qp {
         *self.slot.lock().qp.config()
     }
 
+    /// Uses `n` paths with `policy` (before connecting; `n` at most the context's
+    /// `path_ports` times its address pairs). Spraying needs selective repeat.
+    pub fn set_paths(&self, n: usize, policy: crate::path::SprayPolicy) -> Result<(), VerbsError> {
+        let mut s = self.slot.lock();
+        if s.qp.state() != QpState::Init {
+            return Err(VerbsError::Invalid(
+                "set_paths: the QP must be in INIT (before connect)".into(),
+            ));
+        }
+        let params = self.ctx.inner.cfg.paths;
+        s.qp.set_paths(n, policy, params).map_err(VerbsError::Invalid)
+    }
+
+    /// Per-path counters (RTT, loss, health, probes) of this QP.
+    pub fn path_stats(&self) -> Vec<crate::path::PathStats> {
+        self.slot.lock().qp.path_stats()
+    }
+
     /// This QP's half of a connection exchange.
     pub fn local_endpoint(&self) -> Endpoint {
         let cfg = self.config();
+        let (paths, spray) = {
+            let s = self.slot.lock();
+            (s.qp.paths().len() as u8, s.qp.paths().policy())
+        };
+        let ports = self.core.path_ports;
+        let links = &self.core.tx_links;
         Endpoint {
             qpn: self.qpn,
             psn: self.psn,
@@ -153,7 +196,37 @@ impl Qp {
             mtu: cfg.mtu,
             recovery: cfg.recovery,
             cc: cfg.cc,
+            paths,
+            spray,
+            extra_addrs: links.iter().step_by(ports).skip(1).map(|l| l.local_addr()).collect(),
+            sources: links.iter().skip(1).map(|l| l.local_addr()).collect(),
         }
+    }
+
+    /// The routes of `n` paths towards `remote`: path `k` uses address pair `k % pairs` and
+    /// that address's source port `k / pairs`.
+    fn routes(&self, n: usize, remote: &Endpoint) -> Result<Vec<(usize, SocketAddrV4)>, VerbsError> {
+        let ports = self.core.path_ports;
+        let local_addrs = self.core.tx_links.len() / ports;
+        let pairs = local_addrs.min(1 + remote.extra_addrs.len());
+        (0..n)
+            .map(|k| {
+                let (pair, port) = (k % pairs, k / pairs);
+                if port >= ports {
+                    return Err(VerbsError::Invalid(format!(
+                        "paths: {n} paths over {pairs} address pair(s) need {} source ports per address; \
+                         the context has path_ports = {ports}",
+                        n.div_ceil(pairs)
+                    )));
+                }
+                let dst = if pair == 0 {
+                    remote.addr
+                } else {
+                    remote.extra_addrs[pair - 1]
+                };
+                Ok((pair * ports + port, dst))
+            })
+            .collect()
     }
 
     /// INIT -> RTR towards `remote`: the path MTU is the smaller of both; the loss-recovery
@@ -188,8 +261,17 @@ impl Qp {
         }
         cfg.validate()
             .map_err(|e| VerbsError::Peer(format!("offers an invalid {e}")))?;
+        if s.qp.paths().len() == 1 && remote.paths > 1 {
+            // adopt the peer's paths, so responses can follow the path of their request
+            let params = self.ctx.inner.cfg.paths;
+            s.qp.set_paths(remote.paths as usize, remote.spray, params)
+                .map_err(|e| VerbsError::Peer(format!("sprays: {e}")))?;
+        }
+        let routes = self.routes(s.qp.paths().len(), remote)?;
         s.qp.modify_to_rtr(remote.qpn, remote.psn, cfg)?;
         s.remote = Some(remote.addr);
+        s.routes = routes;
+        s.peer_sources = remote.sources.iter().chain(&remote.extra_addrs).copied().collect();
         s.sync_mirror();
         Ok(())
     }
