@@ -88,6 +88,10 @@ pub struct PathParams {
     pub down_after_losses: u32,
     /// How often a down path is probed.
     pub probe_interval_ns: u64,
+    /// Consecutive new packets sent on one path before the policy picks again (a flowlet):
+    /// kernel sockets batch them into one GSO message and the receiver gets them in order,
+    /// while bursts still spread evenly. 1 sprays every packet.
+    pub burst_packets: u32,
 }
 
 impl Default for PathParams {
@@ -98,6 +102,7 @@ impl Default for PathParams {
             down_after_rtos: 3,
             down_after_losses: 8,
             probe_interval_ns: 10_000_000,
+            burst_packets: 64,
         }
     }
 }
@@ -139,6 +144,8 @@ pub struct PathSet {
     policy: SprayPolicy,
     p: PathParams,
     rr: usize,
+    /// The path of the current burst and the new packets it may still take.
+    burst: (u8, u32),
     /// The latest delivery on any path.
     last_delivery: u64,
 }
@@ -171,6 +178,7 @@ impl PathSet {
             policy,
             p,
             rr: 0,
+            burst: (0, 0),
             last_delivery: 0,
         }
     }
@@ -196,22 +204,44 @@ impl PathSet {
         self.paths.iter().filter(|p| p.s.up).count()
     }
 
-    /// The path for a packet. `avoid` (the path a retransmitted packet was lost on) is skipped
-    /// when another path is up.
+    /// The path for a packet: new packets (`avoid` None) continue the current burst while it
+    /// lasts and its path is up; a retransmission skips `avoid`, the path it was lost on, when
+    /// another path is up.
     pub fn pick(&mut self, avoid: Option<u8>) -> u8 {
         let n = self.paths.len();
         if n == 1 {
             return 0;
         }
-        let usable = |i: usize, ps: &PathSet| ps.paths[i].s.up && Some(i as u8) != avoid;
-        let any_usable = (0..n).any(|i| usable(i, self));
-        let ok = |i: usize, ps: &PathSet| {
-            if any_usable {
-                usable(i, ps)
-            } else {
-                ps.paths[i].s.up || ps.up_count() == 0
+        if avoid.is_none() {
+            let (cur, left) = self.burst;
+            if left > 0 && self.paths[cur as usize].s.up {
+                self.burst.1 -= 1;
+                return cur;
+            }
+            let p = self.choose(None);
+            self.burst = (p, self.p.burst_packets.max(1) - 1);
+            return p;
+        }
+        self.choose(avoid)
+    }
+
+    fn choose(&mut self, avoid: Option<u8>) -> u8 {
+        let n = self.paths.len();
+        // preference tiers: up, not `avoid` and (when spraying) its latest packet delivered
+        // rather than lost; then up and not `avoid`; then up; then any. A path that is silently
+        // dropping gets no retransmission while it waits to be declared down.
+        let sprays = self.policy.sprays();
+        let tier = |i: usize, ps: &PathSet| -> u8 {
+            let p = &ps.paths[i];
+            match (p.s.up, Some(i as u8) != avoid, !sprays || p.losses_in_row == 0) {
+                (true, true, true) => 0,
+                (true, true, false) => 1,
+                (true, false, _) => 2,
+                _ => 3,
             }
         };
+        let best = (0..n).map(|i| tier(i, self)).min().unwrap_or(3);
+        let ok = |i: usize, ps: &PathSet| tier(i, ps) == best;
         match self.policy {
             SprayPolicy::Single => (0..n).find(|&i| ok(i, self)).unwrap_or(0) as u8,
             SprayPolicy::RoundRobin => {
@@ -441,8 +471,38 @@ impl PathSet {
 mod tests {
     use super::*;
 
+    /// Per-packet choices (bursts of one).
     fn set(n: usize, policy: SprayPolicy) -> PathSet {
-        PathSet::new(n, policy, PathParams::default())
+        PathSet::new(
+            n,
+            policy,
+            PathParams {
+                burst_packets: 1,
+                ..PathParams::default()
+            },
+        )
+    }
+
+    #[test]
+    fn new_packets_go_in_bursts_and_a_burst_ends_when_its_path_goes_down() {
+        let mut s = PathSet::new(
+            2,
+            SprayPolicy::RoundRobin,
+            PathParams {
+                burst_packets: 4,
+                ..PathParams::default()
+            },
+        );
+        let v: Vec<u8> = (0..8).map(|_| s.pick(None)).collect();
+        assert_eq!(v, [1, 1, 1, 1, 0, 0, 0, 0]);
+        // retransmissions choose per packet, away from the path they were lost on
+        assert_eq!(s.pick(Some(1)), 0);
+        s.on_send(1, 0);
+        s.on_send(0, 0);
+        s.on_delivered(0, 1_000);
+        assert_eq!(s.pick(None), 1, "a new burst");
+        assert_eq!(s.check(3 * 16_000_000).as_slice(), &[1]);
+        assert_eq!(s.pick(None), 0, "the burst on the down path ends");
     }
 
     #[test]

@@ -83,8 +83,8 @@ fn spraying_fills_both_spines_without_spurious_retransmissions() {
         let g = gbps(&r);
         let used = r.paths.iter().filter(|p| p.sent > 0).count();
         eprintln!(
-            "{policy}: {g:.2} Gbit/s vs {g1:.2} on one path; {used} paths used, {} retransmitted",
-            r.retransmitted_packets
+            "{policy}: {g:.2} Gbit/s vs {g1:.2} on one path; {used} paths used, {} retransmitted, {} spurious",
+            r.retransmitted_packets, r.spurious_retransmissions
         );
         assert_eq!(used, 16, "{policy}: every path carried packets");
         // packets of one message overtake each other across the spines: none is resent for
@@ -133,11 +133,17 @@ fn a_cut_spine_link_is_routed_around_and_used_again_once_restored() {
         .unwrap_or(0);
     let stall_ms = stall_bins as f64 * BIN_NS as f64 / 1e6;
     eprintln!(
-        "before {before:.2} Gbit/s, cut {during:.2}, restored {after:.2}; stall {stall_ms} ms; downs {}",
-        r.path_downs
+        "before {before:.2} Gbit/s, cut {during:.2}, restored {after:.2}; stall {stall_ms} ms; downs {}; spurious {}",
+        r.path_downs, r.spurious_retransmissions
     );
-    for p in &r.paths {
-        eprintln!("{p:?}");
+    if std::env::var("SIM_DEBUG").is_ok() {
+        for p in &r.paths {
+            eprintln!("{p:?}");
+        }
+        eprintln!(
+            "{:?}",
+            &bins[(cut_at / BIN_NS) as usize - 5..(restore_at / BIN_NS) as usize]
+        );
     }
     eprintln!("timeouts {} retx {}", r.timeouts, r.retransmitted_packets);
     assert!(before > 18.0, "both spines: {before}");

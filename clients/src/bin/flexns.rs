@@ -40,6 +40,16 @@ fn main() -> Result<()> {
     }
 }
 
+/// One step of the demo: an nsperf run.
+struct Step {
+    what: &'static str,
+    op: Op,
+    size: u64,
+    depth: u32,
+    compare: Option<System>,
+    paths: usize,
+}
+
 fn demo(duration: f64, json: bool) -> Result<()> {
     let spawn = client::ServerSpawn {
         exe: std::env::current_exe()?,
@@ -50,26 +60,52 @@ fn demo(duration: f64, json: bool) -> Result<()> {
         println!("this process connects RC queue pairs to it through the gRPC connection manager and");
         println!("moves data over RoCEv2/UDP, verifying every byte end to end.\n");
     }
-    let steps: [(&str, Op, u64, u32, Option<System>); 4] = [
-        (
+    let step = |what, op, size, depth, compare, paths| Step {
+        what,
+        op,
+        size,
+        depth,
+        compare,
+        paths,
+    };
+    let steps = [
+        step(
             "RDMA WRITE 64 KiB x depth 64, against a plain UDP blaster with 4 KiB datagrams",
             Op::Write,
             64 << 10,
             64,
             Some(System::UdpRaw),
+            1,
         ),
-        ("RDMA READ 64 KiB x depth 16", Op::Read, 64 << 10, 16, None),
-        (
+        step("RDMA READ 64 KiB x depth 16", Op::Read, 64 << 10, 16, None, 1),
+        step(
             "SEND 64 B ping-pong latency, against UDP ping-pong",
             Op::Send,
             64,
             1,
             Some(System::UdpRaw),
+            1,
         ),
-        ("FETCH_AND_ADD x depth 16", Op::Atomic, 8, 16, None),
+        step("FETCH_AND_ADD x depth 16", Op::Atomic, 8, 16, None, 1),
+        step(
+            "RDMA WRITE 64 KiB x depth 64 sprayed over 4 paths (UDP source ports, selective repeat)",
+            Op::Write,
+            64 << 10,
+            64,
+            None,
+            4,
+        ),
     ];
     let mut all_verified = true;
-    for (what, op, size, depth, compare) in steps {
+    for Step {
+        what,
+        op,
+        size,
+        depth,
+        compare,
+        paths,
+    } in steps
+    {
         if !json {
             println!("== {what}");
         }
@@ -84,7 +120,11 @@ fn demo(duration: f64, json: bool) -> Result<()> {
             qps: 1,
             duration,
             json,
-            recovery: netstack::verbs::Recovery::GoBackN,
+            recovery: if paths > 1 {
+                netstack::verbs::Recovery::SelectiveRepeat
+            } else {
+                netstack::verbs::Recovery::GoBackN
+            },
             mtu: 4096,
             data: "127.0.0.1:0".parse()?,
             compare,
@@ -96,6 +136,11 @@ fn demo(duration: f64, json: bool) -> Result<()> {
             rate_limit: None,
             cc: netstack::cc::CcKind::None,
             compare_cc: None,
+            paths,
+            spray: netstack::path::SprayPolicy::Weighted,
+            compare_paths: None,
+            extra_addrs: Vec::new(),
+            bytes: None,
             net: Default::default(),
         };
         let res = client::run(&a, &spawn)?;

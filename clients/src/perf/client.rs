@@ -65,6 +65,21 @@ pub struct ClientArgs {
     /// Pace each QP to this many bytes per second (the congestion-control pacing hook).
     #[arg(long, value_parser = crate::bench::parse_size)]
     pub rate_limit: Option<u64>,
+    /// Paths per QP (multipath: source ports, and address pairs with `--extra-addr`).
+    #[arg(long, default_value_t = 1)]
+    pub paths: usize,
+    /// How a QP spreads packets over its paths: single, round-robin, weighted.
+    #[arg(long, default_value = "weighted")]
+    pub spray: netstack::path::SprayPolicy,
+    /// Also run with this many paths (policy single), interleaved, and print the ratio.
+    #[arg(long, conflicts_with_all = ["compare", "compare_cc"])]
+    pub compare_paths: Option<usize>,
+    /// Another local address of this host for address-pair paths (repeatable).
+    #[arg(long = "extra-addr")]
+    pub extra_addrs: Vec<std::net::Ipv4Addr>,
+    /// Stop after this many bytes instead of after --duration.
+    #[arg(long, value_parser = crate::bench::parse_size)]
+    pub bytes: Option<u64>,
     /// SEND ping-pong over standard QPs instead of low-latency ones.
     #[arg(long)]
     pub standard_qp: bool,
@@ -160,6 +175,9 @@ fn peers(a: &ClientArgs, spawn: &ServerSpawn) -> Result<Peers> {
     })
 }
 
+/// Width of the throughput timeline's bins.
+const TIMELINE_BIN: Duration = Duration::from_millis(50);
+
 /// Runs the client: every result line is printed as it is produced; returns them.
 pub fn run(a: &ClientArgs, spawn: &ServerSpawn) -> Result<Vec<BenchResult>> {
     if a.size == 0 || a.depth == 0 || a.qps == 0 || a.duration <= 0.0 {
@@ -167,19 +185,31 @@ pub fn run(a: &ClientArgs, spawn: &ServerSpawn) -> Result<Vec<BenchResult>> {
     }
     let mut p = peers(a, spawn)?;
     let mut out = Vec::new();
-    let runs = match (a.compare, a.compare_cc) {
-        (Some(r), _) => (0..a.pairs)
-            .flat_map(|_| [(a.system, a.cc), (r, a.cc)])
+    if a.paths == 0 || a.paths > netstack::path::MAX_PATHS {
+        bail!("--paths: {} not in 1..={}", a.paths, netstack::path::MAX_PATHS);
+    }
+    let mine = (a.paths, a.spray);
+    let runs = match (a.compare, a.compare_cc, a.compare_paths) {
+        (Some(r), _, _) => (0..a.pairs)
+            .flat_map(|_| [(a.system, a.cc, mine), (r, a.cc, mine)])
             .collect::<Vec<_>>(),
-        (None, Some(c)) => (0..a.pairs)
-            .flat_map(|_| [(System::Flexns, a.cc), (System::Flexns, c)])
+        (None, Some(c), _) => (0..a.pairs)
+            .flat_map(|_| [(System::Flexns, a.cc, mine), (System::Flexns, c, mine)])
             .collect(),
-        (None, None) => vec![(a.system, a.cc)],
+        (None, None, Some(n)) => (0..a.pairs)
+            .flat_map(|_| {
+                [
+                    (System::Flexns, a.cc, mine),
+                    (System::Flexns, a.cc, (n, netstack::path::SprayPolicy::Single)),
+                ]
+            })
+            .collect(),
+        (None, None, None) => vec![(a.system, a.cc, mine)],
     };
-    for (sys, cc) in runs {
+    for (sys, cc, paths) in runs {
         let (c0, _) = rusage(false);
         let mut r = match sys {
-            System::Flexns => flexns(a, cc, p.cm)?,
+            System::Flexns => flexns(a, cc, paths, p.cm)?,
             System::UdpRaw => {
                 let s = p.udp.context("udp-raw needs --udp with --server")?;
                 if a.op == Op::Send && a.depth == 1 {
@@ -207,10 +237,11 @@ pub fn run(a: &ClientArgs, spawn: &ServerSpawn) -> Result<Vec<BenchResult>> {
         r.print(a.json);
         out.push(r);
     }
-    let reference = match (a.compare, a.compare_cc) {
-        (Some(r), _) => Some(r.name().to_string()),
-        (None, Some(c)) => Some(format!("flexns cc={c}")),
-        (None, None) => None,
+    let reference = match (a.compare, a.compare_cc, a.compare_paths) {
+        (Some(r), _, _) => Some(r.name().to_string()),
+        (None, Some(c), _) => Some(format!("flexns cc={c}")),
+        (None, None, Some(n)) => Some(format!("flexns paths={n}")),
+        (None, None, None) => None,
     };
     if let Some(reference) = reference {
         let lat = a.op == Op::Send && a.depth == 1;
@@ -224,9 +255,10 @@ pub fn run(a: &ClientArgs, spawn: &ServerSpawn) -> Result<Vec<BenchResult>> {
         };
         let mut ratios: Vec<f64> = out.chunks(2).map(|c| val(&c[0]) / val(&c[1])).collect();
         let ratio = (median(&mut ratios) * 1000.0).round() / 1000.0;
-        let system = match a.compare_cc {
-            Some(_) => format!("flexns cc={}", a.cc),
-            None => a.system.name().to_string(),
+        let system = match (a.compare_cc, a.compare_paths) {
+            (Some(_), _) => format!("flexns cc={}", a.cc),
+            (None, Some(_)) => format!("flexns paths={} spray={}", a.paths, a.spray),
+            (None, None) => a.system.name().to_string(),
         };
         let line = serde_json::json!({"bench": "ratio", "metric": metric, "system": system, "reference": reference, "op": a.op, "msg_bytes": a.size, "depth": a.depth, "qps": a.qps, "pairs": a.pairs, "ratio": ratio, "ratios": ratios});
         if a.json {
@@ -281,7 +313,12 @@ fn next_wc(cq: &Cq, wcs: &mut [Wc], limit: Instant) -> Result<usize> {
     }
 }
 
-fn flexns(a: &ClientArgs, cc: netstack::cc::CcKind, cm_addr: SocketAddr) -> Result<BenchResult> {
+fn flexns(
+    a: &ClientArgs,
+    cc: netstack::cc::CcKind,
+    (npaths, spray): (usize, netstack::path::SprayPolicy),
+    cm_addr: SocketAddr,
+) -> Result<BenchResult> {
     let qcfg = RcConfig {
         mtu: a.mtu,
         recovery: a.recovery,
@@ -292,6 +329,8 @@ fn flexns(a: &ClientArgs, cc: netstack::cc::CcKind, cm_addr: SocketAddr) -> Resu
         bind: a.data,
         qp: qcfg,
         data_cores: a.data_cores,
+        extra_addrs: a.extra_addrs.clone(),
+        path_ports: npaths.div_ceil(1 + a.extra_addrs.len()).max(8) as u8,
         ..Default::default()
     };
     a.net.apply(&mut cfg)?;
@@ -322,6 +361,9 @@ fn flexns(a: &ClientArgs, cc: netstack::cc::CcKind, cm_addr: SocketAddr) -> Resu
                 ..Default::default()
             },
         )?;
+        if npaths > 1 {
+            qp.set_paths(npaths, spray)?;
+        }
         let hello = Hello {
             op: a.op,
             size: a.size,
@@ -379,8 +421,18 @@ fn flexns(a: &ClientArgs, cc: netstack::cc::CcKind, cm_addr: SocketAddr) -> Resu
     let mut h = histogram();
     let mut ops = 0u64;
     let start = Instant::now();
-    let end = start + Duration::from_secs_f64(a.duration);
+    // with --bytes, the run ends when that much was posted (the duration is then a bound)
+    let end = start
+        + if a.bytes.is_some() {
+            Duration::from_secs(3600)
+        } else {
+            Duration::from_secs_f64(a.duration)
+        };
     let limit = end + Duration::from_secs(30);
+    let mut posted_bytes = (slots * unit) as u64;
+    // completed bytes per timeline bin, and the longest time without a completion
+    let mut timeline = vec![0u64; 0];
+    let (mut last_done, mut max_gap) = (start, Duration::ZERO);
     let mut verified = true;
     if echo {
         // ping-pong: SEND, wait for the echo; half the round trip is the latency, as perftest
@@ -441,7 +493,16 @@ fn flexns(a: &ClientArgs, cc: netstack::cc::CcKind, cm_addr: SocketAddr) -> Resu
                 let slot = wc.wr_id as usize;
                 h.record((now - posted_at[slot]).as_nanos() as u64)?;
                 ops += 1;
-                if now < end {
+                let bin = ((now - start).as_nanos() / TIMELINE_BIN.as_nanos()) as usize;
+                if timeline.len() <= bin {
+                    timeline.resize(bin + 1, 0);
+                }
+                timeline[bin] += unit as u64;
+                max_gap = max_gap.max(now - last_done);
+                last_done = now;
+                let more = a.bytes.is_none_or(|b| posted_bytes < b);
+                if now < end && more {
+                    posted_bytes += unit as u64;
                     posted_at[slot] = now;
                     qps[slot / depth].post_send(wr_for(slot, wc.wr_id))?;
                 } else {
@@ -529,6 +590,34 @@ fn flexns(a: &ClientArgs, cc: netstack::cc::CcKind, cm_addr: SocketAddr) -> Resu
     );
     let retx: u64 = qps.iter().map(|q| q.stats().retransmitted_packets).sum();
     r.extra.insert("retransmitted_packets".into(), retx.into());
+    if !echo {
+        let mbps: Vec<f64> = timeline
+            .iter()
+            .map(|&b| (b as f64 * 8.0 / TIMELINE_BIN.as_secs_f64() / 1e4).round() / 100.0)
+            .collect();
+        r.extra
+            .insert("timeline_bin_ms".into(), (TIMELINE_BIN.as_millis() as u64).into());
+        r.extra.insert("timeline_mbps".into(), serde_json::to_value(mbps)?);
+        r.extra.insert(
+            "max_gap_ms".into(),
+            ((max_gap.as_secs_f64() * 1e6).round() / 1e3).into(),
+        );
+    }
+    if npaths > 1 {
+        let stats = qps[0].path_stats();
+        let paths: Vec<serde_json::Value> = stats
+            .iter()
+            .map(|p| {
+                serde_json::json!({"up": p.up, "sent": p.sent, "lost": p.lost, "srtt_us": p.srtt_ns / 1000,
+                    "downs": p.downs, "ups": p.ups, "probes_sent": p.probes_sent})
+            })
+            .collect();
+        r.extra.insert(
+            "multipath".into(),
+            serde_json::json!({"paths": npaths, "spray": spray.to_string(),
+                "path_downs": qps.iter().map(|q| q.stats().path_downs).sum::<u64>(), "per_path": paths}),
+        );
+    }
     if let Some((name, bytes)) = qps[0].cc_info() {
         let sum = |f: fn(&netstack::transport::rc::RcStats) -> u64| qps.iter().map(|q| f(&q.stats())).sum::<u64>();
         let mut loops: Vec<u32> = qps.iter().flat_map(|q| q.take_control_loop_samples()).collect();

@@ -198,8 +198,7 @@ impl EngineShared {
                     None => break,
                 }
             }
-            // one system call per socket; the transport resends what a full socket refused
-            out.sort_by_key(|o| o.link);
+            // one system call per run of packets from one socket
             if out.is_empty() {
                 return total;
             }
@@ -727,12 +726,9 @@ impl DataCore {
         if self.out.is_empty() {
             return false;
         }
-        // sprayed packets leave from several sockets: group them per socket (stable, so each
-        // path keeps its order) for one sendmmsg and whole GSO messages per socket
-        let first = self.out[0].link;
-        if self.out.iter().any(|o| o.link != first) {
-            self.out.sort_by_key(|o| o.link);
-        }
+        // sprayed packets leave from several sockets: each run of packets from one socket is a
+        // sendmmsg (sprayed in bursts, so runs are whole GSO messages), in order, so the
+        // receiver of a loopback or single-link path sees no reordering
         // reused buffers: no allocation per batch
         let mut msgs = std::mem::take(&mut self.tx_msgs);
         let mut per_msg = std::mem::take(&mut self.tx_per_msg);

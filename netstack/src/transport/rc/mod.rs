@@ -188,6 +188,8 @@ pub struct RcStats {
     pub duplicate_requests: u64,
     pub out_of_order_packets: u64,
     pub stale_responses: u64,
+    /// Retransmissions whose first copy turned out to have arrived (overtaken, not lost).
+    pub spurious_retransmissions: u64,
     pub dropped_packets: u64,
     pub acks_sent: u64,
     pub grants_sent: u64,
@@ -286,7 +288,10 @@ impl RcQp {
         &self.cfg
     }
     pub fn stats(&self) -> RcStats {
-        self.stats
+        RcStats {
+            spurious_retransmissions: self.req.spurious,
+            ..self.stats
+        }
     }
     /// Completes a send WR that never entered the send queue (posted in ERR, or refused by
     /// [`RcQp::post_send`] after it was accepted by an asynchronous queue) with `status`.

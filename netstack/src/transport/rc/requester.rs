@@ -17,6 +17,8 @@ use std::sync::Arc;
 const RETRANSMITTED: u64 = u64::MAX;
 /// Smallest reordering window of selective repeat (a quarter of the smoothed RTT otherwise).
 const MIN_REORDER_NS: u64 = 2_000;
+/// Most quarter RTTs the reordering window widens to after spurious retransmissions.
+const MAX_REO_STEPS: u32 = 4;
 
 /// `sent_path` values: below this, the path a packet is in flight on; `LEFT + path`, the path it
 /// was last sent on and is no longer in flight on (delivered, lost or forgotten); [`NO_PATH`],
@@ -192,7 +194,10 @@ pub(super) struct Requester {
     /// Selective repeat: resent PSNs not yet acknowledged, with when they were resent, so RACK
     /// finds a lost retransmission too (a packet sent after it was delivered) instead of
     /// leaving it to the retransmission timer.
-    resent: std::collections::BTreeMap<u64, u64>,
+    resent: std::collections::BTreeMap<u64, (u64, bool)>,
+    /// PSNs queued for resending by RACK's reordering rule (not by a timeout or a dead path):
+    /// only their resends tell whether the reordering window is too small.
+    rack_marked: BTreeSet<u64>,
     /// Selective repeat (RACK): one past the highest PSN a SACK reported, the smoothed RTT, the
     /// send time and RTT of the most recently sent packet known delivered, and when the oldest
     /// hole that was too young to call lost (it may be reordered) becomes old enough.
@@ -200,6 +205,16 @@ pub(super) struct Requester {
     srtt: u64,
     rack_xmit: u64,
     rack_rtt: u64,
+    /// RACK's reordering window is `(1 + reo_steps)` quarter RTTs (plus the path spread):
+    /// a spurious retransmission (its packet was acknowledged sooner after the resend than the
+    /// network can answer) widens it a step, up to 16; 1024 packets acknowledged without one
+    /// narrow it a step.
+    reo_steps: u32,
+    reo_clean: u32,
+    /// Smallest RTT sample seen.
+    min_rtt: u64,
+    /// Retransmissions found spurious so far.
+    pub(super) spurious: u64,
     reorder_deadline: Option<u64>,
     deadline: Option<u64>,
     retries: u32,
@@ -234,10 +249,15 @@ impl Requester {
             retx: BTreeSet::new(),
             retx_done_up_to: psn,
             resent: Default::default(),
+            rack_marked: BTreeSet::new(),
             sack_high: psn,
             srtt: 0,
             rack_xmit: 0,
             rack_rtt: 0,
+            reo_steps: 0,
+            reo_clean: 0,
+            min_rtt: u64::MAX,
+            spurious: 0,
             reorder_deadline: None,
             deadline: None,
             retries: 0,
@@ -401,7 +421,27 @@ impl Requester {
                 }
             }
             if !self.resent.is_empty() {
-                self.resent.remove(&psn);
+                if let Some((t, by_rack)) = self.resent.remove(&psn) {
+                    // acknowledged sooner after the resend than half the smallest RTT: the
+                    // first copy arrived, it was only overtaken
+                    let age = now.saturating_sub(t);
+                    if by_rack && self.min_rtt != u64::MAX && age < self.min_rtt / 2 {
+                        self.spurious += 1;
+                        self.reo_steps = (self.reo_steps + 1).min(MAX_REO_STEPS);
+                        self.reo_clean = 0;
+                    } else if self.min_rtt != u64::MAX && age >= self.min_rtt {
+                        // the resend itself arrived: RACK's newest delivered send time moves
+                        // on, so a lost resend sent before it is found without a timeout
+                        self.rack_xmit = self.rack_xmit.max(t);
+                    }
+                }
+            }
+            if self.reo_steps > 0 {
+                self.reo_clean += 1;
+                if self.reo_clean >= 1024 {
+                    self.reo_clean = 0;
+                    self.reo_steps -= 1;
+                }
             }
         }
     }
@@ -441,21 +481,6 @@ impl Requester {
         {
             if *sp < LEFT {
                 self.paths.on_lost(*sp);
-                *sp += LEFT;
-            }
-        }
-        self.retx.insert(psn);
-    }
-
-    /// Queues `psn` for retransmission after a timeout: no evidence against its path (the
-    /// peer may have stalled), so it only stops counting in flight there.
-    fn requeue(&mut self, psn: u64) {
-        if let Some(sp) = psn
-            .checked_sub(self.una)
-            .and_then(|i| self.sent_path.get_mut(i as usize))
-        {
-            if *sp < LEFT {
-                self.paths.forget(*sp);
                 *sp += LEFT;
             }
         }
@@ -699,7 +724,8 @@ impl Requester {
             let mut pkt = Self::build(&r.sq[i], k, end, &cfg, dest);
             r.last_meta = tx_meta(&r.sq[i], k, &pkt, true, &cfg);
             pkt.path = r.send_on_path(p, now);
-            r.resent.insert(p, now);
+            let by_rack = r.rack_marked.remove(&p);
+            r.resent.insert(p, (now, by_rack));
             qp.stats.retransmitted_packets += 1;
             let r = &mut qp.req;
             r.stamp(p, RETRANSMITTED);
@@ -813,6 +839,9 @@ impl Requester {
             if !self.resent.is_empty() {
                 self.resent = self.resent.split_off(&self.una);
             }
+            if !self.rack_marked.is_empty() {
+                self.rack_marked = self.rack_marked.split_off(&self.una);
+            }
             self.deadline = (self.una < self.sent_max).then_some(now + cfg.timeout_ns);
         }
         moved
@@ -821,7 +850,10 @@ impl Requester {
     fn retx_all_from(&mut self, psn: u64) {
         for p in psn.max(self.una)..self.sent_max {
             if !self.is_acked(p) {
-                self.requeue(p);
+                // counted against its path: a path that delivers keeps resetting its run of
+                // losses, one that stopped does not (and a path never goes down while no
+                // path delivers at all)
+                self.presume_lost(p);
             }
         }
     }
@@ -996,6 +1028,7 @@ impl Requester {
     /// newest delivered send time for RACK.
     fn delivered(&mut self, p: u64, now: u64) {
         let Some(rtt) = self.rtt_of(p, now) else { return };
+        self.min_rtt = self.min_rtt.min(rtt);
         if let Some(path) = self.path_of(p) {
             self.paths.on_rtt(path, rtt);
         }
@@ -1016,7 +1049,7 @@ impl Requester {
     /// a resent packet lost again is the retransmission timer's.
     fn resend_old_holes(&mut self, now: u64) {
         // widened by the paths' RTT spread when spraying
-        let wnd = (self.srtt / 4).max(MIN_REORDER_NS) + self.paths.delay_spread();
+        let wnd = (self.srtt / 4 * (1 + self.reo_steps as u64)).max(MIN_REORDER_NS) + self.paths.delay_spread();
         let from = self.una.max(self.retx_done_up_to);
         let mut done_to = self.sack_high;
         self.reorder_deadline = None;
@@ -1044,6 +1077,7 @@ impl Requester {
                 continue;
             }
             self.presume_lost(p);
+            self.rack_marked.insert(p);
         }
         self.retx_done_up_to = self.retx_done_up_to.max(done_to);
         // a resent packet is lost too once a packet sent a reordering window after it arrived
@@ -1051,7 +1085,7 @@ impl Requester {
             let lost: SmallVec<[u64; 8]> = self
                 .resent
                 .iter()
-                .filter(|&(_, &t)| t.saturating_add(wnd) < self.rack_xmit)
+                .filter(|&(_, &(t, _))| t.saturating_add(wnd) < self.rack_xmit)
                 .map(|(&p, _)| p)
                 .collect();
             for p in lost {
