@@ -19,10 +19,13 @@
 //!
 //! **Policies.** `single` uses the first path that is up (the RoCE default with one path;
 //! active-backup failover with several). `round-robin` sprays packets over the paths that are
-//! up in turn. `weighted` sends each packet where it is expected to be delivered soonest: the
-//! path with the fewest packets in flight per unit of its RTT, penalised by its loss rate, so a
-//! route that is slower or shared with other traffic (two source ports that hash onto the same
-//! link) gets fewer packets. Retransmissions avoid the path the packet was lost on.
+//! up in turn. `weighted` sends where the packet is expected to be delivered soonest: the path
+//! with the fewest packets in flight, penalised by its loss rate; a route that is slower or
+//! shared with other traffic (two source ports that hash onto the same link) holds more packets
+//! in flight per unit of throughput, so it gets fewer. New packets go in bursts of
+//! `burst_packets` per choice (flowlets: whole GSO messages, in order within a path).
+//! Retransmissions are placed one by one, away from the path the packet was lost on and
+//! preferably on a path whose latest packet was delivered.
 
 use smallvec::SmallVec;
 use std::str::FromStr;
@@ -88,9 +91,11 @@ pub struct PathParams {
     pub down_after_losses: u32,
     /// How often a down path is probed.
     pub probe_interval_ns: u64,
-    /// Consecutive new packets sent on one path before the policy picks again (a flowlet):
-    /// kernel sockets batch them into one GSO message and the receiver gets them in order,
-    /// while bursts still spread evenly. 1 sprays every packet.
+    /// Most consecutive new packets sent on one path before the policy picks again (a
+    /// flowlet): kernel sockets batch them into one GSO message and the receiver gets them in
+    /// order. A burst is also at most a path's share of the QP's window (see
+    /// [`PathSet::set_window_hint`]), so a small window still spreads evenly. 1 sprays every
+    /// packet.
     pub burst_packets: u32,
 }
 
@@ -133,6 +138,8 @@ struct Path {
     /// When the first packet sent since the last delivery left (None: nothing unanswered).
     waiting_since: Option<u64>,
     last_delivery: u64,
+    /// When the latest RTT sample came.
+    sampled_at: u64,
     losses_in_row: u32,
     next_probe: u64,
 }
@@ -148,6 +155,10 @@ pub struct PathSet {
     burst: (u8, u32),
     /// The latest delivery on any path.
     last_delivery: u64,
+    /// The latest time the requester told (sends, deliveries, samples).
+    now: u64,
+    /// Packets the QP may have in flight (its window, or rate x RTT), as the requester last said.
+    window_pkts: u32,
 }
 
 impl Default for PathSet {
@@ -170,6 +181,7 @@ impl PathSet {
             },
             waiting_since: None,
             last_delivery: 0,
+            sampled_at: 0,
             losses_in_row: 0,
             next_probe: 0,
         };
@@ -180,6 +192,8 @@ impl PathSet {
             rr: 0,
             burst: (0, 0),
             last_delivery: 0,
+            now: 0,
+            window_pkts: u32::MAX,
         }
     }
 
@@ -219,7 +233,10 @@ impl PathSet {
                 return cur;
             }
             let p = self.choose(None);
-            self.burst = (p, self.p.burst_packets.max(1) - 1);
+            // a burst is at most a path's share of the QP's window, so a small window (a
+            // congestion-controlled QP) is still spread finely enough to balance the paths
+            let share = self.window_pkts / self.up_count().max(1) as u32;
+            self.burst = (p, share.clamp(1, self.p.burst_packets.max(1)) - 1);
             return p;
         }
         self.choose(avoid)
@@ -227,10 +244,12 @@ impl PathSet {
 
     fn choose(&mut self, avoid: Option<u8>) -> u8 {
         let n = self.paths.len();
-        // preference tiers: up, not `avoid` and (when spraying) its latest packet delivered
-        // rather than lost; then up and not `avoid`; then up; then any. A path that is silently
-        // dropping gets no retransmission while it waits to be declared down.
-        let sprays = self.policy.sprays();
+        // preference tiers: up, not `avoid` and (for a retransmission, when spraying) its
+        // latest packet delivered rather than lost; then up and not `avoid`; then up; then any.
+        // A path that is silently dropping gets no retransmission while it waits to be
+        // declared down; new data still goes there by the policy, so a path whose loss was only
+        // a reordering is used (and cleared) again.
+        let sprays = self.policy.sprays() && avoid.is_some();
         let tier = |i: usize, ps: &PathSet| -> u8 {
             let p = &ps.paths[i];
             match (p.s.up, Some(i as u8) != avoid, !sprays || p.losses_in_row == 0) {
@@ -255,12 +274,19 @@ impl PathSet {
                 0
             }
             SprayPolicy::Weighted => {
-                // a path without an RTT sample counts as fast as the fastest one that has one
+                // expected time to deliver: packets in flight (plus this one) times the RTT,
+                // penalised by the loss rate. An RTT not refreshed for 16 of its own lengths per
+                // path (each path's turn comes that rarely) counts as the fastest fresh
+                // one, so a path that lost the comparison is tried and measured again instead
+                // of being starved by a stale estimate
+                let now = self.now;
+                let age = 16 * n as u64;
+                let fresh = |p: &Path| p.s.srtt_ns > 0 && now.saturating_sub(p.sampled_at) <= age * p.s.srtt_ns;
                 let floor = self
                     .paths
                     .iter()
+                    .filter(|p| fresh(p))
                     .map(|p| p.s.srtt_ns)
-                    .filter(|&r| r > 0)
                     .min()
                     .unwrap_or(1);
                 let mut best: Option<(f64, usize)> = None;
@@ -269,8 +295,9 @@ impl PathSet {
                     if !ok(i, self) {
                         continue;
                     }
-                    let s = &self.paths[i].s;
-                    let rtt = if s.srtt_ns > 0 { s.srtt_ns } else { floor } as f64;
+                    let p = &self.paths[i];
+                    let rtt = if fresh(p) { p.s.srtt_ns } else { floor } as f64;
+                    let s = &p.s;
                     let cost = (s.inflight as f64 + 1.0) * rtt * (1.0 + 10.0 * s.loss_rate);
                     if best.is_none_or(|(c, _)| cost < c) {
                         best = Some((cost, i));
@@ -283,6 +310,12 @@ impl PathSet {
         }
     }
 
+    /// How many packets the QP may have in flight: the window its congestion control or rate
+    /// allows (bursts are cut to a path's share of it).
+    pub fn set_window_hint(&mut self, pkts: u32) {
+        self.window_pkts = pkts;
+    }
+
     /// The first path that is up.
     pub fn first_up(&self) -> u8 {
         self.paths.iter().position(|p| p.s.up).unwrap_or(0) as u8
@@ -290,6 +323,7 @@ impl PathSet {
 
     /// A packet left on path `i`.
     pub fn on_send(&mut self, i: u8, now: u64) {
+        self.now = self.now.max(now);
         let Some(p) = self.paths.get_mut(i as usize) else {
             return;
         };
@@ -300,6 +334,7 @@ impl PathSet {
 
     /// A packet sent on path `i` was delivered.
     pub fn on_delivered(&mut self, i: u8, now: u64) {
+        self.now = self.now.max(now);
         let Some(p) = self.paths.get_mut(i as usize) else {
             return;
         };
@@ -313,11 +348,26 @@ impl PathSet {
         p.waiting_since = (p.s.inflight > 0).then_some(now);
     }
 
-    /// An RTT sample of a packet first sent on path `i`.
-    pub fn on_rtt(&mut self, i: u8, rtt: u64) {
+    /// A packet presumed lost on path `i` turned out delivered (its resend was spurious): the
+    /// loss is taken back and the path counts as delivering.
+    pub fn on_late_delivery(&mut self, i: u8, now: u64) {
         let Some(p) = self.paths.get_mut(i as usize) else {
             return;
         };
+        p.s.lost = p.s.lost.saturating_sub(1);
+        p.s.delivered += 1;
+        p.losses_in_row = 0;
+        p.last_delivery = now;
+        self.last_delivery = self.last_delivery.max(now);
+    }
+
+    /// An RTT sample, taken at `now`, of a packet first sent on path `i`.
+    pub fn on_rtt(&mut self, i: u8, rtt: u64, now: u64) {
+        self.now = self.now.max(now);
+        let Some(p) = self.paths.get_mut(i as usize) else {
+            return;
+        };
+        p.sampled_at = now;
         let s = &mut p.s;
         if s.srtt_ns == 0 {
             s.srtt_ns = rtt;
@@ -362,7 +412,7 @@ impl PathSet {
     /// When path `i` has waited long enough to be down (if another path delivers meanwhile).
     fn down_at(&self, i: usize) -> Option<u64> {
         let p = &self.paths[i];
-        let since = p.waiting_since.filter(|_| p.s.up)?;
+        let since = p.waiting_since.filter(|_| p.s.up && p.s.inflight > 0)?;
         Some(since + self.p.down_after_rtos.max(1) as u64 * self.rto(i as u8))
     }
 
@@ -375,6 +425,8 @@ impl PathSet {
             return true;
         }
         let Some(since) = p.waiting_since else { return false };
+        // something is still out there (a path whose packets were all presumed lost is the
+        // loss rule's), nothing came back for the RTOs, and another path delivered meanwhile
         self.down_at(i).is_some_and(|t| now >= t) && self.last_delivery > since
     }
 
@@ -495,6 +547,11 @@ mod tests {
         );
         let v: Vec<u8> = (0..8).map(|_| s.pick(None)).collect();
         assert_eq!(v, [1, 1, 1, 1, 0, 0, 0, 0]);
+        // bursts are at most a path's share of the window: with 2 packets over 2 paths, one
+        let mut small = PathSet::new(2, SprayPolicy::RoundRobin, PathParams::default());
+        small.set_window_hint(2);
+        let v: Vec<u8> = (0..4).map(|_| small.pick(None)).collect();
+        assert_eq!(v, [1, 0, 1, 0], "a packet per path");
         // retransmissions choose per packet, away from the path they were lost on
         assert_eq!(s.pick(Some(1)), 0);
         s.on_send(1, 0);
@@ -536,25 +593,34 @@ mod tests {
 
     #[test]
     fn weighted_prefers_the_path_that_delivers_faster() {
+        // 20 packets in flight; path 0 delivers three packets for every one of path 1, and its
+        // RTT samples are a third of path 1's
         let mut s = set(2, SprayPolicy::Weighted);
-        s.on_rtt(0, 100_000);
-        s.on_rtt(1, 300_000);
         let mut n = [0u32; 2];
         for t in 0..4000u64 {
-            let p = s.pick(None);
-            n[p as usize] += 1;
-            s.on_send(p, t);
-            // deliveries keep each path's in flight at rate x RTT: drain proportionally
-            if t % 4 == 0 {
-                for i in 0..2u8 {
-                    let keep = [25u32, 25][i as usize];
-                    while s.stats()[i as usize].inflight > keep {
-                        s.on_delivered(i, t);
-                    }
-                }
+            while s.stats().iter().map(|p| p.inflight).sum::<u32>() < 20 {
+                let p = s.pick(None);
+                n[p as usize] += 1;
+                s.on_send(p, t);
+            }
+            let i = if t % 4 == 3 { 1 } else { 0 };
+            if s.stats()[i].inflight > 0 {
+                s.on_delivered(i as u8, t);
+                s.on_rtt(i as u8, [100, 300][i], t);
             }
         }
         assert!(n[0] > 2 * n[1], "the 3x faster path carries most: {n:?}");
+        // a path whose estimate went stale is tried again
+        let mut st = set(2, SprayPolicy::Weighted);
+        st.on_rtt(0, 100, 0);
+        st.on_rtt(1, 10_000, 0);
+        assert_eq!(st.pick(None), 0);
+        st.on_rtt(0, 100, 1_000_000);
+        assert_eq!(
+            st.pick(None),
+            1,
+            "path 1's sample is 100 of its RTTs old (over 16 per path)"
+        );
         // losses push traffic away too
         let mut l = set(2, SprayPolicy::Weighted);
         for _ in 0..64 {
@@ -570,7 +636,7 @@ mod tests {
         for i in 0..2u8 {
             s.on_send(i, 0);
             s.on_delivered(i, 100_000);
-            s.on_rtt(i, 100_000);
+            s.on_rtt(i, 100_000, 100_000);
         }
         let rto = s.rto(1);
         assert_eq!(rto, PathParams::default().min_rto_ns, "RTO floor");

@@ -421,6 +421,7 @@ fn flexns(
     let mut h = histogram();
     let mut ops = 0u64;
     let start = Instant::now();
+    let start_mono = netstack::link::sys::monotonic_ns();
     // with --bytes, the run ends when that much was posted (the duration is then a bound)
     let end = start
         + if a.bytes.is_some() {
@@ -590,6 +591,10 @@ fn flexns(
     );
     let retx: u64 = qps.iter().map(|q| q.stats().retransmitted_packets).sum();
     r.extra.insert("retransmitted_packets".into(), retx.into());
+    let spurious: u64 = qps.iter().map(|q| q.stats().spurious_retransmissions).sum();
+    r.extra.insert("spurious_retransmissions".into(), spurious.into());
+    let timeouts: u64 = qps.iter().map(|q| q.stats().timeouts).sum();
+    r.extra.insert("timeouts".into(), timeouts.into());
     if !echo {
         let mbps: Vec<f64> = timeline
             .iter()
@@ -597,6 +602,8 @@ fn flexns(
             .collect();
         r.extra
             .insert("timeline_bin_ms".into(), (TIMELINE_BIN.as_millis() as u64).into());
+        // CLOCK_MONOTONIC at the timeline's start, so a script can place its own events on it
+        r.extra.insert("timeline_start_monotonic_ns".into(), start_mono.into());
         r.extra.insert("timeline_mbps".into(), serde_json::to_value(mbps)?);
         r.extra.insert(
             "max_gap_ms".into(),

@@ -31,6 +31,9 @@ pub struct NetArgs {
     /// Bytes a congestion-controlled QP may send back to back above its rate.
     #[arg(long, value_parser = crate::bench::parse_size)]
     pub pacing_burst: Option<u64>,
+    /// Multipath: new packets a QP sends on one path before its spray policy picks again.
+    #[arg(long)]
+    pub spray_burst: Option<u32>,
 }
 
 impl NetArgs {
@@ -49,6 +52,12 @@ impl NetArgs {
         cfg.udp_checksum &= !self.no_udp_checksum;
         if let Some(b) = self.pacing_burst {
             cfg.qp.pacing_burst = u32::try_from(b).map_err(|_| anyhow::anyhow!("--pacing-burst: {b} is too large"))?;
+        }
+        if let Some(b) = self.spray_burst {
+            if b == 0 {
+                anyhow::bail!("--spray-burst: must be at least 1 packet");
+            }
+            cfg.paths.burst_packets = b;
         }
         cfg.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
         Ok(())
@@ -75,6 +84,9 @@ impl NetArgs {
         }
         if let Some(b) = self.pacing_burst {
             v.extend(["--pacing-burst".into(), b.to_string()]);
+        }
+        if let Some(b) = self.spray_burst {
+            v.extend(["--spray-burst".into(), b.to_string()]);
         }
         v
     }

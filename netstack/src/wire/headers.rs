@@ -284,12 +284,15 @@ impl SrExt {
 /// Selective ACK extension (12 bytes) after the AETH of an ACK in selective-repeat mode.
 /// `bitmap` bit `i` set means PSN `base + 1 + i` was received (`base` is the first missing PSN,
 /// so the AETH's cumulative ACK is `base - 1`); `high` is the highest PSN received, which may lie
-/// beyond the bitmap when spraying reorders deeply (the sender's loss detection uses its send time).
+/// beyond the bitmap when spraying reorders deeply (the sender's loss detection uses its send time);
+/// `dup` (the top bit of that word) says a packet arrived twice since the previous SACK, like
+/// TCP's DSACK: a retransmission was spurious.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct SackExt {
     pub base: u32,
     pub bitmap: u64,
     pub high: u32,
+    pub dup: bool,
 }
 
 impl SackExt {
@@ -299,12 +302,13 @@ impl SackExt {
             base: be32(b) & MASK24,
             bitmap: be64(&b[4..]),
             high: be32(&b[12..]) & MASK24,
+            dup: b[12] & 0x80 != 0,
         }
     }
     pub fn emit(&self, b: &mut [u8]) {
         b[..4].copy_from_slice(&(self.base & MASK24).to_be_bytes());
         b[4..12].copy_from_slice(&self.bitmap.to_be_bytes());
-        b[12..16].copy_from_slice(&(self.high & MASK24).to_be_bytes());
+        b[12..16].copy_from_slice(&((self.high & MASK24) | (u32::from(self.dup) << 31)).to_be_bytes());
     }
 }
 
@@ -366,6 +370,7 @@ mod tests {
             base: 0xFFFFFF,
             bitmap: 0x8000_0000_0000_0001,
             high: 0x12345,
+            dup: true,
         };
         k.emit(&mut buf);
         assert_eq!(SackExt::parse(&buf), k);

@@ -18,7 +18,7 @@ const RETRANSMITTED: u64 = u64::MAX;
 /// Smallest reordering window of selective repeat (a quarter of the smoothed RTT otherwise).
 const MIN_REORDER_NS: u64 = 2_000;
 /// Most quarter RTTs the reordering window widens to after spurious retransmissions.
-const MAX_REO_STEPS: u32 = 4;
+const MAX_REO_STEPS: u32 = 16;
 
 /// `sent_path` values: below this, the path a packet is in flight on; `LEFT + path`, the path it
 /// was last sent on and is no longer in flight on (delivered, lost or forgotten); [`NO_PATH`],
@@ -194,7 +194,7 @@ pub(super) struct Requester {
     /// Selective repeat: resent PSNs not yet acknowledged, with when they were resent, so RACK
     /// finds a lost retransmission too (a packet sent after it was delivered) instead of
     /// leaving it to the retransmission timer.
-    resent: std::collections::BTreeMap<u64, (u64, bool)>,
+    resent: std::collections::BTreeMap<u64, (u64, bool, u8)>,
     /// PSNs queued for resending by RACK's reordering rule (not by a timeout or a dead path):
     /// only their resends tell whether the reordering window is too small.
     rack_marked: BTreeSet<u64>,
@@ -421,14 +421,15 @@ impl Requester {
                 }
             }
             if !self.resent.is_empty() {
-                if let Some((t, by_rack)) = self.resent.remove(&psn) {
+                if let Some((t, by_rack, first_path)) = self.resent.remove(&psn) {
                     // acknowledged sooner after the resend than half the smallest RTT: the
                     // first copy arrived, it was only overtaken
                     let age = now.saturating_sub(t);
                     if by_rack && self.min_rtt != u64::MAX && age < self.min_rtt / 2 {
                         self.spurious += 1;
-                        self.reo_steps = (self.reo_steps + 1).min(MAX_REO_STEPS);
-                        self.reo_clean = 0;
+                        self.widen_reordering_window();
+                        // the path it was first sent on delivered it after all
+                        self.paths.on_late_delivery(first_path, now);
                     } else if self.min_rtt != u64::MAX && age >= self.min_rtt {
                         // the resend itself arrived: RACK's newest delivered send time moves
                         // on, so a lost resend sent before it is found without a timeout
@@ -444,6 +445,13 @@ impl Requester {
                 }
             }
         }
+    }
+
+    /// A spurious retransmission: RACK's reordering window grows a quarter RTT (up to
+    /// [`MAX_REO_STEPS`]).
+    fn widen_reordering_window(&mut self) {
+        self.reo_steps = (self.reo_steps + 1).min(MAX_REO_STEPS);
+        self.reo_clean = 0;
     }
 
     /// The path PSN `psn` was last sent on.
@@ -569,6 +577,20 @@ impl Requester {
     /// Payload bytes in flight, in whole packets (an upper bound).
     fn inflight_bytes(&self, cfg: &RcConfig) -> u64 {
         self.sent_max.saturating_sub(self.una) * cfg.mtu as u64
+    }
+
+    /// Packets this QP may have in flight: its window, its CC window, and its pacing rate over
+    /// one smoothed RTT, whichever is smallest.
+    fn window_pkts(&self, cfg: &RcConfig) -> u32 {
+        let mtu = cfg.mtu.max(1) as u64;
+        let mut w = cfg.window_pkts as u64;
+        if let Some(b) = self.pacer.window() {
+            w = w.min(b / mtu);
+        }
+        if let (Some(rate), true) = (self.pacer.rate(), self.srtt > 0) {
+            w = w.min((rate as u128 * self.srtt as u128 / 1_000_000_000 / mtu as u128) as u64);
+        }
+        w.max(1) as u32
     }
 
     /// Whether the window lets a packet of new data go. Retransmissions are exempt: a resent
@@ -723,9 +745,10 @@ impl Requester {
             }
             let mut pkt = Self::build(&r.sq[i], k, end, &cfg, dest);
             r.last_meta = tx_meta(&r.sq[i], k, &pkt, true, &cfg);
+            let first_path = r.path_of(p).unwrap_or(NO_PATH);
             pkt.path = r.send_on_path(p, now);
             let by_rack = r.rack_marked.remove(&p);
-            r.resent.insert(p, (now, by_rack));
+            r.resent.insert(p, (now, by_rack, first_path));
             qp.stats.retransmitted_packets += 1;
             let r = &mut qp.req;
             r.stamp(p, RETRANSMITTED);
@@ -784,6 +807,9 @@ impl Requester {
             qp.stats.retransmitted_packets += 1;
         }
         let r = &mut qp.req;
+        if r.paths.len() > 1 {
+            r.paths.set_window_hint(r.window_pkts(&cfg));
+        }
         pkt.path = r.send_on_path(psn, now);
         r.stamp(psn, if resent { RETRANSMITTED } else { now });
         r.sent_max = r.sent_max.max(first + end as u64);
@@ -987,6 +1013,12 @@ impl Requester {
     }
 
     fn sack(&mut self, s: &SackExt, now: u64) {
+        if s.dup && !self.resent.is_empty() {
+            // the peer got a packet twice: a resend was spurious, packets are being overtaken
+            // by more than the reordering window
+            self.spurious += 1;
+            self.widen_reordering_window();
+        }
         let base = psn_unwrap(self.una, s.base);
         let mut highest = None;
         for i in 0..64u64 {
@@ -1030,7 +1062,7 @@ impl Requester {
         let Some(rtt) = self.rtt_of(p, now) else { return };
         self.min_rtt = self.min_rtt.min(rtt);
         if let Some(path) = self.path_of(p) {
-            self.paths.on_rtt(path, rtt);
+            self.paths.on_rtt(path, rtt, now);
         }
         self.srtt = if self.srtt == 0 { rtt } else { (7 * self.srtt + rtt) / 8 };
         let sent = now - rtt;
@@ -1085,7 +1117,7 @@ impl Requester {
             let lost: SmallVec<[u64; 8]> = self
                 .resent
                 .iter()
-                .filter(|&(_, &(t, _))| t.saturating_add(wnd) < self.rack_xmit)
+                .filter(|&(_, &(t, _, _))| t.saturating_add(wnd) < self.rack_xmit)
                 .map(|(&p, _)| p)
                 .collect();
             for p in lost {

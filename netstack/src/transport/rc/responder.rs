@@ -103,6 +103,9 @@ pub(super) struct Responder {
     unacked: u32,
     nak: Option<(Syndrome, u64)>,
     seq_nak_sent: bool,
+    /// A packet arrived twice since the last SACK (reported like TCP's DSACK, so the
+    /// requester learns that its resend was spurious and widens its reordering window).
+    dup_seen: bool,
 }
 
 impl Responder {
@@ -121,6 +124,7 @@ impl Responder {
             unacked: 0,
             nak: None,
             seq_nak_sent: false,
+            dup_seen: false,
         }
     }
 
@@ -188,6 +192,7 @@ impl Responder {
         let p = psn_unwrap(s.epsn, pkt.bth.psn);
         if p < s.epsn {
             qp.stats.duplicate_requests += 1;
+            s.dup_seen = true;
             return Self::duplicate(qp, p, pkt, mrs);
         }
         if p > s.epsn {
@@ -201,7 +206,10 @@ impl Responder {
                     }
                 }
                 Recovery::SelectiveRepeat => {
-                    if p - s.epsn < 2 * cfg.window_pkts as u64 && !s.ooo.contains_key(&p) {
+                    if s.ooo.contains_key(&p) {
+                        qp.stats.duplicate_requests += 1;
+                        s.dup_seen = true;
+                    } else if p - s.epsn < 2 * cfg.window_pkts as u64 {
                         match Self::process(qp, p, pkt, mrs, false) {
                             Ok(a) => {
                                 qp.resp.ooo.insert(p, a);
@@ -654,6 +662,7 @@ impl Responder {
                     base: s.epsn as u32,
                     bitmap,
                     high: high as u32,
+                    dup: std::mem::take(&mut s.dup_seen),
                 });
             }
             qp.stats.acks_sent += 1;

@@ -1,0 +1,243 @@
+#!/usr/bin/env bash
+# An ECMP multipath testbed on one Linux host: host A and host B in network namespaces, joined
+# through a router namespace by two equal-cost paths. The router reaches B's service address
+# over both links with Linux ECMP hashing the 5-tuple (net.ipv4.fib_multipath_hash_policy=1), so
+# a flow with one UDP source port uses one path and a QP that sprays over several source ports
+# uses both. Each path is rate-limited at the router (HTB at --rate). B returns traffic over
+# both links the same way.
+#
+#   ecmp.sh run [--rate 500mbit] [--paths 8] [--spray weighted] [--duration 3] [--pairs 3]
+#               [--cut-bytes 1GiB] [--cut-at 2] [--cut-for 4] [--prefix fe$$]
+#       1. spraying versus a fixed source port: one QP writing 64 KiB messages for --duration
+#          seconds, sprayed over --paths paths, then with one path (fixed port), interleaved
+#          --pairs times. Prints a JSON line per mode ({"experiment":"spray","mode":...,"gbps"})
+#          and {"experiment":"spray","ratio":...,"verified":...}.
+#       2. a path cut: one sprayed QP writes --cut-bytes in 256 KiB WRITEs; --cut-at seconds in,
+#          B's end of path 1 goes down (`ip link set ... down`: the router still hashes flows
+#          onto the dead link, a black hole), and comes back --cut-for seconds later. Prints
+#          {"experiment":"cut","gbps_before","gbps_during","gbps_after","stall_ms","verified",
+#          "path_returned",...}; stall_ms is the longest time without a completed WRITE.
+#   ecmp.sh up [...] / ecmp.sh down [--prefix P]
+#       only build / only remove the topology.
+#
+# Needs root. Installs what it lacks (iproute2, ethtool) with apt. NSPERF=path uses that nsperf
+# binary; otherwise it is built with cargo (release). Everything it creates (namespaces, veths,
+# qdiscs, child processes, temp files) is removed on exit, failure or interrupt.
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+root="$(cd "$here/../.." && pwd)"
+
+cmd="${1:-}"
+[ -n "$cmd" ] && shift
+RATE=500mbit PATHS=8 SPRAY=weighted DURATION=3 PAIRS=3 CUT_BYTES=1GiB CUT_AT=2 CUT_FOR=4 CC=swift
+SWIFT_TARGET_NS=1000000
+P="fe$$"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --rate) RATE="$2"; shift 2 ;;
+    --paths) PATHS="$2"; shift 2 ;;
+    --spray) SPRAY="$2"; shift 2 ;;
+    --duration) DURATION="$2"; shift 2 ;;
+    --pairs) PAIRS="$2"; shift 2 ;;
+    --cut-bytes) CUT_BYTES="$2"; shift 2 ;;
+    --cut-at) CUT_AT="$2"; shift 2 ;;
+    --cut-for) CUT_FOR="$2"; shift 2 ;;
+    --cc) CC="$2"; shift 2 ;;
+    --prefix) P="$2"; shift 2 ;;
+    *) echo "ecmp.sh: unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+case "$cmd" in run|up|down) ;; *) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;; esac
+case "$SPRAY" in single|round-robin|weighted) ;; *) echo "--spray: unknown policy $SPRAY" >&2; exit 2 ;; esac
+[[ "$PATHS" =~ ^[0-9]+$ ]] && [ "$PATHS" -ge 2 ] && [ "$PATHS" -le 64 ] || { echo "--paths: 2..64" >&2; exit 2; }
+[[ "$PAIRS" =~ ^[0-9]+$ ]] && [ "$PAIRS" -ge 1 ] || { echo "--pairs: a positive number" >&2; exit 2; }
+for v in DURATION CUT_AT CUT_FOR; do
+  [[ "${!v}" =~ ^[0-9]+(\.[0-9]+)?$ ]] || { echo "--${v,,}: a number of seconds" >&2; exit 2; }
+done
+[[ "$P" =~ ^[a-z0-9]{1,10}$ ]] || { echo "--prefix: 1-10 lowercase letters or digits" >&2; exit 2; }
+[[ "${RATE,,}" =~ ^[0-9]+(kbit|mbit|gbit)$ ]] || { echo "--rate: like 500mbit" >&2; exit 2; }
+RATE_BPS=$(python3 -c "import re,sys; n,u=re.match(r'(\d+)(kbit|mbit|gbit)',sys.argv[1].lower()).groups(); print(int(n)*{'kbit':10**3,'mbit':10**6,'gbit':10**9}[u])" "$RATE")
+case "$CC" in none|dcqcn|timely|swift|homa) ;; *) echo "--cc: none, dcqcn, timely, swift or homa (the testbed has no INT for hpcc)" >&2; exit 2 ;; esac
+[ "$(id -u)" = 0 ] || { echo "ecmp.sh needs root (network namespaces, tc)" >&2; exit 1; }
+
+NS=(a r b)
+work=""
+pids=()
+cleanup() {
+  local rc=$?
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
+  for n in "${NS[@]}"; do ip netns del "${P}_$n" 2>/dev/null || true; done
+  [ -n "$work" ] && rm -rf "$work"
+  exit "$rc"
+}
+
+install_deps() {
+  local need=()
+  command -v ip >/dev/null || need+=(iproute2)
+  command -v tc >/dev/null || need+=(iproute2)
+  command -v ethtool >/dev/null || need+=(ethtool)
+  command -v python3 >/dev/null || need+=(python3)
+  if [ "${#need[@]}" -gt 0 ]; then
+    echo "ecmp.sh: installing ${need[*]}" >&2
+    apt-get update -qq >&2
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >&2
+  fi
+}
+
+# A 10.88.1.2 --- (ra) R (r1) === (b1) B 10.88.11.2     B's service address 10.88.2.2 on lo
+#                      (r2) === (b2)   10.88.12.2
+up() {
+  for n in "${NS[@]}"; do ip netns add "${P}_$n"; done
+  local x
+  for x in "a a0 ra" "b b1 r1" "b b2 r2"; do
+    set -- $x
+    ip link add "${P}$2" mtu 9000 type veth peer name "${P}$3" mtu 9000
+    ip link set "${P}$2" netns "${P}_$1"
+    ip link set "${P}$3" netns "${P}_r"
+  done
+  ip -n "${P}_a" addr add 10.88.1.2/24 dev "${P}a0"
+  ip -n "${P}_r" addr add 10.88.1.1/24 dev "${P}ra"
+  ip -n "${P}_r" addr add 10.88.11.1/24 dev "${P}r1"
+  ip -n "${P}_r" addr add 10.88.12.1/24 dev "${P}r2"
+  ip -n "${P}_b" addr add 10.88.11.2/24 dev "${P}b1"
+  ip -n "${P}_b" addr add 10.88.12.2/24 dev "${P}b2"
+  ip -n "${P}_b" addr add 10.88.2.2/32 dev lo
+  for n in "${NS[@]}"; do
+    ip -n "${P}_$n" link set lo up
+    ip netns exec "${P}_$n" sysctl -qw net.ipv4.conf.all.rp_filter=0 net.ipv4.conf.default.rp_filter=0
+    ip netns exec "${P}_$n" sysctl -qw net.ipv4.fib_multipath_hash_policy=1
+  done
+  ip -n "${P}_a" link set "${P}a0" up
+  for d in ra r1 r2; do ip -n "${P}_r" link set "${P}$d" up; done
+  for d in b1 b2; do ip -n "${P}_b" link set "${P}$d" up; done
+  for d in ra r1 r2; do ip netns exec "${P}_r" sysctl -qw "net.ipv4.conf.${P}$d.rp_filter=0"; done
+  for d in b1 b2; do ip netns exec "${P}_b" sysctl -qw "net.ipv4.conf.${P}$d.rp_filter=0"; done
+  ip netns exec "${P}_r" sysctl -qw net.ipv4.ip_forward=1
+  ip -n "${P}_a" route add default via 10.88.1.1
+  ip -n "${P}_r" route add 10.88.2.2/32 \
+    nexthop via 10.88.11.2 dev "${P}r1" weight 1 nexthop via 10.88.12.2 dev "${P}r2" weight 1
+  ip -n "${P}_b" route add 10.88.1.0/24 \
+    nexthop via 10.88.11.1 dev "${P}b1" weight 1 nexthop via 10.88.12.1 dev "${P}b2" weight 1
+  # each path is a rate-limited link at the router; the rates are real only without offloads
+  for x in "a a0" "r ra" "r r1" "r r2" "b b1" "b b2"; do
+    set -- $x
+    ip netns exec "${P}_$1" ethtool -K "${P}$2" tso off gso off gro off >/dev/null 2>&1 || true
+  done
+  for d in r1 r2; do
+    ip netns exec "${P}_r" tc qdisc add dev "${P}$d" root handle 1: htb default 10
+    ip netns exec "${P}_r" tc class add dev "${P}$d" parent 1: classid 1:10 htb rate "$RATE" ceil "$RATE" \
+      burst 64k cburst 64k quantum 9000
+    ip netns exec "${P}_r" tc qdisc add dev "${P}$d" parent 1:10 handle 10: bfifo limit 4000000
+  done
+}
+
+down() {
+  for n in "${NS[@]}"; do ip netns del "${P}_$n" 2>/dev/null || true; done
+}
+
+case "$cmd" in
+  down) down; exit 0 ;;
+esac
+
+trap cleanup EXIT INT TERM
+install_deps
+work="$(mktemp -d)"
+up
+if [ "$cmd" = up ]; then
+  trap - EXIT INT TERM
+  rm -rf "$work"
+  echo "ecmp ${P} is up (namespaces ${P}_a ${P}_r ${P}_b); remove it with: $0 down --prefix $P" >&2
+  exit 0
+fi
+
+if [ -z "${NSPERF:-}" ]; then
+  (cd "$root" && cargo build --release -q -p clients --bin nsperf) >&2
+  NSPERF="$root/target/release/nsperf"
+fi
+
+mkfifo "$work/banner"
+ip netns exec "${P}_b" "$NSPERF" server --listen 10.88.2.2:7471 --data 10.88.2.2:4791 --mr-size 64MiB \
+  --recovery selective-repeat >"$work/banner" 2>"$work/server.err" &
+pids+=($!)
+exec 3<"$work/banner"
+if ! read -r -t 30 banner <&3; then
+  echo "nsperf server did not start:" >&2; cat "$work/server.err" >&2; exit 1
+fi
+client=(ip netns exec "${P}_a" "$NSPERF" client --server 10.88.2.2:7471 --data 10.88.1.2:4791 --op write
+  --mtu 4096 --recovery selective-repeat --paths "$PATHS" --spray "$SPRAY" --json --cc "$CC"
+  --line-rate "$(( RATE_BPS * 2 ))bit" --cc-param "swift.base_target_ns=$SWIFT_TARGET_NS")
+
+# 1. spraying versus one fixed source port, interleaved
+if ! "${client[@]}" --size 64KiB --depth 32 --duration "$DURATION" --compare-paths 1 --pairs "$PAIRS" \
+  >"$work/spray.json" 2>"$work/spray.err"; then
+  echo "the spray experiment failed:" >&2; grep -v "^ \\|^Stack backtrace" "$work/spray.err" | tail -5 >&2; exit 1
+fi
+
+# 2. a path cut in the middle of a transfer, and its return
+"${client[@]}" --size 256KiB --depth 16 --bytes "$CUT_BYTES" >"$work/cut.json" 2>"$work/cut.err" &
+cpid=$!
+pids+=($cpid)
+sleep "$CUT_AT"
+cut_ns=$(python3 -c 'import time; print(time.monotonic_ns())')
+ip -n "${P}_b" link set "${P}b1" down
+sleep "$CUT_FOR"
+up_ns=$(python3 -c 'import time; print(time.monotonic_ns())')
+ip -n "${P}_b" link set "${P}b1" up
+ip -n "${P}_b" route replace 10.88.1.0/24 \
+  nexthop via 10.88.11.1 dev "${P}b1" weight 1 nexthop via 10.88.12.1 dev "${P}b2" weight 1
+cut_ok=0
+wait "$cpid" || { cut_ok=1; echo "the cut experiment failed:" >&2; grep -v "^ \\|^Stack backtrace" "$work/cut.err" | tail -5 >&2; }
+
+python3 - "$work" "$RATE" "$PATHS" "$SPRAY" "$cut_ns" "$up_ns" "$cut_ok" <<'EOF'
+import json, sys
+work, rate, paths, spray, cut_ns, up_ns, cut_ok = sys.argv[1:]
+cut_ns, up_ns = int(cut_ns), int(up_ns)
+def lines(name):
+    out = []
+    for l in open(f"{work}/{name}"):
+        try:
+            out.append(json.loads(l))
+        except ValueError:
+            pass
+    return out
+spray_lines = lines("spray.json")
+runs = [l for l in spray_lines if l.get("bench") == "write_bw"]
+ratio = next((l for l in spray_lines if l.get("bench") == "ratio"), {})
+def med(v):
+    v = sorted(v)
+    return v[len(v) // 2] if v else None
+sprayed = [r for r in runs if r.get("multipath")]
+fixed = [r for r in runs if not r.get("multipath")]
+for mode, rs in (("spray", sprayed), ("fixed", fixed)):
+    print(json.dumps({"experiment": "spray", "mode": mode, "paths": int(paths) if mode == "spray" else 1,
+                      "spray": spray if mode == "spray" else "single", "rate_per_path": rate,
+                      "gbps": med([r["gbps"] for r in rs]), "runs_gbps": [r["gbps"] for r in rs],
+                      "retransmitted_packets": sum(r.get("retransmitted_packets", 0) for r in rs)}))
+print(json.dumps({"experiment": "spray", "ratio": ratio.get("ratio"), "ratios": ratio.get("ratios"),
+                  "verified": bool(runs) and all(r["verified"] for r in runs)}))
+cut = next((l for l in lines("cut.json") if l.get("bench") == "write_bw"), None)
+if cut is None or cut_ok != "0":
+    print(json.dumps({"experiment": "cut", "error": "no result (see stderr)", "verified": False}))
+    sys.exit(1)
+bin_ns = cut["timeline_bin_ms"] * 1_000_000
+t0 = cut["timeline_start_monotonic_ns"]
+tl = cut["timeline_mbps"]
+def gbps(a_ns, b_ns):
+    a, b = max(0, (a_ns - t0) // bin_ns), min(len(tl), (b_ns - t0) // bin_ns)
+    return round(sum(tl[a:b]) / max(1, b - a) / 1000, 3) if b > a else None
+end_ns = t0 + len(tl) * bin_ns
+mp = cut.get("multipath", {})
+per = mp.get("per_path", [])
+print(json.dumps({
+    "experiment": "cut", "bytes": cut["bytes"], "rate_per_path": rate, "paths": int(paths), "spray": spray,
+    "gbps_before": gbps(t0 + 300_000_000, cut_ns), "gbps_during": gbps(cut_ns + 300_000_000, up_ns),
+    "gbps_after": gbps(up_ns + 500_000_000, end_ns - bin_ns),
+    "stall_ms": cut.get("max_gap_ms"), "verified": cut["verified"],
+    "path_downs": mp.get("path_downs"), "paths_up_at_end": sum(1 for p in per if p.get("up")),
+    "path_returned": bool(per) and all(p.get("up") for p in per) and any(p.get("ups", 0) > 0 for p in per),
+    "retransmitted_packets": cut.get("retransmitted_packets"), "per_path": per,
+    "timeline_mbps": tl,
+}))
+EOF
