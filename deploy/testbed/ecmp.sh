@@ -15,8 +15,10 @@
 #       2. a path cut: one sprayed QP writes --cut-bytes in 256 KiB WRITEs; --cut-at seconds in,
 #          B's end of path 1 goes down (`ip link set ... down`: the router still hashes flows
 #          onto the dead link, a black hole), and comes back --cut-for seconds later. Prints
-#          {"experiment":"cut","gbps_before","gbps_during","gbps_after","stall_ms","verified",
-#          "path_returned",...}; stall_ms is the longest time without a completed WRITE.
+#          {"experiment":"cut","gbps_before","gbps_during","gbps_after","gbps_after_peak",
+#          "stall_ms","verified","path_returned",...}; stall_ms is the longest time without a
+#          completed WRITE; path_returned says every path is up again and was brought back by
+#          an answered probe.
 #   ecmp.sh up [...] / ecmp.sh down [--prefix P]
 #       only build / only remove the topology.
 #
@@ -234,6 +236,9 @@ print(json.dumps({
     "experiment": "cut", "bytes": cut["bytes"], "rate_per_path": rate, "paths": int(paths), "spray": spray,
     "gbps_before": gbps(t0 + 300_000_000, cut_ns), "gbps_during": gbps(cut_ns + 300_000_000, up_ns),
     "gbps_after": gbps(up_ns + 500_000_000, end_ns - bin_ns),
+    # the best quarter second after the path came back (it returns at its first answered probe)
+    "gbps_after_peak": max((gbps(t, t + 250_000_000) or 0 for t in range(up_ns, end_ns - 250_000_000, bin_ns)),
+                           default=None),
     "stall_ms": cut.get("max_gap_ms"), "verified": cut["verified"],
     "path_downs": mp.get("path_downs"), "paths_up_at_end": sum(1 for p in per if p.get("up")),
     "path_returned": bool(per) and all(p.get("up") for p in per) and any(p.get("ups", 0) > 0 for p in per),

@@ -1,0 +1,51 @@
+//! The ECMP multipath testbed (`deploy/testbed/ecmp.sh`): two hosts joined by two equal-cost
+//! paths through a router namespace with L4 ECMP and an HTB limit per path; one QP sprayed over
+//! eight source ports against the same QP on one port, then a path cut in the middle of a
+//! transfer. Needs root (CI runs as root); skipped with a message otherwise.
+
+use std::process::Command;
+
+#[test]
+fn spraying_fills_both_paths_and_a_cut_path_is_routed_around() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipping: the ECMP testbed needs root (network namespaces, tc); CI runs it as root");
+        return;
+    }
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/testbed/ecmp.sh");
+    // debug nsperf: paths of 200 Mbit/s keep it network-bound on a 2-core machine
+    let o = Command::new("bash")
+        .args([script, "run", "--rate", "200mbit", "--duration", "1.5", "--pairs", "2"])
+        .args(["--cut-bytes", "200MiB", "--cut-at", "1.5", "--cut-for", "2", "--prefix"])
+        .arg(format!("fe{}", std::process::id() % 100000))
+        .env("NSPERF", env!("CARGO_BIN_EXE_nsperf"))
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .expect("bash runs");
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "ecmp.sh run failed:\n{out}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let lines: Vec<serde_json::Value> = out.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+    let find = |f: &dyn Fn(&serde_json::Value) -> bool| lines.iter().find(|l| f(l)).cloned().expect("line");
+    let spray = find(&|l| l["experiment"] == "spray" && l["mode"] == "spray");
+    let fixed = find(&|l| l["experiment"] == "spray" && l["mode"] == "fixed");
+    let ratio = find(&|l| l["experiment"] == "spray" && l.get("ratio").is_some());
+    let cut = find(&|l| l["experiment"] == "cut");
+    let g = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap_or_else(|| panic!("{k} in {v}"));
+    // one source port: one path's 200 Mbit/s; sprayed: both
+    assert!(g(&fixed, "gbps") < 0.21, "{fixed}");
+    assert!(g(&spray, "gbps") > 0.34, "{spray}");
+    assert!(g(&ratio, "ratio") >= 1.7, "{ratio}");
+    assert_eq!(ratio["verified"], true, "{ratio}");
+    // the cut: the data arrives intact, the stall is short, one path carries on, the path returns
+    assert_eq!(cut["verified"], true, "{cut}");
+    assert!(g(&cut, "stall_ms") < 200.0, "{cut}");
+    let during = g(&cut, "gbps_during");
+    assert!((0.15..0.21).contains(&during), "one path's rate while cut: {cut}");
+    assert!(cut["path_downs"].as_u64().unwrap() >= 1, "{cut}");
+    assert_eq!(cut["path_returned"], true, "{cut}");
+    assert!(g(&cut, "gbps_after_peak") > 1.5 * during, "both paths again: {cut}");
+}
