@@ -1,7 +1,8 @@
 //! The ECMP multipath testbed (`deploy/testbed/ecmp.sh`): two hosts joined by two equal-cost
 //! paths through a router namespace with L4 ECMP and an HTB limit per path; one QP sprayed over
-//! eight source ports against the same QP on one port, then a path cut in the middle of a
-//! transfer. Needs root (CI runs as root); skipped with a message otherwise.
+//! sixteen source ports against the same QP on one port, then a path cut in the middle of a
+//! transfer; then a single-path QP over two address pairs (multi-NIC hosts) failing over when
+//! its link is cut. Needs root (CI runs as root); skipped with a message otherwise.
 
 use std::process::Command;
 
@@ -15,8 +16,23 @@ fn spraying_fills_both_paths_and_a_cut_path_is_routed_around() {
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/testbed/ecmp.sh");
     // debug nsperf: paths of 200 Mbit/s keep it network-bound on a 2-core machine
     let o = Command::new("bash")
-        .args([script, "run", "--rate", "200mbit", "--duration", "1.5", "--pairs", "2"])
-        .args(["--cut-bytes", "200MiB", "--cut-at", "1.5", "--cut-for", "2", "--prefix"])
+        // 16 source ports: the chance that ECMP hashes them all onto one link is 2^-15
+        .args([
+            script,
+            "run",
+            "--rate",
+            "200mbit",
+            "--duration",
+            "1",
+            "--pairs",
+            "3",
+            "--paths",
+            "16",
+        ])
+        .args(["--cut-bytes", "200MiB", "--cut-at", "1.5", "--cut-for", "2"])
+        // enough bytes to run ~2.5 s past the restore: a restored link carries traffic again
+        // only once the router re-resolves B's address on it (up to about a second)
+        .args(["--failover-bytes", "160MiB", "--prefix"])
         .arg(format!("fe{}", std::process::id() % 100000))
         .env("NSPERF", env!("CARGO_BIN_EXE_nsperf"))
         .env("RUST_BACKTRACE", "0")
@@ -48,4 +64,14 @@ fn spraying_fills_both_paths_and_a_cut_path_is_routed_around() {
     assert!(cut["path_downs"].as_u64().unwrap() >= 1, "{cut}");
     assert_eq!(cut["path_returned"], true, "{cut}");
     assert!(g(&cut, "gbps_after_peak") > 1.5 * during, "both paths again: {cut}");
+    // a single-path QP over two address pairs fails over to the second when the first is cut
+    let fo = find(&|l| l["experiment"] == "failover");
+    assert_eq!(fo["verified"], true, "{fo}");
+    assert!(g(&fo, "stall_ms") < 200.0, "{fo}");
+    assert!(
+        (0.15..0.21).contains(&g(&fo, "gbps_during")),
+        "the other pair's rate: {fo}"
+    );
+    assert!(fo["path_downs"].as_u64().unwrap() >= 1, "{fo}");
+    assert_eq!(fo["path_returned"], true, "{fo}");
 }

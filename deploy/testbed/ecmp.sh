@@ -7,7 +7,7 @@
 # both links the same way.
 #
 #   ecmp.sh run [--rate 500mbit] [--paths 8] [--spray weighted] [--duration 3] [--pairs 3]
-#               [--cut-bytes 1GiB] [--cut-at 2] [--cut-for 4] [--prefix fe$$]
+#               [--cut-bytes 1GiB] [--cut-at 2] [--cut-for 4] [--failover-bytes 256MiB] [--prefix fe$$]
 #       1. spraying versus a fixed source port: one QP writing 64 KiB messages for --duration
 #          seconds, sprayed over --paths paths, then with one path (fixed port), interleaved
 #          --pairs times. Prints a JSON line per mode ({"experiment":"spray","mode":...,"gbps"})
@@ -19,6 +19,10 @@
 #          "stall_ms","verified","path_returned",...}; stall_ms is the longest time without a
 #          completed WRITE; path_returned says every path is up again and was brought back by
 #          an answered probe.
+#       3. failover over explicit address pairs: host A has two addresses, host B two more that
+#          the router reaches over one link each (multi-NIC hosts); one QP with two paths and
+#          policy `single` writes --failover-bytes while link 1 is cut and restored as in 2.
+#          Prints {"experiment":"failover",...} with the same fields.
 #   ecmp.sh up [...] / ecmp.sh down [--prefix P]
 #       only build / only remove the topology.
 #
@@ -33,6 +37,7 @@ root="$(cd "$here/../.." && pwd)"
 cmd="${1:-}"
 [ -n "$cmd" ] && shift
 RATE=500mbit PATHS=8 SPRAY=weighted DURATION=3 PAIRS=3 CUT_BYTES=1GiB CUT_AT=2 CUT_FOR=4 CC=swift
+FAILOVER_BYTES=256MiB
 SWIFT_TARGET_NS=1000000
 P="fe$$"
 while [ $# -gt 0 ]; do
@@ -45,6 +50,7 @@ while [ $# -gt 0 ]; do
     --cut-bytes) CUT_BYTES="$2"; shift 2 ;;
     --cut-at) CUT_AT="$2"; shift 2 ;;
     --cut-for) CUT_FOR="$2"; shift 2 ;;
+    --failover-bytes) FAILOVER_BYTES="$2"; shift 2 ;;
     --cc) CC="$2"; shift 2 ;;
     --prefix) P="$2"; shift 2 ;;
     *) echo "ecmp.sh: unknown argument $1" >&2; exit 2 ;;
@@ -100,12 +106,15 @@ up() {
     ip link set "${P}$3" netns "${P}_r"
   done
   ip -n "${P}_a" addr add 10.88.1.2/24 dev "${P}a0"
+  ip -n "${P}_a" addr add 10.88.1.3/24 dev "${P}a0"
   ip -n "${P}_r" addr add 10.88.1.1/24 dev "${P}ra"
   ip -n "${P}_r" addr add 10.88.11.1/24 dev "${P}r1"
   ip -n "${P}_r" addr add 10.88.12.1/24 dev "${P}r2"
   ip -n "${P}_b" addr add 10.88.11.2/24 dev "${P}b1"
   ip -n "${P}_b" addr add 10.88.12.2/24 dev "${P}b2"
   ip -n "${P}_b" addr add 10.88.2.2/32 dev lo
+  ip -n "${P}_b" addr add 10.88.2.4/32 dev lo   # reached over link 1 only
+  ip -n "${P}_b" addr add 10.88.2.3/32 dev lo   # reached over link 2 only
   for n in "${NS[@]}"; do
     ip -n "${P}_$n" link set lo up
     ip netns exec "${P}_$n" sysctl -qw net.ipv4.conf.all.rp_filter=0 net.ipv4.conf.default.rp_filter=0
@@ -118,6 +127,8 @@ up() {
   for d in b1 b2; do ip netns exec "${P}_b" sysctl -qw "net.ipv4.conf.${P}$d.rp_filter=0"; done
   ip netns exec "${P}_r" sysctl -qw net.ipv4.ip_forward=1
   ip -n "${P}_a" route add default via 10.88.1.1
+  ip -n "${P}_r" route add 10.88.2.4/32 via 10.88.11.2 dev "${P}r1"
+  ip -n "${P}_r" route add 10.88.2.3/32 via 10.88.12.2 dev "${P}r2"
   ip -n "${P}_r" route add 10.88.2.2/32 \
     nexthop via 10.88.11.2 dev "${P}r1" weight 1 nexthop via 10.88.12.2 dev "${P}r2" weight 1
   ip -n "${P}_b" route add 10.88.1.0/24 \
@@ -159,17 +170,28 @@ if [ -z "${NSPERF:-}" ]; then
   NSPERF="$root/target/release/nsperf"
 fi
 
-mkfifo "$work/banner"
-ip netns exec "${P}_b" "$NSPERF" server --listen 10.88.2.2:7471 --data 10.88.2.2:4791 --mr-size 64MiB \
-  --recovery selective-repeat >"$work/banner" 2>"$work/server.err" &
-pids+=($!)
-exec 3<"$work/banner"
-if ! read -r -t 30 banner <&3; then
-  echo "nsperf server did not start:" >&2; cat "$work/server.err" >&2; exit 1
-fi
-client=(ip netns exec "${P}_a" "$NSPERF" client --server 10.88.2.2:7471 --data 10.88.1.2:4791 --op write
-  --mtu 4096 --recovery selective-repeat --paths "$PATHS" --spray "$SPRAY" --json --cc "$CC"
+# start_server NAME CM DATA [flags]: an nsperf server in B; waits for its banner
+start_server() {
+  local name="$1" cm="$2" data="$3"
+  shift 3
+  mkfifo "$work/$name.banner"
+  ip netns exec "${P}_b" "$NSPERF" server --listen "$cm" --data "$data" --mr-size 64MiB \
+    --recovery selective-repeat "$@" >"$work/$name.banner" 2>"$work/$name.err" &
+  pids+=($!)
+  local line
+  if ! read -r -t 30 line <"$work/$name.banner"; then
+    echo "nsperf server $name did not start:" >&2; cat "$work/$name.err" >&2; exit 1
+  fi
+  # keep the pipe drained
+  cat "$work/$name.banner" >/dev/null &
+  pids+=($!)
+}
+start_server spray 10.88.2.2:7471 10.88.2.2:4791
+start_server pairs 10.88.2.4:7472 10.88.2.4:4791 --extra-addr 10.88.2.3
+net=(--op write --mtu 4096 --recovery selective-repeat --json --cc "$CC"
   --line-rate "$(( RATE_BPS * 2 ))bit" --cc-param "swift.base_target_ns=$SWIFT_TARGET_NS")
+client=(ip netns exec "${P}_a" "$NSPERF" client --server 10.88.2.2:7471 --data 10.88.1.2:4791
+  --paths "$PATHS" --spray "$SPRAY" "${net[@]}")
 
 # 1. spraying versus one fixed source port, interleaved
 if ! "${client[@]}" --size 64KiB --depth 32 --duration "$DURATION" --compare-paths 1 --pairs "$PAIRS" \
@@ -177,25 +199,35 @@ if ! "${client[@]}" --size 64KiB --depth 32 --duration "$DURATION" --compare-pat
   echo "the spray experiment failed:" >&2; grep -v "^ \\|^Stack backtrace" "$work/spray.err" | tail -5 >&2; exit 1
 fi
 
-# 2. a path cut in the middle of a transfer, and its return
-"${client[@]}" --size 256KiB --depth 16 --bytes "$CUT_BYTES" >"$work/cut.json" 2>"$work/cut.err" &
-cpid=$!
-pids+=($cpid)
-sleep "$CUT_AT"
-cut_ns=$(python3 -c 'import time; print(time.monotonic_ns())')
-ip -n "${P}_b" link set "${P}b1" down
-sleep "$CUT_FOR"
-up_ns=$(python3 -c 'import time; print(time.monotonic_ns())')
-ip -n "${P}_b" link set "${P}b1" up
-ip -n "${P}_b" route replace 10.88.1.0/24 \
-  nexthop via 10.88.11.1 dev "${P}b1" weight 1 nexthop via 10.88.12.1 dev "${P}b2" weight 1
-cut_ok=0
-wait "$cpid" || { cut_ok=1; echo "the cut experiment failed:" >&2; grep -v "^ \\|^Stack backtrace" "$work/cut.err" | tail -5 >&2; }
+# cut_run NAME CMD...: runs CMD in the background, cuts link 1 (B's end) --cut-at seconds in,
+# restores it --cut-for seconds later, waits; NAME.json, NAME.times (cut and restore times)
+cut_run() {
+  local name="$1"
+  shift
+  "$@" >"$work/$name.json" 2>"$work/$name.err" &
+  local cpid=$!
+  pids+=($cpid)
+  sleep "$CUT_AT"
+  python3 -c 'import time; print(time.monotonic_ns())' >"$work/$name.times"
+  ip -n "${P}_b" link set "${P}b1" down
+  sleep "$CUT_FOR"
+  python3 -c 'import time; print(time.monotonic_ns())' >>"$work/$name.times"
+  ip -n "${P}_b" link set "${P}b1" up
+  ip -n "${P}_b" route replace 10.88.1.0/24 \
+    nexthop via 10.88.11.1 dev "${P}b1" weight 1 nexthop via 10.88.12.1 dev "${P}b2" weight 1
+  if ! wait "$cpid"; then
+    echo "the $name experiment failed:" >&2; grep -v "^ \\|^Stack backtrace" "$work/$name.err" | tail -5 >&2
+  fi
+}
+# 2. a path cut in the middle of a sprayed transfer, and its return
+cut_run cut "${client[@]}" --size 256KiB --depth 16 --bytes "$CUT_BYTES"
+# 3. failover of a single-path QP over two address pairs
+cut_run failover ip netns exec "${P}_a" "$NSPERF" client --server 10.88.2.4:7472 --data 10.88.1.2:4791 \
+  --extra-addr 10.88.1.3 --paths 2 --spray single "${net[@]}" --size 256KiB --depth 16 --bytes "$FAILOVER_BYTES"
 
-python3 - "$work" "$RATE" "$PATHS" "$SPRAY" "$cut_ns" "$up_ns" "$cut_ok" <<'EOF'
+python3 - "$work" "$RATE" "$PATHS" "$SPRAY" <<'EOF'
 import json, sys
-work, rate, paths, spray, cut_ns, up_ns, cut_ok = sys.argv[1:]
-cut_ns, up_ns = int(cut_ns), int(up_ns)
+work, rate, paths, spray = sys.argv[1:]
 def lines(name):
     out = []
     for l in open(f"{work}/{name}"):
@@ -219,30 +251,37 @@ for mode, rs in (("spray", sprayed), ("fixed", fixed)):
                       "retransmitted_packets": sum(r.get("retransmitted_packets", 0) for r in rs)}))
 print(json.dumps({"experiment": "spray", "ratio": ratio.get("ratio"), "ratios": ratio.get("ratios"),
                   "verified": bool(runs) and all(r["verified"] for r in runs)}))
-cut = next((l for l in lines("cut.json") if l.get("bench") == "write_bw"), None)
-if cut is None or cut_ok != "0":
-    print(json.dumps({"experiment": "cut", "error": "no result (see stderr)", "verified": False}))
-    sys.exit(1)
-bin_ns = cut["timeline_bin_ms"] * 1_000_000
-t0 = cut["timeline_start_monotonic_ns"]
-tl = cut["timeline_mbps"]
-def gbps(a_ns, b_ns):
-    a, b = max(0, (a_ns - t0) // bin_ns), min(len(tl), (b_ns - t0) // bin_ns)
-    return round(sum(tl[a:b]) / max(1, b - a) / 1000, 3) if b > a else None
-end_ns = t0 + len(tl) * bin_ns
-mp = cut.get("multipath", {})
-per = mp.get("per_path", [])
-print(json.dumps({
-    "experiment": "cut", "bytes": cut["bytes"], "rate_per_path": rate, "paths": int(paths), "spray": spray,
-    "gbps_before": gbps(t0 + 300_000_000, cut_ns), "gbps_during": gbps(cut_ns + 300_000_000, up_ns),
-    "gbps_after": gbps(up_ns + 500_000_000, end_ns - bin_ns),
-    # the best quarter second after the path came back (it returns at its first answered probe)
-    "gbps_after_peak": max((gbps(t, t + 250_000_000) or 0 for t in range(up_ns, end_ns - 250_000_000, bin_ns)),
-                           default=None),
-    "stall_ms": cut.get("max_gap_ms"), "verified": cut["verified"],
-    "path_downs": mp.get("path_downs"), "paths_up_at_end": sum(1 for p in per if p.get("up")),
-    "path_returned": bool(per) and all(p.get("up") for p in per) and any(p.get("ups", 0) > 0 for p in per),
-    "retransmitted_packets": cut.get("retransmitted_packets"), "per_path": per,
-    "timeline_mbps": tl,
-}))
+ok = True
+for name, npaths, policy in (("cut", int(paths), spray), ("failover", 2, "single")):
+    res = next((l for l in lines(f"{name}.json") if l.get("bench") == "write_bw"), None)
+    try:
+        cut_ns, up_ns = (int(x) for x in open(f"{work}/{name}.times").read().split())
+    except (OSError, ValueError):
+        res = None
+    if res is None:
+        print(json.dumps({"experiment": name, "error": "no result (see stderr)", "verified": False}))
+        ok = False
+        continue
+    bin_ns = res["timeline_bin_ms"] * 1_000_000
+    t0 = res["timeline_start_monotonic_ns"]
+    tl = res["timeline_mbps"]
+    def gbps(a_ns, b_ns):
+        a, b = max(0, (a_ns - t0) // bin_ns), min(len(tl), (b_ns - t0) // bin_ns)
+        return round(sum(tl[a:b]) / max(1, b - a) / 1000, 3) if b > a else None
+    end_ns = t0 + len(tl) * bin_ns
+    mp = res.get("multipath", {})
+    per = mp.get("per_path", [])
+    print(json.dumps({
+        "experiment": name, "bytes": res["bytes"], "rate_per_path": rate, "paths": npaths, "spray": policy,
+        "gbps_before": gbps(t0 + 300_000_000, cut_ns), "gbps_during": gbps(cut_ns + 300_000_000, up_ns),
+        "gbps_after": gbps(up_ns + 500_000_000, end_ns - bin_ns),
+        # the best quarter second after the path came back (it returns at its first answered probe)
+        "gbps_after_peak": max((gbps(t, t + 250_000_000) or 0 for t in range(up_ns, end_ns - 250_000_000, bin_ns)),
+                               default=None),
+        "stall_ms": res.get("max_gap_ms"), "verified": res["verified"],
+        "path_downs": mp.get("path_downs"), "paths_up_at_end": sum(1 for p in per if p.get("up")),
+        "path_returned": bool(per) and all(p.get("up") for p in per) and any(p.get("ups", 0) > 0 for p in per),
+        "retransmitted_packets": res.get("retransmitted_packets"), "per_path": per, "timeline_mbps": tl,
+    }))
+sys.exit(0 if ok else 1)
 EOF

@@ -87,6 +87,11 @@ fn a_qp_sprays_over_source_ports_and_the_peer_adopts_its_paths() {
     b.qp.connect(&ea).unwrap();
     a.qp.connect(&eb).unwrap();
     assert_eq!(b.qp.path_stats().len(), 8);
+    // a peer asking for more paths than this context has ports for gets as many as it has
+    let c = side("127.0.0.1:0", &[], 12, SprayPolicy::RoundRobin);
+    let d = side("127.0.0.1:0", &[], 1, SprayPolicy::Single);
+    d.qp.connect(&c.qp.local_endpoint()).unwrap();
+    assert_eq!(d.qp.path_stats().len(), 8, "path_ports = 8");
     write_and_read_back(&a, &b);
     let st = a.qp.path_stats();
     assert!(

@@ -139,7 +139,6 @@ fn demo(duration: f64, json: bool) -> Result<()> {
             paths,
             spray: netstack::path::SprayPolicy::Weighted,
             compare_paths: None,
-            extra_addrs: Vec::new(),
             bytes: None,
             net: Default::default(),
         };

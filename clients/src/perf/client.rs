@@ -74,9 +74,6 @@ pub struct ClientArgs {
     /// Also run with this many paths (policy single), interleaved, and print the ratio.
     #[arg(long, conflicts_with_all = ["compare", "compare_cc"])]
     pub compare_paths: Option<usize>,
-    /// Another local address of this host for address-pair paths (repeatable).
-    #[arg(long = "extra-addr")]
-    pub extra_addrs: Vec<std::net::Ipv4Addr>,
     /// Stop after this many bytes instead of after --duration.
     #[arg(long, value_parser = crate::bench::parse_size)]
     pub bytes: Option<u64>,
@@ -329,8 +326,7 @@ fn flexns(
         bind: a.data,
         qp: qcfg,
         data_cores: a.data_cores,
-        extra_addrs: a.extra_addrs.clone(),
-        path_ports: npaths.div_ceil(1 + a.extra_addrs.len()).max(8) as u8,
+        path_ports: npaths.div_ceil(1 + a.net.extra_addrs.len()).max(8) as u8,
         ..Default::default()
     };
     a.net.apply(&mut cfg)?;

@@ -34,6 +34,10 @@ pub struct NetArgs {
     /// Multipath: new packets a QP sends on one path before its spray policy picks again.
     #[arg(long)]
     pub spray_burst: Option<u32>,
+    /// Another local address of this host for address-pair paths (repeatable; paired by
+    /// position with the peer's).
+    #[arg(long = "extra-addr")]
+    pub extra_addrs: Vec<std::net::Ipv4Addr>,
 }
 
 impl NetArgs {
@@ -53,6 +57,7 @@ impl NetArgs {
         if let Some(b) = self.pacing_burst {
             cfg.qp.pacing_burst = u32::try_from(b).map_err(|_| anyhow::anyhow!("--pacing-burst: {b} is too large"))?;
         }
+        cfg.extra_addrs = self.extra_addrs.clone();
         if let Some(b) = self.spray_burst {
             if b == 0 {
                 anyhow::bail!("--spray-burst: must be at least 1 packet");
@@ -87,6 +92,9 @@ impl NetArgs {
         }
         if let Some(b) = self.spray_burst {
             v.extend(["--spray-burst".into(), b.to_string()]);
+        }
+        for a in &self.extra_addrs {
+            v.extend(["--extra-addr".into(), a.to_string()]);
         }
         v
     }

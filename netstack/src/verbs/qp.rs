@@ -203,12 +203,16 @@ impl Qp {
         }
     }
 
+    /// Local addresses this QP's data core has sockets on.
+    fn local_addrs(&self) -> usize {
+        self.core.tx_links.len() / self.core.path_ports
+    }
+
     /// The routes of `n` paths towards `remote`: path `k` uses address pair `k % pairs` and
     /// that address's source port `k / pairs`.
     fn routes(&self, n: usize, remote: &Endpoint) -> Result<Vec<(usize, SocketAddrV4)>, VerbsError> {
         let ports = self.core.path_ports;
-        let local_addrs = self.core.tx_links.len() / ports;
-        let pairs = local_addrs.min(1 + remote.extra_addrs.len());
+        let pairs = self.local_addrs().min(1 + remote.extra_addrs.len());
         (0..n)
             .map(|k| {
                 let (pair, port) = (k % pairs, k / pairs);
@@ -262,9 +266,11 @@ impl Qp {
         cfg.validate()
             .map_err(|e| VerbsError::Peer(format!("offers an invalid {e}")))?;
         if s.qp.paths().len() == 1 && remote.paths > 1 {
-            // adopt the peer's paths, so responses can follow the path of their request
+            // adopt the peer's paths (as many as this context has sockets for; responses on a
+            // path beyond them take path 0), so responses can follow the path of their request
+            let capacity = self.core.path_ports * self.local_addrs().min(1 + remote.extra_addrs.len());
             let params = self.ctx.inner.cfg.paths;
-            s.qp.set_paths(remote.paths as usize, remote.spray, params)
+            s.qp.set_paths((remote.paths as usize).min(capacity), remote.spray, params)
                 .map_err(|e| VerbsError::Peer(format!("sprays: {e}")))?;
         }
         let routes = self.routes(s.qp.paths().len(), remote)?;
