@@ -59,32 +59,7 @@ RATE_BPS="$(rate_bps "$RATE")"
 PMAX_PERMILLE="$(awk -v p="$PMAX" 'BEGIN { printf "%d", p * 1000 }')"
 
 NS=(s1 s2 sw r)
-work=""
-pids=()
-cleanup() {
-  local rc=$?
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
-  for n in "${NS[@]}"; do ip netns del "${P}_$n" 2>/dev/null || true; done
-  [ -n "$work" ] && rm -rf "$work"
-  exit "$rc"
-}
-
-install_deps() {
-  local need=()
-  command -v ip >/dev/null || need+=(iproute2)
-  command -v tc >/dev/null || need+=(iproute2)
-  command -v ethtool >/dev/null || need+=(ethtool)
-  command -v clang >/dev/null || need+=(clang)
-  [ -f /usr/include/bpf/bpf_helpers.h ] || need+=(libbpf-dev)
-  command -v bpftool >/dev/null || need+=(bpftool)
-  command -v python3 >/dev/null || need+=(python3)
-  if [ "${#need[@]}" -gt 0 ]; then
-    echo "dumbbell.sh: installing ${need[*]}" >&2
-    apt-get update -qq >&2
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >&2
-  fi
-}
+. "$here/lib.sh"
 
 up() {
   for n in "${NS[@]}"; do ip netns add "${P}_$n"; done
@@ -126,29 +101,8 @@ up() {
   "${NSX[@]}" tc filter add dev "$D" egress bpf da obj "$work/ecn_int.o" sec tc
 }
 
-down() {
-  for n in "${NS[@]}"; do ip netns del "${P}_$n" 2>/dev/null || true; done
-}
-
-case "$cmd" in
-  down) down; exit 0 ;;
-esac
-
-trap cleanup EXIT INT TERM
-install_deps
-work="$(mktemp -d)"
-up
-if [ "$cmd" = up ]; then
-  trap - EXIT INT TERM
-  rm -rf "$work"
-  echo "dumbbell ${P} is up (namespaces ${P}_s1 ${P}_s2 ${P}_sw ${P}_r); remove it with: $0 down --prefix $P" >&2
-  exit 0
-fi
-
-if [ -z "${NSPERF:-}" ]; then
-  (cd "$root" && cargo build --release -q -p clients --bin nsperf) >&2
-  NSPERF="$root/target/release/nsperf"
-fi
+start dumbbell.sh ip:iproute2 tc:iproute2 ethtool:ethtool clang:clang /usr/include/bpf/bpf_helpers.h:libbpf-dev bpftool:bpftool python3:python3
+find_nsperf
 
 # one-way delay in each direction; the algorithms' delay targets from the resulting base RTT, and
 # DCQCN's increase and alpha timers at one base RTT (its defaults, 55 us, assume a 10 us fabric

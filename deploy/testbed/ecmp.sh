@@ -70,29 +70,7 @@ case "$CC" in none|dcqcn|timely|swift|homa) ;; *) echo "--cc: none, dcqcn, timel
 [ "$(id -u)" = 0 ] || { echo "ecmp.sh needs root (network namespaces, tc)" >&2; exit 1; }
 
 NS=(a r b)
-work=""
-pids=()
-cleanup() {
-  local rc=$?
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
-  for n in "${NS[@]}"; do ip netns del "${P}_$n" 2>/dev/null || true; done
-  [ -n "$work" ] && rm -rf "$work"
-  exit "$rc"
-}
-
-install_deps() {
-  local need=()
-  command -v ip >/dev/null || need+=(iproute2)
-  command -v tc >/dev/null || need+=(iproute2)
-  command -v ethtool >/dev/null || need+=(ethtool)
-  command -v python3 >/dev/null || need+=(python3)
-  if [ "${#need[@]}" -gt 0 ]; then
-    echo "ecmp.sh: installing ${need[*]}" >&2
-    apt-get update -qq >&2
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >&2
-  fi
-}
+. "$here/lib.sh"
 
 # A 10.88.1.2 --- (ra) R (r1) === (b1) B 10.88.11.2     B's service address 10.88.2.2 on lo
 #                      (r2) === (b2)   10.88.12.2
@@ -146,29 +124,8 @@ up() {
   done
 }
 
-down() {
-  for n in "${NS[@]}"; do ip netns del "${P}_$n" 2>/dev/null || true; done
-}
-
-case "$cmd" in
-  down) down; exit 0 ;;
-esac
-
-trap cleanup EXIT INT TERM
-install_deps
-work="$(mktemp -d)"
-up
-if [ "$cmd" = up ]; then
-  trap - EXIT INT TERM
-  rm -rf "$work"
-  echo "ecmp ${P} is up (namespaces ${P}_a ${P}_r ${P}_b); remove it with: $0 down --prefix $P" >&2
-  exit 0
-fi
-
-if [ -z "${NSPERF:-}" ]; then
-  (cd "$root" && cargo build --release -q -p clients --bin nsperf) >&2
-  NSPERF="$root/target/release/nsperf"
-fi
+start ecmp.sh ip:iproute2 tc:iproute2 ethtool:ethtool python3:python3
+find_nsperf
 
 # start_server NAME CM DATA [flags]: an nsperf server in B; waits for its banner
 start_server() {

@@ -97,15 +97,8 @@ fn demo(duration: f64, json: bool) -> Result<()> {
         ),
     ];
     let mut all_verified = true;
-    for Step {
-        what,
-        op,
-        size,
-        depth,
-        compare,
-        paths,
-    } in steps
-    {
+    for st in steps {
+        let (what, op, size, depth, compare, paths) = (st.what, st.op, st.size, st.depth, st.compare, st.paths);
         if !json {
             println!("== {what}");
         }

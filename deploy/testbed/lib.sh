@@ -1,0 +1,65 @@
+# Shared by the testbed scripts (sourced). The script sets NS (its namespace names), P (the
+# prefix), root (the repository) and its own `up`; this file gives the rest of the life cycle.
+# shellcheck shell=bash
+
+work=""
+pids=()
+
+# Removes the namespaces (and with them veths, qdiscs and BPF programs).
+down() {
+  for n in "${NS[@]}"; do ip netns del "${P}_$n" 2>/dev/null || true; done
+}
+
+# The EXIT/INT/TERM trap: stops the children, removes everything, keeps the exit status.
+cleanup() {
+  local rc=$?
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
+  down
+  [ -n "$work" ] && rm -rf "$work"
+  exit "$rc"
+}
+
+# install_deps SCRIPT CHECK:PACKAGE...: installs with apt each PACKAGE whose CHECK (a command,
+# or a file when it starts with /) is missing.
+install_deps() {
+  local script="$1" x c p
+  shift
+  local need=()
+  for x in "$@"; do
+    c="${x%%:*}" p="${x#*:}"
+    if [[ "$c" == /* ]]; then [ -e "$c" ] && continue; else command -v "$c" >/dev/null && continue; fi
+    [[ " ${need[*]} " == *" $p "* ]] || need+=("$p")
+  done
+  if [ "${#need[@]}" -gt 0 ]; then
+    echo "$script: installing ${need[*]}" >&2
+    apt-get update -qq >&2
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >&2
+  fi
+}
+
+# start SCRIPT DEPS...: `down` exits here; otherwise installs DEPS, traps cleanup, makes the
+# work directory and runs `up`; `up` alone leaves the topology standing and exits.
+start() {
+  local script="$1"
+  shift
+  if [ "$cmd" = down ]; then down; exit 0; fi
+  trap cleanup EXIT INT TERM
+  install_deps "$script" "$@"
+  work="$(mktemp -d)"
+  up
+  if [ "$cmd" = up ]; then
+    trap - EXIT INT TERM
+    rm -rf "$work"
+    echo "$script ${P} is up (namespaces: ${NS[*]/#/${P}_}); remove it with: $0 down --prefix $P" >&2
+    exit 0
+  fi
+}
+
+# Sets NSPERF (built with cargo, release, unless given).
+find_nsperf() {
+  if [ -z "${NSPERF:-}" ]; then
+    (cd "$root" && cargo build --release -q -p clients --bin nsperf) >&2
+    NSPERF="$root/target/release/nsperf"
+  fi
+}
