@@ -63,33 +63,15 @@ NS=(s1 s2 sw r)
 
 up() {
   for n in "${NS[@]}"; do ip netns add "${P}_$n"; done
-  local pair
-  for pair in "s1 s1a s1b" "s2 s2a s2b" "r ra rb"; do
-    set -- $pair
-    ip link add "${P}$2" type veth peer name "${P}$3"
-    ip link set "${P}$2" netns "${P}_$1"
-    ip link set "${P}$3" netns "${P}_sw"
-  done
-  ip -n "${P}_s1" addr add 10.77.1.2/24 dev "${P}s1a"
-  ip -n "${P}_s2" addr add 10.77.2.2/24 dev "${P}s2a"
-  ip -n "${P}_r" addr add 10.77.3.2/24 dev "${P}ra"
-  ip -n "${P}_sw" addr add 10.77.1.1/24 dev "${P}s1b"
-  ip -n "${P}_sw" addr add 10.77.2.1/24 dev "${P}s2b"
-  ip -n "${P}_sw" addr add 10.77.3.1/24 dev "${P}rb"
+  # the bottleneck must see every packet as sent: veth_link turns offloads off
+  veth_link s1 s1a 10.77.1.2/24 sw s1b 10.77.1.1/24
+  veth_link s2 s2a 10.77.2.2/24 sw s2b 10.77.2.1/24
+  veth_link r ra 10.77.3.2/24 sw rb 10.77.3.1/24
   for n in "${NS[@]}"; do ip -n "${P}_$n" link set lo up; done
-  ip -n "${P}_s1" link set "${P}s1a" up
-  ip -n "${P}_s2" link set "${P}s2a" up
-  ip -n "${P}_r" link set "${P}ra" up
-  for d in s1b s2b rb; do ip -n "${P}_sw" link set "${P}$d" up; done
   ip -n "${P}_s1" route add default via 10.77.1.1
   ip -n "${P}_s2" route add default via 10.77.2.1
   ip -n "${P}_r" route add default via 10.77.3.1
   ip netns exec "${P}_sw" sysctl -qw net.ipv4.ip_forward=1
-  # the bottleneck must see every packet as sent: no offloads anywhere
-  for x in "s1 s1a" "s2 s2a" "r ra" "sw s1b" "sw s2b" "sw rb"; do
-    set -- $x
-    ip netns exec "${P}_$1" ethtool -K "${P}$2" tso off gso off gro off >/dev/null 2>&1 || true
-  done
   local D="${P}rb" NSX=(ip netns exec "${P}_sw")
   "${NSX[@]}" tc qdisc add dev "$D" root handle 1: htb default 10 r2q 100
   "${NSX[@]}" tc class add dev "$D" parent 1: classid 1:10 htb rate "$RATE_BPS" ceil "$RATE_BPS" burst 3k cburst 3k

@@ -76,20 +76,10 @@ NS=(a r b)
 #                      (r2) === (b2)   10.88.12.2
 up() {
   for n in "${NS[@]}"; do ip netns add "${P}_$n"; done
-  local x
-  for x in "a a0 ra" "b b1 r1" "b b2 r2"; do
-    set -- $x
-    ip link add "${P}$2" mtu 9000 type veth peer name "${P}$3" mtu 9000
-    ip link set "${P}$2" netns "${P}_$1"
-    ip link set "${P}$3" netns "${P}_r"
-  done
-  ip -n "${P}_a" addr add 10.88.1.2/24 dev "${P}a0"
+  veth_link a a0 10.88.1.2/24 r ra 10.88.1.1/24 9000
+  veth_link r r1 10.88.11.1/24 b b1 10.88.11.2/24 9000
+  veth_link r r2 10.88.12.1/24 b b2 10.88.12.2/24 9000
   ip -n "${P}_a" addr add 10.88.1.3/24 dev "${P}a0"
-  ip -n "${P}_r" addr add 10.88.1.1/24 dev "${P}ra"
-  ip -n "${P}_r" addr add 10.88.11.1/24 dev "${P}r1"
-  ip -n "${P}_r" addr add 10.88.12.1/24 dev "${P}r2"
-  ip -n "${P}_b" addr add 10.88.11.2/24 dev "${P}b1"
-  ip -n "${P}_b" addr add 10.88.12.2/24 dev "${P}b2"
   ip -n "${P}_b" addr add 10.88.2.2/32 dev lo
   ip -n "${P}_b" addr add 10.88.2.4/32 dev lo   # reached over link 1 only
   ip -n "${P}_b" addr add 10.88.2.3/32 dev lo   # reached over link 2 only
@@ -98,9 +88,6 @@ up() {
     ip netns exec "${P}_$n" sysctl -qw net.ipv4.conf.all.rp_filter=0 net.ipv4.conf.default.rp_filter=0
     ip netns exec "${P}_$n" sysctl -qw net.ipv4.fib_multipath_hash_policy=1
   done
-  ip -n "${P}_a" link set "${P}a0" up
-  for d in ra r1 r2; do ip -n "${P}_r" link set "${P}$d" up; done
-  for d in b1 b2; do ip -n "${P}_b" link set "${P}$d" up; done
   for d in ra r1 r2; do ip netns exec "${P}_r" sysctl -qw "net.ipv4.conf.${P}$d.rp_filter=0"; done
   for d in b1 b2; do ip netns exec "${P}_b" sysctl -qw "net.ipv4.conf.${P}$d.rp_filter=0"; done
   ip netns exec "${P}_r" sysctl -qw net.ipv4.ip_forward=1
@@ -111,11 +98,7 @@ up() {
     nexthop via 10.88.11.2 dev "${P}r1" weight 1 nexthop via 10.88.12.2 dev "${P}r2" weight 1
   ip -n "${P}_b" route add 10.88.1.0/24 \
     nexthop via 10.88.11.1 dev "${P}b1" weight 1 nexthop via 10.88.12.1 dev "${P}b2" weight 1
-  # each path is a rate-limited link at the router; the rates are real only without offloads
-  for x in "a a0" "r ra" "r r1" "r r2" "b b1" "b b2"; do
-    set -- $x
-    ip netns exec "${P}_$1" ethtool -K "${P}$2" tso off gso off gro off >/dev/null 2>&1 || true
-  done
+  # each path is a rate-limited link at the router (real rates: veth_link turned offloads off)
   for d in r1 r2; do
     ip netns exec "${P}_r" tc qdisc add dev "${P}$d" root handle 1: htb default 10
     ip netns exec "${P}_r" tc class add dev "${P}$d" parent 1: classid 1:10 htb rate "$RATE" ceil "$RATE" \

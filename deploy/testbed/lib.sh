@@ -5,6 +5,22 @@
 work=""
 pids=()
 
+# veth_link NS_A DEV_A ADDR_A NS_B DEV_B ADDR_B [MTU]: a veth pair between two of the script's
+# namespaces (names without the prefix), addressed (CIDR), up, with offloads off so shapers and
+# counters see every packet as sent.
+veth_link() {
+  local na="$1" da="${P}$2" aa="$3" nb="$4" db="${P}$5" ab="$6" mtu="${7:-1500}"
+  ip link add "$da" mtu "$mtu" type veth peer name "$db" mtu "$mtu"
+  ip link set "$da" netns "${P}_$na"
+  ip link set "$db" netns "${P}_$nb"
+  ip -n "${P}_$na" addr add "$aa" dev "$da"
+  ip -n "${P}_$nb" addr add "$ab" dev "$db"
+  ip -n "${P}_$na" link set "$da" up
+  ip -n "${P}_$nb" link set "$db" up
+  ip netns exec "${P}_$na" ethtool -K "$da" tso off gso off gro off >/dev/null 2>&1 || true
+  ip netns exec "${P}_$nb" ethtool -K "$db" tso off gso off gro off >/dev/null 2>&1 || true
+}
+
 # Removes the namespaces (and with them veths, qdiscs and BPF programs).
 down() {
   for n in "${NS[@]}"; do ip netns del "${P}_$n" 2>/dev/null || true; done
