@@ -51,6 +51,10 @@ pub struct ContextConfig {
     pub qp: RcConfig,
     /// Congestion-control parameters of every algorithm (`[cc.dcqcn]`, `[cc.hpcc]`, ...).
     pub cc: crate::cc::CcParams,
+    /// The offloading engine: threads, handler time budget (`[offload]`).
+    pub offload: crate::offload::OffloadConfig,
+    /// Guards of RedN work-request programs on managed QPs (`[redn]`).
+    pub redn: crate::redn::RednGuards,
 }
 
 impl Default for ContextConfig {
@@ -72,6 +76,8 @@ impl Default for ContextConfig {
             paths: crate::path::PathParams::default(),
             qp: RcConfig::default(),
             cc: crate::cc::CcParams::default(),
+            offload: Default::default(),
+            redn: Default::default(),
         }
     }
 }
@@ -140,6 +146,12 @@ impl ContextConfig {
                 "paths: down_after_rtos, probe_interval_ns and min_rto_ns must be > 0".into(),
             ));
         }
+        self.offload
+            .validate()
+            .map_err(|e| ConfigError::Invalid(format!("offload.{e}")))?;
+        self.redn
+            .validate()
+            .map_err(|e| ConfigError::Invalid(format!("redn.{e}")))?;
         if self.max_inline > 4096 {
             return Err(ConfigError::Invalid(format!("max_inline: {} > 4096", self.max_inline)));
         }

@@ -9,6 +9,8 @@
 //! - [`link`]: UDP sockets with batched `sendmmsg`/`recvmmsg`.
 //! - [`engine`]: the data-core threads that drive transports over a link.
 //! - [`verbs`]: the application API (`Context`, `Pd`, `Mr`, `Cq`, `Qp`).
+//! - [`offload`]: the programmable offloading engine (handlers on offload threads, DMA).
+//! - [`redn`]: RedN work-request programs on managed QPs (WAIT, ENABLE, self-modifying chains).
 //! - [`cm`]: connection management over gRPC.
 //! - [`path`]: multipath: spray policies, per-path RTT, loss and health with probing.
 //! - [`cc`]: per-packet programmable congestion control (DCQCN, TIMELY, HPCC, Swift, Homa).
@@ -20,8 +22,10 @@ pub mod config;
 pub mod engine;
 pub mod link;
 pub mod mem;
+pub mod offload;
 pub mod path;
 pub mod pipe;
+pub mod redn;
 pub mod sim;
 pub mod transport;
 pub mod verbs;

@@ -23,6 +23,19 @@ pub enum WrOpcode {
     RdmaRead,
     AtomicCmpAndSwp,
     AtomicFetchAndAdd,
+    /// A request to an offload handler of the peer's stack (see [`crate::offload`]): the
+    /// handler's opcode in `imm_data`, the request bytes as the INLINE payload, the response
+    /// buffer as the scatter list. Posted with [`crate::verbs::Qp::post_offload`].
+    Offload,
+    /// Does nothing; completes in order with the QP's other work requests. On a managed QP it is
+    /// the placeholder a RedN `if` turns into a real verb (see [`crate::redn`]).
+    Noop,
+    /// Managed QPs only: stops fetching this QP's later work requests until the completion
+    /// queue numbered `rkey` has produced `remote_addr` completions (see [`SendWr::wait`]).
+    Wait,
+    /// Managed QPs only: lets the managed QP numbered `rkey` fetch its work requests up to index
+    /// `remote_addr` (exclusive; see [`SendWr::enable`]).
+    Enable,
 }
 
 /// Send flags (`IBV_SEND_*`).
@@ -101,6 +114,20 @@ impl SendWr {
         self.swap = swap;
         self
     }
+    /// A NOOP work request.
+    pub fn noop(wr_id: u64) -> SendWr {
+        SendWr::new(wr_id, WrOpcode::Noop).flags(SendFlags(0))
+    }
+    /// A WAIT: later work requests of this (managed) QP are not fetched until completion queue
+    /// `cq_num` has produced `count` completions in total (counts are monotonic).
+    pub fn wait(wr_id: u64, cq_num: u32, count: u64) -> SendWr {
+        SendWr::new(wr_id, WrOpcode::Wait).remote(count, cq_num).flags(SendFlags(0))
+    }
+    /// An ENABLE: managed QP `qpn` may fetch its work requests with index below `index`
+    /// (indices are monotonic: they count posts since the QP was created, they do not wrap).
+    pub fn enable(wr_id: u64, qpn: u32, index: u64) -> SendWr {
+        SendWr::new(wr_id, WrOpcode::Enable).remote(index, qpn).flags(SendFlags(0))
+    }
     /// Total bytes of the scatter-gather list.
     pub fn total_len(&self) -> u64 {
         self.sg_list.iter().map(|s| s.length as u64).sum()
@@ -139,6 +166,8 @@ pub enum WcOpcode {
     FetchAdd,
     Recv,
     RecvRdmaWithImm,
+    Offload,
+    Noop,
 }
 
 impl WcOpcode {
@@ -149,6 +178,8 @@ impl WcOpcode {
             WrOpcode::RdmaRead => WcOpcode::RdmaRead,
             WrOpcode::AtomicCmpAndSwp => WcOpcode::CompSwap,
             WrOpcode::AtomicFetchAndAdd => WcOpcode::FetchAdd,
+            WrOpcode::Offload => WcOpcode::Offload,
+            WrOpcode::Noop | WrOpcode::Wait | WrOpcode::Enable => WcOpcode::Noop,
         }
     }
 }
@@ -163,6 +194,9 @@ pub struct Wc {
     pub imm_data: Option<u32>,
     pub qp_num: u32,
     pub src_qp: u32,
+    /// Why an offload request failed (an [`crate::offload::OffloadStatus`] code), else 0; like
+    /// `ibv_wc.vendor_err`.
+    pub vendor_err: u32,
 }
 
 /// Checks what can be checked of a send WR without its QP or memory: atomics take one 8-byte
@@ -185,6 +219,12 @@ pub fn validate_send(wr: &SendWr) -> Result<(), &'static str> {
         )
     {
         return Err("INLINE is only valid for SEND and WRITE");
+    }
+    if matches!(wr.opcode, WrOpcode::Noop | WrOpcode::Wait | WrOpcode::Enable) && !wr.sg_list.is_empty() {
+        return Err("NOOP, WAIT and ENABLE take no scatter-gather elements");
+    }
+    if wr.opcode == WrOpcode::Offload && wr.imm_data > u16::MAX as u32 {
+        return Err("offload opcodes are 16 bits");
     }
     Ok(())
 }

@@ -8,6 +8,7 @@ use crate::pipe::{pipe, Consumer, Producer};
 use crate::work::Wc;
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// A completion queue's pipes, with blocking and async waiting.
@@ -19,11 +20,21 @@ pub struct CqShared {
     async_waiting: AtomicBool,
     notify: tokio::sync::Notify,
     overruns: AtomicU64,
+    /// Completions produced so far (what a RedN WAIT counts; never reset by polling).
+    produced: Arc<AtomicU64>,
+    /// A full queue drops new completions (counting them as produced) instead of keeping them
+    /// in their QP: for queues only WAITs look at (`IGNORE_OVERRUN` in ibverbs).
+    ignore_overrun: bool,
 }
 
 impl CqShared {
     /// A CQ with room for `cap` completions per data core, for `cores` data cores.
     pub fn new(cap: usize, cores: usize) -> std::io::Result<CqShared> {
+        Self::with_overrun(cap, cores, false)
+    }
+
+    /// [`CqShared::new`]; with `ignore_overrun` a full queue drops completions.
+    pub fn with_overrun(cap: usize, cores: usize, ignore_overrun: bool) -> std::io::Result<CqShared> {
         let mut producers = Vec::new();
         let mut consumers = Vec::new();
         for _ in 0..cores.max(1) {
@@ -37,6 +48,8 @@ impl CqShared {
             async_waiting: AtomicBool::new(false),
             notify: tokio::sync::Notify::new(),
             overruns: AtomicU64::new(0),
+            produced: Arc::new(AtomicU64::new(0)),
+            ignore_overrun,
         })
     }
 
@@ -48,12 +61,15 @@ impl CqShared {
         for wc in wcs {
             if p.try_push(wc).is_err() {
                 self.overruns.fetch_add(1, Ordering::Relaxed);
-                break;
+                if !self.ignore_overrun {
+                    break;
+                }
             }
             n += 1;
         }
         p.notify();
         drop(p);
+        self.produced.fetch_add(n as u64, Ordering::AcqRel);
         if n > 0 && self.async_waiting.load(Ordering::SeqCst) {
             self.notify.notify_one();
         }
@@ -139,8 +155,14 @@ impl CqShared {
         }
     }
 
-    /// Times a completion found its pipe full (it was kept and delivered later).
+    /// Times a completion found its pipe full (it was kept and delivered later, or dropped
+    /// when the queue ignores overruns).
     pub fn overruns(&self) -> u64 {
         self.overruns.load(Ordering::Relaxed)
+    }
+
+    /// Completions produced so far.
+    pub fn produced(&self) -> &Arc<AtomicU64> {
+        &self.produced
     }
 }

@@ -88,6 +88,8 @@ pub struct QpSlot {
     pub send_cq: Arc<CqShared>,
     pub recv_cq: Arc<CqShared>,
     pub mirror: Arc<QpMirror>,
+    /// A managed QP's fetch state (RedN programs); `None` for ordinary QPs.
+    pub chain: Option<crate::redn::ChainRunner>,
 }
 
 impl QpSlot {
@@ -156,6 +158,11 @@ pub struct EngineShared {
     wake: EventFd,
     stop: AtomicBool,
     pub stats: EngineStats,
+    /// CQ counters and managed QPs of the context (shared by its cores), and the guards.
+    pub redn: Arc<crate::redn::RednRegistry>,
+    pub guards: crate::redn::RednGuards,
+    /// Managed QPs this core runs.
+    pub managed: Mutex<Vec<u32>>,
     local: SocketAddrV4,
     epoch: Instant,
     /// CLOCK_MONOTONIC at `epoch`, so the transports' clock is the host's monotonic clock.
@@ -253,6 +260,7 @@ impl Engine {
     /// Binds one link per data core and starts the data-core threads. Core `i` binds the
     /// configured address with port `port + i` (or a free port when the port is 0).
     pub fn start(cfg: &ContextConfig, mrs: Arc<MrTable>) -> std::io::Result<Engine> {
+        let redn = Arc::new(crate::redn::RednRegistry::default());
         let epoch = Instant::now();
         let epoch_ns = sys::monotonic_ns();
         let mut e = Engine {
@@ -295,6 +303,9 @@ impl Engine {
                 wake: EventFd::new()?,
                 stop: AtomicBool::new(false),
                 stats: EngineStats::default(),
+                redn: redn.clone(),
+                guards: cfg.redn,
+                managed: Mutex::new(Vec::new()),
                 local: link.local_addr(),
                 epoch,
                 epoch_ns,
@@ -407,6 +418,10 @@ struct DataCore {
     rx_delay: u64,
     delayed: VecDeque<Delayed>,
     spare: Vec<Vec<u8>>,
+    /// The addresses this core receives on; packets to them are delivered in memory (hairpin),
+    /// as a NIC loops back traffic between its own QPs.
+    local_addrs: Vec<SocketAddrV4>,
+    hairpin: VecDeque<(Vec<u8>, SocketAddrV4, SocketAddrV4)>,
 }
 
 impl DataCore {
@@ -434,7 +449,15 @@ impl DataCore {
             rx_delay: o.rx_delay_ns,
             delayed: VecDeque::new(),
             spare: Vec::new(),
+            local_addrs: Vec::new(),
+            hairpin: VecDeque::new(),
         }
+        .with_local_addrs()
+    }
+
+    fn with_local_addrs(mut self) -> Self {
+        self.local_addrs = self.rx_links.iter().map(|l| l.local_addr()).collect();
+        self
     }
 
     fn run(mut self) {
@@ -448,9 +471,15 @@ impl DataCore {
             self.retry_stuck();
             work |= self.receive(now);
             work |= self.release_delayed(now);
+            work |= self.receive_hairpin(now);
+            let chains_retry = self.run_chains(now, &mut work);
             let next_deadline = match (self.timers(now), self.delayed.front()) {
                 (t, Some(d)) => Some(t.map_or(d.due, |t| t.min(d.due))),
                 (t, None) => t,
+            };
+            let next_deadline = match (next_deadline, chains_retry) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
             };
             work |= self.transmit(now);
             if work {
@@ -599,6 +628,59 @@ impl DataCore {
         n > 0
     }
 
+    /// Processes the packets this core sent to itself.
+    fn receive_hairpin(&mut self, now: u64) -> bool {
+        let mut any = false;
+        while let Some((data, src, dst)) = self.hairpin.pop_front() {
+            any = true;
+            if let Some((qpn, delivered)) = Self::dispatch(&self.shared, self.index, now, &data, src, dst, false) {
+                self.active.insert(qpn);
+                if !delivered {
+                    self.stuck.insert(qpn);
+                }
+            }
+            self.spare.push(data);
+        }
+        any
+    }
+
+    /// Runs the managed QPs' RedN chains; returns when a throttled one may go on.
+    fn run_chains(&mut self, now: u64, work: &mut bool) -> Option<u64> {
+        let managed = self.shared.managed.lock().clone();
+        if managed.is_empty() {
+            return None;
+        }
+        let mut retry: Option<u64> = None;
+        // an ENABLE may release a QP visited earlier in the round: go round while one moves
+        for _ in 0..8 {
+            let mut moved = false;
+            for &qpn in &managed {
+                let Some(slot) = self.shared.qps.read().get(&qpn).cloned() else {
+                    continue;
+                };
+                let mut g = slot.lock();
+                let s = &mut *g;
+                let Some(chain) = s.chain.as_mut() else { continue };
+                let pass = chain.pass(&mut s.qp, &self.shared.mrs, &self.shared.redn, &self.shared.guards, now);
+                if let Some(t) = pass.retry_at {
+                    retry = Some(retry.map_or(t, |r| r.min(t)));
+                }
+                if pass.progressed {
+                    moved = true;
+                    self.active.insert(qpn);
+                    if !s.deliver_completions(self.index) {
+                        self.stuck.insert(qpn);
+                    }
+                }
+            }
+            if !moved {
+                break;
+            }
+            *work = true;
+        }
+        retry
+    }
+
     /// Processes the delayed datagrams whose delay has passed.
     fn release_delayed(&mut self, now: u64) -> bool {
         let mut any = false;
@@ -696,6 +778,11 @@ impl DataCore {
                 match s.qp.poll_transmit(now) {
                     Some(pkt) => {
                         let Some((link, dst)) = s.route(pkt.path) else { break };
+                        if self.local_addrs.contains(&dst) {
+                            self.loop_back(&pkt, link, dst);
+                            sent_any = true;
+                            continue;
+                        }
                         self.out.push(self.finish(pkt, link, dst));
                     }
                     None => break,
@@ -714,6 +801,25 @@ impl DataCore {
         }
         sent_any |= self.flush();
         sent_any
+    }
+
+    /// Queues a packet for this core itself (hairpin): serialized with its ICRC, no system call.
+    fn loop_back(&mut self, pkt: &TxPacket, link: usize, dst: SocketAddrV4) {
+        let src = self.shared.tx_links[link].local_addr();
+        let mut d = self.spare.pop().unwrap_or_default();
+        d.clear();
+        d.extend_from_slice(pkt.hdr.as_bytes());
+        for p in &pkt.payload {
+            p.region.with_slice(p.off, p.len, |b| d.extend_from_slice(b));
+        }
+        d.extend_from_slice(&PAD_ZEROS[..pkt.hdr.bth().pad as usize]);
+        let c = icrc::compute(src, dst, &[d.as_slice()]);
+        d.extend_from_slice(&c.to_le_bytes());
+        let stats = &self.shared.stats;
+        stats.tx_packets.inc();
+        stats.tx_bytes.add(d.len() as u64);
+        stats.hairpin_packets.inc();
+        self.hairpin.push_back((d, src, dst));
     }
 
     fn finish(&self, pkt: TxPacket, link: usize, dst: SocketAddrV4) -> Outgoing {

@@ -48,6 +48,10 @@ fn opcode_code(op: WrOpcode) -> u8 {
         WrOpcode::RdmaRead => 4,
         WrOpcode::AtomicCmpAndSwp => 5,
         WrOpcode::AtomicFetchAndAdd => 6,
+        WrOpcode::Offload => 7,
+        WrOpcode::Noop => 8,
+        WrOpcode::Wait => 9,
+        WrOpcode::Enable => 10,
     }
 }
 
@@ -60,6 +64,10 @@ fn code_opcode(c: u8) -> Option<WrOpcode> {
         4 => WrOpcode::RdmaRead,
         5 => WrOpcode::AtomicCmpAndSwp,
         6 => WrOpcode::AtomicFetchAndAdd,
+        7 => WrOpcode::Offload,
+        8 => WrOpcode::Noop,
+        9 => WrOpcode::Wait,
+        10 => WrOpcode::Enable,
         _ => return None,
     })
 }

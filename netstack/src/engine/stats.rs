@@ -37,6 +37,8 @@ pub struct EngineStats {
     pub tx_packets: Counter,
     pub tx_bytes: Counter,
     pub tx_errors: Counter,
+    /// Packets a core sent to its own addresses, delivered in memory.
+    pub hairpin_packets: Counter,
     /// sendmmsg messages (a GSO message carries several packets).
     pub tx_messages: Counter,
     /// Receives into staging buffers (a GRO receive carries several datagrams).
@@ -60,6 +62,7 @@ pub struct StatsSnapshot {
     pub tx_packets: u64,
     pub tx_bytes: u64,
     pub tx_errors: u64,
+    pub hairpin_packets: u64,
     pub tx_messages: u64,
     pub staging_fills: u64,
     pub tx_payload_copy_bytes: u64,
@@ -79,6 +82,7 @@ impl StatsSnapshot {
         self.tx_packets += o.tx_packets;
         self.tx_bytes += o.tx_bytes;
         self.tx_errors += o.tx_errors;
+        self.hairpin_packets += o.hairpin_packets;
         self.tx_messages += o.tx_messages;
         self.staging_fills += o.staging_fills;
         self.tx_payload_copy_bytes += o.tx_payload_copy_bytes;
@@ -120,6 +124,7 @@ impl EngineStats {
             tx_packets: self.tx_packets.get(),
             tx_bytes: self.tx_bytes.get(),
             tx_errors: self.tx_errors.get(),
+            hairpin_packets: self.hairpin_packets.get(),
             tx_messages: self.tx_messages.get(),
             staging_fills: self.staging_fills.get(),
             tx_payload_copy_bytes: self.tx_payload_copy_bytes.get(),

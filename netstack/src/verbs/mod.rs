@@ -57,6 +57,9 @@ pub(crate) struct CtxInner {
     pub(crate) cc_env: Arc<crate::cc::CcEnv>,
     next_qpn: AtomicU32,
     next_pd: AtomicU32,
+    next_cq: AtomicU32,
+    /// The offloading engine whose handlers serve this context's QPs.
+    pub(crate) offload: crate::offload::OffloadEngine,
 }
 
 /// An open device context: one engine (data core) with its link and memory-region table.
@@ -78,6 +81,7 @@ impl Context {
         let n = CONTEXTS.fetch_add(1, Ordering::Relaxed);
         let mix = std::process::id() ^ u32::from(*local.ip()) ^ ((local.port() as u32) << 8) ^ (n << 16);
         let base = mix.wrapping_mul(2654435761) & 0x7F_FF00;
+        let offload = crate::offload::OffloadEngine::new(cfg.offload);
         Ok(Context {
             inner: Arc::new(CtxInner {
                 engine,
@@ -85,6 +89,8 @@ impl Context {
                 cfg,
                 next_qpn: AtomicU32::new(base.max(0x100)),
                 next_pd: AtomicU32::new(1),
+                next_cq: AtomicU32::new(1),
+                offload,
             }),
         })
     }
@@ -109,22 +115,40 @@ impl Context {
     /// Creates a completion queue with room for `cqe` completions per data core (a completion
     /// that finds it full waits in its QP and is delivered later; `Cq::overruns` counts that).
     pub fn create_cq(&self, cqe: usize) -> Result<Cq, VerbsError> {
-        Ok(Cq {
-            shared: Arc::new(CqShared::new(cqe.max(1), self.inner.engine.cores().len())?),
-        })
+        self.new_cq(cqe, false)
+    }
+
+    /// A completion queue that drops completions when full instead of keeping them (still
+    /// counting them): for queues only RedN WAITs look at, which no thread polls.
+    pub fn create_cq_ignore_overrun(&self, cqe: usize) -> Result<Cq, VerbsError> {
+        self.new_cq(cqe, true)
+    }
+
+    fn new_cq(&self, cqe: usize, ignore_overrun: bool) -> Result<Cq, VerbsError> {
+        let shared = Arc::new(CqShared::with_overrun(
+            cqe.max(1),
+            self.inner.engine.cores().len(),
+            ignore_overrun,
+        )?);
+        let num = self.inner.next_cq.fetch_add(1, Ordering::Relaxed);
+        self.inner.engine.cores()[0].redn.add_cq(num, shared.produced());
+        Ok(Cq { shared, num })
+    }
+
+    /// The offloading engine: register handlers and DMA regions here.
+    pub fn offload(&self) -> &crate::offload::OffloadEngine {
+        &self.inner.offload
+    }
+
+    /// Counters of the context's RedN programs (chains, steps, aborts).
+    pub fn redn_stats(&self) -> crate::redn::RednStats {
+        self.inner.engine.cores()[0].redn.stats()
     }
 
     /// Creates an RC queue pair, already in INIT so receives can be posted before connecting.
     pub fn create_qp(&self, pd: &Pd, send_cq: &Cq, recv_cq: &Cq, attr: QpInitAttr) -> Result<Qp, VerbsError> {
         let qpn = self.inner.next_qpn.fetch_add(1, Ordering::Relaxed) & crate::wire::MASK24;
-        Qp::create(
-            self.clone(),
-            pd.id,
-            qpn,
-            send_cq.shared.clone(),
-            recv_cq.shared.clone(),
-            attr,
-        )
+        Qp::create(self.clone(), pd.id, qpn, send_cq, recv_cq.shared.clone(), attr)
     }
 
     /// Engine counters (malformed packets, bytes, staging memory...).
@@ -159,7 +183,7 @@ impl Pd {
         self.register(Arc::new(Region::from_raw(ptr, len)), access)
     }
 
-    fn register(&self, region: Arc<Region>, access: Access) -> Mr {
+    pub(crate) fn register(&self, region: Arc<Region>, access: Access) -> Mr {
         let entry = self.ctx.mrs().register(region, self.id, access);
         Mr {
             entry,
@@ -231,9 +255,18 @@ impl Drop for Mr {
 #[derive(Clone)]
 pub struct Cq {
     shared: Arc<CqShared>,
+    num: u32,
 }
 
 impl Cq {
+    /// The CQ's number in its context (what a WAIT work request names).
+    pub fn cq_num(&self) -> u32 {
+        self.num
+    }
+    /// Completions produced so far (polling does not lower it; WAIT counts compare with it).
+    pub fn produced(&self) -> u64 {
+        self.shared.produced().load(Ordering::Acquire)
+    }
     /// Moves up to `wc.len()` completions into `wc` (like `ibv_poll_cq`); returns how many.
     pub fn poll(&self, wc: &mut [Wc]) -> usize {
         self.shared.poll(wc)
@@ -276,4 +309,5 @@ pub const EMPTY_WC: Wc = Wc {
     imm_data: None,
     qp_num: 0,
     src_qp: 0,
+    vendor_err: 0,
 };

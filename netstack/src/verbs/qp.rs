@@ -5,7 +5,7 @@ use crate::engine::{sq, CqShared, EngineShared, QpMirror, QpSlot};
 use crate::mem::Access;
 use crate::transport::rc::PostError;
 use crate::transport::rc::{QpState, RcConfig, RcQp, RcStats, Recovery};
-use crate::work::{RecvWr, SendFlags, SendWr};
+use crate::work::{RecvWr, SendFlags, SendWr, Sge};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use std::net::SocketAddrV4;
@@ -22,6 +22,10 @@ pub struct QpInitAttr {
     /// message. Meant for small (one-MTU), often INLINE, two-sided messages; receives are still
     /// processed by the data core. Costs the posting thread a system call per post.
     pub low_latency: bool,
+    /// A managed QP (RedN): its send queue is a ring of this many 64-byte entries in memory
+    /// ([`crate::redn::wqe`]) that the engine fetches only as far as an ENABLE allows; 0 for an
+    /// ordinary QP.
+    pub managed_slots: usize,
 }
 
 /// What a peer needs to connect to a QP (exchanged by the connection manager).
@@ -70,6 +74,9 @@ pub struct Qp {
     posted: AtomicU64,
     max_send_wr: u32,
     low_latency: bool,
+    /// The ring of a managed QP.
+    managed: Option<Arc<crate::redn::ManagedWq>>,
+    send_cq_num: u32,
 }
 
 impl Qp {
@@ -77,17 +84,37 @@ impl Qp {
         ctx: Context,
         pd: u32,
         qpn: u32,
-        send_cq: Arc<CqShared>,
+        send_cq: &super::Cq,
         recv_cq: Arc<CqShared>,
         attr: QpInitAttr,
     ) -> Result<Qp, VerbsError> {
         let cfg = attr.config.unwrap_or(ctx.inner.cfg.qp);
         cfg.validate()
             .map_err(|e| VerbsError::Invalid(format!("qp config field {e}")))?;
+        if attr.managed_slots > 1 << 16 || (attr.managed_slots > 0 && attr.low_latency) {
+            return Err(VerbsError::Invalid(
+                "managed_slots: at most 65536, and a managed QP cannot be low-latency".into(),
+            ));
+        }
+        let core = ctx.inner.engine.core_for(qpn).clone();
         let mut qp = RcQp::new(qpn, pd, cfg);
         qp.set_cc_env(ctx.inner.cc_env.clone());
+        qp.set_offload_sink(ctx.inner.offload.port(&core));
         qp.modify_to_init()?;
         let mirror = Arc::new(QpMirror::default());
+        let managed = (attr.managed_slots > 0).then(|| Arc::new(crate::redn::ManagedWq::new(attr.managed_slots)));
+        let chain = managed.as_ref().map(|wq| {
+            let c = Arc::downgrade(&core);
+            let _ = wq.wake.set(Box::new(move || {
+                if let Some(c) = c.upgrade() {
+                    c.poke(qpn);
+                }
+            }));
+            core.redn.add_wq(qpn, wq);
+            crate::redn::ChainRunner::new(wq.clone(), send_cq.cq_num(), core.now(), &core.guards)
+        });
+        let send_cq_num = send_cq.cq_num();
+        let send_cq = send_cq.shared.clone();
         let qs = QpSlot {
             qp,
             remote: None,
@@ -96,11 +123,14 @@ impl Qp {
             send_cq,
             recv_cq,
             mirror: mirror.clone(),
+            chain,
         };
         qs.sync_mirror();
         let slot = Arc::new(Mutex::new(qs));
-        let core = ctx.inner.engine.core_for(qpn).clone();
         core.qps.write().insert(qpn, slot.clone());
+        if managed.is_some() {
+            core.managed.lock().push(qpn);
+        }
         // a random-ish initial PSN, as NICs pick one
         let psn = (qpn.wrapping_mul(0x9E37_79B9) ^ std::process::id()) & crate::wire::MASK24;
         Ok(Qp {
@@ -114,7 +144,88 @@ impl Qp {
             posted: AtomicU64::new(0),
             max_send_wr: cfg.max_send_wr,
             low_latency: attr.low_latency,
+            managed,
+            send_cq_num,
         })
+    }
+
+    /// Whether this is a managed QP (RedN).
+    pub fn is_managed(&self) -> bool {
+        self.managed.is_some()
+    }
+
+    fn ring(&self) -> Result<&Arc<crate::redn::ManagedWq>, VerbsError> {
+        self.managed
+            .as_ref()
+            .ok_or_else(|| VerbsError::Invalid("not a managed QP (QpInitAttr::managed_slots = 0)".into()))
+    }
+
+    /// Managed QP: writes `wr` into the ring at the next index with `operand` in the 48-bit
+    /// operand field of its word 0 (what a RedN `if` compares); returns the index. Nothing runs
+    /// until an ENABLE covers the index.
+    pub fn post_managed(&self, wr: &SendWr, operand: u64) -> Result<u64, VerbsError> {
+        let ring = self.ring()?;
+        crate::work::validate_send(wr).map_err(PostError::Invalid)?;
+        let words = crate::redn::wqe::encode(wr, operand).map_err(PostError::Invalid)?;
+        ring.post(&words).map_err(|e| VerbsError::Invalid(e.into()))
+    }
+
+    /// Managed QP: the index the next post gets (indices never wrap).
+    pub fn next_index(&self) -> u64 {
+        self.managed
+            .as_ref()
+            .map_or(0, |r| r.posted.load(Ordering::Acquire))
+    }
+
+    /// Managed QP: lets the engine fetch entries with index below `index` (the CPU's doorbell;
+    /// an ENABLE work request does the same from a chain).
+    pub fn enable(&self, index: u64) -> Result<(), VerbsError> {
+        self.ring()?.enable(index);
+        Ok(())
+    }
+
+    /// Managed QP: the host address of index `i`'s entry in the ring (see
+    /// [`crate::redn::wqe::off`] for its fields).
+    pub fn wqe_addr(&self, i: u64) -> Result<u64, VerbsError> {
+        let r = self.ring()?;
+        Ok(r.ring.addr() + r.offset(i) as u64)
+    }
+
+    /// Managed QP: registers the ring as a memory region in `pd`, so RECV scatter, WRITE, READ
+    /// and CAS can change entries before they are fetched.
+    pub fn reg_wq_mr(&self, pd: &super::Pd, access: crate::mem::Access) -> Result<super::Mr, VerbsError> {
+        Ok(pd.register(self.ring()?.ring.clone(), access))
+    }
+
+    /// The number of this QP's send completion queue.
+    pub fn send_cq_num(&self) -> u32 {
+        self.send_cq_num
+    }
+
+    /// Sends an offload request (see [`crate::offload`]): the peer's handler for `opcode` gets
+    /// `request` (at most MTU - 8 bytes) and its response lands in `resp` (at most 1 MiB). It
+    /// completes like a READ, with `WcOpcode::Offload` and the response's length in `byte_len`;
+    /// a handler failure completes with `RemOpErr` and the
+    /// [`crate::offload::OffloadStatus`] in `vendor_err`, leaving the QP usable.
+    pub fn post_offload(&self, wr_id: u64, opcode: u16, request: &[u8], resp: Sge) -> Result<(), VerbsError> {
+        if self.managed.is_some() {
+            return Err(VerbsError::Invalid("offload requests cannot be posted to a managed QP".into()));
+        }
+        let wr = SendWr::new(wr_id, crate::work::WrOpcode::Offload)
+            .imm(opcode as u32)
+            .sge(resp);
+        crate::work::validate_send(&wr).map_err(PostError::Invalid)?;
+        match self.mirror.state() {
+            QpState::Rts | QpState::Err => {}
+            st => return Err(PostError::InvalidState(st).into()),
+        }
+        let mut s = self.slot.lock();
+        s.qp.post_send_with_inline(wr, Some(request), self.ctx.mrs())?;
+        self.posted.fetch_add(1, Ordering::Relaxed);
+        drop(s);
+        // the data core sends it (and delivers an immediate error completion)
+        self.core.poke(self.qpn);
+        Ok(())
     }
 
     pub fn qp_num(&self) -> u32 {
@@ -324,6 +435,14 @@ impl Qp {
     /// Posts several send work requests; stops at the first refused one and returns how many
     /// were posted before it in the error's absence.
     pub fn post_send_batch(&self, wrs: impl IntoIterator<Item = SendWr>) -> Result<usize, VerbsError> {
+        if self.managed.is_some() {
+            let mut n = 0;
+            for wr in wrs {
+                self.post_managed(&wr, 0)?;
+                n += 1;
+            }
+            return Ok(n);
+        }
         if self.low_latency {
             return self.post_send_direct(wrs);
         }

@@ -281,6 +281,57 @@ impl SrExt {
     }
 }
 
+/// Offload request header (8 bytes) at the start of an OFFLOAD_REQUEST's payload: the handler's
+/// opcode, flags (none defined, sent as 0), and how many response bytes the requester's buffer
+/// holds (the response may be shorter). The request bytes follow. A flexns extension in the
+/// manufacturer-specific opcode range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct OffloadReqHdr {
+    pub opcode: u16,
+    pub flags: u16,
+    pub resp_cap: u32,
+}
+
+impl OffloadReqHdr {
+    pub const LEN: usize = 8;
+    pub fn parse(b: &[u8]) -> OffloadReqHdr {
+        OffloadReqHdr {
+            opcode: u16::from_be_bytes([b[0], b[1]]),
+            flags: u16::from_be_bytes([b[2], b[3]]),
+            resp_cap: be32(&b[4..]),
+        }
+    }
+    pub fn emit(&self, b: &mut [u8]) {
+        b[..2].copy_from_slice(&self.opcode.to_be_bytes());
+        b[2..4].copy_from_slice(&self.flags.to_be_bytes());
+        b[4..8].copy_from_slice(&self.resp_cap.to_be_bytes());
+    }
+}
+
+/// Offload result (8 bytes) at the start of the payload of the LAST or ONLY packet of an offload
+/// response: the status (0 = the handler answered; else an
+/// [`crate::offload::OffloadStatus`] code) and the response's length in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct OffloadResult {
+    pub status: u8,
+    pub len: u32,
+}
+
+impl OffloadResult {
+    pub const LEN: usize = 8;
+    pub fn parse(b: &[u8]) -> OffloadResult {
+        OffloadResult {
+            status: b[0],
+            len: be32(&b[4..]),
+        }
+    }
+    pub fn emit(&self, b: &mut [u8]) {
+        b[0] = self.status;
+        b[1..4].fill(0);
+        b[4..8].copy_from_slice(&self.len.to_be_bytes());
+    }
+}
+
 /// Selective ACK extension (12 bytes) after the AETH of an ACK in selective-repeat mode.
 /// `bitmap` bit `i` set means PSN `base + 1 + i` was received (`base` is the first missing PSN,
 /// so the AETH's cumulative ACK is `base - 1`); `high` is the highest PSN received, which may lie

@@ -38,6 +38,13 @@ pub enum Opcode {
     Probe = 0x84,
     /// The answer to a [`Opcode::Probe`], echoing its PSN field.
     ProbeReply = 0x85,
+    /// flexns offload request (manufacturer-specific range): [`super::OffloadReqHdr`] + request.
+    OffloadRequest = 0xC0,
+    OffloadResponseFirst = 0xC1,
+    OffloadResponseMiddle = 0xC2,
+    /// Carries [`super::OffloadResult`] before its data, as does ONLY.
+    OffloadResponseLast = 0xC3,
+    OffloadResponseOnly = 0xC4,
 }
 
 /// Which extension headers follow the BTH for an opcode, in wire order.
@@ -85,6 +92,11 @@ impl Opcode {
             0x83 => Grant,
             0x84 => Probe,
             0x85 => ProbeReply,
+            0xC0 => OffloadRequest,
+            0xC1 => OffloadResponseFirst,
+            0xC2 => OffloadResponseMiddle,
+            0xC3 => OffloadResponseLast,
+            0xC4 => OffloadResponseOnly,
             _ => return None,
         })
     }
@@ -130,6 +142,11 @@ impl Opcode {
             }
             CompareSwap | FetchAdd => h.atomic_eth = true,
             Cnp | Grant | Probe | ProbeReply => {}
+            OffloadRequest | OffloadResponseMiddle => h.payload = true,
+            OffloadResponseFirst | OffloadResponseLast | OffloadResponseOnly => {
+                h.aeth = true;
+                h.payload = true
+            }
         }
         h
     }
@@ -148,6 +165,10 @@ impl Opcode {
                 | Opcode::ReadResponseOnly
                 | Opcode::Acknowledge
                 | Opcode::AtomicAcknowledge
+                | Opcode::OffloadResponseFirst
+                | Opcode::OffloadResponseMiddle
+                | Opcode::OffloadResponseLast
+                | Opcode::OffloadResponseOnly
         )
     }
 
@@ -203,6 +224,21 @@ impl Opcode {
         (0x0D..=0x10).contains(&(self as u8))
     }
 
+    /// An offload response opcode.
+    pub fn is_offload_response(self) -> bool {
+        (0xC1..=0xC4).contains(&(self as u8))
+    }
+
+    /// Offload response opcode for packet `idx` of `n`.
+    pub fn offload_response(idx: u32, n: u32) -> Opcode {
+        match (idx == 0, idx + 1 == n) {
+            (true, true) => Opcode::OffloadResponseOnly,
+            (true, false) => Opcode::OffloadResponseFirst,
+            (false, true) => Opcode::OffloadResponseLast,
+            (false, false) => Opcode::OffloadResponseMiddle,
+        }
+    }
+
     /// An atomic request opcode.
     pub fn is_atomic(self) -> bool {
         matches!(self, Opcode::CompareSwap | Opcode::FetchAdd)
@@ -252,8 +288,8 @@ mod tests {
             }
         }
         assert_eq!(
-            n, 27,
-            "23 RC opcodes, the RoCEv2 CNP and the flexns GRANT, PROBE, PROBE_REPLY"
+            n, 32,
+            "23 RC opcodes, the RoCEv2 CNP and the flexns GRANT, PROBE, PROBE_REPLY, offload request and responses"
         );
         assert!(Opcode::from_u8(0x15).is_none());
         assert!(Opcode::from_u8(0x18).is_none());

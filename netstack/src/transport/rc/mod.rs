@@ -13,6 +13,7 @@
 //! [`RcQp::poll_completion`].
 
 mod multipath;
+pub mod offload;
 mod requester;
 mod responder;
 
@@ -222,6 +223,8 @@ pub struct RcQp {
     probe: multipath::ProbeSlot,
     /// The path the latest request came on: responses, ACKs and CNPs go back on it.
     rx_path: u8,
+    /// Where OFFLOAD_REQUESTs go; without one they are answered NO_HANDLER.
+    offload: Option<Arc<dyn offload::OffloadSink>>,
 }
 
 /// A QP's congestion control: the algorithm's context, whether it started, its timer, the
@@ -266,7 +269,13 @@ impl RcQp {
             cc: CcSlot::default(),
             probe: Default::default(),
             rx_path: 0,
+            offload: None,
         }
+    }
+
+    /// Hands this QP's incoming offload requests to `sink`.
+    pub fn set_offload_sink(&mut self, sink: Arc<dyn offload::OffloadSink>) {
+        self.offload = Some(sink);
     }
 
     /// Uses `env`'s congestion-control parameters (and its host-wide state, such as Homa's

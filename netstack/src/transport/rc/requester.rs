@@ -63,20 +63,24 @@ struct SendWqe {
     recv_seq: u32,
     first_psn: Option<u64>,
     npkts: u32,
+    /// OFFLOAD: the request bytes; the response buffer is `segs` (`total` bytes).
+    req: Option<Arc<Region>>,
+    /// OFFLOAD: the result the response's last packet carried (status, length).
+    result: Option<OffloadResult>,
 }
 
 impl SendWqe {
     fn is_rd_atomic(&self) -> bool {
         matches!(
             self.op,
-            WrOpcode::RdmaRead | WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd
+            WrOpcode::RdmaRead | WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd | WrOpcode::Offload
         )
     }
     fn contains(&self, psn: u64) -> bool {
         self.first_psn.is_some_and(|f| psn >= f && psn < f + self.npkts as u64)
     }
     fn wc(&self, status: WcStatus, qpn: u32, dest: u32) -> Wc {
-        Wc {
+        let mut wc = Wc {
             wr_id: self.wr_id,
             status,
             opcode: WcOpcode::from_wr(self.op),
@@ -88,7 +92,17 @@ impl SendWqe {
             imm_data: None,
             qp_num: qpn,
             src_qp: dest,
+            vendor_err: 0,
+        };
+        if let (Some(r), WcStatus::Success) = (self.result, status) {
+            // an offload that failed at the peer fails this request only; the QP stays usable
+            wc.byte_len = if r.status == 0 { r.len } else { 0 };
+            if r.status != 0 {
+                wc.status = WcStatus::RemOpErr;
+                wc.vendor_err = r.status as u32;
+            }
         }
+        wc
     }
 }
 
@@ -102,6 +116,7 @@ pub(super) fn flush_wc(wr: &SendWr, qpn: u32, dest: u32) -> Wc {
         imm_data: None,
         qp_num: qpn,
         src_qp: dest,
+        vendor_err: 0,
     }
 }
 
@@ -329,7 +344,29 @@ impl Requester {
         let mut segs: SmallVec<[Seg; 2]> = SmallVec::new();
         let mut bad = None;
         let mut total = wr.total_len();
-        if let Some(data) = inline {
+        let mut req = None;
+        if wr.opcode == WrOpcode::Offload {
+            let data = inline.unwrap_or_default();
+            if data.len() + OffloadReqHdr::LEN > cfg.mtu as usize {
+                return Err(super::PostError::Invalid("offload request longer than the MTU less 8 bytes"));
+            }
+            if total > super::offload::MAX_OFFLOAD_RESP as u64 {
+                return Err(super::PostError::Invalid("offload response buffer larger than 1 MiB"));
+            }
+            req = Some(Arc::new(Region::from_bytes(data)));
+            for s in &wr.sg_list {
+                match mrs.check(s.lkey, pd, s.addr, s.length as u64, Access::LOCAL_WRITE) {
+                    Ok((region, off)) => segs.push(Seg {
+                        region,
+                        off,
+                        len: s.length as usize,
+                    }),
+                    Err(_) => bad = Some(WcStatus::LocProtErr),
+                }
+            }
+        } else if matches!(wr.opcode, WrOpcode::Wait | WrOpcode::Enable) {
+            return Err(super::PostError::Invalid("WAIT and ENABLE are executed by managed QPs only"));
+        } else if let Some(data) = inline {
             segs.push(Seg {
                 region: Arc::new(Region::from_bytes(data)),
                 off: 0,
@@ -370,7 +407,12 @@ impl Requester {
             self.next_recv_seq = self.next_recv_seq.wrapping_add(1);
         }
         let mtu = cfg.mtu as u64;
-        let npkts = if atomic { 1 } else { total.div_ceil(mtu).max(1) as u32 };
+        let npkts = match wr.opcode {
+            _ if atomic => 1,
+            WrOpcode::Offload => super::offload::response_packets(total as u32, cfg.mtu),
+            WrOpcode::Noop => 0,
+            _ => total.div_ceil(mtu).max(1) as u32,
+        };
         self.sq.push_back(SendWqe {
             wr_id: wr.wr_id,
             op: wr.opcode,
@@ -388,6 +430,8 @@ impl Requester {
             recv_seq,
             first_psn: None,
             npkts,
+            req,
+            result: None,
         });
         Ok(())
     }
@@ -640,6 +684,24 @@ impl Requester {
         let psn = (first + k as u64) as u32;
         let mtu = cfg.mtu as u64;
         match w.op {
+            WrOpcode::Offload => {
+                // one request packet at the first PSN; a lost response is asked for again whole
+                let mut bth = Bth::new(Opcode::OffloadRequest as u8, dest_qpn, first as u32);
+                bth.ack_req = true;
+                let mut hdr = HeaderBuf::with_bth(&bth);
+                hdr.push_u32((w.imm & 0xFFFF) << 16).push_u32(w.total as u32);
+                let len = w.req.as_ref().map_or(0, |r| r.len());
+                hdr.set_pad_for(OffloadReqHdr::LEN + len);
+                let mut payload = SmallVec::new();
+                if let (Some(r), true) = (w.req.as_ref(), len > 0) {
+                    payload.push(PayloadPart {
+                        region: r.clone(),
+                        off: 0,
+                        len,
+                    });
+                }
+                TxPacket { path: 0, hdr, payload }
+            }
             WrOpcode::RdmaRead => {
                 let off = k as u64 * mtu;
                 let len = (end as u64 * mtu).min(w.total) - off.min(w.total);
@@ -734,9 +796,17 @@ impl Requester {
             }
             let Some(i) = r.find(p) else { continue };
             let w = &r.sq[i];
-            let k = (p - w.first_psn.unwrap_or(p)) as u32;
+            let mut k = (p - w.first_psn.unwrap_or(p)) as u32;
             let mut end = k + 1;
-            if w.op == WrOpcode::RdmaRead {
+            let mut p = p;
+            if w.op == WrOpcode::Offload {
+                // the request is resent whole; the responder answers a duplicate from its job
+                let f = w.first_psn.unwrap_or(p);
+                for q in f..f + w.npkts as u64 {
+                    r.retx.remove(&q);
+                }
+                (p, k, end) = (f, 0, w.npkts);
+            } else if w.op == WrOpcode::RdmaRead {
                 let f = w.first_psn.unwrap_or(p);
                 while end < w.npkts && !r.is_acked(f + end as u64) {
                     r.retx.remove(&(f + end as u64));
@@ -756,7 +826,26 @@ impl Requester {
             r.pacer.on_send(now, wire_bytes(&pkt));
             return Some(pkt);
         }
+        // NOOPs take no PSN and send nothing; they complete in order with the WQEs around them
+        let mut noop = false;
+        while let Some(w) = r.sq.get(r.cursor) {
+            if w.op != WrOpcode::Noop || (w.first_psn.is_none() && w.fence && r.rd_outstanding > 0) {
+                break;
+            }
+            let next = r.next_psn;
+            r.sq[r.cursor].first_psn.get_or_insert(next);
+            r.cursor += 1;
+            r.cursor_pkt = 0;
+            noop = true;
+        }
+        if noop {
+            Self::progress(qp);
+        }
+        let r = &mut qp.req;
         let w = r.sq.get(r.cursor)?;
+        if w.op == WrOpcode::Noop {
+            return None; // fenced
+        }
         let resending = w.first_psn.is_some_and(|f| f + (r.cursor_pkt as u64) < r.sent_max);
         if !resending && !r.window_ok(&cfg) {
             return None;
@@ -788,7 +877,7 @@ impl Requester {
         if psn >= r.una + cfg.window_pkts as u64 {
             return None;
         }
-        let (k, end) = if w.op == WrOpcode::RdmaRead {
+        let (k, end) = if matches!(w.op, WrOpcode::RdmaRead | WrOpcode::Offload) {
             (r.cursor_pkt, w.npkts)
         } else {
             (r.cursor_pkt, r.cursor_pkt + 1)
@@ -981,6 +1070,55 @@ impl Requester {
                     return;
                 }
                 scatter(&w.segs, off as usize, pkt.payload);
+                r.cum_ack(p.saturating_sub(1), now);
+                r.mark(p, now);
+            }
+            op if op.is_offload_response() => {
+                let Some(i) = r.find(p) else {
+                    qp.stats.stale_responses += 1;
+                    return;
+                };
+                let w = &r.sq[i];
+                let f = w.first_psn.unwrap_or(p);
+                let k = (p - f) as u32;
+                let last = k + 1 == w.npkts;
+                let off = k as u64 * cfg.mtu as u64;
+                let (result, data) = if last {
+                    if pkt.payload.len() < OffloadResult::LEN {
+                        qp.stats.dropped_packets += 1;
+                        return;
+                    }
+                    (
+                        Some(OffloadResult::parse(pkt.payload)),
+                        &pkt.payload[OffloadResult::LEN..],
+                    )
+                } else {
+                    (None, pkt.payload)
+                };
+                let fits = off + data.len() as u64 <= w.total && data.len() <= cfg.mtu as usize;
+                let len_ok = result.is_none_or(|r| r.len as u64 <= w.total);
+                if w.op != WrOpcode::Offload
+                    || last != matches!(op, Opcode::OffloadResponseLast | Opcode::OffloadResponseOnly)
+                    || !fits
+                    || !len_ok
+                {
+                    qp.stats.dropped_packets += 1;
+                    return;
+                }
+                if r.is_acked(p) {
+                    qp.stats.stale_responses += 1;
+                    return;
+                }
+                if cfg.recovery == Recovery::GoBackN && p != r.una {
+                    let una = r.una;
+                    r.rewind(una, true);
+                    qp.stats.out_of_order_packets += 1;
+                    return;
+                }
+                scatter(&w.segs, off as usize, data);
+                if result.is_some() {
+                    r.sq[i].result = result;
+                }
                 r.cum_ack(p.saturating_sub(1), now);
                 r.mark(p, now);
             }
@@ -1224,7 +1362,8 @@ impl Requester {
             if w.is_rd_atomic() {
                 r.rd_outstanding -= 1;
             }
-            if w.signaled {
+            // a failed offload reports its failure even when unsignaled
+            if w.signaled || w.result.is_some_and(|r| r.status != 0) {
                 qp.completions.push_back(w.wc(WcStatus::Success, qpn, dest));
             }
         }

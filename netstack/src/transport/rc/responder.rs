@@ -1,6 +1,7 @@
 //! The responder half of an RC QP: the expected PSN, placement of SEND and WRITE payloads,
 //! READ responses, atomics with a replay cache, receive-side completions, ACK/NAK generation.
 
+use super::offload::{response_packets, OffloadJob, OffloadStatus, MAX_OFFLOAD_RESP};
 use super::{RcConfig, RcQp, Recovery};
 use crate::mem::{Access, MrTable, Region};
 use crate::transport::{psn_unwrap, PayloadPart, TxPacket};
@@ -12,6 +13,8 @@ use std::sync::Arc;
 
 /// Atomic results kept for replaying duplicate atomic requests.
 const ATOMIC_CACHE: usize = 64;
+/// Offload jobs kept for answering duplicate offload requests (never run twice).
+const OFFLOAD_CACHE: usize = 32;
 
 struct RecvWqe {
     wr_id: u64,
@@ -20,7 +23,7 @@ struct RecvWqe {
 }
 
 /// What remains to be done for a request packet once every earlier PSN has been processed.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 enum Action {
     /// A data packet that ends no message.
     Placed,
@@ -35,6 +38,11 @@ enum Action {
     Atomic {
         eth: AtomicEth,
         cas: bool,
+    },
+    /// An offload request: started when it is in order; its response takes `n` PSNs.
+    Offload {
+        job: Arc<OffloadJob>,
+        n: u32,
     },
 }
 
@@ -61,6 +69,14 @@ enum Resp {
         psn: u64,
         orig: u64,
     },
+    /// An offload response: waits at the head of the queue until its job has an outcome.
+    Offload {
+        first: u64,
+        n: u32,
+        next: u32,
+        job: Arc<OffloadJob>,
+        data: Option<(OffloadStatus, u32, Option<Arc<Region>>)>,
+    },
 }
 
 /// Why a request packet could not be processed.
@@ -81,6 +97,7 @@ fn recv_error_wc(wr_id: u64, status: WcStatus, qpn: u32, dest: u32) -> Wc {
         imm_data: None,
         qp_num: qpn,
         src_qp: dest,
+        vendor_err: 0,
     }
 }
 
@@ -98,6 +115,7 @@ pub(super) struct Responder {
     ooo: BTreeMap<u64, Action>,
     resp_q: VecDeque<Resp>,
     atomic_cache: VecDeque<(u64, u64)>,
+    offload_cache: VecDeque<(u64, u32, Arc<OffloadJob>)>,
     ack_pending: bool,
     ack_deadline: Option<u64>,
     unacked: u32,
@@ -119,6 +137,7 @@ impl Responder {
             ooo: BTreeMap::new(),
             resp_q: VecDeque::new(),
             atomic_cache: VecDeque::new(),
+            offload_cache: VecDeque::new(),
             ack_pending: false,
             ack_deadline: None,
             unacked: 0,
@@ -154,6 +173,7 @@ impl Responder {
 
     pub(super) fn flush(&mut self, qpn: u32, dest: u32) -> Vec<Wc> {
         self.resp_q.clear();
+        self.offload_cache.clear();
         self.ooo.clear();
         self.nak = None;
         self.ack_pending = false;
@@ -165,7 +185,19 @@ impl Responder {
     }
 
     pub(super) fn deadline(&self) -> Option<u64> {
-        self.ack_deadline
+        match (self.ack_deadline, self.blocked_offload()) {
+            (Some(a), Some(d)) => Some(a.min(d)),
+            (a, d) => a.or(d),
+        }
+    }
+
+    /// The deadline of the unfinished offload job at the head of the response queue, if one
+    /// blocks it (later responses, ACKs and NAKs wait behind it, in order).
+    fn blocked_offload(&self) -> Option<u64> {
+        match self.resp_q.front() {
+            Some(Resp::Offload { job, data: None, .. }) if !job.is_finished() => Some(job.deadline),
+            _ => None,
+        }
     }
 
     /// Acknowledges what arrived at the next transmit opportunity (congestion control asked).
@@ -176,6 +208,9 @@ impl Responder {
     }
 
     pub(super) fn wants_transmit(&self, now: u64) -> bool {
+        if self.blocked_offload().is_some_and(|d| now < d) {
+            return false;
+        }
         !self.resp_q.is_empty() || self.nak.is_some() || self.ack_pending || self.ack_deadline.is_some_and(|d| d <= now)
     }
 
@@ -210,7 +245,7 @@ impl Responder {
                         qp.stats.duplicate_requests += 1;
                         s.dup_seen = true;
                     } else if p - s.epsn < 2 * cfg.window_pkts as u64 {
-                        match Self::process(qp, p, pkt, mrs, false) {
+                        match Self::process(qp, now, p, pkt, mrs, false) {
                             Ok(a) => {
                                 qp.resp.ooo.insert(p, a);
                             }
@@ -222,11 +257,12 @@ impl Responder {
             }
             return;
         }
-        let res = Self::process(qp, p, pkt, mrs, true).and_then(|a| Self::execute(qp, p, a, mrs));
+        let res = Self::process(qp, now, p, pkt, mrs, true).and_then(|a| Self::execute(qp, p, a, mrs));
         match res {
             Ok(()) => {
                 // drain packets that arrived early and are now in order
-                while let Some((&q, &a)) = qp.resp.ooo.first_key_value() {
+                while let Some((&q, a)) = qp.resp.ooo.first_key_value() {
+                    let a = a.clone();
                     if q != qp.resp.epsn {
                         if q < qp.resp.epsn {
                             qp.resp.ooo.pop_first();
@@ -279,6 +315,26 @@ impl Responder {
                     }
                 }
             }
+            Opcode::OffloadRequest => {
+                // answer again from the job (never run a handler twice); one still running
+                // or still queued answers by itself
+                let s = &mut qp.resp;
+                let queued = s
+                    .resp_q
+                    .iter()
+                    .any(|r| matches!(r, Resp::Offload { first, .. } if *first == p));
+                match s.offload_cache.iter().find(|(q, _, _)| *q == p) {
+                    Some((_, n, job)) if !queued => s.resp_q.push_back(Resp::Offload {
+                        first: p,
+                        n: *n,
+                        next: 0,
+                        job: job.clone(),
+                        data: None,
+                    }),
+                    Some(_) => {}
+                    None => qp.stats.dropped_packets += 1,
+                }
+            }
             Opcode::CompareSwap | Opcode::FetchAdd => {
                 // replay the saved result; never execute an atomic twice
                 if let Some(&(_, orig)) = qp.resp.atomic_cache.iter().find(|(q, _)| *q == p) {
@@ -292,11 +348,39 @@ impl Responder {
     }
 
     /// Validates a request packet and places its payload; returns what is left to do in PSN order.
-    fn process(qp: &mut RcQp, p: u64, pkt: &PacketView<'_>, mrs: &MrTable, in_order: bool) -> Result<Action, Reject> {
+    fn process(
+        qp: &mut RcQp,
+        now: u64,
+        p: u64,
+        pkt: &PacketView<'_>,
+        mrs: &MrTable,
+        in_order: bool,
+    ) -> Result<Action, Reject> {
         let _ = p;
         let op = pkt.opcode;
         if op == Opcode::ReadRequest {
             return pkt.reth.map(Action::Read).ok_or(Reject::Nak(NakCode::InvalidRequest));
+        }
+        if op == Opcode::OffloadRequest {
+            if pkt.payload.len() < OffloadReqHdr::LEN || pkt.payload.len() > qp.cfg.mtu as usize {
+                return Err(Reject::Nak(NakCode::InvalidRequest));
+            }
+            let h = OffloadReqHdr::parse(pkt.payload);
+            if h.resp_cap > MAX_OFFLOAD_RESP {
+                return Err(Reject::Nak(NakCode::InvalidRequest));
+            }
+            let budget = qp.offload.as_ref().map_or(0, |o| o.budget_ns(qp.qpn, h.opcode));
+            let job = OffloadJob::new(
+                qp.qpn,
+                h.opcode,
+                pkt.payload[OffloadReqHdr::LEN..].to_vec(),
+                h.resp_cap,
+                now.saturating_add(budget),
+            );
+            return Ok(Action::Offload {
+                job: Arc::new(job),
+                n: response_packets(h.resp_cap, qp.cfg.mtu),
+            });
         }
         if op.is_atomic() {
             let eth = pkt.atomic.ok_or(Reject::Nak(NakCode::InvalidRequest))?;
@@ -514,6 +598,7 @@ impl Responder {
                         imm_data: imm,
                         qp_num: qp.qpn,
                         src_qp: qp.dest_qpn,
+                        vendor_err: 0,
                     };
                     qp.completions.push_back(wc);
                 }
@@ -524,11 +609,33 @@ impl Responder {
             Action::Read(reth) => {
                 let r = Self::read_resp(qp, p, &reth, mrs)?;
                 let n = match &r {
-                    Resp::Read { n, .. } => *n,
+                    Resp::Read { n, .. } | Resp::Offload { n, .. } => *n,
                     Resp::Atomic { .. } => 1,
                 };
                 let s = &mut qp.resp;
                 s.resp_q.push_back(r);
+                s.msn = (s.msn + 1) & MASK24;
+                s.epsn = p + n as u64;
+            }
+            Action::Offload { job, n } => {
+                match &qp.offload {
+                    Some(sink) => sink.submit(job.clone()),
+                    None => {
+                        job.fail(OffloadStatus::NoHandler);
+                    }
+                }
+                let s = &mut qp.resp;
+                if s.offload_cache.len() == OFFLOAD_CACHE {
+                    s.offload_cache.pop_front();
+                }
+                s.offload_cache.push_back((p, n, job.clone()));
+                s.resp_q.push_back(Resp::Offload {
+                    first: p,
+                    n,
+                    next: 0,
+                    job,
+                    data: None,
+                });
                 s.msn = (s.msn + 1) & MASK24;
                 s.epsn = p + n as u64;
             }
@@ -603,6 +710,49 @@ impl Responder {
                     }
                     *next += 1;
                     (TxPacket { hdr, payload, path: 0 }, *next == *n, *first + k as u64)
+                }
+                Resp::Offload {
+                    first,
+                    n,
+                    next,
+                    job,
+                    data,
+                } => {
+                    if data.is_none() {
+                        let (status, bytes) = job.outcome(now)?;
+                        let region = (!bytes.is_empty()).then(|| Arc::new(Region::from_bytes(&bytes)));
+                        *data = Some((status, bytes.len() as u32, region));
+                    }
+                    let Some((status, len, region)) = data.as_ref() else {
+                        return None;
+                    };
+                    let k = *next;
+                    let last = k + 1 == *n;
+                    let op = Opcode::offload_response(k, *n);
+                    let bth = Bth::new(op as u8, dest, (*first + k as u64) as u32);
+                    let mut hdr = HeaderBuf::with_bth(&bth);
+                    if op.headers().aeth {
+                        hdr.push_aeth(&Aeth {
+                            syndrome: ack,
+                            msn: s.msn,
+                        });
+                    }
+                    if last {
+                        hdr.push_u32((*status as u32) << 24).push_u32(*len);
+                    }
+                    let poff = (k as u64 * cfg.mtu as u64).min(*len as u64);
+                    let plen = (*len as u64 - poff).min(cfg.mtu as u64) as usize;
+                    hdr.set_pad_for(plen + if last { OffloadResult::LEN } else { 0 });
+                    let mut payload = SmallVec::new();
+                    if let (Some(r), true) = (region.as_ref(), plen > 0) {
+                        payload.push(PayloadPart {
+                            region: r.clone(),
+                            off: poff as usize,
+                            len: plen,
+                        });
+                    }
+                    *next += 1;
+                    (TxPacket { hdr, payload, path: 0 }, last, *first + k as u64)
                 }
                 Resp::Atomic { psn, orig } => {
                     let mut hdr = HeaderBuf::with_bth(&Bth::new(Opcode::AtomicAcknowledge as u8, dest, *psn as u32));

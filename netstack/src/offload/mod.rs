@@ -1,0 +1,549 @@
+//! The programmable offloading engine (FlexiNS §3.5, Table 2) in async Rust.
+//!
+//! A server registers handlers for 16-bit offload opcodes ([`OffloadEngine::register_opcode`])
+//! and the memory they may touch ([`OffloadEngine::register_dma_region`]). A client sends a
+//! request with [`crate::verbs::Qp::post_offload`]; the server's responder hands it to the
+//! engine, which runs the handler as a task on its **offload threads** (a tokio runtime of
+//! `offload.threads` workers, separate from the data cores). The handler follows Table 2:
+//!
+//! ```no_run
+//! # use netstack::offload::*;
+//! async fn batch_of_two(mut call: OffloadCall) -> Result<OffloadReply, OffloadError> {
+//!     let req = call.request().to_vec();
+//!     let a = u64::from_le_bytes(req[0..8].try_into().unwrap());
+//!     let b = u64::from_le_bytes(req[8..16].try_into().unwrap());
+//!     call.alloc_resp(128)?;                                  // alloc_resp
+//!     let x = call.submit_dma(DmaOp::Read, a, 0, 64)?;       // submit_dma
+//!     let y = call.submit_dma(DmaOp::Read, b, 64, 64)?;
+//!     call.wait_dma(x).await?;                                // wait_dma_finish
+//!     call.wait_dma(y).await?;
+//!     call.submit_resp()                                      // submit_resp
+//! }
+//! ```
+//!
+//! Isolation: a handler never runs on a data core, so a slow one cannot stall packet
+//! processing; each has a time budget (`offload.budget_us`, or per registration) after which
+//! the responder answers TIMEOUT and the handler's task is dropped at its next await; a panic is
+//! caught and answered PANICKED; every failure reaches the client as a completion with
+//! `RemOpErr` and the [`OffloadStatus`] in `vendor_err`, and the QP stays usable. Handlers touch
+//! host memory only through DMA within registered regions (a bad address is DMA_FAULT, never
+//! an access).
+//!
+//! The software DMA engine executes a call's submitted copies in submission order when the
+//! handler waits for them, on the handler's offload thread.
+
+pub mod builtin;
+mod dma;
+
+pub use crate::transport::rc::offload::{OffloadJob, OffloadSink, OffloadStatus, MAX_OFFLOAD_RESP};
+pub use dma::{DmaId, DmaOp, DmaRegionHandle, DmaSpace};
+
+use crate::engine::EngineShared;
+use futures_util::FutureExt;
+use parking_lot::{Mutex, RwLock};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock, Weak};
+use std::time::Duration;
+
+/// Offload engine settings (`[offload]` in the context configuration).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct OffloadConfig {
+    /// Offload threads (workers of the handlers' runtime), 1..=64; started when the first
+    /// handler is registered.
+    pub threads: usize,
+    /// Default time budget of a handler, in microseconds. Keep it below the clients' ACK
+    /// timeout (16.8 ms by default), or they resend the request while it runs (the resend is
+    /// recognised as a duplicate, never run twice).
+    pub budget_us: u64,
+    /// Most requests in progress at once; more are answered OVERLOADED.
+    pub max_inflight: usize,
+}
+
+impl Default for OffloadConfig {
+    fn default() -> Self {
+        OffloadConfig {
+            threads: 1,
+            budget_us: 10_000,
+            max_inflight: 4096,
+        }
+    }
+}
+
+impl OffloadConfig {
+    /// Checks the fields; the error names the bad one.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.threads == 0 || self.threads > 64 {
+            return Err(format!("threads: {} not in 1..=64", self.threads));
+        }
+        if self.budget_us == 0 || self.budget_us > 60_000_000 {
+            return Err(format!("budget_us: {} not in 1..=60000000", self.budget_us));
+        }
+        if self.max_inflight == 0 {
+            return Err("max_inflight: must be > 0".into());
+        }
+        Ok(())
+    }
+}
+
+/// Why a handler failed (what the client sees in `vendor_err`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum OffloadError {
+    #[error("bad request: {0}")]
+    BadRequest(String),
+    #[error("handler error: {0}")]
+    Handler(String),
+    #[error("response of {len} bytes exceeds the requester's buffer of {cap}")]
+    ResponseTooLong { len: usize, cap: usize },
+    #[error("DMA fault: {0}")]
+    DmaFault(String),
+    #[error("opcode {0:#x} is reserved or already registered for an overlapping QP filter")]
+    Opcode(u16),
+    #[error("offload threads: {0}")]
+    Runtime(String),
+}
+
+impl OffloadError {
+    fn status(&self) -> OffloadStatus {
+        match self {
+            OffloadError::BadRequest(_) => OffloadStatus::BadRequest,
+            OffloadError::ResponseTooLong { .. } => OffloadStatus::ResponseTooLong,
+            OffloadError::DmaFault(_) => OffloadStatus::DmaFault,
+            _ => OffloadStatus::HandlerError,
+        }
+    }
+}
+
+/// The future a handler returns.
+pub type HandlerFuture = Pin<Box<dyn Future<Output = Result<OffloadReply, OffloadError>> + Send>>;
+
+/// An offload handler: called once per request, on an offload thread.
+pub trait OffloadHandler: Send + Sync + 'static {
+    fn call(&self, call: OffloadCall) -> HandlerFuture;
+}
+
+impl<F, Fut> OffloadHandler for F
+where
+    F: Fn(OffloadCall) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<OffloadReply, OffloadError>> + Send + 'static,
+{
+    fn call(&self, call: OffloadCall) -> HandlerFuture {
+        Box::pin(self(call))
+    }
+}
+
+/// Which QPs a registration serves.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum QpFilter {
+    /// Every QP of the context.
+    Any,
+    /// These QP numbers.
+    Qpns(Vec<u32>),
+}
+
+impl QpFilter {
+    fn admits(&self, qpn: u32) -> bool {
+        match self {
+            QpFilter::Any => true,
+            QpFilter::Qpns(v) => v.contains(&qpn),
+        }
+    }
+    fn overlaps(&self, o: &QpFilter) -> bool {
+        match (self, o) {
+            (QpFilter::Qpns(a), QpFilter::Qpns(b)) => a.iter().any(|q| b.contains(q)),
+            _ => true,
+        }
+    }
+}
+
+/// Opcodes 0xFF00..=0xFFFF are reserved for flexns.
+pub const RESERVED_OPCODES: std::ops::RangeInclusive<u16> = 0xFF00..=0xFFFF;
+
+struct Registration {
+    id: u64,
+    opcode: u16,
+    filter: QpFilter,
+    handler: Arc<dyn OffloadHandler>,
+    budget_ns: u64,
+}
+
+/// Counters of an offload engine.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct OffloadStats {
+    pub requests: u64,
+    pub ok: u64,
+    pub no_handler: u64,
+    pub errors: u64,
+    pub panics: u64,
+    pub timeouts: u64,
+    pub overloaded: u64,
+    pub dma_ops: u64,
+    pub dma_bytes: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    requests: AtomicU64,
+    ok: AtomicU64,
+    no_handler: AtomicU64,
+    errors: AtomicU64,
+    panics: AtomicU64,
+    timeouts: AtomicU64,
+    overloaded: AtomicU64,
+}
+
+pub(crate) struct Inner {
+    cfg: OffloadConfig,
+    rt: OnceLock<tokio::runtime::Runtime>,
+    handlers: RwLock<Vec<Registration>>,
+    next_id: AtomicU64,
+    dma: Arc<DmaSpace>,
+    inflight: AtomicUsize,
+    counters: Counters,
+    /// Serializes runtime start-up.
+    start: Mutex<()>,
+}
+
+/// A context's offloading engine (see the module docs). Cheap to clone.
+#[derive(Clone)]
+pub struct OffloadEngine {
+    pub(crate) inner: Arc<Inner>,
+}
+
+/// Unregisters its handler when dropped.
+pub struct Registered {
+    engine: Weak<Inner>,
+    id: u64,
+}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        if let Some(e) = self.engine.upgrade() {
+            e.handlers.write().retain(|r| r.id != self.id);
+        }
+    }
+}
+
+impl OffloadEngine {
+    pub(crate) fn new(cfg: OffloadConfig) -> OffloadEngine {
+        OffloadEngine {
+            inner: Arc::new(Inner {
+                cfg,
+                rt: OnceLock::new(),
+                handlers: RwLock::new(Vec::new()),
+                next_id: AtomicU64::new(1),
+                dma: Arc::new(DmaSpace::default()),
+                inflight: AtomicUsize::new(0),
+                counters: Counters::default(),
+                start: Mutex::new(()),
+            }),
+        }
+    }
+
+    fn runtime(&self) -> Result<&tokio::runtime::Runtime, OffloadError> {
+        if let Some(rt) = self.inner.rt.get() {
+            return Ok(rt);
+        }
+        let _g = self.inner.start.lock();
+        if self.inner.rt.get().is_none() {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(self.inner.cfg.threads)
+                .thread_name("flexns-offload")
+                .enable_time()
+                .build()
+                .map_err(|e| OffloadError::Runtime(e.to_string()))?;
+            let _ = self.inner.rt.set(rt);
+        }
+        self.inner
+            .rt
+            .get()
+            .ok_or_else(|| OffloadError::Runtime("not started".into()))
+    }
+
+    /// Registers `handler` for `opcode` on the QPs `filter` admits, with the default time
+    /// budget. Keep the returned guard: dropping it unregisters the handler.
+    pub fn register_opcode(
+        &self,
+        opcode: u16,
+        filter: QpFilter,
+        handler: impl OffloadHandler,
+    ) -> Result<Registered, OffloadError> {
+        self.register_with_budget(opcode, filter, handler, Duration::from_micros(self.inner.cfg.budget_us))
+    }
+
+    /// [`OffloadEngine::register_opcode`] with a time budget of its own.
+    pub fn register_with_budget(
+        &self,
+        opcode: u16,
+        filter: QpFilter,
+        handler: impl OffloadHandler,
+        budget: Duration,
+    ) -> Result<Registered, OffloadError> {
+        if RESERVED_OPCODES.contains(&opcode) {
+            return Err(OffloadError::Opcode(opcode));
+        }
+        self.runtime()?;
+        let mut hs = self.inner.handlers.write();
+        if hs.iter().any(|r| r.opcode == opcode && r.filter.overlaps(&filter)) {
+            return Err(OffloadError::Opcode(opcode));
+        }
+        let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+        hs.push(Registration {
+            id,
+            opcode,
+            filter,
+            handler: Arc::new(handler),
+            budget_ns: budget.as_nanos().clamp(1, u64::MAX as u128) as u64,
+        });
+        Ok(Registered {
+            engine: Arc::downgrade(&self.inner),
+            id,
+        })
+    }
+
+    /// Lets handlers DMA to and from `mr` (`writable`: also into it). Dropping the handle
+    /// revokes it.
+    pub fn register_dma_region(&self, mr: &crate::verbs::Mr, writable: bool) -> DmaRegionHandle {
+        self.inner.dma.register(mr.region().clone(), writable)
+    }
+
+    /// The engine's counters.
+    pub fn stats(&self) -> OffloadStats {
+        let c = &self.inner.counters;
+        let (dma_ops, dma_bytes) = self.inner.dma.counters();
+        OffloadStats {
+            requests: c.requests.load(Ordering::Relaxed),
+            ok: c.ok.load(Ordering::Relaxed),
+            no_handler: c.no_handler.load(Ordering::Relaxed),
+            errors: c.errors.load(Ordering::Relaxed),
+            panics: c.panics.load(Ordering::Relaxed),
+            timeouts: c.timeouts.load(Ordering::Relaxed),
+            overloaded: c.overloaded.load(Ordering::Relaxed),
+            dma_ops,
+            dma_bytes,
+        }
+    }
+
+    /// The sink a QP on data core `core` hands its offload requests to.
+    pub(crate) fn port(&self, core: &Arc<EngineShared>) -> Arc<dyn OffloadSink> {
+        Arc::new(OffloadPort {
+            engine: self.clone(),
+            core: Arc::downgrade(core),
+        })
+    }
+
+    fn lookup(&self, qpn: u32, opcode: u16) -> Option<(Arc<dyn OffloadHandler>, u64)> {
+        self.inner
+            .handlers
+            .read()
+            .iter()
+            .find(|r| r.opcode == opcode && r.filter.admits(qpn))
+            .map(|r| (r.handler.clone(), r.budget_ns))
+    }
+}
+
+/// A QP's way into the engine: starts jobs and wakes the QP's data core when one finishes.
+struct OffloadPort {
+    engine: OffloadEngine,
+    core: Weak<EngineShared>,
+}
+
+impl OffloadPort {
+    fn finished(core: &Weak<EngineShared>, qpn: u32) {
+        if let Some(c) = core.upgrade() {
+            c.poke(qpn);
+        }
+    }
+}
+
+impl OffloadSink for OffloadPort {
+    fn budget_ns(&self, qpn: u32, opcode: u16) -> u64 {
+        self.engine
+            .lookup(qpn, opcode)
+            .map_or(self.engine.inner.cfg.budget_us * 1000, |(_, b)| b)
+    }
+
+    fn submit(&self, job: Arc<OffloadJob>) {
+        let inner = &self.engine.inner;
+        let c = &inner.counters;
+        c.requests.fetch_add(1, Ordering::Relaxed);
+        let qpn = job.qpn;
+        let Some((handler, budget_ns)) = self.engine.lookup(qpn, job.opcode) else {
+            c.no_handler.fetch_add(1, Ordering::Relaxed);
+            job.fail(OffloadStatus::NoHandler);
+            return; // the responder is running now and answers it in this pass
+        };
+        let Some(rt) = inner.rt.get() else {
+            job.fail(OffloadStatus::NoHandler);
+            return;
+        };
+        if inner.inflight.fetch_add(1, Ordering::AcqRel) >= inner.cfg.max_inflight {
+            inner.inflight.fetch_sub(1, Ordering::AcqRel);
+            c.overloaded.fetch_add(1, Ordering::Relaxed);
+            job.fail(OffloadStatus::Overloaded);
+            return;
+        }
+        let call = OffloadCall {
+            job: job.clone(),
+            dma: inner.dma.clone(),
+            resp: Vec::new(),
+            pending: Vec::new(),
+            next_dma: 0,
+            done_dma: 0,
+        };
+        let engine = Arc::downgrade(inner);
+        let core = self.core.clone();
+        rt.spawn(async move {
+            let fut = std::panic::AssertUnwindSafe(handler.call(call)).catch_unwind();
+            let res = tokio::time::timeout(Duration::from_nanos(budget_ns), fut).await;
+            let Some(inner) = engine.upgrade() else { return };
+            let c = &inner.counters;
+            let set = match res {
+                Ok(Ok(Ok(reply))) => {
+                    c.ok.fetch_add(1, Ordering::Relaxed);
+                    job.finish(OffloadStatus::Ok, reply.data)
+                }
+                Ok(Ok(Err(e))) => {
+                    tracing::debug!("offload opcode {:#x} on QP {qpn:#x}: {e}", job.opcode);
+                    c.errors.fetch_add(1, Ordering::Relaxed);
+                    job.fail(e.status())
+                }
+                Ok(Err(_)) => {
+                    tracing::warn!("offload handler for opcode {:#x} panicked (caught)", job.opcode);
+                    c.panics.fetch_add(1, Ordering::Relaxed);
+                    job.fail(OffloadStatus::Panicked)
+                }
+                Err(_) => {
+                    c.timeouts.fetch_add(1, Ordering::Relaxed);
+                    job.fail(OffloadStatus::Timeout)
+                }
+            };
+            inner.inflight.fetch_sub(1, Ordering::AcqRel);
+            if set {
+                Self::finished(&core, qpn);
+            }
+        });
+    }
+}
+
+/// A handler's finished response: made only by [`OffloadCall::submit_resp`].
+pub struct OffloadReply {
+    data: Arc<[u8]>,
+}
+
+/// One offload request as its handler sees it: the request, a response buffer, and the DMA
+/// engine (FlexiNS Table 2's `context`).
+pub struct OffloadCall {
+    job: Arc<OffloadJob>,
+    dma: Arc<DmaSpace>,
+    resp: Vec<u8>,
+    pending: Vec<(DmaOp, u64, usize, usize)>,
+    next_dma: u64,
+    done_dma: u64,
+}
+
+impl OffloadCall {
+    /// The handler opcode.
+    pub fn opcode(&self) -> u16 {
+        self.job.opcode
+    }
+    /// The QP the request came on.
+    pub fn qpn(&self) -> u32 {
+        self.job.qpn
+    }
+    /// The request bytes.
+    pub fn request(&self) -> &[u8] {
+        &self.job.request
+    }
+    /// Most response bytes the requester can take.
+    pub fn resp_capacity(&self) -> usize {
+        self.job.resp_cap as usize
+    }
+
+    /// `alloc_resp`: a zeroed response buffer of `size` bytes (at most the requester's).
+    pub fn alloc_resp(&mut self, size: usize) -> Result<(), OffloadError> {
+        if size > self.resp_capacity() {
+            return Err(OffloadError::ResponseTooLong {
+                len: size,
+                cap: self.resp_capacity(),
+            });
+        }
+        self.resp.clear();
+        self.resp.resize(size, 0);
+        Ok(())
+    }
+
+    /// The response buffer, to fill directly.
+    pub fn resp_mut(&mut self) -> &mut [u8] {
+        &mut self.resp
+    }
+
+    /// Shortens the response to `len` bytes.
+    pub fn truncate_resp(&mut self, len: usize) {
+        self.resp.truncate(len);
+    }
+
+    /// `submit_dma`: queues a copy of `size` bytes between host address `host_addr` (inside a
+    /// registered DMA region) and offset `resp_off` of the response buffer. Checked now; run
+    /// by [`OffloadCall::wait_dma`].
+    pub fn submit_dma(&mut self, op: DmaOp, host_addr: u64, resp_off: usize, size: usize) -> Result<DmaId, OffloadError> {
+        if resp_off.checked_add(size).is_none_or(|e| e > self.resp.len()) {
+            return Err(OffloadError::DmaFault(format!(
+                "response range {resp_off}+{size} outside the {}-byte response buffer",
+                self.resp.len()
+            )));
+        }
+        self.dma.check(host_addr, size, op == DmaOp::Write)?;
+        self.pending.push((op, host_addr, resp_off, size));
+        self.next_dma += 1;
+        Ok(DmaId(self.next_dma))
+    }
+
+    /// `wait_dma_finish`: runs the queued copies up to and including `id`, in order.
+    pub async fn wait_dma(&mut self, id: DmaId) -> Result<(), OffloadError> {
+        let n = (id.0.saturating_sub(self.done_dma) as usize).min(self.pending.len());
+        let mut bytes = 0;
+        for (op, addr, off, size) in self.pending.drain(..n) {
+            let buf = &mut self.resp[off..off + size];
+            match op {
+                DmaOp::Read => self.dma.read(addr, buf)?,
+                DmaOp::Write => self.dma.write(addr, buf)?,
+            }
+            bytes += size;
+        }
+        self.done_dma += n as u64;
+        if bytes > 256 << 10 {
+            // a long copy lets the thread's other handlers run
+            tokio::task::yield_now().await;
+        }
+        Ok(())
+    }
+
+    /// Copies host memory at `addr` (in a registered region) into `buf`: a DMA into the
+    /// handler's own memory, for traversals that read a node to find the next one.
+    pub fn dma_read(&self, addr: u64, buf: &mut [u8]) -> Result<(), OffloadError> {
+        self.dma.check(addr, buf.len(), false)?;
+        self.dma.read(addr, buf)
+    }
+
+    /// An atomic load of the aligned 8-byte word at host address `addr` (a version or pointer
+    /// that a concurrent writer updates with one store).
+    pub fn dma_load_u64(&self, addr: u64) -> Result<u64, OffloadError> {
+        self.dma.load_u64(addr)
+    }
+
+    /// `submit_resp`: the response is the buffer as it stands.
+    pub fn submit_resp(self) -> Result<OffloadReply, OffloadError> {
+        if !self.pending.is_empty() {
+            return Err(OffloadError::Handler(format!(
+                "{} submitted DMA copies were never waited for",
+                self.pending.len()
+            )));
+        }
+        Ok(OffloadReply {
+            data: Arc::from(self.resp),
+        })
+    }
+}

@@ -1,0 +1,156 @@
+//! The RC transport's side of offloads (sans-IO): an OFFLOAD_REQUEST becomes an [`OffloadJob`]
+//! handed to an [`OffloadSink`] (the engine's offload threads, [`crate::offload`]); the
+//! responder holds the job's place in its response queue and answers when the job is finished
+//! or its time budget has passed, whichever comes first.
+//!
+//! Wire format (opcodes in the manufacturer-specific range):
+//! - `OFFLOAD_REQUEST` (0xC0), one packet: BTH, [`crate::wire::OffloadReqHdr`], request bytes
+//!   (at most MTU - 8). It consumes as many PSNs as its response has packets, like a READ.
+//! - `OFFLOAD_RESPONSE_{FIRST, MIDDLE, LAST, ONLY}` (0xC1..0xC4): READ-response-like packets
+//!   (AETH on FIRST, LAST and ONLY); packet `k`'s data lands at offset `k × MTU` of the
+//!   requester's response buffer; LAST and ONLY start with an [`crate::wire::OffloadResult`]
+//!   (status, total length), so their data is at most MTU - 8. Packets past the end of a short
+//!   response carry no data.
+
+use parking_lot::Mutex;
+use std::sync::Arc;
+
+/// Largest response buffer an offload request may announce (1 MiB).
+pub const MAX_OFFLOAD_RESP: u32 = 1 << 20;
+
+/// How an offload request ended (the wire's result status; the requester's completion carries
+/// it in `Wc::vendor_err`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum OffloadStatus {
+    /// The handler answered.
+    Ok = 0,
+    /// No handler is registered for the opcode on this QP.
+    NoHandler = 1,
+    /// The handler refused the request as malformed.
+    BadRequest = 2,
+    /// The handler returned an error.
+    HandlerError = 3,
+    /// The handler panicked (caught; the engine keeps serving).
+    Panicked = 4,
+    /// The handler did not answer within its time budget.
+    Timeout = 5,
+    /// The handler's response is longer than the requester's buffer.
+    ResponseTooLong = 6,
+    /// The handler touched memory outside its DMA regions.
+    DmaFault = 7,
+    /// The offload threads are saturated (too many requests in progress).
+    Overloaded = 8,
+}
+
+impl OffloadStatus {
+    /// The status of a wire code (unknown codes read as handler errors).
+    pub fn from_u8(v: u8) -> OffloadStatus {
+        use OffloadStatus::*;
+        match v {
+            0 => Ok,
+            1 => NoHandler,
+            2 => BadRequest,
+            4 => Panicked,
+            5 => Timeout,
+            6 => ResponseTooLong,
+            7 => DmaFault,
+            8 => Overloaded,
+            _ => HandlerError,
+        }
+    }
+}
+
+impl std::fmt::Display for OffloadStatus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            OffloadStatus::Ok => "ok",
+            OffloadStatus::NoHandler => "no handler for the opcode",
+            OffloadStatus::BadRequest => "bad request",
+            OffloadStatus::HandlerError => "handler error",
+            OffloadStatus::Panicked => "handler panicked",
+            OffloadStatus::Timeout => "handler exceeded its time budget",
+            OffloadStatus::ResponseTooLong => "response longer than the requester's buffer",
+            OffloadStatus::DmaFault => "DMA outside the registered regions",
+            OffloadStatus::Overloaded => "offload engine overloaded",
+        })
+    }
+}
+
+/// One offload request in progress: what the handler gets, and the slot its outcome goes to.
+#[derive(Debug)]
+pub struct OffloadJob {
+    /// The QP the request arrived on.
+    pub qpn: u32,
+    /// The handler opcode.
+    pub opcode: u16,
+    /// The request bytes.
+    pub request: Vec<u8>,
+    /// Most response bytes the requester can take.
+    pub resp_cap: u32,
+    /// Transport time (ns) after which the responder answers TIMEOUT.
+    pub deadline: u64,
+    outcome: Mutex<Option<(OffloadStatus, Arc<[u8]>)>>,
+}
+
+impl OffloadJob {
+    pub fn new(qpn: u32, opcode: u16, request: Vec<u8>, resp_cap: u32, deadline: u64) -> OffloadJob {
+        OffloadJob {
+            qpn,
+            opcode,
+            request,
+            resp_cap,
+            deadline,
+            outcome: Mutex::new(None),
+        }
+    }
+
+    /// Records the outcome; the first one wins (a handler finishing after its timeout was
+    /// answered is ignored). Returns whether this call set it. A response longer than the
+    /// requester's buffer becomes RESPONSE_TOO_LONG.
+    pub fn finish(&self, status: OffloadStatus, data: Arc<[u8]>) -> bool {
+        let mut o = self.outcome.lock();
+        if o.is_some() {
+            return false;
+        }
+        *o = Some(if data.len() > self.resp_cap as usize {
+            (OffloadStatus::ResponseTooLong, Arc::from(&[][..]))
+        } else {
+            (status, data)
+        });
+        true
+    }
+
+    /// Records a failure with no data.
+    pub fn fail(&self, status: OffloadStatus) -> bool {
+        self.finish(status, Arc::from(&[][..]))
+    }
+
+    /// The outcome, if the job finished (or timed out by `now`).
+    pub fn outcome(&self, now: u64) -> Option<(OffloadStatus, Arc<[u8]>)> {
+        if now >= self.deadline {
+            self.fail(OffloadStatus::Timeout);
+        }
+        self.outcome.lock().clone()
+    }
+
+    /// Whether an outcome is recorded.
+    pub fn is_finished(&self) -> bool {
+        self.outcome.lock().is_some()
+    }
+}
+
+/// Where a QP's responder hands offload jobs. The engine's implementation runs the registered
+/// handler on an offload thread, records the outcome in the job and wakes the QP's data core.
+pub trait OffloadSink: Send + Sync {
+    /// Starts `job`; must not block. Finishing the job (`job.finish`) may happen on any thread.
+    fn submit(&self, job: Arc<OffloadJob>);
+    /// Time budget of a handler for `opcode` on QP `qpn`, in nanoseconds.
+    fn budget_ns(&self, qpn: u32, opcode: u16) -> u64;
+}
+
+/// Packets of an offload response whose requester buffer holds `cap` bytes: the LAST (or ONLY)
+/// packet gives 8 bytes to the result header.
+pub fn response_packets(cap: u32, mtu: u32) -> u32 {
+    (cap as u64 + 8).div_ceil(mtu as u64).max(1) as u32
+}

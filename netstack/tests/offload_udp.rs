@@ -1,0 +1,296 @@
+//! The offloading engine over real UDP sockets on 127.0.0.1: built-in handlers, custom handlers,
+//! and every way a handler can fail, each answered without harming the QP or the data core.
+
+use netstack::offload::builtin::{self, HashLayout, ListLayout};
+use netstack::offload::*;
+use netstack::verbs::*;
+use std::time::{Duration, Instant};
+
+const T: Duration = Duration::from_secs(10);
+
+struct Side {
+    ctx: Context,
+    pd: Pd,
+    cq: Cq,
+    qp: Qp,
+    mr: Mr,
+}
+
+fn side(cfg: &ContextConfig) -> Side {
+    let ctx = Context::open(cfg.clone()).unwrap();
+    let pd = ctx.alloc_pd();
+    let cq = ctx.create_cq(256).unwrap();
+    let qp = ctx.create_qp(&pd, &cq, &cq, QpInitAttr::default()).unwrap();
+    let mr = pd.reg_mr(1 << 20, Access::ALL).unwrap();
+    Side { ctx, pd, cq, qp, mr }
+}
+
+fn pair(cfg: &ContextConfig) -> (Side, Side) {
+    let (a, b) = (side(cfg), side(cfg));
+    a.qp.connect(&b.qp.local_endpoint()).unwrap();
+    b.qp.connect(&a.qp.local_endpoint()).unwrap();
+    (a, b)
+}
+
+/// Posts an offload and waits for its completion.
+fn offload(c: &Side, opcode: u16, req: &[u8], resp_len: usize) -> Wc {
+    c.qp.post_offload(7, opcode, req, c.mr.sge(0, resp_len)).unwrap();
+    let wc = c.cq.next(T).expect("offload completion");
+    assert_eq!(wc.opcode, WcOpcode::Offload);
+    wc
+}
+
+fn resp(c: &Side, len: usize) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    c.mr.read(0, &mut v);
+    v
+}
+
+#[test]
+fn batched_read_returns_every_range_in_one_response() {
+    let (client, server) = pair(&ContextConfig::default());
+    let data: Vec<u8> = (0..8192u32).map(|i| (i * 7 % 251) as u8).collect();
+    server.mr.write(0, &data);
+    let _h = server
+        .ctx
+        .offload()
+        .register_opcode(builtin::BATCH_READ, QpFilter::Any, builtin::batch_read())
+        .unwrap();
+    let _d = server.ctx.offload().register_dma_region(&server.mr, false);
+    let base = server.mr.addr();
+    let ranges: Vec<(u64, u32)> = (0..32u64).map(|i| (base + i * 200 + 3, 64)).collect();
+    let wc = offload(&client, builtin::BATCH_READ, &builtin::encode_batch_read(&ranges), 4096);
+    assert_eq!(wc.status, WcStatus::Success, "{wc:?}");
+    assert_eq!(wc.byte_len, 32 * 64);
+    let got = resp(&client, 32 * 64);
+    for (i, (a, l)) in ranges.iter().enumerate() {
+        let off = (a - base) as usize;
+        assert_eq!(&got[i * 64..(i + 1) * 64], &data[off..off + *l as usize], "range {i}");
+    }
+    // a multi-packet response (3 packets of a 1024-byte MTU)
+    let mut cfg = ContextConfig::default();
+    cfg.qp.mtu = 1024;
+    let (client, server) = pair(&cfg);
+    server.mr.write(0, &data);
+    let _h = server
+        .ctx
+        .offload()
+        .register_opcode(builtin::BATCH_READ, QpFilter::Any, builtin::batch_read())
+        .unwrap();
+    let _d = server.ctx.offload().register_dma_region(&server.mr, false);
+    let base = server.mr.addr();
+    let wc = offload(
+        &client,
+        builtin::BATCH_READ,
+        &builtin::encode_batch_read(&[(base, 2000), (base + 5000, 700)]),
+        8192,
+    );
+    assert_eq!((wc.status, wc.byte_len), (WcStatus::Success, 2700));
+    let got = resp(&client, 2700);
+    assert_eq!(&got[..2000], &data[..2000]);
+    assert_eq!(&got[2000..], &data[5000..5700]);
+    assert_eq!(server.ctx.offload().stats().dma_ops, 2, "one DMA per range");
+}
+
+fn build_list(mr: &Mr, n: u64, value_len: usize) -> u64 {
+    let node = 16 + value_len;
+    for i in 0..n {
+        let off = (i as usize) * node;
+        let next = if i + 1 < n { mr.addr() + (off + node) as u64 } else { 0 };
+        mr.write(off, &(1000 + i).to_le_bytes());
+        mr.write(off + 8, &next.to_le_bytes());
+        mr.write(off + 16, &vec![i as u8 + 1; value_len]);
+    }
+    mr.addr()
+}
+
+#[test]
+fn list_walk_finds_misses_and_stops_at_its_hop_bound() {
+    let (client, server) = pair(&ContextConfig::default());
+    let head = build_list(&server.mr, 8, 64);
+    let _h = server
+        .ctx
+        .offload()
+        .register_opcode(builtin::LIST_WALK, QpFilter::Any, builtin::list_walk(ListLayout::packed(64)))
+        .unwrap();
+    let _d = server.ctx.offload().register_dma_region(&server.mr, false);
+    let wc = offload(&client, builtin::LIST_WALK, &builtin::encode_list_walk(1007, head, 16), 128);
+    assert_eq!((wc.status, wc.byte_len), (WcStatus::Success, 72));
+    let r = resp(&client, 72);
+    assert_eq!(u32::from_le_bytes(r[..4].try_into().unwrap()), builtin::FOUND);
+    assert_eq!(u32::from_le_bytes(r[4..8].try_into().unwrap()), 8, "eight hops");
+    assert_eq!(&r[8..], &[8u8; 64][..]);
+    let wc = offload(&client, builtin::LIST_WALK, &builtin::encode_list_walk(5, head, 16), 128);
+    assert_eq!(wc.byte_len, 8);
+    assert_eq!(resp(&client, 4), builtin::NOT_FOUND.to_le_bytes());
+    let wc = offload(&client, builtin::LIST_WALK, &builtin::encode_list_walk(1007, head, 3), 128);
+    assert_eq!(wc.byte_len, 8);
+    assert_eq!(resp(&client, 4), builtin::HOP_LIMIT.to_le_bytes());
+    // a head outside the registered region is a DMA fault, not an access
+    let wc = offload(&client, builtin::LIST_WALK, &builtin::encode_list_walk(1, 0x10, 16), 128);
+    assert_eq!(wc.status, WcStatus::RemOpErr);
+    assert_eq!(wc.vendor_err, OffloadStatus::DmaFault as u32);
+    assert_eq!(client.qp.state(), QpState::Rts, "a failed offload leaves the QP usable");
+}
+
+#[test]
+fn hash_lookup_follows_the_overflow_chain() {
+    let (client, server) = pair(&ContextConfig::default());
+    // 4 buckets of 64 B (3 slots of 16 B + link word at 56), entries at 4096.., overflow at 512
+    let m = &server.mr;
+    let layout = HashLayout {
+        table_addr: m.addr(),
+        buckets: 4,
+        bucket_len: 64,
+        slots: 3,
+        slot_len: 16,
+        key_off: 0,
+        ptr_off: 8,
+        link_off: 56,
+        data_base: m.addr(),
+        ptr_mask: u64::MAX >> 16,
+        len_off: 0,
+        value_off: 8,
+        max_value: 1024,
+    max_chain: 4,
+    };
+    let put = |slot_addr: usize, key: u64, entry: usize, value: &[u8]| {
+        m.write(slot_addr, &key.to_le_bytes());
+        m.write(slot_addr + 8, &(entry as u64 | 0xAB << 48).to_le_bytes());
+        m.write(entry, &(value.len() as u32).to_le_bytes());
+        m.write(entry + 8, value);
+    };
+    // bucket 2 full of other keys, its overflow bucket (at 512) holds key 77
+    for s in 0..3 {
+        put(2 * 64 + s * 16, 10 + s as u64, 4096 + s * 256, b"other");
+    }
+    m.write(2 * 64 + 56, &(m.addr() + 512).to_le_bytes());
+    put(512, 77, 8192, b"value of seventy-seven");
+    let _h = server
+        .ctx
+        .offload()
+        .register_opcode(builtin::HASH_LOOKUP, QpFilter::Any, builtin::hash_lookup(layout))
+        .unwrap();
+    let _d = server.ctx.offload().register_dma_region(&server.mr, false);
+    let wc = offload(&client, builtin::HASH_LOOKUP, &builtin::encode_hash_lookup(77, 2), 256);
+    assert_eq!(wc.status, WcStatus::Success);
+    let r = resp(&client, wc.byte_len as usize);
+    assert_eq!(u32::from_le_bytes(r[..4].try_into().unwrap()), builtin::FOUND);
+    assert_eq!(u32::from_le_bytes(r[4..8].try_into().unwrap()), 2, "two buckets visited");
+    assert_eq!(&r[8..], b"value of seventy-seven");
+    let wc = offload(&client, builtin::HASH_LOOKUP, &builtin::encode_hash_lookup(11, 2), 256);
+    assert_eq!(&resp(&client, wc.byte_len as usize)[8..], b"other");
+    let wc = offload(&client, builtin::HASH_LOOKUP, &builtin::encode_hash_lookup(78, 2), 256);
+    assert_eq!(resp(&client, 4), builtin::NOT_FOUND.to_le_bytes());
+    // a bucket past the table is a bad request
+    let wc2 = offload(&client, builtin::HASH_LOOKUP, &builtin::encode_hash_lookup(78, 9), 256);
+    assert_eq!((wc.status, wc2.vendor_err), (WcStatus::Success, OffloadStatus::BadRequest as u32));
+}
+
+#[test]
+fn failures_are_answered_and_the_engine_keeps_serving() {
+    let mut cfg = ContextConfig::default();
+    cfg.offload.threads = 2;
+    let (client, server) = pair(&cfg);
+    let off = server.ctx.offload();
+    // (printing a panic's backtrace may take longer than the default budget)
+    let _panics = off
+        .register_with_budget(
+            0x10,
+            QpFilter::Any,
+            |_call: OffloadCall| async move {
+                if std::hint::black_box(true) {
+                    panic!("handler bug");
+                }
+                Err(OffloadError::Handler("unreachable".into()))
+            },
+            Duration::from_secs(5),
+        )
+        .unwrap();
+    let _slow = off
+        .register_with_budget(
+            0x11,
+            QpFilter::Any,
+            |call: OffloadCall| async move {
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                call.submit_resp()
+            },
+            Duration::from_millis(30),
+        )
+        .unwrap();
+    let _spin = off
+        .register_with_budget(
+            0x12,
+            QpFilter::Any,
+            |call: OffloadCall| async move {
+                // blocks its offload thread outright
+                std::thread::sleep(Duration::from_millis(300));
+                call.submit_resp()
+            },
+            Duration::from_millis(30),
+        )
+        .unwrap();
+    let _long = off
+        .register_opcode(0x13, QpFilter::Any, |mut call: OffloadCall| async move {
+            call.alloc_resp(call.resp_capacity())?;
+            call.submit_resp()
+        })
+        .unwrap();
+    let _echo = off
+        .register_opcode(0x14, QpFilter::Qpns(vec![server.qp.qp_num()]), |mut call: OffloadCall| async move {
+            let req = call.request().to_vec();
+            call.alloc_resp(req.len())?;
+            call.resp_mut().copy_from_slice(&req);
+            call.submit_resp()
+        })
+        .unwrap();
+    assert!(
+        off.register_opcode(0x14, QpFilter::Any, builtin::batch_read()).is_err(),
+        "an opcode is registered once per QP"
+    );
+    assert!(off.register_opcode(0xFF01, QpFilter::Any, builtin::batch_read()).is_err());
+
+    let wc = offload(&client, 0x10, b"x", 64);
+    assert_eq!((wc.status, wc.vendor_err), (WcStatus::RemOpErr, OffloadStatus::Panicked as u32));
+    let wc = offload(&client, 0x99, b"x", 64);
+    assert_eq!(wc.vendor_err, OffloadStatus::NoHandler as u32);
+    let t = Instant::now();
+    let wc = offload(&client, 0x11, b"x", 64);
+    assert_eq!(wc.vendor_err, OffloadStatus::Timeout as u32);
+    assert!(t.elapsed() < Duration::from_secs(2), "answered at the budget, not when the handler ends");
+    let wc = offload(&client, 0x13, b"x", 64);
+    assert_eq!((wc.status, wc.byte_len), (WcStatus::Success, 64), "a full buffer is fine");
+
+    // a handler blocking its thread neither stalls the data core nor the other offload thread
+    let t = Instant::now();
+    client.qp.post_offload(1, 0x12, b"x", client.mr.sge(0, 64)).unwrap();
+    client
+        .qp
+        .post_send(SendWr::new(2, WrOpcode::RdmaRead).sge(client.mr.sge(4096, 64)).remote(server.mr.addr(), server.mr.rkey()))
+        .unwrap();
+    let first = client.cq.next(T).unwrap();
+    let second = client.cq.next(T).unwrap();
+    assert_eq!((first.wr_id, first.vendor_err), (1, OffloadStatus::Timeout as u32));
+    assert_eq!((second.wr_id, second.status), (2, WcStatus::Success));
+    assert!(t.elapsed() < Duration::from_millis(250), "{:?}", t.elapsed());
+    let wc = offload(&client, 0x14, b"still serving", 64);
+    assert_eq!((wc.status, wc.byte_len), (WcStatus::Success, 13));
+    assert_eq!(resp(&client, 13), b"still serving");
+    let s = off.stats();
+    assert_eq!((s.panics, s.no_handler), (1, 1));
+    assert!(s.timeouts >= 1);
+    assert_eq!(client.qp.state(), QpState::Rts);
+    drop(server.pd);
+}
+
+#[test]
+fn bad_offload_posts_are_refused_locally() {
+    let (client, _server) = pair(&ContextConfig::default());
+    let big = vec![0u8; 5000];
+    assert!(client.qp.post_offload(1, 1, &big, client.mr.sge(0, 64)).is_err(), "request over the MTU");
+    assert!(
+        client.qp.post_offload(1, 1, b"x", client.mr.sge(0, 2 << 20)).is_err(),
+        "response buffer over 1 MiB"
+    );
+    assert_eq!(client.qp.state(), QpState::Rts);
+}
