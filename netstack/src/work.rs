@@ -121,12 +121,16 @@ impl SendWr {
     /// A WAIT: later work requests of this (managed) QP are not fetched until completion queue
     /// `cq_num` has produced `count` completions in total (counts are monotonic).
     pub fn wait(wr_id: u64, cq_num: u32, count: u64) -> SendWr {
-        SendWr::new(wr_id, WrOpcode::Wait).remote(count, cq_num).flags(SendFlags(0))
+        SendWr::new(wr_id, WrOpcode::Wait)
+            .remote(count, cq_num)
+            .flags(SendFlags(0))
     }
     /// An ENABLE: managed QP `qpn` may fetch its work requests with index below `index`
     /// (indices are monotonic: they count posts since the QP was created, they do not wrap).
     pub fn enable(wr_id: u64, qpn: u32, index: u64) -> SendWr {
-        SendWr::new(wr_id, WrOpcode::Enable).remote(index, qpn).flags(SendFlags(0))
+        SendWr::new(wr_id, WrOpcode::Enable)
+            .remote(index, qpn)
+            .flags(SendFlags(0))
     }
     /// Total bytes of the scatter-gather list.
     pub fn total_len(&self) -> u64 {

@@ -111,23 +111,47 @@ fn list_walk_finds_misses_and_stops_at_its_hop_bound() {
     let _h = server
         .ctx
         .offload()
-        .register_opcode(builtin::LIST_WALK, QpFilter::Any, builtin::list_walk(ListLayout::packed(64)))
+        .register_opcode(
+            builtin::LIST_WALK,
+            QpFilter::Any,
+            builtin::list_walk(ListLayout::packed(64)),
+        )
         .unwrap();
     let _d = server.ctx.offload().register_dma_region(&server.mr, false);
-    let wc = offload(&client, builtin::LIST_WALK, &builtin::encode_list_walk(1007, head, 16), 128);
+    let wc = offload(
+        &client,
+        builtin::LIST_WALK,
+        &builtin::encode_list_walk(1007, head, 16),
+        128,
+    );
     assert_eq!((wc.status, wc.byte_len), (WcStatus::Success, 72));
     let r = resp(&client, 72);
     assert_eq!(u32::from_le_bytes(r[..4].try_into().unwrap()), builtin::FOUND);
     assert_eq!(u32::from_le_bytes(r[4..8].try_into().unwrap()), 8, "eight hops");
     assert_eq!(&r[8..], &[8u8; 64][..]);
-    let wc = offload(&client, builtin::LIST_WALK, &builtin::encode_list_walk(5, head, 16), 128);
+    let wc = offload(
+        &client,
+        builtin::LIST_WALK,
+        &builtin::encode_list_walk(5, head, 16),
+        128,
+    );
     assert_eq!(wc.byte_len, 8);
     assert_eq!(resp(&client, 4), builtin::NOT_FOUND.to_le_bytes());
-    let wc = offload(&client, builtin::LIST_WALK, &builtin::encode_list_walk(1007, head, 3), 128);
+    let wc = offload(
+        &client,
+        builtin::LIST_WALK,
+        &builtin::encode_list_walk(1007, head, 3),
+        128,
+    );
     assert_eq!(wc.byte_len, 8);
     assert_eq!(resp(&client, 4), builtin::HOP_LIMIT.to_le_bytes());
     // a head outside the registered region is a DMA fault, not an access
-    let wc = offload(&client, builtin::LIST_WALK, &builtin::encode_list_walk(1, 0x10, 16), 128);
+    let wc = offload(
+        &client,
+        builtin::LIST_WALK,
+        &builtin::encode_list_walk(1, 0x10, 16),
+        128,
+    );
     assert_eq!(wc.status, WcStatus::RemOpErr);
     assert_eq!(wc.vendor_err, OffloadStatus::DmaFault as u32);
     assert_eq!(client.qp.state(), QpState::Rts, "a failed offload leaves the QP usable");
@@ -152,7 +176,7 @@ fn hash_lookup_follows_the_overflow_chain() {
         len_off: 0,
         value_off: 8,
         max_value: 1024,
-    max_chain: 4,
+        max_chain: 4,
     };
     let put = |slot_addr: usize, key: u64, entry: usize, value: &[u8]| {
         m.write(slot_addr, &key.to_le_bytes());
@@ -176,7 +200,11 @@ fn hash_lookup_follows_the_overflow_chain() {
     assert_eq!(wc.status, WcStatus::Success);
     let r = resp(&client, wc.byte_len as usize);
     assert_eq!(u32::from_le_bytes(r[..4].try_into().unwrap()), builtin::FOUND);
-    assert_eq!(u32::from_le_bytes(r[4..8].try_into().unwrap()), 2, "two buckets visited");
+    assert_eq!(
+        u32::from_le_bytes(r[4..8].try_into().unwrap()),
+        2,
+        "two buckets visited"
+    );
     assert_eq!(&r[8..], b"value of seventy-seven");
     let wc = offload(&client, builtin::HASH_LOOKUP, &builtin::encode_hash_lookup(11, 2), 256);
     assert_eq!(&resp(&client, wc.byte_len as usize)[8..], b"other");
@@ -184,7 +212,10 @@ fn hash_lookup_follows_the_overflow_chain() {
     assert_eq!(resp(&client, 4), builtin::NOT_FOUND.to_le_bytes());
     // a bucket past the table is a bad request
     let wc2 = offload(&client, builtin::HASH_LOOKUP, &builtin::encode_hash_lookup(78, 9), 256);
-    assert_eq!((wc.status, wc2.vendor_err), (WcStatus::Success, OffloadStatus::BadRequest as u32));
+    assert_eq!(
+        (wc.status, wc2.vendor_err),
+        (WcStatus::Success, OffloadStatus::BadRequest as u32)
+    );
 }
 
 #[test]
@@ -237,36 +268,56 @@ fn failures_are_answered_and_the_engine_keeps_serving() {
         })
         .unwrap();
     let _echo = off
-        .register_opcode(0x14, QpFilter::Qpns(vec![server.qp.qp_num()]), |mut call: OffloadCall| async move {
-            let req = call.request().to_vec();
-            call.alloc_resp(req.len())?;
-            call.resp_mut().copy_from_slice(&req);
-            call.submit_resp()
-        })
+        .register_opcode(
+            0x14,
+            QpFilter::Qpns(vec![server.qp.qp_num()]),
+            |mut call: OffloadCall| async move {
+                let req = call.request().to_vec();
+                call.alloc_resp(req.len())?;
+                call.resp_mut().copy_from_slice(&req);
+                call.submit_resp()
+            },
+        )
         .unwrap();
     assert!(
         off.register_opcode(0x14, QpFilter::Any, builtin::batch_read()).is_err(),
         "an opcode is registered once per QP"
     );
-    assert!(off.register_opcode(0xFF01, QpFilter::Any, builtin::batch_read()).is_err());
+    assert!(off
+        .register_opcode(0xFF01, QpFilter::Any, builtin::batch_read())
+        .is_err());
 
     let wc = offload(&client, 0x10, b"x", 64);
-    assert_eq!((wc.status, wc.vendor_err), (WcStatus::RemOpErr, OffloadStatus::Panicked as u32));
+    assert_eq!(
+        (wc.status, wc.vendor_err),
+        (WcStatus::RemOpErr, OffloadStatus::Panicked as u32)
+    );
     let wc = offload(&client, 0x99, b"x", 64);
     assert_eq!(wc.vendor_err, OffloadStatus::NoHandler as u32);
     let t = Instant::now();
     let wc = offload(&client, 0x11, b"x", 64);
     assert_eq!(wc.vendor_err, OffloadStatus::Timeout as u32);
-    assert!(t.elapsed() < Duration::from_secs(2), "answered at the budget, not when the handler ends");
+    assert!(
+        t.elapsed() < Duration::from_secs(2),
+        "answered at the budget, not when the handler ends"
+    );
     let wc = offload(&client, 0x13, b"x", 64);
-    assert_eq!((wc.status, wc.byte_len), (WcStatus::Success, 64), "a full buffer is fine");
+    assert_eq!(
+        (wc.status, wc.byte_len),
+        (WcStatus::Success, 64),
+        "a full buffer is fine"
+    );
 
     // a handler blocking its thread neither stalls the data core nor the other offload thread
     let t = Instant::now();
     client.qp.post_offload(1, 0x12, b"x", client.mr.sge(0, 64)).unwrap();
     client
         .qp
-        .post_send(SendWr::new(2, WrOpcode::RdmaRead).sge(client.mr.sge(4096, 64)).remote(server.mr.addr(), server.mr.rkey()))
+        .post_send(
+            SendWr::new(2, WrOpcode::RdmaRead)
+                .sge(client.mr.sge(4096, 64))
+                .remote(server.mr.addr(), server.mr.rkey()),
+        )
         .unwrap();
     let first = client.cq.next(T).unwrap();
     let second = client.cq.next(T).unwrap();
@@ -287,7 +338,10 @@ fn failures_are_answered_and_the_engine_keeps_serving() {
 fn bad_offload_posts_are_refused_locally() {
     let (client, _server) = pair(&ContextConfig::default());
     let big = vec![0u8; 5000];
-    assert!(client.qp.post_offload(1, 1, &big, client.mr.sge(0, 64)).is_err(), "request over the MTU");
+    assert!(
+        client.qp.post_offload(1, 1, &big, client.mr.sge(0, 64)).is_err(),
+        "request over the MTU"
+    );
     assert!(
         client.qp.post_offload(1, 1, b"x", client.mr.sge(0, 2 << 20)).is_err(),
         "response buffer over 1 MiB"

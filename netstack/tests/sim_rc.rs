@@ -926,3 +926,91 @@ fn user_algorithms_see_only_the_opcodes_they_trace() {
     assert_eq!((n(&tx), n(&rx)), (20, 20), "one TX and one RX event per WRITE");
     assert!(sc.nodes[0].qp.stats().tx_packets >= 80);
 }
+
+/// An offload sink that finishes jobs later (from the test loop), like offload threads, and
+/// counts how many times each request reached it.
+#[derive(Default)]
+struct LateSink {
+    jobs: parking_lot::Mutex<Vec<Arc<netstack::transport::rc::offload::OffloadJob>>>,
+    runs: std::sync::atomic::AtomicU64,
+}
+
+impl netstack::transport::rc::offload::OffloadSink for LateSink {
+    fn submit(&self, job: Arc<netstack::transport::rc::offload::OffloadJob>) {
+        self.runs.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.jobs.lock().push(job);
+    }
+    fn budget_ns(&self, _: u32, _: u16) -> u64 {
+        1 << 40
+    }
+}
+
+#[test]
+fn offloads_over_a_lossy_link_run_once_and_complete_once() {
+    use netstack::transport::rc::offload::OffloadStatus;
+    for seed in seeds().into_iter().take(24) {
+        let mut sc = Scenario::new(seed);
+        sc.link.loss = sc.link.loss.max(0.03);
+        let sink = Arc::new(LateSink::default());
+        sc.nodes[1].qp.set_offload_sink(sink.clone());
+        let n = 40u64;
+        let mtu = sc.nodes[0].qp.config().mtu as usize;
+        let mut rng0 = StdRng::seed_from_u64(seed);
+        sc.nodes[0].reg("off", n as usize * 16384, &mut rng0);
+        for i in 0..n {
+            // the response is the request repeated to fill `len` (some responses span packets)
+            let len = 1 + (i as usize * 397) % (3 * mtu);
+            let dst = sc.nodes[0].sge("off", i as usize * 16384, 16384);
+            let req = (i as u32).to_le_bytes();
+            let wr = SendWr::new(i, WrOpcode::Offload).imm(0x42).sge(dst);
+            let mut wr = wr;
+            wr.sg_list[0].length = len as u32 + (i as u32 % 3) * 100;
+            sc.nodes[0]
+                .qp
+                .post_send_with_inline(wr, Some(&req), &sc.nodes[0].mrs)
+                .unwrap();
+        }
+        let mut wcs = Vec::new();
+        let mut rng = StdRng::seed_from_u64(seed ^ 0xABC);
+        let s2 = sink.clone();
+        sc.run(60_000_000_000, |sc| {
+            // finish a random part of the pending jobs each step
+            let mut jobs = s2.jobs.lock();
+            jobs.retain(|j| {
+                if !rng.random_bool(0.3) {
+                    return true;
+                }
+                let i = u32::from_le_bytes(j.request[..4].try_into().unwrap()) as usize;
+                let len = 1 + (i * 397) % (3 * mtu);
+                let data: Vec<u8> = (0..len).map(|k| (k as u8) ^ (i as u8)).collect();
+                j.finish(OffloadStatus::Ok, Arc::from(data));
+                false
+            });
+            drop(jobs);
+            while let Some(c) = sc.nodes[0].qp.poll_completion() {
+                wcs.push(c);
+            }
+        });
+        assert_eq!(wcs.len() as u64, n, "seed {seed}: every offload completes once");
+        for (k, wc) in wcs.iter().enumerate() {
+            let i = wc.wr_id as usize;
+            assert_eq!(
+                (k, wc.status, wc.opcode),
+                (i, WcStatus::Success, WcOpcode::Offload),
+                "seed {seed}"
+            );
+            let len = 1 + (i * 397) % (3 * mtu);
+            assert_eq!(wc.byte_len as usize, len, "seed {seed} offload {i}");
+            let got = sc.nodes[0].bytes("off", i * 16384, len);
+            assert!(
+                got.iter().enumerate().all(|(k, &b)| b == (k as u8) ^ (i as u8)),
+                "seed {seed} offload {i}"
+            );
+        }
+        assert_eq!(
+            sink.runs.load(std::sync::atomic::Ordering::Relaxed),
+            n,
+            "seed {seed}: duplicates are answered from the job, never run again"
+        );
+    }
+}

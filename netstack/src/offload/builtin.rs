@@ -225,9 +225,17 @@ pub fn hash_lookup(layout: HashLayout) -> impl super::OffloadHandler {
             visited += 1;
             for s in 0..layout.slots {
                 let o = s * layout.slot_len;
-                let k = u64::from_le_bytes(b[o + layout.key_off..o + layout.key_off + 8].try_into().unwrap_or_default());
+                let k = u64::from_le_bytes(
+                    b[o + layout.key_off..o + layout.key_off + 8]
+                        .try_into()
+                        .unwrap_or_default(),
+                );
                 if k == key {
-                    let w = u64::from_le_bytes(b[o + layout.ptr_off..o + layout.ptr_off + 8].try_into().unwrap_or_default());
+                    let w = u64::from_le_bytes(
+                        b[o + layout.ptr_off..o + layout.ptr_off + 8]
+                            .try_into()
+                            .unwrap_or_default(),
+                    );
                     found = Some(layout.data_base.wrapping_add(w & layout.ptr_mask));
                     break;
                 }

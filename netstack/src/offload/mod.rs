@@ -488,7 +488,13 @@ impl OffloadCall {
     /// `submit_dma`: queues a copy of `size` bytes between host address `host_addr` (inside a
     /// registered DMA region) and offset `resp_off` of the response buffer. Checked now; run
     /// by [`OffloadCall::wait_dma`].
-    pub fn submit_dma(&mut self, op: DmaOp, host_addr: u64, resp_off: usize, size: usize) -> Result<DmaId, OffloadError> {
+    pub fn submit_dma(
+        &mut self,
+        op: DmaOp,
+        host_addr: u64,
+        resp_off: usize,
+        size: usize,
+    ) -> Result<DmaId, OffloadError> {
         if resp_off.checked_add(size).is_none_or(|e| e > self.resp.len()) {
             return Err(OffloadError::DmaFault(format!(
                 "response range {resp_off}+{size} outside the {}-byte response buffer",

@@ -185,7 +185,10 @@ mod tests {
         assert_eq!(w[0], word0(OP_CAS, FLAG_SIGNALED, 0xABCD_EF01_2345));
         assert_eq!(w[0] >> 16, 0xABCD_EF01_2345);
         let d = decode(&w).unwrap();
-        assert_eq!((d.wr_id, d.opcode, d.remote_addr, d.rkey, d.imm_data), (7, wr.opcode, 0x2000, 0x66, 9));
+        assert_eq!(
+            (d.wr_id, d.opcode, d.remote_addr, d.rkey, d.imm_data),
+            (7, wr.opcode, 0x2000, 0x66, 9)
+        );
         assert_eq!((d.compare_add, d.swap, d.sg_list.clone()), (1, 2, wr.sg_list.clone()));
         assert!(d.flags.contains(SendFlags::SIGNALED));
         let mut bad = w;

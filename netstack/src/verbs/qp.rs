@@ -172,9 +172,7 @@ impl Qp {
 
     /// Managed QP: the index the next post gets (indices never wrap).
     pub fn next_index(&self) -> u64 {
-        self.managed
-            .as_ref()
-            .map_or(0, |r| r.posted.load(Ordering::Acquire))
+        self.managed.as_ref().map_or(0, |r| r.posted.load(Ordering::Acquire))
     }
 
     /// Managed QP: lets the engine fetch entries with index below `index` (the CPU's doorbell;
@@ -209,7 +207,9 @@ impl Qp {
     /// [`crate::offload::OffloadStatus`] in `vendor_err`, leaving the QP usable.
     pub fn post_offload(&self, wr_id: u64, opcode: u16, request: &[u8], resp: Sge) -> Result<(), VerbsError> {
         if self.managed.is_some() {
-            return Err(VerbsError::Invalid("offload requests cannot be posted to a managed QP".into()));
+            return Err(VerbsError::Invalid(
+                "offload requests cannot be posted to a managed QP".into(),
+            ));
         }
         let wr = SendWr::new(wr_id, crate::work::WrOpcode::Offload)
             .imm(opcode as u32)

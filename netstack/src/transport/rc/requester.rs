@@ -348,7 +348,9 @@ impl Requester {
         if wr.opcode == WrOpcode::Offload {
             let data = inline.unwrap_or_default();
             if data.len() + OffloadReqHdr::LEN > cfg.mtu as usize {
-                return Err(super::PostError::Invalid("offload request longer than the MTU less 8 bytes"));
+                return Err(super::PostError::Invalid(
+                    "offload request longer than the MTU less 8 bytes",
+                ));
             }
             if total > super::offload::MAX_OFFLOAD_RESP as u64 {
                 return Err(super::PostError::Invalid("offload response buffer larger than 1 MiB"));
@@ -365,7 +367,9 @@ impl Requester {
                 }
             }
         } else if matches!(wr.opcode, WrOpcode::Wait | WrOpcode::Enable) {
-            return Err(super::PostError::Invalid("WAIT and ENABLE are executed by managed QPs only"));
+            return Err(super::PostError::Invalid(
+                "WAIT and ENABLE are executed by managed QPs only",
+            ));
         } else if let Some(data) = inline {
             segs.push(Seg {
                 region: Arc::new(Region::from_bytes(data)),
