@@ -224,8 +224,8 @@ pub fn validate_send(wr: &SendWr) -> Result<(), &'static str> {
     {
         return Err("INLINE is only valid for SEND and WRITE");
     }
-    if matches!(wr.opcode, WrOpcode::Noop | WrOpcode::Wait | WrOpcode::Enable) && !wr.sg_list.is_empty() {
-        return Err("NOOP, WAIT and ENABLE take no scatter-gather elements");
+    if matches!(wr.opcode, WrOpcode::Wait | WrOpcode::Enable) && !wr.sg_list.is_empty() {
+        return Err("WAIT and ENABLE take no scatter-gather elements");
     }
     if wr.opcode == WrOpcode::Offload && wr.imm_data > u16::MAX as u32 {
         return Err("offload opcodes are 16 bits");

@@ -27,6 +27,7 @@
 //! loop that only waits on itself is one chain and is aborted at the limit (the QP enters ERR).
 
 pub mod builder;
+pub mod programs;
 pub mod wqe;
 
 use crate::mem::{MrTable, Region};
@@ -267,7 +268,8 @@ impl ChainRunner {
         self.refilled_at = now;
         self.tokens = (self.tokens + elapsed * guards.max_wr_per_sec as f64).min(Self::burst(guards));
         let mut fetched_any = false;
-        for _ in 0..PASS_LIMIT {
+        let mut n = 0;
+        loop {
             let f = self.wq.fetched.load(Ordering::Acquire);
             if f >= self.wq.enabled.load(Ordering::Acquire) {
                 self.in_chain = false;
@@ -277,6 +279,13 @@ impl ChainRunner {
                 reg.throttled.fetch_add(1, Ordering::Relaxed);
                 let wait = ((1.0 - self.tokens) / guards.max_wr_per_sec as f64 * 1e9) as u64;
                 out.retry_at = Some(now + wait.max(1_000));
+                break;
+            }
+            let words = self.wq.read(f);
+            // a pass may end anywhere but right before a WAIT or ENABLE: those read their
+            // fields as they are fetched, right after the entries that re-arm them were posted
+            n += 1;
+            if n > PASS_LIMIT && !matches!(words[0] as u8, wqe::OP_WAIT | wqe::OP_ENABLE) {
                 break;
             }
             if !self.in_chain {
@@ -295,7 +304,7 @@ impl ChainRunner {
             fetched_any = true;
             self.tokens -= 1.0;
             reg.steps.fetch_add(1, Ordering::Relaxed);
-            let words = self.wq.read(f);
+            tracing::trace!("managed QP {:#x}: fetch {f}: {:x?}", qp.qpn(), words);
             let Some(wr) = wqe::decode(&words) else {
                 return self.abort(qp, reg, &format!("entry {f} has unknown opcode {}", words[0] as u8));
             };
@@ -327,6 +336,7 @@ impl ChainRunner {
                         // the send queue is full: fetch it again when completions free room
                         self.chain_steps -= 1;
                         self.tokens += 1.0;
+                        reg.steps.fetch_sub(1, Ordering::Relaxed);
                         break;
                     }
                     Err(e) => return self.abort(qp, reg, &format!("entry {f}: {e}")),

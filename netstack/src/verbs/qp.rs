@@ -569,6 +569,9 @@ impl Qp {
 
 impl Drop for Qp {
     fn drop(&mut self) {
+        if self.managed.is_some() {
+            self.core.managed.lock().retain(|&q| q != self.qpn);
+        }
         self.core.qps.write().remove(&self.qpn);
     }
 }

@@ -370,6 +370,9 @@ impl Requester {
             return Err(super::PostError::Invalid(
                 "WAIT and ENABLE are executed by managed QPs only",
             ));
+        } else if wr.opcode == WrOpcode::Noop {
+            // a NOOP's fields (a RedN placeholder's future WRITE) are not used
+            total = 0;
         } else if let Some(data) = inline {
             segs.push(Seg {
                 region: Arc::new(Region::from_bytes(data)),
@@ -966,6 +969,23 @@ impl Requester {
         moved
     }
 
+    /// Go-back-N: a READ, atomic or offload response at `p` acknowledges every request before
+    /// it (the responder executes in order); when an earlier response is missing, the requester
+    /// asks again from there and this packet is dropped (returns true).
+    fn gbn_response_gap(&mut self, p: u64, now: u64, cfg: &RcConfig) -> bool {
+        if cfg.recovery != Recovery::GoBackN || p == self.una {
+            return false;
+        }
+        match self.cum_ack(p - 1, now) {
+            Some(m) => {
+                self.advance(now, cfg);
+                self.rewind(m, true);
+                true
+            }
+            None => false,
+        }
+    }
+
     fn retx_all_from(&mut self, psn: u64) {
         for p in psn.max(self.una)..self.sent_max {
             if !self.is_acked(p) {
@@ -1066,14 +1086,11 @@ impl Requester {
                     qp.stats.stale_responses += 1;
                     return;
                 }
-                if cfg.recovery == Recovery::GoBackN && p != r.una {
-                    // an earlier response was lost: request again from the first missing one
-                    let una = r.una;
-                    r.rewind(una, true);
+                if r.gbn_response_gap(p, now, &cfg) {
                     qp.stats.out_of_order_packets += 1;
                     return;
                 }
-                scatter(&w.segs, off as usize, pkt.payload);
+                scatter(&r.sq[i].segs, off as usize, pkt.payload);
                 r.cum_ack(p.saturating_sub(1), now);
                 r.mark(p, now);
             }
@@ -1113,13 +1130,11 @@ impl Requester {
                     qp.stats.stale_responses += 1;
                     return;
                 }
-                if cfg.recovery == Recovery::GoBackN && p != r.una {
-                    let una = r.una;
-                    r.rewind(una, true);
+                if r.gbn_response_gap(p, now, &cfg) {
                     qp.stats.out_of_order_packets += 1;
                     return;
                 }
-                scatter(&w.segs, off as usize, data);
+                scatter(&r.sq[i].segs, off as usize, data);
                 if result.is_some() {
                     r.sq[i].result = result;
                 }
@@ -1136,12 +1151,11 @@ impl Requester {
                     qp.stats.stale_responses += 1;
                     return;
                 }
-                if cfg.recovery == Recovery::GoBackN && p != r.una {
-                    let una = r.una;
-                    r.rewind(una, true);
+                if r.gbn_response_gap(p, now, &cfg) {
+                    qp.stats.out_of_order_packets += 1;
                     return;
                 }
-                scatter(&w.segs, 0, &ack.orig.to_le_bytes());
+                scatter(&r.sq[i].segs, 0, &ack.orig.to_le_bytes());
                 r.cum_ack(p.saturating_sub(1), now);
                 r.mark(p, now);
             }

@@ -723,9 +723,7 @@ impl Responder {
                         let region = (!bytes.is_empty()).then(|| Arc::new(Region::from_bytes(&bytes)));
                         *data = Some((status, bytes.len() as u32, region));
                     }
-                    let Some((status, len, region)) = data.as_ref() else {
-                        return None;
-                    };
+                    let (status, len, region) = data.as_ref()?;
                     let k = *next;
                     let last = k + 1 == *n;
                     let op = Opcode::offload_response(k, *n);
