@@ -32,7 +32,11 @@ struct Bench {
 }
 
 fn bench(worker_slots: usize, q_slots: usize) -> Bench {
-    let sctx = Context::open(ContextConfig::default()).unwrap();
+    bench_with(worker_slots, q_slots, ContextConfig::default())
+}
+
+fn bench_with(worker_slots: usize, q_slots: usize, cfg: ContextConfig) -> Bench {
+    let sctx = Context::open(cfg).unwrap();
     let spd = sctx.alloc_pd();
     let data = spd.reg_mr(1 << 16, Access::ALL).unwrap();
     let wcq = sctx.create_cq_ignore_overrun(64).unwrap();
@@ -461,4 +465,103 @@ fn fig9_hash_get_serves_from_either_bucket_while_the_server_is_blocked() {
     drop(tx);
     blocked.join().unwrap();
     drop((cs, cbuf, cpd, cctx));
+}
+
+/// A recycled loop that only waits on itself never ends: the per-chain guard aborts it, and
+/// the context's other chains keep running.
+#[test]
+fn a_runaway_chain_is_aborted_and_others_keep_running() {
+    let mut cfg = ContextConfig::default();
+    cfg.redn.max_wr_per_chain = 5_000;
+    let b = bench_with(8, 4, cfg);
+    let mut ch = b.builder();
+    ch.begin_loop();
+    ch.other(SendWr::noop(0).flags(SendFlags::SIGNALED), 0).unwrap();
+    ch.barrier().unwrap();
+    // tail: 3 adds (the barrier, the tail's WAIT and ENABLE) + WAIT + ENABLE = 5; body 2 + 1 pad
+    ch.other(SendWr::noop(0), 0).unwrap();
+    ch.recycle(8, &[]).unwrap();
+    ch.start().unwrap();
+    drop(ch);
+    let t = std::time::Instant::now();
+    while b.sctx.redn_stats().aborts == 0 {
+        assert!(t.elapsed() < T, "the runaway chain was not aborted: {:?}", b.sctx.redn_stats());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let s = b.sctx.redn_stats();
+    assert!(s.steps >= 5_000, "{s:?}");
+    assert_eq!(b.worker.state(), QpState::Err);
+    // a fresh worker on the same context runs its chain
+    let wcq = b.sctx.create_cq(64).unwrap();
+    let w2 = b
+        .sctx
+        .create_qp(
+            &b._spd,
+            &wcq,
+            &wcq,
+            QpInitAttr {
+                managed_slots: 8,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    let p2 = b.sctx.create_qp(&b._spd, &wcq, &wcq, QpInitAttr::default()).unwrap();
+    w2.connect(&p2.local_endpoint()).unwrap();
+    p2.connect(&w2.local_endpoint()).unwrap();
+    b.data.write(0, &[9u8; 8]);
+    w2.post_send(
+        SendWr::new(5, WrOpcode::RdmaWrite)
+            .sge(b.data.sge(0, 8))
+            .remote(b.data.addr() + 64, b.data.rkey()),
+    )
+    .unwrap();
+    w2.enable(1).unwrap();
+    let wc = wcq.next(T).expect("the second chain runs");
+    assert_eq!((wc.wr_id, wc.status), (5, WcStatus::Success));
+    assert_eq!(b.data.load_u64(64), Some(u64::from_le_bytes([9; 8])));
+}
+
+/// The per-QP rate guard spaces a chain's segments out.
+#[test]
+fn the_rate_guard_throttles_a_chain() {
+    let mut cfg = ContextConfig::default();
+    cfg.redn.max_wr_per_sec = 2_000;
+    let b = bench_with(512, 4, cfg);
+    let mut ch = b.builder();
+    for _ in 0..200 {
+        ch.other(SendWr::noop(0).flags(SendFlags::SIGNALED), 0).unwrap();
+        ch.barrier().unwrap();
+    }
+    let end = ch.completions();
+    let t = std::time::Instant::now();
+    ch.start().unwrap();
+    drop(ch);
+    while b.wcq.produced() < end {
+        assert!(t.elapsed() < T);
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    // 400 entries at 2000/s after a burst of 64: at least 0.15 s
+    assert!(t.elapsed() >= Duration::from_millis(150), "{:?}", t.elapsed());
+    assert!(b.sctx.redn_stats().throttled > 0);
+}
+
+/// Bad entries abort the chain: an unknown opcode, a WAIT on a CQ that does not exist.
+#[test]
+fn malformed_entries_abort_the_chain() {
+    for bad in [0u8, 1] {
+        let b = bench(8, 4);
+        if bad == 0 {
+            b.worker.post_send(SendWr::noop(0)).unwrap();
+            b.wring.write(0, &[0x77]);
+        } else {
+            b.worker.post_send(SendWr::wait(0, 9999, 1)).unwrap();
+        }
+        b.worker.enable(1).unwrap();
+        let t = std::time::Instant::now();
+        while b.sctx.redn_stats().aborts == 0 {
+            assert!(t.elapsed() < T);
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        assert_eq!(b.worker.state(), QpState::Err);
+    }
 }

@@ -80,6 +80,19 @@ pub struct ClientArgs {
     /// SEND ping-pong over standard QPs instead of low-latency ones.
     #[arg(long)]
     pub standard_qp: bool,
+    /// batch-read: ranges per request.
+    #[arg(long, default_value_t = 32)]
+    pub batch: u32,
+    /// list-walk: which node of the list is looked up (its hop count).
+    #[arg(long, default_value_t = 8)]
+    pub hops: u32,
+    /// list-walk: where the walk runs.
+    #[arg(long, value_enum, default_value = "offload")]
+    pub mode: super::WalkMode,
+    /// batch-read, list-walk, redn-get: do not interleave the reference run (separate READs,
+    /// the other walk mode, one 64 B READ).
+    #[arg(long)]
+    pub no_reference: bool,
     /// Engine poll mode of this client's context (and of a server it starts).
     #[arg(long, value_enum, default_value = "adaptive")]
     pub poll_mode: PollModeArg,
@@ -181,6 +194,15 @@ pub fn run(a: &ClientArgs, spawn: &ServerSpawn) -> Result<Vec<BenchResult>> {
         bail!("--size, --depth, --qps and --duration must be positive");
     }
     let mut p = peers(a, spawn)?;
+    if matches!(a.op, Op::BatchRead | Op::ListWalk | Op::RednGet) {
+        let cm = p.cm;
+        let single = (1, netstack::path::SprayPolicy::Single);
+        let out = super::offload_ops::run(a, cm, |ra| flexns(ra, a.cc, single, cm))?;
+        if let Some(mut c) = p.child.take() {
+            c.stop();
+        }
+        return Ok(out);
+    }
     let mut out = Vec::new();
     if a.paths == 0 || a.paths > netstack::path::MAX_PATHS {
         bail!("--paths: {} not in 1..={}", a.paths, netstack::path::MAX_PATHS);
@@ -288,6 +310,9 @@ fn bench_name(a: &ClientArgs) -> &'static str {
         (Op::Send, 1) => "send_lat",
         (Op::Send, _) => "send_bw",
         (Op::Atomic, _) => "atomic_bw",
+        (Op::BatchRead, _) => "batch_read_rate",
+        (Op::ListWalk, _) => "list_walk_lat",
+        (Op::RednGet, _) => "redn_get_lat",
     }
 }
 
@@ -366,6 +391,8 @@ fn flexns(
             depth: a.depth,
             echo,
             low_latency,
+            resp_addr: 0,
+            resp_rkey: 0,
         };
         let reply = rt.block_on(connector.connect(&qp, serde_json::to_vec(&hello)?))?;
         let w: Welcome = serde_json::from_slice(&reply).context("bad welcome from server")?;
@@ -392,6 +419,8 @@ fn flexns(
                 .sge(sge)
                 .remote(w.addr + (id as usize % nq * 8) as u64, w.rkey)
                 .atomic(1, 0),
+            // handled by offload_ops
+            Op::BatchRead | Op::ListWalk | Op::RednGet => SendWr::new(id, WrOpcode::Noop),
         }
     };
     let mut wcs = [EMPTY_WC; 64];
@@ -559,7 +588,7 @@ fn flexns(
             verified = false;
             note = Some("SEND bandwidth mode: the server does not check payloads".into());
         }
-        Op::Send => {}
+        Op::Send | Op::BatchRead | Op::ListWalk | Op::RednGet => {}
     }
     let st = ctx.stats();
     let mut r = BenchResult {

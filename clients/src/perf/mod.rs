@@ -2,6 +2,7 @@
 //! ib_send_lat, ib_atomic_bw) between two processes, with `udp-raw` and `tcp` references.
 
 pub mod client;
+pub mod offload_ops;
 pub mod reference;
 pub mod server;
 
@@ -102,12 +103,42 @@ impl NetArgs {
 
 /// The operation a benchmark run exercises.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "kebab-case")]
 pub enum Op {
     Write,
     Read,
     Send,
     Atomic,
+    /// The built-in batched-READ offload: `--batch` ranges of `--size` bytes per request.
+    BatchRead,
+    /// Look up the `--hops`-th node of a linked list: one offload request, or one READ per
+    /// node from the client (`--mode`).
+    ListWalk,
+    /// The RedN hash get: one SEND, answered by a WRITE_WITH_IMM from a chain of work
+    /// requests on the server.
+    RednGet,
+}
+
+/// Where a list walk runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum WalkMode {
+    /// The server's offload handler walks the list (one round trip).
+    Offload,
+    /// The client READs node after node.
+    Client,
+}
+
+/// Nodes of the server's linked list (keys 1..=LIST_NODES, node `j` holds key `j + 1`).
+pub const LIST_NODES: u32 = 64;
+/// Value bytes of list nodes and hash entries.
+pub const VALUE_LEN: usize = 64;
+/// Buckets of the server's RedN hash table (key `k` in bucket `k % TABLE_BUCKETS`).
+pub const TABLE_BUCKETS: u64 = 4096;
+
+/// The value the server stores for key `k` (list and table).
+pub fn value_of(k: u64) -> [u8; VALUE_LEN] {
+    std::array::from_fn(|i| crate::bench::pattern_byte(k * VALUE_LEN as u64 + i as u64, 0x7a11))
 }
 
 /// The system under test or the reference.
@@ -140,6 +171,11 @@ pub struct Hello {
     /// Use low-latency QPs (transmit from the posting thread) for the exchange.
     #[serde(default)]
     pub low_latency: bool,
+    /// RedN get: the client's buffer the answers are written to.
+    #[serde(default)]
+    pub resp_addr: u64,
+    #[serde(default)]
+    pub resp_rkey: u32,
 }
 
 /// Private data the server answers with: where the client may read and write.
@@ -154,4 +190,11 @@ pub struct Welcome {
     pub ro_addr: u64,
     pub ro_rkey: u32,
     pub ro_len: u64,
+    /// The linked list (offload and client walks) and the RedN hash table.
+    #[serde(default)]
+    pub list_head: u64,
+    #[serde(default)]
+    pub kv_rkey: u32,
+    #[serde(default)]
+    pub table_addr: u64,
 }

@@ -66,12 +66,59 @@ struct RecvSlots {
 
 type RecvTable = Arc<Mutex<std::collections::HashMap<u32, (Arc<Qp>, RecvSlots)>>>;
 
+/// A RedN get connection: gets are served by the chains alone; this thread-free state only
+/// keeps receives posted (each get consumes one).
+struct RednConn {
+    qp: Option<Arc<Qp>>,
+    chains: netstack::redn::programs::HashGetServer,
+    rcq: Cq,
+    posted: u64,
+}
+
+/// Receives kept posted on a RedN get QP.
+const REDN_RECVS: u64 = 16384;
+
+/// Layout of the `kv` region: the list's nodes, then the table's buckets, then its values.
+pub const LIST_OFF: usize = 0;
+pub const TABLE_OFF: usize = 1 << 16;
+pub const VALUES_OFF: usize = TABLE_OFF + (super::TABLE_BUCKETS as usize) * 16;
+pub const KV_LEN: usize = VALUES_OFF + (super::TABLE_BUCKETS as usize) * super::VALUE_LEN;
+
+/// Fills the `kv` region: a list of `LIST_NODES` nodes `{key, next, value}` and a table with
+/// key `k` (1..=TABLE_BUCKETS) in bucket `k % TABLE_BUCKETS` as `{key, value address}`.
+fn fill_kv(kv: &Mr) {
+    let node = 16 + super::VALUE_LEN;
+    for j in 0..super::LIST_NODES as usize {
+        let off = LIST_OFF + j * node;
+        let next = if j + 1 < super::LIST_NODES as usize {
+            kv.addr() + (off + node) as u64
+        } else {
+            0
+        };
+        kv.write(off, &(j as u64 + 1).to_le_bytes());
+        kv.write(off + 8, &next.to_le_bytes());
+        kv.write(off + 16, &super::value_of(j as u64 + 1));
+    }
+    for k in 1..=super::TABLE_BUCKETS {
+        let b = (k % super::TABLE_BUCKETS) as usize;
+        let v = VALUES_OFF + b * super::VALUE_LEN;
+        kv.write(TABLE_OFF + b * 16, &k.to_le_bytes());
+        kv.write(TABLE_OFF + b * 16 + 8, &(kv.addr() + v as u64).to_le_bytes());
+        kv.write(v, &super::value_of(k));
+    }
+}
+
 struct PerfAcceptor {
     ctx: Context,
     pd: Pd,
     cq: Cq,
     mr: Arc<Mr>,
     ro: Mr,
+    /// The linked list and the RedN hash table with their values.
+    kv: Mr,
+    /// RedN get connections: the response QP, its chains, its receive CQ, receives posted.
+    redn: Mutex<Vec<RednConn>>,
+    pending_redn: Mutex<std::collections::HashMap<u32, RednConn>>,
     qps: Mutex<Vec<Arc<Qp>>>,
     /// Receive slots per QP, for SEND: (qp, slot size, slot base offset, echo)
     recv: RecvTable,
@@ -80,9 +127,98 @@ struct PerfAcceptor {
     pending: Mutex<std::collections::HashMap<u32, RecvSlots>>,
 }
 
+impl PerfAcceptor {
+    fn welcome(&self) -> Welcome {
+        Welcome {
+            addr: self.mr.addr(),
+            rkey: self.mr.rkey(),
+            len: self.mr.len() as u64,
+            seed: SEED,
+            ro_addr: self.ro.addr(),
+            ro_rkey: self.ro.rkey(),
+            ro_len: self.ro.len() as u64,
+            list_head: self.kv.addr() + LIST_OFF as u64,
+            kv_rkey: self.kv.rkey(),
+            table_addr: self.kv.addr() + TABLE_OFF as u64,
+        }
+    }
+
+    /// A RedN get connection: a managed response QP (a one-entry ring) and the hash-get chains
+    /// that answer on it, with receives posted before the client can send.
+    fn accept_redn(&self, hello: &Hello) -> Result<Accepted, String> {
+        let e = |e: VerbsError| e.to_string();
+        let qcq = self.ctx.create_cq_ignore_overrun(64).map_err(e)?;
+        let rcq = self.ctx.create_cq_ignore_overrun(64).map_err(e)?;
+        let qp = self
+            .ctx
+            .create_qp(
+                &self.pd,
+                &qcq,
+                &rcq,
+                QpInitAttr {
+                    managed_slots: 1,
+                    config: Some(RcConfig {
+                        max_recv_wr: 2 * REDN_RECVS as u32,
+                        ..self.ctx.config().qp
+                    }),
+                    ..Default::default()
+                },
+            )
+            .map_err(e)?;
+        let chains = netstack::redn::programs::HashGetServer::new(
+            &self.ctx,
+            &self.pd,
+            &[&qp],
+            &rcq,
+            self.kv.rkey(),
+            self.kv.lkey(),
+            super::VALUE_LEN as u32,
+            netstack::redn::programs::ClientBuffer {
+                addr: hello.resp_addr,
+                rkey: hello.resp_rkey,
+            },
+        )
+        .map_err(e)?;
+        chains.post_recvs(&qp, REDN_RECVS as usize).map_err(e)?;
+        self.pending_redn.lock().insert(
+            qp.qp_num(),
+            RednConn {
+                qp: None,
+                chains,
+                rcq,
+                posted: REDN_RECVS,
+            },
+        );
+        Ok(Accepted {
+            qp,
+            private_data: serde_json::to_vec(&self.welcome()).expect("serializable"),
+        })
+    }
+
+    /// Tops up the receives of RedN get connections (an application-thread chore the gets
+    /// themselves never wait for) and drops finished ones.
+    fn refill_redn(&self) {
+        let mut v = self.redn.lock();
+        v.retain(|c| c.qp.as_ref().is_some_and(|q| q.state() == QpState::Rts));
+        for c in v.iter_mut() {
+            let Some(qp) = c.qp.as_ref() else { continue };
+            let used = c.rcq.produced();
+            while c.posted < used + REDN_RECVS {
+                if qp.post_recv(c.chains.recv_wr(c.posted)).is_err() {
+                    break;
+                }
+                c.posted += 1;
+            }
+        }
+    }
+}
+
 impl Acceptor for PerfAcceptor {
     fn accept(&self, _remote: &Endpoint, pd: &[u8]) -> Result<Accepted, String> {
         let hello: Hello = serde_json::from_slice(pd).map_err(|e| format!("bad hello: {e}"))?;
+        if hello.op == Op::RednGet {
+            return self.accept_redn(&hello);
+        }
         let qp = self
             .ctx
             .create_qp(
@@ -131,23 +267,19 @@ impl Acceptor for PerfAcceptor {
                 },
             );
         }
-        let w = Welcome {
-            addr: self.mr.addr(),
-            rkey: self.mr.rkey(),
-            len: self.mr.len() as u64,
-            seed: SEED,
-            ro_addr: self.ro.addr(),
-            ro_rkey: self.ro.rkey(),
-            ro_len: self.ro.len() as u64,
-        };
         Ok(Accepted {
             qp,
-            private_data: serde_json::to_vec(&w).expect("serializable"),
+            private_data: serde_json::to_vec(&self.welcome()).expect("serializable"),
         })
     }
 
     fn connected(&self, qp: Qp) {
         let qp = Arc::new(qp);
+        if let Some(mut c) = self.pending_redn.lock().remove(&qp.qp_num()) {
+            c.qp = Some(qp);
+            self.redn.lock().push(c);
+            return;
+        }
         if let Some(slots) = self.pending.lock().remove(&qp.qp_num()) {
             self.recv.lock().insert(qp.qp_num(), (qp.clone(), slots));
         }
@@ -186,6 +318,23 @@ pub fn run(args: ServerArgs) -> Result<()> {
         mr.write(off as usize, &chunk[..n]);
         off += n as u64;
     }
+    let kv = pd.reg_mr(KV_LEN, Access::ALL)?;
+    fill_kv(&kv);
+    // offloads: batched READ over the main region, list walk over the list (read-only DMA)
+    let off = ctx.offload();
+    let _offloads = [
+        off.register_opcode(
+            netstack::offload::builtin::BATCH_READ,
+            netstack::offload::QpFilter::Any,
+            netstack::offload::builtin::batch_read(),
+        )?,
+        off.register_opcode(
+            netstack::offload::builtin::LIST_WALK,
+            netstack::offload::QpFilter::Any,
+            netstack::offload::builtin::list_walk(netstack::offload::builtin::ListLayout::packed(super::VALUE_LEN)),
+        )?,
+    ];
+    let _dma = [off.register_dma_region(&mr, false), off.register_dma_region(&kv, false)];
     let ro = pd.reg_mr(4096, Access::REMOTE_READ)?;
     let mut page = vec![0u8; 4096];
     fill_pattern(&mut page, 0, SEED ^ 1);
@@ -197,6 +346,9 @@ pub fn run(args: ServerArgs) -> Result<()> {
         cq: cq.clone(),
         mr: mr.clone(),
         ro,
+        kv,
+        redn: Mutex::new(Vec::new()),
+        pending_redn: Mutex::new(Default::default()),
         qps: Mutex::new(Vec::new()),
         recv: recv.clone(),
         next_recv_base: Mutex::new(0),
@@ -223,6 +375,13 @@ pub fn run(args: ServerArgs) -> Result<()> {
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     std::thread::spawn(move || udp.run());
     std::thread::spawn(move || super::reference::tcp_serve(tcp));
+    {
+        let acc = acc.clone();
+        std::thread::spawn(move || loop {
+            std::thread::sleep(Duration::from_millis(20));
+            acc.refill_redn();
+        });
+    }
     // completion thread: repost receives, echo for ping-pong
     {
         let stop = stop.clone();
