@@ -412,7 +412,7 @@ fn fig9_hash_get_serves_from_either_bucket_while_the_server_is_blocked() {
     let c = server.per_round;
     assert_eq!(
         (c.copy, c.atomic, c.order),
-        (3, 1 + 6, 6),
+        (3, 1 + 7, 7),
         "per-round work requests {c:?}"
     );
     let gets = 3 * 16 + 5;
@@ -473,19 +473,23 @@ fn fig9_hash_get_serves_from_either_bucket_while_the_server_is_blocked() {
 fn a_runaway_chain_is_aborted_and_others_keep_running() {
     let mut cfg = ContextConfig::default();
     cfg.redn.max_wr_per_chain = 5_000;
-    let b = bench_with(8, 4, cfg);
+    let b = bench_with(10, 4, cfg);
     let mut ch = b.builder();
     ch.begin_loop();
     ch.other(SendWr::noop(0).flags(SendFlags::SIGNALED), 0).unwrap();
     ch.barrier().unwrap();
-    // tail: 3 adds (the barrier, the tail's WAIT and ENABLE) + WAIT + ENABLE = 5; body 2 + 1 pad
     ch.other(SendWr::noop(0), 0).unwrap();
-    ch.recycle(8, &[]).unwrap();
+    // tail: a barrier, 2 adds (the two barriers), WAIT, ENABLE, 2 adds: 7; body 3
+    ch.recycle(10, &[]).unwrap();
     ch.start().unwrap();
     drop(ch);
     let t = std::time::Instant::now();
     while b.sctx.redn_stats().aborts == 0 {
-        assert!(t.elapsed() < T, "the runaway chain was not aborted: {:?}", b.sctx.redn_stats());
+        assert!(
+            t.elapsed() < T,
+            "the runaway chain was not aborted: {:?}",
+            b.sctx.redn_stats()
+        );
         std::thread::sleep(Duration::from_millis(5));
     }
     let s = b.sctx.redn_stats();

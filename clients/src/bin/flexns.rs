@@ -157,7 +157,10 @@ fn demo(duration: f64, json: bool) -> Result<()> {
             net: Default::default(),
         };
         let res = client::run(&a, &spawn)?;
-        all_verified &= res.iter().filter(|r| r.system.starts_with("flexns")).all(|r| r.verified);
+        all_verified &= res
+            .iter()
+            .filter(|r| r.system.starts_with("flexns"))
+            .all(|r| r.verified);
         if !json {
             println!();
         }

@@ -481,9 +481,10 @@ impl DataCore {
                 (Some(a), Some(b)) => Some(a.min(b)),
                 (a, b) => a.or(b),
             };
-            work |= self.transmit(now);
-            // packets this core sent to itself (RedN chains on loopback QPs) are processed at
-            // once, so a chain advances several steps per loop without a system call
+            // packets this core sends to itself (RedN chains on loopback QPs) are processed at
+            // once, so a chain advances several steps per loop without a system call; the
+            // packets for the network go out together afterwards
+            work |= self.transmit(now, false);
             for _ in 0..64 {
                 if self.hairpin.is_empty() {
                     break;
@@ -491,8 +492,9 @@ impl DataCore {
                 self.receive_hairpin(now);
                 let mut w = false;
                 self.run_chains(now, &mut w);
-                self.transmit(now);
+                self.transmit(now, false);
             }
+            work |= self.flush();
             if work {
                 idle_since = None;
                 continue;
@@ -669,18 +671,36 @@ impl DataCore {
                 let Some(slot) = self.shared.qps.read().get(&qpn).cloned() else {
                     continue;
                 };
+                let peer_pd = self.local_peer_pd(&slot, qpn);
                 let mut g = slot.lock();
                 let s = &mut *g;
-                let Some(chain) = s.chain.as_mut() else { continue };
-                let pass = chain.pass(&mut s.qp, &self.shared.mrs, &self.shared.redn, &self.shared.guards, now);
-                if let Some(t) = pass.retry_at {
-                    retry = Some(retry.map_or(t, |r| r.min(t)));
-                }
-                if pass.progressed {
+                // a chain whose operations complete at once runs on after its completions are
+                // delivered (its WAITs count delivered completions)
+                for _ in 0..64 {
+                    let Some(chain) = s.chain.as_mut() else { break };
+                    let pass = chain.pass(
+                        &mut s.qp,
+                        &self.shared.mrs,
+                        &self.shared.redn,
+                        &self.shared.guards,
+                        now,
+                        peer_pd,
+                    );
+                    if let Some(t) = pass.retry_at {
+                        retry = Some(retry.map_or(t, |r| r.min(t)));
+                    }
+                    if !pass.progressed {
+                        break;
+                    }
                     moved = true;
                     self.active.insert(qpn);
+                    let had = s.qp.has_completions();
                     if !s.deliver_completions(self.index) {
                         self.stuck.insert(qpn);
+                        break;
+                    }
+                    if !had {
+                        break;
                     }
                 }
             }
@@ -690,6 +710,24 @@ impl DataCore {
             *work = true;
         }
         retry
+    }
+
+    /// The protection domain of a QP's peer when the peer is a QP of this core (a loopback
+    /// peer whose operations the engine may execute on memory directly).
+    fn local_peer_pd(&self, slot: &Arc<Mutex<QpSlot>>, qpn: u32) -> Option<u32> {
+        let (remote, dest) = {
+            let s = slot.lock();
+            (s.remote?, s.qp.dest_qpn())
+        };
+        if !self.local_addrs.contains(&remote) {
+            return None;
+        }
+        if dest == qpn {
+            return Some(slot.lock().qp.pd());
+        }
+        let peer = self.shared.qps.read().get(&dest).cloned()?;
+        let p = peer.lock();
+        (p.qp.state() == QpState::Rts && p.qp.dest_qpn() == qpn).then(|| p.qp.pd())
     }
 
     /// Processes the delayed datagrams whose delay has passed.
@@ -772,7 +810,8 @@ impl DataCore {
         next
     }
 
-    fn transmit(&mut self, now: u64) -> bool {
+    /// Polls the active QPs for packets; sends them when `flush` (or the batch is full).
+    fn transmit(&mut self, now: u64, flush: bool) -> bool {
         let mut sent_any = false;
         let active: Vec<u32> = self.active.iter().copied().collect();
         for qpn in active {
@@ -810,7 +849,9 @@ impl DataCore {
                 sent_any |= self.flush();
             }
         }
-        sent_any |= self.flush();
+        if flush {
+            sent_any |= self.flush();
+        }
         sent_any
     }
 

@@ -54,9 +54,10 @@ pub struct OffloadConfig {
     /// Offload threads (workers of the handlers' runtime), 1..=64; started when the first
     /// handler is registered.
     pub threads: usize,
-    /// Default time budget of a handler, in microseconds. Keep it below the clients' ACK
-    /// timeout (16.8 ms by default), or they resend the request while it runs (the resend is
-    /// recognised as a duplicate, never run twice).
+    /// Default time budget of a handler, in microseconds (50 ms: room for a handler whose
+    /// thread is descheduled on a loaded host). A request still running after the clients' ACK
+    /// timeout (16.8 ms by default) is resent by them; the resend is recognised as a duplicate
+    /// and never run twice.
     pub budget_us: u64,
     /// Most requests in progress at once; more are answered OVERLOADED.
     pub max_inflight: usize,
@@ -66,7 +67,7 @@ impl Default for OffloadConfig {
     fn default() -> Self {
         OffloadConfig {
             threads: 1,
-            budget_us: 10_000,
+            budget_us: 50_000,
             max_inflight: 4096,
         }
     }

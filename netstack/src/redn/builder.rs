@@ -11,7 +11,7 @@
 //! | `if` ([`ChainBuilder::if_eq`] after the copy of its operand) | 1 C + 1 A + 3 E |
 //! | unrolled `while`, per iteration | 1 C + 1 A + 3 E |
 //! | `break`, per iteration | + 1 C + 1 A + 1 E |
-//! | recycled `while`, per round ([`ChainBuilder::recycle`]) | body + 1 A per WAIT/ENABLE re-armed (its barriers, the others it names, the tail's two) + 2 E |
+//! | recycled `while`, per round ([`ChainBuilder::recycle`]) | body + 1 A per WAIT/ENABLE re-armed (its barriers, the others it names, the tail's two) + 3 E |
 //!
 //! The C of an `if` is the copy that puts its operand next to the target's opcode (a RECV
 //! scatter, READ or WRITE); the three E are the barrier before the CAS, the barrier after it, and
@@ -250,46 +250,55 @@ impl<'a> ChainBuilder<'a> {
         first
     }
 
-    /// Closes a recycled loop begun with [`ChainBuilder::begin_loop`]: appends the tail that
-    /// re-arms, with one FETCH_ADD each, the loop's barriers (by the completions of a round),
-    /// the fields in `rearm` (a WAIT's count or an ENABLE's index elsewhere in the loop or in
-    /// another managed QP's ring, with its step per round), and the tail's own WAIT and ENABLE;
-    /// then WAITs for those adds and ENABLEs the next round of the worker. The body and the
-    /// tail must fill the worker's ring (`slots` entries) exactly, so round `r` re-executes the
-    /// same entries at indices `first + r × slots ..`. Returns the entries per round.
+    /// Closes a recycled loop begun with [`ChainBuilder::begin_loop`] by appending its tail:
+    ///
+    /// 1. a barrier (the round's work, and the previous round's last adds, have completed);
+    /// 2. one FETCH_ADD per barrier of the loop (by the completions of a round) and per field
+    ///    in `rearm` (a WAIT's count or an ENABLE's index in the loop or in another managed QP's
+    ///    ring, with its step per round);
+    /// 3. a WAIT for those adds, then an ENABLE of the worker's next round;
+    /// 4. two FETCH_ADDs re-arming that WAIT and that ENABLE.
+    ///
+    /// Every re-armed entry is fetched before its add within a round, and every add lands
+    /// before the entry's next fetch, whether the adds execute at once (on a loopback peer) or
+    /// over the transport. The body and the tail must fill the worker's ring (`slots` entries)
+    /// exactly, so round `r` re-executes the same entries at indices `first + r × slots ..`.
+    /// Returns the entries per round.
     pub fn recycle(&mut self, slots: u64, rearm: &[(Remote, u64)]) -> Result<u64, VerbsError> {
+        if self.loop_start.is_none() {
+            return Err(VerbsError::Invalid("recycle: no loop begun".into()));
+        }
+        self.barrier()?;
         let Some((first, base, barriers)) = self.loop_start.take() else {
             return Err(VerbsError::Invalid("recycle: no loop begun".into()));
         };
-        let adds = barriers.len() + rearm.len() + 2;
-        let tail = adds as u64 + 2;
-        let body = self.worker.next_index() - first;
-        if body + tail != slots {
+        let adds = barriers.len() + rearm.len();
+        let tail_rest = adds as u64 + 2 + 2;
+        let used = self.worker.next_index() - first;
+        if used + tail_rest != slots {
             return Err(VerbsError::Invalid(format!(
-                "recycle: a body of {body} entries and a tail of {tail} must fill the {slots}-entry ring"
+                "recycle: a body of {} entries and a tail of {} must fill the {slots}-entry ring",
+                used - 1,
+                tail_rest + 1
             )));
         }
         // every add is signaled: a round's completions are the body's plus the adds
-        let per_round = self.completions - base + adds as u64;
-        let wait_at = self.worker.next_index() + adds as u64;
-        let tail_wait = self.worker_entry(wait_at)?;
-        let tail_enable = self.worker_entry(wait_at + 1)?;
+        let per_round = self.completions - base + adds as u64 + 2;
         for b in &barriers {
             self.add(self.worker_entry(*b)?.field(off::REMOTE_ADDR), per_round)?;
         }
         for (r, k) in rearm {
             self.add(*r, *k)?;
         }
-        self.add(tail_wait.field(off::REMOTE_ADDR), per_round)?;
-        self.add(tail_enable.field(off::REMOTE_ADDR), slots)?;
-        // round 0's tail waits for its adds; its ENABLE is fetched after its add landed, so it
-        // is posted one round early
         let w = self.completions;
         self.count.order += 1;
-        self.post(SendWr::wait(0, self.cq_num, w), 0)?;
+        let tail_wait = self.post(SendWr::wait(0, self.cq_num, w), 0)?;
         self.count.order += 1;
         let qpn = self.worker.qp_num();
-        self.post(SendWr::enable(0, qpn, first + slots), 0)?;
+        let tail_enable = self.post(SendWr::enable(0, qpn, first + 2 * slots), 0)?;
+        let (tw, te) = (self.worker_entry(tail_wait)?, self.worker_entry(tail_enable)?);
+        self.add(tw.field(off::REMOTE_ADDR), per_round)?;
+        self.add(te.field(off::REMOTE_ADDR), slots)?;
         debug_assert_eq!(self.completions - base, per_round);
         Ok(slots)
     }

@@ -16,8 +16,11 @@
 //!
 //! The verbs a chain runs (SEND, WRITE, READ, CAS, FETCH_ADD, NOOP) go through the QP's normal
 //! RC transport. Chains that operate on the server's own memory use a QP connected to another
-//! QP of the same context; the engine delivers such packets in memory (hairpin), as a NIC
-//! loops them back internally, so they cost no system call.
+//! QP of the same data core (a loopback peer): the engine executes their READ, WRITE, atomics
+//! and NOOPs on memory directly, with the peer's access checks and in-order completions, as a
+//! NIC executes loopback traffic internally; their other packets (and those of loopback QPs
+//! on different cores of the context) are delivered in memory (hairpin), never through a
+//! socket.
 //!
 //! # Guards
 //! Per managed QP ([`RednGuards`]): at most `max_wr_per_sec` entries per second (a token
@@ -27,6 +30,7 @@
 //! loop that only waits on itself is one chain and is aborted at the limit (the QP enters ERR).
 
 pub mod builder;
+mod local;
 pub mod programs;
 pub mod wqe;
 
@@ -246,6 +250,7 @@ impl ChainRunner {
         reg: &RednRegistry,
         guards: &RednGuards,
         now: u64,
+        local_peer_pd: Option<u32>,
     ) -> Pass {
         let mut out = Pass::default();
         if self.aborted {
@@ -329,6 +334,14 @@ impl ChainRunner {
                     };
                     self.wq.fetched.store(f + 1, Ordering::Release);
                     t.enable(wr.remote_addr);
+                }
+                _ if local_peer_pd.is_some_and(|pd| {
+                    qp.state() == crate::transport::rc::QpState::Rts
+                        && qp.send_queue_idle()
+                        && local::execute(qp, mrs, &wr, pd)
+                }) =>
+                {
+                    self.wq.fetched.store(f + 1, Ordering::Release);
                 }
                 _ => match qp.post_send(wr, mrs) {
                     Ok(()) => self.wq.fetched.store(f + 1, Ordering::Release),

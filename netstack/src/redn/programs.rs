@@ -6,7 +6,7 @@
 //! start; values are `value_len` bytes in memory registered in the server's PD. A client sends
 //! one SEND ([`hash_get_request`]) with the key, the candidate buckets' addresses and a request
 //! id; for each candidate bucket `j` a worker chain on the server (RedN-Parallel) runs, per
-//! request (a round of its recycled ring, 16 entries):
+//! request (a round of its recycled ring, 18 entries):
 //!
 //! | # | entry | kind |
 //! | --- | --- | --- |
@@ -18,9 +18,11 @@
 //! | 5 | CAS the response entry's word 0 `{NOOP, key}` → `{WRITE_WITH_IMM, key}` | A |
 //! | 6 | barrier | E |
 //! | 7 | ENABLE the response QP's next entry | E |
-//! | 8..14 | FETCH_ADD re-arming entries 0, 4, 6, 7 and the tail's WAIT and ENABLE | A |
+//! | 8 | barrier (the round's work and the last round's adds completed) | E |
+//! | 9..14 | FETCH_ADD re-arming entries 0, 4, 6, 8 (by a round's completions) and 7 (by one) | A |
 //! | 14 | WAIT for the adds | E |
 //! | 15 | ENABLE the worker's next round | E |
+//! | 16, 17 | FETCH_ADD re-arming entries 14 and 15 | A |
 //!
 //! The response entry (on response QP `j`, a managed QP connected to the client, one-entry
 //! ring) is a WRITE_WITH_IMM of the value into the client's buffer with the request id as
@@ -36,7 +38,7 @@ use super::wqe::{self, off};
 use crate::verbs::*;
 
 /// Entries per round of a hash-get worker.
-pub const HASH_GET_SLOTS: u64 = 16;
+pub const HASH_GET_SLOTS: u64 = 18;
 /// Bytes of one bucket's part of a request: key (6), bucket address (8), bucket address + 8
 /// (8), request id (4).
 pub const REQUEST_PART: usize = 26;

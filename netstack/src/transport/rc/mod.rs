@@ -311,6 +311,32 @@ impl RcQp {
         self.req.retire_unqueued();
     }
 
+    /// The protection domain.
+    pub fn pd(&self) -> u32 {
+        self.pd
+    }
+
+    /// Whether the send queue is empty (a request executed outside the transport now
+    /// completes in order).
+    pub fn send_queue_idle(&self) -> bool {
+        self.req.outstanding() == 0
+    }
+
+    /// Completes a send WR the engine executed itself (a RedN chain's operation on this
+    /// host's memory through a loopback QP, as a NIC executes loopback traffic internally); an
+    /// error status moves the QP to ERR. Only while [`RcQp::send_queue_idle`] holds.
+    pub fn complete_local(&mut self, wr: &SendWr, status: WcStatus, byte_len: u32) {
+        let mut wc = requester::flush_wc(wr, self.qpn, self.dest_qpn);
+        wc.status = status;
+        wc.byte_len = byte_len;
+        self.req.retire_unqueued();
+        if status != WcStatus::Success {
+            self.complete_error(wc);
+        } else if wr.flags.contains(crate::work::SendFlags::SIGNALED) {
+            self.push_completion(wc);
+        }
+    }
+
     /// Limits this QP's requester to `bytes_per_sec` (with a burst of `burst_bytes`), or lifts
     /// the limit: the pacing hook congestion control drives.
     pub fn set_rate(&mut self, bytes_per_sec: Option<u64>, burst_bytes: u64) {

@@ -756,7 +756,9 @@ impl Requester {
                 let len = (w.total - off.min(w.total)).min(mtu) as usize;
                 let (is_first, is_last) = (k == 0, k + 1 == w.npkts);
                 let mut bth = Bth::new(Opcode::for_position(write, is_first, is_last, imm) as u8, dest_qpn, psn);
-                bth.ack_req = is_last || k % ACKREQ_EVERY == ACKREQ_EVERY - 1;
+                // an unsignaled message asks for no immediate ACK (the responder's coalescing
+                // covers it), so a reply the peer sends at once is not queued behind one
+                bth.ack_req = (is_last && w.signaled) || k % ACKREQ_EVERY == ACKREQ_EVERY - 1;
                 bth.solicited = is_last && w.solicited;
                 let mut hdr = HeaderBuf::with_bth(&bth);
                 if write && is_first {
