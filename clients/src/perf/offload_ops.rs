@@ -435,7 +435,7 @@ pub fn run(
         _ => "flexns read 64 B depth 1".into(),
     };
     let line = serde_json::json!({"bench": "ratio", "metric": metric, "system": out[0].system, "op": a.op,
-        "reference": reference, "msg_bytes": a.size, "depth": a.depth, "pairs": pairs, "ratio": ratio, "ratios": ratios});
+        "reference": reference, "msg_bytes": out[0].msg_bytes, "depth": out[0].depth, "pairs": pairs, "ratio": ratio, "ratios": ratios});
     if a.json {
         println!("{line}");
     } else {
