@@ -188,6 +188,11 @@ impl ChildServer {
         })
     }
 
+    /// The child's process id (while it runs).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(|c| c.id())
+    }
+
     /// Whether the child is still running (it has not exited or crashed by itself).
     pub fn is_running(&mut self) -> bool {
         self.child.as_mut().is_some_and(|c| matches!(c.try_wait(), Ok(None)))

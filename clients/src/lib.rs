@@ -4,3 +4,4 @@ pub mod bench;
 pub mod ccsim;
 pub mod perf;
 pub mod plot;
+pub mod ycsb;

@@ -1,5 +1,50 @@
-//! kv-store: a DrTM-style key-value store whose gets are served inside the network stack.
+//! kv-store: a DrTM-style key-value store whose gets are served inside the flexns stack.
 //!
-//! Not built yet: this crate is a placeholder in the workspace so its name and place are fixed.
-//! Its work is tracked by the kv-store issue (registered-memory index, four get paths, YCSB);
-//! it will build on `netstack`'s offloading engine.
+//! - [`layout`]: buckets, slots and versioned entries in registered memory, and validation.
+//! - [`store`]: the partition's single writer and the lock-free local lookup.
+//! - [`offload`]: gets served by offload handlers next to the data (one round trip), and the
+//!   hybrid get with its hot-value cache (DrTM-KV A4+A5).
+//! - [`proto`]: the handshake, RPC messages, offloaded-get replies, the shard map.
+//! - [`server`]: a `kv-server` partition: the stack, the store, RPC, RedN chains, RESP.
+//! - [`client`]: the client library with the five get paths and batching.
+//! - [`resp`]: the RESP (redis protocol) front door.
+
+pub mod cli;
+pub mod client;
+pub mod layout;
+pub mod offload;
+pub mod proto;
+pub mod resp;
+pub mod server;
+pub mod store;
+
+/// Errors of the store, its server and its clients.
+#[derive(Debug, thiserror::Error)]
+pub enum KvError {
+    #[error("key of {0} bytes: keys are 1 to 250 bytes")]
+    BadKey(usize),
+    #[error("value of {0} bytes is larger than the largest entry (64 KiB)")]
+    TooLarge(usize),
+    #[error("key not found")]
+    NotFound,
+    #[error("key exists")]
+    Exists,
+    #[error("store full: {0}")]
+    Full(String),
+    #[error("corrupt store: {0}")]
+    Corrupt(String),
+    #[error("bad configuration: {0}")]
+    Config(String),
+    #[error("server error: {0}")]
+    Server(String),
+    #[error("protocol error: {0}")]
+    Protocol(String),
+    #[error("timed out: {0}")]
+    Timeout(String),
+    #[error(transparent)]
+    Verbs(#[from] netstack::verbs::VerbsError),
+    #[error(transparent)]
+    Cm(#[from] netstack::cm::CmError),
+    #[error("i/o: {0}")]
+    Io(#[from] std::io::Error),
+}

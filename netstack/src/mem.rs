@@ -158,6 +158,45 @@ impl Region {
         Some(self.word(off)?.load(Ordering::Acquire))
     }
 
+    /// Atomic store of the 8-byte word at `off` (Release: what was written before it is
+    /// visible to whoever loads the new value); `None` when `off` is not an aligned in-bounds
+    /// word. The publish step of a writer that fills memory first and links it second.
+    pub fn store_u64(&self, off: usize, v: u64) -> Option<()> {
+        self.word(off)?.store(v, Ordering::Release);
+        Some(())
+    }
+
+    /// Writes `src` as 8-byte atomic stores, front to back (`off` aligned, `src.len()` a
+    /// multiple of 8). The data-race-free way for a local writer to update words that peers and
+    /// engine threads read concurrently; a reader that validates what it read (versions, CRC)
+    /// sees each word either old or new, never half of one.
+    pub fn write_words(&self, off: usize, src: &[u8]) -> Option<()> {
+        if !src.len().is_multiple_of(8) {
+            return None;
+        }
+        for (i, c) in src.chunks_exact(8).enumerate() {
+            let w = self.word(off + 8 * i)?;
+            w.store(u64::from_le_bytes(c.try_into().ok()?), Ordering::Relaxed);
+        }
+        std::sync::atomic::fence(Ordering::Release);
+        Some(())
+    }
+
+    /// Reads `dst.len()` bytes (a multiple of 8, `off` aligned) as 8-byte atomic loads, front
+    /// to back: the counterpart of [`Region::write_words`] for local readers.
+    pub fn read_words(&self, off: usize, dst: &mut [u8]) -> Option<()> {
+        if !dst.len().is_multiple_of(8) {
+            return None;
+        }
+        std::sync::atomic::fence(Ordering::Acquire);
+        for (i, c) in dst.chunks_exact_mut(8).enumerate() {
+            let w = self.word(off + 8 * i)?;
+            c.copy_from_slice(&w.load(Ordering::Relaxed).to_le_bytes());
+        }
+        std::sync::atomic::fence(Ordering::Acquire);
+        Some(())
+    }
+
     /// Runs `f` over bytes `off..off+n` in place (checksumming and sending without a copy).
     /// Like a NIC's DMA read, the view may observe a concurrent remote write to the same bytes;
     /// the transport never sends from memory it is placing into.

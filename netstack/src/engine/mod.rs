@@ -962,9 +962,53 @@ impl DataCore {
     }
 }
 
+/// A READ response carries memory that the responder's own application may be writing at this
+/// moment (a key-value store rewriting an entry that clients READ). Checksummed in place and
+/// copied by the kernel later, such a packet could carry bytes other than those its ICRC
+/// covers: the requester drops it as corrupt, and again on every retransmission while the
+/// writes go on, until the READ fails with RETRY_EXC_ERR. Like a NIC, which DMA-reads the
+/// payload once and checksums what it read, the engine copies a READ response's payload first,
+/// so the READ completes with whatever the memory held (torn data is the reader's to detect).
+/// Small payloads of any opcode are copied too (cheaper than the system call they ride in):
+/// a RedN chain's response WRITE sources memory the store's writer owns. Larger SEND and WRITE
+/// payloads stay zero-copy: their memory is the poster's, not to be modified while the request
+/// is outstanding (the verbs rule).
+fn snapshot_read_payload(pkt: &mut TxPacket) {
+    /// Payloads up to this many bytes are always copied.
+    const SNAPSHOT_SMALL_PAYLOAD: usize = 512;
+    use crate::wire::opcode::Opcode;
+    let read_resp = matches!(
+        Opcode::from_u8(pkt.hdr.bth().opcode),
+        Some(
+            Opcode::ReadResponseFirst
+                | Opcode::ReadResponseMiddle
+                | Opcode::ReadResponseLast
+                | Opcode::ReadResponseOnly
+        )
+    );
+    let len = pkt.payload_len();
+    if len == 0 || !read_resp && len > SNAPSHOT_SMALL_PAYLOAD {
+        return;
+    }
+    let snap = crate::mem::Region::alloc(len);
+    let mut at = 0;
+    for p in &pkt.payload {
+        p.region.with_slice(p.off, p.len, |b| snap.write(at, b));
+        at += p.len;
+    }
+    pkt.payload.clear();
+    pkt.payload.push(crate::transport::PayloadPart {
+        region: Arc::new(snap),
+        off: 0,
+        len,
+    });
+}
+
 impl Outgoing {
-    /// Computes pad and ICRC over the header buffer and the payload in place (no copy).
-    fn new(pkt: TxPacket, link: usize, src: SocketAddrV4, dst: SocketAddrV4) -> Outgoing {
+    /// Computes pad and ICRC over the header buffer and the payload in place (no copy), except
+    /// for READ responses, whose payload is first snapshotted (see [`snapshot_read_payload`]).
+    fn new(mut pkt: TxPacket, link: usize, src: SocketAddrV4, dst: SocketAddrV4) -> Outgoing {
+        snapshot_read_payload(&mut pkt);
         let pad = pkt.hdr.bth().pad as usize;
         let body = pkt.hdr.len() + pkt.payload_len() + pad;
         let mut c = icrc::Icrc::new(src, dst, body);

@@ -1,0 +1,74 @@
+//! `kv`: get, put and delete keys of a kv-store cluster from the command line.
+
+use anyhow::{bail, Context as _, Result};
+use clap::{Parser, Subcommand};
+use kv_store::client::{ClientConfig, GetPath, KvClient};
+use netstack::verbs::{Context, ContextConfig};
+use std::io::Write;
+use std::net::SocketAddr;
+
+#[derive(Parser)]
+#[command(name = "kv", version, about = "Get, put and delete keys of a flexns kv-store")]
+struct Cli {
+    /// A kv-server's connection-manager address (its banner's cm=); the others are found
+    /// through its shard map. Several: every shard, shard 0 first.
+    #[arg(long, short, value_delimiter = ',')]
+    server: Vec<SocketAddr>,
+    /// How gets travel.
+    #[arg(long, value_enum, default_value = "offload")]
+    get_path: GetPath,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Prints the value (raw bytes) of KEY; exits 1 when it is absent.
+    Get { key: String },
+    /// Sets KEY to VALUE.
+    Put { key: String, value: String },
+    /// Deletes KEY; exits 1 when it was absent.
+    Del { key: String },
+}
+
+fn main() -> Result<()> {
+    clients::bench::init_cli();
+    let cli = Cli::parse();
+    if cli.server.is_empty() {
+        bail!("no server: pass --server ADDR (the cm= address a kv-server prints)");
+    }
+    let ctx = Context::open(ContextConfig::default())?;
+    let mut c = KvClient::connect(
+        &ctx,
+        ClientConfig {
+            servers: cli.server.clone(),
+            depth: 2,
+            get_path: cli.get_path,
+            ..Default::default()
+        },
+    )
+    .with_context(|| format!("connecting to {:?}", cli.server))?;
+    match cli.cmd {
+        Cmd::Get { key } => match c.get(key.as_bytes())? {
+            Some(v) => {
+                let mut o = std::io::stdout();
+                o.write_all(&v)?;
+                o.write_all(b"\n")?;
+            }
+            None => {
+                eprintln!("{key}: not found");
+                std::process::exit(1);
+            }
+        },
+        Cmd::Put { key, value } => c.put(key.as_bytes(), value.as_bytes())?,
+        Cmd::Del { key } => match c.delete(key.as_bytes()) {
+            Ok(()) => {}
+            Err(kv_store::KvError::NotFound) => {
+                eprintln!("{key}: not found");
+                std::process::exit(1);
+            }
+            Err(e) => return Err(e.into()),
+        },
+    }
+    Ok(())
+}

@@ -1,0 +1,22 @@
+//! `kv-server`: one partition of the kv-store (see `kv_store::server`).
+
+use clap::Parser;
+
+#[derive(Parser)]
+#[command(
+    name = "kv-server",
+    version,
+    about = "A kv-store partition served by the flexns stack"
+)]
+struct Cli {
+    #[command(flatten)]
+    args: kv_store::cli::ServerArgs,
+}
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .init();
+    kv_store::cli::run(Cli::parse().args)
+}

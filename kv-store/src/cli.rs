@@ -1,0 +1,133 @@
+//! The `kv-server` command line (shared by the `kv-server` binary and the programs that start
+//! partitions as child processes, such as `ycsb` and `flexns demo`).
+
+use crate::server::{KvServer, ServerConfig};
+use anyhow::{Context as _, Result};
+use netstack::verbs::ContextConfig;
+use std::net::{SocketAddr, SocketAddrV4};
+
+/// Options of one partition.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServerArgs {
+    /// Connection-manager (gRPC) listen address: what clients and the shard map name.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub cm: SocketAddrV4,
+    /// Data-path (RoCEv2/UDP) address.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub data: SocketAddrV4,
+    /// RESP (redis protocol) front door listen address; `off` for none.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub resp: String,
+    /// Keys the index is sized for.
+    #[arg(long, default_value_t = 1 << 20)]
+    pub capacity: u64,
+    /// Bytes of entry memory (suffixes k, MiB, GiB).
+    #[arg(long, default_value = "256MiB", value_parser = parse_size)]
+    pub data_size: u64,
+    /// The value length RedN gets serve (their responses have a fixed length).
+    #[arg(long, default_value_t = 64)]
+    pub redn_value_len: usize,
+    /// This partition's shard number.
+    #[arg(long, default_value_t = 0)]
+    pub shard: u32,
+    /// Number of shards.
+    #[arg(long, default_value_t = 1)]
+    pub shards: u32,
+    /// The shard map clients fetch: every shard's connection-manager address, shard 0 first.
+    #[arg(long, default_value = "")]
+    pub map: String,
+    /// Entries of the hybrid get's hot-value cache (0: off).
+    #[arg(long, default_value_t = 4096)]
+    pub hot_entries: usize,
+    /// Engine threads (data cores).
+    #[arg(long, default_value_t = 1)]
+    pub data_cores: usize,
+    /// Offload threads (the offloaded gets run there).
+    #[arg(long)]
+    pub offload_threads: Option<usize>,
+    /// Context config (TOML, `deploy/config/context.toml`); flags given override it.
+    #[arg(long)]
+    pub config: Option<std::path::PathBuf>,
+}
+
+/// Parses a size with an optional suffix (k, KiB, M, MiB, G, GiB).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (n, suf) = t.split_at(split);
+    let n: u64 = n.parse().map_err(|_| format!("invalid size {s:?}"))?;
+    let mul = match suf.to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        _ => return Err(format!("invalid size suffix in {s:?}: use k, KiB, M, MiB, G or GiB")),
+    };
+    n.checked_mul(mul).ok_or_else(|| format!("size {s:?} overflows"))
+}
+
+impl ServerArgs {
+    /// The partition configuration these flags describe.
+    pub fn config(&self) -> Result<ServerConfig> {
+        let mut ctx = match &self.config {
+            Some(p) => ContextConfig::from_toml(
+                &std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?,
+            )
+            .with_context(|| format!("config {}", p.display()))?,
+            None => ContextConfig::default(),
+        };
+        ctx.bind = self.data;
+        ctx.data_cores = self.data_cores;
+        if let Some(t) = self.offload_threads {
+            ctx.offload.threads = t;
+        }
+        let resp = match self.resp.as_str() {
+            "off" | "none" => None,
+            a => Some(
+                a.parse::<SocketAddr>()
+                    .with_context(|| format!("--resp: {a:?} is not an address or `off`"))?,
+            ),
+        };
+        let map = crate::proto::parse_map(&self.map).context("--map")?;
+        Ok(ServerConfig {
+            cm: self.cm,
+            resp,
+            capacity: self.capacity,
+            data_bytes: self.data_size,
+            redn_value_len: self.redn_value_len,
+            shard: self.shard,
+            shards: self.shards,
+            map,
+            hot_entries: self.hot_entries,
+            ctx,
+            ..Default::default()
+        })
+    }
+}
+
+/// Runs a partition until SIGTERM or SIGINT. Prints one banner line first:
+/// `kv-server cm=ADDR data=ADDR resp=ADDR shard=I/N`.
+pub fn run(args: ServerArgs) -> Result<()> {
+    let s = KvServer::start(args.config()?)?;
+    println!(
+        "kv-server cm={} data={} resp={} shard={}/{}",
+        s.cm_addr(),
+        s.data_addr(),
+        s.resp_addr().map(|a| a.to_string()).unwrap_or_else(|| "off".into()),
+        args.shard,
+        args.shards
+    );
+    use std::io::Write;
+    std::io::stdout().flush()?;
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    rt.block_on(async {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        tokio::select! {
+            _ = term.recv() => {},
+            _ = tokio::signal::ctrl_c() => {},
+        }
+        Ok::<_, std::io::Error>(())
+    })?;
+    tracing::info!("kv-server stopping: {:?}", s.stats());
+    Ok(())
+}

@@ -1,0 +1,614 @@
+//! One `kv-server` partition: a flexns context, the store in one registered region, and the
+//! four ways gets reach it:
+//! - one-sided READs of the region (nothing runs here);
+//! - the offloaded and hybrid gets, handlers on the engine's offload threads;
+//! - RedN hash-get chains on managed QPs (one pair of response QPs per client connection);
+//! - two-sided RPCs served by the application thread, which is also the partition's single
+//!   writer for puts, inserts, updates and deletes.
+//!
+//! A RESP front door (GET/SET/DEL/PING/CONFIG GET/QUIT) on TCP serves redis clients.
+
+use crate::layout;
+use crate::offload::{get_handler, hybrid_handler, HotCache, HotStats};
+use crate::proto::*;
+use crate::store::{self, Geometry, Store, StoreStats};
+use crate::KvError;
+use netstack::cm::{self, Accepted, Acceptor};
+use netstack::offload::{OffloadStats, QpFilter, Registered};
+use netstack::redn::programs::{ClientBuffer, HashGetServer};
+use netstack::verbs::*;
+use parking_lot::Mutex;
+use serde::Serialize;
+use std::collections::HashMap;
+use std::net::{SocketAddr, SocketAddrV4};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// A partition's configuration.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// Connection-manager (gRPC) listen address.
+    pub cm: SocketAddrV4,
+    /// RESP front door listen address (`None`: no front door).
+    pub resp: Option<SocketAddr>,
+    /// Keys the index is sized for, and bytes of entry memory.
+    pub capacity: u64,
+    pub data_bytes: u64,
+    /// The value length RedN gets serve (their responses have a fixed length).
+    pub redn_value_len: usize,
+    /// This partition's shard number and the shard count.
+    pub shard: u32,
+    pub shards: u32,
+    /// The shard map handed to clients (connection-manager addresses by shard), if known.
+    pub map: Vec<SocketAddr>,
+    /// Hot-value cache of the hybrid get: entries, and accesses before a key is admitted.
+    pub hot_entries: usize,
+    pub hot_admit: u8,
+    /// The stack's context (data address, data cores, offload threads, ...).
+    pub ctx: ContextConfig,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            cm: SocketAddrV4::new([127, 0, 0, 1].into(), 0),
+            resp: None,
+            capacity: 1 << 20,
+            data_bytes: 256 << 20,
+            redn_value_len: 64,
+            shard: 0,
+            shards: 1,
+            map: Vec::new(),
+            hot_entries: 4096,
+            hot_admit: 4,
+            ctx: ContextConfig::default(),
+        }
+    }
+}
+
+/// Counters of a partition, for `kv stats` and the benchmarks.
+#[derive(Debug, Clone, Serialize)]
+pub struct ServerStats {
+    pub store: StoreStats,
+    pub hot: HotStats,
+    pub offload: OffloadStats,
+    pub redn: netstack::redn::RednStats,
+    pub rpc_requests: u64,
+    pub rpc_errors: u64,
+    pub resp_requests: u64,
+    pub connections: u64,
+    pub redn_pairs: u64,
+}
+
+/// Receives kept posted per RedN pair (each get consumes one; an application chore refills).
+const REDN_RECVS: u64 = 1024;
+/// Most RPCs in flight per connection.
+const MAX_DEPTH: u32 = 256;
+
+struct RpcConn {
+    qp: Option<Qp>,
+    /// `depth` receive slots, then `2 * depth` send slots, of `RPC_SLOT` bytes each.
+    mr: Mr,
+    depth: u32,
+    free_send: Vec<u32>,
+}
+
+struct RednPair {
+    /// The connected response QPs (part 0 receives the requests).
+    qps: Vec<Qp>,
+    chains: Option<HashGetServer>,
+    rcq: Cq,
+    _qcq: Cq,
+    posted: u64,
+    resp: ClientBuffer,
+}
+
+pub(crate) struct Inner {
+    ctx: Context,
+    pd: Pd,
+    mr: Mr,
+    geometry: Geometry,
+    /// The single writer.
+    pub(crate) store: Mutex<Store>,
+    /// Held by the application thread and the RESP front door while they work; `pause_app`
+    /// takes it to show that offloaded and one-sided gets do not need them.
+    pub(crate) app_gate: Mutex<()>,
+    cq: Cq,
+    conns: Mutex<HashMap<u32, RpcConn>>,
+    pending: Mutex<HashMap<u32, RpcConn>>,
+    redn: Mutex<HashMap<u64, RednPair>>,
+    /// Accepted RedN QPs until connected: QPN → pair.
+    pending_redn: Mutex<HashMap<u32, u64>>,
+    hot: Arc<HotCache>,
+    pub(crate) shard: u32,
+    pub(crate) shards: u32,
+    pub(crate) map: Vec<SocketAddr>,
+    rpc_requests: AtomicU64,
+    rpc_errors: AtomicU64,
+    pub(crate) resp_requests: AtomicU64,
+}
+
+impl Inner {
+    fn welcome(&self, rpc_slots: u32) -> Welcome {
+        Welcome {
+            shard: self.shard,
+            shards: self.shards,
+            map: self.map.clone(),
+            region_addr: self.mr.addr(),
+            rkey: self.mr.rkey(),
+            geometry: self.geometry,
+            rpc_slots,
+        }
+    }
+
+    /// Checks that `key` belongs to this partition.
+    pub(crate) fn owns(&self, key: &[u8]) -> Result<(), KvError> {
+        let s = shard_of(key, self.shards);
+        if s != self.shard {
+            let at = self.map.get(s as usize).map(|a| format!(" at {a}")).unwrap_or_default();
+            return Err(KvError::Server(format!(
+                "key belongs to shard {s}{at}, this is shard {} of {}",
+                self.shard, self.shards
+            )));
+        }
+        Ok(())
+    }
+
+    /// Reads `key` without the writer (validated, lock-free).
+    pub(crate) fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, KvError> {
+        if key.is_empty() || key.len() > layout::MAX_KEY {
+            return Err(KvError::BadKey(key.len()));
+        }
+        self.owns(key)?;
+        Ok(store::lookup(&**self.mr.region(), &self.geometry, key)?
+            .0
+            .map(|f| f.value))
+    }
+
+    /// Executes one RPC; returns the reply status and payload.
+    fn execute(&self, req: &Request<'_>) -> (u8, Vec<u8>) {
+        let r = self.owns(req.key).and_then(|_| match req.op {
+            RpcOp::Get => self.get(req.key).map(|v| v.ok_or(KvError::NotFound)).and_then(|r| r),
+            RpcOp::Put => self.store.lock().put(req.key, req.value).map(|_| Vec::new()),
+            RpcOp::Insert => self.store.lock().insert(req.key, req.value).map(|_| Vec::new()),
+            RpcOp::Update => self.store.lock().update(req.key, req.value).map(|_| Vec::new()),
+            RpcOp::Delete => match self.store.lock().delete(req.key) {
+                Ok(true) => Ok(Vec::new()),
+                Ok(false) => Err(KvError::NotFound),
+                Err(e) => Err(e),
+            },
+        });
+        match r {
+            Ok(v) => (RPC_OK, v),
+            Err(KvError::NotFound) => (RPC_NOT_FOUND, Vec::new()),
+            Err(KvError::Exists) => (RPC_EXISTS, Vec::new()),
+            Err(e) => {
+                self.rpc_errors.fetch_add(1, Ordering::Relaxed);
+                (RPC_ERROR, e.to_string().into_bytes())
+            }
+        }
+    }
+
+    fn accept_kv(&self, depth: u32) -> Result<Accepted, String> {
+        let depth = depth.clamp(1, MAX_DEPTH);
+        let e = |e: VerbsError| e.to_string();
+        let qp = self
+            .ctx
+            .create_qp(
+                &self.pd,
+                &self.cq,
+                &self.cq,
+                QpInitAttr {
+                    config: Some(RcConfig {
+                        max_recv_wr: depth.max(self.ctx.config().qp.max_recv_wr),
+                        max_send_wr: (2 * depth).max(self.ctx.config().qp.max_send_wr),
+                        ..self.ctx.config().qp
+                    }),
+                    ..Default::default()
+                },
+            )
+            .map_err(e)?;
+        let mr = self
+            .pd
+            .reg_mr(3 * depth as usize * RPC_SLOT, Access::LOCAL_WRITE)
+            .map_err(e)?;
+        for s in 0..depth {
+            qp.post_recv(RecvWr {
+                wr_id: s as u64,
+                sg_list: [mr.sge(s as usize * RPC_SLOT, RPC_SLOT)].into_iter().collect(),
+            })
+            .map_err(e)?;
+        }
+        let w = self.welcome(depth);
+        self.pending.lock().insert(
+            qp.qp_num(),
+            RpcConn {
+                qp: None,
+                mr,
+                depth,
+                free_send: (0..2 * depth).rev().collect(),
+            },
+        );
+        Ok(Accepted {
+            private_data: serde_json::to_vec(&w).map_err(|e| e.to_string())?,
+            qp,
+        })
+    }
+
+    fn accept_redn(&self, pair: u64, part: u8, resp: ClientBuffer) -> Result<Accepted, String> {
+        let e = |e: VerbsError| e.to_string();
+        let mut pairs = self.redn.lock();
+        let ready = pairs.get(&pair).map(|p| p.qps.len());
+        if part > 1 || (part == 0 && ready.is_some()) || (part == 1 && ready != Some(1)) {
+            return Err(format!(
+                "RedN pair {pair}: part {part} out of order (connect part 0, then 1)"
+            ));
+        }
+        if part == 0 {
+            let rcq = self.ctx.create_cq_ignore_overrun(64).map_err(e)?;
+            let qcq = self.ctx.create_cq_ignore_overrun(64).map_err(e)?;
+            pairs.insert(
+                pair,
+                RednPair {
+                    qps: Vec::new(),
+                    chains: None,
+                    rcq,
+                    _qcq: qcq,
+                    posted: 0,
+                    resp,
+                },
+            );
+        }
+        let p = pairs.get_mut(&pair).expect("inserted above");
+        // part 1 receives nothing; its receive CQ is the send CQ (part 0's receive CQ must
+        // count the requests only)
+        let rcq = if part == 0 { p.rcq.clone() } else { p._qcq.clone() };
+        let qp = self
+            .ctx
+            .create_qp(
+                &self.pd,
+                &p._qcq,
+                &rcq,
+                QpInitAttr {
+                    managed_slots: 1,
+                    config: Some(RcConfig {
+                        max_recv_wr: 2 * REDN_RECVS as u32,
+                        ..self.ctx.config().qp
+                    }),
+                    ..Default::default()
+                },
+            )
+            .map_err(e)?;
+        if part == 1 {
+            let qrefs = [&p.qps[0], &qp];
+            let chains = HashGetServer::new(
+                &self.ctx,
+                &self.pd,
+                &qrefs,
+                &p.rcq,
+                self.mr.rkey(),
+                self.mr.lkey(),
+                layout::class_len(self.geometry.redn_class) as u32,
+                p.resp,
+            )
+            .map_err(e)?;
+            chains.post_recvs(&p.qps[0], REDN_RECVS as usize).map_err(e)?;
+            p.posted = REDN_RECVS;
+            p.chains = Some(chains);
+        }
+        self.pending_redn.lock().insert(qp.qp_num(), pair);
+        Ok(Accepted {
+            qp,
+            private_data: serde_json::to_vec(&self.welcome(0)).map_err(|e| e.to_string())?,
+        })
+    }
+
+    /// Application chores: RedN receives topped up, dead connections dropped.
+    fn chores(&self) {
+        let mut pairs = self.redn.lock();
+        pairs.retain(|_, p| p.qps.iter().all(|q| q.state() != QpState::Err));
+        for p in pairs.values_mut() {
+            let Some(ch) = &p.chains else { continue };
+            let used = p.rcq.produced();
+            while p.posted < used + REDN_RECVS {
+                if p.qps[0].post_recv(ch.recv_wr(p.posted)).is_err() {
+                    break;
+                }
+                p.posted += 1;
+            }
+        }
+        drop(pairs);
+        self.conns
+            .lock()
+            .retain(|_, c| c.qp.as_ref().is_some_and(|q| q.state() != QpState::Err));
+    }
+
+    fn handle(&self, wc: &Wc) {
+        let mut conns = self.conns.lock();
+        let Some(c) = conns.get_mut(&wc.qp_num) else {
+            return;
+        };
+        if wc.opcode == WcOpcode::Send {
+            c.free_send.push(wc.wr_id as u32);
+            return;
+        }
+        if wc.status != WcStatus::Success {
+            return; // flushed or the peer is gone; the chores drop the connection
+        }
+        let Some(qp) = c.qp.as_ref() else { return };
+        let slot = wc.wr_id as usize;
+        let mut buf = vec![0u8; wc.byte_len as usize];
+        c.mr.read(slot * RPC_SLOT, &mut buf);
+        self.rpc_requests.fetch_add(1, Ordering::Relaxed);
+        let (status, id, payload) = match decode_request(&buf) {
+            Ok(req) => {
+                let (s, p) = self.execute(&req);
+                (s, req.id, p)
+            }
+            Err((id, msg)) => {
+                self.rpc_errors.fetch_add(1, Ordering::Relaxed);
+                (RPC_ERROR, id, msg.into_bytes())
+            }
+        };
+        // repost the receive, then answer from a free send slot
+        let _ = qp.post_recv(RecvWr {
+            wr_id: slot as u64,
+            sg_list: [c.mr.sge(slot * RPC_SLOT, RPC_SLOT)].into_iter().collect(),
+        });
+        let Some(s) = c.free_send.pop() else {
+            // more replies unacknowledged than the client may have requests in flight: the
+            // client broke its depth; refuse rather than overwrite a reply in flight
+            self.rpc_errors.fetch_add(1, Ordering::Relaxed);
+            return;
+        };
+        let off = (c.depth as usize + s as usize) * RPC_SLOT;
+        let mut out = vec![0u8; RPC_HEADER + payload.len()];
+        let n = encode_reply(&mut out, status, id, &payload);
+        c.mr.write(off, &out[..n]);
+        let flags = if n <= 256 {
+            SendFlags::INLINE | SendFlags::SIGNALED
+        } else {
+            SendFlags::SIGNALED
+        };
+        let _ = qp.post_send(SendWr::new(s as u64, WrOpcode::Send).sge(c.mr.sge(off, n)).flags(flags));
+    }
+}
+
+struct KvAcceptor(Arc<Inner>);
+
+impl Acceptor for KvAcceptor {
+    fn accept(&self, _remote: &Endpoint, pd: &[u8]) -> Result<Accepted, String> {
+        match serde_json::from_slice::<Hello>(pd).map_err(|e| format!("bad hello: {e}"))? {
+            Hello::Kv { depth } => self.0.accept_kv(depth),
+            Hello::Redn {
+                pair,
+                part,
+                resp_addr,
+                resp_rkey,
+            } => self.0.accept_redn(
+                pair,
+                part,
+                ClientBuffer {
+                    addr: resp_addr,
+                    rkey: resp_rkey,
+                },
+            ),
+        }
+    }
+
+    fn connected(&self, qp: Qp) {
+        if let Some(mut c) = self.0.pending.lock().remove(&qp.qp_num()) {
+            let qpn = qp.qp_num();
+            c.qp = Some(qp);
+            self.0.conns.lock().insert(qpn, c);
+        } else if let Some(pair) = self.0.pending_redn.lock().remove(&qp.qp_num()) {
+            if let Some(p) = self.0.redn.lock().get_mut(&pair) {
+                p.qps.push(qp);
+            }
+        }
+    }
+}
+
+/// A running partition. Dropping it stops the application thread and the front doors.
+pub struct KvServer {
+    inner: Arc<Inner>,
+    cm_addr: SocketAddr,
+    resp_addr: Option<SocketAddr>,
+    stop: Arc<AtomicBool>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+    rt: Option<tokio::runtime::Runtime>,
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    _offloads: Vec<Registered>,
+    _dma: netstack::offload::DmaRegionHandle,
+}
+
+/// Holding this blocks the partition's application thread and RESP front door.
+pub struct AppPause<'a>(#[allow(dead_code)] parking_lot::MutexGuard<'a, ()>);
+
+impl KvServer {
+    /// Starts a partition.
+    pub fn start(cfg: ServerConfig) -> Result<KvServer, KvError> {
+        if cfg.shards == 0 || cfg.shard >= cfg.shards {
+            return Err(KvError::Config(format!("shard {} of {}", cfg.shard, cfg.shards)));
+        }
+        if !cfg.map.is_empty() && cfg.map.len() != cfg.shards as usize {
+            return Err(KvError::Config(format!(
+                "shard map has {} addresses for {} shards",
+                cfg.map.len(),
+                cfg.shards
+            )));
+        }
+        let geometry = Geometry::for_capacity(cfg.capacity, cfg.data_bytes, cfg.redn_value_len)?;
+        let ctx = Context::open(cfg.ctx.clone())?;
+        let pd = ctx.alloc_pd();
+        let mr = pd.reg_mr(geometry.region_len(), Access::LOCAL_WRITE | Access::REMOTE_READ)?;
+        let store = Store::new(mr.region().clone(), geometry)?;
+        let hot = Arc::new(HotCache::new(cfg.hot_entries, cfg.hot_admit));
+        let off = ctx.offload();
+        let dma = off.register_dma_region(&mr, false);
+        let offloads = vec![
+            off.register_opcode(OFFLOAD_GET, QpFilter::Any, get_handler(mr.addr(), geometry))
+                .map_err(|e| KvError::Config(e.to_string()))?,
+            off.register_opcode(
+                OFFLOAD_HYBRID_GET,
+                QpFilter::Any,
+                hybrid_handler(mr.addr(), geometry, hot.clone()),
+            )
+            .map_err(|e| KvError::Config(e.to_string()))?,
+        ];
+        let cq = ctx.create_cq(1 << 16)?;
+        let inner = Arc::new(Inner {
+            ctx: ctx.clone(),
+            pd,
+            mr,
+            geometry,
+            store: Mutex::new(store),
+            app_gate: Mutex::new(()),
+            cq,
+            conns: Mutex::new(HashMap::new()),
+            pending: Mutex::new(HashMap::new()),
+            redn: Mutex::new(HashMap::new()),
+            pending_redn: Mutex::new(HashMap::new()),
+            hot,
+            shard: cfg.shard,
+            shards: cfg.shards,
+            map: cfg.map.clone(),
+            rpc_requests: AtomicU64::new(0),
+            rpc_errors: AtomicU64::new(0),
+            resp_requests: AtomicU64::new(0),
+        });
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("kv-server-cm")
+            .enable_all()
+            .build()?;
+        let listener = rt.block_on(tokio::net::TcpListener::bind(cfg.cm))?;
+        let cm_addr = listener.local_addr()?;
+        let resp_addr = match cfg.resp {
+            Some(a) => {
+                let l = rt.block_on(tokio::net::TcpListener::bind(a))?;
+                let addr = l.local_addr()?;
+                rt.spawn(crate::resp::serve(l, inner.clone()));
+                Some(addr)
+            }
+            None => None,
+        };
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        {
+            let acc = Arc::new(KvAcceptor(inner.clone()));
+            rt.spawn(async move {
+                if let Err(e) = cm::serve(listener, acc, async {
+                    let _ = rx.await;
+                })
+                .await
+                {
+                    tracing::error!("connection manager stopped: {e}");
+                }
+            });
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut threads = Vec::new();
+        {
+            let (inner, stop) = (inner.clone(), stop.clone());
+            threads.push(
+                std::thread::Builder::new()
+                    .name("kv-app".into())
+                    .spawn(move || app_thread(&inner, &stop))?,
+            );
+        }
+        Ok(KvServer {
+            inner,
+            cm_addr,
+            resp_addr,
+            stop,
+            threads,
+            rt: Some(rt),
+            shutdown: Some(tx),
+            _offloads: offloads,
+            _dma: dma,
+        })
+    }
+
+    /// The connection manager's address (what clients and the shard map name).
+    pub fn cm_addr(&self) -> SocketAddr {
+        self.cm_addr
+    }
+    /// The data path's address.
+    pub fn data_addr(&self) -> SocketAddrV4 {
+        self.inner.ctx.local_addr()
+    }
+    /// The RESP front door's address.
+    pub fn resp_addr(&self) -> Option<SocketAddr> {
+        self.resp_addr
+    }
+
+    /// Writes through the single writer (loading without a network client).
+    pub fn put(&self, key: &[u8], value: &[u8]) -> Result<(), KvError> {
+        self.inner.owns(key)?;
+        self.inner.store.lock().put(key, value).map(|_| ())
+    }
+
+    /// Blocks the application thread and the RESP front door until the guard drops.
+    pub fn pause_app(&self) -> AppPause<'_> {
+        AppPause(self.inner.app_gate.lock())
+    }
+
+    /// The partition's counters.
+    pub fn stats(&self) -> ServerStats {
+        let i = &self.inner;
+        ServerStats {
+            store: i.store.lock().stats(),
+            hot: i.hot.stats(),
+            offload: i.ctx.offload().stats(),
+            redn: i.ctx.redn_stats(),
+            rpc_requests: i.rpc_requests.load(Ordering::Relaxed),
+            rpc_errors: i.rpc_errors.load(Ordering::Relaxed),
+            resp_requests: i.resp_requests.load(Ordering::Relaxed),
+            connections: i.conns.lock().len() as u64,
+            redn_pairs: i.redn.lock().len() as u64,
+        }
+    }
+}
+
+impl Drop for KvServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+        if let Some(rt) = self.rt.take() {
+            rt.shutdown_timeout(Duration::from_secs(1));
+        }
+    }
+}
+
+/// The application thread: serves RPCs (and is the single writer for them), and does the
+/// chores. Spins briefly after work, then sleeps on the CQ.
+fn app_thread(inner: &Inner, stop: &AtomicBool) {
+    let mut wcs = [EMPTY_WC; 64];
+    let mut last_work = Instant::now();
+    let mut last_chores = Instant::now();
+    while !stop.load(Ordering::Relaxed) {
+        let gate = inner.app_gate.lock();
+        let n = inner.cq.poll(&mut wcs);
+        for wc in &wcs[..n] {
+            inner.handle(wc);
+        }
+        if last_chores.elapsed() > Duration::from_millis(20) {
+            inner.chores();
+            last_chores = Instant::now();
+        }
+        drop(gate);
+        if n > 0 {
+            last_work = Instant::now();
+        } else if last_work.elapsed() < Duration::from_micros(200) {
+            std::thread::yield_now();
+        } else {
+            inner.cq.wait(Duration::from_millis(20));
+        }
+    }
+}
