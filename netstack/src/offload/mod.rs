@@ -61,6 +61,10 @@ pub struct OffloadConfig {
     pub budget_us: u64,
     /// Most requests in progress at once; more are answered OVERLOADED.
     pub max_inflight: usize,
+    /// Microseconds an idle offload thread keeps polling for the next request before it
+    /// sleeps (0: sleep at once). Waking a sleeping thread costs tens of microseconds on a
+    /// busy host, more than a short handler runs; like the data cores' `spin_us`.
+    pub spin_us: u64,
 }
 
 impl Default for OffloadConfig {
@@ -69,6 +73,7 @@ impl Default for OffloadConfig {
             threads: 1,
             budget_us: 50_000,
             max_inflight: 4096,
+            spin_us: 50,
         }
     }
 }
@@ -84,6 +89,9 @@ impl OffloadConfig {
         }
         if self.max_inflight == 0 {
             return Err("max_inflight: must be > 0".into());
+        }
+        if self.spin_us > 10_000 {
+            return Err(format!("spin_us: {} > 10000", self.spin_us));
         }
         Ok(())
     }
@@ -202,6 +210,8 @@ pub(crate) struct Inner {
     next_id: AtomicU64,
     dma: Arc<DmaSpace>,
     inflight: AtomicUsize,
+    /// Requests handed to the runtime so far (an idle thread polls it before sleeping).
+    submitted: Arc<AtomicU64>,
     counters: Counters,
     /// Serializes runtime start-up.
     start: Mutex<()>,
@@ -237,6 +247,7 @@ impl OffloadEngine {
                 next_id: AtomicU64::new(1),
                 dma: Arc::new(DmaSpace::default()),
                 inflight: AtomicUsize::new(0),
+                submitted: Arc::new(AtomicU64::new(0)),
                 counters: Counters::default(),
                 start: Mutex::new(()),
             }),
@@ -249,10 +260,33 @@ impl OffloadEngine {
         }
         let _g = self.inner.start.lock();
         if self.inner.rt.get().is_none() {
+            let (submitted, spin) = (
+                self.inner.submitted.clone(),
+                Duration::from_micros(self.inner.cfg.spin_us),
+            );
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(self.inner.cfg.threads)
                 .thread_name("flexns-offload")
                 .enable_time()
+                // adaptive polling: before a worker sleeps, it watches for a new request for
+                // `spin_us`; a request spawned meanwhile finds it awake (its park returns at
+                // once) instead of paying a wake-up
+                .on_thread_park(move || {
+                    if spin.is_zero() {
+                        return;
+                    }
+                    let seen = submitted.load(Ordering::Acquire);
+                    let until = std::time::Instant::now() + spin;
+                    let mut i = 0u32;
+                    while submitted.load(Ordering::Acquire) == seen && std::time::Instant::now() < until {
+                        i += 1;
+                        if i.is_multiple_of(64) {
+                            std::thread::yield_now();
+                        } else {
+                            std::hint::spin_loop();
+                        }
+                    }
+                })
                 .build()
                 .map_err(|e| OffloadError::Runtime(e.to_string()))?;
             let _ = self.inner.rt.set(rt);
@@ -396,6 +430,7 @@ impl OffloadSink for OffloadPort {
         };
         let engine = Arc::downgrade(inner);
         let core = self.core.clone();
+        inner.submitted.fetch_add(1, Ordering::Release);
         rt.spawn(async move {
             let fut = std::panic::AssertUnwindSafe(handler.call(call)).catch_unwind();
             let res = tokio::time::timeout(Duration::from_nanos(budget_ns), fut).await;

@@ -222,6 +222,12 @@ impl Qp {
         let mut s = self.slot.lock();
         s.qp.post_send_with_inline(wr, Some(request), self.ctx.mrs())?;
         self.posted.fetch_add(1, Ordering::Relaxed);
+        if self.low_latency {
+            // sent from this thread, like the QP's other requests
+            self.core.transmit_now(&mut s);
+            self.settle(&s);
+            return Ok(());
+        }
         drop(s);
         // the data core sends it (and delivers an immediate error completion)
         self.core.poke(self.qpn);
