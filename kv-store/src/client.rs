@@ -71,6 +71,9 @@ pub struct ClientConfig {
     pub redn_timeout: Duration,
     /// Torn copies an A1 or hybrid get rereads before it finishes as an offloaded get.
     pub max_torn: u32,
+    /// Offloaded gets: up to this many queued gets for one shard travel as one multi-get
+    /// request (one round trip, one response); 1 sends every get alone.
+    pub batch: u32,
 }
 
 impl Default for ClientConfig {
@@ -82,6 +85,7 @@ impl Default for ClientConfig {
             timeout: Duration::from_secs(5),
             redn_timeout: Duration::from_millis(5),
             max_torn: 16,
+            batch: 8,
         }
     }
 }
@@ -141,10 +145,14 @@ enum Stage {
     Hybrid,
     Rpc,
     Redn,
+    /// An offloaded multi-get carrying the slot's `extra` gets too.
+    Multi,
 }
 
 struct Slot {
     op: usize,
+    /// The other requests of a multi-get.
+    extra: Vec<usize>,
     gen: u32,
     stage: Stage,
     torn: u32,
@@ -165,6 +173,11 @@ struct Shard {
     slots: Vec<Option<Slot>>,
     redn: Vec<RednPair>,
 }
+
+/// Bytes of an offloaded get's response buffer (one packet at the default MTU).
+pub const OFFLOAD_REPLY_MAX: usize = 4096;
+/// Most bytes of a multi-get request (an offload request is one packet).
+const MULTI_GET_REQUEST_MAX: usize = 2048;
 
 const KIND_READ: u64 = 1;
 const KIND_OFFLOAD: u64 = 2;
@@ -218,7 +231,8 @@ impl KvClient {
         let mut shards: Vec<Shard> = Vec::new();
         let mut i = 0;
         while i < servers.len() {
-            let qp = ctx.create_qp(&pd, &cq, &cq, QpInitAttr::default())?;
+            let ll = QpInitAttr::default();
+            let qp = ctx.create_qp(&pd, &cq, &cq, ll)?;
             let w = connect_qp(&rt, servers[i], &qp, &Hello::Kv { depth: cfg.depth })?;
             if i == 0 && servers.len() == 1 && w.shards > 1 {
                 if w.map.len() != w.shards as usize {
@@ -254,7 +268,7 @@ impl KvClient {
                 for s in 0..depth {
                     let pair = rand_pair_id(i, s);
                     let rbuf = pd.reg_mr(entry, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?;
-                    let mk = || ctx.create_qp(&pd, &cq, &cq, QpInitAttr::default());
+                    let mk = || ctx.create_qp(&pd, &cq, &cq, ll);
                     let qps = [mk()?, mk()?];
                     for (part, q) in qps.iter().enumerate() {
                         for r in 0..4 {
@@ -353,6 +367,9 @@ impl KvClient {
         }
         let mut left = results.iter().filter(|r| r.is_none()).count();
         let mut wcs = [EMPTY_WC; 64];
+        let mut multi_done = Vec::new();
+        // requests a multi-get had no room for go alone next time
+        let mut solo = vec![false; ops.len()];
         let mut idle_since = Instant::now();
         while left > 0 {
             // start what fits
@@ -362,8 +379,37 @@ impl KvClient {
                         break;
                     };
                     queue.pop_front();
-                    if let Err(e) = self.start(s, slot, i, &ops[i]) {
-                        self.shards[s].slots[slot] = None;
+                    let mut extra = Vec::new();
+                    if self.cfg.get_path == GetPath::Offload && matches!(ops[i], Op::Get(_)) && !solo[i] {
+                        let mut bytes = 2 + 2 + ops[i].key().len();
+                        while let Some(&j) = queue.front() {
+                            let fits = bytes + 2 + ops[j].key().len() <= MULTI_GET_REQUEST_MAX;
+                            if extra.len() + 1 >= self.cfg.batch as usize
+                                || !matches!(ops[j], Op::Get(_))
+                                || solo[j]
+                                || !fits
+                            {
+                                break;
+                            }
+                            bytes += 2 + ops[j].key().len();
+                            extra.push(j);
+                            queue.pop_front();
+                        }
+                    }
+                    let r = self.start(s, slot, i, &ops[i], extra).and_then(|_| {
+                        if matches!(self.shards[s].slots[slot].as_ref().map(|x| x.stage), Some(Stage::Multi)) {
+                            self.issue_multi(s, slot, &ops)
+                        } else {
+                            Ok(())
+                        }
+                    });
+                    if let Err(e) = r {
+                        if let Some(st) = self.shards[s].slots[slot].take() {
+                            for j in st.extra {
+                                results[j] = Some(Err(KvError::Protocol(e.to_string())));
+                                left -= 1;
+                            }
+                        }
                         results[i] = Some(Err(e));
                         left -= 1;
                     }
@@ -371,6 +417,20 @@ impl KvClient {
             }
             let n = self.cq.poll(&mut wcs);
             for wc in &wcs[..n] {
+                let mut requeue = Vec::new();
+                if self.complete_multi(wc, &ops, &mut multi_done, &mut requeue) {
+                    for (i, r) in multi_done.drain(..) {
+                        if results[i].is_none() {
+                            results[i] = Some(r);
+                            left -= 1;
+                        }
+                    }
+                    for (s, i) in requeue {
+                        solo[i] = true;
+                        queues[s].push_front(i);
+                    }
+                    continue;
+                }
                 if let Some((i, r)) = self.complete(wc, &ops) {
                     if results[i].is_none() {
                         results[i] = Some(r);
@@ -390,6 +450,7 @@ impl KvClient {
                         continue;
                     };
                     let (i, stage, started, deadline) = (st.op, st.stage, st.started, st.deadline);
+                    let extra = st.extra.clone();
                     if matches!(stage, Stage::Redn) && now > started + self.cfg.redn_timeout {
                         self.stats.fallbacks += 1;
                         if let Err(e) = self.fallback(s, slot, &ops[i]) {
@@ -399,17 +460,19 @@ impl KvClient {
                         }
                     } else if now > deadline {
                         self.shards[s].slots[slot] = None;
-                        results[i] = Some(Err(KvError::Timeout(format!(
-                            "no answer from shard {s} ({}) in {:?}",
-                            self.cfg.servers.get(s).map(|a| a.to_string()).unwrap_or_default(),
-                            self.cfg.timeout
-                        ))));
-                        left -= 1;
+                        for j in std::iter::once(i).chain(extra) {
+                            results[j] = Some(Err(KvError::Timeout(format!(
+                                "no answer from shard {s} ({}) in {:?}",
+                                self.cfg.servers.get(s).map(|a| a.to_string()).unwrap_or_default(),
+                                self.cfg.timeout
+                            ))));
+                            left -= 1;
+                        }
                     }
                 }
             }
             if idle_since.elapsed() < Duration::from_micros(100) {
-                std::hint::spin_loop();
+                std::thread::yield_now();
             } else {
                 self.cq.wait(Duration::from_micros(500));
             }
@@ -422,11 +485,12 @@ impl KvClient {
         self.gen
     }
 
-    fn start(&mut self, s: usize, slot: usize, i: usize, op: &Op) -> Result<(), KvError> {
+    fn start(&mut self, s: usize, slot: usize, i: usize, op: &Op, extra: Vec<usize>) -> Result<(), KvError> {
         let gen = self.next_gen();
         let now = Instant::now();
         let mut st = Slot {
             op: i,
+            extra: Vec::new(),
             gen,
             stage: Stage::Rpc,
             torn: 0,
@@ -434,6 +498,11 @@ impl KvClient {
             deadline: now + self.cfg.timeout,
         };
         match op {
+            Op::Get(_) if !extra.is_empty() => {
+                self.stats.gets += 1 + extra.len() as u64;
+                st.stage = Stage::Multi;
+                st.extra = extra;
+            }
             Op::Get(k) => {
                 self.stats.gets += 1;
                 st.stage = match self.cfg.get_path {
@@ -450,7 +519,80 @@ impl KvClient {
             _ => self.stats.writes += 1,
         }
         self.shards[s].slots[slot] = Some(st);
+        if matches!(self.shards[s].slots[slot].as_ref().map(|x| x.stage), Some(Stage::Multi)) {
+            return Ok(()); // posted by execute(), which has the other keys
+        }
         self.issue(s, slot, op)
+    }
+
+    /// Posts a multi-get for a slot's requests.
+    fn issue_multi(&mut self, s: usize, slot: usize, ops: &[Op]) -> Result<(), KvError> {
+        let st = self.shards[s].slots[slot].as_ref().expect("slot in use");
+        let keys: Vec<&[u8]> = std::iter::once(st.op)
+            .chain(st.extra.iter().copied())
+            .map(|j| ops[j].key())
+            .collect();
+        encode_multi_get(&mut self.msg, keys.into_iter());
+        self.stats.get_round_trips += 1;
+        let sh = &self.shards[s];
+        sh.qp.post_offload(
+            wr_id(KIND_OFFLOAD, s, slot, st.gen),
+            OFFLOAD_MULTI_GET,
+            &self.msg,
+            sh.buf.sge(slot * RPC_SLOT, OFFLOAD_REPLY_MAX),
+        )?;
+        Ok(())
+    }
+
+    /// Handles the completion of a multi-get; false when `wc` is not one.
+    fn complete_multi(&mut self, wc: &Wc, ops: &[Op], done: &mut Vec<Done>, requeue: &mut Vec<(usize, usize)>) -> bool {
+        let (kind, s, slot, gen) = wr_fields(wc.wr_id);
+        if kind != KIND_OFFLOAD || s >= self.shards.len() {
+            return false;
+        }
+        let Some(st) = self.shards[s].slots.get(slot).and_then(|x| x.as_ref()) else {
+            return false;
+        };
+        if st.gen != gen || !matches!(st.stage, Stage::Multi) {
+            return false;
+        }
+        let st = self.shards[s].slots[slot].take().expect("checked above");
+        let all: Vec<usize> = std::iter::once(st.op).chain(st.extra).collect();
+        if wc.status != WcStatus::Success {
+            for i in all {
+                done.push((
+                    i,
+                    Err(KvError::Server(format!(
+                        "shard {s}: multi-get completion {:?} (vendor error {})",
+                        wc.status, wc.vendor_err
+                    ))),
+                ));
+            }
+            return true;
+        }
+        let mut b = vec![0u8; wc.byte_len as usize];
+        self.shards[s].buf.read(slot * RPC_SLOT, &mut b);
+        let mut at = 0;
+        for i in all {
+            let r = GetReply::decode(&b[at.min(b.len())..]);
+            let Some(r) = r else {
+                done.push((
+                    i,
+                    Err(KvError::Protocol("multi-get reply shorter than its keys".into())),
+                ));
+                continue;
+            };
+            let v = b.get(at + GET_REPLY_HEADER..at + GET_REPLY_HEADER + r.len as usize);
+            at += GET_REPLY_HEADER + r.len as usize;
+            match (r.status, v) {
+                (GET_FOUND, Some(v)) => done.push((i, Ok(Some(v.to_vec())))),
+                (GET_NOT_FOUND, _) => done.push((i, Ok(None))),
+                (GET_NO_ROOM, _) => requeue.push((s, i)),
+                (st, _) => done.push((i, Err(KvError::Protocol(format!("multi-get reply status {st}"))))),
+            }
+        }
+        let _ = ops;
+        true
     }
 
     /// Posts the network operation of a slot's current stage.
@@ -470,18 +612,20 @@ impl KvClient {
                     .remote(sh.w.region_addr + g.bucket_off(b), sh.w.rkey);
                 sh.qp.post_send(wr)?;
             }
-            Stage::Entry { .. } => unreachable!("entry READs are posted by complete()"),
+            Stage::Entry { .. } | Stage::Multi => unreachable!("entry READs and multi-gets are posted elsewhere"),
             Stage::Offload | Stage::Hybrid => {
                 let opcode = if matches!(stage, Stage::Offload) {
                     OFFLOAD_GET
                 } else {
                     OFFLOAD_HYBRID_GET
                 };
+                // a response buffer of one packet: a larger value is answered RESPONSE_TOO_LONG
+                // and fetched over RPC (the reserved response PSNs count against the window)
                 sh.qp.post_offload(
                     wr_id(KIND_OFFLOAD, s, slot, gen),
                     opcode,
                     op.key(),
-                    sh.buf.sge(off, RPC_SLOT),
+                    sh.buf.sge(off, OFFLOAD_REPLY_MAX),
                 )?;
             }
             Stage::Redn => {
@@ -553,6 +697,22 @@ impl KvClient {
             return None; // a late completion of a request this slot already gave up on
         }
         let i = st.op;
+        if kind == KIND_OFFLOAD
+            && wc.status == WcStatus::RemOpErr
+            && wc.vendor_err == netstack::transport::rc::offload::OffloadStatus::ResponseTooLong as u32
+        {
+            // a value larger than one packet: fetch it over RPC
+            self.stats.fallbacks += 1;
+            let gen = self.next_gen();
+            let st = self.shards[s].slots[slot].as_mut()?;
+            st.stage = Stage::Rpc;
+            st.gen = gen;
+            if let Err(e) = self.issue(s, slot, &ops[i]) {
+                self.finish(s, slot);
+                return Some((i, Err(e)));
+            }
+            return None;
+        }
         if wc.status != WcStatus::Success {
             let e = KvError::Server(format!(
                 "shard {s}: work completion {:?} (vendor error {})",

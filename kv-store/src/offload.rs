@@ -84,6 +84,54 @@ pub fn get_handler(base: u64, g: Geometry) -> impl OffloadHandler {
     }
 }
 
+/// The offloaded multi-get: every key of the request looked up next to the data, the replies
+/// back to back (`GetReply` and value each); a value that no longer fits the client's buffer is
+/// answered `GET_NO_ROOM`.
+pub fn multi_get_handler(base: u64, g: Geometry) -> impl OffloadHandler {
+    move |mut call: OffloadCall| async move {
+        let keys: Vec<Vec<u8>> = decode_multi_get(call.request())
+            .map_err(OffloadError::BadRequest)?
+            .into_iter()
+            .map(|k| k.to_vec())
+            .collect();
+        let cap = call.resp_capacity();
+        let mut out = Vec::with_capacity(cap.min(64 * 1024));
+        for k in &keys {
+            let found = store::lookup(&DmaMem { call: &call, base }, &g, k)
+                .map_err(|e| OffloadError::Handler(e.to_string()))?
+                .0;
+            // room for this reply and a header for each key after it
+            let after = (keys.len() - 1) * GET_REPLY_HEADER;
+            let (r, v): (GetReply, &[u8]) = match &found {
+                Some(f) if out.len() + GET_REPLY_HEADER + f.value.len() + after <= cap => (
+                    GetReply {
+                        status: GET_FOUND,
+                        len: f.value.len() as u32,
+                        arg: f.version,
+                    },
+                    &f.value,
+                ),
+                Some(_) => (
+                    GetReply {
+                        status: GET_NO_ROOM,
+                        len: 0,
+                        arg: 0,
+                    },
+                    &[],
+                ),
+                None => (not_found(), &[]),
+            };
+            let mut h = [0u8; GET_REPLY_HEADER];
+            r.encode(&mut h);
+            out.extend_from_slice(&h);
+            out.extend_from_slice(v);
+        }
+        call.alloc_resp(out.len())?;
+        call.resp_mut().copy_from_slice(&out);
+        call.submit_resp()
+    }
+}
+
 struct Hot {
     key: Box<[u8]>,
     value: Arc<[u8]>,

@@ -15,6 +15,10 @@ pub const OFFLOAD_GET: u16 = 0x0B10;
 /// other key is answered with its entry's address, which the client READs.
 pub const OFFLOAD_HYBRID_GET: u16 = 0x0B11;
 
+/// Offload opcode of the offloaded multi-get: several keys in one request, their replies back
+/// to back in one response (the client library's batching; memcached's multi-get, redis MGET).
+pub const OFFLOAD_MULTI_GET: u16 = 0x0B12;
+
 /// Reply statuses of offloaded gets (first word of [`GetReply`]).
 pub const GET_FOUND: u32 = 0;
 pub const GET_NOT_FOUND: u32 = 1;
@@ -23,6 +27,9 @@ pub const GET_HOT: u32 = 2;
 /// Hybrid get: not cached; `arg` is the entry's region offset, `len` its class length, and
 /// the payload its incarnation (u64).
 pub const GET_ADDRESS: u32 = 3;
+
+/// Multi-get: this key's value did not fit in the response buffer; get it alone.
+pub const GET_NO_ROOM: u32 = 4;
 
 /// Bytes of a get reply header.
 pub const GET_REPLY_HEADER: usize = 16;
@@ -48,6 +55,49 @@ impl GetReply {
             arg: u64::from_le_bytes(b.get(8..16)?.try_into().ok()?),
         })
     }
+}
+
+/// A multi-get request: `count: u16`, then per key `len: u16` and the key.
+pub fn encode_multi_get<'a>(out: &mut Vec<u8>, keys: impl Iterator<Item = &'a [u8]>) {
+    out.clear();
+    out.extend_from_slice(&0u16.to_le_bytes());
+    let mut n = 0u16;
+    for k in keys {
+        out.extend_from_slice(&(k.len() as u16).to_le_bytes());
+        out.extend_from_slice(k);
+        n += 1;
+    }
+    out[..2].copy_from_slice(&n.to_le_bytes());
+}
+
+/// Decodes a multi-get request into its keys; the error says what is wrong.
+pub fn decode_multi_get(b: &[u8]) -> Result<Vec<&[u8]>, String> {
+    let n = u16::from_le_bytes(
+        b.get(..2)
+            .ok_or("multi-get shorter than its count")?
+            .try_into()
+            .unwrap_or_default(),
+    );
+    let mut keys = Vec::with_capacity(n as usize);
+    let mut at = 2;
+    for i in 0..n {
+        let l = b
+            .get(at..at + 2)
+            .map(|x| u16::from_le_bytes([x[0], x[1]]) as usize)
+            .ok_or_else(|| format!("key {i} of {n}: length missing"))?;
+        let k = b
+            .get(at + 2..at + 2 + l)
+            .ok_or_else(|| format!("key {i} of {n}: {l} bytes missing"))?;
+        if k.is_empty() || k.len() > layout::MAX_KEY {
+            return Err(format!("key {i} of {n}: {l} bytes (1 to {})", layout::MAX_KEY));
+        }
+        keys.push(k);
+        at += 2 + l;
+    }
+    if at != b.len() {
+        return Err(format!("{} bytes after {n} keys", b.len() - at));
+    }
+    Ok(keys)
 }
 
 /// RPC operations.
@@ -224,6 +274,19 @@ mod tests {
         bad[0] = 99;
         assert!(decode_request(&bad).unwrap_err().1.contains("unknown operation 99"));
         assert!(decode_request(&b[..3]).is_err());
+    }
+
+    #[test]
+    fn multi_gets_round_trip_and_bad_ones_are_named() {
+        let mut b = Vec::new();
+        encode_multi_get(&mut b, [&b"a"[..], b"bcd"].into_iter());
+        assert_eq!(decode_multi_get(&b).unwrap(), vec![&b"a"[..], b"bcd"]);
+        assert!(decode_multi_get(&b[..b.len() - 1]).unwrap_err().contains("key 1 of 2"));
+        let mut extra = b.clone();
+        extra.push(0);
+        assert!(decode_multi_get(&extra).unwrap_err().contains("after"));
+        assert!(decode_multi_get(&[1, 0, 0, 0]).unwrap_err().contains("0 bytes"));
+        assert!(decode_multi_get(&[]).is_err());
     }
 
     #[test]

@@ -9,7 +9,7 @@
 //! A RESP front door (GET/SET/DEL/PING/CONFIG GET/QUIT) on TCP serves redis clients.
 
 use crate::layout;
-use crate::offload::{get_handler, hybrid_handler, HotCache, HotStats};
+use crate::offload::{get_handler, hybrid_handler, multi_get_handler, HotCache, HotStats};
 use crate::proto::*;
 use crate::store::{self, Geometry, Store, StoreStats};
 use crate::KvError;
@@ -449,6 +449,8 @@ impl KvServer {
         let dma = off.register_dma_region(&mr, false);
         let offloads = vec![
             off.register_opcode(OFFLOAD_GET, QpFilter::Any, get_handler(mr.addr(), geometry))
+                .map_err(|e| KvError::Config(e.to_string()))?,
+            off.register_opcode(OFFLOAD_MULTI_GET, QpFilter::Any, multi_get_handler(mr.addr(), geometry))
                 .map_err(|e| KvError::Config(e.to_string()))?,
             off.register_opcode(
                 OFFLOAD_HYBRID_GET,

@@ -68,7 +68,9 @@ fn every_get_path_returns_what_was_written() {
         eprintln!("{path}: {st:?}");
         match path {
             GetPath::A1 => assert!(st.get_round_trips >= 2 * st.gets),
-            GetPath::Offload | GetPath::Rpc => assert_eq!(st.get_round_trips, st.gets),
+            // batches of gets travel as multi-gets (several keys per round trip)
+            GetPath::Offload => assert!(st.get_round_trips * 2 < st.gets, "{st:?}"),
+            GetPath::Rpc => assert_eq!(st.get_round_trips, st.gets),
             // RedN: the 1000-byte values and the missing key are not in the mirror
             GetPath::Redn => assert!(st.fallbacks >= 1 && st.fallbacks < st.gets / 10, "{st:?}"),
             GetPath::Hybrid => assert!(st.hot_hits > 0, "repeated keys become hot: {st:?}"),
