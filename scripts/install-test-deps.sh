@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what the test suite needs beyond cargo, idempotently: tshark (wire-format check),
 # scapy (independent ICRC check), the DejaVu font (ccsim plots), clang, libbpf-dev, bpftool and
-# ethtool (the congestion testbed). Needs root for apt; without root it says what is missing
+# ethtool (the congestion testbed), redis-server and redis-tools (kv-store's reference and
+# front-door test). Needs root for apt; without root it says what is missing
 # and the tests that need those tools skip with a message.
 set -euo pipefail
 
@@ -15,6 +16,9 @@ command -v clang >/dev/null 2>&1 || missing+=(clang)
 [ -f /usr/include/bpf/bpf_helpers.h ] || missing+=(libbpf-dev)
 command -v bpftool >/dev/null 2>&1 || missing+=(bpftool)
 command -v ethtool >/dev/null 2>&1 || missing+=(ethtool)
+# kv-store: the redis-server reference of ycsb and the redis-cli round trip of the RESP door
+command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+command -v redis-cli >/dev/null 2>&1 || missing+=(redis-tools)
 
 if [ "${#missing[@]}" -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

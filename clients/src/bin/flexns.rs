@@ -30,12 +30,16 @@ enum Cmd {
     /// The benchmark server the demo starts as its second node.
     #[command(hide = true)]
     PerfServer(server::ServerArgs),
+    /// The kv-store partition the demo's KV step starts.
+    #[command(hide = true)]
+    KvServer(kv_store::cli::ServerArgs),
 }
 
 fn main() -> Result<()> {
     clients::bench::init_cli();
     match Cli::parse().cmd {
         Cmd::PerfServer(a) => server::run(a),
+        Cmd::KvServer(a) => kv_store::cli::run(a),
         Cmd::Demo { duration, json } => demo(duration, json),
     }
 }
@@ -165,6 +169,7 @@ fn demo(duration: f64, json: bool) -> Result<()> {
             println!();
         }
     }
+    all_verified &= kv_step(duration, json).is_ok();
     if !all_verified {
         anyhow::bail!("a demo step moved data that did not verify");
     }
@@ -172,4 +177,46 @@ fn demo(duration: f64, json: bool) -> Result<()> {
         println!("all data verified end to end.");
     }
     Ok(())
+}
+
+/// The KV step: a kv-store partition as a child process, 20 000 records loaded over RPC, then
+/// YCSB-C gets over every get path (and redis-server's GET when it is installed), each checked.
+fn kv_step(duration: f64, json: bool) -> Result<()> {
+    let with_redis = clients::ycsb::redis::which("redis-server").is_some();
+    if !json {
+        println!(
+            "== KV store: load 20000 records, then YCSB-C gets (zipf 0.99) over each get path{}",
+            if with_redis { ", against redis-server GET" } else { "" }
+        );
+    }
+    let mut systems = vec![clients::ycsb::System::Flexns];
+    if with_redis {
+        systems.push(clients::ycsb::System::Redis);
+    }
+    use kv_store::client::GetPath::*;
+    let a = clients::ycsb::YcsbArgs {
+        workload: clients::ycsb::workload::Workload::C,
+        records: 20_000,
+        value_size: 64,
+        dist: clients::ycsb::workload::Distribution::Zipfian,
+        theta: 0.99,
+        system: systems,
+        get_path: vec![A1, Offload, Redn, Rpc, Hybrid],
+        threads: 1,
+        depth: 8,
+        batch: 8,
+        duration: (duration / 2.0).max(0.3),
+        ops: None,
+        pairs: 1,
+        servers: Vec::new(),
+        shards: 1,
+        redis: None,
+        no_load: false,
+        json,
+    };
+    let r = clients::ycsb::run(a, &std::env::current_exe()?, &["kv-server".to_string()]);
+    if let Err(e) = &r {
+        eprintln!("KV step failed: {e:#}");
+    }
+    r
 }

@@ -57,6 +57,10 @@ pub struct YcsbArgs {
     /// Requests in flight per thread (its batch).
     #[arg(long, default_value_t = 8)]
     pub depth: u32,
+    /// Offloaded gets: keys per multi-get request (the client library's batching; 1 sends each
+    /// get alone). redis gets the same requests pipelined on one connection.
+    #[arg(long, default_value_t = 8)]
+    pub batch: u32,
     /// Seconds per run.
     #[arg(long, default_value_t = 3.0)]
     pub duration: f64,
@@ -401,6 +405,7 @@ fn backend(cfg: Config, a: &YcsbArgs, ctx: &Context, s: &Servers) -> Result<Back
                 servers: s.kv.clone(),
                 depth: a.depth.max(2),
                 get_path: cfg.path.unwrap_or(GetPath::Offload),
+                batch: a.batch.max(1),
                 ..Default::default()
             },
         )?)),
@@ -552,6 +557,9 @@ pub fn run(a: YcsbArgs, exe: &std::path::Path, sub: &[String]) -> Result<()> {
             x.insert("errors".into(), j(t.errors));
             x.insert("write_conflicts".into(), j(t.write_conflicts));
             x.insert("records".into(), j(a.records));
+            if cfg.path == Some(GetPath::Offload) {
+                x.insert("batch".into(), j(a.batch as u64));
+            }
             x.insert("dist".into(), serde_json::to_value(a.dist)?);
             if ops > 0 {
                 x.insert(
