@@ -2,7 +2,7 @@
 # Installs what the test suite needs beyond cargo, idempotently: tshark (wire-format check),
 # scapy (independent ICRC check), the DejaVu font (ccsim plots), clang, libbpf-dev, bpftool and
 # ethtool (the congestion testbed), redis-server and redis-tools (kv-store's reference and
-# front-door test). Needs root for apt; without root it says what is missing
+# front-door test), etcd-server (kv-store's shard map). Needs root for apt; without root it says what is missing
 # and the tests that need those tools skip with a message.
 set -euo pipefail
 
@@ -19,6 +19,8 @@ command -v ethtool >/dev/null 2>&1 || missing+=(ethtool)
 # kv-store: the redis-server reference of ycsb and the redis-cli round trip of the RESP door
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 command -v redis-cli >/dev/null 2>&1 || missing+=(redis-tools)
+# kv-store: the shard map in a real etcd
+command -v etcd >/dev/null 2>&1 || missing+=(etcd-server)
 
 if [ "${#missing[@]}" -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

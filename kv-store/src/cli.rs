@@ -45,6 +45,12 @@ pub struct ServerArgs {
     /// Offload threads (the offloaded gets run there).
     #[arg(long)]
     pub offload_threads: Option<usize>,
+    /// Register this shard in the shard map kept in etcd at this endpoint (`http://HOST:PORT`).
+    #[arg(long)]
+    pub etcd: Option<String>,
+    /// Key prefix of the shard map in etcd (one per cluster).
+    #[arg(long, default_value = "/flexns/kv/")]
+    pub etcd_prefix: String,
     /// Context config (TOML, `deploy/config/context.toml`); flags given override it.
     #[arg(long)]
     pub config: Option<std::path::PathBuf>,
@@ -99,6 +105,10 @@ impl ServerArgs {
             shards: self.shards,
             map,
             hot_entries: self.hot_entries,
+            etcd: self
+                .etcd
+                .as_deref()
+                .map(|e| crate::shardmap::EtcdMap::new(e, &self.etcd_prefix)),
             ctx,
             ..Default::default()
         })

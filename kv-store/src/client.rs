@@ -74,6 +74,8 @@ pub struct ClientConfig {
     /// Offloaded gets: up to this many queued gets for one shard travel as one multi-get
     /// request (one round trip, one response); 1 sends every get alone.
     pub batch: u32,
+    /// Read the shard map from etcd (when `servers` is empty).
+    pub etcd: Option<crate::shardmap::EtcdMap>,
 }
 
 impl Default for ClientConfig {
@@ -86,6 +88,7 @@ impl Default for ClientConfig {
             redn_timeout: Duration::from_millis(5),
             max_torn: 16,
             batch: 8,
+            etcd: None,
         }
     }
 }
@@ -217,13 +220,19 @@ fn connect_qp(rt: &tokio::runtime::Runtime, cm: SocketAddr, qp: &Qp, hello: &Hel
 impl KvClient {
     /// Connects to every shard over `ctx`'s stack (several clients may share one context).
     pub fn connect(ctx: &Context, cfg: ClientConfig) -> Result<KvClient, KvError> {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        let mut cfg = cfg;
         if cfg.servers.is_empty() {
-            return Err(KvError::Config("no server address".into()));
+            if let Some(e) = &cfg.etcd {
+                cfg.servers = rt.block_on(e.fetch(Duration::from_secs(10)))?;
+            }
+        }
+        if cfg.servers.is_empty() {
+            return Err(KvError::Config("no server address and no etcd shard map".into()));
         }
         if cfg.depth == 0 || cfg.depth > 256 {
             return Err(KvError::Config(format!("depth {} (1 to 256)", cfg.depth)));
         }
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
         let pd = ctx.alloc_pd();
         let cq = ctx.create_cq(64 * 1024)?;
         let depth = cfg.depth as usize;

@@ -16,6 +16,7 @@ pub mod offload;
 pub mod proto;
 pub mod resp;
 pub mod server;
+pub mod shardmap;
 pub mod store;
 
 /// Errors of the store, its server and its clients.

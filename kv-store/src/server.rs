@@ -47,6 +47,8 @@ pub struct ServerConfig {
     pub hot_admit: u8,
     /// The stack's context (data address, data cores, offload threads, ...).
     pub ctx: ContextConfig,
+    /// Register this shard in etcd's shard map (clients then need only etcd).
+    pub etcd: Option<crate::shardmap::EtcdMap>,
 }
 
 impl Default for ServerConfig {
@@ -63,6 +65,7 @@ impl Default for ServerConfig {
             hot_entries: 4096,
             hot_admit: 4,
             ctx: ContextConfig::default(),
+            etcd: None,
         }
     }
 }
@@ -508,6 +511,9 @@ impl KvServer {
                     tracing::error!("connection manager stopped: {e}");
                 }
             });
+        }
+        if let Some(e) = &cfg.etcd {
+            rt.block_on(e.register(cfg.shard, cfg.shards, cm_addr))?;
         }
         let stop = Arc::new(AtomicBool::new(false));
         let mut threads = Vec::new();

@@ -210,6 +210,7 @@ fn kv_step(duration: f64, json: bool) -> Result<()> {
         pairs: 1,
         servers: Vec::new(),
         shards: 1,
+        etcd: None,
         redis: None,
         no_load: false,
         json,

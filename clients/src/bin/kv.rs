@@ -14,6 +14,12 @@ struct Cli {
     /// through its shard map. Several: every shard, shard 0 first.
     #[arg(long, short, value_delimiter = ',')]
     server: Vec<SocketAddr>,
+    /// Read the shard map from etcd at this endpoint instead (`http://HOST:PORT`).
+    #[arg(long)]
+    etcd: Option<String>,
+    /// Key prefix of the shard map in etcd.
+    #[arg(long, default_value = "/flexns/kv/")]
+    etcd_prefix: String,
     /// How gets travel.
     #[arg(long, value_enum, default_value = "offload")]
     get_path: GetPath,
@@ -34,8 +40,8 @@ enum Cmd {
 fn main() -> Result<()> {
     clients::bench::init_cli();
     let cli = Cli::parse();
-    if cli.server.is_empty() {
-        bail!("no server: pass --server ADDR (the cm= address a kv-server prints)");
+    if cli.server.is_empty() && cli.etcd.is_none() {
+        bail!("no server: pass --server ADDR (the cm= address a kv-server prints) or --etcd URL");
     }
     let ctx = Context::open(ContextConfig::default())?;
     let mut c = KvClient::connect(
@@ -44,6 +50,10 @@ fn main() -> Result<()> {
             servers: cli.server.clone(),
             depth: 2,
             get_path: cli.get_path,
+            etcd: cli
+                .etcd
+                .as_deref()
+                .map(|e| kv_store::shardmap::EtcdMap::new(e, &cli.etcd_prefix)),
             ..Default::default()
         },
     )

@@ -77,6 +77,10 @@ pub struct YcsbArgs {
     /// kv-server processes to start (without --servers).
     #[arg(long, default_value_t = 1)]
     pub shards: u32,
+    /// The shard map in etcd (`http://HOST:PORT`): the kv-servers `ycsb` starts register there
+    /// and its clients read the map from there (without, the servers hand it out).
+    #[arg(long)]
+    pub etcd: Option<String>,
     /// A redis-server to use; without, `ycsb` starts one.
     #[arg(long)]
     pub redis: Option<SocketAddr>,
@@ -321,6 +325,7 @@ impl Config {
 /// Started servers and the addresses to use.
 struct Servers {
     kv: Vec<SocketAddr>,
+    etcd: Option<kv_store::shardmap::EtcdMap>,
     kv_children: Vec<ChildServer>,
     redis: Option<SocketAddr>,
     _redis_child: Option<redis::RedisServer>,
@@ -342,8 +347,10 @@ fn child_cpu(c: &ChildServer) -> f64 {
 }
 
 fn start_servers(a: &YcsbArgs, exe: &std::path::Path, sub: &[String]) -> Result<Servers> {
+    let prefix = format!("/flexns/ycsb-{}/", std::process::id());
     let mut s = Servers {
         kv: a.servers.clone(),
+        etcd: a.etcd.as_deref().map(|e| kv_store::shardmap::EtcdMap::new(e, &prefix)),
         kv_children: Vec::new(),
         redis: a.redis,
         _redis_child: None,
@@ -383,11 +390,18 @@ fn start_servers(a: &YcsbArgs, exe: &std::path::Path, sub: &[String]) -> Result<
                 .iter()
                 .map(|s| s.to_string()),
             );
+            if let Some(e) = &a.etcd {
+                args.extend(["--etcd".to_string(), e.clone(), "--etcd-prefix".into(), prefix.clone()]);
+            }
             let c = ChildServer::start(exe, &args).context("starting kv-server")?;
             s.kv_children.push(c);
         }
-        // clients fetch the map from the first shard
-        s.kv = vec![map[0].parse()?];
+        // clients fetch the map from the first shard, or from etcd
+        s.kv = if a.etcd.is_some() {
+            Vec::new()
+        } else {
+            vec![map[0].parse()?]
+        };
     }
     if a.system.contains(&System::Redis) && s.redis.is_none() {
         let r = redis::RedisServer::start()?;
@@ -406,6 +420,7 @@ fn backend(cfg: Config, a: &YcsbArgs, ctx: &Context, s: &Servers) -> Result<Back
                 depth: a.depth.max(2),
                 get_path: cfg.path.unwrap_or(GetPath::Offload),
                 batch: a.batch.max(1),
+                etcd: s.etcd.clone(),
                 ..Default::default()
             },
         )?)),
