@@ -291,6 +291,7 @@ impl KvClient {
                             servers[i],
                             q,
                             &Hello::Redn {
+                                conn: w.conn,
                                 pair,
                                 part: part as u8,
                                 resp_addr: rbuf.addr(),
@@ -957,6 +958,39 @@ impl KvClient {
                     return Some((i, Err(e)));
                 }
                 None
+            }
+        }
+    }
+}
+
+impl Drop for KvClient {
+    /// Says goodbye to every shard (the server frees the connection and its RedN pairs at
+    /// once instead of waiting for its keepalive to find the client gone).
+    fn drop(&mut self) {
+        let mut msg = Vec::new();
+        encode_request(&mut msg, RpcOp::Bye, 0, &[], &[]);
+        let mut sent = 0;
+        for (s, sh) in self.shards.iter().enumerate() {
+            let off = 0; // slot 0's buffer: nothing is in flight any more
+            sh.buf.write(off, &msg);
+            let wr = SendWr::new(wr_id(KIND_SEND, s, 0, u32::MAX), WrOpcode::Send)
+                .sge(sh.buf.sge(off, msg.len()))
+                .flags(SendFlags::SIGNALED);
+            if sh.qp.post_send(wr).is_ok() {
+                sent += 1;
+            }
+        }
+        // wait briefly for the goodbyes to be acknowledged (they are a courtesy)
+        let until = Instant::now() + Duration::from_millis(200);
+        let mut wcs = [EMPTY_WC; 16];
+        while sent > 0 && Instant::now() < until {
+            let n = self.cq.poll(&mut wcs);
+            sent -= wcs[..n]
+                .iter()
+                .filter(|w| wr_fields(w.wr_id).3 == u32::MAX && wr_fields(w.wr_id).0 == KIND_SEND)
+                .count();
+            if n == 0 {
+                self.cq.wait(Duration::from_millis(5));
             }
         }
     }

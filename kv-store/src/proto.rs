@@ -109,6 +109,9 @@ pub enum RpcOp {
     Insert = 3,
     Update = 4,
     Delete = 5,
+    /// The client is leaving: the server drops the connection and the RedN pairs it owns (no
+    /// reply). Clients that vanish without it are found by the server's keepalive.
+    Bye = 6,
 }
 
 impl RpcOp {
@@ -119,6 +122,7 @@ impl RpcOp {
             3 => RpcOp::Insert,
             4 => RpcOp::Update,
             5 => RpcOp::Delete,
+            6 => RpcOp::Bye,
             _ => return None,
         })
     }
@@ -213,6 +217,9 @@ pub enum Hello {
     /// One of the two response QPs of a RedN get pair: the server builds the chains when both
     /// parts are connected; the responses go to the client's buffer `resp_addr`/`resp_rkey`.
     Redn {
+        /// The server's QP number of the client's general connection (its welcome's `conn`):
+        /// the pair lives as long as that connection.
+        conn: u32,
         pair: u64,
         part: u8,
         resp_addr: u64,
@@ -234,6 +241,9 @@ pub struct Welcome {
     pub geometry: Geometry,
     /// Receives the server keeps posted for this connection's RPCs.
     pub rpc_slots: u32,
+    /// The server's QP number of this connection (RedN pairs name it).
+    #[serde(default)]
+    pub conn: u32,
 }
 
 /// Which shard of `shards` a key belongs to (high bits of the key word, independent of the

@@ -49,6 +49,9 @@ pub struct ServerConfig {
     pub ctx: ContextConfig,
     /// Register this shard in etcd's shard map (clients then need only etcd).
     pub etcd: Option<crate::shardmap::EtcdMap>,
+    /// A connection idle this long gets a keepalive message; a client that is gone lets it
+    /// fail (RETRY_EXC_ERR), and the connection and its RedN pairs are dropped.
+    pub keepalive: Duration,
 }
 
 impl Default for ServerConfig {
@@ -66,6 +69,7 @@ impl Default for ServerConfig {
             hot_admit: 4,
             ctx: ContextConfig::default(),
             etcd: None,
+            keepalive: KEEPALIVE_IDLE,
         }
     }
 }
@@ -95,9 +99,16 @@ struct RpcConn {
     mr: Mr,
     depth: u32,
     free_send: Vec<u32>,
+    /// When a request last arrived (the keepalive probes connections idle for long).
+    last_seen: Instant,
 }
 
+/// The default keepalive idle time ([`ServerConfig::keepalive`]).
+pub const KEEPALIVE_IDLE: Duration = Duration::from_secs(10);
+
 struct RednPair {
+    /// The general connection (server QPN) the pair belongs to.
+    conn: u32,
     /// The connected response QPs (part 0 receives the requests).
     qps: Vec<Qp>,
     chains: Option<HashGetServer>,
@@ -127,6 +138,7 @@ pub(crate) struct Inner {
     pub(crate) shard: u32,
     pub(crate) shards: u32,
     pub(crate) map: Vec<SocketAddr>,
+    keepalive: Duration,
     rpc_requests: AtomicU64,
     rpc_errors: AtomicU64,
     pub(crate) resp_requests: AtomicU64,
@@ -142,6 +154,7 @@ impl Inner {
             rkey: self.mr.rkey(),
             geometry: self.geometry,
             rpc_slots,
+            conn: 0,
         }
     }
 
@@ -176,6 +189,7 @@ impl Inner {
             RpcOp::Put => self.store.lock().put(req.key, req.value).map(|_| Vec::new()),
             RpcOp::Insert => self.store.lock().insert(req.key, req.value).map(|_| Vec::new()),
             RpcOp::Update => self.store.lock().update(req.key, req.value).map(|_| Vec::new()),
+            RpcOp::Bye => Ok(Vec::new()), // handled before execution
             RpcOp::Delete => match self.store.lock().delete(req.key) {
                 Ok(true) => Ok(Vec::new()),
                 Ok(false) => Err(KvError::NotFound),
@@ -223,7 +237,10 @@ impl Inner {
             })
             .map_err(e)?;
         }
-        let w = self.welcome(depth);
+        let w = Welcome {
+            conn: qp.qp_num(),
+            ..self.welcome(depth)
+        };
         self.pending.lock().insert(
             qp.qp_num(),
             RpcConn {
@@ -231,6 +248,7 @@ impl Inner {
                 mr,
                 depth,
                 free_send: (0..2 * depth).rev().collect(),
+                last_seen: Instant::now(),
             },
         );
         Ok(Accepted {
@@ -239,8 +257,13 @@ impl Inner {
         })
     }
 
-    fn accept_redn(&self, pair: u64, part: u8, resp: ClientBuffer) -> Result<Accepted, String> {
+    fn accept_redn(&self, conn: u32, pair: u64, part: u8, resp: ClientBuffer) -> Result<Accepted, String> {
         let e = |e: VerbsError| e.to_string();
+        if !self.conns.lock().contains_key(&conn) {
+            return Err(format!(
+                "RedN pair {pair}: no connection {conn:#x} to belong to (connect it first)"
+            ));
+        }
         let mut pairs = self.redn.lock();
         let ready = pairs.get(&pair).map(|p| p.qps.len());
         if part > 1 || (part == 0 && ready.is_some()) || (part == 1 && ready != Some(1)) {
@@ -254,6 +277,7 @@ impl Inner {
             pairs.insert(
                 pair,
                 RednPair {
+                    conn,
                     qps: Vec::new(),
                     chains: None,
                     rcq,
@@ -307,10 +331,25 @@ impl Inner {
         })
     }
 
-    /// Application chores: RedN receives topped up, dead connections dropped.
+    /// Application chores: RedN receives topped up, idle connections probed, dead ones (and
+    /// their RedN pairs) dropped.
     fn chores(&self) {
+        let live: std::collections::HashSet<u32> = {
+            let mut conns = self.conns.lock();
+            conns.retain(|_, c| c.qp.as_ref().is_some_and(|q| q.state() != QpState::Err));
+            for c in conns.values_mut() {
+                if c.last_seen.elapsed() > self.keepalive {
+                    c.last_seen = Instant::now();
+                    Self::keepalive(c);
+                }
+            }
+            conns.keys().copied().collect()
+        };
+        let pending: std::collections::HashSet<u32> = self.pending.lock().keys().copied().collect();
         let mut pairs = self.redn.lock();
-        pairs.retain(|_, p| p.qps.iter().all(|q| q.state() != QpState::Err));
+        pairs.retain(|_, p| {
+            p.qps.iter().all(|q| q.state() != QpState::Err) && (live.contains(&p.conn) || pending.contains(&p.conn))
+        });
         for p in pairs.values_mut() {
             let Some(ch) = &p.chains else { continue };
             let used = p.rcq.produced();
@@ -321,10 +360,30 @@ impl Inner {
                 p.posted += 1;
             }
         }
-        drop(pairs);
-        self.conns
-            .lock()
-            .retain(|_, c| c.qp.as_ref().is_some_and(|q| q.state() != QpState::Err));
+    }
+
+    /// An unsolicited reply (id `u64::MAX`, which no request has): clients ignore it; a vanished
+    /// client never acknowledges it, and the QP fails.
+    fn keepalive(c: &mut RpcConn) {
+        let (Some(qp), Some(s)) = (c.qp.as_ref(), c.free_send.pop()) else {
+            return;
+        };
+        let off = (c.depth as usize + s as usize) * RPC_SLOT;
+        let mut out = [0u8; RPC_HEADER];
+        encode_reply(&mut out, RPC_OK, u64::MAX, &[]);
+        c.mr.write(off, &out);
+        let wr = SendWr::new(s as u64, WrOpcode::Send)
+            .sge(c.mr.sge(off, RPC_HEADER))
+            .flags(SendFlags::INLINE | SendFlags::SIGNALED);
+        if qp.post_send(wr).is_err() {
+            c.free_send.push(s);
+        }
+    }
+
+    /// A client said goodbye: drop its connection and its RedN pairs.
+    fn bye(&self, conn: u32, conns: &mut HashMap<u32, RpcConn>) {
+        conns.remove(&conn);
+        self.redn.lock().retain(|_, p| p.conn != conn);
     }
 
     fn handle(&self, wc: &Wc) {
@@ -343,7 +402,12 @@ impl Inner {
         let slot = wc.wr_id as usize;
         let mut buf = vec![0u8; wc.byte_len as usize];
         c.mr.read(slot * RPC_SLOT, &mut buf);
+        c.last_seen = Instant::now();
         self.rpc_requests.fetch_add(1, Ordering::Relaxed);
+        if buf.first() == Some(&(RpcOp::Bye as u8)) {
+            self.bye(wc.qp_num, &mut conns);
+            return;
+        }
         let (status, id, payload) = match decode_request(&buf) {
             Ok(req) => {
                 let (s, p) = self.execute(&req);
@@ -385,11 +449,13 @@ impl Acceptor for KvAcceptor {
         match serde_json::from_slice::<Hello>(pd).map_err(|e| format!("bad hello: {e}"))? {
             Hello::Kv { depth } => self.0.accept_kv(depth),
             Hello::Redn {
+                conn,
                 pair,
                 part,
                 resp_addr,
                 resp_rkey,
             } => self.0.accept_redn(
+                conn,
                 pair,
                 part,
                 ClientBuffer {
@@ -479,6 +545,7 @@ impl KvServer {
             shard: cfg.shard,
             shards: cfg.shards,
             map: cfg.map.clone(),
+            keepalive: cfg.keepalive,
             rpc_requests: AtomicU64::new(0),
             rpc_errors: AtomicU64::new(0),
             resp_requests: AtomicU64::new(0),

@@ -99,6 +99,51 @@ fn every_get_path_returns_what_was_written() {
     assert_eq!(w.get(b"after").unwrap().as_deref(), Some(&b"still serving"[..]));
     let st = s.stats();
     assert!(st.offload.ok > 0, "{st:?}");
+    // clients that leave say goodbye: their connections and RedN pairs are freed (the five
+    // get-path clients are gone; the writer is still here)
+    let gone = |conns: u64| {
+        let until = std::time::Instant::now() + Duration::from_secs(5);
+        while s.stats().connections != conns || s.stats().redn_pairs != 0 {
+            assert!(std::time::Instant::now() < until, "{:?}", s.stats());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    gone(1);
+    drop(w);
+    gone(0);
+}
+
+#[test]
+fn a_client_that_vanishes_is_found_by_the_keepalive() {
+    let s = KvServer::start(ServerConfig {
+        capacity: 1024,
+        data_bytes: 1 << 20,
+        keepalive: Duration::from_millis(200),
+        ..Default::default()
+    })
+    .unwrap();
+    {
+        // a bare connection whose process "dies": its QP and context go away without a word
+        let ctx = Context::open(ContextConfig::default()).unwrap();
+        let pd = ctx.alloc_pd();
+        let cq = ctx.create_cq(16).unwrap();
+        let qp = ctx.create_qp(&pd, &cq, &cq, Default::default()).unwrap();
+        let hello = serde_json::to_vec(&kv_store::proto::Hello::Kv { depth: 4 }).unwrap();
+        netstack::cm::connect_blocking(s.cm_addr(), &qp, hello).unwrap();
+        let until = std::time::Instant::now() + Duration::from_secs(2);
+        while s.stats().connections == 0 {
+            assert!(std::time::Instant::now() < until);
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    while s.stats().connections > 0 {
+        assert!(
+            std::time::Instant::now() < until,
+            "the dead connection was never dropped"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 #[test]

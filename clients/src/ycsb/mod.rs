@@ -589,6 +589,7 @@ pub fn run(a: YcsbArgs, exe: &std::path::Path, sub: &[String]) -> Result<()> {
                         serde_json::Value::from((cs.get_round_trips as f64 / cs.gets as f64 * 100.0).round() / 100.0),
                     );
                     x.insert("fallbacks".into(), j(cs.fallbacks));
+                    x.insert("torn_copies_reread".into(), j(cs.torn));
                     x.insert("hot_hits".into(), j(cs.hot_hits));
                 }
             }
