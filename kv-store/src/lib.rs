@@ -8,6 +8,8 @@
 //! - [`server`]: a `kv-server` partition: the stack, the store, RPC, RedN chains, RESP.
 //! - [`client`]: the client library with the five get paths and batching.
 //! - [`resp`]: the RESP (redis protocol) front door.
+//! - [`shardmap`]: the shard map in etcd (the embedded default needs none).
+//! - [`cli`]: the `kv-server` command line.
 
 pub mod cli;
 pub mod client;
