@@ -428,7 +428,7 @@ impl KvClient {
             let n = self.cq.poll(&mut wcs);
             for wc in &wcs[..n] {
                 let mut requeue = Vec::new();
-                if self.complete_multi(wc, &ops, &mut multi_done, &mut requeue) {
+                if self.complete_multi(wc, &mut multi_done, &mut requeue) {
                     for (i, r) in multi_done.drain(..) {
                         if results[i].is_none() {
                             results[i] = Some(r);
@@ -555,7 +555,7 @@ impl KvClient {
     }
 
     /// Handles the completion of a multi-get; false when `wc` is not one.
-    fn complete_multi(&mut self, wc: &Wc, ops: &[Op], done: &mut Vec<Done>, requeue: &mut Vec<(usize, usize)>) -> bool {
+    fn complete_multi(&mut self, wc: &Wc, done: &mut Vec<Done>, requeue: &mut Vec<(usize, usize)>) -> bool {
         let (kind, s, slot, gen) = wr_fields(wc.wr_id);
         if kind != KIND_OFFLOAD || s >= self.shards.len() {
             return false;
@@ -601,7 +601,6 @@ impl KvClient {
                 (st, _) => done.push((i, Err(KvError::Protocol(format!("multi-get reply status {st}"))))),
             }
         }
-        let _ = ops;
         true
     }
 
@@ -738,14 +737,14 @@ impl KvClient {
                 let sh = &self.shards[s];
                 let mut b = vec![0u8; wc.byte_len as usize];
                 sh.buf.read(slot * RPC_SLOT, &mut b);
-                let r = self.offload_reply(s, slot, &b, ops);
+                let r = self.offload_reply(s, slot, &b);
                 r.map(|r| (i, r))
             }
             _ => None,
         }
     }
 
-    fn offload_reply(&mut self, s: usize, slot: usize, b: &[u8], ops: &[Op]) -> Option<OpResult> {
+    fn offload_reply(&mut self, s: usize, slot: usize, b: &[u8]) -> Option<OpResult> {
         let bad = |m: &str| Some(Err(KvError::Protocol(format!("offloaded get reply: {m}"))));
         let Some(h) = GetReply::decode(b) else {
             self.finish(s, slot);
@@ -785,7 +784,6 @@ impl KvClient {
                     self.finish(s, slot);
                     return Some(Err(e.into()));
                 }
-                let _ = ops;
                 None
             }
             st => {
@@ -893,7 +891,7 @@ impl KvClient {
         None
     }
 
-    fn complete_rpc(&mut self, wc: &Wc, s: usize, rslot: usize, _ops: &[Op]) -> Option<Done> {
+    fn complete_rpc(&mut self, wc: &Wc, s: usize, rslot: usize, ops: &[Op]) -> Option<Done> {
         let depth = self.shards[s].slots.len();
         if wc.status != WcStatus::Success {
             return None;
@@ -914,9 +912,9 @@ impl KvClient {
         }
         let i = self.finish(s, slot);
         let r = match status {
-            RPC_OK if payload.is_empty() && !matches!(_ops[i], Op::Get(_)) => Ok(None),
+            RPC_OK if payload.is_empty() && !matches!(ops[i], Op::Get(_)) => Ok(None),
             RPC_OK => Ok(Some(payload.to_vec())),
-            RPC_NOT_FOUND if matches!(_ops[i], Op::Get(_)) => Ok(None),
+            RPC_NOT_FOUND if matches!(ops[i], Op::Get(_)) => Ok(None),
             RPC_NOT_FOUND => Err(KvError::NotFound),
             RPC_EXISTS => Err(KvError::Exists),
             _ => Err(KvError::Server(String::from_utf8_lossy(payload).into_owned())),

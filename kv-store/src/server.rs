@@ -438,7 +438,13 @@ impl Inner {
         } else {
             SendFlags::SIGNALED
         };
-        let _ = qp.post_send(SendWr::new(s as u64, WrOpcode::Send).sge(c.mr.sge(off, n)).flags(flags));
+        if qp
+            .post_send(SendWr::new(s as u64, WrOpcode::Send).sge(c.mr.sge(off, n)).flags(flags))
+            .is_err()
+        {
+            // the QP failed: the chores drop the connection; keep the slot accounted for
+            c.free_send.push(s);
+        }
     }
 }
 
