@@ -64,6 +64,14 @@ fn every_get_path_returns_what_was_written() {
             }
         }
         assert_eq!(c.get(&99999u32.to_le_bytes()).unwrap(), None, "{path}: a missing key");
+        // one hot key, read again and again (the hybrid path caches it in the engine)
+        for _ in 0..10 {
+            assert_eq!(
+                c.get(&5u32.to_le_bytes()).unwrap(),
+                Some(value(5, 64)),
+                "{path}: hot key"
+            );
+        }
         let st = c.stats();
         eprintln!("{path}: {st:?}");
         match path {

@@ -386,10 +386,24 @@ struct OffloadPort {
 }
 
 impl OffloadPort {
+    /// A job finished: its response goes out from this offload thread when the QP is free
+    /// (no hand-off back to the data core, the way a low-latency QP sends); when the data core
+    /// holds the QP, or the transport has completions or timers to look after, the data core
+    /// is poked to do it.
     fn finished(core: &Weak<EngineShared>, qpn: u32) {
-        if let Some(c) = core.upgrade() {
-            c.poke(qpn);
+        let Some(c) = core.upgrade() else { return };
+        let slot = c.qps.read().get(&qpn).cloned();
+        if let Some(slot) = slot {
+            if let Some(mut s) = slot.try_lock() {
+                c.transmit_now(&mut s);
+                s.sync_mirror();
+                let now = c.now();
+                if !s.qp.has_completions() && !s.qp.wants_transmit(now) {
+                    return;
+                }
+            }
         }
+        c.poke(qpn);
     }
 }
 
