@@ -39,6 +39,9 @@ pub struct ServerArgs {
     /// Entries of the hybrid get's hot-value cache (0: off).
     #[arg(long, default_value_t = 4096)]
     pub hot_entries: usize,
+    /// Most client connections at once.
+    #[arg(long, default_value_t = 1024)]
+    pub max_connections: usize,
     /// Engine threads (data cores).
     #[arg(long, default_value_t = 1)]
     pub data_cores: usize,
@@ -105,6 +108,7 @@ impl ServerArgs {
             shards: self.shards,
             map,
             hot_entries: self.hot_entries,
+            max_connections: self.max_connections,
             etcd: self
                 .etcd
                 .as_deref()

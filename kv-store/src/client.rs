@@ -230,8 +230,8 @@ impl KvClient {
         if cfg.servers.is_empty() {
             return Err(KvError::Config("no server address and no etcd shard map".into()));
         }
-        if cfg.depth == 0 || cfg.depth > 256 {
-            return Err(KvError::Config(format!("depth {} (1 to 256)", cfg.depth)));
+        if cfg.depth == 0 || cfg.depth > 64 {
+            return Err(KvError::Config(format!("depth {} (1 to 64)", cfg.depth)));
         }
         let pd = ctx.alloc_pd();
         let cq = ctx.create_cq(64 * 1024)?;

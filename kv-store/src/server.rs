@@ -52,6 +52,9 @@ pub struct ServerConfig {
     /// A connection idle this long gets a keepalive message; a client that is gone lets it
     /// fail (RETRY_EXC_ERR), and the connection and its RedN pairs are dropped.
     pub keepalive: Duration,
+    /// Most client connections at once (each holds up to 3 × 64 × 66 KiB of message memory);
+    /// more are refused with a message saying so.
+    pub max_connections: usize,
 }
 
 impl Default for ServerConfig {
@@ -70,6 +73,7 @@ impl Default for ServerConfig {
             ctx: ContextConfig::default(),
             etcd: None,
             keepalive: KEEPALIVE_IDLE,
+            max_connections: 1024,
         }
     }
 }
@@ -90,8 +94,8 @@ pub struct ServerStats {
 
 /// Receives kept posted per RedN pair (each get consumes one; an application chore refills).
 const REDN_RECVS: u64 = 1024;
-/// Most RPCs in flight per connection.
-const MAX_DEPTH: u32 = 256;
+/// Most RPCs in flight per connection (a connection's message memory is 3 × depth × 66 KiB).
+const MAX_DEPTH: u32 = 64;
 
 struct RpcConn {
     qp: Option<Qp>,
@@ -139,6 +143,7 @@ pub(crate) struct Inner {
     pub(crate) shards: u32,
     pub(crate) map: Vec<SocketAddr>,
     keepalive: Duration,
+    max_connections: usize,
     rpc_requests: AtomicU64,
     rpc_errors: AtomicU64,
     pub(crate) resp_requests: AtomicU64,
@@ -209,6 +214,13 @@ impl Inner {
 
     fn accept_kv(&self, depth: u32) -> Result<Accepted, String> {
         let depth = depth.clamp(1, MAX_DEPTH);
+        let open = self.conns.lock().len() + self.pending.lock().len();
+        if open >= self.max_connections {
+            return Err(format!(
+                "kv-server has {open} connections, its limit (max_connections {})",
+                self.max_connections
+            ));
+        }
         let e = |e: VerbsError| e.to_string();
         let qp = self
             .ctx
@@ -552,6 +564,7 @@ impl KvServer {
             shards: cfg.shards,
             map: cfg.map.clone(),
             keepalive: cfg.keepalive,
+            max_connections: cfg.max_connections,
             rpc_requests: AtomicU64::new(0),
             rpc_errors: AtomicU64::new(0),
             resp_requests: AtomicU64::new(0),

@@ -122,6 +122,36 @@ fn every_get_path_returns_what_was_written() {
 }
 
 #[test]
+fn connections_beyond_the_limit_are_refused_with_a_reason() {
+    let s = KvServer::start(ServerConfig {
+        capacity: 1024,
+        data_bytes: 1 << 20,
+        max_connections: 2,
+        ..Default::default()
+    })
+    .unwrap();
+    let ctx = Context::open(ContextConfig::default()).unwrap();
+    let a = client(&ctx, &s, GetPath::Offload);
+    let _b = client(&ctx, &s, GetPath::Offload);
+    let cfg = ClientConfig {
+        servers: vec![s.cm_addr()],
+        ..Default::default()
+    };
+    let e = KvClient::connect(&ctx, cfg.clone())
+        .err()
+        .expect("a third connection is refused");
+    assert!(e.to_string().contains("max_connections 2"), "{e}");
+    drop(a);
+    let until = std::time::Instant::now() + Duration::from_secs(5);
+    while s.stats().connections > 1 {
+        assert!(std::time::Instant::now() < until);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut c = KvClient::connect(&ctx, cfg).unwrap();
+    c.put(b"k", b"v").unwrap();
+}
+
+#[test]
 fn a_client_that_vanishes_is_found_by_the_keepalive() {
     let s = KvServer::start(ServerConfig {
         capacity: 1024,

@@ -462,6 +462,9 @@ pub fn run(a: YcsbArgs, exe: &std::path::Path, sub: &[String]) -> Result<()> {
     if a.threads == 0 || a.depth == 0 || a.records == 0 || a.pairs == 0 {
         bail!("--threads, --depth, --records and --pairs must be at least 1");
     }
+    if a.depth > 64 {
+        bail!("--depth {}: at most 64 requests in flight per thread", a.depth);
+    }
     let mut configs = Vec::new();
     for &sys in &a.system {
         match sys {
