@@ -53,6 +53,21 @@ fn redis_cli_round_trip() {
     raw.read_to_string(&mut reply).unwrap();
     assert!(reply.starts_with("-ERR Protocol error"), "{reply:?}");
     assert_eq!(redis_cli(port, &["ping"]), "PONG");
+    // redis-benchmark (CONFIG GET first, then pipelined SETs and GETs of 16-byte keys)
+    let out = Command::new("redis-benchmark")
+        .args(["-h", "127.0.0.1", "-p", &port.to_string()])
+        .args([
+            "-t", "set,get", "-n", "2000", "-r", "1000", "-d", "64", "-c", "4", "-P", "8", "-q", "--csv",
+        ])
+        .output()
+        .expect("running redis-benchmark");
+    let csv = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "redis-benchmark: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(csv.contains("\"SET\"") && csv.contains("\"GET\""), "{csv}");
     // the value written through RESP is the one the stack serves
     assert_eq!(redis_cli(port, &["set", "shared", "v1"]), "OK");
     let ctx = netstack::verbs::Context::open(Default::default()).unwrap();
