@@ -990,7 +990,7 @@ fn snapshot_read_payload(pkt: &mut TxPacket) {
     if len == 0 || !read_resp && len > SNAPSHOT_SMALL_PAYLOAD {
         return;
     }
-    let snap = crate::mem::Region::alloc(len);
+    let snap = snapshot_buffer(len);
     let mut at = 0;
     for p in &pkt.payload {
         p.region.with_slice(p.off, p.len, |b| snap.write(at, b));
@@ -998,10 +998,46 @@ fn snapshot_read_payload(pkt: &mut TxPacket) {
     }
     pkt.payload.clear();
     pkt.payload.push(crate::transport::PayloadPart {
-        region: Arc::new(snap),
+        region: snap,
         off: 0,
         len,
     });
+}
+
+thread_local! {
+    /// Snapshot buffers of this thread (a data core, or an offload or application thread that
+    /// sends directly), reused once no packet holds them: a READ response costs one copy, not
+    /// an allocation and a zero-fill as well.
+    static SNAPSHOTS: std::cell::RefCell<(Vec<Arc<crate::mem::Region>>, usize)> =
+        const { std::cell::RefCell::new((Vec::new(), 0)) };
+}
+
+/// A buffer of at least `len` bytes that no packet is using.
+fn snapshot_buffer(len: usize) -> Arc<crate::mem::Region> {
+    /// Buffers kept per thread (a window of packets in flight between copy and send).
+    const POOL: usize = 512;
+    /// Pooled buffers hold a full packet's payload.
+    const SIZE: usize = 4096;
+    if len > SIZE {
+        return Arc::new(crate::mem::Region::alloc(len));
+    }
+    SNAPSHOTS.with(|p| {
+        let (pool, next) = &mut *p.borrow_mut();
+        // look from where the last search ended: buffers are freed roughly in the order they
+        // were taken (packets leave in order)
+        for k in 0..pool.len() {
+            let i = (*next + k) % pool.len();
+            if Arc::strong_count(&pool[i]) == 1 {
+                *next = i + 1;
+                return pool[i].clone();
+            }
+        }
+        let r = Arc::new(crate::mem::Region::alloc(SIZE));
+        if pool.len() < POOL {
+            pool.push(r.clone());
+        }
+        r
+    })
 }
 
 impl Outgoing {
@@ -1040,5 +1076,24 @@ impl Outgoing {
             m.push(p.region.ptr_at(p.off, p.len), p.len);
         }
         m.push(self.trailer.as_ptr(), self.trailer_len);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn snapshot_buffers_are_reused_once_no_packet_holds_them() {
+        let a = snapshot_buffer(100);
+        let a_addr = a.addr();
+        let b = snapshot_buffer(4096);
+        assert_ne!(b.addr(), a_addr, "a buffer in use is not handed out again");
+        drop(a);
+        let c = snapshot_buffer(2000);
+        assert_eq!(c.addr(), a_addr, "a freed buffer is reused");
+        let big = snapshot_buffer(10_000);
+        assert!(big.len() >= 10_000, "larger payloads get a buffer of their own");
+        drop((b, c, big));
     }
 }
