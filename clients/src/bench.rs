@@ -24,23 +24,7 @@ pub fn restore_sigpipe() {
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
 }
 
-/// Parses a size with an optional suffix: `4096`, `4k`, `64KiB`, `16MiB`, `1G`.
-pub fn parse_size(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-    let (num, suf) = t.split_at(split);
-    let n: u64 = num
-        .parse()
-        .map_err(|_| format!("invalid size {s:?}: expected a number with an optional k/KiB/M/MiB/G/GiB suffix"))?;
-    let mul = match suf.to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "kb" | "kib" => 1 << 10,
-        "m" | "mb" | "mib" => 1 << 20,
-        "g" | "gb" | "gib" => 1 << 30,
-        _ => return Err(format!("invalid size suffix in {s:?}: use k, KiB, M, MiB, G or GiB")),
-    };
-    n.checked_mul(mul).ok_or_else(|| format!("size {s:?} overflows"))
-}
+pub use netstack::config::parse_size;
 
 /// One result line (fields that do not apply are left out of the JSON).
 #[derive(Debug, Clone, Default, Serialize)]
@@ -249,17 +233,6 @@ pub fn fill_pattern(buf: &mut [u8], base: u64, seed: u64) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn sizes() {
-        assert_eq!(parse_size("4k").unwrap(), 4096);
-        assert_eq!(parse_size("64KiB").unwrap(), 65536);
-        assert_eq!(parse_size("16MiB").unwrap(), 16 << 20);
-        assert_eq!(parse_size("1G").unwrap(), 1 << 30);
-        assert_eq!(parse_size("100").unwrap(), 100);
-        assert!(parse_size("4q").unwrap_err().contains("suffix"));
-        assert!(parse_size("x").is_err());
-    }
 
     #[test]
     fn median_works() {

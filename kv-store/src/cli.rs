@@ -22,7 +22,7 @@ pub struct ServerArgs {
     #[arg(long, default_value_t = 1 << 20)]
     pub capacity: u64,
     /// Bytes of entry memory (suffixes k, MiB, GiB).
-    #[arg(long, default_value = "256MiB", value_parser = parse_size)]
+    #[arg(long, default_value = "256MiB", value_parser = netstack::config::parse_size)]
     pub data_size: u64,
     /// The value length RedN gets serve (their responses have a fixed length).
     #[arg(long, default_value_t = 64)]
@@ -57,22 +57,6 @@ pub struct ServerArgs {
     /// Context config (TOML, `deploy/config/context.toml`); flags given override it.
     #[arg(long)]
     pub config: Option<std::path::PathBuf>,
-}
-
-/// Parses a size with an optional suffix (k, KiB, M, MiB, G, GiB).
-pub fn parse_size(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-    let (n, suf) = t.split_at(split);
-    let n: u64 = n.parse().map_err(|_| format!("invalid size {s:?}"))?;
-    let mul = match suf.to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "kb" | "kib" => 1 << 10,
-        "m" | "mb" | "mib" => 1 << 20,
-        "g" | "gb" | "gib" => 1 << 30,
-        _ => return Err(format!("invalid size suffix in {s:?}: use k, KiB, M, MiB, G or GiB")),
-    };
-    n.checked_mul(mul).ok_or_else(|| format!("size {s:?} overflows"))
 }
 
 impl ServerArgs {
