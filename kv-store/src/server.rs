@@ -117,7 +117,7 @@ struct RednPair {
     qps: Vec<Qp>,
     chains: Option<HashGetServer>,
     rcq: Cq,
-    _qcq: Cq,
+    qcq: Cq,
     posted: u64,
     resp: ClientBuffer,
 }
@@ -293,7 +293,7 @@ impl Inner {
                     qps: Vec::new(),
                     chains: None,
                     rcq,
-                    _qcq: qcq,
+                    qcq,
                     posted: 0,
                     resp,
                 },
@@ -302,23 +302,8 @@ impl Inner {
         let p = pairs.get_mut(&pair).expect("inserted above");
         // part 1 receives nothing; its receive CQ is the send CQ (part 0's receive CQ must
         // count the requests only)
-        let rcq = if part == 0 { p.rcq.clone() } else { p._qcq.clone() };
-        let qp = self
-            .ctx
-            .create_qp(
-                &self.pd,
-                &p._qcq,
-                &rcq,
-                QpInitAttr {
-                    managed_slots: 1,
-                    config: Some(RcConfig {
-                        max_recv_wr: 2 * REDN_RECVS as u32,
-                        ..self.ctx.config().qp
-                    }),
-                    ..Default::default()
-                },
-            )
-            .map_err(e)?;
+        let rcq = if part == 0 { p.rcq.clone() } else { p.qcq.clone() };
+        let qp = HashGetServer::response_qp(&self.ctx, &self.pd, &p.qcq, &rcq, 2 * REDN_RECVS as u32).map_err(e)?;
         if part == 1 {
             let qrefs = [&p.qps[0], &qp];
             let chains = HashGetServer::new(
@@ -363,13 +348,8 @@ impl Inner {
             p.qps.iter().all(|q| q.state() != QpState::Err) && (live.contains(&p.conn) || pending.contains(&p.conn))
         });
         for p in pairs.values_mut() {
-            let Some(ch) = &p.chains else { continue };
-            let used = p.rcq.produced();
-            while p.posted < used + REDN_RECVS {
-                if p.qps[0].post_recv(ch.recv_wr(p.posted)).is_err() {
-                    break;
-                }
-                p.posted += 1;
+            if let Some(ch) = &p.chains {
+                ch.top_up(&p.qps[0], &p.rcq, &mut p.posted, REDN_RECVS);
             }
         }
     }

@@ -149,22 +149,14 @@ impl PerfAcceptor {
         let e = |e: VerbsError| e.to_string();
         let qcq = self.ctx.create_cq_ignore_overrun(64).map_err(e)?;
         let rcq = self.ctx.create_cq_ignore_overrun(64).map_err(e)?;
-        let qp = self
-            .ctx
-            .create_qp(
-                &self.pd,
-                &qcq,
-                &rcq,
-                QpInitAttr {
-                    managed_slots: 1,
-                    config: Some(RcConfig {
-                        max_recv_wr: 2 * REDN_RECVS as u32,
-                        ..self.ctx.config().qp
-                    }),
-                    ..Default::default()
-                },
-            )
-            .map_err(e)?;
+        let qp = netstack::redn::programs::HashGetServer::response_qp(
+            &self.ctx,
+            &self.pd,
+            &qcq,
+            &rcq,
+            2 * REDN_RECVS as u32,
+        )
+        .map_err(e)?;
         let chains = netstack::redn::programs::HashGetServer::new(
             &self.ctx,
             &self.pd,
@@ -202,13 +194,7 @@ impl PerfAcceptor {
         v.retain(|c| c.qp.as_ref().is_some_and(|q| q.state() == QpState::Rts));
         for c in v.iter_mut() {
             let Some(qp) = c.qp.as_ref() else { continue };
-            let used = c.rcq.produced();
-            while c.posted < used + REDN_RECVS {
-                if qp.post_recv(c.chains.recv_wr(c.posted)).is_err() {
-                    break;
-                }
-                c.posted += 1;
-            }
+            c.chains.top_up(qp, &c.rcq, &mut c.posted, REDN_RECVS);
         }
     }
 }

@@ -222,6 +222,37 @@ impl HashGetServer {
         RecvWr { wr_id, sg_list: sg }
     }
 
+    /// A response QP for [`HashGetServer::new`]: managed, a one-entry ring, room for
+    /// `recvs` receives (requests arrive on the first one; `recv_cq` must count nothing else).
+    pub fn response_qp(ctx: &Context, pd: &Pd, send_cq: &Cq, recv_cq: &Cq, recvs: u32) -> Result<Qp, VerbsError> {
+        ctx.create_qp(
+            pd,
+            send_cq,
+            recv_cq,
+            QpInitAttr {
+                managed_slots: 1,
+                config: Some(RcConfig {
+                    max_recv_wr: recvs,
+                    ..ctx.config().qp
+                }),
+                ..Default::default()
+            },
+        )
+    }
+
+    /// Keeps `keep` receives posted on the request QP `qp`: posts from `*posted` (the
+    /// receives posted so far) until it is `keep` ahead of the requests `recv_cq` has counted.
+    /// An application chore that the gets themselves never wait for.
+    pub fn top_up(&self, qp: &Qp, recv_cq: &Cq, posted: &mut u64, keep: u64) {
+        let used = recv_cq.produced();
+        while *posted < used + keep {
+            if qp.post_recv(self.recv_wr(*posted)).is_err() {
+                break;
+            }
+            *posted += 1;
+        }
+    }
+
     /// Posts `n` receives on the request QP (each serves one get).
     pub fn post_recvs(&self, qp: &Qp, n: usize) -> Result<(), VerbsError> {
         for i in 0..n {
