@@ -7,11 +7,6 @@ use crate::KvError;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-mod pb {
-    #![allow(clippy::all, missing_docs)]
-    tonic::include_proto!("etcdserverpb");
-}
-
 /// Where the map lives: an etcd endpoint (`http://HOST:PORT`) and a key prefix.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EtcdMap {
@@ -19,19 +14,10 @@ pub struct EtcdMap {
     pub prefix: String,
 }
 
-fn err(endpoint: &str, what: &str, e: impl std::fmt::Display) -> KvError {
-    KvError::Config(format!("etcd at {endpoint}: {what}: {e}"))
-}
-
 impl EtcdMap {
     pub fn new(endpoint: &str, prefix: &str) -> EtcdMap {
-        let endpoint = if endpoint.contains("://") {
-            endpoint.to_string()
-        } else {
-            format!("http://{endpoint}")
-        };
         EtcdMap {
-            endpoint,
+            endpoint: etcd_lite::normalize_endpoint(endpoint),
             prefix: prefix.to_string(),
         }
     }
@@ -40,15 +26,10 @@ impl EtcdMap {
         format!("{}shards/{rest}", self.prefix).into_bytes()
     }
 
-    async fn client(&self) -> Result<pb::kv_client::KvClient<tonic::transport::Channel>, KvError> {
-        let ch = tonic::transport::Endpoint::from_shared(self.endpoint.clone())
-            .map_err(|e| err(&self.endpoint, "bad endpoint", e))?
-            .connect_timeout(Duration::from_secs(3))
-            .timeout(Duration::from_secs(5))
-            .connect()
+    async fn client(&self) -> Result<etcd_lite::EtcdClient, KvError> {
+        etcd_lite::EtcdClient::connect(&self.endpoint)
             .await
-            .map_err(|e| err(&self.endpoint, "connect", e))?;
-        Ok(pb::kv_client::KvClient::new(ch))
+            .map_err(|e| KvError::Config(e.to_string()))
     }
 
     /// Registers shard `shard` of `shards` at `cm` (again after a restart: the newest wins).
@@ -58,13 +39,7 @@ impl EtcdMap {
             (self.key("count"), shards.to_string()),
             (self.key(&format!("{shard:05}")), cm.to_string()),
         ] {
-            c.put(pb::PutRequest {
-                key: k,
-                value: v.into_bytes(),
-                ..Default::default()
-            })
-            .await
-            .map_err(|e| err(&self.endpoint, "put", e.message()))?;
+            c.put(k, v).await.map_err(|e| KvError::Config(e.to_string()))?;
         }
         Ok(())
     }
@@ -73,26 +48,14 @@ impl EtcdMap {
     pub async fn fetch(&self, wait: Duration) -> Result<Vec<SocketAddr>, KvError> {
         let mut c = self.client().await?;
         let start = self.key("");
-        let mut end = start.clone();
-        if let Some(last) = end.last_mut() {
-            *last += 1; // the prefix's range: "…/shards/" up to "…/shards0"
-        }
         let until = Instant::now() + wait;
         loop {
-            let r = c
-                .range(pb::RangeRequest {
-                    key: start.clone(),
-                    range_end: end.clone(),
-                    ..Default::default()
-                })
-                .await
-                .map_err(|e| err(&self.endpoint, "range", e.message()))?
-                .into_inner();
+            let kvs = c.get_prefix(&start).await.map_err(|e| KvError::Config(e.to_string()))?;
             let mut count = None;
             let mut shards = std::collections::BTreeMap::new();
-            for kv in r.kvs {
-                let k = String::from_utf8_lossy(&kv.key[start.len()..]).into_owned();
-                let v = String::from_utf8_lossy(&kv.value).into_owned();
+            for (key, value) in kvs {
+                let k = String::from_utf8_lossy(&key[start.len()..]).into_owned();
+                let v = String::from_utf8_lossy(&value).into_owned();
                 if k == "count" {
                     count = v.parse::<u32>().ok();
                 } else if let (Ok(i), Ok(a)) = (k.parse::<u32>(), v.parse::<SocketAddr>()) {

@@ -1,4 +1,4 @@
-//! Compiles the etcd KV subset (shard map) with protox (pure Rust, no protoc needed).
+//! Compiles the etcd KV subset with protox (pure Rust, no protoc needed).
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed=proto/etcd_kv.proto");

@@ -1,0 +1,182 @@
+//! A client for the part of etcd's v3 KV API that the flexns services keep metadata in: put,
+//! get, prefix range and delete over gRPC (tonic), against a real `etcd` server.
+//!
+//! The protobuf subset is compiled with protox (pure Rust), so building needs no `protoc`.
+//! Every error names the endpoint and the operation, so "etcd at http://10.0.0.5:2379: put:
+//! connection refused" says where to look.
+
+use std::time::Duration;
+
+#[allow(clippy::all, missing_docs)]
+mod pb {
+    tonic::include_proto!("etcdserverpb");
+}
+
+/// An etcd request failed; the message names the endpoint and the operation.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("etcd at {endpoint}: {what}: {message}")]
+pub struct EtcdError {
+    /// The endpoint (`http://HOST:PORT`).
+    pub endpoint: String,
+    /// The operation (connect, put, range, delete).
+    pub what: &'static str,
+    /// The cause.
+    pub message: String,
+}
+
+/// A connected client of one etcd endpoint. Cheap to clone (one gRPC channel).
+#[derive(Clone)]
+pub struct EtcdClient {
+    endpoint: String,
+    kv: pb::kv_client::KvClient<tonic::transport::Channel>,
+}
+
+/// `http://HOST:PORT` for `HOST:PORT`, `etcd://HOST:PORT` or an `http(s)://` URL.
+pub fn normalize_endpoint(endpoint: &str) -> String {
+    if let Some(rest) = endpoint.strip_prefix("etcd://") {
+        format!("http://{rest}")
+    } else if endpoint.contains("://") {
+        endpoint.to_string()
+    } else {
+        format!("http://{endpoint}")
+    }
+}
+
+/// The end of the key range holding every key that starts with `prefix` (etcd's convention).
+pub fn prefix_end(prefix: &[u8]) -> Vec<u8> {
+    let mut end = prefix.to_vec();
+    while let Some(last) = end.last_mut() {
+        if *last < 0xff {
+            *last += 1;
+            return end;
+        }
+        end.pop();
+    }
+    vec![0] // every key
+}
+
+impl EtcdClient {
+    /// Connects to `endpoint` (see [`normalize_endpoint`]); fails after 3 s if nothing answers.
+    pub async fn connect(endpoint: &str) -> Result<EtcdClient, EtcdError> {
+        let endpoint = normalize_endpoint(endpoint);
+        let err = |what, e: &dyn std::fmt::Display| EtcdError {
+            endpoint: endpoint.clone(),
+            what,
+            message: e.to_string(),
+        };
+        let ch = tonic::transport::Endpoint::from_shared(endpoint.clone())
+            .map_err(|e| err("bad endpoint", &e))?
+            .connect_timeout(Duration::from_secs(3))
+            .timeout(Duration::from_secs(5))
+            .connect()
+            .await
+            .map_err(|e| err("connect", &e))?;
+        Ok(EtcdClient {
+            kv: pb::kv_client::KvClient::new(ch),
+            endpoint,
+        })
+    }
+
+    /// The endpoint this client talks to.
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    fn err(&self, what: &'static str, s: tonic::Status) -> EtcdError {
+        EtcdError {
+            endpoint: self.endpoint.clone(),
+            what,
+            message: s.message().to_string(),
+        }
+    }
+
+    /// Stores `value` under `key` (replacing what was there).
+    pub async fn put(&mut self, key: impl Into<Vec<u8>>, value: impl Into<Vec<u8>>) -> Result<(), EtcdError> {
+        self.kv
+            .put(pb::PutRequest {
+                key: key.into(),
+                value: value.into(),
+                ..Default::default()
+            })
+            .await
+            .map_err(|s| self.err("put", s))?;
+        Ok(())
+    }
+
+    /// The value under `key`, if any.
+    pub async fn get(&mut self, key: impl Into<Vec<u8>>) -> Result<Option<Vec<u8>>, EtcdError> {
+        let r = self
+            .kv
+            .range(pb::RangeRequest {
+                key: key.into(),
+                ..Default::default()
+            })
+            .await
+            .map_err(|s| self.err("range", s))?
+            .into_inner();
+        Ok(r.kvs.into_iter().next().map(|kv| kv.value))
+    }
+
+    /// Every `(key, value)` whose key starts with `prefix`, in key order.
+    pub async fn get_prefix(&mut self, prefix: &[u8]) -> Result<Vec<(Vec<u8>, Vec<u8>)>, EtcdError> {
+        let r = self
+            .kv
+            .range(pb::RangeRequest {
+                key: prefix.to_vec(),
+                range_end: prefix_end(prefix),
+                ..Default::default()
+            })
+            .await
+            .map_err(|s| self.err("range", s))?
+            .into_inner();
+        Ok(r.kvs.into_iter().map(|kv| (kv.key, kv.value)).collect())
+    }
+
+    /// Deletes `key`; returns whether it existed.
+    pub async fn delete(&mut self, key: impl Into<Vec<u8>>) -> Result<bool, EtcdError> {
+        let r = self
+            .kv
+            .delete_range(pb::DeleteRangeRequest {
+                key: key.into(),
+                ..Default::default()
+            })
+            .await
+            .map_err(|s| self.err("delete", s))?
+            .into_inner();
+        Ok(r.deleted > 0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefix_end_follows_etcd() {
+        assert_eq!(prefix_end(b"a/b/"), b"a/b0".to_vec());
+        assert_eq!(prefix_end(b"a\xff"), b"b".to_vec());
+        assert_eq!(prefix_end(b"\xff\xff"), vec![0]);
+    }
+
+    #[test]
+    fn endpoints_are_normalized() {
+        assert_eq!(normalize_endpoint("127.0.0.1:2379"), "http://127.0.0.1:2379");
+        assert_eq!(normalize_endpoint("etcd://h:1"), "http://h:1");
+        assert_eq!(normalize_endpoint("https://h:1"), "https://h:1");
+    }
+
+    #[tokio::test]
+    async fn an_unreachable_etcd_is_named_in_the_error() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let e = EtcdClient::connect(&format!("127.0.0.1:{port}"))
+            .await
+            .err()
+            .expect("no etcd there");
+        let m = e.to_string();
+        assert!(m.contains(&format!("127.0.0.1:{port}")) && m.contains("connect"), "{m}");
+    }
+}
