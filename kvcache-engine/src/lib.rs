@@ -1,5 +1,43 @@
-//! kvcache-engine: Mooncake-style KVCache transfer between LLM prefill and decode nodes.
+//! kvcache-engine: Mooncake-style KVCache transfer between LLM prefill and decode nodes, over
+//! the flexns stack (or kernel TCP, when configured).
 //!
-//! Not built yet: this crate is a placeholder in the workspace so its name and place are fixed.
-//! Its work is tracked by the kvcache-engine issue (TransferEngine API, segments, metadata,
-//! spraying); it will build on `netstack`.
+//! The model is Mooncake's Transfer Engine, in Rust:
+//! - one [`TransferEngine`] per process, named; its memory is a **segment** that peers open by
+//!   name ([`TransferEngine::open_segment`]);
+//! - buffers are registered ([`TransferEngine::register_memory`], GPU memory through
+//!   [`gpu`] with the `gpu` feature) and addressed by virtual address;
+//! - data moves in **batches** of READ/WRITE [`TransferRequest`]s with per-request and
+//!   per-batch [`TransferStatus`], or synchronously ([`TransferEngine::transfer_sync_write`]);
+//! - a [`Notification`] travels with (after) a batch, so a decode node learns its KV blocks
+//!   landed ([`TransferEngine::get_notifies`]).
+//!
+//! What it fixes from Mooncake users' complaints: the configured transport is the one used (no
+//! silent fallback; a peer on another transport is an error saying so); the advertised address
+//! is chosen deliberately ([`netaddr`]); errors name the peer, the queue pair, its paths and the
+//! cause; a WRITE completes only once the data is placed and visible at the target; stale
+//! descriptors of restarted peers are detected and refreshed; etcd keys have a prefix.
+//!
+//! [`kvcache::PagedKvLayout`] maps vLLM-style paged KV blocks to requests, and [`daemon`] is
+//! the `kvcache-engine` process (a decode node's KV pool, serving until stopped).
+
+pub mod batch;
+pub mod config;
+pub mod daemon;
+pub mod engine;
+mod error;
+pub mod gpu;
+pub mod kvcache;
+mod memory;
+mod metadata;
+pub mod netaddr;
+pub mod rpc;
+pub mod segment;
+mod transport;
+
+pub use batch::{
+    Notification, Opcode, SegmentHandle, TransferRequest, TransferState, TransferStatus, MAX_NOTIFY_BYTES,
+};
+pub use config::{EngineConfig, MetadataConfig, TransportKind};
+pub use engine::{BatchId, TransferEngine};
+pub use error::TransferError;
+pub use segment::{BufferDesc, Location, SegmentDesc};

@@ -162,6 +162,14 @@ impl<A: Acceptor> pb::connection_manager_server::ConnectionManager for Service<A
     }
 }
 
+/// The connection-manager gRPC service for `acceptor`, to serve beside other services on one
+/// port (`tonic::transport::Server::builder().add_service(cm::service(a)).add_service(..)`).
+pub fn service<A: Acceptor>(
+    acceptor: Arc<A>,
+) -> pb::connection_manager_server::ConnectionManagerServer<impl pb::connection_manager_server::ConnectionManager> {
+    pb::connection_manager_server::ConnectionManagerServer::new(Service(acceptor))
+}
+
 /// Serves the connection manager on `listener` until `shutdown` resolves.
 pub async fn serve<A: Acceptor>(
     listener: tokio::net::TcpListener,
@@ -171,9 +179,7 @@ pub async fn serve<A: Acceptor>(
     let addr = listener.local_addr()?.to_string();
     let incoming = tokio_stream_from(listener);
     tonic::transport::Server::builder()
-        .add_service(pb::connection_manager_server::ConnectionManagerServer::new(Service(
-            acceptor,
-        )))
+        .add_service(service(acceptor))
         .serve_with_incoming_shutdown(incoming, shutdown)
         .await
         .map_err(|source| CmError::Transport { addr, source })

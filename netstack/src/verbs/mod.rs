@@ -183,6 +183,12 @@ impl Pd {
         self.register(Arc::new(Region::from_raw(ptr, len)), access)
     }
 
+    /// Registers a region the caller already holds (several contexts may register one region,
+    /// e.g. a buffer exposed on two engines).
+    pub fn reg_region(&self, region: Arc<Region>, access: Access) -> Mr {
+        self.register(region, access)
+    }
+
     pub(crate) fn register(&self, region: Arc<Region>, access: Access) -> Mr {
         let entry = self.ctx.mrs().register(region, self.id, access);
         Mr {

@@ -1,0 +1,244 @@
+//! Engine configuration: the transport, where segment metadata lives, the addresses to bind
+//! and advertise, slicing and timeouts. Every validation error names the field.
+
+use crate::TransferError;
+use netstack::path::SprayPolicy;
+use std::net::Ipv4Addr;
+use std::str::FromStr;
+use std::time::Duration;
+
+/// The data transport an engine uses. Exactly the configured one is used: there is no silent
+/// fallback, and a peer that speaks another transport is an error that says so.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TransportKind {
+    /// RoCEv2 over UDP through the flexns stack: one-sided READ/WRITE on RC queue pairs.
+    Flexns,
+    /// Kernel TCP: request headers and payload streamed over pooled connections ("lanes").
+    Tcp,
+}
+
+impl FromStr for TransportKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "flexns" | "rdma" => Ok(TransportKind::Flexns),
+            "tcp" => Ok(TransportKind::Tcp),
+            o => Err(format!("unknown transport {o:?} (flexns, tcp)")),
+        }
+    }
+}
+
+impl std::fmt::Display for TransportKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            TransportKind::Flexns => "flexns",
+            TransportKind::Tcp => "tcp",
+        })
+    }
+}
+
+/// Where segment descriptors are published and looked up.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MetadataConfig {
+    /// An in-memory registry shared by the engines of this process (the one-machine default:
+    /// the demo, tests, a prefill and a decode engine in one server process).
+    Embedded,
+    /// No metadata service: a segment is named `IP:RPC_PORT` and its descriptor is fetched from
+    /// that engine's RPC port on `open_segment` (Mooncake's `P2PHANDSHAKE`).
+    P2p,
+    /// A real etcd cluster; descriptors live under `PREFIX/segments/NAME`, so tenants with
+    /// different prefixes share one etcd without seeing each other.
+    Etcd { endpoint: String, prefix: String },
+}
+
+impl MetadataConfig {
+    /// Parses Mooncake-style connection strings: `embedded`, `P2PHANDSHAKE` (or `p2p`),
+    /// `etcd://HOST:PORT` or bare `HOST:PORT` (etcd); the etcd prefix defaults to `flexns/kvcache/`.
+    pub fn parse(s: &str, etcd_prefix: Option<&str>) -> Result<MetadataConfig, TransferError> {
+        let prefix = etcd_prefix.unwrap_or("flexns/kvcache/").to_string();
+        match s {
+            "embedded" | "" => Ok(MetadataConfig::Embedded),
+            "P2PHANDSHAKE" | "p2p" => Ok(MetadataConfig::P2p),
+            o if o.starts_with("etcd://") || o.starts_with("http://") || o.contains(':') => Ok(MetadataConfig::Etcd {
+                endpoint: o.to_string(),
+                prefix,
+            }),
+            o => Err(TransferError::Config(format!(
+                "metadata: {o:?} is not embedded, P2PHANDSHAKE, etcd://HOST:PORT or HOST:PORT"
+            ))),
+        }
+    }
+}
+
+/// Configuration of a [`crate::TransferEngine`].
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// The segment name other engines open this one by (cluster-unique). In P2P mode it is
+    /// replaced by `ADVERTISE_IP:RPC_PORT`.
+    pub name: String,
+    pub transport: TransportKind,
+    pub metadata: MetadataConfig,
+    /// Local IPv4 address the RPC port and the data path bind; `None` binds the advertised
+    /// address (a port on every address would accept peers the descriptor never names).
+    pub bind_ip: Option<Ipv4Addr>,
+    /// The address published in this engine's descriptor. `None` picks one deliberately:
+    /// 127.0.0.1 with embedded metadata (one machine); otherwise the source address of the
+    /// default route, never loopback or a container bridge (see [`crate::netaddr`]).
+    pub advertise_ip: Option<Ipv4Addr>,
+    /// RPC port (connection manager and descriptors); 0 picks a free one.
+    pub rpc_port: u16,
+    /// flexns engine threads (data cores).
+    pub data_cores: usize,
+    /// RC queue pairs per peer; slices are spread over them.
+    pub qps_per_peer: usize,
+    /// Paths per queue pair (packet spraying over UDP source ports and `extra_addrs`); 1 = one path.
+    pub paths: usize,
+    /// How a multipath QP spreads packets over its paths.
+    pub spray: SprayPolicy,
+    /// More local addresses (NICs) to stripe over: QPs pair them with the peer's.
+    pub extra_addrs: Vec<Ipv4Addr>,
+    /// Requests longer than this are cut into slices that travel independently.
+    pub slice_size: usize,
+    /// Slices in flight per queue pair (or per TCP lane: one).
+    pub slices_in_flight: usize,
+    /// TCP connections per peer (the tcp transport).
+    pub tcp_lanes: usize,
+    /// A request not done after this is TimedOut, with the peer, path and cause named.
+    pub transfer_timeout: Duration,
+    /// A slice not done after this is retried on another queue pair or lane.
+    pub slice_timeout: Duration,
+    /// Attempts per slice (the first included) before its request fails.
+    pub slice_attempts: u32,
+    /// Overrides of the flexns stack (MTU, recovery, congestion control, poll mode...).
+    pub stack: Option<netstack::verbs::ContextConfig>,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            name: String::new(),
+            transport: TransportKind::Flexns,
+            metadata: MetadataConfig::Embedded,
+            bind_ip: None,
+            advertise_ip: None,
+            rpc_port: 0,
+            data_cores: 1,
+            qps_per_peer: 2,
+            paths: 1,
+            spray: SprayPolicy::Weighted,
+            extra_addrs: Vec::new(),
+            slice_size: 256 << 10,
+            slices_in_flight: 64,
+            tcp_lanes: 4,
+            transfer_timeout: Duration::from_secs(30),
+            slice_timeout: Duration::from_secs(2),
+            slice_attempts: 3,
+            stack: None,
+        }
+    }
+}
+
+impl EngineConfig {
+    /// A configuration with this name and transport, everything else default.
+    pub fn new(name: &str, transport: TransportKind) -> EngineConfig {
+        EngineConfig {
+            name: name.to_string(),
+            transport,
+            ..Default::default()
+        }
+    }
+
+    /// Checks every field; the error names the first bad one.
+    pub fn validate(&self) -> Result<(), TransferError> {
+        let bad = |f: &str, m: String| Err(TransferError::Config(format!("{f}: {m}")));
+        if self.metadata != MetadataConfig::P2p {
+            if self.name.is_empty() {
+                return bad("name", "an engine needs a segment name (unique in the cluster)".into());
+            }
+            if self.name.len() > 255 || self.name.contains(['/', '\n', ' ']) {
+                return bad(
+                    "name",
+                    format!("{:?}: at most 255 bytes, no '/', space or newline", self.name),
+                );
+            }
+        }
+        if let MetadataConfig::Etcd { prefix, .. } = &self.metadata {
+            if prefix.contains(' ') {
+                return bad("metadata.prefix", format!("{prefix:?} contains a space"));
+            }
+        }
+        if !(1..=16).contains(&self.data_cores) {
+            return bad("data_cores", format!("{} not in 1..=16", self.data_cores));
+        }
+        if !(1..=64).contains(&self.qps_per_peer) {
+            return bad("qps_per_peer", format!("{} not in 1..=64", self.qps_per_peer));
+        }
+        if !(1..=netstack::path::MAX_PATHS).contains(&self.paths) {
+            return bad(
+                "paths",
+                format!("{} not in 1..={}", self.paths, netstack::path::MAX_PATHS),
+            );
+        }
+        if self.slice_size < 4096 || self.slice_size > 64 << 20 {
+            return bad("slice_size", format!("{} not in 4 KiB..=64 MiB", self.slice_size));
+        }
+        if !(1..=1024).contains(&self.slices_in_flight) {
+            return bad("slices_in_flight", format!("{} not in 1..=1024", self.slices_in_flight));
+        }
+        if !(1..=64).contains(&self.tcp_lanes) {
+            return bad("tcp_lanes", format!("{} not in 1..=64", self.tcp_lanes));
+        }
+        if self.transfer_timeout.is_zero() {
+            return bad("transfer_timeout", "must be > 0".into());
+        }
+        if self.slice_timeout.is_zero() {
+            return bad("slice_timeout", "must be > 0".into());
+        }
+        if self.slice_attempts == 0 {
+            return bad("slice_attempts", "must be >= 1".into());
+        }
+        if let Some(s) = &self.stack {
+            s.validate().map_err(|e| TransferError::Config(format!("stack: {e}")))?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metadata_strings_parse_like_mooncake() {
+        assert_eq!(
+            MetadataConfig::parse("P2PHANDSHAKE", None).unwrap(),
+            MetadataConfig::P2p
+        );
+        assert_eq!(
+            MetadataConfig::parse("embedded", None).unwrap(),
+            MetadataConfig::Embedded
+        );
+        assert_eq!(
+            MetadataConfig::parse("127.0.0.1:2379", Some("t1/")).unwrap(),
+            MetadataConfig::Etcd {
+                endpoint: "127.0.0.1:2379".into(),
+                prefix: "t1/".into()
+            }
+        );
+        let e = MetadataConfig::parse("redis", None).unwrap_err().to_string();
+        assert!(e.contains("metadata"), "{e}");
+    }
+
+    #[test]
+    fn bad_fields_are_named() {
+        let mut c = EngineConfig::new("p", TransportKind::Flexns);
+        c.validate().unwrap();
+        c.slice_size = 10;
+        assert!(c.validate().unwrap_err().to_string().contains("slice_size"));
+        let c = EngineConfig::new("", TransportKind::Tcp);
+        assert!(c.validate().unwrap_err().to_string().contains("name"));
+        assert_eq!("tcp".parse::<TransportKind>(), Ok(TransportKind::Tcp));
+        assert!("ib".parse::<TransportKind>().unwrap_err().contains("flexns, tcp"));
+    }
+}

@@ -1,0 +1,124 @@
+//! The `kvcache-engine` daemon: a transfer engine with a registered KV pool (a decode node's
+//! pre-allocated blocks, or any node's transfer buffer), serving until SIGTERM or Ctrl-C.
+//!
+//! It prints one banner line of `key=value` words (`segment=`, `rpc=`, `transport=`,
+//! `pool_addr=`, `pool_len=`, `instance=`) and then one JSON line per notification received,
+//! so a supervisor or a test can read where it is and what landed.
+
+use crate::{EngineConfig, Location, MetadataConfig, TransferEngine, TransferError, TransportKind};
+use std::io::Write;
+use std::net::Ipv4Addr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Flags of `kvcache-engine serve`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ServeArgs {
+    /// Segment name (replaced by IP:RPC_PORT with P2PHANDSHAKE metadata).
+    #[arg(long, default_value = "decode-0")]
+    pub name: String,
+    /// Data transport: flexns or tcp (used as given: no fallback).
+    #[arg(long, default_value = "flexns")]
+    pub transport: TransportKind,
+    /// Metadata: P2PHANDSHAKE (peers ask this engine), embedded (this process only: useless for a
+    /// daemon), or etcd://HOST:PORT.
+    #[arg(long, default_value = "P2PHANDSHAKE")]
+    pub metadata: String,
+    /// Key prefix in etcd (tenants sharing one etcd use different prefixes).
+    #[arg(long)]
+    pub etcd_prefix: Option<String>,
+    /// Address to bind (default: the advertised one).
+    #[arg(long)]
+    pub bind: Option<Ipv4Addr>,
+    /// Address to advertise (default: the default route's source address, never a bridge).
+    #[arg(long)]
+    pub advertise: Option<Ipv4Addr>,
+    /// RPC port (0 = a free one).
+    #[arg(long, default_value_t = 0)]
+    pub rpc_port: u16,
+    /// Size of the registered pool, e.g. 1GiB.
+    #[arg(long, default_value = "256MiB")]
+    pub pool: String,
+    /// flexns data cores.
+    #[arg(long, default_value_t = 1)]
+    pub data_cores: usize,
+    /// Paths per queue pair (spraying).
+    #[arg(long, default_value_t = 1)]
+    pub paths: usize,
+    /// More local addresses (NICs) to stripe over.
+    #[arg(long = "extra-addr")]
+    pub extra_addrs: Vec<Ipv4Addr>,
+    /// flexns stack configuration (TOML, netstack's ContextConfig).
+    #[arg(long)]
+    pub stack_config: Option<std::path::PathBuf>,
+}
+
+impl ServeArgs {
+    /// The engine configuration these flags describe; errors name the flag.
+    pub fn engine_config(&self) -> Result<EngineConfig, TransferError> {
+        let mut c = EngineConfig::new(&self.name, self.transport);
+        c.metadata = MetadataConfig::parse(&self.metadata, self.etcd_prefix.as_deref())?;
+        c.bind_ip = self.bind;
+        c.advertise_ip = self.advertise;
+        c.rpc_port = self.rpc_port;
+        c.data_cores = self.data_cores;
+        c.paths = self.paths;
+        c.extra_addrs = self.extra_addrs.clone();
+        if let Some(p) = &self.stack_config {
+            let s = std::fs::read_to_string(p)
+                .map_err(|e| TransferError::Config(format!("--stack-config {}: {e}", p.display())))?;
+            c.stack = Some(
+                netstack::verbs::ContextConfig::from_toml(&s)
+                    .map_err(|e| TransferError::Config(format!("--stack-config {}: {e}", p.display())))?,
+            );
+        }
+        c.validate()?;
+        Ok(c)
+    }
+}
+
+/// Runs the daemon until SIGTERM or SIGINT.
+pub fn run(args: &ServeArgs) -> Result<(), TransferError> {
+    let pool = netstack::config::parse_size(&args.pool).map_err(|e| TransferError::Config(format!("--pool: {e}")))?;
+    if pool == 0 || pool > 1 << 40 {
+        return Err(TransferError::Config(format!("--pool: {pool} bytes not in 1..=1TiB")));
+    }
+    let engine = TransferEngine::new(args.engine_config()?)?;
+    let region = engine.allocate_memory(pool as usize, Location::Cpu(0))?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let s2 = stop.clone();
+    std::thread::Builder::new().name("kvc-signals".into()).spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build();
+        if let Ok(rt) = rt {
+            rt.block_on(async {
+                let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {}
+                }
+            });
+        }
+        s2.store(true, Ordering::Relaxed);
+    })?;
+    let mut out = std::io::stdout().lock();
+    writeln!(
+        out,
+        "segment={} rpc={} transport={} pool_addr={:#x} pool_len={} instance={:#x}",
+        engine.segment_name(),
+        engine.rpc_addr(),
+        engine.transport(),
+        region.addr(),
+        region.len(),
+        engine.local_descriptor().instance
+    )?;
+    out.flush()?;
+    while !stop.load(Ordering::Relaxed) {
+        if let Some(n) = engine.wait_notify(Duration::from_millis(100)) {
+            let _ = writeln!(out, "{}", serde_json::json!({"notify": n}));
+            let _ = out.flush();
+        }
+    }
+    tracing::info!("stopping: withdrawing segment {}", engine.segment_name());
+    Ok(())
+}

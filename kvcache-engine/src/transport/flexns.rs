@@ -1,0 +1,624 @@
+//! The flexns transport: one-sided RDMA WRITE and READ on RC queue pairs of the flexns stack.
+//!
+//! Per peer, `qps_per_peer` QPs connected through the peer's connection manager (each QP may
+//! spray its packets over `paths` paths). Slices go round-robin to QPs with room (at most
+//! `slices_in_flight` each); a WRITE completes when the peer acknowledged it, which the
+//! responder does after placing the data, so Completed means visible at the target. A slice
+//! whose QP failed (retry budget spent: peer down, every path dead) is retried on another QP
+//! of the peer, reconnecting when none is left; the error that ends a request names the peer,
+//! the QP, its paths and the cause. Notifications travel as a SEND on the peer's first QP after
+//! the batch's data completed; the receiver keeps receive buffers posted on accepted QPs.
+
+use super::{Notifies, Slice};
+use crate::batch::{Batch, Opcode};
+use crate::TransferError;
+use netstack::cm;
+use netstack::path::SprayPolicy;
+use netstack::verbs::*;
+use parking_lot::Mutex;
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Receive buffers kept posted per accepted QP (notifications).
+const RECV_SLOTS: usize = 16;
+const RECV_SLOT_BYTES: usize = 4096;
+
+/// Settings of the transport (from the engine's configuration).
+#[derive(Debug, Clone)]
+pub(crate) struct FlexCfg {
+    pub name: String,
+    pub instance: u64,
+    pub qps_per_peer: usize,
+    pub paths: usize,
+    pub spray: SprayPolicy,
+    pub in_flight: usize,
+    pub attempts: u32,
+}
+
+struct Lane {
+    qp: Qp,
+    inflight: AtomicUsize,
+    dead: AtomicBool,
+}
+
+impl Lane {
+    fn paths_summary(&self) -> String {
+        let st = self.qp.path_stats();
+        if st.len() <= 1 {
+            return "1 path".into();
+        }
+        let up: Vec<String> = st
+            .iter()
+            .enumerate()
+            .map(|(i, p)| format!("{i}:{}", if p.up { "up" } else { "down" }))
+            .collect();
+        format!("paths {}", up.join(" "))
+    }
+}
+
+struct FlexPeer {
+    name: String,
+    rpc: SocketAddr,
+    instance: u64,
+    lanes: Vec<Arc<Lane>>,
+    rr: AtomicUsize,
+}
+
+impl FlexPeer {
+    fn who(&self) -> String {
+        format!("peer {} ({} over flexns)", self.name, self.rpc)
+    }
+}
+
+enum Outstanding {
+    Slice {
+        peer: Arc<FlexPeer>,
+        lane: Arc<Lane>,
+        slice: Slice,
+    },
+    Notify {
+        peer: Arc<FlexPeer>,
+        lane: Arc<Lane>,
+        batch: Option<Arc<Batch>>,
+        done: Option<std::sync::mpsc::Sender<Result<(), String>>>,
+        _mr: Mr,
+    },
+}
+
+struct AcceptedQp {
+    qp: Qp,
+    mr: Mr,
+}
+
+/// The flexns transport of one engine.
+pub(crate) struct FlexnsPath {
+    ctx: Context,
+    pd: Pd,
+    /// Send completions of this engine's initiator QPs.
+    cq: Cq,
+    /// Completions of accepted QPs (notifications received).
+    rcq: Cq,
+    cfg: FlexCfg,
+    notifies: Arc<Notifies>,
+    peers: Mutex<HashMap<String, Arc<FlexPeer>>>,
+    outstanding: Mutex<HashMap<u64, Outstanding>>,
+    next_wr: AtomicU64,
+    pending: Mutex<VecDeque<(String, Slice)>>,
+    accepted: Mutex<HashMap<u32, AcceptedQp>>,
+    /// Receive buffers of QPs being connected, until the connection manager hands them back.
+    accepting: Mutex<HashMap<u32, Mr>>,
+    progress_lock: Mutex<()>,
+    rt: tokio::runtime::Handle,
+    stop: AtomicBool,
+}
+
+fn status_text(s: WcStatus) -> &'static str {
+    match s {
+        WcStatus::RetryExcErr => "no acknowledgement within the retry budget (peer down or every path dead)",
+        WcStatus::RnrRetryExcErr => "receiver not ready: no receive buffer posted",
+        WcStatus::RemAccessErr => {
+            "remote access error: the range is not in a buffer the peer registered for remote access"
+        }
+        WcStatus::RemInvReqErr => "remote invalid request",
+        WcStatus::RemOpErr => "remote operational error",
+        WcStatus::WrFlushErr => "flushed: the queue pair had already failed",
+        WcStatus::LocProtErr => "local protection error: the local buffer is not registered (unregistered?)",
+        WcStatus::LocLenErr => "local length error",
+        WcStatus::LocQpOpErr => "local queue pair error",
+        _ => "error",
+    }
+}
+
+/// Errors a retry on another queue pair can fix.
+fn retryable(s: WcStatus) -> bool {
+    matches!(
+        s,
+        WcStatus::RetryExcErr | WcStatus::RnrRetryExcErr | WcStatus::WrFlushErr | WcStatus::LocQpOpErr
+    )
+}
+
+impl FlexnsPath {
+    pub fn new(
+        ctx: Context,
+        cfg: FlexCfg,
+        notifies: Arc<Notifies>,
+        rt: tokio::runtime::Handle,
+    ) -> Result<Arc<FlexnsPath>, TransferError> {
+        let pd = ctx.alloc_pd();
+        let cq = ctx.create_cq(65536)?;
+        let rcq = ctx.create_cq(4096)?;
+        Ok(Arc::new(FlexnsPath {
+            ctx,
+            pd,
+            cq,
+            rcq,
+            cfg,
+            notifies,
+            peers: Mutex::new(HashMap::new()),
+            outstanding: Mutex::new(HashMap::new()),
+            next_wr: AtomicU64::new(1),
+            pending: Mutex::new(VecDeque::new()),
+            accepted: Mutex::new(HashMap::new()),
+            accepting: Mutex::new(HashMap::new()),
+            progress_lock: Mutex::new(()),
+            rt,
+            stop: AtomicBool::new(false),
+        }))
+    }
+
+    pub fn pd(&self) -> &Pd {
+        &self.pd
+    }
+
+    /// Starts the completion thread (slices, retries) and the notification receiver.
+    pub fn start_threads(self: &Arc<Self>) -> std::io::Result<()> {
+        let me = Arc::downgrade(self);
+        std::thread::Builder::new()
+            .name("kvc-progress".into())
+            .spawn(move || loop {
+                let Some(p) = me.upgrade() else { return };
+                if p.stop.load(Ordering::Relaxed) {
+                    return;
+                }
+                p.cq.wait(Duration::from_millis(5));
+                p.progress();
+            })?;
+        let me = Arc::downgrade(self);
+        std::thread::Builder::new()
+            .name("kvc-notify-rx".into())
+            .spawn(move || loop {
+                let Some(p) = me.upgrade() else { return };
+                if p.stop.load(Ordering::Relaxed) {
+                    return;
+                }
+                if p.rcq.wait(Duration::from_millis(20)) {
+                    p.receive_notifies();
+                }
+            })?;
+        Ok(())
+    }
+
+    pub fn shutdown(&self) {
+        self.stop.store(true, Ordering::Relaxed);
+        self.peers.lock().clear();
+        self.accepted.lock().clear();
+    }
+
+    fn new_qp(&self, recovery: Recovery) -> Result<Qp, TransferError> {
+        let mut c = self.ctx.config().qp;
+        c.recovery = recovery;
+        let attr = QpInitAttr {
+            config: Some(c),
+            ..Default::default()
+        };
+        Ok(self.ctx.create_qp(&self.pd, &self.cq, &self.rcq, attr)?)
+    }
+
+    /// Connects `qps_per_peer` QPs to the engine whose RPC port is `rpc`, checking it is
+    /// `instance`.
+    pub fn connect(&self, name: &str, rpc: SocketAddr, instance: u64) -> Result<(), TransferError> {
+        if let Some(p) = self.peers.lock().get(name) {
+            if p.instance == instance && p.rpc == rpc && p.lanes.iter().any(|l| !l.dead.load(Ordering::Relaxed)) {
+                return Ok(());
+            }
+        }
+        let peer_err = |m: String| TransferError::Peer {
+            peer: format!("{name} ({rpc} over flexns)"),
+            message: m,
+        };
+        let recovery = if self.cfg.paths > 1 {
+            Recovery::SelectiveRepeat
+        } else {
+            self.ctx.config().qp.recovery
+        };
+        let mut lanes = Vec::new();
+        let hello = serde_json::json!({"from": self.cfg.name, "expect": instance}).to_string();
+        let qps = (0..self.cfg.qps_per_peer)
+            .map(|_| {
+                let qp = self.new_qp(recovery)?;
+                if self.cfg.paths > 1 {
+                    qp.set_paths(self.cfg.paths, self.cfg.spray)?;
+                }
+                Ok(qp)
+            })
+            .collect::<Result<Vec<Qp>, TransferError>>()?;
+        let replies = self.rt.block_on(async {
+            let mut c = tokio::time::timeout(Duration::from_secs(3), cm::Connector::new(rpc))
+                .await
+                .map_err(|_| "connection manager: no answer within 3 s".to_string())?
+                .map_err(|e| e.to_string())?;
+            let mut out = Vec::new();
+            for qp in &qps {
+                let r = tokio::time::timeout(Duration::from_secs(3), c.connect(qp, hello.clone().into_bytes()))
+                    .await
+                    .map_err(|_| "connecting a queue pair: no answer within 3 s".to_string())?
+                    .map_err(|e| e.to_string())?;
+                out.push(r);
+            }
+            Ok::<_, String>(out)
+        });
+        let replies = replies.map_err(peer_err)?;
+        for (qp, r) in qps.into_iter().zip(replies) {
+            let live = serde_json::from_slice::<serde_json::Value>(&r)
+                .ok()
+                .and_then(|v| v["instance"].as_u64())
+                .ok_or_else(|| peer_err("connection reply without an instance (not a transfer engine?)".into()))?;
+            if live != instance {
+                return Err(TransferError::StaleDescriptor {
+                    segment: name.to_string(),
+                    published: instance,
+                    live,
+                });
+            }
+            lanes.push(Arc::new(Lane {
+                qp,
+                inflight: AtomicUsize::new(0),
+                dead: AtomicBool::new(false),
+            }));
+        }
+        let peer = Arc::new(FlexPeer {
+            name: name.to_string(),
+            rpc,
+            instance,
+            lanes,
+            rr: AtomicUsize::new(0),
+        });
+        self.peers.lock().insert(name.to_string(), peer);
+        Ok(())
+    }
+
+    pub fn close(&self, name: &str) {
+        self.peers.lock().remove(name);
+    }
+
+    /// Queues slices for `peer` and posts what fits now.
+    pub fn submit(&self, peer: &str, slices: Vec<Slice>) -> Result<(), TransferError> {
+        if !self.peers.lock().contains_key(peer) {
+            return Err(TransferError::Invalid(format!("segment {peer} is not open")));
+        }
+        self.pending
+            .lock()
+            .extend(slices.into_iter().map(|s| (peer.to_string(), s)));
+        self.drain_pending();
+        Ok(())
+    }
+
+    fn post(&self, peer: &Arc<FlexPeer>, lane: &Arc<Lane>, slice: Slice) -> Result<(), (Slice, String)> {
+        let wr_id = self.next_wr.fetch_add(1, Ordering::Relaxed);
+        let op = match slice.op {
+            Opcode::Write => WrOpcode::RdmaWrite,
+            Opcode::Read => WrOpcode::RdmaRead,
+        };
+        let wr = SendWr::new(wr_id, op)
+            .sge(Sge {
+                addr: slice.local,
+                length: slice.len,
+                lkey: slice.lkey,
+            })
+            .remote(slice.remote, slice.rkey);
+        lane.inflight.fetch_add(1, Ordering::Relaxed);
+        self.outstanding.lock().insert(
+            wr_id,
+            Outstanding::Slice {
+                peer: peer.clone(),
+                lane: lane.clone(),
+                slice,
+            },
+        );
+        if let Err(e) = lane.qp.post_send(wr) {
+            lane.inflight.fetch_sub(1, Ordering::Relaxed);
+            lane.dead.store(true, Ordering::Relaxed);
+            if let Some(Outstanding::Slice { slice, .. }) = self.outstanding.lock().remove(&wr_id) {
+                return Err((slice, e.to_string()));
+            }
+        }
+        Ok(())
+    }
+
+    /// Posts queued slices to QPs with room; reconnects a peer whose QPs all failed.
+    fn drain_pending(&self) {
+        let mut pend = self.pending.lock();
+        while let Some((name, slice)) = pend.pop_front() {
+            let peer = self.peers.lock().get(&name).cloned();
+            let Some(peer) = peer else {
+                slice.fail(format!("segment {name} was closed with the request in flight"));
+                continue;
+            };
+            let n = peer.lanes.len();
+            let start = peer.rr.fetch_add(1, Ordering::Relaxed);
+            let mut any_live = false;
+            let mut chosen = None;
+            for k in 0..n {
+                let l = &peer.lanes[(start + k) % n];
+                if l.dead.load(Ordering::Relaxed) {
+                    continue;
+                }
+                any_live = true;
+                if l.inflight.load(Ordering::Relaxed) < self.cfg.in_flight {
+                    chosen = Some(l.clone());
+                    break;
+                }
+            }
+            match chosen {
+                Some(l) => {
+                    if let Err((slice, e)) = self.post(&peer, &l, slice) {
+                        let what = slice.describe();
+                        let msg = format!("{} qp {:#x}: posting {what}: {e}", peer.who(), l.qp.qp_num());
+                        if let Some(s) = slice.retry_or_fail(self.cfg.attempts, msg) {
+                            pend.push_front((name, s));
+                        }
+                    }
+                }
+                None if any_live => {
+                    pend.push_front((name, slice));
+                    return; // every QP is full: completions make room
+                }
+                None => {
+                    // every QP of the peer failed: reconnect (it may be back) or fail its slices
+                    drop(pend);
+                    let r = self.connect(&peer.name, peer.rpc, peer.instance);
+                    pend = self.pending.lock();
+                    if let Err(e) = r {
+                        let why = format!("every queue pair to {} failed; reconnecting: {e}", peer.who());
+                        slice.fail(why.clone());
+                        let (mine, rest): (Vec<_>, Vec<_>) = pend.drain(..).partition(|(n, _)| *n == name);
+                        pend.extend(rest);
+                        for (_, s) in mine {
+                            s.fail(why.clone());
+                        }
+                    } else {
+                        pend.push_front((name, slice));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Processes send completions and posts what waits; any thread may call it.
+    pub fn progress(&self) {
+        let Some(_g) = self.progress_lock.try_lock() else {
+            return;
+        };
+        let mut wcs = [EMPTY_WC; 64];
+        loop {
+            let n = self.cq.poll(&mut wcs);
+            for wc in &wcs[..n] {
+                self.complete(wc);
+            }
+            if n < wcs.len() {
+                break;
+            }
+        }
+        if !self.pending.lock().is_empty() {
+            self.drain_pending();
+        }
+    }
+
+    fn complete(&self, wc: &Wc) {
+        let Some(o) = self.outstanding.lock().remove(&wc.wr_id) else {
+            return;
+        };
+        match o {
+            Outstanding::Slice { peer, lane, slice } => {
+                lane.inflight.fetch_sub(1, Ordering::Relaxed);
+                if wc.status == WcStatus::Success {
+                    let (b, len) = (slice.batch.clone(), slice.len as u64);
+                    if b.slice_done(slice.task, len) {
+                        self.send_batch_notify(&b);
+                    }
+                    return;
+                }
+                let msg = format!(
+                    "{} qp {:#x} ({}): {}: {}",
+                    peer.who(),
+                    lane.qp.qp_num(),
+                    lane.paths_summary(),
+                    slice.describe(),
+                    status_text(wc.status)
+                );
+                if retryable(wc.status) {
+                    lane.dead.store(true, Ordering::Relaxed);
+                    if let Some(s) = slice.retry_or_fail(self.cfg.attempts, msg) {
+                        self.pending.lock().push_front((peer.name.clone(), s));
+                    }
+                } else {
+                    slice.fail(msg);
+                }
+            }
+            Outstanding::Notify {
+                peer,
+                lane,
+                batch,
+                done,
+                ..
+            } => {
+                let r = if wc.status == WcStatus::Success {
+                    Ok(())
+                } else {
+                    lane.dead.store(true, Ordering::Relaxed);
+                    Err(format!(
+                        "{} qp {:#x}: notification: {}",
+                        peer.who(),
+                        lane.qp.qp_num(),
+                        status_text(wc.status)
+                    ))
+                };
+                if let Some(b) = batch {
+                    b.notify_done(r.clone());
+                }
+                if let Some(d) = done {
+                    let _ = d.send(r);
+                }
+            }
+        }
+    }
+
+    fn send_batch_notify(&self, b: &Arc<Batch>) {
+        if let Some((peer, payload)) = b.take_notify() {
+            if let Err(e) = self.post_notify(&peer, &payload, Some(b.clone()), None) {
+                b.notify_done(Err(e.to_string()));
+            }
+        }
+    }
+
+    fn post_notify(
+        &self,
+        peer: &str,
+        payload: &[u8],
+        batch: Option<Arc<Batch>>,
+        done: Option<std::sync::mpsc::Sender<Result<(), String>>>,
+    ) -> Result<(), TransferError> {
+        let p = self
+            .peers
+            .lock()
+            .get(peer)
+            .cloned()
+            .ok_or_else(|| TransferError::Invalid(format!("segment {peer} is not open")))?;
+        let lane = p
+            .lanes
+            .iter()
+            .find(|l| !l.dead.load(Ordering::Relaxed))
+            .cloned()
+            .ok_or_else(|| TransferError::Failed(format!("{}: every queue pair failed", p.who())))?;
+        let mr = self.pd.reg_mr(payload.len().max(1), Access::LOCAL_WRITE)?;
+        mr.write(0, payload);
+        let wr_id = self.next_wr.fetch_add(1, Ordering::Relaxed);
+        let wr = SendWr::new(wr_id, WrOpcode::Send).sge(mr.sge(0, payload.len()));
+        self.outstanding.lock().insert(
+            wr_id,
+            Outstanding::Notify {
+                peer: p.clone(),
+                lane: lane.clone(),
+                batch,
+                done,
+                _mr: mr,
+            },
+        );
+        if let Err(e) = lane.qp.post_send(wr) {
+            self.outstanding.lock().remove(&wr_id);
+            return Err(TransferError::Failed(format!(
+                "{}: posting a notification: {e}",
+                p.who()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Sends a batch's notification (its data has completed); the batch hears the outcome.
+    pub fn notify_async(&self, peer: &str, payload: Vec<u8>, batch: Arc<Batch>) -> Result<(), TransferError> {
+        self.post_notify(peer, &payload, Some(batch), None)
+    }
+
+    /// Sends a notification and waits until the peer's receive took it.
+    pub fn notify(&self, peer: &str, payload: &[u8], timeout: Duration) -> Result<(), TransferError> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        self.post_notify(peer, payload, None, Some(tx))?;
+        let until = std::time::Instant::now() + timeout;
+        loop {
+            self.progress();
+            match rx.recv_timeout(Duration::from_micros(200)) {
+                Ok(r) => return r.map_err(TransferError::Failed),
+                Err(_) if std::time::Instant::now() > until => {
+                    return Err(TransferError::TimedOut(format!("notification to {peer}")))
+                }
+                Err(_) => {}
+            }
+        }
+    }
+
+    fn receive_notifies(&self) {
+        let mut wcs = [EMPTY_WC; 32];
+        loop {
+            let n = self.rcq.poll(&mut wcs);
+            for wc in &wcs[..n] {
+                if wc.opcode != WcOpcode::Recv {
+                    continue;
+                }
+                let acc = self.accepted.lock();
+                let Some(a) = acc.get(&wc.qp_num) else { continue };
+                let slot = wc.wr_id as usize;
+                if wc.status == WcStatus::Success && slot < RECV_SLOTS {
+                    let mut b = vec![0u8; (wc.byte_len as usize).min(RECV_SLOT_BYTES)];
+                    a.mr.read(slot * RECV_SLOT_BYTES, &mut b);
+                    if let Err(e) = self.notifies.push_encoded(&b) {
+                        tracing::warn!("dropping a notification from qp {:#x}: {e}", wc.qp_num);
+                    }
+                    let _ = a.qp.post_recv(RecvWr {
+                        wr_id: slot as u64,
+                        sg_list: [a.mr.sge(slot * RECV_SLOT_BYTES, RECV_SLOT_BYTES)]
+                            .into_iter()
+                            .collect(),
+                    });
+                }
+            }
+            if n < wcs.len() {
+                return;
+            }
+        }
+    }
+
+    /// The connection manager's side: a QP for a connecting engine, with receive buffers for
+    /// its notifications.
+    fn accept_qp(&self, remote: &Endpoint, private: &[u8]) -> Result<cm::Accepted, String> {
+        let hello: serde_json::Value =
+            serde_json::from_slice(private).map_err(|_| "not a transfer engine's connection request".to_string())?;
+        tracing::debug!("accepting a queue pair from {}", hello["from"]);
+        let qp = self.new_qp(remote.recovery).map_err(|e| e.to_string())?;
+        let mr = self
+            .pd
+            .reg_mr(RECV_SLOTS * RECV_SLOT_BYTES, Access::LOCAL_WRITE)
+            .map_err(|e| e.to_string())?;
+        for slot in 0..RECV_SLOTS {
+            qp.post_recv(RecvWr {
+                wr_id: slot as u64,
+                sg_list: [mr.sge(slot * RECV_SLOT_BYTES, RECV_SLOT_BYTES)].into_iter().collect(),
+            })
+            .map_err(|e| e.to_string())?;
+        }
+        self.accepting.lock().insert(qp.qp_num(), mr);
+        let reply = serde_json::json!({"instance": self.cfg.instance}).to_string();
+        Ok(cm::Accepted {
+            qp,
+            private_data: reply.into_bytes(),
+        })
+    }
+}
+
+/// The connection manager's policy for this engine's RPC port.
+pub(crate) struct FlexAcceptor(pub Arc<FlexnsPath>);
+
+impl cm::Acceptor for FlexAcceptor {
+    fn accept(&self, remote: &Endpoint, private_data: &[u8]) -> Result<cm::Accepted, String> {
+        self.0.accept_qp(remote, private_data)
+    }
+
+    fn connected(&self, qp: Qp) {
+        let qpn = qp.qp_num();
+        if let Some(mr) = self.0.accepting.lock().remove(&qpn) {
+            self.0.accepted.lock().insert(qpn, AcceptedQp { qp, mr });
+        }
+    }
+}
