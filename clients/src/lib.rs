@@ -2,6 +2,7 @@
 
 pub mod bench;
 pub mod ccsim;
+pub mod kvbench;
 pub mod perf;
 pub mod plot;
 pub mod ycsb;

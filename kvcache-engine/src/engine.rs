@@ -18,6 +18,18 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
+/// Batches up to this many bytes are completed by the waiting caller itself.
+const SMALL_BATCH_BYTES: u64 = 256 << 10;
+
+/// While alive, the completion thread leaves the CQ to the caller waiting on it.
+struct SpinGuard<'a>(&'a Arc<FlexnsPath>);
+
+impl Drop for SpinGuard<'_> {
+    fn drop(&mut self) {
+        self.0.spin_end();
+    }
+}
+
 /// A batch handle from [`TransferEngine::allocate_batch`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct BatchId(pub u64);
@@ -545,7 +557,7 @@ impl TransferEngine {
                     state: TransferState::Pending,
                     len: r.length,
                     done: 0,
-                    slices_left: r.length.div_ceil(cfg.slice_size as u64) as u32,
+                    slices_left: r.length.div_ceil(cfg.slice_bytes() as u64) as u32,
                     deadline,
                     peer: p.who.clone(),
                     last_error: None,
@@ -562,7 +574,7 @@ impl TransferEngine {
             }
             let mut off = 0u64;
             while off < r.length {
-                let len = (r.length - off).min(cfg.slice_size as u64) as u32;
+                let len = (r.length - off).min(cfg.slice_bytes() as u64) as u32;
                 by_peer.entry(p.peer.clone()).or_default().push(Slice {
                     batch: batch.clone(),
                     task,
@@ -610,8 +622,8 @@ impl TransferEngine {
         };
         let n = r.length as usize;
         from.0.region.with_slice(from.1, n, |d| to.0.region.write(to.1, d));
-        let slices = r.length.div_ceil(self.inner.cfg.slice_size as u64);
-        let per = self.inner.cfg.slice_size as u64;
+        let slices = r.length.div_ceil(self.inner.cfg.slice_bytes() as u64);
+        let per = self.inner.cfg.slice_bytes() as u64;
         for k in 0..slices {
             batch.slice_done(task, per.min(r.length - k * per));
         }
@@ -650,6 +662,17 @@ impl TransferEngine {
         Ok(b.status())
     }
 
+    /// Takes the CQ from the completion thread until the guard drops (flexns only).
+    fn spinning(&self) -> Option<SpinGuard<'_>> {
+        match &self.inner.transport {
+            Transport::Flexns(p) => {
+                p.spin_begin();
+                Some(SpinGuard(p))
+            }
+            Transport::Tcp(_) => None,
+        }
+    }
+
     fn progress(&self) {
         if let Transport::Flexns(p) = &self.inner.transport {
             p.progress();
@@ -659,7 +682,17 @@ impl TransferEngine {
     /// Waits until the batch is final (or `timeout` passes) and returns its status. READs
     /// into GPU buffers are copied to the device before it reports Completed.
     pub fn wait_batch(&self, batch: BatchId, timeout: Duration) -> Result<TransferStatus, TransferError> {
-        let s = self.wait_batch_data(batch, timeout)?;
+        self.wait_batch_with(batch, timeout, None)
+    }
+
+    /// `wait_batch`, continuing the CQ ownership the caller took before submitting.
+    fn wait_batch_with(
+        &self,
+        batch: BatchId,
+        timeout: Duration,
+        spinning: Option<SpinGuard<'_>>,
+    ) -> Result<TransferStatus, TransferError> {
+        let s = self.wait_batch_data(batch, timeout, spinning)?;
         if s.state != TransferState::Completed {
             return Ok(s);
         }
@@ -676,10 +709,24 @@ impl TransferEngine {
         Ok(s)
     }
 
-    fn wait_batch_data(&self, batch: BatchId, timeout: Duration) -> Result<TransferStatus, TransferError> {
+    fn wait_batch_data(
+        &self,
+        batch: BatchId,
+        timeout: Duration,
+        spinning: Option<SpinGuard<'_>>,
+    ) -> Result<TransferStatus, TransferError> {
         let b = self.batch(batch)?;
         let until = Instant::now() + timeout;
-        // poll completions on this thread first (lowest latency), then sleep on the batch
+        // a small batch is completed by this thread waiting on the CQ itself: one wake-up (data
+        // core → caller) instead of two (data core → completion thread → caller)
+        let bytes: u64 = b.inner.lock().tasks.iter().map(|t| t.len - t.done).sum();
+        let mut spinning = match spinning {
+            Some(g) => Some(g),
+            None if bytes <= SMALL_BATCH_BYTES => self.spinning(),
+            None => None,
+        };
+        // polling yields the CPU between looks, so the data cores (on a small machine, the
+        // same cores) run; after a while the caller sleeps on the CQ
         let spin_until = Instant::now() + Duration::from_micros(200);
         loop {
             self.progress();
@@ -688,16 +735,14 @@ impl TransferEngine {
             if s.state.is_final() || s.state == TransferState::Waiting || Instant::now() >= until {
                 return Ok(s); // final, or nothing submitted to wait for
             }
-            if Instant::now() >= spin_until {
-                break;
-            }
-            std::hint::spin_loop();
-        }
-        loop {
-            let s = b.wait(Duration::from_millis(1).min(until.saturating_duration_since(Instant::now())));
-            self.maybe_notify(&b);
-            if s.state.is_final() || Instant::now() >= until {
-                return Ok(b.status());
+            let left = until.saturating_duration_since(Instant::now());
+            match &spinning {
+                Some(_) if !b.data_done() && Instant::now() < spin_until => std::thread::yield_now(),
+                Some(g) if !b.data_done() => g.0.wait_cq(left.min(Duration::from_millis(1))),
+                Some(_) => spinning = None, // only the notification is left
+                None => {
+                    b.wait(left.min(Duration::from_millis(1)));
+                }
             }
         }
     }
@@ -725,17 +770,25 @@ impl TransferEngine {
         notify: Option<&Notification>,
     ) -> Result<(), TransferError> {
         let id = self.allocate_batch(reqs.len().max(1))?;
+        let bytes: u64 = reqs.iter().map(|r| r.length).sum();
+        // a small transfer's completions are taken by this thread from the submit on
+        let spinning = if bytes <= SMALL_BATCH_BYTES {
+            self.spinning()
+        } else {
+            None
+        };
         let r = match notify {
             Some(n) => self.submit_with_notify(id, reqs, target, n),
             None => self.submit(id, reqs),
         };
+        let t = self.inner.cfg.transfer_timeout + Duration::from_secs(1);
         if let Err(e) = r {
             // nothing was started (refused before), or what started is failing: wait it out
-            let _ = self.wait_batch(id, self.inner.cfg.transfer_timeout + Duration::from_secs(1));
+            let _ = self.wait_batch_with(id, t, spinning);
             let _ = self.free_batch(id);
             return Err(e);
         }
-        let s = self.wait_batch(id, self.inner.cfg.transfer_timeout + Duration::from_secs(1));
+        let s = self.wait_batch_with(id, t, spinning);
         let _ = self.free_batch(id);
         match s?.state {
             TransferState::Completed => Ok(()),

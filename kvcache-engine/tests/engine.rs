@@ -14,7 +14,7 @@ fn pattern(n: usize, seed: u8) -> Vec<u8> {
 fn engines(t: TransportKind, tag: &str) -> (TransferEngine, TransferEngine) {
     let mk = |role: &str| {
         let mut c = EngineConfig::new(&format!("{role}-{tag}-{}", std::process::id()), t);
-        c.slice_size = 64 << 10;
+        c.slice_size = Some(64 << 10);
         c.transfer_timeout = Duration::from_secs(10);
         TransferEngine::new(c).unwrap()
     };

@@ -111,6 +111,12 @@ pub(crate) struct FlexnsPath {
     /// Receive buffers of QPs being connected, until the connection manager hands them back.
     accepting: Mutex<HashMap<u32, Mr>>,
     progress_lock: Mutex<()>,
+    /// Callers polling completions themselves (small synchronous transfers): while any is,
+    /// the completion thread stays off the CQ, so the data core does not wake it per completion.
+    spinners: AtomicUsize,
+    /// Wakes the completion thread when work is posted and nobody polls.
+    idle: Mutex<()>,
+    idle_cv: parking_lot::Condvar,
     rt: tokio::runtime::Handle,
     stop: AtomicBool,
 }
@@ -164,6 +170,9 @@ impl FlexnsPath {
             accepted: Mutex::new(HashMap::new()),
             accepting: Mutex::new(HashMap::new()),
             progress_lock: Mutex::new(()),
+            spinners: AtomicUsize::new(0),
+            idle: Mutex::new(()),
+            idle_cv: parking_lot::Condvar::new(),
             rt,
             stop: AtomicBool::new(false),
         }))
@@ -183,6 +192,13 @@ impl FlexnsPath {
                 if p.stop.load(Ordering::Relaxed) {
                     return;
                 }
+                let quiet = p.spinners.load(Ordering::Acquire) > 0
+                    || (p.outstanding.lock().is_empty() && p.pending.lock().is_empty());
+                if quiet {
+                    let mut g = p.idle.lock();
+                    p.idle_cv.wait_for(&mut g, Duration::from_millis(10));
+                    continue;
+                }
                 p.cq.wait(Duration::from_millis(5));
                 p.progress();
             })?;
@@ -199,6 +215,23 @@ impl FlexnsPath {
                 }
             })?;
         Ok(())
+    }
+
+    /// A caller starts polling completions itself (see `spinners`).
+    pub fn spin_begin(&self) {
+        self.spinners.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Blocks until a completion is queued or `timeout` passes (a caller that polls itself).
+    pub fn wait_cq(&self, timeout: Duration) {
+        self.cq.wait(timeout);
+    }
+
+    /// The caller stops polling; the completion thread takes over what is left.
+    pub fn spin_end(&self) {
+        if self.spinners.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.idle_cv.notify_one();
+        }
     }
 
     pub fn shutdown(&self) {
@@ -328,6 +361,9 @@ impl FlexnsPath {
                 slice,
             },
         );
+        if self.spinners.load(Ordering::Acquire) == 0 {
+            self.idle_cv.notify_one();
+        }
         if let Err(e) = lane.qp.post_send(wr) {
             lane.inflight.fetch_sub(1, Ordering::Relaxed);
             lane.dead.store(true, Ordering::Relaxed);
@@ -517,6 +553,7 @@ impl FlexnsPath {
                 _mr: mr,
             },
         );
+        self.idle_cv.notify_one();
         if let Err(e) = lane.qp.post_send(wr) {
             self.outstanding.lock().remove(&wr_id);
             return Err(TransferError::Failed(format!(

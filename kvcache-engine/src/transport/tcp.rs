@@ -32,6 +32,8 @@ const OP_NOTIFY: u8 = 4;
 const MAX_FRAME: u32 = 64 << 20;
 /// Payloads up to this size go out in one write with their header.
 const COALESCE: usize = 16 << 10;
+/// A lone request up to this size is sent from the submitting thread when a lane is idle.
+const INLINE_MAX: usize = 64 << 10;
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 struct Header {
@@ -237,6 +239,9 @@ pub(crate) struct TcpPeer {
     cv: Condvar,
     alive: AtomicUsize,
     closed: AtomicBool,
+    /// The lanes' connections (None once a lane retired). A lane thread holds its lock per
+    /// request; a small request finding a lane idle is sent from the caller's thread instead.
+    streams: Vec<Arc<Mutex<Option<TcpStream>>>>,
 }
 
 impl TcpPeer {
@@ -374,12 +379,13 @@ impl TcpPath {
             cv: Condvar::new(),
             alive: AtomicUsize::new(streams.len()),
             closed: AtomicBool::new(false),
+            streams: streams.into_iter().map(|s| Arc::new(Mutex::new(Some(s)))).collect(),
         });
-        for (i, s) in streams.into_iter().enumerate() {
+        for i in 0..peer.streams.len() {
             let (p, sh, attempts) = (peer.clone(), self.sh.clone(), self.attempts);
             std::thread::Builder::new()
                 .name(format!("kvc-tcp-lane{i}"))
-                .spawn(move || lane(p, s, sh, i, attempts))?;
+                .spawn(move || lane(p, sh, i, attempts))?;
         }
         if let Some(old) = self.sh.peers.lock().insert(name.to_string(), peer) {
             old.closed.store(true, Ordering::Relaxed);
@@ -401,8 +407,27 @@ impl TcpPath {
         }
     }
 
-    pub fn submit(&self, peer: &str, slices: Vec<Slice>) -> Result<(), TransferError> {
-        self.peer(peer)?.push(slices.into_iter().map(TcpWork::Slice), false);
+    pub fn submit(&self, peer: &str, mut slices: Vec<Slice>) -> Result<(), TransferError> {
+        let p = self.peer(peer)?;
+        if slices.len() == 1 && slices[0].len as usize <= INLINE_MAX {
+            // one small request: send it from this thread on an idle lane (no hand-off)
+            for st in &p.streams {
+                let Some(mut g) = st.try_lock() else { continue };
+                let Some(stream) = g.as_mut() else { continue };
+                let sl = slices.pop().expect("one slice");
+                match do_slice(stream, &sl, &self.sh.memory) {
+                    Ok(()) => slice_done(&self.sh, sl),
+                    Err(LaneError::Remote(m)) => sl.fail(format!("{}: {m}", p.who())),
+                    // the lane finds the broken connection on its next request and reconnects
+                    Err(LaneError::Io(_)) => {
+                        drop(g);
+                        p.push([TcpWork::Slice(sl)], true);
+                    }
+                }
+                return Ok(());
+            }
+        }
+        p.push(slices.into_iter().map(TcpWork::Slice), false);
         Ok(())
     }
 
@@ -520,22 +545,28 @@ fn do_notify(s: &mut TcpStream, payload: &[u8]) -> Result<(), LaneError> {
     Ok(())
 }
 
+/// A slice placed: tell its batch, and send the batch's notification if it was the last.
+fn slice_done(sh: &Shared, sl: Slice) {
+    let len = sl.len as u64;
+    if sl.batch.slice_done(sl.task, len) {
+        if let Some((to, payload)) = sl.batch.take_notify() {
+            notify_batch(sh, &to, payload, sl.batch.clone());
+        }
+    }
+}
+
 /// One lane: takes work from the peer's queue, one request at a time.
-fn lane(peer: Arc<TcpPeer>, mut s: TcpStream, sh: Arc<Shared>, i: usize, attempts: u32) {
+fn lane(peer: Arc<TcpPeer>, sh: Arc<Shared>, i: usize, attempts: u32) {
+    let stream = peer.streams[i].clone();
     while let Some(w) = peer.pop() {
+        let mut g = stream.lock();
+        let Some(s) = g.as_mut() else { return };
         let r = match &w {
-            TcpWork::Slice(sl) => do_slice(&mut s, sl, &sh.memory),
-            TcpWork::Notify { payload, .. } => do_notify(&mut s, payload),
+            TcpWork::Slice(sl) => do_slice(s, sl, &sh.memory),
+            TcpWork::Notify { payload, .. } => do_notify(s, payload),
         };
         match (r, w) {
-            (Ok(()), TcpWork::Slice(sl)) => {
-                let len = sl.len as u64;
-                if sl.batch.slice_done(sl.task, len) {
-                    if let Some((to, payload)) = sl.batch.take_notify() {
-                        notify_batch(&sh, &to, payload, sl.batch.clone());
-                    }
-                }
-            }
+            (Ok(()), TcpWork::Slice(sl)) => slice_done(&sh, sl),
             (Ok(()), TcpWork::Notify { batch, done, .. }) => {
                 if let Some(b) = batch {
                     b.notify_done(Ok(()));
@@ -559,11 +590,19 @@ fn lane(peer: Arc<TcpPeer>, mut s: TcpStream, sh: Arc<Shared>, i: usize, attempt
                 // reconnect this lane, or retire it
                 match dial(peer.addr, &sh.name, peer.instance) {
                     Ok((ns, live)) if live == peer.instance => {
-                        s = ns;
+                        *g = Some(ns);
                         continue;
                     }
-                    Ok((_, live)) => retire(&peer, format!("{msg}; the peer restarted (instance {live:#x})")),
-                    Err(e) => retire(&peer, format!("{msg}; reconnecting: {e}")),
+                    Ok((_, live)) => {
+                        *g = None;
+                        drop(g);
+                        retire(&peer, format!("{msg}; the peer restarted (instance {live:#x})"))
+                    }
+                    Err(e) => {
+                        *g = None;
+                        drop(g);
+                        retire(&peer, format!("{msg}; reconnecting: {e}"))
+                    }
                 }
                 return;
             }

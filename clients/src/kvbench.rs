@@ -1,0 +1,299 @@
+//! `kvcache-bench`: prefill→decode KVCache transfer benchmark. A decode engine (a
+//! `kvcache-bench serve` child process with a registered pool, or `--server SEGMENT`) receives
+//! WRITEs of `--size` bytes from this process's prefill engine, one synchronous transfer after
+//! another, as a prefill node pushes one request's KV cache. Each run reports throughput and
+//! the latency of whole transfers, then reads the region back and compares it with the pattern
+//! written (`verified`). References run interleaved in the same invocation (`--compare tcp`,
+//! `--compare-paths 1`) and a ratio line gives the median of the pairs.
+
+use crate::bench::{fill_pattern, histogram, median, parse_size, rusage, BenchResult, ChildServer};
+use anyhow::{bail, Context, Result};
+use kvcache_engine::{EngineConfig, Location, MetadataConfig, TransferEngine, TransportKind};
+use std::net::Ipv4Addr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Flags of a benchmark run.
+#[derive(clap::Args, Debug, Clone)]
+pub struct BenchArgs {
+    /// The system measured: flexns or tcp.
+    #[arg(long, default_value = "flexns")]
+    pub system: TransportKind,
+    /// A reference run interleaved with the system (tcp), or none.
+    #[arg(long)]
+    pub compare: Option<TransportKind>,
+    /// Also run the system with this many paths per QP as a reference (e.g. 1 against --paths 16).
+    #[arg(long)]
+    pub compare_paths: Option<usize>,
+    /// Transfer size (one request = one LLM request's KV cache).
+    #[arg(long, default_value = "16MiB")]
+    pub size: String,
+    /// Sweep sizes 64KiB, 256KiB, 1MiB, 4MiB, 16MiB, 64MiB, 256MiB (ignores --size).
+    #[arg(long)]
+    pub sweep: bool,
+    /// Paths per queue pair (packet spraying; flexns).
+    #[arg(long, default_value_t = 1)]
+    pub paths: usize,
+    /// Queue pairs per peer (flexns).
+    #[arg(long, default_value_t = 2)]
+    pub qps_per_peer: usize,
+    /// Slice size: requests are cut into slices of this size spread over QPs / TCP lanes
+    /// (default: each transport's own, 4 MiB flexns, 256 KiB tcp).
+    #[arg(long)]
+    pub slice: Option<String>,
+    /// TCP connections per peer (tcp).
+    #[arg(long, default_value_t = 4)]
+    pub tcp_lanes: usize,
+    /// Seconds per run.
+    #[arg(long, default_value_t = 2.0)]
+    pub duration: f64,
+    /// Interleaved pairs (system, reference) per size.
+    #[arg(long, default_value_t = 3)]
+    pub pairs: usize,
+    /// An existing decode engine (P2P segment IP:PORT) for --system; none starts a child.
+    #[arg(long)]
+    pub server: Option<String>,
+    /// An existing decode engine for the --compare reference.
+    #[arg(long)]
+    pub compare_server: Option<String>,
+    /// Local address of this (prefill) engine; 127.0.0.1 when the decode engine is a child.
+    #[arg(long)]
+    pub bind: Option<Ipv4Addr>,
+    /// flexns data cores of both engines.
+    #[arg(long, default_value_t = 1)]
+    pub data_cores: usize,
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// One measured configuration.
+#[derive(Debug, Clone)]
+struct Variant {
+    label: String,
+    transport: TransportKind,
+    paths: usize,
+    server: Option<String>,
+}
+
+struct Target {
+    engine: TransferEngine,
+    seg: kvcache_engine::SegmentHandle,
+    remote_addr: u64,
+    remote_len: u64,
+    src: Arc<netstack::mem::Region>,
+    check: Arc<netstack::mem::Region>,
+    _child: Option<ChildServer>,
+}
+
+const SWEEP: [u64; 7] = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20];
+
+fn engine_config(a: &BenchArgs, v: &Variant, name: &str) -> Result<EngineConfig> {
+    let mut c = EngineConfig::new(name, v.transport);
+    c.metadata = MetadataConfig::P2p;
+    let ip = a.bind.unwrap_or(Ipv4Addr::LOCALHOST);
+    c.bind_ip = Some(ip);
+    c.advertise_ip = Some(ip);
+    c.paths = v.paths;
+    c.qps_per_peer = a.qps_per_peer;
+    c.tcp_lanes = a.tcp_lanes;
+    c.data_cores = a.data_cores;
+    if let Some(sl) = &a.slice {
+        c.slice_size = Some(parse_size(sl).map_err(|e| anyhow::anyhow!("--slice: {e}"))? as usize);
+    }
+    c.validate()?;
+    Ok(c)
+}
+
+fn setup(a: &BenchArgs, v: &Variant, max: u64, exe: &std::path::Path) -> Result<Target> {
+    let (segment, child) = match &v.server {
+        Some(s) => (s.clone(), None),
+        None => {
+            let args: Vec<String> = [
+                "serve",
+                "--transport",
+                &v.transport.to_string(),
+                "--metadata",
+                "P2PHANDSHAKE",
+                "--advertise",
+                "127.0.0.1",
+                "--pool",
+                &max.to_string(),
+                "--data-cores",
+                &a.data_cores.to_string(),
+            ]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+            let c = ChildServer::start(exe, &args)?;
+            let seg = c.field("segment").context("the decode engine printed no segment")?;
+            (seg, Some(c))
+        }
+    };
+    let engine = TransferEngine::new(engine_config(a, v, "prefill")?)?;
+    let seg = engine
+        .open_segment(&segment)
+        .with_context(|| format!("opening the decode engine {segment}"))?;
+    let d = engine.segment_descriptor(seg)?;
+    let b = d
+        .buffers
+        .iter()
+        .max_by_key(|b| b.len)
+        .context("the decode engine registered no memory")?;
+    if b.len < max {
+        bail!("the decode engine's pool is {} B, smaller than {max}", b.len);
+    }
+    let src = engine.allocate_memory(max as usize, Location::Cpu(0))?;
+    let check = engine.allocate_memory(max as usize, Location::Cpu(0))?;
+    Ok(Target {
+        remote_addr: b.addr,
+        remote_len: b.len,
+        engine,
+        seg,
+        src,
+        check,
+        _child: child,
+    })
+}
+
+/// One run: synchronous WRITEs of `size` for `secs`, then a verifying READ of the region.
+fn run_once(t: &Target, v: &Variant, size: u64, secs: f64, seed: u64) -> Result<BenchResult> {
+    let mut pat = vec![0u8; size as usize];
+    fill_pattern(&mut pat, 0, seed);
+    t.src.write(0, &pat);
+    let mut h = histogram();
+    let (cpu0, _) = rusage(false);
+    let start = Instant::now();
+    let until = start + Duration::from_secs_f64(secs);
+    let mut ops = 0u64;
+    // spread consecutive transfers over the pool like different requests' blocks
+    let slots = (t.remote_len / size).max(1);
+    loop {
+        let off = (ops % slots) * size;
+        let t0 = Instant::now();
+        t.engine
+            .transfer_sync_write(t.seg, t.src.addr(), t.remote_addr + off, size)
+            .map_err(|e| anyhow::anyhow!("{} write of {size} B: {e:?}", v.label))?;
+        h.record(t0.elapsed().as_nanos() as u64).ok();
+        ops += 1;
+        if Instant::now() >= until && ops >= 3 {
+            break;
+        }
+    }
+    let secs = start.elapsed().as_secs_f64();
+    let (cpu1, rss) = rusage(false);
+    // verify: every slot written holds the pattern
+    let mut verified = true;
+    for s in 0..slots.min(ops) {
+        t.engine
+            .transfer_sync_read(t.seg, t.check.addr(), t.remote_addr + s * size, size)
+            .with_context(|| format!("{} verifying read", v.label))?;
+        verified &= t.check.with_slice(0, size as usize, |d| d == pat.as_slice());
+    }
+    let mut r = BenchResult {
+        bench: "kvcache_write".into(),
+        system: v.label.clone(),
+        transport: Some(v.transport.to_string()),
+        msg_bytes: size,
+        qps: 1,
+        depth: 1,
+        bytes: ops * size,
+        ops,
+        secs,
+        verified,
+        cpu_secs: ((cpu1 - cpu0) * 1000.0).round() / 1000.0,
+        peak_rss_kib: rss,
+        ..Default::default()
+    };
+    r.latencies(&h);
+    r.rates();
+    r.extra.insert("paths".into(), v.paths.into());
+    Ok(r)
+}
+
+/// Runs the benchmark; returns every result line (ratios included) as JSON values.
+pub fn run(a: &BenchArgs) -> Result<Vec<serde_json::Value>> {
+    let exe = std::env::current_exe()?;
+    let sizes: Vec<u64> = if a.sweep {
+        SWEEP.to_vec()
+    } else {
+        vec![parse_size(&a.size).map_err(|e| anyhow::anyhow!("--size: {e}"))?]
+    };
+    if sizes.iter().any(|&s| s == 0 || s > 1 << 32) {
+        bail!("--size: 1 B ..= 4 GiB");
+    }
+    if a.pairs == 0 || a.duration <= 0.0 {
+        bail!("--pairs and --duration must be > 0");
+    }
+    let max = *sizes.iter().max().expect("non-empty");
+    let label = |t: TransportKind, p: usize| {
+        if t == TransportKind::Flexns && p > 1 {
+            format!("flexns-{p}paths")
+        } else {
+            t.to_string()
+        }
+    };
+    let mut variants = vec![Variant {
+        label: label(a.system, a.paths),
+        transport: a.system,
+        paths: a.paths,
+        server: a.server.clone(),
+    }];
+    if let Some(p) = a.compare_paths {
+        variants.push(Variant {
+            label: label(a.system, p),
+            transport: a.system,
+            paths: p,
+            server: a.server.clone(),
+        });
+    }
+    if let Some(t) = a.compare {
+        variants.push(Variant {
+            label: t.to_string(),
+            transport: t,
+            paths: 1,
+            server: a.compare_server.clone(),
+        });
+    }
+    let targets: Vec<Target> = variants.iter().map(|v| setup(a, v, max, &exe)).collect::<Result<_>>()?;
+    let mut out = Vec::new();
+    for &size in &sizes {
+        let mut gbps = vec![Vec::new(); variants.len()];
+        let mut p50 = vec![Vec::new(); variants.len()];
+        for pair in 0..a.pairs {
+            for (i, (v, t)) in variants.iter().zip(&targets).enumerate() {
+                let r = run_once(t, v, size, a.duration, (pair * 31 + i) as u64 + size)?;
+                if !r.verified {
+                    bail!(
+                        "{}: data read back from the decode engine differs from what was written",
+                        v.label
+                    );
+                }
+                gbps[i].push(r.gbps);
+                p50[i].push(r.p50_us.unwrap_or(0.0));
+                r.print(a.json);
+                out.push(serde_json::to_value(&r)?);
+            }
+        }
+        for i in 1..variants.len() {
+            let ratios: Vec<f64> = gbps[0].iter().zip(&gbps[i]).map(|(x, y)| x / y.max(1e-9)).collect();
+            let lat: Vec<f64> = p50[0].iter().zip(&p50[i]).map(|(x, y)| x / y.max(1e-9)).collect();
+            let r3 = |x: f64| (x * 1000.0).round() / 1000.0;
+            let line = serde_json::json!({
+                "bench": "ratio", "metric": "gbps", "system": variants[0].label, "reference": variants[i].label,
+                "msg_bytes": size, "pairs": a.pairs, "ratio": r3(median(&mut ratios.clone())),
+                "ratios": ratios.iter().map(|&x| r3(x)).collect::<Vec<_>>(),
+                "p50_ratio": r3(median(&mut lat.clone())),
+            });
+            if a.json {
+                println!("{line}");
+            } else {
+                println!(
+                    "ratio {} / {} at {size} B: throughput {} (median of {}), p50 latency {}",
+                    variants[0].label, variants[i].label, line["ratio"], a.pairs, line["p50_ratio"]
+                );
+            }
+            out.push(line);
+        }
+    }
+    Ok(out)
+}
