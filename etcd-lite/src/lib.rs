@@ -180,3 +180,66 @@ mod tests {
         assert!(m.contains(&format!("127.0.0.1:{port}")) && m.contains("connect"), "{m}");
     }
 }
+
+pub mod local {
+    //! A throwaway local `etcd` server process (Debian's etcd-server) for tests and the
+    //! one-machine cluster: a free client port, a temporary data directory, removed on drop.
+
+    use std::process::{Child, Command, Stdio};
+    use std::time::{Duration, Instant};
+
+    /// A running local etcd; killed and its data removed on drop.
+    pub struct LocalEtcd {
+        child: Child,
+        dir: std::path::PathBuf,
+        /// The client URL (`http://127.0.0.1:PORT`).
+        pub url: String,
+    }
+
+    impl Drop for LocalEtcd {
+        fn drop(&mut self) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+
+    fn free_port() -> std::io::Result<u16> {
+        Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    }
+
+    /// Whether an `etcd` binary is on the PATH.
+    pub fn installed() -> bool {
+        Command::new("etcd").arg("--version").output().is_ok()
+    }
+
+    impl LocalEtcd {
+        /// Starts etcd on free ports and waits (up to 20 s) until it accepts connections.
+        pub fn start(tag: &str) -> std::io::Result<LocalEtcd> {
+            let (cp, pp) = (free_port()?, free_port()?);
+            let dir = std::env::temp_dir().join(format!("etcd-{tag}-{}-{cp}", std::process::id()));
+            let url = format!("http://127.0.0.1:{cp}");
+            let peer = format!("http://127.0.0.1:{pp}");
+            let child = Command::new("etcd")
+                .args(["--name", tag, "--data-dir"])
+                .arg(&dir)
+                .args(["--listen-client-urls", &url, "--advertise-client-urls", &url])
+                .args(["--listen-peer-urls", &peer, "--initial-advertise-peer-urls", &peer])
+                .args(["--initial-cluster", &format!("{tag}={peer}")])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()?;
+            let e = LocalEtcd { child, dir, url };
+            let until = Instant::now() + Duration::from_secs(20);
+            while std::net::TcpStream::connect(("127.0.0.1", cp)).is_err() {
+                if Instant::now() > until {
+                    return Err(std::io::Error::other(format!(
+                        "etcd did not listen on {cp} within 20 s"
+                    )));
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Ok(e)
+        }
+    }
+}

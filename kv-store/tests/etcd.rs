@@ -5,22 +5,7 @@
 use kv_store::client::{ClientConfig, GetPath, KvClient, Op};
 use kv_store::server::{KvServer, ServerConfig};
 use kv_store::shardmap::EtcdMap;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
-
-struct Etcd {
-    child: Child,
-    dir: std::path::PathBuf,
-    url: String,
-}
-
-impl Drop for Etcd {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
+use std::time::Duration;
 
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -30,32 +15,12 @@ fn free_port() -> u16 {
         .port()
 }
 
-fn start_etcd() -> Option<Etcd> {
-    if Command::new("etcd").arg("--version").output().is_err() {
+fn start_etcd() -> Option<etcd_lite::local::LocalEtcd> {
+    if !etcd_lite::local::installed() {
         eprintln!("SKIP: etcd is not installed (scripts/install-test-deps.sh installs etcd-server as root)");
         return None;
     }
-    let (cp, pp) = (free_port(), free_port());
-    let dir = std::env::temp_dir().join(format!("kv-etcd-{}", std::process::id()));
-    let url = format!("http://127.0.0.1:{cp}");
-    let peer = format!("http://127.0.0.1:{pp}");
-    let child = Command::new("etcd")
-        .args(["--name", "kv-test", "--data-dir"])
-        .arg(&dir)
-        .args(["--listen-client-urls", &url, "--advertise-client-urls", &url])
-        .args(["--listen-peer-urls", &peer, "--initial-advertise-peer-urls", &peer])
-        .args(["--initial-cluster", &format!("kv-test={peer}")])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("starting etcd");
-    let e = Etcd { child, dir, url };
-    let until = Instant::now() + Duration::from_secs(20);
-    while std::net::TcpStream::connect(("127.0.0.1", cp)).is_err() {
-        assert!(Instant::now() < until, "etcd did not listen on {cp}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    Some(e)
+    Some(etcd_lite::local::LocalEtcd::start("kv-test").expect("starting etcd"))
 }
 
 #[test]

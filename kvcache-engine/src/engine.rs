@@ -456,6 +456,15 @@ impl TransferEngine {
         self.submit_inner(batch, reqs, Some((name, payload)))
     }
 
+    fn handle_of(&self, name: &str) -> Option<SegmentHandle> {
+        self.inner
+            .segments
+            .lock()
+            .iter()
+            .find(|(_, s)| s.name == name)
+            .map(|(&h, _)| SegmentHandle(h))
+    }
+
     fn seg_name(&self, h: SegmentHandle) -> Result<String, TransferError> {
         self.inner
             .segments
@@ -597,10 +606,22 @@ impl TransferEngine {
                 Transport::Tcp(t) => t.submit(&peer, slices),
             };
             if let Err(e) = r {
+                let why = match &e {
+                    // the peer restarted: its memory addresses are not ours to write any more
+                    TransferError::StaleDescriptor { .. } => {
+                        if let Some(h) = self.handle_of(&peer) {
+                            let _ = self.refresh_segment(h);
+                        }
+                        format!(
+                            "{e}: the peer restarted, its descriptor is refreshed; resubmit against its new buffers"
+                        )
+                    }
+                    e => e.to_string(),
+                };
                 for t in tasks {
-                    batch.fail(t, TransferState::Failed(e.to_string()));
+                    batch.fail(t, TransferState::Failed(why.clone()));
                 }
-                first_err.get_or_insert(e);
+                first_err.get_or_insert(TransferError::Failed(why));
             }
         }
         // a batch whose requests all completed at once (local copies) sends its notification now

@@ -65,6 +65,8 @@ struct FlexPeer {
     instance: u64,
     lanes: Vec<Arc<Lane>>,
     rr: AtomicUsize,
+    /// The last failure of one of its QPs (for the message when all have failed).
+    last_error: Mutex<Option<String>>,
 }
 
 impl FlexPeer {
@@ -318,6 +320,7 @@ impl FlexnsPath {
             instance,
             lanes,
             rr: AtomicUsize::new(0),
+            last_error: Mutex::new(None),
         });
         self.peers.lock().insert(name.to_string(), peer);
         Ok(())
@@ -418,7 +421,11 @@ impl FlexnsPath {
                     let r = self.connect(&peer.name, peer.rpc, peer.instance);
                     pend = self.pending.lock();
                     if let Err(e) = r {
-                        let why = format!("every queue pair to {} failed; reconnecting: {e}", peer.who());
+                        let last = peer.last_error.lock().clone().unwrap_or_else(|| "unknown".into());
+                        let why = format!(
+                            "every queue pair to {} failed (last: {last}); reconnecting: {e}",
+                            peer.who()
+                        );
                         slice.fail(why.clone());
                         let (mine, rest): (Vec<_>, Vec<_>) = pend.drain(..).partition(|(n, _)| *n == name);
                         pend.extend(rest);
@@ -477,6 +484,9 @@ impl FlexnsPath {
                 );
                 if retryable(wc.status) {
                     lane.dead.store(true, Ordering::Relaxed);
+                    if wc.status != WcStatus::WrFlushErr {
+                        *peer.last_error.lock() = Some(msg.clone());
+                    }
                     if let Some(s) = slice.retry_or_fail(self.cfg.attempts, msg) {
                         self.pending.lock().push_front((peer.name.clone(), s));
                     }
