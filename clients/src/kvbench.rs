@@ -8,7 +8,8 @@
 
 use crate::bench::{fill_pattern, histogram, median, parse_size, rusage, BenchResult, ChildServer};
 use anyhow::{bail, Context, Result};
-use kvcache_engine::{EngineConfig, Location, MetadataConfig, TransferEngine, TransportKind};
+use kvcache_engine::kvcache::{blocks_landed, BlockOrder, PagedKvLayout};
+use kvcache_engine::{EngineConfig, Location, MetadataConfig, Opcode, TransferEngine, TransportKind};
 use std::net::Ipv4Addr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -31,6 +32,23 @@ pub struct BenchArgs {
     /// Sweep sizes 64KiB, 256KiB, 1MiB, 4MiB, 16MiB, 64MiB, 256MiB (ignores --size).
     #[arg(long)]
     pub sweep: bool,
+    /// Request mode: move one LLM request's KV cache of this many tokens as paged blocks
+    /// (geometry below, vLLM layer-major layout) into scattered blocks of the decode pool, with
+    /// a notification naming them; replaces --size.
+    #[arg(long)]
+    pub tokens: Option<usize>,
+    /// Model layers (request mode; default: Llama-3-8B's geometry).
+    #[arg(long, default_value_t = 32)]
+    pub layers: usize,
+    /// KV heads (request mode).
+    #[arg(long, default_value_t = 8)]
+    pub kv_heads: usize,
+    /// Head dimension (request mode).
+    #[arg(long, default_value_t = 128)]
+    pub head_dim: usize,
+    /// Tokens per KV block (request mode).
+    #[arg(long, default_value_t = 16)]
+    pub block_tokens: usize,
     /// Paths per queue pair (packet spraying; flexns).
     #[arg(long, default_value_t = 1)]
     pub paths: usize,
@@ -104,26 +122,27 @@ fn engine_config(a: &BenchArgs, v: &Variant, name: &str) -> Result<EngineConfig>
     Ok(c)
 }
 
-fn setup(a: &BenchArgs, v: &Variant, max: u64, exe: &std::path::Path) -> Result<Target> {
+fn setup(a: &BenchArgs, v: &Variant, max: u64, exe: &std::path::Path, sub: &[String]) -> Result<Target> {
     let (segment, child) = match &v.server {
         Some(s) => (s.clone(), None),
         None => {
-            let args: Vec<String> = [
-                "serve",
-                "--transport",
-                &v.transport.to_string(),
-                "--metadata",
-                "P2PHANDSHAKE",
-                "--advertise",
-                "127.0.0.1",
-                "--pool",
-                &max.to_string(),
-                "--data-cores",
-                &a.data_cores.to_string(),
-            ]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
+            let args: Vec<String> = sub
+                .iter()
+                .map(String::as_str)
+                .chain([
+                    "--transport",
+                    &v.transport.to_string(),
+                    "--metadata",
+                    "P2PHANDSHAKE",
+                    "--advertise",
+                    "127.0.0.1",
+                    "--pool",
+                    &max.to_string(),
+                    "--data-cores",
+                    &a.data_cores.to_string(),
+                ])
+                .map(|s| s.to_string())
+                .collect();
             let c = ChildServer::start(exe, &args)?;
             let seg = c.field("segment").context("the decode engine printed no segment")?;
             (seg, Some(c))
@@ -153,6 +172,96 @@ fn setup(a: &BenchArgs, v: &Variant, max: u64, exe: &std::path::Path) -> Result<
         check,
         _child: child,
     })
+}
+
+/// The paged layout of request mode: pools of `blocks` blocks, fp16.
+fn layout(a: &BenchArgs, blocks: usize) -> PagedKvLayout {
+    PagedKvLayout {
+        layers: a.layers,
+        kv_heads: a.kv_heads,
+        head_dim: a.head_dim,
+        block_tokens: a.block_tokens,
+        dtype_bytes: 2,
+        num_blocks: blocks,
+        order: BlockOrder::LayerMajor,
+    }
+}
+
+/// One request-mode run: for `secs`, move one request's blocks (contiguous at the prefill
+/// node, scattered over the decode pool as a block allocator leaves them) in one batch with its
+/// notification; then read the last request's blocks back and compare.
+fn run_request(t: &Target, v: &Variant, l: &PagedKvLayout, blocks: usize, secs: f64, seed: u64) -> Result<BenchResult> {
+    let mut pat = vec![0u8; l.pool_bytes() as usize];
+    fill_pattern(&mut pat, 0, seed);
+    t.src.write(0, &pat);
+    let from: Vec<u32> = (0..blocks as u32).collect();
+    let pool = (l.num_blocks) as u32;
+    let mut h = histogram();
+    let (cpu0, _) = rusage(false);
+    let start = Instant::now();
+    let until = start + Duration::from_secs_f64(secs);
+    let (mut ops, mut bytes) = (0u64, 0u64);
+    let mut to: Vec<u32>;
+    loop {
+        // destination blocks: a stride through the pool, different each request
+        let stride = 7 + 2 * (ops as u32 % 5);
+        to = (0..blocks as u32)
+            .map(|i| (ops as u32 * 13 + i * stride) % pool)
+            .collect();
+        to.sort_unstable();
+        to.dedup();
+        if to.len() != blocks {
+            to = (0..blocks as u32).collect();
+        }
+        let reqs = l.transfer_requests(Opcode::Write, t.src.addr(), &from, t.seg, t.remote_addr, &to)?;
+        let note = blocks_landed(&format!("req-{ops}"), &to);
+        let t0 = Instant::now();
+        t.engine
+            .transfer_sync(t.seg, &reqs, Some(&note))
+            .map_err(|e| anyhow::anyhow!("{} request of {blocks} blocks: {e}", v.label))?;
+        h.record(t0.elapsed().as_nanos() as u64).ok();
+        ops += 1;
+        bytes += reqs.iter().map(|r| r.length).sum::<u64>();
+        if Instant::now() >= until && ops >= 3 {
+            break;
+        }
+    }
+    let secs = start.elapsed().as_secs_f64();
+    let (cpu1, rss) = rusage(false);
+    let back = l.transfer_requests(Opcode::Read, t.check.addr(), &to, t.seg, t.remote_addr, &to)?;
+    t.engine
+        .transfer_sync(t.seg, &back, None)
+        .map_err(|e| anyhow::anyhow!("{} verifying read: {e}", v.label))?;
+    let mut verified = true;
+    for (s, d) in from.iter().zip(&to) {
+        for ((so, len), (dof, _)) in l.chunks(*s).into_iter().zip(l.chunks(*d)) {
+            verified &= t
+                .check
+                .with_slice(dof as usize, len as usize, |x| x == &pat[so as usize..][..len as usize]);
+        }
+    }
+    let mut r = BenchResult {
+        bench: "kvcache_request".into(),
+        system: v.label.clone(),
+        transport: Some(v.transport.to_string()),
+        msg_bytes: bytes / ops,
+        qps: 1,
+        depth: 1,
+        bytes,
+        ops,
+        secs,
+        verified,
+        cpu_secs: ((cpu1 - cpu0) * 1000.0).round() / 1000.0,
+        peak_rss_kib: rss,
+        ..Default::default()
+    };
+    r.latencies(&h);
+    r.rates();
+    r.extra.insert("paths".into(), v.paths.into());
+    r.extra.insert("tokens".into(), (blocks * l.block_tokens).into());
+    r.extra.insert("blocks".into(), blocks.into());
+    r.extra.insert("block_bytes".into(), l.block_bytes().into());
+    Ok(r)
 }
 
 /// One run: synchronous WRITEs of `size` for `secs`, then a verifying READ of the region.
@@ -210,10 +319,23 @@ fn run_once(t: &Target, v: &Variant, size: u64, secs: f64, seed: u64) -> Result<
     Ok(r)
 }
 
-/// Runs the benchmark; returns every result line (ratios included) as JSON values.
-pub fn run(a: &BenchArgs) -> Result<Vec<serde_json::Value>> {
-    let exe = std::env::current_exe()?;
-    let sizes: Vec<u64> = if a.sweep {
+/// Runs the benchmark; returns every result line (ratios included) as JSON values. Decode
+/// engines are started as `exe sub...` (a `kvcache_engine::daemon` command line).
+pub fn run(a: &BenchArgs, exe: &std::path::Path, sub: &[String]) -> Result<Vec<serde_json::Value>> {
+    // request mode: one size, the request's blocks; pools of 2× the request (scattered room)
+    let req = match a.tokens {
+        Some(0) => bail!("--tokens: must be > 0"),
+        Some(n) => {
+            let probe = layout(a, 1);
+            probe.validate()?;
+            let blocks = probe.blocks_for_tokens(n);
+            Some((layout(a, blocks * 2), blocks))
+        }
+        None => None,
+    };
+    let sizes: Vec<u64> = if let Some((l, _)) = &req {
+        vec![l.pool_bytes()]
+    } else if a.sweep {
         SWEEP.to_vec()
     } else {
         vec![parse_size(&a.size).map_err(|e| anyhow::anyhow!("--size: {e}"))?]
@@ -254,14 +376,21 @@ pub fn run(a: &BenchArgs) -> Result<Vec<serde_json::Value>> {
             server: a.compare_server.clone(),
         });
     }
-    let targets: Vec<Target> = variants.iter().map(|v| setup(a, v, max, &exe)).collect::<Result<_>>()?;
+    let targets: Vec<Target> = variants
+        .iter()
+        .map(|v| setup(a, v, max, exe, sub))
+        .collect::<Result<_>>()?;
     let mut out = Vec::new();
     for &size in &sizes {
         let mut gbps = vec![Vec::new(); variants.len()];
         let mut p50 = vec![Vec::new(); variants.len()];
         for pair in 0..a.pairs {
             for (i, (v, t)) in variants.iter().zip(&targets).enumerate() {
-                let r = run_once(t, v, size, a.duration, (pair * 31 + i) as u64 + size)?;
+                let seed = (pair * 31 + i) as u64 + size;
+                let r = match &req {
+                    Some((l, blocks)) => run_request(t, v, l, *blocks, a.duration, seed)?,
+                    None => run_once(t, v, size, a.duration, seed)?,
+                };
                 if !r.verified {
                     bail!(
                         "{}: data read back from the decode engine differs from what was written",

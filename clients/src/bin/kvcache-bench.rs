@@ -27,7 +27,7 @@ fn main() -> anyhow::Result<()> {
     match cli.cmd {
         Some(Cmd::Serve(a)) => kvcache_engine::daemon::run(&a)?,
         None => {
-            clients::kvbench::run(&cli.bench)?;
+            clients::kvbench::run(&cli.bench, &std::env::current_exe()?, &["serve".to_string()])?;
         }
     }
     Ok(())

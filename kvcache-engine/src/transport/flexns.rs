@@ -90,6 +90,13 @@ enum Outstanding {
     },
 }
 
+/// Work requests planned for one QP.
+struct Planned {
+    peer: Arc<FlexPeer>,
+    lane: Arc<Lane>,
+    wrs: Vec<SendWr>,
+}
+
 struct AcceptedQp {
     qp: Qp,
     mr: Mr,
@@ -342,50 +349,54 @@ impl FlexnsPath {
         Ok(())
     }
 
-    fn post(&self, peer: &Arc<FlexPeer>, lane: &Arc<Lane>, slice: Slice) -> Result<(), (Slice, String)> {
-        let wr_id = self.next_wr.fetch_add(1, Ordering::Relaxed);
+    fn work_request(&self, wr_id: u64, slice: &Slice) -> SendWr {
         let op = match slice.op {
             Opcode::Write => WrOpcode::RdmaWrite,
             Opcode::Read => WrOpcode::RdmaRead,
         };
-        let wr = SendWr::new(wr_id, op)
+        SendWr::new(wr_id, op)
             .sge(Sge {
                 addr: slice.local,
                 length: slice.len,
                 lkey: slice.lkey,
             })
-            .remote(slice.remote, slice.rkey);
-        lane.inflight.fetch_add(1, Ordering::Relaxed);
-        self.outstanding.lock().insert(
-            wr_id,
-            Outstanding::Slice {
-                peer: peer.clone(),
-                lane: lane.clone(),
-                slice,
-            },
-        );
-        if self.spinners.load(Ordering::Acquire) == 0 {
-            self.idle_cv.notify_one();
-        }
-        if let Err(e) = lane.qp.post_send(wr) {
-            lane.inflight.fetch_sub(1, Ordering::Relaxed);
-            lane.dead.store(true, Ordering::Relaxed);
-            if let Some(Outstanding::Slice { slice, .. }) = self.outstanding.lock().remove(&wr_id) {
-                return Err((slice, e.to_string()));
-            }
-        }
-        Ok(())
+            .remote(slice.remote, slice.rkey)
     }
 
-    /// Posts queued slices to QPs with room; reconnects a peer whose QPs all failed.
+    /// Posts queued slices to QPs with room, several per QP in one post (one doorbell);
+    /// reconnects a peer whose QPs all failed.
     fn drain_pending(&self) {
         let mut pend = self.pending.lock();
+        loop {
+            let (plan, stop) = self.plan_posts(&mut pend);
+            let requeue = self.post_planned(plan);
+            let again = !requeue.is_empty();
+            for (name, s) in requeue.into_iter().rev() {
+                pend.push_front((name, s));
+            }
+            if stop || !again {
+                return;
+            }
+        }
+    }
+
+    /// Assigns queued slices to QPs: per QP the work requests to post, already entered in
+    /// `outstanding`. Returns whether it stopped because every QP is full.
+    fn plan_posts(&self, pend: &mut parking_lot::MutexGuard<'_, VecDeque<(String, Slice)>>) -> (Vec<Planned>, bool) {
+        let mut plan: Vec<Planned> = Vec::new();
+        let mut cached: Option<Arc<FlexPeer>> = None;
+        let mut entries = Vec::new();
+        let mut stop = false;
         while let Some((name, slice)) = pend.pop_front() {
-            let peer = self.peers.lock().get(&name).cloned();
+            let peer = match cached.as_ref().filter(|p| p.name == name) {
+                Some(p) => Some(p.clone()),
+                None => self.peers.lock().get(&name).cloned(),
+            };
             let Some(peer) = peer else {
                 slice.fail(format!("segment {name} was closed with the request in flight"));
                 continue;
             };
+            cached = Some(peer.clone());
             let n = peer.lanes.len();
             let start = peer.rr.fetch_add(1, Ordering::Relaxed);
             let mut any_live = false;
@@ -403,23 +414,41 @@ impl FlexnsPath {
             }
             match chosen {
                 Some(l) => {
-                    if let Err((slice, e)) = self.post(&peer, &l, slice) {
-                        let what = slice.describe();
-                        let msg = format!("{} qp {:#x}: posting {what}: {e}", peer.who(), l.qp.qp_num());
-                        if let Some(s) = slice.retry_or_fail(self.cfg.attempts, msg) {
-                            pend.push_front((name, s));
-                        }
+                    let wr_id = self.next_wr.fetch_add(1, Ordering::Relaxed);
+                    let wr = self.work_request(wr_id, &slice);
+                    l.inflight.fetch_add(1, Ordering::Relaxed);
+                    entries.push((
+                        wr_id,
+                        Outstanding::Slice {
+                            peer: peer.clone(),
+                            lane: l.clone(),
+                            slice,
+                        },
+                    ));
+                    match plan.iter_mut().find(|p| Arc::ptr_eq(&p.lane, &l)) {
+                        Some(p) => p.wrs.push(wr),
+                        None => plan.push(Planned {
+                            peer,
+                            lane: l,
+                            wrs: vec![wr],
+                        }),
                     }
                 }
                 None if any_live => {
                     pend.push_front((name, slice));
-                    return; // every QP is full: completions make room
+                    stop = true; // every QP is full: completions make room
+                    break;
                 }
                 None => {
-                    // every QP of the peer failed: reconnect (it may be back) or fail its slices
-                    drop(pend);
-                    let r = self.connect(&peer.name, peer.rpc, peer.instance);
-                    pend = self.pending.lock();
+                    // every QP of the peer failed: post what is planned, then reconnect (the
+                    // peer may be back) or fail its slices
+                    self.outstanding.lock().extend(entries.drain(..));
+                    for (n, s) in self.post_planned(std::mem::take(&mut plan)).into_iter().rev() {
+                        pend.push_front((n, s));
+                    }
+                    let r =
+                        parking_lot::MutexGuard::unlocked(pend, || self.connect(&peer.name, peer.rpc, peer.instance));
+                    cached = None;
                     if let Err(e) = r {
                         let last = peer.last_error.lock().clone().unwrap_or_else(|| "unknown".into());
                         let why = format!(
@@ -438,6 +467,36 @@ impl FlexnsPath {
                 }
             }
         }
+        self.outstanding.lock().extend(entries);
+        (plan, stop)
+    }
+
+    /// Posts planned work requests, one post per QP; returns the slices a refused post left
+    /// over (to retry on another QP, or failed when out of attempts).
+    fn post_planned(&self, plan: Vec<Planned>) -> Vec<(String, Slice)> {
+        let mut requeue = Vec::new();
+        if !plan.is_empty() && self.spinners.load(Ordering::Acquire) == 0 {
+            self.idle_cv.notify_one();
+        }
+        for Planned { peer, lane, wrs } in plan {
+            let mut yielded = 0usize;
+            let r = lane.qp.post_send_batch(wrs.iter().cloned().inspect(|_| yielded += 1));
+            let Err(e) = r else { continue };
+            // the post stopped at the work request it refused: it and the rest did not go
+            lane.dead.store(true, Ordering::Relaxed);
+            let mut out = self.outstanding.lock();
+            for wr in &wrs[yielded.saturating_sub(1)..] {
+                if let Some(Outstanding::Slice { slice, .. }) = out.remove(&wr.wr_id) {
+                    lane.inflight.fetch_sub(1, Ordering::Relaxed);
+                    let what = slice.describe();
+                    let msg = format!("{} qp {:#x}: posting {what}: {e}", peer.who(), lane.qp.qp_num());
+                    if let Some(s) = slice.retry_or_fail(self.cfg.attempts, msg) {
+                        requeue.push((peer.name.clone(), s));
+                    }
+                }
+            }
+        }
+        requeue
     }
 
     /// Processes send completions and posts what waits; any thread may call it.
