@@ -403,13 +403,14 @@ pub fn run(a: &BenchArgs, exe: &std::path::Path, sub: &[String]) -> Result<Vec<s
                 out.push(serde_json::to_value(&r)?);
             }
         }
+        let shown = req.as_ref().map_or(size, |(l, b)| *b as u64 * l.block_bytes());
         for i in 1..variants.len() {
             let ratios: Vec<f64> = gbps[0].iter().zip(&gbps[i]).map(|(x, y)| x / y.max(1e-9)).collect();
             let lat: Vec<f64> = p50[0].iter().zip(&p50[i]).map(|(x, y)| x / y.max(1e-9)).collect();
             let r3 = |x: f64| (x * 1000.0).round() / 1000.0;
             let line = serde_json::json!({
                 "bench": "ratio", "metric": "gbps", "system": variants[0].label, "reference": variants[i].label,
-                "msg_bytes": size, "pairs": a.pairs, "ratio": r3(median(&mut ratios.clone())),
+                "msg_bytes": shown, "pairs": a.pairs, "ratio": r3(median(&mut ratios.clone())),
                 "ratios": ratios.iter().map(|&x| r3(x)).collect::<Vec<_>>(),
                 "p50_ratio": r3(median(&mut lat.clone())),
             });
@@ -417,7 +418,7 @@ pub fn run(a: &BenchArgs, exe: &std::path::Path, sub: &[String]) -> Result<Vec<s
                 println!("{line}");
             } else {
                 println!(
-                    "ratio {} / {} at {size} B: throughput {} (median of {}), p50 latency {}",
+                    "ratio {} / {} at {shown} B: throughput {} (median of {}), p50 latency {}",
                     variants[0].label, variants[i].label, line["ratio"], a.pairs, line["p50_ratio"]
                 );
             }

@@ -33,6 +33,9 @@ enum Cmd {
     /// The kv-store partition the demo's KV step starts.
     #[command(hide = true)]
     KvServer(kv_store::cli::ServerArgs),
+    /// The decode engine the demo's KV-cache step starts.
+    #[command(hide = true)]
+    KvcacheServe(kvcache_engine::daemon::ServeArgs),
 }
 
 fn main() -> Result<()> {
@@ -40,6 +43,7 @@ fn main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::PerfServer(a) => server::run(a),
         Cmd::KvServer(a) => kv_store::cli::run(a),
+        Cmd::KvcacheServe(a) => Ok(kvcache_engine::daemon::run(&a)?),
         Cmd::Demo { duration, json } => demo(duration, json),
     }
 }
@@ -170,6 +174,7 @@ fn demo(duration: f64, json: bool) -> Result<()> {
         }
     }
     all_verified &= kv_step(duration, json).is_ok();
+    all_verified &= kvcache_step(duration, json).is_ok();
     if !all_verified {
         anyhow::bail!("a demo step moved data that did not verify");
     }
@@ -220,4 +225,45 @@ fn kv_step(duration: f64, json: bool) -> Result<()> {
         eprintln!("KV step failed: {e:#}");
     }
     r
+}
+
+/// The KV-cache step: a decode engine as a child process; this process, the prefill node,
+/// moves one 1000-token request's KV cache (Llama-3-8B geometry, 16-token paged blocks) into
+/// scattered decode blocks with a notification, over flexns and over kernel TCP, verified.
+fn kvcache_step(duration: f64, json: bool) -> Result<()> {
+    #[derive(Parser)]
+    struct W {
+        #[command(flatten)]
+        a: clients::kvbench::BenchArgs,
+    }
+    if !json {
+        println!(
+            "== KV-cache transfer: prefill → decode process, one 1000-token request (Llama-3-8B KV, \
+             63 blocks of 2 MiB) per transfer with a notification, against kernel TCP"
+        );
+    }
+    let d = format!("{}", (duration / 2.0).max(0.3));
+    let mut args = vec![
+        "kvcache",
+        "--tokens",
+        "1000",
+        "--compare",
+        "tcp",
+        "--pairs",
+        "1",
+        "--duration",
+        &d,
+    ];
+    if json {
+        args.push("--json");
+    }
+    let w = W::parse_from(args);
+    let r = clients::kvbench::run(&w.a, &std::env::current_exe()?, &["kvcache-serve".to_string()]);
+    if let Err(e) = &r {
+        eprintln!("KV-cache step failed: {e:#}");
+    }
+    if !json {
+        println!();
+    }
+    r.map(|_| ())
 }
