@@ -77,6 +77,10 @@ pub struct BenchArgs {
     /// Local address of this (prefill) engine; 127.0.0.1 when the decode engine is a child.
     #[arg(long)]
     pub bind: Option<Ipv4Addr>,
+    /// flexns stack configuration (TOML) of the prefill engine and of decode engines started
+    /// here (MTU, recovery, congestion control...).
+    #[arg(long)]
+    pub stack_config: Option<std::path::PathBuf>,
     /// flexns data cores of both engines.
     #[arg(long, default_value_t = 1)]
     pub data_cores: usize,
@@ -115,6 +119,13 @@ fn engine_config(a: &BenchArgs, v: &Variant, name: &str) -> Result<EngineConfig>
     c.qps_per_peer = a.qps_per_peer;
     c.tcp_lanes = a.tcp_lanes;
     c.data_cores = a.data_cores;
+    if let Some(p) = &a.stack_config {
+        let s = std::fs::read_to_string(p).with_context(|| format!("--stack-config {}", p.display()))?;
+        c.stack = Some(
+            netstack::verbs::ContextConfig::from_toml(&s)
+                .map_err(|e| anyhow::anyhow!("--stack-config {}: {e}", p.display()))?,
+        );
+    }
     if let Some(sl) = &a.slice {
         c.slice_size = Some(parse_size(sl).map_err(|e| anyhow::anyhow!("--slice: {e}"))? as usize);
     }
@@ -126,7 +137,7 @@ fn setup(a: &BenchArgs, v: &Variant, max: u64, exe: &std::path::Path, sub: &[Str
     let (segment, child) = match &v.server {
         Some(s) => (s.clone(), None),
         None => {
-            let args: Vec<String> = sub
+            let mut args: Vec<String> = sub
                 .iter()
                 .map(String::as_str)
                 .chain([
@@ -143,6 +154,10 @@ fn setup(a: &BenchArgs, v: &Variant, max: u64, exe: &std::path::Path, sub: &[Str
                 ])
                 .map(|s| s.to_string())
                 .collect();
+            if let Some(p) = &a.stack_config {
+                args.extend(["--stack-config".to_string(), p.display().to_string()]);
+            }
+            args.extend(["--paths".to_string(), v.paths.max(a.paths).to_string()]);
             let c = ChildServer::start(exe, &args)?;
             let seg = c.field("segment").context("the decode engine printed no segment")?;
             (seg, Some(c))

@@ -2,7 +2,8 @@
 //! paths through a router namespace with L4 ECMP and an HTB limit per path; one QP sprayed over
 //! sixteen source ports against the same QP on one port, then a path cut in the middle of a
 //! transfer; then a single-path QP over two address pairs (multi-NIC hosts) failing over when
-//! its link is cut. Needs root (CI runs as root); skipped with a message otherwise.
+//! its link is cut; KV-cache transfers sprayed against one path and one TCP flow. Needs root
+//! (CI runs as root); skipped with a message otherwise.
 
 use std::process::Command;
 
@@ -74,4 +75,48 @@ fn spraying_fills_both_paths_and_a_cut_path_is_routed_around() {
     );
     assert!(fo["path_downs"].as_u64().unwrap() >= 1, "{fo}");
     assert_eq!(fo["path_returned"], true, "{fo}");
+}
+
+#[test]
+fn kvcache_transfers_spray_over_both_paths_and_beat_one_tcp_flow() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipping: the ECMP testbed needs root (network namespaces, tc); CI runs it as root");
+        return;
+    }
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/testbed/ecmp.sh");
+    let o = Command::new("bash")
+        .args([
+            script, "kvcache", "--rate", "200mbit", "--paths", "16", "--size", "8MiB",
+        ])
+        .args(["--duration", "1.5", "--pairs", "1", "--prefix"])
+        .arg(format!("fk{}", std::process::id() % 100000))
+        .env("KVCACHE_BENCH", env!("CARGO_BIN_EXE_kvcache-bench"))
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .expect("bash runs");
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "ecmp.sh kvcache failed:\n{out}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let lines: Vec<serde_json::Value> = out.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+    assert!(
+        lines
+            .iter()
+            .filter(|l| l["bench"] == "kvcache_write")
+            .all(|l| l["verified"] == true),
+        "{out}"
+    );
+    let ratio = |reference: &str| {
+        lines
+            .iter()
+            .find(|l| l["bench"] == "ratio" && l["reference"] == reference)
+            .and_then(|l| l["ratio"].as_f64())
+            .unwrap_or_else(|| panic!("ratio against {reference} in {out}"))
+    };
+    // two 200 Mbit/s paths against one: the targets are 1.8x and 1.5x
+    assert!(ratio("flexns") >= 1.7, "16 paths / 1 path: {out}");
+    assert!(ratio("tcp") >= 1.5, "16 paths / one TCP flow: {out}");
 }

@@ -23,6 +23,12 @@
 #          the router reaches over one link each (multi-NIC hosts); one QP with two paths and
 #          policy `single` writes --failover-bytes while link 1 is cut and restored as in 2.
 #          Prints {"experiment":"failover",...} with the same fields.
+#   ecmp.sh kvcache [--rate R] [--paths N] [--duration D] [--pairs P] [--size 16MiB] [--prefix P]
+#       4. KV-cache transfers: decode engines (kvcache-bench serve, flexns and tcp) in B, the
+#          prefill engine in A; kvcache-bench writes --size transfers sprayed over --paths paths,
+#          against one path and against kernel TCP with one connection (one 5-tuple: ECMP puts
+#          it on one link), interleaved. Prints kvcache-bench's JSON lines (results and ratios).
+#          KVCACHE_BENCH=path uses that binary; otherwise it is built (release).
 #   ecmp.sh up [...] / ecmp.sh down [--prefix P]
 #       only build / only remove the topology.
 #
@@ -39,6 +45,7 @@ cmd="${1:-}"
 RATE=500mbit PATHS=8 SPRAY=weighted DURATION=3 PAIRS=3 CUT_BYTES=1GiB CUT_AT=2 CUT_FOR=4 CC=swift
 FAILOVER_BYTES=256MiB
 SWIFT_TARGET_NS=1000000
+SIZE=16MiB
 P="fe$$"
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -52,11 +59,12 @@ while [ $# -gt 0 ]; do
     --cut-for) CUT_FOR="$2"; shift 2 ;;
     --failover-bytes) FAILOVER_BYTES="$2"; shift 2 ;;
     --cc) CC="$2"; shift 2 ;;
+    --size) SIZE="$2"; shift 2 ;;
     --prefix) P="$2"; shift 2 ;;
     *) echo "ecmp.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
-case "$cmd" in run|up|down) ;; *) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;; esac
+case "$cmd" in run|up|down|kvcache) ;; *) sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;; esac
 case "$SPRAY" in single|round-robin|weighted) ;; *) echo "--spray: unknown policy $SPRAY" >&2; exit 2 ;; esac
 [[ "$PATHS" =~ ^[0-9]+$ ]] && [ "$PATHS" -ge 2 ] && [ "$PATHS" -le 64 ] || { echo "--paths: 2..64" >&2; exit 2; }
 [[ "$PAIRS" =~ ^[0-9]+$ ]] && [ "$PAIRS" -ge 1 ] || { echo "--pairs: a positive number" >&2; exit 2; }
@@ -108,6 +116,40 @@ up() {
 }
 
 start ecmp.sh ip:iproute2 tc:iproute2 ethtool:ethtool python3:python3
+
+if [ "$cmd" = kvcache ]; then
+  if [ -z "${KVCACHE_BENCH:-}" ]; then
+    (cd "$root" && cargo build --release -q -p clients --bin kvcache-bench) >&2
+    KVCACHE_BENCH="$root/target/release/kvcache-bench"
+  fi
+  # the stack under both engines: selective repeat (spraying reorders), Swift as on the other runs
+  printf '[qp]\nrecovery = "selective-repeat"\ncc = "%s"\n[cc.swift]\nbase_target_ns = %s\n' \
+    "$CC" "$SWIFT_TARGET_NS" >"$work/kvc.toml"
+  # kvc_server NAME TRANSPORT PORT: a decode engine in B on the ECMP service address
+  kvc_server() {
+    mkfifo "$work/$1.banner"
+    ip netns exec "${P}_b" "$KVCACHE_BENCH" serve --transport "$2" --metadata P2PHANDSHAKE \
+      --bind 10.88.2.2 --advertise 10.88.2.2 --rpc-port "$3" --pool "$SIZE" --paths "$PATHS" \
+      --stack-config "$work/kvc.toml" >"$work/$1.banner" 2>"$work/$1.err" &
+    pids+=($!)
+    local line
+    if ! read -r -t 30 line <"$work/$1.banner"; then
+      echo "decode engine $1 did not start:" >&2; cat "$work/$1.err" >&2; exit 1
+    fi
+    cat "$work/$1.banner" >/dev/null &
+    pids+=($!)
+  }
+  kvc_server kvf flexns 7481
+  kvc_server kvt tcp 7482
+  if ! ip netns exec "${P}_a" "$KVCACHE_BENCH" --server 10.88.2.2:7481 --bind 10.88.1.2 \
+    --paths "$PATHS" --compare-paths 1 --compare tcp --compare-server 10.88.2.2:7482 --tcp-lanes 1 \
+    --stack-config "$work/kvc.toml" --size "$SIZE" --duration "$DURATION" --pairs "$PAIRS" --json \
+    2>"$work/kvc.err"; then
+    echo "the kvcache experiment failed:" >&2; grep -v "^ \\|^Stack backtrace" "$work/kvc.err" | tail -5 >&2; exit 1
+  fi
+  exit 0
+fi
+
 find_nsperf
 
 # start_server NAME CM DATA [flags]: an nsperf server in B; waits for its banner
