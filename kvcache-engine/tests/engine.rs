@@ -126,3 +126,64 @@ fn a_peer_on_another_transport_is_an_error_not_a_fallback() {
     let e = f.open_segment("nobody").unwrap_err().to_string();
     assert!(e.contains("nobody"), "{e}");
 }
+
+#[test]
+fn garbage_on_the_tcp_data_port_is_counted_and_the_engine_keeps_serving() {
+    use std::io::{Read, Write};
+    let (p, d) = engines(TransportKind::Tcp, "garbage");
+    let data = d.local_descriptor().data.expect("a tcp engine has a data address");
+    for junk in [
+        &b"GET / HTTP/1.1\r\nHost: kvcache\r\nAccept: */*\r\n\r\n"[..],
+        &[0u8; 64][..],
+    ] {
+        let mut s = std::net::TcpStream::connect(data).unwrap();
+        s.write_all(junk).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut reply = Vec::new();
+        let _ = s.read_to_end(&mut reply); // an error frame, then the connection closes
+    }
+    assert_eq!(d.malformed_frames(), 2);
+    // a HELLO, then a WRITE just past the registered buffer: an error reply naming the range,
+    // the payload drained, memory untouched, and the connection still serves
+    let remote = d.allocate_memory(1 << 20, Location::Cpu(0)).unwrap();
+    let frame = |op: u8, len: u32, addr: u64| {
+        let mut h = vec![0u8; 32];
+        h[0..4].copy_from_slice(&0x3154_564Bu32.to_le_bytes());
+        h[4] = op;
+        h[8..12].copy_from_slice(&len.to_le_bytes());
+        h[24..32].copy_from_slice(&addr.to_le_bytes());
+        h
+    };
+    let mut s = std::net::TcpStream::connect(data).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.write_all(&frame(1, 0, 0)).unwrap();
+    let mut r = [0u8; 32];
+    s.read_exact(&mut r).unwrap();
+    assert_eq!(r[5], 0, "HELLO accepted");
+    let mut w = frame(2, 16, remote.addr() + (1 << 20) - 8);
+    w.extend_from_slice(&[0xAB; 16]);
+    s.write_all(&w).unwrap();
+    s.read_exact(&mut r).unwrap();
+    assert_eq!(r[5], 1, "an error reply");
+    let mut msg = vec![0u8; u32::from_le_bytes(r[8..12].try_into().unwrap()) as usize];
+    s.read_exact(&mut msg).unwrap();
+    assert!(String::from_utf8_lossy(&msg).contains("not inside a registered buffer"));
+    let mut tail = [0u8; 8];
+    remote.read((1 << 20) - 8, &mut tail);
+    assert_eq!(tail, [0u8; 8], "nothing written");
+    let mut w = frame(2, 4, remote.addr() + 100);
+    w.extend_from_slice(b"okay");
+    s.write_all(&w).unwrap();
+    s.read_exact(&mut r).unwrap();
+    assert_eq!(r[5], 0, "the same connection still serves");
+    let mut okay = [0u8; 4];
+    remote.read(100, &mut okay);
+    assert_eq!(&okay, b"okay");
+    let local = p.allocate_memory(1 << 20, Location::Cpu(0)).unwrap();
+    local.write(0, b"still serving");
+    let seg = p.open_segment(d.segment_name()).unwrap();
+    p.transfer_sync_write(seg, local.addr(), remote.addr(), 13).unwrap();
+    let mut got = [0u8; 13];
+    remote.read(0, &mut got);
+    assert_eq!(&got, b"still serving");
+}

@@ -36,7 +36,8 @@ fn device_memory_is_a_transfer_source_and_destination() {
     host.read(0, &mut got);
     assert!(got == data, "the WRITE sent the device's bytes");
     // READ back into another part of the device buffer
-    p.transfer_sync_read(seg, base + (2 << 20), host.addr(), 1 << 20).unwrap();
+    p.transfer_sync_read(seg, base + (2 << 20), host.addr(), 1 << 20)
+        .unwrap();
     g.mirror().fill(2 << 20, 1 << 20, 0);
     g.copy_from_device(2 << 20, 1 << 20).unwrap();
     g.mirror().read(2 << 20, &mut got);
@@ -45,7 +46,11 @@ fn device_memory_is_a_transfer_source_and_destination() {
 
 #[test]
 fn a_host_region_cannot_pose_as_gpu_memory() {
-    let e = TransferEngine::new(EngineConfig::new(&format!("g-{}", std::process::id()), TransportKind::Tcp)).unwrap();
+    let e = TransferEngine::new(EngineConfig::new(
+        &format!("g-{}", std::process::id()),
+        TransportKind::Tcp,
+    ))
+    .unwrap();
     let r = std::sync::Arc::new(netstack::mem::Region::alloc(4096));
     let err = e.register_memory(r, Location::Cuda(0)).unwrap_err().to_string();
     assert!(err.contains("GpuBuffer"), "{err}");

@@ -134,7 +134,14 @@ pub(crate) struct Shared {
 /// Serves one accepted connection until it closes or sends garbage.
 fn serve_conn(mut s: TcpStream, sh: Arc<Shared>) -> io::Result<()> {
     s.set_nodelay(true)?;
-    let h = read_header(&mut s)?;
+    let h = match read_header(&mut s) {
+        Ok(h) => h,
+        Err(e) if e.kind() == io::ErrorKind::InvalidData => {
+            sh.malformed.fetch_add(1, Ordering::Relaxed);
+            return reply_err(&mut s, &Header::default(), &e.to_string());
+        }
+        Err(e) => return Err(e),
+    };
     if h.op != OP_HELLO || h.len > 256 {
         sh.malformed.fetch_add(1, Ordering::Relaxed);
         return reply_err(&mut s, &h, "expected HELLO");
