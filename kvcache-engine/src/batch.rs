@@ -270,3 +270,77 @@ impl Batch {
         any
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn batch(lens: &[u64], slices: u32, deadline: Instant) -> Batch {
+        let b = Batch::new(lens.len());
+        b.inner.lock().tasks = lens
+            .iter()
+            .map(|&len| Task {
+                state: TransferState::Pending,
+                len,
+                done: 0,
+                slices_left: slices,
+                deadline,
+                peer: "peer decode-0 (10.0.0.2:15000 over flexns)".into(),
+                last_error: None,
+            })
+            .collect();
+        b
+    }
+
+    #[test]
+    fn statuses_follow_slices_failures_and_notifications() {
+        let far = Instant::now() + Duration::from_secs(60);
+        assert_eq!(Batch::new(2).status().state, TransferState::Waiting);
+        let b = batch(&[100, 50], 2, far);
+        assert!(!b.slice_done(0, 60));
+        assert_eq!(b.task_status(0).unwrap().transferred_bytes, 60);
+        assert_eq!(b.status().state, TransferState::Pending);
+        b.slice_done(0, 40);
+        b.slice_done(1, 25);
+        assert!(b.slice_done(1, 25), "the last slice completes the batch");
+        assert_eq!(b.status().state, TransferState::Completed);
+        assert_eq!(b.status().transferred_bytes, 150);
+        // with a notification the batch stays pending until it is delivered
+        let b = batch(&[10], 1, far);
+        b.inner.lock().notify_pending = Some(("decode-0".into(), b"{}".to_vec()));
+        assert!(b.slice_done(0, 10));
+        assert_eq!(b.status().state, TransferState::Pending);
+        assert!(b.take_notify().is_some());
+        assert_eq!(b.status().state, TransferState::Pending, "in flight");
+        b.notify_done(Ok(()));
+        assert_eq!(b.status().state, TransferState::Completed);
+        // a failed request: the notification is not sent and the batch says why
+        let b = batch(&[10, 10], 1, far);
+        b.inner.lock().notify_pending = Some(("decode-0".into(), b"{}".to_vec()));
+        b.fail(0, TransferState::Failed("peer gone".into()));
+        b.slice_done(1, 10);
+        assert!(b.take_notify().is_none());
+        assert_eq!(b.status().state, TransferState::Failed("peer gone".into()));
+    }
+
+    #[test]
+    fn overdue_requests_time_out_naming_the_peer_and_last_error() {
+        let b = batch(&[4096], 1, Instant::now());
+        b.note_error(0, "qp 0x12 (paths 0:down 1:up): WRITE of 4096 B: retrying");
+        assert!(b.expire(Instant::now(), Duration::from_secs(30)));
+        match b.status().state {
+            TransferState::TimedOut(m) => {
+                assert!(
+                    m.contains("decode-0") && m.contains("30s") && m.contains("paths 0:down"),
+                    "{m}"
+                )
+            }
+            s => panic!("{s:?}"),
+        }
+        assert!(!b.slice_done(0, 4096), "a late completion changes nothing");
+        assert!(matches!(
+            b.wait(Duration::from_millis(1)).state,
+            TransferState::TimedOut(_)
+        ));
+    }
+}
