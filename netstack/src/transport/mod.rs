@@ -4,6 +4,7 @@
 
 pub mod pacing;
 pub mod rc;
+pub mod solar;
 
 use crate::mem::Region;
 use crate::wire::{HeaderBuf, MASK24};

@@ -1,0 +1,896 @@
+//! The storage agent's side of Solar toward one storage server.
+//!
+//! A write of n blocks becomes n WRITE packets; a read becomes READ_REQs of up to
+//! `read_chunk` blocks, answered by one READ_DATA per block. Every block is tracked on its own:
+//! acknowledged (or arrived) blocks are done, a block whose packet timed out (per-path RTO) or
+//! was overtaken by three later packets of its path is resent alone, on another path when one
+//! is healthy. A request completes when every block did; it fails on a status no resend can fix
+//! or after `io_timeout_ns` (all paths down waits until then, it does not fail early).
+//!
+//! Paths are sprayed per packet: the healthy path with the fewest packets in flight. A path
+//! with a timeout is suspect, after `down_after` consecutive timeouts down; down paths get a
+//! PROBE every `probe_interval_ns` and come back on its answer. One congestion-control
+//! algorithm ([`crate::cc::CcAlgorithm`]) limits the bytes in flight toward the server across
+//! all paths (so K paths are not K times as aggressive), fed by every acknowledgement's RTT.
+
+use super::wire::{self, flags, Header, Op, Status, WireError, BLOCK};
+use super::{BlockRef, Transmit};
+use crate::cc::{CcAlgorithm, CcOutput, RxKind, RxMeta, StartInfo, TxMeta, Verdict};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::Arc;
+
+/// A request handle.
+pub type IoId = u64;
+
+/// Settings of a client.
+#[derive(Debug, Clone)]
+pub struct ClientConfig {
+    /// Paths toward the server (1..=64).
+    pub paths: u16,
+    /// The segment epoch requests carry.
+    pub epoch: u32,
+    /// First request id; ids increase from it. Seed it above any id this agent used before for
+    /// these volumes (a clock in ns does), so a server orders writes across agent restarts.
+    pub rpc_base: u64,
+    pub initial_rto_ns: u64,
+    pub min_rto_ns: u64,
+    pub max_rto_ns: u64,
+    /// Consecutive timeouts that take a path down.
+    pub down_after: u32,
+    pub probe_interval_ns: u64,
+    /// A request not complete after this fails (TimedOut).
+    pub io_timeout_ns: u64,
+    /// Resends of a block after retryable statuses (CRC error, busy) before its request fails.
+    pub max_block_attempts: u32,
+    /// Bytes in flight when the congestion control sets no window (or there is none).
+    pub window_bytes: u64,
+    /// Blocks per READ_REQ.
+    pub read_chunk: u16,
+}
+
+impl Default for ClientConfig {
+    fn default() -> Self {
+        ClientConfig {
+            paths: 4,
+            epoch: 0,
+            rpc_base: 1,
+            initial_rto_ns: 5_000_000,
+            min_rto_ns: 1_000_000,
+            max_rto_ns: 200_000_000,
+            down_after: 3,
+            probe_interval_ns: 10_000_000,
+            io_timeout_ns: 30_000_000_000,
+            max_block_attempts: 16,
+            window_bytes: 256 * BLOCK as u64,
+            read_chunk: 32,
+        }
+    }
+}
+
+/// Why a request failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum IoError {
+    #[error("the server answered {0:?} for block {1}")]
+    Status(Status, u16),
+    #[error("not complete within the I/O timeout ({blocks_left} blocks outstanding, {paths_up} paths up)")]
+    TimedOut { blocks_left: u16, paths_up: u16 },
+    #[error("block {0} failed its CRC check {1} times")]
+    Crc(u16, u32),
+}
+
+/// Refused requests.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SubmitError {
+    #[error("length {0} is not a positive multiple of 4096")]
+    Length(usize),
+    #[error("{0} blocks exceed 65535 per request")]
+    TooLarge(usize),
+    #[error("lba {0} + {1} blocks overflows")]
+    Range(u64, usize),
+}
+
+/// What the driver learns from the client.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClientEvent {
+    /// A request finished: all blocks written and durable / all blocks delivered, or failed.
+    Done { io: IoId, result: Result<(), IoError> },
+}
+
+/// A checked READ_DATA block to place at `idx * 4096` of request `io`'s buffer.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Placement<'a> {
+    pub io: IoId,
+    pub idx: u16,
+    pub data: &'a [u8],
+}
+
+/// Counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ClientStats {
+    pub packets_sent: u64,
+    pub blocks_sent: u64,
+    pub blocks_resent: u64,
+    pub timeouts: u64,
+    pub fast_resends: u64,
+    pub crc_errors: u64,
+    pub stale_acks: u64,
+    pub duplicates: u64,
+    pub malformed: u64,
+    pub probes: u64,
+    pub path_downs: u64,
+    pub path_ups: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PathState {
+    Good,
+    Suspect,
+    Down,
+}
+
+/// One path's health and timing.
+#[derive(Debug, Clone)]
+pub struct PathInfo {
+    pub state: PathState,
+    pub srtt_ns: u64,
+    pub rttvar_ns: u64,
+    pub inflight: u32,
+    pub consecutive_timeouts: u32,
+    next_psn: u32,
+    /// In flight on this path by psn: the unit it carries.
+    sent: BTreeMap<u32, Unit>,
+    next_probe: u64,
+    /// When the unanswered probe went out.
+    probe_sent: Option<u64>,
+}
+
+impl PathInfo {
+    fn rto(&self, c: &ClientConfig) -> u64 {
+        if self.srtt_ns == 0 {
+            return c.initial_rto_ns;
+        }
+        (self.srtt_ns + 4 * self.rttvar_ns).clamp(c.min_rto_ns, c.max_rto_ns)
+    }
+
+    fn on_rtt(&mut self, rtt: u64) {
+        if self.srtt_ns == 0 {
+            self.srtt_ns = rtt;
+            self.rttvar_ns = rtt / 2;
+        } else {
+            let d = self.srtt_ns.abs_diff(rtt);
+            self.rttvar_ns = (3 * self.rttvar_ns + d) / 4;
+            self.srtt_ns = (7 * self.srtt_ns + rtt) / 8;
+        }
+    }
+}
+
+/// What a packet in flight carries: one WRITE block, or a READ_REQ for blocks `idx..idx+n`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Unit {
+    io: IoId,
+    idx: u16,
+    n: u16,
+    /// Blocks of the unit still expected (a READ_REQ's blocks arrive one by one).
+    left: u16,
+    sent_at: u64,
+    deadline: u64,
+    retx: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Write,
+    Read,
+}
+
+struct Io {
+    kind: Kind,
+    volume: u32,
+    lba: u64,
+    blocks: u16,
+    rpc: u64,
+    data: Option<Arc<[u8]>>,
+    fua: bool,
+    /// Done bit per block.
+    done: Vec<bool>,
+    left: u16,
+    /// Resends per block after retryable statuses.
+    attempts: Vec<u32>,
+    /// Where each outstanding block's packet is: (path, psn).
+    at: HashMap<u16, (u16, u32)>,
+    deadline: u64,
+}
+
+/// The client toward one storage server.
+pub struct SolarClient {
+    cfg: ClientConfig,
+    paths: Vec<PathInfo>,
+    ios: HashMap<IoId, Io>,
+    by_rpc: HashMap<u64, IoId>,
+    next_io: IoId,
+    next_rpc: u64,
+    /// Units to send, resends first: (request, first block, blocks, resend, path to avoid).
+    queue: VecDeque<(IoId, u16, u16, bool, Option<u16>)>,
+    events: VecDeque<ClientEvent>,
+    probes: VecDeque<u16>,
+    inflight_bytes: u64,
+    cc: Option<Box<dyn CcAlgorithm>>,
+    cc_window: Option<u64>,
+    cc_rate: Option<u64>,
+    cc_timer: Option<u64>,
+    cc_hold: bool,
+    next_send_at: u64,
+    /// The latest time the driver handed in.
+    last_now: u64,
+    rr: usize,
+    stats: ClientStats,
+}
+
+impl SolarClient {
+    /// A client; `cc` limits the bytes in flight (None: `window_bytes`).
+    pub fn new(cfg: ClientConfig, cc: Option<Box<dyn CcAlgorithm>>, now: u64) -> SolarClient {
+        let n = cfg.paths.clamp(1, 64);
+        let paths = (0..n)
+            .map(|_| PathInfo {
+                state: PathState::Good,
+                srtt_ns: 0,
+                rttvar_ns: 0,
+                inflight: 0,
+                consecutive_timeouts: 0,
+                next_psn: 1,
+                sent: BTreeMap::new(),
+                next_probe: 0,
+                probe_sent: None,
+            })
+            .collect();
+        let mut c = SolarClient {
+            next_rpc: cfg.rpc_base.max(1),
+            cfg,
+            paths,
+            ios: HashMap::new(),
+            by_rpc: HashMap::new(),
+            next_io: 1,
+            queue: VecDeque::new(),
+            events: VecDeque::new(),
+            probes: VecDeque::new(),
+            inflight_bytes: 0,
+            cc,
+            cc_window: None,
+            cc_rate: None,
+            cc_timer: None,
+            cc_hold: false,
+            next_send_at: 0,
+            last_now: now,
+            rr: 0,
+            stats: ClientStats::default(),
+        };
+        if let Some(cc) = c.cc.as_mut() {
+            let mut out = CcOutput::default();
+            cc.on_start(
+                now,
+                &StartInfo {
+                    mtu: (wire::HDR + BLOCK) as u32,
+                },
+                &mut out,
+            );
+            c.apply(out);
+        }
+        c
+    }
+
+    pub fn stats(&self) -> ClientStats {
+        self.stats
+    }
+
+    pub fn paths(&self) -> &[PathInfo] {
+        &self.paths
+    }
+
+    /// Paths not down.
+    pub fn paths_up(&self) -> u16 {
+        self.paths.iter().filter(|p| p.state != PathState::Down).count() as u16
+    }
+
+    /// Requests not yet finished.
+    pub fn outstanding(&self) -> usize {
+        self.ios.len()
+    }
+
+    /// The window in effect (bytes in flight allowed).
+    pub fn window(&self) -> u64 {
+        self.cc_window.unwrap_or(self.cfg.window_bytes).max(BLOCK as u64)
+    }
+
+    fn apply(&mut self, out: CcOutput) {
+        if let Some(w) = out.window {
+            self.cc_window = w;
+        }
+        if let Some(r) = out.rate {
+            self.cc_rate = r;
+        }
+        if let Some(t) = out.timer {
+            self.cc_timer = Some(t);
+        }
+        if out.rate.is_some() || out.window.is_some() || out.timer.is_some() {
+            self.cc_hold = false;
+        }
+    }
+
+    fn check_len(lba: u64, len: usize) -> Result<u16, SubmitError> {
+        if len == 0 || !len.is_multiple_of(BLOCK) {
+            return Err(SubmitError::Length(len));
+        }
+        let n = len / BLOCK;
+        if n > u16::MAX as usize {
+            return Err(SubmitError::TooLarge(n));
+        }
+        if lba.checked_add(n as u64).is_none() {
+            return Err(SubmitError::Range(lba, n));
+        }
+        Ok(n as u16)
+    }
+
+    fn add(&mut self, now: u64, kind: Kind, target: (u32, u64), n: u16, data: Option<Arc<[u8]>>, fua: bool) -> IoId {
+        let (volume, lba) = target;
+        let id = self.next_io;
+        self.next_io += 1;
+        let rpc = self.next_rpc;
+        self.next_rpc += 1;
+        self.ios.insert(
+            id,
+            Io {
+                kind,
+                volume,
+                lba,
+                blocks: n,
+                rpc,
+                data,
+                fua,
+                done: vec![false; n as usize],
+                left: n,
+                attempts: vec![0; n as usize],
+                at: HashMap::new(),
+                deadline: now + self.cfg.io_timeout_ns,
+            },
+        );
+        self.by_rpc.insert(rpc, id);
+        match kind {
+            Kind::Write => self.queue.extend((0..n).map(|i| (id, i, 1, false, None))),
+            Kind::Read => {
+                let c = self.cfg.read_chunk.max(1);
+                let mut i = 0u16;
+                while i < n {
+                    let k = c.min(n - i);
+                    self.queue.push_back((id, i, k, false, None));
+                    i += k;
+                }
+            }
+        }
+        id
+    }
+
+    /// Writes `data` (a positive multiple of 4 KiB) at block `lba` of `volume`.
+    pub fn write(&mut self, now: u64, volume: u32, lba: u64, data: Arc<[u8]>, fua: bool) -> Result<IoId, SubmitError> {
+        let n = Self::check_len(lba, data.len())?;
+        Ok(self.add(now, Kind::Write, (volume, lba), n, Some(data), fua))
+    }
+
+    /// Reads `blocks` blocks at `lba` of `volume`; they arrive through [`Self::on_packet`].
+    pub fn read(&mut self, now: u64, volume: u32, lba: u64, blocks: u16) -> Result<IoId, SubmitError> {
+        let n = Self::check_len(lba, blocks as usize * BLOCK)?;
+        Ok(self.add(now, Kind::Read, (volume, lba), n, None, false))
+    }
+
+    /// The next event, if any.
+    pub fn poll_event(&mut self) -> Option<ClientEvent> {
+        self.events.pop_front()
+    }
+
+    fn pick_path(&mut self, avoid: Option<u16>) -> Option<u16> {
+        let n = self.paths.len();
+        let mut best: Option<(u8, u32, u16)> = None;
+        for k in 0..n {
+            let i = (self.rr + k) % n;
+            let p = &self.paths[i];
+            let rank = match p.state {
+                PathState::Good => 0,
+                PathState::Suspect => 1,
+                PathState::Down => continue,
+            };
+            let rank = if Some(i as u16) == avoid && n > 1 {
+                rank + 2
+            } else {
+                rank
+            };
+            if best.is_none_or(|(r, f, _)| (rank, p.inflight) < (r, f)) {
+                best = Some((rank, p.inflight, i as u16));
+            }
+        }
+        self.rr = (self.rr + 1) % n;
+        best.map(|(_, _, i)| i)
+    }
+
+    /// The next packet to send now, if the window, pacing and paths allow one.
+    pub fn poll_transmit(&mut self, now: u64) -> Option<Transmit> {
+        self.last_now = self.last_now.max(now);
+        if let Some(path) = self.probes.pop_front() {
+            self.stats.probes += 1;
+            let mut h = Header::new(Op::Probe);
+            h.path = path;
+            h.ts = now;
+            h.epoch = self.cfg.epoch;
+            return Some(self.tx(path, &h, None));
+        }
+        loop {
+            let &(io, idx, n, retx, avoid) = self.queue.front()?;
+            let Some(s) = self.ios.get(&io) else {
+                self.queue.pop_front();
+                continue;
+            };
+            // skip units already done (a resend raced with a late acknowledgement)
+            if (idx..idx + n).all(|i| s.done[i as usize]) {
+                self.queue.pop_front();
+                continue;
+            }
+            let bytes = n as u64 * BLOCK as u64;
+            if self.inflight_bytes > 0 && self.inflight_bytes + bytes > self.window() {
+                return None;
+            }
+            if self.cc_hold || now < self.next_send_at {
+                return None;
+            }
+            let path = self.pick_path(avoid)?;
+            if let Some(cc) = self.cc.as_mut() {
+                if cc.traced().tx_data {
+                    let mut out = CcOutput::default();
+                    let v = cc.on_tx(
+                        now,
+                        &TxMeta {
+                            opcode: 0x0A,
+                            bytes: (wire::HDR + BLOCK) as u32,
+                            payload: BLOCK as u32,
+                            first: true,
+                            msg_bytes: bytes,
+                            msg_remaining: 0,
+                            retransmit: retx,
+                        },
+                        &mut out,
+                    );
+                    self.apply(out);
+                    match v {
+                        Verdict::Send => {}
+                        Verdict::DeferUntil(t) => {
+                            self.next_send_at = t;
+                            return None;
+                        }
+                        Verdict::Hold => {
+                            self.cc_hold = true;
+                            return None;
+                        }
+                    }
+                }
+            }
+            self.queue.pop_front();
+            return Some(self.send_unit(now, io, idx, n, retx, path));
+        }
+    }
+
+    fn send_unit(&mut self, now: u64, io: IoId, idx: u16, n: u16, retx: bool, path: u16) -> Transmit {
+        let rto = self.paths[path as usize].rto(&self.cfg);
+        let p = &mut self.paths[path as usize];
+        let psn = p.next_psn;
+        p.next_psn = p.next_psn.wrapping_add(1).max(1);
+        p.inflight += 1;
+        // a read's blocks come back one after another: give the whole chunk time to arrive
+        let deadline = now + rto + n as u64 * 2_000;
+        p.sent.insert(
+            psn,
+            Unit {
+                io,
+                idx,
+                n,
+                left: n,
+                sent_at: now,
+                deadline,
+                retx,
+            },
+        );
+        let bytes = n as u64 * BLOCK as u64;
+        self.inflight_bytes += bytes;
+        if let Some(r) = self.cc_rate.filter(|&r| r > 0) {
+            self.next_send_at = now.max(self.next_send_at) + bytes * 1_000_000_000 / r;
+        }
+        self.stats.blocks_sent += n as u64;
+        if retx {
+            self.stats.blocks_resent += n as u64;
+        }
+        let s = self.ios.get_mut(&io).expect("queued units belong to live requests");
+        for i in idx..idx + n {
+            s.at.insert(i, (path, psn));
+        }
+        let mut h = Header::new(if s.kind == Kind::Write { Op::Write } else { Op::ReadReq });
+        h.flags = if retx { flags::RETX } else { 0 } | if s.fua { flags::FUA } else { 0 };
+        if idx + n == s.blocks {
+            h.flags |= flags::LAST;
+        }
+        h.path = path;
+        h.volume = s.volume;
+        h.rpc = s.rpc;
+        h.blk_idx = idx;
+        h.blk_cnt = if s.kind == Kind::Write { s.blocks } else { idx + n };
+        h.lba = s.lba + idx as u64;
+        h.epoch = self.cfg.epoch;
+        h.psn = psn;
+        h.ts = now;
+        let block = match (&s.data, s.kind) {
+            (Some(d), Kind::Write) => {
+                let off = idx as usize * BLOCK;
+                h.crc = wire::block_crc(&d[off..off + BLOCK]);
+                Some(BlockRef { data: d.clone(), off })
+            }
+            _ => None,
+        };
+        self.tx(path, &h, block)
+    }
+
+    fn tx(&mut self, path: u16, h: &Header, block: Option<BlockRef>) -> Transmit {
+        self.stats.packets_sent += 1;
+        let mut header = [0u8; wire::HDR];
+        h.encode(&mut header);
+        Transmit {
+            path,
+            peer: 0,
+            header,
+            block,
+        }
+    }
+
+    /// Removes a unit from its path; returns it.
+    fn unsend(&mut self, path: u16, psn: u32) -> Option<Unit> {
+        let p = self.paths.get_mut(path as usize)?;
+        let u = p.sent.remove(&psn)?;
+        p.inflight -= 1;
+        self.inflight_bytes = self.inflight_bytes.saturating_sub(u.left as u64 * BLOCK as u64);
+        Some(u)
+    }
+
+    fn cc_rx(&mut self, now: u64, kind: RxKind, rtt: Option<u64>, ce: bool) {
+        if let Some(cc) = self.cc.as_mut() {
+            let t = cc.traced();
+            let wanted = match kind {
+                RxKind::Timeout => t.timeout,
+                _ => t.rx_ack,
+            };
+            if wanted {
+                let mut out = CcOutput::default();
+                cc.on_rx(
+                    now,
+                    &RxMeta {
+                        kind,
+                        bytes: wire::HDR as u32,
+                        payload: 0,
+                        ce,
+                        rtt_ns: rtt,
+                        cc: &[],
+                    },
+                    &mut out,
+                );
+                self.apply(out);
+            }
+        }
+    }
+
+    /// Block `idx` of `io` is done; a write's packet still in flight for it (a resend) is
+    /// retired. Returns false for a duplicate.
+    fn block_done(&mut self, io: IoId, idx: u16) -> bool {
+        let Some(s) = self.ios.get_mut(&io) else { return false };
+        if s.done[idx as usize] {
+            self.stats.duplicates += 1;
+            return false;
+        }
+        s.done[idx as usize] = true;
+        let carrier = s.at.remove(&idx);
+        let write = s.kind == Kind::Write;
+        if let (true, Some((p, psn))) = (write, carrier) {
+            self.unsend(p, psn);
+        }
+        let Some(s) = self.ios.get_mut(&io) else { return false };
+        s.left -= 1;
+        if s.left == 0 {
+            self.finish(io, Ok(()));
+        }
+        true
+    }
+
+    fn finish(&mut self, io: IoId, result: Result<(), IoError>) {
+        let Some(s) = self.ios.remove(&io) else { return };
+        self.by_rpc.remove(&s.rpc);
+        // its packets still in flight no longer count
+        for (_, (path, psn)) in s.at {
+            self.unsend(path, psn); // None for a unit already retired
+        }
+        self.events.push_back(ClientEvent::Done { io, result });
+    }
+
+    /// A path answered: it is healthy again.
+    fn path_alive(&mut self, path: u16) {
+        if let Some(p) = self.paths.get_mut(path as usize) {
+            if p.state == PathState::Down {
+                self.stats.path_ups += 1;
+            }
+            p.state = PathState::Good;
+            p.consecutive_timeouts = 0;
+            p.probe_sent = None;
+        }
+    }
+
+    /// Handles a packet from the server. A checked READ_DATA block is returned for the driver
+    /// to place; malformed packets are counted and dropped.
+    pub fn on_packet<'a>(&mut self, now: u64, pkt: &'a [u8]) -> Result<Option<Placement<'a>>, WireError> {
+        let (h, payload) = match Header::decode(pkt) {
+            Ok(x) => x,
+            Err(e) => {
+                self.stats.malformed += 1;
+                return Err(e);
+            }
+        };
+        let path = h.path;
+        if path as usize >= self.paths.len() {
+            self.stats.malformed += 1;
+            return Err(WireError::Index(path, self.paths.len() as u16));
+        }
+        match h.op {
+            Op::ProbeAck => {
+                self.path_alive(path);
+                Ok(None)
+            }
+            Op::WriteAck | Op::Nack => {
+                let unit = self.unsend(path, h.psn);
+                self.path_alive(path);
+                let rtt = unit
+                    .filter(|u| !u.retx && u.sent_at == h.ts)
+                    .map(|u| now.saturating_sub(u.sent_at));
+                if let Some(r) = rtt {
+                    self.paths[path as usize].on_rtt(r);
+                }
+                self.cc_rx(now, RxKind::Ack, rtt, h.flags & flags::ECN_ECHO != 0);
+                self.fast_resend(path, h.psn, now);
+                let Some(&io) = self.by_rpc.get(&h.rpc) else {
+                    self.stats.duplicates += 1;
+                    return Ok(None);
+                };
+                let idx = h.blk_idx;
+                if self.ios[&io].done.get(idx as usize).is_none() {
+                    self.stats.malformed += 1;
+                    return Err(WireError::Index(idx, self.ios[&io].blocks));
+                }
+                match Status::from_u16(h.status) {
+                    Some(Status::Ok) => {
+                        self.block_done(io, idx);
+                    }
+                    Some(Status::Stale) => {
+                        // a newer write to the block is already there: nothing to resend
+                        self.stats.stale_acks += 1;
+                        self.block_done(io, idx);
+                    }
+                    Some(s) if s.retryable() => {
+                        if s == Status::CrcError {
+                            self.stats.crc_errors += 1;
+                        }
+                        self.resend_or_fail(io, idx, s);
+                    }
+                    Some(s) => self.finish(io, Err(IoError::Status(s, idx))),
+                    None => self.finish(io, Err(IoError::Status(Status::IoError, idx))),
+                }
+                Ok(None)
+            }
+            Op::ReadData => {
+                self.path_alive(path);
+                let Some(&io) = self.by_rpc.get(&h.rpc) else {
+                    self.stats.duplicates += 1;
+                    return Ok(None);
+                };
+                let s = &self.ios[&io];
+                let idx = h.blk_idx;
+                if s.kind != Kind::Read || idx >= s.blocks || h.lba != s.lba + idx as u64 {
+                    self.stats.malformed += 1;
+                    return Err(WireError::Index(idx, s.blocks));
+                }
+                // the READ_REQ it answers (the header echoes its path and psn); a duplicate, or
+                // a block another request already brought, changes nothing there
+                let fresh = !s.done[idx as usize] && s.at.get(&idx) == Some(&(path, h.psn));
+                let unit = self.paths[path as usize]
+                    .sent
+                    .get(&h.psn)
+                    .copied()
+                    .filter(|u| fresh && u.io == io && u.idx <= idx && idx < u.idx + u.n);
+                if let Some(u) = unit {
+                    if u.left == u.n && !u.retx && u.sent_at == h.ts {
+                        let rtt = now.saturating_sub(u.sent_at);
+                        self.paths[path as usize].on_rtt(rtt);
+                        self.cc_rx(now, RxKind::Ack, Some(rtt), h.flags & flags::ECN_ECHO != 0);
+                    }
+                    self.inflight_bytes = self.inflight_bytes.saturating_sub(BLOCK as u64);
+                    let p = &mut self.paths[path as usize];
+                    let e = p.sent.get_mut(&h.psn).expect("found above");
+                    e.left -= 1;
+                    if e.left == 0 {
+                        p.sent.remove(&h.psn);
+                        p.inflight -= 1;
+                        self.fast_resend(path, h.psn, now);
+                    }
+                }
+                if h.status != Status::Ok as u16 {
+                    let st = Status::from_u16(h.status).unwrap_or(Status::IoError);
+                    if st.retryable() {
+                        self.resend_or_fail(io, idx, st);
+                    } else {
+                        self.finish(io, Err(IoError::Status(st, idx)));
+                    }
+                    return Ok(None);
+                }
+                if wire::block_crc(payload) != h.crc {
+                    self.stats.crc_errors += 1;
+                    if !self.ios[&io].done[idx as usize] {
+                        self.resend_or_fail(io, idx, Status::CrcError);
+                    }
+                    return Ok(None);
+                }
+                if self.block_done(io, idx) {
+                    return Ok(Some(Placement { io, idx, data: payload }));
+                }
+                Ok(None)
+            }
+            Op::Write | Op::ReadReq | Op::Probe => {
+                self.stats.malformed += 1;
+                Err(WireError::Opcode(h.op as u8))
+            }
+        }
+    }
+
+    /// Packets of `path` sent three or more before `psn` and still unanswered are lost (a path
+    /// keeps order): resend their blocks.
+    fn fast_resend(&mut self, path: u16, psn: u32, _now: u64) {
+        let lost: Vec<u32> = self.paths[path as usize]
+            .sent
+            .range(..psn.saturating_sub(2))
+            .map(|(&p, _)| p)
+            .collect();
+        for p in lost {
+            if let Some(u) = self.unsend(path, p) {
+                self.stats.fast_resends += 1;
+                self.requeue(u, path);
+            }
+        }
+    }
+
+    /// Queues a lost unit's unfinished blocks again, one per packet (a READ_REQ per missing
+    /// block), away from `path`.
+    fn requeue(&mut self, u: Unit, path: u16) {
+        let Some(s) = self.ios.get_mut(&u.io) else { return };
+        for i in (u.idx..u.idx + u.n).rev() {
+            if !s.done[i as usize] {
+                s.at.remove(&i);
+                self.queue.push_front((u.io, i, 1, true, Some(path)));
+            }
+        }
+    }
+
+    /// Block `idx` must be sent again (the server answered a retryable status, or its data
+    /// failed the CRC): queued alone, unless it has used up its attempts.
+    fn resend_or_fail(&mut self, io: IoId, idx: u16, why: Status) {
+        let Some(s) = self.ios.get_mut(&io) else { return };
+        s.attempts[idx as usize] += 1;
+        let a = s.attempts[idx as usize];
+        let avoid = s.at.remove(&idx).map(|(p, _)| p);
+        if a >= self.cfg.max_block_attempts {
+            let e = if why == Status::CrcError {
+                IoError::Crc(idx, a)
+            } else {
+                IoError::Status(why, idx)
+            };
+            self.finish(io, Err(e));
+        } else {
+            self.queue.push_front((io, idx, 1, true, avoid));
+        }
+    }
+
+    /// The earliest time [`Self::on_timer`] has work.
+    pub fn next_timeout(&self) -> Option<u64> {
+        let rto = self
+            .paths
+            .iter()
+            .flat_map(|p| p.sent.values().map(|u| u.deadline))
+            .min();
+        let probe = self
+            .paths
+            .iter()
+            .filter(|p| p.state != PathState::Good)
+            .map(|p| match p.probe_sent {
+                Some(t) => t + p.rto(&self.cfg),
+                None => p.next_probe,
+            })
+            .min();
+        let io = self.ios.values().map(|s| s.deadline).min();
+        let pace = (self.next_send_at > self.last_now && !self.queue.is_empty()).then_some(self.next_send_at);
+        [rto, probe, io, self.cc_timer, pace].into_iter().flatten().min()
+    }
+
+    /// Timers: per-packet RTOs (resend elsewhere, path health), probes of down paths,
+    /// congestion control's timer, request timeouts.
+    pub fn on_timer(&mut self, now: u64) {
+        self.last_now = self.last_now.max(now);
+        if self.cc_timer.is_some_and(|t| t <= now) {
+            self.cc_timer = None;
+            if let Some(cc) = self.cc.as_mut() {
+                let mut out = CcOutput::default();
+                cc.on_timer(now, &mut out);
+                self.apply(out);
+            }
+        }
+        for i in 0..self.paths.len() {
+            let rto = self.paths[i].rto(&self.cfg);
+            // an unanswered probe counts as a timeout of its path
+            let probe_lost = self.paths[i].probe_sent.is_some_and(|t| now >= t + rto);
+            if probe_lost {
+                self.paths[i].probe_sent = None;
+            }
+            let expired: Vec<u32> = self.paths[i]
+                .sent
+                .iter()
+                .filter(|(_, u)| u.deadline <= now)
+                .map(|(&p, _)| p)
+                .collect();
+            if !expired.is_empty() || probe_lost {
+                self.stats.timeouts += expired.len() as u64;
+                let p = &mut self.paths[i];
+                p.consecutive_timeouts += 1;
+                if p.consecutive_timeouts >= self.cfg.down_after {
+                    if p.state != PathState::Down {
+                        self.stats.path_downs += 1;
+                    }
+                    p.state = PathState::Down;
+                } else if p.state == PathState::Good {
+                    // suspect: no new packets while other paths are good, probed right away
+                    p.state = PathState::Suspect;
+                    p.next_probe = now;
+                }
+                // what timed out is lost; on a dead path everything is
+                let lost: Vec<u32> = if p.state == PathState::Down {
+                    p.sent.keys().copied().collect()
+                } else {
+                    expired
+                };
+                for psn in lost {
+                    if let Some(u) = self.unsend(i as u16, psn) {
+                        self.requeue(u, i as u16);
+                    }
+                }
+                self.cc_rx(now, RxKind::Timeout, None, false);
+            }
+            let p = &mut self.paths[i];
+            if p.state != PathState::Good && p.probe_sent.is_none() && p.next_probe <= now {
+                p.probe_sent = Some(now);
+                p.next_probe = now + self.cfg.probe_interval_ns;
+                self.probes.push_back(i as u16);
+            }
+        }
+        let late: Vec<IoId> = self
+            .ios
+            .iter()
+            .filter(|(_, s)| s.deadline <= now)
+            .map(|(&i, _)| i)
+            .collect();
+        for io in late {
+            let left = self.ios[&io].left;
+            let up = self.paths_up();
+            self.finish(
+                io,
+                Err(IoError::TimedOut {
+                    blocks_left: left,
+                    paths_up: up,
+                }),
+            );
+        }
+    }
+}

@@ -1,0 +1,58 @@
+//! Solar: the storage transport (after Alibaba's Solar in EBS), sans-IO like the RC transport.
+//!
+//! One 4 KiB block per packet, each packet self-describing (request id, volume, block address,
+//! index within the request, flags, the block's CRC32C), so blocks are placed independently,
+//! in any order, with no reassembly buffer. Every block is acknowledged on its own; only lost
+//! blocks are resent, on another path. Requests spray over all paths (UDP source ports) with
+//! per-path health; congestion control comes from [`crate::cc`] (one window per destination,
+//! across its paths). A storage server drops a write older than one it already took for the
+//! same block (request ids increase per volume), so a late retransmission never overtakes a
+//! newer write.
+//!
+//! - [`wire`]: the 64-byte header.
+//! - [`client`]: the storage agent's side toward one storage server.
+//! - [`server`]: the storage server's side (the storage itself is the driver's).
+//!
+//! Neither side does I/O or reads a clock: the driver hands in packets and the time, and sends
+//! what [`client::SolarClient::poll_transmit`] / [`server::SolarServer::poll_transmit`] give.
+
+pub mod client;
+pub mod server;
+pub mod wire;
+
+use std::sync::Arc;
+
+/// A packet to send: the header and, for WRITE and READ_DATA, a block referenced in place.
+#[derive(Debug, Clone)]
+pub struct Transmit {
+    /// The path (the driver maps it to a UDP source port / address pair).
+    pub path: u16,
+    /// The driver's token of the peer (servers answer many agents; clients use 0).
+    pub peer: u64,
+    pub header: [u8; wire::HDR],
+    pub block: Option<BlockRef>,
+}
+
+/// A block inside a shared buffer.
+#[derive(Debug, Clone)]
+pub struct BlockRef {
+    pub data: Arc<[u8]>,
+    pub off: usize,
+}
+
+impl BlockRef {
+    pub fn bytes(&self) -> &[u8] {
+        &self.data[self.off..self.off + wire::BLOCK]
+    }
+}
+
+impl Transmit {
+    /// The whole packet in one buffer (a copy; drivers may send header and block as iovecs).
+    pub fn to_vec(&self) -> Vec<u8> {
+        let mut v = self.header.to_vec();
+        if let Some(b) = &self.block {
+            v.extend_from_slice(b.bytes());
+        }
+        v
+    }
+}

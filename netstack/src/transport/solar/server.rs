@@ -1,0 +1,314 @@
+//! The storage server's side of Solar: checks each block's CRC, drops stale and duplicate
+//! writes, hands writes and reads to the driver (which owns the storage) and answers each block
+//! on its own once the driver says it is durable or read.
+//!
+//! Write ordering: request ids increase per volume (the agent's), so a WRITE with an id below
+//! the newest this server took for that block is an old retransmission that lost a race on
+//! another path: it is dropped and answered `Stale`. The same id again is a duplicate: answered
+//! `Ok` when it was applied, ignored while it is being applied.
+
+use super::wire::{self, flags, Header, Op, Status, WireError, BLOCK};
+use super::{BlockRef, Transmit};
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+
+/// A token the driver answers a [`Request`] with.
+pub type Token = u64;
+
+/// What the driver must do.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Request<'a> {
+    /// Make this block durable, then call [`SolarServer::write_done`].
+    Write {
+        token: Token,
+        volume: u32,
+        lba: u64,
+        data: &'a [u8],
+        crc: u32,
+        fua: bool,
+    },
+    /// Read `count` blocks from `lba` and answer each with [`SolarServer::read_block`] (or
+    /// [`SolarServer::read_failed`]).
+    Read {
+        token: Token,
+        volume: u32,
+        lba: u64,
+        count: u16,
+    },
+}
+
+/// Counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ServerStats {
+    pub writes: u64,
+    pub reads: u64,
+    pub crc_errors: u64,
+    pub stale_dropped: u64,
+    pub duplicates: u64,
+    pub malformed: u64,
+    pub wrong_epoch: u64,
+}
+
+struct PendingWrite {
+    reply: Header,
+    peer: u64,
+    volume: u32,
+    lba: u64,
+    rpc: u64,
+}
+
+struct PendingRead {
+    reply: Header,
+    peer: u64,
+    first_idx: u16,
+    lba: u64,
+    count: u16,
+}
+
+/// The server side of one storage server.
+pub struct SolarServer {
+    /// The segment epoch it serves; requests with another are refused (`WrongEpoch`), 0 = any.
+    pub epoch: u32,
+    /// Newest request id taken per (volume, block).
+    newest: HashMap<(u32, u64), u64>,
+    /// Applied request ids per (volume, block) (for answering duplicates).
+    applied: HashMap<(u32, u64), u64>,
+    in_progress: HashMap<(u64, u16), Token>,
+    writes: HashMap<Token, PendingWrite>,
+    reads: HashMap<Token, PendingRead>,
+    next_token: Token,
+    out: VecDeque<Transmit>,
+    stats: ServerStats,
+}
+
+impl Default for SolarServer {
+    fn default() -> Self {
+        Self::new(0)
+    }
+}
+
+impl SolarServer {
+    pub fn new(epoch: u32) -> SolarServer {
+        SolarServer {
+            epoch,
+            newest: HashMap::new(),
+            applied: HashMap::new(),
+            in_progress: HashMap::new(),
+            writes: HashMap::new(),
+            reads: HashMap::new(),
+            next_token: 1,
+            out: VecDeque::new(),
+            stats: ServerStats::default(),
+        }
+    }
+
+    pub fn stats(&self) -> ServerStats {
+        self.stats
+    }
+
+    /// Seeds the newest request id of a block (from the store after a restart), so stale
+    /// retransmissions from before the restart are still dropped.
+    pub fn note_version(&mut self, volume: u32, lba: u64, rpc: u64) {
+        let e = self.newest.entry((volume, lba)).or_insert(rpc);
+        *e = (*e).max(rpc);
+        let a = self.applied.entry((volume, lba)).or_insert(rpc);
+        *a = (*a).max(rpc);
+    }
+
+    fn answer(&mut self, peer: u64, h: &Header, op: Op, status: Status) {
+        let mut r = *h;
+        r.op = op;
+        r.status = status as u16;
+        r.flags &= flags::ECN_ECHO | flags::RETX;
+        r.crc = 0;
+        if op == Op::Nack || op == Op::WriteAck {
+            r.blk_cnt = r.blk_cnt.max(r.blk_idx + 1);
+        }
+        self.push(peer, &r, None);
+    }
+
+    fn push(&mut self, peer: u64, h: &Header, block: Option<BlockRef>) {
+        let mut header = [0u8; wire::HDR];
+        h.encode(&mut header);
+        self.out.push_back(Transmit {
+            path: h.path,
+            peer,
+            header,
+            block,
+        });
+    }
+
+    /// Handles a packet from `peer` (the driver's token for the agent's address). Returns what
+    /// the driver must do, if anything; malformed packets are counted and dropped. `ce` says
+    /// the packet arrived ECN-marked (echoed to the sender's congestion control).
+    pub fn on_packet<'a>(&mut self, peer: u64, pkt: &'a [u8], ce: bool) -> Result<Option<Request<'a>>, WireError> {
+        let (mut h, payload) = match Header::decode(pkt) {
+            Ok(x) => x,
+            Err(e) => {
+                self.stats.malformed += 1;
+                return Err(e);
+            }
+        };
+        if ce {
+            h.flags |= flags::ECN_ECHO;
+        }
+        if self.epoch != 0 && h.epoch != self.epoch && h.op != Op::Probe {
+            self.stats.wrong_epoch += 1;
+            let op = if h.op == Op::ReadReq { Op::Nack } else { Op::WriteAck };
+            self.answer(peer, &h, op, Status::WrongEpoch);
+            return Ok(None);
+        }
+        match h.op {
+            Op::Probe => {
+                self.answer(peer, &h, Op::ProbeAck, Status::Ok);
+                Ok(None)
+            }
+            Op::Write => {
+                if wire::block_crc(payload) != h.crc {
+                    self.stats.crc_errors += 1;
+                    self.answer(peer, &h, Op::WriteAck, Status::CrcError);
+                    return Ok(None);
+                }
+                let key = (h.volume, h.lba);
+                let newest = self.newest.get(&key).copied().unwrap_or(0);
+                if h.rpc < newest {
+                    self.stats.stale_dropped += 1;
+                    self.answer(peer, &h, Op::WriteAck, Status::Stale);
+                    return Ok(None);
+                }
+                if h.rpc == newest {
+                    if self.applied.get(&key) == Some(&h.rpc) {
+                        self.stats.duplicates += 1;
+                        self.answer(peer, &h, Op::WriteAck, Status::Ok);
+                        return Ok(None);
+                    }
+                    if self.in_progress.contains_key(&(h.rpc, h.blk_idx)) {
+                        self.stats.duplicates += 1;
+                        return Ok(None); // its answer comes when it is durable
+                    }
+                }
+                self.newest.insert(key, h.rpc);
+                let token = self.next_token;
+                self.next_token += 1;
+                self.in_progress.insert((h.rpc, h.blk_idx), token);
+                self.writes.insert(
+                    token,
+                    PendingWrite {
+                        reply: h,
+                        peer,
+                        volume: h.volume,
+                        lba: h.lba,
+                        rpc: h.rpc,
+                    },
+                );
+                self.stats.writes += 1;
+                Ok(Some(Request::Write {
+                    token,
+                    volume: h.volume,
+                    lba: h.lba,
+                    data: payload,
+                    crc: h.crc,
+                    fua: h.flags & flags::FUA != 0,
+                }))
+            }
+            Op::ReadReq => {
+                let count = h.blk_cnt.saturating_sub(h.blk_idx);
+                if count == 0 || h.lba.checked_add(count as u64).is_none() {
+                    self.stats.malformed += 1;
+                    return Err(WireError::Index(h.blk_idx, h.blk_cnt));
+                }
+                let token = self.next_token;
+                self.next_token += 1;
+                self.reads.insert(
+                    token,
+                    PendingRead {
+                        reply: h,
+                        peer,
+                        first_idx: h.blk_idx,
+                        lba: h.lba,
+                        count,
+                    },
+                );
+                self.stats.reads += count as u64;
+                Ok(Some(Request::Read {
+                    token,
+                    volume: h.volume,
+                    lba: h.lba,
+                    count,
+                }))
+            }
+            Op::WriteAck | Op::ReadData | Op::Nack | Op::ProbeAck => {
+                self.stats.malformed += 1;
+                Err(WireError::Opcode(h.op as u8))
+            }
+        }
+    }
+
+    /// The driver finished a write: `Ok` once the block is durable.
+    pub fn write_done(&mut self, token: Token, status: Status) {
+        let Some(w) = self.writes.remove(&token) else { return };
+        self.in_progress.remove(&(w.rpc, w.reply.blk_idx));
+        if status == Status::Ok {
+            let a = self.applied.entry((w.volume, w.lba)).or_insert(w.rpc);
+            *a = (*a).max(w.rpc);
+        }
+        self.answer(w.peer, &w.reply, Op::WriteAck, status);
+    }
+
+    /// Block `k` (0-based within the read) with the CRC stored beside it, so the agent checks
+    /// it end to end (disk, memory, wire). `data` holds it at `off`.
+    pub fn read_block(&mut self, token: Token, k: u16, data: Arc<[u8]>, off: usize, stored_crc: u32) {
+        let Some(r) = self.reads.get(&token) else { return };
+        if k >= r.count || off + BLOCK > data.len() {
+            return;
+        }
+        let mut h = r.reply;
+        h.op = Op::ReadData;
+        h.status = Status::Ok as u16;
+        h.blk_idx = r.first_idx + k;
+        h.blk_cnt = r.first_idx + r.count;
+        h.lba = r.lba + k as u64;
+        h.crc = stored_crc;
+        h.flags &= flags::ECN_ECHO | flags::RETX;
+        if k + 1 == r.count {
+            h.flags |= flags::LAST;
+        }
+        let peer = r.peer;
+        self.push(peer, &h, Some(BlockRef { data, off }));
+    }
+
+    /// Block `k` of a read could not be read (I/O error, a stored CRC mismatch): answered with
+    /// `status` instead of data.
+    pub fn read_failed(&mut self, token: Token, k: u16, status: Status) {
+        let Some(r) = self.reads.get(&token) else { return };
+        let mut h = r.reply;
+        h.op = Op::ReadData;
+        h.status = status as u16;
+        h.blk_idx = r.first_idx + k;
+        h.blk_cnt = r.first_idx + r.count;
+        h.lba = r.lba + k as u64;
+        let peer = r.peer;
+        // a failed block travels as a READ_DATA with a zero block (one layout for both)
+        static ZERO: std::sync::OnceLock<Arc<[u8]>> = std::sync::OnceLock::new();
+        let zero = ZERO.get_or_init(|| Arc::from(vec![0u8; BLOCK]));
+        h.crc = wire::block_crc(zero);
+        self.push(
+            peer,
+            &h,
+            Some(BlockRef {
+                data: zero.clone(),
+                off: 0,
+            }),
+        );
+    }
+
+    /// The driver answered every block of a read.
+    pub fn read_finished(&mut self, token: Token) {
+        self.reads.remove(&token);
+    }
+
+    /// The next packet to send.
+    pub fn poll_transmit(&mut self) -> Option<Transmit> {
+        self.out.pop_front()
+    }
+}

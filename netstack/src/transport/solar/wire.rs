@@ -1,0 +1,292 @@
+//! Solar's packet: a 64-byte header, then (WRITE and READ_DATA only) exactly one 4 KiB block.
+//!
+//! Layout (network byte order):
+//!
+//! | bytes | field | |
+//! | --- | --- | --- |
+//! | 0..2 | magic `0x53` + version `1` | |
+//! | 2 | opcode | WRITE, WRITE_ACK, READ_REQ, READ_DATA, NACK, PROBE, PROBE_ACK |
+//! | 3 | flags | FUA, RETX, ECN echo, LAST |
+//! | 4..6 | path id | the path the packet (or the packet it answers) took |
+//! | 6..8 | status | in acknowledgements and NACKs |
+//! | 8..12 | volume id | |
+//! | 12..20 | rpc id | the request; increases per volume (stale-write ordering) |
+//! | 20..22 | block index | within the request |
+//! | 22..24 | block count | of the request |
+//! | 24..32 | lba | in 4 KiB blocks, of this block (READ_REQ: of the first) |
+//! | 32..36 | epoch | segment epoch (fencing after migration) |
+//! | 36..40 | psn | per-path sequence number, echoed in the answer |
+//! | 40..48 | timestamp | sender's clock, echoed (RTT) |
+//! | 48..52 | block CRC32C | WRITE, READ_DATA |
+//! | 52..56 | header CRC32C | over bytes 0..52 |
+//! | 56..64 | reserved | zero |
+//!
+//! Every packet is self-describing: a block is placed from its own header, in any order.
+
+/// Bytes of a block, the unit of every packet.
+pub const BLOCK: usize = 4096;
+/// Bytes of the header.
+pub const HDR: usize = 64;
+const MAGIC: u8 = 0x53;
+const VERSION: u8 = 1;
+
+/// Packet types.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Op {
+    Write = 1,
+    WriteAck = 2,
+    ReadReq = 3,
+    ReadData = 4,
+    Nack = 5,
+    Probe = 6,
+    ProbeAck = 7,
+}
+
+impl Op {
+    fn from_u8(v: u8) -> Option<Op> {
+        Some(match v {
+            1 => Op::Write,
+            2 => Op::WriteAck,
+            3 => Op::ReadReq,
+            4 => Op::ReadData,
+            5 => Op::Nack,
+            6 => Op::Probe,
+            7 => Op::ProbeAck,
+            _ => return None,
+        })
+    }
+
+    /// Whether packets of this type carry a block.
+    pub fn has_block(self) -> bool {
+        matches!(self, Op::Write | Op::ReadData)
+    }
+}
+
+/// Header flags.
+pub mod flags {
+    /// Force unit access: durable before acknowledged (every write is, here; carried for the
+    /// storage node's accounting).
+    pub const FUA: u8 = 1;
+    /// A retransmission.
+    pub const RETX: u8 = 2;
+    /// The acknowledged packet arrived with ECN CE.
+    pub const ECN_ECHO: u8 = 4;
+    /// The last block of a request.
+    pub const LAST: u8 = 8;
+}
+
+/// Status codes of acknowledgements and NACKs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u16)]
+pub enum Status {
+    Ok = 0,
+    /// The block's CRC did not match: resend it.
+    CrcError = 1,
+    /// An older write to a block a newer one already reached: dropped, nothing to resend.
+    Stale = 2,
+    /// The block is outside the volume.
+    OutOfRange = 3,
+    /// The volume is not on this server.
+    NoVolume = 4,
+    /// The segment epoch is not the server's (the segment moved).
+    WrongEpoch = 5,
+    /// The storage failed (I/O error, a corrupt stored block on read).
+    IoError = 6,
+    /// The server is busy: resend later.
+    Busy = 7,
+}
+
+impl Status {
+    pub fn from_u16(v: u16) -> Option<Status> {
+        Some(match v {
+            0 => Status::Ok,
+            1 => Status::CrcError,
+            2 => Status::Stale,
+            3 => Status::OutOfRange,
+            4 => Status::NoVolume,
+            5 => Status::WrongEpoch,
+            6 => Status::IoError,
+            7 => Status::Busy,
+            _ => return None,
+        })
+    }
+
+    /// Whether resending the block may succeed.
+    pub fn retryable(self) -> bool {
+        matches!(self, Status::CrcError | Status::Busy)
+    }
+}
+
+/// A decoded header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Header {
+    pub op: Op,
+    pub flags: u8,
+    pub path: u16,
+    pub status: u16,
+    pub volume: u32,
+    pub rpc: u64,
+    pub blk_idx: u16,
+    pub blk_cnt: u16,
+    pub lba: u64,
+    pub epoch: u32,
+    pub psn: u32,
+    pub ts: u64,
+    pub crc: u32,
+}
+
+/// Why a packet was dropped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum WireError {
+    #[error("packet of {0} bytes is shorter than the header")]
+    Short(usize),
+    #[error("bad magic or version")]
+    Magic,
+    #[error("unknown opcode {0}")]
+    Opcode(u8),
+    #[error("header CRC mismatch")]
+    HeaderCrc,
+    #[error("{0:?} with {1} payload bytes")]
+    Length(Op, usize),
+    #[error("block index {0} not below the count {1}")]
+    Index(u16, u16),
+}
+
+impl Header {
+    /// A header with everything but the opcode zero.
+    pub fn new(op: Op) -> Header {
+        Header {
+            op,
+            flags: 0,
+            path: 0,
+            status: 0,
+            volume: 0,
+            rpc: 0,
+            blk_idx: 0,
+            blk_cnt: 1,
+            lba: 0,
+            epoch: 0,
+            psn: 0,
+            ts: 0,
+            crc: 0,
+        }
+    }
+
+    /// Writes the header into `b[..HDR]`, with its header CRC.
+    pub fn encode(&self, b: &mut [u8]) {
+        let b = &mut b[..HDR];
+        b[0] = MAGIC;
+        b[1] = VERSION;
+        b[2] = self.op as u8;
+        b[3] = self.flags;
+        b[4..6].copy_from_slice(&self.path.to_be_bytes());
+        b[6..8].copy_from_slice(&self.status.to_be_bytes());
+        b[8..12].copy_from_slice(&self.volume.to_be_bytes());
+        b[12..20].copy_from_slice(&self.rpc.to_be_bytes());
+        b[20..22].copy_from_slice(&self.blk_idx.to_be_bytes());
+        b[22..24].copy_from_slice(&self.blk_cnt.to_be_bytes());
+        b[24..32].copy_from_slice(&self.lba.to_be_bytes());
+        b[32..36].copy_from_slice(&self.epoch.to_be_bytes());
+        b[36..40].copy_from_slice(&self.psn.to_be_bytes());
+        b[40..48].copy_from_slice(&self.ts.to_be_bytes());
+        b[48..52].copy_from_slice(&self.crc.to_be_bytes());
+        let hc = crc32c::crc32c(&b[..52]);
+        b[52..56].copy_from_slice(&hc.to_be_bytes());
+        b[56..64].fill(0);
+    }
+
+    /// A whole packet: this header and `block` (which must be `BLOCK` bytes for WRITE and
+    /// READ_DATA, empty otherwise).
+    pub fn packet(&self, block: &[u8]) -> Vec<u8> {
+        let mut v = vec![0u8; HDR + block.len()];
+        self.encode(&mut v);
+        v[HDR..].copy_from_slice(block);
+        v
+    }
+
+    /// Parses and checks a packet; returns the header and the block (empty when none).
+    pub fn decode(p: &[u8]) -> Result<(Header, &[u8]), WireError> {
+        if p.len() < HDR {
+            return Err(WireError::Short(p.len()));
+        }
+        if p[0] != MAGIC || p[1] != VERSION {
+            return Err(WireError::Magic);
+        }
+        let op = Op::from_u8(p[2]).ok_or(WireError::Opcode(p[2]))?;
+        let be16 = |i: usize| u16::from_be_bytes([p[i], p[i + 1]]);
+        let be32 = |i: usize| u32::from_be_bytes(p[i..i + 4].try_into().expect("4 bytes"));
+        let be64 = |i: usize| u64::from_be_bytes(p[i..i + 8].try_into().expect("8 bytes"));
+        if crc32c::crc32c(&p[..52]) != be32(52) {
+            return Err(WireError::HeaderCrc);
+        }
+        let payload = &p[HDR..];
+        let want = if op.has_block() { BLOCK } else { 0 };
+        if payload.len() != want {
+            return Err(WireError::Length(op, payload.len()));
+        }
+        let h = Header {
+            op,
+            flags: p[3],
+            path: be16(4),
+            status: be16(6),
+            volume: be32(8),
+            rpc: be64(12),
+            blk_idx: be16(20),
+            blk_cnt: be16(22),
+            lba: be64(24),
+            epoch: be32(32),
+            psn: be32(36),
+            ts: be64(40),
+            crc: be32(48),
+        };
+        if matches!(op, Op::Write | Op::ReadData | Op::WriteAck) && h.blk_idx >= h.blk_cnt {
+            return Err(WireError::Index(h.blk_idx, h.blk_cnt));
+        }
+        Ok((h, payload))
+    }
+}
+
+/// CRC32C of a block.
+pub fn block_crc(b: &[u8]) -> u32 {
+    crc32c::crc32c(b)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headers_round_trip_and_damage_is_caught() {
+        let mut h = Header::new(Op::Write);
+        h.flags = flags::FUA | flags::LAST;
+        h.path = 3;
+        h.volume = 7;
+        h.rpc = 0x0102_0304_0506_0708;
+        h.blk_idx = 4;
+        h.blk_cnt = 5;
+        h.lba = 1 << 40;
+        h.epoch = 9;
+        h.psn = 77;
+        h.ts = 123_456_789;
+        let block = vec![0xA5u8; BLOCK];
+        h.crc = block_crc(&block);
+        let p = h.packet(&block);
+        assert_eq!(p.len(), HDR + BLOCK);
+        let (back, payload) = Header::decode(&p).unwrap();
+        assert_eq!(back, h);
+        assert_eq!(payload, &block[..]);
+        for i in 0..52 {
+            let mut q = p.clone();
+            q[i] ^= 0x10;
+            assert!(Header::decode(&q).is_err(), "a flip in byte {i} is caught");
+        }
+        assert_eq!(Header::decode(&p[..HDR + 100]), Err(WireError::Length(Op::Write, 100)));
+        assert_eq!(Header::decode(&p[..10]), Err(WireError::Short(10)));
+        let ack = Header::new(Op::WriteAck).packet(&[]);
+        assert!(Header::decode(&ack).is_ok());
+        let mut bad = Header::new(Op::WriteAck);
+        bad.blk_idx = 1;
+        assert_eq!(Header::decode(&bad.packet(&[])), Err(WireError::Index(1, 1)));
+    }
+}
