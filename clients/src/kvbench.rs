@@ -189,6 +189,41 @@ fn setup(a: &BenchArgs, v: &Variant, max: u64, exe: &std::path::Path, sub: &[Str
     })
 }
 
+/// What one run measured.
+struct Run {
+    bytes: u64,
+    ops: u64,
+    secs: f64,
+    verified: bool,
+    cpu: f64,
+    rss: u64,
+}
+
+impl Run {
+    /// The result line of a run of variant `v` (`msg_bytes` per transfer).
+    fn result(&self, bench: &str, v: &Variant, msg_bytes: u64, h: &hdrhistogram::Histogram<u64>) -> BenchResult {
+        let mut r = BenchResult {
+            bench: bench.into(),
+            system: v.label.clone(),
+            transport: Some(v.transport.to_string()),
+            msg_bytes,
+            qps: 1,
+            depth: 1,
+            bytes: self.bytes,
+            ops: self.ops,
+            secs: self.secs,
+            verified: self.verified,
+            cpu_secs: (self.cpu * 1000.0).round() / 1000.0,
+            peak_rss_kib: self.rss,
+            ..Default::default()
+        };
+        r.latencies(h);
+        r.rates();
+        r.extra.insert("paths".into(), v.paths.into());
+        r
+    }
+}
+
 /// The paged layout of request mode: pools of `blocks` blocks, fp16.
 fn layout(a: &BenchArgs, blocks: usize) -> PagedKvLayout {
     PagedKvLayout {
@@ -255,24 +290,15 @@ fn run_request(t: &Target, v: &Variant, l: &PagedKvLayout, blocks: usize, secs: 
                 .with_slice(dof as usize, len as usize, |x| x == &pat[so as usize..][..len as usize]);
         }
     }
-    let mut r = BenchResult {
-        bench: "kvcache_request".into(),
-        system: v.label.clone(),
-        transport: Some(v.transport.to_string()),
-        msg_bytes: bytes / ops,
-        qps: 1,
-        depth: 1,
+    let run = Run {
         bytes,
         ops,
         secs,
         verified,
-        cpu_secs: ((cpu1 - cpu0) * 1000.0).round() / 1000.0,
-        peak_rss_kib: rss,
-        ..Default::default()
+        cpu: cpu1 - cpu0,
+        rss,
     };
-    r.latencies(&h);
-    r.rates();
-    r.extra.insert("paths".into(), v.paths.into());
+    let mut r = run.result("kvcache_request", v, bytes / ops, &h);
     r.extra.insert("tokens".into(), (blocks * l.block_tokens).into());
     r.extra.insert("blocks".into(), blocks.into());
     r.extra.insert("block_bytes".into(), l.block_bytes().into());
@@ -313,25 +339,15 @@ fn run_once(t: &Target, v: &Variant, size: u64, secs: f64, seed: u64) -> Result<
             .with_context(|| format!("{} verifying read", v.label))?;
         verified &= t.check.with_slice(0, size as usize, |d| d == pat.as_slice());
     }
-    let mut r = BenchResult {
-        bench: "kvcache_write".into(),
-        system: v.label.clone(),
-        transport: Some(v.transport.to_string()),
-        msg_bytes: size,
-        qps: 1,
-        depth: 1,
+    let run = Run {
         bytes: ops * size,
         ops,
         secs,
         verified,
-        cpu_secs: ((cpu1 - cpu0) * 1000.0).round() / 1000.0,
-        peak_rss_kib: rss,
-        ..Default::default()
+        cpu: cpu1 - cpu0,
+        rss,
     };
-    r.latencies(&h);
-    r.rates();
-    r.extra.insert("paths".into(), v.paths.into());
-    Ok(r)
+    Ok(run.result("kvcache_write", v, size, &h))
 }
 
 /// Runs the benchmark; returns every result line (ratios included) as JSON values. Decode
