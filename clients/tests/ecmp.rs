@@ -7,8 +7,12 @@
 
 use std::process::Command;
 
+/// The experiments measure rates and stalls on 2 cores: one testbed at a time.
+static TESTBED: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[test]
 fn spraying_fills_both_paths_and_a_cut_path_is_routed_around() {
+    let _one = TESTBED.lock().unwrap_or_else(|e| e.into_inner());
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         eprintln!("skipping: the ECMP testbed needs root (network namespaces, tc); CI runs it as root");
@@ -79,6 +83,7 @@ fn spraying_fills_both_paths_and_a_cut_path_is_routed_around() {
 
 #[test]
 fn kvcache_transfers_spray_over_both_paths_and_beat_one_tcp_flow() {
+    let _one = TESTBED.lock().unwrap_or_else(|e| e.into_inner());
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         eprintln!("skipping: the ECMP testbed needs root (network namespaces, tc); CI runs it as root");
