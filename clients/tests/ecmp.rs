@@ -10,46 +10,51 @@ use std::process::Command;
 /// The experiments measure rates and stalls on 2 cores: one testbed at a time.
 static TESTBED: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-#[test]
-fn spraying_fills_both_paths_and_a_cut_path_is_routed_around() {
-    let _one = TESTBED.lock().unwrap_or_else(|e| e.into_inner());
+/// Runs `ecmp.sh ARGS --prefix TAG<pid>` with `env` set, one testbed at a time; returns its
+/// output and JSON lines, or None (skipped, with a message) when not root.
+fn ecmp(args: &[&str], tag: &str, env: (&str, &str)) -> Option<(String, Vec<serde_json::Value>)> {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         eprintln!("skipping: the ECMP testbed needs root (network namespaces, tc); CI runs it as root");
-        return;
+        return None;
     }
+    let _one = TESTBED.lock().unwrap_or_else(|e| e.into_inner());
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/testbed/ecmp.sh");
-    // debug nsperf: paths of 200 Mbit/s keep it network-bound on a 2-core machine
     let o = Command::new("bash")
-        // 16 source ports: the chance that ECMP hashes them all onto one link is 2^-15
-        .args([
-            script,
-            "run",
-            "--rate",
-            "200mbit",
-            "--duration",
-            "1",
-            "--pairs",
-            "3",
-            "--paths",
-            "16",
-        ])
-        .args(["--cut-bytes", "200MiB", "--cut-at", "1.5", "--cut-for", "2"])
-        // enough bytes to run ~2.5 s past the restore: a restored link carries traffic again
-        // only once the router re-resolves B's address on it (up to about a second)
-        .args(["--failover-bytes", "160MiB", "--prefix"])
-        .arg(format!("fe{}", std::process::id() % 100000))
-        .env("NSPERF", env!("CARGO_BIN_EXE_nsperf"))
+        .arg(script)
+        .args(args)
+        .arg("--prefix")
+        .arg(format!("{tag}{}", std::process::id() % 100000))
+        .env(env.0, env.1)
         .env("RUST_BACKTRACE", "0")
         .output()
         .expect("bash runs");
-    let out = String::from_utf8_lossy(&o.stdout);
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
     assert!(
         o.status.success(),
-        "ecmp.sh run failed:\n{out}\n{}",
+        "ecmp.sh {args:?} failed:\n{out}\n{}",
         String::from_utf8_lossy(&o.stderr)
     );
-    let lines: Vec<serde_json::Value> = out.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+    let lines = out.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+    Some((out, lines))
+}
+
+#[test]
+fn spraying_fills_both_paths_and_a_cut_path_is_routed_around() {
+    // debug nsperf: paths of 200 Mbit/s keep it network-bound on a 2-core machine
+    #[rustfmt::skip]
+    let args = [
+        "run", "--rate", "200mbit", "--duration", "1", "--pairs", "3",
+        // 16 source ports: the chance that ECMP hashes them all onto one link is 2^-15
+        "--paths", "16",
+        "--cut-bytes", "200MiB", "--cut-at", "1.5", "--cut-for", "2",
+        // enough bytes to run ~2.5 s past the restore: a restored link carries traffic again
+        // only once the router re-resolves B's address on it (up to about a second)
+        "--failover-bytes", "160MiB",
+    ];
+    let Some((_out, lines)) = ecmp(&args, "fe", ("NSPERF", env!("CARGO_BIN_EXE_nsperf"))) else {
+        return;
+    };
     let find = |f: &dyn Fn(&serde_json::Value) -> bool| lines.iter().find(|l| f(l)).cloned().expect("line");
     let spray = find(&|l| l["experiment"] == "spray" && l["mode"] == "spray");
     let fixed = find(&|l| l["experiment"] == "spray" && l["mode"] == "fixed");
@@ -83,30 +88,23 @@ fn spraying_fills_both_paths_and_a_cut_path_is_routed_around() {
 
 #[test]
 fn kvcache_transfers_spray_over_both_paths_and_beat_one_tcp_flow() {
-    let _one = TESTBED.lock().unwrap_or_else(|e| e.into_inner());
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        eprintln!("skipping: the ECMP testbed needs root (network namespaces, tc); CI runs it as root");
+    let args = [
+        "kvcache",
+        "--rate",
+        "200mbit",
+        "--paths",
+        "16",
+        "--size",
+        "8MiB",
+        "--duration",
+        "1.5",
+        "--pairs",
+        "1",
+    ];
+    let bench = ("KVCACHE_BENCH", env!("CARGO_BIN_EXE_kvcache-bench"));
+    let Some((out, lines)) = ecmp(&args, "fk", bench) else {
         return;
-    }
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/testbed/ecmp.sh");
-    let o = Command::new("bash")
-        .args([
-            script, "kvcache", "--rate", "200mbit", "--paths", "16", "--size", "8MiB",
-        ])
-        .args(["--duration", "1.5", "--pairs", "1", "--prefix"])
-        .arg(format!("fk{}", std::process::id() % 100000))
-        .env("KVCACHE_BENCH", env!("CARGO_BIN_EXE_kvcache-bench"))
-        .env("RUST_BACKTRACE", "0")
-        .output()
-        .expect("bash runs");
-    let out = String::from_utf8_lossy(&o.stdout);
-    assert!(
-        o.status.success(),
-        "ecmp.sh kvcache failed:\n{out}\n{}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    let lines: Vec<serde_json::Value> = out.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+    };
     assert!(
         lines
             .iter()

@@ -819,7 +819,7 @@ impl TransferEngine {
         }
     }
 
-    /// Writes `len` bytes at local `source` to `target_offset` of segment `target`.
+    /// Writes `length` bytes at local `source` to `target_offset` of segment `target`.
     pub fn transfer_sync_write(
         &self,
         target: SegmentHandle,
@@ -827,20 +827,10 @@ impl TransferEngine {
         target_offset: u64,
         length: u64,
     ) -> Result<(), TransferError> {
-        self.transfer_sync(
-            target,
-            &[TransferRequest {
-                opcode: Opcode::Write,
-                source,
-                target,
-                target_offset,
-                length,
-            }],
-            None,
-        )
+        self.transfer_one(Opcode::Write, target, source, target_offset, length)
     }
 
-    /// Reads `len` bytes at `target_offset` of segment `target` into local `source`.
+    /// Reads `length` bytes at `target_offset` of segment `target` into local `source`.
     pub fn transfer_sync_read(
         &self,
         target: SegmentHandle,
@@ -848,17 +838,25 @@ impl TransferEngine {
         target_offset: u64,
         length: u64,
     ) -> Result<(), TransferError> {
-        self.transfer_sync(
+        self.transfer_one(Opcode::Read, target, source, target_offset, length)
+    }
+
+    fn transfer_one(
+        &self,
+        opcode: Opcode,
+        target: SegmentHandle,
+        source: u64,
+        target_offset: u64,
+        length: u64,
+    ) -> Result<(), TransferError> {
+        let r = TransferRequest {
+            opcode,
+            source,
             target,
-            &[TransferRequest {
-                opcode: Opcode::Read,
-                source,
-                target,
-                target_offset,
-                length,
-            }],
-            None,
-        )
+            target_offset,
+            length,
+        };
+        self.transfer_sync(target, &[r], None)
     }
 
     /// Sends a notification by itself; returns once the target engine has queued it.

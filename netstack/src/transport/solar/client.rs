@@ -654,7 +654,7 @@ impl SolarClient {
                     self.paths[path as usize].on_rtt(r);
                 }
                 self.cc_rx(now, RxKind::Ack, rtt, h.flags & flags::ECN_ECHO != 0);
-                self.fast_resend(path, h.psn, now);
+                self.fast_resend(path, h.psn);
                 let Some(&io) = self.by_rpc.get(&h.rpc) else {
                     self.stats.duplicates += 1;
                     return Ok(None);
@@ -717,7 +717,7 @@ impl SolarClient {
                     if e.left == 0 {
                         p.sent.remove(&h.psn);
                         p.inflight -= 1;
-                        self.fast_resend(path, h.psn, now);
+                        self.fast_resend(path, h.psn);
                     }
                 }
                 if h.status != Status::Ok as u16 {
@@ -750,7 +750,7 @@ impl SolarClient {
 
     /// Packets of `path` sent three or more before `psn` and still unanswered are lost (a path
     /// keeps order): resend their blocks.
-    fn fast_resend(&mut self, path: u16, psn: u32, _now: u64) {
+    fn fast_resend(&mut self, path: u16, psn: u32) {
         let lost: Vec<u32> = self.paths[path as usize]
             .sent
             .range(..psn.saturating_sub(2))
