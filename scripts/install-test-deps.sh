@@ -2,7 +2,8 @@
 # Installs what the test suite needs beyond cargo, idempotently: tshark (wire-format check),
 # scapy (independent ICRC check), the DejaVu font (ccsim plots), clang, libbpf-dev, bpftool and
 # ethtool (the congestion testbed), redis-server and redis-tools (kv-store's reference and
-# front-door test), etcd-server (kv-store's shard map). Needs root for apt; without root it says what is missing
+# front-door test), etcd-server (kv-store's shard map), qemu-utils, libnbd-bin and fio (real NBD
+# clients of block-agent's tests and benchmarks). Needs root for apt; without root it says what is missing
 # and the tests that need those tools skip with a message.
 set -euo pipefail
 
@@ -21,6 +22,10 @@ command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 command -v redis-cli >/dev/null 2>&1 || missing+=(redis-tools)
 # kv-store: the shard map in a real etcd
 command -v etcd >/dev/null 2>&1 || missing+=(etcd-server)
+# block-agent: real NBD clients (qemu-img/qemu-io, nbdcopy/nbdinfo/nbdfuse, fio's nbd engine)
+command -v qemu-img >/dev/null 2>&1 || missing+=(qemu-utils)
+command -v nbdcopy >/dev/null 2>&1 || missing+=(libnbd-bin)
+command -v fio >/dev/null 2>&1 || missing+=(fio)
 
 if [ "${#missing[@]}" -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

@@ -1,10 +1,18 @@
 //! block-agent: cloud block volumes over the Solar storage transport, exported to NBD clients
 //! and stored durably on storage nodes.
 //!
-//! Built so far: [`store`], the storage node's durable block store (data and metadata files,
-//! a write-ahead log with group commit, CRC32C per block checked on every read, replay after a
-//! crash). The Solar transport itself is `netstack::transport::solar`. Still to build (the
-//! block-agent issue): the `block-server` daemon on the store and Solar, the NBD-exporting
-//! agent with 3-way replication, the control plane (`blkctl`) and the benchmarks.
+//! - [`store`]: the storage node's durable block store (data and metadata files, a write-ahead
+//!   log with group commit, CRC32C per block checked on every read, replay after a crash).
+//! - [`storage_node`]: the `block-server` daemon: volumes served over Solar on UDP (and the
+//!   same packets over TCP for the kernel-stack baseline).
+//! - [`link`]: the agent's link to one storage node (a thread driving the sans-IO Solar client
+//!   of `netstack::transport::solar` over UDP paths or a TCP connection).
+//! - [`volume`]: a replicated volume (writes to every replica, reads with failover and repair,
+//!   overlapping writes serialized).
+//! - [`nbd`]: the NBD server that exports volumes to real clients.
 
+pub mod link;
+pub mod nbd;
+pub mod storage_node;
 pub mod store;
+pub mod volume;

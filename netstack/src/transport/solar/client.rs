@@ -653,7 +653,10 @@ impl SolarClient {
                 if let Some(r) = rtt {
                     self.paths[path as usize].on_rtt(r);
                 }
-                self.cc_rx(now, RxKind::Ack, rtt, h.flags & flags::ECN_ECHO != 0);
+                // the congestion control sees the network's delay: the server's time on the
+                // block (making it durable) is taken out
+                let net_rtt = rtt.map(|r| r.saturating_sub(h.service_us as u64 * 1000).max(1));
+                self.cc_rx(now, RxKind::Ack, net_rtt, h.flags & flags::ECN_ECHO != 0);
                 self.fast_resend(path, h.psn);
                 let Some(&io) = self.by_rpc.get(&h.rpc) else {
                     self.stats.duplicates += 1;

@@ -26,6 +26,9 @@ pub enum Request<'a> {
         data: &'a [u8],
         crc: u32,
         fua: bool,
+        /// The write's request id: the block's version (store it, and after a restart hand it
+        /// back through [`SolarServer::note_version`]).
+        rpc: u64,
     },
     /// Read `count` blocks from `lba` and answer each with [`SolarServer::read_block`] (or
     /// [`SolarServer::read_failed`]).
@@ -209,6 +212,7 @@ impl SolarServer {
                     data: payload,
                     crc: h.crc,
                     fua: h.flags & flags::FUA != 0,
+                    rpc: h.rpc,
                 }))
             }
             Op::ReadReq => {
@@ -246,7 +250,16 @@ impl SolarServer {
 
     /// The driver finished a write: `Ok` once the block is durable.
     pub fn write_done(&mut self, token: Token, status: Status) {
-        let Some(w) = self.writes.remove(&token) else { return };
+        self.write_done_after(token, status, 0);
+    }
+
+    /// [`Self::write_done`], saying how long the block waited and took to become durable
+    /// (echoed to the agent, whose congestion control leaves it out of the network delay).
+    pub fn write_done_after(&mut self, token: Token, status: Status, service_ns: u64) {
+        let Some(mut w) = self.writes.remove(&token) else {
+            return;
+        };
+        w.reply.service_us = (service_ns / 1000).min(u32::MAX as u64) as u32;
         self.in_progress.remove(&(w.rpc, w.reply.blk_idx));
         if status == Status::Ok {
             let a = self.applied.entry((w.volume, w.lba)).or_insert(w.rpc);

@@ -134,6 +134,10 @@ pub struct Header {
     pub psn: u32,
     pub ts: u64,
     pub crc: u32,
+    /// In acknowledgements: microseconds the server held the block (making it durable), so
+    /// the sender's congestion control sees the network's share of the RTT, not the disk's
+    /// (Swift's split of fabric and endpoint delay).
+    pub service_us: u32,
 }
 
 /// Why a packet was dropped.
@@ -170,6 +174,7 @@ impl Header {
             psn: 0,
             ts: 0,
             crc: 0,
+            service_us: 0,
         }
     }
 
@@ -191,9 +196,10 @@ impl Header {
         b[36..40].copy_from_slice(&self.psn.to_be_bytes());
         b[40..48].copy_from_slice(&self.ts.to_be_bytes());
         b[48..52].copy_from_slice(&self.crc.to_be_bytes());
-        let hc = crc32c::crc32c(&b[..52]);
+        b[56..60].copy_from_slice(&self.service_us.to_be_bytes());
+        b[60..64].fill(0);
+        let hc = header_crc(b);
         b[52..56].copy_from_slice(&hc.to_be_bytes());
-        b[56..64].fill(0);
     }
 
     /// A whole packet: this header and `block` (which must be `BLOCK` bytes for WRITE and
@@ -217,7 +223,7 @@ impl Header {
         let be16 = |i: usize| u16::from_be_bytes([p[i], p[i + 1]]);
         let be32 = |i: usize| u32::from_be_bytes(p[i..i + 4].try_into().expect("4 bytes"));
         let be64 = |i: usize| u64::from_be_bytes(p[i..i + 8].try_into().expect("8 bytes"));
-        if crc32c::crc32c(&p[..52]) != be32(52) {
+        if header_crc(p) != be32(52) {
             return Err(WireError::HeaderCrc);
         }
         let payload = &p[HDR..];
@@ -239,12 +245,32 @@ impl Header {
             psn: be32(36),
             ts: be64(40),
             crc: be32(48),
+            service_us: be32(56),
         };
         if matches!(op, Op::Write | Op::ReadData | Op::WriteAck) && h.blk_idx >= h.blk_cnt {
             return Err(WireError::Index(h.blk_idx, h.blk_cnt));
         }
         Ok((h, payload))
     }
+}
+
+/// CRC32C of the header without its own CRC field (bytes 52..56).
+fn header_crc(b: &[u8]) -> u32 {
+    crc32c::crc32c_append(crc32c::crc32c(&b[..52]), &b[56..HDR])
+}
+
+/// The length of the packet whose header starts `hdr` (at least [`HDR`] bytes): for carrying
+/// Solar packets over a byte stream (the agent's `--transport tcp`). Checks magic, version and
+/// opcode; the whole packet is checked by [`Header::decode`].
+pub fn packet_len(hdr: &[u8]) -> Result<usize, WireError> {
+    if hdr.len() < HDR {
+        return Err(WireError::Short(hdr.len()));
+    }
+    if hdr[0] != MAGIC || hdr[1] != VERSION {
+        return Err(WireError::Magic);
+    }
+    let op = Op::from_u8(hdr[2]).ok_or(WireError::Opcode(hdr[2]))?;
+    Ok(HDR + if op.has_block() { BLOCK } else { 0 })
 }
 
 /// CRC32C of a block.
@@ -276,14 +302,17 @@ mod tests {
         let (back, payload) = Header::decode(&p).unwrap();
         assert_eq!(back, h);
         assert_eq!(payload, &block[..]);
-        for i in 0..52 {
+        for i in (0..52).chain(56..64) {
             let mut q = p.clone();
             q[i] ^= 0x10;
             assert!(Header::decode(&q).is_err(), "a flip in byte {i} is caught");
         }
         assert_eq!(Header::decode(&p[..HDR + 100]), Err(WireError::Length(Op::Write, 100)));
         assert_eq!(Header::decode(&p[..10]), Err(WireError::Short(10)));
+        assert_eq!(packet_len(&p), Ok(HDR + BLOCK));
+        assert_eq!(packet_len(&p[..10]), Err(WireError::Short(10)));
         let ack = Header::new(Op::WriteAck).packet(&[]);
+        assert_eq!(packet_len(&ack), Ok(HDR));
         assert!(Header::decode(&ack).is_ok());
         let mut bad = Header::new(Op::WriteAck);
         bad.blk_idx = 1;

@@ -1,0 +1,530 @@
+//! The storage node (`block-server`): volumes in one directory (a [`VolumeStore`] each) served
+//! over Solar on UDP, and the same packets over TCP for the agent's `--transport tcp` baseline.
+//!
+//! Threads: one receives UDP packets and hands them to the sans-IO [`SolarServer`]; reads are
+//! answered on that thread (the store reads from the page cache and checks each block's CRC);
+//! writes go to a pool of writer threads, because a store write returns only when its log
+//! record is durable, and many writers waiting together share one `fdatasync` (group commit).
+//! TCP connections get a reader thread each. Answers go out from whichever thread finished the
+//! work. After a restart every volume's block versions seed the Solar server, so a write
+//! retransmitted from before the crash still cannot overtake a newer one.
+
+use crate::store::{StoreError, VolumeStore};
+use netstack::transport::solar::server::{Request, SolarServer, Token};
+use netstack::transport::solar::wire::{self, Status, BLOCK, HDR};
+use netstack::transport::solar::Transmit;
+use parking_lot::{Mutex, RwLock};
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+/// Peer tokens of TCP connections have this bit; UDP peers are their IPv4 address and port.
+const TCP_PEER: u64 = 1 << 63;
+
+/// Settings of a storage node.
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    /// Where the volumes live.
+    pub dir: PathBuf,
+    /// UDP (Solar) and TCP (the same packets on a stream) address; port 0 picks one.
+    pub listen: SocketAddr,
+    /// Threads making writes durable (more waiting writers share each log sync).
+    pub write_threads: usize,
+    /// A volume's log is checkpointed when it passes this many bytes.
+    pub log_limit: u64,
+}
+
+impl NodeConfig {
+    /// Defaults for `dir` on 127.0.0.1, any port.
+    pub fn new(dir: impl Into<PathBuf>) -> NodeConfig {
+        NodeConfig {
+            dir: dir.into(),
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            write_threads: 16,
+            log_limit: 256 << 20,
+        }
+    }
+}
+
+/// Errors of the storage node.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    #[error("listen address {0}: only IPv4 is supported")]
+    NotIpv4(SocketAddr),
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("volume {0} already exists")]
+    Exists(u32),
+    #[error("volume {0} does not exist")]
+    NoVolume(u32),
+    #[error("volume size must be a positive multiple of 4096 bytes, not {0}")]
+    Size(u64),
+}
+
+fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> NodeError {
+    let what = what.into();
+    move |source| NodeError::Io { what, source }
+}
+
+/// Counters of a node (beside the Solar server's and the stores').
+#[derive(Debug, Default)]
+pub struct NodeCounters {
+    pub packets_in: AtomicU64,
+    pub packets_out: AtomicU64,
+    pub malformed: AtomicU64,
+    pub send_errors: AtomicU64,
+    pub tcp_connections: AtomicU64,
+}
+
+struct WriteJob {
+    token: Token,
+    volume: u32,
+    lba: u64,
+    data: Vec<u8>,
+    crc: u32,
+    rpc: u64,
+    arrived: std::time::Instant,
+}
+
+struct Inner {
+    dir: PathBuf,
+    log_limit: u64,
+    volumes: RwLock<HashMap<u32, Arc<VolumeStore>>>,
+    solar: Mutex<SolarServer>,
+    udp: UdpSocket,
+    tcp_peers: Mutex<HashMap<u64, Arc<Mutex<TcpStream>>>>,
+    writes: Mutex<Option<mpsc::Sender<WriteJob>>>,
+    stop: AtomicBool,
+    counters: NodeCounters,
+}
+
+/// A running storage node; dropping it stops its threads.
+pub struct StorageNode {
+    inner: Arc<Inner>,
+    addr: SocketAddr,
+    threads: Vec<JoinHandle<()>>,
+}
+
+fn peer_token(a: SocketAddr) -> Option<u64> {
+    match a.ip() {
+        IpAddr::V4(ip) => Some((u32::from(ip) as u64) << 16 | a.port() as u64),
+        IpAddr::V6(_) => None,
+    }
+}
+
+fn token_addr(t: u64) -> SocketAddr {
+    SocketAddr::from((std::net::Ipv4Addr::from((t >> 16) as u32), t as u16))
+}
+
+fn store_status(e: &StoreError) -> Status {
+    match e {
+        StoreError::OutOfRange { .. } => Status::OutOfRange,
+        StoreError::BadCrc { .. } => Status::CrcError,
+        _ => Status::IoError,
+    }
+}
+
+impl StorageNode {
+    /// Opens every volume in `cfg.dir` (replaying their logs) and starts serving.
+    pub fn start(cfg: NodeConfig) -> Result<StorageNode, NodeError> {
+        if !cfg.listen.is_ipv4() {
+            return Err(NodeError::NotIpv4(cfg.listen));
+        }
+        std::fs::create_dir_all(&cfg.dir).map_err(io(format!("creating {}", cfg.dir.display())))?;
+        let udp = UdpSocket::bind(cfg.listen).map_err(io(format!("binding UDP {}", cfg.listen)))?;
+        let addr = udp.local_addr().map_err(io("UDP address"))?;
+        let tcp = TcpListener::bind(addr).map_err(io(format!("binding TCP {addr}")))?;
+        udp.set_read_timeout(Some(Duration::from_millis(100)))
+            .map_err(io("UDP timeout"))?;
+        grow_buffers(&udp);
+        let mut solar = SolarServer::new(0);
+        let mut volumes = HashMap::new();
+        for id in list_volume_ids(&cfg.dir)? {
+            let store = VolumeStore::open(&cfg.dir, id, cfg.log_limit)?;
+            for (lba, v) in store.versions()? {
+                solar.note_version(id, lba, v);
+            }
+            tracing::info!("volume {id}: {} blocks", store.blocks());
+            volumes.insert(id, Arc::new(store));
+        }
+        let (tx, rx) = mpsc::channel::<WriteJob>();
+        let inner = Arc::new(Inner {
+            dir: cfg.dir.clone(),
+            log_limit: cfg.log_limit,
+            volumes: RwLock::new(volumes),
+            solar: Mutex::new(solar),
+            udp,
+            tcp_peers: Mutex::new(HashMap::new()),
+            writes: Mutex::new(Some(tx)),
+            stop: AtomicBool::new(false),
+            counters: NodeCounters::default(),
+        });
+        let mut threads = Vec::new();
+        let rx = Arc::new(Mutex::new(rx));
+        for i in 0..cfg.write_threads.max(1) {
+            let (inner, rx) = (inner.clone(), rx.clone());
+            threads.push(spawn(format!("bs-write-{i}"), move || writer(&inner, &rx))?);
+        }
+        let i2 = inner.clone();
+        threads.push(spawn("bs-udp".into(), move || udp_loop(&i2))?);
+        tcp.set_nonblocking(true).map_err(io("TCP listener"))?;
+        let i3 = inner.clone();
+        threads.push(spawn("bs-accept".into(), move || accept_loop(&i3, tcp))?);
+        tracing::info!(
+            "block server on {addr} (UDP Solar and TCP), volumes in {}",
+            cfg.dir.display()
+        );
+        Ok(StorageNode { inner, addr, threads })
+    }
+
+    /// The UDP and TCP address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Creates a volume of `bytes` bytes (a multiple of 4096).
+    pub fn create_volume(&self, id: u32, bytes: u64) -> Result<(), NodeError> {
+        if bytes == 0 || !bytes.is_multiple_of(BLOCK as u64) {
+            return Err(NodeError::Size(bytes));
+        }
+        let mut v = self.inner.volumes.write();
+        if v.contains_key(&id) {
+            return Err(NodeError::Exists(id));
+        }
+        let store = VolumeStore::create(&self.inner.dir, id, bytes / BLOCK as u64, self.inner.log_limit)?;
+        v.insert(id, Arc::new(store));
+        Ok(())
+    }
+
+    /// Deletes a volume and its files.
+    pub fn delete_volume(&self, id: u32) -> Result<(), NodeError> {
+        let store = self.inner.volumes.write().remove(&id).ok_or(NodeError::NoVolume(id))?;
+        drop(store);
+        for ext in ["data", "meta", "log"] {
+            let p = self.inner.dir.join(format!("vol-{id}.{ext}"));
+            match std::fs::remove_file(&p) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(io(format!("removing {}", p.display()))(e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// `(id, blocks)` of every volume.
+    pub fn volumes(&self) -> Vec<(u32, u64)> {
+        let mut v: Vec<_> = self
+            .inner
+            .volumes
+            .read()
+            .iter()
+            .map(|(&i, s)| (i, s.blocks()))
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// A volume's store (tests and tools: corrupting a block, reading stats).
+    pub fn store(&self, id: u32) -> Option<Arc<VolumeStore>> {
+        self.inner.volumes.read().get(&id).cloned()
+    }
+
+    /// The node's counters.
+    pub fn counters(&self) -> &NodeCounters {
+        &self.inner.counters
+    }
+
+    /// The Solar server's counters.
+    pub fn solar_stats(&self) -> netstack::transport::solar::server::ServerStats {
+        self.inner.solar.lock().stats()
+    }
+}
+
+impl Drop for StorageNode {
+    fn drop(&mut self) {
+        self.inner.stop.store(true, Ordering::SeqCst);
+        self.inner.writes.lock().take();
+        for p in self.inner.tcp_peers.lock().values() {
+            let _ = p.lock().shutdown(std::net::Shutdown::Both);
+        }
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+fn spawn(name: String, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<()>, NodeError> {
+    std::thread::Builder::new()
+        .name(name.clone())
+        .spawn(f)
+        .map_err(io(format!("starting thread {name}")))
+}
+
+fn grow_buffers(s: &UdpSocket) {
+    use std::os::fd::AsRawFd;
+    let size: libc::c_int = 8 << 20;
+    for opt in [libc::SO_RCVBUF, libc::SO_SNDBUF] {
+        // SAFETY: setsockopt on a socket this process owns, with a pointer to a c_int and its
+        // size; failure only leaves the default buffer size.
+        unsafe {
+            libc::setsockopt(
+                s.as_raw_fd(),
+                libc::SOL_SOCKET,
+                opt,
+                &size as *const libc::c_int as *const libc::c_void,
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            );
+        }
+    }
+}
+
+/// Volume ids found in `dir` (files `vol-ID.data`).
+fn list_volume_ids(dir: &Path) -> Result<Vec<u32>, NodeError> {
+    let mut ids = Vec::new();
+    for e in std::fs::read_dir(dir).map_err(io(format!("listing {}", dir.display())))? {
+        let e = e.map_err(io(format!("listing {}", dir.display())))?;
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        if let Some(id) = name.strip_prefix("vol-").and_then(|r| r.strip_suffix(".data")) {
+            if let Ok(id) = id.parse() {
+                ids.push(id);
+            }
+        }
+    }
+    ids.sort();
+    Ok(ids)
+}
+
+impl Inner {
+    fn send(&self, t: &Transmit, buf: &mut Vec<u8>) {
+        buf.clear();
+        buf.extend_from_slice(&t.header);
+        if let Some(b) = &t.block {
+            buf.extend_from_slice(b.bytes());
+        }
+        let r = if t.peer & TCP_PEER != 0 {
+            let s = self.tcp_peers.lock().get(&t.peer).cloned();
+            match s {
+                Some(s) => s.lock().write_all(buf),
+                None => Ok(()), // the connection closed: the agent resends elsewhere
+            }
+        } else {
+            self.udp.send_to(buf, token_addr(t.peer)).map(|_| ())
+        };
+        match r {
+            Ok(()) => {
+                self.counters.packets_out.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(e) => {
+                self.counters.send_errors.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!("send to peer {:#x}: {e}", t.peer);
+            }
+        }
+    }
+
+    /// Sends what the Solar server has queued (taken under its lock, sent outside it).
+    fn flush(&self, out: &mut Vec<Transmit>, buf: &mut Vec<u8>) {
+        {
+            let mut s = self.solar.lock();
+            while let Some(t) = s.poll_transmit() {
+                out.push(t);
+            }
+        }
+        for t in out.drain(..) {
+            self.send(&t, buf);
+        }
+    }
+
+    /// One packet from `peer`.
+    fn on_packet(&self, peer: u64, pkt: &[u8], out: &mut Vec<Transmit>, buf: &mut Vec<u8>) {
+        self.counters.packets_in.fetch_add(1, Ordering::Relaxed);
+        let req = self.solar.lock().on_packet(peer, pkt, false);
+        match req {
+            Err(e) => {
+                self.counters.malformed.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!("malformed packet from {:#x}: {e}", peer);
+            }
+            Ok(None) => {}
+            Ok(Some(Request::Write {
+                token,
+                volume,
+                lba,
+                data,
+                crc,
+                rpc,
+                ..
+            })) => {
+                let job = WriteJob {
+                    token,
+                    volume,
+                    lba,
+                    data: data.to_vec(),
+                    crc,
+                    rpc,
+                    arrived: std::time::Instant::now(),
+                };
+                let sent = self.writes.lock().as_ref().map(|tx| tx.send(job).is_ok());
+                if sent != Some(true) {
+                    self.solar.lock().write_done(token, Status::Busy);
+                }
+            }
+            Ok(Some(Request::Read {
+                token,
+                volume,
+                lba,
+                count,
+            })) => self.read(token, volume, lba, count),
+        }
+        self.flush(out, buf);
+    }
+
+    fn read(&self, token: Token, volume: u32, lba: u64, count: u16) {
+        let store = self.volumes.read().get(&volume).cloned();
+        let mut answers = Vec::with_capacity(count as usize);
+        for k in 0..count {
+            answers.push(match &store {
+                None => Err(Status::NoVolume),
+                Some(s) => match s.read(lba + k as u64) {
+                    Ok((data, crc, _)) => Ok((Arc::<[u8]>::from(data), crc)),
+                    Err(e) => {
+                        if matches!(e, StoreError::Corrupt { .. }) {
+                            tracing::error!("{e}");
+                        }
+                        Err(store_status(&e))
+                    }
+                },
+            });
+        }
+        let mut s = self.solar.lock();
+        for (k, a) in answers.into_iter().enumerate() {
+            match a {
+                Ok((data, crc)) => s.read_block(token, k as u16, data, 0, crc),
+                Err(st) => s.read_failed(token, k as u16, st),
+            }
+        }
+        s.read_finished(token);
+    }
+}
+
+fn writer(inner: &Inner, rx: &Mutex<mpsc::Receiver<WriteJob>>) {
+    let (mut out, mut buf) = (Vec::new(), Vec::with_capacity(HDR + BLOCK));
+    loop {
+        let job = rx.lock().recv();
+        let Ok(j) = job else { return };
+        let store = inner.volumes.read().get(&j.volume).cloned();
+        let status = match store {
+            None => Status::NoVolume,
+            Some(s) => match s.write(j.lba, &j.data, j.crc, j.rpc) {
+                Ok(()) => Status::Ok,
+                Err(e) => {
+                    tracing::warn!("{e}");
+                    store_status(&e)
+                }
+            },
+        };
+        let service = j.arrived.elapsed().as_nanos() as u64;
+        inner.solar.lock().write_done_after(j.token, status, service);
+        inner.flush(&mut out, &mut buf);
+    }
+}
+
+fn udp_loop(inner: &Inner) {
+    let mut pkt = vec![0u8; 65536];
+    let (mut out, mut buf) = (Vec::new(), Vec::with_capacity(HDR + BLOCK));
+    while !inner.stop.load(Ordering::Relaxed) {
+        match inner.udp.recv_from(&mut pkt) {
+            Ok((n, from)) => match peer_token(from) {
+                Some(peer) => inner.on_packet(peer, &pkt[..n], &mut out, &mut buf),
+                None => {
+                    inner.counters.malformed.fetch_add(1, Ordering::Relaxed);
+                }
+            },
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
+            Err(e) => tracing::debug!("UDP receive: {e}"),
+        }
+    }
+}
+
+fn accept_loop(inner: &Arc<Inner>, l: TcpListener) {
+    let mut next = 1u64;
+    let mut readers = Vec::new();
+    while !inner.stop.load(Ordering::Relaxed) {
+        match l.accept() {
+            Ok((s, from)) => {
+                let id = TCP_PEER | next;
+                next += 1;
+                let _ = s.set_nodelay(true);
+                let _ = s.set_nonblocking(false);
+                let Ok(w) = s.try_clone() else { continue };
+                inner.tcp_peers.lock().insert(id, Arc::new(Mutex::new(w)));
+                inner.counters.tcp_connections.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!("TCP agent {from} connected");
+                let i2 = inner.clone();
+                if let Ok(t) = spawn(format!("bs-tcp-{}", id & !TCP_PEER), move || tcp_reader(&i2, id, s)) {
+                    readers.push(t);
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => tracing::debug!("accept: {e}"),
+        }
+    }
+    for t in readers {
+        let _ = t.join();
+    }
+}
+
+/// Reads Solar packets from a TCP stream (each framed by its own header).
+fn tcp_reader(inner: &Inner, id: u64, s: TcpStream) {
+    let mut r = std::io::BufReader::with_capacity(256 << 10, s);
+    let mut pkt = vec![0u8; HDR + BLOCK];
+    let (mut out, mut buf) = (Vec::new(), Vec::with_capacity(HDR + BLOCK));
+    loop {
+        if r.read_exact(&mut pkt[..HDR]).is_err() {
+            break;
+        }
+        let len = match wire::packet_len(&pkt[..HDR]) {
+            Ok(l) => l,
+            Err(e) => {
+                // a byte stream cannot be resynchronised: drop the connection
+                inner.counters.malformed.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!("TCP peer {}: {e}; closing", id & !TCP_PEER);
+                break;
+            }
+        };
+        if r.read_exact(&mut pkt[HDR..len]).is_err() {
+            break;
+        }
+        inner.on_packet(id, &pkt[..len], &mut out, &mut buf);
+    }
+    if let Some(s) = inner.tcp_peers.lock().remove(&id) {
+        let _ = s.lock().shutdown(std::net::Shutdown::Both);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peer_tokens_round_trip_and_never_look_like_tcp() {
+        let a: SocketAddr = "10.1.2.3:4567".parse().unwrap();
+        let t = peer_token(a).unwrap();
+        assert_eq!(token_addr(t), a);
+        assert_eq!(t & TCP_PEER, 0);
+        assert!(peer_token("[::1]:5".parse().unwrap()).is_none());
+    }
+}
