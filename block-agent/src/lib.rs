@@ -10,7 +10,14 @@
 //! - [`volume`]: a replicated volume (writes to every replica, reads with failover and repair,
 //!   overlapping writes serialized).
 //! - [`nbd`]: the NBD server that exports volumes to real clients.
+//! - [`agent`]: the attached volumes of one host and their links.
+//! - [`control`]: the control plane's gRPC services (storage node admin, agent admin, the
+//!   controller with placement and its metadata in a file or etcd).
+//! - [`daemon`]: the daemons (`block-server`, `block-agent`, `block-control`) as functions.
 
+pub mod agent;
+pub mod control;
+pub mod daemon;
 pub mod link;
 pub mod nbd;
 pub mod storage_node;

@@ -223,6 +223,16 @@ impl StorageNode {
         Ok(())
     }
 
+    /// Grows a volume to `bytes` bytes.
+    pub fn resize_volume(&self, id: u32, bytes: u64) -> Result<(), NodeError> {
+        if bytes == 0 || !bytes.is_multiple_of(BLOCK as u64) {
+            return Err(NodeError::Size(bytes));
+        }
+        let store = self.store(id).ok_or(NodeError::NoVolume(id))?;
+        store.grow(bytes / BLOCK as u64)?;
+        Ok(())
+    }
+
     /// `(id, blocks)` of every volume.
     pub fn volumes(&self) -> Vec<(u32, u64)> {
         let mut v: Vec<_> = self

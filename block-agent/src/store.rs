@@ -82,7 +82,7 @@ struct Commit {
 /// One volume's store.
 pub struct VolumeStore {
     volume: u32,
-    blocks: u64,
+    blocks: std::sync::atomic::AtomicU64,
     dir: PathBuf,
     data: File,
     meta: File,
@@ -187,7 +187,7 @@ impl VolumeStore {
         }
         let s = VolumeStore {
             volume,
-            blocks: size / BLOCK as u64,
+            blocks: std::sync::atomic::AtomicU64::new(size / BLOCK as u64),
             dir: dir.to_path_buf(),
             data,
             meta,
@@ -215,7 +215,32 @@ impl VolumeStore {
     }
 
     pub fn blocks(&self) -> u64 {
-        self.blocks
+        self.blocks.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Grows the volume to `blocks` blocks (the new blocks read as zeros). Shrinking is
+    /// refused: it would destroy data a client may still address.
+    pub fn grow(&self, blocks: u64) -> Result<(), StoreError> {
+        let _c = self.commit.lock();
+        let now = self.blocks();
+        if blocks < now {
+            return Err(StoreError::Invalid(
+                format!("shrinking from {now} to {blocks} blocks is refused"),
+                self.volume,
+            ));
+        }
+        // metadata first: a crash in between leaves a data file of the old size, which is
+        // what the volume is opened with (the extra metadata is zeros: never written)
+        self.meta
+            .set_len(blocks * META)
+            .map_err(self.io("growing the metadata file"))?;
+        self.meta.sync_all().map_err(self.io("syncing the metadata file"))?;
+        self.data
+            .set_len(blocks * BLOCK as u64)
+            .map_err(self.io("growing the data file"))?;
+        self.data.sync_all().map_err(self.io("syncing the data file"))?;
+        self.blocks.store(blocks, std::sync::atomic::Ordering::Release);
+        Ok(())
     }
 
     pub fn dir(&self) -> &Path {
@@ -234,7 +259,7 @@ impl VolumeStore {
         let mut off = 0;
         let mut n = 0;
         while let Some((lba, version, crc, data)) = decode_record(&buf[off..]) {
-            if lba < self.blocks {
+            if lba < self.blocks() {
                 self.place(lba, version, crc, data)?;
                 n += 1;
             }
@@ -268,11 +293,11 @@ impl VolumeStore {
     }
 
     fn check(&self, lba: u64) -> Result<(), StoreError> {
-        if lba >= self.blocks {
+        if lba >= self.blocks() {
             return Err(StoreError::OutOfRange {
                 volume: self.volume,
                 lba,
-                blocks: self.blocks,
+                blocks: self.blocks(),
             });
         }
         Ok(())
@@ -409,7 +434,7 @@ impl VolumeStore {
     /// `(lba, version)` of every written block (to seed the Solar server's stale-write check).
     pub fn versions(&self) -> Result<Vec<(u64, u64)>, StoreError> {
         let mut out = Vec::new();
-        let mut m = vec![0u8; (self.blocks * META) as usize];
+        let mut m = vec![0u8; (self.blocks() * META) as usize];
         self.meta
             .read_exact_at(&mut m, 0)
             .map_err(self.io("reading the metadata"))?;
@@ -466,6 +491,30 @@ mod tests {
         f.write_all_at(&[1], 9 * BLOCK as u64).unwrap();
         assert!(matches!(s.read(9), Err(StoreError::Corrupt { .. })));
         assert_eq!(s.stats().corrupt_reads, 2);
+        drop(s);
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn volumes_grow_and_refuse_to_shrink() {
+        let d = dir("grow");
+        let s = VolumeStore::create(&d, 3, 8, 1 << 20).unwrap();
+        let b = block(3);
+        s.write(7, &b, crc32c::crc32c(&b), 5).unwrap();
+        assert!(matches!(
+            s.write(8, &b, crc32c::crc32c(&b), 6),
+            Err(StoreError::OutOfRange { .. })
+        ));
+        s.grow(16).unwrap();
+        assert_eq!(s.blocks(), 16);
+        s.write(15, &b, crc32c::crc32c(&b), 6).unwrap();
+        assert_eq!(s.read(12).unwrap().0, vec![0u8; BLOCK]);
+        assert!(matches!(s.grow(4), Err(StoreError::Invalid(..))));
+        drop(s);
+        let s = VolumeStore::open(&d, 3, 1 << 20).unwrap();
+        assert_eq!(s.blocks(), 16);
+        assert_eq!(s.read(7).unwrap().0, b);
+        assert_eq!(s.read(15).unwrap().0, b);
         drop(s);
         let _ = std::fs::remove_dir_all(&d);
     }

@@ -1,6 +1,8 @@
 //! Shared code of the flexns command-line clients and benchmarks.
 
 pub mod bench;
+pub mod blk;
+pub mod blkbench;
 pub mod ccsim;
 pub mod kvbench;
 pub mod perf;

@@ -1,0 +1,267 @@
+//! blkctl: the block service's command-line client.
+//!
+//! `blkctl cluster up` starts a controller, storage nodes and an agent on this machine, creates
+//! a volume and prints its NBD URI; `blkctl cluster down` stops them. `create`, `delete`,
+//! `resize`, `list`, `describe` and `attach` talk to the controller; `bench` measures the
+//! volume through real NBD clients against qemu-nbd and the agent's TCP mode.
+
+use anyhow::{Context as _, Result};
+use block_agent::control::pb;
+use clap::{Parser, Subcommand};
+use clients::blk::{self, ClusterSpec, ClusterState, DaemonCmd, LocalCluster, Spawner};
+use std::path::PathBuf;
+
+#[derive(Parser)]
+#[command(
+    name = "blkctl",
+    version,
+    about = "flexns block volumes: cluster, volumes, benchmarks"
+)]
+struct Cli {
+    /// Controller address (default: the local cluster's, else 127.0.0.1:7420).
+    #[arg(long, global = true)]
+    control: Option<String>,
+    /// Directory of the local cluster (logs, data, state).
+    #[arg(long, global = true, default_value_os_t = default_dir())]
+    dir: PathBuf,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+fn default_dir() -> PathBuf {
+    std::env::var_os("FLEXNS_BLOCK_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| std::env::temp_dir().join("flexns-block"))
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// A local cluster on this machine.
+    Cluster {
+        #[command(subcommand)]
+        cmd: ClusterCmd,
+    },
+    /// Creates a volume.
+    Create {
+        name: String,
+        #[arg(long, value_parser = size)]
+        size: u64,
+        #[arg(long, default_value_t = 3)]
+        replicas: u32,
+    },
+    /// Deletes a volume and its data on every replica.
+    Delete { name: String },
+    /// Grows a volume.
+    Resize {
+        name: String,
+        #[arg(long, value_parser = size)]
+        size: u64,
+    },
+    /// Lists volumes, storage nodes and agents.
+    List,
+    /// Shows one volume.
+    Describe { name: String },
+    /// Attaches a volume to an agent; prints the NBD URI.
+    Attach {
+        name: String,
+        #[arg(long, default_value = "agent0")]
+        agent: String,
+    },
+    /// NBD benchmark through real clients (fio, qemu-img) against qemu-nbd and `--transport tcp`.
+    Bench(clients::blkbench::BenchArgs),
+    /// The daemons (what `cluster up` starts).
+    #[command(hide = true)]
+    Daemon {
+        #[command(subcommand)]
+        cmd: DaemonCmd,
+    },
+}
+
+#[derive(Subcommand)]
+enum ClusterCmd {
+    /// Starts a controller, storage nodes and an agent, creates a volume, prints its NBD URI.
+    Up {
+        #[arg(long, default_value_t = 3)]
+        replicas: usize,
+        /// Storage nodes (at least --replicas).
+        #[arg(long)]
+        nodes: Option<usize>,
+        #[arg(long, default_value = "1GiB", value_parser = size)]
+        size: u64,
+        #[arg(long, default_value = "vol0")]
+        volume: String,
+        /// solar or tcp.
+        #[arg(long, default_value = "solar")]
+        transport: String,
+        #[arg(long, default_value_t = 4)]
+        paths: u16,
+        /// NBD address of the agent.
+        #[arg(long, default_value = "127.0.0.1:10809")]
+        nbd: String,
+        /// Keep the controller's metadata in etcd (host:port) instead of a file.
+        #[arg(long)]
+        etcd: Option<String>,
+    },
+    /// Stops the local cluster (its data stays in --dir unless --purge).
+    Down {
+        #[arg(long)]
+        purge: bool,
+    },
+    /// Shows the local cluster.
+    Status,
+}
+
+fn size(s: &str) -> Result<u64, String> {
+    clients::bench::parse_size(s).map_err(|e| e.to_string())
+}
+
+fn state_file(dir: &std::path::Path) -> PathBuf {
+    dir.join("cluster.json")
+}
+
+fn load_state(dir: &std::path::Path) -> Option<ClusterState> {
+    serde_json::from_slice(&std::fs::read(state_file(dir)).ok()?).ok()
+}
+
+fn control_addr(cli: &Cli) -> String {
+    cli.control
+        .clone()
+        .or_else(|| load_state(&cli.dir).map(|s| s.control))
+        .unwrap_or_else(|| "127.0.0.1:7420".into())
+}
+
+fn print_spec(v: &pb::VolumeSpec) {
+    println!(
+        "{:<16} id {:<4} {:>12} bytes  replicas {}  agent {}",
+        v.name,
+        v.id,
+        v.size,
+        v.replicas.join(","),
+        if v.agent.is_empty() { "-" } else { &v.agent }
+    );
+}
+
+fn main() -> Result<()> {
+    clients::bench::init_cli();
+    let cli = Cli::parse();
+    let spawner = Spawner {
+        exe: std::env::current_exe()?,
+        prefix: vec!["daemon".into()],
+    };
+    let ctl = control_addr(&cli);
+    let st = |e: tonic::Status| anyhow::anyhow!("{}", e.message());
+    match cli.cmd {
+        Cmd::Daemon { cmd } => blk::run_daemon(cmd),
+        Cmd::Bench(a) => clients::blkbench::run(&a, &spawner),
+        Cmd::Cluster { cmd } => match cmd {
+            ClusterCmd::Up {
+                replicas,
+                nodes,
+                size,
+                volume,
+                transport,
+                paths,
+                nbd,
+                etcd,
+            } => {
+                if let Some(s) = load_state(&cli.dir) {
+                    anyhow::bail!(
+                        "a cluster is already up in {} (NBD {}); `blkctl cluster down` first",
+                        cli.dir.display(),
+                        s.uri
+                    );
+                }
+                let mut spec = ClusterSpec::new(cli.dir.clone());
+                spec.replicas = replicas;
+                spec.nodes = nodes.unwrap_or(replicas).max(replicas);
+                spec.size = size;
+                spec.volume = volume;
+                spec.transport = transport;
+                spec.paths = paths;
+                spec.nbd = nbd;
+                spec.etcd = etcd;
+                spec.detached = true;
+                let c = LocalCluster::start(&spawner, spec)?;
+                let state = c.state();
+                std::fs::write(state_file(&cli.dir), serde_json::to_vec_pretty(&state)?)?;
+                println!("{}", c.uri);
+                eprintln!(
+                    "cluster up in {}: controller {}, {} storage nodes, agent NBD {} (unix socket {}); logs there",
+                    cli.dir.display(),
+                    c.control_addr,
+                    c.nodes.len(),
+                    c.agent.field("nbd").unwrap_or_default(),
+                    cli.dir.join("nbd.sock").display()
+                );
+                Ok(())
+            }
+            ClusterCmd::Down { purge } => {
+                let s = load_state(&cli.dir).with_context(|| format!("no cluster is up in {}", cli.dir.display()))?;
+                blk::cluster_down(&s);
+                std::fs::remove_file(state_file(&cli.dir))?;
+                if purge {
+                    std::fs::remove_dir_all(&cli.dir)?;
+                    eprintln!("removed {}", cli.dir.display());
+                } else {
+                    eprintln!("data kept in {} (--purge removes it)", cli.dir.display());
+                }
+                Ok(())
+            }
+            ClusterCmd::Status => {
+                let s = load_state(&cli.dir).with_context(|| format!("no cluster is up in {}", cli.dir.display()))?;
+                println!("controller {}  NBD {}", s.control, s.uri);
+                for (n, p) in &s.pids {
+                    // SAFETY: signal 0 only checks that the process exists.
+                    let alive = unsafe { libc::kill(*p as libc::pid_t, 0) } == 0;
+                    println!("  {n:<10} pid {p:<8} {}", if alive { "running" } else { "NOT RUNNING" });
+                }
+                Ok(())
+            }
+        },
+        cmd => {
+            let rt = blk::runtime()?;
+            rt.block_on(async move {
+                let mut c = blk::control(&ctl).await?;
+                match cmd {
+                    Cmd::Create { name, size, replicas } => {
+                        let v = c.create(pb::CreateRequest { name, size, replicas }).await.map_err(st)?;
+                        print_spec(v.get_ref());
+                    }
+                    Cmd::Delete { name } => {
+                        c.delete(pb::NameRequest { name: name.clone() }).await.map_err(st)?;
+                        println!("deleted {name}");
+                    }
+                    Cmd::Resize { name, size } => {
+                        let v = c.resize(pb::ResizeRequest { name, size }).await.map_err(st)?;
+                        print_spec(v.get_ref());
+                    }
+                    Cmd::List => {
+                        let l = c.list(pb::ListRequest {}).await.map_err(st)?.into_inner();
+                        for v in &l.volumes {
+                            print_spec(v);
+                        }
+                        println!("storage nodes: {}", l.nodes.join(", "));
+                        println!("agents: {}", l.agents.join(", "));
+                    }
+                    Cmd::Describe { name } => {
+                        let v = c.describe(pb::NameRequest { name }).await.map_err(st)?;
+                        println!("{}", serde_json::to_string_pretty(&describe_json(v.get_ref()))?);
+                    }
+                    Cmd::Attach { name, agent } => {
+                        let r = c.attach(pb::AttachVolumeRequest { name, agent }).await.map_err(st)?;
+                        println!("{}", r.get_ref().uri);
+                    }
+                    _ => unreachable!("handled above"),
+                }
+                anyhow::Ok(())
+            })
+        }
+    }
+}
+
+fn describe_json(v: &pb::VolumeSpec) -> serde_json::Value {
+    serde_json::json!({
+        "name": v.name, "id": v.id, "size": v.size, "replicas": v.replicas,
+        "agent": if v.agent.is_empty() { None } else { Some(&v.agent) },
+    })
+}

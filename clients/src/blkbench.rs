@@ -1,0 +1,477 @@
+//! `blkctl bench`: block I/O through real NBD clients (`fio --ioengine=nbd`, `qemu-img bench`)
+//! against the flexns agent (Solar over UDP), the same agent with `--transport tcp`, and
+//! `qemu-nbd` serving a raw file directly (writethrough: like the agent, a write is durable
+//! when it completes; reads come from the page cache in both). Systems run interleaved
+//! (A B C A B C ...) and the summary gives medians and ratios, per `BENCH.md`.
+//!
+//! Volumes and the qemu-nbd file are filled with random data first (zero blocks would be
+//! skipped by clients); after read runs `qemu-img compare` checks every byte against the
+//! source image, which is what `verified` reports.
+
+use crate::bench::{median, BenchResult};
+use crate::blk::{ClusterSpec, LocalCluster, Spawner};
+use anyhow::{bail, Context as _, Result};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Arguments of `blkctl bench`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct BenchArgs {
+    /// flexns, tcp, qemu-nbd, or all (interleaved, with ratios).
+    #[arg(long, default_value = "all")]
+    pub system: String,
+    /// fio (its nbd engine) or qemu-img (bench).
+    #[arg(long, default_value = "fio")]
+    pub client: String,
+    /// randread, randwrite, read or write.
+    #[arg(long, default_value = "randread")]
+    pub rw: String,
+    #[arg(long, default_value = "4k", value_parser = size)]
+    pub bs: u64,
+    #[arg(long, default_value_t = 32)]
+    pub depth: u32,
+    /// Replicas of the flexns and tcp volumes (as many storage nodes are started).
+    #[arg(long, default_value_t = 1)]
+    pub replicas: usize,
+    /// Volume size.
+    #[arg(long, default_value = "256MiB", value_parser = size)]
+    pub size: u64,
+    /// Seconds per fio run.
+    #[arg(long, default_value_t = 5.0)]
+    pub duration: f64,
+    /// Requests per qemu-img bench run.
+    #[arg(long, default_value_t = 50_000)]
+    pub ops: u64,
+    /// Rounds (each system once per round).
+    #[arg(long, default_value_t = 3)]
+    pub repeat: usize,
+    /// Solar paths per storage node.
+    #[arg(long, default_value_t = 4)]
+    pub paths: u16,
+    /// Benchmark this NBD URI instead of starting anything (one system, named by --system).
+    #[arg(long)]
+    pub uri: Option<String>,
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn size(s: &str) -> Result<u64, String> {
+    crate::bench::parse_size(s).map_err(|e| e.to_string())
+}
+
+fn tool(name: &str) -> Result<()> {
+    match Command::new(name)
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+    {
+        Ok(_) => Ok(()),
+        Err(_) => bail!("{name} is not installed (scripts/install-test-deps.sh installs it: fio, qemu-utils)"),
+    }
+}
+
+fn random_file(path: &Path, bytes: u64, seed: u64) -> Result<()> {
+    use std::io::Write;
+    let mut f = std::io::BufWriter::new(std::fs::File::create(path)?);
+    let mut x = seed | 1;
+    let mut buf = vec![0u8; 1 << 20];
+    let mut left = bytes;
+    while left > 0 {
+        for c in buf.chunks_exact_mut(8) {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            c.copy_from_slice(&x.to_le_bytes());
+        }
+        let n = left.min(buf.len() as u64) as usize;
+        f.write_all(&buf[..n])?;
+        left -= n as u64;
+    }
+    f.flush()?;
+    Ok(())
+}
+
+fn run_ok(cmd: &mut Command) -> Result<String> {
+    let o = cmd.output().with_context(|| format!("running {cmd:?}"))?;
+    if !o.status.success() {
+        bail!(
+            "{cmd:?} failed: {}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+    Ok(String::from_utf8_lossy(&o.stdout).to_string())
+}
+
+/// A qemu-nbd serving a file; killed on drop.
+struct QemuNbd(Child);
+
+impl Drop for QemuNbd {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+fn start_qemu_nbd(file: &Path) -> Result<(QemuNbd, String)> {
+    tool("qemu-nbd")?;
+    let port = free_port()?;
+    let child = Command::new("qemu-nbd")
+        .args([
+            "-f",
+            "raw",
+            "-x",
+            "vol",
+            "-b",
+            "127.0.0.1",
+            "-p",
+            &port.to_string(),
+            "-t",
+            "-e",
+            "8",
+        ])
+        .arg("--cache=writethrough")
+        .arg(file)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("starting qemu-nbd")?;
+    let q = QemuNbd(child);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        if Instant::now() > deadline {
+            bail!("qemu-nbd did not listen on {port}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok((q, format!("nbd://127.0.0.1:{port}/vol")))
+}
+
+/// One measurement.
+struct Run {
+    iops: f64,
+    mbps: f64,
+    p50: Option<f64>,
+    p99: Option<f64>,
+    p999: Option<f64>,
+    secs: f64,
+    ops: u64,
+}
+
+fn fio(a: &BenchArgs, uri: &str) -> Result<Run> {
+    tool("fio")?;
+    let out = run_ok(
+        Command::new("fio")
+            .args([
+                "--name=b",
+                "--ioengine=nbd",
+                "--randrepeat=0",
+                "--norandommap",
+                "--time_based",
+                "--ramp_time=1",
+            ])
+            .arg(format!("--uri={uri}"))
+            .arg(format!("--rw={}", a.rw))
+            .arg(format!("--bs={}", a.bs))
+            .arg(format!("--iodepth={}", a.depth))
+            .arg(format!("--size={}", a.size))
+            .arg(format!("--runtime={}", a.duration))
+            .arg("--output-format=json"),
+    )?;
+    let start = out.find('{').context("fio printed no JSON")?;
+    let v: serde_json::Value = serde_json::from_str(&out[start..]).context("fio JSON")?;
+    let job = &v["jobs"][0];
+    let side = if a.rw.contains("read") {
+        &job["read"]
+    } else {
+        &job["write"]
+    };
+    let pct = |k: &str| {
+        side["clat_ns"]["percentile"][k]
+            .as_f64()
+            .map(|ns| (ns / 10.0).round() / 100.0)
+    };
+    let ms = job["job_runtime"].as_f64().unwrap_or(0.0);
+    Ok(Run {
+        iops: side["iops"].as_f64().unwrap_or(0.0),
+        mbps: side["bw_bytes"].as_f64().unwrap_or(0.0) / 1048576.0,
+        p50: pct("50.000000"),
+        p99: pct("99.000000"),
+        p999: pct("99.900000"),
+        secs: ms / 1000.0,
+        ops: side["total_ios"].as_u64().unwrap_or(0),
+    })
+}
+
+fn qemu_img(a: &BenchArgs, uri: &str) -> Result<Run> {
+    tool("qemu-img")?;
+    let mut c = Command::new("qemu-img");
+    c.args(["bench", "-f", "raw", "-t", "none"]).args([
+        "-c",
+        &a.ops.to_string(),
+        "-d",
+        &a.depth.to_string(),
+        "-s",
+        &a.bs.to_string(),
+    ]);
+    if a.rw.starts_with("rand") {
+        // no random mode: a stride of 7919 blocks visits the volume in a scattered order
+        c.args(["-S", &(7919 * a.bs).to_string()]);
+    }
+    if a.rw.contains("write") {
+        c.args(["-w", "--pattern=165"]);
+    }
+    let out = run_ok(c.arg(uri))?;
+    let secs: f64 = out
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("Run completed in ")
+                .and_then(|r| r.split_whitespace().next())
+                .and_then(|x| x.parse().ok())
+        })
+        .context("qemu-img bench printed no run time")?;
+    Ok(Run {
+        iops: a.ops as f64 / secs,
+        mbps: a.ops as f64 * a.bs as f64 / secs / 1048576.0,
+        p50: None,
+        p99: None,
+        p999: None,
+        secs,
+        ops: a.ops,
+    })
+}
+
+/// A system under test and how to reach it.
+struct Target {
+    name: String,
+    uri: String,
+    _keep: Keep,
+}
+
+#[allow(dead_code)] // held only to stop the processes on drop
+enum Keep {
+    None,
+    Cluster(Box<LocalCluster>),
+    Qemu(QemuNbd),
+}
+
+fn fill(src: &Path, uri: &str) -> Result<()> {
+    tool("qemu-img")?;
+    run_ok(
+        Command::new("qemu-img")
+            .args(["convert", "-n", "-f", "raw", "-O", "raw"])
+            .arg(src)
+            .arg(uri),
+    )?;
+    Ok(())
+}
+
+fn verify(src: &Path, uri: &str) -> bool {
+    Command::new("qemu-img")
+        .args(["compare", "-f", "raw", "-F", "raw"])
+        .arg(src)
+        .arg(uri)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// Runs the benchmark.
+pub fn run(a: &BenchArgs, sp: &Spawner) -> Result<()> {
+    if !matches!(a.rw.as_str(), "randread" | "randwrite" | "read" | "write") {
+        bail!("--rw {:?}: randread, randwrite, read or write", a.rw);
+    }
+    if !matches!(a.client.as_str(), "fio" | "qemu-img") {
+        bail!("--client {:?}: fio or qemu-img", a.client);
+    }
+    if a.bs == 0 || a.bs % 512 != 0 || a.bs > 32 << 20 {
+        bail!("--bs {}: a multiple of 512 up to 32 MiB", a.bs);
+    }
+    if a.size < a.bs || a.size % 4096 != 0 {
+        bail!("--size {}: a multiple of 4096, at least --bs", a.size);
+    }
+    if a.depth == 0 || a.repeat == 0 {
+        bail!("--depth and --repeat must be at least 1");
+    }
+    let systems: Vec<&str> = match a.system.as_str() {
+        "all" => vec!["flexns", "tcp", "qemu-nbd"],
+        s @ ("flexns" | "tcp" | "qemu-nbd") => vec![s],
+        s => bail!("--system {s:?}: flexns, tcp, qemu-nbd or all"),
+    };
+    let dir = std::env::temp_dir().join(format!("blkbench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let result = bench(a, sp, &systems, &dir);
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
+fn bench(a: &BenchArgs, sp: &Spawner, systems: &[&str], dir: &Path) -> Result<()> {
+    let src = dir.join("src.img");
+    random_file(&src, a.size, 0xB10C)?;
+    let mut targets = Vec::new();
+    if let Some(u) = &a.uri {
+        if systems.len() != 1 {
+            bail!("--uri needs one --system (the name to report it under)");
+        }
+        fill(&src, u)?;
+        targets.push(Target {
+            name: systems[0].to_string(),
+            uri: u.clone(),
+            _keep: Keep::None,
+        });
+    } else {
+        for &s in systems {
+            let t = match s {
+                "qemu-nbd" => {
+                    let f: PathBuf = dir.join("qemu.img");
+                    std::fs::copy(&src, &f)?;
+                    let (q, uri) = start_qemu_nbd(&f)?;
+                    Target {
+                        name: s.into(),
+                        uri,
+                        _keep: Keep::Qemu(q),
+                    }
+                }
+                _ => {
+                    let mut spec = ClusterSpec::new(dir.join(s));
+                    spec.replicas = a.replicas;
+                    spec.nodes = a.replicas;
+                    spec.size = a.size;
+                    spec.transport = if s == "tcp" { "tcp".into() } else { "solar".into() };
+                    spec.paths = a.paths;
+                    let c = LocalCluster::start(sp, spec)?;
+                    let uri = c.uri.clone();
+                    fill(&src, &uri).with_context(|| format!("filling the {s} volume"))?;
+                    Target {
+                        name: s.into(),
+                        uri,
+                        _keep: Keep::Cluster(Box::new(c)),
+                    }
+                }
+            };
+            targets.push(t);
+        }
+    }
+    let mut runs: Vec<Vec<Run>> = targets.iter().map(|_| Vec::new()).collect();
+    for round in 0..a.repeat {
+        for (i, t) in targets.iter().enumerate() {
+            let r = match a.client.as_str() {
+                "fio" => fio(a, &t.uri),
+                _ => qemu_img(a, &t.uri),
+            }
+            .with_context(|| format!("{} round {}", t.name, round + 1))?;
+            if !a.json {
+                eprintln!(
+                    "round {} {:<9} {:>10.0} IOPS {:>8.1} MiB/s",
+                    round + 1,
+                    t.name,
+                    r.iops,
+                    r.mbps
+                );
+            }
+            runs[i].push(r);
+        }
+    }
+    let reads = a.rw.contains("read");
+    let mut medians = Vec::new();
+    for (t, rs) in targets.iter().zip(&runs) {
+        let verified = reads && verify(&src, &t.uri);
+        let med = |f: &dyn Fn(&Run) -> Option<f64>| {
+            let mut v: Vec<f64> = rs.iter().filter_map(f).collect();
+            (!v.is_empty()).then(|| median(&mut v))
+        };
+        let iops = med(&|r| Some(r.iops)).unwrap_or(0.0);
+        medians.push(iops);
+        let mut b = BenchResult {
+            bench: a.rw.clone(),
+            system: t.name.clone(),
+            transport: Some(match t.name.as_str() {
+                "flexns" => format!("solar/udp x{}", a.paths),
+                "tcp" => "solar over tcp".into(),
+                _ => "tcp".into(),
+            }),
+            msg_bytes: a.bs,
+            qps: 1,
+            depth: a.depth,
+            bytes: rs.iter().map(|r| r.ops * a.bs).sum(),
+            ops: rs.iter().map(|r| r.ops).sum(),
+            secs: rs.iter().map(|r| r.secs).sum(),
+            p50_us: med(&|r| r.p50),
+            p99_us: med(&|r| r.p99),
+            p999_us: med(&|r| r.p999),
+            verified,
+            ..Default::default()
+        };
+        b.rates();
+        let ex = &mut b.extra;
+        ex.insert("client".into(), a.client.clone().into());
+        ex.insert("bs".into(), a.bs.into());
+        ex.insert("iops".into(), ((iops * 10.0).round() / 10.0).into());
+        ex.insert(
+            "replicas".into(),
+            (if t.name == "qemu-nbd" { 1 } else { a.replicas }).into(),
+        );
+        ex.insert("runs".into(), rs.len().into());
+        ex.insert(
+            "iops_runs".into(),
+            rs.iter()
+                .map(|r| serde_json::Value::from(r.iops.round()))
+                .collect::<Vec<_>>()
+                .into(),
+        );
+        if !reads {
+            b.note = Some("writes are not read back by the benchmark (the integrity tests do that)".into());
+        }
+        if a.json {
+            b.print(true);
+        } else {
+            println!(
+                "{:<9} {:<8} bs {:>8} QD{:<3} {:>10.0} IOPS  p50 {:>8} us  p99 {:>8} us  verified={}",
+                t.name,
+                a.rw,
+                a.bs,
+                a.depth,
+                iops,
+                b.p50_us.map_or("-".into(), |x| format!("{x:.1}")),
+                b.p99_us.map_or("-".into(), |x| format!("{x:.1}")),
+                verified
+            );
+        }
+    }
+    let find = |n: &str| targets.iter().position(|t| t.name == n).map(|i| medians[i]);
+    if let Some(f) = find("flexns") {
+        let mut ratios = serde_json::Map::new();
+        for other in ["qemu-nbd", "tcp"] {
+            if let Some(o) = find(other).filter(|&o| o > 0.0) {
+                ratios.insert(
+                    format!("vs_{}", other.replace('-', "_")),
+                    ((f / o * 1000.0).round() / 1000.0).into(),
+                );
+            }
+        }
+        if !ratios.is_empty() {
+            if a.json {
+                let mut m = serde_json::Map::new();
+                m.insert("bench".into(), format!("{}_ratio", a.rw).into());
+                m.insert("system".into(), "flexns".into());
+                m.insert("client".into(), a.client.clone().into());
+                m.insert("bs".into(), a.bs.into());
+                m.insert("depth".into(), a.depth.into());
+                m.insert("replicas".into(), a.replicas.into());
+                m.extend(ratios);
+                println!("{}", serde_json::Value::Object(m));
+            } else {
+                let s: Vec<String> = ratios.iter().map(|(k, v)| format!("{k} {v}x")).collect();
+                println!("flexns IOPS ratio (medians of {} rounds): {}", a.repeat, s.join(", "));
+            }
+        }
+    }
+    Ok(())
+}
