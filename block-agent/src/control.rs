@@ -189,7 +189,7 @@ pub enum MetaStore {
     File(PathBuf),
     /// One key in etcd.
     Etcd {
-        client: tokio::sync::Mutex<EtcdClient>,
+        client: Box<tokio::sync::Mutex<EtcdClient>>,
         key: String,
     },
 }
@@ -209,7 +209,7 @@ impl MetaStore {
     /// The state in etcd at `endpoint` under `prefix`.
     pub async fn etcd(endpoint: &str, prefix: &str) -> Result<MetaStore, MetaError> {
         Ok(MetaStore::Etcd {
-            client: tokio::sync::Mutex::new(EtcdClient::connect(endpoint).await?),
+            client: Box::new(tokio::sync::Mutex::new(EtcdClient::connect(endpoint).await?)),
             key: format!("{}/block/state", prefix.trim_end_matches('/')),
         })
     }

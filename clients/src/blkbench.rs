@@ -291,10 +291,10 @@ pub fn run(a: &BenchArgs, sp: &Spawner) -> Result<()> {
     if !matches!(a.client.as_str(), "fio" | "qemu-img") {
         bail!("--client {:?}: fio or qemu-img", a.client);
     }
-    if a.bs == 0 || a.bs % 512 != 0 || a.bs > 32 << 20 {
+    if a.bs == 0 || !a.bs.is_multiple_of(512) || a.bs > 32 << 20 {
         bail!("--bs {}: a multiple of 512 up to 32 MiB", a.bs);
     }
-    if a.size < a.bs || a.size % 4096 != 0 {
+    if a.size < a.bs || !a.size.is_multiple_of(4096) {
         bail!("--size {}: a multiple of 4096, at least --bs", a.size);
     }
     if a.depth == 0 || a.repeat == 0 {

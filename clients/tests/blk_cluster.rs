@@ -1,0 +1,320 @@
+//! The block service as processes: `blkctl cluster up/down` and the volume commands (with the
+//! controller's metadata in a file and in a real etcd), kill -9 of a storage node during a
+//! write-heavy run with every acknowledged write checked on every replica afterwards, and a
+//! real kernel file system (ext4 through nbdfuse and a loop device) on a flexns volume.
+
+use block_agent::nbd::client::NbdClient;
+use block_agent::store::VolumeStore;
+use clients::blk::{ClusterSpec, LocalCluster, Spawner};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+const BLKCTL: &str = env!("CARGO_BIN_EXE_blkctl");
+
+fn spawner() -> Spawner {
+    Spawner {
+        exe: BLKCTL.into(),
+        prefix: vec!["daemon".into()],
+    }
+}
+
+fn tmp(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("blk-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+fn have(tool: &str) -> bool {
+    Command::new(tool).arg("--version").output().is_ok()
+}
+
+fn blkctl(dir: &Path, args: &[&str]) -> (bool, String, String) {
+    let o = Command::new(BLKCTL)
+        .arg("--dir")
+        .arg(dir)
+        .args(args)
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .unwrap();
+    (
+        o.status.success(),
+        String::from_utf8_lossy(&o.stdout).to_string(),
+        String::from_utf8_lossy(&o.stderr).to_string(),
+    )
+}
+
+fn host_port(uri: &str) -> (String, String) {
+    let rest = uri.strip_prefix("nbd://").unwrap();
+    let (hp, name) = rest.split_once('/').unwrap();
+    (hp.to_string(), name.to_string())
+}
+
+fn cli_round(dir: &Path, extra: &[&str]) {
+    let mut up = vec!["cluster", "up", "--size", "16MiB", "--nbd", "127.0.0.1:0"];
+    up.extend_from_slice(extra);
+    let (ok, out, err) = blkctl(dir, &up);
+    assert!(ok, "cluster up: {err}");
+    let uri = out.trim().to_string();
+    assert!(uri.starts_with("nbd://127.0.0.1:"), "{uri}");
+    let (ok, _, err) = blkctl(dir, &["cluster", "up"]);
+    assert!(
+        !ok && err.contains("already up"),
+        "a second cluster up is refused: {err}"
+    );
+    let (ok, out, _) = blkctl(dir, &["create", "data1", "--size", "8MiB", "--replicas", "2"]);
+    assert!(ok && out.contains("data1"), "{out}");
+    let (ok, _, err) = blkctl(dir, &["create", "data1", "--size", "8MiB"]);
+    assert!(!ok && err.contains("exists"), "{err}");
+    let (ok, _, err) = blkctl(dir, &["create", "big", "--size", "8MiB", "--replicas", "5"]);
+    assert!(!ok && err.contains("5 storage nodes"), "{err}");
+    let (ok, _, err) = blkctl(dir, &["create", "odd", "--size", "1000"]);
+    assert!(!ok && err.contains("multiple of 4096"), "{err}");
+    let (ok, out, _) = blkctl(dir, &["resize", "data1", "--size", "12MiB"]);
+    assert!(ok && out.contains("12582912"), "{out}");
+    let (ok, _, err) = blkctl(dir, &["resize", "data1", "--size", "4MiB"]);
+    assert!(!ok && err.contains("only grow"), "{err}");
+    let (ok, out, err) = blkctl(dir, &["attach", "data1"]);
+    assert!(ok, "{err}");
+    let data_uri = out.trim().to_string();
+    let (ok, out, _) = blkctl(dir, &["describe", "data1"]);
+    assert!(ok && out.contains("\"agent\": \"agent0\""), "{out}");
+    let (ok, out, _) = blkctl(dir, &["list"]);
+    assert!(
+        ok && out.contains("vol0") && out.contains("data1") && out.contains("agents: agent0"),
+        "{out}"
+    );
+    // data through the agent, on both volumes
+    let (hp, name) = host_port(&data_uri);
+    let mut c = NbdClient::connect(hp.as_str(), &name).unwrap();
+    assert_eq!(c.size(), 12 << 20);
+    let block: Vec<u8> = (0..65536u32).map(|i| (i % 241) as u8).collect();
+    c.write(12 << 20 >> 1, &block, true).unwrap();
+    let mut back = vec![0u8; block.len()];
+    c.read(12 << 20 >> 1, &mut back).unwrap();
+    assert!(back == block);
+    c.disconnect();
+    if have("qemu-io") {
+        let sock = dir.join("nbd.sock");
+        let unix = format!("nbd+unix:///vol0?socket={}", sock.display());
+        let o = Command::new("qemu-io")
+            .args([
+                "-f",
+                "raw",
+                &unix,
+                "-c",
+                "write -P 0x5a 0 1M",
+                "-c",
+                "read -P 0x5a 0 1M",
+            ])
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "qemu-io over the unix socket: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+    let (ok, _, _) = blkctl(dir, &["delete", "data1"]);
+    assert!(ok);
+    assert!(
+        NbdClient::connect(hp.as_str(), &name).is_err(),
+        "a deleted volume is no longer exported"
+    );
+    let (ok, _, err) = blkctl(dir, &["cluster", "down", "--purge"]);
+    assert!(ok, "{err}");
+    assert!(!dir.exists());
+}
+
+#[test]
+fn blkctl_cluster_and_volume_commands() {
+    cli_round(&tmp("cli"), &[]);
+}
+
+#[test]
+fn blkctl_cluster_with_metadata_in_etcd() {
+    if !etcd_lite::local::installed() {
+        eprintln!("skipping: etcd is not installed (scripts/install-test-deps.sh installs etcd-server)");
+        return;
+    }
+    let etcd = etcd_lite::local::LocalEtcd::start("blk").unwrap();
+    let ep = etcd.url.trim_start_matches("http://").to_string();
+    cli_round(&tmp("etcd"), &["--etcd", &ep]);
+}
+
+fn pattern(lba: u64, version: u64) -> Vec<u8> {
+    let mut x = lba.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ version.wrapping_mul(0xD6E8_FEB8_6659_FD93) | 1;
+    let mut v = vec![0u8; 4096];
+    for c in v.chunks_exact_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        c.copy_from_slice(&x.to_le_bytes());
+    }
+    v
+}
+
+#[test]
+fn kill_dash_nine_of_a_storage_node_loses_no_acknowledged_write() {
+    let dir = tmp("kill9");
+    let mut spec = ClusterSpec::new(dir.clone());
+    spec.size = 32 << 20;
+    spec.replicas = 3;
+    spec.nodes = 3;
+    let mut c = LocalCluster::start(&spawner(), spec).unwrap();
+    let (hp, name) = host_port(&c.uri);
+    let blocks = (32u64 << 20) / 4096;
+    let acked: Arc<Mutex<HashMap<u64, u64>>> = Arc::default();
+    let stop = Arc::new(AtomicBool::new(false));
+    let count = Arc::new(AtomicU64::new(0));
+    let writers: Vec<_> = (0..4u64)
+        .map(|t| {
+            let (acked, stop, count, hp, name) = (acked.clone(), stop.clone(), count.clone(), hp.clone(), name.clone());
+            std::thread::spawn(move || {
+                let mut cl = NbdClient::connect(hp.as_str(), &name).unwrap();
+                cl.set_timeout(Some(Duration::from_secs(60))).unwrap();
+                let mut x = t * 7919 + 1;
+                let mut version = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    // writer t owns the blocks ≡ t (mod 4): its acknowledged order is the order
+                    let lba = ((x >> 33) % (blocks / 4)) * 4 + t;
+                    version += 1;
+                    let v = (t << 48) | version;
+                    cl.write(lba * 4096, &pattern(lba, v), false).expect("write");
+                    acked.lock().unwrap().insert(lba, v);
+                    count.fetch_add(1, Ordering::Relaxed);
+                }
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(1500));
+    let before_kill = count.load(Ordering::Relaxed);
+    c.nodes[1].kill9();
+    std::thread::sleep(Duration::from_millis(1000));
+    let while_down = count.load(Ordering::Relaxed);
+    c.restart_node(1).unwrap();
+    let restarted = Instant::now();
+    std::thread::sleep(Duration::from_millis(3000));
+    stop.store(true, Ordering::Relaxed);
+    for w in writers {
+        w.join().unwrap();
+    }
+    let total = count.load(Ordering::Relaxed);
+    eprintln!(
+        "writes acknowledged: {before_kill} before the kill, {} while node1 was down, {} after its restart ({:?})",
+        while_down - before_kill,
+        total - while_down,
+        restarted.elapsed()
+    );
+    assert!(before_kill > 50, "writes flowed before the kill");
+    assert!(total > while_down + 50, "writes flowed again after the restart");
+    let acked = acked.lock().unwrap().clone();
+    // every acknowledged write is on every replica, read straight from the stores
+    drop(c);
+    for i in 0..3 {
+        let s = VolumeStore::open(&dir.join(format!("node{i}")), 1, 1 << 30).unwrap();
+        for (&lba, &v) in &acked {
+            let (data, _, _) = s.read(lba).unwrap();
+            assert!(
+                data == pattern(lba, v),
+                "node{i} block {lba}: not the acknowledged write {v:#x}"
+            );
+        }
+    }
+    eprintln!("{} blocks checked on 3 replicas", acked.len());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn ext4_on_a_flexns_volume_through_nbdfuse() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipping: losetup and mount need root");
+        return;
+    }
+    for t in ["nbdfuse", "mkfs.ext4", "losetup", "fsck.ext4"] {
+        if Command::new("sh")
+            .args(["-c", &format!("command -v {t}")])
+            .output()
+            .map(|o| !o.status.success())
+            .unwrap_or(true)
+        {
+            eprintln!("skipping: {t} is not installed (scripts/install-test-deps.sh installs libnbd-bin)");
+            return;
+        }
+    }
+    if !Path::new("/dev/fuse").exists() {
+        eprintln!("skipping: /dev/fuse does not exist here");
+        return;
+    }
+    let dir = tmp("ext4");
+    let mut spec = ClusterSpec::new(dir.clone());
+    spec.size = 64 << 20;
+    let c = LocalCluster::start(&spawner(), spec).unwrap();
+    let (fuse, fs) = (dir.join("fuse"), dir.join("fs"));
+    std::fs::create_dir_all(&fuse).unwrap();
+    std::fs::create_dir_all(&fs).unwrap();
+    let sh = |cmd: &str| {
+        let o = Command::new("sh").args(["-c", cmd]).output().unwrap();
+        (
+            o.status.success(),
+            format!(
+                "{}{}",
+                String::from_utf8_lossy(&o.stdout),
+                String::from_utf8_lossy(&o.stderr)
+            ),
+        )
+    };
+    let mut nbdfuse = Command::new("nbdfuse").arg(&fuse).arg(&c.uri).spawn().unwrap();
+    let dev = fuse.join("nbd");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !dev.exists() {
+        assert!(Instant::now() < deadline, "nbdfuse did not come up");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (ok, loopdev) = sh(&format!("losetup -f --show {}", dev.display()));
+    let cleanup = |loopdev: &str| {
+        let _ = sh(&format!(
+            "umount {} 2>/dev/null; losetup -d {loopdev} 2>/dev/null; umount {} 2>/dev/null",
+            fs.display(),
+            fuse.display()
+        ));
+    };
+    if !ok {
+        let _ = nbdfuse.kill();
+        let _ = nbdfuse.wait();
+        cleanup("");
+        eprintln!("skipping: no loop device available here: {loopdev}");
+        return;
+    }
+    let l = loopdev.trim().to_string();
+    let steps = [
+        format!("mkfs.ext4 -q -F {l}"),
+        format!("mount {l} {}", fs.display()),
+        format!(
+            "head -c 8M /dev/urandom > {0}/a.bin && cp {0}/a.bin {0}/b.bin && sync",
+            fs.display()
+        ),
+        format!("cmp {0}/a.bin {0}/b.bin", fs.display()),
+        format!("umount {}", fs.display()),
+        format!("fsck.ext4 -f -n {l}"),
+        format!("mount {l} {0} && cmp {0}/a.bin {0}/b.bin && umount {0}", fs.display()),
+    ];
+    for s in &steps {
+        let (ok, out) = sh(s);
+        if !ok {
+            cleanup(&l);
+            let _ = nbdfuse.kill();
+            let _ = nbdfuse.wait();
+            panic!("{s}: {out}");
+        }
+    }
+    cleanup(&l);
+    let _ = nbdfuse.wait();
+    drop(c);
+    let _ = std::fs::remove_dir_all(&dir);
+}
