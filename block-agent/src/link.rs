@@ -44,6 +44,10 @@ pub struct LinkConfig {
     /// Swift's base target delay (network share of the RTT; loopback on a busy 2-core machine
     /// queues in the scheduler, so not the tens of microseconds of a real fabric).
     pub cc_target_ns: u64,
+    /// Swift's smallest window in packets. A storage link keeps at least a couple of blocks in
+    /// flight: below one packet Swift paces, and a window of 0.01 packets left writes waiting
+    /// for a hundred RTTs behind a scheduler hiccup on a loaded host.
+    pub cc_min_window: f64,
 }
 
 impl LinkConfig {
@@ -66,6 +70,7 @@ impl LinkConfig {
             },
             cc: CcKind::Swift,
             cc_target_ns: 500_000,
+            cc_min_window: 2.0,
         }
     }
 }
@@ -348,6 +353,8 @@ impl Driver {
         };
         let mut p = CcParams::default();
         p.swift.base_target_ns = cfg.cc_target_ns;
+        p.swift.min_cwnd = cfg.cc_min_window;
+        p.swift.fs_min_cwnd = p.swift.fs_min_cwnd.max(cfg.cc_min_window);
         let cc = cfg.cc.build(&CcEnv::new(&p));
         Driver {
             server: cfg.server,

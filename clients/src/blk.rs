@@ -181,6 +181,8 @@ pub struct ClusterSpec {
     pub volume: String,
     pub transport: String,
     pub paths: u16,
+    /// The agent's Solar congestion control (swift or none).
+    pub cc: String,
     pub nbd: String,
     pub etcd: Option<String>,
     pub detached: bool,
@@ -196,6 +198,7 @@ impl ClusterSpec {
             volume: "vol0".into(),
             transport: "solar".into(),
             paths: 4,
+            cc: "swift".into(),
             nbd: "127.0.0.1:0".into(),
             etcd: None,
             detached: false,
@@ -279,6 +282,8 @@ impl LocalCluster {
             spec.transport.clone(),
             "--paths".into(),
             spec.paths.to_string(),
+            "--cc".into(),
+            spec.cc.clone(),
         ];
         let agent = Daemon::start(sp, d, "agent0", "agent", &aargs, spec.detached)?;
         let rt = runtime()?;

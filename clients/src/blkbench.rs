@@ -49,6 +49,9 @@ pub struct BenchArgs {
     /// Solar paths per storage node.
     #[arg(long, default_value_t = 4)]
     pub paths: u16,
+    /// The agent's Solar congestion control: swift or none.
+    #[arg(long, default_value = "swift")]
+    pub cc: String,
     /// Benchmark this NBD URI instead of starting anything (one system, named by --system).
     #[arg(long)]
     pub uri: Option<String>,
@@ -346,6 +349,7 @@ fn bench(a: &BenchArgs, sp: &Spawner, systems: &[&str], dir: &Path) -> Result<()
                     spec.size = a.size;
                     spec.transport = if s == "tcp" { "tcp".into() } else { "solar".into() };
                     spec.paths = a.paths;
+                    spec.cc = a.cc.clone();
                     let c = LocalCluster::start(sp, spec)?;
                     let uri = c.uri.clone();
                     fill(&src, &uri).with_context(|| format!("filling the {s} volume"))?;

@@ -46,6 +46,10 @@ pub struct ClientConfig {
     pub window_bytes: u64,
     /// Blocks per READ_REQ.
     pub read_chunk: u16,
+    /// A write block the server accepted is sent again when its `Ok` does not come within
+    /// the path's RTO plus four times the server's smoothed service time (the `Ok` was lost,
+    /// or the server restarted and lost the block), at most this long.
+    pub durable_timeout_ns: u64,
 }
 
 impl Default for ClientConfig {
@@ -63,6 +67,7 @@ impl Default for ClientConfig {
             max_block_attempts: 16,
             window_bytes: 256 * BLOCK as u64,
             read_chunk: 32,
+            durable_timeout_ns: 2_000_000_000,
         }
     }
 }
@@ -119,6 +124,8 @@ pub struct ClientStats {
     pub probes: u64,
     pub path_downs: u64,
     pub path_ups: u64,
+    /// Accepted write blocks sent again because their `Ok` did not come in time.
+    pub durable_resends: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -198,6 +205,8 @@ struct Io {
     attempts: Vec<u32>,
     /// Where each outstanding block's packet is: (path, psn).
     at: HashMap<u16, (u16, u32)>,
+    /// Write blocks the server accepted, waiting to be durable: resent after the deadline.
+    accepted: HashMap<u16, u64>,
     deadline: u64,
 }
 
@@ -223,6 +232,8 @@ pub struct SolarClient {
     /// The latest time the driver handed in.
     last_now: u64,
     rr: usize,
+    /// Smoothed time the server takes to make a write durable (from its `Ok` answers).
+    service_ns: u64,
     stats: ClientStats,
 }
 
@@ -262,6 +273,7 @@ impl SolarClient {
             next_send_at: 0,
             last_now: now,
             rr: 0,
+            service_ns: 0,
             stats: ClientStats::default(),
         };
         if let Some(cc) = c.cc.as_mut() {
@@ -350,6 +362,7 @@ impl SolarClient {
                 left: n,
                 attempts: vec![0; n as usize],
                 at: HashMap::new(),
+                accepted: HashMap::new(),
                 deadline: now + self.cfg.io_timeout_ns,
             },
         );
@@ -589,6 +602,7 @@ impl SolarClient {
             return false;
         }
         s.done[idx as usize] = true;
+        s.accepted.remove(&idx);
         let carrier = s.at.remove(&idx);
         let write = s.kind == Kind::Write;
         if let (true, Some((p, psn))) = (write, carrier) {
@@ -667,7 +681,22 @@ impl SolarClient {
                     self.stats.malformed += 1;
                     return Err(WireError::Index(idx, self.ios[&io].blocks));
                 }
+                if h.status == Status::Ok as u16 {
+                    let svc = h.service_us as u64 * 1000;
+                    self.service_ns = (7 * self.service_ns + svc) / 8;
+                }
                 match Status::from_u16(h.status) {
+                    Some(Status::Accepted) => {
+                        // arrived; durable later. Its packet left the window above; from
+                        // now on only a lost server (no `Ok` in time) makes it go again
+                        let timeout = (self.paths[path as usize].rto(&self.cfg) + 4 * self.service_ns)
+                            .min(self.cfg.durable_timeout_ns);
+                        let s = self.ios.get_mut(&io).expect("looked up above");
+                        if !s.done[idx as usize] && s.at.get(&idx) == Some(&(path, h.psn)) {
+                            s.at.remove(&idx);
+                            s.accepted.insert(idx, now + timeout);
+                        }
+                    }
                     Some(Status::Ok) => {
                         self.block_done(io, idx);
                     }
@@ -814,7 +843,11 @@ impl SolarClient {
                 None => p.next_probe,
             })
             .min();
-        let io = self.ios.values().map(|s| s.deadline).min();
+        let io = self
+            .ios
+            .values()
+            .flat_map(|s| s.accepted.values().copied().chain([s.deadline]))
+            .min();
         let pace = (self.next_send_at > self.last_now && !self.queue.is_empty()).then_some(self.next_send_at);
         [rto, probe, io, self.cc_timer, pace].into_iter().flatten().min()
     }
@@ -877,6 +910,20 @@ impl SolarClient {
                 p.next_probe = now + self.cfg.probe_interval_ns;
                 self.probes.push_back(i as u16);
             }
+        }
+        // accepted write blocks that never became durable: sent again
+        let mut again = Vec::new();
+        for (&io, s) in self.ios.iter_mut() {
+            s.accepted.retain(|&idx, &mut t| {
+                if t <= now {
+                    again.push((io, idx));
+                }
+                t > now
+            });
+        }
+        for (io, idx) in again {
+            self.stats.durable_resends += 1;
+            self.queue.push_front((io, idx, 1, true, None));
         }
         let late: Vec<IoId> = self
             .ios

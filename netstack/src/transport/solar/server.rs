@@ -187,7 +187,9 @@ impl SolarServer {
                     }
                     if self.in_progress.contains_key(&(h.rpc, h.blk_idx)) {
                         self.stats.duplicates += 1;
-                        return Ok(None); // its answer comes when it is durable
+                        // its `Ok` comes when it is durable; say again that it arrived
+                        self.answer(peer, &h, Op::WriteAck, Status::Accepted);
+                        return Ok(None);
                     }
                 }
                 self.newest.insert(key, h.rpc);
@@ -205,6 +207,7 @@ impl SolarServer {
                     },
                 );
                 self.stats.writes += 1;
+                self.answer(peer, &h, Op::WriteAck, Status::Accepted);
                 Ok(Some(Request::Write {
                     token,
                     volume: h.volume,

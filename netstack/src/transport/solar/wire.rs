@@ -95,6 +95,10 @@ pub enum Status {
     IoError = 6,
     /// The server is busy: resend later.
     Busy = 7,
+    /// A WRITE_ACK sent on arrival: the block reached the server, whose answer `Ok` follows
+    /// when it is durable. It frees the packet's place in the window and gives an RTT sample
+    /// that does not include the disk.
+    Accepted = 8,
 }
 
 impl Status {
@@ -108,6 +112,7 @@ impl Status {
             5 => Status::WrongEpoch,
             6 => Status::IoError,
             7 => Status::Busy,
+            8 => Status::Accepted,
             _ => return None,
         })
     }
