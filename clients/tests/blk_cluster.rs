@@ -318,3 +318,11 @@ fn ext4_on_a_flexns_volume_through_nbdfuse() {
     drop(c);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn the_demo_block_step_writes_and_verifies_a_volume() {
+    let r = clients::blk::demo_step(&spawner(), 0.5).unwrap();
+    assert_eq!(r.len(), 1);
+    assert!(r[0].verified, "{:?}", r[0]);
+    assert!(r[0].ops > 10, "{:?}", r[0]);
+}

@@ -36,6 +36,12 @@ enum Cmd {
     /// The decode engine the demo's KV-cache step starts.
     #[command(hide = true)]
     KvcacheServe(kvcache_engine::daemon::ServeArgs),
+    /// The block service daemons the demo's volume step starts.
+    #[command(hide = true)]
+    BlkDaemon {
+        #[command(subcommand)]
+        cmd: clients::blk::DaemonCmd,
+    },
 }
 
 fn main() -> Result<()> {
@@ -44,6 +50,7 @@ fn main() -> Result<()> {
         Cmd::PerfServer(a) => server::run(a),
         Cmd::KvServer(a) => kv_store::cli::run(a),
         Cmd::KvcacheServe(a) => Ok(kvcache_engine::daemon::run(&a)?),
+        Cmd::BlkDaemon { cmd } => clients::blk::run_daemon(cmd),
         Cmd::Demo { duration, json } => demo(duration, json),
     }
 }
@@ -175,6 +182,7 @@ fn demo(duration: f64, json: bool) -> Result<()> {
     }
     all_verified &= kv_step(duration, json).is_ok();
     all_verified &= kvcache_step(duration, json).is_ok();
+    all_verified &= block_step(duration, json).is_ok();
     if !all_verified {
         anyhow::bail!("a demo step moved data that did not verify");
     }
@@ -182,6 +190,49 @@ fn demo(duration: f64, json: bool) -> Result<()> {
         println!("all data verified end to end.");
     }
     Ok(())
+}
+
+/// The block step: controller, three storage nodes and an agent as child processes; a
+/// 3-replica volume written and read back through NBD.
+fn block_step(duration: f64, json: bool) -> Result<()> {
+    if !json {
+        println!("== Block volume: controller, 3 storage nodes and an agent as processes; random 4 KiB");
+        println!("   writes to a 3-replica volume over NBD and Solar/UDP, then every block read back");
+    }
+    let sp = clients::blk::Spawner {
+        exe: std::env::current_exe()?,
+        prefix: vec!["blk-daemon".into()],
+    };
+    let r = clients::blk::demo_step(&sp, (duration / 2.0).max(0.5));
+    match &r {
+        Ok(lines) => {
+            for l in lines {
+                if json {
+                    l.print(true);
+                } else {
+                    println!(
+                        "volume   QD1 4 KiB writes {:>8.0} IOPS  p50 {:>7.1} us  p99 {:>7.1} us  {} blocks checked  verified={}",
+                        l.extra.get("iops").and_then(|v| v.as_f64()).unwrap_or(0.0),
+                        l.p50_us.unwrap_or(0.0),
+                        l.p99_us.unwrap_or(0.0),
+                        l.extra.get("blocks_checked").and_then(|v| v.as_u64()).unwrap_or(0),
+                        l.verified
+                    );
+                }
+            }
+            if !json {
+                println!();
+            }
+            if lines.iter().any(|l| !l.verified) {
+                anyhow::bail!("volume data did not read back");
+            }
+            Ok(())
+        }
+        Err(e) => {
+            eprintln!("block step failed: {e:#}");
+            anyhow::bail!("block step failed")
+        }
+    }
 }
 
 /// The KV step: a kv-store partition as a child process, 20 000 records loaded over RPC, then
