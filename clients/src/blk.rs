@@ -427,7 +427,8 @@ pub fn demo_step(sp: &Spawner, duration: f64) -> Result<Vec<crate::bench::BenchR
     let mut ok = true;
     let mut buf = vec![0u8; 4096];
     for (&lba, &v) in &written {
-        if (32 << 20) / 4096 <= lba && lba < (32 << 20) / 4096 + 256 {
+        let big_first = (32u64 << 20) / 4096;
+        if (big_first..big_first + 256).contains(&lba) {
             continue; // overwritten by the 1 MiB write
         }
         cl.read(lba * 4096, &mut buf)?;
