@@ -26,6 +26,9 @@ command -v etcd >/dev/null 2>&1 || missing+=(etcd-server)
 command -v qemu-img >/dev/null 2>&1 || missing+=(qemu-utils)
 command -v nbdcopy >/dev/null 2>&1 || missing+=(libnbd-bin)
 command -v fio >/dev/null 2>&1 || missing+=(fio)
+# block-agent: ext4 on a volume through nbdfuse (FUSE) and a loop device
+command -v fusermount3 >/dev/null 2>&1 || missing+=(fuse3)
+command -v mkfs.ext4 >/dev/null 2>&1 || missing+=(e2fsprogs)
 
 if [ "${#missing[@]}" -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
