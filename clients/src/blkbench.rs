@@ -165,6 +165,39 @@ struct Run {
     p999: Option<f64>,
     secs: f64,
     ops: u64,
+    /// CPU seconds of the client (fio's own accounting; qemu-img bench: none).
+    client_cpu: Option<f64>,
+    /// CPU seconds the serving processes used during the run.
+    server_cpu: f64,
+}
+
+/// CPU seconds (user + system) a process has used, from /proc.
+fn proc_cpu(pid: u32) -> f64 {
+    let Ok(st) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0.0;
+    };
+    let Some(rest) = st.rsplit_once(')').map(|(_, r)| r) else {
+        return 0.0;
+    };
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| f.get(i).and_then(|x| x.parse::<f64>().ok()).unwrap_or(0.0);
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    (ticks(11) + ticks(12)) / hz
+}
+
+/// Peak resident memory of a process (KiB), from /proc.
+fn proc_hwm(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines().find_map(|l| {
+                l.strip_prefix("VmHWM:")
+                    .and_then(|r| r.split_whitespace().next())
+                    .and_then(|n| n.parse().ok())
+            })
+        })
+        .unwrap_or(0)
 }
 
 fn fio(a: &BenchArgs, uri: &str) -> Result<Run> {
@@ -201,6 +234,7 @@ fn fio(a: &BenchArgs, uri: &str) -> Result<Run> {
             .map(|ns| (ns / 10.0).round() / 100.0)
     };
     let ms = job["job_runtime"].as_f64().unwrap_or(0.0);
+    let cpu_pct = job["usr_cpu"].as_f64().unwrap_or(0.0) + job["sys_cpu"].as_f64().unwrap_or(0.0);
     Ok(Run {
         iops: side["iops"].as_f64().unwrap_or(0.0),
         mbps: side["bw_bytes"].as_f64().unwrap_or(0.0) / 1048576.0,
@@ -209,6 +243,8 @@ fn fio(a: &BenchArgs, uri: &str) -> Result<Run> {
         p999: pct("99.900000"),
         secs: ms / 1000.0,
         ops: side["total_ios"].as_u64().unwrap_or(0),
+        client_cpu: Some(cpu_pct / 100.0 * ms / 1000.0),
+        server_cpu: 0.0,
     })
 }
 
@@ -247,6 +283,8 @@ fn qemu_img(a: &BenchArgs, uri: &str) -> Result<Run> {
         p999: None,
         secs,
         ops: a.ops,
+        client_cpu: None,
+        server_cpu: 0.0,
     })
 }
 
@@ -254,6 +292,8 @@ fn qemu_img(a: &BenchArgs, uri: &str) -> Result<Run> {
 struct Target {
     name: String,
     uri: String,
+    /// The serving processes (agent and storage nodes, or qemu-nbd), for CPU and memory.
+    pids: Vec<u32>,
     _keep: Keep,
 }
 
@@ -327,6 +367,7 @@ fn bench(a: &BenchArgs, sp: &Spawner, systems: &[&str], dir: &Path) -> Result<()
         targets.push(Target {
             name: systems[0].to_string(),
             uri: u.clone(),
+            pids: Vec::new(),
             _keep: Keep::None,
         });
     } else {
@@ -339,6 +380,7 @@ fn bench(a: &BenchArgs, sp: &Spawner, systems: &[&str], dir: &Path) -> Result<()
                     Target {
                         name: s.into(),
                         uri,
+                        pids: vec![q.0.id()],
                         _keep: Keep::Qemu(q),
                     }
                 }
@@ -353,9 +395,12 @@ fn bench(a: &BenchArgs, sp: &Spawner, systems: &[&str], dir: &Path) -> Result<()
                     let c = LocalCluster::start(sp, spec)?;
                     let uri = c.uri.clone();
                     fill(&src, &uri).with_context(|| format!("filling the {s} volume"))?;
+                    let mut pids = vec![c.agent.pid];
+                    pids.extend(c.nodes.iter().map(|n| n.pid));
                     Target {
                         name: s.into(),
                         uri,
+                        pids,
                         _keep: Keep::Cluster(Box::new(c)),
                     }
                 }
@@ -366,11 +411,13 @@ fn bench(a: &BenchArgs, sp: &Spawner, systems: &[&str], dir: &Path) -> Result<()
     let mut runs: Vec<Vec<Run>> = targets.iter().map(|_| Vec::new()).collect();
     for round in 0..a.repeat {
         for (i, t) in targets.iter().enumerate() {
-            let r = match a.client.as_str() {
+            let cpu0: f64 = t.pids.iter().map(|&p| proc_cpu(p)).sum();
+            let mut r = match a.client.as_str() {
                 "fio" => fio(a, &t.uri),
                 _ => qemu_img(a, &t.uri),
             }
             .with_context(|| format!("{} round {}", t.name, round + 1))?;
+            r.server_cpu = t.pids.iter().map(|&p| proc_cpu(p)).sum::<f64>() - cpu0;
             if !a.json {
                 eprintln!(
                     "round {} {:<9} {:>10.0} IOPS {:>8.1} MiB/s",
@@ -411,8 +458,20 @@ fn bench(a: &BenchArgs, sp: &Spawner, systems: &[&str], dir: &Path) -> Result<()
             p99_us: med(&|r| r.p99),
             p999_us: med(&|r| r.p999),
             verified,
+            cpu_secs: rs.iter().filter_map(|r| r.client_cpu).sum::<f64>(),
+            server_cpu_secs: (!t.pids.is_empty())
+                .then(|| (rs.iter().map(|r| r.server_cpu).sum::<f64>() * 100.0).round() / 100.0),
+            server_peak_rss_kib: (!t.pids.is_empty()).then(|| t.pids.iter().map(|&p| proc_hwm(p)).sum()),
             ..Default::default()
         };
+        b.cpu_secs = (b.cpu_secs * 100.0).round() / 100.0;
+        let ops_total: u64 = rs.iter().map(|r| r.ops).sum();
+        if let (Some(c), true) = (b.server_cpu_secs, ops_total > 0) {
+            b.extra.insert(
+                "server_cpu_us_per_io".into(),
+                ((c * 1e6 / ops_total as f64 * 10.0).round() / 10.0).into(),
+            );
+        }
         b.rates();
         let ex = &mut b.extra;
         ex.insert("client".into(), a.client.clone().into());
@@ -437,7 +496,7 @@ fn bench(a: &BenchArgs, sp: &Spawner, systems: &[&str], dir: &Path) -> Result<()
             b.print(true);
         } else {
             println!(
-                "{:<9} {:<8} bs {:>8} QD{:<3} {:>10.0} IOPS  p50 {:>8} us  p99 {:>8} us  verified={}",
+                "{:<9} {:<8} bs {:>8} QD{:<3} {:>10.0} IOPS  p50 {:>8} us  p99 {:>8} us  server cpu {:>6} us/IO  verified={}",
                 t.name,
                 a.rw,
                 a.bs,
@@ -445,6 +504,7 @@ fn bench(a: &BenchArgs, sp: &Spawner, systems: &[&str], dir: &Path) -> Result<()
                 iops,
                 b.p50_us.map_or("-".into(), |x| format!("{x:.1}")),
                 b.p99_us.map_or("-".into(), |x| format!("{x:.1}")),
+                b.extra.get("server_cpu_us_per_io").map_or("-".into(), |v| v.to_string()),
                 verified
             );
         }

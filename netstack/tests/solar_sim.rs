@@ -445,3 +445,73 @@ fn congestion_control_holds_the_window_under_a_bottleneck() {
     );
     assert_eq!(sim.c.stats().blocks_resent, 0);
 }
+
+/// Writes are answered twice: `Accepted` on arrival (the packet leaves the window, the RTT has
+/// no disk in it) and `Ok` when durable. A slow disk is then neither a timeout nor congestion;
+/// a server that accepted a block and lost it (it restarted before making it durable) gets
+/// the block again once the `Ok` is overdue, and the write completes on the new server.
+#[test]
+fn accepted_blocks_wait_for_durability_and_a_lost_one_is_sent_again() {
+    let cfg = ClientConfig {
+        paths: 2,
+        initial_rto_ns: 1_000_000,
+        min_rto_ns: 1_000_000,
+        ..Default::default()
+    };
+    let mut now = 1_000u64;
+    let mut c = SolarClient::new(cfg, None, now);
+    let mut s = SolarServer::new(0);
+    let d: Arc<[u8]> = Arc::from(vec![0x5Au8; 2 * BLOCK]);
+    let io = c.write(now, 1, 10, d, false).unwrap();
+    let mut pending = Vec::new();
+    while let Some(t) = c.poll_transmit(now) {
+        if let Ok(Some(Request::Write { token, .. })) = s.on_packet(0, &t.to_vec(), false) {
+            pending.push(token);
+        }
+    }
+    assert_eq!(pending.len(), 2);
+    now += 20_000;
+    while let Some(t) = s.poll_transmit() {
+        let (h, _) = Header::decode(&t.to_vec()).unwrap();
+        assert_eq!((h.op, h.status), (Op::WriteAck, Status::Accepted as u16));
+        c.on_packet(now, &t.to_vec()).unwrap();
+    }
+    assert_eq!(c.outstanding(), 1, "accepted, not done");
+    // the disk takes 50 ms for block 0, far past the 1 ms RTO: no timeout (no congestion
+    // signal, no path marked suspect) and no resend of the packet
+    now += 50_000_000;
+    s.write_done(pending[0], Status::Ok);
+    while let Some(t) = s.poll_transmit() {
+        c.on_packet(now, &t.to_vec()).unwrap();
+    }
+    c.on_timer(now);
+    let st = c.stats();
+    assert_eq!((st.timeouts, st.blocks_resent, st.path_downs), (0, 0, 0), "{st:?}");
+    assert!(c.paths().iter().all(|p| p.state == PathState::Good));
+    // block 1 is lost with the server: the Ok never comes; the block goes again, to a new one
+    let mut s = SolarServer::new(0);
+    let mut resent = 0;
+    for _ in 0..100 {
+        now += 10_000_000;
+        c.on_timer(now);
+        while let Some(t) = c.poll_transmit(now) {
+            resent += 1;
+            match s.on_packet(0, &t.to_vec(), false) {
+                Ok(Some(Request::Write { token, lba, .. })) => {
+                    assert_eq!(lba, 11);
+                    s.write_done(token, Status::Ok);
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        while let Some(t) = s.poll_transmit() {
+            c.on_packet(now, &t.to_vec()).unwrap();
+        }
+        if c.outstanding() == 0 {
+            break;
+        }
+    }
+    assert_eq!(resent, 1, "only the lost block went again");
+    assert_eq!(c.stats().durable_resends, 1);
+    assert_eq!(c.poll_event(), Some(ClientEvent::Done { io, result: Ok(()) }));
+}
