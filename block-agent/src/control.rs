@@ -39,33 +39,36 @@ fn node_status(e: NodeError) -> Status {
 /// The storage node's admin service.
 pub struct NodeAdmin(pub Arc<StorageNode>);
 
+impl NodeAdmin {
+    /// Runs a volume-file operation (file creation, syncs) off the async threads.
+    async fn on_node(
+        &self,
+        f: impl FnOnce(&StorageNode) -> Result<(), NodeError> + Send + 'static,
+    ) -> Result<Response<pb::Empty>, Status> {
+        let n = self.0.clone();
+        tokio::task::spawn_blocking(move || f(&n))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?
+            .map_err(node_status)?;
+        Ok(Response::new(pb::Empty {}))
+    }
+}
+
 #[tonic::async_trait]
 impl pb::storage_node_admin_server::StorageNodeAdmin for NodeAdmin {
     async fn create_volume(&self, r: Request<pb::CreateVolumeRequest>) -> Result<Response<pb::Empty>, Status> {
-        let (n, r) = (self.0.clone(), r.into_inner());
-        tokio::task::spawn_blocking(move || n.create_volume(r.id, r.size))
-            .await
-            .map_err(|e| Status::internal(e.to_string()))?
-            .map_err(node_status)?;
-        Ok(Response::new(pb::Empty {}))
+        let r = r.into_inner();
+        self.on_node(move |n| n.create_volume(r.id, r.size)).await
     }
 
     async fn delete_volume(&self, r: Request<pb::DeleteVolumeRequest>) -> Result<Response<pb::Empty>, Status> {
-        let (n, r) = (self.0.clone(), r.into_inner());
-        tokio::task::spawn_blocking(move || n.delete_volume(r.id))
-            .await
-            .map_err(|e| Status::internal(e.to_string()))?
-            .map_err(node_status)?;
-        Ok(Response::new(pb::Empty {}))
+        let r = r.into_inner();
+        self.on_node(move |n| n.delete_volume(r.id)).await
     }
 
     async fn resize_volume(&self, r: Request<pb::ResizeVolumeRequest>) -> Result<Response<pb::Empty>, Status> {
-        let (n, r) = (self.0.clone(), r.into_inner());
-        tokio::task::spawn_blocking(move || n.resize_volume(r.id, r.size))
-            .await
-            .map_err(|e| Status::internal(e.to_string()))?
-            .map_err(node_status)?;
-        Ok(Response::new(pb::Empty {}))
+        let r = r.into_inner();
+        self.on_node(move |n| n.resize_volume(r.id, r.size)).await
     }
 
     async fn list_volumes(&self, _: Request<pb::ListVolumesRequest>) -> Result<Response<pb::ListVolumesReply>, Status> {

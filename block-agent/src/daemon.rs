@@ -132,6 +132,15 @@ impl AgentArgs {
     }
 }
 
+/// What each daemon binary does first: `tracing` logs on stderr (`RUST_LOG`, default info);
+/// stdout carries only the banner.
+pub fn init_logging() {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .with_writer(std::io::stderr)
+        .init();
+}
+
 fn banner(line: &str) {
     let mut o = std::io::stdout().lock();
     let _ = writeln!(o, "{line}");

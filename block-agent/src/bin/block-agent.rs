@@ -11,11 +11,6 @@ struct Cli {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
-        .with_writer(std::io::stderr)
-        .init();
-    let cli = Cli::parse();
-    block_agent::daemon::run_agent(cli.args).await?;
-    Ok(())
+    block_agent::daemon::init_logging();
+    Ok(block_agent::daemon::run_agent(Cli::parse().args).await?)
 }
