@@ -309,7 +309,24 @@ fn check_name(n: &str) -> Result<(), Status> {
     Ok(())
 }
 
+/// A recorded volume, or NOT_FOUND naming it.
+fn volume<'a>(s: &'a ControlState, name: &str) -> Result<&'a VolumeRecord, Status> {
+    s.volumes
+        .get(name)
+        .ok_or_else(|| Status::not_found(format!("no volume {name:?}")))
+}
+
 impl Controller {
+    /// Applies `change` to a copy of the state, stores it, and only then makes it the state: a
+    /// failed store leaves the controller as it was.
+    async fn commit(&self, s: &mut ControlState, change: impl FnOnce(&mut ControlState)) -> Result<(), Status> {
+        let mut n = s.clone();
+        change(&mut n);
+        self.meta.save(&n).await.map_err(meta_status)?;
+        *s = n;
+        Ok(())
+    }
+
     /// A controller with the state `meta` holds.
     pub async fn new(meta: MetaStore) -> Result<Controller, MetaError> {
         let state = meta.load().await?;
@@ -320,10 +337,7 @@ impl Controller {
     }
 
     async fn attach_at(&self, s: &ControlState, name: &str, agent: &str) -> Result<String, Status> {
-        let v = s
-            .volumes
-            .get(name)
-            .ok_or_else(|| Status::not_found(format!("no volume {name:?}")))?;
+        let v = volume(s, name)?;
         let a = s
             .agents
             .get(agent)
@@ -346,10 +360,10 @@ impl pb::block_control_server::BlockControl for Controller {
             .parse::<std::net::SocketAddr>()
             .map_err(|_| Status::invalid_argument(format!("node address {:?} is not IP:PORT", r.addr)))?;
         let mut s = self.state.lock().await;
-        let mut n = s.clone();
-        n.nodes.insert(r.addr.clone(), r.admin);
-        self.meta.save(&n).await.map_err(meta_status)?;
-        *s = n;
+        self.commit(&mut s, |n| {
+            n.nodes.insert(r.addr.clone(), r.admin);
+        })
+        .await?;
         tracing::info!("storage node {} registered", r.addr);
         Ok(Response::new(pb::Empty {}))
     }
@@ -360,16 +374,16 @@ impl pb::block_control_server::BlockControl for Controller {
             return Err(Status::invalid_argument("agent name is empty"));
         }
         let mut s = self.state.lock().await;
-        let mut n = s.clone();
-        n.agents.insert(
-            r.name.clone(),
-            AgentRecord {
-                admin: r.admin,
-                nbd: r.nbd,
-            },
-        );
-        self.meta.save(&n).await.map_err(meta_status)?;
-        *s = n;
+        self.commit(&mut s, |n| {
+            n.agents.insert(
+                r.name.clone(),
+                AgentRecord {
+                    admin: r.admin,
+                    nbd: r.nbd,
+                },
+            );
+        })
+        .await?;
         tracing::info!("agent {} registered", r.name);
         // attach again what belongs to it (the agent restarted)
         let mine: Vec<String> = s
@@ -440,17 +454,17 @@ impl pb::block_control_server::BlockControl for Controller {
             }
             made.push((admin, n.clone()));
         }
-        let mut n = s.clone();
-        n.next_id = id + 1;
         let rec = VolumeRecord {
             id,
             size: r.size,
             replicas: chosen,
             agent: None,
         };
-        n.volumes.insert(r.name.clone(), rec.clone());
-        self.meta.save(&n).await.map_err(meta_status)?;
-        *s = n;
+        self.commit(&mut s, |n| {
+            n.next_id = id + 1;
+            n.volumes.insert(r.name.clone(), rec.clone());
+        })
+        .await?;
         tracing::info!(
             "created volume {} (id {id}, {} bytes) on {:?}",
             r.name,
@@ -463,11 +477,7 @@ impl pb::block_control_server::BlockControl for Controller {
     async fn delete(&self, r: Request<pb::NameRequest>) -> Result<Response<pb::Empty>, Status> {
         let name = r.into_inner().name;
         let mut s = self.state.lock().await;
-        let v = s
-            .volumes
-            .get(&name)
-            .cloned()
-            .ok_or_else(|| Status::not_found(format!("no volume {name:?}")))?;
+        let v = volume(&s, &name)?.clone();
         if let Some(a) = v.agent.as_ref().and_then(|a| s.agents.get(a)) {
             if let Ok(mut c) = agent_client(&a.admin).await {
                 let _ = c
@@ -488,21 +498,17 @@ impl pb::block_control_server::BlockControl for Controller {
                 Err(e) => return Err(e),
             }
         }
-        let mut n = s.clone();
-        n.volumes.remove(&name);
-        self.meta.save(&n).await.map_err(meta_status)?;
-        *s = n;
+        self.commit(&mut s, |n| {
+            n.volumes.remove(&name);
+        })
+        .await?;
         Ok(Response::new(pb::Empty {}))
     }
 
     async fn resize(&self, r: Request<pb::ResizeRequest>) -> Result<Response<pb::VolumeSpec>, Status> {
         let r = r.into_inner();
         let mut s = self.state.lock().await;
-        let v = s
-            .volumes
-            .get(&r.name)
-            .cloned()
-            .ok_or_else(|| Status::not_found(format!("no volume {:?}", r.name)))?;
+        let v = volume(&s, &r.name)?.clone();
         if r.size < v.size {
             return Err(Status::invalid_argument(format!(
                 "volumes only grow: {} is below the current {} bytes",
@@ -523,10 +529,10 @@ impl pb::block_control_server::BlockControl for Controller {
                 .await
                 .map_err(|e| Status::new(e.code(), format!("resizing on {n}: {}", e.message())))?;
         }
-        let mut n = s.clone();
-        n.volumes.get_mut(&r.name).expect("checked above").size = r.size;
-        self.meta.save(&n).await.map_err(meta_status)?;
-        *s = n;
+        self.commit(&mut s, |n| {
+            n.volumes.get_mut(&r.name).expect("checked above").size = r.size;
+        })
+        .await?;
         if let Some(a) = v.agent.clone() {
             // new connections see the new size
             self.attach_at(&s, &r.name, &a).await?;
@@ -537,11 +543,7 @@ impl pb::block_control_server::BlockControl for Controller {
     async fn describe(&self, r: Request<pb::NameRequest>) -> Result<Response<pb::VolumeSpec>, Status> {
         let name = r.into_inner().name;
         let s = self.state.lock().await;
-        let v = s
-            .volumes
-            .get(&name)
-            .ok_or_else(|| Status::not_found(format!("no volume {name:?}")))?;
-        Ok(Response::new(spec(&name, v, &s)))
+        Ok(Response::new(spec(&name, volume(&s, &name)?, &s)))
     }
 
     async fn list(&self, _: Request<pb::ListRequest>) -> Result<Response<pb::ListReply>, Status> {
@@ -556,11 +558,7 @@ impl pb::block_control_server::BlockControl for Controller {
     async fn attach(&self, r: Request<pb::AttachVolumeRequest>) -> Result<Response<pb::AttachVolumeReply>, Status> {
         let r = r.into_inner();
         let mut s = self.state.lock().await;
-        let v = s
-            .volumes
-            .get(&r.name)
-            .cloned()
-            .ok_or_else(|| Status::not_found(format!("no volume {:?}", r.name)))?;
+        let v = volume(&s, &r.name)?.clone();
         if let Some(a) = &v.agent {
             if a != &r.agent {
                 return Err(Status::failed_precondition(format!(
@@ -570,10 +568,10 @@ impl pb::block_control_server::BlockControl for Controller {
             }
         }
         let uri = self.attach_at(&s, &r.name, &r.agent).await?;
-        let mut n = s.clone();
-        n.volumes.get_mut(&r.name).expect("checked above").agent = Some(r.agent.clone());
-        self.meta.save(&n).await.map_err(meta_status)?;
-        *s = n;
+        self.commit(&mut s, |n| {
+            n.volumes.get_mut(&r.name).expect("checked above").agent = Some(r.agent.clone());
+        })
+        .await?;
         Ok(Response::new(pb::AttachVolumeReply { uri }))
     }
 }
