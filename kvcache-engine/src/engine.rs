@@ -156,7 +156,7 @@ impl TransferEngine {
         };
         let svc = crate::rpc::pb::transfer_rpc_server::TransferRpcServer::new(crate::rpc::DescService(desc.clone()));
         rt.spawn(async move {
-            let incoming = tonic::codegen::tokio_stream::wrappers::TcpListenerStream::new(listener);
+            let incoming = netstack::cm::incoming(listener);
             let r = tonic::transport::Server::builder()
                 .add_service(svc)
                 .add_optional_service(acceptor)

@@ -292,15 +292,16 @@ impl FlexnsPath {
                 .await
                 .map_err(|_| "connection manager: no answer within 3 s".to_string())?
                 .map_err(|e| e.to_string())?;
-            let mut out = Vec::new();
-            for qp in &qps {
-                let r = tokio::time::timeout(Duration::from_secs(3), c.connect(qp, hello.clone().into_bytes()))
-                    .await
-                    .map_err(|_| "connecting a queue pair: no answer within 3 s".to_string())?
-                    .map_err(|e| e.to_string())?;
-                out.push(r);
-            }
-            Ok::<_, String>(out)
+            let reqs: Vec<(&Qp, Vec<u8>)> = qps.iter().map(|q| (q, hello.clone().into_bytes())).collect();
+            let answers = tokio::time::timeout(Duration::from_secs(3), c.connect_many(&reqs))
+                .await
+                .map_err(|_| format!("connecting {} queue pairs: no answer within 3 s", reqs.len()))?
+                .map_err(|e| e.to_string())?;
+            answers
+                .into_iter()
+                .enumerate()
+                .map(|(i, r)| r.map_err(|e| format!("queue pair {i}: {e}")))
+                .collect::<Result<Vec<_>, String>>()
         });
         let replies = replies.map_err(peer_err)?;
         for (qp, r) in qps.into_iter().zip(replies) {
