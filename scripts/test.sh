@@ -5,8 +5,38 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-test-deps.sh
+
+# Processes the tests start (the project's programs and daemons, and the servers and tools they
+# run) must not outlive them. The ones already running (a cluster a user left up) are noted
+# now and not counted.
+watched='^(nsperf|ycsb|kv-server|kv|kvcache-bench|kvcache-engine|blkctl|block-server|block-agent|block-control|flexns|ccsim|redis-server|etcd|qemu-nbd|nbdfuse|fio)$'
+leftovers() {
+  ps -e -o pid=,comm= | awk -v re="$watched" '$2 ~ re {print $1}' | LC_ALL=C sort
+}
+before="$(leftovers)"
+# on every exit, a passing run or not: nothing the tests started may still run
+check_leftovers() {
+  local rc=$? left p
+  sleep 1
+  left="$(LC_ALL=C comm -13 <(echo "$before") <(leftovers) || true)"
+  if [ -n "$left" ]; then
+    echo "FAIL: processes started by the tests are still running:" >&2
+    for p in $left; do
+      echo "  $p $(tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null)" >&2
+    done
+    # shellcheck disable=SC2086
+    kill -9 $left 2>/dev/null || true
+    [ "$rc" = 0 ] && rc=1
+  elif [ "$rc" = 0 ]; then
+    echo "no process started by the tests outlived them"
+  fi
+  exit "$rc"
+}
+trap check_leftovers EXIT
+
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --quiet -- -D warnings
 cargo clippy -p kvcache-engine --features gpu --all-targets --quiet -- -D warnings
 cargo test --workspace
 cargo test -p kvcache-engine --features gpu --lib --test gpu -- --nocapture
+

@@ -4,7 +4,7 @@
 use anyhow::{bail, Context as _, Result};
 use serde::Serialize;
 use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::Duration;
 
 /// What every command-line program of the project does first: default SIGPIPE handling and
@@ -15,6 +15,22 @@ pub fn init_cli() {
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_writer(std::io::stderr)
         .init();
+}
+
+/// How every program of the crate ends: status 0, or its error's chain on one line
+/// (`program: outer: cause: root cause`) on stderr and status 1. A backtrace of the error
+/// follows only when asked for with `RUST_LIB_BACKTRACE=1` (RUST_BACKTRACE alone is for panics).
+pub fn exit(program: &str, r: Result<()>) -> std::process::ExitCode {
+    match r {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("{program}: {e:#}");
+            if std::env::var_os("RUST_LIB_BACKTRACE").is_some_and(|v| v == "1") {
+                eprintln!("{e:?}");
+            }
+            std::process::ExitCode::FAILURE
+        }
+    }
 }
 
 /// Restores the default SIGPIPE action, so a command whose output is piped into `head` ends
@@ -48,6 +64,9 @@ pub struct BenchResult {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub p999_us: Option<f64>,
     pub verified: bool,
+    /// The run was cut short by SIGINT/SIGTERM: its figures cover only part of it.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub incomplete: bool,
     pub cpu_secs: f64,
     pub peak_rss_kib: u64,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -92,8 +111,19 @@ impl BenchResult {
                 _ => String::new(),
             };
             println!(
-                "{:<12} {:<8} {:>9} B x{:<3} qps {:<4} {:>9.3} Gbit/s {:>9.4} Mop/s{}  verified={}  cpu {:.2}s  rss {} KiB",
-                self.bench, self.system, self.msg_bytes, self.depth, self.qps, self.gbps, self.mops, lat, self.verified, self.cpu_secs, self.peak_rss_kib
+                "{:<12} {:<8} {:>9} B x{:<3} qps {:<4} {:>9.3} Gbit/s {:>9.4} Mop/s{}  verified={}  cpu {:.2}s  rss {} KiB{}",
+                self.bench,
+                self.system,
+                self.msg_bytes,
+                self.depth,
+                self.qps,
+                self.gbps,
+                self.mops,
+                lat,
+                self.verified,
+                self.cpu_secs,
+                self.peak_rss_kib,
+                if self.incomplete { "  INCOMPLETE" } else { "" }
             );
         }
     }
@@ -119,8 +149,9 @@ pub fn rusage(children: bool) -> (f64, u64) {
     (t(ru.ru_utime) + t(ru.ru_stime), ru.ru_maxrss as u64)
 }
 
-/// A server started as a child process, stopped (SIGTERM, then reaped with its rusage) on drop
-/// or by [`ChildServer::stop`].
+/// A server started as a child process (dying with this program, see [`crate::procs`]),
+/// stopped (SIGTERM, SIGKILL after 3 s, then reaped with its rusage) on drop or by
+/// [`ChildServer::stop`].
 pub struct ChildServer {
     child: Option<Child>,
     /// The first line the child printed (its addresses).
@@ -130,12 +161,13 @@ pub struct ChildServer {
 impl ChildServer {
     /// Starts `exe args...` and waits for its first stdout line.
     pub fn start(exe: &std::path::Path, args: &[String]) -> Result<ChildServer> {
-        let mut child = Command::new(exe)
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .with_context(|| format!("starting {}", exe.display()))?;
+        let mut child = crate::procs::spawn(
+            crate::procs::command(exe)
+                .args(args)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::inherit()),
+        )
+        .with_context(|| format!("starting {}", exe.display()))?;
         let out = child.stdout.take().context("child stdout")?;
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
@@ -152,8 +184,13 @@ impl ChildServer {
         let banner = match rx.recv_timeout(Duration::from_secs(30)) {
             Ok(l) if !l.trim().is_empty() => l.trim().to_string(),
             _ => {
-                let _ = child.kill();
-                let st = child.wait().ok();
+                let st = child.try_wait().ok().flatten();
+                match st {
+                    Some(_) => crate::procs::reaped(child.id()),
+                    None => {
+                        crate::procs::terminate(child, Duration::ZERO);
+                    }
+                }
                 bail!("server {} did not start (exit: {st:?})", exe.display());
             }
         };
@@ -179,24 +216,21 @@ impl ChildServer {
 
     /// Whether the child is still running (it has not exited or crashed by itself).
     pub fn is_running(&mut self) -> bool {
-        self.child.as_mut().is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+        let Some(c) = self.child.as_mut() else { return false };
+        match c.try_wait() {
+            Ok(None) => true,
+            _ => {
+                // it exited and std reaped it: nothing is left to stop
+                crate::procs::reaped(c.id());
+                self.child = None;
+                false
+            }
+        }
     }
 
     /// Stops the child; returns its CPU seconds and peak RSS (KiB).
     pub fn stop(&mut self) -> Option<(f64, u64)> {
-        let child = self.child.take()?;
-        let pid = child.id() as libc::pid_t;
-        // SAFETY: signalling our own child by pid.
-        unsafe { libc::kill(pid, libc::SIGTERM) };
-        let mut status = 0;
-        // SAFETY: wait4 on our child with valid out-pointers.
-        let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
-        let r = unsafe { libc::wait4(pid, &mut status, 0, &mut ru) };
-        if r != pid {
-            return None;
-        }
-        let t = |tv: libc::timeval| tv.tv_sec as f64 + tv.tv_usec as f64 / 1e6;
-        Some((t(ru.ru_utime) + t(ru.ru_stime), ru.ru_maxrss as u64))
+        crate::procs::terminate(self.child.take()?, Duration::from_secs(3))
     }
 }
 

@@ -96,8 +96,10 @@ fn random_file(path: &Path, bytes: u64, seed: u64) -> Result<()> {
     Ok(())
 }
 
+/// Runs a tool to its end (fio ends its jobs on SIGINT and still reports them; others are
+/// stopped with it); fails with its output if it fails.
 fn run_ok(cmd: &mut Command) -> Result<String> {
-    let o = cmd.output().with_context(|| format!("running {cmd:?}"))?;
+    let o = crate::procs::output(cmd, libc::SIGINT).with_context(|| format!("running {cmd:?}"))?;
     if !o.status.success() {
         bail!(
             "{cmd:?} failed: {}{}",
@@ -108,13 +110,14 @@ fn run_ok(cmd: &mut Command) -> Result<String> {
     Ok(String::from_utf8_lossy(&o.stdout).to_string())
 }
 
-/// A qemu-nbd serving a file; killed on drop.
-struct QemuNbd(Child);
+/// A qemu-nbd serving a file; stopped on drop.
+struct QemuNbd(Option<Child>);
 
 impl Drop for QemuNbd {
     fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+        if let Some(c) = self.0.take() {
+            crate::procs::terminate(c, Duration::from_secs(2));
+        }
     }
 }
 
@@ -125,27 +128,28 @@ fn free_port() -> Result<u16> {
 fn start_qemu_nbd(file: &Path) -> Result<(QemuNbd, String)> {
     tool("qemu-nbd")?;
     let port = free_port()?;
-    let child = Command::new("qemu-nbd")
-        .args([
-            "-f",
-            "raw",
-            "-x",
-            "vol",
-            "-b",
-            "127.0.0.1",
-            "-p",
-            &port.to_string(),
-            "-t",
-            "-e",
-            "8",
-        ])
-        .arg("--cache=writethrough")
-        .arg(file)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .context("starting qemu-nbd")?;
-    let q = QemuNbd(child);
+    let child = crate::procs::spawn(
+        crate::procs::command("qemu-nbd")
+            .args([
+                "-f",
+                "raw",
+                "-x",
+                "vol",
+                "-b",
+                "127.0.0.1",
+                "-p",
+                &port.to_string(),
+                "-t",
+                "-e",
+                "8",
+            ])
+            .arg("--cache=writethrough")
+            .arg(file)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null()),
+    )
+    .context("starting qemu-nbd")?;
+    let q = QemuNbd(Some(child));
     let deadline = Instant::now() + Duration::from_secs(10);
     while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
         if Instant::now() > deadline {
@@ -154,6 +158,18 @@ fn start_qemu_nbd(file: &Path) -> Result<(QemuNbd, String)> {
         std::thread::sleep(Duration::from_millis(20));
     }
     Ok((q, format!("nbd://127.0.0.1:{port}/vol")))
+}
+
+/// fio's output; after SIGINT (this program is stopping) fio ends its job early, exits with
+/// an error and still prints its report of the time it ran.
+fn fio_output(cmd: &mut Command) -> Result<String> {
+    let o = crate::procs::output(cmd, libc::SIGINT).with_context(|| format!("running {cmd:?}"))?;
+    let out = String::from_utf8_lossy(&o.stdout).to_string();
+    let report_after_stop = crate::procs::stopping() && out.contains('{');
+    if !(o.status.success() || report_after_stop) {
+        bail!("{cmd:?} failed: {out}{}", String::from_utf8_lossy(&o.stderr));
+    }
+    Ok(out)
 }
 
 /// One measurement.
@@ -202,8 +218,8 @@ fn proc_hwm(pid: u32) -> u64 {
 
 fn fio(a: &BenchArgs, uri: &str) -> Result<Run> {
     tool("fio")?;
-    let out = run_ok(
-        Command::new("fio")
+    let out = fio_output(
+        crate::procs::command("fio")
             .args([
                 "--name=b",
                 "--ioengine=nbd",
@@ -250,7 +266,7 @@ fn fio(a: &BenchArgs, uri: &str) -> Result<Run> {
 
 fn qemu_img(a: &BenchArgs, uri: &str) -> Result<Run> {
     tool("qemu-img")?;
-    let mut c = Command::new("qemu-img");
+    let mut c = crate::procs::command("qemu-img");
     c.args(["bench", "-f", "raw", "-t", "none"]).args([
         "-c",
         &a.ops.to_string(),
@@ -307,7 +323,7 @@ enum Keep {
 fn fill(src: &Path, uri: &str) -> Result<()> {
     tool("qemu-img")?;
     run_ok(
-        Command::new("qemu-img")
+        crate::procs::command("qemu-img")
             .args(["convert", "-n", "-f", "raw", "-O", "raw"])
             .arg(src)
             .arg(uri),
@@ -316,14 +332,14 @@ fn fill(src: &Path, uri: &str) -> Result<()> {
 }
 
 fn verify(src: &Path, uri: &str) -> bool {
-    Command::new("qemu-img")
-        .args(["compare", "-f", "raw", "-F", "raw"])
-        .arg(src)
-        .arg(uri)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
+    crate::procs::output(
+        crate::procs::command("qemu-img")
+            .args(["compare", "-f", "raw", "-F", "raw"])
+            .arg(src)
+            .arg(uri),
+        libc::SIGTERM,
+    )
+    .is_ok_and(|o| o.status.success())
 }
 
 /// Runs the benchmark.
@@ -380,7 +396,7 @@ fn bench(a: &BenchArgs, sp: &Spawner, systems: &[&str], dir: &Path) -> Result<()
                     Target {
                         name: s.into(),
                         uri,
-                        pids: vec![q.0.id()],
+                        pids: q.0.iter().map(|c| c.id()).collect(),
                         _keep: Keep::Qemu(q),
                     }
                 }
@@ -409,14 +425,21 @@ fn bench(a: &BenchArgs, sp: &Spawner, systems: &[&str], dir: &Path) -> Result<()
         }
     }
     let mut runs: Vec<Vec<Run>> = targets.iter().map(|_| Vec::new()).collect();
-    for round in 0..a.repeat {
+    'rounds: for round in 0..a.repeat {
         for (i, t) in targets.iter().enumerate() {
+            if crate::procs::stopping() {
+                break 'rounds;
+            }
             let cpu0: f64 = t.pids.iter().map(|&p| proc_cpu(p)).sum();
-            let mut r = match a.client.as_str() {
+            let r = match a.client.as_str() {
                 "fio" => fio(a, &t.uri),
                 _ => qemu_img(a, &t.uri),
-            }
-            .with_context(|| format!("{} round {}", t.name, round + 1))?;
+            };
+            // fio stopped by SIGINT reports its jobs so far; a tool killed mid-run has nothing
+            let mut r = match r {
+                Err(_) if crate::procs::stopping() => break 'rounds,
+                r => r.with_context(|| format!("{} round {}", t.name, round + 1))?,
+            };
             r.server_cpu = t.pids.iter().map(|&p| proc_cpu(p)).sum::<f64>() - cpu0;
             if !a.json {
                 eprintln!(
@@ -431,9 +454,14 @@ fn bench(a: &BenchArgs, sp: &Spawner, systems: &[&str], dir: &Path) -> Result<()
         }
     }
     let reads = a.rw.contains("read");
+    // a run cut short is reported as such and not verified (the program has to stop now)
+    let interrupted = crate::procs::stopping();
     let mut medians = Vec::new();
     for (t, rs) in targets.iter().zip(&runs) {
-        let verified = reads && verify(&src, &t.uri);
+        if rs.is_empty() {
+            continue;
+        }
+        let verified = reads && !interrupted && verify(&src, &t.uri);
         let med = |f: &dyn Fn(&Run) -> Option<f64>| {
             let mut v: Vec<f64> = rs.iter().filter_map(f).collect();
             (!v.is_empty()).then(|| median(&mut v))
@@ -458,6 +486,7 @@ fn bench(a: &BenchArgs, sp: &Spawner, systems: &[&str], dir: &Path) -> Result<()
             p99_us: med(&|r| r.p99),
             p999_us: med(&|r| r.p999),
             verified,
+            incomplete: interrupted,
             cpu_secs: rs.iter().filter_map(|r| r.client_cpu).sum::<f64>(),
             server_cpu_secs: (!t.pids.is_empty())
                 .then(|| (rs.iter().map(|r| r.server_cpu).sum::<f64>() * 100.0).round() / 100.0),
@@ -489,14 +518,16 @@ fn bench(a: &BenchArgs, sp: &Spawner, systems: &[&str], dir: &Path) -> Result<()
                 .collect::<Vec<_>>()
                 .into(),
         );
-        if !reads {
+        if interrupted {
+            b.note = Some("interrupted: stopped early, not verified".into());
+        } else if !reads {
             b.note = Some("writes are not read back by the benchmark (the integrity tests do that)".into());
         }
         if a.json {
             b.print(true);
         } else {
             println!(
-                "{:<9} {:<8} bs {:>8} QD{:<3} {:>10.0} IOPS  p50 {:>8} us  p99 {:>8} us  server cpu {:>6} us/IO  verified={}",
+                "{:<9} {:<8} bs {:>8} QD{:<3} {:>10.0} IOPS  p50 {:>8} us  p99 {:>8} us  server cpu {:>6} us/IO  verified={}{}",
                 t.name,
                 a.rw,
                 a.bs,
@@ -505,9 +536,13 @@ fn bench(a: &BenchArgs, sp: &Spawner, systems: &[&str], dir: &Path) -> Result<()
                 b.p50_us.map_or("-".into(), |x| format!("{x:.1}")),
                 b.p99_us.map_or("-".into(), |x| format!("{x:.1}")),
                 b.extra.get("server_cpu_us_per_io").map_or("-".into(), |v| v.to_string()),
-                verified
+                verified,
+                if interrupted { "  INCOMPLETE" } else { "" }
             );
         }
+    }
+    if interrupted {
+        return Ok(());
     }
     let find = |n: &str| targets.iter().position(|t| t.name == n).map(|i| medians[i]);
     if let Some(f) = find("flexns") {

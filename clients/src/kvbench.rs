@@ -222,6 +222,14 @@ impl Run {
         r.extra.insert("paths".into(), v.paths.into());
         r
     }
+
+    /// The result line of a run cut short by SIGINT/SIGTERM (not verified: the program stops).
+    fn interrupted(&self, bench: &str, v: &Variant, msg_bytes: u64, h: &hdrhistogram::Histogram<u64>) -> BenchResult {
+        let mut r = self.result(bench, v, msg_bytes, h);
+        r.incomplete = true;
+        r.note = Some("interrupted: stopped early, not verified".into());
+        r
+    }
 }
 
 /// The paged layout of request mode: pools of `blocks` blocks, fp16.
@@ -272,12 +280,23 @@ fn run_request(t: &Target, v: &Variant, l: &PagedKvLayout, blocks: usize, secs: 
         h.record(t0.elapsed().as_nanos() as u64).ok();
         ops += 1;
         bytes += reqs.iter().map(|r| r.length).sum::<u64>();
-        if Instant::now() >= until && ops >= 3 {
+        if (Instant::now() >= until && ops >= 3) || crate::procs::stopping() {
             break;
         }
     }
     let secs = start.elapsed().as_secs_f64();
     let (cpu1, rss) = rusage(false);
+    if crate::procs::stopping() {
+        let run = Run {
+            bytes,
+            ops,
+            secs,
+            verified: false,
+            cpu: cpu1 - cpu0,
+            rss,
+        };
+        return Ok(run.interrupted("kvcache_request", v, bytes / ops.max(1), &h));
+    }
     let back = l.transfer_requests(Opcode::Read, t.check.addr(), &to, t.seg, t.remote_addr, &to)?;
     t.engine
         .transfer_sync(t.seg, &back, None)
@@ -325,12 +344,23 @@ fn run_once(t: &Target, v: &Variant, size: u64, secs: f64, seed: u64) -> Result<
             .map_err(|e| anyhow::anyhow!("{} write of {size} B: {e:?}", v.label))?;
         h.record(t0.elapsed().as_nanos() as u64).ok();
         ops += 1;
-        if Instant::now() >= until && ops >= 3 {
+        if (Instant::now() >= until && ops >= 3) || crate::procs::stopping() {
             break;
         }
     }
     let secs = start.elapsed().as_secs_f64();
     let (cpu1, rss) = rusage(false);
+    if crate::procs::stopping() {
+        let run = Run {
+            bytes: ops * size,
+            ops,
+            secs,
+            verified: false,
+            cpu: cpu1 - cpu0,
+            rss,
+        };
+        return Ok(run.interrupted("kvcache_write", v, size, &h));
+    }
     // verify: every slot written holds the pattern
     let mut verified = true;
     for s in 0..slots.min(ops) {
@@ -412,26 +442,36 @@ pub fn run(a: &BenchArgs, exe: &std::path::Path, sub: &[String]) -> Result<Vec<s
         .map(|v| setup(a, v, max, exe, sub))
         .collect::<Result<_>>()?;
     let mut out = Vec::new();
-    for &size in &sizes {
+    'sizes: for &size in &sizes {
         let mut gbps = vec![Vec::new(); variants.len()];
         let mut p50 = vec![Vec::new(); variants.len()];
         for pair in 0..a.pairs {
+            let mut row = Vec::new();
             for (i, (v, t)) in variants.iter().zip(&targets).enumerate() {
+                if crate::procs::stopping() {
+                    break 'sizes;
+                }
                 let seed = (pair * 31 + i) as u64 + size;
                 let r = match &req {
                     Some((l, blocks)) => run_request(t, v, l, *blocks, a.duration, seed)?,
                     None => run_once(t, v, size, a.duration, seed)?,
                 };
+                r.print(a.json);
+                out.push(serde_json::to_value(&r)?);
+                if r.incomplete {
+                    break 'sizes;
+                }
                 if !r.verified {
                     bail!(
                         "{}: data read back from the decode engine differs from what was written",
                         v.label
                     );
                 }
-                gbps[i].push(r.gbps);
-                p50[i].push(r.p50_us.unwrap_or(0.0));
-                r.print(a.json);
-                out.push(serde_json::to_value(&r)?);
+                row.push((r.gbps, r.p50_us.unwrap_or(0.0)));
+            }
+            for (i, (g, p)) in row.into_iter().enumerate() {
+                gbps[i].push(g);
+                p50[i].push(p);
             }
         }
         let shown = req.as_ref().map_or(size, |(l, b)| *b as u64 * l.block_bytes());
@@ -441,7 +481,7 @@ pub fn run(a: &BenchArgs, exe: &std::path::Path, sub: &[String]) -> Result<Vec<s
             let r3 = |x: f64| (x * 1000.0).round() / 1000.0;
             let line = serde_json::json!({
                 "bench": "ratio", "metric": "gbps", "system": variants[0].label, "reference": variants[i].label,
-                "msg_bytes": shown, "pairs": a.pairs, "ratio": r3(median(&mut ratios.clone())),
+                "msg_bytes": shown, "pairs": ratios.len(), "ratio": r3(median(&mut ratios.clone())),
                 "ratios": ratios.iter().map(|&x| r3(x)).collect::<Vec<_>>(),
                 "p50_ratio": r3(median(&mut lat.clone())),
             });
@@ -450,7 +490,11 @@ pub fn run(a: &BenchArgs, exe: &std::path::Path, sub: &[String]) -> Result<Vec<s
             } else {
                 println!(
                     "ratio {} / {} at {shown} B: throughput {} (median of {}), p50 latency {}",
-                    variants[0].label, variants[i].label, line["ratio"], a.pairs, line["p50_ratio"]
+                    variants[0].label,
+                    variants[i].label,
+                    line["ratio"],
+                    ratios.len(),
+                    line["p50_ratio"]
                 );
             }
             out.push(line);

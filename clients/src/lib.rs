@@ -7,4 +7,5 @@ pub mod ccsim;
 pub mod kvbench;
 pub mod perf;
 pub mod plot;
+pub mod procs;
 pub mod ycsb;

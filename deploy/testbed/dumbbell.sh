@@ -104,7 +104,7 @@ net=(--line-rate "${RATE_BPS}bit" --rx-delay-us "$half" --no-gso --no-gro --paci
 [ "$CC" = hpcc ] && net+=(--no-udp-checksum)
 
 mkfifo "$work/banner"
-ip netns exec "${P}_r" "$NSPERF" server --listen 10.77.3.2:7471 --data 10.77.3.2:4791 --mr-size 16MiB \
+"${DIE[@]}" ip netns exec "${P}_r" "$NSPERF" server --listen 10.77.3.2:7471 --data 10.77.3.2:4791 --mr-size 16MiB \
   --recovery selective-repeat "${net[@]}" >"$work/banner" 2>"$work/server.err" &
 pids+=($!)
 exec 3<"$work/banner"
@@ -114,13 +114,13 @@ fi
 
 start_ns=$(python3 -c 'import time; print(time.monotonic_ns())')
 for s in 1 2; do
-  ip netns exec "${P}_s$s" "$NSPERF" client --server 10.77.3.2:7471 --data "10.77.$s.2:4791" --op write \
+  "${DIE[@]}" ip netns exec "${P}_s$s" "$NSPERF" client --server 10.77.3.2:7471 --data "10.77.$s.2:4791" --op write \
     --size 64KiB --depth 8 --duration "$DURATION" --mtu 1024 --recovery selective-repeat --cc "$CC" --json \
     "${net[@]}" >"$work/flow$s.json" 2>"$work/flow$s.err" &
   pids+=($!)
 done
 # sample the real qdisc backlog while the flows run (about every 20 ms; each sample forks tc)
-python3 - "$P" "$DURATION" >"$work/backlog.txt" <<'EOF' &
+"${DIE[@]}" python3 - "$P" "$DURATION" >"$work/backlog.txt" <<'EOF' &
 import re, subprocess, sys, time
 p, dur = sys.argv[1], float(sys.argv[2])
 end = time.monotonic() + dur
@@ -133,6 +133,7 @@ while time.monotonic() < end:
     time.sleep(0.02)
 EOF
 sampler=$!
+pids+=($sampler)
 fail=0
 for s in 1 2; do
   wait "${pids[$s]}" || { fail=1; echo "flow $s failed:" >&2; grep -v "^ \\|^Stack backtrace" "$work/flow$s.err" | tail -5 >&2; }

@@ -128,7 +128,7 @@ if [ "$cmd" = kvcache ]; then
   # kvc_server NAME TRANSPORT PORT: a decode engine in B on the ECMP service address
   kvc_server() {
     mkfifo "$work/$1.banner"
-    ip netns exec "${P}_b" "$KVCACHE_BENCH" serve --transport "$2" --metadata P2PHANDSHAKE \
+    "${DIE[@]}" ip netns exec "${P}_b" "$KVCACHE_BENCH" serve --transport "$2" --metadata P2PHANDSHAKE \
       --bind 10.88.2.2 --advertise 10.88.2.2 --rpc-port "$3" --pool "$SIZE" --paths "$PATHS" \
       --stack-config "$work/kvc.toml" >"$work/$1.banner" 2>"$work/$1.err" &
     pids+=($!)
@@ -136,12 +136,12 @@ if [ "$cmd" = kvcache ]; then
     if ! read -r -t 30 line <"$work/$1.banner"; then
       echo "decode engine $1 did not start:" >&2; cat "$work/$1.err" >&2; exit 1
     fi
-    cat "$work/$1.banner" >/dev/null &
+    "${DIE[@]}" cat "$work/$1.banner" >/dev/null &
     pids+=($!)
   }
   kvc_server kvf flexns 7481
   kvc_server kvt tcp 7482
-  if ! ip netns exec "${P}_a" "$KVCACHE_BENCH" --server 10.88.2.2:7481 --bind 10.88.1.2 \
+  if ! run ip netns exec "${P}_a" "$KVCACHE_BENCH" --server 10.88.2.2:7481 --bind 10.88.1.2 \
     --paths "$PATHS" --compare-paths 1 --compare tcp --compare-server 10.88.2.2:7482 --tcp-lanes 1 \
     --stack-config "$work/kvc.toml" --size "$SIZE" --duration "$DURATION" --pairs "$PAIRS" --json \
     2>"$work/kvc.err"; then
@@ -157,7 +157,7 @@ start_server() {
   local name="$1" cm="$2" data="$3"
   shift 3
   mkfifo "$work/$name.banner"
-  ip netns exec "${P}_b" "$NSPERF" server --listen "$cm" --data "$data" --mr-size 64MiB \
+  "${DIE[@]}" ip netns exec "${P}_b" "$NSPERF" server --listen "$cm" --data "$data" --mr-size 64MiB \
     --recovery selective-repeat "$@" >"$work/$name.banner" 2>"$work/$name.err" &
   pids+=($!)
   local line
@@ -165,7 +165,7 @@ start_server() {
     echo "nsperf server $name did not start:" >&2; cat "$work/$name.err" >&2; exit 1
   fi
   # keep the pipe drained
-  cat "$work/$name.banner" >/dev/null &
+  "${DIE[@]}" cat "$work/$name.banner" >/dev/null &
   pids+=($!)
 }
 start_server spray 10.88.2.2:7471 10.88.2.2:4791
@@ -176,7 +176,7 @@ client=(ip netns exec "${P}_a" "$NSPERF" client --server 10.88.2.2:7471 --data 1
   --paths "$PATHS" --spray "$SPRAY" "${net[@]}")
 
 # 1. spraying versus one fixed source port, interleaved
-if ! "${client[@]}" --size 64KiB --depth 32 --duration "$DURATION" --compare-paths 1 --pairs "$PAIRS" \
+if ! run "${client[@]}" --size 64KiB --depth 32 --duration "$DURATION" --compare-paths 1 --pairs "$PAIRS" \
   >"$work/spray.json" 2>"$work/spray.err"; then
   echo "the spray experiment failed:" >&2; grep -v "^ \\|^Stack backtrace" "$work/spray.err" | tail -5 >&2; exit 1
 fi
@@ -186,13 +186,13 @@ fi
 cut_run() {
   local name="$1"
   shift
-  "$@" >"$work/$name.json" 2>"$work/$name.err" &
+  "${DIE[@]}" "$@" >"$work/$name.json" 2>"$work/$name.err" &
+  pids+=($!)
   local cpid=$!
-  pids+=($cpid)
-  sleep "$CUT_AT"
+  run sleep "$CUT_AT"
   python3 -c 'import time; print(time.monotonic_ns())' >"$work/$name.times"
   ip -n "${P}_b" link set "${P}b1" down
-  sleep "$CUT_FOR"
+  run sleep "$CUT_FOR"
   python3 -c 'import time; print(time.monotonic_ns())' >>"$work/$name.times"
   ip -n "${P}_b" link set "${P}b1" up
   ip -n "${P}_b" route replace 10.88.1.0/24 \

@@ -26,6 +26,21 @@ down() {
   for n in "${NS[@]}"; do ip netns del "${P}_$n" 2>/dev/null || true; done
 }
 
+# "${DIE[@]}" CMD...: runs CMD as a child that dies with this script even when the script itself
+# is killed (setpriv --pdeathsig). Background children start as `"${DIE[@]}" CMD ... & pids+=($!)`
+# (the redirections stay on the background command: a FIFO opened for writing blocks until its
+# reader comes, so it must be opened in the child).
+DIE=(setpriv --pdeathsig KILL --)
+
+# run CMD...: runs CMD like that in the background and waits for it, returning its status. A
+# signal to the script ends the wait at once (bash runs a trap only after a foreground command
+# finishes, but interrupts `wait`), so the cleanup trap stops CMD without waiting for it.
+run() {
+  "${DIE[@]}" "$@" &
+  pids+=($!)
+  wait "$!"
+}
+
 # The EXIT/INT/TERM trap: stops the children, removes everything, keeps the exit status.
 cleanup() {
   local rc=$?

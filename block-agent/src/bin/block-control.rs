@@ -9,8 +9,17 @@ struct Cli {
     args: block_agent::daemon::ControlArgs,
 }
 
+fn main() -> std::process::ExitCode {
+    // the error chain on one line, no backtrace
+    if let Err(e) = run() {
+        eprintln!("block-control: {e:#}");
+        return std::process::ExitCode::FAILURE;
+    }
+    std::process::ExitCode::SUCCESS
+}
+
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
+async fn run() -> anyhow::Result<()> {
     block_agent::daemon::init_logging();
     Ok(block_agent::daemon::run_control(Cli::parse().args).await?)
 }

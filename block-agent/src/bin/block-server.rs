@@ -9,8 +9,17 @@ struct Cli {
     args: block_agent::daemon::NodeArgs,
 }
 
+fn main() -> std::process::ExitCode {
+    // the error chain on one line, no backtrace
+    if let Err(e) = run() {
+        eprintln!("block-server: {e:#}");
+        return std::process::ExitCode::FAILURE;
+    }
+    std::process::ExitCode::SUCCESS
+}
+
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
+async fn run() -> anyhow::Result<()> {
     block_agent::daemon::init_logging();
     Ok(block_agent::daemon::run_node(Cli::parse().args).await?)
 }

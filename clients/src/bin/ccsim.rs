@@ -45,7 +45,11 @@ enum Exp {
     All,
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() -> std::process::ExitCode {
+    clients::bench::exit("ccsim", run())
+}
+
+fn run() -> anyhow::Result<()> {
     clients::bench::init_cli();
     let cli = Cli::parse();
     std::fs::create_dir_all(&cli.out).with_context(|| format!("creating {}", cli.out.display()))?;

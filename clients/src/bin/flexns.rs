@@ -44,14 +44,22 @@ enum Cmd {
     },
 }
 
-fn main() -> Result<()> {
+fn main() -> std::process::ExitCode {
+    clients::bench::exit("flexns", run())
+}
+
+fn run() -> anyhow::Result<()> {
     clients::bench::init_cli();
     match Cli::parse().cmd {
         Cmd::PerfServer(a) => server::run(a),
         Cmd::KvServer(a) => kv_store::cli::run(a),
         Cmd::KvcacheServe(a) => Ok(kvcache_engine::daemon::run(&a)?),
         Cmd::BlkDaemon { cmd } => clients::blk::run_daemon(cmd),
-        Cmd::Demo { duration, json } => demo(duration, json),
+        Cmd::Demo { duration, json } => {
+            clients::procs::install_stop_handler("flexns demo");
+            demo(duration, json)?;
+            clients::procs::finish()
+        }
     }
 }
 
@@ -129,6 +137,9 @@ fn demo(duration: f64, json: bool) -> Result<()> {
     ];
     let mut all_verified = true;
     for st in steps {
+        if clients::procs::stopping() {
+            return Ok(());
+        }
         let (what, op, size, depth, compare, paths) = (st.what, st.op, st.size, st.depth, st.compare, st.paths);
         if !json {
             println!("== {what}");
@@ -180,9 +191,16 @@ fn demo(duration: f64, json: bool) -> Result<()> {
             println!();
         }
     }
-    all_verified &= kv_step(duration, json).is_ok();
-    all_verified &= kvcache_step(duration, json).is_ok();
-    all_verified &= block_step(duration, json).is_ok();
+    type StepFn = fn(f64, bool) -> Result<()>;
+    for step in [kv_step as StepFn, kvcache_step, block_step] {
+        if clients::procs::stopping() {
+            return Ok(());
+        }
+        all_verified &= step(duration, json).is_ok();
+    }
+    if clients::procs::stopping() {
+        return Ok(());
+    }
     if !all_verified {
         anyhow::bail!("a demo step moved data that did not verify");
     }

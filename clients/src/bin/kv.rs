@@ -1,6 +1,6 @@
 //! `kv`: get, put and delete keys of a kv-store cluster from the command line.
 
-use anyhow::{bail, Context as _, Result};
+use anyhow::{bail, Context as _};
 use clap::{Parser, Subcommand};
 use kv_store::client::{ClientConfig, GetPath, KvClient};
 use netstack::verbs::{Context, ContextConfig};
@@ -37,7 +37,11 @@ enum Cmd {
     Del { key: String },
 }
 
-fn main() -> Result<()> {
+fn main() -> std::process::ExitCode {
+    clients::bench::exit("kv", run())
+}
+
+fn run() -> anyhow::Result<()> {
     clients::bench::init_cli();
     let cli = Cli::parse();
     if cli.server.is_empty() && cli.etcd.is_none() {

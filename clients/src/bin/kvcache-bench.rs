@@ -21,13 +21,19 @@ enum Cmd {
     Serve(kvcache_engine::daemon::ServeArgs),
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() -> std::process::ExitCode {
+    clients::bench::exit("kvcache-bench", run())
+}
+
+fn run() -> anyhow::Result<()> {
     clients::bench::init_cli();
     let cli = Cli::parse();
     match cli.cmd {
         Some(Cmd::Serve(a)) => kvcache_engine::daemon::run(&a)?,
         None => {
+            clients::procs::install_stop_handler("kvcache-bench");
             clients::kvbench::run(&cli.bench, &std::env::current_exe()?, &["serve".to_string()])?;
+            clients::procs::finish()?;
         }
     }
     Ok(())

@@ -22,7 +22,11 @@ enum Cmd {
     Client(client::ClientArgs),
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() -> std::process::ExitCode {
+    clients::bench::exit("nsperf", run())
+}
+
+fn run() -> anyhow::Result<()> {
     clients::bench::init_cli();
     match Cli::parse().cmd {
         Cmd::Server(a) => server::run(a),
@@ -31,7 +35,9 @@ fn main() -> anyhow::Result<()> {
                 exe: std::env::current_exe()?,
                 subcommand: vec!["server".into()],
             };
-            client::run(&a, &spawn).map(|_| ())
+            clients::procs::install_stop_handler("nsperf");
+            client::run(&a, &spawn)?;
+            clients::procs::finish()
         }
     }
 }

@@ -2,7 +2,6 @@
 //! `clients::ycsb`). With no server address it starts its own kv-server processes and
 //! redis-server.
 
-use anyhow::Result;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
@@ -26,11 +25,18 @@ enum Cmd {
     KvServer(kv_store::cli::ServerArgs),
 }
 
-fn main() -> Result<()> {
+fn main() -> std::process::ExitCode {
+    clients::bench::exit("ycsb", run())
+}
+
+fn run() -> anyhow::Result<()> {
     clients::bench::init_cli();
     let cli = Cli::parse();
     match cli.cmd {
         Some(Cmd::KvServer(a)) => kv_store::cli::run(a),
-        None => clients::ycsb::run(cli.args, &std::env::current_exe()?, &["kv-server".to_string()]),
+        None => {
+            clients::procs::install_stop_handler("ycsb");
+            clients::ycsb::run(cli.args, &std::env::current_exe()?, &["kv-server".to_string()])
+        }
     }
 }

@@ -226,6 +226,9 @@ pub fn run(a: &ClientArgs, spawn: &ServerSpawn) -> Result<Vec<BenchResult>> {
         (None, None, None) => vec![(a.system, a.cc, mine)],
     };
     for (sys, cc, paths) in runs {
+        if crate::procs::stopping() {
+            break;
+        }
         let (c0, _) = rusage(false);
         let mut r = match sys {
             System::Flexns => flexns(a, cc, paths, p.cm)?,
@@ -253,6 +256,7 @@ pub fn run(a: &ClientArgs, spawn: &ServerSpawn) -> Result<Vec<BenchResult>> {
         let (c1, rss) = rusage(false);
         r.cpu_secs = ((c1 - c0) * 1000.0).round() / 1000.0;
         r.peak_rss_kib = rss;
+        r.incomplete |= crate::procs::stopping();
         r.print(a.json);
         out.push(r);
     }
@@ -272,21 +276,27 @@ pub fn run(a: &ClientArgs, spawn: &ServerSpawn) -> Result<Vec<BenchResult>> {
                 r.gbps
             }
         };
-        let mut ratios: Vec<f64> = out.chunks(2).map(|c| val(&c[0]) / val(&c[1])).collect();
+        // whole pairs only: an interrupted run has no partner
+        let mut ratios: Vec<f64> = out
+            .chunks(2)
+            .filter(|c| c.len() == 2 && !c[0].incomplete && !c[1].incomplete)
+            .map(|c| val(&c[0]) / val(&c[1]))
+            .collect();
+        if ratios.is_empty() {
+            return Ok(out);
+        }
+        let pairs = ratios.len();
         let ratio = (median(&mut ratios) * 1000.0).round() / 1000.0;
         let system = match (a.compare_cc, a.compare_paths) {
             (Some(_), _) => format!("flexns cc={}", a.cc),
             (None, Some(_)) => format!("flexns paths={} spray={}", a.paths, a.spray),
             (None, None) => a.system.name().to_string(),
         };
-        let line = serde_json::json!({"bench": "ratio", "metric": metric, "system": system, "reference": reference, "op": a.op, "msg_bytes": a.size, "depth": a.depth, "qps": a.qps, "pairs": a.pairs, "ratio": ratio, "ratios": ratios});
+        let line = serde_json::json!({"bench": "ratio", "metric": metric, "system": system, "reference": reference, "op": a.op, "msg_bytes": a.size, "depth": a.depth, "qps": a.qps, "pairs": pairs, "ratio": ratio, "ratios": ratios});
         if a.json {
             println!("{line}");
         } else {
-            println!(
-                "ratio {system} / {reference} ({metric}), median of {} pairs: {ratio}",
-                a.pairs
-            );
+            println!("ratio {system} / {reference} ({metric}), median of {pairs} pairs: {ratio}");
         }
     }
     if let Some(mut c) = p.child.take() {
@@ -367,12 +377,20 @@ fn flexns(
     crate::bench::fill_pattern(&mut buf, 0, 1);
     mr.write(0, &buf);
     let echo = a.op == Op::Send && a.depth == 1;
-    let mut qps = Vec::new();
-    let mut remote = None;
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    let mut connector = rt.block_on(cm::Connector::new(cm_addr))?;
+    let low_latency = echo && !a.standard_qp;
+    let hello = serde_json::to_vec(&Hello {
+        op: a.op,
+        size: a.size,
+        depth: a.depth,
+        echo,
+        low_latency,
+        resp_addr: 0,
+        resp_rkey: 0,
+    })?;
+    // set-up: create every QP, then connect them all in batched exchanges
+    let setup = Instant::now();
+    let mut qps = Vec::with_capacity(nq);
     for _ in 0..nq {
-        let low_latency = echo && !a.standard_qp;
         let qp = ctx.create_qp(
             &pd,
             &cq,
@@ -385,25 +403,29 @@ fn flexns(
         if npaths > 1 {
             qp.set_paths(npaths, spray)?;
         }
-        let hello = Hello {
-            op: a.op,
-            size: a.size,
-            depth: a.depth,
-            echo,
-            low_latency,
-            resp_addr: 0,
-            resp_rkey: 0,
-        };
-        let reply = rt.block_on(connector.connect(&qp, serde_json::to_vec(&hello)?))?;
+        qps.push(qp);
+    }
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let reqs: Vec<(&Qp, Vec<u8>)> = qps.iter().map(|q| (q, hello.clone())).collect();
+    let replies = rt.block_on(async {
+        let mut connector = cm::Connector::new(cm_addr).await?;
+        connector.connect_many(&reqs).await
+    })?;
+    drop(reqs);
+    let setup_secs = setup.elapsed().as_secs_f64();
+    let mut remote = None;
+    for (i, reply) in replies.into_iter().enumerate() {
+        let reply = reply.with_context(|| format!("connecting QP {i} of {nq}"))?;
         let w: Welcome = serde_json::from_slice(&reply).context("bad welcome from server")?;
         if (unit * slots) as u64 > w.len {
             bail!("server memory region ({} bytes) is smaller than {} QPs x depth {} x {} bytes; start the server with a larger --mr-size", w.len, nq, depth, unit);
         }
-        if let Some(r) = a.rate_limit {
+        remote = Some(w);
+    }
+    if let Some(r) = a.rate_limit {
+        for qp in &qps {
             qp.set_rate_limit(Some(r), 64 << 10);
         }
-        remote = Some(w);
-        qps.push(qp);
     }
     let w = remote.context("no QP")?;
     let raddr = |slot: usize| w.addr + (slot * unit) as u64;
@@ -464,7 +486,7 @@ fn flexns(
         // ping-pong: SEND, wait for the echo; half the round trip is the latency, as perftest
         let qp = &qps[0];
         let mut n = 0u64;
-        while Instant::now() < end {
+        while crate::procs::running_until(end) {
             mr.write(0, &n.to_le_bytes()[..size.min(8)]);
             qp.post_recv(RecvWr {
                 wr_id: 1,
@@ -527,7 +549,7 @@ fn flexns(
                 max_gap = max_gap.max(now - last_done);
                 last_done = now;
                 let more = a.bytes.is_none_or(|b| posted_bytes < b);
-                if now < end && more {
+                if now < end && more && !crate::procs::stopping() {
                     posted_bytes += unit as u64;
                     posted_at[slot] = now;
                     qps[slot / depth].post_send(wr_for(slot, wc.wr_id))?;
@@ -538,9 +560,15 @@ fn flexns(
         }
     }
     let secs = start.elapsed().as_secs_f64();
-    // end-to-end verification
+    // end-to-end verification (not of a run cut short: the program has to stop now)
     let mut note = None;
+    let interrupted = crate::procs::stopping();
+    if interrupted {
+        verified = false;
+        note = Some("interrupted: stopped early, not verified".into());
+    }
     match a.op {
+        _ if interrupted => {}
         Op::Write => {
             // read every remote slot back and compare with what was written
             for (q, qp) in qps.iter().enumerate() {
@@ -602,6 +630,7 @@ fn flexns(
         ops,
         secs,
         verified,
+        incomplete: interrupted,
         note,
         ..Default::default()
     };
@@ -610,6 +639,11 @@ fn flexns(
     r.extra
         .insert("tx_payload_copy_bytes".into(), st.tx_payload_copy_bytes.into());
     r.extra.insert("staging_bytes".into(), st.staging_bytes.into());
+    // QP set-up: creating and connecting every QP of the run (both ends)
+    r.extra
+        .insert("setup_secs".into(), ((setup_secs * 1e4).round() / 1e4).into());
+    r.extra
+        .insert("qp_connects_per_sec".into(), ((nq as f64 / setup_secs).round()).into());
     r.extra.insert(
         "qp_state_bytes".into(),
         qps.iter().map(|q| q.state_bytes()).max().unwrap_or(0).into(),

@@ -178,7 +178,7 @@ fn batch_read(a: &ClientArgs, cm_addr: SocketAddr) -> Result<BenchResult> {
             }
         }
         ops += n as u64;
-        if now < end {
+        if now < end && !crate::procs::stopping() {
             round[s] += 1;
             posted_at[s] = now;
             c.qp.post_offload(
@@ -222,7 +222,7 @@ fn list_walk(a: &ClientArgs, cm_addr: SocketAddr, mode: WalkMode) -> Result<Benc
     let limit = end + Duration::from_secs(30);
     let (mut ops, mut verified, mut reads) = (0u64, true, 0u64);
     let mut v = vec![0u8; VALUE_LEN];
-    while Instant::now() < end {
+    while crate::procs::running_until(end) {
         let t = Instant::now();
         match mode {
             WalkMode::Offload => {
@@ -306,7 +306,7 @@ fn redn_get(a: &ClientArgs, cm_addr: SocketAddr) -> Result<BenchResult> {
     let (mut ops, mut verified) = (0u64, true);
     let mut v = vec![0u8; VALUE_LEN];
     let mut k = 1u64;
-    while Instant::now() < end {
+    while crate::procs::running_until(end) {
         k = k.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407) % TABLE_BUCKETS + 1;
         let id = ops as u32;
         let msg = netstack::redn::programs::hash_get_request(k, id, &[c.w.table_addr + (k % TABLE_BUCKETS) * 16]);
@@ -364,6 +364,7 @@ pub fn run(
         let (c1, rss) = crate::bench::rusage(false);
         r.cpu_secs = ((c1 - c0) * 1000.0).round() / 1000.0;
         r.peak_rss_kib = rss;
+        r.incomplete = crate::procs::stopping();
         Ok(r)
     };
     let main = |a: &ClientArgs| -> Result<BenchResult> {
@@ -408,10 +409,21 @@ pub fn run(
     let lat = a.op != Op::BatchRead;
     let mut ratios = Vec::new();
     for _ in 0..pairs {
+        if crate::procs::stopping() {
+            break;
+        }
         let x = measured(&|| main(a))?;
-        let y = measured(&|| reference(a))?;
         x.print(a.json);
+        if x.incomplete {
+            out.push(x);
+            break;
+        }
+        let y = measured(&|| reference(a))?;
         y.print(a.json);
+        if y.incomplete {
+            out.extend([x, y]);
+            break;
+        }
         ratios.push(if lat {
             x.p50_us.unwrap_or(f64::NAN) / y.p50_us.unwrap_or(f64::NAN)
         } else {
@@ -420,6 +432,10 @@ pub fn run(
         out.push(x);
         out.push(y);
     }
+    if ratios.is_empty() {
+        return Ok(out); // interrupted before a whole pair
+    }
+    let pairs = ratios.len();
     let ratio = (median(&mut ratios) * 1000.0).round() / 1000.0;
     let metric = if lat { "p50_us" } else { "mops" };
     let reference = match a.op {

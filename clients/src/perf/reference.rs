@@ -84,7 +84,7 @@ pub fn udp_bw(server: SocketAddr, dgram: usize, secs: f64) -> Result<BenchResult
     let start = Instant::now();
     let end = start + Duration::from_secs_f64(secs);
     let mut sent = 0u64;
-    while Instant::now() < end {
+    while crate::procs::running_until(end) {
         let mut msgs: Vec<OutMsg> = (0..16)
             .map(|_| {
                 let mut m = OutMsg::new(&dst);
@@ -146,7 +146,7 @@ fn ping_pong(
     let start = Instant::now();
     let end = start + Duration::from_secs_f64(secs);
     let (mut ops, mut verified) = (0u64, true);
-    while Instant::now() < end {
+    while crate::procs::running_until(end) {
         buf[seq.clone()].copy_from_slice(&ops.to_le_bytes());
         let t = Instant::now();
         let Some(n) = exchange(&buf, &mut rbuf)? else { continue };
@@ -229,7 +229,7 @@ pub fn tcp_bw(server: SocketAddr, size: usize, secs: f64) -> Result<BenchResult>
     let start = Instant::now();
     let end = start + Duration::from_secs_f64(secs);
     let mut ops = 0;
-    while Instant::now() < end {
+    while crate::procs::running_until(end) {
         s.write_all(&buf)?;
         ops += 1;
     }

@@ -179,7 +179,7 @@ fn client_loop(
     let mut t = Tally::default();
     let mut h = histogram();
     let cap = truth.acked.len() as u64;
-    while Instant::now() < end {
+    while crate::procs::running_until(end) {
         let want = a.depth as u64;
         let got = budget
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| Some(b.saturating_sub(want)))
@@ -507,8 +507,11 @@ pub fn run(a: YcsbArgs, exe: &std::path::Path, sub: &[String]) -> Result<()> {
     }
     let chooser = KeyChooser::new(a.dist, a.records, a.theta);
     let mut results: Vec<(Config, BenchResult)> = Vec::new();
-    for pair in 0..a.pairs {
+    'pairs: for pair in 0..a.pairs {
         for &cfg in &configs {
+            if crate::procs::stopping() {
+                break 'pairs;
+            }
             let mut backends = (0..a.threads)
                 .map(|_| backend(cfg, &a, &ctx, &servers))
                 .collect::<Result<Vec<_>>>()?;
@@ -564,6 +567,7 @@ pub fn run(a: YcsbArgs, exe: &std::path::Path, sub: &[String]) -> Result<()> {
             };
             r.rates();
             r.latencies(&h);
+            r.incomplete = crate::procs::stopping();
             let x = &mut r.extra;
             let j = |v: u64| serde_json::Value::from(v);
             x.insert("reads".into(), j(t.reads));
@@ -607,6 +611,7 @@ pub fn run(a: YcsbArgs, exe: &std::path::Path, sub: &[String]) -> Result<()> {
         }
     }
     ratios(&a, &configs, &results);
+    crate::procs::finish()?;
     let all_ok = results.iter().all(|(_, r)| r.verified);
     if !all_ok {
         bail!("some runs were not verified (see the lines above)");
@@ -617,7 +622,14 @@ pub fn run(a: YcsbArgs, exe: &std::path::Path, sub: &[String]) -> Result<()> {
 /// Ratio lines: every flexns path against redis (throughput) and against A1 (p50 latency),
 /// median of the per-pair ratios.
 fn ratios(a: &YcsbArgs, configs: &[Config], results: &[(Config, BenchResult)]) {
-    let per = |c: Config| -> Vec<&BenchResult> { results.iter().filter(|(x, _)| *x == c).map(|(_, r)| r).collect() };
+    // an interrupted run has no partner
+    let per = |c: Config| -> Vec<&BenchResult> {
+        results
+            .iter()
+            .filter(|(x, r)| *x == c && !r.incomplete)
+            .map(|(_, r)| r)
+            .collect()
+    };
     let mut lines = Vec::new();
     for &c in configs.iter().filter(|c| c.system == System::Flexns) {
         for (refc, what) in [

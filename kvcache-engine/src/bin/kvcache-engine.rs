@@ -15,7 +15,16 @@ enum Cmd {
     Serve(kvcache_engine::daemon::ServeArgs),
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() -> std::process::ExitCode {
+    // the error chain on one line, no backtrace
+    if let Err(e) = run() {
+        eprintln!("kvcache-engine: {e:#}");
+        return std::process::ExitCode::FAILURE;
+    }
+    std::process::ExitCode::SUCCESS
+}
+
+fn run() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
         .with_writer(std::io::stderr)
