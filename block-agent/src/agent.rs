@@ -1,5 +1,6 @@
 //! The agent: the volumes attached to this host, exported over NBD, with one [`Link`] per
-//! storage node shared by every volume that has a replica there.
+//! storage node shared by every volume that has a replica there. Links are keyed by the
+//! node's stable id: when the node restarts on another address the same link follows it.
 
 use crate::link::{Carrier, Link, LinkConfig, LinkError};
 use crate::nbd::server::Exports;
@@ -14,6 +15,8 @@ use std::sync::Arc;
 pub enum AttachError {
     #[error("replica address {0:?} is not IP:PORT")]
     Address(String),
+    #[error("replica node id {0:?} is empty")]
+    Node(String),
     #[error("volume {0} has no replicas")]
     NoReplicas(u32),
     #[error("volume size {0} is not a positive multiple of 4096")]
@@ -44,11 +47,19 @@ impl AgentConfig {
     }
 }
 
+/// A replica as the agent is told of it: the storage node's id and where it serves now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplicaAt {
+    pub node: String,
+    pub addr: String,
+}
+
 /// An agent's state.
 pub struct Agent {
     cfg: AgentConfig,
     exports: Arc<Exports>,
-    links: Mutex<HashMap<SocketAddr, Arc<Link>>>,
+    /// One link per storage node, by node id.
+    links: Mutex<HashMap<String, Arc<Link>>>,
 }
 
 impl Agent {
@@ -69,22 +80,26 @@ impl Agent {
         self.cfg.carrier
     }
 
-    fn link(&self, addr: SocketAddr) -> Result<Arc<Link>, LinkError> {
+    /// The link to storage node `node`, started or pointed at `addr`.
+    fn link(&self, node: &str, addr: SocketAddr) -> Result<Arc<Link>, LinkError> {
         let mut links = self.links.lock();
-        if let Some(l) = links.get(&addr) {
+        if let Some(l) = links.get(node) {
+            l.retarget(addr);
             return Ok(l.clone());
         }
         let mut c = self.cfg.link.clone();
         c.server = addr;
         c.carrier = self.cfg.carrier;
         let l = Arc::new(Link::start(c)?);
-        links.insert(addr, l.clone());
+        links.insert(node.to_string(), l.clone());
         Ok(l)
     }
 
-    /// Exports volume `id` of `size` bytes on `replicas` as `name` (replacing an export of
-    /// that name: a resized volume is attached again; open connections keep the old size).
-    pub fn attach(&self, name: &str, id: u32, size: u64, replicas: &[String]) -> Result<Arc<Volume>, AttachError> {
+    /// Exports volume `id` of `size` bytes on `replicas` as `name`. Attaching again what is
+    /// already exported changes nothing but the replicas' addresses (a node that moved), and
+    /// open connections go on; a different volume, size or replica set replaces the export (a
+    /// resized volume: new connections see the new size, open ones keep the old).
+    pub fn attach(&self, name: &str, id: u32, size: u64, replicas: &[ReplicaAt]) -> Result<Arc<Volume>, AttachError> {
         if name.is_empty() {
             return Err(AttachError::Name);
         }
@@ -94,10 +109,26 @@ impl Agent {
         if replicas.is_empty() {
             return Err(AttachError::NoReplicas(id));
         }
-        let mut links = Vec::new();
+        let mut parsed = Vec::new();
         for r in replicas {
-            let a: SocketAddr = r.parse().map_err(|_| AttachError::Address(r.clone()))?;
-            links.push(self.link(a)?);
+            if r.node.is_empty() {
+                return Err(AttachError::Node(r.node.clone()));
+            }
+            let a: SocketAddr = r.addr.parse().map_err(|_| AttachError::Address(r.addr.clone()))?;
+            parsed.push((r.node.as_str(), a));
+        }
+        let mut links = Vec::new();
+        for (node, a) in parsed {
+            links.push(self.link(node, a)?);
+        }
+        if let Some(v) = self.exports.get(name) {
+            let same = v.id() == id
+                && v.size() == size
+                && v.replicas().len() == links.len()
+                && v.replicas().iter().zip(&links).all(|(a, b)| Arc::ptr_eq(a, b));
+            if same {
+                return Ok(v);
+            }
         }
         let v = Volume::new(id, size, links, self.cfg.volume.clone());
         self.exports.insert(name, v.clone());

@@ -4,15 +4,18 @@
 //! processes), then serving until SIGTERM or Ctrl-C.
 
 use crate::agent::{Agent, AgentConfig};
-use crate::control::{pb, AgentAdmin, Controller, MetaStore, NodeAdmin};
+use crate::control::{
+    attach_spec, pb, AgentAdmin, Controller, ControllerConfig, ControllerService, MetaStore, NodeAdmin,
+};
 use crate::link::Carrier;
 use crate::nbd::server::{serve_tcp, serve_unix};
 use crate::storage_node::{NodeConfig, StorageNode};
+use netstack::cm::incoming;
 use std::io::Write;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
-use tonic::codegen::tokio_stream::wrappers::TcpListenerStream;
+use std::time::Duration;
 
 /// Errors that stop a daemon.
 #[derive(Debug, thiserror::Error)]
@@ -33,6 +36,8 @@ pub enum DaemonError {
     Grpc(#[from] tonic::transport::Error),
     #[error("registering with the controller at {0}: {1}")]
     Register(String, String),
+    #[error("stopped: {0}")]
+    Superseded(String),
 }
 
 fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> DaemonError {
@@ -58,6 +63,9 @@ pub struct NodeArgs {
     /// Threads making writes durable.
     #[arg(long, default_value_t = 16)]
     pub write_threads: usize,
+    /// Milliseconds between heartbeats to the controller.
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(10..=60_000))]
+    pub heartbeat_ms: u64,
 }
 
 /// `block-agent`: exports volumes over NBD.
@@ -90,6 +98,10 @@ pub struct AgentArgs {
     /// Runtime worker threads.
     #[arg(long, default_value_t = 2)]
     pub threads: usize,
+    /// Milliseconds between heartbeats to the controller (each also brings the volumes
+    /// attached here and where their replicas serve now).
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(10..=60_000))]
+    pub heartbeat_ms: u64,
 }
 
 /// `block-control`: volumes, placement, attachments.
@@ -107,6 +119,9 @@ pub struct ControlArgs {
     /// etcd key prefix.
     #[arg(long, default_value = "/flexns")]
     pub prefix: String,
+    /// A storage node not heard from in this many milliseconds is down.
+    #[arg(long, default_value_t = 3000, value_parser = clap::value_parser!(u64).range(50..=600_000))]
+    pub node_timeout_ms: u64,
 }
 
 impl AgentArgs {
@@ -166,25 +181,76 @@ async fn listen(a: SocketAddr, what: &str) -> Result<(tokio::net::TcpListener, S
     Ok((l, at))
 }
 
-async fn register<F, Fut>(control: &str, f: F) -> Result<(), DaemonError>
-where
-    F: Fn(pb::block_control_client::BlockControlClient<tonic::transport::Channel>) -> Fut,
-    Fut: std::future::Future<Output = Result<(), tonic::Status>>,
-{
+/// A client of the controller at `control` that connects when first used and again after the
+/// controller restarts.
+fn control_client(control: &str) -> Result<ControlClient, DaemonError> {
     let url = format!("http://{}", control.trim_start_matches("http://"));
+    let ep = tonic::transport::Endpoint::from_shared(url)
+        .map_err(|e| DaemonError::Config(format!("--control {control:?}: {e}")))?
+        .connect_timeout(Duration::from_secs(1))
+        .timeout(Duration::from_secs(5));
+    Ok(pb::block_control_client::BlockControlClient::new(ep.connect_lazy()))
+}
+
+type ControlClient = pb::block_control_client::BlockControlClient<tonic::transport::Channel>;
+
+/// Calls `f` until it succeeds or 5 s passed (the controller may be starting beside us).
+async fn register<T, F, Fut>(control: &str, f: F) -> Result<T, DaemonError>
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Result<T, tonic::Status>>,
+{
     let mut last = String::new();
-    // the controller may be starting beside us
     for _ in 0..50 {
-        match pb::block_control_client::BlockControlClient::connect(url.clone()).await {
-            Ok(c) => match f(c).await {
-                Ok(()) => return Ok(()),
-                Err(e) => last = e.message().to_string(),
-            },
-            Err(e) => last = e.to_string(),
+        match f().await {
+            Ok(t) => return Ok(t),
+            Err(e) => last = e.message().to_string(),
         }
-        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
     Err(DaemonError::Register(control.to_string(), last))
+}
+
+/// A number drawn at each start of a process, telling its registrations from an earlier or
+/// concurrent process's under the same node id.
+fn incarnation() -> u64 {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    t ^ ((std::process::id() as u64) << 40) | 1
+}
+
+/// Calls `beat` every `every` in the background until it answers `Ok(false)`; a failure is
+/// logged once per outage, and the recovery.
+fn heartbeats<F, Fut>(every: Duration, mut beat: F)
+where
+    F: FnMut() -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = Result<bool, tonic::Status>> + Send,
+{
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(every);
+        tick.tick().await;
+        let mut failing = false;
+        loop {
+            tick.tick().await;
+            match beat().await {
+                Ok(true) => {
+                    if failing {
+                        tracing::info!("heartbeat: the controller answers again");
+                    }
+                    failing = false;
+                }
+                Ok(false) => return,
+                Err(e) => {
+                    if !failing {
+                        tracing::warn!("heartbeat to the controller: {}; retrying every heartbeat", e.message());
+                    }
+                    failing = true;
+                }
+            }
+        }
+    });
 }
 
 /// Runs a storage node.
@@ -199,29 +265,67 @@ pub async fn run_node(a: NodeArgs) -> Result<(), DaemonError> {
     );
     let (l, admin) = listen(a.admin, "admin").await?;
     let data = node.addr();
+    let (superseded_tx, superseded_rx) = tokio::sync::oneshot::channel::<String>();
     if let Some(c) = &a.control {
-        let (d, ad) = (data.to_string(), admin.to_string());
-        register(c, |mut cl| {
-            let (d, ad) = (d.clone(), ad.clone());
-            async move {
-                cl.register_node(pb::RegisterNodeRequest { addr: d, admin: ad }).await?;
-                Ok(())
+        let client = control_client(c)?;
+        let inc = incarnation();
+        let req = {
+            let (node, data, admin) = (node.clone(), data.to_string(), admin.to_string());
+            move |first: bool| pb::RegisterNodeRequest {
+                addr: data.clone(),
+                admin: admin.clone(),
+                node_id: node.id().to_string(),
+                incarnation: inc,
+                first,
+                volumes: node.volumes().into_iter().map(|(id, _)| id).collect(),
             }
+        };
+        register(c, || {
+            let (mut cl, r) = (client.clone(), req(true));
+            async move { cl.register_node(r).await.map(|_| ()) }
         })
         .await?;
+        let mut superseded_tx = Some(superseded_tx);
+        heartbeats(Duration::from_millis(a.heartbeat_ms), move || {
+            let (mut cl, r) = (client.clone(), req(false));
+            let tx = superseded_tx.take();
+            async move {
+                match cl.register_node(r).await {
+                    Ok(_) => Ok(true),
+                    Err(e) if e.code() == tonic::Code::FailedPrecondition && e.message().contains("superseded") => {
+                        tracing::error!("{}", e.message());
+                        if let Some(tx) = tx {
+                            let _ = tx.send(e.message().to_string());
+                        }
+                        Ok(false)
+                    }
+                    Err(e) => Err(e),
+                }
+            }
+        });
     }
     banner(&format!(
-        "block-server data={data} admin={admin} dir={}",
+        "block-server node={} data={data} admin={admin} dir={}",
+        node.id(),
         a.dir.display()
     ));
+    let mut why = None;
     tonic::transport::Server::builder()
         .add_service(pb::storage_node_admin_server::StorageNodeAdminServer::new(NodeAdmin(
             node.clone(),
         )))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(l), shutdown())
+        .serve_with_incoming_shutdown(incoming(l), async {
+            tokio::select! {
+                _ = shutdown() => {}
+                Ok(m) = superseded_rx => why = Some(m),
+            }
+        })
         .await?;
     tracing::info!("block-server stopping");
-    Ok(())
+    match why {
+        Some(m) => Err(DaemonError::Superseded(m)),
+        None => Ok(()),
+    }
 }
 
 /// Runs an agent.
@@ -246,23 +350,39 @@ pub async fn run_agent(a: AgentArgs) -> Result<(), DaemonError> {
     let server = tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(svc)
-            .serve_with_incoming_shutdown(TcpListenerStream::new(l), shutdown()),
+            .serve_with_incoming_shutdown(incoming(l), shutdown()),
     );
     if let Some(c) = &a.control {
-        let (n, ad, nb) = (a.name.clone(), admin.to_string(), nbd.to_string());
-        register(c, |mut cl| {
-            let (n, ad, nb) = (n.clone(), ad.clone(), nb.clone());
-            async move {
-                cl.register_agent(pb::RegisterAgentRequest {
-                    name: n,
-                    admin: ad,
-                    nbd: nb,
-                })
-                .await?;
-                Ok(())
-            }
+        let client = control_client(c)?;
+        let req = pb::RegisterAgentRequest {
+            name: a.name.clone(),
+            admin: admin.to_string(),
+            nbd: nbd.to_string(),
+        };
+        // export what belongs here as the controller says, following replicas that moved
+        let reconcile = {
+            let agent = agent.clone();
+            Arc::new(move |r: pb::RegisterAgentReply| {
+                for v in &r.volumes {
+                    if let Err(e) = attach_spec(&agent, v) {
+                        tracing::warn!("attaching {}: {}", v.name, e.message());
+                    }
+                }
+            })
+        };
+        let first = register(c, || {
+            let (mut cl, r) = (client.clone(), req.clone());
+            async move { cl.register_agent(r).await.map(|r| r.into_inner()) }
         })
         .await?;
+        reconcile(first);
+        heartbeats(Duration::from_millis(a.heartbeat_ms), move || {
+            let (mut cl, r, reconcile) = (client.clone(), req.clone(), reconcile.clone());
+            async move {
+                reconcile(cl.register_agent(r).await?.into_inner());
+                Ok(true)
+            }
+        });
     }
     let unix = a
         .unix
@@ -295,12 +415,16 @@ pub async fn run_control(a: ControlArgs) -> Result<(), DaemonError> {
         Some(e) => format!("etcd://{e}{}", a.prefix),
         None => a.state.display().to_string(),
     };
-    let c = Controller::new(meta).await?;
+    let cfg = ControllerConfig {
+        node_timeout: Duration::from_millis(a.node_timeout_ms),
+    };
+    let c = Arc::new(Controller::new(meta, cfg).await?);
     let (l, at) = listen(a.listen, "control").await?;
+    tokio::spawn(c.clone().watch());
     banner(&format!("block-control control={at} metadata={store}"));
     tonic::transport::Server::builder()
-        .add_service(pb::block_control_server::BlockControlServer::new(c))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(l), shutdown())
+        .add_service(pb::block_control_server::BlockControlServer::new(ControllerService(c)))
+        .serve_with_incoming_shutdown(incoming(l), shutdown())
         .await?;
     Ok(())
 }

@@ -105,6 +105,8 @@ enum Cmd {
         blocks: u16,
         done: oneshot::Sender<ReadResult>,
     },
+    /// The storage node now serves at this address (it restarted elsewhere).
+    Retarget(SocketAddr),
 }
 
 enum Pending {
@@ -122,6 +124,8 @@ pub struct LinkStatus {
 }
 
 struct Shared {
+    /// The storage node's current address.
+    server: Mutex<SocketAddr>,
     queue: Mutex<Vec<Cmd>>,
     sleeping: AtomicBool,
     stop: AtomicBool,
@@ -131,7 +135,6 @@ struct Shared {
 
 /// A link to one storage node; dropping it stops its thread (requests in flight fail).
 pub struct Link {
-    server: SocketAddr,
     shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
 }
@@ -147,6 +150,7 @@ impl Link {
         let waker = mio::Waker::new(poll.registry(), WAKER).map_err(|e| setup("waker", e))?;
         let sockets = Sockets::open(&cfg, &poll).map_err(|e| setup("sockets", e))?;
         let shared = Arc::new(Shared {
+            server: Mutex::new(server),
             queue: Mutex::new(Vec::new()),
             sleeping: AtomicBool::new(false),
             stop: AtomicBool::new(false),
@@ -159,7 +163,6 @@ impl Link {
             .spawn(move || Driver::new(cfg, sockets, poll, s2).run())
             .map_err(|e| setup("thread", e))?;
         Ok(Link {
-            server,
             shared,
             thread: Some(thread),
         })
@@ -167,7 +170,21 @@ impl Link {
 
     /// The storage node's address.
     pub fn server(&self) -> SocketAddr {
-        self.server
+        *self.shared.server.lock()
+    }
+
+    /// Follows the storage node to `addr` (it restarted on another address): the sockets
+    /// point there from now on, and blocks in flight to the old address are resent there when
+    /// their timers fire (down paths come back at their next probe's answer).
+    pub fn retarget(&self, addr: SocketAddr) {
+        let mut cur = self.shared.server.lock();
+        if *cur == addr {
+            return;
+        }
+        tracing::info!("link to storage node {} now at {addr}", *cur);
+        *cur = addr;
+        drop(cur);
+        self.submit(Cmd::Retarget(addr));
     }
 
     fn submit(&self, c: Cmd) {
@@ -457,6 +474,24 @@ impl Driver {
     fn submit(&mut self, c: Cmd) {
         let now = self.now();
         match c {
+            Cmd::Retarget(addr) => {
+                self.server = addr;
+                match &mut self.sockets {
+                    Sockets::Udp(socks) => {
+                        for s in socks.iter() {
+                            if let Err(e) = s.connect(addr) {
+                                tracing::warn!("link: pointing a path at {addr}: {e}");
+                            }
+                        }
+                    }
+                    Sockets::Tcp(c) => {
+                        c.server = addr;
+                        let why = std::io::Error::other(format!("the storage node moved to {addr}"));
+                        c.broken(&self.poll, &why);
+                        c.retry_at = Some(Instant::now());
+                    }
+                }
+            }
             Cmd::Write {
                 volume,
                 lba,

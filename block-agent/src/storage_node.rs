@@ -8,6 +8,10 @@
 //! TCP connections get a reader thread each. Answers go out from whichever thread finished the
 //! work. After a restart every volume's block versions seed the Solar server, so a write
 //! retransmitted from before the crash still cannot overtake a newer one.
+//!
+//! Identity: a node is its data directory. The directory holds a node id (`node-id`, drawn at
+//! the first start) and a lock file, so one process at a time serves it; the node registers
+//! under that id wherever it listens, and the controller and agents follow it to a new address.
 
 use crate::store::{StoreError, VolumeStore};
 use netstack::transport::solar::server::{Request, SolarServer, Token};
@@ -71,6 +75,69 @@ pub enum NodeError {
     NoVolume(u32),
     #[error("volume size must be a positive multiple of 4096 bytes, not {0}")]
     Size(u64),
+    #[error("{0} is in use by another storage node process (its lock is held)")]
+    Locked(PathBuf),
+    #[error("node id file {0}: {1:?} is not a node id")]
+    BadId(PathBuf, String),
+}
+
+/// The name of the file holding a node's id in its data directory.
+pub const NODE_ID_FILE: &str = "node-id";
+
+/// Whether `s` has the form of a node id (what [`NODE_ID_FILE`] holds, and what the
+/// controller records replicas by): `sn-` and 16 lowercase hex digits.
+pub fn is_node_id(s: &str) -> bool {
+    s.len() == 19 && s.starts_with("sn-") && s[3..].bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+}
+
+/// Takes the directory's lock (held while the returned file is open).
+fn lock_dir(dir: &Path) -> Result<std::fs::File, NodeError> {
+    let p = dir.join("LOCK");
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&p)
+        .map_err(io(format!("opening {}", p.display())))?;
+    match f.try_lock() {
+        Ok(()) => Ok(f),
+        Err(std::fs::TryLockError::WouldBlock) => Err(NodeError::Locked(dir.to_path_buf())),
+        Err(std::fs::TryLockError::Error(e)) => Err(io(format!("locking {}", p.display()))(e)),
+    }
+}
+
+/// The directory's node id, drawn and stored durably (written, synced, renamed, directory
+/// synced) at the first start.
+fn node_id(dir: &Path) -> Result<String, NodeError> {
+    let p = dir.join(NODE_ID_FILE);
+    match std::fs::read_to_string(&p) {
+        Ok(s) => {
+            let id = s.trim().to_string();
+            if !is_node_id(&id) {
+                return Err(NodeError::BadId(p, id));
+            }
+            return Ok(id);
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io(format!("reading {}", p.display()))(e)),
+    }
+    let mut r = [0u8; 8];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut r))
+        .map_err(io("reading /dev/urandom"))?;
+    let id = format!("sn-{:016x}", u64::from_le_bytes(r));
+    let tmp = dir.join(format!("{NODE_ID_FILE}.tmp"));
+    let err = |what: &str| io(format!("{what} {}", tmp.display()));
+    {
+        let mut f = std::fs::File::create(&tmp).map_err(err("creating"))?;
+        f.write_all(format!("{id}\n").as_bytes()).map_err(err("writing"))?;
+        f.sync_all().map_err(err("syncing"))?;
+    }
+    std::fs::rename(&tmp, &p).map_err(io(format!("renaming to {}", p.display())))?;
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io(format!("syncing {}", dir.display())))?;
+    Ok(id)
 }
 
 fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> NodeError {
@@ -100,6 +167,9 @@ struct WriteJob {
 
 struct Inner {
     dir: PathBuf,
+    id: String,
+    /// Held while the node runs: one process per data directory.
+    _lock: std::fs::File,
     log_limit: u64,
     volumes: RwLock<HashMap<u32, Arc<VolumeStore>>>,
     solar: Mutex<SolarServer>,
@@ -143,6 +213,8 @@ impl StorageNode {
             return Err(NodeError::NotIpv4(cfg.listen));
         }
         std::fs::create_dir_all(&cfg.dir).map_err(io(format!("creating {}", cfg.dir.display())))?;
+        let lock = lock_dir(&cfg.dir)?;
+        let id = node_id(&cfg.dir)?;
         let udp = UdpSocket::bind(cfg.listen).map_err(io(format!("binding UDP {}", cfg.listen)))?;
         let addr = udp.local_addr().map_err(io("UDP address"))?;
         let tcp = TcpListener::bind(addr).map_err(io(format!("binding TCP {addr}")))?;
@@ -162,6 +234,8 @@ impl StorageNode {
         let (tx, rx) = mpsc::channel::<WriteJob>();
         let inner = Arc::new(Inner {
             dir: cfg.dir.clone(),
+            id: id.clone(),
+            _lock: lock,
             log_limit: cfg.log_limit,
             volumes: RwLock::new(volumes),
             solar: Mutex::new(solar),
@@ -183,7 +257,7 @@ impl StorageNode {
         let i3 = inner.clone();
         threads.push(spawn("bs-accept".into(), move || accept_loop(&i3, tcp))?);
         tracing::info!(
-            "block server on {addr} (UDP Solar and TCP), volumes in {}",
+            "block server {id} on {addr} (UDP Solar and TCP), volumes in {}",
             cfg.dir.display()
         );
         Ok(StorageNode { inner, addr, threads })
@@ -192,6 +266,11 @@ impl StorageNode {
     /// The UDP and TCP address.
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// The node's stable id (kept in its data directory).
+    pub fn id(&self) -> &str {
+        &self.inner.id
     }
 
     /// Creates a volume of `bytes` bytes (a multiple of 4096).

@@ -8,7 +8,7 @@ use block_agent::control::pb::block_control_client::BlockControlClient;
 use block_agent::daemon::{AgentArgs, ControlArgs, NodeArgs};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 /// The daemons, hosted by `blkctl daemon ...` (and `flexns blk-daemon ...`).
@@ -65,22 +65,19 @@ impl Daemon {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         let log = dir.join(format!("{name}.log"));
         let f = std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
-        let mut cmd = Command::new(&sp.exe);
+        let mut cmd = if detached {
+            crate::procs::detached_command(&sp.exe)
+        } else {
+            crate::procs::command(&sp.exe)
+        };
         cmd.args(&sp.prefix).arg(role).args(args);
         cmd.stdin(Stdio::null()).stdout(f.try_clone()?).stderr(f);
-        if detached {
-            use std::os::unix::process::CommandExt;
-            // SAFETY: setsid in the child between fork and exec touches no memory of ours.
-            unsafe {
-                cmd.pre_exec(|| {
-                    libc::setsid();
-                    Ok(())
-                });
-            }
-        }
-        let mut child = cmd
-            .spawn()
-            .with_context(|| format!("starting {} {role}", sp.exe.display()))?;
+        let started = if detached {
+            cmd.spawn()
+        } else {
+            crate::procs::spawn(&mut cmd)
+        };
+        let mut child = started.with_context(|| format!("starting {} {role}", sp.exe.display()))?;
         let pid = child.id();
         let deadline = Instant::now() + Duration::from_secs(30);
         let prefix = match role {
@@ -101,10 +98,11 @@ impl Daemon {
                 });
             }
             if let Ok(Some(st)) = child.try_wait() {
+                crate::procs::reaped(pid);
                 bail!("{name} exited ({st}) before it was ready:\n{}", tail(&text, 20));
             }
             if Instant::now() > deadline {
-                let _ = child.kill();
+                crate::procs::kill9(child);
                 bail!("{name} was not ready in 30 s:\n{}", tail(&text, 20));
             }
             std::thread::sleep(Duration::from_millis(20));
@@ -122,36 +120,15 @@ impl Daemon {
 
     /// SIGKILL (a crash, for tests and benchmarks).
     pub fn kill9(&mut self) {
-        signal(self.pid, libc::SIGKILL);
-        if let Some(mut c) = self.child.take() {
-            let _ = c.wait();
+        match self.child.take() {
+            Some(c) => crate::procs::kill9(c),
+            None => signal(self.pid, libc::SIGKILL),
         }
     }
 
     /// SIGTERM, then SIGKILL after 5 s; returns CPU seconds and peak RSS of a child it waited for.
     pub fn stop(&mut self) -> Option<(f64, u64)> {
-        let c = self.child.take()?;
-        let pid = c.id() as libc::pid_t;
-        signal(c.id(), libc::SIGTERM);
-        let deadline = Instant::now() + Duration::from_secs(5);
-        let mut status = 0;
-        // SAFETY: wait4 on our own child with valid out-pointers.
-        let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
-        loop {
-            // SAFETY: as above, without blocking.
-            let r = unsafe { libc::wait4(pid, &mut status, libc::WNOHANG, &mut ru) };
-            if r == pid {
-                let t = |tv: libc::timeval| tv.tv_sec as f64 + tv.tv_usec as f64 / 1e6;
-                return Some((t(ru.ru_utime) + t(ru.ru_stime), ru.ru_maxrss as u64));
-            }
-            if r < 0 {
-                return None;
-            }
-            if Instant::now() > deadline {
-                signal(c.id(), libc::SIGKILL);
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        crate::procs::terminate(self.child.take()?, Duration::from_secs(5))
     }
 }
 
@@ -186,6 +163,10 @@ pub struct ClusterSpec {
     pub nbd: String,
     pub etcd: Option<String>,
     pub detached: bool,
+    /// Heartbeat period of the storage nodes and the agent.
+    pub heartbeat_ms: u64,
+    /// The controller's node timeout.
+    pub node_timeout_ms: u64,
 }
 
 impl ClusterSpec {
@@ -202,6 +183,8 @@ impl ClusterSpec {
             nbd: "127.0.0.1:0".into(),
             etcd: None,
             detached: false,
+            heartbeat_ms: 1000,
+            node_timeout_ms: 3000,
         }
     }
 }
@@ -213,6 +196,8 @@ pub struct LocalCluster {
     pub agent: Daemon,
     pub control_addr: String,
     pub uri: String,
+    /// The size of the volume when the kept state already had it (its data served again).
+    pub reused: Option<u64>,
     pub spec: ClusterSpec,
     spawner: Spawner,
 }
@@ -224,6 +209,54 @@ pub struct ClusterState {
     pub uri: String,
     pub pids: Vec<(String, u32)>,
     pub dir: PathBuf,
+    /// Each pid's start time (clock ticks after boot, from /proc): a pid and its start time
+    /// name one process, so `down` never signals a process that reused a daemon's pid.
+    #[serde(default)]
+    pub starts: Vec<u64>,
+}
+
+/// A process's start time in clock ticks after boot (field 22 of /proc/PID/stat), if it runs.
+pub fn proc_start_time(pid: u32) -> Option<u64> {
+    let st = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = st.rsplit_once(") ")?.1;
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    if f.first() == Some(&"Z") {
+        return None;
+    }
+    // after the command: state is field 3, start time field 22
+    f.get(19)?.parse().ok()
+}
+
+/// Whether a cluster's recorded daemon still runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Alive {
+    Yes,
+    Gone,
+    /// The pid runs, but it is another process (it started at another time, or is not one of
+    /// this cluster's daemons).
+    Other,
+}
+
+/// Whether daemon `i` of `state` runs: its pid started when recorded (or, for a state without
+/// start times, its command line names this cluster's directory).
+pub fn daemon_alive(state: &ClusterState, i: usize) -> Alive {
+    let pid = state.pids[i].1;
+    let Some(start) = proc_start_time(pid) else {
+        return Alive::Gone;
+    };
+    match state.starts.get(i) {
+        Some(&s) if s == start => Alive::Yes,
+        Some(_) => Alive::Other,
+        None => {
+            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+            if cmd.contains(" daemon ") && cmd.contains(&*state.dir.to_string_lossy()) {
+                Alive::Yes
+            } else {
+                Alive::Other
+            }
+        }
+    }
 }
 
 /// A runtime for the control-plane calls of a command.
@@ -243,59 +276,101 @@ fn status(e: tonic::Status) -> anyhow::Error {
     anyhow::anyhow!("{}", e.message())
 }
 
+/// The etcd key prefix of a cluster kept in `dir`: the same on every `cluster up` there.
+fn etcd_prefix(dir: &Path) -> String {
+    // FNV-1a of the directory's path
+    let h = dir.to_string_lossy().bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+    });
+    format!("/flexns-cluster-{h:016x}")
+}
+
+fn control_args(spec: &ClusterSpec, listen: &str) -> Vec<String> {
+    let mut a = vec![
+        "--listen".to_string(),
+        listen.into(),
+        "--node-timeout-ms".into(),
+        spec.node_timeout_ms.to_string(),
+    ];
+    match &spec.etcd {
+        Some(e) => a.extend(["--etcd".into(), e.clone(), "--prefix".into(), etcd_prefix(&spec.dir)]),
+        None => a.extend(["--state".into(), spec.dir.join("control.json").display().to_string()]),
+    }
+    a
+}
+
+fn node_args(spec: &ClusterSpec, control: &str, i: usize, listen: &str) -> Vec<String> {
+    vec![
+        "--dir".to_string(),
+        spec.dir.join(format!("node{i}")).display().to_string(),
+        "--listen".into(),
+        listen.into(),
+        "--control".into(),
+        control.into(),
+        "--heartbeat-ms".into(),
+        spec.heartbeat_ms.to_string(),
+    ]
+}
+
+fn agent_args(spec: &ClusterSpec, control: &str, nbd: &str) -> Vec<String> {
+    vec![
+        "--name".to_string(),
+        "agent0".into(),
+        "--nbd".into(),
+        nbd.into(),
+        "--unix".into(),
+        spec.dir.join("nbd.sock").display().to_string(),
+        "--control".into(),
+        control.into(),
+        "--transport".into(),
+        spec.transport.clone(),
+        "--paths".into(),
+        spec.paths.to_string(),
+        "--cc".into(),
+        spec.cc.clone(),
+        "--heartbeat-ms".into(),
+        spec.heartbeat_ms.to_string(),
+    ]
+}
+
 impl LocalCluster {
-    /// Starts the processes, creates the volume and attaches it to the agent.
+    /// Starts the processes; creates the volume unless the kept state has it (then its data,
+    /// on the storage nodes' directories, serves again); attaches it to the agent.
     pub fn start(sp: &Spawner, spec: ClusterSpec) -> Result<LocalCluster> {
         let d = &spec.dir;
-        let mut cargs = vec!["--listen".to_string(), "127.0.0.1:0".into()];
-        match &spec.etcd {
-            Some(e) => cargs.extend([
-                "--etcd".into(),
-                e.clone(),
-                "--prefix".into(),
-                format!("/flexns-{}", std::process::id()),
-            ]),
-            None => cargs.extend(["--state".into(), d.join("control.json").display().to_string()]),
-        }
-        let control = Daemon::start(sp, d, "control", "control", &cargs, spec.detached)?;
+        let control = Daemon::start(
+            sp,
+            d,
+            "control",
+            "control",
+            &control_args(&spec, "127.0.0.1:0"),
+            spec.detached,
+        )?;
         let caddr = control.field("control").context("controller banner")?;
         let mut nodes = Vec::new();
         for i in 0..spec.nodes {
-            let args = vec![
-                "--dir".to_string(),
-                d.join(format!("node{i}")).display().to_string(),
-                "--control".into(),
-                caddr.clone(),
-            ];
+            let args = node_args(&spec, &caddr, i, "127.0.0.1:0");
             nodes.push(Daemon::start(sp, d, &format!("node{i}"), "node", &args, spec.detached)?);
         }
-        let aargs = vec![
-            "--name".to_string(),
-            "agent0".into(),
-            "--nbd".into(),
-            spec.nbd.clone(),
-            "--unix".into(),
-            d.join("nbd.sock").display().to_string(),
-            "--control".into(),
-            caddr.clone(),
-            "--transport".into(),
-            spec.transport.clone(),
-            "--paths".into(),
-            spec.paths.to_string(),
-            "--cc".into(),
-            spec.cc.clone(),
-        ];
-        let agent = Daemon::start(sp, d, "agent0", "agent", &aargs, spec.detached)?;
+        let agent = Daemon::start(
+            sp,
+            d,
+            "agent0",
+            "agent",
+            &agent_args(&spec, &caddr, &spec.nbd),
+            spec.detached,
+        )?;
         let rt = runtime()?;
-        let uri = rt.block_on(async {
+        let (uri, reused) = rt.block_on(async {
             let mut c = self::control(&caddr).await?;
-            let exists = c
+            let kept = c
                 .describe(pb::NameRequest {
                     name: spec.volume.clone(),
                 })
                 .await
-                .is_ok();
-            if !exists {
+                .ok()
+                .map(|v| v.into_inner().size);
+            if kept.is_none() {
                 c.create(pb::CreateRequest {
                     name: spec.volume.clone(),
                     size: spec.size,
@@ -311,7 +386,7 @@ impl LocalCluster {
                 })
                 .await
                 .map_err(status)?;
-            anyhow::Ok(r.into_inner().uri)
+            anyhow::Ok((r.into_inner().uri, kept))
         })?;
         Ok(LocalCluster {
             control,
@@ -319,22 +394,22 @@ impl LocalCluster {
             agent,
             control_addr: caddr,
             uri,
+            reused,
             spec,
             spawner: sp.clone(),
         })
     }
 
-    /// Restarts storage node `i` on its address and directory (after [`Daemon::kill9`]).
-    pub fn restart_node(&mut self, i: usize) -> Result<()> {
-        let data = self.nodes[i].field("data").context("node banner")?;
-        let args = vec![
-            "--dir".to_string(),
-            self.spec.dir.join(format!("node{i}")).display().to_string(),
-            "--listen".into(),
-            data,
-            "--control".into(),
-            self.control_addr.clone(),
-        ];
+    /// Starts storage node `i` again on its directory (after [`Daemon::kill9`] or
+    /// [`Daemon::stop`]): on its old data address, or on a new one (`same_port` false), which
+    /// the controller and the agent then follow.
+    pub fn restart_node(&mut self, i: usize, same_port: bool) -> Result<()> {
+        let listen = if same_port {
+            self.nodes[i].field("data").context("node banner")?
+        } else {
+            "127.0.0.1:0".to_string()
+        };
+        let args = node_args(&self.spec, &self.control_addr, i, &listen);
         self.nodes[i] = Daemon::start(
             &self.spawner,
             &self.spec.dir,
@@ -346,23 +421,67 @@ impl LocalCluster {
         Ok(())
     }
 
+    /// Starts the agent again (after [`Daemon::kill9`]) on its NBD address: the controller's
+    /// answer to its registration brings its volumes back.
+    pub fn restart_agent(&mut self) -> Result<()> {
+        let nbd = self.agent.field("nbd").context("agent banner")?;
+        let args = agent_args(&self.spec, &self.control_addr, &nbd);
+        self.agent = Daemon::start(
+            &self.spawner,
+            &self.spec.dir,
+            "agent0",
+            "agent",
+            &args,
+            self.spec.detached,
+        )?;
+        Ok(())
+    }
+
+    /// Starts the controller again (after [`Daemon::kill9`]) on its address and state.
+    pub fn restart_control(&mut self) -> Result<()> {
+        let args = control_args(&self.spec, &self.control_addr);
+        self.control = Daemon::start(
+            &self.spawner,
+            &self.spec.dir,
+            "control",
+            "control",
+            &args,
+            self.spec.detached,
+        )?;
+        Ok(())
+    }
+
     /// The state `blkctl cluster down` needs (for a detached cluster).
     pub fn state(&self) -> ClusterState {
         let mut pids = vec![(self.agent.name.clone(), self.agent.pid)];
         pids.extend(self.nodes.iter().map(|n| (n.name.clone(), n.pid)));
         pids.push((self.control.name.clone(), self.control.pid));
+        let starts = pids.iter().map(|(_, p)| proc_start_time(*p).unwrap_or(0)).collect();
         ClusterState {
             control: self.control_addr.clone(),
             uri: self.uri.clone(),
             pids,
             dir: self.spec.dir.clone(),
+            starts,
         }
     }
 }
 
-/// Stops a detached cluster's processes (agent first, controller last).
+/// Stops a detached cluster's processes (agent first, controller last); a pid that is no
+/// longer the daemon it was is left alone.
 pub fn cluster_down(state: &ClusterState) {
-    for (name, pid) in &state.pids {
+    for (i, (name, pid)) in state.pids.iter().enumerate() {
+        match daemon_alive(state, i) {
+            Alive::Yes => {}
+            Alive::Gone => {
+                eprintln!("{name} (pid {pid}) is not running");
+                continue;
+            }
+            Alive::Other => {
+                eprintln!("{name}: pid {pid} is another process now; not signalled");
+                continue;
+            }
+        }
         signal(*pid, libc::SIGTERM);
         let deadline = Instant::now() + Duration::from_secs(5);
         // SAFETY: signal 0 only checks that the process exists.
@@ -410,7 +529,7 @@ pub fn demo_step(sp: &Spawner, duration: f64) -> Result<Vec<crate::bench::BenchR
     let mut ops = 0u64;
     let mut h = crate::bench::histogram();
     let mut x = 12345u64;
-    while t.elapsed().as_secs_f64() < duration {
+    while t.elapsed().as_secs_f64() < duration && !crate::procs::stopping() {
         x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
         let lba = (x >> 33) % blocks;
         ops += 1;
@@ -420,6 +539,25 @@ pub fn demo_step(sp: &Spawner, duration: f64) -> Result<Vec<crate::bench::BenchR
         written.insert(lba, ops);
     }
     let secs = t.elapsed().as_secs_f64();
+    let mut r = crate::bench::BenchResult {
+        bench: "volume_write_read".into(),
+        system: "flexns".into(),
+        transport: Some("nbd + solar/udp, 3 replicas".into()),
+        msg_bytes: 4096,
+        qps: 1,
+        depth: 1,
+        bytes: ops * 4096,
+        ops,
+        secs,
+        ..Default::default()
+    };
+    if crate::procs::stopping() {
+        r.incomplete = true;
+        r.note = Some("interrupted: stopped early, not verified".into());
+        r.latencies(&h);
+        r.rates();
+        return Ok(vec![r]);
+    }
     // one 1 MiB write
     let big: Vec<u8> = (0..256u64).flat_map(|i| block(1_000_000 + i, 7)).collect();
     cl.write(32 << 20, &big, true)?;
@@ -438,19 +576,7 @@ pub fn demo_step(sp: &Spawner, duration: f64) -> Result<Vec<crate::bench::BenchR
     cl.read(32 << 20, &mut back)?;
     ok &= back == big;
     cl.disconnect();
-    let mut r = crate::bench::BenchResult {
-        bench: "volume_write_read".into(),
-        system: "flexns".into(),
-        transport: Some("nbd + solar/udp, 3 replicas".into()),
-        msg_bytes: 4096,
-        qps: 1,
-        depth: 1,
-        bytes: ops * 4096,
-        ops,
-        secs,
-        verified: ok,
-        ..Default::default()
-    };
+    r.verified = ok;
     r.latencies(&h);
     r.rates();
     r.extra.insert("iops".into(), ((ops as f64 / secs).round()).into());

@@ -3,55 +3,18 @@
 //! write-heavy run with every acknowledged write checked on every replica afterwards, and a
 //! real kernel file system (ext4 through nbdfuse and a loop device) on a flexns volume.
 
+mod common;
+
 use block_agent::nbd::client::NbdClient;
 use block_agent::store::VolumeStore;
-use clients::blk::{ClusterSpec, LocalCluster, Spawner};
+use clients::blk::{ClusterSpec, LocalCluster};
+use common::{blkctl, have, host_port, local_etcd, pattern, spawner, tmp};
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-
-const BLKCTL: &str = env!("CARGO_BIN_EXE_blkctl");
-
-fn spawner() -> Spawner {
-    Spawner {
-        exe: BLKCTL.into(),
-        prefix: vec!["daemon".into()],
-    }
-}
-
-fn tmp(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("blk-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
-}
-
-fn have(tool: &str) -> bool {
-    Command::new(tool).arg("--version").output().is_ok()
-}
-
-fn blkctl(dir: &Path, args: &[&str]) -> (bool, String, String) {
-    let o = Command::new(BLKCTL)
-        .arg("--dir")
-        .arg(dir)
-        .args(args)
-        .env("RUST_BACKTRACE", "0")
-        .output()
-        .unwrap();
-    (
-        o.status.success(),
-        String::from_utf8_lossy(&o.stdout).to_string(),
-        String::from_utf8_lossy(&o.stderr).to_string(),
-    )
-}
-
-fn host_port(uri: &str) -> (String, String) {
-    let rest = uri.strip_prefix("nbd://").unwrap();
-    let (hp, name) = rest.split_once('/').unwrap();
-    (hp.to_string(), name.to_string())
-}
 
 fn cli_round(dir: &Path, extra: &[&str]) {
     let mut up = vec!["cluster", "up", "--size", "16MiB", "--nbd", "127.0.0.1:0"];
@@ -136,25 +99,8 @@ fn blkctl_cluster_and_volume_commands() {
 
 #[test]
 fn blkctl_cluster_with_metadata_in_etcd() {
-    if !etcd_lite::local::installed() {
-        eprintln!("skipping: etcd is not installed (scripts/install-test-deps.sh installs etcd-server)");
-        return;
-    }
-    let etcd = etcd_lite::local::LocalEtcd::start("blk").unwrap();
-    let ep = etcd.url.trim_start_matches("http://").to_string();
+    let Some((_etcd, ep)) = local_etcd("blk") else { return };
     cli_round(&tmp("etcd"), &["--etcd", &ep]);
-}
-
-fn pattern(lba: u64, version: u64) -> Vec<u8> {
-    let mut x = lba.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ version.wrapping_mul(0xD6E8_FEB8_6659_FD93) | 1;
-    let mut v = vec![0u8; 4096];
-    for c in v.chunks_exact_mut(8) {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        c.copy_from_slice(&x.to_le_bytes());
-    }
-    v
 }
 
 #[test]
@@ -196,7 +142,7 @@ fn kill_dash_nine_of_a_storage_node_loses_no_acknowledged_write() {
     c.nodes[1].kill9();
     std::thread::sleep(Duration::from_millis(1000));
     let while_down = count.load(Ordering::Relaxed);
-    c.restart_node(1).unwrap();
+    c.restart_node(1, true).unwrap();
     let restarted = Instant::now();
     std::thread::sleep(Duration::from_millis(3000));
     stop.store(true, Ordering::Relaxed);

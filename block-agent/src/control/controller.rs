@@ -1,262 +1,60 @@
-//! The control plane: gRPC services of the storage node (volume files), of the agent
-//! (attachments) and of the controller (volumes, replica placement, attachments, with its
-//! state in an embedded file or in etcd).
+//! The controller service: volumes, replica placement, storage-node identity and liveness,
+//! attachments.
 //!
-//! Placement puts a volume's replicas on distinct registered storage nodes, the least loaded
-//! first. A volume is attached to at most one agent (NBD has no reservations; a second writer
-//! would corrupt a file system). Agents register at start; the controller then attaches again
-//! what its records say belongs to them, so an agent restart needs no operator.
+//! - Storage nodes are known by the id kept in their data directories. A node registers at
+//!   start and every heartbeat with its current addresses and the volumes it holds; the
+//!   controller records where it serves now and tells the agents of its volumes when that
+//!   changed, so a node restarted on another port serves its replicas again with no operator.
+//!   A node not heard from within the node timeout is `down` (shown as such, never placed on);
+//!   a heartbeat of a process that a newer start of the same node id replaced is refused.
+//! - Placement puts a volume's replicas on distinct storage nodes that are up, the least
+//!   loaded first.
+//! - A volume is attached to at most one agent (NBD has no reservations; a second writer would
+//!   corrupt a file system). Agents register at start and every heartbeat; the reply lists
+//!   their volumes with the replicas' current addresses, so an agent that restarted exports them
+//!   again, and one that missed a node's move catches up.
 
-use crate::agent::Agent;
-use crate::storage_node::{NodeError, StorageNode};
-use etcd_lite::EtcdClient;
-use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
-use std::path::PathBuf;
-use std::sync::atomic::Ordering;
+use super::pb;
+use super::pb::agent_admin_client::AgentAdminClient;
+use super::pb::storage_node_admin_client::StorageNodeAdminClient;
+use super::state::{AgentRecord, ControlState, MetaError, MetaStore, NodeRecord, VolumeRecord};
+use crate::storage_node::is_node_id;
+use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 use tonic::{Request, Response, Status};
 
-/// Generated protobuf types and services.
-#[allow(missing_docs, clippy::all)]
-pub mod pb {
-    tonic::include_proto!("flexns.block");
+/// Settings of a controller.
+#[derive(Debug, Clone)]
+pub struct ControllerConfig {
+    /// A storage node not heard from in this long is down.
+    pub node_timeout: Duration,
 }
 
-use pb::agent_admin_client::AgentAdminClient;
-use pb::storage_node_admin_client::StorageNodeAdminClient;
-
-fn node_status(e: NodeError) -> Status {
-    match e {
-        NodeError::Exists(_) => Status::already_exists(e.to_string()),
-        NodeError::NoVolume(_) => Status::not_found(e.to_string()),
-        NodeError::Size(_) | NodeError::NotIpv4(_) => Status::invalid_argument(e.to_string()),
-        NodeError::Store(crate::store::StoreError::Invalid(..)) => Status::invalid_argument(e.to_string()),
-        _ => Status::internal(e.to_string()),
-    }
-}
-
-/// The storage node's admin service.
-pub struct NodeAdmin(pub Arc<StorageNode>);
-
-impl NodeAdmin {
-    /// Runs a volume-file operation (file creation, syncs) off the async threads.
-    async fn on_node(
-        &self,
-        f: impl FnOnce(&StorageNode) -> Result<(), NodeError> + Send + 'static,
-    ) -> Result<Response<pb::Empty>, Status> {
-        let n = self.0.clone();
-        tokio::task::spawn_blocking(move || f(&n))
-            .await
-            .map_err(|e| Status::internal(e.to_string()))?
-            .map_err(node_status)?;
-        Ok(Response::new(pb::Empty {}))
-    }
-}
-
-#[tonic::async_trait]
-impl pb::storage_node_admin_server::StorageNodeAdmin for NodeAdmin {
-    async fn create_volume(&self, r: Request<pb::CreateVolumeRequest>) -> Result<Response<pb::Empty>, Status> {
-        let r = r.into_inner();
-        self.on_node(move |n| n.create_volume(r.id, r.size)).await
-    }
-
-    async fn delete_volume(&self, r: Request<pb::DeleteVolumeRequest>) -> Result<Response<pb::Empty>, Status> {
-        let r = r.into_inner();
-        self.on_node(move |n| n.delete_volume(r.id)).await
-    }
-
-    async fn resize_volume(&self, r: Request<pb::ResizeVolumeRequest>) -> Result<Response<pb::Empty>, Status> {
-        let r = r.into_inner();
-        self.on_node(move |n| n.resize_volume(r.id, r.size)).await
-    }
-
-    async fn list_volumes(&self, _: Request<pb::ListVolumesRequest>) -> Result<Response<pb::ListVolumesReply>, Status> {
-        let volumes = self
-            .0
-            .volumes()
-            .into_iter()
-            .map(|(id, blocks)| {
-                let st = self.0.store(id).map(|s| s.stats()).unwrap_or_default();
-                pb::NodeVolume {
-                    id,
-                    size: blocks * 4096,
-                    writes: st.writes,
-                    reads: st.reads,
-                    corrupt_reads: st.corrupt_reads,
-                }
-            })
-            .collect();
-        Ok(Response::new(pb::ListVolumesReply {
-            volumes,
-            addr: self.0.addr().to_string(),
-        }))
-    }
-}
-
-/// The agent's admin service.
-pub struct AgentAdmin {
-    pub agent: Arc<Agent>,
-    /// The NBD address clients use.
-    pub nbd: String,
-}
-
-#[tonic::async_trait]
-impl pb::agent_admin_server::AgentAdmin for AgentAdmin {
-    async fn attach(&self, r: Request<pb::AttachRequest>) -> Result<Response<pb::Empty>, Status> {
-        let v = r
-            .into_inner()
-            .volume
-            .ok_or_else(|| Status::invalid_argument("volume is missing"))?;
-        let name = if v.export_name.is_empty() {
-            v.name.clone()
-        } else {
-            v.export_name.clone()
-        };
-        self.agent
-            .attach(&name, v.id, v.size, &v.replicas)
-            .map_err(|e| Status::invalid_argument(e.to_string()))?;
-        Ok(Response::new(pb::Empty {}))
-    }
-
-    async fn detach(&self, r: Request<pb::DetachRequest>) -> Result<Response<pb::Empty>, Status> {
-        let name = r.into_inner().export_name;
-        if !self.agent.detach(&name) {
-            return Err(Status::not_found(format!("no export {name:?}")));
-        }
-        Ok(Response::new(pb::Empty {}))
-    }
-
-    async fn list_exports(&self, _: Request<pb::ListExportsRequest>) -> Result<Response<pb::ListExportsReply>, Status> {
-        let ex = self.agent.exports();
-        let exports = ex
-            .names()
-            .into_iter()
-            .filter_map(|n| {
-                let v = ex.get(&n)?;
-                let c = v.counters();
-                Some(pb::ExportInfo {
-                    export_name: n,
-                    volume: v.id(),
-                    size: v.size(),
-                    replicas: v.replicas().iter().map(|l| l.server().to_string()).collect(),
-                    paths_up: v.replicas().iter().map(|l| l.status().paths_up as u32).collect(),
-                    reads: c.reads.load(Ordering::Relaxed),
-                    writes: c.writes.load(Ordering::Relaxed),
-                    read_failovers: c.read_failovers.load(Ordering::Relaxed),
-                    repairs: c.repairs.load(Ordering::Relaxed),
-                })
-            })
-            .collect();
-        let transport = match self.agent.carrier() {
-            crate::link::Carrier::Udp { paths } => format!("solar/udp, {paths} paths"),
-            crate::link::Carrier::Tcp => "tcp".to_string(),
-        };
-        Ok(Response::new(pb::ListExportsReply {
-            exports,
-            nbd: self.nbd.clone(),
-            transport,
-        }))
-    }
-}
-
-/// A volume as the controller records it.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
-pub struct VolumeRecord {
-    pub id: u32,
-    pub size: u64,
-    pub replicas: Vec<String>,
-    pub agent: Option<String>,
-}
-
-/// A registered agent.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
-pub struct AgentRecord {
-    pub admin: String,
-    pub nbd: String,
-}
-
-/// The controller's state (one document).
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
-pub struct ControlState {
-    pub next_id: u32,
-    pub volumes: BTreeMap<String, VolumeRecord>,
-    /// Storage node data address -> admin address.
-    pub nodes: BTreeMap<String, String>,
-    pub agents: BTreeMap<String, AgentRecord>,
-}
-
-/// Where the controller keeps its state.
-pub enum MetaStore {
-    /// A JSON file (written to a temporary file, synced, renamed).
-    File(PathBuf),
-    /// One key in etcd.
-    Etcd {
-        client: Box<tokio::sync::Mutex<EtcdClient>>,
-        key: String,
-    },
-}
-
-/// Errors of the metadata store.
-#[derive(Debug, thiserror::Error)]
-pub enum MetaError {
-    #[error("state file {0}: {1}")]
-    File(PathBuf, std::io::Error),
-    #[error("state is not valid JSON: {0}")]
-    Json(#[from] serde_json::Error),
-    #[error("etcd: {0}")]
-    Etcd(#[from] etcd_lite::EtcdError),
-}
-
-impl MetaStore {
-    /// The state in etcd at `endpoint` under `prefix`.
-    pub async fn etcd(endpoint: &str, prefix: &str) -> Result<MetaStore, MetaError> {
-        Ok(MetaStore::Etcd {
-            client: Box::new(tokio::sync::Mutex::new(EtcdClient::connect(endpoint).await?)),
-            key: format!("{}/block/state", prefix.trim_end_matches('/')),
-        })
-    }
-
-    pub async fn load(&self) -> Result<ControlState, MetaError> {
-        match self {
-            MetaStore::File(p) => match std::fs::read(p) {
-                Ok(b) => Ok(serde_json::from_slice(&b)?),
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(ControlState::default()),
-                Err(e) => Err(MetaError::File(p.clone(), e)),
-            },
-            MetaStore::Etcd { client, key } => match client.lock().await.get(key.as_bytes()).await? {
-                Some(b) => Ok(serde_json::from_slice(&b)?),
-                None => Ok(ControlState::default()),
-            },
+impl Default for ControllerConfig {
+    fn default() -> Self {
+        ControllerConfig {
+            node_timeout: Duration::from_secs(3),
         }
     }
+}
 
-    pub async fn save(&self, s: &ControlState) -> Result<(), MetaError> {
-        let b = serde_json::to_vec_pretty(s)?;
-        match self {
-            MetaStore::File(p) => {
-                let err = |e| MetaError::File(p.clone(), e);
-                if let Some(d) = p.parent() {
-                    std::fs::create_dir_all(d).map_err(err)?;
-                }
-                let tmp = p.with_extension("tmp");
-                {
-                    use std::io::Write;
-                    let mut f = std::fs::File::create(&tmp).map_err(err)?;
-                    f.write_all(&b).map_err(err)?;
-                    f.sync_all().map_err(err)?;
-                }
-                std::fs::rename(&tmp, p).map_err(err)
-            }
-            MetaStore::Etcd { client, key } => Ok(client.lock().await.put(key.as_bytes(), b).await?),
-        }
-    }
+/// What the controller knows of a running storage node (not stored: heartbeats rebuild it).
+struct Live {
+    incarnation: u64,
+    last_seen: Instant,
+    volumes: Vec<u32>,
+    /// Whether its going down was logged.
+    down_logged: bool,
 }
 
 /// The controller service.
 pub struct Controller {
     state: tokio::sync::Mutex<ControlState>,
     meta: MetaStore,
+    cfg: ControllerConfig,
+    live: parking_lot::Mutex<HashMap<String, Live>>,
+    started: Instant,
 }
 
 fn meta_status(e: MetaError) -> Status {
@@ -281,22 +79,6 @@ async fn agent_client(admin: &str) -> Result<AgentAdminClient<tonic::transport::
     AgentAdminClient::connect(http(admin))
         .await
         .map_err(|e| Status::unavailable(format!("agent admin {admin}: {e}")))
-}
-
-fn spec(name: &str, v: &VolumeRecord, s: &ControlState) -> pb::VolumeSpec {
-    pb::VolumeSpec {
-        id: v.id,
-        name: name.to_string(),
-        size: v.size,
-        replicas: v.replicas.clone(),
-        agent: v.agent.clone().unwrap_or_default(),
-        export_name: v
-            .agent
-            .as_ref()
-            .and_then(|a| s.agents.get(a))
-            .map(|_| name.to_string())
-            .unwrap_or_default(),
-    }
 }
 
 /// Volume names: what a URI path and a file name can hold.
@@ -328,12 +110,68 @@ impl Controller {
     }
 
     /// A controller with the state `meta` holds.
-    pub async fn new(meta: MetaStore) -> Result<Controller, MetaError> {
+    pub async fn new(meta: MetaStore, cfg: ControllerConfig) -> Result<Controller, MetaError> {
         let state = meta.load().await?;
         Ok(Controller {
             state: tokio::sync::Mutex::new(state),
             meta,
+            cfg,
+            live: parking_lot::Mutex::new(HashMap::new()),
+            started: Instant::now(),
         })
+    }
+
+    /// `up`, `down`, or `unknown` (not heard from since this controller started, which was
+    /// less than a node timeout ago).
+    fn node_state(&self, live: &HashMap<String, Live>, id: &str) -> &'static str {
+        match live.get(id) {
+            Some(l) if l.last_seen.elapsed() <= self.cfg.node_timeout => "up",
+            Some(_) => "down",
+            None if self.started.elapsed() <= self.cfg.node_timeout => "unknown",
+            None => "down",
+        }
+    }
+
+    /// A volume as the services see it: replicas with their nodes' current addresses and
+    /// states (`missing`: the node is up and does not hold it; `unregistered`: an entry of a
+    /// version-1 state that no node has claimed yet).
+    fn spec(&self, name: &str, v: &VolumeRecord, s: &ControlState) -> pb::VolumeSpec {
+        let live = self.live.lock();
+        let replicas = v
+            .replicas
+            .iter()
+            .map(|r| match s.nodes.get(r) {
+                Some(n) => {
+                    let mut state = self.node_state(&live, r);
+                    if state == "up" && live.get(r).is_some_and(|l| !l.volumes.contains(&v.id)) {
+                        state = "missing";
+                    }
+                    pb::Replica {
+                        node: r.clone(),
+                        addr: n.data.clone(),
+                        state: state.into(),
+                    }
+                }
+                None => pb::Replica {
+                    node: String::new(),
+                    addr: r.clone(),
+                    state: "unregistered".into(),
+                },
+            })
+            .collect();
+        pb::VolumeSpec {
+            id: v.id,
+            name: name.to_string(),
+            size: v.size,
+            replicas,
+            agent: v.agent.clone().unwrap_or_default(),
+            export_name: v
+                .agent
+                .as_ref()
+                .and_then(|a| s.agents.get(a))
+                .map(|_| name.to_string())
+                .unwrap_or_default(),
+        }
     }
 
     async fn attach_at(&self, s: &ControlState, name: &str, agent: &str) -> Result<String, Status> {
@@ -342,67 +180,184 @@ impl Controller {
             .agents
             .get(agent)
             .ok_or_else(|| Status::not_found(format!("no agent {agent:?} is registered")))?;
-        let mut sp = spec(name, v, s);
+        let mut sp = self.spec(name, v, s);
         sp.export_name = name.to_string();
+        if let Some(r) = sp.replicas.iter().find(|r| r.node.is_empty()) {
+            return Err(Status::failed_precondition(format!(
+                "volume {name:?}: replica {} has not registered since the upgrade to node ids; start its storage node",
+                r.addr
+            )));
+        }
         agent_client(&a.admin)
             .await?
             .attach(pb::AttachRequest { volume: Some(sp) })
             .await?;
         Ok(format!("nbd://{}/{}", a.nbd, name))
     }
+
+    /// Tells the agents of the volumes on storage node `node` where it serves now (in the
+    /// background: a registration does not wait on agents; their heartbeats catch up anyway).
+    fn tell_agents(self: &Arc<Self>, s: &ControlState, node: &str) {
+        let mine: Vec<(String, String)> = s
+            .volumes
+            .iter()
+            .filter(|(_, v)| v.replicas.iter().any(|r| r == node))
+            .filter_map(|(k, v)| Some((k.clone(), v.agent.clone()?)))
+            .collect();
+        if mine.is_empty() {
+            return;
+        }
+        let (me, snapshot) = (self.clone(), s.clone());
+        tokio::spawn(async move {
+            for (name, agent) in mine {
+                if let Err(e) = me.attach_at(&snapshot, &name, &agent).await {
+                    tracing::warn!("telling agent {agent} about {name}: {}", e.message());
+                }
+            }
+        });
+    }
+
+    /// Logs storage nodes going down (a node's state is derived when asked; this only says so
+    /// when it happens). Runs until the runtime stops.
+    pub async fn watch(self: Arc<Self>) {
+        let mut tick = tokio::time::interval(self.cfg.node_timeout / 4);
+        loop {
+            tick.tick().await;
+            let s = self.state.lock().await;
+            let mut live = self.live.lock();
+            for (id, l) in live.iter_mut() {
+                let down = l.last_seen.elapsed() > self.cfg.node_timeout;
+                if down && !l.down_logged {
+                    let at = s.nodes.get(id).map_or("?", |n| n.data.as_str());
+                    tracing::warn!(
+                        "storage node {id} (at {at}) is down: no heartbeat for {:?}",
+                        l.last_seen.elapsed()
+                    );
+                }
+                l.down_logged = down;
+            }
+        }
+    }
+
+    /// Handles a storage node's registration or heartbeat.
+    pub async fn node_heartbeat(self: &Arc<Self>, r: pb::RegisterNodeRequest) -> Result<(), Status> {
+        if !is_node_id(&r.node_id) {
+            return Err(Status::invalid_argument(format!(
+                "node id {:?} is not sn- and 16 hex digits",
+                r.node_id
+            )));
+        }
+        for (what, a) in [("node", &r.addr), ("admin", &r.admin)] {
+            a.parse::<std::net::SocketAddr>()
+                .map_err(|_| Status::invalid_argument(format!("{what} address {a:?} is not IP:PORT")))?;
+        }
+        let id = r.node_id.clone();
+        {
+            let live = self.live.lock();
+            if let Some(l) = live.get(&id) {
+                if l.incarnation != r.incarnation && !r.first {
+                    return Err(Status::failed_precondition(format!(
+                        "storage node {id}: superseded: another process started with this node id (the same data directory) and serves it now"
+                    )));
+                }
+            }
+        }
+        let mut s = self.state.lock().await;
+        let rec = NodeRecord {
+            data: r.addr.clone(),
+            admin: r.admin.clone(),
+        };
+        let before = s.nodes.get(&id).cloned();
+        let mut n = s.clone();
+        n.nodes.insert(id.clone(), rec);
+        let claimed = n.claim_legacy(&id, &r.addr, &r.volumes);
+        if n != *s {
+            self.meta.save(&n).await.map_err(meta_status)?;
+            *s = n;
+        }
+        let restarted = {
+            let mut live = self.live.lock();
+            let prev = live.insert(
+                id.clone(),
+                Live {
+                    incarnation: r.incarnation,
+                    last_seen: Instant::now(),
+                    volumes: r.volumes.clone(),
+                    down_logged: false,
+                },
+            );
+            prev.is_none_or(|p| p.incarnation != r.incarnation || p.down_logged)
+        };
+        let moved = before.as_ref().is_some_and(|b| b.data != r.addr);
+        if restarted || moved || before.is_none() {
+            match &before {
+                Some(b) if moved => tracing::info!("storage node {id} registered at {} (was {})", r.addr, b.data),
+                _ => tracing::info!("storage node {id} registered at {}", r.addr),
+            }
+            for (name, v) in &s.volumes {
+                if v.replicas.contains(&id) && !r.volumes.contains(&v.id) {
+                    tracing::warn!(
+                        "storage node {id} does not hold volume {name} (id {}), a replica of which it should",
+                        v.id
+                    );
+                }
+            }
+        }
+        if moved || !claimed.is_empty() {
+            self.tell_agents(&s, &id);
+        }
+        Ok(())
+    }
 }
 
+/// The gRPC face of a shared controller (heartbeats spawn work that outlives a call).
+pub struct ControllerService(pub Arc<Controller>);
+
 #[tonic::async_trait]
-impl pb::block_control_server::BlockControl for Controller {
+impl pb::block_control_server::BlockControl for ControllerService {
     async fn register_node(&self, r: Request<pb::RegisterNodeRequest>) -> Result<Response<pb::Empty>, Status> {
-        let r = r.into_inner();
-        r.addr
-            .parse::<std::net::SocketAddr>()
-            .map_err(|_| Status::invalid_argument(format!("node address {:?} is not IP:PORT", r.addr)))?;
-        let mut s = self.state.lock().await;
-        self.commit(&mut s, |n| {
-            n.nodes.insert(r.addr.clone(), r.admin);
-        })
-        .await?;
-        tracing::info!("storage node {} registered", r.addr);
+        self.0.node_heartbeat(r.into_inner()).await?;
         Ok(Response::new(pb::Empty {}))
     }
 
-    async fn register_agent(&self, r: Request<pb::RegisterAgentRequest>) -> Result<Response<pb::Empty>, Status> {
+    async fn register_agent(
+        &self,
+        r: Request<pb::RegisterAgentRequest>,
+    ) -> Result<Response<pb::RegisterAgentReply>, Status> {
+        let c = &self.0;
         let r = r.into_inner();
         if r.name.is_empty() {
             return Err(Status::invalid_argument("agent name is empty"));
         }
-        let mut s = self.state.lock().await;
-        self.commit(&mut s, |n| {
-            n.agents.insert(
-                r.name.clone(),
-                AgentRecord {
-                    admin: r.admin,
-                    nbd: r.nbd,
-                },
-            );
-        })
-        .await?;
-        tracing::info!("agent {} registered", r.name);
-        // attach again what belongs to it (the agent restarted)
-        let mine: Vec<String> = s
+        let mut s = c.state.lock().await;
+        let rec = AgentRecord {
+            admin: r.admin,
+            nbd: r.nbd,
+        };
+        if s.agents.get(&r.name) != Some(&rec) {
+            c.commit(&mut s, |n| {
+                n.agents.insert(r.name.clone(), rec);
+            })
+            .await?;
+            tracing::info!("agent {} registered", r.name);
+        }
+        // what belongs to it, with the replicas' current addresses (claimed replicas only)
+        let volumes = s
             .volumes
             .iter()
             .filter(|(_, v)| v.agent.as_deref() == Some(r.name.as_str()))
-            .map(|(k, _)| k.clone())
+            .map(|(k, v)| {
+                let mut sp = c.spec(k, v, &s);
+                sp.export_name = k.clone();
+                sp
+            })
+            .filter(|sp| sp.replicas.iter().all(|x| !x.node.is_empty()))
             .collect();
-        let snapshot = s.clone();
-        drop(s);
-        for name in mine {
-            if let Err(e) = self.attach_at(&snapshot, &name, &r.name).await {
-                tracing::warn!("re-attaching {name} to {}: {}", r.name, e.message());
-            }
-        }
-        Ok(Response::new(pb::Empty {}))
+        Ok(Response::new(pb::RegisterAgentReply { volumes }))
     }
 
     async fn create(&self, r: Request<pb::CreateRequest>) -> Result<Response<pb::VolumeSpec>, Status> {
+        let c = &self.0;
         let r = r.into_inner();
         check_name(&r.name)?;
         if r.size == 0 || !r.size.is_multiple_of(4096) {
@@ -412,28 +367,36 @@ impl pb::block_control_server::BlockControl for Controller {
             )));
         }
         let want = r.replicas.max(1) as usize;
-        let mut s = self.state.lock().await;
+        let mut s = c.state.lock().await;
         if s.volumes.contains_key(&r.name) {
             return Err(Status::already_exists(format!("volume {:?} exists", r.name)));
         }
-        if s.nodes.len() < want {
+        let up: Vec<String> = {
+            let live = c.live.lock();
+            s.nodes
+                .keys()
+                .filter(|n| c.node_state(&live, n) == "up")
+                .cloned()
+                .collect()
+        };
+        if up.len() < want {
             return Err(Status::failed_precondition(format!(
-                "{want} replicas need {want} storage nodes; {} are registered",
+                "{want} replicas need {want} storage nodes; {} are up ({} registered)",
+                up.len(),
                 s.nodes.len()
             )));
         }
         // least loaded nodes first
-        let mut load: Vec<(usize, String)> = s
-            .nodes
-            .keys()
-            .map(|n| (s.volumes.values().filter(|v| v.replicas.contains(n)).count(), n.clone()))
+        let mut load: Vec<(usize, String)> = up
+            .into_iter()
+            .map(|n| (s.volumes.values().filter(|v| v.replicas.contains(&n)).count(), n))
             .collect();
         load.sort();
         let chosen: Vec<String> = load.into_iter().take(want).map(|(_, n)| n).collect();
         let id = s.next_id.max(1);
-        let mut made: Vec<(String, String)> = Vec::new();
+        let mut made: Vec<String> = Vec::new();
         for n in &chosen {
-            let admin = s.nodes[n].clone();
+            let admin = s.nodes[n].admin.clone();
             let res = async {
                 node_client(&admin)
                     .await?
@@ -442,9 +405,9 @@ impl pb::block_control_server::BlockControl for Controller {
             }
             .await;
             if let Err(e) = res {
-                for (a, _) in &made {
-                    if let Ok(mut c) = node_client(a).await {
-                        let _ = c.delete_volume(pb::DeleteVolumeRequest { id }).await;
+                for a in &made {
+                    if let Ok(mut cl) = node_client(a).await {
+                        let _ = cl.delete_volume(pb::DeleteVolumeRequest { id }).await;
                     }
                 }
                 return Err(Status::new(
@@ -452,7 +415,7 @@ impl pb::block_control_server::BlockControl for Controller {
                     format!("creating on storage node {n}: {}", e.message()),
                 ));
             }
-            made.push((admin, n.clone()));
+            made.push(admin);
         }
         let rec = VolumeRecord {
             id,
@@ -460,27 +423,37 @@ impl pb::block_control_server::BlockControl for Controller {
             replicas: chosen,
             agent: None,
         };
-        self.commit(&mut s, |n| {
+        c.commit(&mut s, |n| {
             n.next_id = id + 1;
             n.volumes.insert(r.name.clone(), rec.clone());
         })
         .await?;
+        // the nodes hold it now (their next heartbeat says so too)
+        {
+            let mut live = c.live.lock();
+            for n in &rec.replicas {
+                if let Some(l) = live.get_mut(n) {
+                    l.volumes.push(id);
+                }
+            }
+        }
         tracing::info!(
             "created volume {} (id {id}, {} bytes) on {:?}",
             r.name,
             r.size,
             rec.replicas
         );
-        Ok(Response::new(spec(&r.name, &rec, &s)))
+        Ok(Response::new(c.spec(&r.name, &rec, &s)))
     }
 
     async fn delete(&self, r: Request<pb::NameRequest>) -> Result<Response<pb::Empty>, Status> {
+        let c = &self.0;
         let name = r.into_inner().name;
-        let mut s = self.state.lock().await;
+        let mut s = c.state.lock().await;
         let v = volume(&s, &name)?.clone();
         if let Some(a) = v.agent.as_ref().and_then(|a| s.agents.get(a)) {
-            if let Ok(mut c) = agent_client(&a.admin).await {
-                let _ = c
+            if let Ok(mut cl) = agent_client(&a.admin).await {
+                let _ = cl
                     .detach(pb::DetachRequest {
                         export_name: name.clone(),
                     })
@@ -488,17 +461,18 @@ impl pb::block_control_server::BlockControl for Controller {
             }
         }
         for n in &v.replicas {
-            let admin = s.nodes.get(n).cloned().unwrap_or_default();
-            match node_client(&admin).await {
-                Ok(mut c) => match c.delete_volume(pb::DeleteVolumeRequest { id: v.id }).await {
-                    Ok(_) => {}
-                    Err(e) if e.code() == tonic::Code::NotFound => {}
-                    Err(e) => return Err(Status::new(e.code(), format!("deleting on {n}: {}", e.message()))),
-                },
-                Err(e) => return Err(e),
+            let admin = node_admin(&s, n)?;
+            match node_client(&admin)
+                .await?
+                .delete_volume(pb::DeleteVolumeRequest { id: v.id })
+                .await
+            {
+                Ok(_) => {}
+                Err(e) if e.code() == tonic::Code::NotFound => {}
+                Err(e) => return Err(Status::new(e.code(), format!("deleting on {n}: {}", e.message()))),
             }
         }
-        self.commit(&mut s, |n| {
+        c.commit(&mut s, |n| {
             n.volumes.remove(&name);
         })
         .await?;
@@ -506,8 +480,9 @@ impl pb::block_control_server::BlockControl for Controller {
     }
 
     async fn resize(&self, r: Request<pb::ResizeRequest>) -> Result<Response<pb::VolumeSpec>, Status> {
+        let c = &self.0;
         let r = r.into_inner();
-        let mut s = self.state.lock().await;
+        let mut s = c.state.lock().await;
         let v = volume(&s, &r.name)?.clone();
         if r.size < v.size {
             return Err(Status::invalid_argument(format!(
@@ -522,42 +497,62 @@ impl pb::block_control_server::BlockControl for Controller {
             )));
         }
         for n in &v.replicas {
-            let admin = s.nodes.get(n).cloned().unwrap_or_default();
+            let admin = node_admin(&s, n)?;
             node_client(&admin)
                 .await?
                 .resize_volume(pb::ResizeVolumeRequest { id: v.id, size: r.size })
                 .await
                 .map_err(|e| Status::new(e.code(), format!("resizing on {n}: {}", e.message())))?;
         }
-        self.commit(&mut s, |n| {
+        c.commit(&mut s, |n| {
             n.volumes.get_mut(&r.name).expect("checked above").size = r.size;
         })
         .await?;
         if let Some(a) = v.agent.clone() {
             // new connections see the new size
-            self.attach_at(&s, &r.name, &a).await?;
+            c.attach_at(&s, &r.name, &a).await?;
         }
-        Ok(Response::new(spec(&r.name, &s.volumes[&r.name], &s)))
+        Ok(Response::new(c.spec(&r.name, &s.volumes[&r.name], &s)))
     }
 
     async fn describe(&self, r: Request<pb::NameRequest>) -> Result<Response<pb::VolumeSpec>, Status> {
+        let c = &self.0;
         let name = r.into_inner().name;
-        let s = self.state.lock().await;
-        Ok(Response::new(spec(&name, volume(&s, &name)?, &s)))
+        let s = c.state.lock().await;
+        Ok(Response::new(c.spec(&name, volume(&s, &name)?, &s)))
     }
 
     async fn list(&self, _: Request<pb::ListRequest>) -> Result<Response<pb::ListReply>, Status> {
-        let s = self.state.lock().await;
+        let c = &self.0;
+        let s = c.state.lock().await;
+        let volumes = s.volumes.iter().map(|(k, v)| c.spec(k, v, &s)).collect();
+        let live = c.live.lock();
+        let nodes = s
+            .nodes
+            .iter()
+            .map(|(id, n)| {
+                let l = live.get(id);
+                pb::NodeInfo {
+                    id: id.clone(),
+                    data: n.data.clone(),
+                    admin: n.admin.clone(),
+                    state: c.node_state(&live, id).into(),
+                    volumes: l.map(|l| l.volumes.clone()).unwrap_or_default(),
+                    last_seen_secs: l.map_or(-1.0, |l| l.last_seen.elapsed().as_secs_f64()),
+                }
+            })
+            .collect();
         Ok(Response::new(pb::ListReply {
-            volumes: s.volumes.iter().map(|(k, v)| spec(k, v, &s)).collect(),
-            nodes: s.nodes.keys().cloned().collect(),
+            volumes,
+            nodes,
             agents: s.agents.keys().cloned().collect(),
         }))
     }
 
     async fn attach(&self, r: Request<pb::AttachVolumeRequest>) -> Result<Response<pb::AttachVolumeReply>, Status> {
+        let c = &self.0;
         let r = r.into_inner();
-        let mut s = self.state.lock().await;
+        let mut s = c.state.lock().await;
         let v = volume(&s, &r.name)?.clone();
         if let Some(a) = &v.agent {
             if a != &r.agent {
@@ -567,11 +562,20 @@ impl pb::block_control_server::BlockControl for Controller {
                 )));
             }
         }
-        let uri = self.attach_at(&s, &r.name, &r.agent).await?;
-        self.commit(&mut s, |n| {
+        let uri = c.attach_at(&s, &r.name, &r.agent).await?;
+        c.commit(&mut s, |n| {
             n.volumes.get_mut(&r.name).expect("checked above").agent = Some(r.agent.clone());
         })
         .await?;
         Ok(Response::new(pb::AttachVolumeReply { uri }))
     }
+}
+
+/// The admin address of replica `r`'s storage node.
+fn node_admin(s: &ControlState, r: &str) -> Result<String, Status> {
+    s.nodes.get(r).map(|n| n.admin.clone()).ok_or_else(|| {
+        Status::failed_precondition(format!(
+            "replica {r} has not registered since the upgrade to node ids; start its storage node"
+        ))
+    })
 }

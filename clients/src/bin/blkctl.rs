@@ -130,18 +130,49 @@ fn control_addr(cli: &Cli) -> String {
         .unwrap_or_else(|| "127.0.0.1:7420".into())
 }
 
+/// `node@addr (state)` per replica.
+fn replicas_line(v: &pb::VolumeSpec) -> String {
+    v.replicas
+        .iter()
+        .map(|r| {
+            let node = if r.node.is_empty() { "?" } else { &r.node };
+            format!("{node}@{} ({})", r.addr, r.state)
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 fn print_spec(v: &pb::VolumeSpec) {
     println!(
-        "{:<16} id {:<4} {:>12} bytes  replicas {}  agent {}",
+        "{:<16} id {:<4} {:>12} bytes  agent {}  replicas {}",
         v.name,
         v.id,
         v.size,
-        v.replicas.join(","),
-        if v.agent.is_empty() { "-" } else { &v.agent }
+        if v.agent.is_empty() { "-" } else { &v.agent },
+        replicas_line(v)
     );
 }
 
-fn main() -> Result<()> {
+fn print_nodes(nodes: &[pb::NodeInfo]) {
+    println!("storage nodes:");
+    for n in nodes {
+        let seen = if n.last_seen_secs < 0.0 {
+            "not heard from since the controller started".to_string()
+        } else {
+            format!("last heartbeat {:.1} s ago", n.last_seen_secs)
+        };
+        println!(
+            "  {}  {:<8} data {}  admin {}  volumes {:?}  {seen}",
+            n.id, n.state, n.data, n.admin, n.volumes
+        );
+    }
+}
+
+fn main() -> std::process::ExitCode {
+    clients::bench::exit("blkctl", run())
+}
+
+fn run() -> anyhow::Result<()> {
     clients::bench::init_cli();
     let cli = Cli::parse();
     let spawner = Spawner {
@@ -152,7 +183,11 @@ fn main() -> Result<()> {
     let st = |e: tonic::Status| anyhow::anyhow!("{}", e.message());
     match cli.cmd {
         Cmd::Daemon { cmd } => blk::run_daemon(cmd),
-        Cmd::Bench(a) => clients::blkbench::run(&a, &spawner),
+        Cmd::Bench(a) => {
+            clients::procs::install_stop_handler("blkctl bench");
+            clients::blkbench::run(&a, &spawner)?;
+            clients::procs::finish()
+        }
         Cmd::Cluster { cmd } => match cmd {
             ClusterCmd::Up {
                 replicas,
@@ -175,6 +210,7 @@ fn main() -> Result<()> {
                 spec.replicas = replicas;
                 spec.nodes = nodes.unwrap_or(replicas).max(replicas);
                 spec.size = size;
+                let spec_volume = volume.clone();
                 spec.volume = volume;
                 spec.transport = transport;
                 spec.paths = paths;
@@ -185,6 +221,12 @@ fn main() -> Result<()> {
                 let state = c.state();
                 std::fs::write(state_file(&cli.dir), serde_json::to_vec_pretty(&state)?)?;
                 println!("{}", c.uri);
+                if let Some(size) = c.reused {
+                    eprintln!(
+                        "volume {} ({size} bytes) is the one kept in {}: its data is served again (--size applies to new volumes only)",
+                        spec_volume, cli.dir.display()
+                    );
+                }
                 eprintln!(
                     "cluster up in {}: controller {}, {} storage nodes, agent NBD {} (unix socket {}); logs there",
                     cli.dir.display(),
@@ -210,10 +252,30 @@ fn main() -> Result<()> {
             ClusterCmd::Status => {
                 let s = load_state(&cli.dir).with_context(|| format!("no cluster is up in {}", cli.dir.display()))?;
                 println!("controller {}  NBD {}", s.control, s.uri);
-                for (n, p) in &s.pids {
-                    // SAFETY: signal 0 only checks that the process exists.
-                    let alive = unsafe { libc::kill(*p as libc::pid_t, 0) } == 0;
-                    println!("  {n:<10} pid {p:<8} {}", if alive { "running" } else { "NOT RUNNING" });
+                for (i, (n, p)) in s.pids.iter().enumerate() {
+                    let state = match blk::daemon_alive(&s, i) {
+                        blk::Alive::Yes => "running",
+                        blk::Alive::Gone => "NOT RUNNING",
+                        blk::Alive::Other => "NOT RUNNING (its pid is another process now)",
+                    };
+                    println!("  {n:<10} pid {p:<8} {state}");
+                }
+                // the controller's view: each node's and each replica's state
+                let rt = blk::runtime()?;
+                let l = rt.block_on(async {
+                    let mut c = blk::control(&s.control).await?;
+                    c.list(pb::ListRequest {}).await.map_err(st)
+                });
+                match l {
+                    Ok(l) => {
+                        let l = l.into_inner();
+                        print_nodes(&l.nodes);
+                        println!("volumes:");
+                        for v in &l.volumes {
+                            print_spec(v);
+                        }
+                    }
+                    Err(e) => println!("the controller does not answer: {e:#}"),
                 }
                 Ok(())
             }
@@ -240,7 +302,7 @@ fn main() -> Result<()> {
                         for v in &l.volumes {
                             print_spec(v);
                         }
-                        println!("storage nodes: {}", l.nodes.join(", "));
+                        print_nodes(&l.nodes);
                         println!("agents: {}", l.agents.join(", "));
                     }
                     Cmd::Describe { name } => {
@@ -260,8 +322,13 @@ fn main() -> Result<()> {
 }
 
 fn describe_json(v: &pb::VolumeSpec) -> serde_json::Value {
+    let replicas: Vec<serde_json::Value> = v
+        .replicas
+        .iter()
+        .map(|r| serde_json::json!({"node": r.node, "addr": r.addr, "state": r.state}))
+        .collect();
     serde_json::json!({
-        "name": v.name, "id": v.id, "size": v.size, "replicas": v.replicas,
+        "name": v.name, "id": v.id, "size": v.size, "replicas": replicas,
         "agent": if v.agent.is_empty() { None } else { Some(&v.agent) },
     })
 }

@@ -1,0 +1,158 @@
+//! The admin services the controller calls: the storage node's (volume files) and the agent's
+//! (attachments).
+
+use super::pb;
+use crate::agent::{Agent, ReplicaAt};
+use crate::storage_node::{NodeError, StorageNode};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use tonic::{Request, Response, Status};
+
+fn node_status(e: NodeError) -> Status {
+    match e {
+        NodeError::Exists(_) => Status::already_exists(e.to_string()),
+        NodeError::NoVolume(_) => Status::not_found(e.to_string()),
+        NodeError::Size(_) | NodeError::NotIpv4(_) => Status::invalid_argument(e.to_string()),
+        NodeError::Store(crate::store::StoreError::Invalid(..)) => Status::invalid_argument(e.to_string()),
+        _ => Status::internal(e.to_string()),
+    }
+}
+
+/// The storage node's admin service.
+pub struct NodeAdmin(pub Arc<StorageNode>);
+
+impl NodeAdmin {
+    /// Runs a volume-file operation (file creation, syncs) off the async threads.
+    async fn on_node(
+        &self,
+        f: impl FnOnce(&StorageNode) -> Result<(), NodeError> + Send + 'static,
+    ) -> Result<Response<pb::Empty>, Status> {
+        let n = self.0.clone();
+        tokio::task::spawn_blocking(move || f(&n))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?
+            .map_err(node_status)?;
+        Ok(Response::new(pb::Empty {}))
+    }
+}
+
+#[tonic::async_trait]
+impl pb::storage_node_admin_server::StorageNodeAdmin for NodeAdmin {
+    async fn create_volume(&self, r: Request<pb::CreateVolumeRequest>) -> Result<Response<pb::Empty>, Status> {
+        let r = r.into_inner();
+        self.on_node(move |n| n.create_volume(r.id, r.size)).await
+    }
+
+    async fn delete_volume(&self, r: Request<pb::DeleteVolumeRequest>) -> Result<Response<pb::Empty>, Status> {
+        let r = r.into_inner();
+        self.on_node(move |n| n.delete_volume(r.id)).await
+    }
+
+    async fn resize_volume(&self, r: Request<pb::ResizeVolumeRequest>) -> Result<Response<pb::Empty>, Status> {
+        let r = r.into_inner();
+        self.on_node(move |n| n.resize_volume(r.id, r.size)).await
+    }
+
+    async fn list_volumes(&self, _: Request<pb::ListVolumesRequest>) -> Result<Response<pb::ListVolumesReply>, Status> {
+        let volumes = self
+            .0
+            .volumes()
+            .into_iter()
+            .map(|(id, blocks)| {
+                let st = self.0.store(id).map(|s| s.stats()).unwrap_or_default();
+                pb::NodeVolume {
+                    id,
+                    size: blocks * 4096,
+                    writes: st.writes,
+                    reads: st.reads,
+                    corrupt_reads: st.corrupt_reads,
+                }
+            })
+            .collect();
+        Ok(Response::new(pb::ListVolumesReply {
+            volumes,
+            addr: self.0.addr().to_string(),
+        }))
+    }
+}
+
+/// Makes `agent` export what `v` describes (under its export name, else its name): attached
+/// anew, or, when already exported, only its replicas' addresses followed.
+pub fn attach_spec(agent: &Agent, v: &pb::VolumeSpec) -> Result<(), Status> {
+    let name = if v.export_name.is_empty() {
+        &v.name
+    } else {
+        &v.export_name
+    };
+    let replicas: Vec<ReplicaAt> = v
+        .replicas
+        .iter()
+        .map(|r| ReplicaAt {
+            node: r.node.clone(),
+            addr: r.addr.clone(),
+        })
+        .collect();
+    agent
+        .attach(name, v.id, v.size, &replicas)
+        .map(|_| ())
+        .map_err(|e| Status::invalid_argument(e.to_string()))
+}
+
+/// The agent's admin service.
+pub struct AgentAdmin {
+    pub agent: Arc<Agent>,
+    /// The NBD address clients use.
+    pub nbd: String,
+}
+
+#[tonic::async_trait]
+impl pb::agent_admin_server::AgentAdmin for AgentAdmin {
+    async fn attach(&self, r: Request<pb::AttachRequest>) -> Result<Response<pb::Empty>, Status> {
+        let v = r
+            .into_inner()
+            .volume
+            .ok_or_else(|| Status::invalid_argument("volume is missing"))?;
+        attach_spec(&self.agent, &v)?;
+        Ok(Response::new(pb::Empty {}))
+    }
+
+    async fn detach(&self, r: Request<pb::DetachRequest>) -> Result<Response<pb::Empty>, Status> {
+        let name = r.into_inner().export_name;
+        if !self.agent.detach(&name) {
+            return Err(Status::not_found(format!("no export {name:?}")));
+        }
+        Ok(Response::new(pb::Empty {}))
+    }
+
+    async fn list_exports(&self, _: Request<pb::ListExportsRequest>) -> Result<Response<pb::ListExportsReply>, Status> {
+        let ex = self.agent.exports();
+        let exports = ex
+            .names()
+            .into_iter()
+            .filter_map(|n| {
+                let v = ex.get(&n)?;
+                let c = v.counters();
+                Some(pb::ExportInfo {
+                    export_name: n,
+                    volume: v.id(),
+                    size: v.size(),
+                    replicas: v.replicas().iter().map(|l| l.server().to_string()).collect(),
+                    paths_up: v.replicas().iter().map(|l| l.status().paths_up as u32).collect(),
+                    reads: c.reads.load(Ordering::Relaxed),
+                    writes: c.writes.load(Ordering::Relaxed),
+                    read_failovers: c.read_failovers.load(Ordering::Relaxed),
+                    repairs: c.repairs.load(Ordering::Relaxed),
+                })
+            })
+            .collect();
+        let transport = match self.agent.carrier() {
+            crate::link::Carrier::Udp { paths } => format!("solar/udp, {paths} paths"),
+            crate::link::Carrier::Tcp => "tcp".to_string(),
+        };
+        Ok(Response::new(pb::ListExportsReply {
+            exports,
+            nbd: self.nbd.clone(),
+            transport,
+        }))
+    }
+}
