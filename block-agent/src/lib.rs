@@ -3,10 +3,12 @@
 //!
 //! - [`store`]: the storage node's durable block store (data and metadata files, a write-ahead
 //!   log with group commit, CRC32C per block checked on every read, replay after a crash).
-//! - [`storage_node`]: the `block-server` daemon: volumes served over Solar on UDP (and the
-//!   same packets over TCP for the kernel-stack baseline).
+//! - [`storage_node`]: the `block-server` daemon: volumes served over Solar on UDP, and over
+//!   the plain block protocol on TCP (the reference).
+//! - [`tcp_proto`]: the plain block protocol over kernel TCP (whole requests, no Solar layer).
 //! - [`link`]: the agent's link to one storage node (a thread driving the sans-IO Solar client
-//!   of `netstack::transport::solar` over UDP paths or a TCP connection).
+//!   of `netstack::transport::solar` over UDP paths, or the plain protocol over one TCP
+//!   connection).
 //! - [`volume`]: a replicated volume (writes to every replica, reads with failover and repair,
 //!   overlapping writes serialized).
 //! - [`nbd`]: the NBD server that exports volumes to real clients.
@@ -22,4 +24,5 @@ pub mod link;
 pub mod nbd;
 pub mod storage_node;
 pub mod store;
+pub mod tcp_proto;
 pub mod volume;

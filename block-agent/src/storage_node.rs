@@ -1,12 +1,14 @@
 //! The storage node (`block-server`): volumes in one directory (a [`VolumeStore`] each) served
-//! over Solar on UDP, and the same packets over TCP for the agent's `--transport tcp` baseline.
+//! over Solar on UDP, and over the plain block protocol on TCP ([`crate::tcp_proto`]: whole
+//! requests, no Solar layer), the agent's `--transport tcp` reference.
 //!
 //! Threads: one receives UDP packets and hands them to the sans-IO [`SolarServer`]; reads are
 //! answered on that thread (the store reads from the page cache and checks each block's CRC);
 //! writes go to a pool of writer threads, because a store write returns only when its log
 //! record is durable, and many writers waiting together share one `fdatasync` (group commit).
-//! TCP connections get a reader thread each. Answers go out from whichever thread finished the
-//! work. After a restart every volume's block versions seed the Solar server, so a write
+//! TCP connections get a reader thread each: a WRITE request's blocks go to the writer pool
+//! as one job (its records share one group commit), a READ is answered by the reader. Answers
+//! go out from whichever thread finished the work. After a restart every volume's block versions seed the Solar server, so a write
 //! retransmitted from before the crash still cannot overtake a newer one.
 //!
 //! Identity: a node is its data directory. The directory holds a node id (`node-id`, drawn at
@@ -14,8 +16,9 @@
 //! under that id wherever it listens, and the controller and agents follow it to a new address.
 
 use crate::store::{StoreError, VolumeStore};
+use crate::tcp_proto;
 use netstack::transport::solar::server::{Request, SolarServer, Token};
-use netstack::transport::solar::wire::{self, Status, BLOCK, HDR};
+use netstack::transport::solar::wire::{Status, BLOCK, HDR};
 use netstack::transport::solar::Transmit;
 use parking_lot::{Mutex, RwLock};
 use std::collections::HashMap;
@@ -27,9 +30,6 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
-
-/// Peer tokens of TCP connections have this bit; UDP peers are their IPv4 address and port.
-const TCP_PEER: u64 = 1 << 63;
 
 /// Settings of a storage node.
 #[derive(Debug, Clone)]
@@ -155,14 +155,22 @@ pub struct NodeCounters {
     pub tcp_connections: AtomicU64,
 }
 
-struct WriteJob {
-    token: Token,
-    volume: u32,
-    lba: u64,
-    data: Vec<u8>,
-    crc: u32,
-    rpc: u64,
-    arrived: std::time::Instant,
+/// A write for the writer pool: a Solar block, or a whole request of the TCP protocol.
+enum WriteJob {
+    Solar {
+        token: Token,
+        volume: u32,
+        lba: u64,
+        data: Vec<u8>,
+        crc: u32,
+        rpc: u64,
+        arrived: std::time::Instant,
+    },
+    Tcp {
+        conn: Arc<Mutex<TcpStream>>,
+        req: tcp_proto::Header,
+        data: Vec<u8>,
+    },
 }
 
 struct Inner {
@@ -174,7 +182,8 @@ struct Inner {
     volumes: RwLock<HashMap<u32, Arc<VolumeStore>>>,
     solar: Mutex<SolarServer>,
     udp: UdpSocket,
-    tcp_peers: Mutex<HashMap<u64, Arc<Mutex<TcpStream>>>>,
+    /// The write halves of the TCP connections (shut down when the node stops).
+    tcp_conns: Mutex<Vec<Arc<Mutex<TcpStream>>>>,
     writes: Mutex<Option<mpsc::Sender<WriteJob>>>,
     stop: AtomicBool,
     counters: NodeCounters,
@@ -240,7 +249,7 @@ impl StorageNode {
             volumes: RwLock::new(volumes),
             solar: Mutex::new(solar),
             udp,
-            tcp_peers: Mutex::new(HashMap::new()),
+            tcp_conns: Mutex::new(Vec::new()),
             writes: Mutex::new(Some(tx)),
             stop: AtomicBool::new(false),
             counters: NodeCounters::default(),
@@ -345,7 +354,7 @@ impl Drop for StorageNode {
     fn drop(&mut self) {
         self.inner.stop.store(true, Ordering::SeqCst);
         self.inner.writes.lock().take();
-        for p in self.inner.tcp_peers.lock().values() {
+        for p in self.inner.tcp_conns.lock().iter() {
             let _ = p.lock().shutdown(std::net::Shutdown::Both);
         }
         for t in self.threads.drain(..) {
@@ -397,21 +406,50 @@ fn list_volume_ids(dir: &Path) -> Result<Vec<u32>, NodeError> {
 }
 
 impl Inner {
+    /// Writes blocks to a volume's store durably; the status to answer.
+    fn store_write(&self, volume: u32, lba: u64, blocks: &[(&[u8], u32)], version: u64) -> Status {
+        let store = self.volumes.read().get(&volume).cloned();
+        match store {
+            None => Status::NoVolume,
+            Some(s) => match s.write_blocks(lba, blocks, version) {
+                Ok(()) => Status::Ok,
+                Err(e) => {
+                    tracing::warn!("{e}");
+                    store_status(&e)
+                }
+            },
+        }
+    }
+
+    /// Reads blocks of a volume into `out` (appended), each checked against its stored CRC;
+    /// the status to answer (nothing appended unless Ok).
+    fn store_read(&self, volume: u32, lba: u64, blocks: u32, out: &mut Vec<u8>) -> Status {
+        let Some(store) = self.volumes.read().get(&volume).cloned() else {
+            return Status::NoVolume;
+        };
+        let start = out.len();
+        for k in 0..blocks as u64 {
+            match store.read(lba + k) {
+                Ok((data, _, _)) => out.extend_from_slice(&data),
+                Err(e) => {
+                    if matches!(e, StoreError::Corrupt { .. }) {
+                        tracing::error!("{e}");
+                    }
+                    out.truncate(start);
+                    return store_status(&e);
+                }
+            }
+        }
+        Status::Ok
+    }
+
     fn send(&self, t: &Transmit, buf: &mut Vec<u8>) {
         buf.clear();
         buf.extend_from_slice(&t.header);
         if let Some(b) = &t.block {
             buf.extend_from_slice(b.bytes());
         }
-        let r = if t.peer & TCP_PEER != 0 {
-            let s = self.tcp_peers.lock().get(&t.peer).cloned();
-            match s {
-                Some(s) => s.lock().write_all(buf),
-                None => Ok(()), // the connection closed: the agent resends elsewhere
-            }
-        } else {
-            self.udp.send_to(buf, token_addr(t.peer)).map(|_| ())
-        };
+        let r = self.udp.send_to(buf, token_addr(t.peer)).map(|_| ());
         match r {
             Ok(()) => {
                 self.counters.packets_out.fetch_add(1, Ordering::Relaxed);
@@ -455,7 +493,7 @@ impl Inner {
                 rpc,
                 ..
             })) => {
-                let job = WriteJob {
+                let job = WriteJob::Solar {
                     token,
                     volume,
                     lba,
@@ -512,20 +550,28 @@ fn writer(inner: &Inner, rx: &Mutex<mpsc::Receiver<WriteJob>>) {
     loop {
         let job = rx.lock().recv();
         let Ok(j) = job else { return };
-        let store = inner.volumes.read().get(&j.volume).cloned();
-        let status = match store {
-            None => Status::NoVolume,
-            Some(s) => match s.write(j.lba, &j.data, j.crc, j.rpc) {
-                Ok(()) => Status::Ok,
-                Err(e) => {
-                    tracing::warn!("{e}");
-                    store_status(&e)
-                }
-            },
-        };
-        let service = j.arrived.elapsed().as_nanos() as u64;
-        inner.solar.lock().write_done_after(j.token, status, service);
-        inner.flush(&mut out, &mut buf);
+        match j {
+            WriteJob::Solar {
+                token,
+                volume,
+                lba,
+                data,
+                crc,
+                rpc,
+                arrived,
+            } => {
+                let status = inner.store_write(volume, lba, &[(&data, crc)], rpc);
+                let service = arrived.elapsed().as_nanos() as u64;
+                inner.solar.lock().write_done_after(token, status, service);
+                inner.flush(&mut out, &mut buf);
+            }
+            WriteJob::Tcp { conn, req, data } => {
+                let blocks: Vec<(&[u8], u32)> = data.chunks(BLOCK).map(|b| (b, crc32c::crc32c(b))).collect();
+                let status = inner.store_write(req.volume, req.lba, &blocks, req.version);
+                // a failed answer is a closed connection: its reader sees it
+                let _ = conn.lock().write_all(&req.reply(status).encode());
+            }
+        }
     }
 }
 
@@ -552,18 +598,18 @@ fn accept_loop(inner: &Arc<Inner>, l: TcpListener) {
     while !inner.stop.load(Ordering::Relaxed) {
         match l.accept() {
             Ok((s, from)) => {
-                let id = TCP_PEER | next;
-                next += 1;
                 let _ = s.set_nodelay(true);
                 let _ = s.set_nonblocking(false);
                 let Ok(w) = s.try_clone() else { continue };
-                inner.tcp_peers.lock().insert(id, Arc::new(Mutex::new(w)));
+                let w = Arc::new(Mutex::new(w));
+                inner.tcp_conns.lock().push(w.clone());
                 inner.counters.tcp_connections.fetch_add(1, Ordering::Relaxed);
                 tracing::debug!("TCP agent {from} connected");
                 let i2 = inner.clone();
-                if let Ok(t) = spawn(format!("bs-tcp-{}", id & !TCP_PEER), move || tcp_reader(&i2, id, s)) {
+                if let Ok(t) = spawn(format!("bs-tcp-{next}"), move || tcp_reader(&i2, s, w)) {
                     readers.push(t);
                 }
+                next += 1;
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 std::thread::sleep(Duration::from_millis(20));
@@ -576,31 +622,59 @@ fn accept_loop(inner: &Arc<Inner>, l: TcpListener) {
     }
 }
 
-/// Reads Solar packets from a TCP stream (each framed by its own header).
-fn tcp_reader(inner: &Inner, id: u64, s: TcpStream) {
+/// Serves one connection of the plain block protocol: WRITE requests go to the writer pool,
+/// READs are answered here; a malformed header closes the connection (a byte stream cannot be
+/// resynchronised), other connections are not affected.
+fn tcp_reader(inner: &Inner, s: TcpStream, w: Arc<Mutex<TcpStream>>) {
     let mut r = std::io::BufReader::with_capacity(256 << 10, s);
-    let mut pkt = vec![0u8; HDR + BLOCK];
-    let (mut out, mut buf) = (Vec::new(), Vec::with_capacity(HDR + BLOCK));
+    let mut hdr = [0u8; tcp_proto::HDR];
+    let mut out = Vec::new();
     loop {
-        if r.read_exact(&mut pkt[..HDR]).is_err() {
+        if r.read_exact(&mut hdr).is_err() {
             break;
         }
-        let len = match wire::packet_len(&pkt[..HDR]) {
-            Ok(l) => l,
+        inner.counters.packets_in.fetch_add(1, Ordering::Relaxed);
+        let req = match tcp_proto::Header::decode(&hdr) {
+            Ok(h) => h,
             Err(e) => {
-                // a byte stream cannot be resynchronised: drop the connection
                 inner.counters.malformed.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!("TCP peer {}: {e}; closing", id & !TCP_PEER);
+                tracing::warn!("TCP block request: {e}; closing the connection");
                 break;
             }
         };
-        if r.read_exact(&mut pkt[HDR..len]).is_err() {
-            break;
+        if req.op == tcp_proto::WRITE {
+            let mut data = vec![0u8; req.payload(false)];
+            if r.read_exact(&mut data).is_err() {
+                break;
+            }
+            let job = WriteJob::Tcp {
+                conn: w.clone(),
+                req,
+                data,
+            };
+            if self_send(inner, job).is_err() {
+                let _ = w.lock().write_all(&req.reply(Status::Busy).encode());
+            }
+        } else {
+            out.clear();
+            out.extend_from_slice(&[0u8; tcp_proto::HDR]);
+            let st = inner.store_read(req.volume, req.lba, req.blocks, &mut out);
+            out[..tcp_proto::HDR].copy_from_slice(&req.reply(st).encode());
+            if w.lock().write_all(&out).is_err() {
+                break;
+            }
         }
-        inner.on_packet(id, &pkt[..len], &mut out, &mut buf);
+        inner.counters.packets_out.fetch_add(1, Ordering::Relaxed);
     }
-    if let Some(s) = inner.tcp_peers.lock().remove(&id) {
-        let _ = s.lock().shutdown(std::net::Shutdown::Both);
+    let _ = w.lock().shutdown(std::net::Shutdown::Both);
+    inner.tcp_conns.lock().retain(|c| !Arc::ptr_eq(c, &w));
+}
+
+/// Hands a write to the writer pool (an error when the node is stopping).
+fn self_send(inner: &Inner, job: WriteJob) -> Result<(), ()> {
+    match inner.writes.lock().as_ref() {
+        Some(tx) => tx.send(job).map_err(|_| ()),
+        None => Err(()),
     }
 }
 
@@ -609,11 +683,10 @@ mod tests {
     use super::*;
 
     #[test]
-    fn peer_tokens_round_trip_and_never_look_like_tcp() {
+    fn peer_tokens_round_trip() {
         let a: SocketAddr = "10.1.2.3:4567".parse().unwrap();
         let t = peer_token(a).unwrap();
         assert_eq!(token_addr(t), a);
-        assert_eq!(t & TCP_PEER, 0);
         assert!(peer_token("[::1]:5".parse().unwrap()).is_none());
     }
 }

@@ -303,28 +303,42 @@ impl VolumeStore {
         Ok(())
     }
 
-    /// Writes a block durably (returns once it survives a crash). `crc` is the block's CRC32C
-    /// as the agent computed it (checked here), `version` its request id.
+    /// Writes one block (`crc` is the sender's CRC32C of it, checked here) as `version`;
+    /// returns once its log record is durable. Concurrent writers share log syncs.
     pub fn write(&self, lba: u64, data: &[u8], crc: u32, version: u64) -> Result<(), StoreError> {
-        self.check(lba)?;
-        if data.len() != BLOCK {
-            return Err(StoreError::Invalid(
-                format!("a block of {} bytes", data.len()),
-                self.volume,
-            ));
+        self.write_blocks(lba, &[(data, crc)], version)
+    }
+
+    /// Writes consecutive blocks from `lba` (each with the sender's CRC32C, checked here), all
+    /// as `version`; returns once every record is durable (one wait for the group commit that
+    /// covers them all). Nothing is written when a block is refused.
+    pub fn write_blocks(&self, lba: u64, blocks: &[(&[u8], u32)], version: u64) -> Result<(), StoreError> {
+        for (k, (data, crc)) in blocks.iter().enumerate() {
+            self.check(lba + k as u64)?;
+            if data.len() != BLOCK {
+                return Err(StoreError::Invalid(
+                    format!("a block of {} bytes", data.len()),
+                    self.volume,
+                ));
+            }
+            let actual = crc32c::crc32c(data);
+            if actual != *crc {
+                return Err(StoreError::BadCrc {
+                    volume: self.volume,
+                    given: *crc,
+                    actual,
+                });
+            }
         }
-        let actual = crc32c::crc32c(data);
-        if actual != crc {
-            return Err(StoreError::BadCrc {
-                volume: self.volume,
-                given: crc,
-                actual,
-            });
+        if blocks.is_empty() {
+            return Ok(());
         }
         let mut c = self.commit.lock();
         let seq = c.next_seq;
         c.next_seq += 1;
-        encode_record(&mut c.waiting, lba, version, crc, data);
+        for (k, (data, crc)) in blocks.iter().enumerate() {
+            encode_record(&mut c.waiting, lba + k as u64, version, *crc, data);
+        }
         c.waiting_last = seq;
         loop {
             if let Some((upto, e)) = &c.failed {
@@ -333,7 +347,7 @@ impl VolumeStore {
                 }
             }
             if c.durable_seq >= seq {
-                self.stats.lock().writes += 1;
+                self.stats.lock().writes += blocks.len() as u64;
                 return Ok(());
             }
             if c.committing {

@@ -149,6 +149,164 @@ pub fn rusage(children: bool) -> (f64, u64) {
     (t(ru.ru_utime) + t(ru.ru_stime), ru.ru_maxrss as u64)
 }
 
+/// A process whose CPU time and memory a run accounts for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Proc {
+    /// What it is in the run (`client`, `server`, `agent`, `node1`, `qemu-nbd`, ...).
+    pub role: String,
+    pub pid: u32,
+}
+
+impl Proc {
+    pub fn new(role: impl Into<String>, pid: u32) -> Proc {
+        Proc { role: role.into(), pid }
+    }
+
+    /// This process.
+    pub fn this(role: impl Into<String>) -> Proc {
+        Proc::new(role, std::process::id())
+    }
+}
+
+/// CPU seconds (user + system, all threads, those ended included) a process has used so far,
+/// from /proc (10 ms resolution); None when it is gone.
+pub fn proc_cpu_secs(pid: u32) -> Option<f64> {
+    let st = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let f: Vec<&str> = st.rsplit_once(") ")?.1.split_whitespace().collect();
+    let ticks = |i: usize| f.get(i).and_then(|x| x.parse::<f64>().ok());
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    // after the command: utime and stime are fields 14 and 15 of the line
+    Some((ticks(11)? + ticks(12)?) / hz)
+}
+
+/// The peak resident memory (VmHWM, KiB) of a process since its start or its last
+/// [`reset_peak_rss`].
+pub fn peak_rss_kib(pid: u32) -> Option<u64> {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()?
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("VmHWM:")
+                .and_then(|r| r.split_whitespace().next())
+                .and_then(|n| n.parse().ok())
+        })
+}
+
+/// Lowers a process's peak-RSS mark to what it uses now (`/proc/PID/clear_refs`, value 5), so
+/// the next [`peak_rss_kib`] is the peak of what happened since; false where the kernel or
+/// the process's owner does not allow it.
+pub fn reset_peak_rss(pid: u32) -> bool {
+    std::fs::write(format!("/proc/{pid}/clear_refs"), "5").is_ok()
+}
+
+/// What one process used during a run.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ProcUsage {
+    pub role: String,
+    pub pid: u32,
+    pub cpu_secs: f64,
+    /// Peak resident memory during the run (since the process started, where the mark could
+    /// not be reset: `peak_rss_since_start`).
+    pub peak_rss_kib: u64,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub peak_rss_since_start: bool,
+}
+
+/// Per-process accounting of one run: each process's CPU time during the run and its peak
+/// resident memory during the run (its mark is reset at the start).
+#[derive(Debug)]
+pub struct Meter {
+    start: Vec<(Proc, f64, bool)>,
+}
+
+impl Meter {
+    /// Starts accounting `procs` (reads their CPU time, resets their peak-RSS marks).
+    pub fn start(procs: &[Proc]) -> Meter {
+        Meter {
+            start: procs
+                .iter()
+                .map(|p| {
+                    let reset = reset_peak_rss(p.pid);
+                    (p.clone(), proc_cpu_secs(p.pid).unwrap_or(0.0), reset)
+                })
+                .collect(),
+        }
+    }
+
+    /// What each process used since [`Meter::start`].
+    pub fn finish(self) -> Vec<ProcUsage> {
+        self.start
+            .into_iter()
+            .map(|(p, cpu0, reset)| ProcUsage {
+                cpu_secs: ((proc_cpu_secs(p.pid).unwrap_or(cpu0) - cpu0).max(0.0) * 1000.0).round() / 1000.0,
+                peak_rss_kib: peak_rss_kib(p.pid).unwrap_or(0),
+                peak_rss_since_start: !reset,
+                role: p.role,
+                pid: p.pid,
+            })
+            .collect()
+    }
+}
+
+/// Rounds to 3 significant decimals for result lines.
+fn round3(x: f64) -> f64 {
+    (x * 1000.0).round() / 1000.0
+}
+
+impl BenchResult {
+    /// Records what each process used during the run: a `processes` list with every
+    /// process's CPU seconds, CPU per operation (`cpu_us_per_op`), payload bytes per CPU
+    /// second (`bytes_per_cpu_sec`) and peak memory, and the same two rates for all of them
+    /// together. The first process is this one (the client): its figures also fill
+    /// `cpu_secs` and `peak_rss_kib`.
+    pub fn account(&mut self, usage: &[ProcUsage]) {
+        let per = |cpu: f64| -> (Option<f64>, Option<f64>) {
+            let per_op = (self.ops > 0).then(|| round3(cpu * 1e6 / self.ops as f64));
+            let per_byte = (cpu > 0.0 && self.bytes > 0).then(|| (self.bytes as f64 / cpu).round());
+            (per_op, per_byte)
+        };
+        let procs: Vec<serde_json::Value> = usage
+            .iter()
+            .map(|u| {
+                let (op, b) = per(u.cpu_secs);
+                let mut v = serde_json::to_value(u).expect("serializable");
+                v["cpu_us_per_op"] = op.into();
+                v["bytes_per_cpu_sec"] = b.into();
+                v
+            })
+            .collect();
+        let total: f64 = usage.iter().map(|u| u.cpu_secs).sum();
+        let (op, b) = per(total);
+        if let Some(c) = usage.first() {
+            self.cpu_secs = c.cpu_secs;
+            self.peak_rss_kib = c.peak_rss_kib;
+        }
+        if usage.len() > 1 {
+            let servers: f64 = usage[1..].iter().map(|u| u.cpu_secs).sum();
+            self.server_cpu_secs = Some(round3(servers));
+            self.server_peak_rss_kib = Some(usage[1..].iter().map(|u| u.peak_rss_kib).sum());
+        }
+        self.extra.insert("processes".into(), procs.into());
+        self.extra.insert("cpu_us_per_op".into(), op.into());
+        self.extra.insert("bytes_per_cpu_sec".into(), b.into());
+    }
+}
+
+/// A fresh seed for one run's data, never the same twice (time, process and a counter), so a
+/// run's verification can only pass on bytes that run wrote.
+pub fn run_seed() -> u64 {
+    static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    (t ^ ((std::process::id() as u64) << 32) ^ n.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+        .wrapping_mul(0xD6E8_FEB8_6659_FD93)
+        | 1
+}
+
 /// A server started as a child process (dying with this program, see [`crate::procs`]),
 /// stopped (SIGTERM, SIGKILL after 3 s, then reaped with its rusage) on drop or by
 /// [`ChildServer::stop`].

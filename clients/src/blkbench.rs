@@ -1,12 +1,17 @@
 //! `blkctl bench`: block I/O through real NBD clients (`fio --ioengine=nbd`, `qemu-img bench`)
-//! against the flexns agent (Solar over UDP), the same agent with `--transport tcp`, and
-//! `qemu-nbd` serving a raw file directly (writethrough: like the agent, a write is durable
-//! when it completes; reads come from the page cache in both). Systems run interleaved
-//! (A B C A B C ...) and the summary gives medians and ratios, per `BENCH.md`.
+//! against the flexns agent (Solar over UDP), the same agent and storage nodes over the plain
+//! block protocol on kernel TCP (`tcp`: whole requests, no Solar layer), and `qemu-nbd` serving
+//! a raw file directly, twice: `qemu-nbd` writethrough (like the agent, a write is durable when
+//! it completes; reads from the page cache) and `qemu-nbd-direct` (`--cache=none
+//! --aio=native`: O_DIRECT and Linux AIO, what a performance-minded qemu user runs). Systems
+//! run interleaved (A B C D A B C D ...); every round's ratio against each reference is taken
+//! and the summary gives the median over rounds, per `docs/BENCHMARKS.md`.
 //!
-//! Volumes and the qemu-nbd file are filled with random data first (zero blocks would be
-//! skipped by clients); after read runs `qemu-img compare` checks every byte against the
-//! source image, which is what `verified` reports.
+//! Every invocation proves its own data: volumes and files are filled with random data of a
+//! fresh seed (zero blocks would be skipped by clients); after read rounds `qemu-img compare`
+//! checks every byte against that source, and after write rounds a fio pass with a fresh seed
+//! writes and verifies (CRC32C per block) a region of the volume. CPU is accounted per process
+//! and per round: fio (the client), and the agent and storage nodes, or qemu-nbd.
 
 use crate::bench::{median, BenchResult};
 use crate::blk::{ClusterSpec, LocalCluster, Spawner};
@@ -18,7 +23,7 @@ use std::time::{Duration, Instant};
 /// Arguments of `blkctl bench`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct BenchArgs {
-    /// flexns, tcp, qemu-nbd, or all (interleaved, with ratios).
+    /// flexns, tcp, qemu-nbd, qemu-nbd-direct, or all (interleaved, with ratios).
     #[arg(long, default_value = "all")]
     pub system: String,
     /// fio (its nbd engine) or qemu-img (bench).
@@ -125,7 +130,9 @@ fn free_port() -> Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
-fn start_qemu_nbd(file: &Path) -> Result<(QemuNbd, String)> {
+/// Starts qemu-nbd on `file`: writethrough (page cache, each write synced), or `direct`
+/// (`--cache=none --aio=native`: O_DIRECT with Linux AIO).
+fn start_qemu_nbd(file: &Path, direct: bool) -> Result<(QemuNbd, String)> {
     tool("qemu-nbd")?;
     let port = free_port()?;
     let child = crate::procs::spawn(
@@ -143,7 +150,11 @@ fn start_qemu_nbd(file: &Path) -> Result<(QemuNbd, String)> {
                 "-e",
                 "8",
             ])
-            .arg("--cache=writethrough")
+            .args(if direct {
+                &["--cache=none", "--aio=native"][..]
+            } else {
+                &["--cache=writethrough"][..]
+            })
             .arg(file)
             .stdout(Stdio::null())
             .stderr(Stdio::null()),
@@ -181,43 +192,15 @@ struct Run {
     p999: Option<f64>,
     secs: f64,
     ops: u64,
-    /// CPU seconds of the client (fio's own accounting; qemu-img bench: none).
+    /// CPU seconds of the client (fio and its job process; qemu-img bench: none).
     client_cpu: Option<f64>,
-    /// CPU seconds the serving processes used during the run.
-    server_cpu: f64,
-}
-
-/// CPU seconds (user + system) a process has used, from /proc.
-fn proc_cpu(pid: u32) -> f64 {
-    let Ok(st) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-        return 0.0;
-    };
-    let Some(rest) = st.rsplit_once(')').map(|(_, r)| r) else {
-        return 0.0;
-    };
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let ticks = |i: usize| f.get(i).and_then(|x| x.parse::<f64>().ok()).unwrap_or(0.0);
-    // SAFETY: sysconf has no preconditions.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
-    (ticks(11) + ticks(12)) / hz
-}
-
-/// Peak resident memory of a process (KiB), from /proc.
-fn proc_hwm(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines().find_map(|l| {
-                l.strip_prefix("VmHWM:")
-                    .and_then(|r| r.split_whitespace().next())
-                    .and_then(|n| n.parse().ok())
-            })
-        })
-        .unwrap_or(0)
+    /// What each serving process used during the run.
+    servers: Vec<crate::bench::ProcUsage>,
 }
 
 fn fio(a: &BenchArgs, uri: &str) -> Result<Run> {
     tool("fio")?;
+    let (c0, _) = crate::bench::rusage(true);
     let out = fio_output(
         crate::procs::command("fio")
             .args([
@@ -234,8 +217,12 @@ fn fio(a: &BenchArgs, uri: &str) -> Result<Run> {
             .arg(format!("--iodepth={}", a.depth))
             .arg(format!("--size={}", a.size))
             .arg(format!("--runtime={}", a.duration))
+            // written data of this run's own
+            .arg(format!("--randseed={}", crate::bench::run_seed() >> 1))
             .arg("--output-format=json"),
     )?;
+    // fio and its job process, both reaped children: their CPU over the whole run
+    let (c1, _) = crate::bench::rusage(true);
     let start = out.find('{').context("fio printed no JSON")?;
     let v: serde_json::Value = serde_json::from_str(&out[start..]).context("fio JSON")?;
     let job = &v["jobs"][0];
@@ -250,7 +237,6 @@ fn fio(a: &BenchArgs, uri: &str) -> Result<Run> {
             .map(|ns| (ns / 10.0).round() / 100.0)
     };
     let ms = job["job_runtime"].as_f64().unwrap_or(0.0);
-    let cpu_pct = job["usr_cpu"].as_f64().unwrap_or(0.0) + job["sys_cpu"].as_f64().unwrap_or(0.0);
     Ok(Run {
         iops: side["iops"].as_f64().unwrap_or(0.0),
         mbps: side["bw_bytes"].as_f64().unwrap_or(0.0) / 1048576.0,
@@ -259,9 +245,48 @@ fn fio(a: &BenchArgs, uri: &str) -> Result<Run> {
         p999: pct("99.900000"),
         secs: ms / 1000.0,
         ops: side["total_ios"].as_u64().unwrap_or(0),
-        client_cpu: Some(cpu_pct / 100.0 * ms / 1000.0),
-        server_cpu: 0.0,
+        client_cpu: Some(c1 - c0),
+        servers: Vec::new(),
     })
+}
+
+/// A write-and-verify pass with a fresh seed over the first `len` bytes of the volume (fio
+/// writes each block with a CRC32C header, then reads all back and checks them): proves, in
+/// this run, that the system stores what is written to it. Returns the blocks verified.
+fn fio_verify(uri: &str, len: u64) -> Result<u64> {
+    let out = fio_output(
+        crate::procs::command("fio")
+            .args([
+                "--name=verify",
+                "--ioengine=nbd",
+                "--rw=randwrite",
+                "--bs=4k",
+                "--iodepth=16",
+            ])
+            .args([
+                "--verify=crc32c",
+                "--do_verify=1",
+                "--verify_fatal=1",
+                "--output-format=json",
+            ])
+            .arg(format!("--uri={uri}"))
+            .arg(format!("--size={len}"))
+            .arg(format!("--randseed={}", crate::bench::run_seed() >> 1)),
+    )?;
+    let start = out.find('{').context("fio printed no JSON")?;
+    let v: serde_json::Value = serde_json::from_str(&out[start..]).context("fio JSON")?;
+    let job = &v["jobs"][0];
+    let (w, r) = (
+        job["write"]["total_ios"].as_u64().unwrap_or(0),
+        job["read"]["total_ios"].as_u64().unwrap_or(0),
+    );
+    if job["error"].as_i64() != Some(0) || w == 0 || r != w {
+        bail!(
+            "fio's verify pass: {w} blocks written, {r} read back, error {}",
+            job["error"]
+        );
+    }
+    Ok(r)
 }
 
 fn qemu_img(a: &BenchArgs, uri: &str) -> Result<Run> {
@@ -300,7 +325,7 @@ fn qemu_img(a: &BenchArgs, uri: &str) -> Result<Run> {
         secs,
         ops: a.ops,
         client_cpu: None,
-        server_cpu: 0.0,
+        servers: Vec::new(),
     })
 }
 
@@ -309,7 +334,7 @@ struct Target {
     name: String,
     uri: String,
     /// The serving processes (agent and storage nodes, or qemu-nbd), for CPU and memory.
-    pids: Vec<u32>,
+    procs: Vec<crate::bench::Proc>,
     _keep: Keep,
 }
 
@@ -360,9 +385,9 @@ pub fn run(a: &BenchArgs, sp: &Spawner) -> Result<()> {
         bail!("--depth and --repeat must be at least 1");
     }
     let systems: Vec<&str> = match a.system.as_str() {
-        "all" => vec!["flexns", "tcp", "qemu-nbd"],
-        s @ ("flexns" | "tcp" | "qemu-nbd") => vec![s],
-        s => bail!("--system {s:?}: flexns, tcp, qemu-nbd or all"),
+        "all" => vec!["flexns", "tcp", "qemu-nbd", "qemu-nbd-direct"],
+        s @ ("flexns" | "tcp" | "qemu-nbd" | "qemu-nbd-direct") => vec![s],
+        s => bail!("--system {s:?}: flexns, tcp, qemu-nbd, qemu-nbd-direct or all"),
     };
     let dir = std::env::temp_dir().join(format!("blkbench-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
@@ -373,7 +398,8 @@ pub fn run(a: &BenchArgs, sp: &Spawner) -> Result<()> {
 
 fn bench(a: &BenchArgs, sp: &Spawner, systems: &[&str], dir: &Path) -> Result<()> {
     let src = dir.join("src.img");
-    random_file(&src, a.size, 0xB10C)?;
+    // this invocation's data, not what an earlier one left
+    random_file(&src, a.size, crate::bench::run_seed())?;
     let mut targets = Vec::new();
     if let Some(u) = &a.uri {
         if systems.len() != 1 {
@@ -383,20 +409,24 @@ fn bench(a: &BenchArgs, sp: &Spawner, systems: &[&str], dir: &Path) -> Result<()
         targets.push(Target {
             name: systems[0].to_string(),
             uri: u.clone(),
-            pids: Vec::new(),
+            procs: Vec::new(),
             _keep: Keep::None,
         });
     } else {
         for &s in systems {
             let t = match s {
-                "qemu-nbd" => {
-                    let f: PathBuf = dir.join("qemu.img");
+                "qemu-nbd" | "qemu-nbd-direct" => {
+                    let f: PathBuf = dir.join(format!("{s}.img"));
                     std::fs::copy(&src, &f)?;
-                    let (q, uri) = start_qemu_nbd(&f)?;
+                    let (q, uri) = start_qemu_nbd(&f, s == "qemu-nbd-direct")?;
                     Target {
                         name: s.into(),
                         uri,
-                        pids: q.0.iter().map(|c| c.id()).collect(),
+                        procs: q
+                            .0
+                            .iter()
+                            .map(|c| crate::bench::Proc::new("qemu-nbd", c.id()))
+                            .collect(),
                         _keep: Keep::Qemu(q),
                     }
                 }
@@ -411,12 +441,17 @@ fn bench(a: &BenchArgs, sp: &Spawner, systems: &[&str], dir: &Path) -> Result<()
                     let c = LocalCluster::start(sp, spec)?;
                     let uri = c.uri.clone();
                     fill(&src, &uri).with_context(|| format!("filling the {s} volume"))?;
-                    let mut pids = vec![c.agent.pid];
-                    pids.extend(c.nodes.iter().map(|n| n.pid));
+                    let mut procs = vec![crate::bench::Proc::new("agent", c.agent.pid)];
+                    procs.extend(
+                        c.nodes
+                            .iter()
+                            .enumerate()
+                            .map(|(i, n)| crate::bench::Proc::new(format!("node{i}"), n.pid)),
+                    );
                     Target {
                         name: s.into(),
                         uri,
-                        pids,
+                        procs,
                         _keep: Keep::Cluster(Box::new(c)),
                     }
                 }
@@ -430,7 +465,7 @@ fn bench(a: &BenchArgs, sp: &Spawner, systems: &[&str], dir: &Path) -> Result<()
             if crate::procs::stopping() {
                 break 'rounds;
             }
-            let cpu0: f64 = t.pids.iter().map(|&p| proc_cpu(p)).sum();
+            let meter = crate::bench::Meter::start(&t.procs);
             let r = match a.client.as_str() {
                 "fio" => fio(a, &t.uri),
                 _ => qemu_img(a, &t.uri),
@@ -440,10 +475,10 @@ fn bench(a: &BenchArgs, sp: &Spawner, systems: &[&str], dir: &Path) -> Result<()
                 Err(_) if crate::procs::stopping() => break 'rounds,
                 r => r.with_context(|| format!("{} round {}", t.name, round + 1))?,
             };
-            r.server_cpu = t.pids.iter().map(|&p| proc_cpu(p)).sum::<f64>() - cpu0;
+            r.servers = meter.finish();
             if !a.json {
                 eprintln!(
-                    "round {} {:<9} {:>10.0} IOPS {:>8.1} MiB/s",
+                    "round {} {:<15} {:>10.0} IOPS {:>8.1} MiB/s",
                     round + 1,
                     t.name,
                     r.iops,
@@ -456,121 +491,169 @@ fn bench(a: &BenchArgs, sp: &Spawner, systems: &[&str], dir: &Path) -> Result<()
     let reads = a.rw.contains("read");
     // a run cut short is reported as such and not verified (the program has to stop now)
     let interrupted = crate::procs::stopping();
-    let mut medians = Vec::new();
     for (t, rs) in targets.iter().zip(&runs) {
         if rs.is_empty() {
             continue;
         }
-        let verified = reads && !interrupted && verify(&src, &t.uri);
-        let med = |f: &dyn Fn(&Run) -> Option<f64>| {
-            let mut v: Vec<f64> = rs.iter().filter_map(f).collect();
-            (!v.is_empty()).then(|| median(&mut v))
+        let (verified, how) = if interrupted {
+            (false, "interrupted: stopped early, not verified".to_string())
+        } else if reads {
+            let ok = verify(&src, &t.uri);
+            (
+                ok,
+                "every byte compared with this run's source image (qemu-img compare)".into(),
+            )
+        } else {
+            match fio_verify(&t.uri, a.size.min(16 << 20)) {
+                Ok(n) => (
+                    true,
+                    format!("{n} blocks written with a fresh seed and read back checked (fio verify)"),
+                ),
+                Err(e) => (false, format!("{e:#}")),
+            }
         };
-        let iops = med(&|r| Some(r.iops)).unwrap_or(0.0);
-        medians.push(iops);
-        let mut b = BenchResult {
-            bench: a.rw.clone(),
-            system: t.name.clone(),
-            transport: Some(match t.name.as_str() {
-                "flexns" => format!("solar/udp x{}", a.paths),
-                "tcp" => "solar over tcp".into(),
-                _ => "tcp".into(),
-            }),
-            msg_bytes: a.bs,
-            qps: 1,
-            depth: a.depth,
-            bytes: rs.iter().map(|r| r.ops * a.bs).sum(),
-            ops: rs.iter().map(|r| r.ops).sum(),
-            secs: rs.iter().map(|r| r.secs).sum(),
-            p50_us: med(&|r| r.p50),
-            p99_us: med(&|r| r.p99),
-            p999_us: med(&|r| r.p999),
-            verified,
-            incomplete: interrupted,
-            cpu_secs: rs.iter().filter_map(|r| r.client_cpu).sum::<f64>(),
-            server_cpu_secs: (!t.pids.is_empty())
-                .then(|| (rs.iter().map(|r| r.server_cpu).sum::<f64>() * 100.0).round() / 100.0),
-            server_peak_rss_kib: (!t.pids.is_empty()).then(|| t.pids.iter().map(|&p| proc_hwm(p)).sum()),
-            ..Default::default()
-        };
-        b.cpu_secs = (b.cpu_secs * 100.0).round() / 100.0;
-        let ops_total: u64 = rs.iter().map(|r| r.ops).sum();
-        if let (Some(c), true) = (b.server_cpu_secs, ops_total > 0) {
-            b.extra.insert(
-                "server_cpu_us_per_io".into(),
-                ((c * 1e6 / ops_total as f64 * 10.0).round() / 10.0).into(),
-            );
-        }
-        b.rates();
-        let ex = &mut b.extra;
-        ex.insert("client".into(), a.client.clone().into());
-        ex.insert("bs".into(), a.bs.into());
-        ex.insert("iops".into(), ((iops * 10.0).round() / 10.0).into());
-        ex.insert(
-            "replicas".into(),
-            (if t.name == "qemu-nbd" { 1 } else { a.replicas }).into(),
-        );
-        ex.insert("runs".into(), rs.len().into());
-        ex.insert(
-            "iops_runs".into(),
-            rs.iter()
-                .map(|r| serde_json::Value::from(r.iops.round()))
-                .collect::<Vec<_>>()
-                .into(),
-        );
-        if interrupted {
-            b.note = Some("interrupted: stopped early, not verified".into());
-        } else if !reads {
-            b.note = Some("writes are not read back by the benchmark (the integrity tests do that)".into());
-        }
+        let result = system_result(a, t, rs, verified, interrupted, how);
         if a.json {
-            b.print(true);
+            result.print(true);
         } else {
             println!(
-                "{:<9} {:<8} bs {:>8} QD{:<3} {:>10.0} IOPS  p50 {:>8} us  p99 {:>8} us  server cpu {:>6} us/IO  verified={}{}",
+                "{:<15} {:<8} bs {:>8} QD{:<3} {:>10.0} IOPS  p50 {:>8} us  p99 {:>8} us  server cpu {:>6} us/IO  verified={}{}",
                 t.name,
                 a.rw,
                 a.bs,
                 a.depth,
-                iops,
-                b.p50_us.map_or("-".into(), |x| format!("{x:.1}")),
-                b.p99_us.map_or("-".into(), |x| format!("{x:.1}")),
-                b.extra.get("server_cpu_us_per_io").map_or("-".into(), |v| v.to_string()),
+                result.extra.get("iops").and_then(|v| v.as_f64()).unwrap_or(0.0),
+                result.p50_us.map_or("-".into(), |x| format!("{x:.1}")),
+                result.p99_us.map_or("-".into(), |x| format!("{x:.1}")),
+                result.extra.get("server_cpu_us_per_io").map_or("-".into(), |v| v.to_string()),
                 verified,
                 if interrupted { "  INCOMPLETE" } else { "" }
             );
         }
     }
-    if interrupted {
-        return Ok(());
-    }
-    let find = |n: &str| targets.iter().position(|t| t.name == n).map(|i| medians[i]);
-    if let Some(f) = find("flexns") {
-        let mut ratios = serde_json::Map::new();
-        for other in ["qemu-nbd", "tcp"] {
-            if let Some(o) = find(other).filter(|&o| o > 0.0) {
-                ratios.insert(
-                    format!("vs_{}", other.replace('-', "_")),
-                    ((f / o * 1000.0).round() / 1000.0).into(),
-                );
-            }
-        }
-        if !ratios.is_empty() {
-            if a.json {
-                let mut m = serde_json::Map::new();
-                m.insert("bench".into(), format!("{}_ratio", a.rw).into());
-                m.insert("system".into(), "flexns".into());
-                m.insert("client".into(), a.client.clone().into());
-                m.insert("bs".into(), a.bs.into());
-                m.insert("depth".into(), a.depth.into());
-                m.insert("replicas".into(), a.replicas.into());
-                m.extend(ratios);
-                println!("{}", serde_json::Value::Object(m));
-            } else {
-                let s: Vec<String> = ratios.iter().map(|(k, v)| format!("{k} {v}x")).collect();
-                println!("flexns IOPS ratio (medians of {} rounds): {}", a.repeat, s.join(", "));
-            }
-        }
+    if !interrupted {
+        ratio_lines(a, &targets, &runs);
     }
     Ok(())
+}
+
+/// The median result of one system's rounds, with per-process CPU of the median round's
+/// processes summed over all rounds.
+fn system_result(a: &BenchArgs, t: &Target, rs: &[Run], verified: bool, interrupted: bool, how: String) -> BenchResult {
+    let med = |f: &dyn Fn(&Run) -> Option<f64>| {
+        let mut v: Vec<f64> = rs.iter().filter_map(f).collect();
+        (!v.is_empty()).then(|| median(&mut v))
+    };
+    let iops = med(&|r| Some(r.iops)).unwrap_or(0.0);
+    let ops: u64 = rs.iter().map(|r| r.ops).sum();
+    let mut b = BenchResult {
+        bench: a.rw.clone(),
+        system: t.name.clone(),
+        transport: Some(match t.name.as_str() {
+            "flexns" => format!("solar/udp x{}", a.paths),
+            "tcp" => "plain block protocol over kernel tcp".into(),
+            "qemu-nbd-direct" => "nbd over tcp, O_DIRECT + linux aio".into(),
+            _ => "nbd over tcp, writethrough".into(),
+        }),
+        msg_bytes: a.bs,
+        qps: 1,
+        depth: a.depth,
+        bytes: ops * a.bs,
+        ops,
+        secs: rs.iter().map(|r| r.secs).sum(),
+        p50_us: med(&|r| r.p50),
+        p99_us: med(&|r| r.p99),
+        p999_us: med(&|r| r.p999),
+        verified,
+        incomplete: interrupted,
+        note: Some(how),
+        ..Default::default()
+    };
+    // the client (fio) first, then each serving process, CPU summed over the rounds
+    let mut usage = vec![crate::bench::ProcUsage {
+        role: a.client.clone(),
+        pid: 0,
+        cpu_secs: rs.iter().filter_map(|r| r.client_cpu).sum(),
+        peak_rss_kib: 0,
+        peak_rss_since_start: false,
+    }];
+    for (k, p) in t.procs.iter().enumerate() {
+        usage.push(crate::bench::ProcUsage {
+            role: p.role.clone(),
+            pid: p.pid,
+            cpu_secs: rs.iter().filter_map(|r| r.servers.get(k)).map(|u| u.cpu_secs).sum(),
+            peak_rss_kib: rs
+                .iter()
+                .filter_map(|r| r.servers.get(k))
+                .map(|u| u.peak_rss_kib)
+                .max()
+                .unwrap_or(0),
+            peak_rss_since_start: false,
+        });
+    }
+    b.rates();
+    b.account(&usage);
+    if let (Some(c), true) = (b.server_cpu_secs, ops > 0) {
+        b.extra.insert(
+            "server_cpu_us_per_io".into(),
+            ((c * 1e6 / ops as f64 * 10.0).round() / 10.0).into(),
+        );
+    }
+    let ex = &mut b.extra;
+    ex.insert("client".into(), a.client.clone().into());
+    ex.insert("bs".into(), a.bs.into());
+    ex.insert("iops".into(), ((iops * 10.0).round() / 10.0).into());
+    ex.insert(
+        "replicas".into(),
+        (if t.name.starts_with("qemu-nbd") { 1 } else { a.replicas }).into(),
+    );
+    ex.insert("runs".into(), rs.len().into());
+    ex.insert(
+        "iops_runs".into(),
+        rs.iter()
+            .map(|r| serde_json::Value::from(r.iops.round()))
+            .collect::<Vec<_>>()
+            .into(),
+    );
+    b
+}
+
+/// flexns against every other system: the median over rounds of each round's IOPS ratio
+/// (interleaved, so both saw the same machine), of its p50 ratio, and of the serving
+/// processes' CPU per I/O.
+fn ratio_lines(a: &BenchArgs, targets: &[Target], runs: &[Vec<Run>]) {
+    let Some(f) = targets.iter().position(|t| t.name == "flexns") else {
+        return;
+    };
+    let r3 = |x: f64| (x * 1000.0).round() / 1000.0;
+    let server_cpu = |r: &Run| r.servers.iter().map(|u| u.cpu_secs).sum::<f64>() / r.ops.max(1) as f64;
+    for (o, t) in targets.iter().enumerate().filter(|(o, _)| *o != f) {
+        let pairs: Vec<(&Run, &Run)> = runs[f].iter().zip(&runs[o]).collect();
+        if pairs.is_empty() {
+            continue;
+        }
+        let mut iops: Vec<f64> = pairs.iter().map(|(x, y)| r3(x.iops / y.iops.max(1e-9))).collect();
+        let per_round = iops.clone();
+        let mut p50: Vec<f64> = pairs.iter().filter_map(|(x, y)| Some(r3(x.p50? / y.p50?))).collect();
+        let mut cpu: Vec<f64> = pairs.iter().map(|(x, y)| r3(server_cpu(x) / server_cpu(y))).collect();
+        let line = serde_json::json!({
+            "bench": format!("{}_ratio", a.rw), "system": "flexns", "reference": t.name, "client": a.client,
+            "bs": a.bs, "depth": a.depth, "replicas": a.replicas, "pairs": pairs.len(),
+            "iops_ratio": r3(median(&mut iops)), "iops_ratios": per_round,
+            "p50_ratio": (!p50.is_empty()).then(|| r3(median(&mut p50))),
+            "server_cpu_per_io_ratio": r3(median(&mut cpu)),
+        });
+        if a.json {
+            println!("{line}");
+        } else {
+            println!(
+                "flexns / {:<15} IOPS {}  p50 {}  server CPU per I/O {}  (medians of {} interleaved rounds)",
+                t.name,
+                line["iops_ratio"],
+                line["p50_ratio"],
+                line["server_cpu_per_io_ratio"],
+                pairs.len()
+            );
+        }
+    }
 }

@@ -6,7 +6,7 @@
 //! written (`verified`). References run interleaved in the same invocation (`--compare tcp`,
 //! `--compare-paths 1`) and a ratio line gives the median of the pairs.
 
-use crate::bench::{fill_pattern, histogram, median, parse_size, rusage, BenchResult, ChildServer};
+use crate::bench::{fill_pattern, histogram, median, parse_size, BenchResult, ChildServer, Meter, Proc, ProcUsage};
 use anyhow::{bail, Context, Result};
 use kvcache_engine::kvcache::{blocks_landed, BlockOrder, PagedKvLayout};
 use kvcache_engine::{EngineConfig, Location, MetadataConfig, Opcode, TransferEngine, TransportKind};
@@ -104,7 +104,18 @@ struct Target {
     remote_len: u64,
     src: Arc<netstack::mem::Region>,
     check: Arc<netstack::mem::Region>,
-    _child: Option<ChildServer>,
+    child: Option<ChildServer>,
+}
+
+impl Target {
+    /// The processes a run on this target accounts for: this one, and its decode child.
+    fn procs(&self) -> Vec<Proc> {
+        let mut v = vec![Proc::this("prefill")];
+        if let Some(pid) = self.child.as_ref().and_then(|c| c.pid()) {
+            v.push(Proc::new("decode", pid));
+        }
+        v
+    }
 }
 
 const SWEEP: [u64; 7] = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20];
@@ -185,7 +196,7 @@ fn setup(a: &BenchArgs, v: &Variant, max: u64, exe: &std::path::Path, sub: &[Str
         seg,
         src,
         check,
-        _child: child,
+        child,
     })
 }
 
@@ -195,8 +206,8 @@ struct Run {
     ops: u64,
     secs: f64,
     verified: bool,
-    cpu: f64,
-    rss: u64,
+    /// This (prefill) process first, then the decode process if this run started it.
+    usage: Vec<ProcUsage>,
 }
 
 impl Run {
@@ -213,12 +224,11 @@ impl Run {
             ops: self.ops,
             secs: self.secs,
             verified: self.verified,
-            cpu_secs: (self.cpu * 1000.0).round() / 1000.0,
-            peak_rss_kib: self.rss,
             ..Default::default()
         };
         r.latencies(h);
         r.rates();
+        r.account(&self.usage);
         r.extra.insert("paths".into(), v.paths.into());
         r
     }
@@ -255,7 +265,7 @@ fn run_request(t: &Target, v: &Variant, l: &PagedKvLayout, blocks: usize, secs: 
     let from: Vec<u32> = (0..blocks as u32).collect();
     let pool = (l.num_blocks) as u32;
     let mut h = histogram();
-    let (cpu0, _) = rusage(false);
+    let meter = Meter::start(&t.procs());
     let start = Instant::now();
     let until = start + Duration::from_secs_f64(secs);
     let (mut ops, mut bytes) = (0u64, 0u64);
@@ -285,15 +295,14 @@ fn run_request(t: &Target, v: &Variant, l: &PagedKvLayout, blocks: usize, secs: 
         }
     }
     let secs = start.elapsed().as_secs_f64();
-    let (cpu1, rss) = rusage(false);
+    let usage = meter.finish();
     if crate::procs::stopping() {
         let run = Run {
             bytes,
             ops,
             secs,
             verified: false,
-            cpu: cpu1 - cpu0,
-            rss,
+            usage,
         };
         return Ok(run.interrupted("kvcache_request", v, bytes / ops.max(1), &h));
     }
@@ -314,8 +323,7 @@ fn run_request(t: &Target, v: &Variant, l: &PagedKvLayout, blocks: usize, secs: 
         ops,
         secs,
         verified,
-        cpu: cpu1 - cpu0,
-        rss,
+        usage,
     };
     let mut r = run.result("kvcache_request", v, bytes / ops, &h);
     r.extra.insert("tokens".into(), (blocks * l.block_tokens).into());
@@ -330,7 +338,7 @@ fn run_once(t: &Target, v: &Variant, size: u64, secs: f64, seed: u64) -> Result<
     fill_pattern(&mut pat, 0, seed);
     t.src.write(0, &pat);
     let mut h = histogram();
-    let (cpu0, _) = rusage(false);
+    let meter = Meter::start(&t.procs());
     let start = Instant::now();
     let until = start + Duration::from_secs_f64(secs);
     let mut ops = 0u64;
@@ -349,15 +357,14 @@ fn run_once(t: &Target, v: &Variant, size: u64, secs: f64, seed: u64) -> Result<
         }
     }
     let secs = start.elapsed().as_secs_f64();
-    let (cpu1, rss) = rusage(false);
+    let usage = meter.finish();
     if crate::procs::stopping() {
         let run = Run {
             bytes: ops * size,
             ops,
             secs,
             verified: false,
-            cpu: cpu1 - cpu0,
-            rss,
+            usage,
         };
         return Ok(run.interrupted("kvcache_write", v, size, &h));
     }
@@ -374,8 +381,7 @@ fn run_once(t: &Target, v: &Variant, size: u64, secs: f64, seed: u64) -> Result<
         ops,
         secs,
         verified,
-        cpu: cpu1 - cpu0,
-        rss,
+        usage,
     };
     Ok(run.result("kvcache_write", v, size, &h))
 }
@@ -445,13 +451,15 @@ pub fn run(a: &BenchArgs, exe: &std::path::Path, sub: &[String]) -> Result<Vec<s
     'sizes: for &size in &sizes {
         let mut gbps = vec![Vec::new(); variants.len()];
         let mut p50 = vec![Vec::new(); variants.len()];
-        for pair in 0..a.pairs {
+        let mut cpus = vec![Vec::new(); variants.len()];
+        for _ in 0..a.pairs {
             let mut row = Vec::new();
-            for (i, (v, t)) in variants.iter().zip(&targets).enumerate() {
+            for (v, t) in variants.iter().zip(&targets) {
                 if crate::procs::stopping() {
                     break 'sizes;
                 }
-                let seed = (pair * 31 + i) as u64 + size;
+                // data of this run's own: an earlier run (or invocation) left other bytes there
+                let seed = crate::bench::run_seed();
                 let r = match &req {
                     Some((l, blocks)) => run_request(t, v, l, *blocks, a.duration, seed)?,
                     None => run_once(t, v, size, a.duration, seed)?,
@@ -467,34 +475,43 @@ pub fn run(a: &BenchArgs, exe: &std::path::Path, sub: &[String]) -> Result<Vec<s
                         v.label
                     );
                 }
-                row.push((r.gbps, r.p50_us.unwrap_or(0.0)));
+                let cpu = r
+                    .extra
+                    .get("cpu_us_per_op")
+                    .and_then(|v| v.as_f64())
+                    .unwrap_or(f64::NAN);
+                row.push((r.gbps, r.p50_us.unwrap_or(0.0), cpu));
             }
-            for (i, (g, p)) in row.into_iter().enumerate() {
+            for (i, (g, p, c)) in row.into_iter().enumerate() {
                 gbps[i].push(g);
                 p50[i].push(p);
+                cpus[i].push(c);
             }
         }
         let shown = req.as_ref().map_or(size, |(l, b)| *b as u64 * l.block_bytes());
         for i in 1..variants.len() {
             let ratios: Vec<f64> = gbps[0].iter().zip(&gbps[i]).map(|(x, y)| x / y.max(1e-9)).collect();
             let lat: Vec<f64> = p50[0].iter().zip(&p50[i]).map(|(x, y)| x / y.max(1e-9)).collect();
+            let cpu: Vec<f64> = cpus[0].iter().zip(&cpus[i]).map(|(x, y)| x / y).collect();
             let r3 = |x: f64| (x * 1000.0).round() / 1000.0;
             let line = serde_json::json!({
                 "bench": "ratio", "metric": "gbps", "system": variants[0].label, "reference": variants[i].label,
                 "msg_bytes": shown, "pairs": ratios.len(), "ratio": r3(median(&mut ratios.clone())),
                 "ratios": ratios.iter().map(|&x| r3(x)).collect::<Vec<_>>(),
                 "p50_ratio": r3(median(&mut lat.clone())),
+                "cpu_us_per_op_ratio": r3(median(&mut cpu.clone())),
             });
             if a.json {
                 println!("{line}");
             } else {
                 println!(
-                    "ratio {} / {} at {shown} B: throughput {} (median of {}), p50 latency {}",
+                    "ratio {} / {} at {shown} B: throughput {} (median of {}), p50 latency {}, CPU per transfer {}",
                     variants[0].label,
                     variants[i].label,
                     line["ratio"],
                     ratios.len(),
-                    line["p50_ratio"]
+                    line["p50_ratio"],
+                    line["cpu_us_per_op_ratio"]
                 );
             }
             out.push(line);

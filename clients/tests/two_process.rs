@@ -72,6 +72,8 @@ fn every_opcode_moves_verified_data_between_processes() {
             low_latency: false,
             resp_addr: 0,
             resp_rkey: 0,
+            need: 0,
+            session: 0,
         },
     );
     let mr = c.pd.reg_mr(1 << 20, Access::LOCAL_WRITE).unwrap();
@@ -210,6 +212,8 @@ fn one_gib_write_with_end_to_end_checksum() {
             low_latency: false,
             resp_addr: 0,
             resp_rkey: 0,
+            need: 0,
+            session: 0,
         },
     );
     const GIB: usize = 1 << 30;
@@ -262,6 +266,8 @@ fn bad_remote_accesses_end_in_rem_access_err_and_touch_nothing() {
         low_latency: false,
         resp_addr: 0,
         resp_rkey: 0,
+        need: 0,
+        session: 0,
     };
     let (good, w) = c.connect(cm_addr, &hello);
     let mr = c.pd.reg_mr(1 << 16, Access::LOCAL_WRITE).unwrap();
@@ -378,6 +384,8 @@ fn garbage_datagrams_do_not_hurt_the_server() {
             low_latency: false,
             resp_addr: 0,
             resp_rkey: 0,
+            need: 0,
+            session: 0,
         },
     );
     let mr = c.pd.reg_mr(8192, Access::LOCAL_WRITE).unwrap();

@@ -12,9 +12,9 @@ pub struct ServerArgs {
     /// Connection-manager (gRPC) listen address: what clients and the shard map name.
     #[arg(long, default_value = "127.0.0.1:0")]
     pub cm: SocketAddrV4,
-    /// Data-path (RoCEv2/UDP) address.
-    #[arg(long, default_value = "127.0.0.1:0")]
-    pub data: SocketAddrV4,
+    /// Data-path (RoCEv2/UDP) address [config: bind; default 127.0.0.1:0].
+    #[arg(long)]
+    pub data: Option<SocketAddrV4>,
     /// RESP (redis protocol) front door listen address; `off` for none.
     #[arg(long, default_value = "127.0.0.1:0")]
     pub resp: String,
@@ -42,10 +42,10 @@ pub struct ServerArgs {
     /// Most client connections at once.
     #[arg(long, default_value_t = 1024)]
     pub max_connections: usize,
-    /// Engine threads (data cores).
-    #[arg(long, default_value_t = 1)]
-    pub data_cores: usize,
-    /// Offload threads (the offloaded gets run there).
+    /// Engine threads (data cores) [config: data_cores; default 1].
+    #[arg(long)]
+    pub data_cores: Option<usize>,
+    /// Offload threads (the offloaded gets run there) [config: offload.threads].
     #[arg(long)]
     pub offload_threads: Option<usize>,
     /// Register this shard in the shard map kept in etcd at this endpoint (`http://HOST:PORT`).
@@ -54,7 +54,8 @@ pub struct ServerArgs {
     /// Key prefix of the shard map in etcd (one per cluster).
     #[arg(long, default_value = "/flexns/kv/")]
     pub etcd_prefix: String,
-    /// Context config (TOML, `deploy/config/context.toml`); flags given override it.
+    /// Context config (TOML, `deploy/config/context.toml`); a flag given explicitly overrides
+    /// the file, a flag left out leaves the file's value.
     #[arg(long)]
     pub config: Option<std::path::PathBuf>,
 }
@@ -69,8 +70,12 @@ impl ServerArgs {
             .with_context(|| format!("config {}", p.display()))?,
             None => ContextConfig::default(),
         };
-        ctx.bind = self.data;
-        ctx.data_cores = self.data_cores;
+        if let Some(d) = self.data {
+            ctx.bind = d;
+        }
+        if let Some(n) = self.data_cores {
+            ctx.data_cores = n;
+        }
         if let Some(t) = self.offload_threads {
             ctx.offload.threads = t;
         }
@@ -128,4 +133,36 @@ pub fn run(args: ServerArgs) -> Result<()> {
     })?;
     tracing::info!("kv-server stopping: {:?}", s.stats());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: ServerArgs,
+    }
+
+    #[test]
+    fn config_file_values_hold_unless_a_flag_is_given() {
+        let p = std::env::temp_dir().join(format!("kv-cli-config-{}.toml", std::process::id()));
+        std::fs::write(
+            &p,
+            "data_cores = 2\nbind = \"127.0.0.1:4791\"\n[offload]\nthreads = 3\n",
+        )
+        .unwrap();
+        let parse = |extra: &[&str]| {
+            let mut a = vec!["kv-server", "--config", p.to_str().unwrap()];
+            a.extend_from_slice(extra);
+            Cli::parse_from(a).args.config().unwrap().ctx
+        };
+        let c = parse(&[]);
+        assert_eq!((c.data_cores, c.bind.port(), c.offload.threads), (2, 4791, 3));
+        let c = parse(&["--data-cores", "1", "--data", "127.0.0.1:0", "--offload-threads", "1"]);
+        assert_eq!((c.data_cores, c.bind.port(), c.offload.threads), (1, 0, 1));
+        let _ = std::fs::remove_file(&p);
+    }
 }

@@ -110,9 +110,10 @@ pub struct EngineConfig {
     pub tcp_lanes: usize,
     /// A request not done after this is TimedOut, with the peer, path and cause named.
     pub transfer_timeout: Duration,
-    /// A slice not done after this is retried on another queue pair or lane.
-    pub slice_timeout: Duration,
-    /// Attempts per slice (the first included) before its request fails.
+    /// Attempts per slice (the first included) before its request fails. A slice is retried
+    /// when its queue pair fails (its retry budget spent) or its TCP lane breaks; a slice that is
+    /// merely slow is left to the transport's own retransmission, and a request not done within
+    /// `transfer_timeout` fails.
     pub slice_attempts: u32,
     /// Overrides of the flexns stack (MTU, recovery, congestion control, poll mode...).
     pub stack: Option<netstack::verbs::ContextConfig>,
@@ -136,7 +137,6 @@ impl Default for EngineConfig {
             slices_in_flight: 64,
             tcp_lanes: 4,
             transfer_timeout: Duration::from_secs(30),
-            slice_timeout: Duration::from_secs(2),
             slice_attempts: 3,
             stack: None,
         }
@@ -203,9 +203,6 @@ impl EngineConfig {
         }
         if self.transfer_timeout.is_zero() {
             return bad("transfer_timeout", "must be > 0".into());
-        }
-        if self.slice_timeout.is_zero() {
-            return bad("slice_timeout", "must be > 0".into());
         }
         if self.slice_attempts == 0 {
             return bad("slice_attempts", "must be >= 1".into());

@@ -135,7 +135,13 @@ impl TransferEngine {
                     malformed: AtomicU64::new(0),
                     peers: Mutex::new(HashMap::new()),
                 };
-                let t = TcpPath::start(SocketAddr::new(bind.into(), 0), sh, cfg.tcp_lanes, cfg.slice_attempts)?;
+                let t = TcpPath::start(
+                    SocketAddr::new(bind.into(), 0),
+                    sh,
+                    cfg.tcp_lanes,
+                    cfg.slices_in_flight,
+                    cfg.slice_attempts,
+                )?;
                 let data = SocketAddr::new(adv.into(), t.data_addr().port());
                 (Transport::Tcp(t), Some(data))
             }
@@ -227,6 +233,12 @@ impl TransferEngine {
             Transport::Tcp(t) => t.malformed(),
             Transport::Flexns(_) => 0,
         }
+    }
+
+    /// The most requests one tcp lane of this process had in flight at once (the lanes
+    /// pipeline up to `slices_in_flight`); 0 while no tcp transport has sent anything.
+    pub fn tcp_peak_in_flight() -> usize {
+        crate::transport::tcp::TcpPath::peak_in_flight()
     }
 
     fn publish(&self) -> Result<(), TransferError> {
@@ -747,8 +759,10 @@ impl TransferEngine {
             None => None,
         };
         // polling yields the CPU between looks, so the data cores (on a small machine, the
-        // same cores) run; after a while the caller sleeps on the CQ
+        // same cores) run; after a while the caller sleeps on the CQ. A small tcp batch is
+        // waited for the same way (the lane's receiver completes it): same discipline for both
         let spin_until = Instant::now() + Duration::from_micros(200);
+        let spin_tcp = bytes <= SMALL_BATCH_BYTES && matches!(self.inner.transport, Transport::Tcp(_));
         loop {
             self.progress();
             self.maybe_notify(&b);
@@ -761,6 +775,7 @@ impl TransferEngine {
                 Some(_) if !b.data_done() && Instant::now() < spin_until => std::thread::yield_now(),
                 Some(g) if !b.data_done() => g.0.wait_cq(left.min(Duration::from_millis(1))),
                 Some(_) => spinning = None, // only the notification is left
+                None if spin_tcp && Instant::now() < spin_until => std::thread::yield_now(),
                 None => {
                     b.wait(left.min(Duration::from_millis(1)));
                 }

@@ -5,9 +5,10 @@
 use kvcache_engine::*;
 use std::time::Duration;
 
+/// Bytes that never repeat within a transfer (a slice misplaced by any offset shows).
 fn pattern(n: usize, seed: u8) -> Vec<u8> {
-    (0..n)
-        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed ^ (i >> 12) as u8))
+    (0..n as u64)
+        .map(|i| ((i ^ (seed as u64) << 40).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as u8)
         .collect()
 }
 
@@ -107,6 +108,9 @@ fn flexns_round_trip() {
 #[test]
 fn tcp_round_trip() {
     round_trip(TransportKind::Tcp);
+    // 80 slices of 64 KiB over 4 lanes: the lanes pipeline (stop-and-wait had one in flight)
+    let peak = TransferEngine::tcp_peak_in_flight();
+    assert!(peak > 1, "a lane had at most {peak} request in flight");
 }
 
 #[test]

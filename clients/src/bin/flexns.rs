@@ -167,6 +167,7 @@ fn demo(duration: f64, json: bool) -> Result<()> {
             server_mr_size: 64 << 20,
             data_cores: 1,
             poll_mode: client::PollModeArg::Adaptive,
+            wait: None,
             standard_qp: false,
             rate_limit: None,
             cc: netstack::cc::CcKind::None,

@@ -1,9 +1,10 @@
 //! The `nsperf client`: runs one operation for a bounded time over one or more QPs, verifies the
 //! data it moved, and reports per `BENCH.md`; optionally interleaved with a reference system.
 
+use super::reference::Wait;
 use super::server::parse_recovery;
 use super::{reference, Hello, Op, System, Welcome};
-use crate::bench::{histogram, median, pattern_byte, rusage, BenchResult, ChildServer};
+use crate::bench::{histogram, median, pattern_byte, BenchResult, ChildServer, Meter, Proc};
 use anyhow::{bail, Context as _, Result};
 use netstack::cm;
 use netstack::verbs::*;
@@ -96,6 +97,11 @@ pub struct ClientArgs {
     /// Engine poll mode of this client's context (and of a server it starts).
     #[arg(long, value_enum, default_value = "adaptive")]
     pub poll_mode: PollModeArg,
+    /// How this client and a server it starts wait for completions and replies, flexns and
+    /// references alike: spin or block (default: spin for latency operations, block for
+    /// bandwidth). The result lines say which.
+    #[arg(long, value_enum)]
+    pub wait: Option<Wait>,
     /// Engine threads of this client's context (and of a server it starts).
     #[arg(long, default_value_t = 1)]
     pub data_cores: usize,
@@ -167,6 +173,12 @@ fn peers(a: &ClientArgs, spawn: &ServerSpawn) -> Result<Peers> {
         a.server_mr_size.to_string(),
         "--recovery".into(),
         rec.into(),
+        "--data-cores".into(),
+        a.data_cores.to_string(),
+        "--poll-mode".into(),
+        a.poll_mode.name().into(),
+        "--wait".into(),
+        a.wait_mode().name().into(),
     ]);
     args.extend(a.net.to_args());
     let child = ChildServer::start(&spawn.exe, &args)?;
@@ -185,6 +197,28 @@ fn peers(a: &ClientArgs, spawn: &ServerSpawn) -> Result<Peers> {
     })
 }
 
+impl ClientArgs {
+    /// Whether the operation measures latency (one request in flight).
+    pub fn latency_op(&self) -> bool {
+        matches!(self.op, Op::ListWalk | Op::RednGet) || (self.op == Op::Send && self.depth == 1)
+    }
+
+    /// The waiting discipline of the run's application threads.
+    pub fn wait_mode(&self) -> Wait {
+        self.wait
+            .unwrap_or(if self.latency_op() { Wait::Spin } else { Wait::Block })
+    }
+}
+
+/// The processes a run accounts for: this client, and the server child if it started one.
+fn processes(p: &Peers) -> Vec<Proc> {
+    let mut v = vec![Proc::this("client")];
+    if let Some(pid) = p.child.as_ref().and_then(|c| c.pid()) {
+        v.push(Proc::new("server", pid));
+    }
+    v
+}
+
 /// Width of the throughput timeline's bins.
 const TIMELINE_BIN: Duration = Duration::from_millis(50);
 
@@ -194,10 +228,14 @@ pub fn run(a: &ClientArgs, spawn: &ServerSpawn) -> Result<Vec<BenchResult>> {
         bail!("--size, --depth, --qps and --duration must be positive");
     }
     let mut p = peers(a, spawn)?;
+    let procs = processes(&p);
+    let wait = a.wait_mode();
     if matches!(a.op, Op::BatchRead | Op::ListWalk | Op::RednGet) {
         let cm = p.cm;
         let single = (1, netstack::path::SprayPolicy::Single);
-        let out = super::offload_ops::run(a, cm, |ra| flexns(ra, a.cc, single, cm))?;
+        let out = super::offload_ops::run(a, cm, &procs, |ra| {
+            flexns(ra, a.cc, single, cm, crate::bench::run_seed())
+        })?;
         if let Some(mut c) = p.child.take() {
             c.stop();
         }
@@ -225,37 +263,40 @@ pub fn run(a: &ClientArgs, spawn: &ServerSpawn) -> Result<Vec<BenchResult>> {
             .collect(),
         (None, None, None) => vec![(a.system, a.cc, mine)],
     };
+    let echo = a.op == Op::Send && a.depth == 1;
     for (sys, cc, paths) in runs {
         if crate::procs::stopping() {
             break;
         }
-        let (c0, _) = rusage(false);
+        // every run writes data of its own, never what an earlier run left at the target
+        let seed = crate::bench::run_seed();
+        let meter = Meter::start(&procs);
         let mut r = match sys {
-            System::Flexns => flexns(a, cc, paths, p.cm)?,
+            System::Flexns => flexns(a, cc, paths, p.cm, seed)?,
             System::UdpRaw => {
                 let s = p.udp.context("udp-raw needs --udp with --server")?;
-                if a.op == Op::Send && a.depth == 1 {
-                    reference::udp_lat(s, a.size as usize, a.duration)?
+                if echo {
+                    reference::udp_lat(s, a.size as usize, a.duration, wait, seed)?
                 } else {
-                    let mut r = reference::udp_bw(s, (a.size as usize).min(a.mtu as usize), a.duration)?;
+                    let mut r = reference::udp_bw(s, (a.size as usize).min(a.mtu as usize), a.duration, seed)?;
                     r.bench = bench_name(a).into();
                     r
                 }
             }
             System::Tcp => {
                 let s = p.tcp.context("tcp needs --tcp with --server")?;
-                if a.op == Op::Send && a.depth == 1 {
-                    reference::tcp_lat(s, a.size as usize, a.duration)?
+                if echo {
+                    reference::tcp_lat(s, a.size as usize, a.duration, wait, seed)?
                 } else {
-                    let mut r = reference::tcp_bw(s, a.size as usize, a.duration)?;
+                    let (streams, slots) = (a.qps as usize, a.depth as usize);
+                    let mut r = reference::tcp_bw(s, a.size as usize, a.duration, streams, slots, seed)?;
                     r.bench = bench_name(a).into();
                     r
                 }
             }
         };
-        let (c1, rss) = rusage(false);
-        r.cpu_secs = ((c1 - c0) * 1000.0).round() / 1000.0;
-        r.peak_rss_kib = rss;
+        r.account(&meter.finish());
+        r.extra.insert("wait".into(), wait.name().into());
         r.incomplete |= crate::procs::stopping();
         r.print(a.json);
         out.push(r);
@@ -267,50 +308,77 @@ pub fn run(a: &ClientArgs, spawn: &ServerSpawn) -> Result<Vec<BenchResult>> {
         (None, None, None) => None,
     };
     if let Some(reference) = reference {
-        let lat = a.op == Op::Send && a.depth == 1;
-        let metric = if lat { "p50_us" } else { "gbps" };
-        let val = |r: &BenchResult| {
-            if lat {
-                r.p50_us.unwrap_or(f64::NAN)
-            } else {
-                r.gbps
-            }
-        };
-        // whole pairs only: an interrupted run has no partner
-        let mut ratios: Vec<f64> = out
-            .chunks(2)
-            .filter(|c| c.len() == 2 && !c[0].incomplete && !c[1].incomplete)
-            .map(|c| val(&c[0]) / val(&c[1]))
-            .collect();
-        if ratios.is_empty() {
-            return Ok(out);
-        }
-        let pairs = ratios.len();
-        let ratio = (median(&mut ratios) * 1000.0).round() / 1000.0;
         let system = match (a.compare_cc, a.compare_paths) {
             (Some(_), _) => format!("flexns cc={}", a.cc),
             (None, Some(_)) => format!("flexns paths={} spray={}", a.paths, a.spray),
             (None, None) => a.system.name().to_string(),
         };
-        let line = serde_json::json!({"bench": "ratio", "metric": metric, "system": system, "reference": reference, "op": a.op, "msg_bytes": a.size, "depth": a.depth, "qps": a.qps, "pairs": pairs, "ratio": ratio, "ratios": ratios});
+        let Some(line) = ratio_line(&out, echo, &system, &reference, wait) else {
+            return Ok(out); // interrupted before a whole pair
+        };
+        let mut line = line;
+        for (k, v) in [
+            ("op", serde_json::to_value(a.op)?),
+            ("msg_bytes", a.size.into()),
+            ("depth", a.depth.into()),
+            ("qps", a.qps.into()),
+        ] {
+            line[k] = v;
+        }
         if a.json {
             println!("{line}");
         } else {
-            println!("ratio {system} / {reference} ({metric}), median of {pairs} pairs: {ratio}");
-        }
-    }
-    if let Some(mut c) = p.child.take() {
-        let (ccpu, crss) = rusage(false);
-        if let Some((scpu, srss)) = c.stop() {
-            let line = serde_json::json!({"bench": "processes", "client_cpu_secs": (ccpu * 1000.0).round() / 1000.0, "client_peak_rss_kib": crss, "server_cpu_secs": (scpu * 1000.0).round() / 1000.0, "server_peak_rss_kib": srss});
-            if a.json {
-                println!("{line}");
-            } else {
-                println!("processes: client cpu {ccpu:.2}s rss {crss} KiB; server cpu {scpu:.2}s rss {srss} KiB");
-            }
+            println!(
+                "ratio {system} / {reference} ({}), median of {} pairs: {}; CPU per operation {}",
+                line["metric"], line["pairs"], line["ratio"], line["cpu_us_per_op_ratio"]
+            );
         }
     }
     Ok(out)
+}
+
+/// The ratio line of interleaved runs (system, reference, system, ...): the median over whole
+/// pairs of the headline metric (p50 for latency, Gbit/s otherwise) and of the CPU per
+/// operation of all processes together; None without a whole pair.
+pub fn ratio_line(
+    out: &[BenchResult],
+    lat: bool,
+    system: &str,
+    reference: &str,
+    wait: Wait,
+) -> Option<serde_json::Value> {
+    let metric = if lat { "p50_us" } else { "gbps" };
+    let val = |r: &BenchResult| {
+        if lat {
+            r.p50_us.unwrap_or(f64::NAN)
+        } else {
+            r.gbps
+        }
+    };
+    let cpu = |r: &BenchResult| {
+        r.extra
+            .get("cpu_us_per_op")
+            .and_then(|v| v.as_f64())
+            .unwrap_or(f64::NAN)
+    };
+    // whole pairs only: an interrupted run has no partner
+    let pairs: Vec<&[BenchResult]> = out
+        .chunks(2)
+        .filter(|c| c.len() == 2 && !c[0].incomplete && !c[1].incomplete)
+        .collect();
+    if pairs.is_empty() {
+        return None;
+    }
+    let r3 = |x: f64| (x * 1000.0).round() / 1000.0;
+    let mut ratios: Vec<f64> = pairs.iter().map(|c| r3(val(&c[0]) / val(&c[1]))).collect();
+    let mut cpu_ratios: Vec<f64> = pairs.iter().map(|c| r3(cpu(&c[0]) / cpu(&c[1]))).collect();
+    let runs = ratios.clone();
+    Some(serde_json::json!({
+        "bench": "ratio", "metric": metric, "system": system, "reference": reference,
+        "pairs": pairs.len(), "ratio": r3(median(&mut ratios)), "ratios": runs,
+        "cpu_us_per_op_ratio": r3(median(&mut cpu_ratios)), "wait": wait.name(),
+        "verified": pairs.iter().all(|c| c[0].verified && c[1].verified),
+    }))
 }
 
 fn bench_name(a: &ClientArgs) -> &'static str {
@@ -326,21 +394,22 @@ fn bench_name(a: &ClientArgs) -> &'static str {
     }
 }
 
-/// Waits for the next completion: spins briefly (latency), then sleeps on the CQ.
-fn next_wc(cq: &Cq, wcs: &mut [Wc], limit: Instant) -> Result<usize> {
-    let spin_until = Instant::now() + Duration::from_micros(200);
+/// Waits for the next completion: spinning on the CQ, or sleeping on it.
+pub fn next_wc(cq: &Cq, wcs: &mut [Wc], limit: Instant, wait: Wait) -> Result<usize> {
     loop {
         let n = cq.poll(wcs);
         if n > 0 {
             return Ok(n);
         }
-        if Instant::now() > limit {
+        let now = Instant::now();
+        if now > limit {
             bail!("no completion before the deadline: the peer stopped answering");
         }
-        if Instant::now() < spin_until {
-            std::thread::yield_now();
-        } else {
-            cq.wait(Duration::from_millis(5));
+        match wait {
+            Wait::Spin => std::thread::yield_now(),
+            Wait::Block => {
+                cq.wait((limit - now).min(Duration::from_millis(5)));
+            }
         }
     }
 }
@@ -350,7 +419,9 @@ fn flexns(
     cc: netstack::cc::CcKind,
     (npaths, spray): (usize, netstack::path::SprayPolicy),
     cm_addr: SocketAddr,
+    seed: u64,
 ) -> Result<BenchResult> {
+    let wait = a.wait_mode();
     let qcfg = RcConfig {
         mtu: a.mtu,
         recovery: a.recovery,
@@ -361,6 +432,7 @@ fn flexns(
         bind: a.data,
         qp: qcfg,
         data_cores: a.data_cores,
+        poll_mode: a.poll_mode.into(),
         path_ports: npaths.div_ceil(1 + a.net.extra_addrs.len()).max(8) as u8,
         ..Default::default()
     };
@@ -374,7 +446,7 @@ fn flexns(
     let mr = pd.reg_mr(unit * slots, Access::LOCAL_WRITE)?;
     let check = pd.reg_mr(unit * slots, Access::LOCAL_WRITE)?;
     let mut buf = vec![0u8; unit * slots];
-    crate::bench::fill_pattern(&mut buf, 0, 1);
+    crate::bench::fill_pattern(&mut buf, 0, seed);
     mr.write(0, &buf);
     let echo = a.op == Op::Send && a.depth == 1;
     let low_latency = echo && !a.standard_qp;
@@ -386,6 +458,9 @@ fn flexns(
         low_latency,
         resp_addr: 0,
         resp_rkey: 0,
+        // SEND receive slots are the server's own business; everything else writes its slots
+        need: if a.op == Op::Send { 0 } else { (unit * slots) as u64 },
+        session: seed,
     })?;
     // set-up: create every QP, then connect them all in batched exchanges
     let setup = Instant::now();
@@ -455,7 +530,7 @@ fn flexns(
             )?;
         }
         for _ in 0..nq {
-            next_wc(&cq, &mut wcs[..1], Instant::now() + Duration::from_secs(30))?;
+            next_wc(&cq, &mut wcs[..1], Instant::now() + Duration::from_secs(30), wait)?;
         }
         Ok((0..nq).map(|q| check.load_u64(q * 8).unwrap_or(0)).collect())
     };
@@ -496,7 +571,7 @@ fn flexns(
             let flags = if size <= 256 { SendFlags::INLINE } else { SendFlags(0) };
             qp.post_send(SendWr::new(0, WrOpcode::Send).sge(mr.sge(0, size)).flags(flags))?;
             loop {
-                let k = next_wc(&cq, &mut wcs[..1], limit)?;
+                let k = next_wc(&cq, &mut wcs[..1], limit, wait)?;
                 let wc = wcs[0];
                 if wc.status != WcStatus::Success {
                     bail!("work completion {:?} on QP {:#x}", wc.status, wc.qp_num);
@@ -524,7 +599,7 @@ fn flexns(
             outstanding += depth;
         }
         while outstanding > 0 {
-            let n = next_wc(&cq, &mut wcs, limit)?;
+            let n = next_wc(&cq, &mut wcs, limit, wait)?;
             let now = Instant::now();
             for wc in &wcs[..n] {
                 if wc.status != WcStatus::Success {
@@ -582,7 +657,7 @@ fn flexns(
                 }
             }
             for _ in 0..slots {
-                let n = next_wc(&cq, &mut wcs[..1], limit)?;
+                let n = next_wc(&cq, &mut wcs[..1], limit, wait)?;
                 verified &= n == 1 && wcs[0].status == WcStatus::Success;
             }
             let mut got = vec![0u8; unit * slots];
@@ -595,7 +670,7 @@ fn flexns(
             verified = got
                 .iter()
                 .enumerate()
-                .all(|(i, &b)| b == pattern_byte(i as u64, w.seed));
+                .all(|(i, &b)| b == pattern_byte(w.off + i as u64, w.seed));
         }
         Op::Atomic => {
             // each completed FETCH_ADD added 1 to counter (wr_id % qps)
@@ -636,9 +711,14 @@ fn flexns(
     };
     r.latencies(&h);
     r.rates();
+    // the client context's copies (the server's are its own); staging allocated and used
     r.extra
         .insert("tx_payload_copy_bytes".into(), st.tx_payload_copy_bytes.into());
+    r.extra
+        .insert("rx_payload_copy_bytes".into(), st.rx_payload_copy_bytes.into());
     r.extra.insert("staging_bytes".into(), st.staging_bytes.into());
+    r.extra
+        .insert("staging_bytes_peak".into(), st.staging_bytes_peak.into());
     // QP set-up: creating and connecting every QP of the run (both ends)
     r.extra
         .insert("setup_secs".into(), ((setup_secs * 1e4).round() / 1e4).into());

@@ -17,9 +17,10 @@ pub struct NetArgs {
     /// An algorithm parameter, `ALG.FIELD=VALUE` (e.g. `dcqcn.g=0.0078125`); repeatable.
     #[arg(long = "cc-param", value_name = "ALG.FIELD=VALUE")]
     pub cc_params: Vec<String>,
-    /// Emulated one-way propagation delay added to received packets, microseconds.
-    #[arg(long, default_value_t = 0)]
-    pub rx_delay_us: u64,
+    /// Emulated one-way propagation delay added to received packets, microseconds
+    /// [config: rx_delay_us].
+    #[arg(long)]
+    pub rx_delay_us: Option<u64>,
     /// Send every packet on its own (no UDP GSO), as a NIC does: what a shaped bottleneck needs.
     #[arg(long)]
     pub no_gso: bool,
@@ -51,14 +52,18 @@ impl NetArgs {
         cfg.cc = p
             .with_overrides(&self.cc_params)
             .map_err(|e| anyhow::anyhow!("--cc-param: {e}"))?;
-        cfg.rx_delay_us = self.rx_delay_us;
+        if let Some(d) = self.rx_delay_us {
+            cfg.rx_delay_us = d;
+        }
         cfg.gso &= !self.no_gso;
         cfg.gro &= !self.no_gro;
         cfg.udp_checksum &= !self.no_udp_checksum;
         if let Some(b) = self.pacing_burst {
             cfg.qp.pacing_burst = u32::try_from(b).map_err(|_| anyhow::anyhow!("--pacing-burst: {b} is too large"))?;
         }
-        cfg.extra_addrs = self.extra_addrs.clone();
+        if !self.extra_addrs.is_empty() {
+            cfg.extra_addrs = self.extra_addrs.clone();
+        }
         if let Some(b) = self.spray_burst {
             if b == 0 {
                 anyhow::bail!("--spray-burst: must be at least 1 packet");
@@ -78,7 +83,9 @@ impl NetArgs {
         for p in &self.cc_params {
             v.extend(["--cc-param".into(), p.clone()]);
         }
-        v.extend(["--rx-delay-us".into(), self.rx_delay_us.to_string()]);
+        if let Some(d) = self.rx_delay_us {
+            v.extend(["--rx-delay-us".into(), d.to_string()]);
+        }
         for (on, flag) in [
             (self.no_gso, "--no-gso"),
             (self.no_gro, "--no-gro"),
@@ -176,14 +183,26 @@ pub struct Hello {
     pub resp_addr: u64,
     #[serde(default)]
     pub resp_rkey: u32,
+    /// Bytes of the server's region this client writes (its QPs' slots); 0: the whole region.
+    /// Each session gets a window of its own, so concurrent clients (the testbeds run two)
+    /// never overwrite each other's slots and each one's read-back checks its own data.
+    #[serde(default)]
+    pub need: u64,
+    /// The client run's id: its QPs share one window.
+    #[serde(default)]
+    pub session: u64,
 }
 
 /// Private data the server answers with: where the client may read and write.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Welcome {
+    /// The client's window of the region (`off` bytes into it), `len` bytes.
     pub addr: u64,
     pub rkey: u32,
     pub len: u64,
+    /// Where the window starts in the region (the server's pattern is by region offset).
+    #[serde(default)]
+    pub off: u64,
     /// Seed of the pattern the server's region holds (READ verification).
     pub seed: u64,
     /// A second region the server registered with REMOTE_READ only (access-check tests).

@@ -48,6 +48,8 @@ fn connect(a: &ClientArgs, cm_addr: SocketAddr, op: Op, mr_len: usize) -> Result
         low_latency: false,
         resp_addr: mr.addr(),
         resp_rkey: mr.rkey(),
+        need: 0,
+        session: 0,
     };
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let pd_bytes = serde_json::to_vec(&hello)?;
@@ -69,22 +71,11 @@ fn connect(a: &ClientArgs, cm_addr: SocketAddr, op: Op, mr_len: usize) -> Result
     })
 }
 
-fn wait_wc(cq: &Cq, limit: Instant) -> Result<Wc> {
-    let spin_until = Instant::now() + Duration::from_micros(200);
+/// The next completion, waiting as the run's discipline says.
+fn wait_wc(cq: &Cq, limit: Instant, wait: super::reference::Wait) -> Result<Wc> {
     let mut wc = [EMPTY_WC];
-    loop {
-        if cq.poll(&mut wc) == 1 {
-            return Ok(wc[0]);
-        }
-        if Instant::now() > limit {
-            bail!("no completion before the deadline: the peer stopped answering");
-        }
-        if Instant::now() < spin_until {
-            std::thread::yield_now();
-        } else {
-            cq.wait(Duration::from_millis(5));
-        }
-    }
+    super::client::next_wc(cq, &mut wc, limit, wait)?;
+    Ok(wc[0])
 }
 
 fn ok(wc: &Wc) -> Result<()> {
@@ -163,7 +154,7 @@ fn batch_read(a: &ClientArgs, cm_addr: SocketAddr) -> Result<BenchResult> {
     let (mut ops, mut outstanding, mut verified) = (0u64, depth, true);
     let mut got = vec![0u8; resp];
     while outstanding > 0 {
-        let wc = wait_wc(&c.cq, limit)?;
+        let wc = wait_wc(&c.cq, limit, a.wait_mode())?;
         ok(&wc)?;
         let s = wc.wr_id as usize;
         let now = Instant::now();
@@ -228,7 +219,7 @@ fn list_walk(a: &ClientArgs, cm_addr: SocketAddr, mode: WalkMode) -> Result<Benc
             WalkMode::Offload => {
                 let req = builtin::encode_list_walk(key, c.w.list_head, LIST_NODES);
                 c.qp.post_offload(0, builtin::LIST_WALK, &req, c.mr.sge(0, 8 + VALUE_LEN))?;
-                let wc = wait_wc(&c.cq, limit)?;
+                let wc = wait_wc(&c.cq, limit, a.wait_mode())?;
                 ok(&wc)?;
                 let mut hdr = [0u8; 8];
                 c.mr.read(0, &mut hdr);
@@ -245,7 +236,7 @@ fn list_walk(a: &ClientArgs, cm_addr: SocketAddr, mode: WalkMode) -> Result<Benc
                             .sge(c.mr.sge(0, node))
                             .remote(addr, c.w.kv_rkey),
                     )?;
-                    ok(&wait_wc(&c.cq, limit)?)?;
+                    ok(&wait_wc(&c.cq, limit, a.wait_mode())?)?;
                     reads += 1;
                     let k = c.mr.load_u64(0).unwrap_or(0);
                     if k == key {
@@ -320,7 +311,7 @@ fn redn_get(a: &ClientArgs, cm_addr: SocketAddr) -> Result<BenchResult> {
         // a hit is always answered; a lost chain would leave the client waiting a second
         let limit = Instant::now() + Duration::from_secs(1);
         loop {
-            let wc = wait_wc(&c.cq, limit).context("no RedN answer within a second")?;
+            let wc = wait_wc(&c.cq, limit, a.wait_mode()).context("no RedN answer within a second")?;
             ok(&wc)?;
             if wc.opcode == WcOpcode::RecvRdmaWithImm {
                 verified &= wc.imm_data == Some(id);
@@ -356,14 +347,14 @@ fn redn_get(a: &ClientArgs, cm_addr: SocketAddr) -> Result<BenchResult> {
 pub fn run(
     a: &ClientArgs,
     cm_addr: SocketAddr,
+    procs: &[crate::bench::Proc],
     read_ref: impl Fn(&ClientArgs) -> Result<BenchResult>,
 ) -> Result<Vec<BenchResult>> {
     let measured = |f: &dyn Fn() -> Result<BenchResult>| -> Result<BenchResult> {
-        let (c0, _) = crate::bench::rusage(false);
+        let meter = crate::bench::Meter::start(procs);
         let mut r = f()?;
-        let (c1, rss) = crate::bench::rusage(false);
-        r.cpu_secs = ((c1 - c0) * 1000.0).round() / 1000.0;
-        r.peak_rss_kib = rss;
+        r.account(&meter.finish());
+        r.extra.insert("wait".into(), a.wait_mode().name().into());
         r.incomplete = crate::procs::stopping();
         Ok(r)
     };

@@ -12,36 +12,72 @@ use std::net::SocketAddrV4;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Server options.
+/// Server options. Stack settings come from `--config` (TOML) when given; a flag given
+/// explicitly overrides the file, a flag left out leaves the file's value.
 #[derive(Debug, Clone, clap::Args)]
 pub struct ServerArgs {
     /// Connection-manager (gRPC) listen address.
     #[arg(long, default_value = "127.0.0.1:0")]
     pub listen: SocketAddrV4,
-    /// Data-path (RoCEv2/UDP) address.
-    #[arg(long, default_value = "127.0.0.1:0")]
-    pub data: SocketAddrV4,
+    /// Data-path (RoCEv2/UDP) address [config: bind; default 127.0.0.1:0].
+    #[arg(long)]
+    pub data: Option<SocketAddrV4>,
     /// Size of the memory region clients access.
     #[arg(long, default_value = "64MiB", value_parser = crate::bench::parse_size)]
     pub mr_size: u64,
-    /// Loss recovery of the server's QPs (must match the client's).
-    #[arg(long, default_value = "go-back-n", value_parser = parse_recovery)]
-    pub recovery: Recovery,
-    /// Engine threads (data cores).
-    #[arg(long, default_value_t = 1)]
-    pub data_cores: usize,
+    /// Loss recovery of the server's QPs (must match the client's) [config: qp.recovery].
+    #[arg(long, value_parser = parse_recovery)]
+    pub recovery: Option<Recovery>,
+    /// Engine threads (data cores) [config: data_cores].
+    #[arg(long)]
+    pub data_cores: Option<usize>,
     /// Congestion control of the server's QPs; `none` adopts each client's (the receiver runs
-    /// the algorithm's receiving half: DCQCN's CNPs, HPCC's INT echo, Homa's grants).
-    #[arg(long, default_value = "none")]
-    pub cc: netstack::cc::CcKind,
-    /// Engine poll mode.
-    #[arg(long, value_enum, default_value = "adaptive")]
-    pub poll_mode: super::client::PollModeArg,
-    /// Optional context config (TOML); flags given explicitly override it.
+    /// the algorithm's receiving half: DCQCN's CNPs, HPCC's INT echo, Homa's grants)
+    /// [config: qp.cc].
+    #[arg(long)]
+    pub cc: Option<netstack::cc::CcKind>,
+    /// Engine poll mode [config: poll_mode].
+    #[arg(long, value_enum)]
+    pub poll_mode: Option<super::client::PollModeArg>,
+    /// How the server's threads wait (completions to echo, the references' sockets): spin or
+    /// block. A client that starts its server passes its own.
+    #[arg(long, value_enum, default_value = "block")]
+    pub wait: super::reference::Wait,
+    /// Context config (TOML); flags given explicitly override it.
     #[arg(long)]
     pub config: Option<std::path::PathBuf>,
     #[command(flatten)]
     pub net: super::NetArgs,
+}
+
+impl ServerArgs {
+    /// The stack configuration: the file's (or the defaults), with the flags given applied.
+    pub fn context_config(&self) -> Result<ContextConfig> {
+        let mut cfg = match &self.config {
+            Some(p) => ContextConfig::from_toml(
+                &std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?,
+            )
+            .with_context(|| format!("config {}", p.display()))?,
+            None => ContextConfig::default(),
+        };
+        if let Some(d) = self.data {
+            cfg.bind = d;
+        }
+        if let Some(n) = self.data_cores {
+            cfg.data_cores = n;
+        }
+        if let Some(p) = self.poll_mode {
+            cfg.poll_mode = p.into();
+        }
+        if let Some(r) = self.recovery {
+            cfg.qp.recovery = r;
+        }
+        if let Some(c) = self.cc {
+            cfg.qp.cc = c;
+        }
+        self.net.apply(&mut cfg)?;
+        Ok(cfg)
+    }
 }
 
 /// Parses a recovery-mode flag value.
@@ -125,14 +161,46 @@ struct PerfAcceptor {
     next_recv_base: Mutex<u64>,
     /// Receive slots of accepted QPs until `connected` hands each QP over.
     pending: Mutex<std::collections::HashMap<u32, RecvSlots>>,
+    /// Windows of the region by client session, and where the next one starts.
+    windows: Mutex<(u64, std::collections::HashMap<u64, (u64, u64)>)>,
 }
 
+/// Windows remembered (sessions beyond are forgotten, oldest first).
+const WINDOWS: usize = 4096;
+
 impl PerfAcceptor {
-    fn welcome(&self) -> Welcome {
+    /// The window of the region a client session gets: `need` bytes of its own (4 KiB
+    /// aligned, allocated round the region), or the whole region for `need` 0.
+    fn window(&self, session: u64, need: u64) -> Result<(u64, u64), String> {
+        let len = self.mr.len() as u64;
+        if need == 0 {
+            return Ok((0, len));
+        }
+        if need > len {
+            return Err(format!(
+                "memory region of {len} bytes is smaller than the {need} bytes this client writes; start the server with a larger --mr-size"
+            ));
+        }
+        let mut w = self.windows.lock();
+        if let Some(&x) = w.1.get(&session) {
+            return Ok(x);
+        }
+        let need = need.div_ceil(4096) * 4096;
+        let start = if w.0 + need > len { 0 } else { w.0 };
+        w.0 = start + need.min(len);
+        if w.1.len() >= WINDOWS {
+            w.1.clear();
+        }
+        w.1.insert(session, (start, need.min(len - start)));
+        Ok((start, need.min(len - start)))
+    }
+
+    fn welcome(&self, (off, len): (u64, u64)) -> Welcome {
         Welcome {
-            addr: self.mr.addr(),
+            addr: self.mr.addr() + off,
             rkey: self.mr.rkey(),
-            len: self.mr.len() as u64,
+            len,
+            off,
             seed: SEED,
             ro_addr: self.ro.addr(),
             ro_rkey: self.ro.rkey(),
@@ -183,7 +251,7 @@ impl PerfAcceptor {
         );
         Ok(Accepted {
             qp,
-            private_data: serde_json::to_vec(&self.welcome()).expect("serializable"),
+            private_data: serde_json::to_vec(&self.welcome((0, self.mr.len() as u64))).expect("serializable"),
         })
     }
 
@@ -205,6 +273,7 @@ impl Acceptor for PerfAcceptor {
         if hello.op == Op::RednGet {
             return self.accept_redn(&hello);
         }
+        let window = self.window(hello.session, hello.need)?;
         let qp = self
             .ctx
             .create_qp(
@@ -255,7 +324,7 @@ impl Acceptor for PerfAcceptor {
         }
         Ok(Accepted {
             qp,
-            private_data: serde_json::to_vec(&self.welcome()).expect("serializable"),
+            private_data: serde_json::to_vec(&self.welcome(window)).expect("serializable"),
         })
     }
 
@@ -279,18 +348,7 @@ impl Acceptor for PerfAcceptor {
 /// Runs the server until SIGTERM/SIGINT. Prints one banner line first:
 /// `nsperf-server cm=ADDR data=ADDR udp=ADDR tcp=ADDR`.
 pub fn run(args: ServerArgs) -> Result<()> {
-    let mut cfg = match &args.config {
-        Some(p) => {
-            ContextConfig::from_toml(&std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?)?
-        }
-        None => ContextConfig::default(),
-    };
-    cfg.bind = args.data;
-    cfg.data_cores = args.data_cores;
-    cfg.poll_mode = args.poll_mode.into();
-    cfg.qp.recovery = args.recovery;
-    cfg.qp.cc = args.cc;
-    args.net.apply(&mut cfg)?;
+    let cfg = args.context_config()?;
     let ctx = Context::open(cfg)?;
     let pd = ctx.alloc_pd();
     let cq = ctx.create_cq(1 << 16)?;
@@ -339,9 +397,10 @@ pub fn run(args: ServerArgs) -> Result<()> {
         recv: recv.clone(),
         next_recv_base: Mutex::new(0),
         pending: Mutex::new(Default::default()),
+        windows: Mutex::new((0, Default::default())),
     });
 
-    let udp = super::reference::UdpServer::bind(SocketAddrV4::new(*args.data.ip(), 0))?;
+    let udp = super::reference::UdpServer::bind(SocketAddrV4::new(*ctx.local_addr().ip(), 0), args.wait)?;
     let tcp = std::net::TcpListener::bind(SocketAddrV4::new(*args.listen.ip(), 0))?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
@@ -360,7 +419,8 @@ pub fn run(args: ServerArgs) -> Result<()> {
 
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     std::thread::spawn(move || udp.run());
-    std::thread::spawn(move || super::reference::tcp_serve(tcp));
+    let wait = args.wait;
+    std::thread::spawn(move || super::reference::tcp_serve(tcp, wait));
     {
         let acc = acc.clone();
         std::thread::spawn(move || loop {
@@ -378,11 +438,16 @@ pub fn run(args: ServerArgs) -> Result<()> {
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                 let n = cq.poll(&mut wcs);
                 if n == 0 {
-                    // spin briefly after work (ping-pong latency), then sleep on the CQ
-                    if last_work.elapsed() < Duration::from_micros(200) {
-                        std::thread::yield_now();
-                    } else {
-                        cq.wait(Duration::from_millis(100));
+                    // spin: poll again; block: sleep on the CQ (after a short spin following
+                    // work, less than one wake-up costs)
+                    match wait {
+                        super::reference::Wait::Spin => std::thread::yield_now(),
+                        super::reference::Wait::Block if last_work.elapsed() < Duration::from_micros(20) => {
+                            std::thread::yield_now()
+                        }
+                        super::reference::Wait::Block => {
+                            cq.wait(Duration::from_millis(100));
+                        }
                     }
                     continue;
                 }
@@ -439,4 +504,51 @@ pub fn run(args: ServerArgs) -> Result<()> {
     })?;
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: ServerArgs,
+    }
+
+    #[test]
+    fn config_file_values_hold_unless_a_flag_is_given() {
+        let p = std::env::temp_dir().join(format!("nsperf-config-{}.toml", std::process::id()));
+        std::fs::write(
+            &p,
+            "data_cores = 2\nrx_delay_us = 7\npoll_mode = \"busy-poll\"\n[qp]\nrecovery = \"selective-repeat\"\n",
+        )
+        .unwrap();
+        let parse = |extra: &[&str]| {
+            let mut a = vec!["nsperf-server", "--config", p.to_str().unwrap()];
+            a.extend_from_slice(extra);
+            Cli::parse_from(a).args.context_config().unwrap()
+        };
+        let c = parse(&[]);
+        assert_eq!(c.data_cores, 2);
+        assert_eq!(c.rx_delay_us, 7);
+        assert_eq!(c.poll_mode, PollMode::BusyPoll);
+        assert_eq!(c.qp.recovery, Recovery::SelectiveRepeat);
+        let c = parse(&[
+            "--data-cores",
+            "1",
+            "--rx-delay-us",
+            "0",
+            "--poll-mode",
+            "sleep",
+            "--recovery",
+            "go-back-n",
+        ]);
+        assert_eq!(c.data_cores, 1);
+        assert_eq!(c.rx_delay_us, 0);
+        assert_eq!(c.poll_mode, PollMode::Sleep);
+        assert_eq!(c.qp.recovery, Recovery::GoBackN);
+        let _ = std::fs::remove_file(&p);
+    }
 }

@@ -99,17 +99,30 @@ struct Truth {
     writing: Vec<AtomicBool>,
     inserted: AtomicU64,
     seq: AtomicU64,
+    /// This invocation's tag, in the high bits of every sequence number it writes: a value
+    /// with another tag was left by an earlier run.
+    tag: u64,
 }
 
+/// Bits of a value's sequence number below the run tag.
+const TAG_SHIFT: u32 = 40;
+
 impl Truth {
-    fn new(records: u64, extra: u64) -> Truth {
+    fn new(records: u64, extra: u64, tag: u64) -> Truth {
         let n = (records + extra) as usize;
+        let base = tag << TAG_SHIFT;
         Truth {
-            acked: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            acked: (0..n).map(|_| AtomicU64::new(base)).collect(),
             writing: (0..n).map(|_| AtomicBool::new(false)).collect(),
             inserted: AtomicU64::new(records),
-            seq: AtomicU64::new(1),
+            seq: AtomicU64::new(base + 1),
+            tag,
         }
+    }
+
+    /// The sequence number of the load's values.
+    fn base(&self) -> u64 {
+        self.tag << TAG_SHIFT
     }
 }
 
@@ -138,6 +151,8 @@ struct Tally {
     errors: u64,
     torn: u64,
     stale: u64,
+    /// Values written by an earlier run (this run's load or writes never landed).
+    foreign: u64,
     missing: u64,
     write_conflicts: u64,
     first_error: Option<String>,
@@ -152,6 +167,7 @@ impl Tally {
         self.errors += o.errors;
         self.torn += o.torn;
         self.stale += o.stale;
+        self.foreign += o.foreign;
         self.missing += o.missing;
         self.write_conflicts += o.write_conflicts;
         if self.first_error.is_none() {
@@ -270,6 +286,11 @@ fn client_loop(
                         t.first_error
                             .get_or_insert_with(|| format!("torn value for record {n}"));
                     }
+                    Some(seq) if !a.no_load && seq >> TAG_SHIFT != truth.tag => {
+                        t.foreign += 1;
+                        t.first_error
+                            .get_or_insert_with(|| format!("record {n} holds a value of another run"));
+                    }
                     Some(seq) if seq < floor => {
                         t.stale += 1;
                         t.first_error
@@ -331,19 +352,27 @@ struct Servers {
     _redis_child: Option<redis::RedisServer>,
 }
 
-/// CPU seconds a child has used so far (from /proc; 0 when unknown).
-fn child_cpu(c: &ChildServer) -> f64 {
-    let Some(pid) = c.pid() else { return 0.0 };
-    let Ok(s) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-        return 0.0;
-    };
-    // fields after the command name (which may contain spaces): utime is the 12th, stime 13th
-    let rest = s.rsplit_once(") ").map(|x| x.1).unwrap_or("");
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
-    // SAFETY: sysconf has no preconditions.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
-    (ticks(11) + ticks(12)) / hz
+impl Servers {
+    /// The processes a run of `system` accounts for: this client first, then the servers it
+    /// started for that system.
+    fn procs(&self, system: System) -> Vec<crate::bench::Proc> {
+        let mut v = vec![crate::bench::Proc::this("client")];
+        match system {
+            System::Flexns => {
+                for (i, c) in self.kv_children.iter().enumerate() {
+                    if let Some(pid) = c.pid() {
+                        v.push(crate::bench::Proc::new(format!("kv-server{i}"), pid));
+                    }
+                }
+            }
+            System::Redis => {
+                if let Some(pid) = self._redis_child.as_ref().and_then(|r| r.server.pid()) {
+                    v.push(crate::bench::Proc::new("redis-server", pid));
+                }
+            }
+        }
+        v
+    }
 }
 
 fn start_servers(a: &YcsbArgs, exe: &std::path::Path, sub: &[String]) -> Result<Servers> {
@@ -443,11 +472,11 @@ fn load(cfg: Config, a: &YcsbArgs, ctx: &Context, s: &Servers, truth: &Truth) ->
     while n < a.records {
         let hi = (n + batch).min(a.records);
         let ops = (n..hi)
-            .map(|i| Op::Put(key(i).to_vec(), value(i, 0, a.value_size)))
+            .map(|i| Op::Put(key(i).to_vec(), value(i, truth.base(), a.value_size)))
             .collect();
         for (i, r) in (n..hi).zip(b.execute(ops)) {
             r.with_context(|| format!("loading record {i} into {}", cfg.name()))?;
-            truth.acked[i as usize].store(0, Ordering::Relaxed);
+            truth.acked[i as usize].store(truth.base(), Ordering::Relaxed);
         }
         n = hi;
     }
@@ -485,8 +514,10 @@ pub fn run(a: YcsbArgs, exe: &std::path::Path, sub: &[String]) -> Result<()> {
     } else {
         0
     };
-    let truth_flexns = Truth::new(a.records, extra);
-    let truth_redis = Truth::new(a.records, extra);
+    // values carry this invocation's tag: a get of a value an earlier run left counts against it
+    let tag = (crate::bench::run_seed() >> 8) & 0xFF_FFFF | 1;
+    let truth_flexns = Truth::new(a.records, extra, tag);
+    let truth_redis = Truth::new(a.records, extra, tag);
     let truth = |c: Config| {
         if c.system == System::Flexns {
             &truth_flexns
@@ -515,9 +546,7 @@ pub fn run(a: YcsbArgs, exe: &std::path::Path, sub: &[String]) -> Result<()> {
             let mut backends = (0..a.threads)
                 .map(|_| backend(cfg, &a, &ctx, &servers))
                 .collect::<Result<Vec<_>>>()?;
-            let cpu0: f64 = servers.kv_children.iter().map(child_cpu).sum::<f64>()
-                + servers._redis_child.as_ref().map_or(0.0, |r| child_cpu(&r.server));
-            let (my0, _) = crate::bench::rusage(false);
+            let meter = crate::bench::Meter::start(&servers.procs(cfg.system));
             let budget = AtomicU64::new(a.ops.unwrap_or(u64::MAX));
             let start = Instant::now();
             let end = start + Duration::from_secs_f64(a.duration);
@@ -534,10 +563,7 @@ pub fn run(a: YcsbArgs, exe: &std::path::Path, sub: &[String]) -> Result<()> {
                 hs.into_iter().map(|h| h.join().expect("client thread")).collect()
             });
             let secs = start.elapsed().as_secs_f64();
-            let server_cpu = servers.kv_children.iter().map(child_cpu).sum::<f64>()
-                + servers._redis_child.as_ref().map_or(0.0, |r| child_cpu(&r.server))
-                - cpu0;
-            let (my1, rss) = crate::bench::rusage(false);
+            let usage = meter.finish();
             let mut t = Tally::default();
             let mut h = histogram();
             for (ti, hi) in &outs {
@@ -558,15 +584,13 @@ pub fn run(a: YcsbArgs, exe: &std::path::Path, sub: &[String]) -> Result<()> {
                 bytes: ops * a.value_size as u64,
                 ops,
                 secs,
-                verified: ops > 0 && t.torn == 0 && t.stale == 0 && t.errors == 0 && t.missing == 0,
-                cpu_secs: my1 - my0,
-                peak_rss_kib: rss,
-                server_cpu_secs: Some((server_cpu * 1000.0).round() / 1000.0),
+                verified: ops > 0 && t.torn == 0 && t.stale == 0 && t.foreign == 0 && t.errors == 0 && t.missing == 0,
                 note: t.first_error.clone(),
                 ..Default::default()
             };
             r.rates();
             r.latencies(&h);
+            r.account(&usage);
             r.incomplete = crate::procs::stopping();
             let x = &mut r.extra;
             let j = |v: u64| serde_json::Value::from(v);
@@ -576,6 +600,7 @@ pub fn run(a: YcsbArgs, exe: &std::path::Path, sub: &[String]) -> Result<()> {
             x.insert("rmws".into(), j(t.rmws));
             x.insert("torn".into(), j(t.torn));
             x.insert("stale".into(), j(t.stale));
+            x.insert("foreign".into(), j(t.foreign));
             x.insert("errors".into(), j(t.errors));
             x.insert("write_conflicts".into(), j(t.write_conflicts));
             x.insert("records".into(), j(a.records));
@@ -583,10 +608,10 @@ pub fn run(a: YcsbArgs, exe: &std::path::Path, sub: &[String]) -> Result<()> {
                 x.insert("batch".into(), j(a.batch as u64));
             }
             x.insert("dist".into(), serde_json::to_value(a.dist)?);
-            if ops > 0 {
+            if let (Some(c), true) = (r.server_cpu_secs, ops > 0) {
                 x.insert(
                     "server_cpu_us_per_op".into(),
-                    serde_json::Value::from((server_cpu / ops as f64 * 1e6 * 100.0).round() / 100.0),
+                    serde_json::Value::from((c / ops as f64 * 1e6 * 100.0).round() / 100.0),
                 );
             }
             if let Some(cs) = flexns_stats {
@@ -611,6 +636,28 @@ pub fn run(a: YcsbArgs, exe: &std::path::Path, sub: &[String]) -> Result<()> {
         }
     }
     ratios(&a, &configs, &results);
+    let redis_runs: Vec<&BenchResult> = results
+        .iter()
+        .filter(|(c, r)| c.system == System::Redis && !r.incomplete)
+        .map(|(_, r)| r)
+        .collect();
+    if let (Some(addr), false, false) = (servers.redis, redis_runs.is_empty(), crate::procs::stopping()) {
+        match redis_benchmark_check(&a, addr, servers.procs(System::Redis), &redis_runs) {
+            Ok(Some(line)) => {
+                if a.json {
+                    println!("{line}");
+                } else {
+                    println!(
+                        "redis-benchmark GET (-c {} -P {}): {} Mop/s, client {} us CPU per op; ycsb's redis client: {} Mop/s, {} us ({}x redis-benchmark's rate)",
+                        a.threads, a.depth, line["mops"], line["client_cpu_us_per_op"], line["ycsb_redis_mops"],
+                        line["ycsb_client_cpu_us_per_op"], line["ycsb_vs_redis_benchmark"]
+                    );
+                }
+            }
+            Ok(None) => {}
+            Err(e) => eprintln!("the redis-benchmark cross-check failed: {e:#}"),
+        }
+    }
     crate::procs::finish()?;
     let all_ok = results.iter().all(|(_, r)| r.verified);
     if !all_ok {
@@ -686,4 +733,64 @@ fn ratios(a: &YcsbArgs, configs: &[Config], results: &[(Config, BenchResult)]) {
             );
         }
     }
+}
+
+/// Runs redis-benchmark against the same redis-server with the same clients, pipeline depth
+/// and value size (GETs of a keyspace it loads first), and compares its rate and client CPU
+/// with ycsb's redis runs: the reference client must be at least as efficient as the tool
+/// redis users measure with. None (with a message) when redis-benchmark is not installed.
+fn redis_benchmark_check(
+    a: &YcsbArgs,
+    addr: SocketAddr,
+    procs: Vec<crate::bench::Proc>,
+    runs: &[&BenchResult],
+) -> Result<Option<serde_json::Value>> {
+    let Some(tool) = redis::which("redis-benchmark") else {
+        eprintln!("redis-benchmark is not installed (redis-tools): no cross-check of the redis client");
+        return Ok(None);
+    };
+    let common = |t: &str, n: u64| {
+        let mut c = crate::procs::command(&tool);
+        c.args(["-h", &addr.ip().to_string(), "-p", &addr.port().to_string(), "-t", t])
+            .args(["-n", &n.to_string(), "-r", &a.records.to_string()])
+            .args(["-d", &a.value_size.to_string(), "-P", &a.depth.to_string()])
+            .args(["-c", &a.threads.to_string(), "--csv"]);
+        c
+    };
+    let load = crate::procs::output(&mut common("set", a.records), libc::SIGINT)?;
+    if !load.status.success() {
+        bail!("redis-benchmark -t set: {}", String::from_utf8_lossy(&load.stderr));
+    }
+    let mut mops: Vec<f64> = runs.iter().map(|r| r.mops).collect();
+    let mut cpu: Vec<f64> = runs
+        .iter()
+        .filter_map(|r| r.extra.get("processes")?.get(0)?.get("cpu_us_per_op")?.as_f64())
+        .collect();
+    let ycsb_mops = median(&mut mops);
+    let n = ((ycsb_mops * 1e6 * a.duration) as u64).clamp(10_000, 5_000_000);
+    let (c0, _) = crate::bench::rusage(true);
+    let meter = crate::bench::Meter::start(&procs[1..]);
+    let o = crate::procs::output(&mut common("get", n), libc::SIGINT)?;
+    let server = meter.finish();
+    let (c1, _) = crate::bench::rusage(true);
+    if !o.status.success() {
+        bail!("redis-benchmark -t get: {}", String::from_utf8_lossy(&o.stderr));
+    }
+    let out = String::from_utf8_lossy(&o.stdout);
+    let rps: f64 = out
+        .lines()
+        .find(|l| l.starts_with("\"GET\""))
+        .and_then(|l| l.split(',').nth(1))
+        .and_then(|v| v.trim_matches('"').parse().ok())
+        .with_context(|| format!("no GET rate in redis-benchmark's output: {out}"))?;
+    let r3 = |x: f64| (x * 1000.0).round() / 1000.0;
+    let client_cpu = (c1 - c0) * 1e6 / n as f64;
+    let server_cpu = server.first().map(|u| u.cpu_secs * 1e6 / n as f64);
+    Ok(Some(serde_json::json!({
+        "bench": "redis-benchmark", "system": "redis-benchmark", "test": "get", "clients": a.threads,
+        "pipeline": a.depth, "value_size": a.value_size, "ops": n, "mops": r3(rps / 1e6),
+        "client_cpu_us_per_op": r3(client_cpu), "server_cpu_us_per_op": server_cpu.map(r3),
+        "ycsb_redis_mops": r3(ycsb_mops), "ycsb_client_cpu_us_per_op": (!cpu.is_empty()).then(|| r3(median(&mut cpu))),
+        "ycsb_vs_redis_benchmark": r3(ycsb_mops / (rps / 1e6)),
+    })))
 }

@@ -1,9 +1,13 @@
 //! The kernel-TCP transport (Mooncake's fallback, here only when configured): per peer a pool
-//! of connections ("lanes", `tcp_lanes`), each carrying one request at a time as a 32-byte
-//! header plus the payload streamed straight from or into registered memory. A WRITE's reply is
-//! sent after its payload is placed ("Completed means applied", Mooncake's v2 framing), a READ's
+//! of connections ("lanes", `tcp_lanes`), each a pipeline of up to `slices_in_flight` requests:
+//! a 32-byte header plus the payload streamed straight from or into registered memory. A
+//! lane's sender thread writes requests while its window allows; its receiver thread reads the
+//! replies, which the peer sends in request order, and completes them. A WRITE's reply is sent
+//! after its payload is placed ("Completed means applied", Mooncake's v2 framing), a READ's
 //! reply carries the data. The receiver checks every range against its registered buffers and
-//! answers an error (draining the payload) instead of touching other memory.
+//! answers an error (draining the payload) instead of touching other memory. A broken
+//! connection sends every request in flight on it again (up to `slice_attempts`) and the lane
+//! reconnects, or retires when the peer is gone.
 //!
 //! Frame header (little endian): magic `KVT1` u32, op u8, status u8, reserved u16, len u32,
 //! reserved u32, id u64, addr u64. Ops: HELLO (addr = the instance the caller expects; the
@@ -246,16 +250,62 @@ pub(crate) struct TcpPeer {
     cv: Condvar,
     alive: AtomicUsize,
     closed: AtomicBool,
-    /// The lanes' connections (None once a lane retired). A lane thread holds its lock per
-    /// request; a small request finding a lane idle is sent from the caller's thread instead.
-    streams: Vec<Arc<Mutex<Option<TcpStream>>>>,
+    lanes: Vec<Arc<Lane>>,
+}
+
+/// A request sent on a lane and not yet answered, with where a READ's data goes.
+struct InFlight {
+    work: TcpWork,
+    /// READ: the local region and offset its reply's payload is placed at.
+    into: Option<(Arc<netstack::mem::Region>, usize, usize)>,
+}
+
+/// One connection's pipeline: requests written by the lane's sender (or a caller with a small
+/// lone request), answered in order to its receiver.
+struct Lane {
+    /// The write half (None once retired); held while a request is written, so one request's
+    /// frame is never interleaved with another's.
+    tx: Mutex<Option<TcpStream>>,
+    /// Sent, not yet answered, in order.
+    pending: Mutex<VecDeque<InFlight>>,
+    /// Signalled when an answer frees window room or the connection breaks.
+    room: Condvar,
+    /// The connection failed: the sender tears the session down and reconnects.
+    broken: AtomicBool,
+    window: usize,
+}
+
+/// The most requests any lane had in flight at once (a pipeline measure for tests and tools).
+static PEAK_IN_FLIGHT: AtomicUsize = AtomicUsize::new(0);
+
+impl Lane {
+    fn new(s: TcpStream, window: usize) -> Lane {
+        Lane {
+            tx: Mutex::new(Some(s)),
+            pending: Mutex::new(VecDeque::new()),
+            room: Condvar::new(),
+            broken: AtomicBool::new(false),
+            window,
+        }
+    }
+
+    /// Marks the connection broken and wakes both threads (the receiver's read fails).
+    fn break_conn(&self, s: Option<&TcpStream>) {
+        self.broken.store(true, Ordering::SeqCst);
+        if let Some(s) = s {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+        let _g = self.pending.lock();
+        self.room.notify_all();
+    }
 }
 
 impl TcpPeer {
-    fn pop(&self) -> Option<TcpWork> {
+    /// The next queued work; None when the peer is closed or `stop` says to give up.
+    fn pop_or(&self, stop: impl Fn() -> bool) -> Option<TcpWork> {
         let mut q = self.queue.lock();
         loop {
-            if self.closed.load(Ordering::Relaxed) {
+            if self.closed.load(Ordering::Relaxed) || stop() {
                 return None;
             }
             if let Some(w) = q.pop_front() {
@@ -288,6 +338,8 @@ pub(crate) struct TcpPath {
     sh: Arc<Shared>,
     data_addr: SocketAddr,
     lanes: usize,
+    /// Requests in flight per lane.
+    window: usize,
     attempts: u32,
 }
 
@@ -318,7 +370,13 @@ fn dial(addr: SocketAddr, me: &str, expect: u64) -> io::Result<(TcpStream, u64)>
 
 impl TcpPath {
     /// Binds the data port on `bind` and starts accepting peers.
-    pub fn start(bind: SocketAddr, sh: Shared, lanes: usize, attempts: u32) -> Result<TcpPath, TransferError> {
+    pub fn start(
+        bind: SocketAddr,
+        sh: Shared,
+        lanes: usize,
+        window: usize,
+        attempts: u32,
+    ) -> Result<TcpPath, TransferError> {
         let l = TcpListener::bind(bind).map_err(|e| TransferError::Io(format!("tcp data port {bind}: {e}")))?;
         let data_addr = l.local_addr()?;
         let sh = Arc::new(sh);
@@ -343,6 +401,7 @@ impl TcpPath {
             sh,
             data_addr,
             lanes,
+            window: window.max(1),
             attempts,
         })
     }
@@ -353,6 +412,11 @@ impl TcpPath {
 
     pub fn malformed(&self) -> u64 {
         self.sh.malformed.load(Ordering::Relaxed)
+    }
+
+    /// The most requests one lane of this process had in flight at once.
+    pub fn peak_in_flight() -> usize {
+        PEAK_IN_FLIGHT.load(Ordering::Relaxed)
     }
 
     /// Connects `lanes` connections to a peer's data port, checking it is `instance`.
@@ -386,9 +450,12 @@ impl TcpPath {
             cv: Condvar::new(),
             alive: AtomicUsize::new(streams.len()),
             closed: AtomicBool::new(false),
-            streams: streams.into_iter().map(|s| Arc::new(Mutex::new(Some(s)))).collect(),
+            lanes: streams
+                .into_iter()
+                .map(|s| Arc::new(Lane::new(s, self.window)))
+                .collect(),
         });
-        for i in 0..peer.streams.len() {
+        for i in 0..peer.lanes.len() {
             let (p, sh, attempts) = (peer.clone(), self.sh.clone(), self.attempts);
             std::thread::Builder::new()
                 .name(format!("kvc-tcp-lane{i}"))
@@ -417,19 +484,20 @@ impl TcpPath {
     pub fn submit(&self, peer: &str, mut slices: Vec<Slice>) -> Result<(), TransferError> {
         let p = self.peer(peer)?;
         if slices.len() == 1 && slices[0].len as usize <= INLINE_MAX {
-            // one small request: send it from this thread on an idle lane (no hand-off)
-            for st in &p.streams {
-                let Some(mut g) = st.try_lock() else { continue };
+            // one small request: written from this thread on an idle lane (no hand-off to the
+            // sender); the lane's receiver completes it
+            for l in &p.lanes {
+                if l.broken.load(Ordering::Relaxed) || !l.pending.lock().is_empty() {
+                    continue;
+                }
+                let Some(mut g) = l.tx.try_lock() else { continue };
                 let Some(stream) = g.as_mut() else { continue };
                 let sl = slices.pop().expect("one slice");
-                match do_slice(stream, &sl, &self.sh.memory) {
-                    Ok(()) => slice_done(&self.sh, sl),
-                    Err(LaneError::Remote(m)) => sl.fail(format!("{}: {m}", p.who())),
-                    // the lane finds the broken connection on its next request and reconnects
-                    Err(LaneError::Io(_)) => {
-                        drop(g);
-                        p.push([TcpWork::Slice(sl)], true);
-                    }
+                match send(l, stream, TcpWork::Slice(sl), &self.sh.memory) {
+                    Ok(()) => {}
+                    Err(SendError::Local(w, m)) => w.fail(format!("{}: {m}", p.who())),
+                    // the lane's sender finds the broken connection and resends what it held
+                    Err(SendError::Io(_)) => l.break_conn(Some(stream)),
                 }
                 return Ok(());
             }
@@ -479,77 +547,74 @@ impl TcpPath {
     }
 }
 
-/// Why one request on a lane did not complete.
-enum LaneError {
-    /// The peer answered an error: the request fails, the connection is fine.
-    Remote(String),
-    /// The connection broke: retry elsewhere.
+/// Reads the error message of a reply with status ≠ 0.
+fn read_error(s: &mut TcpStream, r: &Header) -> io::Result<String> {
+    let mut m = vec![0u8; r.len as usize];
+    s.read_exact(&mut m)?;
+    Ok(String::from_utf8_lossy(&m).into_owned())
+}
+
+/// Why a request could not be sent.
+enum SendError {
+    /// Its local range is gone: the request fails, the connection is fine.
+    Local(TcpWork, String),
+    /// The connection broke; the request stays in flight and the session's teardown resends it.
     Io(io::Error),
 }
 
-impl From<io::Error> for LaneError {
-    fn from(e: io::Error) -> Self {
-        LaneError::Io(e)
-    }
-}
-
-fn read_status(s: &mut TcpStream) -> Result<Header, LaneError> {
-    let r = read_header(s)?;
-    if r.status != 0 {
-        let mut m = vec![0u8; r.len as usize];
-        s.read_exact(&mut m)?;
-        return Err(LaneError::Remote(String::from_utf8_lossy(&m).into_owned()));
-    }
-    Ok(r)
-}
-
-fn do_slice(s: &mut TcpStream, sl: &Slice, mem: &Memory) -> Result<(), LaneError> {
-    let n = sl.len as usize;
-    let (b, off) = mem
-        .find(sl.local, n as u64)
-        .ok_or_else(|| LaneError::Remote(format!("local range {:#x}+{n} is no longer registered", sl.local)))?;
-    let op = if sl.op == Opcode::Write { OP_WRITE } else { OP_READ };
-    let h = Header {
-        op,
-        len: sl.len,
-        addr: sl.remote,
-        ..Default::default()
-    };
-    if sl.op == Opcode::Write {
-        if n <= COALESCE {
+/// Writes one request's frame on a lane and records it in flight (before writing: the reply
+/// may come before the write returns).
+fn send(lane: &Lane, s: &mut TcpStream, w: TcpWork, mem: &Memory) -> Result<(), SendError> {
+    match w {
+        TcpWork::Slice(sl) => {
+            let n = sl.len as usize;
+            let Some((b, off)) = mem.find(sl.local, n as u64) else {
+                let m = format!("local range {:#x}+{n} is no longer registered", sl.local);
+                return Err(SendError::Local(TcpWork::Slice(sl), m));
+            };
+            let write = sl.op == Opcode::Write;
+            let h = Header {
+                op: if write { OP_WRITE } else { OP_READ },
+                len: sl.len,
+                addr: sl.remote,
+                ..Default::default()
+            };
+            let into = (!write).then(|| (b.region.clone(), off, n));
+            {
+                let mut p = lane.pending.lock();
+                p.push_back(InFlight {
+                    work: TcpWork::Slice(sl),
+                    into,
+                });
+                PEAK_IN_FLIGHT.fetch_max(p.len(), Ordering::Relaxed);
+            }
+            let r = if !write {
+                s.write_all(&h.encode())
+            } else if n <= COALESCE {
+                let mut v = h.encode().to_vec();
+                b.region.with_slice(off, n, |d| v.extend_from_slice(d));
+                s.write_all(&v)
+            } else {
+                s.write_all(&h.encode())
+                    .and_then(|()| b.region.with_slice(off, n, |d| s.write_all(d)))
+            };
+            r.map_err(SendError::Io)
+        }
+        TcpWork::Notify { payload, batch, done } => {
+            let h = Header {
+                op: OP_NOTIFY,
+                len: payload.len() as u32,
+                ..Default::default()
+            };
             let mut v = h.encode().to_vec();
-            b.region.with_slice(off, n, |d| v.extend_from_slice(d));
-            s.write_all(&v)?;
-        } else {
-            s.write_all(&h.encode())?;
-            b.region.with_slice(off, n, |d| s.write_all(d))?;
+            v.extend_from_slice(&payload);
+            lane.pending.lock().push_back(InFlight {
+                work: TcpWork::Notify { payload, batch, done },
+                into: None,
+            });
+            s.write_all(&v).map_err(SendError::Io)
         }
-        read_status(s)?;
-    } else {
-        s.write_all(&h.encode())?;
-        let r = read_status(s)?;
-        if r.len != sl.len {
-            return Err(LaneError::Io(io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!("READ reply of {} B for {n}", r.len),
-            )));
-        }
-        with_region_bytes_mut(&b.region, off, n, |d| s.read_exact(d))?;
     }
-    Ok(())
-}
-
-fn do_notify(s: &mut TcpStream, payload: &[u8]) -> Result<(), LaneError> {
-    let h = Header {
-        op: OP_NOTIFY,
-        len: payload.len() as u32,
-        ..Default::default()
-    };
-    let mut v = h.encode().to_vec();
-    v.extend_from_slice(payload);
-    s.write_all(&v)?;
-    read_status(s)?;
-    Ok(())
 }
 
 /// A slice placed: tell its batch, and send the batch's notification if it was the last.
@@ -562,56 +627,162 @@ fn slice_done(sh: &Shared, sl: Slice) {
     }
 }
 
-/// One lane: takes work from the peer's queue, one request at a time.
-fn lane(peer: Arc<TcpPeer>, sh: Arc<Shared>, i: usize, attempts: u32) {
-    let stream = peer.streams[i].clone();
-    while let Some(w) = peer.pop() {
-        let mut g = stream.lock();
-        let Some(s) = g.as_mut() else { return };
-        let r = match &w {
-            TcpWork::Slice(sl) => do_slice(s, sl, &sh.memory),
-            TcpWork::Notify { payload, .. } => do_notify(s, payload),
-        };
-        match (r, w) {
-            (Ok(()), TcpWork::Slice(sl)) => slice_done(&sh, sl),
-            (Ok(()), TcpWork::Notify { batch, done, .. }) => {
-                if let Some(b) = batch {
-                    b.notify_done(Ok(()));
-                }
-                if let Some(d) = done {
-                    let _ = d.send(Ok(()));
-                }
+/// A request answered: completes it (a slice placed, a notification queued) or fails it with
+/// the peer's error.
+fn answered(sh: &Shared, peer: &TcpPeer, w: TcpWork, r: Result<(), String>) {
+    match (r, w) {
+        (Ok(()), TcpWork::Slice(sl)) => slice_done(sh, sl),
+        (Ok(()), TcpWork::Notify { batch, done, .. }) => {
+            if let Some(b) = batch {
+                b.notify_done(Ok(()));
             }
-            (Err(LaneError::Remote(m)), w) => w.fail(format!("{}: {m}", peer.who())),
-            (Err(LaneError::Io(e)), w) => {
-                let msg = format!("{} lane {i}: {e}", peer.who());
-                match w {
-                    TcpWork::Slice(sl) => {
-                        let what = sl.describe();
-                        if let Some(sl) = sl.retry_or_fail(attempts, format!("{msg} during {what}")) {
-                            peer.push([TcpWork::Slice(sl)], true);
-                        }
+            if let Some(d) = done {
+                let _ = d.send(Ok(()));
+            }
+        }
+        (Err(m), w) => w.fail(format!("{}: {m}", peer.who())),
+    }
+}
+
+/// A lane's receiver: reads replies in order and completes what they answer, until the
+/// connection breaks.
+fn receiver(peer: Arc<TcpPeer>, sh: Arc<Shared>, lane: Arc<Lane>, mut s: TcpStream) {
+    if let Err(e) = receive_replies(&peer, &sh, &lane, &mut s) {
+        tracing::debug!("{}: reading replies: {e}", peer.who());
+        lane.break_conn(Some(&s));
+    }
+}
+
+fn receive_replies(peer: &TcpPeer, sh: &Shared, lane: &Lane, s: &mut TcpStream) -> io::Result<()> {
+    let bad = |m: String| io::Error::new(io::ErrorKind::InvalidData, m);
+    loop {
+        let r = read_header(s)?;
+        let Some(into) = lane.pending.lock().front().map(|f| f.into.clone()) else {
+            return Err(bad("a reply to no request".into()));
+        };
+        let res = if r.status != 0 {
+            Err(read_error(s, &r)?)
+        } else if let Some((region, off, n)) = into {
+            if r.len as usize != n {
+                return Err(bad(format!("READ reply of {} B for {n}", r.len)));
+            }
+            with_region_bytes_mut(&region, off, n, |d| s.read_exact(d))?;
+            Ok(())
+        } else {
+            Ok(())
+        };
+        let done = {
+            let mut p = lane.pending.lock();
+            let d = p.pop_front();
+            lane.room.notify_all();
+            d
+        };
+        if let Some(d) = done {
+            answered(sh, peer, d.work, res);
+        }
+    }
+}
+
+/// One lane's sender: runs a session per connection (a receiver thread beside it), writing the
+/// peer's queued requests while the window has room; when the connection breaks, resends what
+/// was in flight (through the queue, up to the attempts) and reconnects, or retires the lane.
+fn lane(peer: Arc<TcpPeer>, sh: Arc<Shared>, i: usize, attempts: u32) {
+    let lane = peer.lanes[i].clone();
+    loop {
+        let Some(rx) = lane.tx.lock().as_ref().and_then(|s| s.try_clone().ok()) else {
+            return retire(
+                &peer,
+                format!("{} lane {i}: cannot read from the connection", peer.who()),
+            );
+        };
+        lane.broken.store(false, Ordering::SeqCst);
+        let recv = {
+            let (p, sh, l) = (peer.clone(), sh.clone(), lane.clone());
+            std::thread::Builder::new()
+                .name(format!("kvc-tcp-rx{i}"))
+                .spawn(move || receiver(p, sh, l, rx))
+        };
+        let Ok(recv) = recv else {
+            return retire(&peer, format!("{} lane {i}: cannot start its receiver", peer.who()));
+        };
+        let why = session(&peer, &sh, &lane);
+        let _ = recv.join();
+        if peer.closed.load(Ordering::Relaxed) {
+            return;
+        }
+        let msg = format!("{} lane {i}: {why}", peer.who());
+        // resend what the broken connection held, first
+        let lost: Vec<InFlight> = lane.pending.lock().drain(..).collect();
+        let mut again = Vec::new();
+        for f in lost {
+            match f.work {
+                TcpWork::Slice(sl) => {
+                    let what = sl.describe();
+                    if let Some(sl) = sl.retry_or_fail(attempts, format!("{msg} during {what}")) {
+                        again.push(TcpWork::Slice(sl));
                     }
-                    w => peer.push([w], true),
                 }
-                // reconnect this lane, or retire it
-                match dial(peer.addr, &sh.name, peer.instance) {
-                    Ok((ns, live)) if live == peer.instance => {
-                        *g = Some(ns);
-                        continue;
-                    }
-                    Ok((_, live)) => {
-                        *g = None;
-                        drop(g);
-                        retire(&peer, format!("{msg}; the peer restarted (instance {live:#x})"))
-                    }
-                    Err(e) => {
-                        *g = None;
-                        drop(g);
-                        retire(&peer, format!("{msg}; reconnecting: {e}"))
-                    }
+                w => again.push(w),
+            }
+        }
+        peer.push(again.into_iter().rev(), true);
+        // reconnect this lane, or retire it
+        let mut g = lane.tx.lock();
+        match dial(peer.addr, &sh.name, peer.instance) {
+            Ok((ns, live)) if live == peer.instance => *g = Some(ns),
+            Ok((_, live)) => {
+                *g = None;
+                drop(g);
+                return retire(&peer, format!("{msg}; the peer restarted (instance {live:#x})"));
+            }
+            Err(e) => {
+                *g = None;
+                drop(g);
+                return retire(&peer, format!("{msg}; reconnecting: {e}"));
+            }
+        }
+    }
+}
+
+/// Writes queued requests on the lane's connection until it breaks (returns why) or the peer
+/// is closed.
+fn session(peer: &TcpPeer, sh: &Shared, lane: &Lane) -> String {
+    loop {
+        if lane.broken.load(Ordering::SeqCst) {
+            return "the connection broke".into();
+        }
+        let Some(w) = peer.pop_or(|| lane.broken.load(Ordering::SeqCst)) else {
+            if peer.closed.load(Ordering::Relaxed) {
+                if let Some(s) = lane.tx.lock().as_ref() {
+                    let _ = s.shutdown(std::net::Shutdown::Both);
                 }
-                return;
+                return "closed".into();
+            }
+            return "the connection broke".into();
+        };
+        // wait for window room
+        {
+            let mut p = lane.pending.lock();
+            while p.len() >= lane.window && !lane.broken.load(Ordering::SeqCst) {
+                lane.room.wait_for(&mut p, Duration::from_millis(200));
+            }
+        }
+        if lane.broken.load(Ordering::SeqCst) {
+            peer.push([w], true);
+            return "the connection broke".into();
+        }
+        let mut g = lane.tx.lock();
+        let Some(s) = g.as_mut() else {
+            drop(g);
+            peer.push([w], true);
+            return "the lane has no connection".into();
+        };
+        match send(lane, s, w, &sh.memory) {
+            Ok(()) => {}
+            Err(SendError::Local(w, m)) => w.fail(format!("{}: {m}", peer.who())),
+            Err(SendError::Io(e)) => {
+                lane.break_conn(Some(s));
+                return format!("writing: {e}");
             }
         }
     }

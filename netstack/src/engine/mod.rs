@@ -200,7 +200,13 @@ impl EngineShared {
                 match slot.qp.poll_transmit(now) {
                     Some(p) => {
                         let Some((link, dst)) = slot.route(p.path) else { break };
-                        out.push(Outgoing::new(p, link, self.tx_links[link].local_addr(), dst))
+                        out.push(Outgoing::new(
+                            p,
+                            link,
+                            self.tx_links[link].local_addr(),
+                            dst,
+                            &self.stats,
+                        ))
                     }
                     None => break,
                 }
@@ -561,6 +567,10 @@ impl DataCore {
             let mut s = slot.lock();
             match req {
                 sq::Request::Send { wr, inline, .. } => {
+                    if let Some(d) = &inline {
+                        // out of the slots, then into the WQE's own buffer
+                        self.shared.stats.tx_payload_copy_bytes.add(2 * d.len() as u64);
+                    }
                     if let Err(e) =
                         s.qp.post_send_with_inline(wr.clone(), inline.as_deref(), &self.shared.mrs)
                     {
@@ -603,8 +613,10 @@ impl DataCore {
             }
         };
         let local = self.rx_links[link].local_addr();
+        let mut staged = 0u64;
         for i in 0..n {
             let (d, src, seg) = self.rx.get(i);
+            staged += d.map_or(0, |d| d.len() as u64);
             let Some(d) = d else {
                 self.shared.stats.rx_datagrams.inc();
                 self.shared.stats.rx_malformed("oversized");
@@ -638,6 +650,7 @@ impl DataCore {
                 }
             }
         }
+        self.shared.stats.note_staged(staged);
         n > 0
     }
 
@@ -678,6 +691,7 @@ impl DataCore {
                 // delivered (its WAITs count delivered completions)
                 for _ in 0..64 {
                     let Some(chain) = s.chain.as_mut() else { break };
+                    let copied = s.qp.payload_copy_bytes();
                     let pass = chain.pass(
                         &mut s.qp,
                         &self.shared.mrs,
@@ -686,6 +700,10 @@ impl DataCore {
                         now,
                         peer_pd,
                     );
+                    self.shared
+                        .stats
+                        .rx_payload_copy_bytes
+                        .add(s.qp.payload_copy_bytes() - copied);
                     if let Some(t) = pass.retry_at {
                         retry = Some(retry.map_or(t, |r| r.min(t)));
                     }
@@ -783,7 +801,9 @@ impl DataCore {
             stats.rx_wrong_source.inc();
             return None;
         }
+        let copied = s.qp.payload_copy_bytes();
         s.qp.handle_packet_ecn(now, &v, ce, &shared.mrs);
+        stats.rx_payload_copy_bytes.add(s.qp.payload_copy_bytes() - copied);
         Some((qpn, s.deliver_completions(core)))
     }
 
@@ -864,6 +884,8 @@ impl DataCore {
         for p in &pkt.payload {
             p.region.with_slice(p.off, p.len, |b| d.extend_from_slice(b));
         }
+        // a hairpin packet is serialized: its payload is copied once
+        self.shared.stats.tx_payload_copy_bytes.add(pkt.payload_len() as u64);
         d.extend_from_slice(&PAD_ZEROS[..pkt.hdr.bth().pad as usize]);
         let c = icrc::compute(src, dst, &[d.as_slice()]);
         d.extend_from_slice(&c.to_le_bytes());
@@ -875,7 +897,13 @@ impl DataCore {
     }
 
     fn finish(&self, pkt: TxPacket, link: usize, dst: SocketAddrV4) -> Outgoing {
-        Outgoing::new(pkt, link, self.shared.tx_links[link].local_addr(), dst)
+        Outgoing::new(
+            pkt,
+            link,
+            self.shared.tx_links[link].local_addr(),
+            dst,
+            &self.shared.stats,
+        )
     }
 
     /// Sends the batch. With GSO, runs of packets to one destination with the same length
@@ -973,7 +1001,7 @@ impl DataCore {
 /// a RedN chain's response WRITE sources memory the store's writer owns. Larger SEND and WRITE
 /// payloads stay zero-copy: their memory is the poster's, not to be modified while the request
 /// is outstanding (the verbs rule).
-fn snapshot_read_payload(pkt: &mut TxPacket) {
+fn snapshot_read_payload(pkt: &mut TxPacket, stats: &EngineStats) {
     /// Payloads up to this many bytes are always copied.
     const SNAPSHOT_SMALL_PAYLOAD: usize = 512;
     use crate::wire::opcode::Opcode;
@@ -990,6 +1018,7 @@ fn snapshot_read_payload(pkt: &mut TxPacket) {
     if len == 0 || !read_resp && len > SNAPSHOT_SMALL_PAYLOAD {
         return;
     }
+    stats.tx_payload_copy_bytes.add(len as u64);
     let snap = snapshot_buffer(len);
     let mut at = 0;
     for p in &pkt.payload {
@@ -1043,8 +1072,8 @@ fn snapshot_buffer(len: usize) -> Arc<crate::mem::Region> {
 impl Outgoing {
     /// Computes pad and ICRC over the header buffer and the payload in place (no copy), except
     /// for READ responses, whose payload is first snapshotted (see [`snapshot_read_payload`]).
-    fn new(mut pkt: TxPacket, link: usize, src: SocketAddrV4, dst: SocketAddrV4) -> Outgoing {
-        snapshot_read_payload(&mut pkt);
+    fn new(mut pkt: TxPacket, link: usize, src: SocketAddrV4, dst: SocketAddrV4, stats: &EngineStats) -> Outgoing {
+        snapshot_read_payload(&mut pkt, stats);
         let pad = pkt.hdr.bth().pad as usize;
         let body = pkt.hdr.len() + pkt.payload_len() + pad;
         let mut c = icrc::Icrc::new(src, dst, body);

@@ -43,10 +43,17 @@ pub struct EngineStats {
     pub tx_messages: Counter,
     /// Receives into staging buffers (a GRO receive carries several datagrams).
     pub staging_fills: Counter,
-    /// Payload bytes the transmit path copied (header-only TX keeps this at 0; INLINE posts copy
-    /// at post time, in the application thread, and are not counted here).
+    /// Payload bytes the transmit path copied: READ-response and small-payload snapshots taken
+    /// before the ICRC, hairpin packets serialized in memory, INLINE payloads moved through the
+    /// send queue. Larger SEND/WRITE payloads go out by reference and are not copied.
     pub tx_payload_copy_bytes: Counter,
+    /// Payload bytes copied into registered memory on receive (from the staging buffers) and
+    /// by loopback execution of RedN chains.
+    pub rx_payload_copy_bytes: Counter,
+    /// The receive staging memory allocated.
     pub staging_bytes: Counter,
+    /// The most staging memory one receive batch filled.
+    pub staging_bytes_peak: Counter,
 }
 
 /// A point-in-time copy of the counters.
@@ -66,7 +73,9 @@ pub struct StatsSnapshot {
     pub tx_messages: u64,
     pub staging_fills: u64,
     pub tx_payload_copy_bytes: u64,
+    pub rx_payload_copy_bytes: u64,
     pub staging_bytes: u64,
+    pub staging_bytes_peak: u64,
 }
 
 impl StatsSnapshot {
@@ -86,7 +95,9 @@ impl StatsSnapshot {
         self.tx_messages += o.tx_messages;
         self.staging_fills += o.staging_fills;
         self.tx_payload_copy_bytes += o.tx_payload_copy_bytes;
+        self.rx_payload_copy_bytes += o.rx_payload_copy_bytes;
         self.staging_bytes += o.staging_bytes;
+        self.staging_bytes_peak += o.staging_bytes_peak;
     }
 }
 
@@ -106,6 +117,11 @@ impl EngineStats {
 
     pub(crate) fn set_staging_bytes(&self, n: u64) {
         self.staging_bytes.0.store(n, Ordering::Relaxed);
+    }
+
+    /// Notes how much staging one receive batch filled.
+    pub(crate) fn note_staged(&self, n: u64) {
+        self.staging_bytes_peak.0.fetch_max(n, Ordering::Relaxed);
     }
 
     pub fn snapshot(&self) -> StatsSnapshot {
@@ -128,7 +144,9 @@ impl EngineStats {
             tx_messages: self.tx_messages.get(),
             staging_fills: self.staging_fills.get(),
             tx_payload_copy_bytes: self.tx_payload_copy_bytes.get(),
+            rx_payload_copy_bytes: self.rx_payload_copy_bytes.get(),
             staging_bytes: self.staging_bytes.get(),
+            staging_bytes_peak: self.staging_bytes_peak.get(),
         }
     }
 }

@@ -59,10 +59,12 @@ pub(crate) fn execute(qp: &mut RcQp, mrs: &MrTable, wr: &SendWr, peer_pd: u32) -
         (WrOpcode::RdmaRead, Some((l, lo)), Some((r, ro))) => {
             r.read(ro, &mut buf);
             l.write(lo, &buf);
+            qp.note_payload_copy(2 * len);
         }
         (WrOpcode::RdmaWrite, Some((l, lo)), Some((r, ro))) => {
             l.read(lo, &mut buf);
             r.write(ro, &buf);
+            qp.note_payload_copy(2 * len);
         }
         (op, Some((l, lo)), Some((r, ro))) => {
             let orig = if op == WrOpcode::AtomicCmpAndSwp {

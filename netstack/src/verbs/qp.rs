@@ -221,6 +221,8 @@ impl Qp {
         }
         let mut s = self.slot.lock();
         s.qp.post_send_with_inline(wr, Some(request), self.ctx.mrs())?;
+        // the request is copied into the work request
+        self.core.stats.tx_payload_copy_bytes.add(request.len() as u64);
         self.posted.fetch_add(1, Ordering::Relaxed);
         if self.low_latency {
             // sent from this thread, like the QP's other requests
@@ -555,6 +557,8 @@ impl Qp {
                 region.with_slice(off, g.length as usize, |b| data.extend_from_slice(b));
             }
             sq::encode_send(self.qpn, wr, Some(&data), slots);
+            // out of the region, into the slots
+            self.core.stats.tx_payload_copy_bytes.add(2 * data.len() as u64);
         } else {
             sq::encode_send(self.qpn, wr, None, slots);
         }

@@ -202,6 +202,9 @@ pub struct RcStats {
     pub probes_sent: u64,
     pub probes_received: u64,
     pub path_downs: u64,
+    /// Payload bytes copied into registered memory: receives, WRITE and READ-response
+    /// placement (the one copy from a receive buffer), loopback execution.
+    pub payload_copy_bytes: u64,
 }
 
 /// Most control-loop delay samples a QP keeps before the owner collects them.
@@ -296,6 +299,17 @@ impl RcQp {
     pub fn config(&self) -> &RcConfig {
         &self.cfg
     }
+    /// Payload bytes this QP copied into registered memory so far (see
+    /// [`RcStats::payload_copy_bytes`]).
+    pub fn payload_copy_bytes(&self) -> u64 {
+        self.stats.payload_copy_bytes
+    }
+
+    /// Counts bytes the engine copied into memory on this QP's behalf (loopback execution).
+    pub fn note_payload_copy(&mut self, n: u64) {
+        self.stats.payload_copy_bytes += n;
+    }
+
     pub fn stats(&self) -> RcStats {
         RcStats {
             spurious_retransmissions: self.req.spurious,

@@ -168,7 +168,9 @@ fn gather(segs: &[Seg], mut off: usize, mut len: usize) -> SmallVec<[PayloadPart
     out
 }
 
-fn scatter(segs: &[Seg], mut off: usize, mut data: &[u8]) {
+/// Places response data into the WQE's segments; returns the bytes copied.
+fn scatter(segs: &[Seg], mut off: usize, mut data: &[u8]) -> u64 {
+    let mut copied = 0;
     for s in segs {
         if data.is_empty() {
             break;
@@ -179,9 +181,11 @@ fn scatter(segs: &[Seg], mut off: usize, mut data: &[u8]) {
         }
         let n = (s.len - off).min(data.len());
         s.region.write(s.off + off, &data[..n]);
+        copied += n as u64;
         data = &data[n..];
         off = 0;
     }
+    copied
 }
 
 pub(super) struct Requester {
@@ -1092,7 +1096,7 @@ impl Requester {
                     qp.stats.out_of_order_packets += 1;
                     return;
                 }
-                scatter(&r.sq[i].segs, off as usize, pkt.payload);
+                qp.stats.payload_copy_bytes += scatter(&r.sq[i].segs, off as usize, pkt.payload);
                 r.cum_ack(p.saturating_sub(1), now);
                 r.mark(p, now);
             }
@@ -1136,7 +1140,7 @@ impl Requester {
                     qp.stats.out_of_order_packets += 1;
                     return;
                 }
-                scatter(&r.sq[i].segs, off as usize, data);
+                qp.stats.payload_copy_bytes += scatter(&r.sq[i].segs, off as usize, data);
                 if result.is_some() {
                     r.sq[i].result = result;
                 }

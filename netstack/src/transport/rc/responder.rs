@@ -496,6 +496,8 @@ impl Responder {
                     .map_err(|_| Reject::Nak(NakCode::RemoteOperationalError))?;
             }
         }
+        // the payload went from the receive buffer into registered memory: one copy
+        qp.stats.payload_copy_bytes += data.len() as u64;
         if cfg.recovery == Recovery::GoBackN {
             let s = &mut qp.resp;
             s.cur = if last {

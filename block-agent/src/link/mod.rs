@@ -1,0 +1,199 @@
+//! The agent's link to one storage node, over one of two carriers:
+//! - `solar` ([`solar`]): a thread driving a sans-IO [`netstack::transport::solar`] client over
+//!   UDP, one socket per path (each path its own source port and ECMP flow);
+//! - `tcp` ([`tcp`]): the plain block protocol ([`crate::tcp_proto`]) over one kernel TCP
+//!   connection: whole requests, many in flight, no Solar layer (the reference).
+//!
+//! Callers submit block reads and writes from any thread and get a [`tokio::sync::oneshot`]
+//! answer. A link follows its storage node to a new address ([`Link::retarget`]).
+
+mod solar;
+mod tcp;
+
+use netstack::cc::CcKind;
+use netstack::transport::solar::client::{ClientConfig, ClientStats, IoError, SubmitError};
+use netstack::transport::solar::wire::BLOCK;
+use parking_lot::Mutex;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use tokio::sync::oneshot;
+
+/// How the blocks travel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Carrier {
+    /// Solar over UDP with this many paths (source ports).
+    Udp { paths: u16 },
+    /// The plain block protocol over one kernel TCP connection.
+    Tcp,
+}
+
+/// Settings of a link.
+#[derive(Debug, Clone)]
+pub struct LinkConfig {
+    pub server: SocketAddr,
+    pub carrier: Carrier,
+    /// The Solar client's settings (`paths` is taken from the carrier); the TCP link takes
+    /// its request ids (`rpc_base`) and I/O timeout from here too.
+    pub client: ClientConfig,
+    /// Congestion control of the link (one window across its paths).
+    pub cc: CcKind,
+    /// Swift's base target delay (network share of the RTT; loopback on a busy 2-core machine
+    /// queues in the scheduler, so not the tens of microseconds of a real fabric).
+    pub cc_target_ns: u64,
+    /// Swift's smallest window in packets. A storage link keeps at least a couple of blocks in
+    /// flight: below one packet Swift paces, and a window of 0.01 packets left writes waiting
+    /// for a hundred RTTs behind a scheduler hiccup on a loaded host.
+    pub cc_min_window: f64,
+}
+
+impl LinkConfig {
+    /// Defaults toward `server`: 4 UDP paths, Swift congestion control, request ids seeded
+    /// from the wall clock (so they keep increasing across agent restarts).
+    pub fn new(server: SocketAddr, carrier: Carrier) -> LinkConfig {
+        let rpc_base = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(1);
+        LinkConfig {
+            server,
+            carrier,
+            client: ClientConfig {
+                rpc_base,
+                initial_rto_ns: 20_000_000,
+                min_rto_ns: 2_000_000,
+                window_bytes: 1024 * BLOCK as u64,
+                ..ClientConfig::default()
+            },
+            cc: CcKind::Swift,
+            cc_target_ns: 500_000,
+            cc_min_window: 2.0,
+        }
+    }
+}
+
+/// Why a link request failed.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum LinkError {
+    #[error("storage node {0}: {1}")]
+    Io(SocketAddr, IoError),
+    #[error("storage node {0}: {1}")]
+    Submit(SocketAddr, SubmitError),
+    #[error("storage node {0}: the link stopped")]
+    Stopped(SocketAddr),
+    #[error("storage node {0}: {1}")]
+    Setup(SocketAddr, String),
+}
+
+/// What a read answers: the blocks, in order.
+pub type ReadResult = Result<Vec<u8>, LinkError>;
+
+/// What a link reports about itself.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LinkStatus {
+    pub stats: ClientStats,
+    pub paths: u16,
+    pub paths_up: u16,
+    pub outstanding: usize,
+}
+
+/// A request to a link's driver.
+enum Cmd {
+    Write {
+        volume: u32,
+        lba: u64,
+        data: Arc<[u8]>,
+        fua: bool,
+        done: oneshot::Sender<Result<(), LinkError>>,
+    },
+    Read {
+        volume: u32,
+        lba: u64,
+        blocks: u16,
+        done: oneshot::Sender<ReadResult>,
+    },
+    /// The storage node now serves at this address (it restarted elsewhere).
+    Retarget(SocketAddr),
+}
+
+enum Driver {
+    Solar(solar::SolarLink),
+    Tcp(tcp::TcpLink),
+}
+
+/// A link to one storage node; dropping it stops its threads (requests in flight fail).
+pub struct Link {
+    /// The storage node's current address.
+    server: Mutex<SocketAddr>,
+    driver: Driver,
+}
+
+impl Link {
+    /// Opens the sockets and starts the link's threads.
+    pub fn start(cfg: LinkConfig) -> Result<Link, LinkError> {
+        let server = Mutex::new(cfg.server);
+        let driver = match cfg.carrier {
+            Carrier::Udp { .. } => Driver::Solar(solar::SolarLink::start(cfg)?),
+            Carrier::Tcp => Driver::Tcp(tcp::TcpLink::start(cfg)?),
+        };
+        Ok(Link { server, driver })
+    }
+
+    /// The storage node's address.
+    pub fn server(&self) -> SocketAddr {
+        *self.server.lock()
+    }
+
+    fn submit(&self, c: Cmd) {
+        match &self.driver {
+            Driver::Solar(l) => l.submit(c),
+            Driver::Tcp(l) => l.submit(c),
+        }
+    }
+
+    /// Follows the storage node to `addr` (it restarted on another address): requests go there
+    /// from now on, and those in flight to the old address are sent again there.
+    pub fn retarget(&self, addr: SocketAddr) {
+        let mut cur = self.server.lock();
+        if *cur == addr {
+            return;
+        }
+        tracing::info!("link to storage node {} now at {addr}", *cur);
+        *cur = addr;
+        drop(cur);
+        self.submit(Cmd::Retarget(addr));
+    }
+
+    /// Writes `data` (whole blocks) at block `lba` of `volume`; answered once every block is
+    /// durable on the node.
+    pub fn write(&self, volume: u32, lba: u64, data: Arc<[u8]>, fua: bool) -> oneshot::Receiver<Result<(), LinkError>> {
+        let (done, rx) = oneshot::channel();
+        self.submit(Cmd::Write {
+            volume,
+            lba,
+            data,
+            fua,
+            done,
+        });
+        rx
+    }
+
+    /// Reads `blocks` blocks at `lba` of `volume` (each checked against its stored CRC).
+    pub fn read(&self, volume: u32, lba: u64, blocks: u16) -> oneshot::Receiver<ReadResult> {
+        let (done, rx) = oneshot::channel();
+        self.submit(Cmd::Read {
+            volume,
+            lba,
+            blocks,
+            done,
+        });
+        rx
+    }
+
+    /// Counters and path health (refreshed every few milliseconds by the link's thread).
+    pub fn status(&self) -> LinkStatus {
+        match &self.driver {
+            Driver::Solar(l) => l.status(),
+            Driver::Tcp(l) => l.status(),
+        }
+    }
+}
