@@ -162,8 +162,11 @@ struct PerfAcceptor {
     /// Receive slots of accepted QPs until `connected` hands each QP over.
     pending: Mutex<std::collections::HashMap<u32, RecvSlots>>,
     /// Windows of the region by client session, and where the next one starts.
-    windows: Mutex<(u64, std::collections::HashMap<u64, (u64, u64)>)>,
+    windows: Mutex<Windows>,
 }
+
+/// Where the next window starts, and each session's window (offset, length).
+type Windows = (u64, std::collections::HashMap<u64, (u64, u64)>);
 
 /// Windows remembered (sessions beyond are forgotten, oldest first).
 const WINDOWS: usize = 4096;
