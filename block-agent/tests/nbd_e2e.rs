@@ -252,14 +252,23 @@ fn run(cmd: &mut Command) {
 
 fn integrity(carrier: Carrier, tag: &str) {
     if !have("qemu-img") {
-        eprintln!("skipping: qemu-img is not installed (scripts/install-test-deps.sh installs qemu-utils)");
+        test_support::skip(
+            &format!("nbd integrity {tag}"),
+            test_support::Missing::Tool,
+            "qemu-img is not installed (scripts/install-test-deps.sh installs qemu-utils)",
+        );
         return;
     }
     let c = cluster(tag, 3, carrier);
     let uri = format!("nbd://{}/vol", c.nbd);
     let input = c.dir.join("in.img");
     let output = c.dir.join("out.img");
-    random_image(&input, SIZE as usize, 0x5eed);
+    // data of this run's own (the stores are new, but the pattern must not be a constant)
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64;
+    random_image(&input, SIZE as usize, seed);
     let diag = || {
         for (l, n) in c.volume.replicas().iter().zip(&c.nodes) {
             eprintln!(
@@ -279,11 +288,11 @@ fn integrity(carrier: Carrier, tag: &str) {
         .unwrap();
     if !o.status.success() {
         diag();
+        panic!(
+            "qemu-img convert into the volume failed: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
     }
-    run(Command::new("qemu-img")
-        .args(["convert", "-n", "-f", "raw", "-O", "raw"])
-        .arg(&input)
-        .arg(&uri));
     run(Command::new("qemu-img")
         .args(["convert", "-f", "raw", "-O", "raw", &uri])
         .arg(&output));
@@ -305,7 +314,13 @@ fn integrity(carrier: Carrier, tag: &str) {
             );
         }
     }
-    if have("qemu-io") {
+    if !have("qemu-io") {
+        test_support::skip(
+            &format!("nbd integrity {tag} through qemu-io"),
+            test_support::Missing::Tool,
+            "qemu-io is not installed (scripts/install-test-deps.sh installs qemu-utils)",
+        );
+    } else {
         run(Command::new("qemu-io").args([
             "-f",
             "raw",

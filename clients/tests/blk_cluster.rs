@@ -60,7 +60,13 @@ fn cli_round(dir: &Path, extra: &[&str]) {
     c.read(12 << 20 >> 1, &mut back).unwrap();
     assert!(back == block);
     c.disconnect();
-    if have("qemu-io") {
+    if !have("qemu-io") {
+        test_support::skip(
+            "blkctl volumes through qemu-io",
+            test_support::Missing::Tool,
+            "qemu-io is not installed (scripts/install-test-deps.sh installs qemu-utils)",
+        );
+    } else {
         let sock = dir.join("nbd.sock");
         let unix = format!("nbd+unix:///vol0?socket={}", sock.display());
         let o = Command::new("qemu-io")
@@ -179,7 +185,11 @@ fn kill_dash_nine_of_a_storage_node_loses_no_acknowledged_write() {
 fn ext4_on_a_flexns_volume_through_nbdfuse() {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        eprintln!("skipping: losetup and mount need root");
+        test_support::skip(
+            "ext4 through nbdfuse",
+            test_support::Missing::Root,
+            "losetup and mount need root",
+        );
         return;
     }
     for t in ["nbdfuse", "mkfs.ext4", "losetup", "fsck.ext4"] {
@@ -189,12 +199,20 @@ fn ext4_on_a_flexns_volume_through_nbdfuse() {
             .map(|o| !o.status.success())
             .unwrap_or(true)
         {
-            eprintln!("skipping: {t} is not installed (scripts/install-test-deps.sh installs libnbd-bin)");
+            test_support::skip(
+                "ext4 through nbdfuse",
+                test_support::Missing::Tool,
+                &format!("{t} is not installed (scripts/install-test-deps.sh installs libnbd-bin, fuse3, e2fsprogs)"),
+            );
             return;
         }
     }
     if !Path::new("/dev/fuse").exists() {
-        eprintln!("skipping: /dev/fuse does not exist here");
+        test_support::skip(
+            "ext4 through nbdfuse",
+            test_support::Missing::Hardware,
+            "/dev/fuse does not exist here",
+        );
         return;
     }
     let dir = tmp("ext4");
@@ -234,7 +252,11 @@ fn ext4_on_a_flexns_volume_through_nbdfuse() {
         let _ = nbdfuse.kill();
         let _ = nbdfuse.wait();
         cleanup("");
-        eprintln!("skipping: no loop device available here: {loopdev}");
+        test_support::skip(
+            "ext4 through nbdfuse",
+            test_support::Missing::Hardware,
+            &format!("no loop device available here: {loopdev}"),
+        );
         return;
     }
     let l = loopdev.trim().to_string();

@@ -5,7 +5,11 @@ use std::process::Command;
 #[test]
 fn incast_and_loop_delay_write_json_and_png() {
     if !std::path::Path::new("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf").exists() {
-        eprintln!("skipping: no DejaVu font (scripts/install-test-deps.sh installs fonts-dejavu-core as root)");
+        test_support::skip(
+            "ccsim plots",
+            test_support::Missing::Tool,
+            "no DejaVu font (scripts/install-test-deps.sh installs fonts-dejavu-core as root)",
+        );
         return;
     }
     let out = std::env::temp_dir().join(format!("ccsim-test-{}", std::process::id()));

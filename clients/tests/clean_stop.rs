@@ -230,7 +230,11 @@ fn ycsb_stops_with_kv_server_and_redis() {
             "--json",
         ];
     } else {
-        eprintln!("redis-server is not installed: ycsb is stopped with its kv-server child only");
+        test_support::skip(
+            "ycsb clean stop with redis-server",
+            test_support::Missing::Tool,
+            "redis-server is not installed: ycsb is stopped with its kv-server child only",
+        );
     }
     check(&Case {
         name: "ycsb",
@@ -258,7 +262,11 @@ fn kvcache_bench_stops_with_its_decode_engines() {
 fn blkctl_bench_stops_with_its_cluster_qemu_nbd_and_fio() {
     for t in ["fio", "qemu-nbd", "qemu-img"] {
         if Command::new(t).arg("--version").output().is_err() {
-            eprintln!("skipping: {t} is not installed (scripts/install-test-deps.sh installs fio and qemu-utils)");
+            test_support::skip(
+                "blkctl bench clean stop",
+                test_support::Missing::Tool,
+                &format!("{t} is not installed (scripts/install-test-deps.sh installs fio and qemu-utils)"),
+            );
             return;
         }
     }
@@ -310,7 +318,11 @@ fn netns_with_prefix(prefix: &str) -> Vec<String> {
 fn a_testbed_script_stops_cleanly_and_its_children_die_with_it() {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        eprintln!("skipping: the testbed needs root (network namespaces, tc, eBPF); CI runs it as root");
+        test_support::skip(
+            "testbed clean stop",
+            test_support::Missing::Root,
+            "the testbed needs root (network namespaces, tc, eBPF); CI runs it as root",
+        );
         return;
     }
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());

@@ -15,7 +15,11 @@ static TESTBED: std::sync::Mutex<()> = std::sync::Mutex::new(());
 fn ecmp(args: &[&str], tag: &str, env: (&str, &str)) -> Option<(String, Vec<serde_json::Value>)> {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        eprintln!("skipping: the ECMP testbed needs root (network namespaces, tc); CI runs it as root");
+        test_support::skip(
+            &format!("ECMP testbed {tag}"),
+            test_support::Missing::Root,
+            "the ECMP testbed needs root (network namespaces, tc); CI runs it as root",
+        );
         return None;
     }
     let _one = TESTBED.lock().unwrap_or_else(|e| e.into_inner());

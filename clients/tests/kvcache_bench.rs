@@ -35,9 +35,35 @@ fn transfers_over_both_transports_verify_and_compare() {
             "{r}"
         );
     }
+    // the ratio line is the quotient of the two runs (not merely present), and each run
+    // accounts for both processes' CPU: this prefill process and the decode child
     let ratio = lines.iter().find(|l| l["bench"] == "ratio").expect("ratio line");
     assert_eq!(ratio["reference"], "tcp");
-    assert!(ratio["ratio"].as_f64().unwrap() > 0.0, "{ratio}");
+    let g = |sys: &str| {
+        lines
+            .iter()
+            .find(|l| l["bench"] == "kvcache_write" && l["system"] == sys)
+            .unwrap()["gbps"]
+            .as_f64()
+            .unwrap()
+    };
+    let want = g("flexns") / g("tcp");
+    let got = ratio["ratio"].as_f64().unwrap();
+    assert!(
+        (got - want).abs() <= 0.002 + 0.01 * want,
+        "ratio {got}, runs say {want}: {ratio}"
+    );
+    assert!(ratio["cpu_us_per_op_ratio"].as_f64().is_some(), "{ratio}");
+    for l in lines.iter().filter(|l| l["bench"] == "kvcache_write") {
+        let roles: Vec<&str> = l["processes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p["role"].as_str().unwrap())
+            .collect();
+        assert_eq!(roles, ["prefill", "decode"], "{l}");
+        assert!(l["cpu_us_per_op"].as_f64().unwrap() > 0.0, "{l}");
+    }
 }
 
 #[test]

@@ -28,14 +28,30 @@ fn check(lines: &[serde_json::Value], bench: &str) -> f64 {
         assert_eq!(r["verified"], true, "{r}");
         assert!(r["ops"].as_u64().unwrap() > 0, "{r}");
     }
+    // the ratio is the quotient of the run and its reference (p50 for latency, Mop/s for rates)
     let ratio = lines.iter().find(|l| l["bench"] == "ratio").expect("a ratio line");
-    ratio["ratio"].as_f64().unwrap()
+    let metric = if bench.ends_with("_lat") { "p50_us" } else { "mops" };
+    assert_eq!(ratio["metric"], metric, "{ratio}");
+    let want = runs[0][metric].as_f64().unwrap() / runs[1][metric].as_f64().unwrap();
+    let got = ratio["ratio"].as_f64().unwrap();
+    assert!(
+        (got - want).abs() <= 0.002 + 0.01 * want,
+        "ratio {got}, runs say {want}: {ratio}"
+    );
+    for r in &runs {
+        assert_eq!(
+            r["processes"].as_array().unwrap().len(),
+            2,
+            "client and server accounted: {r}"
+        );
+    }
+    got
 }
 
 #[test]
 fn batched_read_list_walk_and_redn_get_verify_and_report_ratios() {
     let b = run(&["--op", "batch-read", "--batch", "32", "--size", "64", "--depth", "8"]);
-    assert!(check(&b, "batch_read_rate") > 0.0);
+    check(&b, "batch_read_rate");
     let w = run(&["--op", "list-walk", "--hops", "8", "--mode", "offload"]);
     check(&w, "list_walk_lat");
     let rt = w.iter().find(|l| l["system"] == "flexns walk=client").unwrap();

@@ -57,6 +57,21 @@ fn ycsb_runs_every_get_path_verified() {
     };
     assert!(rt("flexns-a1") >= 2.0);
     assert!(rt("flexns-offload") <= 1.01);
+    // each ratio line is the quotient of its runs (throughput against redis, p50 against A1)
+    for l in lines.iter().filter(|l| l["bench"] == "ycsb-a-ratio") {
+        let what = l["what"].as_str().unwrap();
+        let (metric, rest) = what.split_once(' ').unwrap();
+        let (a, b) = rest.split_once(" / ").unwrap();
+        let v = |name: &str| {
+            let r = runs.iter().find(|r| r["system"] == name).unwrap();
+            r[if metric == "throughput" { "mops" } else { "p50_us" }]
+                .as_f64()
+                .unwrap()
+        };
+        let want = v(a) / v(b);
+        let got = l["ratio"].as_f64().unwrap();
+        assert!((got - want).abs() <= 0.002 + 0.01 * want, "{l}: runs say {want}");
+    }
     assert!(lines.iter().any(|l| l["bench"] == "ycsb-a-ratio"), "ratio lines");
 }
 

@@ -17,7 +17,11 @@ fn free_port() -> u16 {
 
 fn start_etcd() -> Option<etcd_lite::local::LocalEtcd> {
     if !etcd_lite::local::installed() {
-        eprintln!("SKIP: etcd is not installed (scripts/install-test-deps.sh installs etcd-server as root)");
+        test_support::skip(
+            "kv-store etcd",
+            test_support::Missing::Tool,
+            "etcd is not installed (scripts/install-test-deps.sh installs etcd-server as root)",
+        );
         return None;
     }
     Some(etcd_lite::local::LocalEtcd::start("kv-test").expect("starting etcd"))

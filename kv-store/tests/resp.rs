@@ -22,7 +22,11 @@ fn redis_cli(port: u16, args: &[&str]) -> String {
 #[test]
 fn redis_cli_round_trip() {
     if Command::new("redis-cli").arg("--version").output().is_err() {
-        eprintln!("SKIP: redis-cli is not installed (scripts/install-test-deps.sh installs redis-tools as root)");
+        test_support::skip(
+            "kv-store RESP with redis-cli",
+            test_support::Missing::Tool,
+            "redis-cli is not installed (scripts/install-test-deps.sh installs redis-tools as root)",
+        );
         return;
     }
     let s = KvServer::start(ServerConfig {

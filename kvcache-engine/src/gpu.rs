@@ -186,7 +186,11 @@ mod tests {
                 assert_eq!(&out, b"kv-block");
             }
             Err(e) => {
-                eprintln!("skipping the device round trip: {e}");
+                test_support::skip(
+                    "kvcache-engine gpu device round trip",
+                    test_support::Missing::Hardware,
+                    &e.to_string(),
+                );
                 assert!(matches!(e, TransferError::Gpu(_)), "{e}");
             }
         }

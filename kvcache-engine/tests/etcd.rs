@@ -17,7 +17,11 @@ fn engine(name: &str, etcd: &str, prefix: &str) -> TransferEngine {
 #[test]
 fn engines_meet_in_etcd_and_stale_descriptors_are_refused() {
     if !etcd_lite::local::installed() {
-        eprintln!("SKIP: etcd is not installed (scripts/install-test-deps.sh installs etcd-server as root)");
+        test_support::skip(
+            "kvcache-engine etcd",
+            test_support::Missing::Tool,
+            "etcd is not installed (scripts/install-test-deps.sh installs etcd-server as root)",
+        );
         return;
     }
     let etcd = etcd_lite::local::LocalEtcd::start("kvc-test").expect("starting etcd");

@@ -12,7 +12,11 @@ fn device_memory_is_a_transfer_source_and_destination() {
     let g = match GpuBuffer::new(0, 4 << 20) {
         Ok(g) => g,
         Err(e) => {
-            eprintln!("SKIP: no GPU here: {e}");
+            test_support::skip(
+                "kvcache-engine gpu",
+                test_support::Missing::Hardware,
+                &format!("no GPU here: {e}"),
+            );
             return;
         }
     };

@@ -204,8 +204,9 @@ impl Scenario {
         }
     }
 
-    /// Generates a random workload from node `s` to node `1-s`; returns the expectations.
-    fn workload(&mut self, s: usize, n: usize) -> Vec<(u64, Expect)> {
+    /// Generates a random workload from node `s` to node `1-s`; returns its record: each WR's
+    /// id, whether it was posted signaled, and what it must do.
+    fn workload(&mut self, s: usize, n: usize) -> Vec<(u64, bool, Expect)> {
         let d = 1 - s;
         let mut out = Vec::new();
         let (mut dst_cur, mut recv_cur, mut rd_cur) = (0usize, 0usize, 0usize);
@@ -348,7 +349,7 @@ impl Scenario {
             }
             let node = &mut self.nodes[s];
             node.qp.post_send(wr, &node.mrs).unwrap();
-            out.push((wr_id, exp));
+            out.push((wr_id, signaled, exp));
         }
         out
     }
@@ -502,9 +503,9 @@ fn check_scenario(seed: u64) -> Result<(), String> {
         let mut it = send_wcs.iter();
         let mut faa_sum = 0u64;
         let mut recv_i = 0;
-        for (wr_id, e) in exp.iter() {
-            let expected_signaled = sc_signaled(&wcs[s], *wr_id);
-            if expected_signaled {
+        for (wr_id, signaled, e) in exp.iter() {
+            // the workload's own record says which WRs were signaled: a lost completion fails
+            if *signaled {
                 let w = it
                     .next()
                     .ok_or_else(|| format!("{ctx}: missing completion for {wr_id:#x} ({e:?})"))?;
@@ -569,7 +570,7 @@ fn check_scenario(seed: u64) -> Result<(), String> {
                 "{ctx}: FETCH_ADD total {fa}, expected {faa_sum} (an atomic ran twice or never)"
             ));
         }
-        let cas_n = exp.iter().filter(|(_, e)| matches!(e, Expect::Cas)).count() as u64;
+        let cas_n = exp.iter().filter(|(_, _, e)| matches!(e, Expect::Cas)).count() as u64;
         let cv = sc.nodes[d].mr["atomic"].0.load_u64(8).unwrap();
         if cv != cas_n {
             return Err(format!("{ctx}: CAS chain reached {cv}, expected {cas_n}"));
@@ -591,10 +592,6 @@ fn check_scenario(seed: u64) -> Result<(), String> {
         }
     }
     Ok(())
-}
-
-fn sc_signaled(wcs: &[Wc], wr_id: u64) -> bool {
-    wcs.iter().any(|w| w.wr_id == wr_id)
 }
 
 fn seeds() -> Vec<u64> {
@@ -649,8 +646,17 @@ fn vanished_peer_ends_in_retry_exc_err_within_bound() {
                 wcs.push(c);
             }
         });
-        if exp.is_empty() || first_err.is_none() {
-            // everything finished before the peer vanished (a QP with work left would time out)
+        if first_err.is_none() {
+            // no error: then everything must have finished before the peer vanished. A QP left
+            // holding work with no error (hung, never giving up) fails here: every signaled WR
+            // of the record completed successfully, in order, and the send queue is empty.
+            let want: Vec<u64> = exp.iter().filter(|(_, sig, _)| *sig).map(|(id, _, _)| *id).collect();
+            let got: Vec<u64> = wcs.iter().map(|w| w.wr_id).collect();
+            assert_eq!(got, want, "seed {seed}: completions without an error");
+            assert!(
+                sc.nodes[0].qp.send_queue_idle(),
+                "seed {seed}: work left and no error: hung"
+            );
             assert_eq!(sc.nodes[0].qp.state(), QpState::Rts, "seed {seed}");
             continue;
         }

@@ -75,7 +75,11 @@ pub fn free_port() -> u16 {
 /// when etcd is not installed.
 pub fn local_etcd(tag: &str) -> Option<(etcd_lite::local::LocalEtcd, String)> {
     if !etcd_lite::local::installed() {
-        eprintln!("skipping: etcd is not installed (scripts/install-test-deps.sh installs etcd-server)");
+        test_support::skip(
+            &format!("block service with etcd ({tag})"),
+            test_support::Missing::Tool,
+            "etcd is not installed (scripts/install-test-deps.sh installs etcd-server)",
+        );
         return None;
     }
     let etcd = etcd_lite::local::LocalEtcd::start(tag).unwrap();

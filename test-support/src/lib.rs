@@ -1,0 +1,60 @@
+//! What the workspace's tests share.
+//!
+//! A test that cannot run here calls [`skip`] and returns. libtest captures the output of
+//! passing tests, so a skip would read as a pass; [`skip`] therefore also appends a line to
+//! the file `FLEXNS_SKIP_LOG` names (the project's test command sets it and lists every skip
+//! when it ends). Under CI (`FLEXNS_CI=1`, set by `.ci/run`) a skip for something CI provides
+//! (a tool the install script installs, root) fails the test instead.
+
+use std::io::Write;
+
+/// Why a test cannot run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Missing {
+    /// A tool or package `scripts/install-test-deps.sh` installs (CI has it).
+    Tool,
+    /// Root (CI runs as root).
+    Root,
+    /// Something CI does not provide either (a GPU, a loop device, /dev/fuse).
+    Hardware,
+}
+
+/// Reports that `test` skips because `why`; panics under CI when CI provides what is missing.
+pub fn skip(test: &str, missing: Missing, why: &str) {
+    let line = format!("{test}: {why}");
+    eprintln!("SKIPPED {line}");
+    if let Some(p) = std::env::var_os("FLEXNS_SKIP_LOG") {
+        // one short O_APPEND write per line: lines of concurrent tests do not interleave
+        if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(p) {
+            let _ = f.write_all(format!("{line}\n").as_bytes());
+        }
+    }
+    let ci = std::env::var_os("FLEXNS_CI").is_some_and(|v| v == "1");
+    if ci && missing != Missing::Hardware {
+        panic!("CI provides what this test needs, yet it would skip: {line}");
+    }
+}
+
+/// Whether this process runs as root.
+pub fn is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines().find_map(|l| {
+                l.strip_prefix("Uid:")
+                    .and_then(|r| r.split_whitespace().nth(1))
+                    .map(|u| u == "0")
+            })
+        })
+        .unwrap_or(false)
+}
+
+/// Whether `tool` runs (`tool ARG` can be started).
+pub fn have(tool: &str, arg: &str) -> bool {
+    std::process::Command::new(tool)
+        .arg(arg)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok()
+}
