@@ -86,7 +86,8 @@ pub struct AgentArgs {
     /// Controller to register with (host:port).
     #[arg(long)]
     pub control: Option<String>,
-    /// `solar` (UDP, sprayed over --paths paths) or `tcp` (the same packets over kernel TCP).
+    /// `solar` (UDP, sprayed over --paths paths) or `tcp` (the plain block protocol over one
+    /// kernel TCP connection per storage node: the reference, no Solar layer).
     #[arg(long, default_value = "solar")]
     pub transport: String,
     /// Solar paths (UDP source ports) per storage node.

@@ -1,4 +1,4 @@
-//! Benchmark plumbing per `BENCH.md`: result lines, sizes with suffixes, latency histograms,
+//! Benchmark plumbing per `docs/BENCHMARKS.md`: result lines, sizes with suffixes, latency histograms,
 //! CPU and memory accounting, child servers, interleaved side-by-side comparison.
 
 use anyhow::{bail, Context as _, Result};

@@ -8,4 +8,5 @@ pub mod kvbench;
 pub mod perf;
 pub mod plot;
 pub mod procs;
+pub mod suite;
 pub mod ycsb;

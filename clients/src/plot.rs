@@ -134,3 +134,44 @@ fn draw_panel(p: &Panel, area: &DrawingArea<BitMapBackend<'_>, plotters::coord::
     }
     Ok(())
 }
+
+/// Draws horizontal bars (`label`, value) into a PNG at `path`, with a vertical line at
+/// `mark` (1.0 for ratios: a bar past it is better than the reference).
+pub fn bars(path: &Path, title: &str, x_label: &str, rows: &[(String, f64)], mark: f64) -> anyhow::Result<()> {
+    register_font()?;
+    let h = 80 + 28 * rows.len().max(1) as u32;
+    let root = BitMapBackend::new(path, (900, h)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let finite = rows.iter().map(|r| r.1).filter(|v| v.is_finite());
+    let x1 = finite.fold(mark, f64::max) * 1.15;
+    let n = rows.len().max(1);
+    let mut c = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 18))
+        .margin(10)
+        .x_label_area_size(30)
+        .y_label_area_size(330)
+        .build_cartesian_2d(0.0..x1, (0..n).into_segmented())?;
+    c.configure_mesh()
+        .x_desc(x_label)
+        .y_labels(n)
+        .y_label_formatter(&|v| match v {
+            SegmentValue::CenterOf(i) => rows.get(*i).map(|r| r.0.clone()).unwrap_or_default(),
+            _ => String::new(),
+        })
+        .label_style(("sans-serif", 12))
+        .disable_y_mesh()
+        .draw()?;
+    c.draw_series(rows.iter().enumerate().filter(|(_, r)| r.1.is_finite()).map(|(i, r)| {
+        let color = if r.1 >= mark { COLORS[2] } else { COLORS[3] };
+        Rectangle::new(
+            [(0.0, SegmentValue::Exact(i)), (r.1, SegmentValue::Exact(i + 1))],
+            color.mix(0.8).filled(),
+        )
+    }))?;
+    c.draw_series(std::iter::once(PathElement::new(
+        vec![(mark, SegmentValue::Exact(0)), (mark, SegmentValue::Exact(n))],
+        BLACK.stroke_width(2),
+    )))?;
+    root.present().with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}

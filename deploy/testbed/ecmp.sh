@@ -26,8 +26,9 @@
 #   ecmp.sh kvcache [--rate R] [--paths N] [--duration D] [--pairs P] [--size 16MiB] [--prefix P]
 #       4. KV-cache transfers: decode engines (kvcache-bench serve, flexns and tcp) in B, the
 #          prefill engine in A; kvcache-bench writes --size transfers sprayed over --paths paths,
-#          against one path and against kernel TCP with one connection (one 5-tuple: ECMP puts
-#          it on one link), interleaved. Prints kvcache-bench's JSON lines (results and ratios).
+#          against one path and against the tcp transport with its default lanes (4 connections:
+#          ECMP hashes each 5-tuple, so they usually cover both links), interleaved. Prints
+#          kvcache-bench's JSON lines (results and ratios).
 #          KVCACHE_BENCH=path uses that binary; otherwise it is built (release).
 #   ecmp.sh up [...] / ecmp.sh down [--prefix P]
 #       only build / only remove the topology.
@@ -142,7 +143,7 @@ if [ "$cmd" = kvcache ]; then
   kvc_server kvf flexns 7481
   kvc_server kvt tcp 7482
   if ! run ip netns exec "${P}_a" "$KVCACHE_BENCH" --server 10.88.2.2:7481 --bind 10.88.1.2 \
-    --paths "$PATHS" --compare-paths 1 --compare tcp --compare-server 10.88.2.2:7482 --tcp-lanes 1 \
+    --paths "$PATHS" --compare-paths 1 --compare tcp --compare-server 10.88.2.2:7482 \
     --stack-config "$work/kvc.toml" --size "$SIZE" --duration "$DURATION" --pairs "$PAIRS" --json \
     2>"$work/kvc.err"; then
     echo "the kvcache experiment failed:" >&2; grep -v "^ \\|^Stack backtrace" "$work/kvc.err" | tail -5 >&2; exit 1

@@ -27,6 +27,9 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// The headline comparisons (datapath, offloads, KV-cache, block, YCSB) against their
+    /// strongest references, interleaved, into a folder: JSON lines, a Markdown table, charts.
+    Bench(clients::suite::SuiteArgs),
     /// The benchmark server the demo starts as its second node.
     #[command(hide = true)]
     PerfServer(server::ServerArgs),
@@ -55,6 +58,10 @@ fn run() -> anyhow::Result<()> {
         Cmd::KvServer(a) => kv_store::cli::run(a),
         Cmd::KvcacheServe(a) => Ok(kvcache_engine::daemon::run(&a)?),
         Cmd::BlkDaemon { cmd } => clients::blk::run_daemon(cmd),
+        Cmd::Bench(a) => {
+            clients::procs::install_stop_handler("flexns bench");
+            clients::suite::run(&a)
+        }
         Cmd::Demo { duration, json } => {
             clients::procs::install_stop_handler("flexns demo");
             demo(duration, json)?;

@@ -1,5 +1,5 @@
 //! The `nsperf client`: runs one operation for a bounded time over one or more QPs, verifies the
-//! data it moved, and reports per `BENCH.md`; optionally interleaved with a reference system.
+//! data it moved, and reports per `docs/BENCHMARKS.md`; optionally interleaved with a reference system.
 
 use super::reference::Wait;
 use super::server::parse_recovery;
@@ -361,6 +361,14 @@ pub fn ratio_line(
             .and_then(|v| v.as_f64())
             .unwrap_or(f64::NAN)
     };
+    // per byte: the references count their own units (udp-raw datagrams, not 64 KiB WRITEs)
+    let per_byte = |r: &BenchResult| {
+        1.0 / r
+            .extra
+            .get("bytes_per_cpu_sec")
+            .and_then(|v| v.as_f64())
+            .unwrap_or(f64::NAN)
+    };
     // whole pairs only: an interrupted run has no partner
     let pairs: Vec<&[BenchResult]> = out
         .chunks(2)
@@ -372,11 +380,12 @@ pub fn ratio_line(
     let r3 = |x: f64| (x * 1000.0).round() / 1000.0;
     let mut ratios: Vec<f64> = pairs.iter().map(|c| r3(val(&c[0]) / val(&c[1]))).collect();
     let mut cpu_ratios: Vec<f64> = pairs.iter().map(|c| r3(cpu(&c[0]) / cpu(&c[1]))).collect();
+    let mut byte_ratios: Vec<f64> = pairs.iter().map(|c| r3(per_byte(&c[0]) / per_byte(&c[1]))).collect();
     let runs = ratios.clone();
     Some(serde_json::json!({
         "bench": "ratio", "metric": metric, "system": system, "reference": reference,
         "pairs": pairs.len(), "ratio": r3(median(&mut ratios)), "ratios": runs,
-        "cpu_us_per_op_ratio": r3(median(&mut cpu_ratios)), "wait": wait.name(),
+        "cpu_us_per_op_ratio": r3(median(&mut cpu_ratios)), "cpu_per_byte_ratio": r3(median(&mut byte_ratios)), "wait": wait.name(),
         "verified": pairs.iter().all(|c| c[0].verified && c[1].verified),
     }))
 }

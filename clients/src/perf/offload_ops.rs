@@ -399,6 +399,13 @@ pub fn run(
     }
     let lat = a.op != Op::BatchRead;
     let mut ratios = Vec::new();
+    let mut cpu_ratios = Vec::new();
+    let cpu = |r: &BenchResult| {
+        r.extra
+            .get("cpu_us_per_op")
+            .and_then(|v| v.as_f64())
+            .unwrap_or(f64::NAN)
+    };
     for _ in 0..pairs {
         if crate::procs::stopping() {
             break;
@@ -415,6 +422,7 @@ pub fn run(
             out.extend([x, y]);
             break;
         }
+        cpu_ratios.push((cpu(&x) / cpu(&y) * 1000.0).round() / 1000.0);
         ratios.push(if lat {
             x.p50_us.unwrap_or(f64::NAN) / y.p50_us.unwrap_or(f64::NAN)
         } else {
@@ -441,8 +449,11 @@ pub fn run(
         Op::BatchRead => format!("flexns read {} B depth {}", a.size, a.depth),
         _ => "flexns read 64 B depth 1".into(),
     };
+    let cpu_ratio = (median(&mut cpu_ratios) * 1000.0).round() / 1000.0;
     let line = serde_json::json!({"bench": "ratio", "metric": metric, "system": out[0].system, "op": a.op,
-        "reference": reference, "msg_bytes": out[0].msg_bytes, "depth": out[0].depth, "pairs": pairs, "ratio": ratio, "ratios": ratios});
+        "reference": reference, "msg_bytes": out[0].msg_bytes, "depth": out[0].depth, "pairs": pairs, "ratio": ratio, "ratios": ratios,
+        "cpu_us_per_op_ratio": cpu_ratio, "wait": a.wait_mode().name(),
+        "verified": out.iter().all(|r| r.verified)});
     if a.json {
         println!("{line}");
     } else {

@@ -1,5 +1,5 @@
 //! `ycsb`: YCSB core workloads against kv-store (each get path) and redis-server, interleaved
-//! in one run (BENCH.md), every get checked against what was written.
+//! in one run (docs/BENCHMARKS.md), every get checked against what was written.
 //!
 //! Method: `--threads` client threads, each a closed loop of batches of `--depth` requests
 //! (pipelined on its connections; a request's latency is its batch's). Writes to one record
@@ -87,7 +87,7 @@ pub struct YcsbArgs {
     /// Skip the load phase (the records are there from an earlier run).
     #[arg(long)]
     pub no_load: bool,
-    /// JSON lines (BENCH.md).
+    /// JSON lines (docs/BENCHMARKS.md).
     #[arg(long)]
     pub json: bool,
 }
@@ -713,11 +713,21 @@ fn ratios(a: &YcsbArgs, configs: &[Config], results: &[(Config, BenchResult)]) {
             }
             let pairs = v.clone();
             let m = median(&mut v);
+            let cpu = |r: &BenchResult| {
+                r.extra
+                    .get("cpu_us_per_op")
+                    .and_then(|v| v.as_f64())
+                    .unwrap_or(f64::NAN)
+            };
+            let mut cpu_ratios: Vec<f64> = x.iter().zip(&y).map(|(p, q)| cpu(p) / cpu(q)).collect();
+            let cpu_ratio = (median(&mut cpu_ratios) * 1000.0).round() / 1000.0;
             lines.push(serde_json::json!({
                 "bench": format!("ycsb-{:?}-ratio", a.workload).to_lowercase(),
                 "what": format!("{what} {} / {}", c.name(), refc.name()),
                 "ratio": (m * 1000.0).round() / 1000.0,
                 "pairs": pairs.iter().map(|r| (r * 1000.0).round() / 1000.0).collect::<Vec<_>>(),
+                "cpu_us_per_op_ratio": cpu_ratio,
+                "verified": x.iter().chain(&y).all(|r| r.verified),
             }));
         }
     }

@@ -1,7 +1,7 @@
 //! DCQCN (Zhu et al., SIGCOMM'15): the receiver (notification point) turns ECN CE marks into at
 //! most one CNP per `cnp_interval`; the sender (reaction point) cuts its rate on a CNP by
 //! alpha/2 and recovers by timer and byte-counter stages (fast recovery, additive, hyper).
-//! Defaults are the paper's (see `shared/research/congestion.md` §1.1).
+//! Defaults are the paper's (Zhu et al., SIGCOMM'15, §5's parameter table).
 
 use super::{CcAlgorithm, CcOutput, Generate, RxKind, RxMeta, StartInfo, Traced, TxMeta, Verdict};
 use std::sync::Arc;

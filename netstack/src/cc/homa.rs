@@ -3,7 +3,7 @@
 //! `Hold` without credit). The receiver ranks the QPs sending to it by the bytes their current
 //! messages have left (SRPT, through the host's [`HomaScheduler`]) and grants the `overcommit`
 //! shortest one RTT of bytes ahead of what arrived, with the rank as priority; the others wait,
-//! re-checking on a timer. Defaults from HomaModule (`shared/research/congestion.md` §1.5).
+//! re-checking on a timer. Defaults from HomaModule's `homa_init()` (github.com/PlatformLab/HomaModule).
 //!
 //! Not modelled: switch priority queues (priorities travel in the GRANT but the simulator's
 //! switches and the testbed's bottleneck are single FIFOs), RESEND/BUSY (the RC transport's own

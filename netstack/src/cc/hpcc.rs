@@ -4,7 +4,7 @@
 //! estimates the utilisation `U` of the most loaded hop and sets the window to keep it at `eta`,
 //! updating its reference window once per base RTT and reacting to every ACK in between
 //! ("fast react"). The pacing rate is `W / T`. Defaults: eta 95 %, 5 additive stages, W_AI from
-//! 50 Mbit/s × T (the HPCC results' setting; `shared/research/congestion.md` §1.3).
+//! 50 Mbit/s × T (the HPCC paper's evaluation setting, Li et al., SIGCOMM'19 §5).
 //!
 //! HPCC needs telemetry: [`NO_INT_ACKS`] ACKs in a row that echo an empty stack mean no switch
 //! on the path stamps INT, and the algorithm reports a fault rather than guess. A single

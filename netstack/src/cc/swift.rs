@@ -4,7 +4,7 @@
 //! the hop count and, for small windows, by flow scaling (`fs_*`), so many small flows share a
 //! queue fairly. Below one packet of window the QP is paced at `cwnd × MTU / RTT`. A
 //! retransmission timeout cuts the window by `max_mdf`; `retx_reset` in a row reset it to the
-//! minimum. Defaults from Google's Falcon simulator (`shared/research/congestion.md` §1.4).
+//! minimum. Defaults from Google's isekai/Falcon simulator (`Swift::DefaultConfiguration()`).
 //!
 //! The delay is the transport's RTT sample, which includes the responder's ACK coalescing (at
 //! most one ACK interval); Swift's NIC timestamps would subtract it.

@@ -4,7 +4,8 @@
 //! positive gradient cuts it by `beta × gradient`. One update per `min_rtt` at most. Defaults
 //! from the HPCC ns-3 setup, except the EWMA weight: the TIMELY authors' reference value 0.02
 //! (ns-3 uses 0.875, which turns the tens of microseconds of scheduling jitter of a software
-//! stack into steep gradients and collapses the rate; see `shared/research/congestion.md` §1.2).
+//! stack into steep gradients and collapses the rate; the HPCC artifact is
+//! github.com/alibaba-edu/High-Precision-Congestion-Control, `rdma-hw.cc`).
 
 use super::{CcAlgorithm, CcOutput, RxKind, RxMeta, StartInfo, Traced};
 use std::sync::Arc;

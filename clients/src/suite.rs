@@ -1,0 +1,403 @@
+//! `flexns bench`: the headline comparisons in one command. Each runs the project's benchmark
+//! program for its area (`nsperf`, `kvcache-bench`, `blkctl bench`, `ycsb`, started from the
+//! same directory as `flexns`) against its strongest reference, interleaved, with at least 3
+//! pairs, and writes into one folder:
+//! - `results.jsonl`: every line every program printed, tagged with its comparison;
+//! - `summary.md`: a table of the ratios (median over pairs, the pairs, CPU per operation of
+//!   all processes, verified) and how to read it;
+//! - `speedup.png` and `cpu.png`: how many times better flexns is than each reference (bars
+//!   past 1 are better), in speed and in CPU per operation.
+//!
+//! Every program already proves its own run (fresh data checked where it landed) and accounts
+//! CPU per process; this command only runs them and collects what they report.
+
+use anyhow::{bail, Context as _, Result};
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// Flags of `flexns bench`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct SuiteArgs {
+    /// Shorter runs (about 2 minutes in all instead of about 5; ratios are noisier).
+    #[arg(long)]
+    pub quick: bool,
+    /// Interleaved pairs per comparison (at least 3).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(3..=20))]
+    pub pairs: u32,
+    /// Folder for results.jsonl, summary.md and the PNG charts.
+    #[arg(long, default_value = "flexns-bench")]
+    pub out: PathBuf,
+    /// Run only the comparisons whose name contains this (e.g. `kvcache`).
+    #[arg(long)]
+    pub only: Option<String>,
+}
+
+/// One comparison: a program and its arguments.
+struct Comparison {
+    name: &'static str,
+    what: &'static str,
+    program: &'static str,
+    args: Vec<String>,
+    /// Judged on p50 latency (small transfers) rather than throughput.
+    latency: bool,
+}
+
+fn words(s: &str) -> Vec<String> {
+    s.split_whitespace().map(str::to_string).collect()
+}
+
+fn comparisons(a: &SuiteArgs) -> Vec<Comparison> {
+    let (d, blk_d, blk_size) = if a.quick {
+        ("0.5", "1", "32MiB")
+    } else {
+        ("2", "3", "64MiB")
+    };
+    let p = a.pairs;
+    let c = |name, what, program, args: String| Comparison {
+        name,
+        what,
+        program,
+        args: words(&args),
+        latency: false,
+    };
+    let mut v = vec![
+        c(
+            "datapath-write-udp",
+            "RDMA WRITE 64 KiB x64 vs a sendmmsg/GRO UDP blaster (the link limit)",
+            "nsperf",
+            format!("client --op write --size 64KiB --depth 64 --compare udp-raw --pairs {p} --duration {d}"),
+        ),
+        c(
+            "datapath-write-tcp",
+            "RDMA WRITE 64 KiB x64 vs kernel TCP (one stream per QP, receiver-checked)",
+            "nsperf",
+            format!("client --op write --size 64KiB --depth 64 --compare tcp --pairs {p} --duration {d}"),
+        ),
+        c(
+            "datapath-send-latency",
+            "SEND 64 B ping-pong vs UDP ping-pong, both spinning",
+            "nsperf",
+            format!("client --op send --size 64 --depth 1 --wait spin --compare udp-raw --pairs {p} --duration {d}"),
+        ),
+        c(
+            "offload-batch-read",
+            "batched-READ offload (32 x 64 B per request) vs 32 READs at the same depth",
+            "nsperf",
+            format!("client --op batch-read --batch 32 --size 64 --depth 32 --pairs {p} --duration {d}"),
+        ),
+        c(
+            "offload-redn-get",
+            "RedN hash get (a chain of work requests answers) vs one 64 B READ",
+            "nsperf",
+            format!("client --op redn-get --pairs {p} --duration {d}"),
+        ),
+        c(
+            "kvcache-16MiB",
+            "KV-cache 16 MiB transfers prefill -> decode vs the pipelined tcp transport",
+            "kvcache-bench",
+            format!("--size 16MiB --compare tcp --pairs {p} --duration {d}"),
+        ),
+        Comparison {
+            latency: true,
+            ..c(
+                "kvcache-4KiB",
+                "KV-cache 4 KiB transfers (latency) vs the pipelined tcp transport",
+                "kvcache-bench",
+                format!("--size 4KiB --compare tcp --pairs {p} --duration {d}"),
+            )
+        },
+        c(
+            "block-randread",
+            "block 4 KiB randread QD32 through fio's NBD engine vs qemu-nbd (writethrough and O_DIRECT+aio) and the plain-TCP agent",
+            "blkctl",
+            format!("bench --system all --rw randread --bs 4k --depth 32 --size {blk_size} --duration {blk_d} --repeat {p}"),
+        ),
+        c(
+            "ycsb-c",
+            "YCSB-C gets (offloaded, one-sided A1) vs redis-server with a pipelined client, 2 threads x depth 8",
+            "ycsb",
+            format!("--workload c --records 100000 --system flexns,redis --get-path offload,a1 --threads 2 --depth 8 --pairs {p} --duration {d}"),
+        ),
+    ];
+    if !a.quick {
+        v.push(c(
+            "block-randwrite",
+            "block 4 KiB randwrite QD32 vs the same references",
+            "blkctl",
+            format!("bench --system all --rw randwrite --bs 4k --depth 32 --size {blk_size} --duration {blk_d} --repeat {p}"),
+        ));
+    }
+    if let Some(o) = &a.only {
+        v.retain(|c| c.name.contains(o.as_str()));
+    }
+    v
+}
+
+/// One row of the summary: flexns against one reference in one comparison.
+struct Row {
+    comparison: String,
+    reference: String,
+    /// `gbps`, `mops`, `p50_us` or `iops`.
+    metric: String,
+    /// flexns / reference, median over pairs.
+    ratio: f64,
+    pairs: Vec<f64>,
+    /// How many times better flexns is (higher-is-better metrics: the ratio; latency: 1 / it).
+    speedup: f64,
+    /// flexns's CPU per operation / the reference's (below 1: flexns is cheaper).
+    cpu_ratio: Option<f64>,
+    verified: bool,
+}
+
+fn f(v: &Value) -> Option<f64> {
+    v.as_f64()
+}
+
+/// The rows of one comparison's output lines.
+fn rows(c: &Comparison, lines: &[Value]) -> Vec<Row> {
+    let name = c.name;
+    let runs_verified = lines
+        .iter()
+        .filter(|l| l.get("verified").is_some() && !l["bench"].as_str().unwrap_or("").contains("ratio"))
+        .all(|l| l["verified"] == true);
+    let mut out = Vec::new();
+    for l in lines {
+        let bench = l["bench"].as_str().unwrap_or("");
+        let pairs = |k: &str| -> Vec<f64> {
+            l[k].as_array()
+                .map(|a| a.iter().filter_map(f).collect())
+                .unwrap_or_default()
+        };
+        let row = if bench == "ratio" {
+            let (metric, ratio) = match (c.latency, f(&l["p50_ratio"])) {
+                (true, Some(r)) => ("p50_us".to_string(), Some(r)),
+                _ => (l["metric"].as_str().unwrap_or("").to_string(), f(&l["ratio"])),
+            };
+            let Some(ratio) = ratio else { continue };
+            // throughput: CPU per byte (the references count their own units of work)
+            let cpu = match metric.as_str() {
+                "gbps" => f(&l["cpu_per_byte_ratio"]).or(f(&l["cpu_us_per_op_ratio"])),
+                _ => f(&l["cpu_us_per_op_ratio"]),
+            };
+            Row {
+                comparison: name.into(),
+                reference: l["reference"].as_str().unwrap_or("").into(),
+                speedup: if metric == "p50_us" { 1.0 / ratio } else { ratio },
+                metric,
+                ratio,
+                // kvcache's per-pair list is of throughput ratios
+                pairs: if c.latency { Vec::new() } else { pairs("ratios") },
+                cpu_ratio: cpu,
+                verified: runs_verified && l.get("verified").is_none_or(|v| v == true),
+            }
+        } else if bench.ends_with("_ratio") && l.get("iops_ratio").is_some() {
+            let Some(ratio) = f(&l["iops_ratio"]) else { continue };
+            Row {
+                comparison: name.into(),
+                reference: l["reference"].as_str().unwrap_or("").into(),
+                metric: "iops".into(),
+                ratio,
+                pairs: pairs("iops_ratios"),
+                speedup: ratio,
+                cpu_ratio: f(&l["server_cpu_per_io_ratio"]),
+                verified: runs_verified,
+            }
+        } else if bench.ends_with("-ratio") && l["what"].as_str().is_some_and(|w| w.starts_with("throughput")) {
+            let Some(ratio) = f(&l["ratio"]) else { continue };
+            let what = l["what"].as_str().unwrap_or("");
+            Row {
+                comparison: format!("{name} {}", what.split_whitespace().nth(1).unwrap_or("")),
+                reference: what.rsplit(" / ").next().unwrap_or("").into(),
+                metric: "mops".into(),
+                ratio,
+                pairs: pairs("pairs"),
+                speedup: ratio,
+                cpu_ratio: f(&l["cpu_us_per_op_ratio"]),
+                verified: runs_verified && l.get("verified").is_none_or(|v| v == true),
+            }
+        } else {
+            continue;
+        };
+        out.push(row);
+    }
+    out
+}
+
+/// The directory of this executable (where the other programs of the build are).
+fn sibling(program: &str) -> Result<PathBuf> {
+    let exe = std::env::current_exe()?;
+    let p = exe.with_file_name(program);
+    if !p.is_file() {
+        bail!(
+            "{} not found beside {}: build every program first (`cargo build --release`)",
+            p.display(),
+            exe.display()
+        );
+    }
+    Ok(p)
+}
+
+fn run_one(c: &Comparison, out: &mut std::fs::File) -> Result<Vec<Value>> {
+    use std::io::Write;
+    let exe = sibling(c.program)?;
+    let o = crate::procs::output(
+        crate::procs::command(&exe)
+            .args(&c.args)
+            .arg("--json")
+            .env("RUST_BACKTRACE", "0"),
+        libc::SIGINT,
+    )
+    .with_context(|| format!("running {}", exe.display()))?;
+    let text = String::from_utf8_lossy(&o.stdout);
+    let mut lines = Vec::new();
+    for l in text.lines() {
+        let Ok(mut v) = serde_json::from_str::<Value>(l) else {
+            continue;
+        };
+        v["comparison"] = c.name.into();
+        writeln!(out, "{v}")?;
+        lines.push(v);
+    }
+    if !o.status.success() && !crate::procs::stopping() {
+        bail!(
+            "{} {}: {}",
+            c.program,
+            c.args.join(" "),
+            String::from_utf8_lossy(&o.stderr).lines().last().unwrap_or("failed")
+        );
+    }
+    Ok(lines)
+}
+
+/// Runs the suite; writes the folder and prints the summary table.
+pub fn run(a: &SuiteArgs) -> Result<()> {
+    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    let jsonl = a.out.join("results.jsonl");
+    let mut out = std::fs::File::create(&jsonl).with_context(|| format!("creating {}", jsonl.display()))?;
+    let list = comparisons(a);
+    if list.is_empty() {
+        bail!("--only {:?} matches no comparison", a.only);
+    }
+    let start = Instant::now();
+    let mut all = Vec::new();
+    let mut failed = Vec::new();
+    for (i, c) in list.iter().enumerate() {
+        if crate::procs::stopping() {
+            break;
+        }
+        eprintln!(
+            "[{}/{}] {} ({:.0} s so far): {}",
+            i + 1,
+            list.len(),
+            c.name,
+            start.elapsed().as_secs_f64(),
+            c.what
+        );
+        match run_one(c, &mut out) {
+            Ok(lines) => all.extend(rows(c, &lines)),
+            Err(e) => {
+                eprintln!("  {e:#}");
+                failed.push(format!("{}: {e:#}", c.name));
+            }
+        }
+    }
+    let md = summary(a, &list, &all, &failed, start.elapsed().as_secs_f64());
+    std::fs::write(a.out.join("summary.md"), &md)?;
+    print!("{md}");
+    let label = |r: &Row| format!("{} / {}", r.comparison, r.reference);
+    let speed: Vec<(String, f64)> = all.iter().map(|r| (label(r), r.speedup)).collect();
+    let cpu: Vec<(String, f64)> = all
+        .iter()
+        .filter_map(|r| Some((label(r), 1.0 / r.cpu_ratio?)))
+        .collect();
+    let charts = [
+        (
+            "speedup.png",
+            "flexns speed against each reference (past 1: better)",
+            "times the reference",
+            speed,
+        ),
+        (
+            "cpu.png",
+            "CPU per operation: reference / flexns (past 1: flexns is cheaper)",
+            "times cheaper",
+            cpu,
+        ),
+    ];
+    for (file, title, x, rows) in charts {
+        if let Err(e) = crate::plot::bars(&a.out.join(file), title, x, &rows, 1.0) {
+            eprintln!("no chart {file}: {e:#}");
+        }
+    }
+    eprintln!(
+        "wrote {} (results.jsonl, summary.md, speedup.png, cpu.png) in {:.0} s",
+        a.out.display(),
+        start.elapsed().as_secs_f64()
+    );
+    if !failed.is_empty() {
+        bail!("{} comparisons failed: {}", failed.len(), failed.join("; "));
+    }
+    crate::procs::finish()
+}
+
+fn summary(a: &SuiteArgs, list: &[Comparison], rows: &[Row], failed: &[String], secs: f64) -> String {
+    use std::fmt::Write;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "# flexns bench{}\n\n{} comparisons, {} interleaved pairs each, {secs:.0} s on this machine ({} cores).\n",
+        if a.quick { " --quick" } else { "" },
+        list.len(),
+        a.pairs,
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    );
+    let _ = writeln!(
+        s,
+        "| comparison | against | metric | flexns / reference (median) | pairs | speed-up | CPU per op (per byte for gbps), flexns / reference | verified |"
+    );
+    let _ = writeln!(s, "|---|---|---|---|---|---|---|---|");
+    for r in rows {
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} | {:.3} | {} | {:.2}x | {} | {} |",
+            r.comparison,
+            r.reference,
+            r.metric,
+            r.ratio,
+            r.pairs.iter().map(|p| format!("{p:.2}")).collect::<Vec<_>>().join(" "),
+            r.speedup,
+            r.cpu_ratio.map_or("-".into(), |c| format!("{c:.2}")),
+            if r.verified { "yes" } else { "NO" }
+        );
+    }
+    let _ = writeln!(s, "\nWhat each comparison runs:\n");
+    for c in list {
+        let _ = writeln!(s, "- `{}`: {} (`{} {}`)", c.name, c.what, c.program, c.args.join(" "));
+    }
+    if !failed.is_empty() {
+        let _ = writeln!(s, "\nFailed:\n");
+        for f in failed {
+            let _ = writeln!(s, "- {f}");
+        }
+    }
+    let _ = writeln!(
+        s,
+        "\nHow to read it: each ratio is flexns's figure over the reference's, both measured in the \
+         same run, alternating (A B A B ...), and the median over the pairs is shown with every \
+         pair's own ratio (their spread is the noise of this machine). For throughput (gbps, mops, \
+         iops) above 1 is better; for latency (p50_us) below 1 is better; the speed-up column turns \
+         both into 'times better'. CPU per op is the CPU time of every process of the run (client \
+         and servers, from /proc) per operation, flexns's over the reference's: below 1 means \
+         flexns does the same work with less CPU, the figure that decides on a shared machine. \
+         verified says every run checked, where the data landed, bytes that run wrote. \
+         results.jsonl holds every line the programs printed (per-run figures, per-process CPU \
+         and memory); docs/BENCHMARKS.md describes the fields."
+    );
+    s
+}
+
+/// The folder's files, for a test or a caller.
+pub fn outputs(dir: &Path) -> [PathBuf; 4] {
+    ["results.jsonl", "summary.md", "speedup.png", "cpu.png"].map(|f| dir.join(f))
+}
