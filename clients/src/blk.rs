@@ -139,8 +139,7 @@ impl Drop for Daemon {
 }
 
 fn signal(pid: u32, sig: libc::c_int) {
-    // SAFETY: sending a signal to a process id; no memory is involved.
-    unsafe { libc::kill(pid as libc::pid_t, sig) };
+    crate::procs::signal(pid, sig);
 }
 
 fn tail(s: &str, n: usize) -> String {
@@ -484,8 +483,7 @@ pub fn cluster_down(state: &ClusterState) {
         }
         signal(*pid, libc::SIGTERM);
         let deadline = Instant::now() + Duration::from_secs(5);
-        // SAFETY: signal 0 only checks that the process exists.
-        while unsafe { libc::kill(*pid as libc::pid_t, 0) } == 0 {
+        while crate::procs::exists(*pid) {
             if Instant::now() > deadline {
                 signal(*pid, libc::SIGKILL);
                 break;

@@ -313,9 +313,7 @@ fn run_request(t: &Target, v: &Variant, l: &PagedKvLayout, blocks: usize, secs: 
     let mut verified = true;
     for (s, d) in from.iter().zip(&to) {
         for ((so, len), (dof, _)) in l.chunks(*s).into_iter().zip(l.chunks(*d)) {
-            verified &= t
-                .check
-                .with_slice(dof as usize, len as usize, |x| x == &pat[so as usize..][..len as usize]);
+            verified &= t.check.equals(dof as usize, &pat[so as usize..][..len as usize]);
         }
     }
     let run = Run {
@@ -374,7 +372,7 @@ fn run_once(t: &Target, v: &Variant, size: u64, secs: f64, seed: u64) -> Result<
         t.engine
             .transfer_sync_read(t.seg, t.check.addr(), t.remote_addr + s * size, size)
             .with_context(|| format!("{} verifying read", v.label))?;
-        verified &= t.check.with_slice(0, size as usize, |d| d == pat.as_slice());
+        verified &= t.check.equals(0, &pat[..size as usize]);
     }
     let run = Run {
         bytes: ops * size,

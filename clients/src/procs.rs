@@ -39,8 +39,7 @@ static LIVE: Mutex<BTreeSet<u32>> = Mutex::new(BTreeSet::new());
 pub fn command(program: impl AsRef<OsStr>) -> Command {
     let mut c = Command::new(program);
     c.process_group(0);
-    // SAFETY: getpid has no preconditions.
-    let parent = unsafe { libc::getpid() };
+    let parent = std::process::id() as libc::pid_t;
     // SAFETY: between fork and exec the closure calls only prctl, getppid and _exit, which are
     // async-signal-safe, and touches no memory of the parent.
     unsafe {
@@ -197,15 +196,14 @@ pub fn terminate(child: Child, grace: Duration) -> Option<Usage> {
     let pid = child.id();
     // a std Child does nothing on drop; we reap it ourselves below
     drop(child);
-    // SAFETY: signalling our own (unreaped, so still ours) child.
-    unsafe { libc::kill(pid as libc::pid_t, libc::SIGTERM) };
+    // our own child, unreaped, so the pid is still its
+    signal(pid, libc::SIGTERM);
     let deadline = Instant::now() + grace;
     loop {
         match wait4(pid, libc::WNOHANG) {
             Some((_, u)) => return Some(u),
             None if Instant::now() >= deadline => {
-                // SAFETY: as above.
-                unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+                signal(pid, libc::SIGKILL);
                 return wait4(pid, 0).map(|(_, u)| u);
             }
             None => std::thread::sleep(Duration::from_millis(5)),
@@ -254,8 +252,7 @@ pub fn output(cmd: &mut Command, on_stop: libc::c_int) -> std::io::Result<Output
                 signalled = Some(Instant::now());
             }
             Some(t) if t.elapsed() > STOP_GRACE / 2 => {
-                // SAFETY: as above.
-                unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+                signal(pid, libc::SIGKILL);
             }
             _ => {}
         }
@@ -266,6 +263,23 @@ pub fn output(cmd: &mut Command, on_stop: libc::c_int) -> std::io::Result<Output
         stdout: out.join().unwrap_or_default(),
         stderr: err.join().unwrap_or_default(),
     })
+}
+
+/// Sends signal `sig` (a `libc::SIG*` number) to process `pid`; false when it is gone (or the
+/// number is no signal).
+pub fn signal(pid: u32, sig: libc::c_int) -> bool {
+    let (Some(p), Some(s)) = (
+        rustix::process::Pid::from_raw(pid as i32),
+        rustix::process::Signal::from_named_raw(sig),
+    ) else {
+        return false;
+    };
+    rustix::process::kill_process(p, s).is_ok()
+}
+
+/// Whether a process with id `pid` exists (signal 0: the kernel checks, sends nothing).
+pub fn exists(pid: u32) -> bool {
+    rustix::process::Pid::from_raw(pid as i32).is_some_and(|p| rustix::process::test_kill_process(p).is_ok())
 }
 
 #[cfg(test)]

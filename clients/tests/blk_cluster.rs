@@ -183,8 +183,7 @@ fn kill_dash_nine_of_a_storage_node_loses_no_acknowledged_write() {
 
 #[test]
 fn ext4_on_a_flexns_volume_through_nbdfuse() {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
+    if !test_support::is_root() {
         test_support::skip(
             "ext4 through nbdfuse",
             test_support::Missing::Root,

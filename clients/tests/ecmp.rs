@@ -13,8 +13,7 @@ static TESTBED: std::sync::Mutex<()> = std::sync::Mutex::new(());
 /// Runs `ecmp.sh ARGS --prefix TAG<pid>` with `env` set, one testbed at a time; returns its
 /// output and JSON lines, or None (skipped, with a message) when not root.
 fn ecmp(args: &[&str], tag: &str, env: (&str, &str)) -> Option<(String, Vec<serde_json::Value>)> {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
+    if !test_support::is_root() {
         test_support::skip(
             &format!("ECMP testbed {tag}"),
             test_support::Missing::Root,

@@ -26,8 +26,7 @@ fn run(cc: &str) -> Vec<serde_json::Value> {
 
 #[test]
 fn dumbbell_with_and_without_congestion_control() {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
+    if !test_support::is_root() {
         test_support::skip(
             "congestion testbed",
             test_support::Missing::Root,

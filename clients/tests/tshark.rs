@@ -37,8 +37,7 @@ fn parse_num(s: &str) -> u64 {
 
 #[test]
 fn tshark_decodes_our_packets_as_infiniband() {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 && skip("not root (capturing on lo needs root)") {
+    if !test_support::is_root() && skip("not root (capturing on lo needs root)") {
         return;
     }
     if !have("tshark", "--version") && skip("tshark is not installed (.ci/run installs it)") {
@@ -136,8 +135,7 @@ fn tshark_decodes_our_packets_as_infiniband() {
         assert_eq!(wc.status, WcStatus::Success);
     }
     std::thread::sleep(Duration::from_millis(500));
-    // SAFETY: signalling our own child.
-    unsafe { libc::kill(ts.id() as i32, libc::SIGINT) };
+    test_support::signal(ts.id(), libc::SIGINT);
     ts.wait().unwrap();
 
     let out = Command::new("tshark")

@@ -654,7 +654,7 @@ impl TransferEngine {
             Opcode::Read => ((db, doff), (sb, so)),
         };
         let n = r.length as usize;
-        from.0.region.with_slice(from.1, n, |d| to.0.region.write(to.1, d));
+        from.0.region.copy_to(from.1, n, &to.0.region, to.1);
         let slices = r.length.div_ceil(self.inner.cfg.slice_bytes() as u64);
         let per = self.inner.cfg.slice_bytes() as u64;
         for k in 0..slices {

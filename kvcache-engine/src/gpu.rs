@@ -147,13 +147,17 @@ impl Device {
             let mut mem = self.mem.lock();
             if to_device {
                 let mut dst = mem.slice_mut(off..off + len);
-                mirror
-                    .with_slice(off, len, |src| self.stream.memcpy_htod(src, &mut dst))
-                    .map_err(e)?;
+                // The mirror is shared memory peers may write: copy it out (byte-wise atomic)
+                // before handing bytes to the driver, which takes a `&[u8]`.
+                let host = mirror.to_vec(off, len);
+                self.stream.memcpy_htod(&host, &mut dst).map_err(e)?;
             } else {
                 let src = mem.slice(off..off + len);
-                crate::memory::with_region_bytes_mut(mirror, off, len, |host| self.stream.memcpy_dtoh(&src, host))
-                    .map_err(e)?;
+                // The driver writes a private `&mut [u8]`; the bytes then enter the shared
+                // mirror through its atomic copy.
+                let mut host = vec![0u8; len];
+                self.stream.memcpy_dtoh(&src, &mut host).map_err(e)?;
+                mirror.write(off, &host);
             }
             self.stream.synchronize().map_err(e)
         }

@@ -85,24 +85,6 @@ impl Memory {
     }
 }
 
-/// Runs `f` on `len` bytes of a registered region at `off`, writable, for placing received
-/// data directly (the tcp transport's receive path, like a NIC placing a WRITE; a GPU mirror
-/// filled from the device).
-///
-/// The one `unsafe` of this crate's data path: the region is memory the application exposed
-/// for remote writes, which it must not hold Rust references into while peers may write (the
-/// same contract as any RDMA-registered buffer, see `netstack::mem::Region`). The range is
-/// bounds-checked, and the slice lives only for the call.
-pub(crate) fn with_region_bytes_mut<R>(region: &Region, off: usize, len: usize, f: impl FnOnce(&mut [u8]) -> R) -> R {
-    assert!(
-        off.checked_add(len).is_some_and(|e| e <= region.len()),
-        "range checked by the caller"
-    );
-    // SAFETY: in bounds (checked above); `Region` memory is valid while `region` is borrowed,
-    // which outlives the call; aliasing follows the registered-memory contract above.
-    f(unsafe { std::slice::from_raw_parts_mut(region.mut_ptr_at(off, len), len) })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,17 +1,99 @@
 //! Registered memory: regions and the key table that checks every access.
 //!
-//! # Safety model (the stack's one `unsafe` module besides the socket syscalls in `link::sys`)
+//! # Memory model (one of the stack's documented `unsafe` modules; the others are `pipe` and
+//! `link::sys`)
 //!
-//! A [`Region`] is a span of bytes that remote peers may read and write at any time, exactly as a
-//! NIC would by DMA. All access from safe code goes through the copy and atomic methods here,
-//! each bounds-checked; application threads that want a plain slice must use the `unsafe`
-//! accessors and take on the same obligation they have with RDMA memory (do not read what a peer
-//! may be writing). Atomics use `AtomicU64` on 8-byte-aligned words, so remote CMP_AND_SWP and
-//! FETCH_AND_ADD are atomic against each other and against local atomics on the same word.
-
+//! A [`Region`] is a span of bytes that remote peers, engine threads and the application may
+//! read and write at any moment, exactly as a NIC does by DMA. Rust calls a data race on
+//! non-atomic memory undefined behaviour, so region memory is never behind a `&[u8]` or
+//! `&mut [u8]`, and no byte of it is accessed non-atomically:
+//! - copies in and out ([`Region::read`], [`Region::write`], [`Region::copy_to`],
+//!   [`Region::chunks`]) are byte-wise atomic memcpys (C++ P1478, through the `atomic-memcpy`
+//!   crate: Acquire loads, Release stores, word-sized atomics where aligned). A copy that
+//!   races with a writer returns, for each byte, an old or a new value (a torn copy, which the
+//!   readers that need consistency detect: versions, CRCs), never undefined behaviour;
+//! - word operations ([`Region::compare_swap`], [`Region::fetch_add`], [`Region::load_u64`],
+//!   [`Region::store_u64`], [`Region::write_words`], [`Region::read_words`]) are `AtomicU64`;
+//! - the kernel reads and writes region memory by raw pointer ([`Region::ptr_at`] for
+//!   scatter-gather sends, [`Region::recv_exact`] and [`Region::send_all`] for stream sockets);
+//!   no Rust reference to the memory is formed.
+//!
+//! A word accessed with 8-byte atomics by one thread and through a copy whose range starts or
+//! ends inside that word (byte atomics at the edge) by another is a mixed-size race, which the
+//! model leaves unspecified; the stack's own users race only on 8-byte-aligned ranges.
 use parking_lot::RwLock;
+use std::os::fd::{AsRawFd, BorrowedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+
+/// Bytes of the private buffer [`Region::chunks`] copies through.
+pub const CHUNK: usize = 4096;
+
+/// Copies `n` bytes from shared memory at `src` into private memory at `dst` with the
+/// `atomic-memcpy` crate's byte-wise atomic load (Acquire), in blocks of 256, 8 and 1 bytes.
+///
+/// # Safety
+/// `src..src+n` must be initialized, valid for reads for the whole copy and accessed by others
+/// only atomically or by the kernel; `dst..dst+n` must be valid for writes, not shared, and not
+/// overlap the source.
+unsafe fn load_bytes(src: *const u8, dst: *mut u8, n: usize) {
+    /// Copies `K`-byte blocks while at least `K` bytes remain.
+    ///
+    /// # Safety
+    /// As for `load_bytes`.
+    unsafe fn blocks<const K: usize>(src: *const u8, dst: *mut u8, n: usize, i: &mut usize) {
+        while n - *i >= K {
+            // SAFETY: `src+i..src+i+K` is inside the caller's valid, initialized range and
+            // `[u8; K]` needs no alignment; every byte of region memory is initialized (regions
+            // are zero-allocated or caller memory the caller initialized), so `assume_init`
+            // holds; `dst+i..dst+i+K` is inside the caller's private destination.
+            unsafe {
+                let v = atomic_memcpy::atomic_load(src.add(*i) as *const [u8; K], Ordering::Acquire);
+                std::ptr::write_unaligned(dst.add(*i) as *mut [u8; K], v.assume_init());
+            }
+            *i += K;
+        }
+    }
+    let mut i = 0;
+    // SAFETY: the caller's contract, passed on.
+    unsafe {
+        blocks::<256>(src, dst, n, &mut i);
+        blocks::<8>(src, dst, n, &mut i);
+        blocks::<1>(src, dst, n, &mut i);
+    }
+}
+
+/// Copies `n` bytes from private memory at `src` into shared memory at `dst` with the
+/// `atomic-memcpy` crate's byte-wise atomic store (Release), in blocks of 256, 8 and 1 bytes.
+///
+/// # Safety
+/// `dst..dst+n` must be valid for writes for the whole copy and accessed by others only
+/// atomically or by the kernel; `src..src+n` must be valid for reads, not shared, and not
+/// overlap the destination.
+unsafe fn store_bytes(src: *const u8, dst: *mut u8, n: usize) {
+    /// Copies `K`-byte blocks while at least `K` bytes remain.
+    ///
+    /// # Safety
+    /// As for `store_bytes`.
+    unsafe fn blocks<const K: usize>(src: *const u8, dst: *mut u8, n: usize, i: &mut usize) {
+        while n - *i >= K {
+            // SAFETY: both ranges are inside the caller's valid ranges; `[u8; K]` needs no
+            // alignment.
+            unsafe {
+                let v = std::ptr::read_unaligned(src.add(*i) as *const [u8; K]);
+                atomic_memcpy::atomic_store(dst.add(*i) as *mut [u8; K], v, Ordering::Release);
+            }
+            *i += K;
+        }
+    }
+    let mut i = 0;
+    // SAFETY: the caller's contract, passed on.
+    unsafe {
+        blocks::<256>(src, dst, n, &mut i);
+        blocks::<8>(src, dst, n, &mut i);
+        blocks::<1>(src, dst, n, &mut i);
+    }
+}
 
 /// Memory access rights of a memory region, with ibverbs' bit values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -36,20 +118,19 @@ impl std::ops::BitOr for Access {
     }
 }
 
-#[repr(C, align(64))]
-#[derive(Clone, Copy)]
-struct Line([u8; 64]);
-
 /// A span of registerable memory.
 pub struct Region {
     ptr: *mut u8,
     len: usize,
-    _owned: Option<Box<[Line]>>,
+    /// The allocation this region owns (None: caller memory, see [`Region::from_raw`]).
+    owned: Option<std::alloc::Layout>,
 }
 
-// SAFETY: a Region is a raw span shared with remote peers; every access through it is either a
-// bounds-checked copy or an atomic, and the owner guarantees the memory outlives the Region.
+// SAFETY: a Region is a raw span shared with remote peers and threads; every access through it
+// is a bounds-checked atomic copy, a word atomic, or the kernel's (the module's model), and the
+// memory outlives the Region (owned, or the `from_raw` caller's promise).
 unsafe impl Send for Region {}
+// SAFETY: as above: shared access is what the model is for.
 unsafe impl Sync for Region {}
 
 impl std::fmt::Debug for Region {
@@ -58,16 +139,30 @@ impl std::fmt::Debug for Region {
     }
 }
 
+impl Drop for Region {
+    fn drop(&mut self) {
+        if let Some(l) = self.owned {
+            // SAFETY: `ptr` came from `alloc_zeroed` with this layout, and no packet or memory
+            // region holds the Region any more (they hold it by `Arc`).
+            unsafe { std::alloc::dealloc(self.ptr, l) }
+        }
+    }
+}
+
 impl Region {
-    /// Allocates `len` zeroed bytes, 64-byte aligned.
+    /// Allocates `len` zeroed bytes, 64-byte aligned (owned by the region, freed on drop).
     pub fn alloc(len: usize) -> Region {
-        let lines = len.div_ceil(64).max(1);
-        let mut b = vec![Line([0; 64]); lines].into_boxed_slice();
-        let ptr = b.as_mut_ptr() as *mut u8;
+        let layout = std::alloc::Layout::from_size_align(len.max(1).div_ceil(64) * 64, 64)
+            .expect("a region's size fits the address space");
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        if ptr.is_null() {
+            std::alloc::handle_alloc_error(layout);
+        }
         Region {
             ptr,
             len,
-            _owned: Some(b),
+            owned: Some(layout),
         }
     }
 
@@ -85,7 +180,7 @@ impl Region {
     /// Region (and of every memory region registered over it), and must not be accessed through
     /// Rust references while remote peers may access it.
     pub unsafe fn from_raw(ptr: *mut u8, len: usize) -> Region {
-        Region { ptr, len, _owned: None }
+        Region { ptr, len, owned: None }
     }
 
     /// The virtual address of the first byte (what a peer puts in a RETH).
@@ -106,27 +201,139 @@ impl Region {
         );
     }
 
-    /// Copies `dst.len()` bytes at `off` into `dst`. Panics when out of bounds (callers check
-    /// remote ranges with [`MrTable::check`] first).
+    /// Copies `dst.len()` bytes at `off` into `dst` (byte-wise atomic: a copy racing with a
+    /// writer may be torn, never undefined). Panics when out of bounds (callers check remote
+    /// ranges with [`MrTable::check`] first).
     pub fn read(&self, off: usize, dst: &mut [u8]) {
         self.check(off, dst.len());
-        // SAFETY: bounds checked above; src and dst cannot overlap (dst is a &mut we own).
-        unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(off), dst.as_mut_ptr(), dst.len()) }
+        // SAFETY: in bounds (checked), the region outlives `&self`, `dst` is private memory we
+        // hold exclusively (region memory is never behind a Rust reference, so it cannot be
+        // `dst`), and every other access to the region is atomic or the kernel's.
+        unsafe { load_bytes(self.ptr.add(off), dst.as_mut_ptr(), dst.len()) }
     }
 
-    /// Copies `src` into the region at `off`.
+    /// The `n` bytes at `off`, copied out (see [`Region::read`]).
+    pub fn to_vec(&self, off: usize, n: usize) -> Vec<u8> {
+        let mut v = vec![0u8; n];
+        self.read(off, &mut v);
+        v
+    }
+
+    /// Appends the `n` bytes at `off` to `out` (see [`Region::read`]).
+    pub fn append_to(&self, off: usize, n: usize, out: &mut Vec<u8>) {
+        let at = out.len();
+        out.resize(at + n, 0);
+        self.read(off, &mut out[at..]);
+    }
+
+    /// Copies `src` into the region at `off` (byte-wise atomic).
     pub fn write(&self, off: usize, src: &[u8]) {
         self.check(off, src.len());
-        // SAFETY: bounds checked above; `src` is a shared borrow, so it is not this region's
-        // memory being written through a &mut elsewhere.
-        unsafe { std::ptr::copy(src.as_ptr(), self.ptr.add(off), src.len()) }
+        // SAFETY: in bounds (checked); `src` is a Rust slice, so it is not region memory (which
+        // is never behind a reference) and cannot overlap the destination.
+        unsafe { store_bytes(src.as_ptr(), self.ptr.add(off), src.len()) }
     }
 
     /// Fills `n` bytes at `off` with `v`.
     pub fn fill(&self, off: usize, n: usize, v: u8) {
+        let b = [v; CHUNK];
+        let mut done = 0;
+        while done < n {
+            let k = (n - done).min(CHUNK);
+            self.write(off + done, &b[..k]);
+            done += k;
+        }
+    }
+
+    /// Copies `n` bytes at `off` to `dst` at `dst_off` (another region, or this one: the copy
+    /// goes through a private buffer, so overlapping ranges are fine).
+    pub fn copy_to(&self, off: usize, n: usize, dst: &Region, dst_off: usize) {
+        dst.check(dst_off, n);
+        self.chunks(off, n, |at, c| dst.write(dst_off + at, c));
+    }
+
+    /// Hands the `n` bytes at `off` to `f` in order, [`CHUNK`] bytes at a time, each chunk
+    /// copied out first (byte-wise atomic) into a private buffer: the way to checksum, compare
+    /// or send region memory without a reference to it. `f` gets each chunk's offset from
+    /// `off` and its bytes.
+    pub fn chunks(&self, off: usize, n: usize, mut f: impl FnMut(usize, &[u8])) {
         self.check(off, n);
-        // SAFETY: bounds checked above.
-        unsafe { std::ptr::write_bytes(self.ptr.add(off), v, n) }
+        let mut buf = [0u8; CHUNK];
+        let mut at = 0;
+        while at < n {
+            let k = (n - at).min(CHUNK);
+            self.read(off + at, &mut buf[..k]);
+            f(at, &buf[..k]);
+            at += k;
+        }
+    }
+
+    /// Whether the `n` bytes at `off` equal `expect` (copied out chunk by chunk).
+    pub fn equals(&self, off: usize, expect: &[u8]) -> bool {
+        let mut same = true;
+        self.chunks(off, expect.len(), |at, c| same &= c == &expect[at..at + c.len()]);
+        same
+    }
+
+    /// Receives exactly `n` bytes from the stream socket `fd` straight into `off..off+n`: the
+    /// kernel writes the memory, no Rust reference to it exists. Fails (with what arrived placed)
+    /// when the stream ends or breaks first.
+    pub fn recv_exact(&self, off: usize, n: usize, fd: BorrowedFd<'_>) -> std::io::Result<()> {
+        self.check(off, n);
+        let mut done = 0;
+        while done < n {
+            // SAFETY: the destination is in bounds (checked) and lives as long as `&self`; the
+            // kernel writes at most `n - done` bytes there; no Rust reference covers it.
+            let r = unsafe {
+                libc::recv(
+                    fd.as_raw_fd(),
+                    self.ptr.add(off + done) as *mut libc::c_void,
+                    n - done,
+                    0,
+                )
+            };
+            match r {
+                0 => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+                r if r > 0 => done += r as usize,
+                _ => {
+                    let e = std::io::Error::last_os_error();
+                    if e.kind() != std::io::ErrorKind::Interrupted {
+                        return Err(e);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends the `n` bytes at `off` on the stream socket `fd` (the kernel reads the memory by
+    /// pointer, as a NIC's DMA does).
+    pub fn send_all(&self, off: usize, n: usize, fd: BorrowedFd<'_>) -> std::io::Result<()> {
+        self.check(off, n);
+        let mut done = 0;
+        while done < n {
+            // SAFETY: the source is in bounds (checked) and lives as long as `&self`; the kernel
+            // only reads it.
+            let r = unsafe {
+                libc::send(
+                    fd.as_raw_fd(),
+                    self.ptr.add(off + done) as *const libc::c_void,
+                    n - done,
+                    libc::MSG_NOSIGNAL,
+                )
+            };
+            match r {
+                r if r > 0 => done += r as usize,
+                0 => return Err(std::io::ErrorKind::WriteZero.into()),
+                _ => {
+                    let e = std::io::Error::last_os_error();
+                    if e.kind() != std::io::ErrorKind::Interrupted {
+                        return Err(e);
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 
     fn word(&self, off: usize) -> Option<&AtomicU64> {
@@ -197,35 +404,20 @@ impl Region {
         Some(())
     }
 
-    /// Runs `f` over bytes `off..off+n` in place (checksumming and sending without a copy).
-    /// Like a NIC's DMA read, the view may observe a concurrent remote write to the same bytes;
-    /// the transport never sends from memory it is placing into.
-    pub fn with_slice<R>(&self, off: usize, n: usize, f: impl FnOnce(&[u8]) -> R) -> R {
-        self.check(off, n);
-        // SAFETY: bounds checked above; the memory lives as long as &self.
-        f(unsafe { std::slice::from_raw_parts(self.ptr.add(off), n) })
-    }
-
-    /// Raw pointer to `off` for scatter-gather I/O; `off..off+n` must be in bounds.
+    /// Raw pointer to `off` for scatter-gather I/O by the kernel (`off..off+n` must be in
+    /// bounds); dereferencing it in Rust would bypass the model above.
     pub fn ptr_at(&self, off: usize, n: usize) -> *const u8 {
         self.check(off, n);
         // SAFETY: bounds checked above.
         unsafe { self.ptr.add(off) }
     }
 
-    /// Mutable raw pointer to `off` for receiving straight into the region.
+    /// Mutable raw pointer to `off` for the kernel or a device to write into (a GPU copy);
+    /// dereferencing it in Rust would bypass the model above.
     pub fn mut_ptr_at(&self, off: usize, n: usize) -> *mut u8 {
         self.check(off, n);
         // SAFETY: bounds checked above.
         unsafe { self.ptr.add(off) }
-    }
-
-    /// The region as a slice.
-    ///
-    /// # Safety
-    /// No peer or engine thread may write the region while the slice lives.
-    pub unsafe fn as_slice(&self) -> &[u8] {
-        std::slice::from_raw_parts(self.ptr, self.len)
     }
 }
 

@@ -161,7 +161,8 @@ pub fn udp_bw(server: SocketAddr, dgram: usize, secs: f64, seed: u64) -> Result<
             .map(|_| {
                 let mut m = OutMsg::new(&dst);
                 for _ in 0..per_msg {
-                    m.push(buf.as_ptr(), buf.len());
+                    // SAFETY: `buf` lives, unchanged, until after `sendmmsg` below returns.
+                    unsafe { m.push(buf.as_ptr(), buf.len()) };
                 }
                 if per_msg > 1 {
                     m.gso = buf.len() as u16;

@@ -16,12 +16,13 @@
 
 use super::{Notifies, Slice};
 use crate::batch::{Batch, Opcode, MAX_NOTIFY_BYTES};
-use crate::memory::{with_region_bytes_mut, Memory};
+use crate::memory::Memory;
 use crate::TransferError;
 use parking_lot::{Condvar, Mutex};
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -176,7 +177,7 @@ fn serve_conn(mut s: TcpStream, sh: Arc<Shared>) -> io::Result<()> {
         match h.op {
             OP_WRITE => match range() {
                 Ok((b, off)) => {
-                    with_region_bytes_mut(&b.region, off, h.len as usize, |d| s.read_exact(d))?;
+                    b.region.recv_exact(off, h.len as usize, s.as_fd())?;
                     reply_ok(&mut s, &h, 0)?;
                 }
                 Err(m) => {
@@ -190,11 +191,11 @@ fn serve_conn(mut s: TcpStream, sh: Arc<Shared>) -> io::Result<()> {
                     let n = h.len as usize;
                     if n <= COALESCE {
                         let mut v = r.encode().to_vec();
-                        b.region.with_slice(off, n, |d| v.extend_from_slice(d));
+                        b.region.append_to(off, n, &mut v);
                         s.write_all(&v)?;
                     } else {
                         s.write_all(&r.encode())?;
-                        b.region.with_slice(off, n, |d| s.write_all(d))?;
+                        b.region.send_all(off, n, s.as_fd())?;
                     }
                 }
                 Err(m) => reply_err(&mut s, &h, &m)?,
@@ -592,11 +593,11 @@ fn send(lane: &Lane, s: &mut TcpStream, w: TcpWork, mem: &Memory) -> Result<(), 
                 s.write_all(&h.encode())
             } else if n <= COALESCE {
                 let mut v = h.encode().to_vec();
-                b.region.with_slice(off, n, |d| v.extend_from_slice(d));
+                b.region.append_to(off, n, &mut v);
                 s.write_all(&v)
             } else {
                 s.write_all(&h.encode())
-                    .and_then(|()| b.region.with_slice(off, n, |d| s.write_all(d)))
+                    .and_then(|()| b.region.send_all(off, n, s.as_fd()))
             };
             r.map_err(SendError::Io)
         }
@@ -666,7 +667,7 @@ fn receive_replies(peer: &TcpPeer, sh: &Shared, lane: &Lane, s: &mut TcpStream) 
             if r.len as usize != n {
                 return Err(bad(format!("READ reply of {} B for {n}", r.len)));
             }
-            with_region_bytes_mut(&region, off, n, |d| s.read_exact(d))?;
+            region.recv_exact(off, n, s.as_fd())?;
             Ok(())
         } else {
             Ok(())

@@ -219,7 +219,9 @@ impl EngineShared {
                 .iter()
                 .map(|o| {
                     let mut m = OutMsg::new(&o.dst);
-                    o.push_spans(&mut m);
+                    // SAFETY: `out` is borrowed, neither moved nor changed, until `msgs` is sent
+                    // below and dropped at the end of this pass.
+                    unsafe { o.push_spans(&mut m) };
                     m
                 })
                 .collect();
@@ -882,7 +884,7 @@ impl DataCore {
         d.clear();
         d.extend_from_slice(pkt.hdr.as_bytes());
         for p in &pkt.payload {
-            p.region.with_slice(p.off, p.len, |b| d.extend_from_slice(b));
+            p.region.append_to(p.off, p.len, &mut d);
         }
         // a hairpin packet is serialized: its payload is copied once
         self.shared.stats.tx_payload_copy_bytes.add(pkt.payload_len() as u64);
@@ -925,7 +927,9 @@ impl DataCore {
             let o = &self.out[i];
             let seg = o.wire_len();
             let mut m = OutMsg::new(&o.dst);
-            o.push_spans(&mut m);
+            // SAFETY: `self.out` is neither changed nor moved until the batch is sent below;
+            // `msgs` is cleared before the next batch is built.
+            unsafe { o.push_spans(&mut m) };
             let mut n = 1;
             if self.gso {
                 let max = sys::MAX_GSO_SEGMENTS.min(sys::MAX_GSO_BYTES / seg);
@@ -935,7 +939,8 @@ impl DataCore {
                     if p.dst != o.dst || p.link != o.link || l > seg || m.room() < p.spans() {
                         break;
                     }
-                    p.push_spans(&mut m);
+                    // SAFETY: as for the first packet of the message, above.
+                    unsafe { p.push_spans(&mut m) };
                     n += 1;
                     if l < seg {
                         break; // only the last segment may be shorter
@@ -1022,7 +1027,7 @@ fn snapshot_read_payload(pkt: &mut TxPacket, stats: &EngineStats) {
     let snap = snapshot_buffer(len);
     let mut at = 0;
     for p in &pkt.payload {
-        p.region.with_slice(p.off, p.len, |b| snap.write(at, b));
+        p.region.copy_to(p.off, p.len, &snap, at);
         at += p.len;
     }
     pkt.payload.clear();
@@ -1079,7 +1084,7 @@ impl Outgoing {
         let mut c = icrc::Icrc::new(src, dst, body);
         c.update(pkt.hdr.as_bytes());
         for p in &pkt.payload {
-            p.region.with_slice(p.off, p.len, |s| c.update(s));
+            p.region.chunks(p.off, p.len, |_, s| c.update(s));
         }
         c.update(&PAD_ZEROS[..pad]);
         let mut trailer = [0u8; 8];
@@ -1099,12 +1104,22 @@ impl Outgoing {
     fn spans(&self) -> usize {
         2 + self.pkt.payload.len()
     }
-    fn push_spans(&self, m: &mut OutMsg) {
-        m.push(self.pkt.hdr.as_bytes().as_ptr(), self.pkt.hdr.len());
-        for p in &self.pkt.payload {
-            m.push(p.region.ptr_at(p.off, p.len), p.len);
+    /// Adds this packet's header, payload spans and trailer to `m`.
+    ///
+    /// # Safety
+    /// `self` must stay alive and unmoved until `m` has been sent (or is never sent): the
+    /// spans point into its header and trailer buffers and into the regions its payload
+    /// `Arc`s keep alive.
+    unsafe fn push_spans(&self, m: &mut OutMsg) {
+        // SAFETY: the header, trailer and payload regions live in `self`, which the caller
+        // keeps alive and in place until `m` is sent; `ptr_at` bounds-checks each payload span.
+        unsafe {
+            m.push(self.pkt.hdr.as_bytes().as_ptr(), self.pkt.hdr.len());
+            for p in &self.pkt.payload {
+                m.push(p.region.ptr_at(p.off, p.len), p.len);
+            }
+            m.push(self.trailer.as_ptr(), self.trailer_len);
         }
-        m.push(self.trailer.as_ptr(), self.trailer_len);
     }
 }
 

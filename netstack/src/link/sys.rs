@@ -96,8 +96,14 @@ impl OutMsg {
             cmsg: [0; 4],
         }
     }
-    /// Appends a span. The caller keeps the bytes alive until [`sendmmsg`] returns.
-    pub fn push(&mut self, p: *const u8, len: usize) -> bool {
+    /// Appends a span of `len` bytes at `p`; false when the message has no room left.
+    ///
+    /// # Safety
+    /// `p..p+len` must stay valid for reads until every [`sendmmsg`] call given this message
+    /// has returned (the kernel reads the span there); a message whose spans are no longer
+    /// valid must not be sent. The memory may be shared (the kernel's reads are not Rust
+    /// accesses).
+    pub unsafe fn push(&mut self, p: *const u8, len: usize) -> bool {
         if self.iovcnt == MAX_IOV {
             return false;
         }

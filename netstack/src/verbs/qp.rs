@@ -554,7 +554,7 @@ impl Qp {
                     .mrs()
                     .check(g.lkey, self.pd, g.addr, g.length as u64, Access(0))
                     .map_err(|e| VerbsError::Invalid(format!("INLINE scatter-gather element: {e}")))?;
-                region.with_slice(off, g.length as usize, |b| data.extend_from_slice(b));
+                region.append_to(off, g.length as usize, &mut data);
             }
             sq::encode_send(self.qpn, wr, Some(&data), slots);
             // out of the region, into the slots

@@ -399,7 +399,7 @@ impl Requester {
                 // copy the payload now, so the caller may reuse its buffer as soon as post returns
                 let mut data = Vec::with_capacity(total as usize);
                 for s in &segs {
-                    s.region.with_slice(s.off, s.len, |b| data.extend_from_slice(b));
+                    s.region.append_to(s.off, s.len, &mut data);
                 }
                 segs = SmallVec::new();
                 segs.push(Seg {
