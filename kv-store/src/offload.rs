@@ -20,16 +20,24 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 
+/// The store's region as handlers reach it: its address and the rkey every DMA names (checked
+/// against the requesting QP's protection domain, as that QP's own READ would be).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Mapped {
+    pub base: u64,
+    pub rkey: u32,
+}
+
 /// DMA reads through an offload call, at region offsets.
 struct DmaMem<'a> {
     call: &'a OffloadCall,
-    base: u64,
+    at: Mapped,
 }
 
 impl ReadMem for DmaMem<'_> {
     fn read(&self, off: u64, buf: &mut [u8]) -> Result<(), KvError> {
         self.call
-            .dma_read(self.base + off, buf)
+            .dma_read(self.at.rkey, self.at.base + off, buf)
             .map_err(|e| KvError::Corrupt(e.to_string()))
     }
 }
@@ -54,11 +62,11 @@ fn reply(mut call: OffloadCall, r: GetReply, payload: &[u8]) -> Result<netstack:
     call.submit_resp()
 }
 
-/// The offloaded get. `base` is the region's address.
-pub fn get_handler(base: u64, g: Geometry) -> impl OffloadHandler {
+/// The offloaded get of the store at `at`.
+pub fn get_handler(at: Mapped, g: Geometry) -> impl OffloadHandler {
     move |call: OffloadCall| async move {
         let key = key_of(&call)?;
-        let found = store::lookup(&DmaMem { call: &call, base }, &g, &key)
+        let found = store::lookup(&DmaMem { call: &call, at }, &g, &key)
             .map_err(|e| OffloadError::Handler(e.to_string()))?
             .0;
         match found {
@@ -87,7 +95,7 @@ pub fn get_handler(base: u64, g: Geometry) -> impl OffloadHandler {
 /// The offloaded multi-get: every key of the request looked up next to the data, the replies
 /// back to back (`GetReply` and value each); a value that no longer fits the client's buffer is
 /// answered `GET_NO_ROOM`.
-pub fn multi_get_handler(base: u64, g: Geometry) -> impl OffloadHandler {
+pub fn multi_get_handler(at: Mapped, g: Geometry) -> impl OffloadHandler {
     move |mut call: OffloadCall| async move {
         let keys: Vec<Vec<u8>> = decode_multi_get(call.request())
             .map_err(OffloadError::BadRequest)?
@@ -97,7 +105,7 @@ pub fn multi_get_handler(base: u64, g: Geometry) -> impl OffloadHandler {
         let cap = call.resp_capacity();
         let mut out = Vec::with_capacity(cap.min(64 * 1024));
         for k in &keys {
-            let found = store::lookup(&DmaMem { call: &call, base }, &g, k)
+            let found = store::lookup(&DmaMem { call: &call, at }, &g, k)
                 .map_err(|e| OffloadError::Handler(e.to_string()))?
                 .0;
             // room for this reply and a header for each key after it
@@ -276,16 +284,16 @@ fn locate<M: ReadMem>(m: &M, g: &Geometry, word: u64) -> Result<Option<(u64, usi
     Err(KvError::Corrupt("bucket chain too long".into()))
 }
 
-/// The hybrid get (A4+A5). `base` is the region's address.
-pub fn hybrid_handler(base: u64, g: Geometry, cache: Arc<HotCache>) -> impl OffloadHandler {
+/// The hybrid get (A4+A5) of the store at `at`.
+pub fn hybrid_handler(at: Mapped, g: Geometry, cache: Arc<HotCache>) -> impl OffloadHandler {
     move |call: OffloadCall| {
         let cache = cache.clone();
         async move {
             let key = key_of(&call)?;
             let word = layout::key_word(&key);
             let now = cache.tick();
-            let mem = DmaMem { call: &call, base };
-            let version_of = |off: u64| call.dma_load_u64(base + off).ok();
+            let mem = DmaMem { call: &call, at };
+            let version_of = |off: u64| call.dma_load_u64(at.rkey, at.base + off).ok();
             if let Some(v) = cache.get(word, &key, now, version_of) {
                 cache.hits.fetch_add(1, Ordering::Relaxed);
                 let r = GetReply {

@@ -9,7 +9,7 @@
 //! A RESP front door (GET/SET/DEL/PING/CONFIG GET/QUIT) on TCP serves redis clients.
 
 use crate::layout;
-use crate::offload::{get_handler, hybrid_handler, multi_get_handler, HotCache, HotStats};
+use crate::offload::{get_handler, hybrid_handler, multi_get_handler, HotCache, HotStats, Mapped};
 use crate::proto::*;
 use crate::store::{self, Geometry, Store, StoreStats};
 use crate::KvError;
@@ -514,15 +514,19 @@ impl KvServer {
         let hot = Arc::new(HotCache::new(cfg.hot_entries, cfg.hot_admit));
         let off = ctx.offload();
         let dma = off.register_dma_region(&mr, false);
+        let at = Mapped {
+            base: mr.addr(),
+            rkey: mr.rkey(),
+        };
         let offloads = vec![
-            off.register_opcode(OFFLOAD_GET, QpFilter::Any, get_handler(mr.addr(), geometry))
+            off.register_opcode(OFFLOAD_GET, QpFilter::Any, get_handler(at, geometry))
                 .map_err(|e| KvError::Config(e.to_string()))?,
-            off.register_opcode(OFFLOAD_MULTI_GET, QpFilter::Any, multi_get_handler(mr.addr(), geometry))
+            off.register_opcode(OFFLOAD_MULTI_GET, QpFilter::Any, multi_get_handler(at, geometry))
                 .map_err(|e| KvError::Config(e.to_string()))?,
             off.register_opcode(
                 OFFLOAD_HYBRID_GET,
                 QpFilter::Any,
-                hybrid_handler(mr.addr(), geometry, hot.clone()),
+                hybrid_handler(at, geometry, hot.clone()),
             )
             .map_err(|e| KvError::Config(e.to_string()))?,
         ];

@@ -59,7 +59,12 @@ fn batched_read_returns_every_range_in_one_response() {
     let _d = server.ctx.offload().register_dma_region(&server.mr, false);
     let base = server.mr.addr();
     let ranges: Vec<(u64, u32)> = (0..32u64).map(|i| (base + i * 200 + 3, 64)).collect();
-    let wc = offload(&client, builtin::BATCH_READ, &builtin::encode_batch_read(&ranges), 4096);
+    let wc = offload(
+        &client,
+        builtin::BATCH_READ,
+        &builtin::encode_batch_read(server.mr.rkey(), &ranges),
+        4096,
+    );
     assert_eq!(wc.status, WcStatus::Success, "{wc:?}");
     assert_eq!(wc.byte_len, 32 * 64);
     let got = resp(&client, 32 * 64);
@@ -82,7 +87,7 @@ fn batched_read_returns_every_range_in_one_response() {
     let wc = offload(
         &client,
         builtin::BATCH_READ,
-        &builtin::encode_batch_read(&[(base, 2000), (base + 5000, 700)]),
+        &builtin::encode_batch_read(server.mr.rkey(), &[(base, 2000), (base + 5000, 700)]),
         8192,
     );
     assert_eq!((wc.status, wc.byte_len), (WcStatus::Success, 2700));
@@ -121,7 +126,7 @@ fn list_walk_finds_misses_and_stops_at_its_hop_bound() {
     let wc = offload(
         &client,
         builtin::LIST_WALK,
-        &builtin::encode_list_walk(1007, head, 16),
+        &builtin::encode_list_walk(1007, head, 16, server.mr.rkey()),
         128,
     );
     assert_eq!((wc.status, wc.byte_len), (WcStatus::Success, 72));
@@ -132,7 +137,7 @@ fn list_walk_finds_misses_and_stops_at_its_hop_bound() {
     let wc = offload(
         &client,
         builtin::LIST_WALK,
-        &builtin::encode_list_walk(5, head, 16),
+        &builtin::encode_list_walk(5, head, 16, server.mr.rkey()),
         128,
     );
     assert_eq!(wc.byte_len, 8);
@@ -140,7 +145,7 @@ fn list_walk_finds_misses_and_stops_at_its_hop_bound() {
     let wc = offload(
         &client,
         builtin::LIST_WALK,
-        &builtin::encode_list_walk(1007, head, 3),
+        &builtin::encode_list_walk(1007, head, 3, server.mr.rkey()),
         128,
     );
     assert_eq!(wc.byte_len, 8);
@@ -149,7 +154,7 @@ fn list_walk_finds_misses_and_stops_at_its_hop_bound() {
     let wc = offload(
         &client,
         builtin::LIST_WALK,
-        &builtin::encode_list_walk(1, 0x10, 16),
+        &builtin::encode_list_walk(1, 0x10, 16, server.mr.rkey()),
         128,
     );
     assert_eq!(wc.status, WcStatus::RemOpErr);
@@ -163,6 +168,7 @@ fn hash_lookup_follows_the_overflow_chain() {
     // 4 buckets of 64 B (3 slots of 16 B + link word at 56), entries at 4096.., overflow at 512
     let m = &server.mr;
     let layout = HashLayout {
+        rkey: m.rkey(),
         table_addr: m.addr(),
         buckets: 4,
         bucket_len: 64,
@@ -347,4 +353,148 @@ fn bad_offload_posts_are_refused_locally() {
         "response buffer over 1 MiB"
     );
     assert_eq!(client.qp.state(), QpState::Rts);
+}
+
+/// A handler that DMA-writes 16 bytes of 0xEE to `addr` with `rkey` (request: rkey u32, addr u64).
+fn dma_writer() -> impl OffloadHandler {
+    |mut call: OffloadCall| async move {
+        let r = call.request();
+        let rkey = u32::from_le_bytes(r[..4].try_into().unwrap());
+        let addr = u64::from_le_bytes(r[4..12].try_into().unwrap());
+        call.alloc_resp(16)?;
+        call.resp_mut().fill(0xEE);
+        let id = call.submit_dma(DmaOp::Write, rkey, addr, 0, 16)?;
+        call.wait_dma(id).await?;
+        call.submit_resp()
+    }
+}
+
+fn write_req(rkey: u32, addr: u64) -> Vec<u8> {
+    let mut v = rkey.to_le_bytes().to_vec();
+    v.extend_from_slice(&addr.to_le_bytes());
+    v
+}
+
+fn snapshot(mr: &Mr) -> Vec<u8> {
+    let mut v = vec![0u8; mr.len()];
+    mr.read(0, &mut v);
+    v
+}
+
+/// Offload DMA is checked as the requesting QP's own READ or WRITE would be: rkey, protection
+/// domain, access flags, bounds and the server's opt-in. Each refusal is a DMA fault that
+/// touches no memory, and the QP keeps serving.
+#[test]
+fn offload_dma_reaches_only_what_the_requesting_qp_may() {
+    let (client, server) = pair(&ContextConfig::default());
+    let off = server.ctx.offload();
+    let _r = off
+        .register_opcode(builtin::BATCH_READ, QpFilter::Any, builtin::batch_read())
+        .unwrap();
+    let _w = off.register_opcode(0x20, QpFilter::Any, dma_writer()).unwrap();
+    let data: Vec<u8> = (0..4096u32).map(|i| (i * 13 % 251) as u8).collect();
+    server.mr.write(0, &data);
+    let _d = off.register_dma_region(&server.mr, true);
+    // memory of another protection domain on the same context, opted in for offloads
+    let pd_b = server.ctx.alloc_pd();
+    let other = pd_b.reg_mr(4096, Access::ALL).unwrap();
+    other.write(0, &[0x5A; 4096]);
+    let _do = off.register_dma_region(&other, true);
+    // a read-only grant (REMOTE_READ only), opted in as writable
+    let ro = server
+        .pd
+        .reg_mr(4096, Access::REMOTE_READ | Access::LOCAL_WRITE)
+        .unwrap();
+    ro.write(0, &[0x33; 4096]);
+    let _dr = off.register_dma_region(&ro, true);
+    // writable by clients, but opted in for offloads read-only
+    let rw = server.pd.reg_mr(4096, Access::ALL).unwrap();
+    let _drw = off.register_dma_region(&rw, false);
+    // same PD and rkey valid, but never opted in
+    let hidden = server.pd.reg_mr(4096, Access::ALL).unwrap();
+    hidden.write(0, &[0x77; 4096]);
+    let before: Vec<Vec<u8>> = [&server.mr, &other, &ro, &rw, &hidden].map(snapshot).to_vec();
+
+    let fault = |wc: Wc, what: &str| {
+        assert_eq!(
+            (wc.status, wc.vendor_err),
+            (WcStatus::RemOpErr, OffloadStatus::DmaFault as u32),
+            "{what}"
+        );
+    };
+    let read = |rkey: u32, addr: u64| {
+        offload(
+            &client,
+            builtin::BATCH_READ,
+            &builtin::encode_batch_read(rkey, &[(addr, 64)]),
+            64,
+        )
+    };
+    // the baseline: the QP's own region, with its rkey
+    let wc = read(server.mr.rkey(), server.mr.addr() + 100);
+    assert_eq!(wc.status, WcStatus::Success);
+    assert_eq!(resp(&client, 64), &data[100..164]);
+    fault(
+        read(other.rkey(), other.addr()),
+        "a region of another protection domain",
+    );
+    fault(
+        read(server.mr.rkey() ^ 0x01, server.mr.addr()),
+        "a wrong rkey (other generation)",
+    );
+    fault(
+        read(other.rkey(), server.mr.addr()),
+        "the right address with another region's rkey",
+    );
+    fault(read(hidden.rkey(), hidden.addr()), "a region not opted in for offloads");
+    fault(
+        read(server.mr.rkey(), server.mr.addr() + (1 << 20) - 32),
+        "a range past the region's end",
+    );
+    let write = |rkey: u32, addr: u64| offload(&client, 0x20, &write_req(rkey, addr), 16);
+    fault(write(ro.rkey(), ro.addr()), "a write into a REMOTE_READ-only region");
+    fault(write(rw.rkey(), rw.addr()), "a write into a region opted in read-only");
+    fault(
+        write(other.rkey(), other.addr()),
+        "a write into another protection domain",
+    );
+    // a QP of the other protection domain cannot reach the first one's memory either
+    let qp_b = server
+        .ctx
+        .create_qp(&pd_b, &server.cq, &server.cq, QpInitAttr::default())
+        .unwrap();
+    let qp_c = client
+        .ctx
+        .create_qp(&client.pd, &client.cq, &client.cq, QpInitAttr::default())
+        .unwrap();
+    qp_c.connect(&qp_b.local_endpoint()).unwrap();
+    qp_b.connect(&qp_c.local_endpoint()).unwrap();
+    let req = builtin::encode_batch_read(server.mr.rkey(), &[(server.mr.addr(), 64)]);
+    qp_c.post_offload(9, builtin::BATCH_READ, &req, client.mr.sge(0, 64))
+        .unwrap();
+    fault(
+        client.cq.next(T).unwrap(),
+        "a QP of another PD naming the first PD's rkey",
+    );
+    // while the same QP reaches its own PD's memory
+    let req = builtin::encode_batch_read(other.rkey(), &[(other.addr(), 64)]);
+    qp_c.post_offload(10, builtin::BATCH_READ, &req, client.mr.sge(0, 64))
+        .unwrap();
+    let wc = client.cq.next(T).unwrap();
+    assert_eq!(wc.status, WcStatus::Success);
+    assert_eq!(resp(&client, 64), vec![0x5A; 64]);
+    // nothing was touched, and the first QP still serves: its permitted write lands
+    let after: Vec<Vec<u8>> = [&server.mr, &other, &ro, &rw, &hidden].map(snapshot).to_vec();
+    assert!(before == after, "a refused DMA changed memory");
+    let wc = write(server.mr.rkey(), server.mr.addr() + 64);
+    assert_eq!(wc.status, WcStatus::Success, "{wc:?}");
+    assert_eq!(&snapshot(&server.mr)[64..80], &[0xEE; 16]);
+    // a deregistered region is gone for offloads too
+    let (k, a) = (hidden.rkey(), hidden.addr());
+    let _dh = off.register_dma_region(&hidden, false);
+    assert_eq!(read(k, a).status, WcStatus::Success);
+    drop(hidden);
+    fault(read(k, a), "a deregistered region");
+    assert_eq!(client.qp.state(), QpState::Rts);
+    assert_eq!(off.stats().dma_ops, 4, "only the permitted DMAs ran");
 }

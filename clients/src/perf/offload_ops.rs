@@ -147,7 +147,7 @@ fn batch_read(a: &ClientArgs, cm_addr: SocketAddr) -> Result<BenchResult> {
         c.qp.post_offload(
             s as u64,
             builtin::BATCH_READ,
-            &builtin::encode_batch_read(&ranges(s, 0)),
+            &builtin::encode_batch_read(c.w.rkey, &ranges(s, 0)),
             c.mr.sge(s * resp, resp),
         )?;
     }
@@ -175,7 +175,7 @@ fn batch_read(a: &ClientArgs, cm_addr: SocketAddr) -> Result<BenchResult> {
             c.qp.post_offload(
                 s as u64,
                 builtin::BATCH_READ,
-                &builtin::encode_batch_read(&ranges(s, round[s])),
+                &builtin::encode_batch_read(c.w.rkey, &ranges(s, round[s])),
                 c.mr.sge(s * resp, resp),
             )?;
         } else {
@@ -217,7 +217,7 @@ fn list_walk(a: &ClientArgs, cm_addr: SocketAddr, mode: WalkMode) -> Result<Benc
         let t = Instant::now();
         match mode {
             WalkMode::Offload => {
-                let req = builtin::encode_list_walk(key, c.w.list_head, LIST_NODES);
+                let req = builtin::encode_list_walk(key, c.w.list_head, LIST_NODES, c.w.kv_rkey);
                 c.qp.post_offload(0, builtin::LIST_WALK, &req, c.mr.sge(0, 8 + VALUE_LEN))?;
                 let wc = wait_wc(&c.cq, limit, a.wait_mode())?;
                 ok(&wc)?;

@@ -28,15 +28,18 @@ fn u64_at(b: &[u8], off: usize) -> Result<u64, OffloadError> {
 }
 
 /// Batched READ request: `count: u32, 0: u32`, then `count` entries of
-/// `{addr: u64, len: u32, 0: u32}`. The response is the `count` ranges back to back.
-pub fn encode_batch_read(ranges: &[(u64, u32)]) -> Vec<u8> {
+/// `{addr: u64, len: u32, rkey: u32}`. The response is the `count` ranges back to back. Each
+/// range is checked as a READ with its rkey from the requesting QP would be.
+///
+/// Encodes a request for `ranges` (host address, length), all reached with `rkey`.
+pub fn encode_batch_read(rkey: u32, ranges: &[(u64, u32)]) -> Vec<u8> {
     let mut v = Vec::with_capacity(8 + 16 * ranges.len());
     v.extend_from_slice(&(ranges.len() as u32).to_le_bytes());
     v.extend_from_slice(&0u32.to_le_bytes());
     for &(a, l) in ranges {
         v.extend_from_slice(&a.to_le_bytes());
         v.extend_from_slice(&l.to_le_bytes());
-        v.extend_from_slice(&0u32.to_le_bytes());
+        v.extend_from_slice(&rkey.to_le_bytes());
     }
     v
 }
@@ -56,14 +59,18 @@ pub fn batch_read() -> impl super::OffloadHandler {
         let mut ranges = Vec::with_capacity(n);
         let mut total = 0usize;
         for i in 0..n {
-            let (a, l) = (u64_at(req, 8 + 16 * i)?, u32_at(req, 16 + 16 * i)? as usize);
-            ranges.push((a, total, l));
+            let (a, l, k) = (
+                u64_at(req, 8 + 16 * i)?,
+                u32_at(req, 16 + 16 * i)? as usize,
+                u32_at(req, 20 + 16 * i)?,
+            );
+            ranges.push((a, k, total, l));
             total += l;
         }
         call.alloc_resp(total)?;
         let mut last = None;
-        for (a, off, l) in ranges {
-            last = Some(call.submit_dma(DmaOp::Read, a, off, l)?);
+        for (a, k, off, l) in ranges {
+            last = Some(call.submit_dma(DmaOp::Read, k, a, off, l)?);
         }
         if let Some(id) = last {
             call.wait_dma(id).await?;
@@ -108,14 +115,15 @@ impl ListLayout {
     }
 }
 
-/// List-walk request: `key: u64, head: u64 (host address), max_hops: u32, 0: u32`.
+/// List-walk request: `key: u64, head: u64 (host address), max_hops: u32, rkey: u32` (the key
+/// every node is read with).
 /// Response: `status: u32 (FOUND, NOT_FOUND, HOP_LIMIT), hops: u32`, then the value if found.
-pub fn encode_list_walk(key: u64, head: u64, max_hops: u32) -> Vec<u8> {
+pub fn encode_list_walk(key: u64, head: u64, max_hops: u32, rkey: u32) -> Vec<u8> {
     let mut v = Vec::with_capacity(24);
     v.extend_from_slice(&key.to_le_bytes());
     v.extend_from_slice(&head.to_le_bytes());
     v.extend_from_slice(&max_hops.to_le_bytes());
-    v.extend_from_slice(&0u32.to_le_bytes());
+    v.extend_from_slice(&rkey.to_le_bytes());
     v
 }
 
@@ -124,7 +132,7 @@ pub fn list_walk(layout: ListLayout) -> impl super::OffloadHandler {
     move |mut call: OffloadCall| async move {
         layout.check()?;
         let req = call.request();
-        let (key, mut node, max_hops) = (u64_at(req, 0)?, u64_at(req, 8)?, u32_at(req, 16)?);
+        let (key, mut node, max_hops, rkey) = (u64_at(req, 0)?, u64_at(req, 8)?, u32_at(req, 16)?, u32_at(req, 20)?);
         let mut buf = vec![0u8; layout.node_len];
         let mut hops = 0u32;
         let status = loop {
@@ -134,7 +142,7 @@ pub fn list_walk(layout: ListLayout) -> impl super::OffloadHandler {
             if hops == max_hops {
                 break HOP_LIMIT;
             }
-            call.dma_read(node, &mut buf)?;
+            call.dma_read(rkey, node, &mut buf)?;
             hops += 1;
             let k = u64::from_le_bytes(buf[layout.key_off..layout.key_off + 8].try_into().unwrap_or_default());
             if k == key {
@@ -158,9 +166,12 @@ pub fn list_walk(layout: ListLayout) -> impl super::OffloadHandler {
 /// `slot_len` bytes with the key (u64, 0 = empty) at `key_off` and an entry word (u64) at
 /// `ptr_off`; the entry's host address is `data_base + (word & ptr_mask)`. The bucket's u64 at
 /// `link_off` is the host address of its overflow bucket (0 = none). An entry holds its value
-/// length (u32) at `len_off` and the value at `value_off`, at most `max_value` bytes.
+/// length (u32) at `len_off` and the value at `value_off`, at most `max_value` bytes. The
+/// table and the entries are read with `rkey` (checked against each requesting QP as its own
+/// READ would be).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HashLayout {
+    pub rkey: u32,
     pub table_addr: u64,
     pub buckets: u64,
     pub bucket_len: usize,
@@ -221,7 +232,7 @@ pub fn hash_lookup(layout: HashLayout) -> impl super::OffloadHandler {
         let mut visited = 0u32;
         let mut found = None;
         while addr != 0 && visited < layout.max_chain && found.is_none() {
-            call.dma_read(addr, &mut b)?;
+            call.dma_read(layout.rkey, addr, &mut b)?;
             visited += 1;
             for s in 0..layout.slots {
                 let o = s * layout.slot_len;
@@ -250,7 +261,7 @@ pub fn hash_lookup(layout: HashLayout) -> impl super::OffloadHandler {
             return call.submit_resp();
         };
         let mut lb = [0u8; 4];
-        call.dma_read(entry + layout.len_off as u64, &mut lb)?;
+        call.dma_read(layout.rkey, entry + layout.len_off as u64, &mut lb)?;
         let len = u32::from_le_bytes(lb) as usize;
         if len > layout.max_value {
             return Err(OffloadError::Handler(format!(
@@ -261,7 +272,7 @@ pub fn hash_lookup(layout: HashLayout) -> impl super::OffloadHandler {
         call.alloc_resp(8 + len)?;
         call.resp_mut()[..4].copy_from_slice(&FOUND.to_le_bytes());
         call.resp_mut()[4..8].copy_from_slice(&visited.to_le_bytes());
-        let id = call.submit_dma(DmaOp::Read, entry + layout.value_off as u64, 8, len)?;
+        let id = call.submit_dma(DmaOp::Read, layout.rkey, entry + layout.value_off as u64, 8, len)?;
         call.wait_dma(id).await?;
         call.submit_resp()
     }

@@ -12,9 +12,10 @@
 //!     let req = call.request().to_vec();
 //!     let a = u64::from_le_bytes(req[0..8].try_into().unwrap());
 //!     let b = u64::from_le_bytes(req[8..16].try_into().unwrap());
+//!     let rkey = u32::from_le_bytes(req[16..20].try_into().unwrap());
 //!     call.alloc_resp(128)?;                                  // alloc_resp
-//!     let x = call.submit_dma(DmaOp::Read, a, 0, 64)?;       // submit_dma
-//!     let y = call.submit_dma(DmaOp::Read, b, 64, 64)?;
+//!     let x = call.submit_dma(DmaOp::Read, rkey, a, 0, 64)?; // submit_dma
+//!     let y = call.submit_dma(DmaOp::Read, rkey, b, 64, 64)?;
 //!     call.wait_dma(x).await?;                                // wait_dma_finish
 //!     call.wait_dma(y).await?;
 //!     call.submit_resp()                                      // submit_resp
@@ -25,9 +26,13 @@
 //! processing; each has a time budget (`offload.budget_us`, or per registration) after which
 //! the responder answers TIMEOUT and the handler's task is dropped at its next await; a panic is
 //! caught and answered PANICKED; every failure reaches the client as a completion with
-//! `RemOpErr` and the [`OffloadStatus`] in `vendor_err`, and the QP stays usable. Handlers touch
-//! host memory only through DMA within registered regions (a bad address is DMA_FAULT, never
-//! an access).
+//! `RemOpErr` and the [`OffloadStatus`] in `vendor_err`, and the QP stays usable.
+//!
+//! Protection: handlers touch host memory only by DMA, and every DMA is checked exactly as a
+//! remote READ (or WRITE) from the requesting QP: it names an rkey, which must be live, of the
+//! QP's protection domain, grant the access and cover the range, and its region must be opted
+//! in with [`OffloadEngine::register_dma_region`]. A failed check is DMA_FAULT, touching no
+//! memory; a handler registered for a [`QpFilter`] runs only for that filter's QPs.
 //!
 //! The software DMA engine executes a call's submitted copies in submission order when the
 //! handler waits for them, on the handler's offload thread.
@@ -36,6 +41,7 @@ pub mod builtin;
 mod dma;
 
 pub use crate::transport::rc::offload::{OffloadJob, OffloadSink, OffloadStatus, MAX_OFFLOAD_RESP};
+use dma::Grant;
 pub use dma::{DmaId, DmaOp, DmaRegionHandle, DmaSpace};
 
 use crate::engine::EngineShared;
@@ -238,14 +244,14 @@ impl Drop for Registered {
 }
 
 impl OffloadEngine {
-    pub(crate) fn new(cfg: OffloadConfig) -> OffloadEngine {
+    pub(crate) fn new(cfg: OffloadConfig, mrs: Arc<crate::mem::MrTable>) -> OffloadEngine {
         OffloadEngine {
             inner: Arc::new(Inner {
                 cfg,
                 rt: OnceLock::new(),
                 handlers: RwLock::new(Vec::new()),
                 next_id: AtomicU64::new(1),
-                dma: Arc::new(DmaSpace::default()),
+                dma: Arc::new(DmaSpace::new(mrs)),
                 inflight: AtomicUsize::new(0),
                 submitted: Arc::new(AtomicU64::new(0)),
                 counters: Counters::default(),
@@ -338,10 +344,12 @@ impl OffloadEngine {
         })
     }
 
-    /// Lets handlers DMA to and from `mr` (`writable`: also into it). Dropping the handle
-    /// revokes it.
+    /// Lets handlers DMA to and from `mr` (`writable`: also into it) on behalf of QPs that
+    /// may access it themselves: each DMA names `mr`'s rkey and is checked against the
+    /// requesting QP's protection domain and `mr`'s access flags, as a READ or WRITE would be.
+    /// Dropping the handle revokes it.
     pub fn register_dma_region(&self, mr: &crate::verbs::Mr, writable: bool) -> DmaRegionHandle {
-        self.inner.dma.register(mr.region().clone(), writable)
+        self.inner.dma.register(mr.rkey(), writable)
     }
 
     /// The engine's counters.
@@ -489,7 +497,7 @@ pub struct OffloadCall {
     job: Arc<OffloadJob>,
     dma: Arc<DmaSpace>,
     resp: Vec<u8>,
-    pending: Vec<(DmaOp, u64, usize, usize)>,
+    pending: Vec<(DmaOp, u32, u64, usize, usize)>,
     next_dma: u64,
     done_dma: u64,
 }
@@ -502,6 +510,13 @@ impl OffloadCall {
     /// The QP the request came on.
     pub fn qpn(&self) -> u32 {
         self.job.qpn
+    }
+    /// The protection domain of the QP the request came on (what every DMA is checked against).
+    pub fn pd(&self) -> u32 {
+        self.job.pd
+    }
+    fn grant(&self, rkey: u32) -> Grant {
+        Grant { pd: self.job.pd, rkey }
     }
     /// The request bytes.
     pub fn request(&self) -> &[u8] {
@@ -535,12 +550,14 @@ impl OffloadCall {
         self.resp.truncate(len);
     }
 
-    /// `submit_dma`: queues a copy of `size` bytes between host address `host_addr` (inside a
-    /// registered DMA region) and offset `resp_off` of the response buffer. Checked now; run
-    /// by [`OffloadCall::wait_dma`].
+    /// `submit_dma`: queues a copy of `size` bytes between host address `host_addr` (reached
+    /// with `rkey`, see the module notes on protection) and offset `resp_off` of the response
+    /// buffer. Checked now and again when run by [`OffloadCall::wait_dma`] (the key may have
+    /// been deregistered in between).
     pub fn submit_dma(
         &mut self,
         op: DmaOp,
+        rkey: u32,
         host_addr: u64,
         resp_off: usize,
         size: usize,
@@ -551,8 +568,8 @@ impl OffloadCall {
                 self.resp.len()
             )));
         }
-        self.dma.check(host_addr, size, op == DmaOp::Write)?;
-        self.pending.push((op, host_addr, resp_off, size));
+        self.dma.check(self.grant(rkey), host_addr, size, op == DmaOp::Write)?;
+        self.pending.push((op, rkey, host_addr, resp_off, size));
         self.next_dma += 1;
         Ok(DmaId(self.next_dma))
     }
@@ -561,11 +578,13 @@ impl OffloadCall {
     pub async fn wait_dma(&mut self, id: DmaId) -> Result<(), OffloadError> {
         let n = (id.0.saturating_sub(self.done_dma) as usize).min(self.pending.len());
         let mut bytes = 0;
-        for (op, addr, off, size) in self.pending.drain(..n) {
+        let pd = self.job.pd;
+        for (op, rkey, addr, off, size) in self.pending.drain(..n) {
             let buf = &mut self.resp[off..off + size];
+            let g = Grant { pd, rkey };
             match op {
-                DmaOp::Read => self.dma.read(addr, buf)?,
-                DmaOp::Write => self.dma.write(addr, buf)?,
+                DmaOp::Read => self.dma.read(g, addr, buf)?,
+                DmaOp::Write => self.dma.write(g, addr, buf)?,
             }
             bytes += size;
         }
@@ -577,17 +596,16 @@ impl OffloadCall {
         Ok(())
     }
 
-    /// Copies host memory at `addr` (in a registered region) into `buf`: a DMA into the
+    /// Copies host memory at `addr` (reached with `rkey`) into `buf`: a DMA into the
     /// handler's own memory, for traversals that read a node to find the next one.
-    pub fn dma_read(&self, addr: u64, buf: &mut [u8]) -> Result<(), OffloadError> {
-        self.dma.check(addr, buf.len(), false)?;
-        self.dma.read(addr, buf)
+    pub fn dma_read(&self, rkey: u32, addr: u64, buf: &mut [u8]) -> Result<(), OffloadError> {
+        self.dma.read(self.grant(rkey), addr, buf)
     }
 
-    /// An atomic load of the aligned 8-byte word at host address `addr` (a version or pointer
-    /// that a concurrent writer updates with one store).
-    pub fn dma_load_u64(&self, addr: u64) -> Result<u64, OffloadError> {
-        self.dma.load_u64(addr)
+    /// An atomic load of the aligned 8-byte word at host address `addr` (reached with `rkey`):
+    /// a version or pointer that a concurrent writer updates with one store.
+    pub fn dma_load_u64(&self, rkey: u32, addr: u64) -> Result<u64, OffloadError> {
+        self.dma.load_u64(self.grant(rkey), addr)
     }
 
     /// `submit_resp`: the response is the buffer as it stands.

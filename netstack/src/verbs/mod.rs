@@ -72,7 +72,8 @@ impl Context {
     /// Opens a context: binds the data-path socket and starts the engine.
     pub fn open(cfg: ContextConfig) -> Result<Context, VerbsError> {
         cfg.validate()?;
-        let engine = Engine::start(&cfg, Arc::new(MrTable::new()))?;
+        let mrs = Arc::new(MrTable::new());
+        let engine = Engine::start(&cfg, mrs.clone())?;
         // QPNs start at a per-context base (process, address and a per-process count mixed), so
         // contexts in one process differ and a stale packet for an earlier run's QP on a reused
         // port is unlikely to hit a new QP
@@ -81,7 +82,7 @@ impl Context {
         let n = CONTEXTS.fetch_add(1, Ordering::Relaxed);
         let mix = std::process::id() ^ u32::from(*local.ip()) ^ ((local.port() as u32) << 8) ^ (n << 16);
         let base = mix.wrapping_mul(2654435761) & 0x7F_FF00;
-        let offload = crate::offload::OffloadEngine::new(cfg.offload);
+        let offload = crate::offload::OffloadEngine::new(cfg.offload, mrs);
         Ok(Context {
             inner: Arc::new(CtxInner {
                 engine,
@@ -180,7 +181,8 @@ impl Pd {
     /// `ptr..ptr+len` must stay valid until the returned [`Mr`] and every work request using
     /// it are gone, and must not be accessed through Rust references while peers may access it.
     pub unsafe fn reg_mr_raw(&self, ptr: *mut u8, len: usize, access: Access) -> Mr {
-        self.register(Arc::new(Region::from_raw(ptr, len)), access)
+        // SAFETY: the caller's contract is `Region::from_raw`'s.
+        self.register(Arc::new(unsafe { Region::from_raw(ptr, len) }), access)
     }
 
     /// Registers a region the caller already holds (several contexts may register one region,

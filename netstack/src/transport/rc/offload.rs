@@ -82,6 +82,8 @@ impl std::fmt::Display for OffloadStatus {
 pub struct OffloadJob {
     /// The QP the request arrived on.
     pub qpn: u32,
+    /// That QP's protection domain: what the handler's DMA is checked against.
+    pub pd: u32,
     /// The handler opcode.
     pub opcode: u16,
     /// The request bytes.
@@ -94,9 +96,10 @@ pub struct OffloadJob {
 }
 
 impl OffloadJob {
-    pub fn new(qpn: u32, opcode: u16, request: Vec<u8>, resp_cap: u32, deadline: u64) -> OffloadJob {
+    pub fn new(qpn: u32, pd: u32, opcode: u16, request: Vec<u8>, resp_cap: u32, deadline: u64) -> OffloadJob {
         OffloadJob {
             qpn,
+            pd,
             opcode,
             request,
             resp_cap,

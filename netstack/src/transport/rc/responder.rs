@@ -372,6 +372,7 @@ impl Responder {
             let budget = qp.offload.as_ref().map_or(0, |o| o.budget_ns(qp.qpn, h.opcode));
             let job = OffloadJob::new(
                 qp.qpn,
+                qp.pd,
                 h.opcode,
                 pkt.payload[OffloadReqHdr::LEN..].to_vec(),
                 h.resp_cap,
