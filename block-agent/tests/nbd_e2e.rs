@@ -227,6 +227,60 @@ fn raw_client_gets_nbd_errors_and_the_agent_keeps_serving() {
     drop(b);
 }
 
+/// A client that asks for far more than its budget and reads nothing back is held at its
+/// budget (the agent stops reading its requests; its memory stays bounded), while another
+/// connection is served; once it reads, every one of its requests is answered.
+#[test]
+fn a_flooding_connection_waits_at_its_budget_and_others_are_served() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = cluster("flood", 1, Carrier::Udp { paths: 4 });
+    let budget = c.exports.max_inflight_bytes();
+    let (mut a, _) = Raw::connect(c.nbd, "vol", false).unwrap();
+    const READ: u32 = 8 << 20;
+    let n = 2 * budget / READ as usize + 4; // twice the budget, and more
+    for h in 0..n as u64 {
+        a.send(CMD_READ, 0, h, (h * READ as u64) % (SIZE - READ as u64), READ, &[]);
+    }
+    // wait until the agent stops taking A's requests
+    let mut last = u64::MAX;
+    let t = std::time::Instant::now();
+    loop {
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        let now = c.exports.stats.requests.load(Relaxed);
+        if now == last || t.elapsed().as_secs() > 20 {
+            break;
+        }
+        last = now;
+    }
+    let taken = c.exports.stats.requests.load(Relaxed) as usize;
+    assert!(
+        taken <= budget / READ as usize + 1,
+        "{taken} of A's {n} requests taken with a budget of {budget} B (its replies unread)"
+    );
+    assert!(c.exports.stats.throttled.load(Relaxed) >= 1, "A waited for its budget");
+    // another connection is served meanwhile
+    let (mut b, _) = Raw::connect(c.nbd, "vol", false).unwrap();
+    let block: Vec<u8> = (0..4096u32).map(|i| (i * 7 % 253) as u8).collect();
+    let t = std::time::Instant::now();
+    b.send(CMD_WRITE, 0, 1, 0, 4096, &block);
+    assert_eq!(b.simple(0), (1, 0, vec![]));
+    b.send(CMD_READ, 0, 2, 0, 4096, &[]);
+    assert_eq!(b.simple(4096), (2, 0, block.clone()));
+    assert!(
+        t.elapsed() < std::time::Duration::from_secs(5),
+        "B waited {:?} behind A's flood",
+        t.elapsed()
+    );
+    // A reads: every request answered, none dropped
+    let mut seen = vec![false; n];
+    for _ in 0..n {
+        let (h, err, d) = a.simple(READ as usize);
+        assert_eq!((err, d.len()), (0, READ as usize));
+        seen[h as usize] = true;
+    }
+    assert!(seen.iter().all(|&x| x), "every request answered");
+}
+
 fn random_image(path: &std::path::Path, bytes: usize, seed: u64) {
     let mut x = seed | 1;
     let data: Vec<u8> = (0..bytes)

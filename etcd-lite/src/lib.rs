@@ -18,7 +18,7 @@ mod pb {
 pub struct EtcdError {
     /// The endpoint (`http://HOST:PORT`).
     pub endpoint: String,
-    /// The operation (connect, put, range, delete).
+    /// The operation (connect, put, range, delete, txn).
     pub what: &'static str,
     /// The cause.
     pub message: String,
@@ -115,6 +115,56 @@ impl EtcdClient {
             .map_err(|s| self.err("range", s))?
             .into_inner();
         Ok(r.kvs.into_iter().next().map(|kv| kv.value))
+    }
+
+    /// The value under `key` and its modification revision (the revision of the write that set
+    /// it), for a later [`EtcdClient::put_if_unchanged`]; `None` when the key is absent.
+    pub async fn get_revision(&mut self, key: impl Into<Vec<u8>>) -> Result<Option<(Vec<u8>, i64)>, EtcdError> {
+        let r = self
+            .kv
+            .range(pb::RangeRequest {
+                key: key.into(),
+                ..Default::default()
+            })
+            .await
+            .map_err(|s| self.err("range", s))?
+            .into_inner();
+        Ok(r.kvs.into_iter().next().map(|kv| (kv.value, kv.mod_revision)))
+    }
+
+    /// Stores `value` under `key` only if the key's modification revision is still
+    /// `mod_revision` (0: only if the key is absent), in one etcd transaction. Returns the new
+    /// revision, or `None` when someone else wrote the key since (nothing is written then).
+    pub async fn put_if_unchanged(
+        &mut self,
+        key: impl Into<Vec<u8>>,
+        value: impl Into<Vec<u8>>,
+        mod_revision: i64,
+    ) -> Result<Option<i64>, EtcdError> {
+        let key = key.into();
+        let r = self
+            .kv
+            .txn(pb::TxnRequest {
+                compare: vec![pb::Compare {
+                    result: pb::compare::CompareResult::Equal as i32,
+                    target: pb::compare::CompareTarget::Mod as i32,
+                    key: key.clone(),
+                    target_union: Some(pb::compare::TargetUnion::ModRevision(mod_revision)),
+                    range_end: Vec::new(),
+                }],
+                success: vec![pb::RequestOp {
+                    request: Some(pb::request_op::Request::RequestPut(pb::PutRequest {
+                        key,
+                        value: value.into(),
+                        ..Default::default()
+                    })),
+                }],
+                failure: Vec::new(),
+            })
+            .await
+            .map_err(|s| self.err("txn", s))?
+            .into_inner();
+        Ok(r.succeeded.then(|| r.header.map_or(0, |h| h.revision)))
     }
 
     /// Every `(key, value)` whose key starts with `prefix`, in key order.

@@ -104,9 +104,28 @@ impl Controller {
     async fn commit(&self, s: &mut ControlState, change: impl FnOnce(&mut ControlState)) -> Result<(), Status> {
         let mut n = s.clone();
         change(&mut n);
-        self.meta.save(&n).await.map_err(meta_status)?;
-        *s = n;
-        Ok(())
+        self.store(s, n).await
+    }
+
+    /// Stores `n` and makes it the state. When another controller changed the stored state
+    /// since this one read it, nothing is written: the stored state is read again (so the next
+    /// request sees the other's changes) and the caller gets ABORTED, to retry.
+    async fn store(&self, s: &mut ControlState, n: ControlState) -> Result<(), Status> {
+        match self.meta.save(&n).await {
+            Ok(()) => {
+                *s = n;
+                Ok(())
+            }
+            Err(e @ MetaError::Conflict(_)) => {
+                tracing::warn!("{e}; reading it again");
+                match self.meta.load().await {
+                    Ok(fresh) => *s = fresh,
+                    Err(l) => return Err(meta_status(l)),
+                }
+                Err(Status::aborted(format!("{e}; the controller has read it again: retry")))
+            }
+            Err(e) => Err(meta_status(e)),
+        }
     }
 
     /// A controller with the state `meta` holds.
@@ -272,8 +291,7 @@ impl Controller {
         n.nodes.insert(id.clone(), rec);
         let claimed = n.claim_legacy(&id, &r.addr, &r.volumes);
         if n != *s {
-            self.meta.save(&n).await.map_err(meta_status)?;
-            *s = n;
+            self.store(&mut s, n).await?;
         }
         let restarted = {
             let mut live = self.live.lock();

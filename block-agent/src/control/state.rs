@@ -11,6 +11,7 @@ use etcd_lite::EtcdClient;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::atomic::Ordering;
 
 /// The state format this controller writes.
 pub const STATE_VERSION: u32 = 2;
@@ -113,10 +114,14 @@ impl ControlState {
 pub enum MetaStore {
     /// A JSON file (written to a temporary file, synced, renamed).
     File(PathBuf),
-    /// One key in etcd.
+    /// One key in etcd, written only if unchanged since this store last read or wrote it (a
+    /// second controller's write makes this one's next save a [`MetaError::Conflict`], never a
+    /// lost update).
     Etcd {
         client: Box<tokio::sync::Mutex<EtcdClient>>,
         key: String,
+        /// The key's modification revision as last read or written (0: absent).
+        rev: std::sync::atomic::AtomicI64,
     },
 }
 
@@ -129,6 +134,8 @@ pub enum MetaError {
     Json(#[from] serde_json::Error),
     #[error("etcd: {0}")]
     Etcd(#[from] etcd_lite::EtcdError),
+    #[error("{0} changed since this controller read it (another controller wrote it); nothing was written")]
+    Conflict(String),
 }
 
 impl MetaStore {
@@ -137,6 +144,7 @@ impl MetaStore {
         Ok(MetaStore::Etcd {
             client: Box::new(tokio::sync::Mutex::new(EtcdClient::connect(endpoint).await?)),
             key: format!("{}/block/state", prefix.trim_end_matches('/')),
+            rev: std::sync::atomic::AtomicI64::new(0),
         })
     }
 
@@ -147,9 +155,16 @@ impl MetaStore {
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => ControlState::default(),
                 Err(e) => return Err(MetaError::File(p.clone(), e)),
             },
-            MetaStore::Etcd { client, key } => match client.lock().await.get(key.as_bytes()).await? {
-                Some(b) => ControlState::parse(&b)?,
-                None => ControlState::default(),
+            MetaStore::Etcd { client, key, rev } => match client.lock().await.get_revision(key.as_bytes()).await? {
+                Some((b, r)) => {
+                    let s = ControlState::parse(&b)?;
+                    rev.store(r, Ordering::Relaxed);
+                    s
+                }
+                None => {
+                    rev.store(0, Ordering::Relaxed);
+                    ControlState::default()
+                }
             },
         };
         s.version = STATE_VERSION;
@@ -173,7 +188,19 @@ impl MetaStore {
                 }
                 std::fs::rename(&tmp, p).map_err(err)
             }
-            MetaStore::Etcd { client, key } => Ok(client.lock().await.put(key.as_bytes(), b).await?),
+            MetaStore::Etcd { client, key, rev } => {
+                let mut c = client.lock().await;
+                match c
+                    .put_if_unchanged(key.as_bytes(), b, rev.load(Ordering::Relaxed))
+                    .await?
+                {
+                    Some(r) => {
+                        rev.store(r, Ordering::Relaxed);
+                        Ok(())
+                    }
+                    None => Err(MetaError::Conflict(format!("etcd key {key}"))),
+                }
+            }
         }
     }
 }

@@ -9,6 +9,12 @@
 //! a FAST_ZERO request is refused with ENOTSUP because zeroing is not faster than writing here.
 //! A request that fails its checks gets its NBD error and the connection goes on; only a
 //! request header with a bad magic (the stream is lost) closes the connection.
+//!
+//! One client cannot exhaust the agent's memory: each connection has a budget of bytes in
+//! flight ([`Exports::max_inflight_bytes`], 64 MiB by default), taken by every request (its
+//! data, at least 4 KiB) before its payload is read and returned when its reply is written. A
+//! client past its budget waits (its requests stay in its socket, then in its own send queue);
+//! nothing is dropped, and other connections are not slowed.
 
 use super::proto::*;
 use crate::volume::{Volume, VolumeError};
@@ -17,14 +23,30 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+
+/// Default budget of bytes in flight per connection: two of the largest requests.
+pub const DEFAULT_MAX_INFLIGHT_BYTES: usize = 2 * MAX_REQUEST as usize;
+
+/// Least budget a request takes (headers, a reply, a task), whatever its data.
+const MIN_REQUEST_COST: usize = 4096;
 
 /// The volumes this agent exports, by export name.
-#[derive(Default)]
 pub struct Exports {
     map: RwLock<BTreeMap<String, Arc<Volume>>>,
+    max_inflight: usize,
     /// Counters.
     pub stats: NbdStats,
+}
+
+impl Default for Exports {
+    fn default() -> Self {
+        Exports {
+            map: RwLock::default(),
+            max_inflight: DEFAULT_MAX_INFLIGHT_BYTES,
+            stats: NbdStats::default(),
+        }
+    }
 }
 
 /// Counters of the NBD server.
@@ -35,11 +57,27 @@ pub struct NbdStats {
     pub errors: AtomicU64,
     pub refused_options: AtomicU64,
     pub bad_magic: AtomicU64,
+    /// Requests that waited for their connection's in-flight budget.
+    pub throttled: AtomicU64,
 }
 
 impl Exports {
     pub fn new() -> Arc<Exports> {
         Arc::new(Exports::default())
+    }
+
+    /// Exports with a budget of `bytes` in flight per connection (at least one largest
+    /// request, `2 * MAX_REQUEST`, so that any valid request fits).
+    pub fn with_max_inflight(bytes: usize) -> Arc<Exports> {
+        Arc::new(Exports {
+            max_inflight: bytes.max(2 * MAX_REQUEST as usize),
+            ..Exports::default()
+        })
+    }
+
+    /// The per-connection budget of bytes in flight.
+    pub fn max_inflight_bytes(&self) -> usize {
+        self.max_inflight
     }
 
     /// Exports `v` as `name` (replacing an export of that name).
@@ -257,9 +295,13 @@ where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin + Send + 'static,
 {
-    let (tx, rx) = mpsc::unbounded_channel::<Vec<u8>>();
+    // every queued reply holds its request's share of the budget, so the channel is bounded
+    // by the budget
+    let (tx, rx) = mpsc::unbounded_channel::<(Vec<u8>, OwnedSemaphorePermit)>();
     let writer = tokio::spawn(write_replies(w, rx));
     let session = Arc::new(s);
+    let cap = exports.max_inflight;
+    let budget = Arc::new(Semaphore::new(cap));
     let mut hdr = [0u8; Request::LEN];
     let result = loop {
         match r.read_exact(&mut hdr).await {
@@ -275,11 +317,24 @@ where
             }
         };
         exports.stats.requests.fetch_add(1, Ordering::Relaxed);
+        if req.typ == CMD_WRITE && req.length > MAX_REQUEST * 2 {
+            break Err(protocol(format!("write of {} bytes", req.length)));
+        }
+        // the request's share of the budget, before its payload is read: a client past its
+        // budget waits here, and its further requests wait in the socket
+        let cost = (req.length as usize).clamp(MIN_REQUEST_COST, cap) as u32;
+        let permit = match budget.clone().try_acquire_many_owned(cost) {
+            Ok(p) => p,
+            Err(_) => {
+                exports.stats.throttled.fetch_add(1, Ordering::Relaxed);
+                match budget.clone().acquire_many_owned(cost).await {
+                    Ok(p) => p,
+                    Err(_) => break Ok(()), // never closed
+                }
+            }
+        };
         let mut payload = Vec::new();
         if req.typ == CMD_WRITE {
-            if req.length > MAX_REQUEST * 2 {
-                break Err(protocol(format!("write of {} bytes", req.length)));
-            }
             payload = vec![0u8; req.length as usize];
             if let Err(e) = r.read_exact(&mut payload).await {
                 break Err(e.into());
@@ -290,7 +345,7 @@ where
         }
         if let Err(e) = req.check(session.volume.size(), session.structured, session.meta) {
             exports.stats.errors.fetch_add(1, Ordering::Relaxed);
-            let _ = tx.send(error_reply(&session, &req, e, "request refused"));
+            let _ = tx.send((error_reply(&session, &req, e, "request refused"), permit));
             continue;
         }
         let (session, tx, exports) = (session.clone(), tx.clone(), exports.clone());
@@ -299,7 +354,7 @@ where
             if reply.1 {
                 exports.stats.errors.fetch_add(1, Ordering::Relaxed);
             }
-            let _ = tx.send(reply.0);
+            let _ = tx.send((reply.0, permit));
         });
     };
     drop(tx);
@@ -375,26 +430,38 @@ async fn run(s: &Session, req: &Request, payload: Vec<u8>) -> (Vec<u8>, bool) {
     }
 }
 
-async fn write_replies<W: AsyncWrite + Unpin>(mut w: W, mut rx: mpsc::UnboundedReceiver<Vec<u8>>) {
+/// Writes replies as they come, coalescing what is queued (up to 4 MiB); a reply's budget
+/// share is returned once it is written.
+async fn write_replies<W: AsyncWrite + Unpin>(
+    mut w: W,
+    mut rx: mpsc::UnboundedReceiver<(Vec<u8>, OwnedSemaphorePermit)>,
+) {
     let mut batch: Vec<u8> = Vec::with_capacity(1 << 20);
-    while let Some(first) = rx.recv().await {
+    let mut held = Vec::new();
+    while let Some((first, permit)) = rx.recv().await {
         if rx.is_empty() {
             if w.write_all(&first).await.is_err() {
                 return;
             }
+            drop(permit);
             continue;
         }
         batch.clear();
         batch.extend_from_slice(&first);
+        held.push(permit);
         while batch.len() < (4 << 20) {
             match rx.try_recv() {
-                Ok(m) => batch.extend_from_slice(&m),
+                Ok((m, p)) => {
+                    batch.extend_from_slice(&m);
+                    held.push(p);
+                }
                 Err(_) => break,
             }
         }
         if w.write_all(&batch).await.is_err() {
             return;
         }
+        held.clear();
     }
     let _ = w.shutdown().await;
 }
