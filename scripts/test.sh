@@ -54,3 +54,5 @@ cargo clippy -p kvcache-engine --features gpu --all-targets --quiet -- -D warnin
 cargo test --workspace
 cargo test -p kvcache-engine --features gpu --lib --test gpu -- --nocapture
 
+# the notification pipe's protocol under every interleaving (loom; its own target directory)
+scripts/loom.sh --quiet

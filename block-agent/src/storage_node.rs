@@ -372,19 +372,9 @@ fn spawn(name: String, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<(
 
 fn grow_buffers(s: &UdpSocket) {
     use std::os::fd::AsRawFd;
-    let size: libc::c_int = 8 << 20;
     for opt in [libc::SO_RCVBUF, libc::SO_SNDBUF] {
-        // SAFETY: setsockopt on a socket this process owns, with a pointer to a c_int and its
-        // size; failure only leaves the default buffer size.
-        unsafe {
-            libc::setsockopt(
-                s.as_raw_fd(),
-                libc::SOL_SOCKET,
-                opt,
-                &size as *const libc::c_int as *const libc::c_void,
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-            );
-        }
+        // failure only leaves the default buffer size
+        let _ = netstack::link::sys::setsockopt_int(s.as_raw_fd(), libc::SOL_SOCKET, opt, 8 << 20);
     }
 }
 

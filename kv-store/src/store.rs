@@ -3,7 +3,7 @@
 //!
 //! Every word that readers may see changing is written with an 8-byte atomic store
 //! ([`netstack::mem::Region::store_u64`], [`netstack::mem::Region::write_words`]): the memory
-//! region module is the one place with `unsafe`.
+//! region module is where the `unsafe` is.
 
 use crate::layout::{self, Invalid, Scan, Slot, BUCKET_LEN, CLASSES, SLOTS, SLOT_LEN};
 use crate::KvError;

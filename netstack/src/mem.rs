@@ -1,7 +1,7 @@
 //! Registered memory: regions and the key table that checks every access.
 //!
-//! # Memory model (one of the stack's documented `unsafe` modules; the others are `pipe` and
-//! `link::sys`)
+//! # Memory model (one of the documented `unsafe` modules: docs/ARCHITECTURE.md, "Unsafe
+//! inventory")
 //!
 //! A [`Region`] is a span of bytes that remote peers, engine threads and the application may
 //! read and write at any moment, exactly as a NIC does by DMA. Rust calls a data race on

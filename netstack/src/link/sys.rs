@@ -340,9 +340,14 @@ impl EventFd {
         unsafe { libc::write(self.0.as_raw_fd(), &v as *const u64 as *const libc::c_void, 8) };
     }
     pub fn drain(&self) {
+        self.take();
+    }
+    /// Consumes the pending notifications; returns whether there were any (nonblocking).
+    pub fn take(&self) -> bool {
         let mut v: u64 = 0;
         // SAFETY: reads 8 bytes into a live u64.
-        unsafe { libc::read(self.0.as_raw_fd(), &mut v as *mut u64 as *mut libc::c_void, 8) };
+        let r = unsafe { libc::read(self.0.as_raw_fd(), &mut v as *mut u64 as *mut libc::c_void, 8) };
+        r == 8
     }
     pub fn fd(&self) -> RawFd {
         self.0.as_raw_fd()
