@@ -56,3 +56,9 @@ cargo test -p kvcache-engine --features gpu --lib --test gpu -- --nocapture
 
 # the notification pipe's protocol under every interleaving (loom; its own target directory)
 scripts/loom.sh --quiet
+# a short smoke of every fuzz target (the long runs: scripts/fuzz.sh --seconds N)
+if cargo +nightly fuzz --version >/dev/null 2>&1; then
+  scripts/fuzz.sh --seconds 5
+else
+  echo "fuzz smoke: cargo-fuzz or the nightly toolchain is missing (cargo install cargo-fuzz); not installed by the project's scripts" >>"$FLEXNS_SKIP_LOG"
+fi

@@ -2,6 +2,11 @@
 //! and `redis-benchmark` work against kv-server: GET, SET, DEL, PING, CONFIG GET, QUIT;
 //! anything else gets an error reply and the connection keeps serving. Pipelined commands are
 //! answered in one write.
+//!
+//! One client cannot exhaust the server's memory: a command is at most [`MAX_COMMAND`] bytes,
+//! and replies are written in batches of at most [`MAX_REPLY_BATCH`] bytes (plus one reply);
+//! the rest of a pipeline waits in the client's socket until the batch is written, so a client
+//! that sends without reading fills its own buffers and stalls itself.
 
 use crate::server::Inner;
 use crate::KvError;
@@ -13,6 +18,10 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 const MAX_BULK: usize = crate::layout::MAX_VALUE + 1024;
 /// Most elements in one command.
 const MAX_ARGS: usize = 1024;
+/// Longest command (all its elements): one value's bulk string and many keys.
+pub const MAX_COMMAND: usize = 2 * MAX_BULK + MAX_ARGS * (crate::layout::MAX_KEY + 16);
+/// Reply bytes gathered before they are written (and no more commands run until they are).
+pub const MAX_REPLY_BATCH: usize = 1 << 20;
 
 /// What parsing a buffer gave.
 #[derive(Debug, PartialEq, Eq)]
@@ -80,6 +89,9 @@ pub fn parse(b: &[u8]) -> Parsed {
             _ => return Parsed::Error("invalid bulk length".into()),
         };
         at += used;
+        if at + len > MAX_COMMAND {
+            return Parsed::Error(format!("command longer than {MAX_COMMAND} bytes"));
+        }
         if b.len() < at + len + 2 {
             return Parsed::Incomplete;
         }
@@ -182,17 +194,27 @@ async fn connection(mut s: tokio::net::TcpStream, inner: Arc<Inner>) -> std::io:
     let mut buf = Vec::with_capacity(16 * 1024);
     let mut out = Vec::with_capacity(16 * 1024);
     let mut chunk = vec![0u8; 64 * 1024];
+    // whether complete commands may still be waiting in `buf` (then they run before the next
+    // read)
+    let mut pending = false;
     loop {
-        let n = s.read(&mut chunk).await?;
-        if n == 0 {
-            return Ok(());
+        if !pending {
+            let n = s.read(&mut chunk).await?;
+            if n == 0 {
+                return Ok(());
+            }
+            buf.extend_from_slice(&chunk[..n]);
         }
-        buf.extend_from_slice(&chunk[..n]);
+        pending = false;
         let mut at = 0;
         let mut open = true;
         {
             let _gate = inner.app_gate.lock();
             while open {
+                if out.len() >= MAX_REPLY_BATCH {
+                    pending = true;
+                    break;
+                }
                 match parse(&buf[at..]) {
                     Parsed::Command(args, used) => {
                         at += used;

@@ -59,6 +59,11 @@ impl Slice {
     }
 }
 
+/// Most notifications kept for the application (at most 3 KiB each: 192 MiB); a peer's
+/// notification past it is refused with an error (the tcp sender sees it; the flexns receiver
+/// logs it), so peers cannot grow an engine's memory when its application stops taking them.
+pub(crate) const MAX_QUEUED_NOTIFIES: usize = 1 << 16;
+
 /// Notifications received by this engine, oldest first.
 #[derive(Default)]
 pub(crate) struct Notifies {
@@ -69,7 +74,15 @@ pub(crate) struct Notifies {
 impl Notifies {
     pub fn push_encoded(&self, bytes: &[u8]) -> Result<(), String> {
         let n = decode_notify(bytes)?;
-        self.q.lock().push_back(n);
+        let mut q = self.q.lock();
+        if q.len() >= MAX_QUEUED_NOTIFIES {
+            return Err(format!(
+                "the receiver holds {} notifications its application has not taken",
+                q.len()
+            ));
+        }
+        q.push_back(n);
+        drop(q);
         self.cv.notify_all();
         Ok(())
     }
@@ -108,4 +121,26 @@ pub(crate) fn decode_notify(b: &[u8]) -> Result<Notification, String> {
         return Err(format!("notification of {} B", b.len()));
     }
     serde_json::from_slice(b).map_err(|e| format!("malformed notification: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_notification_queue_is_bounded_and_frees_up_when_taken() {
+        let q = Notifies::default();
+        let n = Notification {
+            name: "prefill-0".into(),
+            msg: "layer 3 ready".into(),
+        };
+        let b = encode_notify(&n).unwrap();
+        for _ in 0..MAX_QUEUED_NOTIFIES {
+            q.push_encoded(&b).unwrap();
+        }
+        assert!(q.push_encoded(&b).unwrap_err().contains("not taken"));
+        assert_eq!(q.take_all().len(), MAX_QUEUED_NOTIFIES);
+        q.push_encoded(&b).unwrap();
+        assert_eq!(q.wait_one(Duration::from_millis(1)), Some(n));
+    }
 }

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Coverage-guided fuzzing (cargo fuzz, libFuzzer) of the decoders that take outside input.
+#   scripts/fuzz.sh [--seconds N] [TARGET...]   (default: 60 s for each target in fuzz/)
+# Prints one JSON line per target: executions, seconds, and the corpus size. A crash stops
+# the run with libFuzzer's report; its input is kept under fuzz/artifacts/TARGET/ (turn it
+# into a regression test). Needs the nightly toolchain and cargo-fuzz
+# (`cargo install cargo-fuzz`).
+set -euo pipefail
+cd "$(dirname "$0")/../fuzz"
+secs=60
+if [ "${1:-}" = "--seconds" ]; then
+  secs="$2"
+  shift 2
+fi
+if ! cargo +nightly fuzz --version >/dev/null 2>&1; then
+  echo "scripts/fuzz.sh: needs the nightly toolchain and cargo-fuzz (cargo install cargo-fuzz)" >&2
+  exit 2
+fi
+targets=("$@")
+[ ${#targets[@]} -gt 0 ] || mapfile -t targets < <(cargo +nightly fuzz list)
+cargo +nightly fuzz build -O >/dev/null
+for t in "${targets[@]}"; do
+  mkdir -p "corpus/$t"
+  log="$(mktemp)"
+  if ! cargo +nightly fuzz run -O "$t" "corpus/$t" -- -max_total_time="$secs" -print_final_stats=1 >"$log" 2>&1; then
+    tail -40 "$log" >&2
+    rm -f "$log"
+    echo "{\"target\":\"$t\",\"crash\":true}"
+    exit 1
+  fi
+  runs="$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1)"
+  took="$(sed -n 's/^Done [0-9]* runs in \([0-9]*\) second.*/\1/p' "$log" | tail -1)"
+  corpus="$(find "corpus/$t" -type f | wc -l)"
+  rm -f "$log"
+  echo "{\"target\":\"$t\",\"executions\":${runs:-0},\"seconds\":${took:-$secs},\"corpus\":$corpus,\"crash\":false}"
+done
