@@ -569,3 +569,41 @@ fn malformed_entries_abort_the_chain() {
         assert_eq!(b.worker.state(), QpState::Err);
     }
 }
+
+/// A chain's entries reach only what their QP may: a READ or WRITE naming memory of another
+/// protection domain (or a wrong rkey) completes with a remote access error and moves no byte.
+#[test]
+fn chain_entries_reach_only_what_their_qp_may() {
+    for (what, write, other_pd) in [
+        ("READ of another PD's memory", false, true),
+        ("WRITE into another PD's memory", true, true),
+        ("WRITE with a wrong rkey", true, false),
+    ] {
+        let b = bench(8, 4);
+        let pd2 = b.sctx.alloc_pd();
+        let secret = if other_pd {
+            pd2.reg_mr(4096, Access::ALL).unwrap()
+        } else {
+            b._spd.reg_mr(4096, Access::ALL).unwrap()
+        };
+        secret.write(0, &[0x5A; 64]);
+        b.scratch.write(0, &[0x11; 8]);
+        let target = Remote {
+            addr: secret.addr(),
+            rkey: if other_pd { secret.rkey() } else { secret.rkey() ^ 0x01 },
+        };
+        let mut ch = b.builder();
+        if write {
+            ch.write(target, b.scratch.sge(0, 8)).unwrap();
+        } else {
+            ch.copy(b.scratch.sge(0, 8), target).unwrap();
+        }
+        ch.start().unwrap();
+        let wc = b.wcq.next(T).expect("the refused entry completes");
+        assert_eq!(wc.status, WcStatus::RemAccessErr, "{what}: {wc:?}");
+        let mut s = [0u8; 64];
+        secret.read(0, &mut s);
+        assert_eq!(s, [0x5A; 64], "{what}: the target changed");
+        assert_eq!(b.scratch.load_u64(0), Some(u64::from_le_bytes([0x11; 8])), "{what}: scratch changed");
+    }
+}
