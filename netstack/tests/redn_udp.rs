@@ -604,6 +604,10 @@ fn chain_entries_reach_only_what_their_qp_may() {
         let mut s = [0u8; 64];
         secret.read(0, &mut s);
         assert_eq!(s, [0x5A; 64], "{what}: the target changed");
-        assert_eq!(b.scratch.load_u64(0), Some(u64::from_le_bytes([0x11; 8])), "{what}: scratch changed");
+        assert_eq!(
+            b.scratch.load_u64(0),
+            Some(u64::from_le_bytes([0x11; 8])),
+            "{what}: scratch changed"
+        );
     }
 }
