@@ -5,6 +5,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export RUSTFLAGS="--cfg flexns_loom ${RUSTFLAGS:-}"
-export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-target/loom}"
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-target}/loom"
 export LOOM_MAX_PREEMPTIONS="${LOOM_MAX_PREEMPTIONS:-3}"
 exec cargo test --release -p netstack --lib pipe::loom_model -- --test-threads=1 "$@"
