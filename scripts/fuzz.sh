@@ -18,7 +18,10 @@ if ! cargo +nightly fuzz --version >/dev/null 2>&1; then
 fi
 targets=("$@")
 [ ${#targets[@]} -gt 0 ] || mapfile -t targets < <(cargo +nightly fuzz list)
-cargo +nightly fuzz build -O >/dev/null
+if ! cargo +nightly fuzz build -O >/dev/null 2>&1; then
+  cargo +nightly fuzz build -O # again, to show why
+  exit 1
+fi
 for t in "${targets[@]}"; do
   mkdir -p "corpus/$t"
   log="$(mktemp)"

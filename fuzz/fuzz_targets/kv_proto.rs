@@ -2,8 +2,8 @@
 //! and offloaded-get replies.
 #![no_main]
 
-use libfuzzer_sys::fuzz_target;
 use kv_store::proto::{decode_multi_get, decode_reply, decode_request, GetReply};
+use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|b: &[u8]| {
     let _ = decode_request(b);

@@ -41,3 +41,21 @@ pub use config::{EngineConfig, MetadataConfig, TransportKind};
 pub use engine::{BatchId, TransferEngine};
 pub use error::TransferError;
 pub use segment::{BufferDesc, Location, SegmentDesc};
+
+/// Entry points for the fuzz targets in `fuzz/`: the decoders of what peers send over the tcp
+/// transport. Not an API.
+#[doc(hidden)]
+pub mod fuzzing {
+    /// Bytes of a tcp transport frame header.
+    pub const TCP_FRAME_HEADER: usize = crate::transport::tcp::HDR;
+
+    /// Decodes a tcp transport frame header as a receiver does.
+    pub fn tcp_frame_header(b: &[u8; TCP_FRAME_HEADER]) -> Result<(), String> {
+        crate::transport::tcp::Header::decode(b).map(|_| ())
+    }
+
+    /// Decodes a notification as a receiver does (tcp frame payload or flexns SEND).
+    pub fn notification(b: &[u8]) -> Result<(), String> {
+        crate::transport::decode_notify(b).map(|_| ())
+    }
+}

@@ -28,7 +28,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 const MAGIC: u32 = 0x3154_564B; // "KVT1"
-const HDR: usize = 32;
+pub(crate) const HDR: usize = 32;
 const OP_HELLO: u8 = 1;
 const OP_WRITE: u8 = 2;
 const OP_READ: u8 = 3;
@@ -41,7 +41,7 @@ const COALESCE: usize = 16 << 10;
 const INLINE_MAX: usize = 64 << 10;
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-struct Header {
+pub(crate) struct Header {
     op: u8,
     status: u8,
     len: u32,
@@ -61,7 +61,7 @@ impl Header {
         b
     }
 
-    fn decode(b: &[u8; HDR]) -> Result<Header, String> {
+    pub(crate) fn decode(b: &[u8; HDR]) -> Result<Header, String> {
         let magic = u32::from_le_bytes(b[0..4].try_into().expect("4 bytes"));
         if magic != MAGIC {
             return Err(format!("bad frame magic {magic:#x}"));
