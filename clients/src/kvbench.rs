@@ -131,10 +131,8 @@ fn engine_config(a: &BenchArgs, v: &Variant, name: &str) -> Result<EngineConfig>
     c.tcp_lanes = a.tcp_lanes;
     c.data_cores = a.data_cores;
     if let Some(p) = &a.stack_config {
-        let s = std::fs::read_to_string(p).with_context(|| format!("--stack-config {}", p.display()))?;
         c.stack = Some(
-            netstack::verbs::ContextConfig::from_toml(&s)
-                .map_err(|e| anyhow::anyhow!("--stack-config {}: {e}", p.display()))?,
+            netstack::verbs::ContextConfig::from_file(p).with_context(|| format!("--stack-config {}", p.display()))?,
         );
     }
     if let Some(sl) = &a.slice {

@@ -64,10 +64,7 @@ impl ServerArgs {
     /// The partition configuration these flags describe.
     pub fn config(&self) -> Result<ServerConfig> {
         let mut ctx = match &self.config {
-            Some(p) => ContextConfig::from_toml(
-                &std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?,
-            )
-            .with_context(|| format!("config {}", p.display()))?,
+            Some(p) => ContextConfig::from_file(p).with_context(|| format!("config {}", p.display()))?,
             None => ContextConfig::default(),
         };
         if let Some(d) = self.data {

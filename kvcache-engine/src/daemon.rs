@@ -66,10 +66,8 @@ impl ServeArgs {
         c.paths = self.paths;
         c.extra_addrs = self.extra_addrs.clone();
         if let Some(p) = &self.stack_config {
-            let s = std::fs::read_to_string(p)
-                .map_err(|e| TransferError::Config(format!("--stack-config {}: {e}", p.display())))?;
             c.stack = Some(
-                netstack::verbs::ContextConfig::from_toml(&s)
+                netstack::verbs::ContextConfig::from_file(p)
                     .map_err(|e| TransferError::Config(format!("--stack-config {}: {e}", p.display())))?,
             );
         }

@@ -89,6 +89,8 @@ pub enum ConfigError {
     Parse(#[from] toml::de::Error),
     #[error("config field {0}")]
     Invalid(String),
+    #[error("reading {0}: {1}")]
+    Read(std::path::PathBuf, std::io::Error),
 }
 
 impl ContextConfig {
@@ -97,6 +99,12 @@ impl ContextConfig {
         let c: ContextConfig = toml::from_str(s)?;
         c.validate()?;
         Ok(c)
+    }
+
+    /// Reads and parses the TOML file at `path` (the errors name the file).
+    pub fn from_file(path: &std::path::Path) -> Result<ContextConfig, ConfigError> {
+        let s = std::fs::read_to_string(path).map_err(|e| ConfigError::Read(path.to_path_buf(), e))?;
+        ContextConfig::from_toml(&s)
     }
 
     /// Checks every field; the error names the first bad one.

@@ -54,10 +54,7 @@ impl ServerArgs {
     /// The stack configuration: the file's (or the defaults), with the flags given applied.
     pub fn context_config(&self) -> Result<ContextConfig> {
         let mut cfg = match &self.config {
-            Some(p) => ContextConfig::from_toml(
-                &std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?,
-            )
-            .with_context(|| format!("config {}", p.display()))?,
+            Some(p) => ContextConfig::from_file(p).with_context(|| format!("config {}", p.display()))?,
             None => ContextConfig::default(),
         };
         if let Some(d) = self.data {
