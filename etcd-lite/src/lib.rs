@@ -105,16 +105,7 @@ impl EtcdClient {
 
     /// The value under `key`, if any.
     pub async fn get(&mut self, key: impl Into<Vec<u8>>) -> Result<Option<Vec<u8>>, EtcdError> {
-        let r = self
-            .kv
-            .range(pb::RangeRequest {
-                key: key.into(),
-                ..Default::default()
-            })
-            .await
-            .map_err(|s| self.err("range", s))?
-            .into_inner();
-        Ok(r.kvs.into_iter().next().map(|kv| kv.value))
+        Ok(self.get_revision(key).await?.map(|(v, _)| v))
     }
 
     /// The value under `key` and its modification revision (the revision of the write that set
