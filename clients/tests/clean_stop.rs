@@ -124,7 +124,7 @@ fn stop(c: &Case, sig: libc::c_int) -> (Duration, String) {
     assert!(!kids.is_empty(), "{}: started no child process", c.name);
     let names: Vec<String> = kids.iter().map(|&p| comm(p)).collect();
     let t = Instant::now();
-    test_support::signal(child.id(), sig);
+    clients::procs::signal(child.id(), sig);
     let limit = Duration::from_secs(10);
     loop {
         let done = child.try_wait().unwrap().is_some();
@@ -134,7 +134,7 @@ fn stop(c: &Case, sig: libc::c_int) -> (Duration, String) {
         if t.elapsed() > limit {
             let left: Vec<(u32, String)> = kids.iter().filter(|&&p| alive(p)).map(|&p| (p, comm(p))).collect();
             for (p, _) in &left {
-                test_support::signal(*p, libc::SIGKILL);
+                clients::procs::signal(*p, libc::SIGKILL);
             }
             let _ = child.kill();
             let _ = child.wait();
@@ -346,11 +346,11 @@ fn a_testbed_script_stops_cleanly_and_its_children_die_with_it() {
             std::thread::sleep(Duration::from_millis(50));
         };
         let t = Instant::now();
-        test_support::signal(child.id(), sig);
+        clients::procs::signal(child.id(), sig);
         while child.try_wait().unwrap().is_none() || kids.iter().any(|&p| alive(p)) {
             if t.elapsed() > Duration::from_secs(10) {
                 for &p in &kids {
-                    test_support::signal(p, libc::SIGKILL);
+                    clients::procs::signal(p, libc::SIGKILL);
                 }
                 break;
             }

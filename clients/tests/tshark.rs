@@ -135,7 +135,7 @@ fn tshark_decodes_our_packets_as_infiniband() {
         assert_eq!(wc.status, WcStatus::Success);
     }
     std::thread::sleep(Duration::from_millis(500));
-    test_support::signal(ts.id(), libc::SIGINT);
+    clients::procs::signal(ts.id(), libc::SIGINT);
     ts.wait().unwrap();
 
     let out = Command::new("tshark")

@@ -49,18 +49,6 @@ pub fn is_root() -> bool {
         .unwrap_or(false)
 }
 
-/// Sends signal `sig` (a `libc::SIG*` number) to process `pid`; false when it is gone or the
-/// number is not a signal.
-pub fn signal(pid: u32, sig: i32) -> bool {
-    let (Some(p), Some(s)) = (
-        rustix::process::Pid::from_raw(pid as i32),
-        rustix::process::Signal::from_named_raw(sig),
-    ) else {
-        return false;
-    };
-    rustix::process::kill_process(p, s).is_ok()
-}
-
 /// Whether `tool` runs (`tool ARG` can be started).
 pub fn have(tool: &str, arg: &str) -> bool {
     std::process::Command::new(tool)
