@@ -92,6 +92,25 @@ unsafe fn store_bytes(src: *const u8, dst: *mut u8, n: usize) {
     }
 }
 
+/// Runs `step(done)` (one `recv` or `send` of the rest) until `n` bytes have moved; a step that
+/// moves nothing ends with `zero`, EINTR is retried, other errors end it.
+fn stream_all(n: usize, zero: std::io::ErrorKind, mut step: impl FnMut(usize) -> isize) -> std::io::Result<()> {
+    let mut done = 0;
+    while done < n {
+        match step(done) {
+            0 => return Err(zero.into()),
+            r if r > 0 => done += r as usize,
+            _ => {
+                let e = std::io::Error::last_os_error();
+                if e.kind() != std::io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Memory access rights of a memory region, with ibverbs' bit values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Access(pub u32);
@@ -277,60 +296,36 @@ impl Region {
     /// when the stream ends or breaks first.
     pub fn recv_exact(&self, off: usize, n: usize, fd: BorrowedFd<'_>) -> std::io::Result<()> {
         self.check(off, n);
-        let mut done = 0;
-        while done < n {
+        stream_all(n, std::io::ErrorKind::UnexpectedEof, |done| {
             // SAFETY: the destination is in bounds (checked) and lives as long as `&self`; the
             // kernel writes at most `n - done` bytes there; no Rust reference covers it.
-            let r = unsafe {
+            unsafe {
                 libc::recv(
                     fd.as_raw_fd(),
                     self.ptr.add(off + done) as *mut libc::c_void,
                     n - done,
                     0,
                 )
-            };
-            match r {
-                0 => return Err(std::io::ErrorKind::UnexpectedEof.into()),
-                r if r > 0 => done += r as usize,
-                _ => {
-                    let e = std::io::Error::last_os_error();
-                    if e.kind() != std::io::ErrorKind::Interrupted {
-                        return Err(e);
-                    }
-                }
             }
-        }
-        Ok(())
+        })
     }
 
     /// Sends the `n` bytes at `off` on the stream socket `fd` (the kernel reads the memory by
     /// pointer, as a NIC's DMA does).
     pub fn send_all(&self, off: usize, n: usize, fd: BorrowedFd<'_>) -> std::io::Result<()> {
         self.check(off, n);
-        let mut done = 0;
-        while done < n {
+        stream_all(n, std::io::ErrorKind::WriteZero, |done| {
             // SAFETY: the source is in bounds (checked) and lives as long as `&self`; the kernel
             // only reads it.
-            let r = unsafe {
+            unsafe {
                 libc::send(
                     fd.as_raw_fd(),
                     self.ptr.add(off + done) as *const libc::c_void,
                     n - done,
                     libc::MSG_NOSIGNAL,
                 )
-            };
-            match r {
-                r if r > 0 => done += r as usize,
-                0 => return Err(std::io::ErrorKind::WriteZero.into()),
-                _ => {
-                    let e = std::io::Error::last_os_error();
-                    if e.kind() != std::io::ErrorKind::Interrupted {
-                        return Err(e);
-                    }
-                }
             }
-        }
-        Ok(())
+        })
     }
 
     fn word(&self, off: usize) -> Option<&AtomicU64> {
