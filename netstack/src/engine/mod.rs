@@ -1006,7 +1006,11 @@ impl DataCore {
 /// a RedN chain's response WRITE sources memory the store's writer owns. Larger SEND and WRITE
 /// payloads stay zero-copy: their memory is the poster's, not to be modified while the request
 /// is outstanding (the verbs rule).
-fn snapshot_read_payload(pkt: &mut TxPacket, stats: &EngineStats) {
+///
+/// The payload is copied out chunk by chunk; each chunk is checksummed into `crc` (which has
+/// seen the header) and written to the snapshot, so one pass does both. Returns false (and
+/// touches neither) when the payload is sent from its memory instead.
+fn snapshot_read_payload(pkt: &mut TxPacket, stats: &EngineStats, crc: &mut icrc::Icrc) -> bool {
     /// Payloads up to this many bytes are always copied.
     const SNAPSHOT_SMALL_PAYLOAD: usize = 512;
     use crate::wire::opcode::Opcode;
@@ -1021,13 +1025,16 @@ fn snapshot_read_payload(pkt: &mut TxPacket, stats: &EngineStats) {
     );
     let len = pkt.payload_len();
     if len == 0 || !read_resp && len > SNAPSHOT_SMALL_PAYLOAD {
-        return;
+        return false;
     }
     stats.tx_payload_copy_bytes.add(len as u64);
     let snap = snapshot_buffer(len);
     let mut at = 0;
     for p in &pkt.payload {
-        p.region.copy_to(p.off, p.len, &snap, at);
+        p.region.chunks(p.off, p.len, |k, c| {
+            crc.update(c);
+            snap.write(at + k, c);
+        });
         at += p.len;
     }
     pkt.payload.clear();
@@ -1036,6 +1043,7 @@ fn snapshot_read_payload(pkt: &mut TxPacket, stats: &EngineStats) {
         off: 0,
         len,
     });
+    true
 }
 
 thread_local! {
@@ -1075,16 +1083,19 @@ fn snapshot_buffer(len: usize) -> Arc<crate::mem::Region> {
 }
 
 impl Outgoing {
-    /// Computes pad and ICRC over the header buffer and the payload in place (no copy), except
-    /// for READ responses, whose payload is first snapshotted (see [`snapshot_read_payload`]).
+    /// Computes pad and ICRC over the header buffer and the payload, which the kernel then
+    /// sends from its memory (the ICRC reads it through private chunks, see
+    /// [`crate::mem::Region::chunks`]); READ responses and small payloads are snapshotted in
+    /// the same pass (see [`snapshot_read_payload`]).
     fn new(mut pkt: TxPacket, link: usize, src: SocketAddrV4, dst: SocketAddrV4, stats: &EngineStats) -> Outgoing {
-        snapshot_read_payload(&mut pkt, stats);
         let pad = pkt.hdr.bth().pad as usize;
         let body = pkt.hdr.len() + pkt.payload_len() + pad;
         let mut c = icrc::Icrc::new(src, dst, body);
         c.update(pkt.hdr.as_bytes());
-        for p in &pkt.payload {
-            p.region.chunks(p.off, p.len, |_, s| c.update(s));
+        if !snapshot_read_payload(&mut pkt, stats, &mut c) {
+            for p in &pkt.payload {
+                p.region.chunks(p.off, p.len, |_, s| c.update(s));
+            }
         }
         c.update(&PAD_ZEROS[..pad]);
         let mut trailer = [0u8; 8];
