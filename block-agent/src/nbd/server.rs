@@ -11,7 +11,7 @@
 //! request header with a bad magic (the stream is lost) closes the connection.
 //!
 //! One client cannot exhaust the agent's memory: each connection has a budget of bytes in
-//! flight ([`Exports::max_inflight_bytes`], 64 MiB by default), taken by every request (its
+//! flight ([`MAX_INFLIGHT_BYTES`], 64 MiB), taken by every request (its
 //! data, at least 4 KiB) before its payload is read and returned when its reply is written. A
 //! client past its budget waits (its requests stay in its socket, then in its own send queue);
 //! nothing is dropped, and other connections are not slowed.
@@ -25,28 +25,18 @@ use std::sync::Arc;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 
-/// Default budget of bytes in flight per connection: two of the largest requests.
-pub const DEFAULT_MAX_INFLIGHT_BYTES: usize = 2 * MAX_REQUEST as usize;
+/// Budget of bytes in flight per connection: two of the largest requests.
+pub const MAX_INFLIGHT_BYTES: usize = 2 * MAX_REQUEST as usize;
 
 /// Least budget a request takes (headers, a reply, a task), whatever its data.
 const MIN_REQUEST_COST: usize = 4096;
 
 /// The volumes this agent exports, by export name.
+#[derive(Default)]
 pub struct Exports {
     map: RwLock<BTreeMap<String, Arc<Volume>>>,
-    max_inflight: usize,
     /// Counters.
     pub stats: NbdStats,
-}
-
-impl Default for Exports {
-    fn default() -> Self {
-        Exports {
-            map: RwLock::default(),
-            max_inflight: DEFAULT_MAX_INFLIGHT_BYTES,
-            stats: NbdStats::default(),
-        }
-    }
 }
 
 /// Counters of the NBD server.
@@ -66,18 +56,9 @@ impl Exports {
         Arc::new(Exports::default())
     }
 
-    /// Exports with a budget of `bytes` in flight per connection (at least one largest
-    /// request, `2 * MAX_REQUEST`, so that any valid request fits).
-    pub fn with_max_inflight(bytes: usize) -> Arc<Exports> {
-        Arc::new(Exports {
-            max_inflight: bytes.max(2 * MAX_REQUEST as usize),
-            ..Exports::default()
-        })
-    }
-
     /// The per-connection budget of bytes in flight.
     pub fn max_inflight_bytes(&self) -> usize {
-        self.max_inflight
+        MAX_INFLIGHT_BYTES
     }
 
     /// Exports `v` as `name` (replacing an export of that name).
@@ -300,7 +281,7 @@ where
     let (tx, rx) = mpsc::unbounded_channel::<(Vec<u8>, OwnedSemaphorePermit)>();
     let writer = tokio::spawn(write_replies(w, rx));
     let session = Arc::new(s);
-    let cap = exports.max_inflight;
+    let cap = MAX_INFLIGHT_BYTES;
     let budget = Arc::new(Semaphore::new(cap));
     let mut hdr = [0u8; Request::LEN];
     let result = loop {
