@@ -8,9 +8,7 @@
 //! the rest of a pipeline waits in the client's socket until the batch is written, so a client
 //! that sends without reading fills its own buffers and stalls itself.
 
-use crate::server::Inner;
 use crate::KvError;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -116,8 +114,22 @@ fn error(out: &mut Vec<u8>, msg: &str) {
     out.extend_from_slice(b"\r\n");
 }
 
+/// What the RESP door needs of the partition it serves (the server's state implements it).
+pub(crate) trait Partition: Send + Sync + 'static {
+    /// The value of `key`, if this partition holds it.
+    fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, KvError>;
+    /// Stores `value` under `key` (a key of another partition is an error).
+    fn set(&self, key: &[u8], value: &[u8]) -> Result<(), KvError>;
+    /// Deletes `key`; whether it existed.
+    fn delete(&self, key: &[u8]) -> Result<bool, KvError>;
+    /// Held while a batch of commands runs (the partition's application-thread gate).
+    fn gate(&self) -> parking_lot::MutexGuard<'_, ()>;
+    /// Counts one RESP command.
+    fn count_request(&self);
+}
+
 /// Executes one command against the partition; returns false when the client asked to quit.
-fn execute(inner: &Inner, args: &[Vec<u8>], out: &mut Vec<u8>) -> bool {
+fn execute(inner: &impl Partition, args: &[Vec<u8>], out: &mut Vec<u8>) -> bool {
     let Some(cmd) = args.first() else {
         return true; // an empty inline line
     };
@@ -135,10 +147,7 @@ fn execute(inner: &Inner, args: &[Vec<u8>], out: &mut Vec<u8>) -> bool {
             Ok(None) => out.extend_from_slice(b"$-1\r\n"),
             Err(e) => kv_err(out, e),
         },
-        ("SET", 3) => match inner
-            .owns(&args[1])
-            .and_then(|_| inner.store.lock().put(&args[1], &args[2]))
-        {
+        ("SET", 3) => match inner.set(&args[1], &args[2]) {
             Ok(_) => out.extend_from_slice(b"+OK\r\n"),
             Err(e) => kv_err(out, e),
         },
@@ -146,7 +155,7 @@ fn execute(inner: &Inner, args: &[Vec<u8>], out: &mut Vec<u8>) -> bool {
         ("DEL", n) if n >= 2 => {
             let mut deleted = 0;
             for k in &args[1..] {
-                match inner.owns(k).and_then(|_| inner.store.lock().delete(k)) {
+                match inner.delete(k) {
                     Ok(true) => deleted += 1,
                     Ok(false) => {}
                     Err(e) => {
@@ -189,7 +198,7 @@ fn execute(inner: &Inner, args: &[Vec<u8>], out: &mut Vec<u8>) -> bool {
     true
 }
 
-async fn connection(mut s: tokio::net::TcpStream, inner: Arc<Inner>) -> std::io::Result<()> {
+async fn connection(mut s: tokio::net::TcpStream, inner: Arc<impl Partition>) -> std::io::Result<()> {
     s.set_nodelay(true)?;
     let mut buf = Vec::with_capacity(16 * 1024);
     let mut out = Vec::with_capacity(16 * 1024);
@@ -209,7 +218,7 @@ async fn connection(mut s: tokio::net::TcpStream, inner: Arc<Inner>) -> std::io:
         let mut at = 0;
         let mut open = true;
         {
-            let _gate = inner.app_gate.lock();
+            let _gate = inner.gate();
             while open {
                 if out.len() >= MAX_REPLY_BATCH {
                     pending = true;
@@ -218,8 +227,8 @@ async fn connection(mut s: tokio::net::TcpStream, inner: Arc<Inner>) -> std::io:
                 match parse(&buf[at..]) {
                     Parsed::Command(args, used) => {
                         at += used;
-                        inner.resp_requests.fetch_add(1, Ordering::Relaxed);
-                        open = execute(&inner, &args, &mut out);
+                        inner.count_request();
+                        open = execute(&*inner, &args, &mut out);
                     }
                     Parsed::Incomplete => break,
                     Parsed::Error(e) => {
@@ -241,7 +250,7 @@ async fn connection(mut s: tokio::net::TcpStream, inner: Arc<Inner>) -> std::io:
 }
 
 /// Serves RESP clients on `l` until the runtime stops.
-pub(crate) async fn serve(l: tokio::net::TcpListener, inner: Arc<Inner>) {
+pub(crate) async fn serve(l: tokio::net::TcpListener, inner: Arc<impl Partition>) {
     loop {
         match l.accept().await {
             Ok((s, _)) => {

@@ -690,3 +690,22 @@ fn app_thread(inner: &Inner, stop: &AtomicBool) {
         }
     }
 }
+impl crate::resp::Partition for Inner {
+    fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, KvError> {
+        Inner::get(self, key)
+    }
+    fn set(&self, key: &[u8], value: &[u8]) -> Result<(), KvError> {
+        self.owns(key)?;
+        self.store.lock().put(key, value).map(|_| ())
+    }
+    fn delete(&self, key: &[u8]) -> Result<bool, KvError> {
+        self.owns(key)?;
+        self.store.lock().delete(key)
+    }
+    fn gate(&self) -> parking_lot::MutexGuard<'_, ()> {
+        self.app_gate.lock()
+    }
+    fn count_request(&self) {
+        self.resp_requests.fetch_add(1, Ordering::Relaxed);
+    }
+}

@@ -1,9 +1,53 @@
 //! Context configuration, from TOML or code; every field has a default.
 
-use crate::engine::PollMode;
 use crate::transport::rc::RcConfig;
 use serde::{Deserialize, Serialize};
 use std::net::SocketAddrV4;
+
+/// How an idle engine thread waits for work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PollMode {
+    /// Spin forever (a dedicated core).
+    BusyPoll,
+    /// Spin for `spin_us`, then sleep until a packet, a post or a timer.
+    #[default]
+    Adaptive,
+    /// Sleep as soon as there is no work.
+    Sleep,
+}
+
+/// Limits on managed QPs (`[redn]` in the context configuration).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RednGuards {
+    /// Entries a managed QP may execute per second.
+    pub max_wr_per_sec: u64,
+    /// Entries one chain may execute before it is aborted.
+    pub max_wr_per_chain: u64,
+}
+
+impl Default for RednGuards {
+    fn default() -> Self {
+        RednGuards {
+            max_wr_per_sec: 10_000_000,
+            max_wr_per_chain: 100_000,
+        }
+    }
+}
+
+impl RednGuards {
+    /// Checks the fields; the error names the bad one.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.max_wr_per_sec == 0 {
+            return Err("max_wr_per_sec: must be > 0".into());
+        }
+        if self.max_wr_per_chain == 0 {
+            return Err("max_wr_per_chain: must be > 0".into());
+        }
+        Ok(())
+    }
+}
 
 /// Configuration of a [`crate::verbs::Context`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -54,7 +98,7 @@ pub struct ContextConfig {
     /// The offloading engine: threads, handler time budget (`[offload]`).
     pub offload: crate::offload::OffloadConfig,
     /// Guards of RedN work-request programs on managed QPs (`[redn]`).
-    pub redn: crate::redn::RednGuards,
+    pub redn: RednGuards,
 }
 
 impl Default for ContextConfig {

@@ -2,21 +2,24 @@
 //!
 //! Layers, bottom up (see `docs/ARCHITECTURE.md`):
 //! - [`wire`]: RoCEv2 headers, the ICRC, a checked zero-copy packet view.
-//! - [`mem`]: registered memory regions and the key table (the one `unsafe` memory module).
+//! - [`mem`]: registered memory regions and the key table.
 //! - [`work`]: work requests and completions with ibverbs' names.
 //! - [`pipe`]: SPSC notification pipes of 64-byte slots between application and engine threads.
 //! - [`transport`]: sans-IO transports ([`transport::rc`]).
 //! - [`link`]: UDP sockets with batched `sendmmsg`/`recvmmsg`.
+//! - [`chain`]: the engine's side of RedN: managed work queues and the chain runner.
 //! - [`engine`]: the data-core threads that drive transports over a link.
 //! - [`verbs`]: the application API (`Context`, `Pd`, `Mr`, `Cq`, `Qp`).
 //! - [`offload`]: the programmable offloading engine (handlers on offload threads, DMA).
-//! - [`redn`]: RedN work-request programs on managed QPs (WAIT, ENABLE, self-modifying chains).
+//! - [`redn`]: RedN work-request programs on managed QPs (WAIT, ENABLE, self-modifying chains):
+//!   the model, the chain builder and the programs, over [`verbs`] and [`chain`].
 //! - [`cm`]: connection management over gRPC.
 //! - [`path`]: multipath: spray policies, per-path RTT, loss and health with probing.
 //! - [`cc`]: per-packet programmable congestion control (DCQCN, TIMELY, HPCC, Swift, Homa).
 //! - [`sim`]: a deterministic network simulator that runs the real transport and CC.
 
 pub mod cc;
+pub mod chain;
 pub mod cm;
 pub mod config;
 pub mod engine;

@@ -14,6 +14,7 @@ pub use cq::CqShared;
 pub use stats::{EngineStats, StatsSnapshot};
 
 use crate::config::ContextConfig;
+pub use crate::config::PollMode;
 use crate::link::sys::{self, EventFd, OutMsg, RecvBatch};
 use crate::link::udp::UdpLink;
 use crate::mem::MrTable;
@@ -27,19 +28,6 @@ use std::net::SocketAddrV4;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// How an idle engine thread waits for work.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum PollMode {
-    /// Spin forever (a dedicated core).
-    BusyPoll,
-    /// Spin for `spin_us`, then sleep until a packet, a post or a timer.
-    #[default]
-    Adaptive,
-    /// Sleep as soon as there is no work.
-    Sleep,
-}
 
 /// Receive buffers per recvmmsg call (at most).
 pub const BATCH: usize = 64;
@@ -89,7 +77,7 @@ pub struct QpSlot {
     pub recv_cq: Arc<CqShared>,
     pub mirror: Arc<QpMirror>,
     /// A managed QP's fetch state (RedN programs); `None` for ordinary QPs.
-    pub chain: Option<crate::redn::ChainRunner>,
+    pub chain: Option<crate::chain::ChainRunner>,
 }
 
 impl QpSlot {
@@ -159,8 +147,8 @@ pub struct EngineShared {
     stop: AtomicBool,
     pub stats: EngineStats,
     /// CQ counters and managed QPs of the context (shared by its cores), and the guards.
-    pub redn: Arc<crate::redn::RednRegistry>,
-    pub guards: crate::redn::RednGuards,
+    pub redn: Arc<crate::chain::RednRegistry>,
+    pub guards: crate::config::RednGuards,
     /// Managed QPs this core runs.
     pub managed: Mutex<Vec<u32>>,
     local: SocketAddrV4,
@@ -268,7 +256,7 @@ impl Engine {
     /// Binds one link per data core and starts the data-core threads. Core `i` binds the
     /// configured address with port `port + i` (or a free port when the port is 0).
     pub fn start(cfg: &ContextConfig, mrs: Arc<MrTable>) -> std::io::Result<Engine> {
-        let redn = Arc::new(crate::redn::RednRegistry::default());
+        let redn = Arc::new(crate::chain::RednRegistry::default());
         let epoch = Instant::now();
         let epoch_ns = sys::monotonic_ns();
         let mut e = Engine {
@@ -992,6 +980,27 @@ impl DataCore {
         self.tx_msgs = msgs;
         self.tx_per_msg = per_msg;
         n > 0
+    }
+}
+
+impl crate::offload::JobDone for EngineShared {
+    /// The job's response goes out from the offload thread that finished it when the QP is
+    /// free (no hand-off back to the data core, the way a low-latency QP sends); when the data
+    /// core holds the QP, or the transport has completions or timers to look after, the data
+    /// core is poked to do it.
+    fn job_finished(&self, qpn: u32) {
+        let slot = self.qps.read().get(&qpn).cloned();
+        if let Some(slot) = slot {
+            if let Some(mut s) = slot.try_lock() {
+                self.transmit_now(&mut s);
+                s.sync_mirror();
+                let now = self.now();
+                if !s.qp.has_completions() && !s.qp.wants_transmit(now) {
+                    return;
+                }
+            }
+        }
+        self.poke(qpn);
     }
 }
 

@@ -44,7 +44,6 @@ pub use crate::transport::rc::offload::{OffloadJob, OffloadSink, OffloadStatus, 
 use dma::Grant;
 pub use dma::{DmaId, DmaOp, DmaRegionHandle, DmaSpace};
 
-use crate::engine::EngineShared;
 use futures_util::FutureExt;
 use parking_lot::{Mutex, RwLock};
 use std::future::Future;
@@ -344,12 +343,10 @@ impl OffloadEngine {
         })
     }
 
-    /// Lets handlers DMA to and from `mr` (`writable`: also into it) on behalf of QPs that
-    /// may access it themselves: each DMA names `mr`'s rkey and is checked against the
-    /// requesting QP's protection domain and `mr`'s access flags, as a READ or WRITE would be.
-    /// Dropping the handle revokes it.
-    pub fn register_dma_region(&self, mr: &crate::verbs::Mr, writable: bool) -> DmaRegionHandle {
-        self.inner.dma.register(mr.rkey(), writable)
+    /// Opts the region of `rkey` in for handlers' DMA (see `register_dma_region`, with the
+    /// verbs).
+    pub(crate) fn register_dma_key(&self, rkey: u32, writable: bool) -> DmaRegionHandle {
+        self.inner.dma.register(rkey, writable)
     }
 
     /// The engine's counters.
@@ -370,10 +367,10 @@ impl OffloadEngine {
     }
 
     /// The sink a QP on data core `core` hands its offload requests to.
-    pub(crate) fn port(&self, core: &Arc<EngineShared>) -> Arc<dyn OffloadSink> {
+    pub(crate) fn port(&self, core: Weak<dyn JobDone>) -> Arc<dyn OffloadSink> {
         Arc::new(OffloadPort {
             engine: self.clone(),
-            core: Arc::downgrade(core),
+            core,
         })
     }
 
@@ -387,32 +384,16 @@ impl OffloadEngine {
     }
 }
 
-/// A QP's way into the engine: starts jobs and wakes the QP's data core when one finishes.
-struct OffloadPort {
-    engine: OffloadEngine,
-    core: Weak<EngineShared>,
+/// A QP's data core as the offload engine sees it (the engine implements it).
+pub(crate) trait JobDone: Send + Sync {
+    /// A job of QP `qpn` has its outcome: its response is to be sent.
+    fn job_finished(&self, qpn: u32);
 }
 
-impl OffloadPort {
-    /// A job finished: its response goes out from this offload thread when the QP is free
-    /// (no hand-off back to the data core, the way a low-latency QP sends); when the data core
-    /// holds the QP, or the transport has completions or timers to look after, the data core
-    /// is poked to do it.
-    fn finished(core: &Weak<EngineShared>, qpn: u32) {
-        let Some(c) = core.upgrade() else { return };
-        let slot = c.qps.read().get(&qpn).cloned();
-        if let Some(slot) = slot {
-            if let Some(mut s) = slot.try_lock() {
-                c.transmit_now(&mut s);
-                s.sync_mirror();
-                let now = c.now();
-                if !s.qp.has_completions() && !s.qp.wants_transmit(now) {
-                    return;
-                }
-            }
-        }
-        c.poke(qpn);
-    }
+/// A QP's way into the engine: starts jobs and tells the QP's data core when one finishes.
+struct OffloadPort {
+    engine: OffloadEngine,
+    core: Weak<dyn JobDone>,
 }
 
 impl OffloadSink for OffloadPort {
@@ -480,7 +461,9 @@ impl OffloadSink for OffloadPort {
             };
             inner.inflight.fetch_sub(1, Ordering::AcqRel);
             if set {
-                Self::finished(&core, qpn);
+                if let Some(c) = core.upgrade() {
+                    c.job_finished(qpn);
+                }
             }
         });
     }

@@ -142,7 +142,7 @@ impl Context {
     }
 
     /// Counters of the context's RedN programs (chains, steps, aborts).
-    pub fn redn_stats(&self) -> crate::redn::RednStats {
+    pub fn redn_stats(&self) -> crate::chain::RednStats {
         self.inner.engine.cores()[0].redn.stats()
     }
 
@@ -319,3 +319,15 @@ pub const EMPTY_WC: Wc = Wc {
     src_qp: 0,
     vendor_err: 0,
 };
+
+// The offload engine's DMA opt-in takes a verbs memory region; it lives here so that the
+// offload module does not depend on the verbs above it.
+impl crate::offload::OffloadEngine {
+    /// Lets handlers DMA to and from `mr` (`writable`: also into it) on behalf of QPs that
+    /// may access it themselves: each DMA names `mr`'s rkey and is checked against the
+    /// requesting QP's protection domain and `mr`'s access flags, as a READ or WRITE would be.
+    /// Dropping the handle revokes it.
+    pub fn register_dma_region(&self, mr: &Mr, writable: bool) -> crate::offload::DmaRegionHandle {
+        self.register_dma_key(mr.rkey(), writable)
+    }
+}

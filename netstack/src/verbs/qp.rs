@@ -75,7 +75,7 @@ pub struct Qp {
     max_send_wr: u32,
     low_latency: bool,
     /// The ring of a managed QP.
-    managed: Option<Arc<crate::redn::ManagedWq>>,
+    managed: Option<Arc<crate::chain::ManagedWq>>,
     send_cq_num: u32,
 }
 
@@ -99,10 +99,12 @@ impl Qp {
         let core = ctx.inner.engine.core_for(qpn).clone();
         let mut qp = RcQp::new(qpn, pd, cfg);
         qp.set_cc_env(ctx.inner.cc_env.clone());
-        qp.set_offload_sink(ctx.inner.offload.port(&core));
+        let weak = Arc::downgrade(&core);
+        let job_done: std::sync::Weak<dyn crate::offload::JobDone> = weak;
+        qp.set_offload_sink(ctx.inner.offload.port(job_done));
         qp.modify_to_init()?;
         let mirror = Arc::new(QpMirror::default());
-        let managed = (attr.managed_slots > 0).then(|| Arc::new(crate::redn::ManagedWq::new(attr.managed_slots)));
+        let managed = (attr.managed_slots > 0).then(|| Arc::new(crate::chain::ManagedWq::new(attr.managed_slots)));
         let chain = managed.as_ref().map(|wq| {
             let c = Arc::downgrade(&core);
             let _ = wq.wake.set(Box::new(move || {
@@ -111,7 +113,7 @@ impl Qp {
                 }
             }));
             core.redn.add_wq(qpn, wq);
-            crate::redn::ChainRunner::new(wq.clone(), send_cq.cq_num(), core.now(), &core.guards)
+            crate::chain::ChainRunner::new(wq.clone(), send_cq.cq_num(), core.now(), &core.guards)
         });
         let send_cq_num = send_cq.cq_num();
         let send_cq = send_cq.shared.clone();
@@ -154,7 +156,7 @@ impl Qp {
         self.managed.is_some()
     }
 
-    fn ring(&self) -> Result<&Arc<crate::redn::ManagedWq>, VerbsError> {
+    fn ring(&self) -> Result<&Arc<crate::chain::ManagedWq>, VerbsError> {
         self.managed
             .as_ref()
             .ok_or_else(|| VerbsError::Invalid("not a managed QP (QpInitAttr::managed_slots = 0)".into()))
@@ -166,7 +168,7 @@ impl Qp {
     pub fn post_managed(&self, wr: &SendWr, operand: u64) -> Result<u64, VerbsError> {
         let ring = self.ring()?;
         crate::work::validate_send(wr).map_err(PostError::Invalid)?;
-        let words = crate::redn::wqe::encode(wr, operand).map_err(PostError::Invalid)?;
+        let words = crate::chain::wqe::encode(wr, operand).map_err(PostError::Invalid)?;
         ring.post(&words).map_err(|e| VerbsError::Invalid(e.into()))
     }
 
