@@ -134,9 +134,7 @@ fn node_id(dir: &Path) -> Result<String, NodeError> {
         f.sync_all().map_err(err("syncing"))?;
     }
     std::fs::rename(&tmp, &p).map_err(io(format!("renaming to {}", p.display())))?;
-    std::fs::File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(io(format!("syncing {}", dir.display())))?;
+    crate::store::sync_dir(dir).map_err(io(format!("syncing {}", dir.display())))?;
     Ok(id)
 }
 
@@ -221,7 +219,12 @@ impl StorageNode {
         if !cfg.listen.is_ipv4() {
             return Err(NodeError::NotIpv4(cfg.listen));
         }
-        std::fs::create_dir_all(&cfg.dir).map_err(io(format!("creating {}", cfg.dir.display())))?;
+        if !cfg.dir.is_dir() {
+            std::fs::create_dir_all(&cfg.dir).map_err(io(format!("creating {}", cfg.dir.display())))?;
+            if let Some(parent) = cfg.dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+                crate::store::sync_dir(parent).map_err(io(format!("syncing {}", parent.display())))?;
+            }
+        }
         let lock = lock_dir(&cfg.dir)?;
         let id = node_id(&cfg.dir)?;
         let udp = UdpSocket::bind(cfg.listen).map_err(io(format!("binding UDP {}", cfg.listen)))?;
@@ -300,14 +303,7 @@ impl StorageNode {
     pub fn delete_volume(&self, id: u32) -> Result<(), NodeError> {
         let store = self.inner.volumes.write().remove(&id).ok_or(NodeError::NoVolume(id))?;
         drop(store);
-        for ext in ["data", "meta", "log"] {
-            let p = self.inner.dir.join(format!("vol-{id}.{ext}"));
-            match std::fs::remove_file(&p) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(io(format!("removing {}", p.display()))(e)),
-            }
-        }
+        VolumeStore::remove(&self.inner.dir, id)?;
         Ok(())
     }
 

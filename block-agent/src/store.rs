@@ -95,6 +95,11 @@ pub struct VolumeStore {
     stats: Mutex<StoreStats>,
 }
 
+/// Makes `dir`'s entries (files created, renamed or removed in it) durable.
+pub(crate) fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    File::open(dir)?.sync_all()
+}
+
 fn paths(dir: &Path, volume: u32) -> (PathBuf, PathBuf, PathBuf) {
     (
         dir.join(format!("vol-{volume}.data")),
@@ -142,14 +147,33 @@ impl VolumeStore {
         }
     }
 
-    /// Creates a volume of `blocks` blocks in `dir` (refused if it exists).
+    /// Creates a volume of `blocks` blocks in `dir` (refused if it exists), durably: when this
+    /// returns, a power cut leaves the whole volume; before, none of it. The data file is the
+    /// volume's commit mark: it is named last, after the other files are sized, synced and
+    /// named, and leftovers of a create the power cut short are removed first.
     pub fn create(dir: &Path, volume: u32, blocks: u64, log_limit: u64) -> Result<VolumeStore, StoreError> {
-        let (d, m, _) = paths(dir, volume);
+        let (d, m, l) = paths(dir, volume);
         let err = |what: &str| {
             let what = what.to_string();
             move |source| StoreError::Io { volume, what, source }
         };
         std::fs::create_dir_all(dir).map_err(err("creating the directory"))?;
+        if d.exists() {
+            return Err(StoreError::Io {
+                volume,
+                what: format!("creating {}", d.display()),
+                source: std::io::ErrorKind::AlreadyExists.into(),
+            });
+        }
+        let pending = d.with_extension("data.new");
+        for p in [&m, &l, &pending] {
+            match std::fs::remove_file(p) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(err(&format!("removing {}", p.display()))(e))
+                }
+                _ => {}
+            }
+        }
         let mk = |p: &Path, len: u64| -> Result<(), StoreError> {
             let f = OpenOptions::new()
                 .write(true)
@@ -159,9 +183,38 @@ impl VolumeStore {
             f.set_len(len).map_err(err("sizing"))?;
             f.sync_all().map_err(err("syncing"))
         };
-        mk(&d, blocks * BLOCK as u64)?;
         mk(&m, blocks * META)?;
+        mk(&l, 0)?;
+        mk(&pending, blocks * BLOCK as u64)?;
+        sync_dir(dir).map_err(err("syncing the directory"))?;
+        std::fs::rename(&pending, &d).map_err(err(&format!("renaming to {}", d.display())))?;
+        sync_dir(dir).map_err(err("syncing the directory"))?;
         Self::open(dir, volume, log_limit)
+    }
+
+    /// Removes a volume's files from `dir`, durably (the data file, its commit mark, first).
+    pub fn remove(dir: &Path, volume: u32) -> Result<(), StoreError> {
+        let (d, m, l) = paths(dir, volume);
+        for p in [&d, &m, &l] {
+            match std::fs::remove_file(p) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(StoreError::Io {
+                        volume,
+                        what: format!("removing {}", p.display()),
+                        source: e,
+                    })
+                }
+                _ => {}
+            }
+            if p == &d {
+                sync_dir(dir).map_err(|source| StoreError::Io {
+                    volume,
+                    what: "syncing the directory".into(),
+                    source,
+                })?;
+            }
+        }
+        Ok(())
     }
 
     /// Opens a volume, replaying its log (after a crash: every acknowledged write comes back).
@@ -177,7 +230,11 @@ impl VolumeStore {
                 .open(p)
                 .map_err(err(format!("opening {}", p.display())))
         };
+        let had_log = l.exists();
         let (data, meta, log) = (open(&d)?, open(&m)?, open(&l)?);
+        if !had_log {
+            sync_dir(dir).map_err(err("syncing the directory".into()))?;
+        }
         let size = data.metadata().map_err(err("stat".into()))?.len();
         if size % BLOCK as u64 != 0 {
             return Err(StoreError::Invalid(

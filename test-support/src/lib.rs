@@ -8,6 +8,8 @@
 
 use std::io::Write;
 
+pub mod powercut;
+
 /// Why a test cannot run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Missing {
