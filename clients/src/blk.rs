@@ -483,7 +483,8 @@ pub fn cluster_down(state: &ClusterState) {
         }
         signal(*pid, libc::SIGTERM);
         let deadline = Instant::now() + Duration::from_secs(5);
-        while crate::procs::exists(*pid) {
+        // a zombie (stopped, not yet reaped by its parent) counts as stopped
+        while daemon_alive(state, i) == Alive::Yes {
             if Instant::now() > deadline {
                 signal(*pid, libc::SIGKILL);
                 break;
