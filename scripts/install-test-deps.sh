@@ -3,7 +3,7 @@
 # scapy (independent ICRC check), the DejaVu font (ccsim plots), clang, libbpf-dev, bpftool and
 # ethtool (the congestion testbed), redis-server and redis-tools (kv-store's reference and
 # front-door test), etcd-server (kv-store's shard map), qemu-utils, libnbd-bin and fio (real NBD
-# clients of block-agent's tests and benchmarks). Needs root for apt; without root it says what is missing
+# clients of block-agent's tests and benchmarks), maturin, pytest and NumPy (the Python package). Needs root for apt; without root it says what is missing
 # and the tests that need those tools skip with a message.
 set -euo pipefail
 
@@ -47,4 +47,12 @@ if ! python3 -c 'import scapy.contrib.roce' >/dev/null 2>&1; then
     || python3 -m pip install -q --disable-pip-version-check --break-system-packages scapy 2>/dev/null \
     || { [ "$(id -u)" = 0 ] && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-scapy >/dev/null; } \
     || echo "could not install scapy; the ICRC cross-check will skip" >&2
+fi
+
+# the Python package's build (maturin) and tests (pytest, NumPy)
+if ! python3 -c 'import pytest, numpy' >/dev/null 2>&1 || ! command -v maturin >/dev/null 2>&1; then
+  echo "installing: maturin, pytest, numpy (PyPI)"
+  python3 -m pip install -q --disable-pip-version-check 'maturin>=1.7,<2' pytest numpy 2>/dev/null \
+    || python3 -m pip install -q --disable-pip-version-check --break-system-packages 'maturin>=1.7,<2' pytest numpy \
+    || echo "could not install maturin, pytest or numpy; the Python package's tests will fail" >&2
 fi

@@ -54,6 +54,10 @@ cargo clippy -p kvcache-engine --features gpu --all-targets --quiet -- -D warnin
 cargo test --workspace
 cargo test -p kvcache-engine --features gpu --lib --test gpu -- --nocapture
 
+# the Python package (a Mooncake-compatible TransferEngine): built, installed, and its tests
+scripts/python.sh
+python3 -m pytest -q python/tests
+
 # the notification pipe's protocol under every interleaving (loom; its own target directory)
 scripts/loom.sh --quiet
 # a short smoke of every fuzz target (the long runs: scripts/fuzz.sh --seconds N)

@@ -33,13 +33,19 @@ fn down_signals_only_processes_it_can_prove_are_its_daemons() {
     let reused = state(pid, vec![start + 1]);
     assert_eq!(daemon_alive(&reused, 0), Alive::Other);
     cluster_down(&reused);
-    assert!(running(&mut stranger), "a process that reused a daemon's pid was signalled");
+    assert!(
+        running(&mut stranger),
+        "a process that reused a daemon's pid was signalled"
+    );
 
     // an old state without start times: the command line must name the cluster's directory
     let old = state(pid, Vec::new());
     assert_eq!(daemon_alive(&old, 0), Alive::Other);
     cluster_down(&old);
-    assert!(running(&mut stranger), "a process whose command line is not a daemon's was signalled");
+    assert!(
+        running(&mut stranger),
+        "a process whose command line is not a daemon's was signalled"
+    );
 
     // the recorded start time proves it: stopped
     let ours = state(pid, vec![start]);

@@ -1,0 +1,59 @@
+"""flexns's KV-cache transfer engine for Python.
+
+``flexns.TransferEngine`` has the methods, arguments and return conventions of
+``mooncake.engine.TransferEngine`` (what vLLM's MooncakeConnector and SGLang's disaggregation
+code call), over the flexns stack (``protocol="flexns"``) or kernel TCP (``protocol="tcp"``).
+Unlike Mooncake, nothing falls back silently: an unknown protocol is a ``ValueError`` naming
+the supported ones, and every failure that a Mooncake-style call reports as -1 (or batch id 0)
+is logged on the ``flexns`` logger with its cause and kept for ``engine.last_error()``.
+
+Memory may be an address (int, as in Mooncake), a NumPy array or a PyTorch tensor::
+
+    import flexns, numpy as np
+    e = flexns.TransferEngine()
+    e.initialize("127.0.0.1", "P2PHANDSHAKE", "flexns", "")
+    kv = np.zeros(1 << 20, dtype=np.uint8)
+    e.register_memory(kv)                     # kept alive until unregistered
+    e.write("127.0.0.1:15123", kv, peer_addr)  # raises flexns.TransferError on failure
+"""
+
+from ._flexns import (  # noqa: F401
+    SUPPORT_CUDA,
+    SUPPORTED_PROTOCOLS,
+    TransferEngine,
+    TransferError,
+    TransferNotify,
+    TransferOpcode,
+)
+
+__all__ = [
+    "TransferEngine",
+    "TransferError",
+    "TransferNotify",
+    "TransferOpcode",
+    "SUPPORT_CUDA",
+    "SUPPORTED_PROTOCOLS",
+    "use_as_mooncake",
+]
+
+
+def use_as_mooncake():
+    """Makes ``from mooncake.engine import TransferEngine`` (and ``import mooncake.engine``)
+    resolve to flexns's engine in this process. Opt-in: nothing is installed under the name
+    ``mooncake``, so a real Mooncake is never shadowed unless this is called (or a program is
+    started with ``python -m flexns.as_mooncake``). Returns the alias module."""
+    import sys
+    import types
+
+    from . import _flexns
+
+    pkg = types.ModuleType("mooncake")
+    pkg.__path__ = []  # a package, so that submodule imports resolve
+    pkg.__doc__ = "flexns standing in for Mooncake (flexns.use_as_mooncake)"
+    engine = types.ModuleType("mooncake.engine")
+    for name in ("TransferEngine", "TransferNotify", "TransferOpcode", "SUPPORT_CUDA"):
+        setattr(engine, name, getattr(_flexns, name))
+    pkg.engine = engine
+    sys.modules["mooncake"] = pkg
+    sys.modules["mooncake.engine"] = engine
+    return engine

@@ -1,0 +1,35 @@
+"""Runs a Python program with ``mooncake.engine`` resolving to flexns::
+
+    python -m flexns.as_mooncake script.py ARGS...
+    python -m flexns.as_mooncake -m package.module ARGS...
+
+so that serving code written for Mooncake (vLLM's MooncakeConnector, SGLang's mooncake
+transfer backend) runs over flexns unchanged.
+"""
+
+import runpy
+import sys
+
+from . import use_as_mooncake
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        return 0 if argv else 2
+    use_as_mooncake()
+    if argv[0] == "-m":
+        if len(argv) < 2:
+            print("flexns.as_mooncake: -m needs a module name", file=sys.stderr)
+            return 2
+        sys.argv = argv[1:]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = argv
+        runpy.run_path(argv[0], run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
