@@ -118,6 +118,11 @@ impl Target {
     }
 }
 
+/// The smallest decode pool a benchmark starts: consecutive transfers land in different
+/// slots of it, as different requests' KV blocks do, so the decode side writes memory that is
+/// not already in its caches (a pool the size of one transfer rewrote one hot slot).
+pub const MIN_POOL: u64 = 64 << 20;
+
 const SWEEP: [u64; 7] = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20];
 
 fn engine_config(a: &BenchArgs, v: &Variant, name: &str) -> Result<EngineConfig> {
@@ -157,7 +162,7 @@ fn setup(a: &BenchArgs, v: &Variant, max: u64, exe: &std::path::Path, sub: &[Str
                     "--advertise",
                     "127.0.0.1",
                     "--pool",
-                    &max.to_string(),
+                    &max.max(MIN_POOL).to_string(),
                     "--data-cores",
                     &a.data_cores.to_string(),
                 ])
