@@ -144,7 +144,8 @@ fn protocol(p: &str) -> PyResult<TransportKind> {
             "protocol {o:?} is not supported by flexns: use \"flexns\" (the flexns stack over UDP) or \"tcp\" \
              (kernel TCP){}",
             if o == "rdma" {
-                "; there is no RDMA NIC backend, and flexns never falls back silently"
+                "; there is no RDMA NIC backend and flexns never falls back silently (to run code that asks \
+                 for \"rdma\" over flexns, set FLEXNS_RDMA_AS=flexns)"
             } else {
                 ""
             }
@@ -427,7 +428,23 @@ impl Engine {
         protocol: &str,
         device_name: &str,
     ) -> PyResult<i32> {
-        let transport = self::protocol(protocol)?;
+        // serving code that hard-codes "rdma" (SGLang, vLLM's connector) runs over flexns only
+        // when the user says so, by name; then the choice is logged, never silent
+        let asked = match (protocol, std::env::var("FLEXNS_RDMA_AS")) {
+            ("rdma", Ok(v)) if !v.is_empty() => {
+                self::protocol(&v).map_err(|e| PyValueError::new_err(format!("FLEXNS_RDMA_AS: {e}")))?;
+                if let Ok(log) = py
+                    .import("logging")
+                    .and_then(|l| l.call_method1("getLogger", ("flexns",)))
+                {
+                    let m = format!("protocol \"rdma\" runs over {v:?} (FLEXNS_RDMA_AS)");
+                    let _ = log.call_method1("info", ("%s", m));
+                }
+                v
+            }
+            _ => protocol.to_string(),
+        };
+        let transport = self::protocol(&asked)?;
         let meta = metadata(metadata_server)?;
         if self.engine.lock().is_some() {
             return Err(TransferError::new_err("initialize: the engine is already initialized"));

@@ -191,3 +191,18 @@ def test_a_killed_decode_process_is_an_error_within_seconds_naming_it(protocol):
         engine.close()
         if d.is_alive():
             d.kill()
+
+
+def test_rdma_runs_over_flexns_only_when_asked_by_name(monkeypatch, caplog):
+    e = flexns.TransferEngine()
+    with pytest.raises(ValueError, match="FLEXNS_RDMA_AS=flexns"):
+        e.initialize(HOST, "P2PHANDSHAKE", "rdma", "")
+    monkeypatch.setenv("FLEXNS_RDMA_AS", "infiniband")
+    with pytest.raises(ValueError, match="FLEXNS_RDMA_AS"):
+        e.initialize(HOST, "P2PHANDSHAKE", "rdma", "")
+    monkeypatch.setenv("FLEXNS_RDMA_AS", "tcp")
+    with caplog.at_level("INFO", logger="flexns"):
+        assert e.initialize(HOST, "P2PHANDSHAKE", "rdma", "") == 0
+    assert e.get_protocol() == "tcp"
+    assert any("FLEXNS_RDMA_AS" in r.getMessage() for r in caplog.records)
+    e.close()
