@@ -55,7 +55,7 @@ cargo test --workspace
 cargo test -p kvcache-engine --features gpu --lib --test gpu -- --nocapture
 
 # the Python package (a Mooncake-compatible TransferEngine): built, installed, and its tests
-scripts/python.sh
+scripts/python.sh --dev
 python3 -m pytest -q python/tests
 
 # the notification pipe's protocol under every interleaving (loom; its own target directory)

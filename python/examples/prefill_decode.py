@@ -13,6 +13,7 @@ checks every byte. Only the import line differs from code written for Mooncake.
 
 import argparse
 import multiprocessing as mp
+import time
 
 import numpy as np
 
@@ -28,7 +29,10 @@ def decode(conn, protocol):
     engine.batch_register_memory([p.ctypes.data for p in pools], [p.nbytes for p in pools])
     conn.send((f"127.0.0.1:{engine.get_rpc_port()}", [p.ctypes.data for p in pools]))
     dst_blocks, expected = conn.recv()
-    notes = [(n.name, n.msg) for n in engine.get_notifies()]
+    notes, deadline = [], time.time() + 10
+    while not notes and time.time() < deadline:  # queued a moment after the transfer completes
+        notes = [(n.name, n.msg) for n in engine.get_notifies()]
+        time.sleep(0.001)
     ok = all(np.array_equal(pools[layer][d], expected[layer][i])
              for layer in range(LAYERS) for i, d in enumerate(dst_blocks))
     conn.send((ok, notes))

@@ -76,9 +76,7 @@ def sglang_decode(conn, protocol):
     session_id = f"{HOST}:{engine.get_rpc_port()}"
     conn.send({"session": session_id, "kv": kv.ctypes.data, "aux": aux.ctypes.data})
     msg = conn.recv()
-    notes = []
-    for n in engine.get_notifies():
-        notes.append((n.name, n.msg))
+    notes = wait_notifies(engine, 1)
     ok = all(
         np.array_equal(kv[d * BLOCK_BYTES:(d + 1) * BLOCK_BYTES], pattern(0, s, msg["seed"]))
         for s, d in zip(msg["src"], msg["dst"])
@@ -113,6 +111,19 @@ def sglang_prefill(conn, protocol, seed):
     rets.append(engine.transfer_sync(session, aux.ctypes.data, meta["aux"], 4096, TransferOpcode.Write, note))
     conn.send({"seed": seed, "src": src, "dst": dst, "rets": rets})
     return rets
+
+
+def wait_notifies(engine, n, timeout=10.0):
+    """Polls get_notifies until `n` arrived (a completed transfer_sync means the notification
+    reached the peer's stack; its engine queues it for get_notifies a moment later)."""
+    import time
+
+    got = []
+    deadline = time.time() + timeout
+    while len(got) < n and time.time() < deadline:
+        got += [(x.name, x.msg) for x in engine.get_notifies()]
+        time.sleep(0.001)
+    return got
 
 
 def sink(conn, protocol, nbytes):

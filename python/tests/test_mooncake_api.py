@@ -105,10 +105,9 @@ def test_managed_buffers_and_notifications(pair):
     n = flexns.TransferNotify("prefill-0", "layers 0-31 done")
     assert a.transfer_sync(session, buf + 10, far, 12, flexns.TransferOpcode.Write, n) == 0
     assert b.read_bytes_from_buffer(far, 12) == b"hello flexns"
-    got = b.get_notifies()
-    assert [(x.name, x.msg) for x in got] == [("prefill-0", "layers 0-31 done")]
+    assert roles.wait_notifies(b, 1) == [("prefill-0", "layers 0-31 done")]
     assert a.send_notify(session, flexns.TransferNotify("x", "y")) == 0
-    assert [(x.name, x.msg) for x in b.get_notifies()] == [("x", "y")]
+    assert roles.wait_notifies(b, 1) == [("x", "y")]
     assert a.free_managed_buffer(buf, 1 << 16) == 0
     assert a.free_managed_buffer(buf, 1 << 16) == -1
     assert a.write_bytes_to_buffer(buf, b"x", 1) == -1, "freed memory is not writable through the engine"
