@@ -3,7 +3,7 @@
 # scapy (independent ICRC check), the DejaVu font (ccsim plots), clang, libbpf-dev, bpftool and
 # ethtool (the congestion testbed), redis-server and redis-tools (kv-store's reference and
 # front-door test), etcd-server (kv-store's shard map), qemu-utils, libnbd-bin and fio (real NBD
-# clients of block-agent's tests and benchmarks), maturin, pytest and NumPy (the Python package). Needs root for apt; without root it says what is missing
+# clients of block-agent's tests and benchmarks), maturin, pytest and NumPy (the Python package), prometheus (the metrics test). Needs root for apt; without root it says what is missing
 # and the tests that need those tools skip with a message.
 set -euo pipefail
 
@@ -29,6 +29,8 @@ command -v fio >/dev/null 2>&1 || missing+=(fio)
 # block-agent: ext4 on a volume through nbdfuse (FUSE) and a loop device
 command -v fusermount3 >/dev/null 2>&1 || missing+=(fuse3)
 command -v mkfs.ext4 >/dev/null 2>&1 || missing+=(e2fsprogs)
+# every daemon's --metrics-addr scraped by a real Prometheus server
+command -v prometheus >/dev/null 2>&1 || missing+=(prometheus)
 
 if [ "${#missing[@]}" -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

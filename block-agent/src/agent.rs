@@ -64,11 +64,14 @@ pub struct Agent {
 
 impl Agent {
     pub fn new(cfg: AgentConfig) -> Arc<Agent> {
-        Arc::new(Agent {
+        let a = Arc::new(Agent {
             cfg,
             exports: Exports::new(),
             links: Mutex::new(HashMap::new()),
-        })
+        });
+        let weak: std::sync::Weak<dyn netstack::telemetry::Collect> = Arc::downgrade(&a) as _;
+        netstack::telemetry::register(weak);
+        a
     }
 
     /// The exports (for the NBD server).
@@ -142,5 +145,39 @@ impl Agent {
     /// Stops exporting `name` (open connections finish with the volume they have).
     pub fn detach(&self, name: &str) -> bool {
         self.exports.remove(name).is_some()
+    }
+}
+
+/// The agent's metrics: each storage-node link's health and Solar counters (`node` label) and
+/// each exported volume's counters (`volume` label), copied once a second.
+impl netstack::telemetry::Collect for Agent {
+    fn collect(&self) {
+        use metrics::{counter, gauge};
+        let links: Vec<(String, Arc<Link>)> = self.links.lock().iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        for (node, l) in links {
+            let st = l.status();
+            let g = |name: &'static str, v: f64| gauge!(name, "node" => node.clone()).set(v);
+            g("flexns_block_link_paths", st.paths as f64);
+            g("flexns_block_link_paths_up", st.paths_up as f64);
+            g("flexns_block_link_outstanding_requests", st.outstanding as f64);
+            let c = |name: &'static str, v: u64| counter!(name, "node" => node.clone()).absolute(v);
+            c("flexns_solar_blocks_sent_total", st.stats.blocks_sent);
+            c("flexns_solar_blocks_resent_total", st.stats.blocks_resent);
+            c("flexns_solar_timeouts_total", st.stats.timeouts);
+            c("flexns_solar_crc_errors_total", st.stats.crc_errors);
+            c("flexns_solar_path_downs_total", st.stats.path_downs);
+        }
+        for name in self.exports.names() {
+            let Some(v) = self.exports.get(&name) else { continue };
+            let k = v.counters();
+            let c = |metric: &'static str, a: &std::sync::atomic::AtomicU64| {
+                counter!(metric, "volume" => name.clone()).absolute(a.load(std::sync::atomic::Ordering::Relaxed))
+            };
+            c("flexns_volume_read_failovers_total", &k.read_failovers);
+            c("flexns_volume_repairs_total", &k.repairs);
+            c("flexns_volume_repair_failures_total", &k.repair_failures);
+            gauge!("flexns_volume_size_bytes", "volume" => name.clone()).set(v.size() as f64);
+            gauge!("flexns_volume_replicas", "volume" => name.clone()).set(v.replicas().len() as f64);
+        }
     }
 }

@@ -38,6 +38,8 @@ pub enum DaemonError {
     Register(String, String),
     #[error("stopped: {0}")]
     Superseded(String),
+    #[error(transparent)]
+    Metrics(#[from] netstack::telemetry::TelemetryError),
 }
 
 fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> DaemonError {
@@ -66,6 +68,9 @@ pub struct NodeArgs {
     /// Milliseconds between heartbeats to the controller.
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(10..=60_000))]
     pub heartbeat_ms: u64,
+    /// Serve Prometheus metrics on this address (`GET /metrics`).
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_addr: Option<SocketAddr>,
 }
 
 /// `block-agent`: exports volumes over NBD.
@@ -103,6 +108,9 @@ pub struct AgentArgs {
     /// attached here and where their replicas serve now).
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(10..=60_000))]
     pub heartbeat_ms: u64,
+    /// Serve Prometheus metrics on this address (`GET /metrics`).
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_addr: Option<SocketAddr>,
 }
 
 /// `block-control`: volumes, placement, attachments.
@@ -123,6 +131,9 @@ pub struct ControlArgs {
     /// A storage node not heard from in this many milliseconds is down.
     #[arg(long, default_value_t = 3000, value_parser = clap::value_parser!(u64).range(50..=600_000))]
     pub node_timeout_ms: u64,
+    /// Serve Prometheus metrics on this address (`GET /metrics`).
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_addr: Option<SocketAddr>,
 }
 
 impl AgentArgs {
@@ -256,6 +267,9 @@ where
 
 /// Runs a storage node.
 pub async fn run_node(a: NodeArgs) -> Result<(), DaemonError> {
+    if let Some(addr) = a.metrics_addr {
+        netstack::telemetry::serve_prometheus(addr)?;
+    }
     let mut cfg = NodeConfig::new(&a.dir);
     cfg.listen = a.listen;
     cfg.write_threads = a.write_threads;
@@ -331,6 +345,9 @@ pub async fn run_node(a: NodeArgs) -> Result<(), DaemonError> {
 
 /// Runs an agent.
 pub async fn run_agent(a: AgentArgs) -> Result<(), DaemonError> {
+    if let Some(addr) = a.metrics_addr {
+        netstack::telemetry::serve_prometheus(addr)?;
+    }
     let agent = Agent::new(a.config()?);
     let (nbd_l, nbd) = listen(a.nbd, "NBD").await?;
     let nbd_task = tokio::spawn(serve_tcp(agent.exports().clone(), nbd_l));
@@ -408,6 +425,9 @@ pub async fn run_agent(a: AgentArgs) -> Result<(), DaemonError> {
 
 /// Runs the controller.
 pub async fn run_control(a: ControlArgs) -> Result<(), DaemonError> {
+    if let Some(addr) = a.metrics_addr {
+        netstack::telemetry::serve_prometheus(addr)?;
+    }
     let meta = match &a.etcd {
         Some(e) => MetaStore::etcd(e, &a.prefix).await?,
         None => MetaStore::File(a.state.clone()),
@@ -420,6 +440,8 @@ pub async fn run_control(a: ControlArgs) -> Result<(), DaemonError> {
         node_timeout: Duration::from_millis(a.node_timeout_ms),
     };
     let c = Arc::new(Controller::new(meta, cfg).await?);
+    let weak: std::sync::Weak<dyn netstack::telemetry::Collect> = Arc::downgrade(&c) as _;
+    netstack::telemetry::register(weak);
     let (l, at) = listen(a.listen, "control").await?;
     tokio::spawn(c.clone().watch());
     banner(&format!("block-control control={at} metadata={store}"));

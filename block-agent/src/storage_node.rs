@@ -257,6 +257,8 @@ impl StorageNode {
             stop: AtomicBool::new(false),
             counters: NodeCounters::default(),
         });
+        let weak: std::sync::Weak<dyn netstack::telemetry::Collect> = Arc::downgrade(&inner) as _;
+        netstack::telemetry::register(weak);
         let mut threads = Vec::new();
         let rx = Arc::new(Mutex::new(rx));
         for i in 0..cfg.write_threads.max(1) {
@@ -661,6 +663,52 @@ fn self_send(inner: &Inner, job: WriteJob) -> Result<(), ()> {
     match inner.writes.lock().as_ref() {
         Some(tx) => tx.send(job).map_err(|_| ()),
         None => Err(()),
+    }
+}
+
+/// The storage node's metrics, copied once a second: packets, malformed input, the Solar
+/// server's counters, and per volume (`volume` label) writes, log syncs, checkpoints and reads.
+impl netstack::telemetry::Collect for Inner {
+    fn collect(&self) {
+        use metrics::{counter, gauge};
+        let node = self.id.clone();
+        let c = |name: &'static str, v: u64| counter!(name, "node" => node.clone()).absolute(v);
+        let k = &self.counters;
+        c(
+            "flexns_storage_packets_received_total",
+            k.packets_in.load(Ordering::Relaxed),
+        );
+        c(
+            "flexns_storage_packets_sent_total",
+            k.packets_out.load(Ordering::Relaxed),
+        );
+        c(
+            "flexns_storage_malformed_packets_total",
+            k.malformed.load(Ordering::Relaxed),
+        );
+        c(
+            "flexns_storage_send_errors_total",
+            k.send_errors.load(Ordering::Relaxed),
+        );
+        let sv = self.solar.lock().stats();
+        c("flexns_solar_server_writes_total", sv.writes);
+        c("flexns_solar_server_reads_total", sv.reads);
+        c("flexns_solar_server_crc_errors_total", sv.crc_errors);
+        c("flexns_solar_server_stale_dropped_total", sv.stale_dropped);
+        let vols: Vec<(u32, Arc<VolumeStore>)> = self.volumes.read().iter().map(|(k, v)| (*k, v.clone())).collect();
+        for (id, store) in vols {
+            let st = store.stats();
+            let v = |name: &'static str, x: u64| {
+                counter!(name, "node" => node.clone(), "volume" => id.to_string()).absolute(x)
+            };
+            v("flexns_store_writes_total", st.writes);
+            v("flexns_store_log_syncs_total", st.syncs);
+            v("flexns_store_checkpoints_total", st.checkpoints);
+            v("flexns_store_reads_total", st.reads);
+            v("flexns_store_corrupt_reads_total", st.corrupt_reads);
+            gauge!("flexns_store_size_bytes", "node" => node.clone(), "volume" => id.to_string())
+                .set((store.blocks() * BLOCK as u64) as f64);
+        }
     }
 }
 

@@ -166,6 +166,9 @@ pub struct ClusterSpec {
     pub heartbeat_ms: u64,
     /// The controller's node timeout.
     pub node_timeout_ms: u64,
+    /// Prometheus metrics on 127.0.0.1: the controller on this port, storage node `i` on
+    /// `+1+i`, the agent after the nodes (see [`ClusterSpec::metrics_addrs`]).
+    pub metrics_base: Option<u16>,
 }
 
 impl ClusterSpec {
@@ -184,7 +187,28 @@ impl ClusterSpec {
             detached: false,
             heartbeat_ms: 1000,
             node_timeout_ms: 3000,
+            metrics_base: None,
         }
+    }
+
+    /// `(daemon, address)` of every metrics endpoint: control, node0.., agent0.
+    pub fn metrics_addrs(&self) -> Vec<(String, String)> {
+        let Some(base) = self.metrics_base else {
+            return Vec::new();
+        };
+        let at = |k: usize| format!("127.0.0.1:{}", base as usize + k);
+        let mut v = vec![("control".to_string(), at(0))];
+        v.extend((0..self.nodes).map(|i| (format!("node{i}"), at(1 + i))));
+        v.push(("agent0".to_string(), at(1 + self.nodes)));
+        v
+    }
+
+    fn metrics_flag(&self, daemon: &str) -> Vec<String> {
+        self.metrics_addrs()
+            .into_iter()
+            .find(|(d, _)| d == daemon)
+            .map(|(_, a)| vec!["--metrics-addr".to_string(), a])
+            .unwrap_or_default()
     }
 }
 
@@ -295,11 +319,12 @@ fn control_args(spec: &ClusterSpec, listen: &str) -> Vec<String> {
         Some(e) => a.extend(["--etcd".into(), e.clone(), "--prefix".into(), etcd_prefix(&spec.dir)]),
         None => a.extend(["--state".into(), spec.dir.join("control.json").display().to_string()]),
     }
+    a.extend(spec.metrics_flag("control"));
     a
 }
 
 fn node_args(spec: &ClusterSpec, control: &str, i: usize, listen: &str) -> Vec<String> {
-    vec![
+    let mut a = vec![
         "--dir".to_string(),
         spec.dir.join(format!("node{i}")).display().to_string(),
         "--listen".into(),
@@ -308,11 +333,13 @@ fn node_args(spec: &ClusterSpec, control: &str, i: usize, listen: &str) -> Vec<S
         control.into(),
         "--heartbeat-ms".into(),
         spec.heartbeat_ms.to_string(),
-    ]
+    ];
+    a.extend(spec.metrics_flag(&format!("node{i}")));
+    a
 }
 
 fn agent_args(spec: &ClusterSpec, control: &str, nbd: &str) -> Vec<String> {
-    vec![
+    let mut a = vec![
         "--name".to_string(),
         "agent0".into(),
         "--nbd".into(),
@@ -329,7 +356,9 @@ fn agent_args(spec: &ClusterSpec, control: &str, nbd: &str) -> Vec<String> {
         spec.cc.clone(),
         "--heartbeat-ms".into(),
         spec.heartbeat_ms.to_string(),
-    ]
+    ];
+    a.extend(spec.metrics_flag("agent0"));
+    a
 }
 
 impl LocalCluster {

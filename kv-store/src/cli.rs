@@ -58,6 +58,9 @@ pub struct ServerArgs {
     /// the file, a flag left out leaves the file's value.
     #[arg(long)]
     pub config: Option<std::path::PathBuf>,
+    /// Serve Prometheus metrics on this address (`GET /metrics`).
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_addr: Option<std::net::SocketAddr>,
 }
 
 impl ServerArgs {
@@ -108,6 +111,9 @@ impl ServerArgs {
 /// Runs a partition until SIGTERM or SIGINT. Prints one banner line first:
 /// `kv-server cm=ADDR data=ADDR resp=ADDR shard=I/N`.
 pub fn run(args: ServerArgs) -> Result<()> {
+    if let Some(addr) = args.metrics_addr {
+        netstack::telemetry::serve_prometheus(addr)?;
+    }
     let s = KvServer::start(args.config()?)?;
     println!(
         "kv-server cm={} data={} resp={} shard={}/{}",

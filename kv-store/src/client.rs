@@ -380,6 +380,15 @@ impl KvClient {
         let mut multi_done = Vec::new();
         // requests a multi-get had no room for go alone next time
         let mut solo = vec![false; ops.len()];
+        // when each get was issued: its latency goes to flexns_kv_get_duration_seconds{path}
+        let mut issued: Vec<Option<Instant>> = vec![None; ops.len()];
+        let path = self.cfg.get_path.to_string();
+        let observe = |issued: &[Option<Instant>], i: usize| {
+            if let (Some(t), Op::Get(_)) = (issued[i], &ops[i]) {
+                metrics::histogram!("flexns_kv_get_duration_seconds", "path" => path.clone())
+                    .record(t.elapsed().as_secs_f64());
+            }
+        };
         let mut idle_since = Instant::now();
         while left > 0 {
             // start what fits
@@ -406,6 +415,11 @@ impl KvClient {
                             queue.pop_front();
                         }
                     }
+                    let now = Instant::now();
+                    issued[i] = Some(now);
+                    for &j in &extra {
+                        issued[j] = Some(now);
+                    }
                     let r = self.start(s, slot, i, &ops[i], extra).and_then(|_| {
                         if matches!(self.shards[s].slots[slot].as_ref().map(|x| x.stage), Some(Stage::Multi)) {
                             self.issue_multi(s, slot, &ops)
@@ -431,6 +445,7 @@ impl KvClient {
                 if self.complete_multi(wc, &mut multi_done, &mut requeue) {
                     for (i, r) in multi_done.drain(..) {
                         if results[i].is_none() {
+                            observe(&issued, i);
                             results[i] = Some(r);
                             left -= 1;
                         }
@@ -443,6 +458,7 @@ impl KvClient {
                 }
                 if let Some((i, r)) = self.complete(wc, &ops) {
                     if results[i].is_none() {
+                        observe(&issued, i);
                         results[i] = Some(r);
                         left -= 1;
                     }
@@ -755,6 +771,7 @@ impl KvClient {
             GET_FOUND | GET_HOT if payload.len() == h.len as usize => {
                 if h.status == GET_HOT {
                     self.stats.hot_hits += 1;
+                    metrics::counter!("flexns_kv_hot_hits_total").increment(1);
                 }
                 self.finish(s, slot);
                 Some(Ok(Some(payload.to_vec())))
@@ -861,6 +878,8 @@ impl KvClient {
                     }
                     Err(_) => {
                         self.stats.torn += 1;
+                        metrics::counter!("flexns_kv_torn_rereads_total", "path" => self.cfg.get_path.to_string())
+                            .increment(1);
                         let st = self.shards[s].slots[slot].as_mut()?;
                         st.torn += 1;
                         if b == u64::MAX || st.torn > self.cfg.max_torn {

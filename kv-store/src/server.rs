@@ -553,6 +553,8 @@ impl KvServer {
             rpc_errors: AtomicU64::new(0),
             resp_requests: AtomicU64::new(0),
         });
+        let weak: std::sync::Weak<dyn netstack::telemetry::Collect> = Arc::downgrade(&inner) as _;
+        netstack::telemetry::register(weak);
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("kv-server-cm")
@@ -646,6 +648,39 @@ impl KvServer {
             connections: i.conns.lock().len() as u64,
             redn_pairs: i.redn.lock().len() as u64,
         }
+    }
+}
+
+/// The partition's metrics (`shard` label), copied once a second: requests by door, the
+/// store's keys and writes, the hot-value cache. The stack's own series (offloaded gets as
+/// `flexns_offload_requests_total`, RedN gets as `flexns_redn_chains_total`, one-sided gets as
+/// READ packets) come from the context's collector.
+impl netstack::telemetry::Collect for Inner {
+    fn collect(&self) {
+        use metrics::{counter, gauge};
+        let shard = self.shard.to_string();
+        let c = |name: &'static str, v: u64| counter!(name, "shard" => shard.clone()).absolute(v);
+        let g = |name: &'static str, v: u64| gauge!(name, "shard" => shard.clone()).set(v as f64);
+        let st = self.store.lock().stats();
+        g("flexns_kv_keys", st.keys);
+        c("flexns_kv_inserts_total", st.inserts);
+        c("flexns_kv_updates_total", st.updates);
+        c("flexns_kv_deletes_total", st.deletes);
+        g("flexns_kv_data_used_bytes", st.data_used);
+        g("flexns_kv_redn_mirrored_keys", st.mirrored);
+        let h = self.hot.stats();
+        c("flexns_kv_hot_cache_hits_total", h.hits);
+        c("flexns_kv_hot_cache_misses_total", h.misses);
+        c("flexns_kv_hot_cache_stale_total", h.stale);
+        g("flexns_kv_hot_cache_entries", h.entries);
+        for (door, v) in [
+            ("rpc", self.rpc_requests.load(Ordering::Relaxed)),
+            ("resp", self.resp_requests.load(Ordering::Relaxed)),
+        ] {
+            counter!("flexns_kv_requests_total", "shard" => shard.clone(), "door" => door).absolute(v);
+        }
+        c("flexns_kv_rpc_errors_total", self.rpc_errors.load(Ordering::Relaxed));
+        g("flexns_kv_connections", self.conns.lock().len() as u64);
     }
 }
 

@@ -128,6 +128,8 @@ impl Batch {
         if t.slices_left == 0 {
             t.state = TransferState::Completed;
             t.done = t.len;
+            metrics::counter!("flexns_kvcache_requests_total", "result" => "completed").increment(1);
+            metrics::counter!("flexns_kvcache_bytes_total").increment(t.len);
         }
         let all = b.tasks.iter().all(|t| t.state.is_final());
         drop(b);
@@ -176,6 +178,11 @@ impl Batch {
     pub fn fail(&self, task: usize, state: TransferState) {
         let mut b = self.inner.lock();
         if b.tasks[task].state == TransferState::Pending {
+            let cause = match &state {
+                TransferState::TimedOut(_) => "timed_out",
+                _ => "failed",
+            };
+            metrics::counter!("flexns_kvcache_requests_total", "result" => cause).increment(1);
             b.tasks[task].state = state;
         }
         drop(b);

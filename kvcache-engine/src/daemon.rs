@@ -52,6 +52,9 @@ pub struct ServeArgs {
     /// flexns stack configuration (TOML, netstack's ContextConfig).
     #[arg(long)]
     pub stack_config: Option<std::path::PathBuf>,
+    /// Serve Prometheus metrics on this address (`GET /metrics`).
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_addr: Option<std::net::SocketAddr>,
 }
 
 impl ServeArgs {
@@ -81,6 +84,9 @@ pub fn run(args: &ServeArgs) -> Result<(), TransferError> {
     let pool = netstack::config::parse_size(&args.pool).map_err(|e| TransferError::Config(format!("--pool: {e}")))?;
     if pool == 0 || pool > 1 << 40 {
         return Err(TransferError::Config(format!("--pool: {pool} bytes not in 1..=1TiB")));
+    }
+    if let Some(addr) = args.metrics_addr {
+        netstack::telemetry::serve_prometheus(addr).map_err(|e| TransferError::Config(e.to_string()))?;
     }
     let engine = TransferEngine::new(args.engine_config()?)?;
     let region = engine.allocate_memory(pool as usize, Location::Cpu(0))?;

@@ -805,6 +805,7 @@ impl TransferEngine {
         reqs: &[TransferRequest],
         notify: Option<&Notification>,
     ) -> Result<(), TransferError> {
+        let started = Instant::now();
         let id = self.allocate_batch(reqs.len().max(1))?;
         let bytes: u64 = reqs.iter().map(|r| r.length).sum();
         // a small transfer's completions are taken by this thread from the submit on
@@ -826,6 +827,16 @@ impl TransferEngine {
         }
         let s = self.wait_batch_with(id, t, spinning);
         let _ = self.free_batch(id);
+        let transport = self.inner.cfg.transport.to_string();
+        let result = match s.as_ref().map(|s| &s.state) {
+            Ok(TransferState::Completed) => "completed",
+            Ok(TransferState::TimedOut(_)) => "timed_out",
+            _ => "failed",
+        };
+        metrics::counter!("flexns_kvcache_batches_total", "transport" => transport.clone(), "result" => result)
+            .increment(1);
+        metrics::histogram!("flexns_kvcache_transfer_duration_seconds", "transport" => transport)
+            .record(started.elapsed().as_secs_f64());
         match s?.state {
             TransferState::Completed => Ok(()),
             TransferState::Failed(m) => Err(TransferError::Failed(m)),

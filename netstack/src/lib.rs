@@ -30,6 +30,7 @@ pub mod path;
 pub mod pipe;
 pub mod redn;
 pub mod sim;
+pub mod telemetry;
 pub mod transport;
 pub mod verbs;
 pub mod wire;

@@ -329,6 +329,29 @@ impl Controller {
 }
 
 /// The gRPC face of a shared controller (heartbeats spawn work that outlives a call).
+/// The controller's metrics: volumes, agents, and storage nodes by state (`up`, `down`,
+/// `unknown`), refreshed once a second (a round is skipped while a request holds the state).
+impl netstack::telemetry::Collect for Controller {
+    fn collect(&self) {
+        let Ok(st) = self.state.try_lock() else { return };
+        let ids: Vec<String> = st.nodes.keys().cloned().collect();
+        metrics::gauge!("flexns_control_volumes").set(st.volumes.len() as f64);
+        metrics::gauge!("flexns_control_agents").set(st.agents.len() as f64);
+        drop(st);
+        let live = self.live.lock();
+        let mut by = [("up", 0u32), ("down", 0), ("unknown", 0)];
+        for id in &ids {
+            let s = self.node_state(&live, id);
+            if let Some(e) = by.iter_mut().find(|(k, _)| *k == s) {
+                e.1 += 1;
+            }
+        }
+        for (state, n) in by {
+            metrics::gauge!("flexns_control_storage_nodes", "state" => state).set(n as f64);
+        }
+    }
+}
+
 pub struct ControllerService(pub Arc<Controller>);
 
 #[tonic::async_trait]

@@ -109,6 +109,8 @@ where
 }
 
 struct Session {
+    /// The export name (the `volume` label of the metrics).
+    name: Arc<str>,
     volume: Arc<Volume>,
     structured: bool,
     meta: bool,
@@ -162,6 +164,7 @@ where
                 }
                 w.write_all(&out).await?;
                 return Ok(Some(Session {
+                    name: name.as_str().into(),
                     volume: v,
                     structured: false,
                     meta: false,
@@ -246,6 +249,7 @@ where
                         if opt == OPT_GO {
                             w.write_all(&out).await?;
                             return Ok(Some(Session {
+                                name: name.as_str().into(),
                                 volume: v,
                                 structured,
                                 meta,
@@ -326,12 +330,16 @@ where
         }
         if let Err(e) = req.check(session.volume.size(), session.structured, session.meta) {
             exports.stats.errors.fetch_add(1, Ordering::Relaxed);
+            metrics::counter!("flexns_nbd_errors_total", "volume" => session.name.to_string(), "op" => op_name(req.typ))
+                .increment(1);
             let _ = tx.send((error_reply(&session, &req, e, "request refused"), permit));
             continue;
         }
         let (session, tx, exports) = (session.clone(), tx.clone(), exports.clone());
         tokio::spawn(async move {
+            let t0 = std::time::Instant::now();
             let reply = run(&session, &req, payload).await;
+            record(&session, &req, t0.elapsed(), reply.1);
             if reply.1 {
                 exports.stats.errors.fetch_add(1, Ordering::Relaxed);
             }
@@ -350,6 +358,35 @@ fn error_reply(s: &Session, req: &Request, e: u32, msg: &str) -> Vec<u8> {
     } else {
         simple_reply(req.handle, e).to_vec()
     }
+}
+
+/// The `op` label of a command.
+fn op_name(typ: u16) -> &'static str {
+    match typ {
+        CMD_READ => "read",
+        CMD_WRITE => "write",
+        CMD_FLUSH => "flush",
+        CMD_TRIM => "trim",
+        CMD_WRITE_ZEROES => "write_zeroes",
+        CMD_BLOCK_STATUS => "block_status",
+        CMD_DISC => "disconnect",
+        _ => "unknown",
+    }
+}
+
+/// Metrics of one request: count, bytes moved, latency, failure.
+fn record(s: &Session, req: &Request, took: std::time::Duration, failed: bool) {
+    let (volume, op) = (s.name.to_string(), op_name(req.typ));
+    metrics::counter!("flexns_nbd_requests_total", "volume" => volume.clone(), "op" => op).increment(1);
+    if matches!(req.typ, CMD_READ | CMD_WRITE) && !failed {
+        metrics::counter!("flexns_nbd_bytes_total", "volume" => volume.clone(), "op" => op)
+            .increment(req.length as u64);
+    }
+    if failed {
+        metrics::counter!("flexns_nbd_errors_total", "volume" => volume.clone(), "op" => op).increment(1);
+    }
+    metrics::histogram!("flexns_nbd_request_duration_seconds", "volume" => volume, "op" => op)
+        .record(took.as_secs_f64());
 }
 
 /// Runs a checked request; returns its reply and whether it failed.

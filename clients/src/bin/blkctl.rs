@@ -101,6 +101,10 @@ enum ClusterCmd {
         /// Keep the controller's metadata in etcd (host:port) instead of a file.
         #[arg(long)]
         etcd: Option<String>,
+        /// Serve Prometheus metrics from every daemon on 127.0.0.1: the controller on this
+        /// port, the storage nodes on the next ones, the agent after them.
+        #[arg(long, value_name = "PORT")]
+        metrics_base: Option<u16>,
     },
     /// Stops the local cluster (its data stays in --dir unless --purge).
     Down {
@@ -198,6 +202,7 @@ fn run() -> anyhow::Result<()> {
                 paths,
                 nbd,
                 etcd,
+                metrics_base,
             } => {
                 if let Some(s) = load_state(&cli.dir) {
                     anyhow::bail!(
@@ -217,6 +222,8 @@ fn run() -> anyhow::Result<()> {
                 spec.nbd = nbd;
                 spec.etcd = etcd;
                 spec.detached = true;
+                spec.metrics_base = metrics_base;
+                let metrics = spec.metrics_addrs();
                 let c = LocalCluster::start(&spawner, spec)?;
                 let state = c.state();
                 std::fs::write(state_file(&cli.dir), serde_json::to_vec_pretty(&state)?)?;
@@ -235,6 +242,9 @@ fn run() -> anyhow::Result<()> {
                     c.agent.field("nbd").unwrap_or_default(),
                     cli.dir.join("nbd.sock").display()
                 );
+                for (d, a) in metrics {
+                    eprintln!("metrics of {d}: http://{a}/metrics");
+                }
                 Ok(())
             }
             ClusterCmd::Down { purge } => {

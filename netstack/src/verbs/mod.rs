@@ -24,6 +24,8 @@ pub use crate::transport::rc::{QpState, RcConfig, RcStats, Recovery};
 pub use crate::work::*;
 pub use qp::{Endpoint, Qp, QpInitAttr};
 
+mod metrics;
+
 use crate::engine::{CqShared, Engine};
 use crate::mem::{MrEntry, MrTable, Region};
 use std::net::SocketAddrV4;
@@ -83,7 +85,7 @@ impl Context {
         let mix = std::process::id() ^ u32::from(*local.ip()) ^ ((local.port() as u32) << 8) ^ (n << 16);
         let base = mix.wrapping_mul(2654435761) & 0x7F_FF00;
         let offload = crate::offload::OffloadEngine::new(cfg.offload, mrs);
-        Ok(Context {
+        let ctx = Context {
             inner: Arc::new(CtxInner {
                 engine,
                 cc_env: crate::cc::CcEnv::new(&cfg.cc),
@@ -93,7 +95,10 @@ impl Context {
                 next_cq: AtomicU32::new(1),
                 offload,
             }),
-        })
+        };
+        let weak: std::sync::Weak<dyn crate::telemetry::Collect> = Arc::downgrade(&ctx.inner) as _;
+        crate::telemetry::register(weak);
+        Ok(ctx)
     }
 
     /// The data-path address of the first data core (each QP's own is in its endpoint).
