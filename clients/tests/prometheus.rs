@@ -231,6 +231,16 @@ fn prometheus_scrapes_every_daemon_and_sees_the_workload() {
          hold, sum(flexns_store_writes_total) = {}, kvcache rx rate {:.0} B/s, write p99 {:?}",
         stored[0].1, rate[0].1, p99
     );
+    // every panel of the Grafana dashboard is a query this Prometheus accepts
+    let dash: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/grafana/flexns.json")).unwrap(),
+    )
+    .unwrap();
+    for p in dash["panels"].as_array().unwrap() {
+        let expr = p["targets"][0]["expr"].as_str().unwrap();
+        let (status, body) = http_get(&prom, &format!("/api/v1/query?query={}", urlencode(expr))).unwrap();
+        assert_eq!(status, 200, "dashboard panel {}: {expr}: {body}", p["title"]);
+    }
     let (_, sample) = http_get(&targets[targets.len() - 1], "/metrics").unwrap();
     eprintln!(
         "one scrape of the agent (NBD lines):\n{}",
