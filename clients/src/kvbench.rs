@@ -86,6 +86,9 @@ pub struct BenchArgs {
     pub data_cores: usize,
     #[arg(long)]
     pub json: bool,
+    /// Serve this (prefill) process's Prometheus metrics on this address while it runs.
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_addr: Option<std::net::SocketAddr>,
 }
 
 /// One measured configuration.
@@ -390,6 +393,9 @@ fn run_once(t: &Target, v: &Variant, size: u64, secs: f64, seed: u64) -> Result<
 /// Runs the benchmark; returns every result line (ratios included) as JSON values. Decode
 /// engines are started as `exe sub...` (a `kvcache_engine::daemon` command line).
 pub fn run(a: &BenchArgs, exe: &std::path::Path, sub: &[String]) -> Result<Vec<serde_json::Value>> {
+    if let Some(addr) = a.metrics_addr {
+        netstack::telemetry::serve_prometheus(addr)?;
+    }
     // request mode: one size, the request's blocks; pools of 2× the request (scattered room)
     let req = match a.tokens {
         Some(0) => bail!("--tokens: must be > 0"),

@@ -168,6 +168,8 @@ fn prometheus_scrapes_every_daemon_and_sees_the_workload() {
         writes += 1;
         blocks += len as u64 / 4096;
     }
+    // the benchmark serves its own (prefill) metrics while it runs
+    let bench_metrics = format!("127.0.0.1:{}", common::free_port());
     let bench = Command::new(env!("CARGO_BIN_EXE_kvcache-bench"))
         .args([
             "--server",
@@ -180,8 +182,22 @@ fn prometheus_scrapes_every_daemon_and_sees_the_workload() {
             "1",
             "--json",
         ])
-        .output()
+        .args(["--metrics-addr", &bench_metrics])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
         .unwrap();
+    let mut scraped = String::new();
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_secs(20) && !scraped.contains("flexns_kvcache_requests_total") {
+        std::thread::sleep(Duration::from_millis(300));
+        scraped = http_get(&bench_metrics, "/metrics").map(|(_, b)| b).unwrap_or_default();
+    }
+    assert!(
+        scraped.contains("flexns_kvcache_requests_total{result=\"completed\"}"),
+        "kvcache-bench --metrics-addr served: {scraped}"
+    );
+    let bench = bench.wait_with_output().unwrap();
     assert!(bench.status.success(), "{}", String::from_utf8_lossy(&bench.stderr));
     let sent: u64 = String::from_utf8_lossy(&bench.stdout)
         .lines()

@@ -9,6 +9,7 @@
 use std::io::Write;
 
 pub mod powercut;
+pub mod units;
 
 /// Why a test cannot run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -296,6 +296,7 @@ fn kv_step(duration: f64, json: bool) -> Result<()> {
         redis: None,
         no_load: false,
         json,
+        metrics_addr: None,
     };
     let r = clients::ycsb::run(a, &std::env::current_exe()?, &["kv-server".to_string()]);
     if let Err(e) = &r {

@@ -90,6 +90,10 @@ pub struct YcsbArgs {
     /// JSON lines (docs/BENCHMARKS.md).
     #[arg(long)]
     pub json: bool,
+    /// Serve this (client) process's Prometheus metrics on this address while it runs (get
+    /// latency per path: `flexns_kv_get_duration_seconds`).
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_addr: Option<std::net::SocketAddr>,
 }
 
 /// What each system's records look like to the verifier: the last acknowledged write sequence
@@ -485,6 +489,9 @@ fn load(cfg: Config, a: &YcsbArgs, ctx: &Context, s: &Servers, truth: &Truth) ->
 
 /// Runs the benchmark; `exe` and `sub` start a kv-server (`exe sub... --cm ...`).
 pub fn run(a: YcsbArgs, exe: &std::path::Path, sub: &[String]) -> Result<()> {
+    if let Some(addr) = a.metrics_addr {
+        netstack::telemetry::serve_prometheus(addr)?;
+    }
     if a.value_size < 16 {
         bail!("--value-size: at least 16 bytes (record number and write sequence lead every value)");
     }
