@@ -300,16 +300,18 @@ pub async fn run_node(a: NodeArgs) -> Result<(), DaemonError> {
             async move { cl.register_node(r).await.map(|_| ()) }
         })
         .await?;
-        let mut superseded_tx = Some(superseded_tx);
+        // taken only by the heartbeat that is refused: one that succeeds must not drop it (a
+        // dropped sender disables the shutdown branch below, and the node would keep serving)
+        let superseded_tx = Arc::new(parking_lot::Mutex::new(Some(superseded_tx)));
         heartbeats(Duration::from_millis(a.heartbeat_ms), move || {
             let (mut cl, r) = (client.clone(), req(false));
-            let tx = superseded_tx.take();
+            let tx = superseded_tx.clone();
             async move {
                 match cl.register_node(r).await {
                     Ok(_) => Ok(true),
                     Err(e) if e.code() == tonic::Code::FailedPrecondition && e.message().contains("superseded") => {
                         tracing::error!("{}", e.message());
-                        if let Some(tx) = tx {
+                        if let Some(tx) = tx.lock().take() {
                             let _ = tx.send(e.message().to_string());
                         }
                         Ok(false)

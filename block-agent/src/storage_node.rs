@@ -227,9 +227,7 @@ impl StorageNode {
         }
         let lock = lock_dir(&cfg.dir)?;
         let id = node_id(&cfg.dir)?;
-        let udp = UdpSocket::bind(cfg.listen).map_err(io(format!("binding UDP {}", cfg.listen)))?;
-        let addr = udp.local_addr().map_err(io("UDP address"))?;
-        let tcp = TcpListener::bind(addr).map_err(io(format!("binding TCP {addr}")))?;
+        let (udp, addr, tcp) = bind_pair(cfg.listen)?;
         udp.set_read_timeout(Some(Duration::from_millis(100)))
             .map_err(io("UDP timeout"))?;
         grow_buffers(&udp);
@@ -357,6 +355,22 @@ impl Drop for StorageNode {
         }
         for t in self.threads.drain(..) {
             let _ = t.join();
+        }
+    }
+}
+
+/// The UDP socket (Solar) and the TCP listener (the plain protocol) on one address. With port
+/// 0 the kernel picks the UDP port, which a TCP socket (an outgoing connection's ephemeral
+/// port) may hold already: then another pair is tried.
+fn bind_pair(listen: SocketAddr) -> Result<(UdpSocket, SocketAddr, TcpListener), NodeError> {
+    let mut tries = 0;
+    loop {
+        let udp = UdpSocket::bind(listen).map_err(io(format!("binding UDP {listen}")))?;
+        let addr = udp.local_addr().map_err(io("UDP address"))?;
+        match TcpListener::bind(addr) {
+            Ok(tcp) => return Ok((udp, addr, tcp)),
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && listen.port() == 0 && tries < 32 => tries += 1,
+            Err(e) => return Err(io(format!("binding TCP {addr}"))(e)),
         }
     }
 }
