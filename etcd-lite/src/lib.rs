@@ -29,6 +29,7 @@ pub struct EtcdError {
 pub struct EtcdClient {
     endpoint: String,
     kv: pb::kv_client::KvClient<tonic::transport::Channel>,
+    lease: pb::lease_client::LeaseClient<tonic::transport::Channel>,
 }
 
 /// `http://HOST:PORT` for `HOST:PORT`, `etcd://HOST:PORT` or an `http(s)://` URL.
@@ -72,7 +73,8 @@ impl EtcdClient {
             .await
             .map_err(|e| err("connect", &e))?;
         Ok(EtcdClient {
-            kv: pb::kv_client::KvClient::new(ch),
+            kv: pb::kv_client::KvClient::new(ch.clone()),
+            lease: pb::lease_client::LeaseClient::new(ch),
             endpoint,
         })
     }
@@ -185,6 +187,72 @@ impl EtcdClient {
             .map_err(|s| self.err("delete", s))?
             .into_inner();
         Ok(r.deleted > 0)
+    }
+
+    /// Grants a lease of `ttl_secs` seconds; returns its id. Keys put under it
+    /// ([`Self::put_leased`]) are deleted when it expires unless [`Self::keep_alive`] renews it.
+    pub async fn grant_lease(&mut self, ttl_secs: i64) -> Result<i64, EtcdError> {
+        let r = self
+            .lease
+            .lease_grant(pb::LeaseGrantRequest { ttl: ttl_secs, id: 0 })
+            .await
+            .map_err(|s| self.err("lease grant", s))?
+            .into_inner();
+        if !r.error.is_empty() {
+            return Err(EtcdError {
+                endpoint: self.endpoint.clone(),
+                what: "lease grant",
+                message: r.error,
+            });
+        }
+        Ok(r.id)
+    }
+
+    /// Renews lease `id` once; returns its TTL in seconds, 0 when it has expired (its keys are
+    /// gone: grant another and put them again).
+    pub async fn keep_alive(&mut self, id: i64) -> Result<i64, EtcdError> {
+        let mut stream = self
+            .lease
+            .lease_keep_alive(tokio_stream::once(pb::LeaseKeepAliveRequest { id }))
+            .await
+            .map_err(|s| self.err("lease keepalive", s))?
+            .into_inner();
+        match stream.message().await.map_err(|s| self.err("lease keepalive", s))? {
+            Some(r) => Ok(r.ttl),
+            None => Err(EtcdError {
+                endpoint: self.endpoint.clone(),
+                what: "lease keepalive",
+                message: "the stream ended without an answer".into(),
+            }),
+        }
+    }
+
+    /// Revokes lease `id`: its keys are deleted now.
+    pub async fn revoke_lease(&mut self, id: i64) -> Result<(), EtcdError> {
+        self.lease
+            .lease_revoke(pb::LeaseRevokeRequest { id })
+            .await
+            .map_err(|s| self.err("lease revoke", s))?;
+        Ok(())
+    }
+
+    /// Stores `value` under `key`, attached to lease `lease` (deleted when the lease expires).
+    pub async fn put_leased(
+        &mut self,
+        key: impl Into<Vec<u8>>,
+        value: impl Into<Vec<u8>>,
+        lease: i64,
+    ) -> Result<(), EtcdError> {
+        self.kv
+            .put(pb::PutRequest {
+                key: key.into(),
+                value: value.into(),
+                lease,
+                ..Default::default()
+            })
+            .await
+            .map_err(|s| self.err("put", s))?;
+        Ok(())
     }
 }
 

@@ -110,6 +110,9 @@ pub struct EngineConfig {
     pub tcp_lanes: usize,
     /// A request not done after this is TimedOut, with the peer, path and cause named.
     pub transfer_timeout: Duration,
+    /// With etcd metadata: the lease the descriptor is published under (renewed every third of
+    /// it); a crashed engine's descriptor disappears within this.
+    pub lease_ttl: Duration,
     /// Attempts per slice (the first included) before its request fails. A slice is retried
     /// when its queue pair fails (its retry budget spent) or its TCP lane breaks; a slice that is
     /// merely slow is left to the transport's own retransmission, and a request not done within
@@ -137,6 +140,7 @@ impl Default for EngineConfig {
             slices_in_flight: 64,
             tcp_lanes: 4,
             transfer_timeout: Duration::from_secs(30),
+            lease_ttl: Duration::from_secs(10),
             slice_attempts: 3,
             stack: None,
         }
@@ -164,6 +168,9 @@ impl EngineConfig {
     /// Checks every field; the error names the first bad one.
     pub fn validate(&self) -> Result<(), TransferError> {
         let bad = |f: &str, m: String| Err(TransferError::Config(format!("{f}: {m}")));
+        if !(Duration::from_secs(2)..=Duration::from_secs(3600)).contains(&self.lease_ttl) {
+            return bad("lease_ttl", format!("{:?} not in 2 s ..= 1 h", self.lease_ttl));
+        }
         if self.metadata != MetadataConfig::P2p {
             if self.name.is_empty() {
                 return bad("name", "an engine needs a segment name (unique in the cluster)".into());

@@ -55,6 +55,10 @@ pub struct ServeArgs {
     /// Serve Prometheus metrics on this address (`GET /metrics`).
     #[arg(long, value_name = "ADDR")]
     pub metrics_addr: Option<std::net::SocketAddr>,
+    /// With etcd metadata: seconds of the lease the descriptor is published under (it
+    /// disappears this long after the engine dies).
+    #[arg(long, default_value_t = 10)]
+    pub lease_ttl: u64,
 }
 
 impl ServeArgs {
@@ -65,6 +69,7 @@ impl ServeArgs {
         c.bind_ip = self.bind;
         c.advertise_ip = self.advertise;
         c.rpc_port = self.rpc_port;
+        c.lease_ttl = std::time::Duration::from_secs(self.lease_ttl);
         c.data_cores = self.data_cores;
         c.paths = self.paths;
         c.extra_addrs = self.extra_addrs.clone();

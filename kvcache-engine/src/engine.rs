@@ -174,7 +174,7 @@ impl TransferEngine {
                 tracing::error!("transfer engine RPC server: {e}");
             }
         });
-        let meta = MetaStore::new(&cfg.metadata);
+        let meta = MetaStore::new(&cfg.metadata, cfg.lease_ttl);
         let inner = Arc::new(Inner {
             cfg,
             name,
@@ -194,6 +194,12 @@ impl TransferEngine {
         });
         let engine = TransferEngine { inner };
         engine.publish()?;
+        if let Some(every) = engine.inner.meta.keep_alive_every() {
+            engine
+                .inner
+                .rt
+                .spawn(keep_alive_loop(Arc::downgrade(&engine.inner), every));
+        }
         let w = Arc::downgrade(&engine.inner);
         std::thread::Builder::new()
             .name("kvc-timeouts".into())
@@ -904,6 +910,29 @@ impl TransferEngine {
     /// Waits up to `timeout` for the next notification.
     pub fn wait_notify(&self, timeout: Duration) -> Option<Notification> {
         self.inner.notifies.wait_one(timeout)
+    }
+}
+
+/// Renews the descriptor's etcd lease while the engine lives; a lease that expired anyway (etcd
+/// unreachable for longer than its TTL) is replaced and the descriptor published again.
+async fn keep_alive_loop(w: Weak<Inner>, every: Duration) {
+    loop {
+        tokio::time::sleep(every).await;
+        let Some(inner) = w.upgrade() else { return };
+        if inner.stop.load(Ordering::Relaxed) {
+            return;
+        }
+        match inner.meta.keep_alive().await {
+            Ok(true) => {}
+            Ok(false) => {
+                tracing::warn!("segment {}: its etcd lease expired; publishing it again", inner.name);
+                let d = inner.desc.read().clone();
+                if let Err(e) = inner.meta.publish(&d).await {
+                    tracing::warn!("segment {}: publishing again: {e}", inner.name);
+                }
+            }
+            Err(e) => tracing::warn!("segment {}: renewing its etcd lease: {e}", inner.name),
+        }
     }
 }
 

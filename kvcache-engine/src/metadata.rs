@@ -22,11 +22,15 @@ pub(crate) enum MetaStore {
         endpoint: String,
         prefix: String,
         client: Box<tokio::sync::Mutex<Option<etcd_lite::EtcdClient>>>,
+        /// The lease the descriptor is put under (granted at the first publish): a process
+        /// that dies stops renewing it and etcd deletes the descriptor within `ttl`.
+        lease: Mutex<Option<i64>>,
+        ttl: Duration,
     },
 }
 
 impl MetaStore {
-    pub fn new(c: &MetadataConfig) -> MetaStore {
+    pub fn new(c: &MetadataConfig, ttl: Duration) -> MetaStore {
         match c {
             MetadataConfig::Embedded => MetaStore::Embedded,
             MetadataConfig::P2p => MetaStore::P2p,
@@ -34,8 +38,45 @@ impl MetaStore {
                 endpoint: endpoint.clone(),
                 prefix: prefix.clone(),
                 client: Box::new(tokio::sync::Mutex::new(None)),
+                lease: Mutex::new(None),
+                ttl,
             },
         }
+    }
+
+    /// How often [`Self::keep_alive`] should run (a third of the lease), if there is a lease.
+    pub fn keep_alive_every(&self) -> Option<Duration> {
+        match self {
+            MetaStore::Etcd { ttl, .. } => Some(*ttl / 3),
+            _ => None,
+        }
+    }
+
+    /// Renews the descriptor's lease. `Ok(false)` when it had expired (the descriptor is gone:
+    /// publish again, which grants a new one).
+    pub async fn keep_alive(&self) -> Result<bool, TransferError> {
+        let MetaStore::Etcd {
+            endpoint,
+            client,
+            lease,
+            ..
+        } = self
+        else {
+            return Ok(true);
+        };
+        let Some(id) = *lease.lock() else {
+            return Ok(true);
+        };
+        let mut c = Self::etcd(endpoint, client).await?;
+        let ttl = c
+            .keep_alive(id)
+            .await
+            .map_err(|e| TransferError::Metadata(e.to_string()))?;
+        if ttl <= 0 {
+            *lease.lock() = None;
+            return Ok(false);
+        }
+        Ok(true)
     }
 
     pub fn describe(&self) -> String {
@@ -77,11 +118,23 @@ impl MetaStore {
                 endpoint,
                 prefix,
                 client,
+                lease,
+                ttl,
             } => {
                 let mut c = Self::etcd(endpoint, client).await?;
-                c.put(Self::key(prefix, &d.name), d.to_json())
+                let meta = |e: etcd_lite::EtcdError| TransferError::Metadata(e.to_string());
+                let current = *lease.lock();
+                let id = match current {
+                    Some(id) => id,
+                    None => {
+                        let id = c.grant_lease(ttl.as_secs().max(1) as i64).await.map_err(meta)?;
+                        *lease.lock() = Some(id);
+                        id
+                    }
+                };
+                c.put_leased(Self::key(prefix, &d.name), d.to_json(), id)
                     .await
-                    .map_err(|e| TransferError::Metadata(e.to_string()))
+                    .map_err(meta)
             }
         }
     }
@@ -122,6 +175,7 @@ impl MetaStore {
                 endpoint,
                 prefix,
                 client,
+                ..
             } => {
                 let mut c = Self::etcd(endpoint, client).await?;
                 let v = c
@@ -153,10 +207,17 @@ impl MetaStore {
                 endpoint,
                 prefix,
                 client,
+                lease,
+                ..
             } => {
                 let Ok(mut c) = Self::etcd(endpoint, client).await else {
                     return;
                 };
+                // the lease dies with this engine (a successor has its own)
+                let held = lease.lock().take();
+                if let Some(id) = held {
+                    let _ = c.revoke_lease(id).await;
+                }
                 let key = Self::key(prefix, name);
                 let ours = match c.get(key.clone()).await {
                     Ok(Some(v)) => {

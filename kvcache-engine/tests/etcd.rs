@@ -87,3 +87,67 @@ fn engines_meet_in_etcd_and_stale_descriptors_are_refused() {
     let fresh = p.refresh_segment(seg).unwrap();
     assert_eq!(fresh.instance, d2.local_descriptor().instance);
 }
+
+/// A decode engine process publishes under a 3 s lease: while it runs its descriptor stays
+/// (renewed), and once it is killed (no chance to withdraw) etcd deletes it within the lease.
+#[test]
+fn a_killed_engines_descriptor_disappears_within_its_lease() {
+    if !etcd_lite::local::installed() {
+        test_support::skip(
+            "kvcache-engine etcd lease",
+            test_support::Missing::Tool,
+            "etcd is not installed (scripts/install-test-deps.sh installs etcd-server as root)",
+        );
+        return;
+    }
+    use std::io::BufRead;
+    let etcd = etcd_lite::local::LocalEtcd::start("kvc-lease").expect("starting etcd");
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_kvcache-engine"))
+        .args([
+            "serve",
+            "--name",
+            "decode-lease",
+            "--transport",
+            "tcp",
+            "--pool",
+            "1MiB",
+        ])
+        .args([
+            "--metadata",
+            &etcd.url,
+            "--etcd-prefix",
+            "lease-test/",
+            "--advertise",
+            "127.0.0.1",
+        ])
+        .args(["--lease-ttl", "3"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut banner = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut banner)
+        .unwrap();
+    assert!(banner.contains("segment=decode-lease"), "{banner}");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut kv = rt.block_on(etcd_lite::EtcdClient::connect(&etcd.url)).unwrap();
+    let key = "lease-test/segments/decode-lease";
+    assert!(rt.block_on(kv.get(key)).unwrap().is_some(), "published");
+    // renewed: still there after more than twice the lease
+    std::thread::sleep(Duration::from_secs(7));
+    assert!(rt.block_on(kv.get(key)).unwrap().is_some(), "the lease was not renewed");
+    child.kill().unwrap(); // SIGKILL: the engine cannot withdraw its descriptor
+    child.wait().unwrap();
+    let t0 = std::time::Instant::now();
+    while rt.block_on(kv.get(key)).unwrap().is_some() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(6),
+            "the killed engine's descriptor outlived its 3 s lease"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    eprintln!("descriptor gone {:?} after the kill (lease 3 s)", t0.elapsed());
+}
