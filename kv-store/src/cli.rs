@@ -54,6 +54,10 @@ pub struct ServerArgs {
     /// Key prefix of the shard map in etcd (one per cluster).
     #[arg(long, default_value = "/flexns/kv/")]
     pub etcd_prefix: String,
+    /// Seconds of the lease this shard's address is registered under in etcd (it drops out of
+    /// the map this long after the server dies).
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(2..=3600))]
+    pub etcd_lease_ttl: u64,
     /// Context config (TOML, `deploy/config/context.toml`); a flag given explicitly overrides
     /// the file, a flag left out leaves the file's value.
     #[arg(long)]
@@ -98,10 +102,10 @@ impl ServerArgs {
             map,
             hot_entries: self.hot_entries,
             max_connections: self.max_connections,
-            etcd: self
-                .etcd
-                .as_deref()
-                .map(|e| crate::shardmap::EtcdMap::new(e, &self.etcd_prefix)),
+            etcd: self.etcd.as_deref().map(|e| crate::shardmap::EtcdMap {
+                lease_ttl: std::time::Duration::from_secs(self.etcd_lease_ttl),
+                ..crate::shardmap::EtcdMap::new(e, &self.etcd_prefix)
+            }),
             ctx,
             ..Default::default()
         })

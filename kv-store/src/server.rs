@@ -585,7 +585,8 @@ impl KvServer {
             });
         }
         if let Some(e) = &cfg.etcd {
-            rt.block_on(e.register(cfg.shard, cfg.shards, cm_addr))?;
+            let lease = rt.block_on(e.register(cfg.shard, cfg.shards, cm_addr))?;
+            rt.spawn(e.clone().keep_registered(cfg.shard, cfg.shards, cm_addr, lease));
         }
         let stop = Arc::new(AtomicBool::new(false));
         let mut threads = Vec::new();

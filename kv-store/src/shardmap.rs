@@ -12,6 +12,9 @@ use std::time::{Duration, Instant};
 pub struct EtcdMap {
     pub endpoint: String,
     pub prefix: String,
+    /// A shard's address is registered under a lease of this length, renewed by its server
+    /// (every third of it): a server that dies drops out of the map within it.
+    pub lease_ttl: Duration,
 }
 
 impl EtcdMap {
@@ -19,6 +22,7 @@ impl EtcdMap {
         EtcdMap {
             endpoint: etcd_lite::normalize_endpoint(endpoint),
             prefix: prefix.to_string(),
+            lease_ttl: Duration::from_secs(10),
         }
     }
 
@@ -32,16 +36,44 @@ impl EtcdMap {
             .map_err(|e| KvError::Config(e.to_string()))
     }
 
-    /// Registers shard `shard` of `shards` at `cm` (again after a restart: the newest wins).
-    pub async fn register(&self, shard: u32, shards: u32, cm: SocketAddr) -> Result<(), KvError> {
+    /// Registers shard `shard` of `shards` at `cm` (again after a restart: the newest wins):
+    /// the count as is, the address under a new lease, whose id is returned.
+    pub async fn register(&self, shard: u32, shards: u32, cm: SocketAddr) -> Result<i64, KvError> {
         let mut c = self.client().await?;
-        for (k, v) in [
-            (self.key("count"), shards.to_string()),
-            (self.key(&format!("{shard:05}")), cm.to_string()),
-        ] {
-            c.put(k, v).await.map_err(|e| KvError::Config(e.to_string()))?;
+        let e = |e: etcd_lite::EtcdError| KvError::Config(e.to_string());
+        c.put(self.key("count"), shards.to_string()).await.map_err(e)?;
+        let lease = c.grant_lease(self.lease_ttl.as_secs().max(1) as i64).await.map_err(e)?;
+        c.put_leased(self.key(&format!("{shard:05}")), cm.to_string(), lease)
+            .await
+            .map_err(e)?;
+        Ok(lease)
+    }
+
+    /// Keeps shard `shard`'s registration alive while the server runs (spawned on its
+    /// runtime): renews the lease every third of its length, registers again if it expired
+    /// (etcd unreachable for longer than the lease).
+    pub async fn keep_registered(self, shard: u32, shards: u32, cm: SocketAddr, mut lease: i64) {
+        loop {
+            tokio::time::sleep(self.lease_ttl / 3).await;
+            let alive = match self.client().await {
+                Ok(mut c) => c.keep_alive(lease).await.map(|ttl| ttl > 0),
+                Err(e) => {
+                    tracing::warn!("shard {shard}: renewing its registration: {e}");
+                    continue;
+                }
+            };
+            match alive {
+                Ok(true) => {}
+                Ok(false) => {
+                    tracing::warn!("shard {shard}: its etcd lease expired; registering again");
+                    match self.register(shard, shards, cm).await {
+                        Ok(l) => lease = l,
+                        Err(e) => tracing::warn!("shard {shard}: registering again: {e}"),
+                    }
+                }
+                Err(e) => tracing::warn!("shard {shard}: renewing its registration: {e}"),
+            }
         }
-        Ok(())
     }
 
     /// Reads the map; waits up to `wait` for every shard to have registered.

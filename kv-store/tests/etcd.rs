@@ -100,3 +100,63 @@ fn clients_find_the_shards_through_etcd() {
     let e = rt.block_on(dead.fetch(Duration::from_millis(100))).unwrap_err();
     assert!(e.to_string().contains("etcd at http://127.0.0.1:"), "{e}");
 }
+
+/// A kv-server process registers its shard under a 3 s lease: while it runs the entry stays
+/// (renewed); killed (no chance to clean up), it drops out of the map within the lease, so
+/// clients stop being sent to a dead shard. The shard count stays.
+#[test]
+fn a_killed_servers_shard_entry_expires_with_its_lease() {
+    let Some(etcd) = start_etcd() else { return };
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_kv-server"))
+        .args([
+            "--capacity",
+            "1024",
+            "--data-size",
+            "1MiB",
+            "--shard",
+            "0",
+            "--shards",
+            "1",
+        ])
+        .args([
+            "--etcd",
+            &etcd.url,
+            "--etcd-prefix",
+            "lease-test/",
+            "--etcd-lease-ttl",
+            "3",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut banner = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut banner)
+        .unwrap();
+    assert!(banner.starts_with("kv-server cm="), "{banner}");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut kv = rt.block_on(etcd_lite::EtcdClient::connect(&etcd.url)).unwrap();
+    let key = "lease-test/shards/00000";
+    assert!(rt.block_on(kv.get(key)).unwrap().is_some(), "registered");
+    std::thread::sleep(Duration::from_secs(7));
+    assert!(rt.block_on(kv.get(key)).unwrap().is_some(), "the lease was not renewed");
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    let t0 = std::time::Instant::now();
+    while rt.block_on(kv.get(key)).unwrap().is_some() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(6),
+            "the killed server's shard outlived its 3 s lease"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(
+        rt.block_on(kv.get("lease-test/shards/count")).unwrap().is_some(),
+        "the count is configuration"
+    );
+    eprintln!("shard entry gone {:?} after the kill (lease 3 s)", t0.elapsed());
+}
