@@ -11,7 +11,7 @@ pub mod sq;
 mod stats;
 
 pub use cq::CqShared;
-pub use stats::{EngineStats, StatsSnapshot};
+pub use stats::{Counter, EngineStats, StatsSnapshot};
 
 use crate::config::ContextConfig;
 pub use crate::config::PollMode;

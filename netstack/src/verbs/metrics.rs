@@ -3,9 +3,62 @@
 //! `context` = the context's data-path address.
 
 use super::CtxInner;
+use crate::engine::{Counter, EngineStats};
 use crate::path::PathStats;
 use crate::transport::rc::RcStats;
 use metrics::{counter, gauge};
+
+type EngineCounter = (
+    &'static str,
+    Option<(&'static str, &'static str)>,
+    fn(&EngineStats) -> &Counter,
+);
+
+/// The engine's counters as metrics: name, optional label, which counter.
+const ENGINE_COUNTERS: [EngineCounter; 16] = [
+    ("flexns_rx_packets_total", None, |s| &s.rx_datagrams),
+    ("flexns_rx_bytes_total", None, |s| &s.rx_bytes),
+    ("flexns_tx_packets_total", None, |s| &s.tx_packets),
+    ("flexns_tx_bytes_total", None, |s| &s.tx_bytes),
+    ("flexns_tx_errors_total", None, |s| &s.tx_errors),
+    ("flexns_rx_ecn_ce_packets_total", None, |s| &s.rx_ce),
+    ("flexns_rx_malformed_packets_total", Some(("kind", "truncated")), |s| {
+        &s.rx_truncated
+    }),
+    ("flexns_rx_malformed_packets_total", Some(("kind", "oversized")), |s| {
+        &s.rx_oversized
+    }),
+    (
+        "flexns_rx_malformed_packets_total",
+        Some(("kind", "unknown_opcode")),
+        |s| &s.rx_unknown_opcode,
+    ),
+    (
+        "flexns_rx_malformed_packets_total",
+        Some(("kind", "bad_version")),
+        |s| &s.rx_bad_version,
+    ),
+    ("flexns_rx_malformed_packets_total", Some(("kind", "bad_pad")), |s| {
+        &s.rx_bad_pad
+    }),
+    ("flexns_rx_malformed_packets_total", Some(("kind", "bad_icrc")), |s| {
+        &s.rx_bad_icrc
+    }),
+    ("flexns_rx_malformed_packets_total", Some(("kind", "unknown_qp")), |s| {
+        &s.rx_unknown_qp
+    }),
+    (
+        "flexns_rx_malformed_packets_total",
+        Some(("kind", "wrong_source")),
+        |s| &s.rx_wrong_source,
+    ),
+    ("flexns_payload_copy_bytes_total", Some(("direction", "tx")), |s| {
+        &s.tx_payload_copy_bytes
+    }),
+    ("flexns_payload_copy_bytes_total", Some(("direction", "rx")), |s| {
+        &s.rx_payload_copy_bytes
+    }),
+];
 
 impl crate::telemetry::Collect for CtxInner {
     fn collect(&self) {
@@ -15,59 +68,29 @@ impl crate::telemetry::Collect for CtxInner {
             counter!(name, "context" => ctx.clone(), key => val).absolute(v)
         };
 
-        // the engine: packets, bytes, drops by cause, copies, staging memory
-        let mut staging = (0, 0);
-        let mut e = [0u64; 16];
-        for core in self.engine.cores() {
-            let s = &core.stats;
-            for (i, v) in [
-                s.rx_datagrams.get(),
-                s.rx_bytes.get(),
-                s.tx_packets.get(),
-                s.tx_bytes.get(),
-                s.tx_errors.get(),
-                s.rx_truncated.get(),
-                s.rx_oversized.get(),
-                s.rx_unknown_opcode.get(),
-                s.rx_bad_version.get(),
-                s.rx_bad_pad.get(),
-                s.rx_bad_icrc.get(),
-                s.rx_unknown_qp.get(),
-                s.rx_wrong_source.get(),
-                s.rx_ce.get(),
-                s.tx_payload_copy_bytes.get(),
-                s.rx_payload_copy_bytes.get(),
-            ]
-            .into_iter()
-            .enumerate()
-            {
-                e[i] += v;
+        // the engine: packets, bytes, drops by cause, copies (each counter summed over cores)
+        let sum = |f: fn(&EngineStats) -> &Counter| self.engine.cores().iter().map(|c| f(&c.stats).get()).sum::<u64>();
+        for (name, label, f) in ENGINE_COUNTERS {
+            match label {
+                Some((key, val)) => ck(name, key, val, sum(f)),
+                None => c(name, sum(f)),
             }
-            staging.0 += s.staging_bytes.get();
-            staging.1 = staging.1.max(s.staging_bytes_peak.get());
         }
-        c("flexns_rx_packets_total", e[0]);
-        c("flexns_rx_bytes_total", e[1]);
-        c("flexns_tx_packets_total", e[2]);
-        c("flexns_tx_bytes_total", e[3]);
-        c("flexns_tx_errors_total", e[4]);
-        for (kind, v) in [
-            ("truncated", e[5]),
-            ("oversized", e[6]),
-            ("unknown_opcode", e[7]),
-            ("bad_version", e[8]),
-            ("bad_pad", e[9]),
-            ("bad_icrc", e[10]),
-            ("unknown_qp", e[11]),
-            ("wrong_source", e[12]),
-        ] {
-            ck("flexns_rx_malformed_packets_total", "kind", kind, v);
-        }
-        c("flexns_rx_ecn_ce_packets_total", e[13]);
-        ck("flexns_payload_copy_bytes_total", "direction", "tx", e[14]);
-        ck("flexns_payload_copy_bytes_total", "direction", "rx", e[15]);
-        gauge!("flexns_staging_bytes", "context" => ctx.clone()).set(staging.0 as f64);
-        gauge!("flexns_staging_peak_bytes", "context" => ctx.clone()).set(staging.1 as f64);
+        let staging = self
+            .engine
+            .cores()
+            .iter()
+            .map(|c| c.stats.staging_bytes.get())
+            .sum::<u64>();
+        let peak = self
+            .engine
+            .cores()
+            .iter()
+            .map(|c| c.stats.staging_bytes_peak.get())
+            .max()
+            .unwrap_or(0);
+        gauge!("flexns_staging_bytes", "context" => ctx.clone()).set(staging as f64);
+        gauge!("flexns_staging_peak_bytes", "context" => ctx.clone()).set(peak as f64);
 
         // the QPs, summed, and their paths
         let mut t = RcStats::default();
@@ -78,7 +101,7 @@ impl crate::telemetry::Collect for CtxInner {
             for slot in slots {
                 let s = slot.lock();
                 qps += 1;
-                add(&mut t, &s.qp.stats());
+                t.add(&s.qp.stats());
                 paths.extend(s.qp.path_stats());
             }
         }
@@ -132,18 +155,4 @@ impl crate::telemetry::Collect for CtxInner {
         c("flexns_redn_aborts_total", r.aborts);
         c("flexns_redn_throttled_total", r.throttled);
     }
-}
-
-fn add(t: &mut RcStats, s: &RcStats) {
-    t.retransmitted_packets += s.retransmitted_packets;
-    t.spurious_retransmissions += s.spurious_retransmissions;
-    t.timeouts += s.timeouts;
-    t.seq_naks_sent += s.seq_naks_sent;
-    t.rnr_naks_sent += s.rnr_naks_sent;
-    t.rnr_naks_received += s.rnr_naks_received;
-    t.cnps_sent += s.cnps_sent;
-    t.cnps_received += s.cnps_received;
-    t.duplicate_requests += s.duplicate_requests;
-    t.out_of_order_packets += s.out_of_order_packets;
-    t.cc_deferred += s.cc_deferred;
 }

@@ -207,6 +207,58 @@ pub struct RcStats {
     pub payload_copy_bytes: u64,
 }
 
+impl RcStats {
+    /// Adds `o`'s counters to these (a context's QPs summed).
+    pub fn add(&mut self, o: &RcStats) {
+        let RcStats {
+            tx_packets,
+            rx_packets,
+            retransmitted_packets,
+            timeouts,
+            seq_naks_sent,
+            cnps_sent,
+            cnps_received,
+            rnr_naks_sent,
+            rnr_naks_received,
+            duplicate_requests,
+            out_of_order_packets,
+            stale_responses,
+            spurious_retransmissions,
+            dropped_packets,
+            acks_sent,
+            grants_sent,
+            grants_received,
+            cc_deferred,
+            probes_sent,
+            probes_received,
+            path_downs,
+            payload_copy_bytes,
+        } = *o;
+        self.tx_packets += tx_packets;
+        self.rx_packets += rx_packets;
+        self.retransmitted_packets += retransmitted_packets;
+        self.timeouts += timeouts;
+        self.seq_naks_sent += seq_naks_sent;
+        self.cnps_sent += cnps_sent;
+        self.cnps_received += cnps_received;
+        self.rnr_naks_sent += rnr_naks_sent;
+        self.rnr_naks_received += rnr_naks_received;
+        self.duplicate_requests += duplicate_requests;
+        self.out_of_order_packets += out_of_order_packets;
+        self.stale_responses += stale_responses;
+        self.spurious_retransmissions += spurious_retransmissions;
+        self.dropped_packets += dropped_packets;
+        self.acks_sent += acks_sent;
+        self.grants_sent += grants_sent;
+        self.grants_received += grants_received;
+        self.cc_deferred += cc_deferred;
+        self.probes_sent += probes_sent;
+        self.probes_received += probes_received;
+        self.path_downs += path_downs;
+        self.payload_copy_bytes += payload_copy_bytes;
+    }
+}
+
 /// Most control-loop delay samples a QP keeps before the owner collects them.
 pub const MAX_LOOP_SAMPLES: usize = 1 << 16;
 
