@@ -209,6 +209,13 @@ pub struct KvClient {
     gen: u32,
     stats: ClientStats,
     msg: Vec<u8>,
+    /// `flexns_kv_get_duration_seconds{path}` of the current get path (a handle, so no label is
+    /// built per get; taken when the client is made, so serve metrics before making clients).
+    get_latency: metrics::Histogram,
+}
+
+fn get_latency(p: GetPath) -> metrics::Histogram {
+    metrics::histogram!("flexns_kv_get_duration_seconds", "path" => p.to_string())
 }
 
 fn connect_qp(rt: &tokio::runtime::Runtime, cm: SocketAddr, qp: &Qp, hello: &Hello) -> Result<Welcome, KvError> {
@@ -315,6 +322,7 @@ impl KvClient {
             _pd: pd,
             cq,
             shards,
+            get_latency: get_latency(cfg.get_path),
             cfg,
             gen: 0,
             stats: ClientStats::default(),
@@ -340,6 +348,7 @@ impl KvClient {
             ));
         }
         self.cfg.get_path = p;
+        self.get_latency = get_latency(p);
         Ok(())
     }
 
@@ -382,11 +391,10 @@ impl KvClient {
         let mut solo = vec![false; ops.len()];
         // when each get was issued: its latency goes to flexns_kv_get_duration_seconds{path}
         let mut issued: Vec<Option<Instant>> = vec![None; ops.len()];
-        let path = self.cfg.get_path.to_string();
+        let latency = self.get_latency.clone();
         let observe = |issued: &[Option<Instant>], i: usize| {
             if let (Some(t), Op::Get(_)) = (issued[i], &ops[i]) {
-                metrics::histogram!("flexns_kv_get_duration_seconds", "path" => path.clone())
-                    .record(t.elapsed().as_secs_f64());
+                latency.record(t.elapsed().as_secs_f64());
             }
         };
         let mut idle_since = Instant::now();

@@ -29,12 +29,19 @@ impl FromStr for TransportKind {
     }
 }
 
-impl std::fmt::Display for TransportKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
+impl TransportKind {
+    /// The transport's name: `flexns` or `tcp`.
+    pub fn as_str(self) -> &'static str {
+        match self {
             TransportKind::Flexns => "flexns",
             TransportKind::Tcp => "tcp",
-        })
+        }
+    }
+}
+
+impl std::fmt::Display for TransportKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 

@@ -833,14 +833,13 @@ impl TransferEngine {
         }
         let s = self.wait_batch_with(id, t, spinning);
         let _ = self.free_batch(id);
-        let transport = self.inner.cfg.transport.to_string();
+        let transport = self.inner.cfg.transport.as_str();
         let result = match s.as_ref().map(|s| &s.state) {
             Ok(TransferState::Completed) => "completed",
             Ok(TransferState::TimedOut(_)) => "timed_out",
             _ => "failed",
         };
-        metrics::counter!("flexns_kvcache_batches_total", "transport" => transport.clone(), "result" => result)
-            .increment(1);
+        metrics::counter!("flexns_kvcache_batches_total", "transport" => transport, "result" => result).increment(1);
         metrics::histogram!("flexns_kvcache_transfer_duration_seconds", "transport" => transport)
             .record(started.elapsed().as_secs_f64());
         match s?.state {

@@ -319,13 +319,12 @@ impl Engine {
 
     /// A transport hint is "" or the engine's own transport: a hint it cannot honour is an error.
     fn check_hint(&self, e: &TransferEngine, hint: &str) -> PyResult<()> {
-        if hint.is_empty() || hint == "unspec" || hint == e.transport().to_string() {
+        let own = e.transport().as_str();
+        if hint.is_empty() || hint == "unspec" || hint == own {
             return Ok(());
         }
         Err(PyValueError::new_err(format!(
-            "transport_hint {hint:?}: this engine runs the {} transport only (\"\" or {:?})",
-            e.transport(),
-            e.transport().to_string()
+            "transport_hint {hint:?}: this engine runs the {own} transport only (\"\" or {own:?})"
         )))
     }
 
@@ -517,7 +516,7 @@ impl Engine {
 
     /// The transport in use: "flexns" or "tcp".
     fn get_protocol(&self) -> PyResult<String> {
-        Ok(self.engine()?.transport().to_string())
+        Ok(self.engine()?.transport().as_str().to_string())
     }
 
     /// The message of the last failure a Mooncake-style call reported with -1 or 0.

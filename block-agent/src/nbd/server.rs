@@ -109,8 +109,8 @@ where
 }
 
 struct Session {
-    /// The export name (the `volume` label of the metrics).
-    name: Arc<str>,
+    /// The export's metric handles (`volume` label: the export name).
+    metrics: NbdMetrics,
     volume: Arc<Volume>,
     structured: bool,
     meta: bool,
@@ -164,7 +164,7 @@ where
                 }
                 w.write_all(&out).await?;
                 return Ok(Some(Session {
-                    name: name.as_str().into(),
+                    metrics: NbdMetrics::new(&name),
                     volume: v,
                     structured: false,
                     meta: false,
@@ -249,7 +249,7 @@ where
                         if opt == OPT_GO {
                             w.write_all(&out).await?;
                             return Ok(Some(Session {
-                                name: name.as_str().into(),
+                                metrics: NbdMetrics::new(&name),
                                 volume: v,
                                 structured,
                                 meta,
@@ -330,8 +330,7 @@ where
         }
         if let Err(e) = req.check(session.volume.size(), session.structured, session.meta) {
             exports.stats.errors.fetch_add(1, Ordering::Relaxed);
-            metrics::counter!("flexns_nbd_errors_total", "volume" => session.name.to_string(), "op" => op_name(req.typ))
-                .increment(1);
+            session.metrics.op(req.typ).errors.increment(1);
             let _ = tx.send((error_reply(&session, &req, e, "request refused"), permit));
             continue;
         }
@@ -360,33 +359,61 @@ fn error_reply(s: &Session, req: &Request, e: u32, msg: &str) -> Vec<u8> {
     }
 }
 
-/// The `op` label of a command.
-fn op_name(typ: u16) -> &'static str {
-    match typ {
-        CMD_READ => "read",
-        CMD_WRITE => "write",
-        CMD_FLUSH => "flush",
-        CMD_TRIM => "trim",
-        CMD_WRITE_ZEROES => "write_zeroes",
-        CMD_BLOCK_STATUS => "block_status",
-        CMD_DISC => "disconnect",
-        _ => "unknown",
+/// The commands with their `op` labels; anything else is `unknown` (the last handles).
+const OPS: [(u16, &str); 7] = [
+    (CMD_READ, "read"),
+    (CMD_WRITE, "write"),
+    (CMD_FLUSH, "flush"),
+    (CMD_TRIM, "trim"),
+    (CMD_WRITE_ZEROES, "write_zeroes"),
+    (CMD_BLOCK_STATUS, "block_status"),
+    (CMD_DISC, "disconnect"),
+];
+
+/// One operation's metric handles.
+struct OpMetrics {
+    requests: metrics::Counter,
+    bytes: metrics::Counter,
+    errors: metrics::Counter,
+    latency: metrics::Histogram,
+}
+
+/// A connection's metric handles, per operation: labels are built once, at negotiation, not
+/// per request.
+struct NbdMetrics([OpMetrics; OPS.len() + 1]);
+
+impl NbdMetrics {
+    fn new(volume: &str) -> NbdMetrics {
+        let labels = OPS.map(|(_, op)| op);
+        let ops = std::array::from_fn(|i| {
+            let (v, op) = (volume.to_string(), labels.get(i).copied().unwrap_or("unknown"));
+            OpMetrics {
+                requests: metrics::counter!("flexns_nbd_requests_total", "volume" => v.clone(), "op" => op),
+                bytes: metrics::counter!("flexns_nbd_bytes_total", "volume" => v.clone(), "op" => op),
+                errors: metrics::counter!("flexns_nbd_errors_total", "volume" => v.clone(), "op" => op),
+                latency: metrics::histogram!("flexns_nbd_request_duration_seconds", "volume" => v, "op" => op),
+            }
+        });
+        NbdMetrics(ops)
+    }
+
+    fn op(&self, typ: u16) -> &OpMetrics {
+        let i = OPS.iter().position(|(t, _)| *t == typ).unwrap_or(OPS.len());
+        &self.0[i]
     }
 }
 
 /// Metrics of one request: count, bytes moved, latency, failure.
 fn record(s: &Session, req: &Request, took: std::time::Duration, failed: bool) {
-    let (volume, op) = (s.name.to_string(), op_name(req.typ));
-    metrics::counter!("flexns_nbd_requests_total", "volume" => volume.clone(), "op" => op).increment(1);
+    let m = s.metrics.op(req.typ);
+    m.requests.increment(1);
     if matches!(req.typ, CMD_READ | CMD_WRITE) && !failed {
-        metrics::counter!("flexns_nbd_bytes_total", "volume" => volume.clone(), "op" => op)
-            .increment(req.length as u64);
+        m.bytes.increment(req.length as u64);
     }
     if failed {
-        metrics::counter!("flexns_nbd_errors_total", "volume" => volume.clone(), "op" => op).increment(1);
+        m.errors.increment(1);
     }
-    metrics::histogram!("flexns_nbd_request_duration_seconds", "volume" => volume, "op" => op)
-        .record(took.as_secs_f64());
+    m.latency.record(took.as_secs_f64());
 }
 
 /// Runs a checked request; returns its reply and whether it failed.
