@@ -53,25 +53,33 @@ impl EtcdMap {
     /// runtime): renews the lease every third of its length, registers again if it expired
     /// (etcd unreachable for longer than the lease).
     pub async fn keep_registered(self, shard: u32, shards: u32, cm: SocketAddr, mut lease: i64) {
+        // one connection, made again only after an error
+        let mut conn: Option<etcd_lite::EtcdClient> = None;
         loop {
             tokio::time::sleep(self.lease_ttl / 3).await;
-            let alive = match self.client().await {
-                Ok(mut c) => c.keep_alive(lease).await.map(|ttl| ttl > 0),
-                Err(e) => {
-                    tracing::warn!("shard {shard}: renewing its registration: {e}");
-                    continue;
-                }
+            let c = match conn.as_mut() {
+                Some(c) => c,
+                None => match self.client().await {
+                    Ok(c) => conn.insert(c),
+                    Err(e) => {
+                        tracing::warn!("shard {shard}: renewing its registration: {e}");
+                        continue;
+                    }
+                },
             };
-            match alive {
-                Ok(true) => {}
-                Ok(false) => {
+            match c.keep_alive(lease).await {
+                Ok(ttl) if ttl > 0 => {}
+                Ok(_) => {
                     tracing::warn!("shard {shard}: its etcd lease expired; registering again");
                     match self.register(shard, shards, cm).await {
                         Ok(l) => lease = l,
                         Err(e) => tracing::warn!("shard {shard}: registering again: {e}"),
                     }
                 }
-                Err(e) => tracing::warn!("shard {shard}: renewing its registration: {e}"),
+                Err(e) => {
+                    tracing::warn!("shard {shard}: renewing its registration: {e}");
+                    conn = None;
+                }
             }
         }
     }
