@@ -351,4 +351,37 @@ pub mod local {
             Ok(e)
         }
     }
+
+    /// Checks a leased key's life against the process that renews it: `key` must exist, still
+    /// exist after more than twice `ttl` (the lease is renewed), and be gone within `ttl` plus
+    /// 3 s once `kill` has killed the process (it could not clean up). Returns how long after
+    /// the kill the key was gone; `Err` says which step failed.
+    pub fn check_lease_expiry(url: &str, key: &str, ttl: Duration, kill: impl FnOnce()) -> Result<Duration, String> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| e.to_string())?;
+        let mut kv = rt
+            .block_on(crate::EtcdClient::connect(url))
+            .map_err(|e| e.to_string())?;
+        let mut present = || rt.block_on(kv.get(key)).map(|v| v.is_some()).map_err(|e| e.to_string());
+        if !present()? {
+            return Err(format!("{key} was not published"));
+        }
+        std::thread::sleep(ttl * 2 + Duration::from_secs(1));
+        if !present()? {
+            return Err(format!(
+                "{key} was gone while its process ran: the lease was not renewed"
+            ));
+        }
+        kill();
+        let t0 = Instant::now();
+        while present()? {
+            if t0.elapsed() > ttl + Duration::from_secs(3) {
+                return Err(format!("{key} outlived its {ttl:?} lease after the kill"));
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Ok(t0.elapsed())
+    }
 }
