@@ -168,6 +168,16 @@ fn prometheus_scrapes_every_daemon_and_sees_the_workload() {
         writes += 1;
         blocks += len as u64 / 4096;
     }
+    // Prometheus has scraped the decode engine before the benchmark starts, so the scrapes
+    // during it see its bytes rise (a rate needs two samples that differ)
+    let scraped_once = Instant::now() + Duration::from_secs(30);
+    while query(&prom, "up{job=\"kvcache\"} == 1").is_empty() {
+        assert!(
+            Instant::now() < scraped_once,
+            "Prometheus never scraped the decode engine"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
     // the benchmark serves its own (prefill) metrics while it runs
     let bench_metrics = format!("127.0.0.1:{}", common::free_port());
     let bench = Command::new(env!("CARGO_BIN_EXE_kvcache-bench"))
