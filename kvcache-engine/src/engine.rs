@@ -52,7 +52,9 @@ struct Inner {
     memory: Arc<Memory>,
     notifies: Arc<Notifies>,
     transport: Transport,
-    meta: MetaStore,
+    /// Shared with the lease keep-alive task (which must never hold `Inner`, whose runtime it
+    /// runs on, across an await).
+    meta: Arc<MetaStore>,
     desc: Arc<RwLock<SegmentDesc>>,
     segments: Mutex<HashMap<u64, OpenSegment>>,
     next_seg: AtomicU64,
@@ -174,7 +176,7 @@ impl TransferEngine {
                 tracing::error!("transfer engine RPC server: {e}");
             }
         });
-        let meta = MetaStore::new(&cfg.metadata, cfg.lease_ttl);
+        let meta = Arc::new(MetaStore::new(&cfg.metadata, cfg.lease_ttl));
         let inner = Arc::new(Inner {
             cfg,
             name,
@@ -917,20 +919,25 @@ impl TransferEngine {
 async fn keep_alive_loop(w: Weak<Inner>, every: Duration) {
     loop {
         tokio::time::sleep(every).await;
-        let Some(inner) = w.upgrade() else { return };
-        if inner.stop.load(Ordering::Relaxed) {
-            return;
-        }
-        match inner.meta.keep_alive().await {
+        // what the renewal needs, without keeping the engine (and its runtime) alive across the
+        // await: the last strong reference dropped in this task would drop the runtime in it
+        let (meta, desc, name) = {
+            let Some(inner) = w.upgrade() else { return };
+            if inner.stop.load(Ordering::Relaxed) {
+                return;
+            }
+            (inner.meta.clone(), inner.desc.clone(), inner.name.clone())
+        };
+        match meta.keep_alive().await {
             Ok(true) => {}
             Ok(false) => {
-                tracing::warn!("segment {}: its etcd lease expired; publishing it again", inner.name);
-                let d = inner.desc.read().clone();
-                if let Err(e) = inner.meta.publish(&d).await {
-                    tracing::warn!("segment {}: publishing again: {e}", inner.name);
+                tracing::warn!("segment {name}: its etcd lease expired; publishing it again");
+                let d = desc.read().clone();
+                if let Err(e) = meta.publish(&d).await {
+                    tracing::warn!("segment {name}: publishing again: {e}");
                 }
             }
-            Err(e) => tracing::warn!("segment {}: renewing its etcd lease: {e}", inner.name),
+            Err(e) => tracing::warn!("segment {name}: renewing its etcd lease: {e}"),
         }
     }
 }
