@@ -41,9 +41,13 @@ fn collectors() -> &'static Mutex<Vec<Weak<dyn Collect>>> {
 
 static SERVING: AtomicBool = AtomicBool::new(false);
 
-/// Adds a collector; it runs while it lives (held weakly) and metrics are served.
+/// Adds a collector; it runs while it lives (held weakly) and metrics are served. Dead ones
+/// are dropped here too, so a process that opens and closes contexts without serving metrics
+/// keeps only the live ones.
 pub fn register(c: Weak<dyn Collect>) {
-    collectors().lock().unwrap_or_else(|p| p.into_inner()).push(c);
+    let mut v = collectors().lock().unwrap_or_else(|p| p.into_inner());
+    v.retain(|w| w.strong_count() > 0);
+    v.push(c);
 }
 
 /// Whether this process serves metrics (collectors need not do work otherwise).
