@@ -2,13 +2,14 @@
 //! arguments and return conventions of `mooncake.engine.TransferEngine` (Mooncake's pybind
 //! module), plus a few Pythonic calls that raise instead of returning -1.
 //!
-//! Conventions kept from Mooncake: `initialize` and the sync transfers return 0 on success and
-//! -1 on failure; async submissions return a batch id, 0 on failure; `transfer_check_status`
+//! Conventions kept from Mooncake: the sync transfers return 0 on success and -1 on failure;
+//! async submissions return a batch id, 0 on failure; `transfer_check_status`
 //! returns 1 done, 0 running, -1 failed, -2 timed out; addresses are integers (virtual
 //! addresses; a remote address is the peer's). What differs, on purpose: a failure is never
 //! silent (its message, naming the peer and the cause, is logged on the `flexns` logger and
 //! kept for [`Engine::last_error`]); an unknown protocol, metadata server or transport hint is a
-//! `ValueError` naming the supported ones, never a fallback; memory may be given as a NumPy
+//! `ValueError` naming the supported ones, never a fallback; `initialize` and registration raise
+//! (`ValueError`, `TransferError`) instead of returning -1; memory may be given as a NumPy
 //! array or a PyTorch tensor as well as an address. Every blocking call releases the GIL.
 
 use kvcache_engine::batch::{Notification, Opcode, SegmentHandle, TransferRequest, TransferState};
