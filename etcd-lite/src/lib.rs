@@ -1,11 +1,18 @@
-//! A client for the part of etcd's v3 KV API that the flexns services keep metadata in: put,
-//! get, prefix range and delete over gRPC (tonic), against a real `etcd` server.
+//! A client for the part of etcd's v3 API that the flexns services keep metadata in, over gRPC
+//! (tonic) against a real `etcd` server: put, get, prefix range, delete and compare-and-put
+//! transactions; leases ([`Registration`] keeps a live process's key alive); watches
+//! ([`Watch`], and [`PrefixView`], a prefix's current contents kept by a watch).
 //!
 //! The protobuf subset is compiled with protox (pure Rust), so building needs no `protoc`.
 //! Every error names the endpoint and the operation, so "etcd at http://10.0.0.5:2379: put:
 //! connection refused" says where to look.
 
 use std::time::Duration;
+
+mod registration;
+mod view;
+pub use registration::Registration;
+pub use view::{PrefixSnapshot, PrefixView, Watch, WatchEvent};
 
 #[allow(clippy::all, missing_docs)]
 mod pb {
@@ -30,6 +37,7 @@ pub struct EtcdClient {
     endpoint: String,
     kv: pb::kv_client::KvClient<tonic::transport::Channel>,
     lease: pb::lease_client::LeaseClient<tonic::transport::Channel>,
+    watch: pb::watch_client::WatchClient<tonic::transport::Channel>,
 }
 
 /// `http://HOST:PORT` for `HOST:PORT`, `etcd://HOST:PORT` or an `http(s)://` URL.
@@ -74,7 +82,8 @@ impl EtcdClient {
             .map_err(|e| err("connect", &e))?;
         Ok(EtcdClient {
             kv: pb::kv_client::KvClient::new(ch.clone()),
-            lease: pb::lease_client::LeaseClient::new(ch),
+            lease: pb::lease_client::LeaseClient::new(ch.clone()),
+            watch: pb::watch_client::WatchClient::new(ch),
             endpoint,
         })
     }
@@ -162,6 +171,14 @@ impl EtcdClient {
 
     /// Every `(key, value)` whose key starts with `prefix`, in key order.
     pub async fn get_prefix(&mut self, prefix: &[u8]) -> Result<Vec<(Vec<u8>, Vec<u8>)>, EtcdError> {
+        let (kvs, _) = self.get_prefix_at(prefix).await?;
+        Ok(kvs.into_iter().map(|(k, v, _)| (k, v)).collect())
+    }
+
+    /// Every `(key, value, mod_revision)` whose key starts with `prefix`, and the store's
+    /// revision they were read at: a [`Self::watch_prefix`] from the revision after it sees
+    /// every later change and none before.
+    pub async fn get_prefix_at(&mut self, prefix: &[u8]) -> Result<(Vec<(Vec<u8>, Vec<u8>, i64)>, i64), EtcdError> {
         let r = self
             .kv
             .range(pb::RangeRequest {
@@ -172,7 +189,14 @@ impl EtcdClient {
             .await
             .map_err(|s| self.err("range", s))?
             .into_inner();
-        Ok(r.kvs.into_iter().map(|kv| (kv.key, kv.value)).collect())
+        let rev = r.header.map_or(0, |h| h.revision);
+        Ok((
+            r.kvs
+                .into_iter()
+                .map(|kv| (kv.key, kv.value, kv.mod_revision))
+                .collect(),
+            rev,
+        ))
     }
 
     /// Deletes `key`; returns whether it existed.

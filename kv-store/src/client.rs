@@ -74,7 +74,10 @@ pub struct ClientConfig {
     /// Offloaded gets: up to this many queued gets for one shard travel as one multi-get
     /// request (one round trip, one response); 1 sends every get alone.
     pub batch: u32,
-    /// Read the shard map from etcd (when `servers` is empty).
+    /// Read the shard map from etcd (when `servers` is empty) and follow it: a shard registered
+    /// again (its server restarted, or another server took it over) is reconnected before the
+    /// next request; a shard whose registration expired fails its requests at once with
+    /// [`KvError::Unavailable`] until a server registers it again.
     pub etcd: Option<crate::shardmap::EtcdMap>,
 }
 
@@ -127,6 +130,9 @@ pub struct ClientStats {
     pub fallbacks: u64,
     /// Hybrid gets answered from the hot-value cache.
     pub hot_hits: u64,
+    /// Shards reconnected because etcd's shard map changed (a server restarted or took the
+    /// shard over).
+    pub shard_moves: u64,
 }
 
 /// The stages of a request in flight.
@@ -169,6 +175,11 @@ struct RednPair {
 }
 
 struct Shard {
+    /// Why requests to this shard fail at once (its registration left etcd's shard map).
+    down: Option<String>,
+    /// The shard map entry this connection was made through: its address and the revision
+    /// of its registration.
+    at: (SocketAddr, i64),
     qp: Qp,
     w: Welcome,
     /// `depth` slot buffers of `RPC_SLOT` bytes, then `depth` RPC receive buffers.
@@ -202,8 +213,14 @@ fn wr_fields(id: u64) -> (u64, usize, usize, u32) {
 
 /// A connected client (synchronous; see [`AsyncKvClient`] for the async API).
 pub struct KvClient {
-    _pd: Pd,
+    ctx: Context,
+    rt: tokio::runtime::Runtime,
+    pd: Pd,
     cq: Cq,
+    /// The shard map in etcd, followed by a watch (when the client was given it).
+    map: Option<(crate::shardmap::EtcdMap, etcd_lite::PrefixView)>,
+    /// When a shard registered at an address failed to reconnect: try again from then on.
+    retry_at: Option<Instant>,
     shards: Vec<Shard>,
     cfg: ClientConfig,
     gen: u32,
@@ -224,14 +241,142 @@ fn connect_qp(rt: &tokio::runtime::Runtime, cm: SocketAddr, qp: &Qp, hello: &Hel
     serde_json::from_slice(&reply).map_err(|e| KvError::Protocol(format!("bad welcome from {cm}: {e}")))
 }
 
+/// Starts following the shard map in etcd and waits up to `wait` for it to be complete; the
+/// view, every shard's address, and the revision of each shard's registration.
+fn follow_map(
+    map: &crate::shardmap::EtcdMap,
+    wait: Duration,
+) -> Result<(etcd_lite::PrefixView, Vec<SocketAddr>, Vec<i64>), KvError> {
+    let mut view = etcd_lite::PrefixView::start(&map.endpoint, &map.shards_prefix())?;
+    let until = Instant::now() + wait;
+    loop {
+        let left = until.saturating_duration_since(Instant::now());
+        let snap = view
+            .wait_synced(left)
+            .map_err(|e| KvError::Config(format!("etcd at {}: reading the shard map: {e}", map.endpoint)))?;
+        let (count, shards) = map.parse(&snap.entries);
+        if let Some(n) = count {
+            if (0..n).all(|i| shards.contains_key(&i)) {
+                let revs = (0..n)
+                    .map(|i| {
+                        let key = [map.shards_prefix(), format!("{i:05}").into_bytes()].concat();
+                        snap.revisions.get(&key).copied().unwrap_or(0)
+                    })
+                    .collect();
+                return Ok((view, (0..n).map(|i| shards[&i]).collect(), revs));
+            }
+        }
+        if Instant::now() >= until {
+            return Err(KvError::Config(format!(
+                "etcd at {}: the shard map under {:?} is incomplete (count {count:?}, shards {:?})",
+                map.endpoint,
+                map.prefix,
+                shards.keys().collect::<Vec<_>>()
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Connects a new QP to the server at `cm`; the QP and the server's welcome.
+fn hello(
+    ctx: &Context,
+    pd: &Pd,
+    cq: &Cq,
+    rt: &tokio::runtime::Runtime,
+    cm: SocketAddr,
+    depth: u32,
+) -> Result<(Qp, Welcome), KvError> {
+    let qp = ctx.create_qp(pd, cq, cq, QpInitAttr::default())?;
+    let w = connect_qp(rt, cm, &qp, &Hello::Kv { depth })?;
+    Ok((qp, w))
+}
+
+/// Refuses a server that is not shard `i` of `n`.
+fn check_welcome(w: &Welcome, cm: SocketAddr, i: usize, n: usize) -> Result<(), KvError> {
+    if w.shards as usize != n || w.shard as usize != i {
+        return Err(KvError::Config(format!(
+            "{cm} is shard {} of {}, named as shard {i} of {n}",
+            w.shard, w.shards
+        )));
+    }
+    Ok(())
+}
+
+/// Sets up shard `i` over a connected QP: its slot buffers, RPC receives and RedN pairs.
+#[allow(clippy::too_many_arguments)]
+fn open_shard(
+    ctx: &Context,
+    pd: &Pd,
+    cq: &Cq,
+    rt: &tokio::runtime::Runtime,
+    cfg: &ClientConfig,
+    i: usize,
+    at: (SocketAddr, i64),
+    qp: Qp,
+    w: Welcome,
+) -> Result<Shard, KvError> {
+    let depth = cfg.depth as usize;
+    let buf = pd.reg_mr(2 * depth * RPC_SLOT, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?;
+    for r in 0..depth.min(w.rpc_slots as usize) {
+        qp.post_recv(RecvWr {
+            wr_id: wr_id(KIND_RPC_RECV, i, r, 0),
+            sg_list: [buf.sge((depth + r) * RPC_SLOT, RPC_SLOT)].into_iter().collect(),
+        })?;
+    }
+    let mut redn = Vec::new();
+    if cfg.get_path == GetPath::Redn {
+        let entry = layout::class_len(w.geometry.redn_class);
+        for s in 0..depth {
+            let pair = rand_pair_id(i, s);
+            let rbuf = pd.reg_mr(entry, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?;
+            let mk = || ctx.create_qp(pd, cq, cq, QpInitAttr::default());
+            let qps = [mk()?, mk()?];
+            for (part, q) in qps.iter().enumerate() {
+                for r in 0..4 {
+                    q.post_recv(RecvWr {
+                        wr_id: wr_id(KIND_REDN_RECV, i, s, r),
+                        sg_list: Default::default(),
+                    })?;
+                }
+                connect_qp(
+                    rt,
+                    at.0,
+                    q,
+                    &Hello::Redn {
+                        conn: w.conn,
+                        pair,
+                        part: part as u8,
+                        resp_addr: rbuf.addr(),
+                        resp_rkey: rbuf.rkey(),
+                    },
+                )?;
+            }
+            redn.push(RednPair { qps, buf: rbuf });
+        }
+    }
+    Ok(Shard {
+        down: None,
+        at,
+        qp,
+        w,
+        buf,
+        slots: (0..depth).map(|_| None).collect(),
+        redn,
+    })
+}
+
 impl KvClient {
     /// Connects to every shard over `ctx`'s stack (several clients may share one context).
     pub fn connect(ctx: &Context, cfg: ClientConfig) -> Result<KvClient, KvError> {
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
         let mut cfg = cfg;
+        let mut revisions = Vec::new();
+        let mut map = None;
         if cfg.servers.is_empty() {
             if let Some(e) = &cfg.etcd {
-                cfg.servers = rt.block_on(e.fetch(Duration::from_secs(10)))?;
+                let (view, servers, revs) = follow_map(e, Duration::from_secs(10))?;
+                (cfg.servers, revisions, map) = (servers, revs, Some((e.clone(), view)));
             }
         }
         if cfg.servers.is_empty() {
@@ -242,14 +387,11 @@ impl KvClient {
         }
         let pd = ctx.alloc_pd();
         let cq = ctx.create_cq(64 * 1024)?;
-        let depth = cfg.depth as usize;
         let mut servers = cfg.servers.clone();
         let mut shards: Vec<Shard> = Vec::new();
         let mut i = 0;
         while i < servers.len() {
-            let ll = QpInitAttr::default();
-            let qp = ctx.create_qp(&pd, &cq, &cq, ll)?;
-            let w = connect_qp(&rt, servers[i], &qp, &Hello::Kv { depth: cfg.depth })?;
+            let (qp, w) = hello(ctx, &pd, &cq, &rt, servers[i], cfg.depth)?;
             if i == 0 && servers.len() == 1 && w.shards > 1 {
                 if w.map.len() != w.shards as usize {
                     return Err(KvError::Config(format!(
@@ -262,65 +404,19 @@ impl KvClient {
                     continue; // start over at shard 0 (this QP is dropped)
                 }
             }
-            if w.shards as usize != servers.len() || w.shard as usize != i {
-                return Err(KvError::Config(format!(
-                    "{} is shard {} of {}, named as shard {i} of {}",
-                    servers[i],
-                    w.shard,
-                    w.shards,
-                    servers.len()
-                )));
-            }
-            let buf = pd.reg_mr(2 * depth * RPC_SLOT, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?;
-            for r in 0..depth.min(w.rpc_slots as usize) {
-                qp.post_recv(RecvWr {
-                    wr_id: wr_id(KIND_RPC_RECV, i, r, 0),
-                    sg_list: [buf.sge((depth + r) * RPC_SLOT, RPC_SLOT)].into_iter().collect(),
-                })?;
-            }
-            let mut redn = Vec::new();
-            if cfg.get_path == GetPath::Redn {
-                let entry = layout::class_len(w.geometry.redn_class);
-                for s in 0..depth {
-                    let pair = rand_pair_id(i, s);
-                    let rbuf = pd.reg_mr(entry, Access::LOCAL_WRITE | Access::REMOTE_WRITE)?;
-                    let mk = || ctx.create_qp(&pd, &cq, &cq, ll);
-                    let qps = [mk()?, mk()?];
-                    for (part, q) in qps.iter().enumerate() {
-                        for r in 0..4 {
-                            q.post_recv(RecvWr {
-                                wr_id: wr_id(KIND_REDN_RECV, i, s, r),
-                                sg_list: Default::default(),
-                            })?;
-                        }
-                        connect_qp(
-                            &rt,
-                            servers[i],
-                            q,
-                            &Hello::Redn {
-                                conn: w.conn,
-                                pair,
-                                part: part as u8,
-                                resp_addr: rbuf.addr(),
-                                resp_rkey: rbuf.rkey(),
-                            },
-                        )?;
-                    }
-                    redn.push(RednPair { qps, buf: rbuf });
-                }
-            }
-            shards.push(Shard {
-                qp,
-                w,
-                buf,
-                slots: (0..depth).map(|_| None).collect(),
-                redn,
-            });
+            check_welcome(&w, servers[i], i, servers.len())?;
+            let at = (servers[i], revisions.get(i).copied().unwrap_or(0));
+            shards.push(open_shard(ctx, &pd, &cq, &rt, &cfg, i, at, qp, w)?);
             i += 1;
         }
+        cfg.servers = servers;
         Ok(KvClient {
-            _pd: pd,
+            ctx: ctx.clone(),
+            rt,
+            pd,
             cq,
+            map,
+            retry_at: None,
             shards,
             get_latency: get_latency(cfg.get_path),
             cfg,
@@ -328,6 +424,74 @@ impl KvClient {
             stats: ClientStats::default(),
             msg: Vec::new(),
         })
+    }
+
+    /// Applies what changed in etcd's shard map since the last request (nothing to do, and no
+    /// system call, when nothing did): reconnects shards registered anew, marks shards whose
+    /// registration is gone. Requests are all finished between calls, so no QP is in use.
+    fn follow_shard_map(&mut self) {
+        let Some((map, view)) = self.map.as_mut() else { return };
+        let snap = match view.changed() {
+            Some(s) => s,
+            None if self.retry_at.is_some_and(|t| Instant::now() >= t) => view.current(),
+            None => return,
+        };
+        if !snap.synced {
+            return; // etcd out of reach: keep the connections there are
+        }
+        let map = map.clone();
+        let (count, addrs) = map.parse(&snap.entries);
+        if count.is_some_and(|n| n as usize != self.shards.len()) {
+            tracing::warn!(
+                "etcd's shard map now counts {count:?} shards, this client {}: keys would move; reconnect the client",
+                self.shards.len()
+            );
+        }
+        self.retry_at = None;
+        for s in 0..self.shards.len() {
+            let Some(&addr) = addrs.get(&(s as u32)) else {
+                if self.shards[s].down.is_none() {
+                    tracing::warn!("shard {s}: its registration left etcd's shard map (its server is gone)");
+                    self.shards[s].down = Some(format!(
+                        "shard {s} (was at {}): its registration in etcd expired or was removed",
+                        self.shards[s].at.0
+                    ));
+                }
+                continue;
+            };
+            let key = [map.shards_prefix(), format!("{s:05}").into_bytes()].concat();
+            let rev = snap.revisions.get(&key).copied().unwrap_or(0);
+            if self.shards[s].down.is_none() && self.shards[s].at == (addr, rev) {
+                continue;
+            }
+            let shards = self.shards.len();
+            let r = hello(&self.ctx, &self.pd, &self.cq, &self.rt, addr, self.cfg.depth).and_then(|(qp, w)| {
+                check_welcome(&w, addr, s, shards)?;
+                open_shard(
+                    &self.ctx,
+                    &self.pd,
+                    &self.cq,
+                    &self.rt,
+                    &self.cfg,
+                    s,
+                    (addr, rev),
+                    qp,
+                    w,
+                )
+            });
+            match r {
+                Ok(sh) => {
+                    tracing::info!("shard {s}: registered at {addr} (revision {rev}); reconnected");
+                    self.shards[s] = sh;
+                    self.cfg.servers[s] = addr;
+                    self.stats.shard_moves += 1;
+                }
+                Err(e) => {
+                    self.shards[s].down = Some(format!("shard {s} registered at {addr}: connecting: {e}"));
+                    self.retry_at = Some(Instant::now() + Duration::from_millis(200));
+                }
+            }
+        }
     }
 
     /// The number of shards.
@@ -374,6 +538,7 @@ impl KvClient {
     /// Runs a batch with up to `depth` requests in flight per shard; results in order (a get's
     /// value, `None` for a missing key and for writes).
     pub fn execute(&mut self, ops: Vec<Op>) -> Vec<Result<Option<Vec<u8>>, KvError>> {
+        self.follow_shard_map();
         let mut results: Vec<Option<OpResult>> = (0..ops.len()).map(|_| None).collect();
         let mut queues: Vec<std::collections::VecDeque<usize>> = vec![Default::default(); self.shards.len()];
         for (i, op) in ops.iter().enumerate() {
@@ -382,7 +547,12 @@ impl KvClient {
                 results[i] = Some(Err(KvError::BadKey(k.len())));
                 continue;
             }
-            queues[shard_of(k, self.shards.len() as u32) as usize].push_back(i);
+            let s = shard_of(k, self.shards.len() as u32) as usize;
+            if let Some(why) = &self.shards[s].down {
+                results[i] = Some(Err(KvError::Unavailable(why.clone())));
+                continue;
+            }
+            queues[s].push_back(i);
         }
         let mut left = results.iter().filter(|r| r.is_none()).count();
         let mut wcs = [EMPTY_WC; 64];

@@ -44,6 +44,8 @@ pub enum KvError {
     Protocol(String),
     #[error("timed out: {0}")]
     Timeout(String),
+    #[error("shard unavailable: {0}")]
+    Unavailable(String),
     #[error(transparent)]
     Verbs(#[from] netstack::verbs::VerbsError),
     #[error(transparent)]

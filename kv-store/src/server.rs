@@ -486,6 +486,8 @@ pub struct KvServer {
     threads: Vec<std::thread::JoinHandle<()>>,
     rt: Option<tokio::runtime::Runtime>,
     shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    /// This shard's address in etcd's shard map, renewed while the server runs.
+    registration: Option<etcd_lite::Registration>,
     _offloads: Vec<Registered>,
     _dma: netstack::offload::DmaRegionHandle,
 }
@@ -584,10 +586,10 @@ impl KvServer {
                 }
             });
         }
-        if let Some(e) = &cfg.etcd {
-            let lease = rt.block_on(e.register(cfg.shard, cfg.shards, cm_addr))?;
-            rt.spawn(e.clone().keep_registered(cfg.shard, cfg.shards, cm_addr, lease));
-        }
+        let registration = match &cfg.etcd {
+            Some(e) => Some(rt.block_on(e.register(cfg.shard, cfg.shards, cm_addr))?),
+            None => None,
+        };
         let stop = Arc::new(AtomicBool::new(false));
         let mut threads = Vec::new();
         {
@@ -606,6 +608,7 @@ impl KvServer {
             threads,
             rt: Some(rt),
             shutdown: Some(tx),
+            registration,
             _offloads: offloads,
             _dma: dma,
         })
@@ -628,6 +631,12 @@ impl KvServer {
     pub fn put(&self, key: &[u8], value: &[u8]) -> Result<(), KvError> {
         self.inner.owns(key)?;
         self.inner.store.lock().put(key, value).map(|_| ())
+    }
+
+    /// Reads `key` from this partition's store directly (no network client).
+    pub fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, KvError> {
+        self.inner.owns(key)?;
+        Ok(self.inner.store.lock().get(key)?.map(|f| f.value))
     }
 
     /// Blocks the application thread and the RESP front door until the guard drops.
@@ -688,6 +697,14 @@ impl netstack::telemetry::Collect for Inner {
 impl Drop for KvServer {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
+        // leave the shard map now rather than when the lease runs out
+        if let (Some(r), Some(rt)) = (self.registration.take(), self.rt.as_ref()) {
+            match rt.block_on(async { tokio::time::timeout(Duration::from_secs(2), r.revoke()).await }) {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::warn!("leaving etcd's shard map: {e}"),
+                Err(_) => tracing::warn!("leaving etcd's shard map: no answer from etcd in 2 s"),
+            }
+        }
         if let Some(tx) = self.shutdown.take() {
             let _ = tx.send(());
         }

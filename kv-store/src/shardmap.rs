@@ -36,52 +36,50 @@ impl EtcdMap {
             .map_err(|e| KvError::Config(e.to_string()))
     }
 
-    /// Registers shard `shard` of `shards` at `cm` (again after a restart: the newest wins):
-    /// the count as is, the address under a new lease, whose id is returned.
-    pub async fn register(&self, shard: u32, shards: u32, cm: SocketAddr) -> Result<i64, KvError> {
+    /// Registers shard `shard` of `shards` at `cm` (again after a restart, or on another
+    /// server to move the shard: the newest wins, and running clients follow it): the count as
+    /// is, the address under a lease its server keeps renewing while the returned
+    /// registration lives. Must run inside a tokio runtime (the renewals run on it).
+    pub async fn register(&self, shard: u32, shards: u32, cm: SocketAddr) -> Result<etcd_lite::Registration, KvError> {
         let mut c = self.client().await?;
         let e = |e: etcd_lite::EtcdError| KvError::Config(e.to_string());
         c.put(self.key("count"), shards.to_string()).await.map_err(e)?;
-        let lease = c.grant_lease(self.lease_ttl.as_secs().max(1) as i64).await.map_err(e)?;
-        c.put_leased(self.key(&format!("{shard:05}")), cm.to_string(), lease)
-            .await
-            .map_err(e)?;
-        Ok(lease)
+        etcd_lite::Registration::start(
+            &self.endpoint,
+            self.key(&format!("{shard:05}")),
+            cm.to_string(),
+            self.lease_ttl,
+        )
+        .await
+        .map_err(e)
     }
 
-    /// Keeps shard `shard`'s registration alive while the server runs (spawned on its
-    /// runtime): renews the lease every third of its length, registers again if it expired
-    /// (etcd unreachable for longer than the lease).
-    pub async fn keep_registered(self, shard: u32, shards: u32, cm: SocketAddr, mut lease: i64) {
-        // one connection, made again only after an error
-        let mut conn: Option<etcd_lite::EtcdClient> = None;
-        loop {
-            tokio::time::sleep(self.lease_ttl / 3).await;
-            let c = match conn.as_mut() {
-                Some(c) => c,
-                None => match self.client().await {
-                    Ok(c) => conn.insert(c),
-                    Err(e) => {
-                        tracing::warn!("shard {shard}: renewing its registration: {e}");
-                        continue;
-                    }
-                },
+    /// The key prefix of the shard map (for a [`etcd_lite::PrefixView`]).
+    pub fn shards_prefix(&self) -> Vec<u8> {
+        self.key("")
+    }
+
+    /// The map in a snapshot of [`Self::shards_prefix`]: the shard count, if registered, and the
+    /// address of each shard registered now (a shard whose server died is absent).
+    pub fn parse(
+        &self,
+        entries: &std::collections::BTreeMap<Vec<u8>, Vec<u8>>,
+    ) -> (Option<u32>, std::collections::BTreeMap<u32, SocketAddr>) {
+        let start = self.key("");
+        let mut count = None;
+        let mut shards = std::collections::BTreeMap::new();
+        for (key, value) in entries {
+            let Some(k) = key.strip_prefix(&start[..]) else {
+                continue;
             };
-            match c.keep_alive(lease).await {
-                Ok(ttl) if ttl > 0 => {}
-                Ok(_) => {
-                    tracing::warn!("shard {shard}: its etcd lease expired; registering again");
-                    match self.register(shard, shards, cm).await {
-                        Ok(l) => lease = l,
-                        Err(e) => tracing::warn!("shard {shard}: registering again: {e}"),
-                    }
-                }
-                Err(e) => {
-                    tracing::warn!("shard {shard}: renewing its registration: {e}");
-                    conn = None;
-                }
+            let (k, v) = (String::from_utf8_lossy(k), String::from_utf8_lossy(value));
+            if k == "count" {
+                count = v.parse::<u32>().ok();
+            } else if let (Ok(i), Ok(a)) = (k.parse::<u32>(), v.parse::<SocketAddr>()) {
+                shards.insert(i, a);
             }
         }
+        (count, shards)
     }
 
     /// Reads the map; waits up to `wait` for every shard to have registered.
@@ -91,17 +89,7 @@ impl EtcdMap {
         let until = Instant::now() + wait;
         loop {
             let kvs = c.get_prefix(&start).await.map_err(|e| KvError::Config(e.to_string()))?;
-            let mut count = None;
-            let mut shards = std::collections::BTreeMap::new();
-            for (key, value) in kvs {
-                let k = String::from_utf8_lossy(&key[start.len()..]).into_owned();
-                let v = String::from_utf8_lossy(&value).into_owned();
-                if k == "count" {
-                    count = v.parse::<u32>().ok();
-                } else if let (Ok(i), Ok(a)) = (k.parse::<u32>(), v.parse::<SocketAddr>()) {
-                    shards.insert(i, a);
-                }
-            }
+            let (count, shards) = self.parse(&kvs.into_iter().collect());
             if let Some(n) = count {
                 if (0..n).all(|i| shards.contains_key(&i)) {
                     return Ok((0..n).map(|i| shards[&i]).collect());

@@ -82,7 +82,9 @@ fn clients_find_the_shards_through_etcd() {
     let other = EtcdMap::new(&etcd.url, "/test/tenant-b/");
     let e = rt.block_on(other.fetch(Duration::from_millis(200))).unwrap_err();
     assert!(e.to_string().contains("incomplete"), "{e}");
-    // a restarted partition re-registers: the map follows it
+    // a restarted partition re-registers: the map follows it (a partition that stops leaves it)
+    let mut servers = servers;
+    let s1 = servers.pop().unwrap();
     drop(servers);
     let s0 = KvServer::start(ServerConfig {
         capacity: 1024,
@@ -94,7 +96,13 @@ fn clients_find_the_shards_through_etcd() {
     })
     .unwrap();
     let addrs = rt.block_on(map.fetch(Duration::from_secs(1))).unwrap();
-    assert_eq!(addrs[0], s0.cm_addr());
+    assert_eq!(addrs, vec![s0.cm_addr(), s1.cm_addr()]);
+    drop(s1);
+    let e = rt.block_on(map.fetch(Duration::from_millis(100))).unwrap_err();
+    assert!(
+        e.to_string().contains("shards [0]"),
+        "a stopped partition leaves the map: {e}"
+    );
     // an unreachable etcd is a clear error
     let dead = EtcdMap::new(&format!("http://127.0.0.1:{}", free_port()), "/x/");
     let e = rt.block_on(dead.fetch(Duration::from_millis(100))).unwrap_err();
@@ -151,4 +159,96 @@ fn a_killed_servers_shard_entry_expires_with_its_lease() {
         "the count is configuration"
     );
     eprintln!("shard entry gone {gone:?} after the kill (lease 3 s)");
+}
+
+fn shard_server(map: &EtcdMap, shard: u32) -> KvServer {
+    KvServer::start(ServerConfig {
+        capacity: 1024,
+        data_bytes: 1 << 20,
+        shard,
+        shards: 2,
+        etcd: Some(map.clone()),
+        ..Default::default()
+    })
+    .unwrap()
+}
+
+/// Waits up to 3 s for `ok`; how long it took.
+fn within_3s(mut ok: impl FnMut() -> bool) -> Duration {
+    let t = std::time::Instant::now();
+    while !ok() {
+        assert!(t.elapsed() < Duration::from_secs(3), "not seen within 3 s");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    t.elapsed()
+}
+
+/// A running client follows etcd's shard map through a watch: a shard another server takes
+/// over is reconnected before the client's next request; a shard whose registration leaves the
+/// map fails its requests at once (the other shard keeps serving) until a server registers it
+/// again.
+#[test]
+fn a_running_client_follows_a_shard_moved_in_etcd() {
+    let Some(etcd) = start_etcd() else { return };
+    let map = EtcdMap::new(&etcd.url, "/test/moves/");
+    let a0 = shard_server(&map, 0);
+    let a1 = shard_server(&map, 1);
+    let ctx = netstack::verbs::Context::open(Default::default()).unwrap();
+    let mut c = KvClient::connect(
+        &ctx,
+        ClientConfig {
+            etcd: Some(map.clone()),
+            get_path: GetPath::Offload,
+            timeout: Duration::from_secs(1),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let key_on = |s: u32, n: u32| {
+        (0u32..)
+            .map(|k| k.to_le_bytes().to_vec())
+            .filter(|k| kv_store::proto::shard_of(k, 2) == s)
+            .nth(n as usize)
+            .unwrap()
+    };
+    let (k0, k1, k1b) = (key_on(0, 0), key_on(1, 0), key_on(1, 1));
+    c.put(&k0, b"zero").unwrap();
+    c.put(&k1, b"on a1").unwrap();
+    assert_eq!(a1.get(&k1).unwrap(), Some(b"on a1".to_vec()));
+
+    // another server takes shard 1 over: it holds k1b; the running client reads it from there
+    let b1 = shard_server(&map, 1);
+    b1.put(&k1b, b"on b1").unwrap();
+    let moved = within_3s(|| c.get(&k1b).ok().flatten().as_deref() == Some(&b"on b1"[..]));
+    eprintln!("client read from the shard's new server {moved:?} after it registered");
+    assert_eq!(c.stats().shard_moves, 1);
+    assert_eq!(c.get(&k1).unwrap(), None, "shard 1 is b1's now, which never held k1");
+    assert_eq!(c.get(&k0).unwrap(), Some(b"zero".to_vec()), "shard 0 is untouched");
+    c.put(&k1, b"on b1 too").unwrap();
+    assert_eq!(b1.get(&k1).unwrap(), Some(b"on b1 too".to_vec()));
+    assert_eq!(
+        a1.get(&k1).unwrap(),
+        Some(b"on a1".to_vec()),
+        "the old server is not written"
+    );
+
+    // b1 leaves (its registration is revoked): shard 1 fails fast, shard 0 serves on
+    drop(b1);
+    let down = within_3s(|| matches!(c.get(&k1), Err(kv_store::KvError::Unavailable(_))));
+    let t = std::time::Instant::now();
+    let e = c.get(&k1).unwrap_err().to_string();
+    assert!(
+        t.elapsed() < Duration::from_millis(100),
+        "fails at once, not after the timeout"
+    );
+    assert!(e.contains("shard 1") && e.contains("etcd"), "{e}");
+    assert_eq!(c.get(&k0).unwrap(), Some(b"zero".to_vec()));
+    eprintln!("shard 1 unavailable {down:?} after its server left: {e}");
+
+    // a new server registers shard 1: the client is back on it
+    let c1 = shard_server(&map, 1);
+    within_3s(|| c.put(&k1b, b"on c1").is_ok());
+    assert_eq!(c1.get(&k1b).unwrap(), Some(b"on c1".to_vec()));
+    assert_eq!(c.stats().shard_moves, 2);
+    drop(a0);
 }
