@@ -47,6 +47,54 @@ fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> DaemonError {
     move |source| DaemonError::Io { what, source }
 }
 
+/// Where a process says it is alive: a key under `PREFIX/block/live/` in etcd, held under a
+/// lease the process renews (deleted within the lease when it dies; at once when it stops).
+#[derive(clap::Args, Debug, Clone)]
+pub struct LiveArgs {
+    /// Register this process in etcd at this endpoint (host:port), under a lease.
+    #[arg(long, value_name = "HOST:PORT")]
+    pub etcd: Option<String>,
+    /// etcd key prefix (the controller's `--prefix`).
+    #[arg(long, default_value = "/flexns")]
+    pub etcd_prefix: String,
+    /// Seconds of the lease: a process that dies leaves etcd within this.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub etcd_lease_ttl: u64,
+}
+
+/// The key of a live process of `kind` (`nodes`, `agents`) named `name` under `prefix`.
+pub fn live_key(prefix: &str, kind: &str, name: &str) -> String {
+    format!("{}/block/live/{kind}/{name}", prefix.trim_end_matches('/'))
+}
+
+impl LiveArgs {
+    /// Registers `value` under the process's key, when `--etcd` was given.
+    async fn register(
+        &self,
+        kind: &str,
+        name: &str,
+        value: String,
+    ) -> Result<Option<etcd_lite::Registration>, DaemonError> {
+        let Some(e) = &self.etcd else { return Ok(None) };
+        let key = live_key(&self.etcd_prefix, kind, name);
+        let r = etcd_lite::Registration::start(e, key, value, Duration::from_secs(self.etcd_lease_ttl))
+            .await
+            .map_err(|e| DaemonError::Config(format!("--etcd: registering this process: {e}")))?;
+        Ok(Some(r))
+    }
+}
+
+/// Leaves etcd at a clean stop (the key goes now rather than when the lease runs out).
+async fn deregister(r: Option<etcd_lite::Registration>) {
+    if let Some(r) = r {
+        match tokio::time::timeout(Duration::from_secs(2), r.revoke()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::warn!("leaving etcd: {e}"),
+            Err(_) => tracing::warn!("leaving etcd: no answer in 2 s"),
+        }
+    }
+}
+
 /// `block-server`: a storage node.
 #[derive(clap::Args, Debug, Clone)]
 pub struct NodeArgs {
@@ -71,6 +119,8 @@ pub struct NodeArgs {
     /// Serve Prometheus metrics on this address (`GET /metrics`).
     #[arg(long, value_name = "ADDR")]
     pub metrics_addr: Option<SocketAddr>,
+    #[command(flatten)]
+    pub live: LiveArgs,
 }
 
 /// `block-agent`: exports volumes over NBD.
@@ -111,6 +161,8 @@ pub struct AgentArgs {
     /// Serve Prometheus metrics on this address (`GET /metrics`).
     #[arg(long, value_name = "ADDR")]
     pub metrics_addr: Option<SocketAddr>,
+    #[command(flatten)]
+    pub live: LiveArgs,
 }
 
 /// `block-control`: volumes, placement, attachments.
@@ -321,6 +373,15 @@ pub async fn run_node(a: NodeArgs) -> Result<(), DaemonError> {
             }
         });
     }
+    let live = a
+        .live
+        .register(
+            "nodes",
+            node.id(),
+            serde_json::json!({"data": data.to_string(), "admin": admin.to_string(), "pid": std::process::id()})
+                .to_string(),
+        )
+        .await?;
     banner(&format!(
         "block-server node={} data={data} admin={admin} dir={}",
         node.id(),
@@ -339,6 +400,7 @@ pub async fn run_node(a: NodeArgs) -> Result<(), DaemonError> {
         })
         .await?;
     tracing::info!("block-server stopping");
+    deregister(live).await;
     match why {
         Some(m) => Err(DaemonError::Superseded(m)),
         None => Ok(()),
@@ -409,11 +471,21 @@ pub async fn run_agent(a: AgentArgs) -> Result<(), DaemonError> {
         .as_ref()
         .map(|p| format!(" unix={}", p.display()))
         .unwrap_or_default();
+    let live = a
+        .live
+        .register(
+            "agents",
+            &a.name,
+            serde_json::json!({"nbd": nbd.to_string(), "admin": admin.to_string(), "pid": std::process::id()})
+                .to_string(),
+        )
+        .await?;
     banner(&format!(
         "block-agent name={} nbd={nbd} admin={admin} transport={}{unix}",
         a.name, a.transport
     ));
     let r = server.await.map_err(|e| DaemonError::Config(e.to_string()))?;
+    deregister(live).await;
     nbd_task.abort();
     if let Some(t) = unix_task {
         t.abort();
@@ -446,6 +518,11 @@ pub async fn run_control(a: ControlArgs) -> Result<(), DaemonError> {
     netstack::telemetry::register(weak);
     let (l, at) = listen(a.listen, "control").await?;
     tokio::spawn(c.clone().watch());
+    if let Some(e) = &a.etcd {
+        let view = etcd_lite::PrefixView::start(e, live_key(&a.prefix, "nodes", "").as_bytes())
+            .map_err(io("starting the etcd watch of live storage nodes"))?;
+        tokio::spawn(c.clone().follow_live(view));
+    }
     banner(&format!("block-control control={at} metadata={store}"));
     tonic::transport::Server::builder()
         .add_service(pb::block_control_server::BlockControlServer::new(ControllerService(c)))

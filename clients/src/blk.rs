@@ -166,6 +166,10 @@ pub struct ClusterSpec {
     pub heartbeat_ms: u64,
     /// The controller's node timeout.
     pub node_timeout_ms: u64,
+    /// With etcd: the lease (seconds) the storage nodes and the agent register themselves
+    /// under (`PREFIX/block/live/...`); a node that dies leaves etcd within it and the
+    /// controller marks it down then.
+    pub etcd_lease_ttl_s: u64,
     /// Prometheus metrics on 127.0.0.1: the controller on this port, storage node `i` on
     /// `+1+i`, the agent after the nodes (see [`ClusterSpec::metrics_addrs`]).
     pub metrics_base: Option<u16>,
@@ -187,6 +191,7 @@ impl ClusterSpec {
             detached: false,
             heartbeat_ms: 1000,
             node_timeout_ms: 3000,
+            etcd_lease_ttl_s: 10,
             metrics_base: None,
         }
     }
@@ -300,7 +305,7 @@ fn status(e: tonic::Status) -> anyhow::Error {
 }
 
 /// The etcd key prefix of a cluster kept in `dir`: the same on every `cluster up` there.
-fn etcd_prefix(dir: &Path) -> String {
+pub fn etcd_prefix(dir: &Path) -> String {
     // FNV-1a of the directory's path
     let h = dir.to_string_lossy().bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
         (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
@@ -335,7 +340,23 @@ fn node_args(spec: &ClusterSpec, control: &str, i: usize, listen: &str) -> Vec<S
         spec.heartbeat_ms.to_string(),
     ];
     a.extend(spec.metrics_flag(&format!("node{i}")));
+    a.extend(live_args(spec));
     a
+}
+
+/// Where a storage node or the agent registers itself when the metadata is in etcd.
+fn live_args(spec: &ClusterSpec) -> Vec<String> {
+    match &spec.etcd {
+        Some(e) => vec![
+            "--etcd".into(),
+            e.clone(),
+            "--etcd-prefix".into(),
+            etcd_prefix(&spec.dir),
+            "--etcd-lease-ttl".into(),
+            spec.etcd_lease_ttl_s.to_string(),
+        ],
+        None => Vec::new(),
+    }
 }
 
 fn agent_args(spec: &ClusterSpec, control: &str, nbd: &str) -> Vec<String> {
@@ -358,6 +379,7 @@ fn agent_args(spec: &ClusterSpec, control: &str, nbd: &str) -> Vec<String> {
         spec.heartbeat_ms.to_string(),
     ];
     a.extend(spec.metrics_flag("agent0"));
+    a.extend(live_args(spec));
     a
 }
 

@@ -7,7 +7,8 @@
 //! - an agent killed and started again serves the same NBD URI with the same data;
 //! - a controller state of version 1 (replicas by address) upgrades in place;
 //! - a second process serving a copy of a node's directory is refused, and the first one
-//!   left serving keeps the volume consistent.
+//!   left serving keeps the volume consistent;
+//! - with etcd, a killed node leaves etcd within its lease and the controller marks it down.
 
 mod common;
 
@@ -447,4 +448,73 @@ fn a_second_process_with_a_copied_node_directory_is_refused() {
     c.nodes[0].stop();
     drop(c);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// With the metadata in etcd, storage nodes and the agent register themselves under leases
+/// (`PREFIX/block/live/...`), and the controller follows those keys with a watch: a killed
+/// node leaves etcd within its 2 s lease and is down then, long before the controller's
+/// heartbeat timeout (60 s here) would say so; restarted, it is up again; stopped cleanly,
+/// every process leaves etcd at once.
+#[test]
+fn with_etcd_a_killed_node_leaves_etcd_and_is_down_within_its_lease() {
+    let Some((_etcd, ep)) = local_etcd("blk-live") else {
+        return;
+    };
+    let dir = tmp("live");
+    let mut spec = fast_spec(&dir);
+    spec.etcd = Some(ep.clone());
+    spec.node_timeout_ms = 60_000;
+    spec.etcd_lease_ttl_s = 2;
+    let prefix = clients::blk::etcd_prefix(&dir);
+    let mut c = LocalCluster::start(&spawner(), spec).unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut kv = rt.block_on(etcd_lite::EtcdClient::connect(&ep)).unwrap();
+    let mut live = |kind: &str| {
+        rt.block_on(kv.get_prefix(format!("{prefix}/block/live/{kind}/").as_bytes()))
+            .unwrap()
+            .into_iter()
+            .map(|(k, v)| (String::from_utf8(k).unwrap(), String::from_utf8(v).unwrap()))
+            .collect::<Vec<_>>()
+    };
+    let nodes = live("nodes");
+    assert_eq!(nodes.len(), 3, "{nodes:?}");
+    let victim = c.nodes[1].field("node").unwrap();
+    assert!(
+        nodes
+            .iter()
+            .any(|(k, v)| k.ends_with(&victim) && v.contains("\"data\"")),
+        "{nodes:?}"
+    );
+    assert_eq!(live("agents").len(), 1);
+    wait_describe(&c, |d| d.matches("\"state\": \"up\"").count() == 3, "three nodes up");
+
+    c.nodes[1].kill9();
+    let t = Instant::now();
+    wait_describe(&c, |d| d.contains("\"state\": \"down\""), "the killed node shows down");
+    let down = t.elapsed();
+    eprintln!("killed storage node down after {down:?} (lease 2 s, heartbeat timeout 60 s)");
+    assert!(down < Duration::from_secs(10), "{down:?}");
+    assert_eq!(live("nodes").len(), 2);
+
+    c.restart_node(1, false).unwrap();
+    wait_describe(
+        &c,
+        |d| d.matches("\"state\": \"up\"").count() == 3,
+        "the restarted node is up",
+    );
+    assert_eq!(live("nodes").len(), 3);
+
+    // a clean stop leaves etcd at once (no lease to wait out)
+    for n in c.nodes.iter_mut() {
+        n.stop();
+    }
+    c.agent.stop();
+    assert!(
+        live("nodes").is_empty() && live("agents").is_empty(),
+        "{:?}",
+        live("nodes")
+    );
 }

@@ -196,12 +196,6 @@ impl TransferEngine {
         });
         let engine = TransferEngine { inner };
         engine.publish()?;
-        if let Some(every) = engine.inner.meta.keep_alive_every() {
-            engine
-                .inner
-                .rt
-                .spawn(keep_alive_loop(Arc::downgrade(&engine.inner), every));
-        }
         let w = Arc::downgrade(&engine.inner);
         std::thread::Builder::new()
             .name("kvc-timeouts".into())
@@ -408,14 +402,40 @@ impl TransferEngine {
         Ok(())
     }
 
-    /// The descriptor of an open segment as this engine last fetched it.
+    /// The descriptor of an open segment: with etcd metadata, the one published now (the
+    /// engine follows etcd with a watch, so a restarted peer's new buffers show here without
+    /// polling; the segment is reconnected to the new instance); otherwise as last fetched.
     pub fn segment_descriptor(&self, h: SegmentHandle) -> Result<SegmentDesc, TransferError> {
-        self.inner
+        let (name, desc) = self
+            .inner
             .segments
             .lock()
             .get(&h.0)
-            .map(|s| s.desc.clone())
-            .ok_or_else(|| TransferError::Invalid(format!("segment handle {} is not open", h.0)))
+            .map(|s| (s.name.clone(), s.desc.clone()))
+            .ok_or_else(|| TransferError::Invalid(format!("segment handle {} is not open", h.0)))?;
+        self.follow_watch(h, &name, desc)
+    }
+
+    /// What etcd's watch says of an open segment, applied: a segment whose descriptor left
+    /// etcd is refused (its engine is gone, nothing is sent), one published by a new instance
+    /// is reconnected to it. `desc` is the descriptor the segment was opened with.
+    fn follow_watch(&self, h: SegmentHandle, name: &str, desc: SegmentDesc) -> Result<SegmentDesc, TransferError> {
+        match self.inner.meta.watched(name) {
+            Some(None) if name != self.inner.name => Err(TransferError::Peer {
+                peer: format!("{name} ({})", desc.rpc),
+                message: "its descriptor left etcd (the engine stopped, or died and its lease expired); \
+                          nothing was sent"
+                    .into(),
+            }),
+            Some(Some(now)) if now.instance != desc.instance => {
+                tracing::info!(
+                    "segment {name}: a new instance published its descriptor ({} buffers); reconnecting",
+                    now.buffers.len()
+                );
+                self.refresh_segment(h)
+            }
+            _ => Ok(desc),
+        }
     }
 
     /// Fetches the segment's descriptor again (after it registered more memory, or restarted)
@@ -538,6 +558,7 @@ impl TransferEngine {
                 })?;
                 (s.name.clone(), s.desc.clone())
             };
+            desc = self.follow_watch(r.target, &name, desc)?;
             if desc.buffer_for(r.target_offset, r.length).is_none() {
                 // the peer may have registered more memory since: look again once
                 desc = self.refresh_segment(r.target)?;
@@ -911,34 +932,6 @@ impl TransferEngine {
     /// Waits up to `timeout` for the next notification.
     pub fn wait_notify(&self, timeout: Duration) -> Option<Notification> {
         self.inner.notifies.wait_one(timeout)
-    }
-}
-
-/// Renews the descriptor's etcd lease while the engine lives; a lease that expired anyway (etcd
-/// unreachable for longer than its TTL) is replaced and the descriptor published again.
-async fn keep_alive_loop(w: Weak<Inner>, every: Duration) {
-    loop {
-        tokio::time::sleep(every).await;
-        // what the renewal needs, without keeping the engine (and its runtime) alive across the
-        // await: the last strong reference dropped in this task would drop the runtime in it
-        let (meta, desc, name) = {
-            let Some(inner) = w.upgrade() else { return };
-            if inner.stop.load(Ordering::Relaxed) {
-                return;
-            }
-            (inner.meta.clone(), inner.desc.clone(), inner.name.clone())
-        };
-        match meta.keep_alive().await {
-            Ok(true) => {}
-            Ok(false) => {
-                tracing::warn!("segment {name}: its etcd lease expired; publishing it again");
-                let d = desc.read().clone();
-                if let Err(e) = meta.publish(&d).await {
-                    tracing::warn!("segment {name}: publishing again: {e}");
-                }
-            }
-            Err(e) => tracing::warn!("segment {name}: renewing its etcd lease: {e}"),
-        }
     }
 }
 

@@ -22,10 +22,13 @@ pub(crate) enum MetaStore {
         endpoint: String,
         prefix: String,
         client: Box<tokio::sync::Mutex<Option<etcd_lite::EtcdClient>>>,
-        /// The lease the descriptor is put under (granted at the first publish): a process
-        /// that dies stops renewing it and etcd deletes the descriptor within `ttl`.
-        lease: Mutex<Option<i64>>,
+        /// The descriptor under a lease this engine renews (made at the first publish): a
+        /// process that dies stops renewing it and etcd deletes the descriptor within `ttl`.
+        registration: Box<tokio::sync::Mutex<Option<etcd_lite::Registration>>>,
         ttl: Duration,
+        /// Every published descriptor, kept current by a watch (started at the first fetch:
+        /// an engine that opens no peer needs none).
+        view: std::sync::OnceLock<etcd_lite::PrefixView>,
     },
 }
 
@@ -38,45 +41,52 @@ impl MetaStore {
                 endpoint: endpoint.clone(),
                 prefix: prefix.clone(),
                 client: Box::new(tokio::sync::Mutex::new(None)),
-                lease: Mutex::new(None),
+                registration: Box::new(tokio::sync::Mutex::new(None)),
                 ttl,
+                view: std::sync::OnceLock::new(),
             },
         }
     }
 
-    /// How often [`Self::keep_alive`] should run (a third of the lease), if there is a lease.
-    pub fn keep_alive_every(&self) -> Option<Duration> {
-        match self {
-            MetaStore::Etcd { ttl, .. } => Some(*ttl / 3),
-            _ => None,
+    /// What the etcd watch last saw of segment `name`: `Some(Some(d))` published, `Some(None)`
+    /// not published (so its engine is gone: stopped, or its lease expired); `None` when unknown
+    /// (no etcd, no watch started yet, or etcd out of reach).
+    pub fn watched(&self, name: &str) -> Option<Option<SegmentDesc>> {
+        let MetaStore::Etcd { prefix, view, .. } = self else {
+            return None;
+        };
+        let snap = view.get()?.current();
+        if !snap.synced {
+            return None;
         }
+        Some(
+            snap.entries
+                .get(Self::key(prefix, name).as_bytes())
+                .and_then(|v| SegmentDesc::from_json(&String::from_utf8_lossy(v)).ok()),
+        )
     }
 
-    /// Renews the descriptor's lease. `Ok(false)` when it had expired (the descriptor is gone:
-    /// publish again, which grants a new one).
-    pub async fn keep_alive(&self) -> Result<bool, TransferError> {
-        let MetaStore::Etcd {
-            endpoint,
-            client,
-            lease,
-            ..
-        } = self
-        else {
-            return Ok(true);
-        };
-        let Some(id) = *lease.lock() else {
-            return Ok(true);
-        };
-        let mut c = Self::etcd(endpoint, client).await?;
-        let ttl = c
-            .keep_alive(id)
-            .await
-            .map_err(|e| TransferError::Metadata(e.to_string()))?;
-        if ttl <= 0 {
-            *lease.lock() = None;
-            return Ok(false);
+    /// Starts the descriptor watch if it is not running; waits up to 3 s for its first read.
+    async fn ensure_view(endpoint: &str, prefix: &str, view: &std::sync::OnceLock<etcd_lite::PrefixView>) {
+        if view.get().is_some() {
+            return;
         }
-        Ok(true)
+        let v = match etcd_lite::PrefixView::start(endpoint, format!("{prefix}segments/").as_bytes()) {
+            Ok(v) => v,
+            Err(e) => return tracing::warn!("watching segment descriptors in etcd {endpoint}: {e}"),
+        };
+        let mut rx = v.receiver();
+        let synced = async {
+            while !rx.borrow_and_update().synced {
+                if rx.changed().await.is_err() {
+                    return;
+                }
+            }
+        };
+        if tokio::time::timeout(Duration::from_secs(3), synced).await.is_err() {
+            tracing::warn!("watching segment descriptors in etcd {endpoint}: no first read in 3 s");
+        }
+        let _ = view.set(v);
     }
 
     pub fn describe(&self) -> String {
@@ -117,24 +127,24 @@ impl MetaStore {
             MetaStore::Etcd {
                 endpoint,
                 prefix,
-                client,
-                lease,
+                registration,
                 ttl,
+                ..
             } => {
-                let mut c = Self::etcd(endpoint, client).await?;
                 let meta = |e: etcd_lite::EtcdError| TransferError::Metadata(e.to_string());
-                let current = *lease.lock();
-                let id = match current {
-                    Some(id) => id,
+                let mut r = registration.lock().await;
+                match r.as_ref() {
+                    Some(r) => r.update(d.to_json()).await.map_err(meta),
                     None => {
-                        let id = c.grant_lease(ttl.as_secs().max(1) as i64).await.map_err(meta)?;
-                        *lease.lock() = Some(id);
-                        id
+                        let key = Self::key(prefix, &d.name);
+                        *r = Some(
+                            etcd_lite::Registration::start(endpoint, key, d.to_json(), *ttl)
+                                .await
+                                .map_err(meta)?,
+                        );
+                        Ok(())
                     }
-                };
-                c.put_leased(Self::key(prefix, &d.name), d.to_json(), id)
-                    .await
-                    .map_err(meta)
+                }
             }
         }
     }
@@ -175,8 +185,14 @@ impl MetaStore {
                 endpoint,
                 prefix,
                 client,
+                view,
                 ..
             } => {
+                Self::ensure_view(endpoint, prefix, view).await;
+                if let Some(Some(d)) = self.watched(name) {
+                    return Ok(d);
+                }
+                // not in the view: maybe published a moment ago; ask etcd itself
                 let mut c = Self::etcd(endpoint, client).await?;
                 let v = c
                     .get(Self::key(prefix, name))
@@ -207,17 +223,17 @@ impl MetaStore {
                 endpoint,
                 prefix,
                 client,
-                lease,
+                registration,
                 ..
             } => {
+                // the lease dies with this engine, and the keys under it (a successor has its own)
+                let held = registration.lock().await.take();
+                if let Some(r) = held {
+                    let _ = r.revoke().await;
+                }
                 let Ok(mut c) = Self::etcd(endpoint, client).await else {
                     return;
                 };
-                // the lease dies with this engine (a successor has its own)
-                let held = lease.lock().take();
-                if let Some(id) = held {
-                    let _ = c.revoke_lease(id).await;
-                }
                 let key = Self::key(prefix, name);
                 let ours = match c.get(key.clone()).await {
                     Ok(Some(v)) => {

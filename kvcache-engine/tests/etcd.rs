@@ -1,7 +1,8 @@
 //! Segment metadata in a real etcd (Debian's etcd-server, started here): engines find each
 //! other under one key prefix and not under another (tenants); a stale descriptor (an engine
 //! instance that is no longer the live one) is detected and never used; an engine that stops
-//! withdraws its descriptor and one that restarts under the same name re-publishes.
+//! withdraws its descriptor and one that restarts under the same name re-publishes; engines
+//! with the segment open follow both through their watch.
 
 use kvcache_engine::*;
 use std::time::Duration;
@@ -70,6 +71,26 @@ fn engines_meet_in_etcd_and_stale_descriptors_are_refused() {
         .unwrap();
     drop(d);
     assert_eq!(rt.block_on(kv.get("tenant-a/segments/decode")).unwrap(), None);
+    // a running engine with the segment open sees it go through its watch: a transfer to it
+    // fails at once (not after the transfer timeout) and says why
+    let t = std::time::Instant::now();
+    let e = loop {
+        match p.transfer_sync_write(seg, src.addr(), pool.addr(), 64) {
+            Err(e) if e.to_string().contains("left etcd") => break e.to_string(),
+            r => assert!(
+                t.elapsed() < Duration::from_secs(2),
+                "still sending to a gone engine: {r:?}"
+            ),
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    eprintln!(
+        "transfers to the stopped engine refused {:?} after it stopped: {e}",
+        t.elapsed()
+    );
+    let t = std::time::Instant::now();
+    let _ = p.transfer_sync_write(seg, src.addr(), pool.addr(), 64);
+    assert!(t.elapsed() < Duration::from_millis(100), "refused at once");
     // ... and a restarted one under the same name re-publishes: found, new instance, usable
     let d2 = engine("decode", &etcd.url, "tenant-a/");
     let pool2 = d2.allocate_memory(1 << 20, Location::Cpu(0)).unwrap();
@@ -82,8 +103,17 @@ fn engines_meet_in_etcd_and_stale_descriptors_are_refused() {
     p2.transfer_sync_write(seg2, src.addr(), pool2.addr(), 64).unwrap();
     pool2.read(0, &mut got);
     assert_eq!(&got, b"kv blocks through etcd metadata");
-    // the first prefill engine's cached descriptor names the dead instance: refreshing finds
-    // the new one instead of writing to old addresses
+    // the first prefill engine, which opened the dead instance, follows the new one through
+    // its watch (no refresh asked for) and can write to its new buffers
+    let t = std::time::Instant::now();
+    while p.segment_descriptor(seg).map(|d| d.instance).ok() != Some(d2.local_descriptor().instance) {
+        assert!(t.elapsed() < Duration::from_secs(2), "the new instance is not seen");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    src.write(0, b"kv blocks to the restarted peer");
+    p.transfer_sync_write(seg, src.addr(), pool2.addr(), 64).unwrap();
+    pool2.read(0, &mut got);
+    assert_eq!(&got, b"kv blocks to the restarted peer");
     let fresh = p.refresh_segment(seg).unwrap();
     assert_eq!(fresh.instance, d2.local_descriptor().instance);
 }

@@ -46,6 +46,9 @@ struct Live {
     volumes: Vec<u32>,
     /// Whether its going down was logged.
     down_logged: bool,
+    /// Its live registration left etcd (it stopped, or died and its lease expired): down
+    /// without waiting for the heartbeat timeout.
+    left_etcd: bool,
 }
 
 /// The controller service.
@@ -144,6 +147,7 @@ impl Controller {
     /// less than a node timeout ago).
     fn node_state(&self, live: &HashMap<String, Live>, id: &str) -> &'static str {
         match live.get(id) {
+            Some(l) if l.left_etcd => "down",
             Some(l) if l.last_seen.elapsed() <= self.cfg.node_timeout => "up",
             Some(_) => "down",
             None if self.started.elapsed() <= self.cfg.node_timeout => "unknown",
@@ -258,6 +262,42 @@ impl Controller {
         }
     }
 
+    /// Follows the storage nodes' live registrations in etcd (`PREFIX/block/live/nodes/ID`,
+    /// under each node's lease): a node whose key leaves is down at once, without waiting for
+    /// the heartbeat timeout; one whose key comes back is up again at its next heartbeat. Runs
+    /// until the runtime stops.
+    pub async fn follow_live(self: Arc<Self>, view: etcd_lite::PrefixView) {
+        let mut rx = view.receiver();
+        drop(view);
+        let mut before = std::collections::BTreeSet::new();
+        loop {
+            let snap = rx.borrow_and_update().clone();
+            if snap.synced {
+                let now: std::collections::BTreeSet<String> = snap
+                    .entries
+                    .keys()
+                    .filter_map(|k| String::from_utf8_lossy(k).rsplit('/').next().map(str::to_string))
+                    .collect();
+                let mut live = self.live.lock();
+                for id in before.difference(&now) {
+                    if let Some(l) = live.get_mut(id) {
+                        tracing::warn!("storage node {id} left etcd (it stopped, or died and its lease expired): down");
+                        l.left_etcd = true;
+                    }
+                }
+                for id in now.difference(&before) {
+                    if let Some(l) = live.get_mut(id) {
+                        l.left_etcd = false;
+                    }
+                }
+                before = now;
+            }
+            if rx.changed().await.is_err() {
+                return;
+            }
+        }
+    }
+
     /// Handles a storage node's registration or heartbeat.
     pub async fn node_heartbeat(self: &Arc<Self>, r: pb::RegisterNodeRequest) -> Result<(), Status> {
         if !is_node_id(&r.node_id) {
@@ -295,6 +335,10 @@ impl Controller {
         }
         let restarted = {
             let mut live = self.live.lock();
+            // a process whose registration left etcd stays down until it registers there again
+            let left_etcd = live
+                .get(&id)
+                .is_some_and(|p| p.incarnation == r.incarnation && p.left_etcd);
             let prev = live.insert(
                 id.clone(),
                 Live {
@@ -302,6 +346,7 @@ impl Controller {
                     last_seen: Instant::now(),
                     volumes: r.volumes.clone(),
                     down_logged: false,
+                    left_etcd,
                 },
             );
             prev.is_none_or(|p| p.incarnation != r.incarnation || p.down_logged)
