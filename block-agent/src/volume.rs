@@ -122,7 +122,16 @@ pub struct Volume {
     locks: RangeLocks,
     rr: AtomicUsize,
     counters: VolumeCounters,
+    /// Per replica: until when reads try it last (it failed or did not answer a read), in
+    /// milliseconds since `epoch`; 0 when it is in good standing. A replica that is down then
+    /// costs one failover wait per [`SUSPECT_FOR`], not one per read that happens to start
+    /// there.
+    suspect_until: Vec<AtomicU64>,
+    epoch: std::time::Instant,
 }
+
+/// How long reads try a replica that failed one last.
+const SUSPECT_FOR: Duration = Duration::from_secs(3);
 
 fn is_data_error(e: &LinkError) -> bool {
     matches!(
@@ -135,6 +144,7 @@ impl Volume {
     /// Volume `id` of `size` bytes (a multiple of 4096) on `replicas` (at least one).
     pub fn new(id: u32, size: u64, replicas: Vec<Arc<Link>>, cfg: VolumeConfig) -> Arc<Volume> {
         assert!(!replicas.is_empty(), "a volume needs a replica");
+        let replicas_len = replicas.len();
         Arc::new(Volume {
             id,
             size,
@@ -143,6 +153,8 @@ impl Volume {
             locks: RangeLocks::default(),
             rr: AtomicUsize::new(0),
             counters: VolumeCounters::default(),
+            suspect_until: (0..replicas_len).map(|_| AtomicU64::new(0)).collect(),
+            epoch: std::time::Instant::now(),
         })
     }
 
@@ -213,8 +225,11 @@ impl Volume {
         let start = self.rr.fetch_add(1, Ordering::Relaxed) % r;
         let mut bad = Vec::new();
         let mut last = String::new();
-        for k in 0..r {
-            let i = (start + k) % r;
+        // round robin over the replicas in good standing, then the suspect ones
+        let now = self.epoch.elapsed().as_millis() as u64;
+        let mut order: Vec<usize> = (0..r).map(|k| (start + k) % r).collect();
+        order.sort_by_key(|&i| self.suspect_until[i].load(Ordering::Relaxed) > now);
+        for i in order {
             let rx = self.replicas[i].read(self.id, lba, n);
             let res = if r > 1 {
                 match tokio::time::timeout(self.cfg.read_failover_after, rx).await {
@@ -226,6 +241,7 @@ impl Volume {
                             self.cfg.read_failover_after
                         );
                         tracing::warn!("volume {}: {last}; trying the next", self.id);
+                        self.suspect(i);
                         self.counters.read_failovers.fetch_add(1, Ordering::Relaxed);
                         continue;
                     }
@@ -235,6 +251,7 @@ impl Volume {
             };
             match res {
                 Ok(Ok(data)) => {
+                    self.suspect_until[i].store(0, Ordering::Relaxed);
                     if !bad.is_empty() {
                         self.spawn_repair(lba, n, i, bad);
                     }
@@ -246,6 +263,7 @@ impl Volume {
                         bad.push(i);
                     }
                     last = e.to_string();
+                    self.suspect(i);
                     if r == 1 {
                         return Err(VolumeError::Replica {
                             volume: self.id,
@@ -255,10 +273,19 @@ impl Volume {
                     }
                     self.counters.read_failovers.fetch_add(1, Ordering::Relaxed);
                 }
-                Err(_) => last = format!("replica {i}: the link stopped"),
+                Err(_) => {
+                    last = format!("replica {i}: the link stopped");
+                    self.suspect(i);
+                }
             }
         }
         Err(VolumeError::AllReplicasFailed { volume: self.id, last })
+    }
+
+    /// Reads try replica `i` last for a while.
+    fn suspect(&self, i: usize) {
+        let until = (self.epoch.elapsed() + SUSPECT_FOR).as_millis() as u64;
+        self.suspect_until[i].store(until, Ordering::Relaxed);
     }
 
     /// Rewrites blocks `lba..lba+n` on the `bad` replicas from replica `good`, under the range

@@ -23,6 +23,10 @@ struct Cli {
     /// How gets travel.
     #[arg(long, value_enum, default_value = "offload")]
     get_path: GetPath,
+    /// Local IPv4 address of this client's data path (the servers send to it): one on the
+    /// network the servers are on.
+    #[arg(long, default_value = "127.0.0.1")]
+    bind: std::net::Ipv4Addr,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -47,7 +51,11 @@ fn run() -> anyhow::Result<()> {
     if cli.server.is_empty() && cli.etcd.is_none() {
         bail!("no server: pass --server ADDR (the cm= address a kv-server prints) or --etcd URL");
     }
-    let ctx = Context::open(ContextConfig::default())?;
+    let ctx = Context::open(ContextConfig {
+        bind: std::net::SocketAddrV4::new(cli.bind, 0),
+        ..ContextConfig::default()
+    })
+    .with_context(|| format!("--bind {}", cli.bind))?;
     let mut c = KvClient::connect(
         &ctx,
         ClientConfig {

@@ -86,3 +86,4 @@ pub fn local_etcd(tag: &str) -> Option<(etcd_lite::local::LocalEtcd, String)> {
     let ep = etcd.url.trim_start_matches("http://").to_string();
     Some((etcd, ep))
 }
+pub mod prom;

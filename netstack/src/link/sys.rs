@@ -39,6 +39,14 @@ pub fn getsockopt_int(fd: RawFd, level: libc::c_int, name: libc::c_int) -> io::R
     Ok(v)
 }
 
+/// The MTU (bytes of an IP packet) of the route to `to`, as the kernel knows it (the outgoing
+/// interface's, or a smaller one learned for that destination).
+pub fn route_mtu(to: SocketAddrV4) -> io::Result<u32> {
+    let s = std::net::UdpSocket::bind("0.0.0.0:0")?;
+    s.connect(to)?;
+    Ok(getsockopt_int(s.as_raw_fd(), libc::IPPROTO_IP, libc::IP_MTU)? as u32)
+}
+
 fn sockaddr(a: &SocketAddrV4) -> libc::sockaddr_in {
     libc::sockaddr_in {
         sin_family: libc::AF_INET as libc::sa_family_t,

@@ -374,6 +374,20 @@ impl Qp {
             )));
         }
         cfg.mtu = cfg.mtu.min(remote.mtu);
+        // packets leave with don't-fragment set: an MTU the route cannot carry would lose
+        // every full-size packet (a 4096-byte RoCE MTU needs jumbo frames)
+        if let Ok(route) = crate::link::sys::route_mtu(remote.addr) {
+            let fits = crate::wire::packet::largest_mtu_within(route);
+            if fits < cfg.mtu {
+                tracing::info!(
+                    "qp {:#x}: MTU {} -> {fits}: the route to {} carries IP packets of {route} bytes",
+                    self.qpn,
+                    cfg.mtu,
+                    remote.addr
+                );
+                cfg.mtu = fits;
+            }
+        }
         match (cfg.cc, remote.cc) {
             (crate::cc::CcKind::None, theirs) => cfg.cc = theirs,
             (ours, crate::cc::CcKind::None) => cfg.cc = ours,

@@ -15,6 +15,16 @@ pub const MAX_MTU: usize = 4096;
 /// Largest datagram accepted: headers, an MTU of payload (plus the SR extension), pad and ICRC.
 pub const MAX_DATAGRAM: usize = MAX_HDR_LEN + MAX_MTU + 4 + ICRC_LEN;
 
+/// The largest path MTU of the ones IBA defines (256, 512, 1024, 2048, 4096) whose packets, with this stack's largest headers, pad, ICRC, and the IPv4 and UDP headers, fit in
+/// IP packets of `ip_mtu` bytes (256 when none does).
+pub fn largest_mtu_within(ip_mtu: u32) -> u32 {
+    let overhead = (20 + 8 + MAX_HDR_LEN + 4 + ICRC_LEN) as u32;
+    [4096, 2048, 1024, 512, 256]
+        .into_iter()
+        .find(|m| m + overhead <= ip_mtu)
+        .unwrap_or(256)
+}
+
 /// A parsed packet whose header fields have been length-checked; `payload` borrows the datagram.
 #[derive(Debug, Clone)]
 pub struct PacketView<'a> {
@@ -266,6 +276,16 @@ pub fn encode_into(out: &mut Vec<u8>, hdr: &HeaderBuf, payload: &[&[u8]], src: S
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_mtu_fits_the_route() {
+        use super::largest_mtu_within;
+        assert_eq!(largest_mtu_within(1500), 1024, "Ethernet");
+        assert_eq!(largest_mtu_within(9000), 4096, "jumbo frames");
+        assert_eq!(largest_mtu_within(65536), 4096, "loopback");
+        assert_eq!(largest_mtu_within(2400), 2048);
+        assert_eq!(largest_mtu_within(576), 256, "nothing fits: the smallest");
+    }
+
     use super::*;
 
     fn addrs() -> (SocketAddrV4, SocketAddrV4) {
