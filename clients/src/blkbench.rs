@@ -460,11 +460,13 @@ fn bench(a: &BenchArgs, sp: &Spawner, systems: &[&str], dir: &Path) -> Result<()
         }
     }
     let mut runs: Vec<Vec<Run>> = targets.iter().map(|_| Vec::new()).collect();
+    let progress = crate::progress::Progress::new("blkctl bench", a.repeat as u64 * targets.len() as u64);
     'rounds: for round in 0..a.repeat {
         for (i, t) in targets.iter().enumerate() {
             if crate::procs::stopping() {
                 break 'rounds;
             }
+            progress.start(format!("{} round {}", t.name, round + 1));
             let meter = crate::bench::Meter::start(&t.procs);
             let r = match a.client.as_str() {
                 "fio" => fio(a, &t.uri),
@@ -477,14 +479,15 @@ fn bench(a: &BenchArgs, sp: &Spawner, systems: &[&str], dir: &Path) -> Result<()
             };
             r.servers = meter.finish();
             if !a.json {
-                eprintln!(
+                progress.println(format!(
                     "round {} {:<15} {:>10.0} IOPS {:>8.1} MiB/s",
                     round + 1,
                     t.name,
                     r.iops,
                     r.mbps
-                );
+                ));
             }
+            progress.finished_one();
             runs[i].push(r);
         }
     }

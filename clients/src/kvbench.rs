@@ -455,6 +455,10 @@ pub fn run(a: &BenchArgs, exe: &std::path::Path, sub: &[String]) -> Result<Vec<s
         .map(|v| setup(a, v, max, exe, sub))
         .collect::<Result<_>>()?;
     let mut out = Vec::new();
+    let progress = crate::progress::Progress::new(
+        "kvcache-bench",
+        (sizes.len() * a.pairs as usize * variants.len()) as u64,
+    );
     'sizes: for &size in &sizes {
         let mut gbps = vec![Vec::new(); variants.len()];
         let mut p50 = vec![Vec::new(); variants.len()];
@@ -467,11 +471,13 @@ pub fn run(a: &BenchArgs, exe: &std::path::Path, sub: &[String]) -> Result<Vec<s
                 }
                 // data of this run's own: an earlier run (or invocation) left other bytes there
                 let seed = crate::bench::run_seed();
+                progress.start(format!("{size} B"));
                 let r = match &req {
                     Some((l, blocks)) => run_request(t, v, l, *blocks, a.duration, seed)?,
                     None => run_once(t, v, size, a.duration, seed)?,
                 };
-                r.print(a.json);
+                progress.suspend(|| r.print(a.json));
+                progress.finished_one();
                 out.push(serde_json::to_value(&r)?);
                 if r.incomplete {
                     break 'sizes;

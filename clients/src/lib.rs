@@ -8,5 +8,6 @@ pub mod kvbench;
 pub mod perf;
 pub mod plot;
 pub mod procs;
+pub mod progress;
 pub mod suite;
 pub mod ycsb;

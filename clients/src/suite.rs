@@ -282,26 +282,30 @@ pub fn run(a: &SuiteArgs) -> Result<()> {
     let start = Instant::now();
     let mut all = Vec::new();
     let mut failed = Vec::new();
+    let progress = crate::progress::Progress::new("flexns bench", list.len() as u64);
     for (i, c) in list.iter().enumerate() {
         if crate::procs::stopping() {
             break;
         }
-        eprintln!(
+        progress.println(format!(
             "[{}/{}] {} ({:.0} s so far): {}",
             i + 1,
             list.len(),
             c.name,
             start.elapsed().as_secs_f64(),
             c.what
-        );
+        ));
+        progress.start(c.name);
         match run_one(c, &mut out) {
             Ok(lines) => all.extend(rows(c, &lines)),
             Err(e) => {
-                eprintln!("  {e:#}");
+                progress.println(format!("  {e:#}"));
                 failed.push(format!("{}: {e:#}", c.name));
             }
         }
+        progress.finished_one();
     }
+    drop(progress);
     let md = summary(a, &list, &all, &failed, start.elapsed().as_secs_f64());
     std::fs::write(a.out.join("summary.md"), &md)?;
     print!("{md}");

@@ -152,6 +152,7 @@ fn demo(duration: f64, json: bool) -> Result<()> {
             println!("== {what}");
         }
         let a = client::ClientArgs {
+            metrics_addr: None,
             server: None,
             udp: None,
             tcp: None,

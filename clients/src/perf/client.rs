@@ -43,6 +43,9 @@ pub struct ClientArgs {
     /// One JSON object per result line.
     #[arg(long)]
     pub json: bool,
+    /// Serve this process's Prometheus metrics (its context's counters) on this address.
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_addr: Option<std::net::SocketAddr>,
     #[arg(long, default_value = "go-back-n", value_parser = parse_recovery)]
     pub recovery: Recovery,
     #[arg(long, default_value_t = 4096)]
@@ -227,6 +230,9 @@ pub fn run(a: &ClientArgs, spawn: &ServerSpawn) -> Result<Vec<BenchResult>> {
     if a.size == 0 || a.depth == 0 || a.qps == 0 || a.duration <= 0.0 {
         bail!("--size, --depth, --qps and --duration must be positive");
     }
+    if let Some(addr) = a.metrics_addr {
+        netstack::telemetry::serve_prometheus(addr)?;
+    }
     let mut p = peers(a, spawn)?;
     let procs = processes(&p);
     let wait = a.wait_mode();
@@ -264,10 +270,12 @@ pub fn run(a: &ClientArgs, spawn: &ServerSpawn) -> Result<Vec<BenchResult>> {
         (None, None, None) => vec![(a.system, a.cc, mine)],
     };
     let echo = a.op == Op::Send && a.depth == 1;
+    let progress = crate::progress::Progress::new("nsperf", runs.len() as u64);
     for (sys, cc, paths) in runs {
         if crate::procs::stopping() {
             break;
         }
+        progress.start(format!("{sys:?}"));
         // every run writes data of its own, never what an earlier run left at the target
         let seed = crate::bench::run_seed();
         let meter = Meter::start(&procs);
@@ -298,9 +306,11 @@ pub fn run(a: &ClientArgs, spawn: &ServerSpawn) -> Result<Vec<BenchResult>> {
         r.account(&meter.finish());
         r.extra.insert("wait".into(), wait.name().into());
         r.incomplete |= crate::procs::stopping();
-        r.print(a.json);
+        progress.suspend(|| r.print(a.json));
+        progress.finished_one();
         out.push(r);
     }
+    drop(progress);
     let reference = match (a.compare, a.compare_cc, a.compare_paths) {
         (Some(r), _, _) => Some(r.name().to_string()),
         (None, Some(c), _) => Some(format!("flexns cc={c}")),

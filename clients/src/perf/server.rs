@@ -16,6 +16,9 @@ use std::time::Duration;
 /// explicitly overrides the file, a flag left out leaves the file's value.
 #[derive(Debug, Clone, clap::Args)]
 pub struct ServerArgs {
+    /// Serve this process's Prometheus metrics (its context's counters) on this address.
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_addr: Option<std::net::SocketAddr>,
     /// Connection-manager (gRPC) listen address.
     #[arg(long, default_value = "127.0.0.1:0")]
     pub listen: SocketAddrV4,
@@ -348,6 +351,9 @@ impl Acceptor for PerfAcceptor {
 /// Runs the server until SIGTERM/SIGINT. Prints one banner line first:
 /// `nsperf-server cm=ADDR data=ADDR udp=ADDR tcp=ADDR`.
 pub fn run(args: ServerArgs) -> Result<()> {
+    if let Some(addr) = args.metrics_addr {
+        netstack::telemetry::serve_prometheus(addr)?;
+    }
     let cfg = args.context_config()?;
     let ctx = Context::open(cfg)?;
     let pd = ctx.alloc_pd();

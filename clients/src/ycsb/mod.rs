@@ -545,11 +545,13 @@ pub fn run(a: YcsbArgs, exe: &std::path::Path, sub: &[String]) -> Result<()> {
     }
     let chooser = KeyChooser::new(a.dist, a.records, a.theta);
     let mut results: Vec<(Config, BenchResult)> = Vec::new();
+    let progress = crate::progress::Progress::new("ycsb", a.pairs as u64 * configs.len() as u64);
     'pairs: for pair in 0..a.pairs {
         for &cfg in &configs {
             if crate::procs::stopping() {
                 break 'pairs;
             }
+            progress.start(format!("{:?} pair {}", cfg.system, pair + 1));
             let mut backends = (0..a.threads)
                 .map(|_| backend(cfg, &a, &ctx, &servers))
                 .collect::<Result<Vec<_>>>()?;
@@ -632,16 +634,20 @@ pub fn run(a: YcsbArgs, exe: &std::path::Path, sub: &[String]) -> Result<()> {
                     x.insert("hot_hits".into(), j(cs.hot_hits));
                 }
             }
-            r.print(a.json);
-            if !a.json && !r.verified {
-                eprintln!(
-                    "  NOT verified: {}",
-                    t.first_error.as_deref().unwrap_or("no operations")
-                );
-            }
+            progress.suspend(|| {
+                r.print(a.json);
+                if !a.json && !r.verified {
+                    eprintln!(
+                        "  NOT verified: {}",
+                        t.first_error.as_deref().unwrap_or("no operations")
+                    );
+                }
+            });
+            progress.finished_one();
             results.push((cfg, r));
         }
     }
+    drop(progress);
     ratios(&a, &configs, &results);
     let redis_runs: Vec<&BenchResult> = results
         .iter()
