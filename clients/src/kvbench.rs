@@ -457,7 +457,7 @@ pub fn run(a: &BenchArgs, exe: &std::path::Path, sub: &[String]) -> Result<Vec<s
     let mut out = Vec::new();
     let progress = crate::progress::Progress::new(
         "kvcache-bench",
-        (sizes.len() * a.pairs as usize * variants.len()) as u64,
+        (sizes.len() * a.pairs * variants.len()) as u64,
     );
     'sizes: for &size in &sizes {
         let mut gbps = vec![Vec::new(); variants.len()];

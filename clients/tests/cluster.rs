@@ -237,6 +237,15 @@ fn a_multi_host_cluster_serves_every_service_and_rides_out_host_losses() {
             r.len() == 3 && r.iter().all(|(_, v)| *v >= blocks as f64)
         },
     );
+    // the kv gets were offloaded: the shards' handlers timed them
+    let handled = "sum(flexns_offload_handler_duration_seconds_count)";
+    wait_for(
+        "offload handler latencies in Prometheus",
+        Duration::from_secs(20),
+        || query(&prom, handled).first().is_some_and(|(_, v)| *v >= 1.0),
+    );
+    assert!(!query(&prom, "flexns_cq_capacity_completions").is_empty());
+    eprintln!("PromQL {handled} = {:?}", query(&prom, handled)[0].1);
     eprintln!("PromQL {writes} = {:?}", query(&prom, writes)[0].1);
     eprintln!("PromQL {stored} = {:?}", query(&prom, stored));
     let (status, scrape) = http_get(&format!("{}:9101", c.ip(15)), "/metrics").unwrap();

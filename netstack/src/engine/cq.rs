@@ -76,6 +76,16 @@ impl CqShared {
         n
     }
 
+    /// Completions waiting to be polled, and the room there is for them (over all pipes; a
+    /// consumer publishes its position every few slots, so this may run a little high).
+    pub fn occupancy(&self) -> (usize, usize) {
+        self.producers.iter().fold((0, 0), |(used, cap), p| {
+            let mut p = p.lock();
+            let c = p.capacity();
+            (used + c - p.free(), cap + c)
+        })
+    }
+
     /// Whether data core `core`'s pipe has room.
     pub fn has_room(&self, core: usize) -> bool {
         self.producers[core % self.producers.len()].lock().free() > 0

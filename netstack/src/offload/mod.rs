@@ -181,6 +181,9 @@ struct Registration {
     filter: QpFilter,
     handler: Arc<dyn OffloadHandler>,
     budget_ns: u64,
+    /// `flexns_offload_handler_duration_seconds{opcode}`: each call's time on its offload
+    /// thread (a handle taken at registration: serve metrics before registering handlers).
+    latency: metrics::Histogram,
 }
 
 /// Counters of an offload engine.
@@ -336,6 +339,10 @@ impl OffloadEngine {
             filter,
             handler: Arc::new(handler),
             budget_ns: budget.as_nanos().clamp(1, u64::MAX as u128) as u64,
+            latency: metrics::histogram!(
+                "flexns_offload_handler_duration_seconds",
+                "opcode" => format!("{opcode:#06x}")
+            ),
         });
         Ok(Registered {
             engine: Arc::downgrade(&self.inner),
@@ -374,13 +381,13 @@ impl OffloadEngine {
         })
     }
 
-    fn lookup(&self, qpn: u32, opcode: u16) -> Option<(Arc<dyn OffloadHandler>, u64)> {
+    fn lookup(&self, qpn: u32, opcode: u16) -> Option<(Arc<dyn OffloadHandler>, u64, metrics::Histogram)> {
         self.inner
             .handlers
             .read()
             .iter()
             .find(|r| r.opcode == opcode && r.filter.admits(qpn))
-            .map(|r| (r.handler.clone(), r.budget_ns))
+            .map(|r| (r.handler.clone(), r.budget_ns, r.latency.clone()))
     }
 }
 
@@ -400,7 +407,7 @@ impl OffloadSink for OffloadPort {
     fn budget_ns(&self, qpn: u32, opcode: u16) -> u64 {
         self.engine
             .lookup(qpn, opcode)
-            .map_or(self.engine.inner.cfg.budget_us * 1000, |(_, b)| b)
+            .map_or(self.engine.inner.cfg.budget_us * 1000, |(_, b, _)| b)
     }
 
     fn submit(&self, job: Arc<OffloadJob>) {
@@ -408,7 +415,7 @@ impl OffloadSink for OffloadPort {
         let c = &inner.counters;
         c.requests.fetch_add(1, Ordering::Relaxed);
         let qpn = job.qpn;
-        let Some((handler, budget_ns)) = self.engine.lookup(qpn, job.opcode) else {
+        let Some((handler, budget_ns, latency)) = self.engine.lookup(qpn, job.opcode) else {
             c.no_handler.fetch_add(1, Ordering::Relaxed);
             job.fail(OffloadStatus::NoHandler);
             return; // the responder is running now and answers it in this pass
@@ -435,8 +442,10 @@ impl OffloadSink for OffloadPort {
         let core = self.core.clone();
         inner.submitted.fetch_add(1, Ordering::Release);
         rt.spawn(async move {
+            let started = std::time::Instant::now();
             let fut = std::panic::AssertUnwindSafe(handler.call(call)).catch_unwind();
             let res = tokio::time::timeout(Duration::from_nanos(budget_ns), fut).await;
+            latency.record(started.elapsed().as_secs_f64());
             let Some(inner) = engine.upgrade() else { return };
             let c = &inner.counters;
             let set = match res {

@@ -3,10 +3,13 @@
 //! `context` = the context's data-path address.
 
 use super::CtxInner;
+use crate::cc::CcKind;
+use crate::engine::CqShared;
 use crate::engine::{Counter, EngineStats};
 use crate::path::PathStats;
 use crate::transport::rc::RcStats;
-use metrics::{counter, gauge};
+use metrics::{counter, gauge, histogram};
+use std::sync::Arc;
 
 type EngineCounter = (
     &'static str,
@@ -92,10 +95,12 @@ impl crate::telemetry::Collect for CtxInner {
         gauge!("flexns_staging_bytes", "context" => ctx.clone()).set(staging as f64);
         gauge!("flexns_staging_peak_bytes", "context" => ctx.clone()).set(peak as f64);
 
-        // the QPs, summed, and their paths
+        // the QPs, summed, and their paths; their CQs; the limits congestion control set
         let mut t = RcStats::default();
         let mut qps = 0usize;
         let mut paths: Vec<PathStats> = Vec::new();
+        let mut cqs: Vec<Arc<CqShared>> = Vec::new();
+        let mut cc: Vec<(&'static str, Option<u64>, Option<u64>)> = Vec::new();
         for core in self.engine.cores() {
             let slots: Vec<_> = core.qps.read().values().cloned().collect();
             for slot in slots {
@@ -103,6 +108,34 @@ impl crate::telemetry::Collect for CtxInner {
                 qps += 1;
                 t.add(&s.qp.stats());
                 paths.extend(s.qp.path_stats());
+                for q in [&s.send_cq, &s.recv_cq] {
+                    if !cqs.iter().any(|c| Arc::ptr_eq(c, q)) {
+                        cqs.push(q.clone());
+                    }
+                }
+                let kind = s.qp.config().cc;
+                if kind != CcKind::None {
+                    cc.push((kind.name(), s.qp.pacer().rate(), s.qp.pacer().window()));
+                }
+            }
+        }
+        // completions waiting in the CQs the QPs report to, and completions that found a CQ full
+        let (used, room) = cqs
+            .iter()
+            .map(|q| q.occupancy())
+            .fold((0, 0), |(u, r), (a, b)| (u + a, r + b));
+        gauge!("flexns_cq_completions", "context" => ctx.clone()).set(used as f64);
+        gauge!("flexns_cq_capacity_completions", "context" => ctx.clone()).set(room as f64);
+        c("flexns_cq_overruns_total", cqs.iter().map(|q| q.overruns()).sum());
+        // one sample per congestion-controlled QP per collection: the distribution over QPs
+        // and time of the rate and window each algorithm set
+        for (alg, rate, window) in cc {
+            if let Some(r) = rate {
+                histogram!("flexns_cc_rate_bytes_per_second", "context" => ctx.clone(), "algorithm" => alg)
+                    .record(r as f64);
+            }
+            if let Some(w) = window {
+                histogram!("flexns_cc_window_bytes", "context" => ctx.clone(), "algorithm" => alg).record(w as f64);
             }
         }
         gauge!("flexns_qps", "context" => ctx.clone()).set(qps as f64);
