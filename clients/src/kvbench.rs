@@ -455,10 +455,7 @@ pub fn run(a: &BenchArgs, exe: &std::path::Path, sub: &[String]) -> Result<Vec<s
         .map(|v| setup(a, v, max, exe, sub))
         .collect::<Result<_>>()?;
     let mut out = Vec::new();
-    let progress = crate::progress::Progress::new(
-        "kvcache-bench",
-        (sizes.len() * a.pairs * variants.len()) as u64,
-    );
+    let progress = crate::progress::Progress::new("kvcache-bench", (sizes.len() * a.pairs * variants.len()) as u64);
     'sizes: for &size in &sizes {
         let mut gbps = vec![Vec::new(); variants.len()];
         let mut p50 = vec![Vec::new(); variants.len()];
