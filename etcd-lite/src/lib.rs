@@ -347,33 +347,71 @@ pub mod local {
     }
 
     impl LocalEtcd {
-        /// Starts etcd on free ports and waits (up to 20 s) until it accepts connections.
+        /// Starts etcd on free ports and waits (up to 20 s) until it answers as itself. A port
+        /// another process took between choosing and binding it (tests start several etcds at
+        /// once) makes this one exit, or another etcd answer there: it is started again on
+        /// other ports (up to 5 times).
         pub fn start(tag: &str) -> std::io::Result<LocalEtcd> {
+            let mut last = String::new();
+            for attempt in 0..5 {
+                match Self::try_start(tag, attempt) {
+                    Ok(e) => return Ok(e),
+                    Err(e) => last = e.to_string(),
+                }
+            }
+            Err(std::io::Error::other(format!(
+                "etcd did not start in 5 attempts: {last}"
+            )))
+        }
+
+        fn try_start(tag: &str, attempt: u32) -> std::io::Result<LocalEtcd> {
             let (cp, pp) = (free_port()?, free_port()?);
             let dir = std::env::temp_dir().join(format!("etcd-{tag}-{}-{cp}", std::process::id()));
+            // a name no other etcd has: the readiness check asks for it
+            let name = format!("{tag}-{}-{cp}-{attempt}", std::process::id()).replace(' ', "_");
             let url = format!("http://127.0.0.1:{cp}");
             let peer = format!("http://127.0.0.1:{pp}");
             let child = Command::new("etcd")
-                .args(["--name", tag, "--data-dir"])
+                .args(["--name", &name, "--data-dir"])
                 .arg(&dir)
                 .args(["--listen-client-urls", &url, "--advertise-client-urls", &url])
                 .args(["--listen-peer-urls", &peer, "--initial-advertise-peer-urls", &peer])
-                .args(["--initial-cluster", &format!("{tag}={peer}")])
+                .args(["--initial-cluster", &format!("{name}={peer}")])
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())
                 .spawn()?;
-            let e = LocalEtcd { child, dir, url };
+            let mut e = LocalEtcd { child, dir, url };
             let until = Instant::now() + Duration::from_secs(20);
-            while std::net::TcpStream::connect(("127.0.0.1", cp)).is_err() {
+            loop {
+                if let Some(st) = e.child.try_wait()? {
+                    return Err(std::io::Error::other(format!("etcd on {cp} exited: {st}")));
+                }
+                if answers_as(cp, &name) {
+                    return Ok(e);
+                }
                 if Instant::now() > until {
                     return Err(std::io::Error::other(format!(
-                        "etcd did not listen on {cp} within 20 s"
+                        "etcd did not answer on {cp} within 20 s"
                     )));
                 }
                 std::thread::sleep(Duration::from_millis(50));
             }
-            Ok(e)
         }
+    }
+
+    /// Whether the etcd answering on `port` has a member named `name` (etcd's JSON gateway).
+    fn answers_as(port: u16, name: &str) -> bool {
+        use std::io::{Read, Write};
+        let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
+            return false;
+        };
+        let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+        let req = "POST /v3/cluster/member/list HTTP/1.1\r\nHost: 127.0.0.1\r\n\
+                   Content-Type: application/json\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}";
+        let mut body = String::new();
+        s.write_all(req.as_bytes()).is_ok()
+            && s.read_to_string(&mut body).is_ok()
+            && body.contains(&format!("\"{name}\""))
     }
 
     /// Checks a leased key's life against the process that renews it: `key` must exist, still
