@@ -153,6 +153,7 @@ fn demo(duration: f64, json: bool) -> Result<()> {
         }
         let a = client::ClientArgs {
             metrics_addr: None,
+            idle_qps: 0,
             server: None,
             udp: None,
             tcp: None,

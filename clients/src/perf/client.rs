@@ -37,6 +37,10 @@ pub struct ClientArgs {
     pub depth: u32,
     #[arg(long, default_value_t = 1)]
     pub qps: u32,
+    /// More QPs, connected to the server but carrying no traffic (a server's idle
+    /// connections): what the data cores pay for QPs they have nothing to do for.
+    #[arg(long, default_value_t = 0)]
+    pub idle_qps: u32,
     /// Seconds per run.
     #[arg(long, default_value_t = 3.0)]
     pub duration: f64,
@@ -305,6 +309,9 @@ pub fn run(a: &ClientArgs, spawn: &ServerSpawn) -> Result<Vec<BenchResult>> {
         };
         r.account(&meter.finish());
         r.extra.insert("wait".into(), wait.name().into());
+        if a.idle_qps > 0 {
+            r.extra.insert("idle_qps".into(), a.idle_qps.into());
+        }
         r.incomplete |= crate::procs::stopping();
         progress.suspend(|| r.print(a.json));
         progress.finished_one();
@@ -519,6 +526,20 @@ fn flexns(
     if let Some(r) = a.rate_limit {
         for qp in &qps {
             qp.set_rate_limit(Some(r), 64 << 10);
+        }
+    }
+    // idle connections, held (connected, silent) until the run ends
+    let idle: Vec<Qp> = (0..a.idle_qps)
+        .map(|_| ctx.create_qp(&pd, &cq, &cq, QpInitAttr::default()))
+        .collect::<Result<_, _>>()?;
+    if !idle.is_empty() {
+        let reqs: Vec<(&Qp, Vec<u8>)> = idle.iter().map(|q| (q, hello.clone())).collect();
+        let replies = rt.block_on(async {
+            let mut connector = cm::Connector::new(cm_addr).await?;
+            connector.connect_many(&reqs).await
+        })?;
+        for (i, r) in replies.into_iter().enumerate() {
+            r.with_context(|| format!("connecting idle QP {i} of {}", a.idle_qps))?;
         }
     }
     let w = remote.context("no QP")?;

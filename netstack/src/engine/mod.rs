@@ -7,6 +7,7 @@
 //! receive.
 
 mod cq;
+mod deadlines;
 pub mod sq;
 mod stats;
 
@@ -28,6 +29,11 @@ use std::net::SocketAddrV4;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+/// How often a data core reads every QP's deadline afresh (nanoseconds): between these scans
+/// it learns deadlines from the QPs it touches, and from `EngineShared::rearm`; a scan catches
+/// changes made by application threads' control operations.
+const DEADLINE_SCAN_NS: u64 = 1_000_000;
 
 /// Receive buffers per recvmmsg call (at most).
 pub const BATCH: usize = 64;
@@ -151,6 +157,9 @@ pub struct EngineShared {
     pub guards: crate::config::RednGuards,
     /// Managed QPs this core runs.
     pub managed: Mutex<Vec<u32>>,
+    /// QPs that sent from an application or offload thread ([`EngineShared::transmit_now`]):
+    /// the data core arms their timers.
+    rearm: Mutex<Vec<u32>>,
     local: SocketAddrV4,
     epoch: Instant,
     /// CLOCK_MONOTONIC at `epoch`, so the transports' clock is the host's monotonic clock.
@@ -201,6 +210,10 @@ impl EngineShared {
             }
             // one system call per run of packets from one socket
             if out.is_empty() {
+                if total > 0 {
+                    // the retransmission timer the packets armed is the data core's to run
+                    self.rearm.lock().push(slot.qp.qpn());
+                }
                 return total;
             }
             let mut msgs: smallvec::SmallVec<[OutMsg; 16]> = out
@@ -231,6 +244,7 @@ impl EngineShared {
             }
             if full {
                 // a socket is full: the transport's retransmission timer recovers the rest
+                self.rearm.lock().push(slot.qp.qpn());
                 return total;
             }
         }
@@ -302,6 +316,7 @@ impl Engine {
                 redn: redn.clone(),
                 guards: cfg.redn,
                 managed: Mutex::new(Vec::new()),
+                rearm: Mutex::new(Vec::new()),
                 local: link.local_addr(),
                 epoch,
                 epoch_ns,
@@ -418,6 +433,9 @@ struct DataCore {
     /// as a NIC loops back traffic between its own QPs.
     local_addrs: Vec<SocketAddrV4>,
     hairpin: VecDeque<(Vec<u8>, SocketAddrV4, SocketAddrV4)>,
+    /// The QPs' deadlines in time order, and when every QP's is next read afresh.
+    deadlines: deadlines::Deadlines,
+    next_scan: u64,
 }
 
 impl DataCore {
@@ -447,6 +465,8 @@ impl DataCore {
             spare: Vec::new(),
             local_addrs: Vec::new(),
             hairpin: VecDeque::new(),
+            deadlines: deadlines::Deadlines::default(),
+            next_scan: 0,
         }
         .with_local_addrs()
     }
@@ -797,27 +817,57 @@ impl DataCore {
         Some((qpn, s.deliver_completions(core)))
     }
 
-    /// Runs due timers; returns the earliest future deadline.
+    /// Runs the timers that are due; returns the earliest deadline left.
     fn timers(&mut self, now: u64) -> Option<u64> {
-        let mut next: Option<u64> = None;
-        for (&qpn, slot) in self.shared.qps.read().iter() {
+        if now >= self.next_scan {
+            self.next_scan = now + DEADLINE_SCAN_NS;
+            let slots: Vec<(u32, Arc<Mutex<QpSlot>>)> =
+                self.shared.qps.read().iter().map(|(&q, s)| (q, s.clone())).collect();
+            for (qpn, slot) in slots {
+                let t = slot.lock().qp.poll_timeout();
+                if let Some(t) = t {
+                    self.deadlines.arm(qpn, t);
+                }
+            }
+        }
+        let sent = std::mem::take(&mut *self.shared.rearm.lock());
+        for qpn in sent {
+            let t = self
+                .shared
+                .qps
+                .read()
+                .get(&qpn)
+                .and_then(|s| s.lock().qp.poll_timeout());
+            if let Some(t) = t {
+                self.deadlines.arm(qpn, t);
+            }
+        }
+        // deadlines still due after their QP's timeout ran wait for the next loop
+        let mut again = Vec::new();
+        while let Some(qpn) = self.deadlines.pop_due(now) {
+            let Some(slot) = self.shared.qps.read().get(&qpn).cloned() else {
+                continue;
+            };
             let mut s = slot.lock();
-            if let Some(t) = s.qp.poll_timeout() {
-                if t <= now {
+            match s.qp.poll_timeout() {
+                Some(t) if t <= now => {
                     s.qp.handle_timeout(now);
                     if !s.deliver_completions(self.index) {
                         self.stuck.insert(qpn);
                     }
                     self.active.insert(qpn);
                     if let Some(t2) = s.qp.poll_timeout() {
-                        next = Some(next.map_or(t2, |n| n.min(t2)));
+                        again.push((qpn, t2));
                     }
-                } else {
-                    next = Some(next.map_or(t, |n| n.min(t)));
                 }
+                Some(t) => again.push((qpn, t)),
+                None => {}
             }
         }
-        next
+        for (qpn, t) in again {
+            self.deadlines.arm(qpn, t);
+        }
+        self.deadlines.next()
     }
 
     /// Polls the active QPs for packets; sends them when `flush` (or the batch is full).
@@ -854,7 +904,11 @@ impl DataCore {
             if !s.qp.wants_transmit(now) {
                 self.active.remove(&qpn);
             }
+            let deadline = s.qp.poll_timeout();
             drop(s);
+            if let Some(t) = deadline {
+                self.deadlines.arm(qpn, t);
+            }
             if self.out.len() >= TX_BATCH {
                 sent_any |= self.flush();
             }
