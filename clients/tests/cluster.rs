@@ -80,15 +80,7 @@ fn wait_for(what: &str, within: Duration, mut ok: impl FnMut() -> bool) -> Durat
 
 /// Block `lba`'s contents in write round `round` of this run (differs every run).
 fn block(seed: u64, round: u64, lba: u64) -> Vec<u8> {
-    let mut x = seed ^ round.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ lba.wrapping_mul(0xbf58_476d_1ce4_e5b9) | 1;
-    (0..4096)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
+    common::pattern(lba, seed ^ round.wrapping_mul(0x9e37_79b9_7f4a_7c15))
 }
 
 #[test]
