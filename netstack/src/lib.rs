@@ -15,6 +15,7 @@
 //!   the model, the chain builder and the programs, over [`verbs`] and [`chain`].
 //! - [`cm`]: connection management over gRPC.
 //! - [`path`]: multipath: spray policies, per-path RTT, loss and health with probing.
+//! - [`rtt`]: the RTT estimator (RFC 6298) RC, the paths and Solar share.
 //! - [`cc`]: per-packet programmable congestion control (DCQCN, TIMELY, HPCC, Swift, Homa).
 //! - [`sim`]: a deterministic network simulator that runs the real transport and CC.
 
@@ -29,6 +30,7 @@ pub mod offload;
 pub mod path;
 pub mod pipe;
 pub mod redn;
+pub mod rtt;
 pub mod sim;
 pub mod telemetry;
 pub mod transport;

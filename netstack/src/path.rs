@@ -135,6 +135,8 @@ pub struct PathStats {
 #[derive(Debug, Clone)]
 struct Path {
     s: PathStats,
+    /// The RTT estimate (`s.srtt_ns` and `s.rttvar_ns` are its snapshot).
+    rtt: crate::rtt::RttEstimator,
     /// When the first packet sent since the last delivery left (None: nothing unanswered).
     waiting_since: Option<u64>,
     last_delivery: u64,
@@ -179,6 +181,7 @@ impl PathSet {
                 up: true,
                 ..PathStats::default()
             },
+            rtt: Default::default(),
             waiting_since: None,
             last_delivery: 0,
             sampled_at: 0,
@@ -368,15 +371,9 @@ impl PathSet {
             return;
         };
         p.sampled_at = now;
-        let s = &mut p.s;
-        if s.srtt_ns == 0 {
-            s.srtt_ns = rtt;
-            s.rttvar_ns = rtt / 2;
-        } else {
-            let err = s.srtt_ns.abs_diff(rtt);
-            s.rttvar_ns = (3 * s.rttvar_ns + err) / 4;
-            s.srtt_ns = (7 * s.srtt_ns + rtt) / 8;
-        }
+        p.rtt.sample(rtt);
+        p.s.srtt_ns = p.rtt.srtt_ns();
+        p.s.rttvar_ns = p.rtt.rttvar_ns();
     }
 
     /// A packet sent on path `i` is presumed lost.
@@ -403,10 +400,7 @@ impl PathSet {
         let Some(p) = self.paths.get(i as usize) else {
             return self.p.initial_rto_ns;
         };
-        if p.s.srtt_ns == 0 {
-            return self.p.initial_rto_ns;
-        }
-        (p.s.srtt_ns + 4 * p.s.rttvar_ns).max(self.p.min_rto_ns)
+        p.rtt.rto(self.p.initial_rto_ns, self.p.min_rto_ns, u64::MAX)
     }
 
     /// When path `i` has waited long enough to be down (if another path delivers meanwhile).

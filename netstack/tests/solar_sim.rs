@@ -437,7 +437,7 @@ fn congestion_control_holds_the_window_under_a_bottleneck() {
     let w = sim.write(0, &d);
     sim.run(5_000_000_000);
     assert_eq!(sim.done[&w], Ok(()));
-    let srtt = sim.c.paths().iter().map(|p| p.srtt_ns).max().unwrap();
+    let srtt = sim.c.paths().iter().map(|p| p.rtt.srtt_ns()).max().unwrap();
     assert!(sim.c.window() < initial, "window {} from {initial}", sim.c.window());
     assert!(
         srtt < 2_000_000,

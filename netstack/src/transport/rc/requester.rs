@@ -221,7 +221,7 @@ pub(super) struct Requester {
     /// send time and RTT of the most recently sent packet known delivered, and when the oldest
     /// hole that was too young to call lost (it may be reordered) becomes old enough.
     sack_high: u64,
-    srtt: u64,
+    rtt: crate::rtt::RttEstimator,
     rack_xmit: u64,
     rack_rtt: u64,
     /// RACK's reordering window is `(1 + reo_steps)` quarter RTTs (plus the path spread):
@@ -270,7 +270,7 @@ impl Requester {
             resent: Default::default(),
             rack_marked: BTreeSet::new(),
             sack_high: psn,
-            srtt: 0,
+            rtt: Default::default(),
             rack_xmit: 0,
             rack_rtt: 0,
             reo_steps: 0,
@@ -642,8 +642,8 @@ impl Requester {
         if let Some(b) = self.pacer.window() {
             w = w.min(b / mtu);
         }
-        if let (Some(rate), true) = (self.pacer.rate(), self.srtt > 0) {
-            w = w.min((rate as u128 * self.srtt as u128 / 1_000_000_000 / mtu as u128) as u64);
+        if let (Some(rate), true) = (self.pacer.rate(), self.rtt.srtt_ns() > 0) {
+            w = w.min((rate as u128 * self.rtt.srtt_ns() as u128 / 1_000_000_000 / mtu as u128) as u64);
         }
         w.max(1) as u32
     }
@@ -1226,7 +1226,7 @@ impl Requester {
         if let Some(path) = self.path_of(p) {
             self.paths.on_rtt(path, rtt, now);
         }
-        self.srtt = if self.srtt == 0 { rtt } else { (7 * self.srtt + rtt) / 8 };
+        self.rtt.sample(rtt);
         let sent = now - rtt;
         if sent >= self.rack_xmit {
             self.rack_xmit = sent;
@@ -1243,7 +1243,8 @@ impl Requester {
     /// a resent packet lost again is the retransmission timer's.
     fn resend_old_holes(&mut self, now: u64) {
         // widened by the paths' RTT spread when spraying
-        let wnd = (self.srtt / 4 * (1 + self.reo_steps as u64)).max(MIN_REORDER_NS) + self.paths.delay_spread();
+        let wnd =
+            (self.rtt.srtt_ns() / 4 * (1 + self.reo_steps as u64)).max(MIN_REORDER_NS) + self.paths.delay_spread();
         let from = self.una.max(self.retx_done_up_to);
         let mut done_to = self.sack_high;
         self.reorder_deadline = None;
@@ -1263,7 +1264,7 @@ impl Requester {
                 continue;
             }
             // without newer deliveries, a hole is given two RTTs before it counts as lost
-            let due = sent + 2 * self.rack_rtt.max(self.srtt) + wnd;
+            let due = sent + 2 * self.rack_rtt.max(self.rtt.srtt_ns()) + wnd;
             let lost = sent.saturating_add(wnd) < self.rack_xmit || now >= due;
             if !lost {
                 done_to = done_to.min(p);

@@ -139,8 +139,7 @@ pub enum PathState {
 #[derive(Debug, Clone)]
 pub struct PathInfo {
     pub state: PathState,
-    pub srtt_ns: u64,
-    pub rttvar_ns: u64,
+    pub rtt: crate::rtt::RttEstimator,
     pub inflight: u32,
     pub consecutive_timeouts: u32,
     next_psn: u32,
@@ -153,21 +152,11 @@ pub struct PathInfo {
 
 impl PathInfo {
     fn rto(&self, c: &ClientConfig) -> u64 {
-        if self.srtt_ns == 0 {
-            return c.initial_rto_ns;
-        }
-        (self.srtt_ns + 4 * self.rttvar_ns).clamp(c.min_rto_ns, c.max_rto_ns)
+        self.rtt.rto(c.initial_rto_ns, c.min_rto_ns, c.max_rto_ns)
     }
 
     fn on_rtt(&mut self, rtt: u64) {
-        if self.srtt_ns == 0 {
-            self.srtt_ns = rtt;
-            self.rttvar_ns = rtt / 2;
-        } else {
-            let d = self.srtt_ns.abs_diff(rtt);
-            self.rttvar_ns = (3 * self.rttvar_ns + d) / 4;
-            self.srtt_ns = (7 * self.srtt_ns + rtt) / 8;
-        }
+        self.rtt.sample(rtt);
     }
 }
 
@@ -244,8 +233,7 @@ impl SolarClient {
         let paths = (0..n)
             .map(|_| PathInfo {
                 state: PathState::Good,
-                srtt_ns: 0,
-                rttvar_ns: 0,
+                rtt: Default::default(),
                 inflight: 0,
                 consecutive_timeouts: 0,
                 next_psn: 1,
