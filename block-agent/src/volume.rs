@@ -226,9 +226,16 @@ impl Volume {
         let mut bad = Vec::new();
         let mut last = String::new();
         // round robin over the replicas in good standing, then the suspect ones
+        // (which replicas are suspect is read once: one that fails now is not tried twice)
         let now = self.epoch.elapsed().as_millis() as u64;
-        let mut order: Vec<usize> = (0..r).map(|k| (start + k) % r).collect();
-        order.sort_by_key(|&i| self.suspect_until[i].load(Ordering::Relaxed) > now);
+        let suspects = (0..r.min(64))
+            .filter(|&i| self.suspect_until[i].load(Ordering::Relaxed) > now)
+            .fold(0u64, |m, i| m | 1 << i);
+        let order = [false, true].into_iter().flat_map(|last| {
+            (0..r)
+                .map(move |k| (start + k) % r)
+                .filter(move |&i| (i < 64 && suspects >> i & 1 == 1) == last)
+        });
         for i in order {
             let rx = self.replicas[i].read(self.id, lba, n);
             let res = if r > 1 {

@@ -45,11 +45,6 @@ impl Registration {
         })
     }
 
-    /// The lease the key is held under now.
-    pub async fn lease(&self) -> i64 {
-        self.state.lock().await.lease
-    }
-
     /// Puts a new value under the key (same lease); later re-registrations put this one.
     pub async fn update(&self, value: impl Into<Vec<u8>>) -> Result<(), EtcdError> {
         let mut s = self.state.lock().await;

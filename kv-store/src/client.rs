@@ -254,25 +254,15 @@ fn follow_map(
         let snap = view
             .wait_synced(left)
             .map_err(|e| KvError::Config(format!("etcd at {}: reading the shard map: {e}", map.endpoint)))?;
-        let (count, shards) = map.parse(&snap.entries);
-        if let Some(n) = count {
-            if (0..n).all(|i| shards.contains_key(&i)) {
-                let revs = (0..n)
-                    .map(|i| {
-                        let key = [map.shards_prefix(), format!("{i:05}").into_bytes()].concat();
-                        snap.revisions.get(&key).copied().unwrap_or(0)
-                    })
+        match map.complete(&snap.entries) {
+            Ok(addrs) => {
+                let revs = (0..addrs.len() as u32)
+                    .map(|i| snap.revisions.get(&map.shard_key(i)).copied().unwrap_or(0))
                     .collect();
-                return Ok((view, (0..n).map(|i| shards[&i]).collect(), revs));
+                return Ok((view, addrs, revs));
             }
-        }
-        if Instant::now() >= until {
-            return Err(KvError::Config(format!(
-                "etcd at {}: the shard map under {:?} is incomplete (count {count:?}, shards {:?})",
-                map.endpoint,
-                map.prefix,
-                shards.keys().collect::<Vec<_>>()
-            )));
+            Err(e) if Instant::now() >= until => return Err(e),
+            Err(_) => {}
         }
         std::thread::sleep(Duration::from_millis(10));
     }
@@ -459,8 +449,7 @@ impl KvClient {
                 }
                 continue;
             };
-            let key = [map.shards_prefix(), format!("{s:05}").into_bytes()].concat();
-            let rev = snap.revisions.get(&key).copied().unwrap_or(0);
+            let rev = snap.revisions.get(&map.shard_key(s as u32)).copied().unwrap_or(0);
             if self.shards[s].down.is_none() && self.shards[s].at == (addr, rev) {
                 continue;
             }

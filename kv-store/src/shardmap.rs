@@ -44,19 +44,34 @@ impl EtcdMap {
         let mut c = self.client().await?;
         let e = |e: etcd_lite::EtcdError| KvError::Config(e.to_string());
         c.put(self.key("count"), shards.to_string()).await.map_err(e)?;
-        etcd_lite::Registration::start(
-            &self.endpoint,
-            self.key(&format!("{shard:05}")),
-            cm.to_string(),
-            self.lease_ttl,
-        )
-        .await
-        .map_err(e)
+        etcd_lite::Registration::start(&self.endpoint, self.shard_key(shard), cm.to_string(), self.lease_ttl)
+            .await
+            .map_err(e)
     }
 
     /// The key prefix of the shard map (for a [`etcd_lite::PrefixView`]).
     pub fn shards_prefix(&self) -> Vec<u8> {
         self.key("")
+    }
+
+    /// The key shard `shard`'s address is registered under.
+    pub fn shard_key(&self, shard: u32) -> Vec<u8> {
+        self.key(&format!("{shard:05}"))
+    }
+
+    /// Every shard's address, in order, when `entries` (the keys under
+    /// [`Self::shards_prefix`]) hold a complete map; otherwise an error saying what is missing.
+    pub fn complete(&self, entries: &std::collections::BTreeMap<Vec<u8>, Vec<u8>>) -> Result<Vec<SocketAddr>, KvError> {
+        let (count, shards) = self.parse(entries);
+        match count {
+            Some(n) if (0..n).all(|i| shards.contains_key(&i)) => Ok((0..n).map(|i| shards[&i]).collect()),
+            _ => Err(KvError::Config(format!(
+                "etcd at {}: the shard map under {:?} is incomplete (count {count:?}, shards {:?})",
+                self.endpoint,
+                self.prefix,
+                shards.keys().collect::<Vec<_>>()
+            ))),
+        }
     }
 
     /// The map in a snapshot of [`Self::shards_prefix`]: the shard count, if registered, and the
@@ -89,19 +104,10 @@ impl EtcdMap {
         let until = Instant::now() + wait;
         loop {
             let kvs = c.get_prefix(&start).await.map_err(|e| KvError::Config(e.to_string()))?;
-            let (count, shards) = self.parse(&kvs.into_iter().collect());
-            if let Some(n) = count {
-                if (0..n).all(|i| shards.contains_key(&i)) {
-                    return Ok((0..n).map(|i| shards[&i]).collect());
-                }
-            }
-            if Instant::now() > until {
-                return Err(KvError::Config(format!(
-                    "etcd at {}: the shard map under {:?} is incomplete (count {count:?}, shards {:?})",
-                    self.endpoint,
-                    self.prefix,
-                    shards.keys().collect::<Vec<_>>()
-                )));
+            match self.complete(&kvs.into_iter().collect()) {
+                Ok(addrs) => return Ok(addrs),
+                Err(e) if Instant::now() > until => return Err(e),
+                Err(_) => {}
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }

@@ -420,18 +420,15 @@ impl TransferEngine {
     /// etcd is refused (its engine is gone, nothing is sent), one published by a new instance
     /// is reconnected to it. `desc` is the descriptor the segment was opened with.
     fn follow_watch(&self, h: SegmentHandle, name: &str, desc: SegmentDesc) -> Result<SegmentDesc, TransferError> {
-        match self.inner.meta.watched(name) {
+        match self.inner.meta.watched_instance(name) {
             Some(None) if name != self.inner.name => Err(TransferError::Peer {
                 peer: format!("{name} ({})", desc.rpc),
                 message: "its descriptor left etcd (the engine stopped, or died and its lease expired); \
                           nothing was sent"
                     .into(),
             }),
-            Some(Some(now)) if now.instance != desc.instance => {
-                tracing::info!(
-                    "segment {name}: a new instance published its descriptor ({} buffers); reconnecting",
-                    now.buffers.len()
-                );
+            Some(Some(instance)) if instance != desc.instance => {
+                tracing::info!("segment {name}: a new instance published its descriptor; reconnecting");
                 self.refresh_segment(h)
             }
             _ => Ok(desc),

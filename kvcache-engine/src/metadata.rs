@@ -29,6 +29,9 @@ pub(crate) enum MetaStore {
         /// Every published descriptor, kept current by a watch (started at the first fetch:
         /// an engine that opens no peer needs none).
         view: std::sync::OnceLock<etcd_lite::PrefixView>,
+        /// The instance each watched descriptor names, by segment, with the revision it was
+        /// parsed at: requests check the instance without parsing JSON each time.
+        instances: Mutex<HashMap<String, (i64, u64)>>,
     },
 }
 
@@ -44,6 +47,7 @@ impl MetaStore {
                 registration: Box::new(tokio::sync::Mutex::new(None)),
                 ttl,
                 view: std::sync::OnceLock::new(),
+                instances: Mutex::new(HashMap::new()),
             },
         }
     }
@@ -64,6 +68,39 @@ impl MetaStore {
                 .get(Self::key(prefix, name).as_bytes())
                 .and_then(|v| SegmentDesc::from_json(&String::from_utf8_lossy(v)).ok()),
         )
+    }
+
+    /// [`Self::watched`], only the engine instance the descriptor names (parsed once per
+    /// revision of the descriptor: this is asked for every request).
+    pub fn watched_instance(&self, name: &str) -> Option<Option<u64>> {
+        let MetaStore::Etcd {
+            prefix,
+            view,
+            instances,
+            ..
+        } = self
+        else {
+            return None;
+        };
+        let snap = view.get()?.current();
+        if !snap.synced {
+            return None;
+        }
+        let key = Self::key(prefix, name);
+        let Some(&rev) = snap.revisions.get(key.as_bytes()) else {
+            return Some(None);
+        };
+        if let Some(&(at, instance)) = instances.lock().get(name) {
+            if at == rev {
+                return Some(Some(instance));
+            }
+        }
+        let d = snap
+            .entries
+            .get(key.as_bytes())
+            .and_then(|v| SegmentDesc::from_json(&String::from_utf8_lossy(v)).ok())?;
+        instances.lock().insert(name.to_string(), (rev, d.instance));
+        Some(Some(d.instance))
     }
 
     /// Starts the descriptor watch if it is not running; waits up to 3 s for its first read.

@@ -436,6 +436,8 @@ struct DataCore {
     /// The QPs' deadlines in time order, and when every QP's is next read afresh.
     deadlines: deadlines::Deadlines,
     next_scan: u64,
+    /// `EngineShared::rearm`'s entries, taken each loop.
+    rearm_buf: Vec<u32>,
 }
 
 impl DataCore {
@@ -467,6 +469,7 @@ impl DataCore {
             hairpin: VecDeque::new(),
             deadlines: deadlines::Deadlines::default(),
             next_scan: 0,
+            rearm_buf: Vec::new(),
         }
         .with_local_addrs()
     }
@@ -830,18 +833,19 @@ impl DataCore {
                 }
             }
         }
-        let sent = std::mem::take(&mut *self.shared.rearm.lock());
-        for qpn in sent {
-            let t = self
-                .shared
-                .qps
-                .read()
-                .get(&qpn)
-                .and_then(|s| s.lock().qp.poll_timeout());
+        // (swapped with a buffer this core keeps: neither side allocates once both have grown)
+        std::mem::swap(&mut *self.shared.rearm.lock(), &mut self.rearm_buf);
+        for i in 0..self.rearm_buf.len() {
+            let qpn = self.rearm_buf[i];
+            let Some(slot) = self.shared.qps.read().get(&qpn).cloned() else {
+                continue;
+            };
+            let t = slot.lock().qp.poll_timeout();
             if let Some(t) = t {
                 self.deadlines.arm(qpn, t);
             }
         }
+        self.rearm_buf.clear();
         // deadlines still due after their QP's timeout ran wait for the next loop
         let mut again = Vec::new();
         while let Some(qpn) = self.deadlines.pop_due(now) {
