@@ -17,6 +17,21 @@ pub enum PollMode {
     Sleep,
 }
 
+/// Who runs a context's data cores.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Drive {
+    /// Engine threads run the cores; application threads hand them work through pipes and
+    /// read completions from pipes (FlexiNS's SmartNIC cores).
+    #[default]
+    Threads,
+    /// Run to completion: the application thread that posts, polls or waits runs the cores in
+    /// its own call, with no hand-off (eRPC). A backstop thread per core runs it while no
+    /// application thread has for a millisecond, or once one blocks; `poll_mode` and `spin_us`
+    /// say how a waiting application thread (and the backstop) waits.
+    Application,
+}
+
 /// Limits on managed QPs (`[redn]` in the context configuration).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -59,6 +74,8 @@ pub struct ContextConfig {
     /// Engine threads ("data cores"), each with its own socket (port `bind.port + i`, or free
     /// ports when the port is 0); QPs are sharded over them by QPN.
     pub data_cores: usize,
+    /// Who runs the data cores: engine threads, or the application's own threads.
+    pub drive: Drive,
     /// How idle engine threads wait.
     pub poll_mode: PollMode,
     /// Spin time before an adaptive engine sleeps, in microseconds.
@@ -106,6 +123,7 @@ impl Default for ContextConfig {
         ContextConfig {
             bind: "127.0.0.1:0".parse().expect("valid"),
             data_cores: 1,
+            drive: Drive::Threads,
             poll_mode: PollMode::Adaptive,
             spin_us: 50,
             max_inline: 256,

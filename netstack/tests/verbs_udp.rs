@@ -692,3 +692,116 @@ fn the_delay_line_adds_its_delay_to_every_round_trip() {
     // each WRITE waits for its ACK: data and ACK each sit 500 µs in a delay line
     assert!(t.elapsed() >= std::time::Duration::from_millis(10), "{:?}", t.elapsed());
 }
+
+/// Run to completion: the threads that post and poll run the engine (no hand-off), and a
+/// context whose application never polls (the target of a WRITE) is served by its backstop.
+#[test]
+fn run_to_completion_contexts_carry_every_operation() {
+    let o = Opts {
+        ctx: ContextConfig {
+            drive: Drive::Application,
+            ..Default::default()
+        },
+        cqe: 256,
+        ..Default::default()
+    };
+    let (a, b) = pair_with(&o);
+    let data = pattern(300_000, 9);
+    a.mr.write(0, &data);
+    // a WRITE into a context nobody polls: its backstop thread receives and acknowledges
+    a.qp.post_send(
+        SendWr::new(1, WrOpcode::RdmaWrite)
+            .sge(a.mr.sge(0, data.len()))
+            .remote(b.mr.addr(), b.mr.rkey()),
+    )
+    .unwrap();
+    assert_eq!(a.cq.next(T).expect("write completion").status, WcStatus::Success);
+    let mut got = vec![0u8; data.len()];
+    b.mr.read(0, &mut got);
+    assert!(got == data, "written data differs");
+    let bs = b.ctx.stats();
+    assert_eq!(bs.application_passes, 0, "b's application never called the engine");
+    assert!(bs.engine_thread_passes > 0, "b's backstop served the WRITE");
+    // a ping-pong of SENDs, each side's completions read by a spinning poll loop that runs
+    // the engine itself
+    let spin_next = |s: &Side| -> Wc {
+        let deadline = std::time::Instant::now() + T;
+        let mut wc = [EMPTY_WC];
+        loop {
+            if s.cq.poll(&mut wc) == 1 {
+                return wc[0];
+            }
+            assert!(std::time::Instant::now() < deadline, "no completion within {T:?}");
+            std::thread::yield_now();
+        }
+    };
+    let before = (a.ctx.stats().application_passes, b.ctx.stats().application_passes);
+    for i in 0..200u32 {
+        b.qp.post_recv(RecvWr {
+            wr_id: i as u64,
+            sg_list: [b.mr.sge(400_000, 64)].into_iter().collect(),
+        })
+        .unwrap();
+        a.qp.post_recv(RecvWr {
+            wr_id: i as u64,
+            sg_list: [a.mr.sge(900_000, 64)].into_iter().collect(),
+        })
+        .unwrap();
+        a.mr.write(500_000, &i.to_le_bytes());
+        a.qp.post_send(SendWr::new(i as u64, WrOpcode::Send).sge(a.mr.sge(500_000, 64)))
+            .unwrap();
+        // (b's completions of its own echoes come first or after)
+        let r = loop {
+            let w = spin_next(&b);
+            if w.opcode == WcOpcode::Recv {
+                break w;
+            }
+            assert_eq!(w.status, WcStatus::Success);
+        };
+        assert_eq!((r.status, r.byte_len), (WcStatus::Success, 64));
+        b.qp.post_send(SendWr::new(i as u64, WrOpcode::Send).sge(b.mr.sge(400_000, 64)))
+            .unwrap();
+        let mut seen = (false, false);
+        while seen != (true, true) {
+            let w = spin_next(&a);
+            assert_eq!(w.status, WcStatus::Success);
+            match w.opcode {
+                WcOpcode::Recv => seen.1 = true,
+                _ => seen.0 = true,
+            }
+        }
+        let mut echo = [0u8; 4];
+        a.mr.read(900_000, &mut echo);
+        assert_eq!(u32::from_le_bytes(echo), i);
+    }
+    let after = (a.ctx.stats().application_passes, b.ctx.stats().application_passes);
+    assert!(
+        after.0 > before.0 && after.1 > before.1,
+        "the polling threads ran the engine: {before:?} -> {after:?}"
+    );
+    // a thread blocked in wait() is served by the backstop once it releases the cores
+    let waiter = {
+        let cq = a.cq.clone();
+        std::thread::spawn(move || {
+            let deadline = std::time::Instant::now() + T;
+            let mut wc = [EMPTY_WC];
+            loop {
+                if cq.poll(&mut wc) == 1 {
+                    return wc[0];
+                }
+                assert!(std::time::Instant::now() < deadline, "no completion within {T:?}");
+                cq.wait(Duration::from_millis(50));
+            }
+        })
+    };
+    a.qp.post_recv(RecvWr {
+        wr_id: 999,
+        sg_list: [a.mr.sge(900_000, 64)].into_iter().collect(),
+    })
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    b.qp.post_send(SendWr::new(7, WrOpcode::Send).sge(b.mr.sge(400_000, 64)))
+        .unwrap();
+    let w = waiter.join().unwrap();
+    assert_eq!((w.wr_id, w.status), (999, WcStatus::Success));
+}

@@ -177,6 +177,7 @@ fn demo(duration: f64, json: bool) -> Result<()> {
             data_cores: 1,
             poll_mode: client::PollModeArg::Adaptive,
             wait: None,
+            drive: None,
             standard_qp: false,
             rate_limit: None,
             cc: netstack::cc::CcKind::None,

@@ -112,11 +112,42 @@ pub struct ClientArgs {
     /// Engine threads of this client's context (and of a server it starts).
     #[arg(long, default_value_t = 1)]
     pub data_cores: usize,
+    /// Who runs the engine's cores in this client's context (and in a server it starts):
+    /// engine threads, or the application threads that post and poll (run to completion).
+    /// Default: application when the run spins (latency operations), threads when it blocks
+    /// (bandwidth), which is what measured faster for each on 2 cores (docs/BENCHMARKS.md).
+    #[arg(long, value_enum)]
+    pub drive: Option<DriveArg>,
     /// Memory region of a server this client starts.
     #[arg(long, default_value = "256MiB", value_parser = crate::bench::parse_size)]
     pub server_mr_size: u64,
     #[command(flatten)]
     pub net: super::NetArgs,
+}
+
+/// `--drive` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum DriveArg {
+    Threads,
+    Application,
+}
+
+impl DriveArg {
+    pub fn name(self) -> &'static str {
+        match self {
+            DriveArg::Threads => "threads",
+            DriveArg::Application => "application",
+        }
+    }
+}
+
+impl From<DriveArg> for netstack::verbs::Drive {
+    fn from(d: DriveArg) -> netstack::verbs::Drive {
+        match d {
+            DriveArg::Threads => netstack::verbs::Drive::Threads,
+            DriveArg::Application => netstack::verbs::Drive::Application,
+        }
+    }
 }
 
 /// `--poll-mode` values.
@@ -184,6 +215,8 @@ fn peers(a: &ClientArgs, spawn: &ServerSpawn) -> Result<Peers> {
         a.data_cores.to_string(),
         "--poll-mode".into(),
         a.poll_mode.name().into(),
+        "--drive".into(),
+        a.drive_mode().name().into(),
         "--wait".into(),
         a.wait_mode().name().into(),
     ]);
@@ -214,6 +247,14 @@ impl ClientArgs {
     pub fn wait_mode(&self) -> Wait {
         self.wait
             .unwrap_or(if self.latency_op() { Wait::Spin } else { Wait::Block })
+    }
+
+    /// Who runs the engine's cores: as asked, or run to completion when the threads spin.
+    pub fn drive_mode(&self) -> DriveArg {
+        self.drive.unwrap_or(match self.wait_mode() {
+            Wait::Spin => DriveArg::Application,
+            Wait::Block => DriveArg::Threads,
+        })
     }
 }
 
@@ -309,6 +350,9 @@ pub fn run(a: &ClientArgs, spawn: &ServerSpawn) -> Result<Vec<BenchResult>> {
         };
         r.account(&meter.finish());
         r.extra.insert("wait".into(), wait.name().into());
+        if sys == System::Flexns {
+            r.extra.insert("drive".into(), a.drive_mode().name().into());
+        }
         if a.idle_qps > 0 {
             r.extra.insert("idle_qps".into(), a.idle_qps.into());
         }
@@ -458,6 +502,7 @@ fn flexns(
         bind: a.data,
         qp: qcfg,
         data_cores: a.data_cores,
+        drive: a.drive_mode().into(),
         poll_mode: a.poll_mode.into(),
         path_ports: npaths.div_ceil(1 + a.net.extra_addrs.len()).max(8) as u8,
         ..Default::default()

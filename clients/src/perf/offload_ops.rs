@@ -31,6 +31,7 @@ fn connect(a: &ClientArgs, cm_addr: SocketAddr, op: Op, mr_len: usize) -> Result
             ..Default::default()
         },
         data_cores: a.data_cores,
+        drive: a.drive_mode().into(),
         poll_mode: a.poll_mode.into(),
         ..Default::default()
     };

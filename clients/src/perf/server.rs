@@ -39,6 +39,10 @@ pub struct ServerArgs {
     /// [config: qp.cc].
     #[arg(long)]
     pub cc: Option<netstack::cc::CcKind>,
+    /// Who runs the engine's cores: engine threads, or the threads that post and poll
+    /// [config: drive].
+    #[arg(long, value_enum)]
+    pub drive: Option<super::client::DriveArg>,
     /// Engine poll mode [config: poll_mode].
     #[arg(long, value_enum)]
     pub poll_mode: Option<super::client::PollModeArg>,
@@ -68,6 +72,9 @@ impl ServerArgs {
         }
         if let Some(p) = self.poll_mode {
             cfg.poll_mode = p.into();
+        }
+        if let Some(d) = self.drive {
+            cfg.drive = d.into();
         }
         if let Some(r) = self.recovery {
             cfg.qp.recovery = r;
@@ -528,7 +535,7 @@ mod tests {
         let p = std::env::temp_dir().join(format!("nsperf-config-{}.toml", std::process::id()));
         std::fs::write(
             &p,
-            "data_cores = 2\nrx_delay_us = 7\npoll_mode = \"busy-poll\"\n[qp]\nrecovery = \"selective-repeat\"\n",
+            "data_cores = 2\nrx_delay_us = 7\npoll_mode = \"busy-poll\"\ndrive = \"application\"\n[qp]\nrecovery = \"selective-repeat\"\n",
         )
         .unwrap();
         let parse = |extra: &[&str]| {
@@ -540,6 +547,7 @@ mod tests {
         assert_eq!(c.data_cores, 2);
         assert_eq!(c.rx_delay_us, 7);
         assert_eq!(c.poll_mode, PollMode::BusyPoll);
+        assert_eq!(c.drive, netstack::verbs::Drive::Application);
         assert_eq!(c.qp.recovery, Recovery::SelectiveRepeat);
         let c = parse(&[
             "--data-cores",
@@ -550,10 +558,13 @@ mod tests {
             "sleep",
             "--recovery",
             "go-back-n",
+            "--drive",
+            "threads",
         ]);
         assert_eq!(c.data_cores, 1);
         assert_eq!(c.rx_delay_us, 0);
         assert_eq!(c.poll_mode, PollMode::Sleep);
+        assert_eq!(c.drive, netstack::verbs::Drive::Threads);
         assert_eq!(c.qp.recovery, Recovery::GoBackN);
         let _ = std::fs::remove_file(&p);
     }

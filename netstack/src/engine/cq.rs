@@ -109,7 +109,8 @@ impl CqShared {
         n
     }
 
-    fn any_ready(&self) -> bool {
+    /// Whether a completion is waiting.
+    pub fn any_ready(&self) -> bool {
         self.consumers.lock().iter().any(|c| c.has_data())
     }
 

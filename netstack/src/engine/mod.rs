@@ -8,6 +8,7 @@
 
 mod cq;
 mod deadlines;
+pub mod drive;
 pub mod sq;
 mod stats;
 
@@ -15,7 +16,7 @@ pub use cq::CqShared;
 pub use stats::{Counter, EngineStats, StatsSnapshot};
 
 use crate::config::ContextConfig;
-pub use crate::config::PollMode;
+pub use crate::config::{Drive, PollMode};
 use crate::link::sys::{self, EventFd, OutMsg, RecvBatch};
 use crate::link::udp::UdpLink;
 use crate::mem::MrTable;
@@ -264,11 +265,14 @@ impl EngineShared {
 pub struct Engine {
     cores: Vec<Arc<EngineShared>>,
     threads: Vec<std::thread::JoinHandle<()>>,
+    /// The cores, when application threads run them ([`Drive::Application`]).
+    drive: Option<Arc<drive::AppDrive>>,
 }
 
 impl Engine {
-    /// Binds one link per data core and starts the data-core threads. Core `i` binds the
-    /// configured address with port `port + i` (or a free port when the port is 0).
+    /// Binds one link per data core and starts the data-core threads (or, run to completion,
+    /// the backstop threads). Core `i` binds the configured address with port `port + i` (or a
+    /// free port when the port is 0).
     pub fn start(cfg: &ContextConfig, mrs: Arc<MrTable>) -> std::io::Result<Engine> {
         let redn = Arc::new(crate::chain::RednRegistry::default());
         let epoch = Instant::now();
@@ -276,7 +280,9 @@ impl Engine {
         let mut e = Engine {
             cores: Vec::new(),
             threads: Vec::new(),
+            drive: None,
         };
+        let mut app_cores = Vec::new();
         for i in 0..cfg.data_cores.max(1) {
             let mut bind = cfg.bind;
             if bind.port() != 0 {
@@ -331,14 +337,34 @@ impl Engine {
                 staging: cfg.rx_staging_bytes,
                 rx_delay_ns: cfg.rx_delay_us * 1000,
             };
+            e.cores.push(shared);
+            if cfg.drive == Drive::Application {
+                app_cores.push(DataCore::new(s2, sq_rx, &opts));
+                continue;
+            }
             // started threads are joined by Engine's drop if a later core fails to start
             let thread = std::thread::Builder::new()
                 .name(format!("flexns-core{i}-{}", link.local_addr().port()))
                 .spawn(move || DataCore::new(s2, sq_rx, &opts).run())?;
-            e.cores.push(shared);
             e.threads.push(thread);
         }
+        if cfg.drive == Drive::Application {
+            let d = Arc::new(drive::AppDrive::new(app_cores)?);
+            for (i, c) in e.cores.iter().enumerate() {
+                let d = d.clone();
+                let thread = std::thread::Builder::new()
+                    .name(format!("flexns-backstop{i}-{}", c.local_addr().port()))
+                    .spawn(move || d.backstop(i))?;
+                e.threads.push(thread);
+            }
+            e.drive = Some(d);
+        }
         Ok(e)
+    }
+
+    /// The cores' run-to-completion handle, when application threads run them.
+    pub fn drive(&self) -> Option<&Arc<drive::AppDrive>> {
+        self.drive.as_ref()
     }
 
     /// The data core that owns QP `qpn` (QPs are sharded by QPN).
@@ -395,6 +421,22 @@ struct CoreOptions {
     rx_delay_ns: u64,
 }
 
+/// What one turn of a data core's loop did.
+struct Pass {
+    work: bool,
+    next_deadline: Option<u64>,
+}
+
+/// How an idle data core waits for work.
+enum Idle {
+    Spin,
+    Yield,
+    Sleep,
+}
+
+/// The descriptors a sleeping data core waits on.
+type Fds = smallvec::SmallVec<[std::os::fd::RawFd; 4]>;
+
 /// A received datagram waiting out the emulated propagation delay.
 struct Delayed {
     due: u64,
@@ -440,6 +482,13 @@ struct DataCore {
     rearm_buf: Vec<u32>,
 }
 
+// SAFETY: the raw pointers a core holds are in its reusable system-call buffers (`rx`'s
+// headers and iovecs point into `rx`'s own heap buffers; `tx_msgs` and `tx_hdrs` are rebuilt
+// from `out` before every send and never read after it). They point only into memory the core
+// owns, which moves with it, and only the thread running the core's pass uses them: a core
+// moved to its thread, or handed between threads under `AppDrive`'s mutex, stays sound.
+unsafe impl Send for DataCore {}
+
 impl DataCore {
     fn new(shared: Arc<EngineShared>, sq: Consumer<sq::Slot>, o: &CoreOptions) -> DataCore {
         let rx_links = shared.tx_links.iter().step_by(shared.path_ports).cloned().collect();
@@ -484,66 +533,95 @@ impl DataCore {
         sys::set_timer_slack_ns(1_000);
         let mut idle_since: Option<Instant> = None;
         while !self.shared.stop.load(Ordering::Relaxed) {
-            let now = self.shared.now();
-            let mut work = false;
-            work |= self.drain_sq(now);
-            self.retry_stuck();
-            work |= self.receive(now);
-            work |= self.release_delayed(now);
-            work |= self.receive_hairpin(now);
-            let chains_retry = self.run_chains(now, &mut work);
-            let next_deadline = match (self.timers(now), self.delayed.front()) {
-                (t, Some(d)) => Some(t.map_or(d.due, |t| t.min(d.due))),
-                (t, None) => t,
-            };
-            let next_deadline = match (next_deadline, chains_retry) {
-                (Some(a), Some(b)) => Some(a.min(b)),
-                (a, b) => a.or(b),
-            };
-            // packets this core sends to itself (RedN chains on loopback QPs) are processed at
-            // once, so a chain advances several steps per loop without a system call; the
-            // packets for the network go out together afterwards
-            work |= self.transmit(now, false);
-            for _ in 0..64 {
-                if self.hairpin.is_empty() {
-                    break;
-                }
-                self.receive_hairpin(now);
-                let mut w = false;
-                self.run_chains(now, &mut w);
-                self.transmit(now, false);
-            }
-            work |= self.flush();
-            if work {
+            let pass = self.pass();
+            if pass.work {
+                self.shared.stats.engine_thread_passes.inc();
                 idle_since = None;
                 continue;
             }
             let since = *idle_since.get_or_insert_with(Instant::now);
-            // a deadline closer than a sleep's wake-up cost (pacing, delayed ACKs) is waited for
-            // awake, or the sleep would overshoot it
-            let near = next_deadline.is_some_and(|d| d.saturating_sub(self.shared.now()) < NEAR_DEADLINE_NS);
-            match self.mode {
-                PollMode::BusyPoll => std::hint::spin_loop(),
-                PollMode::Adaptive if near || since.elapsed() < self.spin => std::thread::yield_now(),
-                _ => self.sleep(next_deadline),
+            match self.idle(pass.next_deadline, since) {
+                Idle::Spin => std::hint::spin_loop(),
+                Idle::Yield => std::thread::yield_now(),
+                Idle::Sleep => self.sleep(pass.next_deadline),
             }
         }
     }
 
+    /// One turn of the loop: the send queue, receives, RedN chains, timers and transmits.
+    /// Returns whether it did anything and the next deadline (engine clock) it must run by.
+    fn pass(&mut self) -> Pass {
+        let now = self.shared.now();
+        let mut work = false;
+        work |= self.drain_sq(now);
+        self.retry_stuck();
+        work |= self.receive(now);
+        work |= self.release_delayed(now);
+        work |= self.receive_hairpin(now);
+        let chains_retry = self.run_chains(now, &mut work);
+        let next_deadline = match (self.timers(now), self.delayed.front()) {
+            (t, Some(d)) => Some(t.map_or(d.due, |t| t.min(d.due))),
+            (t, None) => t,
+        };
+        let next_deadline = match (next_deadline, chains_retry) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        // packets this core sends to itself (RedN chains on loopback QPs) are processed at
+        // once, so a chain advances several steps per loop without a system call; the
+        // packets for the network go out together afterwards
+        work |= self.transmit(now, false);
+        for _ in 0..64 {
+            if self.hairpin.is_empty() {
+                break;
+            }
+            self.receive_hairpin(now);
+            let mut w = false;
+            self.run_chains(now, &mut w);
+            self.transmit(now, false);
+        }
+        work |= self.flush();
+        Pass { work, next_deadline }
+    }
+
+    /// How an idle core waits, idle since `since`: a deadline closer than a sleep's wake-up
+    /// cost (pacing, delayed ACKs) is waited for awake, or the sleep would overshoot it.
+    fn idle(&self, next_deadline: Option<u64>, since: Instant) -> Idle {
+        let near = next_deadline.is_some_and(|d| d.saturating_sub(self.shared.now()) < NEAR_DEADLINE_NS);
+        match self.mode {
+            PollMode::BusyPoll => Idle::Spin,
+            PollMode::Adaptive if near || since.elapsed() < self.spin => Idle::Yield,
+            _ => Idle::Sleep,
+        }
+    }
+
     fn sleep(&mut self, next_deadline: Option<u64>) {
+        if let Some((fds, wait)) = self.prepare_sleep(next_deadline) {
+            let _ = sys::ppoll_readable(&fds, wait);
+            self.woke();
+        }
+    }
+
+    /// Says this core sleeps, and returns what to wait on (its sockets, its send queue's and
+    /// its control eventfds) and for how long (ns); `None` when a post raced in and there is
+    /// work. The caller waits, then calls [`DataCore::woke`].
+    fn prepare_sleep(&mut self, next_deadline: Option<u64>) -> Option<(Fds, u64)> {
         // the send queue's consumer says it sleeps, then checks once more, so a post racing
         // with this either is seen now or rings the queue's eventfd
         if !self.sq.prepare_sleep() {
-            return;
+            return None;
         }
         let now = self.shared.now();
         let wait = next_deadline
             .map(|d| d.saturating_sub(now))
             .unwrap_or(100_000_000)
             .min(100_000_000);
-        let mut fds: smallvec::SmallVec<[std::os::fd::RawFd; 4]> = self.rx_links.iter().map(|l| l.fd()).collect();
+        let mut fds: Fds = self.rx_links.iter().map(|l| l.fd()).collect();
         fds.extend([self.sq.wake_fd(), self.shared.wake.fd()]);
-        let _ = sys::ppoll_readable(&fds, wait.max(1_000));
+        Some((fds, wait.max(1_000)))
+    }
+
+    fn woke(&mut self) {
         self.sq.woke();
         self.shared.wake.drain();
     }

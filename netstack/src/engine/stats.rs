@@ -54,6 +54,12 @@ pub struct EngineStats {
     pub staging_bytes: Counter,
     /// The most staging memory one receive batch filled.
     pub staging_bytes_peak: Counter,
+    /// Loop passes that did work, run by an engine thread (a data core, or a run-to-completion
+    /// context's backstop).
+    pub engine_thread_passes: Counter,
+    /// Loop passes that did work, run by an application thread inside a post, poll or wait
+    /// (run to completion).
+    pub application_passes: Counter,
 }
 
 /// A point-in-time copy of the counters.
@@ -76,6 +82,8 @@ pub struct StatsSnapshot {
     pub rx_payload_copy_bytes: u64,
     pub staging_bytes: u64,
     pub staging_bytes_peak: u64,
+    pub engine_thread_passes: u64,
+    pub application_passes: u64,
 }
 
 impl StatsSnapshot {
@@ -98,6 +106,8 @@ impl StatsSnapshot {
         self.rx_payload_copy_bytes += o.rx_payload_copy_bytes;
         self.staging_bytes += o.staging_bytes;
         self.staging_bytes_peak += o.staging_bytes_peak;
+        self.engine_thread_passes += o.engine_thread_passes;
+        self.application_passes += o.application_passes;
     }
 }
 
@@ -147,6 +157,8 @@ impl EngineStats {
             rx_payload_copy_bytes: self.rx_payload_copy_bytes.get(),
             staging_bytes: self.staging_bytes.get(),
             staging_bytes_peak: self.staging_bytes_peak.get(),
+            engine_thread_passes: self.engine_thread_passes.get(),
+            application_passes: self.application_passes.get(),
         }
     }
 }

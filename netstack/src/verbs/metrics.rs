@@ -18,7 +18,13 @@ type EngineCounter = (
 );
 
 /// The engine's counters as metrics: name, optional label, which counter.
-const ENGINE_COUNTERS: [EngineCounter; 16] = [
+const ENGINE_COUNTERS: [EngineCounter; 18] = [
+    ("flexns_engine_passes_total", Some(("thread", "engine")), |s| {
+        &s.engine_thread_passes
+    }),
+    ("flexns_engine_passes_total", Some(("thread", "application")), |s| {
+        &s.application_passes
+    }),
     ("flexns_rx_packets_total", None, |s| &s.rx_datagrams),
     ("flexns_rx_bytes_total", None, |s| &s.rx_bytes),
     ("flexns_tx_packets_total", None, |s| &s.tx_packets),

@@ -18,7 +18,7 @@
 mod qp;
 
 pub use crate::config::ContextConfig;
-pub use crate::engine::{PollMode, StatsSnapshot};
+pub use crate::engine::{Drive, PollMode, StatsSnapshot};
 pub use crate::mem::{Access, AccessError};
 pub use crate::transport::rc::{QpState, RcConfig, RcStats, Recovery};
 pub use crate::work::*;
@@ -26,6 +26,7 @@ pub use qp::{Endpoint, Qp, QpInitAttr};
 
 mod metrics;
 
+use crate::engine::drive::AppDrive;
 use crate::engine::{CqShared, Engine};
 use crate::mem::{MrEntry, MrTable, Region};
 use std::net::SocketAddrV4;
@@ -138,7 +139,12 @@ impl Context {
         )?);
         let num = self.inner.next_cq.fetch_add(1, Ordering::Relaxed);
         self.inner.engine.cores()[0].redn.add_cq(num, shared.produced());
-        Ok(Cq { shared, num })
+        Ok(Cq {
+            shared,
+            num,
+            drive: self.inner.engine.drive().cloned(),
+            wait: (self.inner.cfg.poll_mode, Duration::from_micros(self.inner.cfg.spin_us)),
+        })
     }
 
     /// The offloading engine: register handlers and DMA regions here.
@@ -269,6 +275,10 @@ impl Drop for Mr {
 pub struct Cq {
     shared: Arc<CqShared>,
     num: u32,
+    /// Run to completion: polling and waiting run the context's cores.
+    drive: Option<Arc<AppDrive>>,
+    /// How a waiting thread that runs the cores waits: the context's poll mode and spin time.
+    wait: (PollMode, Duration),
 }
 
 impl Cq {
@@ -281,15 +291,56 @@ impl Cq {
         self.shared.produced().load(Ordering::Acquire)
     }
     /// Moves up to `wc.len()` completions into `wc` (like `ibv_poll_cq`); returns how many.
+    /// Run to completion, a poll that finds none runs the context's cores once and looks again.
     pub fn poll(&self, wc: &mut [Wc]) -> usize {
-        self.shared.poll(wc)
+        let n = self.shared.poll(wc);
+        match &self.drive {
+            Some(d) if n == 0 && !wc.is_empty() => {
+                d.progress();
+                self.shared.poll(wc)
+            }
+            _ => n,
+        }
     }
-    /// Blocks until a completion is available or `timeout` passes.
+    /// Blocks until a completion is available or `timeout` passes. Run to completion, the
+    /// caller runs the cores while it waits (spinning as the context's poll mode says: forever
+    /// when busy-polling, `spin_us` when adaptive), then leaves them to the backstop and sleeps.
     pub fn wait(&self, timeout: Duration) -> bool {
-        self.shared.wait(timeout)
+        let Some(d) = &self.drive else {
+            return self.shared.wait(timeout);
+        };
+        let start = std::time::Instant::now();
+        let deadline = start + timeout;
+        let (mode, spin) = self.wait;
+        loop {
+            d.progress();
+            if self.shared.any_ready() {
+                return true;
+            }
+            let now = std::time::Instant::now();
+            if now >= deadline {
+                return false;
+            }
+            match mode {
+                PollMode::BusyPoll => std::hint::spin_loop(),
+                PollMode::Adaptive if now - start < spin => std::hint::spin_loop(),
+                _ => break,
+            }
+        }
+        d.release();
+        self.shared
+            .wait(deadline.saturating_duration_since(std::time::Instant::now()))
     }
-    /// Waits asynchronously until a completion is available.
+    /// Waits asynchronously until a completion is available (run to completion, the cores'
+    /// backstop runs them meanwhile).
     pub async fn wait_async(&self) {
+        if let Some(d) = &self.drive {
+            d.progress();
+            if self.shared.any_ready() {
+                return;
+            }
+            d.release();
+        }
         self.shared.wait_async().await
     }
     /// Polls one completion, blocking up to `timeout`.

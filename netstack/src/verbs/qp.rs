@@ -468,7 +468,9 @@ impl Qp {
             return Ok(n);
         }
         if self.low_latency {
-            return self.post_send_direct(wrs);
+            let r = self.post_send_direct(wrs);
+            self.progress();
+            return r;
         }
         let mut slots = Vec::with_capacity(sq::MAX_SLOTS);
         let mut n = 0;
@@ -496,7 +498,17 @@ impl Qp {
             n += 1;
         }
         q.notify();
+        drop(q);
+        self.progress();
         res.map(|_| n)
+    }
+
+    /// Run to completion: runs the context's cores once from this thread (after a post, so the
+    /// work request leaves in this call). Never called with a QP or send-queue lock held.
+    fn progress(&self) {
+        if let Some(d) = self.ctx.inner.engine.drive() {
+            d.progress();
+        }
     }
 
     /// After an application-thread operation on the transport: refresh the mirror, and have the
