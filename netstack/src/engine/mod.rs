@@ -31,10 +31,11 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// How often a data core reads every QP's deadline afresh (nanoseconds): between these scans
-/// it learns deadlines from the QPs it touches, and from `EngineShared::rearm`; a scan catches
-/// changes made by application threads' control operations.
-const DEADLINE_SCAN_NS: u64 = 1_000_000;
+/// How often a data core reads every QP's deadline afresh (nanoseconds): a safety net only. It
+/// learns deadlines from the QPs it touches, and from `EngineShared::rearm`, where application
+/// and offload threads leave every QP whose timers they may have changed (sends, control
+/// operations). A scan locks every QP: at 1 ms, 10,000 QPs spent the core on scanning.
+const DEADLINE_SCAN_NS: u64 = 100_000_000;
 
 /// Receive buffers per recvmmsg call (at most).
 pub const BATCH: usize = 64;
@@ -213,7 +214,7 @@ impl EngineShared {
             if out.is_empty() {
                 if total > 0 {
                     // the retransmission timer the packets armed is the data core's to run
-                    self.rearm.lock().push(slot.qp.qpn());
+                    self.rearm(slot.qp.qpn());
                 }
                 return total;
             }
@@ -245,10 +246,16 @@ impl EngineShared {
             }
             if full {
                 // a socket is full: the transport's retransmission timer recovers the rest
-                self.rearm.lock().push(slot.qp.qpn());
+                self.rearm(slot.qp.qpn());
                 return total;
             }
         }
+    }
+
+    /// QP `qpn`'s timers may have changed outside this core (a control operation of an
+    /// application thread): the core reads its deadline at its next pass.
+    pub fn rearm(&self, qpn: u32) {
+        self.rearm.lock().push(qpn);
     }
 
     /// The transports' clock: CLOCK_MONOTONIC in nanoseconds (shared by all processes on the

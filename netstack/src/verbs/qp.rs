@@ -234,6 +234,7 @@ impl Qp {
         }
         drop(s);
         // the data core sends it (and delivers an immediate error completion)
+        self.core.rearm(self.qpn);
         self.core.poke(self.qpn);
         Ok(())
     }
@@ -252,6 +253,7 @@ impl Qp {
     /// run a matching receiving half, if the algorithm needs one.
     pub fn install_cc(&self, alg: Box<dyn crate::cc::CcAlgorithm>) {
         self.slot.lock().qp.install_cc(alg);
+        self.core.rearm(self.qpn);
     }
 
     /// Why congestion control stopped this QP, if it did (HPCC on a path without INT).
@@ -414,6 +416,7 @@ impl Qp {
         s.routes = routes;
         s.peer_sources = remote.sources.iter().chain(&remote.extra_addrs).copied().collect();
         s.sync_mirror();
+        self.core.rearm(self.qpn);
         Ok(())
     }
 
@@ -422,6 +425,7 @@ impl Qp {
         let mut s = self.slot.lock();
         s.qp.modify_to_rts(self.psn)?;
         s.sync_mirror();
+        self.core.rearm(self.qpn);
         Ok(())
     }
 
@@ -442,11 +446,13 @@ impl Qp {
     /// `None`; like `ibv_modify_qp_rate_limit`. Congestion control drives the same hook.
     pub fn set_rate_limit(&self, bytes_per_sec: Option<u64>, burst_bytes: u64) {
         self.slot.lock().qp.set_rate(bytes_per_sec, burst_bytes);
+        self.core.rearm(self.qpn);
     }
 
     /// Limits the payload bytes in flight, or lifts the limit with `None`.
     pub fn set_window_limit(&self, bytes: Option<u64>) {
         self.slot.lock().qp.set_window_bytes(bytes);
+        self.core.rearm(self.qpn);
     }
 
     /// Posts a send work request (`ibv_post_send`): the request is checked, encoded into the
