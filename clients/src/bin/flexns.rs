@@ -288,6 +288,7 @@ fn kv_step(duration: f64, json: bool) -> Result<()> {
         system: systems,
         get_path: vec![A1, Offload, Redn, Rpc, Hybrid],
         threads: 1,
+        drive: clients::perf::client::DriveArg::Application,
         depth: 8,
         batch: 8,
         duration: (duration / 2.0).max(0.3),
