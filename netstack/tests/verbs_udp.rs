@@ -498,6 +498,69 @@ fn qps_are_sharded_over_several_data_cores() {
     assert!(cb.stats().staging_bytes > 2 << 20, "each core has its own staging set");
 }
 
+/// `rounds` SEND ping-pongs of 64 B: `a` sends its round number with `a_flags` (signaled), `b`
+/// echoes it with `echo_flags`; `next` reads a side's next completion. Every completion must
+/// succeed, `b` sees nothing before the receive unless its echoes are signaled, and `a` checks
+/// the echo.
+fn ping_pong(
+    a: &Side,
+    b: &Side,
+    rounds: u32,
+    a_flags: SendFlags,
+    echo_flags: SendFlags,
+    next: &dyn Fn(&Side, u32) -> Wc,
+) {
+    for i in 0..rounds {
+        b.qp.post_recv(RecvWr {
+            wr_id: i as u64,
+            sg_list: [b.mr.sge(400_000, 64)].into_iter().collect(),
+        })
+        .unwrap();
+        a.qp.post_recv(RecvWr {
+            wr_id: i as u64,
+            sg_list: [a.mr.sge(900_000, 64)].into_iter().collect(),
+        })
+        .unwrap();
+        a.mr.write(500_000, &i.to_le_bytes());
+        a.qp.post_send(
+            SendWr::new(i as u64, WrOpcode::Send)
+                .sge(a.mr.sge(500_000, 64))
+                .flags(a_flags),
+        )
+        .unwrap();
+        // with signaled echoes, b's completions of its own echoes come first or after
+        let r = loop {
+            let w = next(b, i);
+            if w.opcode == WcOpcode::Recv || !echo_flags.contains(SendFlags::SIGNALED) {
+                break w;
+            }
+            assert_eq!(w.status, WcStatus::Success);
+        };
+        assert_eq!(
+            (r.status, r.opcode, r.byte_len),
+            (WcStatus::Success, WcOpcode::Recv, 64)
+        );
+        b.qp.post_send(
+            SendWr::new(i as u64, WrOpcode::Send)
+                .sge(b.mr.sge(400_000, 64))
+                .flags(echo_flags),
+        )
+        .unwrap();
+        let mut seen = (false, false);
+        while seen != (true, true) {
+            let w = next(a, i);
+            assert_eq!(w.status, WcStatus::Success);
+            match w.opcode {
+                WcOpcode::Recv => seen.1 = true,
+                _ => seen.0 = true,
+            }
+        }
+        let mut echo = [0u8; 4];
+        a.mr.read(900_000, &mut echo);
+        assert_eq!(u32::from_le_bytes(echo), i);
+    }
+}
+
 #[test]
 fn low_latency_qps_carry_every_operation() {
     let attr = QpInitAttr {
@@ -511,57 +574,19 @@ fn low_latency_qps_carry_every_operation() {
     });
     let data = pattern(200_000, 3);
     a.mr.write(0, &data);
-    // ping-pong of INLINE SENDs, both sides low-latency
-    for i in 0..200u32 {
-        b.qp.post_recv(RecvWr {
-            wr_id: i as u64,
-            sg_list: [b.mr.sge(0, 64)].into_iter().collect(),
-        })
-        .unwrap();
-        a.qp.post_recv(RecvWr {
-            wr_id: i as u64,
-            sg_list: [a.mr.sge(900_000, 64)].into_iter().collect(),
-        })
-        .unwrap();
-        a.mr.write(500_000, &i.to_le_bytes());
-        let f = SendFlags::INLINE | SendFlags::SIGNALED;
-        a.qp.post_send(
-            SendWr::new(i as u64, WrOpcode::Send)
-                .sge(a.mr.sge(500_000, 64))
-                .flags(f),
-        )
-        .unwrap();
-        let r = b.cq.next(T).unwrap();
-        assert_eq!(
-            (r.status, r.opcode, r.byte_len),
-            (WcStatus::Success, WcOpcode::Recv, 64)
-        );
-        // unsignaled echo: no send completion on b
-        b.qp.post_send(
-            SendWr::new(i as u64, WrOpcode::Send)
-                .sge(b.mr.sge(0, 64))
-                .flags(SendFlags::INLINE),
-        )
-        .unwrap();
-        let mut seen = (false, false);
-        while seen != (true, true) {
-            let w = a.cq.next(T).unwrap_or_else(|| {
-                panic!(
-                    "iteration {i}: seen {seen:?}, a {:?} b {:?}",
-                    a.qp.stats(),
-                    b.qp.stats()
-                )
-            });
-            assert_eq!(w.status, WcStatus::Success);
-            match w.opcode {
-                WcOpcode::Recv => seen.1 = true,
-                _ => seen.0 = true,
-            }
-        }
-        let mut echo = [0u8; 4];
-        a.mr.read(900_000, &mut echo);
-        assert_eq!(u32::from_le_bytes(echo), i);
-    }
+    // ping-pong of INLINE SENDs, both sides low-latency; unsignaled echoes
+    let next = |s: &Side, i: u32| -> Wc {
+        s.cq.next(T)
+            .unwrap_or_else(|| panic!("iteration {i}: no completion within {T:?}, qp {:?}", s.qp.stats()))
+    };
+    ping_pong(
+        &a,
+        &b,
+        200,
+        SendFlags::INLINE | SendFlags::SIGNALED,
+        SendFlags::INLINE,
+        &next,
+    );
     // multi-packet WRITE and READ over the same low-latency QP
     a.qp.post_send(
         SendWr::new(1, WrOpcode::RdmaWrite)
@@ -736,44 +761,9 @@ fn run_to_completion_contexts_carry_every_operation() {
         }
     };
     let before = (a.ctx.stats().application_passes, b.ctx.stats().application_passes);
-    for i in 0..200u32 {
-        b.qp.post_recv(RecvWr {
-            wr_id: i as u64,
-            sg_list: [b.mr.sge(400_000, 64)].into_iter().collect(),
-        })
-        .unwrap();
-        a.qp.post_recv(RecvWr {
-            wr_id: i as u64,
-            sg_list: [a.mr.sge(900_000, 64)].into_iter().collect(),
-        })
-        .unwrap();
-        a.mr.write(500_000, &i.to_le_bytes());
-        a.qp.post_send(SendWr::new(i as u64, WrOpcode::Send).sge(a.mr.sge(500_000, 64)))
-            .unwrap();
-        // (b's completions of its own echoes come first or after)
-        let r = loop {
-            let w = spin_next(&b);
-            if w.opcode == WcOpcode::Recv {
-                break w;
-            }
-            assert_eq!(w.status, WcStatus::Success);
-        };
-        assert_eq!((r.status, r.byte_len), (WcStatus::Success, 64));
-        b.qp.post_send(SendWr::new(i as u64, WrOpcode::Send).sge(b.mr.sge(400_000, 64)))
-            .unwrap();
-        let mut seen = (false, false);
-        while seen != (true, true) {
-            let w = spin_next(&a);
-            assert_eq!(w.status, WcStatus::Success);
-            match w.opcode {
-                WcOpcode::Recv => seen.1 = true,
-                _ => seen.0 = true,
-            }
-        }
-        let mut echo = [0u8; 4];
-        a.mr.read(900_000, &mut echo);
-        assert_eq!(u32::from_le_bytes(echo), i);
-    }
+    ping_pong(&a, &b, 200, SendFlags::SIGNALED, SendFlags::SIGNALED, &|s, _| {
+        spin_next(s)
+    });
     let after = (a.ctx.stats().application_passes, b.ctx.stats().application_passes);
     assert!(
         after.0 > before.0 && after.1 > before.1,

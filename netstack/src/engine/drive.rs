@@ -1,4 +1,4 @@
-//! Run-to-completion ([`Drive::Application`]): the application thread that posts, polls or
+//! Run-to-completion ([`crate::config::Drive::Application`]): the application thread that posts, polls or
 //! waits runs its context's data cores itself, in its own call, with no hand-off to another
 //! thread (eRPC's discipline). A packet's receive, the transport's work and the completion all
 //! happen in the thread that then reads the completion.
@@ -16,7 +16,6 @@
 //! working.
 
 use super::{DataCore, EngineShared, Idle};
-pub use crate::config::Drive;
 use crate::link::sys::{self, EventFd};
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
