@@ -2,10 +2,12 @@
 //! over Solar on UDP, and over the plain block protocol on TCP ([`crate::tcp_proto`]: whole
 //! requests, no Solar layer), the agent's `--transport tcp` reference.
 //!
-//! Threads: one receives UDP packets and hands them to the sans-IO [`SolarServer`]; reads are
-//! answered on that thread (the store reads from the page cache and checks each block's CRC);
-//! writes go to a pool of writer threads, because a store write returns only when its log
-//! record is durable, and many writers waiting together share one `fdatasync` (group commit).
+//! Threads: Solar is served by a netstack context's data core (a [`SolarService`]: the engine's
+//! batched sockets and polling, the sans-IO [`SolarServer`] owned by the core), which calls
+//! the node's storage handler: reads are answered on the core (the store reads from the page
+//! cache and checks each block's CRC); writes go to a pool of writer threads, because a store
+//! write returns only when its log record is durable, and many writers waiting together share
+//! one `fdatasync` (group commit); a writer finishes the block's answer, which the core sends.
 //! TCP connections get a reader thread each: a WRITE request's blocks go to the writer pool
 //! as one job (its records share one group commit), a READ is answered by the reader. Answers
 //! go out from whichever thread finished the work. After a restart every volume's block versions seed the Solar server, so a write
@@ -17,13 +19,14 @@
 
 use crate::store::{StoreError, VolumeStore};
 use crate::tcp_proto;
-use netstack::transport::solar::server::{Request, SolarServer, Token};
-use netstack::transport::solar::wire::{Status, BLOCK, HDR};
-use netstack::transport::solar::Transmit;
+use netstack::transport::solar::server::SolarServer;
+use netstack::transport::solar::wire::{Status, BLOCK};
+use netstack::verbs::solar::{ReadAnswer, ReadBlocks, SolarService, StorageHandler, WriteBlock, WriteDone};
+use netstack::verbs::{Context, ContextConfig};
 use parking_lot::{Mutex, RwLock};
 use std::collections::HashMap;
 use std::io::{Read, Write};
-use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::net::{SocketAddr, SocketAddrV4, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
@@ -59,8 +62,10 @@ impl NodeConfig {
 /// Errors of the storage node.
 #[derive(Debug, thiserror::Error)]
 pub enum NodeError {
-    #[error("listen address {0}: only IPv4 is supported")]
+    #[error("listen address {0}: must be a concrete IPv4 address (Solar's engine binds it)")]
     NotIpv4(SocketAddr),
+    #[error("starting the Solar engine on {0}: {1}")]
+    Engine(SocketAddr, String),
     #[error("{what}: {source}")]
     Io {
         what: String,
@@ -143,26 +148,25 @@ fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> NodeError {
     move |source| NodeError::Io { what, source }
 }
 
-/// Counters of a node (beside the Solar server's and the stores').
+/// Counters of a node's plain-TCP side (Solar's packets are the engine's counters, its
+/// requests the Solar server's).
 #[derive(Debug, Default)]
 pub struct NodeCounters {
     pub packets_in: AtomicU64,
     pub packets_out: AtomicU64,
     pub malformed: AtomicU64,
-    pub send_errors: AtomicU64,
     pub tcp_connections: AtomicU64,
 }
 
 /// A write for the writer pool: a Solar block, or a whole request of the TCP protocol.
 enum WriteJob {
     Solar {
-        token: Token,
         volume: u32,
         lba: u64,
         data: Vec<u8>,
         crc: u32,
         rpc: u64,
-        arrived: std::time::Instant,
+        done: WriteDone,
     },
     Tcp {
         conn: Arc<Mutex<TcpStream>>,
@@ -178,8 +182,8 @@ struct Inner {
     _lock: std::fs::File,
     log_limit: u64,
     volumes: RwLock<HashMap<u32, Arc<VolumeStore>>>,
-    solar: Mutex<SolarServer>,
-    udp: UdpSocket,
+    /// The Solar server on the node's engine core (set once it starts; taken at the stop).
+    solar: Mutex<Option<SolarService>>,
     /// The write halves of the TCP connections (shut down when the node stops).
     tcp_conns: Mutex<Vec<Arc<Mutex<TcpStream>>>>,
     writes: Mutex<Option<mpsc::Sender<WriteJob>>>,
@@ -194,17 +198,6 @@ pub struct StorageNode {
     threads: Vec<JoinHandle<()>>,
 }
 
-fn peer_token(a: SocketAddr) -> Option<u64> {
-    match a.ip() {
-        IpAddr::V4(ip) => Some((u32::from(ip) as u64) << 16 | a.port() as u64),
-        IpAddr::V6(_) => None,
-    }
-}
-
-fn token_addr(t: u64) -> SocketAddr {
-    SocketAddr::from((std::net::Ipv4Addr::from((t >> 16) as u32), t as u16))
-}
-
 fn store_status(e: &StoreError) -> Status {
     match e {
         StoreError::OutOfRange { .. } => Status::OutOfRange,
@@ -216,9 +209,10 @@ fn store_status(e: &StoreError) -> Status {
 impl StorageNode {
     /// Opens every volume in `cfg.dir` (replaying their logs) and starts serving.
     pub fn start(cfg: NodeConfig) -> Result<StorageNode, NodeError> {
-        if !cfg.listen.is_ipv4() {
-            return Err(NodeError::NotIpv4(cfg.listen));
-        }
+        let listen = match cfg.listen {
+            SocketAddr::V4(a) if !a.ip().is_unspecified() => a,
+            _ => return Err(NodeError::NotIpv4(cfg.listen)),
+        };
         if !cfg.dir.is_dir() {
             std::fs::create_dir_all(&cfg.dir).map_err(io(format!("creating {}", cfg.dir.display())))?;
             if let Some(parent) = cfg.dir.parent().filter(|p| !p.as_os_str().is_empty()) {
@@ -227,10 +221,7 @@ impl StorageNode {
         }
         let lock = lock_dir(&cfg.dir)?;
         let id = node_id(&cfg.dir)?;
-        let (udp, addr, tcp) = bind_pair(cfg.listen)?;
-        udp.set_read_timeout(Some(Duration::from_millis(100)))
-            .map_err(io("UDP timeout"))?;
-        grow_buffers(&udp);
+        let (ctx, addr, tcp) = bind_pair(listen)?;
         let mut solar = SolarServer::new(0);
         let mut volumes = HashMap::new();
         for id in list_volume_ids(&cfg.dir)? {
@@ -248,8 +239,7 @@ impl StorageNode {
             _lock: lock,
             log_limit: cfg.log_limit,
             volumes: RwLock::new(volumes),
-            solar: Mutex::new(solar),
-            udp,
+            solar: Mutex::new(None),
             tcp_conns: Mutex::new(Vec::new()),
             writes: Mutex::new(Some(tx)),
             stop: AtomicBool::new(false),
@@ -263,8 +253,11 @@ impl StorageNode {
             let (inner, rx) = (inner.clone(), rx.clone());
             threads.push(spawn(format!("bs-write-{i}"), move || writer(&inner, &rx))?);
         }
-        let i2 = inner.clone();
-        threads.push(spawn("bs-udp".into(), move || udp_loop(&i2))?);
+        let handler = Arc::new(Handler(Arc::downgrade(&inner)));
+        let service = ctx
+            .solar_server(solar, handler)
+            .map_err(|e| NodeError::Engine(addr, e.to_string()))?;
+        *inner.solar.lock() = Some(service);
         tcp.set_nonblocking(true).map_err(io("TCP listener"))?;
         let i3 = inner.clone();
         threads.push(spawn("bs-accept".into(), move || accept_loop(&i3, tcp))?);
@@ -340,15 +333,17 @@ impl StorageNode {
         &self.inner.counters
     }
 
-    /// The Solar server's counters.
+    /// The Solar server's counters (refreshed every few milliseconds by its core).
     pub fn solar_stats(&self) -> netstack::transport::solar::server::ServerStats {
-        self.inner.solar.lock().stats()
+        self.inner.solar.lock().as_ref().map(|s| s.stats()).unwrap_or_default()
     }
 }
 
 impl Drop for StorageNode {
     fn drop(&mut self) {
         self.inner.stop.store(true, Ordering::SeqCst);
+        // stop serving Solar first: no new writes reach the pool
+        self.inner.solar.lock().take();
         self.inner.writes.lock().take();
         for p in self.inner.tcp_conns.lock().iter() {
             let _ = p.lock().shutdown(std::net::Shutdown::Both);
@@ -359,16 +354,22 @@ impl Drop for StorageNode {
     }
 }
 
-/// The UDP socket (Solar) and the TCP listener (the plain protocol) on one address. With port
-/// 0 the kernel picks the UDP port, which a TCP socket (an outgoing connection's ephemeral
-/// port) may hold already: then another pair is tried.
-fn bind_pair(listen: SocketAddr) -> Result<(UdpSocket, SocketAddr, TcpListener), NodeError> {
+/// The Solar engine's context (its UDP socket) and the TCP listener (the plain protocol) on
+/// one address. With port 0 the kernel picks the UDP port, which a TCP socket (an outgoing
+/// connection's ephemeral port) may hold already: then another pair is tried.
+fn bind_pair(listen: SocketAddrV4) -> Result<(Context, SocketAddr, TcpListener), NodeError> {
     let mut tries = 0;
     loop {
-        let udp = UdpSocket::bind(listen).map_err(io(format!("binding UDP {listen}")))?;
-        let addr = udp.local_addr().map_err(io("UDP address"))?;
+        let ctx = Context::open(ContextConfig {
+            bind: listen,
+            data_cores: 1,
+            path_ports: 1,
+            ..ContextConfig::default()
+        })
+        .map_err(|e| NodeError::Engine(listen.into(), e.to_string()))?;
+        let addr = SocketAddr::V4(ctx.local_addr());
         match TcpListener::bind(addr) {
-            Ok(tcp) => return Ok((udp, addr, tcp)),
+            Ok(tcp) => return Ok((ctx, addr, tcp)),
             Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && listen.port() == 0 && tries < 32 => tries += 1,
             Err(e) => return Err(io(format!("binding TCP {addr}"))(e)),
         }
@@ -380,14 +381,6 @@ fn spawn(name: String, f: impl FnOnce() + Send + 'static) -> Result<JoinHandle<(
         .name(name.clone())
         .spawn(f)
         .map_err(io(format!("starting thread {name}")))
-}
-
-fn grow_buffers(s: &UdpSocket) {
-    use std::os::fd::AsRawFd;
-    for opt in [libc::SO_RCVBUF, libc::SO_SNDBUF] {
-        // failure only leaves the default buffer size
-        let _ = netstack::link::sys::setsockopt_int(s.as_raw_fd(), libc::SOL_SOCKET, opt, 8 << 20);
-    }
 }
 
 /// Volume ids found in `dir` (files `vol-ID.data`).
@@ -444,128 +437,63 @@ impl Inner {
         }
         Status::Ok
     }
+}
 
-    fn send(&self, t: &Transmit, buf: &mut Vec<u8>) {
-        buf.clear();
-        buf.extend_from_slice(&t.header);
-        if let Some(b) = &t.block {
-            buf.extend_from_slice(b.bytes());
-        }
-        let r = self.udp.send_to(buf, token_addr(t.peer)).map(|_| ());
-        match r {
-            Ok(()) => {
-                self.counters.packets_out.fetch_add(1, Ordering::Relaxed);
-            }
-            Err(e) => {
-                self.counters.send_errors.fetch_add(1, Ordering::Relaxed);
-                tracing::debug!("send to peer {:#x}: {e}", t.peer);
-            }
-        }
+/// The node's storage behind its Solar server, called on the engine core. It holds the node
+/// weakly: the core holds the handler, and the node holds the core's context.
+struct Handler(std::sync::Weak<Inner>);
+
+impl StorageHandler for Handler {
+    fn write(&self, b: WriteBlock<'_>, done: WriteDone) {
+        let Some(inner) = self.0.upgrade() else { return };
+        let job = WriteJob::Solar {
+            volume: b.volume,
+            lba: b.lba,
+            data: b.data.to_vec(),
+            crc: b.crc,
+            rpc: b.rpc,
+            done,
+        };
+        // a stopping node drops the job: its unfinished answer says Busy
+        let _ = self_send(&inner, job);
     }
 
-    /// Sends what the Solar server has queued (taken under its lock, sent outside it).
-    fn flush(&self, out: &mut Vec<Transmit>, buf: &mut Vec<u8>) {
-        {
-            let mut s = self.solar.lock();
-            while let Some(t) = s.poll_transmit() {
-                out.push(t);
-            }
-        }
-        for t in out.drain(..) {
-            self.send(&t, buf);
-        }
-    }
-
-    /// One packet from `peer`.
-    fn on_packet(&self, peer: u64, pkt: &[u8], out: &mut Vec<Transmit>, buf: &mut Vec<u8>) {
-        self.counters.packets_in.fetch_add(1, Ordering::Relaxed);
-        let req = self.solar.lock().on_packet(peer, pkt, false);
-        match req {
-            Err(e) => {
-                self.counters.malformed.fetch_add(1, Ordering::Relaxed);
-                tracing::debug!("malformed packet from {:#x}: {e}", peer);
-            }
-            Ok(None) => {}
-            Ok(Some(Request::Write {
-                token,
-                volume,
-                lba,
-                data,
-                crc,
-                rpc,
-                ..
-            })) => {
-                let job = WriteJob::Solar {
-                    token,
-                    volume,
-                    lba,
-                    data: data.to_vec(),
-                    crc,
-                    rpc,
-                    arrived: std::time::Instant::now(),
-                };
-                let sent = self.writes.lock().as_ref().map(|tx| tx.send(job).is_ok());
-                if sent != Some(true) {
-                    self.solar.lock().write_done(token, Status::Busy);
+    fn read(&self, r: ReadBlocks, answer: &mut ReadAnswer<'_>) {
+        let Some(inner) = self.0.upgrade() else { return };
+        let store = inner.volumes.read().get(&r.volume).cloned();
+        for k in 0..r.count {
+            let Some(s) = &store else {
+                answer.failed(k, Status::NoVolume);
+                continue;
+            };
+            match s.read(r.lba + k as u64) {
+                Ok((data, crc, _)) => answer.block(k, Arc::<[u8]>::from(data), 0, crc),
+                Err(e) => {
+                    if matches!(e, StoreError::Corrupt { .. }) {
+                        tracing::error!("{e}");
+                    }
+                    answer.failed(k, store_status(&e));
                 }
             }
-            Ok(Some(Request::Read {
-                token,
-                volume,
-                lba,
-                count,
-            })) => self.read(token, volume, lba, count),
         }
-        self.flush(out, buf);
-    }
-
-    fn read(&self, token: Token, volume: u32, lba: u64, count: u16) {
-        let store = self.volumes.read().get(&volume).cloned();
-        let mut answers = Vec::with_capacity(count as usize);
-        for k in 0..count {
-            answers.push(match &store {
-                None => Err(Status::NoVolume),
-                Some(s) => match s.read(lba + k as u64) {
-                    Ok((data, crc, _)) => Ok((Arc::<[u8]>::from(data), crc)),
-                    Err(e) => {
-                        if matches!(e, StoreError::Corrupt { .. }) {
-                            tracing::error!("{e}");
-                        }
-                        Err(store_status(&e))
-                    }
-                },
-            });
-        }
-        let mut s = self.solar.lock();
-        for (k, a) in answers.into_iter().enumerate() {
-            match a {
-                Ok((data, crc)) => s.read_block(token, k as u16, data, 0, crc),
-                Err(st) => s.read_failed(token, k as u16, st),
-            }
-        }
-        s.read_finished(token);
     }
 }
 
 fn writer(inner: &Inner, rx: &Mutex<mpsc::Receiver<WriteJob>>) {
-    let (mut out, mut buf) = (Vec::new(), Vec::with_capacity(HDR + BLOCK));
     loop {
         let job = rx.lock().recv();
         let Ok(j) = job else { return };
         match j {
             WriteJob::Solar {
-                token,
                 volume,
                 lba,
                 data,
                 crc,
                 rpc,
-                arrived,
+                done,
             } => {
                 let status = inner.store_write(volume, lba, &[(&data, crc)], rpc);
-                let service = arrived.elapsed().as_nanos() as u64;
-                inner.solar.lock().write_done_after(token, status, service);
-                inner.flush(&mut out, &mut buf);
+                done.finish(status);
             }
             WriteJob::Tcp { conn, req, data } => {
                 let blocks: Vec<(&[u8], u32)> = data.chunks(BLOCK).map(|b| (b, crc32c::crc32c(b))).collect();
@@ -573,23 +501,6 @@ fn writer(inner: &Inner, rx: &Mutex<mpsc::Receiver<WriteJob>>) {
                 // a failed answer is a closed connection: its reader sees it
                 let _ = conn.lock().write_all(&req.reply(status).encode());
             }
-        }
-    }
-}
-
-fn udp_loop(inner: &Inner) {
-    let mut pkt = vec![0u8; 65536];
-    let (mut out, mut buf) = (Vec::new(), Vec::with_capacity(HDR + BLOCK));
-    while !inner.stop.load(Ordering::Relaxed) {
-        match inner.udp.recv_from(&mut pkt) {
-            Ok((n, from)) => match peer_token(from) {
-                Some(peer) => inner.on_packet(peer, &pkt[..n], &mut out, &mut buf),
-                None => {
-                    inner.counters.malformed.fetch_add(1, Ordering::Relaxed);
-                }
-            },
-            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
-            Err(e) => tracing::debug!("UDP receive: {e}"),
         }
     }
 }
@@ -688,23 +599,25 @@ impl netstack::telemetry::Collect for Inner {
         let node = self.id.clone();
         let c = |name: &'static str, v: u64| counter!(name, "node" => node.clone()).absolute(v);
         let k = &self.counters;
+        // Solar's packets are the engine's: its datagrams, malformed ones (the engine's and
+        // the Solar server's) and send errors, beside the TCP side's
+        let (es, sv) = match &*self.solar.lock() {
+            Some(s) => (s.context().stats(), s.stats()),
+            None => Default::default(),
+        };
         c(
             "flexns_storage_packets_received_total",
-            k.packets_in.load(Ordering::Relaxed),
+            k.packets_in.load(Ordering::Relaxed) + es.rx_datagrams,
         );
         c(
             "flexns_storage_packets_sent_total",
-            k.packets_out.load(Ordering::Relaxed),
+            k.packets_out.load(Ordering::Relaxed) + es.tx_packets,
         );
         c(
             "flexns_storage_malformed_packets_total",
-            k.malformed.load(Ordering::Relaxed),
+            k.malformed.load(Ordering::Relaxed) + es.rx_malformed + sv.malformed,
         );
-        c(
-            "flexns_storage_send_errors_total",
-            k.send_errors.load(Ordering::Relaxed),
-        );
-        let sv = self.solar.lock().stats();
+        c("flexns_storage_send_errors_total", es.tx_errors);
         c("flexns_solar_server_writes_total", sv.writes);
         c("flexns_solar_server_reads_total", sv.reads);
         c("flexns_solar_server_crc_errors_total", sv.crc_errors);
@@ -723,18 +636,5 @@ impl netstack::telemetry::Collect for Inner {
             gauge!("flexns_store_size_bytes", "node" => node.clone(), "volume" => id.to_string())
                 .set((store.blocks() * BLOCK as u64) as f64);
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn peer_tokens_round_trip() {
-        let a: SocketAddr = "10.1.2.3:4567".parse().unwrap();
-        let t = peer_token(a).unwrap();
-        assert_eq!(token_addr(t), a);
-        assert!(peer_token("[::1]:5".parse().unwrap()).is_none());
     }
 }

@@ -183,7 +183,8 @@ build_hosts() {
   for h in "${HOSTS[@]}"; do
     ip netns add "${P}_$h"
     ip -n "${P}_$h" link set lo up
-    ip link add "${P}h$i" type veth peer name "${P}s$i"
+    # jumbo frames, as a storage fabric has: Solar sends a 4 KiB block per datagram
+    ip link add "${P}h$i" mtu 9000 type veth peer name "${P}s$i" mtu 9000
     ip link set "${P}h$i" netns "${P}_$h"
     ip -n "${P}_$h" link set "${P}h$i" name eth0
     ip -n "${P}_$h" addr add "$(ip_of "$h")/24" dev eth0
@@ -193,7 +194,7 @@ build_hosts() {
     i=$((i + 1))
   done
   # this machine's port on the switch
-  ip link add "${P}r" type veth peer name "${P}rs"
+  ip link add "${P}r" mtu 9000 type veth peer name "${P}rs" mtu 9000
   ip link set "${P}rs" netns "${P}_sw"
   ip -n "${P}_sw" link set "${P}rs" master br0 up
   ip addr add "10.77.$NET.1/24" dev "${P}r"

@@ -1,10 +1,11 @@
 //! The agent's link to one storage node, over one of two carriers:
-//! - `solar` ([`solar`]): a thread driving a sans-IO [`netstack::transport::solar`] client over
-//!   UDP, one socket per path (each path its own source port and ECMP flow);
+//! - `solar` ([`solar`]): a Solar client endpoint on a netstack context's data core (the
+//!   [`netstack::transport::solar`] protocol; each path one of the core's source ports, its own
+//!   ECMP flow), shared by the process's links;
 //! - `tcp` ([`tcp`]): the plain block protocol ([`crate::tcp_proto`]) over one kernel TCP
 //!   connection: whole requests, many in flight, no Solar layer (the reference).
 //!
-//! Callers submit block reads and writes from any thread and get a [`tokio::sync::oneshot`]
+//! Callers submit block reads and writes from any thread and get a [`Reply`], a future of the
 //! answer. A link follows its storage node to a new address ([`Link::retarget`]).
 
 mod solar;
@@ -13,9 +14,13 @@ mod tcp;
 use netstack::cc::CcKind;
 use netstack::transport::solar::client::{ClientConfig, ClientStats, IoError, SubmitError};
 use netstack::transport::solar::wire::BLOCK;
+use netstack::verbs::solar::SolarError;
 use parking_lot::Mutex;
+use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use tokio::sync::oneshot;
 
 /// How the blocks travel.
@@ -96,6 +101,36 @@ pub struct LinkStatus {
     pub outstanding: usize,
 }
 
+/// The answer to a link request, as a future: `Err(RecvError)` when the link dropped it
+/// unanswered.
+pub struct Reply<T>(ReplyFrom<T>);
+
+enum ReplyFrom<T> {
+    /// From the TCP link's threads.
+    Link(oneshot::Receiver<Result<T, LinkError>>),
+    /// From the Solar client's data core, toward this storage node.
+    Solar(oneshot::Receiver<Result<T, SolarError>>, SocketAddr),
+}
+
+impl<T> Future for Reply<T> {
+    type Output = Result<Result<T, LinkError>, oneshot::error::RecvError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match &mut self.get_mut().0 {
+            ReplyFrom::Link(rx) => Pin::new(rx).poll(cx),
+            ReplyFrom::Solar(rx, server) => Pin::new(rx).poll(cx).map(|r| {
+                r.map(|r| {
+                    r.map_err(|e| match e {
+                        SolarError::Io(e) => LinkError::Io(*server, e),
+                        SolarError::Submit(e) => LinkError::Submit(*server, e),
+                        SolarError::Stopped => LinkError::Stopped(*server),
+                    })
+                })
+            }),
+        }
+    }
+}
+
 /// A request to a link's driver.
 enum Cmd {
     Write {
@@ -112,7 +147,7 @@ enum Cmd {
         done: oneshot::Sender<ReadResult>,
     },
     /// The storage node now serves at this address (it restarted elsewhere).
-    Retarget(SocketAddr),
+    Retarget,
 }
 
 enum Driver {
@@ -143,13 +178,6 @@ impl Link {
         *self.server.lock()
     }
 
-    fn submit(&self, c: Cmd) {
-        match &self.driver {
-            Driver::Solar(l) => l.submit(c),
-            Driver::Tcp(l) => l.submit(c),
-        }
-    }
-
     /// Follows the storage node to `addr` (it restarted on another address): requests go there
     /// from now on, and those in flight to the old address are sent again there.
     pub fn retarget(&self, addr: SocketAddr) {
@@ -160,33 +188,46 @@ impl Link {
         tracing::info!("link to storage node {} now at {addr}", *cur);
         *cur = addr;
         drop(cur);
-        self.submit(Cmd::Retarget(addr));
+        match &self.driver {
+            Driver::Solar(l) => l.retarget(addr),
+            Driver::Tcp(l) => l.submit(Cmd::Retarget),
+        }
     }
 
     /// Writes `data` (whole blocks) at block `lba` of `volume`; answered once every block is
     /// durable on the node.
-    pub fn write(&self, volume: u32, lba: u64, data: Arc<[u8]>, fua: bool) -> oneshot::Receiver<Result<(), LinkError>> {
-        let (done, rx) = oneshot::channel();
-        self.submit(Cmd::Write {
-            volume,
-            lba,
-            data,
-            fua,
-            done,
-        });
-        rx
+    pub fn write(&self, volume: u32, lba: u64, data: Arc<[u8]>, fua: bool) -> Reply<()> {
+        match &self.driver {
+            Driver::Solar(l) => Reply(ReplyFrom::Solar(l.write(volume, lba, data, fua), self.server())),
+            Driver::Tcp(l) => {
+                let (done, rx) = oneshot::channel();
+                l.submit(Cmd::Write {
+                    volume,
+                    lba,
+                    data,
+                    fua,
+                    done,
+                });
+                Reply(ReplyFrom::Link(rx))
+            }
+        }
     }
 
     /// Reads `blocks` blocks at `lba` of `volume` (each checked against its stored CRC).
-    pub fn read(&self, volume: u32, lba: u64, blocks: u16) -> oneshot::Receiver<ReadResult> {
-        let (done, rx) = oneshot::channel();
-        self.submit(Cmd::Read {
-            volume,
-            lba,
-            blocks,
-            done,
-        });
-        rx
+    pub fn read(&self, volume: u32, lba: u64, blocks: u16) -> Reply<Vec<u8>> {
+        match &self.driver {
+            Driver::Solar(l) => Reply(ReplyFrom::Solar(l.read(volume, lba, blocks), self.server())),
+            Driver::Tcp(l) => {
+                let (done, rx) = oneshot::channel();
+                l.submit(Cmd::Read {
+                    volume,
+                    lba,
+                    blocks,
+                    done,
+                });
+                Reply(ReplyFrom::Link(rx))
+            }
+        }
     }
 
     /// Counters and path health (refreshed every few milliseconds by the link's thread).

@@ -181,7 +181,7 @@ impl Sender {
             match c {
                 Cmd::Write { done, .. } => answer(Done::Write(done), Err(LinkError::Stopped(addr))),
                 Cmd::Read { done, .. } => answer(Done::Read(done), Err(LinkError::Stopped(addr))),
-                Cmd::Retarget(_) => {}
+                Cmd::Retarget => {}
             }
         }
     }
@@ -189,7 +189,7 @@ impl Sender {
     fn handle(&mut self, c: Cmd) {
         let addr = self.server();
         let (hdr, data, done) = match c {
-            Cmd::Retarget(_) => {
+            Cmd::Retarget => {
                 // the new address is in `server`: reconnect there, resending what is in flight
                 self.break_conn();
                 self.retry_at = Instant::now();

@@ -9,6 +9,7 @@
 mod cq;
 mod deadlines;
 pub mod drive;
+pub mod solar;
 pub mod sq;
 mod stats;
 
@@ -162,6 +163,8 @@ pub struct EngineShared {
     /// QPs that sent from an application or offload thread ([`EngineShared::transmit_now`]):
     /// the data core arms their timers.
     rearm: Mutex<Vec<u32>>,
+    /// Commands to the core's Solar endpoints ([`EngineShared::solar_command`]).
+    solar: solar::SolarHost,
     local: SocketAddrV4,
     epoch: Instant,
     /// CLOCK_MONOTONIC at `epoch`, so the transports' clock is the host's monotonic clock.
@@ -330,6 +333,7 @@ impl Engine {
                 guards: cfg.redn,
                 managed: Mutex::new(Vec::new()),
                 rearm: Mutex::new(Vec::new()),
+                solar: solar::SolarHost::default(),
                 local: link.local_addr(),
                 epoch,
                 epoch_ns,
@@ -417,6 +421,23 @@ struct Outgoing {
     trailer_len: usize,
 }
 
+/// A packet a core sends: the socket it leaves from, where it goes, and its bytes as spans.
+trait Datagram {
+    /// Index of the socket it leaves from (`EngineShared::tx_links`).
+    fn link(&self) -> usize;
+    fn dst(&self) -> SocketAddrV4;
+    /// Bytes on the wire (the UDP payload).
+    fn wire_len(&self) -> usize;
+    /// Spans [`Datagram::push_spans`] adds.
+    fn spans(&self) -> usize;
+    /// Adds this packet's spans to `m`.
+    ///
+    /// # Safety
+    /// `self` must stay alive and unmoved until `m` has been sent (or is never sent): the
+    /// spans point into it and into the buffers it keeps alive.
+    unsafe fn push_spans(&self, m: &mut OutMsg);
+}
+
 /// What a data core needs from the context configuration.
 struct CoreOptions {
     index: usize,
@@ -487,6 +508,8 @@ struct DataCore {
     next_scan: u64,
     /// `EngineShared::rearm`'s entries, taken each loop.
     rearm_buf: Vec<u32>,
+    /// The core's Solar endpoints (storage clients and server).
+    solar: solar::SolarCore,
 }
 
 // SAFETY: the raw pointers a core holds are in its reusable system-call buffers (`rx`'s
@@ -526,6 +549,7 @@ impl DataCore {
             deadlines: deadlines::Deadlines::default(),
             next_scan: 0,
             rearm_buf: Vec::new(),
+            solar: solar::SolarCore::default(),
         }
         .with_local_addrs()
     }
@@ -560,6 +584,7 @@ impl DataCore {
     fn pass(&mut self) -> Pass {
         let now = self.shared.now();
         let mut work = false;
+        work |= self.solar_commands(now);
         work |= self.drain_sq(now);
         self.retry_stuck();
         work |= self.receive(now);
@@ -574,6 +599,11 @@ impl DataCore {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
+        let next_deadline = match (next_deadline, self.solar.timers(now)) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        work |= self.solar.collect(&self.shared, now);
         // packets this core sends to itself (RedN chains on loopback QPs) are processed at
         // once, so a chain advances several steps per loop without a system call; the
         // packets for the network go out together afterwards
@@ -588,6 +618,7 @@ impl DataCore {
             self.transmit(now, false);
         }
         work |= self.flush();
+        work |= self.flush_solar();
         Pass { work, next_deadline }
     }
 
@@ -618,6 +649,10 @@ impl DataCore {
         if !self.sq.prepare_sleep() {
             return None;
         }
+        if !self.solar.prepare_sleep(&self.shared) {
+            self.sq.woke();
+            return None;
+        }
         let now = self.shared.now();
         let wait = next_deadline
             .map(|d| d.saturating_sub(now))
@@ -630,6 +665,7 @@ impl DataCore {
 
     fn woke(&mut self) {
         self.sq.woke();
+        self.solar.woke(&self.shared);
         self.shared.wake.drain();
     }
 
@@ -738,6 +774,12 @@ impl DataCore {
                         local,
                         ce,
                     });
+                    continue;
+                }
+                if crate::transport::solar::wire::is_solar_packet(dgram) {
+                    self.shared.stats.rx_datagrams.inc();
+                    self.shared.stats.rx_bytes.add(dgram.len() as u64);
+                    self.solar.on_packet(&self.shared, now, dgram, src, ce);
                     continue;
                 }
                 if let Some((qpn, delivered)) = Self::dispatch(&self.shared, self.index, now, dgram, src, local, ce) {
@@ -852,6 +894,13 @@ impl DataCore {
         while self.delayed.front().is_some_and(|d| d.due <= now) {
             let Some(d) = self.delayed.pop_front() else { break };
             any = true;
+            if crate::transport::solar::wire::is_solar_packet(&d.data) {
+                self.shared.stats.rx_datagrams.inc();
+                self.shared.stats.rx_bytes.add(d.data.len() as u64);
+                self.solar.on_packet(&self.shared, now, &d.data, d.src, d.ce);
+                self.spare.push(d.data);
+                continue;
+            }
             if let Some((qpn, delivered)) = Self::dispatch(&self.shared, self.index, now, &d.data, d.src, d.local, d.ce)
             {
                 self.active.insert(qpn);
@@ -1039,91 +1088,131 @@ impl DataCore {
         )
     }
 
-    /// Sends the batch. With GSO, runs of packets to one destination with the same length
-    /// (the last of a run may be shorter) go out as one message the kernel segments.
+    /// Sends the batch of RC packets (see [`send_batch`]).
     fn flush(&mut self) -> bool {
-        if self.out.is_empty() {
-            return false;
-        }
-        // sprayed packets leave from several sockets: each run of packets from one socket is a
-        // sendmmsg (sprayed in bursts, so runs are whole GSO messages), in order, so the
-        // receiver of a loopback or single-link path sees no reordering
-        // reused buffers: no allocation per batch
-        let mut msgs = std::mem::take(&mut self.tx_msgs);
-        let mut per_msg = std::mem::take(&mut self.tx_per_msg);
-        msgs.clear();
-        per_msg.clear();
-        let mut i = 0;
-        while i < self.out.len() {
-            let o = &self.out[i];
-            let seg = o.wire_len();
-            let mut m = OutMsg::new(&o.dst);
-            // SAFETY: `self.out` is neither changed nor moved until the batch is sent below;
-            // `msgs` is cleared before the next batch is built.
-            unsafe { o.push_spans(&mut m) };
-            let mut n = 1;
-            if self.gso {
-                let max = sys::MAX_GSO_SEGMENTS.min(sys::MAX_GSO_BYTES / seg);
-                while n < max {
-                    let Some(p) = self.out.get(i + n) else { break };
-                    let l = p.wire_len();
-                    if p.dst != o.dst || p.link != o.link || l > seg || m.room() < p.spans() {
-                        break;
-                    }
-                    // SAFETY: as for the first packet of the message, above.
-                    unsafe { p.push_spans(&mut m) };
-                    n += 1;
-                    if l < seg {
-                        break; // only the last segment may be shorter
-                    }
-                }
-                if n > 1 {
-                    m.gso = seg as u16;
-                }
-            }
-            msgs.push(m);
-            per_msg.push(n);
-            i += n;
-        }
-        // one sendmmsg per socket run; a socket that takes less stops the batch there
-        let mut sent_msgs = 0;
-        let mut pkt = 0;
-        while sent_msgs < msgs.len() {
-            let link = self.out[pkt].link;
-            let mut k = 0;
-            let mut pk = pkt;
-            while sent_msgs + k < msgs.len() && self.out[pk].link == link {
-                pk += per_msg[sent_msgs + k];
-                k += 1;
-            }
-            let run = &mut msgs[sent_msgs..sent_msgs + k];
-            let took = match self.shared.tx_links[link].send_batch_with(run, &mut self.tx_hdrs) {
-                Ok(t) => t,
-                Err(e) => {
-                    tracing::warn!("send failed: {e}");
-                    self.shared.stats.tx_errors.inc();
-                    k // drop the run; the transport retransmits
-                }
-            };
-            pkt += per_msg[sent_msgs..sent_msgs + took].iter().sum::<usize>();
-            sent_msgs += took;
-            if took < k {
-                break;
-            }
-        }
-        let n = pkt;
-        let stats = &self.shared.stats;
-        for o in &self.out[..n] {
-            stats.tx_packets.inc();
-            stats.tx_bytes.add(o.wire_len() as u64);
-        }
-        stats.tx_messages.add(sent_msgs as u64);
-        // what the kernel did not take (socket buffer full) is kept for the next round
-        self.out.drain(..n);
-        self.tx_msgs = msgs;
-        self.tx_per_msg = per_msg;
-        n > 0
+        send_batch(
+            &mut self.out,
+            self.gso,
+            &self.shared,
+            &mut self.tx_msgs,
+            &mut self.tx_per_msg,
+            &mut self.tx_hdrs,
+        )
     }
+
+    /// Sends the batch of Solar packets (see [`send_batch`]).
+    fn flush_solar(&mut self) -> bool {
+        send_batch(
+            &mut self.solar.out,
+            self.gso,
+            &self.shared,
+            &mut self.tx_msgs,
+            &mut self.tx_per_msg,
+            &mut self.tx_hdrs,
+        )
+    }
+
+    /// Applies the commands to this core's Solar endpoints. A core with Solar clients also
+    /// receives on its path sockets, where their storage servers answer.
+    fn solar_commands(&mut self, now: u64) -> bool {
+        let had = self.solar.has_clients();
+        let any = self.solar.commands(&self.shared, now);
+        if !had && self.solar.has_clients() {
+            self.rx_links = self.shared.tx_links.clone();
+        }
+        any
+    }
+}
+
+/// Sends `out` from the core's sockets and removes what the kernel took; what it did not take
+/// (a socket buffer full) is kept for the next round. With GSO, runs of packets to one
+/// destination with the same length (the last of a run may be shorter) go out as one message
+/// the kernel segments. The message buffers are reused: no allocation per batch.
+fn send_batch<T: Datagram>(
+    out: &mut Vec<T>,
+    gso: bool,
+    shared: &EngineShared,
+    msgs: &mut Vec<OutMsg>,
+    per_msg: &mut Vec<usize>,
+    hdrs: &mut Vec<libc::mmsghdr>,
+) -> bool {
+    if out.is_empty() {
+        return false;
+    }
+    // sprayed packets leave from several sockets: each run of packets from one socket is a
+    // sendmmsg (sprayed in bursts, so runs are whole GSO messages), in order, so the
+    // receiver of a loopback or single-link path sees no reordering
+    msgs.clear();
+    per_msg.clear();
+    let mut i = 0;
+    while i < out.len() {
+        let o = &out[i];
+        let seg = o.wire_len();
+        let mut m = OutMsg::new(&o.dst());
+        // SAFETY: `out` is neither changed nor moved until the batch is sent below; `msgs` is
+        // cleared before the next batch is built.
+        unsafe { o.push_spans(&mut m) };
+        let mut n = 1;
+        if gso {
+            let max = sys::MAX_GSO_SEGMENTS.min(sys::MAX_GSO_BYTES / seg);
+            while n < max {
+                let Some(p) = out.get(i + n) else { break };
+                let l = p.wire_len();
+                if p.dst() != o.dst() || p.link() != o.link() || l > seg || m.room() < p.spans() {
+                    break;
+                }
+                // SAFETY: as for the first packet of the message, above.
+                unsafe { p.push_spans(&mut m) };
+                n += 1;
+                if l < seg {
+                    break; // only the last segment may be shorter
+                }
+            }
+            if n > 1 {
+                m.gso = seg as u16;
+            }
+        }
+        msgs.push(m);
+        per_msg.push(n);
+        i += n;
+    }
+    // one sendmmsg per socket run; a socket that takes less stops the batch there
+    let mut sent_msgs = 0;
+    let mut pkt = 0;
+    while sent_msgs < msgs.len() {
+        let link = out[pkt].link();
+        let mut k = 0;
+        let mut pk = pkt;
+        while sent_msgs + k < msgs.len() && out[pk].link() == link {
+            pk += per_msg[sent_msgs + k];
+            k += 1;
+        }
+        let run = &mut msgs[sent_msgs..sent_msgs + k];
+        let took = match shared.tx_links[link].send_batch_with(run, hdrs) {
+            Ok(t) => t,
+            Err(e) => {
+                tracing::warn!("send failed: {e}");
+                shared.stats.tx_errors.inc();
+                k // drop the run; the transport retransmits
+            }
+        };
+        pkt += per_msg[sent_msgs..sent_msgs + took].iter().sum::<usize>();
+        sent_msgs += took;
+        if took < k {
+            break;
+        }
+    }
+    let n = pkt;
+    let stats = &shared.stats;
+    for o in &out[..n] {
+        stats.tx_packets.inc();
+        stats.tx_bytes.add(o.wire_len() as u64);
+    }
+    stats.tx_messages.add(sent_msgs as u64);
+    out.drain(..n);
+    // the spans pointed into the packets just removed
+    msgs.clear();
+    n > 0
 }
 
 impl crate::offload::JobDone for EngineShared {
@@ -1260,7 +1349,15 @@ impl Outgoing {
             trailer_len: pad + 4,
         }
     }
+}
 
+impl Datagram for Outgoing {
+    fn link(&self) -> usize {
+        self.link
+    }
+    fn dst(&self) -> SocketAddrV4 {
+        self.dst
+    }
     fn wire_len(&self) -> usize {
         self.pkt.hdr.len() + self.pkt.payload_len() + self.trailer_len
     }
@@ -1268,11 +1365,6 @@ impl Outgoing {
         2 + self.pkt.payload.len()
     }
     /// Adds this packet's header, payload spans and trailer to `m`.
-    ///
-    /// # Safety
-    /// `self` must stay alive and unmoved until `m` has been sent (or is never sent): the
-    /// spans point into its header and trailer buffers and into the regions its payload
-    /// `Arc`s keep alive.
     unsafe fn push_spans(&self, m: &mut OutMsg) {
         // SAFETY: the header, trailer and payload regions live in `self`, which the caller
         // keeps alive and in place until `m` is sent; `ptr_at` bounds-checks each payload span.

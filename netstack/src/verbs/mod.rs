@@ -25,6 +25,7 @@ pub use crate::work::*;
 pub use qp::{Endpoint, Qp, QpInitAttr};
 
 mod metrics;
+pub mod solar;
 
 use crate::engine::drive::AppDrive;
 use crate::engine::{CqShared, Engine};
@@ -63,6 +64,8 @@ pub(crate) struct CtxInner {
     next_cq: AtomicU32,
     /// The offloading engine whose handlers serve this context's QPs.
     pub(crate) offload: crate::offload::OffloadEngine,
+    /// The context's Solar endpoints (see [`solar`]).
+    pub(crate) solar: solar::SolarRegistry,
 }
 
 /// An open device context: one engine (data core) with its link and memory-region table.
@@ -95,6 +98,7 @@ impl Context {
                 next_pd: AtomicU32::new(1),
                 next_cq: AtomicU32::new(1),
                 offload,
+                solar: solar::SolarRegistry::default(),
             }),
         };
         let weak: std::sync::Weak<dyn crate::telemetry::Collect> = Arc::downgrade(&ctx.inner) as _;

@@ -278,6 +278,13 @@ pub fn packet_len(hdr: &[u8]) -> Result<usize, WireError> {
     Ok(HDR + if op.has_block() { BLOCK } else { 0 })
 }
 
+/// Whether a datagram looks like a Solar packet (magic and version; [`Header::decode`] checks
+/// the rest). A RoCEv2 packet never does: its first byte is the BTH opcode, and `0x53` is a
+/// Reliable Datagram opcode, which flexns does not speak.
+pub fn is_solar_packet(d: &[u8]) -> bool {
+    d.len() >= 2 && d[0] == MAGIC && d[1] == VERSION
+}
+
 /// CRC32C of a block.
 pub fn block_crc(b: &[u8]) -> u32 {
     crc32c::crc32c(b)

@@ -1,0 +1,589 @@
+//! Solar endpoints on a data core: storage-agent clients ([`SolarClient`]) and a storage server
+//! ([`SolarServer`]) run beside the RC QPs, on the core's sockets, in the core's loop. The core
+//! is their only owner: application threads reach them through commands
+//! ([`EngineShared::solar_command`]) and learn results through one-shot channels, published
+//! status snapshots, and the storage handler the core calls.
+//!
+//! A datagram is Solar when it starts with Solar's magic and version (`0x53 0x01`); a RoCEv2
+//! BTH never does here, because `0x53` is a Reliable Datagram opcode, which flexns does not
+//! speak. Requests (WRITE, READ_REQ, PROBE) go to the core's server; answers go to the client
+//! whose storage server sent them. A client's path `p` leaves from the core's source-port
+//! socket `p` (its own ECMP flow) and is answered there, so a core with clients also receives
+//! on its path sockets.
+
+use super::EngineShared;
+use crate::link::sys::OutMsg;
+use crate::transport::solar::client::{
+    ClientConfig, ClientEvent, ClientStats, IoError, IoId, SolarClient, SubmitError,
+};
+use crate::transport::solar::server::{Request, ServerStats, SolarServer, Token};
+use crate::transport::solar::wire::{self, Op, Status, BLOCK};
+use crate::transport::solar::Transmit;
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use tokio::sync::oneshot;
+
+/// How often a core publishes its endpoints' status snapshots (ns).
+const PUBLISH_NS: u64 = 5_000_000;
+
+/// Why a Solar request failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SolarError {
+    #[error(transparent)]
+    Io(#[from] IoError),
+    #[error(transparent)]
+    Submit(#[from] SubmitError),
+    #[error("the Solar endpoint was closed")]
+    Stopped,
+}
+
+/// What a Solar client endpoint reports about itself (refreshed every few milliseconds).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct AgentStatus {
+    pub stats: ClientStats,
+    /// Paths toward the storage server, and how many of them are up.
+    pub paths: u16,
+    pub paths_up: u16,
+    /// Requests in flight.
+    pub outstanding: usize,
+}
+
+/// One block of a WRITE the core hands to the storage handler.
+#[derive(Debug)]
+pub struct WriteBlock<'a> {
+    pub volume: u32,
+    pub lba: u64,
+    /// The block, in the core's receive buffer: copy what must outlive the call.
+    pub data: &'a [u8],
+    /// Its CRC32C, checked by the server against the data.
+    pub crc: u32,
+    pub fua: bool,
+    /// The write's request id: the block's version (see [`SolarServer::note_version`]).
+    pub rpc: u64,
+}
+
+/// A READ the core hands to the storage handler.
+#[derive(Debug, Clone, Copy)]
+pub struct ReadBlocks {
+    pub volume: u32,
+    pub lba: u64,
+    pub count: u16,
+}
+
+/// The storage behind a Solar server endpoint. The core calls it for each request, on the core.
+pub trait StorageHandler: Send + Sync {
+    /// A block to make durable: copy it, and finish `done` once it is (from any thread).
+    fn write(&self, block: WriteBlock<'_>, done: WriteDone);
+    /// Blocks to read: answer each through `answer` before returning (reads are bounded: the
+    /// core waits for them, as a NIC's built-in handler would).
+    fn read(&self, req: ReadBlocks, answer: &mut ReadAnswer<'_>);
+}
+
+/// The answer to one WRITE block, finished from any thread. Dropped unfinished, it answers
+/// `Busy` (the agent sends the block again).
+pub struct WriteDone {
+    shared: Arc<EngineShared>,
+    token: Token,
+    arrived: u64,
+    finished: bool,
+}
+
+impl WriteDone {
+    /// The block is durable (`Status::Ok`) or failed with `status`.
+    pub fn finish(mut self, status: Status) {
+        self.finished = true;
+        self.send(status);
+    }
+
+    fn send(&self, status: Status) {
+        let service_ns = self.shared.now().saturating_sub(self.arrived);
+        self.shared.solar_command(SolarCmd::WriteDone {
+            token: self.token,
+            status,
+            service_ns,
+        });
+    }
+}
+
+impl Drop for WriteDone {
+    fn drop(&mut self) {
+        if !self.finished {
+            self.send(Status::Busy);
+        }
+    }
+}
+
+/// Answers the blocks of one READ, on the core.
+pub struct ReadAnswer<'a> {
+    server: &'a mut SolarServer,
+    token: Token,
+}
+
+impl ReadAnswer<'_> {
+    /// Block `k` of the read is `data[off..off + 4096]`, stored with CRC `crc` (the agent checks
+    /// it end to end).
+    pub fn block(&mut self, k: u16, data: Arc<[u8]>, off: usize, crc: u32) {
+        self.server.read_block(self.token, k, data, off, crc);
+    }
+
+    /// Block `k` could not be read.
+    pub fn failed(&mut self, k: u16, status: Status) {
+        self.server.read_failed(self.token, k, status);
+    }
+}
+
+/// A command to a core's Solar endpoints.
+pub enum SolarCmd {
+    AddClient {
+        id: u64,
+        server: SocketAddrV4,
+        client: Box<SolarClient>,
+        status: Arc<Mutex<AgentStatus>>,
+    },
+    Write {
+        id: u64,
+        volume: u32,
+        lba: u64,
+        data: Arc<[u8]>,
+        fua: bool,
+        done: oneshot::Sender<Result<(), SolarError>>,
+    },
+    Read {
+        id: u64,
+        volume: u32,
+        lba: u64,
+        blocks: u16,
+        done: oneshot::Sender<Result<Vec<u8>, SolarError>>,
+    },
+    Retarget {
+        id: u64,
+        server: SocketAddrV4,
+    },
+    CloseClient {
+        id: u64,
+    },
+    Serve {
+        server: Box<SolarServer>,
+        handler: Arc<dyn StorageHandler>,
+        stats: Arc<Mutex<ServerStats>>,
+    },
+    WriteDone {
+        token: Token,
+        status: Status,
+        service_ns: u64,
+    },
+    CloseServer,
+}
+
+/// The command queue of a core's Solar endpoints (in [`EngineShared`]).
+#[derive(Default)]
+pub struct SolarHost {
+    cmds: Mutex<Vec<SolarCmd>>,
+    /// The core said it sleeps: a command must ring its eventfd.
+    sleeping: AtomicBool,
+}
+
+impl EngineShared {
+    /// Hands a command to this core's Solar endpoints, waking the core if it sleeps.
+    pub fn solar_command(&self, c: SolarCmd) {
+        self.solar.cmds.lock().push(c);
+        if self.solar.sleeping.swap(false, Ordering::SeqCst) {
+            self.wake.notify();
+        }
+    }
+}
+
+/// The peer token of an address (what [`SolarServer`] answers to).
+fn peer_token(a: SocketAddrV4) -> u64 {
+    (u32::from(*a.ip()) as u64) << 16 | a.port() as u64
+}
+
+fn token_addr(t: u64) -> SocketAddrV4 {
+    SocketAddrV4::new(Ipv4Addr::from((t >> 16) as u32), t as u16)
+}
+
+enum Pending {
+    Write(oneshot::Sender<Result<(), SolarError>>),
+    Read(Vec<u8>, oneshot::Sender<Result<Vec<u8>, SolarError>>),
+}
+
+impl Pending {
+    fn fail(self, e: SolarError) {
+        match self {
+            Pending::Write(d) => {
+                let _ = d.send(Err(e));
+            }
+            Pending::Read(_, d) => {
+                let _ = d.send(Err(e));
+            }
+        }
+    }
+}
+
+struct ClientEp {
+    id: u64,
+    server: SocketAddrV4,
+    client: Box<SolarClient>,
+    pending: HashMap<IoId, Pending>,
+    status: Arc<Mutex<AgentStatus>>,
+}
+
+struct ServerEp {
+    server: Box<SolarServer>,
+    handler: Arc<dyn StorageHandler>,
+    stats: Arc<Mutex<ServerStats>>,
+}
+
+/// A Solar packet on its way out.
+pub(super) struct SolarOut {
+    t: Transmit,
+    /// The core's socket it leaves from (`EngineShared::tx_links`).
+    link: usize,
+    dst: SocketAddrV4,
+}
+
+impl super::Datagram for SolarOut {
+    fn link(&self) -> usize {
+        self.link
+    }
+    fn dst(&self) -> SocketAddrV4 {
+        self.dst
+    }
+    fn wire_len(&self) -> usize {
+        wire::HDR + self.t.block.as_ref().map_or(0, |_| BLOCK)
+    }
+    fn spans(&self) -> usize {
+        1 + self.t.block.is_some() as usize
+    }
+    unsafe fn push_spans(&self, m: &mut OutMsg) {
+        // SAFETY: the header lives in `self`, the block in the `Arc` `self` holds; the caller
+        // keeps `self` alive and in place until `m` is sent. `bytes()` bounds-checks the block.
+        unsafe {
+            m.push(self.t.header.as_ptr(), wire::HDR);
+            if let Some(b) = &self.t.block {
+                let bytes = b.bytes();
+                m.push(bytes.as_ptr(), bytes.len());
+            }
+        }
+    }
+}
+
+/// A core's Solar endpoints, owned by the core.
+#[derive(Default)]
+pub(super) struct SolarCore {
+    clients: Vec<ClientEp>,
+    server: Option<ServerEp>,
+    pub(super) out: Vec<SolarOut>,
+    next_publish: u64,
+    cmd_buf: Vec<SolarCmd>,
+}
+
+impl SolarCore {
+    /// Whether the core has clients (which are answered on its path sockets).
+    pub(super) fn has_clients(&self) -> bool {
+        !self.clients.is_empty()
+    }
+
+    /// Applies the commands queued for this core; returns whether there were any.
+    pub(super) fn commands(&mut self, shared: &Arc<EngineShared>, now: u64) -> bool {
+        std::mem::swap(&mut *shared.solar.cmds.lock(), &mut self.cmd_buf);
+        if self.cmd_buf.is_empty() {
+            return false;
+        }
+        let mut cmds = std::mem::take(&mut self.cmd_buf);
+        for c in cmds.drain(..) {
+            self.apply(c, now);
+        }
+        self.cmd_buf = cmds;
+        true
+    }
+
+    fn client(&mut self, id: u64) -> Option<&mut ClientEp> {
+        self.clients.iter_mut().find(|c| c.id == id)
+    }
+
+    fn apply(&mut self, c: SolarCmd, now: u64) {
+        match c {
+            SolarCmd::AddClient {
+                id,
+                server,
+                client,
+                status,
+            } => self.clients.push(ClientEp {
+                id,
+                server,
+                client,
+                pending: HashMap::new(),
+                status,
+            }),
+            SolarCmd::Write {
+                id,
+                volume,
+                lba,
+                data,
+                fua,
+                done,
+            } => {
+                let Some(ep) = self.client(id) else {
+                    let _ = done.send(Err(SolarError::Stopped));
+                    return;
+                };
+                match ep.client.write(now, volume, lba, data, fua) {
+                    Ok(io) => {
+                        ep.pending.insert(io, Pending::Write(done));
+                    }
+                    Err(e) => {
+                        let _ = done.send(Err(e.into()));
+                    }
+                }
+            }
+            SolarCmd::Read {
+                id,
+                volume,
+                lba,
+                blocks,
+                done,
+            } => {
+                let Some(ep) = self.client(id) else {
+                    let _ = done.send(Err(SolarError::Stopped));
+                    return;
+                };
+                match ep.client.read(now, volume, lba, blocks) {
+                    Ok(io) => {
+                        let buf = vec![0u8; blocks as usize * BLOCK];
+                        ep.pending.insert(io, Pending::Read(buf, done));
+                    }
+                    Err(e) => {
+                        let _ = done.send(Err(e.into()));
+                    }
+                }
+            }
+            SolarCmd::Retarget { id, server } => {
+                if let Some(ep) = self.client(id) {
+                    // blocks in flight to the old address time out and go to the new one
+                    ep.server = server;
+                }
+            }
+            SolarCmd::CloseClient { id } => {
+                if let Some(i) = self.clients.iter().position(|c| c.id == id) {
+                    let ep = self.clients.swap_remove(i);
+                    for (_, p) in ep.pending {
+                        p.fail(SolarError::Stopped);
+                    }
+                }
+            }
+            SolarCmd::Serve { server, handler, stats } => self.server = Some(ServerEp { server, handler, stats }),
+            SolarCmd::WriteDone {
+                token,
+                status,
+                service_ns,
+            } => {
+                if let Some(s) = &mut self.server {
+                    s.server.write_done_after(token, status, service_ns);
+                }
+            }
+            SolarCmd::CloseServer => {
+                if let Some(s) = self.server.take() {
+                    *s.stats.lock() = s.server.stats();
+                }
+            }
+        }
+    }
+
+    /// Says the core is about to sleep; false when a command raced in (then it must not).
+    pub(super) fn prepare_sleep(&self, shared: &EngineShared) -> bool {
+        shared.solar.sleeping.store(true, Ordering::SeqCst);
+        if !shared.solar.cmds.lock().is_empty() {
+            shared.solar.sleeping.store(false, Ordering::SeqCst);
+            return false;
+        }
+        true
+    }
+
+    pub(super) fn woke(&self, shared: &EngineShared) {
+        shared.solar.sleeping.store(false, Ordering::SeqCst);
+    }
+
+    /// One received Solar datagram from `src`; `ce`: its IP header carried ECN CE.
+    pub(super) fn on_packet(&mut self, shared: &Arc<EngineShared>, now: u64, d: &[u8], src: SocketAddrV4, ce: bool) {
+        let request =
+            matches!(d.get(2), Some(&op) if op == Op::Write as u8 || op == Op::ReadReq as u8 || op == Op::Probe as u8);
+        if request {
+            let Some(s) = &mut self.server else {
+                shared.stats.rx_unknown_qp.inc();
+                return;
+            };
+            match s.server.on_packet(peer_token(src), d, ce) {
+                Err(e) => tracing::debug!("Solar request from {src}: {e}"),
+                Ok(None) => {}
+                Ok(Some(Request::Write {
+                    token,
+                    volume,
+                    lba,
+                    data,
+                    crc,
+                    fua,
+                    rpc,
+                })) => {
+                    let done = WriteDone {
+                        shared: shared.clone(),
+                        token,
+                        arrived: now,
+                        finished: false,
+                    };
+                    let block = WriteBlock {
+                        volume,
+                        lba,
+                        data,
+                        crc,
+                        fua,
+                        rpc,
+                    };
+                    s.handler.write(block, done);
+                }
+                Ok(Some(Request::Read {
+                    token,
+                    volume,
+                    lba,
+                    count,
+                })) => {
+                    let handler = s.handler.clone();
+                    let mut answer = ReadAnswer {
+                        server: &mut s.server,
+                        token,
+                    };
+                    handler.read(ReadBlocks { volume, lba, count }, &mut answer);
+                    s.server.read_finished(token);
+                }
+            }
+            return;
+        }
+        let Some(ep) = self.clients.iter_mut().find(|c| c.server == src) else {
+            shared.stats.rx_unknown_qp.inc();
+            return;
+        };
+        match ep.client.on_packet(now, d) {
+            Err(e) => tracing::debug!("Solar answer from {src}: {e}"),
+            Ok(None) => {}
+            Ok(Some(p)) => {
+                if let Some(Pending::Read(buf, _)) = ep.pending.get_mut(&p.io) {
+                    let off = p.idx as usize * BLOCK;
+                    if let Some(dst) = buf.get_mut(off..off + BLOCK) {
+                        // the one copy of a read block: from the receive buffer into the
+                        // request's buffer, in whatever order blocks arrive
+                        dst.copy_from_slice(p.data);
+                        shared.stats.rx_payload_copy_bytes.add(BLOCK as u64);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Runs the clients' due timers; returns the earliest deadline left.
+    pub(super) fn timers(&mut self, now: u64) -> Option<u64> {
+        let mut next: Option<u64> = None;
+        for ep in &mut self.clients {
+            if ep.client.next_timeout().is_some_and(|t| t <= now) {
+                ep.client.on_timer(now);
+            }
+            if let Some(t) = ep.client.next_timeout() {
+                next = Some(next.map_or(t, |n| n.min(t)));
+            }
+        }
+        if self.has_clients() || self.server.is_some() {
+            next = Some(next.map_or(self.next_publish, |n| n.min(self.next_publish)));
+        }
+        next
+    }
+
+    /// Delivers finished requests, gathers what the endpoints have to send into `self.out`,
+    /// and publishes status when due; returns whether anything happened.
+    pub(super) fn collect(&mut self, shared: &EngineShared, now: u64) -> bool {
+        let mut any = false;
+        let ports = shared.path_ports;
+        for ep in &mut self.clients {
+            while let Some(ClientEvent::Done { io, result }) = ep.client.poll_event() {
+                any = true;
+                let Some(p) = ep.pending.remove(&io) else { continue };
+                match (p, result) {
+                    (Pending::Write(d), r) => {
+                        let _ = d.send(r.map_err(SolarError::Io));
+                    }
+                    (Pending::Read(buf, d), r) => {
+                        let _ = d.send(r.map(|()| buf).map_err(SolarError::Io));
+                    }
+                }
+            }
+            while let Some(t) = ep.client.poll_transmit(now) {
+                any = true;
+                let link = t.path as usize % ports;
+                self.out.push(SolarOut {
+                    t,
+                    link,
+                    dst: ep.server,
+                });
+            }
+        }
+        if let Some(s) = &mut self.server {
+            while let Some(t) = s.server.poll_transmit() {
+                any = true;
+                let dst = token_addr(t.peer);
+                self.out.push(SolarOut { t, link: 0, dst });
+            }
+        }
+        if now >= self.next_publish {
+            self.next_publish = now + PUBLISH_NS;
+            self.publish();
+        }
+        any
+    }
+
+    fn publish(&self) {
+        for ep in &self.clients {
+            *ep.status.lock() = AgentStatus {
+                stats: ep.client.stats(),
+                paths: ep.client.paths().len() as u16,
+                paths_up: ep.client.paths_up(),
+                outstanding: ep.client.outstanding(),
+            };
+        }
+        if let Some(s) = &self.server {
+            *s.stats.lock() = s.server.stats();
+        }
+    }
+}
+
+impl Drop for SolarCore {
+    fn drop(&mut self) {
+        for ep in self.clients.drain(..) {
+            for (_, p) in ep.pending {
+                p.fail(SolarError::Stopped);
+            }
+        }
+    }
+}
+
+/// A client endpoint's settings, checked against the context (`paths` at most its path ports).
+pub fn check_client_config(cfg: &ClientConfig, path_ports: usize) -> Result<(), String> {
+    if cfg.paths == 0 || cfg.paths as usize > path_ports {
+        return Err(format!(
+            "paths: {} not in 1..={path_ports} (the context's path_ports: a path is a source port)",
+            cfg.paths
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peer_tokens_round_trip() {
+        let a: SocketAddrV4 = "10.1.2.3:4567".parse().unwrap();
+        assert_eq!(token_addr(peer_token(a)), a);
+    }
+}

@@ -1,0 +1,242 @@
+//! Solar endpoints on a context: the storage agent's client toward one storage server
+//! ([`SolarAgent`]) and the storage server ([`SolarService`]). They run on the context's data
+//! cores beside its QPs, on the same sockets, batching (GSO, `sendmmsg`/`recvmmsg`) and
+//! polling discipline; the core is their only owner, and these handles send it commands.
+//!
+//! ```no_run
+//! use netstack::verbs::{Context, ContextConfig};
+//! use netstack::transport::solar::client::ClientConfig;
+//! use std::sync::Arc;
+//! let ctx = Context::open(ContextConfig::default()).unwrap();
+//! let agent = ctx.solar_client("127.0.0.1:7000".parse().unwrap(), ClientConfig::default(), None).unwrap();
+//! let done = agent.write(1, 0, Arc::from(vec![7u8; 4096]), true);
+//! // done.blocking_recv() (or .await) answers once the block is durable on the server
+//! ```
+
+use super::{Context, VerbsError};
+use crate::engine::solar::{check_client_config, SolarCmd};
+pub use crate::engine::solar::{
+    AgentStatus, ReadAnswer, ReadBlocks, SolarError, StorageHandler, WriteBlock, WriteDone,
+};
+use crate::engine::EngineShared;
+use crate::transport::solar::client::{ClientConfig, SolarClient};
+use crate::transport::solar::server::{ServerStats, SolarServer};
+use parking_lot::Mutex;
+use std::net::SocketAddrV4;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use tokio::sync::oneshot;
+
+/// The smallest IP MTU Solar runs over: IP and UDP headers, Solar's header and one block.
+pub const SOLAR_MIN_MTU: u32 =
+    (20 + 8 + crate::transport::solar::wire::HDR + crate::transport::solar::wire::BLOCK) as u32;
+
+/// Which storage servers a context's clients talk to (one client per server address, since
+/// answers are told apart by their source), and whether it serves.
+#[derive(Default)]
+pub(crate) struct SolarRegistry {
+    servers: Mutex<std::collections::HashMap<SocketAddrV4, u64>>,
+    serving: std::sync::atomic::AtomicBool,
+    next_id: AtomicU64,
+}
+
+impl Context {
+    /// Opens a Solar client toward the storage server at `server`, on one of this context's
+    /// data cores (its path `p` leaves from the core's source port `p`); `cc` is its
+    /// congestion control, one window across its paths. `cfg.paths` must not exceed the
+    /// context's `path_ports`; one client per server address and context. Solar carries a
+    /// whole 4 KiB block per datagram, unfragmented: the route toward `server` must take
+    /// [`SOLAR_MIN_MTU`]-byte IP packets (a storage fabric's jumbo frames).
+    pub fn solar_client(
+        &self,
+        server: SocketAddrV4,
+        cfg: ClientConfig,
+        cc: Option<Box<dyn crate::cc::CcAlgorithm>>,
+    ) -> Result<SolarAgent, VerbsError> {
+        check_client_config(&cfg, self.inner.cfg.path_ports.max(1) as usize).map_err(VerbsError::Invalid)?;
+        let mtu = crate::link::sys::route_mtu(server)?;
+        if mtu < SOLAR_MIN_MTU {
+            return Err(VerbsError::Invalid(format!(
+                "the route toward {server} has MTU {mtu}: Solar sends a 4 KiB block per datagram \
+                 without fragmenting it, which needs an MTU of at least {SOLAR_MIN_MTU} (jumbo frames)"
+            )));
+        }
+        let reg = &self.inner.solar;
+        let id = reg.next_id.fetch_add(1, Ordering::Relaxed);
+        {
+            let mut servers = reg.servers.lock();
+            if servers.contains_key(&server) {
+                return Err(VerbsError::Invalid(format!(
+                    "this context already has a Solar client toward {server}"
+                )));
+            }
+            servers.insert(server, id);
+        }
+        let cores = self.inner.engine.cores();
+        let core = cores[id as usize % cores.len()].clone();
+        let status = Arc::new(Mutex::new(AgentStatus::default()));
+        let client = SolarClient::new(cfg, cc, core.now());
+        core.solar_command(SolarCmd::AddClient {
+            id,
+            server,
+            client: Box::new(client),
+            status: status.clone(),
+        });
+        Ok(SolarAgent {
+            ctx: self.clone(),
+            core,
+            id,
+            server: Mutex::new(server),
+            status,
+        })
+    }
+
+    /// Serves Solar on this context's first data core: requests arriving at its address go to
+    /// `server` (seeded by the caller, e.g. with stored block versions) and the storage behind
+    /// it, `handler`, which the core calls. One server per context.
+    pub fn solar_server(
+        &self,
+        server: SolarServer,
+        handler: Arc<dyn StorageHandler>,
+    ) -> Result<SolarService, VerbsError> {
+        if self.inner.solar.serving.swap(true, Ordering::SeqCst) {
+            return Err(VerbsError::Invalid("this context already serves Solar".into()));
+        }
+        let core = self.inner.engine.cores()[0].clone();
+        let stats = Arc::new(Mutex::new(server.stats()));
+        core.solar_command(SolarCmd::Serve {
+            server: Box::new(server),
+            handler,
+            stats: stats.clone(),
+        });
+        Ok(SolarService {
+            ctx: self.clone(),
+            core,
+            stats,
+        })
+    }
+}
+
+/// A Solar client toward one storage server; dropping it closes it (requests in flight fail
+/// with [`SolarError::Stopped`]).
+pub struct SolarAgent {
+    ctx: Context,
+    core: Arc<EngineShared>,
+    id: u64,
+    server: Mutex<SocketAddrV4>,
+    status: Arc<Mutex<AgentStatus>>,
+}
+
+impl SolarAgent {
+    /// Writes `data` (whole 4 KiB blocks) at block `lba` of `volume`; answered once every
+    /// block is durable on the server.
+    pub fn write(
+        &self,
+        volume: u32,
+        lba: u64,
+        data: Arc<[u8]>,
+        fua: bool,
+    ) -> oneshot::Receiver<Result<(), SolarError>> {
+        let (done, rx) = oneshot::channel();
+        self.core.solar_command(SolarCmd::Write {
+            id: self.id,
+            volume,
+            lba,
+            data,
+            fua,
+            done,
+        });
+        rx
+    }
+
+    /// Reads `blocks` blocks at `lba` of `volume`, each checked against its stored CRC.
+    pub fn read(&self, volume: u32, lba: u64, blocks: u16) -> oneshot::Receiver<Result<Vec<u8>, SolarError>> {
+        let (done, rx) = oneshot::channel();
+        self.core.solar_command(SolarCmd::Read {
+            id: self.id,
+            volume,
+            lba,
+            blocks,
+            done,
+        });
+        rx
+    }
+
+    /// The storage server's address.
+    pub fn server(&self) -> SocketAddrV4 {
+        *self.server.lock()
+    }
+
+    /// Follows the storage server to `addr` (it restarted there): requests go there from now
+    /// on, and blocks in flight are resent there when their timers fire. Refused when another
+    /// client of this context talks to `addr`.
+    pub fn retarget(&self, addr: SocketAddrV4) -> Result<(), VerbsError> {
+        let mut cur = self.server.lock();
+        if *cur == addr {
+            return Ok(());
+        }
+        {
+            let mut servers = self.ctx.inner.solar.servers.lock();
+            if servers.contains_key(&addr) {
+                return Err(VerbsError::Invalid(format!(
+                    "this context already has a Solar client toward {addr}"
+                )));
+            }
+            servers.remove(&*cur);
+            servers.insert(addr, self.id);
+        }
+        *cur = addr;
+        self.core.solar_command(SolarCmd::Retarget {
+            id: self.id,
+            server: addr,
+        });
+        Ok(())
+    }
+
+    /// Counters and path health (refreshed every few milliseconds by the core).
+    pub fn status(&self) -> AgentStatus {
+        *self.status.lock()
+    }
+}
+
+impl Drop for SolarAgent {
+    fn drop(&mut self) {
+        self.core.solar_command(SolarCmd::CloseClient { id: self.id });
+        let server = *self.server.lock();
+        let mut servers = self.ctx.inner.solar.servers.lock();
+        if servers.get(&server) == Some(&self.id) {
+            servers.remove(&server);
+        }
+    }
+}
+
+/// A context's Solar server; dropping it stops serving (and releases the handler).
+pub struct SolarService {
+    ctx: Context,
+    core: Arc<EngineShared>,
+    stats: Arc<Mutex<ServerStats>>,
+}
+
+impl SolarService {
+    /// The address agents send to.
+    pub fn local_addr(&self) -> SocketAddrV4 {
+        self.core.local_addr()
+    }
+
+    /// The server's counters (refreshed every few milliseconds by the core).
+    pub fn stats(&self) -> ServerStats {
+        *self.stats.lock()
+    }
+
+    /// The context it runs on.
+    pub fn context(&self) -> &Context {
+        &self.ctx
+    }
+}
+
+impl Drop for SolarService {
+    fn drop(&mut self) {
+        self.core.solar_command(SolarCmd::CloseServer);
+        self.ctx.inner.solar.serving.store(false, Ordering::SeqCst);
+    }
+}
