@@ -51,6 +51,7 @@ trap check_leftovers EXIT
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --quiet -- -D warnings
 cargo clippy -p kvcache-engine --features gpu --all-targets --quiet -- -D warnings
+scripts/layers.sh
 cargo test --workspace
 cargo test -p kvcache-engine --features gpu --lib --test gpu -- --nocapture
 

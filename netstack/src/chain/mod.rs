@@ -7,14 +7,44 @@
 mod local;
 pub mod wqe;
 
-pub use crate::config::RednGuards;
-
 use crate::mem::{MrTable, Region};
 use crate::transport::rc::{PostError, RcQp};
 use parking_lot::RwLock;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
+
+/// Limits on managed QPs (`[redn]` in the context configuration).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RednGuards {
+    /// Entries a managed QP may execute per second.
+    pub max_wr_per_sec: u64,
+    /// Entries one chain may execute before it is aborted.
+    pub max_wr_per_chain: u64,
+}
+
+impl Default for RednGuards {
+    fn default() -> Self {
+        RednGuards {
+            max_wr_per_sec: 10_000_000,
+            max_wr_per_chain: 100_000,
+        }
+    }
+}
+
+impl RednGuards {
+    /// Checks the fields; the error names the bad one.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.max_wr_per_sec == 0 {
+            return Err("max_wr_per_sec: must be > 0".into());
+        }
+        if self.max_wr_per_chain == 0 {
+            return Err("max_wr_per_chain: must be > 0".into());
+        }
+        Ok(())
+    }
+}
 
 /// Counters of a context's managed QPs.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
