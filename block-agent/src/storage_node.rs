@@ -22,7 +22,7 @@ use crate::tcp_proto;
 use netstack::transport::solar::server::SolarServer;
 use netstack::transport::solar::wire::{Status, BLOCK};
 use netstack::verbs::solar::{ReadAnswer, ReadBlocks, SolarService, StorageHandler, WriteBlock, WriteDone};
-use netstack::verbs::{Context, ContextConfig};
+use netstack::verbs::{Context, ContextConfig, PollMode};
 use parking_lot::{Mutex, RwLock};
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -364,6 +364,7 @@ fn bind_pair(listen: SocketAddrV4) -> Result<(Context, SocketAddr, TcpListener),
             bind: listen,
             data_cores: 1,
             path_ports: 1,
+            poll_mode: PollMode::Sleep,
             ..ContextConfig::default()
         })
         .map_err(|e| NodeError::Engine(listen.into(), e.to_string()))?;
