@@ -267,6 +267,8 @@ fn fio_verify(uri: &str, len: u64) -> Result<u64> {
                 "--verify=crc32c",
                 "--do_verify=1",
                 "--verify_fatal=1",
+                // no verify state file in the working directory
+                "--verify_state_save=0",
                 "--output-format=json",
             ])
             .arg(format!("--uri={uri}"))
