@@ -116,7 +116,7 @@ up() {
   done
 }
 
-start ecmp.sh ip:iproute2 tc:iproute2 ethtool:ethtool python3:python3
+start ecmp.sh ip:iproute2 tc:iproute2 ethtool:ethtool python3:python3 ping:iputils-ping
 
 if [ "$cmd" = kvcache ]; then
   if [ -z "${KVCACHE_BENCH:-}" ]; then
@@ -195,7 +195,14 @@ cut_run() {
   ip -n "${P}_b" link set "${P}b1" down
   run sleep "$CUT_FOR"
   python3 -c 'import time; print(time.monotonic_ns())' >>"$work/$name.times"
+  # as a router brings a link back: the route uses it only once its neighbour answers (the
+  # kernel would otherwise hash B's replies onto it at once, into an unresolved ARP entry whose
+  # first request may go out before the carrier is up and is retried a second later)
+  ip -n "${P}_b" route replace 10.88.1.0/24 via 10.88.12.1 dev "${P}b2"
   ip -n "${P}_b" link set "${P}b1" up
+  for _ in 1 2 3 4 5 6 7 8 9 10; do
+    ip netns exec "${P}_b" ping -q -c 1 -W 0.2 -I "${P}b1" 10.88.11.1 >/dev/null 2>&1 && break
+  done
   ip -n "${P}_b" route replace 10.88.1.0/24 \
     nexthop via 10.88.11.1 dev "${P}b1" weight 1 nexthop via 10.88.12.1 dev "${P}b2" weight 1
   if ! wait "$cpid"; then

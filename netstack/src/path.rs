@@ -248,21 +248,30 @@ impl PathSet {
     fn choose(&mut self, avoid: Option<u8>) -> u8 {
         let n = self.paths.len();
         // preference tiers: up, not `avoid` and (for a retransmission, when spraying) its
-        // latest packet delivered rather than lost; then up and not `avoid`; then up; then any.
-        // A path that is silently dropping gets no retransmission while it waits to be
-        // declared down; new data still goes there by the policy, so a path whose loss was only
-        // a reordering is used (and cleared) again.
+        // latest packet delivered rather than lost, nothing of it outstanding for longer than
+        // its RTO, and a delivery within its RTO; then the same without the recent delivery;
+        // then up and not `avoid`; then up; then any. A path that is silently
+        // dropping gets no retransmission while it waits to be declared down (a cut link's
+        // paths all go silent at once: a resend placed on another of them is lost too, and the
+        // QP's timer backs off); new data still goes there by the policy, so a path whose loss
+        // was only a reordering is used (and cleared) again.
         let sprays = self.policy.sprays() && avoid.is_some();
         let tier = |i: usize, ps: &PathSet| -> u8 {
             let p = &ps.paths[i];
-            match (p.s.up, Some(i as u8) != avoid, !sprays || p.losses_in_row == 0) {
-                (true, true, true) => 0,
-                (true, true, false) => 1,
-                (true, false, _) => 2,
-                _ => 3,
+            let trusted = !sprays || (p.losses_in_row == 0 && !ps.is_silent(i as u8));
+            // a retransmission goes preferably where something was delivered within the
+            // path's RTO: after a timeout with little in flight most paths are idle, and an idle
+            // path may be a cut one nobody has noticed yet
+            let recent = !sprays || ps.now.saturating_sub(p.last_delivery) <= ps.rto(i as u8);
+            match (p.s.up, Some(i as u8) != avoid, trusted, recent) {
+                (true, true, true, true) => 0,
+                (true, true, true, false) => 1,
+                (true, true, false, _) => 2,
+                (true, false, _, _) => 3,
+                _ => 4,
             }
         };
-        let best = (0..n).map(|i| tier(i, self)).min().unwrap_or(3);
+        let best = (0..n).map(|i| tier(i, self)).min().unwrap_or(4);
         let ok = |i: usize, ps: &PathSet| tier(i, ps) == best;
         match self.policy {
             SprayPolicy::Single => (0..n).find(|&i| ok(i, self)).unwrap_or(0) as u8,
@@ -403,10 +412,31 @@ impl PathSet {
         p.rtt.rto(self.p.initial_rto_ns, self.p.min_rto_ns, u64::MAX)
     }
 
-    /// When path `i` has waited long enough to be down (if another path delivers meanwhile).
+    /// Whether path `i` has had a packet outstanding (or lost) for longer than its RTO
+    /// without delivering anything since (a suspect: not yet down, but no place for a
+    /// retransmission).
+    pub fn is_silent(&self, i: u8) -> bool {
+        let Some(p) = self.paths.get(i as usize) else {
+            return false;
+        };
+        (p.s.inflight > 0 || p.losses_in_row > 0)
+            && p.waiting_since
+                .is_some_and(|t| self.now.saturating_sub(t) > self.rto(i))
+    }
+
+    /// When any path last delivered a packet (ns; 0 before the first).
+    pub fn last_delivery(&self) -> u64 {
+        self.last_delivery
+    }
+
+    /// When path `i` has waited long enough to be down (if another path delivers meanwhile):
+    /// something sent on it at `waiting_since` is still out there or was lost, and nothing was
+    /// delivered on it since.
     fn down_at(&self, i: usize) -> Option<u64> {
         let p = &self.paths[i];
-        let since = p.waiting_since.filter(|_| p.s.up && p.s.inflight > 0)?;
+        let since = p
+            .waiting_since
+            .filter(|_| p.s.up && (p.s.inflight > 0 || p.losses_in_row > 0))?;
         Some(since + self.p.down_after_rtos.max(1) as u64 * self.rto(i as u8))
     }
 
@@ -419,14 +449,15 @@ impl PathSet {
             return true;
         }
         let Some(since) = p.waiting_since else { return false };
-        // something is still out there (a path whose packets were all presumed lost is the
-        // loss rule's), nothing came back for the RTOs, and another path delivered meanwhile
+        // something is still out there or was lost, nothing came back for the RTOs, and
+        // another path delivered meanwhile
         self.down_at(i).is_some_and(|t| now >= t) && self.last_delivery > since
     }
 
     /// Takes paths that stopped delivering out of the rotation; returns those that went down
     /// now (the requester resends what they had in flight).
     pub fn check(&mut self, now: u64) -> SmallVec<[u8; 4]> {
+        self.now = self.now.max(now);
         let mut down = SmallVec::new();
         for i in 0..self.paths.len() {
             if self.up_count() <= 1 {
@@ -655,6 +686,47 @@ mod tests {
         assert!(s.is_up(1));
         let st = &s.stats()[1];
         assert_eq!((st.downs, st.ups, st.probes_sent, st.probes_answered), (1, 1, 1, 1));
+    }
+
+    #[test]
+    fn a_retransmission_avoids_a_path_silent_for_longer_than_its_rto() {
+        // a cut link takes several paths at once: before they are declared down, a packet lost
+        // on one of them must not be resent on another of them
+        let mut s = set(3, SprayPolicy::RoundRobin);
+        for i in 0..3u8 {
+            s.on_send(i, 0);
+            s.on_delivered(i, 100_000);
+            s.on_rtt(i, 100_000, 100_000);
+        }
+        let rto = s.rto(0);
+        // paths 1 and 2 go silent at 1 ms; path 0 keeps delivering
+        s.on_send(1, 1_000_000);
+        s.on_send(2, 1_000_000);
+        s.on_send(0, 1_000_000 + rto);
+        s.on_delivered(0, 1_000_000 + rto + 100_000);
+        assert!(s.is_up(1) && s.is_up(2), "not yet down");
+        // a packet lost on path 1: its resend goes to path 0, the one that delivers
+        assert!((0..6).all(|_| s.pick(Some(1)) == 0));
+        assert!((0..6).all(|_| s.pick(Some(2)) == 0));
+        // after a timeout with one packet in flight the other paths are idle: the resend goes
+        // where something was delivered lately, not to an idle path that may be cut as well
+        let mut idle = set(4, SprayPolicy::RoundRobin);
+        for i in 0..4u8 {
+            idle.on_send(i, 0);
+            idle.on_delivered(i, 100_000);
+            idle.on_rtt(i, 100_000, 100_000);
+        }
+        idle.on_send(2, 50_000_000);
+        idle.on_delivered(2, 50_100_000);
+        idle.on_send(1, 50_200_000);
+        assert!((0..6).all(|_| idle.pick(Some(1)) == 2));
+        // within its RTO a path is not suspect: resends are spread as before
+        let mut fresh = set(3, SprayPolicy::RoundRobin);
+        for i in 0..3u8 {
+            fresh.on_send(i, 0);
+        }
+        let picks: Vec<u8> = (0..4).map(|_| fresh.pick(Some(1))).collect();
+        assert!(picks.contains(&2) && picks.contains(&0), "{picks:?}");
     }
 
     #[test]

@@ -24,8 +24,23 @@ pub struct Pacer {
 
 impl Pacer {
     /// Sets the rate in bytes per second (`None` removes the limit) and the burst in bytes.
+    ///
+    /// When the rate rises, the wait still owed for what was sent under the old rate is
+    /// re-priced at the new one: a packet charged at a rate congestion control had cut to
+    /// kilobytes per second must not hold the QP back for seconds after the rate recovers (a
+    /// sprayed QP stalled 2.5 s that way when a cut link returned). A cut applies from the next
+    /// packet on, and without a rate nothing is owed.
     pub fn set_rate(&mut self, bytes_per_sec: Option<u64>, burst_bytes: u64) {
-        self.rate = bytes_per_sec.filter(|r| *r > 0);
+        let new = bytes_per_sec.filter(|r| *r > 0);
+        match (self.rate, new) {
+            (Some(old), Some(new)) if new > old && self.tat > self.last_send => {
+                let owed = (self.tat - self.last_send) as u128 * old as u128 / new as u128;
+                self.tat = self.last_send.saturating_add(owed.min(u64::MAX as u128) as u64);
+            }
+            (_, None) => self.tat = self.tat.min(self.last_send),
+            _ => {}
+        }
+        self.rate = new;
         self.burst_ns = match self.rate {
             Some(r) => (burst_bytes as u128 * 1_000_000_000 / r as u128) as u64,
             None => 0,
@@ -113,6 +128,28 @@ mod tests {
             (sent as f64 - want).abs() <= 4096.0 + 9000.0,
             "sent {sent}, want {want}"
         );
+    }
+
+    #[test]
+    fn a_rate_change_reprices_the_wait_still_owed() {
+        let mut p = Pacer::default();
+        // 4 KiB charged at 4 KiB/s: the next packet is owed a second from now
+        p.set_rate(Some(4096), 0);
+        p.on_send(1_000, 4096);
+        assert_eq!(p.ready_at(1_000), Some(1_000_001_000));
+        // the rate recovers a thousandfold: the wait shrinks with it
+        p.set_rate(Some(4_096_000), 0);
+        assert_eq!(p.ready_at(1_000), Some(1_001_000));
+        // a cut applies to the next packet, not to the one already charged
+        p.set_rate(Some(2_048_000), 0);
+        assert_eq!(p.ready_at(1_000), Some(1_001_000));
+        p.on_send(1_001_000, 2048);
+        assert_eq!(p.ready_at(1_001_000), Some(2_001_000));
+        // no limit: nothing owed, also once a limit returns
+        p.set_rate(None, 0);
+        assert_eq!(p.ready_at(1_001_000), None);
+        p.set_rate(Some(4096), 0);
+        assert_eq!(p.ready_at(1_001_000), None);
     }
 
     #[test]

@@ -147,7 +147,9 @@ impl RcConfig {
         Ok(())
     }
 
-    /// Longest time a requester keeps retrying an unanswered packet before RETRY_EXC_ERR.
+    /// Longest time a requester keeps retrying an unanswered packet before RETRY_EXC_ERR once
+    /// its peer is silent. A multipath QP whose other paths keep delivering (a path failed, not
+    /// the peer) first spends up to 32 timeouts of `timeout_ns` without backing off.
     pub fn retry_bound_ns(&self) -> u64 {
         (0..=self.retry_cnt as u32)
             .map(|i| self.timeout_ns << i.min(self.max_backoff_shift as u32))

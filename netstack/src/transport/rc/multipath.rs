@@ -88,6 +88,9 @@ impl RcQp {
                     if path as usize >= self.req.paths.len() {
                         self.stats.dropped_packets += 1;
                     } else {
+                        if !self.req.paths.is_up(path) {
+                            tracing::debug!("QP {:#x}: path {path} answered a probe: back in the rotation", self.qpn);
+                        }
                         self.req.paths.on_probe_reply(path, now);
                     }
                 }

@@ -19,6 +19,9 @@ const RETRANSMITTED: u64 = u64::MAX;
 const MIN_REORDER_NS: u64 = 2_000;
 /// Most quarter RTTs the reordering window widens to after spurious retransmissions.
 const MAX_REO_STEPS: u32 = 16;
+/// Most timeouts in a row that count as a path's failure rather than a retry (about half a
+/// second at the default timeout); past them a packet no path delivers spends the retry budget.
+const MAX_PATH_TIMEOUTS: u32 = 32;
 
 /// `sent_path` values: below this, the path a packet is in flight on; `LEFT + path`, the path it
 /// was last sent on and is no longer in flight on (delivered, lost or forgotten); [`NO_PATH`],
@@ -237,6 +240,10 @@ pub(super) struct Requester {
     reorder_deadline: Option<u64>,
     deadline: Option<u64>,
     retries: u32,
+    /// Timeouts in a row while another path delivered (see `handle_timeout`).
+    path_timeouts: u32,
+    /// When the retransmission timer last fired (ns).
+    last_timeout: u64,
     rnr_retries: u32,
     rnr_until: Option<u64>,
     rnr_psn: u64,
@@ -280,6 +287,8 @@ impl Requester {
             reorder_deadline: None,
             deadline: None,
             retries: 0,
+            path_timeouts: 0,
+            last_timeout: 0,
             rnr_retries: 0,
             rnr_until: None,
             rnr_psn: 0,
@@ -548,6 +557,19 @@ impl Requester {
             }
         }
         self.retx.insert(psn);
+    }
+
+    /// At a retransmission timeout: what is still in flight on a path silent for longer than
+    /// its RTO counts as that path's loss. The resend that follows would otherwise only forget
+    /// those copies, leaving a dead path with nothing in flight and no loss, which the path
+    /// detector can never take down (new data kept going into a cut link for seconds).
+    fn presume_silent_paths_lost(&mut self) {
+        for (sp, &acked) in self.sent_path.iter_mut().zip(&self.acked) {
+            if *sp < LEFT && !acked && self.paths.is_silent(*sp) {
+                self.paths.on_lost(*sp);
+                *sp += LEFT;
+            }
+        }
     }
 
     /// Go-back-N resends everything from `psn`: earlier copies stop counting in flight.
@@ -961,6 +983,7 @@ impl Requester {
         }
         if moved {
             self.retries = 0;
+            self.path_timeouts = 0;
             self.rnr_retries = 0;
             self.last_rewind = None;
             self.retx_done_up_to = self.retx_done_up_to.max(self.una);
@@ -1338,18 +1361,47 @@ impl Requester {
             r.deadline = None;
             return;
         }
+        // what the last timeout queued is still held back by the pacer (congestion control
+        // cut the rate below a packet per RTO): the peer was not asked again, so this is no
+        // retry; the timer runs again from when the pacer lets the resend go
+        if !r.retx.is_empty() {
+            if let Some(t) = r.pacer.ready_at(now) {
+                r.deadline = Some(t + cfg.timeout_ns);
+                return;
+            }
+        }
         qp.stats.timeouts += 1;
-        r.retries += 1;
+        // With several paths, a timeout while another path delivered since the last one is a
+        // path's failure, not the peer's: the path detector takes that path out and the resend
+        // goes elsewhere, so the timer neither backs off nor spends the retry budget (backing
+        // off there stalled a sprayed QP for half a second when a link was cut). Bounded, so a
+        // packet no path can carry still fails the QP.
+        let peer_alive = r.paths.len() > 1 && r.paths.last_delivery() > r.last_timeout;
+        r.last_timeout = now;
+        if peer_alive && r.path_timeouts < MAX_PATH_TIMEOUTS {
+            r.path_timeouts += 1;
+        } else {
+            r.retries += 1;
+        }
         if r.retries > cfg.retry_cnt as u32 {
             let una = r.una;
             return Self::fail_at(qp, una, WcStatus::RetryExcErr);
         }
         r.deadline = Some(now + (cfg.timeout_ns << r.retries.min(cfg.max_backoff_shift as u32)));
+        tracing::debug!(
+            qpn = qp.qpn,
+            una = r.una,
+            sent_max = r.sent_max,
+            retries = r.retries,
+            path_timeouts = r.path_timeouts,
+            "retransmission timeout"
+        );
         let una = r.una;
         match cfg.recovery {
             Recovery::GoBackN => r.rewind(una, false),
             Recovery::SelectiveRepeat => {
                 r.retx_done_up_to = una;
+                r.presume_silent_paths_lost();
                 r.retx_all_from(una);
             }
         }
