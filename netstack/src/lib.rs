@@ -7,30 +7,38 @@
 //! - [`pipe`]: SPSC notification pipes of 64-byte slots between application and engine threads.
 //! - [`transport`]: sans-IO transports ([`transport::rc`]).
 //! - [`link`]: UDP sockets with batched `sendmmsg`/`recvmmsg`.
-//! - [`chain`]: the engine's side of RedN: managed work queues and the chain runner.
-//! - [`engine`]: the data-core threads that drive transports over a link.
+//! - `chain` (internal): the engine's side of RedN: managed work queues and the chain runner.
+//! - `engine` (internal): the data-core threads that drive transports over a link.
 //! - [`verbs`]: the application API (`Context`, `Pd`, `Mr`, `Cq`, `Qp`).
 //! - [`offload`]: the programmable offloading engine (handlers on offload threads, DMA).
 //! - [`redn`]: RedN work-request programs on managed QPs (WAIT, ENABLE, self-modifying chains):
-//!   the model, the chain builder and the programs, over [`verbs`] and [`chain`].
+//!   the model, the chain builder and the programs, over [`verbs`] and `chain`.
 //! - [`cm`]: connection management over gRPC.
 //! - [`path`]: multipath: spray policies, per-path RTT, loss and health with probing.
-//! - [`rtt`]: the RTT estimator (RFC 6298) RC, the paths and Solar share.
+//! - `rtt` (internal): the RTT estimator (RFC 6298) RC, the paths and Solar share.
 //! - [`cc`]: per-packet programmable congestion control (DCQCN, TIMELY, HPCC, Swift, Homa).
 //! - [`sim`]: a deterministic network simulator that runs the real transport and CC.
 
+//!
+//! The internal modules are private: what applications and the services need of them is
+//! re-exported by [`verbs`] (engine statistics, drive and poll modes, Solar endpoints),
+//! [`redn`] and [`config`] (RedN's managed queues and guards). `unreachable_pub` keeps every
+//! other item of theirs crate-visible only.
+
+#![warn(unreachable_pub)]
+
 pub mod cc;
-pub mod chain;
+mod chain;
 pub mod cm;
 pub mod config;
-pub mod engine;
+mod engine;
 pub mod link;
 pub mod mem;
 pub mod offload;
 pub mod path;
 pub mod pipe;
 pub mod redn;
-pub mod rtt;
+mod rtt;
 pub mod sim;
 pub mod telemetry;
 pub mod transport;

@@ -124,7 +124,7 @@ impl ManagedWq {
 /// A context's completion-queue counters and managed QPs, by number (what WAIT and ENABLE
 /// entries name), with the RedN counters.
 #[derive(Default)]
-pub struct RednRegistry {
+pub(crate) struct RednRegistry {
     cqs: RwLock<HashMap<u32, Weak<AtomicU64>>>,
     wqs: RwLock<HashMap<u32, Weak<ManagedWq>>>,
     chains: AtomicU64,
@@ -151,7 +151,7 @@ impl RednRegistry {
         self.wqs.read().get(&qpn)?.upgrade()
     }
     /// The counters.
-    pub fn stats(&self) -> RednStats {
+    pub(crate) fn stats(&self) -> RednStats {
         RednStats {
             chains: self.chains.load(Ordering::Relaxed),
             steps: self.steps.load(Ordering::Relaxed),
@@ -162,7 +162,7 @@ impl RednRegistry {
 }
 
 /// The engine's per-QP fetch state of a managed QP.
-pub struct ChainRunner {
+pub(crate) struct ChainRunner {
     wq: Arc<ManagedWq>,
     /// The CQ number of this QP's own send queue (waiting on it does not end a chain).
     own_cq: u32,
@@ -176,7 +176,7 @@ pub struct ChainRunner {
 
 /// What a fetch pass did.
 #[derive(Debug, Default, Clone, Copy)]
-pub struct Pass {
+pub(crate) struct Pass {
     /// Entries were fetched (the QP may have packets or completions).
     pub progressed: bool,
     /// Throttled until this time (ns).

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// A completion queue's pipes, with blocking and async waiting.
-pub struct CqShared {
+pub(crate) struct CqShared {
     /// `producers[i]` is written only by data core `i` (the lock is never contended).
     producers: Vec<Mutex<Producer<Wc>>>,
     consumers: Mutex<Vec<Consumer<Wc>>>,
@@ -28,13 +28,9 @@ pub struct CqShared {
 }
 
 impl CqShared {
-    /// A CQ with room for `cap` completions per data core, for `cores` data cores.
-    pub fn new(cap: usize, cores: usize) -> std::io::Result<CqShared> {
-        Self::with_overrun(cap, cores, false)
-    }
-
-    /// [`CqShared::new`]; with `ignore_overrun` a full queue drops completions.
-    pub fn with_overrun(cap: usize, cores: usize, ignore_overrun: bool) -> std::io::Result<CqShared> {
+    /// A CQ with room for `cap` completions per data core, for `cores` data cores; with
+    /// `ignore_overrun` a full queue drops completions.
+    pub(crate) fn with_overrun(cap: usize, cores: usize, ignore_overrun: bool) -> std::io::Result<CqShared> {
         let mut producers = Vec::new();
         let mut consumers = Vec::new();
         for _ in 0..cores.max(1) {
@@ -55,7 +51,7 @@ impl CqShared {
 
     /// Adds completions from data core `core`; returns how many fit (the rest stay with the
     /// caller, which retries: a full CQ loses nothing).
-    pub fn push(&self, core: usize, wcs: impl IntoIterator<Item = Wc>) -> usize {
+    pub(crate) fn push(&self, core: usize, wcs: impl IntoIterator<Item = Wc>) -> usize {
         let mut p = self.producers[core % self.producers.len()].lock();
         let mut n = 0;
         for wc in wcs {
@@ -78,7 +74,7 @@ impl CqShared {
 
     /// Completions waiting to be polled, and the room there is for them (over all pipes; a
     /// consumer publishes its position every few slots, so this may run a little high).
-    pub fn occupancy(&self) -> (usize, usize) {
+    pub(crate) fn occupancy(&self) -> (usize, usize) {
         self.producers.iter().fold((0, 0), |(used, cap), p| {
             let mut p = p.lock();
             let c = p.capacity();
@@ -86,13 +82,8 @@ impl CqShared {
         })
     }
 
-    /// Whether data core `core`'s pipe has room.
-    pub fn has_room(&self, core: usize) -> bool {
-        self.producers[core % self.producers.len()].lock().free() > 0
-    }
-
     /// Moves up to `out.len()` completions into `out`; returns how many.
-    pub fn poll(&self, out: &mut [Wc]) -> usize {
+    pub(crate) fn poll(&self, out: &mut [Wc]) -> usize {
         let mut cs = self.consumers.lock();
         let mut n = 0;
         for c in cs.iter_mut() {
@@ -110,12 +101,12 @@ impl CqShared {
     }
 
     /// Whether a completion is waiting.
-    pub fn any_ready(&self) -> bool {
+    pub(crate) fn any_ready(&self) -> bool {
         self.consumers.lock().iter().any(|c| c.has_data())
     }
 
     /// Blocks until at least one completion is queued or `timeout` passes; returns whether one is.
-    pub fn wait(&self, timeout: Duration) -> bool {
+    pub(crate) fn wait(&self, timeout: Duration) -> bool {
         let deadline = Instant::now() + timeout;
         loop {
             let fds = {
@@ -151,7 +142,7 @@ impl CqShared {
     }
 
     /// Waits asynchronously until a completion is queued.
-    pub async fn wait_async(&self) {
+    pub(crate) async fn wait_async(&self) {
         loop {
             let n = self.notify.notified();
             tokio::pin!(n);
@@ -168,12 +159,12 @@ impl CqShared {
 
     /// Times a completion found its pipe full (it was kept and delivered later, or dropped
     /// when the queue ignores overruns).
-    pub fn overruns(&self) -> u64 {
+    pub(crate) fn overruns(&self) -> u64 {
         self.overruns.load(Ordering::Relaxed)
     }
 
     /// Completions produced so far.
-    pub fn produced(&self) -> &Arc<AtomicU64> {
+    pub(crate) fn produced(&self) -> &Arc<AtomicU64> {
         &self.produced
     }
 }

@@ -23,11 +23,11 @@ use std::sync::Arc;
 use std::time::Instant;
 
 /// How long after an application thread last ran a core its backstop thread leaves it alone.
-pub const HANDOFF_NS: u64 = 1_000_000;
+pub(crate) const HANDOFF_NS: u64 = 1_000_000;
 
 /// The data cores of a run-to-completion context, shared by its application threads and its
 /// backstop threads.
-pub struct AppDrive {
+pub(crate) struct AppDrive {
     cores: Vec<Mutex<DataCore>>,
     shared: Vec<Arc<EngineShared>>,
     /// Engine-clock time an application thread last ran the cores; 0 when it released them.
@@ -48,7 +48,7 @@ impl AppDrive {
 
     /// Runs one pass of every core no other thread is running; returns whether any did work.
     /// Called by posts, polls and waits of the context's application threads.
-    pub fn progress(&self) -> bool {
+    pub(crate) fn progress(&self) -> bool {
         self.last.store(self.shared[0].now().max(1), Ordering::Relaxed);
         let mut work = false;
         for c in &self.cores {
@@ -63,7 +63,7 @@ impl AppDrive {
     }
 
     /// The application thread is about to block: its backstop threads run the cores from now.
-    pub fn release(&self) {
+    pub(crate) fn release(&self) {
         self.last.store(0, Ordering::Relaxed);
         self.released.notify();
     }

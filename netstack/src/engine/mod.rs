@@ -8,13 +8,14 @@
 
 mod cq;
 mod deadlines;
-pub mod drive;
-pub mod solar;
-pub mod sq;
+pub(crate) mod drive;
+pub(crate) mod solar;
+pub(crate) mod sq;
 mod stats;
 
-pub use cq::CqShared;
-pub use stats::{Counter, EngineStats, StatsSnapshot};
+pub(crate) use cq::CqShared;
+pub use stats::StatsSnapshot;
+pub(crate) use stats::{Counter, EngineStats};
 
 use crate::config::ContextConfig;
 pub use crate::config::{Drive, PollMode};
@@ -39,29 +40,29 @@ use std::time::{Duration, Instant};
 const DEADLINE_SCAN_NS: u64 = 100_000_000;
 
 /// Receive buffers per recvmmsg call (at most).
-pub const BATCH: usize = 64;
+pub(crate) const BATCH: usize = 64;
 /// Deadlines closer than this are waited for without sleeping (adaptive mode). A sleep with
 /// the data cores' 1 µs timer slack wakes within a few microseconds of its deadline; spinning
 /// longer than this would take the CPU from the threads that have work (a congestion-control
 /// timer every 55 µs would otherwise keep an idle core spinning).
 const NEAR_DEADLINE_NS: u64 = 20_000;
 /// Slots of each data core's shared send queue.
-pub const SQ_SLOTS: usize = 8192;
+pub(crate) const SQ_SLOTS: usize = 8192;
 /// Work requests moved from the send queue per engine loop.
 const SQ_DRAIN: usize = 256;
 /// Packets gathered before a send (several GSO messages of up to 15 packets of 4 KiB).
-pub const TX_BATCH: usize = 256;
+pub(crate) const TX_BATCH: usize = 256;
 
 /// What an application handle may read about its QP without taking the QP's lock: its state
 /// and how many send WQEs have left the send queue. The engine refreshes it after every change.
 #[derive(Default)]
-pub struct QpMirror {
+pub(crate) struct QpMirror {
     pub state: AtomicU8,
     pub retired: AtomicU64,
 }
 
 impl QpMirror {
-    pub fn state(&self) -> QpState {
+    pub(crate) fn state(&self) -> QpState {
         match self.state.load(Ordering::Acquire) {
             0 => QpState::Reset,
             1 => QpState::Init,
@@ -73,7 +74,7 @@ impl QpMirror {
 }
 
 /// A QP as the engine holds it.
-pub struct QpSlot {
+pub(crate) struct QpSlot {
     pub qp: RcQp,
     pub remote: Option<SocketAddrV4>,
     /// Multipath: for each of the QP's paths, the data core's socket it leaves from (an index
@@ -91,7 +92,7 @@ pub struct QpSlot {
 
 impl QpSlot {
     /// The socket (index into the core's `tx_links`) and destination of path `path`.
-    pub fn route(&self, path: u8) -> Option<(usize, SocketAddrV4)> {
+    pub(crate) fn route(&self, path: u8) -> Option<(usize, SocketAddrV4)> {
         match self.routes.get(path as usize).or(self.routes.first()) {
             Some(&r) => Some(r),
             None => self.remote.map(|r| (0, r)),
@@ -99,12 +100,12 @@ impl QpSlot {
     }
 
     /// Whether a packet from `src` may be this QP's peer.
-    pub fn accepts(&self, src: SocketAddrV4) -> bool {
+    pub(crate) fn accepts(&self, src: SocketAddrV4) -> bool {
         self.remote == Some(src) || self.peer_sources.contains(&src)
     }
 
     /// Refreshes the mirror the application reads (state, retired WQEs). Any thread may call it.
-    pub fn sync_mirror(&self) {
+    pub(crate) fn sync_mirror(&self) {
         let st = match self.qp.state() {
             QpState::Reset => 0,
             QpState::Init => 1,
@@ -119,7 +120,7 @@ impl QpSlot {
     /// Moves the transport's completions into the completion queues' pipes of data core
     /// `core`. Only that core's thread calls it. Returns false when a CQ was full: the rest
     /// stays in the transport, in order, for a later call.
-    pub fn deliver_completions(&mut self, core: usize) -> bool {
+    pub(crate) fn deliver_completions(&mut self, core: usize) -> bool {
         self.sync_mirror();
         while let Some(wc) = self.qp.peek_completion() {
             let recv = matches!(
@@ -137,14 +138,11 @@ impl QpSlot {
 }
 
 /// State of one data core shared between its thread and application handles.
-pub struct EngineShared {
+pub(crate) struct EngineShared {
     pub mrs: Arc<MrTable>,
     pub qps: RwLock<HashMap<u32, Arc<Mutex<QpSlot>>>>,
     /// The shared send queue of this core (producers serialize on the lock).
     pub sq: Mutex<Producer<sq::Slot>>,
-    /// The core's main socket (on `bind`): the data core receives and sends on it; low-latency
-    /// QPs also send on it from the posting thread. Same as `tx_links[0]`.
-    pub link: Arc<UdpLink>,
     /// Every socket the core sends from: for each local address (`bind`, then `extra_addrs`),
     /// its main socket followed by `path_ports - 1` sockets on free ports (source-port entropy
     /// for ECMP). Index `addr * path_ports + port`.
@@ -174,7 +172,7 @@ pub struct EngineShared {
 impl EngineShared {
     /// Asks the data core to deliver the completions an application thread left in `qpn`'s
     /// transport (only data-core threads write completion pipes).
-    pub fn poke(&self, qpn: u32) {
+    pub(crate) fn poke(&self, qpn: u32) {
         let mut slots = Vec::with_capacity(1);
         sq::encode_poke(qpn, &mut slots);
         let mut q = self.sq.lock();
@@ -188,7 +186,7 @@ impl EngineShared {
     /// Sends what `slot`'s QP has to send right now from the calling thread (the low-latency
     /// path: no handoff to the data core). The caller holds the QP's lock, so the QP's packets
     /// leave in order; whatever the socket does not take is left to the data core's timers.
-    pub fn transmit_now(&self, slot: &mut QpSlot) -> usize {
+    pub(crate) fn transmit_now(&self, slot: &mut QpSlot) -> usize {
         if slot.remote.is_none() {
             return 0;
         }
@@ -257,22 +255,22 @@ impl EngineShared {
 
     /// QP `qpn`'s timers may have changed outside this core (a control operation of an
     /// application thread): the core reads its deadline at its next pass.
-    pub fn rearm(&self, qpn: u32) {
+    pub(crate) fn rearm(&self, qpn: u32) {
         self.rearm.lock().push(qpn);
     }
 
     /// The transports' clock: CLOCK_MONOTONIC in nanoseconds (shared by all processes on the
     /// host, so a CNP's CE timestamp can be compared by its receiver).
-    pub fn now(&self) -> u64 {
+    pub(crate) fn now(&self) -> u64 {
         self.epoch_ns + self.epoch.elapsed().as_nanos() as u64
     }
-    pub fn local_addr(&self) -> SocketAddrV4 {
+    pub(crate) fn local_addr(&self) -> SocketAddrV4 {
         self.local
     }
 }
 
 /// A running engine thread.
-pub struct Engine {
+pub(crate) struct Engine {
     cores: Vec<Arc<EngineShared>>,
     threads: Vec<std::thread::JoinHandle<()>>,
     /// The cores, when application threads run them ([`Drive::Application`]).
@@ -283,7 +281,7 @@ impl Engine {
     /// Binds one link per data core and starts the data-core threads (or, run to completion,
     /// the backstop threads). Core `i` binds the configured address with port `port + i` (or a
     /// free port when the port is 0).
-    pub fn start(cfg: &ContextConfig, mrs: Arc<MrTable>) -> std::io::Result<Engine> {
+    pub(crate) fn start(cfg: &ContextConfig, mrs: Arc<MrTable>) -> std::io::Result<Engine> {
         let redn = Arc::new(crate::chain::RednRegistry::default());
         let epoch = Instant::now();
         let epoch_ns = sys::monotonic_ns();
@@ -323,7 +321,6 @@ impl Engine {
                 mrs: mrs.clone(),
                 qps: RwLock::new(HashMap::new()),
                 sq: Mutex::new(sq_tx),
-                link: link.clone(),
                 tx_links: tx_links.clone(),
                 path_ports: ports,
                 wake: EventFd::new()?,
@@ -374,22 +371,22 @@ impl Engine {
     }
 
     /// The cores' run-to-completion handle, when application threads run them.
-    pub fn drive(&self) -> Option<&Arc<drive::AppDrive>> {
+    pub(crate) fn drive(&self) -> Option<&Arc<drive::AppDrive>> {
         self.drive.as_ref()
     }
 
     /// The data core that owns QP `qpn` (QPs are sharded by QPN).
-    pub fn core_for(&self, qpn: u32) -> &Arc<EngineShared> {
+    pub(crate) fn core_for(&self, qpn: u32) -> &Arc<EngineShared> {
         &self.cores[qpn as usize % self.cores.len()]
     }
 
     /// All data cores.
-    pub fn cores(&self) -> &[Arc<EngineShared>] {
+    pub(crate) fn cores(&self) -> &[Arc<EngineShared>] {
         &self.cores
     }
 
     /// Counters summed over the data cores.
-    pub fn stats(&self) -> StatsSnapshot {
+    pub(crate) fn stats(&self) -> StatsSnapshot {
         let mut t = StatsSnapshot::default();
         for c in &self.cores {
             t.add(&c.stats.snapshot());
@@ -693,7 +690,7 @@ impl DataCore {
             };
             n += 1;
             let qpn = match &req {
-                sq::Request::Send { qpn, .. } | sq::Request::Recv { qpn, .. } | sq::Request::Poke { qpn } => *qpn,
+                sq::Request::Send { qpn, .. } | sq::Request::Poke { qpn } => *qpn,
             };
             let Some(slot) = self.shared.qps.read().get(&qpn).cloned() else {
                 continue;
@@ -712,11 +709,6 @@ impl DataCore {
                         // changed since answers with an error completion
                         tracing::debug!("QP {qpn:#x}: queued work request refused: {e}");
                         s.qp.reject_send(&wr, crate::work::WcStatus::LocQpOpErr);
-                    }
-                }
-                sq::Request::Recv { wr, .. } => {
-                    if let Err(e) = s.qp.post_recv(wr) {
-                        tracing::debug!("QP {qpn:#x}: queued receive refused: {e}");
                     }
                 }
                 // an application thread left completions in the transport: deliver them

@@ -136,7 +136,7 @@ impl ReadAnswer<'_> {
 }
 
 /// A command to a core's Solar endpoints.
-pub enum SolarCmd {
+pub(crate) enum SolarCmd {
     AddClient {
         id: u64,
         server: SocketAddrV4,
@@ -180,7 +180,7 @@ pub enum SolarCmd {
 
 /// The command queue of a core's Solar endpoints (in [`EngineShared`]).
 #[derive(Default)]
-pub struct SolarHost {
+pub(crate) struct SolarHost {
     cmds: Mutex<Vec<SolarCmd>>,
     /// The core said it sleeps: a command must ring its eventfd.
     sleeping: AtomicBool,
@@ -188,7 +188,7 @@ pub struct SolarHost {
 
 impl EngineShared {
     /// Hands a command to this core's Solar endpoints, waking the core if it sleeps.
-    pub fn solar_command(&self, c: SolarCmd) {
+    pub(crate) fn solar_command(&self, c: SolarCmd) {
         self.solar.cmds.lock().push(c);
         if self.solar.sleeping.swap(false, Ordering::SeqCst) {
             self.wake.notify();
@@ -567,7 +567,7 @@ impl Drop for SolarCore {
 }
 
 /// A client endpoint's settings, checked against the context (`paths` at most its path ports).
-pub fn check_client_config(cfg: &ClientConfig, path_ports: usize) -> Result<(), String> {
+pub(crate) fn check_client_config(cfg: &ClientConfig, path_ports: usize) -> Result<(), String> {
     if cfg.paths == 0 || cfg.paths as usize > path_ports {
         return Err(format!(
             "paths: {} not in 1..={path_ports} (the context's path_ports: a path is a source port)",

@@ -5,8 +5,9 @@
 //!
 //! A work request is one header slot followed by `extra` slots.
 //!
-//! Header slot, `kind` = 1 (send), 2 (receive) or 3 (poke: deliver the completions an
-//! application thread left in the QP's transport; only word 1's QPN is used):
+//! Header slot, `kind` = 1 (send) or 3 (poke: deliver the completions an application thread
+//! left in the QP's transport; only word 1's QPN is used). Receives do not travel here yet:
+//! `Qp::post_recv` hands them to the transport under the QP's lock.
 //!
 //! | word | bits 0..8 | 8..16 | 16..24 | 24..32 | 32..64 |
 //! | --- | --- | --- | --- | --- | --- |
@@ -24,20 +25,19 @@
 //! a consumer that sees a header finds its extra slots right behind it.
 
 use crate::pipe::{Consumer, Producer, MAX_PAYLOAD};
-use crate::work::{RecvWr, SendFlags, SendWr, SgList, Sge, WrOpcode};
+use crate::work::{SendFlags, SendWr, SgList, Sge, WrOpcode};
 
 /// One slot's payload.
-pub type Slot = [u64; 7];
+pub(crate) type Slot = [u64; 7];
 
 const KIND_SEND: u8 = 1;
-const KIND_RECV: u8 = 2;
 const KIND_POKE: u8 = 3;
 const SGES_PER_SLOT: usize = 3;
 
 /// Most slots one request may take (header, 256 B of inline data or 16 SGEs).
-pub const MAX_SLOTS: usize = 1 + 6;
+pub(crate) const MAX_SLOTS: usize = 1 + 6;
 /// Most SGEs per request carried through the queue.
-pub const MAX_SGE: usize = 16;
+pub(crate) const MAX_SGE: usize = 16;
 
 fn opcode_code(op: WrOpcode) -> u8 {
     match op {
@@ -84,7 +84,7 @@ fn sge_slots(sg: &SgList, out: &mut Vec<Slot>) {
 }
 
 /// Encodes a send WR; `inline` is its payload when the WR is INLINE.
-pub fn encode_send(qpn: u32, wr: &SendWr, inline: Option<&[u8]>, out: &mut Vec<Slot>) {
+pub(crate) fn encode_send(qpn: u32, wr: &SendWr, inline: Option<&[u8]>, out: &mut Vec<Slot>) {
     out.clear();
     let (extra, inline_len) = match inline {
         Some(d) => (d.len().div_ceil(MAX_PAYLOAD), d.len()),
@@ -117,32 +117,12 @@ pub fn encode_send(qpn: u32, wr: &SendWr, inline: Option<&[u8]>, out: &mut Vec<S
     }
 }
 
-/// Encodes a receive WR.
-pub fn encode_recv(qpn: u32, wr: &RecvWr, out: &mut Vec<Slot>) {
-    out.clear();
-    let extra = wr.sg_list.len().div_ceil(SGES_PER_SLOT);
-    out.push([
-        KIND_RECV as u64 | (wr.sg_list.len() as u64) << 16 | (extra as u64) << 24,
-        qpn as u64,
-        wr.wr_id,
-        0,
-        0,
-        0,
-        0,
-    ]);
-    sge_slots(&wr.sg_list, out);
-}
-
 /// A decoded request.
-pub enum Request {
+pub(crate) enum Request {
     Send {
         qpn: u32,
         wr: SendWr,
         inline: Option<Vec<u8>>,
-    },
-    Recv {
-        qpn: u32,
-        wr: RecvWr,
     },
     Poke {
         qpn: u32,
@@ -150,13 +130,13 @@ pub enum Request {
 }
 
 /// Encodes a poke: "deliver the completions waiting in this QP's transport".
-pub fn encode_poke(qpn: u32, out: &mut Vec<Slot>) {
+pub(crate) fn encode_poke(qpn: u32, out: &mut Vec<Slot>) {
     out.clear();
     out.push([KIND_POKE as u64, qpn as u64, 0, 0, 0, 0, 0]);
 }
 
 /// Writes all slots of one request, or none when the queue lacks room for all of them.
-pub fn push_all(p: &mut Producer<Slot>, slots: &[Slot]) -> bool {
+pub(crate) fn push_all(p: &mut Producer<Slot>, slots: &[Slot]) -> bool {
     if p.free() < slots.len() {
         return false;
     }
@@ -169,7 +149,7 @@ pub fn push_all(p: &mut Producer<Slot>, slots: &[Slot]) -> bool {
 
 /// Reads the next request; `None` when the queue is empty. A header whose extra slots are not
 /// all visible yet is waited for (its producer writes them right after it).
-pub fn pop_request(c: &mut Consumer<Slot>) -> Option<Request> {
+pub(crate) fn pop_request(c: &mut Consumer<Slot>) -> Option<Request> {
     let h = c.pop()?;
     let kind = h[0] as u8;
     let nsge = ((h[0] >> 16) & 0xFF) as usize;
@@ -228,13 +208,6 @@ pub fn pop_request(c: &mut Consumer<Slot>) -> Option<Request> {
             };
             Some(Request::Send { qpn, wr, inline })
         }
-        KIND_RECV => Some(Request::Recv {
-            qpn,
-            wr: RecvWr {
-                wr_id: h[2],
-                sg_list: sges(),
-            },
-        }),
         KIND_POKE => Some(Request::Poke { qpn }),
         _ => None,
     }
@@ -268,18 +241,6 @@ mod tests {
         encode_send(0x43, &iw, Some(&data), &mut buf);
         assert_eq!(buf.len(), 1 + 4);
         assert!(push_all(&mut p, &buf));
-        let rw = RecvWr {
-            wr_id: 11,
-            sg_list: [Sge {
-                addr: 1,
-                length: 2,
-                lkey: 3,
-            }]
-            .into_iter()
-            .collect(),
-        };
-        encode_recv(0x44, &rw, &mut buf);
-        assert!(push_all(&mut p, &buf));
         match pop_request(&mut c) {
             Some(Request::Send { qpn, wr: got, inline }) => {
                 assert_eq!(qpn, 0x42);
@@ -303,10 +264,6 @@ mod tests {
                 assert!(wr.flags.contains(SendFlags::SIGNALED));
             }
             _ => panic!("expected an inline send"),
-        }
-        match pop_request(&mut c) {
-            Some(Request::Recv { qpn: 0x44, wr }) => assert_eq!(wr.sg_list, rw.sg_list),
-            _ => panic!("expected a receive"),
         }
         assert!(pop_request(&mut c).is_none());
     }

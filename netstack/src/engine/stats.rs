@@ -5,23 +5,23 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 /// A relaxed atomic counter.
 #[derive(Default, Debug)]
-pub struct Counter(AtomicU64);
+pub(crate) struct Counter(AtomicU64);
 
 impl Counter {
-    pub fn inc(&self) {
+    pub(crate) fn inc(&self) {
         self.0.fetch_add(1, Ordering::Relaxed);
     }
-    pub fn add(&self, n: u64) {
+    pub(crate) fn add(&self, n: u64) {
         self.0.fetch_add(n, Ordering::Relaxed);
     }
-    pub fn get(&self) -> u64 {
+    pub(crate) fn get(&self) -> u64 {
         self.0.load(Ordering::Relaxed)
     }
 }
 
 /// Counters of one engine.
 #[derive(Default, Debug)]
-pub struct EngineStats {
+pub(crate) struct EngineStats {
     pub rx_datagrams: Counter,
     pub rx_bytes: Counter,
     pub rx_truncated: Counter,
@@ -113,7 +113,7 @@ impl StatsSnapshot {
 
 impl EngineStats {
     /// Counts a malformed datagram by the kind of its [`crate::wire::WireError`].
-    pub fn rx_malformed(&self, kind: &str) {
+    pub(crate) fn rx_malformed(&self, kind: &str) {
         match kind {
             "truncated" => &self.rx_truncated,
             "oversized" => &self.rx_oversized,
@@ -134,7 +134,7 @@ impl EngineStats {
         self.staging_bytes_peak.0.fetch_max(n, Ordering::Relaxed);
     }
 
-    pub fn snapshot(&self) -> StatsSnapshot {
+    pub(crate) fn snapshot(&self) -> StatsSnapshot {
         StatsSnapshot {
             rx_datagrams: self.rx_datagrams.get(),
             rx_bytes: self.rx_bytes.get(),
