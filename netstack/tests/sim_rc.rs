@@ -751,6 +751,45 @@ fn paced_qp_sends_at_its_rate() {
     }
 }
 
+#[test]
+fn a_resend_held_by_the_pacer_spends_no_retries() {
+    // congestion control can pace a QP below one packet per retransmission timeout (Swift at
+    // its minimum window paces at kilobytes per second): a lost packet's resend then waits for
+    // the pacer through several timeouts, and those must not count as unanswered retries
+    let mut lost = 0;
+    for seed in 0..24u64 {
+        let mut sc = Scenario::new(seed);
+        sc.link = LinkCfg {
+            loss: 0.2,
+            ..LinkCfg::clean(5_000, 0, 50)
+        };
+        // 20 kB/s: a packet every 13 to 205 ms, against a 0.2 ms timeout (16 ms of retries)
+        sc.nodes[0].qp.set_rate(Some(20_000), 0);
+        let (rr, rk) = (sc.nodes[1].mr["dst"].0.addr(), sc.nodes[1].mr["dst"].1);
+        for i in 0..4 {
+            let sge = sc.nodes[0].sge("src", 4096 * i as usize, 4096);
+            let n = &mut sc.nodes[0];
+            let wr = SendWr::new(i, WrOpcode::RdmaWrite).sge(sge).remote(rr + 4096 * i, rk);
+            n.qp.post_send(wr, &n.mrs).unwrap();
+        }
+        let mut wcs = Vec::new();
+        sc.run(60_000_000_000, |sc| {
+            while let Some(c) = sc.nodes[0].qp.poll_completion() {
+                wcs.push(c);
+            }
+        });
+        let st: Vec<WcStatus> = wcs.iter().map(|c| c.status).collect();
+        assert_eq!(st, [WcStatus::Success; 4], "seed {seed}");
+        assert_eq!(
+            sc.nodes[1].bytes("dst", 0, 16384),
+            sc.nodes[0].bytes("src", 0, 16384),
+            "seed {seed}"
+        );
+        lost += sc.nodes[0].qp.stats().retransmitted_packets;
+    }
+    assert!(lost > 0, "the link lost nothing: the test tests nothing");
+}
+
 /// Posts `n` unsignaled `len`-byte WRITEs from node 0 to node 1's `dst` region.
 fn post_writes(sc: &mut Scenario, n: u64, len: usize) {
     let (rr, rk) = (sc.nodes[1].mr["dst"].0.addr(), sc.nodes[1].mr["dst"].1);

@@ -59,6 +59,10 @@ impl Pacer {
     pub fn window(&self) -> Option<u64> {
         self.window
     }
+    /// When the last packet was sent (ns; 0 before the first).
+    pub fn last_send(&self) -> u64 {
+        self.last_send
+    }
 
     /// When a packet may be sent: `None` now, `Some(t)` not before `t`.
     pub fn ready_at(&self, now: u64) -> Option<u64> {

@@ -1361,10 +1361,11 @@ impl Requester {
             r.deadline = None;
             return;
         }
-        // what the last timeout queued is still held back by the pacer (congestion control
-        // cut the rate below a packet per RTO): the peer was not asked again, so this is no
-        // retry; the timer runs again from when the pacer lets the resend go
-        if !r.retx.is_empty() {
+        // the pacer has held everything back since the last timeout (congestion control cut
+        // the rate below a packet per RTO): what that timeout queued was not resent, the peer
+        // was not asked again, so this is no retry; the timer runs again from when the pacer
+        // lets the resend go
+        if r.last_timeout > 0 && r.pacer.last_send() < r.last_timeout {
             if let Some(t) = r.pacer.ready_at(now) {
                 r.deadline = Some(t + cfg.timeout_ns);
                 return;
