@@ -25,15 +25,15 @@ pub struct Pacer {
 impl Pacer {
     /// Sets the rate in bytes per second (`None` removes the limit) and the burst in bytes.
     ///
-    /// When the rate rises, the wait still owed for what was sent under the old rate is
-    /// re-priced at the new one: a packet charged at a rate congestion control had cut to
-    /// kilobytes per second must not hold the QP back for seconds after the rate recovers (a
-    /// sprayed QP stalled 2.5 s that way when a cut link returned). A cut applies from the next
-    /// packet on, and without a rate nothing is owed.
+    /// When the rate at least doubles, the wait still owed for what was sent under the old
+    /// rate is re-priced at the new one: a packet charged at a rate congestion control had cut
+    /// to kilobytes per second must not hold the QP back for seconds after the rate recovers (a
+    /// sprayed QP stalled 2.5 s that way when a cut link returned). Smaller steps (DCQCN's
+    /// increases) and cuts apply from the next packet on, and without a rate nothing is owed.
     pub fn set_rate(&mut self, bytes_per_sec: Option<u64>, burst_bytes: u64) {
         let new = bytes_per_sec.filter(|r| *r > 0);
         match (self.rate, new) {
-            (Some(old), Some(new)) if new > old && self.tat > self.last_send => {
+            (Some(old), Some(new)) if new / 2 >= old && self.tat > self.last_send => {
                 let owed = (self.tat - self.last_send) as u128 * old as u128 / new as u128;
                 self.tat = self.last_send.saturating_add(owed.min(u64::MAX as u128) as u64);
             }
@@ -144,9 +144,13 @@ mod tests {
         // the rate recovers a thousandfold: the wait shrinks with it
         p.set_rate(Some(4_096_000), 0);
         assert_eq!(p.ready_at(1_000), Some(1_001_000));
-        // a cut applies to the next packet, not to the one already charged
+        // a cut applies to the next packet, not to the one already charged, and so does a
+        // rise of less than double
         p.set_rate(Some(2_048_000), 0);
         assert_eq!(p.ready_at(1_000), Some(1_001_000));
+        p.set_rate(Some(3_000_000), 0);
+        assert_eq!(p.ready_at(1_000), Some(1_001_000));
+        p.set_rate(Some(2_048_000), 0);
         p.on_send(1_001_000, 2048);
         assert_eq!(p.ready_at(1_001_000), Some(2_001_000));
         // no limit: nothing owed, also once a limit returns
