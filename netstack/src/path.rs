@@ -560,6 +560,17 @@ mod tests {
         )
     }
 
+    /// `n` round-robin paths, each of which delivered a packet with an RTT of 100 us.
+    fn measured(n: usize) -> PathSet {
+        let mut s = set(n, SprayPolicy::RoundRobin);
+        for i in 0..n as u8 {
+            s.on_send(i, 0);
+            s.on_delivered(i, 100_000);
+            s.on_rtt(i, 100_000, 100_000);
+        }
+        s
+    }
+
     #[test]
     fn new_packets_go_in_bursts_and_a_burst_ends_when_its_path_goes_down() {
         let mut s = PathSet::new(
@@ -657,12 +668,7 @@ mod tests {
 
     #[test]
     fn a_silent_path_goes_down_within_three_rtos_and_a_probe_brings_it_back() {
-        let mut s = set(2, SprayPolicy::RoundRobin);
-        for i in 0..2u8 {
-            s.on_send(i, 0);
-            s.on_delivered(i, 100_000);
-            s.on_rtt(i, 100_000, 100_000);
-        }
+        let mut s = measured(2);
         let rto = s.rto(1);
         assert_eq!(rto, PathParams::default().min_rto_ns, "RTO floor");
         s.on_send(0, 1_000_000);
@@ -692,12 +698,7 @@ mod tests {
     fn a_retransmission_avoids_a_path_silent_for_longer_than_its_rto() {
         // a cut link takes several paths at once: before they are declared down, a packet lost
         // on one of them must not be resent on another of them
-        let mut s = set(3, SprayPolicy::RoundRobin);
-        for i in 0..3u8 {
-            s.on_send(i, 0);
-            s.on_delivered(i, 100_000);
-            s.on_rtt(i, 100_000, 100_000);
-        }
+        let mut s = measured(3);
         let rto = s.rto(0);
         // paths 1 and 2 go silent at 1 ms; path 0 keeps delivering
         s.on_send(1, 1_000_000);
@@ -710,12 +711,7 @@ mod tests {
         assert!((0..6).all(|_| s.pick(Some(2)) == 0));
         // after a timeout with one packet in flight the other paths are idle: the resend goes
         // where something was delivered lately, not to an idle path that may be cut as well
-        let mut idle = set(4, SprayPolicy::RoundRobin);
-        for i in 0..4u8 {
-            idle.on_send(i, 0);
-            idle.on_delivered(i, 100_000);
-            idle.on_rtt(i, 100_000, 100_000);
-        }
+        let mut idle = measured(4);
         idle.on_send(2, 50_000_000);
         idle.on_delivered(2, 50_100_000);
         idle.on_send(1, 50_200_000);
