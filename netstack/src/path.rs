@@ -415,7 +415,7 @@ impl PathSet {
     /// Whether path `i` has had a packet outstanding (or lost) for longer than its RTO
     /// without delivering anything since (a suspect: not yet down, but no place for a
     /// retransmission).
-    pub fn is_silent(&self, i: u8) -> bool {
+    pub(crate) fn is_silent(&self, i: u8) -> bool {
         let Some(p) = self.paths.get(i as usize) else {
             return false;
         };
@@ -425,7 +425,7 @@ impl PathSet {
     }
 
     /// When any path last delivered a packet (ns; 0 before the first).
-    pub fn last_delivery(&self) -> u64 {
+    pub(crate) fn last_delivery(&self) -> u64 {
         self.last_delivery
     }
 

@@ -60,7 +60,7 @@ impl Pacer {
         self.window
     }
     /// When the last packet was sent (ns; 0 before the first).
-    pub fn last_send(&self) -> u64 {
+    pub(crate) fn last_send(&self) -> u64 {
         self.last_send
     }
 
