@@ -17,6 +17,13 @@
 //! is probed every `probe_interval_ns` with a PROBE packet the peer answers; the first answer
 //! brings it back.
 //!
+//! **Suspects.** When spraying, a path that is up but has had a packet outstanding (or lost)
+//! for longer than its RTO with nothing delivered since is suspect: it gets no new packets and
+//! no retransmissions while another path is not suspect, and it is probed once per RTO. An
+//! answer clears the suspicion (the path answers; what it lost was congestion or reordering),
+//! so a false alarm costs one round trip, while a cut path carries nothing more from its first
+//! RTO on and goes down by the rule above.
+//!
 //! **Policies.** `single` uses the first path that is up (the RoCE default with one path;
 //! active-backup failover with several). `round-robin` sprays packets over the paths that are
 //! up in turn. `weighted` sends where the packet is expected to be delivered soonest: the path
@@ -231,7 +238,7 @@ impl PathSet {
         }
         if avoid.is_none() {
             let (cur, left) = self.burst;
-            if left > 0 && self.paths[cur as usize].s.up {
+            if left > 0 && self.paths[cur as usize].s.up && !self.is_suspect(cur as usize) {
                 self.burst.1 -= 1;
                 return cur;
             }
@@ -247,31 +254,32 @@ impl PathSet {
 
     fn choose(&mut self, avoid: Option<u8>) -> u8 {
         let n = self.paths.len();
-        // preference tiers: up, not `avoid` and (for a retransmission, when spraying) its
-        // latest packet delivered rather than lost, nothing of it outstanding for longer than
-        // its RTO, and a delivery within its RTO; then the same without the recent delivery;
-        // then up and not `avoid`; then up; then any. A path that is silently
-        // dropping gets no retransmission while it waits to be declared down (a cut link's
+        // preference tiers: up, not `avoid`, not suspect (see the module's doc) and (for a
+        // retransmission, when spraying) its latest packet delivered rather than lost, and a
+        // delivery within its RTO; then the same without the recent delivery; then up, not
+        // `avoid` and not suspect; then up and not `avoid`; then up; then any. A path that is
+        // silently dropping gets nothing while it waits to be declared down (a cut link's
         // paths all go silent at once: a resend placed on another of them is lost too, and the
-        // QP's timer backs off); new data still goes there by the policy, so a path whose loss
-        // was only a reordering is used (and cleared) again.
-        let sprays = self.policy.sprays() && avoid.is_some();
+        // QP's timer backs off); a probe answer clears a false suspicion (a reordering).
+        let resend = self.policy.sprays() && avoid.is_some();
         let tier = |i: usize, ps: &PathSet| -> u8 {
             let p = &ps.paths[i];
-            let trusted = !sprays || (p.losses_in_row == 0 && !ps.is_silent(i as u8));
+            let clear = !ps.is_suspect(i);
+            let trusted = !resend || p.losses_in_row == 0;
             // a retransmission goes preferably where something was delivered within the
             // path's RTO: after a timeout with little in flight most paths are idle, and an idle
             // path may be a cut one nobody has noticed yet
-            let recent = !sprays || ps.now.saturating_sub(p.last_delivery) <= ps.rto(i as u8);
-            match (p.s.up, Some(i as u8) != avoid, trusted, recent) {
-                (true, true, true, true) => 0,
-                (true, true, true, false) => 1,
-                (true, true, false, _) => 2,
-                (true, false, _, _) => 3,
-                _ => 4,
+            let recent = !resend || ps.now.saturating_sub(p.last_delivery) <= ps.rto(i as u8);
+            match (p.s.up, Some(i as u8) != avoid, clear, trusted, recent) {
+                (true, true, true, true, true) => 0,
+                (true, true, true, true, false) => 1,
+                (true, true, true, false, _) => 2,
+                (true, true, false, _, _) => 3,
+                (true, false, _, _, _) => 4,
+                _ => 5,
             }
         };
-        let best = (0..n).map(|i| tier(i, self)).min().unwrap_or(4);
+        let best = (0..n).map(|i| tier(i, self)).min().unwrap_or(5);
         let ok = |i: usize, ps: &PathSet| tier(i, ps) == best;
         match self.policy {
             SprayPolicy::Single => (0..n).find(|&i| ok(i, self)).unwrap_or(0) as u8,
@@ -413,15 +421,23 @@ impl PathSet {
     }
 
     /// Whether path `i` has had a packet outstanding (or lost) for longer than its RTO
-    /// without delivering anything since (a suspect: not yet down, but no place for a
-    /// retransmission).
+    /// without delivering anything since.
     pub(crate) fn is_silent(&self, i: u8) -> bool {
-        let Some(p) = self.paths.get(i as usize) else {
-            return false;
-        };
-        (p.s.inflight > 0 || p.losses_in_row > 0)
-            && p.waiting_since
-                .is_some_and(|t| self.now.saturating_sub(t) > self.rto(i))
+        self.silent_at(i as usize).is_some_and(|t| self.now >= t)
+    }
+
+    /// When path `i` turns silent if nothing comes back: an RTO after the first packet sent on
+    /// it since its last delivery, if that packet is still out there or lost.
+    fn silent_at(&self, i: usize) -> Option<u64> {
+        let p = self.paths.get(i)?;
+        let since = p.waiting_since.filter(|_| p.s.inflight > 0 || p.losses_in_row > 0)?;
+        Some(since + self.rto(i as u8) + 1)
+    }
+
+    /// Whether path `i` is suspect: up and silent while the QP sprays over several paths that
+    /// are up.
+    fn is_suspect(&self, i: usize) -> bool {
+        self.policy.sprays() && self.paths[i].s.up && self.up_count() > 1 && self.is_silent(i as u8)
     }
 
     /// When any path last delivered a packet (ns; 0 before the first).
@@ -474,21 +490,27 @@ impl PathSet {
         down
     }
 
-    /// A down path whose probe is due, marked as probed now.
+    /// A path whose probe is due, marked as probed now: a down path every
+    /// `probe_interval_ns`, a suspect one every RTO.
     pub fn probe_due(&mut self, now: u64) -> Option<u8> {
-        let interval = self.p.probe_interval_ns;
-        let (i, p) = self
-            .paths
-            .iter_mut()
-            .enumerate()
-            .find(|(_, p)| !p.s.up && p.next_probe <= now)?;
-        p.next_probe = now + interval;
+        self.now = self.now.max(now);
+        let i = (0..self.paths.len())
+            .find(|&i| self.paths[i].next_probe <= now && (!self.paths[i].s.up || self.is_suspect(i)))?;
+        let every = if self.paths[i].s.up {
+            self.rto(i as u8)
+        } else {
+            self.p.probe_interval_ns
+        };
+        let p = &mut self.paths[i];
+        p.next_probe = now + every;
         p.s.probes_sent += 1;
         Some(i as u8)
     }
 
-    /// The peer answered a probe sent on path `i`: the path is back.
-    pub fn on_probe_reply(&mut self, i: u8, _now: u64) {
+    /// The peer answered a probe sent on path `i`: a down path is back; a suspect one is
+    /// cleared (its packets still out there are given a fresh RTO).
+    pub fn on_probe_reply(&mut self, i: u8, now: u64) {
+        self.now = self.now.max(now);
         let Some(p) = self.paths.get_mut(i as usize) else {
             return;
         };
@@ -500,6 +522,9 @@ impl PathSet {
             p.s.loss_rate = 0.0;
             p.losses_in_row = 0;
             p.waiting_since = None;
+        } else {
+            p.losses_in_row = 0;
+            p.waiting_since = (p.s.inflight > 0).then_some(now);
         }
     }
 
@@ -508,11 +533,13 @@ impl PathSet {
         if self.paths.len() < 2 {
             return None;
         }
+        let suspects = self.policy.sprays();
         (0..self.paths.len())
             .filter_map(|i| {
                 let p = &self.paths[i];
                 if p.s.up {
-                    self.down_at(i)
+                    let probe = self.silent_at(i).filter(|_| suspects).map(|t| t.max(p.next_probe));
+                    [self.down_at(i), probe].into_iter().flatten().min()
                 } else {
                     Some(p.next_probe)
                 }
@@ -675,6 +702,7 @@ mod tests {
         s.on_send(1, 1_000_000);
         s.on_delivered(0, 1_100_000);
         assert!(s.check(1_000_000 + 3 * rto - 1).is_empty());
+        assert_eq!(s.probe_due(1_000_000 + 3 * rto - 1), Some(1), "a suspect is probed");
         assert_eq!(s.next_deadline(), Some(1_000_000 + 3 * rto));
         assert_eq!(s.check(1_000_000 + 3 * rto).as_slice(), &[1]);
         assert!(!s.is_up(1));
@@ -691,7 +719,8 @@ mod tests {
         s.on_probe_reply(1, t + p + 100_000);
         assert!(s.is_up(1));
         let st = &s.stats()[1];
-        assert_eq!((st.downs, st.ups, st.probes_sent, st.probes_answered), (1, 1, 1, 1));
+        // one probe while suspect, one while down
+        assert_eq!((st.downs, st.ups, st.probes_sent, st.probes_answered), (1, 1, 2, 1));
     }
 
     #[test]
@@ -723,6 +752,37 @@ mod tests {
         }
         let picks: Vec<u8> = (0..4).map(|_| fresh.pick(Some(1))).collect();
         assert!(picks.contains(&2) && picks.contains(&0), "{picks:?}");
+    }
+
+    #[test]
+    fn a_suspect_path_gets_no_new_packets_is_probed_and_an_answer_clears_it() {
+        let mut s = measured(3);
+        let rto = s.rto(1);
+        // path 1 goes silent at 1 ms; paths 0 and 2 deliver
+        s.on_send(1, 1_000_000);
+        for i in [0, 2] {
+            s.on_send(i, 1_000_000 + rto / 4);
+            s.on_delivered(i, 1_000_000 + rto / 2);
+        }
+        assert_eq!(s.next_deadline(), Some(1_000_000 + rto + 1), "when it turns suspect");
+        assert_eq!(s.probe_due(1_000_000 + rto), None, "not silent within its RTO");
+        let t = 1_000_000 + rto + 1;
+        assert_eq!(s.probe_due(t), Some(1), "probed as soon as it is silent");
+        assert_eq!(s.probe_due(t), None, "once per RTO");
+        assert!(s.is_up(1), "suspect, not down");
+        assert!((0..8).all(|_| s.pick(None) != 1), "no new packets while suspect");
+        // the answer: the path works, it only lost a packet (congestion, reordering)
+        s.on_probe_reply(1, t + 100_000);
+        assert!(!s.is_silent(1));
+        let picks: Vec<u8> = (0..6).map(|_| s.pick(None)).collect();
+        assert!(picks.contains(&1), "back in the rotation at once: {picks:?}");
+        assert_eq!(s.stats()[1].downs, 0);
+        // without spraying there is no suspicion: the policy decides alone
+        let mut one = set(2, SprayPolicy::Single);
+        one.on_send(0, 0);
+        one.on_delivered(1, 10);
+        assert_eq!(one.probe_due(u64::MAX / 4), None);
+        assert_eq!(one.pick(None), 0);
     }
 
     #[test]

@@ -5,14 +5,14 @@
 /// sets SRTT = R and RTTVAR = R/2; later ones RTTVAR = 3/4 RTTVAR + 1/4 |SRTT - R|, then
 /// SRTT = 7/8 SRTT + 1/8 R (integer arithmetic). An SRTT of 0 means no sample yet.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct RttEstimator {
+pub(crate) struct RttEstimator {
     srtt_ns: u64,
     rttvar_ns: u64,
 }
 
 impl RttEstimator {
     /// Folds in one RTT measurement.
-    pub fn sample(&mut self, rtt_ns: u64) {
+    pub(crate) fn sample(&mut self, rtt_ns: u64) {
         if self.srtt_ns == 0 {
             self.srtt_ns = rtt_ns;
             self.rttvar_ns = rtt_ns / 2;
@@ -24,18 +24,18 @@ impl RttEstimator {
     }
 
     /// The smoothed RTT (0 before the first sample).
-    pub fn srtt_ns(&self) -> u64 {
+    pub(crate) fn srtt_ns(&self) -> u64 {
         self.srtt_ns
     }
 
     /// The RTT variation (0 before the first sample).
-    pub fn rttvar_ns(&self) -> u64 {
+    pub(crate) fn rttvar_ns(&self) -> u64 {
         self.rttvar_ns
     }
 
     /// The retransmission timeout SRTT + 4 RTTVAR (RFC 6298 section 2.3, K = 4, no clock
     /// granularity term), within `min..=max`; `initial` before the first sample (section 2.1).
-    pub fn rto(&self, initial: u64, min: u64, max: u64) -> u64 {
+    pub(crate) fn rto(&self, initial: u64, min: u64, max: u64) -> u64 {
         if self.srtt_ns == 0 {
             return initial;
         }

@@ -7,16 +7,22 @@
 //! is healthy. A request completes when every block did; it fails on a status no resend can fix
 //! or after `io_timeout_ns` (all paths down waits until then, it does not fail early).
 //!
-//! Paths are sprayed per packet: the healthy path with the fewest packets in flight. A path
-//! with a timeout is suspect, after `down_after` consecutive timeouts down; down paths get a
-//! PROBE every `probe_interval_ns` and come back on its answer. One congestion-control
-//! algorithm ([`crate::cc::CcAlgorithm`]) limits the bytes in flight toward the server across
-//! all paths (so K paths are not K times as aggressive), fed by every acknowledgement's RTT.
+//! Paths are the transport's [`PathSet`], the one RC's multipath uses: it picks each packet's
+//! path by the spray policy (by default `weighted`: the path expected to deliver it first),
+//! keeps each path's RTT and loss rate, takes a path that stops delivering while others
+//! deliver out of the rotation (a resend avoids a path already silent for its RTO), probes a
+//! down path every `probe_interval_ns` and brings it back on the answer. The client keeps only
+//! its per-path ledger of packets in flight by PSN, and backs a path's RTO off (doubling per
+//! timeout, up to `max_rto_ns`) while it delivers nothing, so a server that is down gets a
+//! resend per backed-off RTO, not a window's worth per RTO. One congestion-control algorithm
+//! ([`crate::cc::CcAlgorithm`]) limits the bytes in flight toward the server across all paths
+//! (so K paths are not K times as aggressive), fed by every acknowledgement's RTT.
 
 use super::wire::{self, flags, Header, Op, Status, WireError, BLOCK};
 use super::{BlockRef, Transmit};
 use crate::cc::{CcAlgorithm, CcOutput, RxKind, RxMeta, StartInfo, TxMeta, Verdict};
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use crate::path::{PathParams, PathSet, PathStats, SprayPolicy};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::Arc;
 
 /// A request handle.
@@ -27,6 +33,8 @@ pub type IoId = u64;
 pub struct ClientConfig {
     /// Paths toward the server (1..=64).
     pub paths: u16,
+    /// How packets spread over the paths.
+    pub policy: SprayPolicy,
     /// The segment epoch requests carry.
     pub epoch: u32,
     /// First request id; ids increase from it. Seed it above any id this agent used before for
@@ -35,7 +43,8 @@ pub struct ClientConfig {
     pub initial_rto_ns: u64,
     pub min_rto_ns: u64,
     pub max_rto_ns: u64,
-    /// Consecutive timeouts that take a path down.
+    /// RTOs a path may deliver nothing after a send, while another path delivers, before it
+    /// is taken out of the rotation.
     pub down_after: u32,
     pub probe_interval_ns: u64,
     /// A request not complete after this fails (TimedOut).
@@ -56,6 +65,7 @@ impl Default for ClientConfig {
     fn default() -> Self {
         ClientConfig {
             paths: 4,
+            policy: SprayPolicy::Weighted,
             epoch: 0,
             rpc_base: 1,
             initial_rto_ns: 5_000_000,
@@ -128,36 +138,34 @@ pub struct ClientStats {
     pub durable_resends: u64,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PathState {
-    Good,
-    Suspect,
-    Down,
-}
-
-/// One path's health and timing.
+/// One path's packets in flight, by PSN (health and timing are the [`PathSet`]'s).
 #[derive(Debug, Clone)]
-pub struct PathInfo {
-    pub state: PathState,
-    pub rtt: crate::rtt::RttEstimator,
-    pub inflight: u32,
-    pub consecutive_timeouts: u32,
+struct Ledger {
     next_psn: u32,
     /// In flight on this path by psn: the unit it carries.
     sent: BTreeMap<u32, Unit>,
-    next_probe: u64,
-    /// When the unanswered probe went out.
-    probe_sent: Option<u64>,
+    /// PSNs presumed lost whose answer may still come (a late answer takes the loss back);
+    /// the newest [`LOST_MEMORY`].
+    lost: BTreeSet<u32>,
+    /// Timeouts on this path since it last delivered: each doubles its RTO.
+    backoff: u32,
 }
 
-impl PathInfo {
-    fn rto(&self, c: &ClientConfig) -> u64 {
-        self.rtt.rto(c.initial_rto_ns, c.min_rto_ns, c.max_rto_ns)
-    }
+/// Presumed-lost PSNs remembered per path.
+const LOST_MEMORY: usize = 1024;
 
-    fn on_rtt(&mut self, rtt: u64) {
-        self.rtt.sample(rtt);
-    }
+/// Most doublings of a path's RTO while it delivers nothing.
+const MAX_BACKOFF: u32 = 8;
+
+/// How a packet left its path's ledger.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outcome {
+    /// Answered.
+    Delivered,
+    /// Presumed lost (timeout, overtaken, its path went down).
+    Lost,
+    /// No longer wanted (its block is done through another packet, or its request ended).
+    Retired,
 }
 
 /// What a packet in flight carries: one WRITE block, or a READ_REQ for blocks `idx..idx+n`.
@@ -202,7 +210,8 @@ struct Io {
 /// The client toward one storage server.
 pub struct SolarClient {
     cfg: ClientConfig,
-    paths: Vec<PathInfo>,
+    paths: PathSet,
+    ledgers: Vec<Ledger>,
     ios: HashMap<IoId, Io>,
     by_rpc: HashMap<u64, IoId>,
     next_io: IoId,
@@ -220,7 +229,6 @@ pub struct SolarClient {
     next_send_at: u64,
     /// The latest time the driver handed in.
     last_now: u64,
-    rr: usize,
     /// Smoothed time the server takes to make a write durable (from its `Ok` answers).
     service_ns: u64,
     stats: ClientStats,
@@ -229,23 +237,28 @@ pub struct SolarClient {
 impl SolarClient {
     /// A client; `cc` limits the bytes in flight (None: `window_bytes`).
     pub fn new(cfg: ClientConfig, cc: Option<Box<dyn CcAlgorithm>>, now: u64) -> SolarClient {
-        let n = cfg.paths.clamp(1, 64);
-        let paths = (0..n)
-            .map(|_| PathInfo {
-                state: PathState::Good,
-                rtt: Default::default(),
-                inflight: 0,
-                consecutive_timeouts: 0,
-                next_psn: 1,
-                sent: BTreeMap::new(),
-                next_probe: 0,
-                probe_sent: None,
-            })
-            .collect();
+        let n = (cfg.paths as usize).clamp(1, crate::path::MAX_PATHS);
+        let params = PathParams {
+            min_rto_ns: cfg.min_rto_ns,
+            initial_rto_ns: cfg.initial_rto_ns,
+            down_after_rtos: cfg.down_after.max(1),
+            probe_interval_ns: cfg.probe_interval_ns,
+            // every block is placed on its own: a burst of one lets each packet take the path
+            // expected to deliver it first
+            burst_packets: 1,
+            ..PathParams::default()
+        };
+        let ledger = Ledger {
+            next_psn: 1,
+            sent: BTreeMap::new(),
+            lost: BTreeSet::new(),
+            backoff: 0,
+        };
         let mut c = SolarClient {
             next_rpc: cfg.rpc_base.max(1),
+            paths: PathSet::new(n, cfg.policy, params),
+            ledgers: vec![ledger; n],
             cfg,
-            paths,
             ios: HashMap::new(),
             by_rpc: HashMap::new(),
             next_io: 1,
@@ -260,7 +273,6 @@ impl SolarClient {
             cc_hold: false,
             next_send_at: 0,
             last_now: now,
-            rr: 0,
             service_ns: 0,
             stats: ClientStats::default(),
         };
@@ -282,13 +294,25 @@ impl SolarClient {
         self.stats
     }
 
-    pub fn paths(&self) -> &[PathInfo] {
+    /// The paths toward the server: how many, the policy, which are up.
+    pub fn paths(&self) -> &PathSet {
         &self.paths
     }
 
-    /// Paths not down.
+    /// What each path sent, delivered and lost, its RTT and whether it is up.
+    pub fn path_stats(&self) -> Vec<PathStats> {
+        self.paths.stats()
+    }
+
+    /// Paths in the rotation.
     pub fn paths_up(&self) -> u16 {
-        self.paths.iter().filter(|p| p.state != PathState::Down).count() as u16
+        self.paths.up_count() as u16
+    }
+
+    /// Path `i`'s retransmission timeout, backed off while it delivers nothing.
+    fn rto(&self, i: u16) -> u64 {
+        let backoff = self.ledgers[i as usize].backoff.min(MAX_BACKOFF);
+        (self.paths.rto(i as u8).min(self.cfg.max_rto_ns) << backoff).min(self.cfg.max_rto_ns)
     }
 
     /// Requests not yet finished.
@@ -387,28 +411,11 @@ impl SolarClient {
         self.events.pop_front()
     }
 
-    fn pick_path(&mut self, avoid: Option<u16>) -> Option<u16> {
-        let n = self.paths.len();
-        let mut best: Option<(u8, u32, u16)> = None;
-        for k in 0..n {
-            let i = (self.rr + k) % n;
-            let p = &self.paths[i];
-            let rank = match p.state {
-                PathState::Good => 0,
-                PathState::Suspect => 1,
-                PathState::Down => continue,
-            };
-            let rank = if Some(i as u16) == avoid && n > 1 {
-                rank + 2
-            } else {
-                rank
-            };
-            if best.is_none_or(|(r, f, _)| (rank, p.inflight) < (r, f)) {
-                best = Some((rank, p.inflight, i as u16));
-            }
-        }
-        self.rr = (self.rr + 1) % n;
-        best.map(|(_, _, i)| i)
+    fn pick_path(&mut self, avoid: Option<u16>) -> u16 {
+        let avoid = avoid.and_then(|p| u8::try_from(p).ok());
+        self.paths
+            .set_window_hint((self.window() / BLOCK as u64).min(u32::MAX as u64) as u32);
+        self.paths.pick(avoid) as u16
     }
 
     /// The next packet to send now, if the window, pacing and paths allow one.
@@ -440,7 +447,7 @@ impl SolarClient {
             if self.cc_hold || now < self.next_send_at {
                 return None;
             }
-            let path = self.pick_path(avoid)?;
+            let path = self.pick_path(avoid);
             if let Some(cc) = self.cc.as_mut() {
                 if cc.traced().tx_data {
                     let mut out = CcOutput::default();
@@ -477,11 +484,11 @@ impl SolarClient {
     }
 
     fn send_unit(&mut self, now: u64, io: IoId, idx: u16, n: u16, retx: bool, path: u16) -> Transmit {
-        let rto = self.paths[path as usize].rto(&self.cfg);
-        let p = &mut self.paths[path as usize];
+        let rto = self.rto(path);
+        self.paths.on_send(path as u8, now);
+        let p = &mut self.ledgers[path as usize];
         let psn = p.next_psn;
         p.next_psn = p.next_psn.wrapping_add(1).max(1);
-        p.inflight += 1;
         // a read's blocks come back one after another: give the whole chunk time to arrive
         let deadline = now + rto + n as u64 * 2_000;
         p.sent.insert(
@@ -546,13 +553,37 @@ impl SolarClient {
         }
     }
 
-    /// Removes a unit from its path; returns it.
-    fn unsend(&mut self, path: u16, psn: u32) -> Option<Unit> {
-        let p = self.paths.get_mut(path as usize)?;
-        let u = p.sent.remove(&psn)?;
-        p.inflight -= 1;
+    /// Removes a unit from its path's ledger, telling the path set how it left; returns it.
+    fn unsend(&mut self, path: u16, psn: u32, how: Outcome) -> Option<Unit> {
+        let l = self.ledgers.get_mut(path as usize)?;
+        let u = l.sent.remove(&psn)?;
+        let i = path as u8;
+        match how {
+            Outcome::Delivered => {
+                l.backoff = 0;
+                self.paths.on_delivered(i, self.last_now);
+            }
+            Outcome::Lost => {
+                if l.lost.len() >= LOST_MEMORY {
+                    l.lost.pop_first();
+                }
+                l.lost.insert(psn);
+                self.paths.on_lost(i);
+            }
+            Outcome::Retired => self.paths.forget(i),
+        }
         self.inflight_bytes = self.inflight_bytes.saturating_sub(u.left as u64 * BLOCK as u64);
         Some(u)
+    }
+
+    /// An answer on `path` to `psn`, a packet no longer in the ledger: if it was presumed
+    /// lost, the loss is taken back and the path counts as delivering.
+    fn late_answer(&mut self, now: u64, path: u16, psn: u32) {
+        let l = &mut self.ledgers[path as usize];
+        if l.lost.remove(&psn) {
+            l.backoff = 0;
+            self.paths.on_late_delivery(path as u8, now);
+        }
     }
 
     fn cc_rx(&mut self, now: u64, kind: RxKind, rtt: Option<u64>, ce: bool) {
@@ -594,7 +625,7 @@ impl SolarClient {
         let carrier = s.at.remove(&idx);
         let write = s.kind == Kind::Write;
         if let (true, Some((p, psn))) = (write, carrier) {
-            self.unsend(p, psn);
+            self.unsend(p, psn, Outcome::Retired);
         }
         let Some(s) = self.ios.get_mut(&io) else { return false };
         s.left -= 1;
@@ -609,21 +640,9 @@ impl SolarClient {
         self.by_rpc.remove(&s.rpc);
         // its packets still in flight no longer count
         for (_, (path, psn)) in s.at {
-            self.unsend(path, psn); // None for a unit already retired
+            self.unsend(path, psn, Outcome::Retired); // None for a unit already retired
         }
         self.events.push_back(ClientEvent::Done { io, result });
-    }
-
-    /// A path answered: it is healthy again.
-    fn path_alive(&mut self, path: u16) {
-        if let Some(p) = self.paths.get_mut(path as usize) {
-            if p.state == PathState::Down {
-                self.stats.path_ups += 1;
-            }
-            p.state = PathState::Good;
-            p.consecutive_timeouts = 0;
-            p.probe_sent = None;
-        }
     }
 
     /// Handles a packet from the server. A checked READ_DATA block is returned for the driver
@@ -637,23 +656,30 @@ impl SolarClient {
             }
         };
         let path = h.path;
+        self.last_now = self.last_now.max(now);
         if path as usize >= self.paths.len() {
             self.stats.malformed += 1;
             return Err(WireError::Index(path, self.paths.len() as u16));
         }
         match h.op {
             Op::ProbeAck => {
-                self.path_alive(path);
+                if !self.paths.is_up(path as u8) {
+                    self.stats.path_ups += 1;
+                    tracing::debug!("solar: path {path} answered a probe: back in the rotation");
+                }
+                self.paths.on_probe_reply(path as u8, now);
                 Ok(None)
             }
             Op::WriteAck | Op::Nack => {
-                let unit = self.unsend(path, h.psn);
-                self.path_alive(path);
+                let unit = self.unsend(path, h.psn, Outcome::Delivered);
+                if unit.is_none() {
+                    self.late_answer(now, path, h.psn);
+                }
                 let rtt = unit
                     .filter(|u| !u.retx && u.sent_at == h.ts)
                     .map(|u| now.saturating_sub(u.sent_at));
                 if let Some(r) = rtt {
-                    self.paths[path as usize].on_rtt(r);
+                    self.paths.on_rtt(path as u8, r, now);
                 }
                 // the congestion control sees the network's delay: the server's time on the
                 // block (making it durable) is taken out
@@ -677,8 +703,7 @@ impl SolarClient {
                     Some(Status::Accepted) => {
                         // arrived; durable later. Its packet left the window above; from
                         // now on only a lost server (no `Ok` in time) makes it go again
-                        let timeout = (self.paths[path as usize].rto(&self.cfg) + 4 * self.service_ns)
-                            .min(self.cfg.durable_timeout_ns);
+                        let timeout = (self.rto(path) + 4 * self.service_ns).min(self.cfg.durable_timeout_ns);
                         let s = self.ios.get_mut(&io).expect("looked up above");
                         if !s.done[idx as usize] && s.at.get(&idx) == Some(&(path, h.psn)) {
                             s.at.remove(&idx);
@@ -705,7 +730,9 @@ impl SolarClient {
                 Ok(None)
             }
             Op::ReadData => {
-                self.path_alive(path);
+                if !self.ledgers[path as usize].sent.contains_key(&h.psn) {
+                    self.late_answer(now, path, h.psn);
+                }
                 let Some(&io) = self.by_rpc.get(&h.rpc) else {
                     self.stats.duplicates += 1;
                     return Ok(None);
@@ -719,7 +746,7 @@ impl SolarClient {
                 // the READ_REQ it answers (the header echoes its path and psn); a duplicate, or
                 // a block another request already brought, changes nothing there
                 let fresh = !s.done[idx as usize] && s.at.get(&idx) == Some(&(path, h.psn));
-                let unit = self.paths[path as usize]
+                let unit = self.ledgers[path as usize]
                     .sent
                     .get(&h.psn)
                     .copied()
@@ -727,16 +754,15 @@ impl SolarClient {
                 if let Some(u) = unit {
                     if u.left == u.n && !u.retx && u.sent_at == h.ts {
                         let rtt = now.saturating_sub(u.sent_at);
-                        self.paths[path as usize].on_rtt(rtt);
+                        self.paths.on_rtt(path as u8, rtt, now);
                         self.cc_rx(now, RxKind::Ack, Some(rtt), h.flags & flags::ECN_ECHO != 0);
                     }
                     self.inflight_bytes = self.inflight_bytes.saturating_sub(BLOCK as u64);
-                    let p = &mut self.paths[path as usize];
-                    let e = p.sent.get_mut(&h.psn).expect("found above");
+                    let e = self.ledgers[path as usize].sent.get_mut(&h.psn).expect("found above");
                     e.left -= 1;
                     if e.left == 0 {
-                        p.sent.remove(&h.psn);
-                        p.inflight -= 1;
+                        // nothing left of it counts in flight
+                        self.unsend(path, h.psn, Outcome::Delivered);
                         self.fast_resend(path, h.psn);
                     }
                 }
@@ -771,13 +797,13 @@ impl SolarClient {
     /// Packets of `path` sent three or more before `psn` and still unanswered are lost (a path
     /// keeps order): resend their blocks.
     fn fast_resend(&mut self, path: u16, psn: u32) {
-        let lost: Vec<u32> = self.paths[path as usize]
+        let lost: Vec<u32> = self.ledgers[path as usize]
             .sent
             .range(..psn.saturating_sub(2))
             .map(|(&p, _)| p)
             .collect();
         for p in lost {
-            if let Some(u) = self.unsend(path, p) {
+            if let Some(u) = self.unsend(path, p, Outcome::Lost) {
                 self.stats.fast_resends += 1;
                 self.requeue(u, path);
             }
@@ -818,30 +844,28 @@ impl SolarClient {
     /// The earliest time [`Self::on_timer`] has work.
     pub fn next_timeout(&self) -> Option<u64> {
         let rto = self
-            .paths
+            .ledgers
             .iter()
             .flat_map(|p| p.sent.values().map(|u| u.deadline))
             .min();
-        let probe = self
+        // a path's health deadline already passed stays unchanged until another path
+        // delivers: looked at again one minimum RTO later, not in a spin
+        let paths = self
             .paths
-            .iter()
-            .filter(|p| p.state != PathState::Good)
-            .map(|p| match p.probe_sent {
-                Some(t) => t + p.rto(&self.cfg),
-                None => p.next_probe,
-            })
-            .min();
+            .next_deadline()
+            .map(|t| t.max(self.last_now + self.cfg.min_rto_ns.max(1)));
         let io = self
             .ios
             .values()
             .flat_map(|s| s.accepted.values().copied().chain([s.deadline]))
             .min();
         let pace = (self.next_send_at > self.last_now && !self.queue.is_empty()).then_some(self.next_send_at);
-        [rto, probe, io, self.cc_timer, pace].into_iter().flatten().min()
+        [rto, paths, io, self.cc_timer, pace].into_iter().flatten().min()
     }
 
-    /// Timers: per-packet RTOs (resend elsewhere, path health), probes of down paths,
-    /// congestion control's timer, request timeouts.
+    /// Timers: per-packet RTOs (resend elsewhere), path health (a path that stopped
+    /// delivering leaves the rotation; probes of down paths), congestion control's timer,
+    /// request timeouts.
     pub fn on_timer(&mut self, now: u64) {
         self.last_now = self.last_now.max(now);
         if self.cc_timer.is_some_and(|t| t <= now) {
@@ -852,50 +876,45 @@ impl SolarClient {
                 self.apply(out);
             }
         }
-        for i in 0..self.paths.len() {
-            let rto = self.paths[i].rto(&self.cfg);
-            // an unanswered probe counts as a timeout of its path
-            let probe_lost = self.paths[i].probe_sent.is_some_and(|t| now >= t + rto);
-            if probe_lost {
-                self.paths[i].probe_sent = None;
-            }
-            let expired: Vec<u32> = self.paths[i]
+        let mut timeouts = 0;
+        for i in 0..self.ledgers.len() {
+            let expired: Vec<u32> = self.ledgers[i]
                 .sent
                 .iter()
                 .filter(|(_, u)| u.deadline <= now)
                 .map(|(&p, _)| p)
                 .collect();
-            if !expired.is_empty() || probe_lost {
-                self.stats.timeouts += expired.len() as u64;
-                let p = &mut self.paths[i];
-                p.consecutive_timeouts += 1;
-                if p.consecutive_timeouts >= self.cfg.down_after {
-                    if p.state != PathState::Down {
-                        self.stats.path_downs += 1;
-                    }
-                    p.state = PathState::Down;
-                } else if p.state == PathState::Good {
-                    // suspect: no new packets while other paths are good, probed right away
-                    p.state = PathState::Suspect;
-                    p.next_probe = now;
-                }
-                // what timed out is lost; on a dead path everything is
-                let lost: Vec<u32> = if p.state == PathState::Down {
-                    p.sent.keys().copied().collect()
-                } else {
-                    expired
-                };
-                for psn in lost {
-                    if let Some(u) = self.unsend(i as u16, psn) {
-                        self.requeue(u, i as u16);
-                    }
-                }
-                self.cc_rx(now, RxKind::Timeout, None, false);
+            if expired.is_empty() {
+                continue;
             }
-            let p = &mut self.paths[i];
-            if p.state != PathState::Good && p.probe_sent.is_none() && p.next_probe <= now {
-                p.probe_sent = Some(now);
-                p.next_probe = now + self.cfg.probe_interval_ns;
+            timeouts += expired.len();
+            self.ledgers[i].backoff += 1;
+            for psn in expired {
+                if let Some(u) = self.unsend(i as u16, psn, Outcome::Lost) {
+                    self.requeue(u, i as u16);
+                }
+            }
+        }
+        if timeouts > 0 {
+            self.stats.timeouts += timeouts as u64;
+            self.cc_rx(now, RxKind::Timeout, None, false);
+        }
+        // what a path that went down had in flight is lost
+        for i in self.paths.check(now) {
+            self.stats.path_downs += 1;
+            tracing::debug!(
+                "solar: path {i} delivered nothing for {} RTOs: out of the rotation",
+                self.cfg.down_after
+            );
+            let gone: Vec<u32> = self.ledgers[i as usize].sent.keys().copied().collect();
+            for psn in gone {
+                if let Some(u) = self.unsend(i as u16, psn, Outcome::Lost) {
+                    self.requeue(u, i as u16);
+                }
+            }
+        }
+        while let Some(i) = self.paths.probe_due(now) {
+            if !self.probes.contains(&(i as u16)) {
                 self.probes.push_back(i as u16);
             }
         }
