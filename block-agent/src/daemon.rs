@@ -388,7 +388,8 @@ pub async fn run_node(a: NodeArgs) -> Result<(), DaemonError> {
         a.dir.display()
     ));
     let mut why = None;
-    tonic::transport::Server::builder()
+    let (stop, stopped) = tokio::sync::oneshot::channel();
+    let serve = tonic::transport::Server::builder()
         .add_service(pb::storage_node_admin_server::StorageNodeAdminServer::new(NodeAdmin(
             node.clone(),
         )))
@@ -397,8 +398,9 @@ pub async fn run_node(a: NodeArgs) -> Result<(), DaemonError> {
                 _ = shutdown() => {}
                 Ok(m) = superseded_rx => why = Some(m),
             }
-        })
-        .await?;
+            let _ = stop.send(());
+        });
+    netstack::cm::drain_bounded(serve, stopped).await?;
     tracing::info!("block-server stopping");
     deregister(live).await;
     match why {
@@ -429,11 +431,16 @@ pub async fn run_agent(a: AgentArgs) -> Result<(), DaemonError> {
         agent: agent.clone(),
         nbd: nbd.to_string(),
     });
-    let server = tokio::spawn(
+    let (stop, stopped) = tokio::sync::oneshot::channel();
+    let server = tokio::spawn(netstack::cm::drain_bounded(
         tonic::transport::Server::builder()
             .add_service(svc)
-            .serve_with_incoming_shutdown(incoming(l), shutdown()),
-    );
+            .serve_with_incoming_shutdown(incoming(l), async move {
+                shutdown().await;
+                let _ = stop.send(());
+            }),
+        stopped,
+    ));
     if let Some(c) = &a.control {
         let client = control_client(c)?;
         let req = pb::RegisterAgentRequest {
@@ -524,9 +531,13 @@ pub async fn run_control(a: ControlArgs) -> Result<(), DaemonError> {
         tokio::spawn(c.clone().follow_live(view));
     }
     banner(&format!("block-control control={at} metadata={store}"));
-    tonic::transport::Server::builder()
+    let (stop, stopped) = tokio::sync::oneshot::channel();
+    let serve = tonic::transport::Server::builder()
         .add_service(pb::block_control_server::BlockControlServer::new(ControllerService(c)))
-        .serve_with_incoming_shutdown(incoming(l), shutdown())
-        .await?;
+        .serve_with_incoming_shutdown(incoming(l), async move {
+            shutdown().await;
+            let _ = stop.send(());
+        });
+    netstack::cm::drain_bounded(serve, stopped).await?;
     Ok(())
 }

@@ -2,7 +2,8 @@
 //! paths through a router namespace with L4 ECMP and an HTB limit per path; one QP sprayed over
 //! sixteen source ports against the same QP on one port, then a path cut in the middle of a
 //! transfer; then a single-path QP over two address pairs (multi-NIC hosts) failing over when
-//! its link is cut; KV-cache transfers sprayed against one path and the tcp transport's lanes. Needs root
+//! its link is cut; KV-cache transfers sprayed against one path and the tcp transport's lanes; block
+//! writes over Solar and over TCP through a link cut and random loss. Needs root
 //! (CI runs as root); skipped with a message otherwise.
 
 use std::process::Command;
@@ -127,4 +128,61 @@ fn kvcache_transfers_spray_over_both_paths_on_par_with_multi_lane_tcp() {
     // the tcp transport with its default 4 lanes: four 5-tuples usually cover both links too
     // (all four on one link 1 time in 8), so spraying must be at least on par, not 1.5x
     assert!(ratio("tcp") >= 0.8, "16 paths / tcp with 4 lanes: {out}");
+}
+
+/// The block service on the faulty fabric (`ecmp.sh block`): one storage node in B, agents in
+/// A over Solar (sprayed over 8 source ports) and over the plain block protocol on one kernel
+/// TCP connection, fio writing fresh random blocks and reading them back verified. A cut of
+/// the link carrying the run, then 5 % random loss in both directions.
+#[test]
+fn block_writes_ride_out_a_cut_and_random_loss_on_solar() {
+    let blkctl = ("BLKCTL", env!("CARGO_BIN_EXE_blkctl"));
+    #[rustfmt::skip]
+    let cut = [
+        "block", "--fault", "cut", "--rate", "200mbit", "--paths", "8", "--pairs", "1",
+        "--io-bytes", "128MiB", "--cut-at", "1.5", "--cut-for", "2",
+    ];
+    let Some((out, lines)) = ecmp(&cut, "fb", blkctl) else {
+        return;
+    };
+    let run = |sys: &str| {
+        lines
+            .iter()
+            .find(|l| l["experiment"] == "block" && l["system"] == sys)
+            .cloned()
+            .unwrap_or_else(|| panic!("a {sys} run in {out}"))
+    };
+    let g = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap_or_else(|| panic!("{k} in {v}"));
+    let (solar, tcp) = (run("solar"), run("tcp"));
+    for r in [&solar, &tcp] {
+        assert_eq!(r["verified"], true, "every written block read back intact: {r}");
+        assert_eq!(r["errors"], 0, "no I/O error: {r}");
+    }
+    // the target: no stall of 100 ms; TCP's one connection waits for the link (2 s)
+    assert!(g(&solar, "stall_ms") < 100.0, "{solar}");
+    assert!(g(&tcp, "stall_ms") > 1000.0, "the cut hit the TCP flow: {tcp}");
+    assert!(g(&solar, "iops") > 1.5 * g(&tcp, "iops"), "{solar}\n{tcp}");
+
+    #[rustfmt::skip]
+    let loss = [
+        "block", "--fault", "loss", "--loss", "5", "--rate", "200mbit", "--paths", "8",
+        "--pairs", "1", "--io-bytes", "48MiB",
+    ];
+    let Some((out, lines)) = ecmp(&loss, "fl", blkctl) else {
+        return;
+    };
+    let sum = lines
+        .iter()
+        .find(|l| l["summary"] == true)
+        .cloned()
+        .unwrap_or_else(|| panic!("a summary in {out}"));
+    assert_eq!(sum["verified"], true, "{sum}");
+    assert_eq!(
+        (sum["errors_solar"].as_u64(), sum["errors_tcp"].as_u64()),
+        (Some(0), Some(0)),
+        "{sum}"
+    );
+    // both links against one, and lost blocks resent after a path RTO, not TCP's 200 ms
+    assert!(g(&sum, "iops_ratio") > 1.5, "{out}");
+    assert!(g(&sum, "p999_ratio") < 0.5, "{out}");
 }

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # An ECMP multipath testbed on one Linux host: host A and host B in network namespaces, joined
 # through a router namespace by two equal-cost paths. The router reaches B's service address
-# over both links with Linux ECMP hashing the 5-tuple (net.ipv4.fib_multipath_hash_policy=1), so
+# over both links with Linux ECMP hashing the 5-tuple (fib_multipath_hash_policy=3, fields 0x37), so
 # a flow with one UDP source port uses one path and a QP that sprays over several source ports
 # uses both. Each path is rate-limited at the router (HTB at --rate). B returns traffic over
 # both links the same way.
@@ -30,6 +30,23 @@
 #          ECMP hashes each 5-tuple, so they usually cover both links), interleaved. Prints
 #          kvcache-bench's JSON lines (results and ratios).
 #          KVCACHE_BENCH=path uses that binary; otherwise it is built (release).
+#   ecmp.sh block [--rate R] [--paths N] [--pairs P] [--fault cut|loss] [--loss 1]
+#                 [--io-bytes 96MiB] [--depth 32] [--cut-at 1.5] [--cut-for 2] [--prefix P]
+#       5. the block service on a faulty fabric: a controller and a storage node in B, two agents
+#          in A (Solar sprayed over --paths source ports, and the plain block protocol over one
+#          kernel TCP connection: the reference), a volume on each (1 replica, the same node).
+#          fio (nbd engine) in A writes --io-bytes of fresh random 4 KiB blocks at --depth and
+#          reads them back verified (crc32c), Solar and TCP interleaved --pairs times. `cut`:
+#          --cut-at seconds in, the link carrying most of the run's traffic (for TCP, its one
+#          connection's link; the fault hits the flow) is cut at B's end and restored
+#          --cut-for seconds later, as in 2. `loss`: a tc program (loss.bpf.c; the kernel here
+#          has no netem) drops --loss percent of the IP packets in both directions of both
+#          links for the whole run. Prints per run
+#          {"experiment":"block","system","fault","iops","p50_us","p99_us","p999_us",
+#          "max_ms","stall_ms","errors","verified",...} (stall_ms: the longest time without a
+#          completed write) and {"experiment":"block","summary":true,...} with the medians and
+#          the Solar/TCP ratios. BLKCTL=path uses that blkctl; otherwise it is built (release).
+#          BLOCK_KEEP=dir keeps fio's JSON, its per-I/O latency logs and the daemons' logs.
 #   ecmp.sh up [...] / ecmp.sh down [--prefix P]
 #       only build / only remove the topology.
 #
@@ -47,6 +64,7 @@ RATE=500mbit PATHS=8 SPRAY=weighted DURATION=3 PAIRS=3 CUT_BYTES=1GiB CUT_AT=2 C
 FAILOVER_BYTES=256MiB
 SWIFT_TARGET_NS=1000000
 SIZE=16MiB
+FAULT=cut LOSS=1 IO_BYTES=96MiB DEPTH=32
 P="fe$$"
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -61,11 +79,19 @@ while [ $# -gt 0 ]; do
     --failover-bytes) FAILOVER_BYTES="$2"; shift 2 ;;
     --cc) CC="$2"; shift 2 ;;
     --size) SIZE="$2"; shift 2 ;;
+    --fault) FAULT="$2"; shift 2 ;;
+    --loss) LOSS="$2"; shift 2 ;;
+    --io-bytes) IO_BYTES="$2"; shift 2 ;;
+    --depth) DEPTH="$2"; shift 2 ;;
     --prefix) P="$2"; shift 2 ;;
     *) echo "ecmp.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
-case "$cmd" in run|up|down|kvcache) ;; *) sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;; esac
+case "$cmd" in run|up|down|kvcache|block) ;; *) sed -n '2,46p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;; esac
+case "$FAULT" in cut|loss) ;; *) echo "--fault: cut or loss" >&2; exit 2 ;; esac
+[[ "$LOSS" =~ ^[0-9]+(\.[0-9]+)?$ ]] || { echo "--loss: a percentage like 1 or 0.5" >&2; exit 2; }
+[[ "$IO_BYTES" =~ ^[0-9]+(KiB|MiB|GiB)$ ]] || { echo "--io-bytes: like 96MiB" >&2; exit 2; }
+[[ "$DEPTH" =~ ^[0-9]+$ ]] && [ "$DEPTH" -ge 1 ] && [ "$DEPTH" -le 256 ] || { echo "--depth: 1..256" >&2; exit 2; }
 case "$SPRAY" in single|round-robin|weighted) ;; *) echo "--spray: unknown policy $SPRAY" >&2; exit 2 ;; esac
 [[ "$PATHS" =~ ^[0-9]+$ ]] && [ "$PATHS" -ge 2 ] && [ "$PATHS" -le 64 ] || { echo "--paths: 2..64" >&2; exit 2; }
 [[ "$PAIRS" =~ ^[0-9]+$ ]] && [ "$PAIRS" -ge 1 ] || { echo "--pairs: a positive number" >&2; exit 2; }
@@ -95,7 +121,11 @@ up() {
   for n in "${NS[@]}"; do
     ip -n "${P}_$n" link set lo up
     ip netns exec "${P}_$n" sysctl -qw net.ipv4.conf.all.rp_filter=0 net.ipv4.conf.default.rp_filter=0
-    ip netns exec "${P}_$n" sysctl -qw net.ipv4.fib_multipath_hash_policy=1
+    # hash the 5-tuple as an IPv4 switch does (policy 3, fields: addresses, protocol, ports).
+    # Policy 1 would reuse the sending socket's hash (it survives the veth), which Linux TCP
+    # draws anew after every RTO: a fabric hashing IPv6 flow labels behaves so, an IPv4 one not
+    ip netns exec "${P}_$n" sysctl -qw net.ipv4.fib_multipath_hash_policy=3 \
+      net.ipv4.fib_multipath_hash_fields=0x0037
   done
   for d in ra r1 r2; do ip netns exec "${P}_r" sysctl -qw "net.ipv4.conf.${P}$d.rp_filter=0"; done
   for d in b1 b2; do ip netns exec "${P}_b" sysctl -qw "net.ipv4.conf.${P}$d.rp_filter=0"; done
@@ -116,7 +146,29 @@ up() {
   done
 }
 
-start ecmp.sh ip:iproute2 tc:iproute2 ethtool:ethtool python3:python3 ping:iputils-ping
+deps=(ip:iproute2 tc:iproute2 ethtool:ethtool python3:python3 ping:iputils-ping)
+[ "$cmd" = block ] && deps+=(fio:fio)
+[ "$cmd" = block ] && [ "$FAULT" = loss ] && deps+=(clang:clang /usr/include/bpf/bpf_helpers.h:libbpf-dev)
+start ecmp.sh "${deps[@]}"
+
+# cut_link K / restore_link K: B's end of link K (1 or 2) goes down: the router still hashes
+# flows onto it, a black hole. Restored as a router brings a link back: the route uses it only
+# once its neighbour answers (the kernel would otherwise hash B's replies onto it at once, into
+# an unresolved ARP entry whose first request may go out before the carrier is up and is
+# retried a second later).
+cut_link() {
+  ip -n "${P}_b" link set "${P}b$1" down
+}
+restore_link() {
+  local k="$1" o=$(( 3 - $1 ))
+  ip -n "${P}_b" route replace 10.88.1.0/24 via "10.88.1$o.1" dev "${P}b$o"
+  ip -n "${P}_b" link set "${P}b$k" up
+  for _ in 1 2 3 4 5 6 7 8 9 10; do
+    ip netns exec "${P}_b" ping -q -c 1 -W 0.2 -I "${P}b$k" "10.88.1$k.1" >/dev/null 2>&1 && break
+  done
+  ip -n "${P}_b" route replace 10.88.1.0/24 \
+    nexthop via 10.88.11.1 dev "${P}b1" weight 1 nexthop via 10.88.12.1 dev "${P}b2" weight 1
+}
 
 if [ "$cmd" = kvcache ]; then
   if [ -z "${KVCACHE_BENCH:-}" ]; then
@@ -148,6 +200,147 @@ if [ "$cmd" = kvcache ]; then
     2>"$work/kvc.err"; then
     echo "the kvcache experiment failed:" >&2; grep -v "^ \\|^Stack backtrace" "$work/kvc.err" | tail -5 >&2; exit 1
   fi
+  exit 0
+fi
+
+if [ "$cmd" = block ]; then
+  if [ -z "${BLKCTL:-}" ]; then
+    (cd "$root" && cargo build --release -q -p clients --bin blkctl) >&2
+    BLKCTL="$root/target/release/blkctl"
+  fi
+  # daemon NAME NS ROLE ARGS...: `blkctl daemon ROLE ARGS` in namespace NS; waits for its banner
+  daemon() {
+    local name="$1" ns="$2" role="$3"
+    shift 3
+    "${DIE[@]}" ip netns exec "${P}_$ns" "$BLKCTL" daemon "$role" "$@" >"$work/$name.log" 2>&1 &
+    local pid=$!
+    pids+=("$pid")
+    for _ in $(seq 1 300); do
+      grep -q "^block-" "$work/$name.log" && return 0
+      kill -0 "$pid" 2>/dev/null || break
+      sleep 0.1
+    done
+    echo "$name did not start:" >&2; tail -20 "$work/$name.log" >&2; exit 1
+  }
+  daemon control b control --listen 10.88.2.2:7420 --state "$work/control.json" --node-timeout-ms 60000
+  daemon node0 b node --dir "$work/node0" --listen 10.88.2.2:7500 --admin 10.88.2.2:0 \
+    --control 10.88.2.2:7420
+  daemon solar a agent --name solar --nbd 127.0.0.1:10809 --admin 10.88.1.2:0 --control 10.88.2.2:7420 \
+    --transport solar --paths "$PATHS" --cc "$CC"
+  daemon tcp a agent --name tcp --nbd 127.0.0.1:10810 --admin 10.88.1.2:0 --control 10.88.2.2:7420 \
+    --transport tcp
+  blk=(ip netns exec "${P}_a" "$BLKCTL" --control 10.88.2.2:7420 --dir "$work")
+  declare -A uri
+  for sys in solar tcp; do
+    "${blk[@]}" create "v$sys" --size "$IO_BYTES" --replicas 1 >/dev/null
+    uri[$sys]="$("${blk[@]}" attach "v$sys" --agent "$sys" | tail -1)"
+  done
+  if [ "$FAULT" = loss ]; then
+    # the kernel here has no netem: a tc egress program drops at random (loss.bpf.c), on the
+    # router's ports toward B and B's ports toward the router: loss in both directions
+    ppm=$(python3 -c "import sys; print(round(float(sys.argv[1]) * 10000))" "$LOSS")
+    clang -O2 -g -target bpf -I"/usr/include/$(uname -m)-linux-gnu" -DLOSS_PPM="$ppm" \
+      -c "$here/loss.bpf.c" -o "$work/loss.o"
+    for nd in r:r1 r:r2 b:b1 b:b2; do
+      ip netns exec "${P}_${nd%%:*}" tc qdisc add dev "${P}${nd#*:}" clsact
+      ip netns exec "${P}_${nd%%:*}" tc filter add dev "${P}${nd#*:}" egress bpf da obj "$work/loss.o" sec tc
+    done
+  fi
+  # link_bytes K: bytes the router has sent toward B on link K
+  link_bytes() {
+    ip -n "${P}_r" -s link show "${P}r$1" | awk '/TX:/ {getline; print $1; exit}'
+  }
+  for pair in $(seq 1 "$PAIRS"); do
+    for sys in solar tcp; do
+      name="$sys.$pair"
+      "${DIE[@]}" ip netns exec "${P}_a" fio --name="$name" --ioengine=nbd --uri="${uri[$sys]}" \
+        --rw=randwrite --bs=4k --iodepth="$DEPTH" --size="$IO_BYTES" --randrepeat=0 \
+        --randseed="$(od -An -N4 -tu4 /dev/urandom | tr -d ' ')" --refill_buffers \
+        --verify=crc32c --do_verify=1 --verify_fatal=1 --verify_state_save=0 \
+        --write_lat_log="$work/$name" --log_avg_msec=0 --percentile_list=50:99:99.9 \
+        --output-format=json --output="$work/$name.json" >"$work/$name.err" 2>&1 &
+      pids+=($!)
+      fpid=$!
+      python3 -c 'import time; print(time.monotonic_ns())' >"$work/$name.times"
+      if [ "$FAULT" = cut ]; then
+        b1=$(link_bytes 1) b2=$(link_bytes 2)
+        run sleep "$CUT_AT"
+        # the link that carried more of this run so far
+        k=1
+        [ $(( $(link_bytes 2) - b2 )) -gt $(( $(link_bytes 1) - b1 )) ] && k=2
+        python3 -c 'import time; print(time.monotonic_ns())' >>"$work/$name.times"
+        cut_link "$k"
+        run sleep "$CUT_FOR"
+        restore_link "$k"
+        echo "$k" >"$work/$name.link"
+      fi
+      wait "$fpid" || true
+    done
+  done
+  # BLOCK_KEEP=DIR keeps fio's results and per-I/O latency logs there
+  if [ -n "${BLOCK_KEEP:-}" ]; then mkdir -p "$BLOCK_KEEP" && cp "$work"/*.{json,log,times} "$BLOCK_KEEP"/ 2>/dev/null || true; fi
+  python3 - "$work" "$FAULT" "$LOSS" "$PAIRS" "$PATHS" "$RATE" <<'PYEOF'
+import json, sys
+work, fault, loss, pairs, paths, rate = sys.argv[1:]
+def med(v):
+    v = sorted(x for x in v if x is not None)
+    return v[len(v) // 2] if v else None
+runs = {"solar": [], "tcp": []}
+for pair in range(1, int(pairs) + 1):
+    for sysname in ("solar", "tcp"):
+        name = f"{sysname}.{pair}"
+        r = {"experiment": "block", "system": sysname, "fault": fault, "pair": pair,
+             "paths": int(paths) if sysname == "solar" else 1, "rate_per_path": rate}
+        if fault == "loss":
+            r["loss_pct"] = float(loss)
+        try:
+            s = open(f"{work}/{name}.json").read()
+            job = json.loads(s[s.index("{"):])["jobs"][0]
+        except (OSError, ValueError) as e:
+            err = open(f"{work}/{name}.err").read()[-400:]
+            r.update({"error": f"no fio result: {e}: {err}", "errors": 1, "verified": False})
+            print(json.dumps(r)); runs[sysname].append(r); continue
+        w, rd = job["write"], job["read"]
+        pct = w["clat_ns"].get("percentile", {})
+        p = lambda k: round(pct[k] / 1000, 1) if k in pct else None
+        # completions of writes (direction 1) by time: the longest gap is the stall
+        times = []
+        try:
+            for line in open(f"{work}/{name}_clat.1.log"):
+                f = [x.strip() for x in line.split(",")]
+                if len(f) >= 3 and f[2] == "1":
+                    times.append(int(f[0]))
+        except OSError:
+            pass
+        times.sort()
+        stall = max((b - a for a, b in zip(times, times[1:])), default=None)
+        r.update({
+            "iops": round(w["iops"]), "p50_us": p("50.000000"), "p99_us": p("99.000000"),
+            "p999_us": p("99.900000"), "max_ms": round(w["clat_ns"]["max"] / 1e6, 1),
+            "stall_ms": stall, "errors": job["error"], "writes": w["total_ios"], "verified_reads": rd["total_ios"],
+            # every block written was read back and matched its crc32c (verify_fatal stops at a mismatch)
+            "verified": job["error"] == 0 and rd["total_ios"] == w["total_ios"] and w["total_ios"] > 0,
+            "cpu_ms_fio": round((job["usr_cpu"] + job["sys_cpu"]) / 100 * job["elapsed"] * 1000),
+        })
+        try:
+            r["cut_link"] = int(open(f"{work}/{name}.link").read())
+        except OSError:
+            pass
+        print(json.dumps(r))
+        runs[sysname].append(r)
+s, t = runs["solar"], runs["tcp"]
+ratio = lambda k, inv=False: med([(b[k] / a[k] if inv else a[k] / b[k]) for a, b in zip(s, t)
+                                  if a.get(k) and b.get(k)])
+print(json.dumps({
+    "experiment": "block", "summary": True, "fault": fault, "pairs": int(pairs),
+    "iops_solar": med([r.get("iops") for r in s]), "iops_tcp": med([r.get("iops") for r in t]),
+    "iops_ratio": ratio("iops"), "p99_ratio": ratio("p99_us"), "p999_ratio": ratio("p999_us"),
+    "stall_ms_solar_max": max((r.get("stall_ms") or 0 for r in s), default=None),
+    "stall_ms_tcp_max": max((r.get("stall_ms") or 0 for r in t), default=None),
+    "errors_solar": sum(1 for r in s if r.get("errors")), "errors_tcp": sum(1 for r in t if r.get("errors")),
+    "verified": all(r.get("verified") for r in s + t),
+}))
+PYEOF
   exit 0
 fi
 
@@ -192,19 +385,10 @@ cut_run() {
   local cpid=$!
   run sleep "$CUT_AT"
   python3 -c 'import time; print(time.monotonic_ns())' >"$work/$name.times"
-  ip -n "${P}_b" link set "${P}b1" down
+  cut_link 1
   run sleep "$CUT_FOR"
   python3 -c 'import time; print(time.monotonic_ns())' >>"$work/$name.times"
-  # as a router brings a link back: the route uses it only once its neighbour answers (the
-  # kernel would otherwise hash B's replies onto it at once, into an unresolved ARP entry whose
-  # first request may go out before the carrier is up and is retried a second later)
-  ip -n "${P}_b" route replace 10.88.1.0/24 via 10.88.12.1 dev "${P}b2"
-  ip -n "${P}_b" link set "${P}b1" up
-  for _ in 1 2 3 4 5 6 7 8 9 10; do
-    ip netns exec "${P}_b" ping -q -c 1 -W 0.2 -I "${P}b1" 10.88.11.1 >/dev/null 2>&1 && break
-  done
-  ip -n "${P}_b" route replace 10.88.1.0/24 \
-    nexthop via 10.88.11.1 dev "${P}b1" weight 1 nexthop via 10.88.12.1 dev "${P}b2" weight 1
+  restore_link 1
   if ! wait "$cpid"; then
     echo "the $name experiment failed:" >&2; grep -v "^ \\|^Stack backtrace" "$work/$name.err" | tail -5 >&2
   fi

@@ -41,10 +41,24 @@ run() {
   wait "$!"
 }
 
+# running PID: whether PID runs (a child that exited but was not waited for is a zombie: no)
+running() {
+  [ -r "/proc/$1/stat" ] && ! grep -q '^[0-9]* (.*) Z ' "/proc/$1/stat" 2>/dev/null
+}
+
 # The EXIT/INT/TERM trap: stops the children, removes everything, keeps the exit status.
 cleanup() {
   local rc=$?
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  # a child still running 5 s later (hung in its shutdown) gets SIGKILL: the testbed never
+  # waits forever
+  local p t
+  for t in $(seq 50); do
+    for p in "${pids[@]}"; do running "$p" && break; done
+    running "$p" || break
+    sleep 0.1
+  done
+  for p in "${pids[@]}"; do running "$p" && kill -9 "$p" 2>/dev/null; done
   for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
   down
   [ -n "$work" ] && rm -rf "$work"

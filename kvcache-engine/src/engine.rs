@@ -165,13 +165,15 @@ impl TransferEngine {
         let svc = crate::rpc::pb::transfer_rpc_server::TransferRpcServer::new(crate::rpc::DescService(desc.clone()));
         rt.spawn(async move {
             let incoming = netstack::cm::incoming(listener);
-            let r = tonic::transport::Server::builder()
+            let (stop, stopped) = tokio::sync::oneshot::channel();
+            let serve = tonic::transport::Server::builder()
                 .add_service(svc)
                 .add_optional_service(acceptor)
                 .serve_with_incoming_shutdown(incoming, async {
                     let _ = rx.await;
-                })
-                .await;
+                    let _ = stop.send(());
+                });
+            let r = netstack::cm::drain_bounded(serve, stopped).await;
             if let Err(e) = r {
                 tracing::error!("transfer engine RPC server: {e}");
             }

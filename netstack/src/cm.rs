@@ -214,18 +214,54 @@ pub fn service<A: Acceptor>(
     pb::connection_manager_server::ConnectionManagerServer::new(Service(acceptor))
 }
 
-/// Serves the connection manager on `listener` until `shutdown` resolves.
+/// Serves the connection manager on `listener` until `shutdown` resolves (then open calls get
+/// at most [`DRAIN`] to finish).
 pub async fn serve<A: Acceptor>(
     listener: tokio::net::TcpListener,
     acceptor: Arc<A>,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> Result<(), CmError> {
     let addr = listener.local_addr()?.to_string();
-    tonic::transport::Server::builder()
+    let (stop, stopped) = tokio::sync::oneshot::channel();
+    let serve = tonic::transport::Server::builder()
         .add_service(service(acceptor))
-        .serve_with_incoming_shutdown(incoming(listener), shutdown)
+        .serve_with_incoming_shutdown(incoming(listener), async move {
+            shutdown.await;
+            let _ = stop.send(());
+        });
+    drain_bounded(serve, stopped)
         .await
         .map_err(|source| CmError::Transport { addr, source })
+}
+
+/// How long a stopping gRPC server of ours lets its open connections finish. tonic's graceful
+/// shutdown waits for every connection to close, and a peer that vanished without closing its
+/// connection (its FIN lost, its host gone; HTTP/2 keepalive is off) would keep the server,
+/// and the daemon around it, from ever exiting.
+pub const DRAIN: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Awaits `serve`, a tonic server future whose graceful shutdown `stopped` announces (the
+/// shutdown future sends on its sender when it resolves), for at most [`DRAIN`] after the
+/// stop; connections still open then are dropped with the future.
+pub async fn drain_bounded<E>(
+    serve: impl std::future::Future<Output = Result<(), E>>,
+    stopped: tokio::sync::oneshot::Receiver<()>,
+) -> Result<(), E> {
+    tokio::pin!(serve);
+    let deadline = async {
+        match stopped.await {
+            Ok(()) => tokio::time::sleep(DRAIN).await,
+            // the server ended without a stop: only `serve` can finish now
+            Err(_) => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        r = &mut serve => r,
+        () = deadline => {
+            tracing::warn!("gRPC connections still open {DRAIN:?} after the stop: dropping them");
+            Ok(())
+        }
+    }
 }
 
 /// The connections `listener` accepts, with `TCP_NODELAY` set, for a gRPC server of ours.
