@@ -176,6 +176,11 @@ impl netstack::telemetry::Collect for Agent {
             c("flexns_volume_read_failovers_total", &k.read_failovers);
             c("flexns_volume_repairs_total", &k.repairs);
             c("flexns_volume_repair_failures_total", &k.repair_failures);
+            c("flexns_volume_degraded_writes_total", &k.degraded_writes);
+            c("flexns_volume_replica_downs_total", &k.replica_downs);
+            c("flexns_volume_resynced_regions_total", &k.resynced_regions);
+            let behind: usize = v.replica_states().iter().map(|&(_, n)| n).sum();
+            gauge!("flexns_volume_regions_behind", "volume" => name.clone()).set(behind as f64);
             gauge!("flexns_volume_size_bytes", "volume" => name.clone()).set(v.size() as f64);
             gauge!("flexns_volume_replicas", "volume" => name.clone()).set(v.replicas().len() as f64);
         }

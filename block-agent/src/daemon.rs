@@ -154,6 +154,11 @@ pub struct AgentArgs {
     /// Runtime worker threads.
     #[arg(long, default_value_t = 2)]
     pub threads: usize,
+    /// Replicas that must have a write durable before it is acknowledged (0: all of them).
+    /// Fewer gives degraded writes: a replica that misses writes is caught up in the
+    /// background from a good copy. The record of what it missed is in this agent's memory.
+    #[arg(long, default_value_t = 0)]
+    pub write_quorum: usize,
     /// Milliseconds between heartbeats to the controller (each also brings the volumes
     /// attached here and where their replicas serve now).
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(10..=60_000))]
@@ -207,6 +212,7 @@ impl AgentArgs {
             "none" => netstack::cc::CcKind::None,
             x => return Err(DaemonError::Config(format!("--cc {x:?}: swift or none"))),
         };
+        c.volume.write_quorum = (self.write_quorum > 0).then_some(self.write_quorum);
         Ok(c)
     }
 }

@@ -1,12 +1,25 @@
 //! A replicated volume as the agent sees it: byte-addressed reads and writes turned into block
 //! requests on the [`Link`]s of the volume's replicas.
 //!
-//! - **Writes** go to every replica and complete when all of them have the blocks durable. A
-//!   replica that does not answer makes the write wait (the links resend on other paths and
-//!   probe dead ones) until the link's I/O timeout, then the write fails with EIO: this agent
-//!   never acknowledges a write that is not on every replica, so any one replica can serve
-//!   every read afterwards without a catch-up protocol. (A degraded mode that acknowledges on
-//!   a quorum needs a resync log for the missing replica; it is not built.)
+//! - **Writes** go to every replica that is up and complete when a **quorum** of them has the
+//!   blocks durable ([`VolumeConfig::write_quorum`]: all of them by default, 2 of 3 for
+//!   degraded writes; the agent's `--write-quorum`). While the
+//!   quorum is not reached the write waits (the links resend on other paths and probe dead
+//!   ones) up to the link's I/O timeout, then fails with EIO ("stall, don't fail").
+//! - **Dirty regions.** Per replica the volume keeps which 1 MiB regions it may lack: writes
+//!   acknowledged without its copy yet (still in flight to it: `pending`), and writes it missed
+//!   (failed, or not answered within [`VolumeConfig::replica_timeout`] after the quorum, or
+//!   not sent because it is down: `missed`). A replica that misses a write is **down**: new
+//!   writes skip it (while a quorum of others is up) and only mark their regions missed.
+//! - **Reads** go only to a replica clean over the range (no pending or missed region there),
+//!   so a read never returns data older than the last acknowledged write; a range no single
+//!   replica has clean is read region by region.
+//! - **Resync.** A background task per volume rewrites a down replica's missed regions from a
+//!   clean copy, region by region under the range lock, at most
+//!   [`VolumeConfig::resync_bytes_per_sec`]. The first region that lands brings the replica up
+//!   (new writes reach it again; its remaining missed regions still keep reads away); the last
+//!   one makes it in sync. A write still in flight to it from before is older than the resync's
+//!   (request ids increase per link) and the storage node drops it as stale.
 //! - Overlapping writes are **serialized** here (a range lock per volume), so an old write can
 //!   never be applied after a newer one; the storage node drops stale retransmissions too.
 //!   Unaligned writes read-modify-write their first and last block under the same lock.
@@ -15,9 +28,11 @@
 //!   under the range lock the good copy is read again and written to it.
 
 use crate::link::{Link, LinkError};
+use futures_util::stream::{FuturesUnordered, StreamExt};
 use netstack::transport::solar::client::IoError;
 use netstack::transport::solar::wire::Status;
 use parking_lot::Mutex;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,6 +42,8 @@ use tokio::sync::Notify;
 pub const BLOCK: u64 = 4096;
 /// Most blocks one link request carries.
 const CHUNK_BLOCKS: u64 = 4096;
+/// Blocks of a dirty-tracking region (1 MiB).
+const REGION_BLOCKS: u64 = 256;
 
 /// Why a volume request failed.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -54,14 +71,70 @@ pub enum VolumeError {
 pub struct VolumeConfig {
     /// A replica that has not answered a read in this long is skipped for the next one.
     pub read_failover_after: Duration,
+    /// Replicas that must have a write durable before it is acknowledged (a majority, 2 of 3,
+    /// gives degraded writes); None: all of them. All is the default because the dirty regions
+    /// live in the agent's memory: an agent that restarts while a replica is behind forgets
+    /// it, and reads may then reach the stale copy (persisting the log, or reconciling the
+    /// replicas' block versions at attach, is not built).
+    pub write_quorum: Option<usize>,
+    /// A replica that has not answered a write this long after the quorum did is down.
+    pub replica_timeout: Duration,
+    /// Bytes per second the resync of a down replica may write to it.
+    pub resync_bytes_per_sec: u64,
+    /// How often the resync looks at down replicas.
+    pub resync_interval: Duration,
 }
 
 impl Default for VolumeConfig {
     fn default() -> Self {
         VolumeConfig {
             read_failover_after: Duration::from_secs(2),
+            write_quorum: None,
+            replica_timeout: Duration::from_secs(2),
+            resync_bytes_per_sec: 64 << 20,
+            resync_interval: Duration::from_millis(500),
         }
     }
+}
+
+/// Where a replica stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReplicaState {
+    /// It has every acknowledged write (or will: `pending` ones are in flight to it).
+    InSync,
+    /// It gets new writes again; regions it missed are being rewritten from a good copy.
+    CatchingUp,
+    /// It missed a write: new writes skip it until the resync reaches it.
+    Down,
+}
+
+/// One replica's dirty regions (see the module's doc).
+#[derive(Debug, Default)]
+struct ReplicaHealth {
+    down: bool,
+    /// Region -> writes acknowledged without this replica's copy, still in flight to it.
+    pending: HashMap<u64, u32>,
+    /// Regions it missed: rewritten by the resync.
+    missed: BTreeSet<u64>,
+}
+
+impl ReplicaHealth {
+    fn clean(&self, regions: std::ops::Range<u64>) -> bool {
+        self.missed.range(regions.clone()).next().is_none()
+            && regions.into_iter().all(|r| !self.pending.contains_key(&r))
+    }
+
+    fn state(&self) -> ReplicaState {
+        match (self.down, self.missed.is_empty()) {
+            (true, _) => ReplicaState::Down,
+            (false, false) => ReplicaState::CatchingUp,
+            (false, true) => ReplicaState::InSync,
+        }
+    }
+}
+
+fn regions(lba: u64, n: u64) -> std::ops::Range<u64> {
+    lba / REGION_BLOCKS..(lba + n).div_ceil(REGION_BLOCKS)
 }
 
 /// Counters of a volume.
@@ -72,6 +145,12 @@ pub struct VolumeCounters {
     pub read_failovers: AtomicU64,
     pub repairs: AtomicU64,
     pub repair_failures: AtomicU64,
+    /// Writes acknowledged before every replica had them (a quorum did).
+    pub degraded_writes: AtomicU64,
+    /// Times a replica went down (it missed a write).
+    pub replica_downs: AtomicU64,
+    /// Regions the resync rewrote on a replica that missed them.
+    pub resynced_regions: AtomicU64,
 }
 
 /// Block ranges being written, so overlapping writes take turns.
@@ -128,6 +207,9 @@ pub struct Volume {
     /// there.
     suspect_until: Vec<AtomicU64>,
     epoch: std::time::Instant,
+    health: Mutex<Vec<ReplicaHealth>>,
+    /// The resync task was started.
+    resyncing: std::sync::atomic::AtomicBool,
 }
 
 /// How long reads try a replica that failed one last.
@@ -141,7 +223,8 @@ fn is_data_error(e: &LinkError) -> bool {
 }
 
 impl Volume {
-    /// Volume `id` of `size` bytes (a multiple of 4096) on `replicas` (at least one).
+    /// Volume `id` of `size` bytes (a multiple of 4096) on `replicas` (at least one). The resync
+    /// task starts when a replica first goes down and runs while the volume lives.
     pub fn new(id: u32, size: u64, replicas: Vec<Arc<Link>>, cfg: VolumeConfig) -> Arc<Volume> {
         assert!(!replicas.is_empty(), "a volume needs a replica");
         let replicas_len = replicas.len();
@@ -155,7 +238,20 @@ impl Volume {
             counters: VolumeCounters::default(),
             suspect_until: (0..replicas_len).map(|_| AtomicU64::new(0)).collect(),
             epoch: std::time::Instant::now(),
+            health: Mutex::new((0..replicas_len).map(|_| ReplicaHealth::default()).collect()),
+            resyncing: std::sync::atomic::AtomicBool::new(false),
         })
+    }
+
+    /// Replicas whose durable copy acknowledges a write.
+    pub fn write_quorum(&self) -> usize {
+        let r = self.replicas.len();
+        self.cfg.write_quorum.unwrap_or(r).clamp(1, r)
+    }
+
+    /// Each replica's state, and how many regions it has yet to catch up.
+    pub fn replica_states(&self) -> Vec<(ReplicaState, usize)> {
+        self.health.lock().iter().map(|h| (h.state(), h.missed.len())).collect()
     }
 
     pub fn id(&self) -> u32 {
@@ -206,8 +302,19 @@ impl Volume {
     }
 
     async fn read_blocks(self: &Arc<Self>, lba: u64, n: u64) -> Result<Vec<u8>, VolumeError> {
-        if n <= CHUNK_BLOCKS {
+        if n <= CHUNK_BLOCKS && !self.clean_replicas(lba, n).is_empty() {
             return self.read_chunk(lba, n as u16).await;
+        }
+        if n > REGION_BLOCKS && self.clean_replicas(lba, n).is_empty() {
+            // no replica has the whole range clean: region by region
+            let mut out = Vec::with_capacity((n * BLOCK) as usize);
+            let mut at = lba;
+            while at < lba + n {
+                let k = (REGION_BLOCKS - at % REGION_BLOCKS).min(lba + n - at);
+                out.extend_from_slice(&self.read_chunk(at, k as u16).await?);
+                at += k;
+            }
+            return Ok(out);
         }
         let mut out = Vec::with_capacity((n * BLOCK) as usize);
         let mut at = lba;
@@ -219,9 +326,23 @@ impl Volume {
         Ok(out)
     }
 
-    /// One link-sized read with failover across replicas and repair of a bad copy.
+    /// Replicas with no pending or missed region over `lba..lba+n`: those a read may use.
+    fn clean_replicas(&self, lba: u64, n: u64) -> Vec<usize> {
+        let h = self.health.lock();
+        (0..h.len()).filter(|&i| h[i].clean(regions(lba, n))).collect()
+    }
+
+    /// One link-sized read with failover across the replicas clean over the range, and repair
+    /// of a bad copy.
     async fn read_chunk(self: &Arc<Self>, lba: u64, n: u16) -> Result<Vec<u8>, VolumeError> {
         let r = self.replicas.len();
+        let clean = self.clean_replicas(lba, n as u64);
+        if clean.is_empty() {
+            return Err(VolumeError::AllReplicasFailed {
+                volume: self.id,
+                last: format!("no replica has blocks {lba}..{} in sync", lba + n as u64),
+            });
+        }
         let start = self.rr.fetch_add(1, Ordering::Relaxed) % r;
         let mut bad = Vec::new();
         let mut last = String::new();
@@ -231,14 +352,16 @@ impl Volume {
         let suspects = (0..r.min(64))
             .filter(|&i| self.suspect_until[i].load(Ordering::Relaxed) > now)
             .fold(0u64, |m, i| m | 1 << i);
+        let clean = &clean;
         let order = [false, true].into_iter().flat_map(|last| {
             (0..r)
                 .map(move |k| (start + k) % r)
+                .filter(move |i| clean.contains(i))
                 .filter(move |&i| (i < 64 && suspects >> i & 1 == 1) == last)
         });
         for i in order {
             let rx = self.replicas[i].read(self.id, lba, n);
-            let res = if r > 1 {
+            let res = if clean.len() > 1 {
                 match tokio::time::timeout(self.cfg.read_failover_after, rx).await {
                     Ok(x) => x,
                     Err(_) => {
@@ -271,7 +394,7 @@ impl Volume {
                     }
                     last = e.to_string();
                     self.suspect(i);
-                    if r == 1 {
+                    if clean.len() == 1 {
                         return Err(VolumeError::Replica {
                             volume: self.id,
                             replica: i,
@@ -379,37 +502,255 @@ impl Volume {
         Ok(())
     }
 
-    async fn write_blocks(&self, lba: u64, data: Arc<[u8]>, fua: bool) -> Result<(), VolumeError> {
+    /// Writes whole blocks on the replicas that are up (all of them when fewer than a quorum
+    /// are); returns once a quorum has them durable. The others finish in the background: a
+    /// straggler past [`VolumeConfig::replica_timeout`], or one that fails, is down and its
+    /// regions missed.
+    async fn write_blocks(self: &Arc<Self>, lba: u64, data: Arc<[u8]>, fua: bool) -> Result<(), VolumeError> {
         let n = data.len() as u64 / BLOCK;
-        let mut waits = Vec::new();
-        let mut at = 0u64;
-        while at < n {
-            let k = CHUNK_BLOCKS.min(n - at);
-            let part: Arc<[u8]> = if k == n {
-                data.clone()
-            } else {
-                Arc::from(&data[(at * BLOCK) as usize..((at + k) * BLOCK) as usize])
-            };
-            for (i, l) in self.replicas.iter().enumerate() {
-                waits.push((i, l.write(self.id, lba + at, part.clone(), fua)));
+        let span = regions(lba, n);
+        let quorum = self.write_quorum();
+        let targets: Vec<usize> = {
+            let mut h = self.health.lock();
+            let up: Vec<usize> = (0..h.len()).filter(|&i| !h[i].down).collect();
+            let targets = if up.len() >= quorum { up } else { (0..h.len()).collect() };
+            for (i, r) in h.iter_mut().enumerate() {
+                if !targets.contains(&i) {
+                    r.missed.extend(span.clone());
+                }
             }
-            at += k;
+            targets
+        };
+        let mut replies = FuturesUnordered::new();
+        for &i in &targets {
+            let mut waits = Vec::new();
+            let mut at = 0u64;
+            while at < n {
+                let k = CHUNK_BLOCKS.min(n - at);
+                let part: Arc<[u8]> = if k == n {
+                    data.clone()
+                } else {
+                    Arc::from(&data[(at * BLOCK) as usize..((at + k) * BLOCK) as usize])
+                };
+                waits.push(self.replicas[i].write(self.id, lba + at, part, fua));
+                at += k;
+            }
+            let server = self.replicas[i].server();
+            replies.push(async move {
+                for w in waits {
+                    match w.await {
+                        Ok(Ok(())) => {}
+                        Ok(Err(e)) => return (i, Err(e)),
+                        Err(_) => return (i, Err(LinkError::Stopped(server))),
+                    }
+                }
+                (i, Ok(()))
+            });
         }
-        let mut first_err = None;
-        for (i, w) in waits {
-            let r = match w.await {
-                Ok(r) => r,
-                Err(_) => Err(LinkError::Stopped(self.replicas[i].server())),
-            };
-            if let Err(e) = r {
-                tracing::error!("volume {}: write of {n} blocks at {lba}: replica {i}: {e}", self.id);
-                first_err.get_or_insert(VolumeError::Replica {
-                    volume: self.id,
-                    replica: i,
-                    source: e,
-                });
+        let mut left = targets.clone();
+        let (mut done, mut failed, mut first_err) = (0usize, Vec::new(), None);
+        while let Some((i, r)) = replies.next().await {
+            left.retain(|&k| k != i);
+            match r {
+                Ok(()) => done += 1,
+                Err(e) => {
+                    tracing::error!("volume {}: write of {n} blocks at {lba}: replica {i}: {e}", self.id);
+                    failed.push(i);
+                    first_err.get_or_insert(VolumeError::Replica {
+                        volume: self.id,
+                        replica: i,
+                        source: e,
+                    });
+                }
+            }
+            if done >= quorum || done + left.len() < quorum {
+                break;
             }
         }
-        first_err.map_or(Ok(()), Err)
+        let acked = done >= quorum;
+        for i in failed {
+            self.settle(i, span.clone(), false, acked, false);
+        }
+        if !left.is_empty() {
+            if acked {
+                self.counters.degraded_writes.fetch_add(1, Ordering::Relaxed);
+                // answered without these replicas' copies: reads keep away from them over its
+                // regions until their copies land
+                let mut h = self.health.lock();
+                for &i in &left {
+                    for g in span.clone() {
+                        *h[i].pending.entry(g).or_insert(0) += 1;
+                    }
+                }
+            }
+            // each straggler lands, fails, or is given up on (down) after the timeout
+            let (v, timeout) = (self.clone(), self.cfg.replica_timeout);
+            tokio::spawn(async move {
+                let landed = tokio::time::timeout(timeout, async {
+                    while let Some((i, r)) = replies.next().await {
+                        left.retain(|&k| k != i);
+                        if let Err(e) = &r {
+                            tracing::error!("volume {}: write of {n} blocks at {lba}: replica {i}: {e}", v.id);
+                        }
+                        v.settle(i, span.clone(), r.is_ok(), acked, acked);
+                    }
+                })
+                .await;
+                if landed.is_err() {
+                    drop(replies);
+                    for i in left {
+                        tracing::warn!(
+                            "volume {}: replica {i} ({}) did not answer a write within {timeout:?} of the quorum",
+                            v.id,
+                            v.replicas[i].server()
+                        );
+                        v.settle(i, span.clone(), false, acked, acked);
+                    }
+                }
+            });
+        }
+        if acked {
+            Ok(())
+        } else {
+            Err(first_err.unwrap_or(VolumeError::AllReplicasFailed {
+                volume: self.id,
+                last: format!("{done} of the {quorum} replicas a write needs answered"),
+            }))
+        }
+    }
+
+    /// Replica `i`'s copy of a write over `span` landed (`ok`) or not; `counted` when it was
+    /// counted in flight (the write was answered before it came). A copy that did not land
+    /// takes the replica down, and when the write was acknowledged (`acked`) leaves its regions
+    /// missed.
+    /// An unacknowledged write leaves its range undefined on every replica, as a failed write
+    /// does on a disk: nothing to catch up. One replica has nothing to catch up from: no
+    /// tracking.
+    fn settle(self: &Arc<Self>, i: usize, span: std::ops::Range<u64>, ok: bool, acked: bool, counted: bool) {
+        if self.replicas.len() == 1 {
+            return;
+        }
+        let mut h = self.health.lock();
+        let r = &mut h[i];
+        for g in span.clone().filter(|_| counted) {
+            if let Some(c) = r.pending.get_mut(&g) {
+                *c -= 1;
+                if *c == 0 {
+                    r.pending.remove(&g);
+                }
+            }
+        }
+        if !ok {
+            if acked {
+                r.missed.extend(span);
+            }
+            if !r.down {
+                r.down = true;
+                self.counters.replica_downs.fetch_add(1, Ordering::Relaxed);
+                if !self.resyncing.swap(true, Ordering::Relaxed) {
+                    tokio::spawn(resync(Arc::downgrade(self)));
+                }
+                tracing::warn!(
+                    "volume {}: replica {i} ({}) missed a write: down until the resync catches it up",
+                    self.id,
+                    self.replicas[i].server()
+                );
+            }
+        }
+    }
+
+    /// One resync step for replica `i`: rewrites its first missed region from a replica clean
+    /// there, under the range lock. Ok(false) when it has none left.
+    async fn resync_region(self: &Arc<Self>, i: usize) -> Result<bool, String> {
+        let Some(g) = self.health.lock()[i].missed.first().copied() else {
+            return Ok(false);
+        };
+        let lba = g * REGION_BLOCKS;
+        let n = REGION_BLOCKS.min(self.size / BLOCK - lba);
+        let _g = self.locks.lock(lba, lba + n).await;
+        let source = self
+            .clean_replicas(lba, n)
+            .into_iter()
+            .find(|&k| k != i)
+            .ok_or_else(|| format!("no replica has region {g} in sync"))?;
+        let data = match tokio::time::timeout(
+            self.cfg.replica_timeout,
+            self.replicas[source].read(self.id, lba, n as u16),
+        )
+        .await
+        {
+            Ok(Ok(Ok(d))) => Arc::<[u8]>::from(d),
+            other => return Err(format!("reading region {g} from replica {source}: {other:?}")),
+        };
+        match tokio::time::timeout(
+            self.cfg.replica_timeout,
+            self.replicas[i].write(self.id, lba, data, true),
+        )
+        .await
+        {
+            Ok(Ok(Ok(()))) => {}
+            other => return Err(format!("writing region {g}: {other:?}")),
+        }
+        let mut h = self.health.lock();
+        h[i].missed.remove(&g);
+        if h[i].down {
+            // it answers: new writes reach it again
+            h[i].down = false;
+            tracing::info!(
+                "volume {}: replica {i} ({}) answers again: catching up {} regions",
+                self.id,
+                self.replicas[i].server(),
+                h[i].missed.len()
+            );
+        }
+        if h[i].missed.is_empty() {
+            tracing::info!(
+                "volume {}: replica {i} ({}) is in sync",
+                self.id,
+                self.replicas[i].server()
+            );
+        }
+        self.counters.resynced_regions.fetch_add(1, Ordering::Relaxed);
+        Ok(true)
+    }
+}
+
+/// The resync task of a volume: while it lives, catches up its down replicas (see the
+/// module's doc).
+async fn resync(v: std::sync::Weak<Volume>) {
+    loop {
+        let interval = match v.upgrade() {
+            Some(v) => v.cfg.resync_interval,
+            None => return,
+        };
+        tokio::time::sleep(interval).await;
+        let Some(v) = v.upgrade() else { return };
+        let behind: Vec<usize> = {
+            let h = v.health.lock();
+            (0..h.len()).filter(|&i| h[i].down || !h[i].missed.is_empty()).collect()
+        };
+        for i in behind {
+            loop {
+                let t = std::time::Instant::now();
+                match v.resync_region(i).await {
+                    Ok(true) => {
+                        // bounded bandwidth: a region's bytes at the configured rate
+                        let budget = Duration::from_secs_f64(
+                            (REGION_BLOCKS * BLOCK) as f64 / v.cfg.resync_bytes_per_sec.max(1) as f64,
+                        );
+                        tokio::time::sleep(budget.saturating_sub(t.elapsed())).await;
+                    }
+                    Ok(false) => {
+                        // nothing missed: a down replica with no missed region is up again
+                        v.health.lock()[i].down = false;
+                        break;
+                    }
+                    Err(e) => {
+                        tracing::debug!("volume {}: resync of replica {i}: {e}", v.id);
+                        break;
+                    }
+                }
+            }
+        }
     }
 }

@@ -173,6 +173,8 @@ pub struct ClusterSpec {
     /// Prometheus metrics on 127.0.0.1: the controller on this port, storage node `i` on
     /// `+1+i`, the agent after the nodes (see [`ClusterSpec::metrics_addrs`]).
     pub metrics_base: Option<u16>,
+    /// The agent's `--write-quorum` (0: all replicas).
+    pub write_quorum: usize,
 }
 
 impl ClusterSpec {
@@ -193,6 +195,7 @@ impl ClusterSpec {
             node_timeout_ms: 3000,
             etcd_lease_ttl_s: 10,
             metrics_base: None,
+            write_quorum: 0,
         }
     }
 
@@ -377,6 +380,8 @@ fn agent_args(spec: &ClusterSpec, control: &str, nbd: &str) -> Vec<String> {
         spec.cc.clone(),
         "--heartbeat-ms".into(),
         spec.heartbeat_ms.to_string(),
+        "--write-quorum".into(),
+        spec.write_quorum.to_string(),
     ];
     a.extend(spec.metrics_flag("agent0"));
     a.extend(live_args(spec));

@@ -1,6 +1,8 @@
 //! The block service as processes: `blkctl cluster up/down` and the volume commands (with the
 //! controller's metadata in a file and in a real etcd), kill -9 of a storage node during a
-//! write-heavy run with every acknowledged write checked on every replica afterwards, and a
+//! write-heavy run with every acknowledged write checked on every replica afterwards (writes
+//! waiting for it with the default all-replica quorum; going on, and the replica caught up
+//! after its restart, with a 2-of-3 quorum), and a
 //! real kernel file system (ext4 through nbdfuse and a loop device) on a flexns volume.
 
 mod common;
@@ -166,6 +168,131 @@ fn kill_dash_nine_of_a_storage_node_loses_no_acknowledged_write() {
     assert!(total > while_down + 50, "writes flowed again after the restart");
     let acked = acked.lock().unwrap().clone();
     // every acknowledged write is on every replica, read straight from the stores
+    drop(c);
+    for i in 0..3 {
+        let s = VolumeStore::open(&dir.join(format!("node{i}")), 1, 1 << 30).unwrap();
+        for (&lba, &v) in &acked {
+            let (data, _, _) = s.read(lba).unwrap();
+            assert!(
+                data == pattern(lba, v),
+                "node{i} block {lba}: not the acknowledged write {v:#x}"
+            );
+        }
+    }
+    eprintln!("{} blocks checked on 3 replicas", acked.len());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `blkctl describe` of `volume` against the cluster's controller, as JSON.
+fn describe(dir: &Path, control: &str, volume: &str) -> serde_json::Value {
+    let (ok, out, err) = blkctl(dir, &["--control", control, "describe", volume]);
+    assert!(ok, "describe: {err}");
+    serde_json::from_str(&out).unwrap_or_else(|e| panic!("describe printed {out:?}: {e}"))
+}
+
+/// Polls `describe` until `want` holds of it, or panics after `within`.
+fn describe_until(dir: &Path, control: &str, within: Duration, want: impl Fn(&serde_json::Value) -> bool) -> Duration {
+    let t = Instant::now();
+    loop {
+        let d = describe(dir, control, "vol0");
+        if want(&d) {
+            return t.elapsed();
+        }
+        assert!(t.elapsed() < within, "describe after {within:?}: {d:#}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// With a 2-of-3 write quorum (`blkctl cluster up --write-quorum 2`), kill -9 of a storage
+/// node costs no write: writes go on (none waits for the dead replica, none fails), describe
+/// shows the replica down; restarted, it is caught up from a good copy while writes continue,
+/// and then every replica holds every acknowledged write.
+#[test]
+fn with_a_write_quorum_a_dead_replica_stalls_no_write_and_is_caught_up() {
+    let dir = tmp("quorum");
+    let mut spec = ClusterSpec::new(dir.clone());
+    spec.size = 32 << 20;
+    spec.replicas = 3;
+    spec.nodes = 3;
+    spec.write_quorum = 2;
+    let mut c = LocalCluster::start(&spawner(), spec).unwrap();
+    let control = c.control_addr.clone();
+    let (hp, name) = host_port(&c.uri);
+    let blocks = (32u64 << 20) / 4096;
+    let acked: Arc<Mutex<HashMap<u64, u64>>> = Arc::default();
+    let stop = Arc::new(AtomicBool::new(false));
+    let count = Arc::new(AtomicU64::new(0));
+    // the slowest write since `since_ms` (ms after start), in microseconds
+    let slowest_us = Arc::new(AtomicU64::new(0));
+    let writers: Vec<_> = (0..4u64)
+        .map(|t| {
+            let (acked, stop, count, hp, name, slowest) = (
+                acked.clone(),
+                stop.clone(),
+                count.clone(),
+                hp.clone(),
+                name.clone(),
+                slowest_us.clone(),
+            );
+            std::thread::spawn(move || {
+                let mut cl = NbdClient::connect(hp.as_str(), &name).unwrap();
+                cl.set_timeout(Some(Duration::from_secs(60))).unwrap();
+                let mut x = t * 7919 + 1;
+                let mut version = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    let lba = ((x >> 33) % (blocks / 4)) * 4 + t;
+                    version += 1;
+                    let v = (t << 48) | version;
+                    let w = Instant::now();
+                    cl.write(lba * 4096, &pattern(lba, v), false).expect("no write fails");
+                    slowest.fetch_max(w.elapsed().as_micros() as u64, Ordering::Relaxed);
+                    acked.lock().unwrap().insert(lba, v);
+                    count.fetch_add(1, Ordering::Relaxed);
+                }
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(1500));
+    let d = describe(&dir, &control, "vol0");
+    assert_eq!(d["write_quorum"], 2, "{d:#}");
+    // node1's place among the volume's replicas
+    let id = c.nodes[1].field("node").expect("node id in the banner");
+    let r = (0..3)
+        .find(|&i| d["replicas"][i]["node"] == id.as_str())
+        .expect("node1 holds a replica");
+    let before_kill = count.load(Ordering::Relaxed);
+    c.nodes[1].kill9();
+    slowest_us.store(0, Ordering::Relaxed);
+    let down_after = describe_until(&dir, &control, Duration::from_secs(10), |d| {
+        d["replicas"][r]["sync"] == "down"
+    });
+    std::thread::sleep(Duration::from_millis(1500));
+    let while_down = count.load(Ordering::Relaxed) - before_kill;
+    let slowest_down = Duration::from_micros(slowest_us.load(Ordering::Relaxed));
+    c.restart_node(1, true).unwrap();
+    let caught_up = describe_until(&dir, &control, Duration::from_secs(30), |d| {
+        (0..3).all(|i| d["replicas"][i]["sync"] == "in-sync")
+    });
+    let d = describe(&dir, &control, "vol0");
+    std::thread::sleep(Duration::from_millis(500));
+    stop.store(true, Ordering::Relaxed);
+    for w in writers {
+        w.join().unwrap();
+    }
+    eprintln!(
+        "{before_kill} writes before the kill; node1 down in describe after {down_after:?}; {while_down} writes \
+         while it was down (slowest {slowest_down:?}); caught up {caught_up:?} after its restart: {}",
+        d["io"]
+    );
+    assert!(before_kill > 50, "writes flowed before the kill");
+    assert!(while_down > 50, "writes flowed while node1 was down");
+    assert!(
+        slowest_down < Duration::from_secs(1),
+        "a write waited {slowest_down:?} for the dead replica"
+    );
+    assert!(d["io"]["resynced_regions"].as_u64().unwrap() >= 1, "{d:#}");
+    let acked = acked.lock().unwrap().clone();
     drop(c);
     for i in 0..3 {
         let s = VolumeStore::open(&dir.join(format!("node{i}")), 1, 1 << 30).unwrap();

@@ -4,6 +4,7 @@
 use super::pb;
 use crate::agent::{Agent, ReplicaAt};
 use crate::storage_node::{NodeError, StorageNode};
+use crate::volume::ReplicaState;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use tonic::{Request, Response, Status};
@@ -132,16 +133,50 @@ impl pb::agent_admin_server::AgentAdmin for AgentAdmin {
             .filter_map(|n| {
                 let v = ex.get(&n)?;
                 let c = v.counters();
+                let states = v.replica_states();
+                let statuses: Vec<_> = v.replicas().iter().map(|l| l.status()).collect();
                 Some(pb::ExportInfo {
                     export_name: n,
                     volume: v.id(),
                     size: v.size(),
                     replicas: v.replicas().iter().map(|l| l.server().to_string()).collect(),
-                    paths_up: v.replicas().iter().map(|l| l.status().paths_up as u32).collect(),
+                    paths_up: statuses.iter().map(|s| s.paths_up as u32).collect(),
                     reads: c.reads.load(Ordering::Relaxed),
                     writes: c.writes.load(Ordering::Relaxed),
                     read_failovers: c.read_failovers.load(Ordering::Relaxed),
                     repairs: c.repairs.load(Ordering::Relaxed),
+                    replica_states: states
+                        .iter()
+                        .map(|(s, _)| {
+                            match s {
+                                ReplicaState::InSync => "in-sync",
+                                ReplicaState::CatchingUp => "catching-up",
+                                ReplicaState::Down => "down",
+                            }
+                            .to_string()
+                        })
+                        .collect(),
+                    regions_behind: states.iter().map(|&(_, n)| n as u32).collect(),
+                    write_quorum: v.write_quorum() as u32,
+                    degraded_writes: c.degraded_writes.load(Ordering::Relaxed),
+                    replica_downs: c.replica_downs.load(Ordering::Relaxed),
+                    resynced_regions: c.resynced_regions.load(Ordering::Relaxed),
+                    replica_paths: statuses
+                        .iter()
+                        .map(|s| pb::ReplicaPaths {
+                            paths: s
+                                .path_stats
+                                .iter()
+                                .map(|p| pb::PathHealth {
+                                    up: p.up,
+                                    sent: p.sent,
+                                    delivered: p.delivered,
+                                    lost: p.lost,
+                                    srtt_ns: p.srtt_ns,
+                                })
+                                .collect(),
+                        })
+                        .collect(),
                 })
             })
             .collect();

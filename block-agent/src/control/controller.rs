@@ -194,6 +194,7 @@ impl Controller {
                 .and_then(|a| s.agents.get(a))
                 .map(|_| name.to_string())
                 .unwrap_or_default(),
+            export: None,
         }
     }
 
@@ -604,8 +605,28 @@ impl pb::block_control_server::BlockControl for ControllerService {
     async fn describe(&self, r: Request<pb::NameRequest>) -> Result<Response<pb::VolumeSpec>, Status> {
         let c = &self.0;
         let name = r.into_inner().name;
-        let s = c.state.lock().await;
-        Ok(Response::new(c.spec(&name, volume(&s, &name)?, &s)))
+        let (mut spec, admin) = {
+            let s = c.state.lock().await;
+            let v = volume(&s, &name)?;
+            let admin = v.agent.as_ref().and_then(|a| s.agents.get(a)).map(|a| a.admin.clone());
+            (c.spec(&name, v, &s), admin)
+        };
+        // the agent's view (replica sync state, paths), asked without holding the state, and
+        // given up on after a second: describe answers even when the agent does not
+        if let Some(admin) = admin.filter(|_| !spec.export_name.is_empty()) {
+            let ask = async {
+                let mut cl = agent_client(&admin).await.ok()?;
+                cl.list_exports(pb::ListExportsRequest {}).await.ok()
+            };
+            if let Ok(Some(r)) = tokio::time::timeout(std::time::Duration::from_secs(1), ask).await {
+                spec.export = r
+                    .into_inner()
+                    .exports
+                    .into_iter()
+                    .find(|e| e.export_name == spec.export_name);
+            }
+        }
+        Ok(Response::new(spec))
     }
 
     async fn list(&self, _: Request<pb::ListRequest>) -> Result<Response<pb::ListReply>, Status> {

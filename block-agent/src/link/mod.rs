@@ -93,11 +93,13 @@ pub enum LinkError {
 pub type ReadResult = Result<Vec<u8>, LinkError>;
 
 /// What a link reports about itself.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct LinkStatus {
     pub stats: ClientStats,
     pub paths: u16,
     pub paths_up: u16,
+    /// Per path (Solar): up, sent, delivered, lost, RTT. Empty over TCP.
+    pub path_stats: Vec<netstack::path::PathStats>,
     pub outstanding: usize,
 }
 

@@ -122,6 +122,7 @@ impl SolarLink {
             stats: s.stats,
             paths: s.paths,
             paths_up: s.paths_up,
+            path_stats: s.path_stats,
             outstanding: s.outstanding,
         }
     }

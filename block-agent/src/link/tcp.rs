@@ -88,7 +88,7 @@ impl TcpLink {
     }
 
     pub(super) fn status(&self) -> LinkStatus {
-        *self.sh.status.lock()
+        self.sh.status.lock().clone()
     }
 }
 
@@ -303,6 +303,7 @@ impl Sender {
             },
             paths: 1,
             paths_up: u16::from(up),
+            path_stats: Vec::new(),
             outstanding: self.sh.inflight.lock().len(),
         };
     }

@@ -105,6 +105,10 @@ enum ClusterCmd {
         /// port, the storage nodes on the next ones, the agent after them.
         #[arg(long, value_name = "PORT")]
         metrics_base: Option<u16>,
+        /// Replicas a write needs durable before it is acknowledged (0: all). 2 of 3 gives
+        /// degraded writes: a replica that misses writes is caught up from a good copy.
+        #[arg(long, default_value_t = 0)]
+        write_quorum: usize,
     },
     /// Stops the local cluster (its data stays in --dir unless --purge).
     Down {
@@ -203,6 +207,7 @@ fn run() -> anyhow::Result<()> {
                 nbd,
                 etcd,
                 metrics_base,
+                write_quorum,
             } => {
                 if let Some(s) = load_state(&cli.dir) {
                     anyhow::bail!(
@@ -223,6 +228,7 @@ fn run() -> anyhow::Result<()> {
                 spec.etcd = etcd;
                 spec.detached = true;
                 spec.metrics_base = metrics_base;
+                spec.write_quorum = write_quorum;
                 let metrics = spec.metrics_addrs();
                 let c = LocalCluster::start(&spawner, spec)?;
                 let state = c.state();
@@ -331,14 +337,47 @@ fn run() -> anyhow::Result<()> {
     }
 }
 
+/// A volume as `describe` prints it: the controller's record (each replica's node, address and
+/// node state) and, when its agent answered, the agent's view: each replica's sync state
+/// (`in-sync`, `catching-up`, `down`) and regions behind, its Solar paths' health, the write
+/// quorum and the replication counters.
 fn describe_json(v: &pb::VolumeSpec) -> serde_json::Value {
+    let e = v.export.as_ref();
     let replicas: Vec<serde_json::Value> = v
         .replicas
         .iter()
-        .map(|r| serde_json::json!({"node": r.node, "addr": r.addr, "state": r.state}))
+        .enumerate()
+        .map(|(i, r)| {
+            let mut j = serde_json::json!({"node": r.node, "addr": r.addr, "node_state": r.state});
+            if let Some(e) = e {
+                j["sync"] = e.replica_states.get(i).cloned().into();
+                j["regions_behind"] = e.regions_behind.get(i).copied().into();
+                j["paths_up"] = e.paths_up.get(i).copied().into();
+                if let Some(p) = e.replica_paths.get(i).filter(|p| !p.paths.is_empty()) {
+                    j["paths"] = p
+                        .paths
+                        .iter()
+                        .map(|p| {
+                            serde_json::json!({"up": p.up, "sent": p.sent, "delivered": p.delivered,
+                                "lost": p.lost, "srtt_us": p.srtt_ns as f64 / 1e3})
+                        })
+                        .collect();
+                }
+            }
+            j
+        })
         .collect();
-    serde_json::json!({
+    let mut j = serde_json::json!({
         "name": v.name, "id": v.id, "size": v.size, "replicas": replicas,
         "agent": if v.agent.is_empty() { None } else { Some(&v.agent) },
-    })
+    });
+    if let Some(e) = e {
+        j["write_quorum"] = e.write_quorum.into();
+        j["io"] = serde_json::json!({"reads": e.reads, "writes": e.writes, "read_failovers": e.read_failovers,
+            "repairs": e.repairs, "degraded_writes": e.degraded_writes, "replica_downs": e.replica_downs,
+            "resynced_regions": e.resynced_regions});
+    } else if !v.agent.is_empty() {
+        j["agent_view"] = "the agent did not answer".into();
+    }
+    j
 }

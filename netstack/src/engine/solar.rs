@@ -41,12 +41,14 @@ pub enum SolarError {
 }
 
 /// What a Solar client endpoint reports about itself (refreshed every few milliseconds).
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct AgentStatus {
     pub stats: ClientStats,
     /// Paths toward the storage server, and how many of them are up.
     pub paths: u16,
     pub paths_up: u16,
+    /// What each path sent, delivered and lost, its RTT, whether it is up.
+    pub path_stats: Vec<crate::path::PathStats>,
     /// Requests in flight.
     pub outstanding: usize,
 }
@@ -547,6 +549,7 @@ impl SolarCore {
                 stats: ep.client.stats(),
                 paths: ep.client.paths().len() as u16,
                 paths_up: ep.client.paths_up(),
+                path_stats: ep.client.path_stats(),
                 outstanding: ep.client.outstanding(),
             };
         }

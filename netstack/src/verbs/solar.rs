@@ -195,7 +195,7 @@ impl SolarAgent {
 
     /// Counters and path health (refreshed every few milliseconds by the core).
     pub fn status(&self) -> AgentStatus {
-        *self.status.lock()
+        self.status.lock().clone()
     }
 }
 
