@@ -39,6 +39,14 @@ pub struct BenchArgs {
     /// Replicas of the flexns and tcp volumes (as many storage nodes are started).
     #[arg(long, default_value_t = 1)]
     pub replicas: usize,
+    /// Replicas a write needs durable before it is acknowledged, for the flexns and tcp
+    /// agents (0: all of them).
+    #[arg(long, default_value_t = 0)]
+    pub write_quorum: usize,
+    /// Also run flexns with this many replicas (all needed for a write), as a reference: the
+    /// cost of replication, interleaved (`flexns-rN` in the lines).
+    #[arg(long)]
+    pub compare_replicas: Option<usize>,
     /// Volume size.
     #[arg(long, default_value = "256MiB", value_parser = size)]
     pub size: u64,
@@ -386,11 +394,27 @@ pub fn run(a: &BenchArgs, sp: &Spawner) -> Result<()> {
     if a.depth == 0 || a.repeat == 0 {
         bail!("--depth and --repeat must be at least 1");
     }
-    let systems: Vec<&str> = match a.system.as_str() {
+    let mut systems: Vec<String> = match a.system.as_str() {
         "all" => vec!["flexns", "tcp", "qemu-nbd", "qemu-nbd-direct"],
         s @ ("flexns" | "tcp" | "qemu-nbd" | "qemu-nbd-direct") => vec![s],
         s => bail!("--system {s:?}: flexns, tcp, qemu-nbd, qemu-nbd-direct or all"),
-    };
+    }
+    .into_iter()
+    .map(String::from)
+    .collect();
+    if a.write_quorum > a.replicas {
+        bail!("--write-quorum {}: at most --replicas ({})", a.write_quorum, a.replicas);
+    }
+    if let Some(r) = a.compare_replicas {
+        if r == 0 || r > 16 {
+            bail!("--compare-replicas {r}: 1 to 16");
+        }
+        if a.uri.is_some() {
+            bail!("--compare-replicas starts its own cluster: not with --uri");
+        }
+        systems.push(format!("flexns-r{r}"));
+    }
+    let systems: Vec<&str> = systems.iter().map(String::as_str).collect();
     let dir = std::env::temp_dir().join(format!("blkbench-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let result = bench(a, sp, &systems, &dir);
@@ -434,8 +458,11 @@ fn bench(a: &BenchArgs, sp: &Spawner, systems: &[&str], dir: &Path) -> Result<()
                 }
                 _ => {
                     let mut spec = ClusterSpec::new(dir.join(s));
-                    spec.replicas = a.replicas;
-                    spec.nodes = a.replicas;
+                    // `flexns-rN`: the replication reference, N replicas, all needed
+                    let reference = s.strip_prefix("flexns-r").and_then(|n| n.parse::<usize>().ok());
+                    spec.replicas = reference.unwrap_or(a.replicas);
+                    spec.nodes = spec.replicas;
+                    spec.write_quorum = if reference.is_some() { 0 } else { a.write_quorum };
                     spec.size = a.size;
                     spec.transport = if s == "tcp" { "tcp".into() } else { "solar".into() };
                     spec.paths = a.paths;
@@ -608,10 +635,18 @@ fn system_result(a: &BenchArgs, t: &Target, rs: &[Run], verified: bool, interrup
     ex.insert("client".into(), a.client.clone().into());
     ex.insert("bs".into(), a.bs.into());
     ex.insert("iops".into(), ((iops * 10.0).round() / 10.0).into());
-    ex.insert(
-        "replicas".into(),
-        (if t.name.starts_with("qemu-nbd") { 1 } else { a.replicas }).into(),
-    );
+    let replicas = match t.name.strip_prefix("flexns-r").and_then(|n| n.parse::<usize>().ok()) {
+        Some(n) => n,
+        None if t.name.starts_with("qemu-nbd") => 1,
+        None => a.replicas,
+    };
+    ex.insert("replicas".into(), replicas.into());
+    let quorum = if t.name.starts_with("flexns-r") || a.write_quorum == 0 {
+        replicas
+    } else {
+        a.write_quorum
+    };
+    ex.insert("write_quorum".into(), quorum.into());
     ex.insert("runs".into(), rs.len().into());
     ex.insert(
         "iops_runs".into(),
@@ -643,7 +678,8 @@ fn ratio_lines(a: &BenchArgs, targets: &[Target], runs: &[Vec<Run>]) {
         let mut cpu: Vec<f64> = pairs.iter().map(|(x, y)| r3(server_cpu(x) / server_cpu(y))).collect();
         let line = serde_json::json!({
             "bench": format!("{}_ratio", a.rw), "system": "flexns", "reference": t.name, "client": a.client,
-            "bs": a.bs, "depth": a.depth, "replicas": a.replicas, "pairs": pairs.len(),
+            "bs": a.bs, "depth": a.depth, "replicas": a.replicas,
+            "write_quorum": if a.write_quorum == 0 { a.replicas } else { a.write_quorum }, "pairs": pairs.len(),
             "iops_ratio": r3(median(&mut iops)), "iops_ratios": per_round,
             "p50_ratio": (!p50.is_empty()).then(|| r3(median(&mut p50))),
             "server_cpu_per_io_ratio": r3(median(&mut cpu)),
