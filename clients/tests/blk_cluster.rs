@@ -8,14 +8,10 @@
 mod common;
 
 use block_agent::nbd::client::NbdClient;
-use block_agent::store::VolumeStore;
 use clients::blk::{ClusterSpec, LocalCluster};
-use common::{blkctl, have, host_port, local_etcd, pattern, spawner, tmp};
-use std::collections::HashMap;
+use common::{blkctl, check_stores, have, host_port, local_etcd, spawner, tmp, Writers};
 use std::path::Path;
 use std::process::Command;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 fn cli_round(dir: &Path, extra: &[&str]) {
@@ -119,45 +115,17 @@ fn kill_dash_nine_of_a_storage_node_loses_no_acknowledged_write() {
     spec.replicas = 3;
     spec.nodes = 3;
     let mut c = LocalCluster::start(&spawner(), spec).unwrap();
-    let (hp, name) = host_port(&c.uri);
-    let blocks = (32u64 << 20) / 4096;
-    let acked: Arc<Mutex<HashMap<u64, u64>>> = Arc::default();
-    let stop = Arc::new(AtomicBool::new(false));
-    let count = Arc::new(AtomicU64::new(0));
-    let writers: Vec<_> = (0..4u64)
-        .map(|t| {
-            let (acked, stop, count, hp, name) = (acked.clone(), stop.clone(), count.clone(), hp.clone(), name.clone());
-            std::thread::spawn(move || {
-                let mut cl = NbdClient::connect(hp.as_str(), &name).unwrap();
-                cl.set_timeout(Some(Duration::from_secs(60))).unwrap();
-                let mut x = t * 7919 + 1;
-                let mut version = 0u64;
-                while !stop.load(Ordering::Relaxed) {
-                    x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                    // writer t owns the blocks ≡ t (mod 4): its acknowledged order is the order
-                    let lba = ((x >> 33) % (blocks / 4)) * 4 + t;
-                    version += 1;
-                    let v = (t << 48) | version;
-                    cl.write(lba * 4096, &pattern(lba, v), false).expect("write");
-                    acked.lock().unwrap().insert(lba, v);
-                    count.fetch_add(1, Ordering::Relaxed);
-                }
-            })
-        })
-        .collect();
+    let w = Writers::start(&c.uri, (32u64 << 20) / 4096, 4);
     std::thread::sleep(Duration::from_millis(1500));
-    let before_kill = count.load(Ordering::Relaxed);
+    let before_kill = w.count();
     c.nodes[1].kill9();
     std::thread::sleep(Duration::from_millis(1000));
-    let while_down = count.load(Ordering::Relaxed);
+    let while_down = w.count();
     c.restart_node(1, true).unwrap();
     let restarted = Instant::now();
     std::thread::sleep(Duration::from_millis(3000));
-    stop.store(true, Ordering::Relaxed);
-    for w in writers {
-        w.join().unwrap();
-    }
-    let total = count.load(Ordering::Relaxed);
+    let total = w.count();
+    let acked = w.finish();
     eprintln!(
         "writes acknowledged: {before_kill} before the kill, {} while node1 was down, {} after its restart ({:?})",
         while_down - before_kill,
@@ -166,19 +134,9 @@ fn kill_dash_nine_of_a_storage_node_loses_no_acknowledged_write() {
     );
     assert!(before_kill > 50, "writes flowed before the kill");
     assert!(total > while_down + 50, "writes flowed again after the restart");
-    let acked = acked.lock().unwrap().clone();
     // every acknowledged write is on every replica, read straight from the stores
     drop(c);
-    for i in 0..3 {
-        let s = VolumeStore::open(&dir.join(format!("node{i}")), 1, 1 << 30).unwrap();
-        for (&lba, &v) in &acked {
-            let (data, _, _) = s.read(lba).unwrap();
-            assert!(
-                data == pattern(lba, v),
-                "node{i} block {lba}: not the acknowledged write {v:#x}"
-            );
-        }
-    }
+    check_stores(&dir, &acked);
     eprintln!("{} blocks checked on 3 replicas", acked.len());
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -217,42 +175,7 @@ fn with_a_write_quorum_a_dead_replica_stalls_no_write_and_is_caught_up() {
     spec.write_quorum = 2;
     let mut c = LocalCluster::start(&spawner(), spec).unwrap();
     let control = c.control_addr.clone();
-    let (hp, name) = host_port(&c.uri);
-    let blocks = (32u64 << 20) / 4096;
-    let acked: Arc<Mutex<HashMap<u64, u64>>> = Arc::default();
-    let stop = Arc::new(AtomicBool::new(false));
-    let count = Arc::new(AtomicU64::new(0));
-    // the slowest write since `since_ms` (ms after start), in microseconds
-    let slowest_us = Arc::new(AtomicU64::new(0));
-    let writers: Vec<_> = (0..4u64)
-        .map(|t| {
-            let (acked, stop, count, hp, name, slowest) = (
-                acked.clone(),
-                stop.clone(),
-                count.clone(),
-                hp.clone(),
-                name.clone(),
-                slowest_us.clone(),
-            );
-            std::thread::spawn(move || {
-                let mut cl = NbdClient::connect(hp.as_str(), &name).unwrap();
-                cl.set_timeout(Some(Duration::from_secs(60))).unwrap();
-                let mut x = t * 7919 + 1;
-                let mut version = 0u64;
-                while !stop.load(Ordering::Relaxed) {
-                    x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                    let lba = ((x >> 33) % (blocks / 4)) * 4 + t;
-                    version += 1;
-                    let v = (t << 48) | version;
-                    let w = Instant::now();
-                    cl.write(lba * 4096, &pattern(lba, v), false).expect("no write fails");
-                    slowest.fetch_max(w.elapsed().as_micros() as u64, Ordering::Relaxed);
-                    acked.lock().unwrap().insert(lba, v);
-                    count.fetch_add(1, Ordering::Relaxed);
-                }
-            })
-        })
-        .collect();
+    let w = Writers::start(&c.uri, (32u64 << 20) / 4096, 4);
     std::thread::sleep(Duration::from_millis(1500));
     let d = describe(&dir, &control, "vol0");
     assert_eq!(d["write_quorum"], 2, "{d:#}");
@@ -261,25 +184,22 @@ fn with_a_write_quorum_a_dead_replica_stalls_no_write_and_is_caught_up() {
     let r = (0..3)
         .find(|&i| d["replicas"][i]["node"] == id.as_str())
         .expect("node1 holds a replica");
-    let before_kill = count.load(Ordering::Relaxed);
+    let before_kill = w.count();
     c.nodes[1].kill9();
-    slowest_us.store(0, Ordering::Relaxed);
+    w.take_slowest();
     let down_after = describe_until(&dir, &control, Duration::from_secs(10), |d| {
         d["replicas"][r]["sync"] == "down"
     });
     std::thread::sleep(Duration::from_millis(1500));
-    let while_down = count.load(Ordering::Relaxed) - before_kill;
-    let slowest_down = Duration::from_micros(slowest_us.load(Ordering::Relaxed));
+    let while_down = w.count() - before_kill;
+    let slowest_down = w.take_slowest();
     c.restart_node(1, true).unwrap();
     let caught_up = describe_until(&dir, &control, Duration::from_secs(30), |d| {
         (0..3).all(|i| d["replicas"][i]["sync"] == "in-sync")
     });
     let d = describe(&dir, &control, "vol0");
     std::thread::sleep(Duration::from_millis(500));
-    stop.store(true, Ordering::Relaxed);
-    for w in writers {
-        w.join().unwrap();
-    }
+    let acked = w.finish(); // fails on any I/O error
     eprintln!(
         "{before_kill} writes before the kill; node1 down in describe after {down_after:?}; {while_down} writes \
          while it was down (slowest {slowest_down:?}); caught up {caught_up:?} after its restart: {}",
@@ -292,18 +212,8 @@ fn with_a_write_quorum_a_dead_replica_stalls_no_write_and_is_caught_up() {
         "a write waited {slowest_down:?} for the dead replica"
     );
     assert!(d["io"]["resynced_regions"].as_u64().unwrap() >= 1, "{d:#}");
-    let acked = acked.lock().unwrap().clone();
     drop(c);
-    for i in 0..3 {
-        let s = VolumeStore::open(&dir.join(format!("node{i}")), 1, 1 << 30).unwrap();
-        for (&lba, &v) in &acked {
-            let (data, _, _) = s.read(lba).unwrap();
-            assert!(
-                data == pattern(lba, v),
-                "node{i} block {lba}: not the acknowledged write {v:#x}"
-            );
-        }
-    }
+    check_stores(&dir, &acked);
     eprintln!("{} blocks checked on 3 replicas", acked.len());
     let _ = std::fs::remove_dir_all(&dir);
 }

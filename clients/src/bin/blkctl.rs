@@ -338,7 +338,7 @@ fn run() -> anyhow::Result<()> {
 }
 
 /// A volume as `describe` prints it: the controller's record (each replica's node, address and
-/// node state) and, when its agent answered, the agent's view: each replica's sync state
+/// node state, `state`) and, when its agent answered, the agent's view: each replica's sync state
 /// (`in-sync`, `catching-up`, `down`) and regions behind, its Solar paths' health, the write
 /// quorum and the replication counters.
 fn describe_json(v: &pb::VolumeSpec) -> serde_json::Value {
@@ -348,7 +348,7 @@ fn describe_json(v: &pb::VolumeSpec) -> serde_json::Value {
         .iter()
         .enumerate()
         .map(|(i, r)| {
-            let mut j = serde_json::json!({"node": r.node, "addr": r.addr, "node_state": r.state});
+            let mut j = serde_json::json!({"node": r.node, "addr": r.addr, "state": r.state});
             if let Some(e) = e {
                 j["sync"] = e.replica_states.get(i).cloned().into();
                 j["regions_behind"] = e.regions_behind.get(i).copied().into();
