@@ -179,6 +179,10 @@ impl netstack::telemetry::Collect for Agent {
             c("flexns_volume_degraded_writes_total", &k.degraded_writes);
             c("flexns_volume_replica_downs_total", &k.replica_downs);
             c("flexns_volume_resynced_regions_total", &k.resynced_regions);
+            let (_, throttled, waited) = v.qos();
+            counter!("flexns_volume_qos_throttled_total", "volume" => name.clone()).absolute(throttled);
+            counter!("flexns_volume_qos_throttled_microseconds_total", "volume" => name.clone())
+                .absolute(waited.as_micros() as u64);
             let behind: usize = v.replica_states().iter().map(|&(_, n)| n).sum();
             gauge!("flexns_volume_regions_behind", "volume" => name.clone()).set(behind as f64);
             gauge!("flexns_volume_size_bytes", "volume" => name.clone()).set(v.size() as f64);

@@ -22,6 +22,7 @@ pub mod control;
 pub mod daemon;
 pub mod link;
 pub mod nbd;
+pub mod qos;
 pub mod storage_node;
 pub mod store;
 pub mod tcp_proto;

@@ -20,6 +20,8 @@
 //!   (new writes reach it again; its remaining missed regions still keep reads away); the last
 //!   one makes it in sync. A write still in flight to it from before is older than the resync's
 //!   (request ids increase per link) and the storage node drops it as stale.
+//! - **QoS**: every read and write first passes the volume's token buckets
+//!   ([`crate::qos`]: provisioned IOPS and bandwidth with a burst), changeable online.
 //! - Overlapping writes are **serialized** here (a range lock per volume), so an old write can
 //!   never be applied after a newer one; the storage node drops stale retransmissions too.
 //!   Unaligned writes read-modify-write their first and last block under the same lock.
@@ -208,6 +210,7 @@ pub struct Volume {
     suspect_until: Vec<AtomicU64>,
     epoch: std::time::Instant,
     health: Mutex<Vec<ReplicaHealth>>,
+    qos: Mutex<crate::qos::Qos>,
     /// The resync task was started.
     resyncing: std::sync::atomic::AtomicBool,
 }
@@ -239,8 +242,28 @@ impl Volume {
             suspect_until: (0..replicas_len).map(|_| AtomicU64::new(0)).collect(),
             epoch: std::time::Instant::now(),
             health: Mutex::new((0..replicas_len).map(|_| ReplicaHealth::default()).collect()),
+            qos: Mutex::new(crate::qos::Qos::default()),
             resyncing: std::sync::atomic::AtomicBool::new(false),
         })
+    }
+
+    /// Sets the volume's QoS limits (online: requests after this see them).
+    pub fn set_qos(&self, limits: crate::qos::QosLimits) {
+        self.qos.lock().set(limits, std::time::Instant::now());
+    }
+
+    /// The QoS limits, and the requests they held back and for how long in total.
+    pub fn qos(&self) -> (crate::qos::QosLimits, u64, Duration) {
+        let q = self.qos.lock();
+        (q.limits(), q.throttled, Duration::from_nanos(q.throttled_ns))
+    }
+
+    /// Waits until the QoS buckets admit a request of `bytes`.
+    async fn admit(&self, bytes: u64) {
+        let wait = self.qos.lock().admit(bytes, std::time::Instant::now());
+        if !wait.is_zero() {
+            tokio::time::sleep(wait).await;
+        }
     }
 
     /// Replicas whose durable copy acknowledges a write.
@@ -289,6 +312,7 @@ impl Volume {
         if len == 0 {
             return Ok(Vec::new());
         }
+        self.admit(len).await;
         self.counters.reads.fetch_add(1, Ordering::Relaxed);
         let first = offset / BLOCK;
         let last = (offset + len).div_ceil(BLOCK);
@@ -465,6 +489,7 @@ impl Volume {
         if len == 0 {
             return Ok(());
         }
+        self.admit(len).await;
         self.counters.writes.fetch_add(1, Ordering::Relaxed);
         let first = offset / BLOCK;
         let last = (offset + len).div_ceil(BLOCK);

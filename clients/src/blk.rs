@@ -430,6 +430,7 @@ impl LocalCluster {
                     name: spec.volume.clone(),
                     size: spec.size,
                     replicas: spec.replicas as u32,
+                    qos: None,
                 })
                 .await
                 .map_err(status)?;

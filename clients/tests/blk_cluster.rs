@@ -218,6 +218,65 @@ fn with_a_write_quorum_a_dead_replica_stalls_no_write_and_is_caught_up() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Provisioned IOPS: a volume created with `--iops 200 --burst-ms 100` serves writes at that
+/// rate (300 writes take at least (300 - 20) / 200 s), `describe` shows the limit and what it
+/// held back, and `blkctl qos` lifts it online for the connection already open.
+#[test]
+fn provisioned_iops_hold_and_change_online() {
+    let dir = tmp("qos");
+    let mut spec = ClusterSpec::new(dir.clone());
+    spec.size = 8 << 20;
+    spec.replicas = 1;
+    spec.nodes = 1;
+    let c = LocalCluster::start(&spawner(), spec).unwrap();
+    let ctl = c.control_addr.as_str();
+    let run = |args: &[&str]| {
+        let mut a = vec!["--control", ctl];
+        a.extend_from_slice(args);
+        let (ok, out, err) = blkctl(&dir, &a);
+        assert!(ok, "blkctl {args:?}: {err}");
+        out
+    };
+    run(&[
+        "create",
+        "q",
+        "--size",
+        "8MiB",
+        "--replicas",
+        "1",
+        "--iops",
+        "200",
+        "--burst-ms",
+        "100",
+    ]);
+    let uri = run(&["attach", "q"]).trim().to_string();
+    let (hp, name) = host_port(&uri);
+    let mut cl = NbdClient::connect(hp.as_str(), &name).unwrap();
+    let block = vec![0x5Au8; 4096];
+    let timed = |cl: &mut NbdClient| {
+        let t = Instant::now();
+        for i in 0..300u64 {
+            cl.write((i % 2048) * 4096, &block, false).unwrap();
+        }
+        t.elapsed()
+    };
+    let limited = timed(&mut cl);
+    assert!(
+        limited >= Duration::from_millis(1350),
+        "300 writes at 200 IOPS took {limited:?}"
+    );
+    let d = describe(&dir, ctl, "q");
+    assert_eq!(d["qos"]["iops"], 200, "{d:#}");
+    assert!(d["qos"]["throttled"].as_u64().unwrap() > 200, "{d:#}");
+    run(&["qos", "q", "--iops", "0"]);
+    let lifted = timed(&mut cl);
+    eprintln!("300 writes: {limited:?} at 200 IOPS, {lifted:?} with the limit lifted online");
+    assert!(lifted < limited / 2, "the lifted limit still held: {lifted:?}");
+    assert_eq!(describe(&dir, ctl, "q")["qos"]["iops"], 0);
+    drop(c);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn ext4_on_a_flexns_volume_through_nbdfuse() {
     if !test_support::is_root() {

@@ -93,10 +93,11 @@ pub fn attach_spec(agent: &Agent, v: &pb::VolumeSpec) -> Result<(), Status> {
             addr: r.addr.clone(),
         })
         .collect();
-    agent
+    let vol = agent
         .attach(name, v.id, v.size, &replicas)
-        .map(|_| ())
-        .map_err(|e| Status::invalid_argument(e.to_string()))
+        .map_err(|e| Status::invalid_argument(e.to_string()))?;
+    vol.set_qos(v.qos.as_ref().map(super::controller::qos_limits).unwrap_or_default());
+    Ok(())
 }
 
 /// The agent's admin service.
@@ -134,6 +135,7 @@ impl pb::agent_admin_server::AgentAdmin for AgentAdmin {
                 let v = ex.get(&n)?;
                 let c = v.counters();
                 let states = v.replica_states();
+                let qos = v.qos();
                 let statuses: Vec<_> = v.replicas().iter().map(|l| l.status()).collect();
                 Some(pb::ExportInfo {
                     export_name: n,
@@ -177,6 +179,9 @@ impl pb::agent_admin_server::AgentAdmin for AgentAdmin {
                                 .collect(),
                         })
                         .collect(),
+                    qos: Some(super::controller::qos_pb(&qos.0)),
+                    throttled: qos.1,
+                    throttled_us: qos.2.as_micros() as u64,
                 })
             })
             .collect();

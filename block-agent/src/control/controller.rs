@@ -95,6 +95,24 @@ fn check_name(n: &str) -> Result<(), Status> {
 }
 
 /// A recorded volume, or NOT_FOUND naming it.
+/// QoS limits on the wire.
+pub fn qos_pb(q: &crate::qos::QosLimits) -> pb::Qos {
+    pb::Qos {
+        iops: q.iops,
+        bytes_per_sec: q.bytes_per_sec,
+        burst_ms: q.burst_ms,
+    }
+}
+
+/// QoS limits from the wire.
+pub fn qos_limits(q: &pb::Qos) -> crate::qos::QosLimits {
+    crate::qos::QosLimits {
+        iops: q.iops,
+        bytes_per_sec: q.bytes_per_sec,
+        burst_ms: q.burst_ms,
+    }
+}
+
 fn volume<'a>(s: &'a ControlState, name: &str) -> Result<&'a VolumeRecord, Status> {
     s.volumes
         .get(name)
@@ -195,6 +213,7 @@ impl Controller {
                 .map(|_| name.to_string())
                 .unwrap_or_default(),
             export: None,
+            qos: Some(qos_pb(&v.qos)),
         }
     }
 
@@ -509,6 +528,7 @@ impl pb::block_control_server::BlockControl for ControllerService {
             size: r.size,
             replicas: chosen,
             agent: None,
+            qos: r.qos.as_ref().map(qos_limits).unwrap_or_default(),
         };
         c.commit(&mut s, |n| {
             n.next_id = id + 1;
@@ -597,6 +617,24 @@ impl pb::block_control_server::BlockControl for ControllerService {
         .await?;
         if let Some(a) = v.agent.clone() {
             // new connections see the new size
+            c.attach_at(&s, &r.name, &a).await?;
+        }
+        Ok(Response::new(c.spec(&r.name, &s.volumes[&r.name], &s)))
+    }
+
+    async fn set_qos(&self, r: Request<pb::SetQosRequest>) -> Result<Response<pb::VolumeSpec>, Status> {
+        let c = &self.0;
+        let r = r.into_inner();
+        let limits = r.qos.as_ref().map(qos_limits).unwrap_or_default();
+        let mut s = c.state.lock().await;
+        let v = volume(&s, &r.name)?.clone();
+        c.commit(&mut s, |n| {
+            n.volumes.get_mut(&r.name).expect("checked above").qos = limits;
+        })
+        .await?;
+        tracing::info!("volume {}: QoS {limits:?}", r.name);
+        if let Some(a) = v.agent {
+            // the agent applies it now (its next heartbeat would too)
             c.attach_at(&s, &r.name, &a).await?;
         }
         Ok(Response::new(c.spec(&r.name, &s.volumes[&r.name], &s)))

@@ -25,6 +25,9 @@ pub struct VolumeRecord {
     /// addresses until claimed).
     pub replicas: Vec<String>,
     pub agent: Option<String>,
+    /// Provisioned IOPS and bandwidth (none in states written before QoS).
+    #[serde(default)]
+    pub qos: crate::qos::QosLimits,
 }
 
 /// A storage node: where it last registered.

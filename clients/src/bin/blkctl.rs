@@ -48,6 +48,14 @@ enum Cmd {
         size: u64,
         #[arg(long, default_value_t = 3)]
         replicas: u32,
+        #[command(flatten)]
+        qos: QosArgs,
+    },
+    /// Sets a volume's provisioned IOPS and bandwidth (online: its agent applies them at once).
+    Qos {
+        name: String,
+        #[command(flatten)]
+        qos: QosArgs,
     },
     /// Deletes a volume and its data on every replica.
     Delete { name: String },
@@ -75,6 +83,30 @@ enum Cmd {
         #[command(subcommand)]
         cmd: DaemonCmd,
     },
+}
+
+/// Provisioned IOPS and bandwidth of a volume.
+#[derive(clap::Args, Debug, Clone, Copy)]
+struct QosArgs {
+    /// I/O requests per second (0: no limit).
+    #[arg(long, default_value_t = 0)]
+    iops: u64,
+    /// Bytes per second, reads and writes together, like 100MiB (0: no limit).
+    #[arg(long, default_value = "0", value_parser = size)]
+    bandwidth: u64,
+    /// Unused allowance kept, in milliseconds of the rate (a burst; 0: 1000).
+    #[arg(long, default_value_t = 0)]
+    burst_ms: u64,
+}
+
+impl QosArgs {
+    fn pb(self) -> pb::Qos {
+        pb::Qos {
+            iops: self.iops,
+            bytes_per_sec: self.bandwidth,
+            burst_ms: self.burst_ms,
+        }
+    }
 }
 
 #[derive(Subcommand)]
@@ -151,14 +183,31 @@ fn replicas_line(v: &pb::VolumeSpec) -> String {
 }
 
 fn print_spec(v: &pb::VolumeSpec) {
+    let qos = match v.qos {
+        Some(q) if q.iops > 0 || q.bytes_per_sec > 0 => format!("  qos {}", qos_text(&q)),
+        _ => String::new(),
+    };
     println!(
-        "{:<16} id {:<4} {:>12} bytes  agent {}  replicas {}",
+        "{:<16} id {:<4} {:>12} bytes  agent {}  replicas {}{qos}",
         v.name,
         v.id,
         v.size,
         if v.agent.is_empty() { "-" } else { &v.agent },
         replicas_line(v)
     );
+}
+
+/// `5000 IOPS, 104857600 B/s, burst 1000 ms` (the limits set).
+fn qos_text(q: &pb::Qos) -> String {
+    let mut parts = Vec::new();
+    if q.iops > 0 {
+        parts.push(format!("{} IOPS", q.iops));
+    }
+    if q.bytes_per_sec > 0 {
+        parts.push(format!("{} B/s", q.bytes_per_sec));
+    }
+    parts.push(format!("burst {} ms", if q.burst_ms == 0 { 1000 } else { q.burst_ms }));
+    parts.join(", ")
 }
 
 fn print_nodes(nodes: &[pb::NodeInfo]) {
@@ -301,8 +350,32 @@ fn run() -> anyhow::Result<()> {
             rt.block_on(async move {
                 let mut c = blk::control(&ctl).await?;
                 match cmd {
-                    Cmd::Create { name, size, replicas } => {
-                        let v = c.create(pb::CreateRequest { name, size, replicas }).await.map_err(st)?;
+                    Cmd::Create {
+                        name,
+                        size,
+                        replicas,
+                        qos,
+                    } => {
+                        let q = Some(qos.pb());
+                        let v = c
+                            .create(pb::CreateRequest {
+                                name,
+                                size,
+                                replicas,
+                                qos: q,
+                            })
+                            .await
+                            .map_err(st)?;
+                        print_spec(v.get_ref());
+                    }
+                    Cmd::Qos { name, qos } => {
+                        let v = c
+                            .set_qos(pb::SetQosRequest {
+                                name,
+                                qos: Some(qos.pb()),
+                            })
+                            .await
+                            .map_err(st)?;
                         print_spec(v.get_ref());
                     }
                     Cmd::Delete { name } => {
@@ -371,7 +444,12 @@ fn describe_json(v: &pb::VolumeSpec) -> serde_json::Value {
         "name": v.name, "id": v.id, "size": v.size, "replicas": replicas,
         "agent": if v.agent.is_empty() { None } else { Some(&v.agent) },
     });
+    let q = v.qos.unwrap_or_default();
+    j["qos"] = serde_json::json!({"iops": q.iops, "bytes_per_sec": q.bytes_per_sec,
+        "burst_ms": if q.burst_ms == 0 { 1000 } else { q.burst_ms }});
     if let Some(e) = e {
+        j["qos"]["throttled"] = e.throttled.into();
+        j["qos"]["throttled_ms"] = (e.throttled_us as f64 / 1e3).into();
         j["write_quorum"] = e.write_quorum.into();
         j["io"] = serde_json::json!({"reads": e.reads, "writes": e.writes, "read_failovers": e.read_failovers,
             "repairs": e.repairs, "degraded_writes": e.degraded_writes, "replica_downs": e.replica_downs,
