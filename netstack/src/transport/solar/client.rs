@@ -168,6 +168,42 @@ enum Outcome {
     Retired,
 }
 
+/// A unit waiting to be sent.
+#[derive(Debug, Clone, Copy)]
+struct Queued {
+    io: IoId,
+    /// First block and how many.
+    idx: u16,
+    n: u16,
+    /// A resend (after a loss or a retryable status).
+    retx: bool,
+    /// The path it was lost on, to avoid.
+    avoid: Option<u16>,
+}
+
+impl Queued {
+    fn new(io: IoId, idx: u16, n: u16) -> Queued {
+        Queued {
+            io,
+            idx,
+            n,
+            retx: false,
+            avoid: None,
+        }
+    }
+
+    /// Block `idx` of `io` again, away from `avoid`.
+    fn resend(io: IoId, idx: u16, avoid: Option<u16>) -> Queued {
+        Queued {
+            io,
+            idx,
+            n: 1,
+            retx: true,
+            avoid,
+        }
+    }
+}
+
 /// What a packet in flight carries: one WRITE block, or a READ_REQ for blocks `idx..idx+n`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Unit {
@@ -216,8 +252,8 @@ pub struct SolarClient {
     by_rpc: HashMap<u64, IoId>,
     next_io: IoId,
     next_rpc: u64,
-    /// Units to send, resends first: (request, first block, blocks, resend, path to avoid).
-    queue: VecDeque<(IoId, u16, u16, bool, Option<u16>)>,
+    /// Units to send, resends first.
+    queue: VecDeque<Queued>,
     events: VecDeque<ClientEvent>,
     probes: VecDeque<u16>,
     inflight_bytes: u64,
@@ -380,13 +416,13 @@ impl SolarClient {
         );
         self.by_rpc.insert(rpc, id);
         match kind {
-            Kind::Write => self.queue.extend((0..n).map(|i| (id, i, 1, false, None))),
+            Kind::Write => self.queue.extend((0..n).map(|i| Queued::new(id, i, 1))),
             Kind::Read => {
                 let c = self.cfg.read_chunk.max(1);
                 let mut i = 0u16;
                 while i < n {
                     let k = c.min(n - i);
-                    self.queue.push_back((id, i, k, false, None));
+                    self.queue.push_back(Queued::new(id, i, k));
                     i += k;
                 }
             }
@@ -430,7 +466,13 @@ impl SolarClient {
             return Some(self.tx(path, &h, None));
         }
         loop {
-            let &(io, idx, n, retx, avoid) = self.queue.front()?;
+            let Queued {
+                io,
+                idx,
+                n,
+                retx,
+                avoid,
+            } = *self.queue.front()?;
             let Some(s) = self.ios.get(&io) else {
                 self.queue.pop_front();
                 continue;
@@ -817,7 +859,7 @@ impl SolarClient {
         for i in (u.idx..u.idx + u.n).rev() {
             if !s.done[i as usize] {
                 s.at.remove(&i);
-                self.queue.push_front((u.io, i, 1, true, Some(path)));
+                self.queue.push_front(Queued::resend(u.io, i, Some(path)));
             }
         }
     }
@@ -837,7 +879,7 @@ impl SolarClient {
             };
             self.finish(io, Err(e));
         } else {
-            self.queue.push_front((io, idx, 1, true, avoid));
+            self.queue.push_front(Queued::resend(io, idx, avoid));
         }
     }
 
@@ -930,7 +972,7 @@ impl SolarClient {
         }
         for (io, idx) in again {
             self.stats.durable_resends += 1;
-            self.queue.push_front((io, idx, 1, true, None));
+            self.queue.push_front(Queued::resend(io, idx, None));
         }
         let late: Vec<IoId> = self
             .ios
