@@ -133,7 +133,7 @@ fn kvcache_transfers_spray_over_both_paths_on_par_with_multi_lane_tcp() {
 /// The block service on the faulty fabric (`ecmp.sh block`): one storage node in B, agents in
 /// A over Solar (sprayed over 8 source ports) and over the plain block protocol on one kernel
 /// TCP connection, fio writing fresh random blocks and reading them back verified. A cut of
-/// the link carrying the run, then 5 % random loss in both directions.
+/// the link carrying the run, then 5 % random loss in both directions, then an incast.
 #[test]
 fn block_writes_ride_out_a_cut_and_random_loss_on_solar() {
     let blkctl = ("BLKCTL", env!("CARGO_BIN_EXE_blkctl"));
@@ -185,4 +185,27 @@ fn block_writes_ride_out_a_cut_and_random_loss_on_solar() {
     // both links against one, and lost blocks resent after a path RTO, not TCP's 200 ms
     assert!(g(&sum, "iops_ratio") > 1.5, "{out}");
     assert!(g(&sum, "p999_ratio") < 0.5, "{out}");
+
+    // an incast: two agents per system write to the one storage node at once. No figure is
+    // asserted (two TCP connections cover both links 1 time in 2, then TCP is on par): every
+    // block arrives intact and nothing fails
+    #[rustfmt::skip]
+    let incast = [
+        "block", "--fault", "incast", "--agents", "2", "--rate", "200mbit", "--paths", "8",
+        "--pairs", "1", "--io-bytes", "24MiB",
+    ];
+    let Some((out, lines)) = ecmp(&incast, "fi", blkctl) else {
+        return;
+    };
+    let sum = lines
+        .iter()
+        .find(|l| l["summary"] == true)
+        .cloned()
+        .unwrap_or_else(|| panic!("a summary in {out}"));
+    assert_eq!(sum["verified"], true, "{out}");
+    assert_eq!(
+        (sum["errors_solar"].as_u64(), sum["errors_tcp"].as_u64()),
+        (Some(0), Some(0)),
+        "{out}"
+    );
 }

@@ -30,8 +30,8 @@
 #          ECMP hashes each 5-tuple, so they usually cover both links), interleaved. Prints
 #          kvcache-bench's JSON lines (results and ratios).
 #          KVCACHE_BENCH=path uses that binary; otherwise it is built (release).
-#   ecmp.sh block [--rate R] [--paths N] [--pairs P] [--fault cut|loss] [--loss 1]
-#                 [--io-bytes 96MiB] [--depth 32] [--cut-at 1.5] [--cut-for 2] [--prefix P]
+#   ecmp.sh block [--rate R] [--paths N] [--pairs P] [--fault cut|loss|incast] [--loss 1]
+#                 [--agents N] [--io-bytes 96MiB] [--depth 32] [--cut-at 1.5] [--cut-for 2] [--prefix P]
 #       5. the block service on a faulty fabric: a controller and a storage node in B, two agents
 #          in A (Solar sprayed over --paths source ports, and the plain block protocol over one
 #          kernel TCP connection: the reference), a volume on each (1 replica, the same node).
@@ -41,7 +41,10 @@
 #          connection's link; the fault hits the flow) is cut at B's end and restored
 #          --cut-for seconds later, as in 2. `loss`: a tc program (loss.bpf.c; the kernel here
 #          has no netem) drops --loss percent of the IP packets in both directions of both
-#          links for the whole run. Prints per run
+#          links for the whole run. `incast`: --agents agents per system (default 4; each its
+#          own volume, all on the one storage node, each TCP agent its own connection, which
+#          ECMP spreads over the links) write at once. --agents applies to every fault (default
+#          1). Prints per run (all of its agents together)
 #          {"experiment":"block","system","fault","iops","p50_us","p99_us","p999_us",
 #          "max_ms","stall_ms","errors","verified",...} (stall_ms: the longest time without a
 #          completed write) and {"experiment":"block","summary":true,...} with the medians and
@@ -64,7 +67,7 @@ RATE=500mbit PATHS=8 SPRAY=weighted DURATION=3 PAIRS=3 CUT_BYTES=1GiB CUT_AT=2 C
 FAILOVER_BYTES=256MiB
 SWIFT_TARGET_NS=1000000
 SIZE=16MiB
-FAULT=cut LOSS=1 IO_BYTES=96MiB DEPTH=32
+FAULT=cut LOSS=1 IO_BYTES=96MiB DEPTH=32 AGENTS=
 P="fe$$"
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -83,12 +86,15 @@ while [ $# -gt 0 ]; do
     --loss) LOSS="$2"; shift 2 ;;
     --io-bytes) IO_BYTES="$2"; shift 2 ;;
     --depth) DEPTH="$2"; shift 2 ;;
+    --agents) AGENTS="$2"; shift 2 ;;
     --prefix) P="$2"; shift 2 ;;
     *) echo "ecmp.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
 case "$cmd" in run|up|down|kvcache|block) ;; *) sed -n '2,46p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;; esac
-case "$FAULT" in cut|loss) ;; *) echo "--fault: cut or loss" >&2; exit 2 ;; esac
+case "$FAULT" in cut|loss|incast) ;; *) echo "--fault: cut, loss or incast" >&2; exit 2 ;; esac
+[ -n "$AGENTS" ] || { [ "$FAULT" = incast ] && AGENTS=4 || AGENTS=1; }
+[[ "$AGENTS" =~ ^[0-9]+$ ]] && [ "$AGENTS" -ge 1 ] && [ "$AGENTS" -le 16 ] || { echo "--agents: 1..16" >&2; exit 2; }
 [[ "$LOSS" =~ ^[0-9]+(\.[0-9]+)?$ ]] || { echo "--loss: a percentage like 1 or 0.5" >&2; exit 2; }
 [[ "$IO_BYTES" =~ ^[0-9]+(KiB|MiB|GiB)$ ]] || { echo "--io-bytes: like 96MiB" >&2; exit 2; }
 [[ "$DEPTH" =~ ^[0-9]+$ ]] && [ "$DEPTH" -ge 1 ] && [ "$DEPTH" -le 256 ] || { echo "--depth: 1..256" >&2; exit 2; }
@@ -225,15 +231,17 @@ if [ "$cmd" = block ]; then
   daemon control b control --listen 10.88.2.2:7420 --state "$work/control.json" --node-timeout-ms 60000
   daemon node0 b node --dir "$work/node0" --listen 10.88.2.2:7500 --admin 10.88.2.2:0 \
     --control 10.88.2.2:7420
-  daemon solar a agent --name solar --nbd 127.0.0.1:10809 --admin 10.88.1.2:0 --control 10.88.2.2:7420 \
-    --transport solar --paths "$PATHS" --cc "$CC"
-  daemon tcp a agent --name tcp --nbd 127.0.0.1:10810 --admin 10.88.1.2:0 --control 10.88.2.2:7420 \
-    --transport tcp
   blk=(ip netns exec "${P}_a" "$BLKCTL" --control 10.88.2.2:7420 --dir "$work")
   declare -A uri
-  for sys in solar tcp; do
-    "${blk[@]}" create "v$sys" --size "$IO_BYTES" --replicas 1 >/dev/null
-    uri[$sys]="$("${blk[@]}" attach "v$sys" --agent "$sys" | tail -1)"
+  for k in $(seq 1 "$AGENTS"); do
+    daemon "solar$k" a agent --name "solar$k" --nbd "127.0.0.1:$(( 10808 + k ))" --admin 10.88.1.2:0 \
+      --control 10.88.2.2:7420 --transport solar --paths "$PATHS" --cc "$CC"
+    daemon "tcp$k" a agent --name "tcp$k" --nbd "127.0.0.1:$(( 10908 + k ))" --admin 10.88.1.2:0 \
+      --control 10.88.2.2:7420 --transport tcp
+    for sys in solar tcp; do
+      "${blk[@]}" create "v$sys$k" --size "$IO_BYTES" --replicas 1 >/dev/null
+      uri[$sys$k]="$("${blk[@]}" attach "v$sys$k" --agent "$sys$k" | tail -1)"
+    done
   done
   if [ "$FAULT" = loss ]; then
     # the kernel here has no netem: a tc egress program drops at random (loss.bpf.c), on the
@@ -250,17 +258,22 @@ if [ "$cmd" = block ]; then
   link_bytes() {
     ip -n "${P}_r" -s link show "${P}r$1" | awk '/TX:/ {getline; print $1; exit}'
   }
+  # fio reads 64MiB as 64,000,000 bytes: give it the byte count the volume has
+  io_bytes=$(python3 -c "import sys; n,u=sys.argv[1][:-3],sys.argv[1][-3:]; print(int(n)*{'KiB':1<<10,'MiB':1<<20,'GiB':1<<30}[u])" "$IO_BYTES")
   for pair in $(seq 1 "$PAIRS"); do
     for sys in solar tcp; do
       name="$sys.$pair"
-      "${DIE[@]}" ip netns exec "${P}_a" fio --name="$name" --ioengine=nbd --uri="${uri[$sys]}" \
-        --rw=randwrite --bs=4k --iodepth="$DEPTH" --size="$IO_BYTES" --randrepeat=0 \
-        --randseed="$(od -An -N4 -tu4 /dev/urandom | tr -d ' ')" --refill_buffers \
-        --verify=crc32c --do_verify=1 --verify_fatal=1 --verify_state_save=0 \
-        --write_lat_log="$work/$name" --log_avg_msec=0 --percentile_list=50:99:99.9 \
-        --output-format=json --output="$work/$name.json" >"$work/$name.err" 2>&1 &
-      pids+=($!)
-      fpid=$!
+      fpids=()
+      for k in $(seq 1 "$AGENTS"); do
+        "${DIE[@]}" ip netns exec "${P}_a" fio --name="$name.$k" --ioengine=nbd --uri="${uri[$sys$k]}" \
+          --rw=randwrite --bs=4k --iodepth="$DEPTH" --size="$io_bytes" --randrepeat=0 \
+          --randseed="$(od -An -N4 -tu4 /dev/urandom | tr -d ' ')" --refill_buffers \
+          --verify=crc32c --do_verify=1 --verify_fatal=1 --verify_state_save=0 \
+          --write_lat_log="$work/$name.$k" --log_avg_msec=0 \
+          --output-format=json --output="$work/$name.$k.json" >"$work/$name.$k.err" 2>&1 &
+        pids+=($!)
+        fpids+=($!)
+      done
       python3 -c 'import time; print(time.monotonic_ns())' >"$work/$name.times"
       if [ "$FAULT" = cut ]; then
         b1=$(link_bytes 1) b2=$(link_bytes 2)
@@ -274,54 +287,68 @@ if [ "$cmd" = block ]; then
         restore_link "$k"
         echo "$k" >"$work/$name.link"
       fi
-      wait "$fpid" || true
+      for f in "${fpids[@]}"; do wait "$f" || true; done
     done
   done
   # BLOCK_KEEP=DIR keeps fio's results and per-I/O latency logs there
   if [ -n "${BLOCK_KEEP:-}" ]; then mkdir -p "$BLOCK_KEEP" && cp "$work"/*.{json,log,times} "$BLOCK_KEEP"/ 2>/dev/null || true; fi
-  python3 - "$work" "$FAULT" "$LOSS" "$PAIRS" "$PATHS" "$RATE" <<'PYEOF'
+  python3 - "$work" "$FAULT" "$LOSS" "$PAIRS" "$PATHS" "$RATE" "$AGENTS" <<'PYEOF'
 import json, sys
-work, fault, loss, pairs, paths, rate = sys.argv[1:]
+work, fault, loss, pairs, paths, rate, agents = sys.argv[1:]
+agents = int(agents)
 def med(v):
     v = sorted(x for x in v if x is not None)
     return v[len(v) // 2] if v else None
+def pct(v, q):
+    return v[min(len(v) - 1, int(q * len(v)))] if v else None
 runs = {"solar": [], "tcp": []}
 for pair in range(1, int(pairs) + 1):
     for sysname in ("solar", "tcp"):
         name = f"{sysname}.{pair}"
-        r = {"experiment": "block", "system": sysname, "fault": fault, "pair": pair,
+        r = {"experiment": "block", "system": sysname, "fault": fault, "pair": pair, "agents": agents,
              "paths": int(paths) if sysname == "solar" else 1, "rate_per_path": rate}
         if fault == "loss":
             r["loss_pct"] = float(loss)
-        try:
-            s = open(f"{work}/{name}.json").read()
-            job = json.loads(s[s.index("{"):])["jobs"][0]
-        except (OSError, ValueError) as e:
-            err = open(f"{work}/{name}.err").read()[-400:]
-            r.update({"error": f"no fio result: {e}: {err}", "errors": 1, "verified": False})
-            print(json.dumps(r)); runs[sysname].append(r); continue
-        w, rd = job["write"], job["read"]
-        pct = w["clat_ns"].get("percentile", {})
-        p = lambda k: round(pct[k] / 1000, 1) if k in pct else None
-        # completions of writes (direction 1) by time: the longest gap is the stall
-        times = []
-        try:
-            for line in open(f"{work}/{name}_clat.1.log"):
-                f = [x.strip() for x in line.split(",")]
-                if len(f) >= 3 and f[2] == "1":
-                    times.append(int(f[0]))
-        except OSError:
-            pass
-        times.sort()
-        stall = max((b - a for a, b in zip(times, times[1:])), default=None)
+        iops, errors, writes, verified_reads, lats, stall, problems = 0.0, 0, 0, 0, [], 0, []
+        for k in range(1, agents + 1):
+            try:
+                s = open(f"{work}/{name}.{k}.json").read()
+                job = json.loads(s[s.index("{"):])["jobs"][0]
+            except (OSError, ValueError) as e:
+                err = open(f"{work}/{name}.{k}.err").read()[-400:]
+                problems.append(f"agent {k}: no fio result: {e}: {err}")
+                errors += 1
+                continue
+            w, rd = job["write"], job["read"]
+            iops += w["iops"]
+            errors += 1 if job["error"] else 0
+            writes += w["total_ios"]
+            verified_reads += rd["total_ios"]
+            if job["error"] or rd["total_ios"] != w["total_ios"] or w["total_ios"] == 0:
+                problems.append(f"agent {k}: error {job['error']}, {w['total_ios']} written, {rd['total_ios']} verified")
+            # per-I/O completions of writes (direction 1): latencies, and the longest gap
+            times = []
+            try:
+                for line in open(f"{work}/{name}.{k}_clat.1.log"):
+                    f = [x.strip() for x in line.split(",")]
+                    if len(f) >= 3 and f[2] == "1":
+                        times.append(int(f[0]))
+                        lats.append(int(f[1]))
+            except OSError:
+                pass
+            times.sort()
+            stall = max([stall] + [b - a for a, b in zip(times, times[1:])])
+        lats.sort()
+        us = lambda q: round(pct(lats, q) / 1000, 1) if lats else None
         r.update({
-            "iops": round(w["iops"]), "p50_us": p("50.000000"), "p99_us": p("99.000000"),
-            "p999_us": p("99.900000"), "max_ms": round(w["clat_ns"]["max"] / 1e6, 1),
-            "stall_ms": stall, "errors": job["error"], "writes": w["total_ios"], "verified_reads": rd["total_ios"],
+            "iops": round(iops), "p50_us": us(0.5), "p99_us": us(0.99), "p999_us": us(0.999),
+            "max_ms": round(lats[-1] / 1e6, 1) if lats else None, "stall_ms": stall,
+            "errors": errors, "writes": writes, "verified_reads": verified_reads,
             # every block written was read back and matched its crc32c (verify_fatal stops at a mismatch)
-            "verified": job["error"] == 0 and rd["total_ios"] == w["total_ios"] and w["total_ios"] > 0,
-            "cpu_ms_fio": round((job["usr_cpu"] + job["sys_cpu"]) / 100 * job["elapsed"] * 1000),
+            "verified": not problems,
         })
+        if problems:
+            r["problems"] = problems
         try:
             r["cut_link"] = int(open(f"{work}/{name}.link").read())
         except OSError:
@@ -332,7 +359,7 @@ s, t = runs["solar"], runs["tcp"]
 ratio = lambda k, inv=False: med([(b[k] / a[k] if inv else a[k] / b[k]) for a, b in zip(s, t)
                                   if a.get(k) and b.get(k)])
 print(json.dumps({
-    "experiment": "block", "summary": True, "fault": fault, "pairs": int(pairs),
+    "experiment": "block", "summary": True, "fault": fault, "pairs": int(pairs), "agents": agents,
     "iops_solar": med([r.get("iops") for r in s]), "iops_tcp": med([r.get("iops") for r in t]),
     "iops_ratio": ratio("iops"), "p99_ratio": ratio("p99_us"), "p999_ratio": ratio("p999_us"),
     "stall_ms_solar_max": max((r.get("stall_ms") or 0 for r in s), default=None),
