@@ -290,8 +290,14 @@ if [ "$cmd" = block ]; then
       for f in "${fpids[@]}"; do wait "$f" || true; done
     done
   done
-  # BLOCK_KEEP=DIR keeps fio's results and per-I/O latency logs there
-  if [ -n "${BLOCK_KEEP:-}" ]; then mkdir -p "$BLOCK_KEEP" && cp "$work"/*.{json,log,times} "$BLOCK_KEEP"/ 2>/dev/null || true; fi
+  # BLOCK_KEEP=DIR keeps fio's results and per-I/O latency logs there, with each volume's
+  # describe (its agent's view: paths, counters)
+  if [ -n "${BLOCK_KEEP:-}" ]; then
+    for k in $(seq 1 "$AGENTS"); do
+      for sys in solar tcp; do "${blk[@]}" describe "v$sys$k" >"$work/describe.$sys$k.json" 2>&1 || true; done
+    done
+    mkdir -p "$BLOCK_KEEP" && cp "$work"/*.{json,log,times} "$BLOCK_KEEP"/ 2>/dev/null || true
+  fi
   python3 - "$work" "$FAULT" "$LOSS" "$PAIRS" "$PATHS" "$RATE" "$AGENTS" <<'PYEOF'
 import json, sys
 work, fault, loss, pairs, paths, rate, agents = sys.argv[1:]
