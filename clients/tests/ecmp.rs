@@ -168,20 +168,9 @@ fn block_writes_ride_out_a_cut_and_random_loss_on_solar() {
         "block", "--fault", "loss", "--loss", "5", "--rate", "200mbit", "--paths", "8",
         "--pairs", "1", "--io-bytes", "48MiB",
     ];
-    let Some((out, lines)) = ecmp(&loss, "fl", blkctl) else {
+    let Some((out, sum)) = block_summary(&loss, "fl") else {
         return;
     };
-    let sum = lines
-        .iter()
-        .find(|l| l["summary"] == true)
-        .cloned()
-        .unwrap_or_else(|| panic!("a summary in {out}"));
-    assert_eq!(sum["verified"], true, "{sum}");
-    assert_eq!(
-        (sum["errors_solar"].as_u64(), sum["errors_tcp"].as_u64()),
-        (Some(0), Some(0)),
-        "{sum}"
-    );
     // both links against one, and lost blocks resent after a path RTO, not TCP's 200 ms
     assert!(g(&sum, "iops_ratio") > 1.5, "{out}");
     assert!(g(&sum, "p999_ratio") < 0.5, "{out}");
@@ -194,9 +183,13 @@ fn block_writes_ride_out_a_cut_and_random_loss_on_solar() {
         "block", "--fault", "incast", "--agents", "2", "--rate", "200mbit", "--paths", "8",
         "--pairs", "1", "--io-bytes", "24MiB",
     ];
-    let Some((out, lines)) = ecmp(&incast, "fi", blkctl) else {
-        return;
-    };
+    block_summary(&incast, "fi");
+}
+
+/// Runs `ecmp.sh ARGS` (a block experiment); checks that every block of every run read back
+/// intact with no I/O error in either system; returns the output and the summary line.
+fn block_summary(args: &[&str], tag: &str) -> Option<(String, serde_json::Value)> {
+    let (out, lines) = ecmp(args, tag, ("BLKCTL", env!("CARGO_BIN_EXE_blkctl")))?;
     let sum = lines
         .iter()
         .find(|l| l["summary"] == true)
@@ -208,4 +201,5 @@ fn block_writes_ride_out_a_cut_and_random_loss_on_solar() {
         (Some(0), Some(0)),
         "{out}"
     );
+    Some((out, sum))
 }

@@ -49,6 +49,8 @@ running() {
 # The EXIT/INT/TERM trap: stops the children, removes everything, keeps the exit status.
 cleanup() {
   local rc=$?
+  # nothing here may end the trap early (errexit would skip the removal and change the status)
+  set +e
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
   # a child still running 5 s later (hung in its shutdown) gets SIGKILL: the testbed never
   # waits forever
@@ -58,7 +60,7 @@ cleanup() {
     running "$p" || break
     sleep 0.1
   done
-  for p in "${pids[@]}"; do running "$p" && kill -9 "$p" 2>/dev/null; done
+  for p in "${pids[@]}"; do running "$p" && { kill -9 "$p" 2>/dev/null || true; }; done
   for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
   down
   [ -n "$work" ] && rm -rf "$work"
