@@ -171,9 +171,11 @@ fn block_writes_ride_out_a_cut_and_random_loss_on_solar() {
     let Some((out, sum)) = block_summary(&loss, "fl") else {
         return;
     };
-    // both links against one, and lost blocks resent after a path RTO, not TCP's 200 ms
+    // both links against one, and a lost block resent after a path RTO: no long wait. (TCP's
+    // p99.9 is no assertion: it is high only in runs where one of its RTOs, 200 ms, occurred,
+    // most runs but not all)
     assert!(g(&sum, "iops_ratio") > 1.5, "{out}");
-    assert!(g(&sum, "p999_ratio") < 0.5, "{out}");
+    assert!(g(&sum, "stall_ms_solar_max") < 100.0, "{out}");
 
     // an incast: two agents per system write to the one storage node at once. No figure is
     // asserted (two TCP connections cover both links 1 time in 2, then TCP is on par): every
