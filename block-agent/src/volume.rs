@@ -692,6 +692,14 @@ impl Volume {
         };
         let lba = g * REGION_BLOCKS;
         let n = REGION_BLOCKS.min(self.size / BLOCK - lba);
+        if self.health.lock()[i].down {
+            // a down replica answers a one-block read first, without the range lock: a dead
+            // one must not hold up the writes to the region for the replica timeout
+            match tokio::time::timeout(self.cfg.replica_timeout, self.replicas[i].read(self.id, lba, 1)).await {
+                Ok(Ok(Ok(_))) => {}
+                other => return Err(format!("replica {i} does not answer: {other:?}")),
+            }
+        }
         let _g = self.locks.lock(lba, lba + n).await;
         let source = self
             .clean_replicas(lba, n)
