@@ -326,24 +326,21 @@ impl Volume {
     }
 
     async fn read_blocks(self: &Arc<Self>, lba: u64, n: u64) -> Result<Vec<u8>, VolumeError> {
-        if n <= CHUNK_BLOCKS && !self.clean_replicas(lba, n).is_empty() {
+        let whole = !self.clean_replicas(lba, n).is_empty();
+        if n <= CHUNK_BLOCKS && whole {
             return self.read_chunk(lba, n as u16).await;
         }
-        if n > REGION_BLOCKS && self.clean_replicas(lba, n).is_empty() {
-            // no replica has the whole range clean: region by region
-            let mut out = Vec::with_capacity((n * BLOCK) as usize);
-            let mut at = lba;
-            while at < lba + n {
-                let k = (REGION_BLOCKS - at % REGION_BLOCKS).min(lba + n - at);
-                out.extend_from_slice(&self.read_chunk(at, k as u16).await?);
-                at += k;
-            }
-            return Ok(out);
-        }
+        // link-sized pieces; region-sized ones when no replica has the whole range clean
+        let by_region = n > REGION_BLOCKS && !whole;
         let mut out = Vec::with_capacity((n * BLOCK) as usize);
         let mut at = lba;
         while at < lba + n {
-            let k = CHUNK_BLOCKS.min(lba + n - at);
+            let step = if by_region {
+                REGION_BLOCKS - at % REGION_BLOCKS
+            } else {
+                CHUNK_BLOCKS
+            };
+            let k = step.min(lba + n - at);
             out.extend_from_slice(&self.read_chunk(at, k as u16).await?);
             at += k;
         }
