@@ -17,7 +17,7 @@
 //! the first start) and a lock file, so one process at a time serves it; the node registers
 //! under that id wherever it listens, and the controller and agents follow it to a new address.
 
-use crate::store::{StoreError, VolumeStore};
+use crate::store::{read_base, Base, StoreError, VolumeStore};
 use crate::tcp_proto;
 use netstack::transport::solar::server::SolarServer;
 use netstack::transport::solar::wire::{Status, BLOCK};
@@ -84,6 +84,10 @@ pub enum NodeError {
     Locked(PathBuf),
     #[error("node id file {0}: {1:?} is not a node id")]
     BadId(PathBuf, String),
+    #[error("volume {0} has no snapshot {1}")]
+    NoSnapshot(u32, u32),
+    #[error("{what} is refused: clone volume {clone} reads through to it; delete the clone first")]
+    InUse { what: String, clone: u32 },
 }
 
 /// The name of the file holding a node's id in its data directory.
@@ -224,14 +228,23 @@ impl StorageNode {
         let (ctx, addr, tcp) = bind_pair(listen)?;
         let mut solar = SolarServer::new(0);
         let mut volumes = HashMap::new();
+        // ascending ids: a clone's base, an older volume, is open before the clone
         for id in list_volume_ids(&cfg.dir)? {
-            let store = VolumeStore::open(&cfg.dir, id, cfg.log_limit)?;
+            let base = match read_base(&cfg.dir, id)? {
+                None => None,
+                Some((v, snapshot)) => Some(Base {
+                    store: volumes.get(&v).cloned().ok_or(NodeError::NoVolume(v))?,
+                    snapshot,
+                }),
+            };
+            let store = VolumeStore::open_with(&cfg.dir, id, cfg.log_limit, base)?;
             for (lba, v) in store.versions()? {
                 solar.note_version(id, lba, v);
             }
             tracing::info!("volume {id}: {} blocks", store.blocks());
             volumes.insert(id, Arc::new(store));
         }
+        let volumes: HashMap<u32, Arc<VolumeStore>> = volumes;
         let (tx, rx) = mpsc::channel::<WriteJob>();
         let inner = Arc::new(Inner {
             dir: cfg.dir.clone(),
@@ -292,9 +305,69 @@ impl StorageNode {
         Ok(())
     }
 
-    /// Deletes a volume and its files.
+    /// Creates volume `id` as a clone of snapshot `snapshot` of volume `parent` (of its
+    /// size): usable at once, its unwritten blocks read through to the snapshot.
+    pub fn create_clone(&self, id: u32, parent: u32, snapshot: u32) -> Result<(), NodeError> {
+        let mut v = self.inner.volumes.write();
+        if v.contains_key(&id) {
+            return Err(NodeError::Exists(id));
+        }
+        let store = v.get(&parent).cloned().ok_or(NodeError::NoVolume(parent))?;
+        if store.snapshot_blocks(snapshot).is_none() {
+            return Err(NodeError::NoSnapshot(parent, snapshot));
+        }
+        let base = Base { store, snapshot };
+        let clone = VolumeStore::create_clone(&self.inner.dir, id, self.inner.log_limit, base)?;
+        v.insert(id, Arc::new(clone));
+        Ok(())
+    }
+
+    /// The clone of `parent` (of its snapshot `snapshot` when given) that exists, if any.
+    fn clone_of(v: &HashMap<u32, Arc<VolumeStore>>, parent: u32, snapshot: Option<u32>) -> Option<u32> {
+        v.iter()
+            .filter_map(|(&id, s)| Some((id, s.base()?)))
+            .find(|&(_, (p, s))| p == parent && snapshot.is_none_or(|x| x == s))
+            .map(|(id, _)| id)
+    }
+
+    /// Takes snapshot `snapshot` of volume `id`: every write this node acknowledged before
+    /// the call is in it, none after (the agent holds the volume's writes off meanwhile, so
+    /// every replica's snapshot holds the same writes).
+    pub fn snapshot(&self, id: u32, snapshot: u32) -> Result<(), NodeError> {
+        let store = self.store(id).ok_or(NodeError::NoVolume(id))?;
+        store.snapshot(snapshot)?;
+        Ok(())
+    }
+
+    /// Deletes snapshot `snapshot` of volume `id` (refused while a clone reads through to it).
+    pub fn delete_snapshot(&self, id: u32, snapshot: u32) -> Result<(), NodeError> {
+        let v = self.inner.volumes.read();
+        let store = v.get(&id).cloned().ok_or(NodeError::NoVolume(id))?;
+        if let Some(clone) = Self::clone_of(&v, id, Some(snapshot)) {
+            return Err(NodeError::InUse {
+                what: format!("deleting snapshot {snapshot} of volume {id}"),
+                clone,
+            });
+        }
+        if store.snapshot_blocks(snapshot).is_none() {
+            return Err(NodeError::NoSnapshot(id, snapshot));
+        }
+        drop(v);
+        store.delete_snapshot(snapshot)?;
+        Ok(())
+    }
+
+    /// Deletes a volume and its files with its snapshots (refused while a clone of it exists).
     pub fn delete_volume(&self, id: u32) -> Result<(), NodeError> {
-        let store = self.inner.volumes.write().remove(&id).ok_or(NodeError::NoVolume(id))?;
+        let mut v = self.inner.volumes.write();
+        if let Some(clone) = Self::clone_of(&v, id, None) {
+            return Err(NodeError::InUse {
+                what: format!("deleting volume {id}"),
+                clone,
+            });
+        }
+        let store = v.remove(&id).ok_or(NodeError::NoVolume(id))?;
+        drop(v);
         drop(store);
         VolumeStore::remove(&self.inner.dir, id)?;
         Ok(())

@@ -213,6 +213,9 @@ pub struct Volume {
     qos: Mutex<crate::qos::Qos>,
     /// The resync task was started.
     resyncing: std::sync::atomic::AtomicBool,
+    /// Writes hold it shared; [`Volume::quiesced`] holds it alone (it is fair: once a
+    /// snapshot waits, new writes queue behind it).
+    gate: tokio::sync::RwLock<()>,
 }
 
 /// How long reads try a replica that failed one last.
@@ -244,6 +247,7 @@ impl Volume {
             health: Mutex::new((0..replicas_len).map(|_| ReplicaHealth::default()).collect()),
             qos: Mutex::new(crate::qos::Qos::default()),
             resyncing: std::sync::atomic::AtomicBool::new(false),
+            gate: tokio::sync::RwLock::new(()),
         })
     }
 
@@ -487,6 +491,7 @@ impl Volume {
             return Ok(());
         }
         self.admit(len).await;
+        let _gate = self.gate.read().await;
         self.counters.writes.fetch_add(1, Ordering::Relaxed);
         let first = offset / BLOCK;
         let last = (offset + len).div_ceil(BLOCK);
@@ -509,6 +514,46 @@ impl Volume {
             Arc::from(buf)
         };
         self.write_blocks(first, blocks, fua).await
+    }
+
+    /// Runs `f` with the volume's writes held off, every replica holding every acknowledged
+    /// write: writes in progress finish, new ones wait until `f` is done, and copies of
+    /// acknowledged writes still in flight to a replica land first (up to the replica
+    /// timeout). So `f` can take a snapshot on every replica that holds the same writes on
+    /// each. Refused while a replica is down or catching up: its snapshot would lack writes.
+    pub async fn quiesced<T>(self: &Arc<Self>, f: impl std::future::Future<Output = T>) -> Result<T, String> {
+        let _all = self.gate.write().await;
+        let until = tokio::time::Instant::now() + self.cfg.replica_timeout;
+        loop {
+            let (behind, in_flight) = {
+                let h = self.health.lock();
+                let behind = h
+                    .iter()
+                    .enumerate()
+                    .find(|(_, r)| r.down || !r.missed.is_empty())
+                    .map(|(i, r)| (i, r.state(), r.missed.len()));
+                (behind, h.iter().any(|r| !r.pending.is_empty()))
+            };
+            if let Some((i, state, regions)) = behind {
+                return Err(format!(
+                    "volume {}: replica {i} ({}) is {state:?} with {regions} regions behind: a snapshot now would lack \
+                     writes it missed; retry once describe shows it in sync",
+                    self.id,
+                    self.replicas[i].server()
+                ));
+            }
+            if !in_flight {
+                break;
+            }
+            if tokio::time::Instant::now() >= until {
+                return Err(format!(
+                    "volume {}: acknowledged writes are still in flight to a replica after {:?}",
+                    self.id, self.cfg.replica_timeout
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        Ok(f.await)
     }
 
     /// Writes zeros over `len` bytes at `offset` (NBD WRITE_ZEROES and TRIM).

@@ -9,7 +9,7 @@ mod common;
 
 use block_agent::nbd::client::NbdClient;
 use clients::blk::{ClusterSpec, LocalCluster};
-use common::{blkctl, check_stores, have, host_port, local_etcd, spawner, tmp, Writers};
+use common::{blkctl, check_stores, have, host_port, local_etcd, pattern, spawner, tmp, Writers};
 use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -388,4 +388,143 @@ fn the_demo_block_step_writes_and_verifies_a_volume() {
     assert_eq!(r.len(), 1);
     assert!(r[0].verified, "{:?}", r[0]);
     assert!(r[0].ops > 10, "{:?}", r[0]);
+}
+
+/// fio through the NBD engine on `uri`; its JSON report. Panics (with fio's words) when fio
+/// fails, a verify failure included.
+fn fio(uri: &str, args: &[&str]) -> serde_json::Value {
+    let o = Command::new("fio")
+        .args(["--name=snap", "--ioengine=nbd", &format!("--uri={uri}"), "--bs=4k"])
+        .args(["--output-format=json", "--verify=crc32c", "--verify_fatal=1"])
+        .args(args)
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "fio {args:?}: {}\n{out}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let json = &out[out.find('{').expect("fio's JSON")..];
+    serde_json::from_str(json).unwrap()
+}
+
+/// Snapshots and clones as a user meets them: snapshots taken while fio overwrites the volume
+/// at random (verify headers on every block) restore to a state fio's verify accepts, through
+/// a clone attached at once; they are points in time (a block written just before the
+/// snapshot is in it, one written just after is not); they survive a kill -9 of a storage
+/// node; a snapshot with a clone cannot be deleted, and the volume with clones cannot either.
+#[test]
+fn snapshots_under_a_running_fio_verify_workload_restore_to_a_state_fio_accepts() {
+    if !have("fio") {
+        test_support::skip(
+            "snapshots under fio",
+            test_support::Missing::Tool,
+            "fio is not installed (scripts/install-test-deps.sh installs it)",
+        );
+        return;
+    }
+    let dir = tmp("snap");
+    let mut spec = ClusterSpec::new(dir.clone());
+    spec.size = 24 << 20;
+    spec.replicas = 2;
+    spec.nodes = 2;
+    let mut c = LocalCluster::start(&spawner(), spec).unwrap();
+    let ctl = c.control_addr.clone();
+    let run = |args: &[&str]| {
+        let mut a = vec!["--control", ctl.as_str()];
+        a.extend_from_slice(args);
+        blkctl(&dir, &a)
+    };
+    let ok = |args: &[&str]| {
+        let (ok, out, err) = run(args);
+        assert!(ok, "blkctl {args:?}: {err}");
+        out
+    };
+    // fio owns the first 16 MiB (every block a fio block); markers live past it
+    fio(&c.uri, &["--rw=write", "--size=16m", "--do_verify=0"]);
+    let (hp, name) = host_port(&c.uri);
+    let mut nbd = NbdClient::connect(hp.as_str(), &name).unwrap();
+    let marker = 20u64 << 20;
+    let uri = c.uri.clone();
+    let load = std::thread::spawn(move || {
+        fio(
+            &uri,
+            &[
+                "--rw=randwrite",
+                "--size=16m",
+                "--iodepth=16",
+                "--do_verify=0",
+                "--time_based",
+                "--runtime=5",
+                "--randrepeat=0",
+            ],
+        )
+    });
+    std::thread::sleep(Duration::from_millis(1500));
+    nbd.write(marker, &pattern(marker / 4096, 1), true).unwrap();
+    let t = Instant::now();
+    let out = ok(&["snapshot", "create", "vol0@s1"]);
+    let took = t.elapsed();
+    assert!(out.contains("vol0@s1"), "{out}");
+    nbd.write(marker, &pattern(marker / 4096, 2), true).unwrap();
+    std::thread::sleep(Duration::from_millis(1000));
+    ok(&["snapshot", "create", "vol0@s2"]);
+    let (ok2, _, err) = run(&["snapshot", "create", "vol0@s2"]);
+    assert!(!ok2 && err.contains("has a snapshot"), "a name is taken once: {err}");
+    let report = load.join().unwrap();
+    let w = &report["jobs"][0]["write"];
+    let max_ms = w["clat_ns"]["max"].as_f64().unwrap() / 1e6;
+    eprintln!(
+        "fio randwrite during two snapshots: {:.0} IOPS, slowest write {max_ms:.1} ms; blkctl snapshot create took {took:?}",
+        w["iops"].as_f64().unwrap()
+    );
+    // the snapshots outlive a kill -9 of a storage node
+    c.nodes[1].kill9();
+    c.restart_node(1, true).unwrap();
+    let out = ok(&["clone", "vol0@s1", "c1"]);
+    assert!(out.contains("clone of vol0@s1"), "{out}");
+    let c1 = ok(&["attach", "c1"]).trim().to_string();
+    let report = fio(&c1, &["--rw=read", "--size=16m"]);
+    assert_eq!(
+        report["jobs"][0]["read"]["io_bytes"],
+        16 << 20,
+        "the whole 16 MiB verified"
+    );
+    let (hp1, n1) = host_port(&c1);
+    let mut cl = NbdClient::connect(hp1.as_str(), &n1).unwrap();
+    let mut got = vec![0u8; 4096];
+    cl.read(marker, &mut got).unwrap();
+    assert!(
+        got == pattern(marker / 4096, 1),
+        "the block written just before s1 is in it"
+    );
+    nbd.read(marker, &mut got).unwrap();
+    assert!(got == pattern(marker / 4096, 2), "the volume keeps its own write");
+    // a clone is a volume of its own: its writes stay in it
+    cl.write(marker, &pattern(marker / 4096, 3), true).unwrap();
+    ok(&["clone", "vol0@s2", "c2"]);
+    let c2 = ok(&["attach", "c2"]).trim().to_string();
+    fio(&c2, &["--rw=read", "--size=16m"]);
+    let (hp2, n2) = host_port(&c2);
+    let mut cl2 = NbdClient::connect(hp2.as_str(), &n2).unwrap();
+    cl2.read(marker, &mut got).unwrap();
+    assert!(got == pattern(marker / 4096, 2), "s2 was taken after the second marker");
+    cl2.disconnect();
+    cl.disconnect();
+    nbd.disconnect();
+    let out = ok(&["snapshot", "list", "vol0"]);
+    assert!(out.contains("vol0@s1") && out.contains("clones c1"), "{out}");
+    let (no, _, err) = run(&["snapshot", "delete", "vol0@s1"]);
+    assert!(!no && err.contains("clones (c1)"), "{err}");
+    let (no, _, err) = run(&["delete", "vol0"]);
+    assert!(!no && err.contains("clones"), "{err}");
+    ok(&["delete", "c1"]);
+    ok(&["snapshot", "delete", "vol0@s1"]);
+    let out = ok(&["snapshot", "list"]);
+    assert!(!out.contains("vol0@s1") && out.contains("vol0@s2"), "{out}");
+    // c2 still reads s2 whole
+    fio(&c2, &["--rw=read", "--size=16m"]);
+    drop(c);
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -12,7 +12,8 @@ use tonic::{Request, Response, Status};
 fn node_status(e: NodeError) -> Status {
     match e {
         NodeError::Exists(_) => Status::already_exists(e.to_string()),
-        NodeError::NoVolume(_) => Status::not_found(e.to_string()),
+        NodeError::NoVolume(_) | NodeError::NoSnapshot(..) => Status::not_found(e.to_string()),
+        NodeError::InUse { .. } => Status::failed_precondition(e.to_string()),
         NodeError::Size(_) | NodeError::NotIpv4(_) => Status::invalid_argument(e.to_string()),
         NodeError::Store(crate::store::StoreError::Invalid(..)) => Status::invalid_argument(e.to_string()),
         _ => Status::internal(e.to_string()),
@@ -54,19 +55,39 @@ impl pb::storage_node_admin_server::StorageNodeAdmin for NodeAdmin {
         self.on_node(move |n| n.resize_volume(r.id, r.size)).await
     }
 
+    async fn create_clone(&self, r: Request<pb::CreateCloneRequest>) -> Result<Response<pb::Empty>, Status> {
+        let r = r.into_inner();
+        self.on_node(move |n| n.create_clone(r.id, r.parent, r.snapshot)).await
+    }
+
+    async fn create_snapshot(&self, r: Request<pb::SnapshotRequest>) -> Result<Response<pb::Empty>, Status> {
+        let r = r.into_inner();
+        self.on_node(move |n| n.snapshot(r.volume, r.snapshot)).await
+    }
+
+    async fn delete_snapshot(&self, r: Request<pb::SnapshotRequest>) -> Result<Response<pb::Empty>, Status> {
+        let r = r.into_inner();
+        self.on_node(move |n| n.delete_snapshot(r.volume, r.snapshot)).await
+    }
+
     async fn list_volumes(&self, _: Request<pb::ListVolumesRequest>) -> Result<Response<pb::ListVolumesReply>, Status> {
         let volumes = self
             .0
             .volumes()
             .into_iter()
             .map(|(id, blocks)| {
-                let st = self.0.store(id).map(|s| s.stats()).unwrap_or_default();
+                let store = self.0.store(id);
+                let st = store.as_ref().map(|s| s.stats()).unwrap_or_default();
+                let base = store.as_ref().and_then(|s| s.base());
                 pb::NodeVolume {
                     id,
                     size: blocks * 4096,
                     writes: st.writes,
                     reads: st.reads,
                     corrupt_reads: st.corrupt_reads,
+                    snapshots: store.as_ref().map(|s| s.snapshots()).unwrap_or_default(),
+                    base_volume: base.map_or(0, |b| b.0),
+                    base_snapshot: base.map_or(0, |b| b.1),
                 }
             })
             .collect();
@@ -123,6 +144,34 @@ impl pb::agent_admin_server::AgentAdmin for AgentAdmin {
         if !self.agent.detach(&name) {
             return Err(Status::not_found(format!("no export {name:?}")));
         }
+        Ok(Response::new(pb::Empty {}))
+    }
+
+    async fn snapshot(&self, r: Request<pb::SnapshotExportRequest>) -> Result<Response<pb::Empty>, Status> {
+        let r = r.into_inner();
+        let v = self
+            .agent
+            .exports()
+            .get(&r.export_name)
+            .ok_or_else(|| Status::not_found(format!("no export {:?}", r.export_name)))?;
+        if r.node_admins.len() != v.replicas().len() {
+            return Err(Status::invalid_argument(format!(
+                "{} node admin addresses for {} replicas",
+                r.node_admins.len(),
+                v.replicas().len()
+            )));
+        }
+        let t = std::time::Instant::now();
+        let id = v.id();
+        v.quiesced(super::controller::snapshot_on_nodes(&r.node_admins, id, r.snapshot))
+            .await
+            .map_err(Status::failed_precondition)??;
+        tracing::info!(
+            "export {}: snapshot {} taken, writes held off for {:?}",
+            r.export_name,
+            r.snapshot,
+            t.elapsed()
+        );
         Ok(Response::new(pb::Empty {}))
     }
 

@@ -17,7 +17,9 @@
 use super::pb;
 use super::pb::agent_admin_client::AgentAdminClient;
 use super::pb::storage_node_admin_client::StorageNodeAdminClient;
-use super::state::{AgentRecord, ControlState, MetaError, MetaStore, NodeRecord, VolumeRecord};
+use super::state::{
+    AgentRecord, ControlState, MetaError, MetaStore, NodeRecord, ParentRecord, SnapshotRecord, VolumeRecord,
+};
 use crate::storage_node::is_node_id;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -72,7 +74,7 @@ fn http(addr: &str) -> String {
     }
 }
 
-async fn node_client(admin: &str) -> Result<StorageNodeAdminClient<tonic::transport::Channel>, Status> {
+pub(crate) async fn node_client(admin: &str) -> Result<StorageNodeAdminClient<tonic::transport::Channel>, Status> {
     StorageNodeAdminClient::connect(http(admin))
         .await
         .map_err(|e| Status::unavailable(format!("storage node admin {admin}: {e}")))
@@ -84,14 +86,64 @@ async fn agent_client(admin: &str) -> Result<AgentAdminClient<tonic::transport::
         .map_err(|e| Status::unavailable(format!("agent admin {admin}: {e}")))
 }
 
-/// Volume names: what a URI path and a file name can hold.
-fn check_name(n: &str) -> Result<(), Status> {
+/// Volume and snapshot names: what a URI path and a file name can hold.
+fn check_name(what: &str, n: &str) -> Result<(), Status> {
     if n.is_empty() || n.len() > 64 || !n.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) {
         return Err(Status::invalid_argument(format!(
-            "volume name {n:?}: 1 to 64 characters of A-Z a-z 0-9 - _ ."
+            "{what} name {n:?}: 1 to 64 characters of A-Z a-z 0-9 - _ ."
         )));
     }
     Ok(())
+}
+
+/// Takes snapshot `snapshot` of volume `volume` on the storage nodes at `admins`, all at once;
+/// when one fails, the others' are deleted again and the error names that node.
+pub(crate) async fn snapshot_on_nodes(admins: &[String], volume: u32, snapshot: u32) -> Result<(), Status> {
+    let req = pb::SnapshotRequest { volume, snapshot };
+    let take = admins.iter().map(|a| async move {
+        let r = async { node_client(a).await?.create_snapshot(req).await }.await;
+        (
+            a,
+            r.map_err(|e| Status::new(e.code(), format!("storage node {a}: {}", e.message()))),
+        )
+    });
+    let results = futures_util::future::join_all(take).await;
+    let Some(err) = results.iter().find_map(|(_, r)| r.as_ref().err()).cloned() else {
+        return Ok(());
+    };
+    for (a, _) in results.iter().filter(|(_, r)| r.is_ok()) {
+        if let Ok(mut c) = node_client(a).await {
+            if let Err(e) = c.delete_snapshot(req).await {
+                tracing::warn!("undoing snapshot {snapshot} of volume {volume} on {a}: {}", e.message());
+            }
+        }
+    }
+    Err(err)
+}
+
+/// A snapshot as the services see it.
+fn snapshot_info(s: &ControlState, volume: &str, r: &SnapshotRecord) -> pb::SnapshotInfo {
+    pb::SnapshotInfo {
+        name: r.name.clone(),
+        id: r.id,
+        size: r.size,
+        created_unix: r.created_unix,
+        clones: clones_of(s, volume, Some(&r.name)),
+        volume: volume.to_string(),
+    }
+}
+
+/// The volumes made from `volume`'s snapshots (from snapshot `snapshot` only, when given).
+fn clones_of(s: &ControlState, volume: &str, snapshot: Option<&str>) -> Vec<String> {
+    s.volumes
+        .iter()
+        .filter(|(_, v)| {
+            v.parent
+                .as_ref()
+                .is_some_and(|p| p.volume == volume && snapshot.is_none_or(|x| x == p.snapshot))
+        })
+        .map(|(k, _)| k.clone())
+        .collect()
 }
 
 /// A recorded volume, or NOT_FOUND naming it.
@@ -214,6 +266,11 @@ impl Controller {
                 .unwrap_or_default(),
             export: None,
             qos: Some(qos_pb(&v.qos)),
+            parent: v
+                .parent
+                .as_ref()
+                .map(|p| format!("{}@{}", p.volume, p.snapshot))
+                .unwrap_or_default(),
         }
     }
 
@@ -465,7 +522,7 @@ impl pb::block_control_server::BlockControl for ControllerService {
     async fn create(&self, r: Request<pb::CreateRequest>) -> Result<Response<pb::VolumeSpec>, Status> {
         let c = &self.0;
         let r = r.into_inner();
-        check_name(&r.name)?;
+        check_name("volume", &r.name)?;
         if r.size == 0 || !r.size.is_multiple_of(4096) {
             return Err(Status::invalid_argument(format!(
                 "size {} is not a positive multiple of 4096",
@@ -529,6 +586,9 @@ impl pb::block_control_server::BlockControl for ControllerService {
             replicas: chosen,
             agent: None,
             qos: r.qos.as_ref().map(qos_limits).unwrap_or_default(),
+            snapshots: Vec::new(),
+            next_snapshot: 1,
+            parent: None,
         };
         c.commit(&mut s, |n| {
             n.next_id = id + 1;
@@ -558,6 +618,13 @@ impl pb::block_control_server::BlockControl for ControllerService {
         let name = r.into_inner().name;
         let mut s = c.state.lock().await;
         let v = volume(&s, &name)?.clone();
+        let clones = clones_of(&s, &name, None);
+        if !clones.is_empty() {
+            return Err(Status::failed_precondition(format!(
+                "volume {name:?} has clones made from its snapshots ({}): delete them first",
+                clones.join(", ")
+            )));
+        }
         if let Some(a) = v.agent.as_ref().and_then(|a| s.agents.get(a)) {
             if let Ok(mut cl) = agent_client(&a.admin).await {
                 let _ = cl
@@ -638,6 +705,215 @@ impl pb::block_control_server::BlockControl for ControllerService {
             c.attach_at(&s, &r.name, &a).await?;
         }
         Ok(Response::new(c.spec(&r.name, &s.volumes[&r.name], &s)))
+    }
+
+    async fn create_snapshot(&self, r: Request<pb::SnapshotName>) -> Result<Response<pb::SnapshotInfo>, Status> {
+        let c = &self.0;
+        let r = r.into_inner();
+        check_name("snapshot", &r.name)?;
+        let mut s = c.state.lock().await;
+        let v = volume(&s, &r.volume)?.clone();
+        if v.snapshots.iter().any(|x| x.name == r.name) {
+            return Err(Status::already_exists(format!(
+                "volume {:?} has a snapshot {:?}",
+                r.volume, r.name
+            )));
+        }
+        let sid = v.next_snapshot.max(1);
+        let admins = v
+            .replicas
+            .iter()
+            .map(|n| node_admin(&s, n))
+            .collect::<Result<Vec<_>, _>>()?;
+        let agent = v.agent.as_ref().and_then(|a| s.agents.get(a)).map(|a| a.admin.clone());
+        let t = Instant::now();
+        let taken = match &agent {
+            // the agent holds the volume's writes off while the nodes take it
+            Some(a) => agent_client(a)
+                .await?
+                .snapshot(pb::SnapshotExportRequest {
+                    export_name: r.volume.clone(),
+                    snapshot: sid,
+                    node_admins: admins.clone(),
+                })
+                .await
+                .map(|_| ()),
+            // no agent: nothing writes to it
+            None => snapshot_on_nodes(&admins, v.id, sid).await,
+        };
+        taken.map_err(|e| {
+            Status::new(
+                e.code(),
+                format!("snapshot {:?} of {:?}: {}", r.name, r.volume, e.message()),
+            )
+        })?;
+        let rec = SnapshotRecord {
+            name: r.name.clone(),
+            id: sid,
+            size: v.size,
+            created_unix: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+        };
+        let recorded = c
+            .commit(&mut s, |n| {
+                let v = n.volumes.get_mut(&r.volume).expect("checked above");
+                v.snapshots.push(rec.clone());
+                v.next_snapshot = sid + 1;
+            })
+            .await;
+        if let Err(e) = recorded {
+            for a in &admins {
+                if let Ok(mut cl) = node_client(a).await {
+                    let _ = cl
+                        .delete_snapshot(pb::SnapshotRequest {
+                            volume: v.id,
+                            snapshot: sid,
+                        })
+                        .await;
+                }
+            }
+            return Err(e);
+        }
+        tracing::info!(
+            "volume {}: snapshot {} (number {sid}) taken in {:?}",
+            r.volume,
+            r.name,
+            t.elapsed()
+        );
+        Ok(Response::new(snapshot_info(&s, &r.volume, &rec)))
+    }
+
+    async fn delete_snapshot(&self, r: Request<pb::SnapshotName>) -> Result<Response<pb::Empty>, Status> {
+        let c = &self.0;
+        let r = r.into_inner();
+        let mut s = c.state.lock().await;
+        let v = volume(&s, &r.volume)?.clone();
+        let snap = v
+            .snapshots
+            .iter()
+            .find(|x| x.name == r.name)
+            .ok_or_else(|| Status::not_found(format!("volume {:?} has no snapshot {:?}", r.volume, r.name)))?;
+        let clones = clones_of(&s, &r.volume, Some(&r.name));
+        if !clones.is_empty() {
+            return Err(Status::failed_precondition(format!(
+                "snapshot {}@{} has clones ({}): delete them first",
+                r.volume,
+                r.name,
+                clones.join(", ")
+            )));
+        }
+        for n in &v.replicas {
+            let admin = node_admin(&s, n)?;
+            match node_client(&admin)
+                .await?
+                .delete_snapshot(pb::SnapshotRequest {
+                    volume: v.id,
+                    snapshot: snap.id,
+                })
+                .await
+            {
+                Ok(_) => {}
+                Err(e) if e.code() == tonic::Code::NotFound => {}
+                Err(e) => return Err(Status::new(e.code(), format!("deleting on {n}: {}", e.message()))),
+            }
+        }
+        c.commit(&mut s, |n| {
+            let v = n.volumes.get_mut(&r.volume).expect("checked above");
+            v.snapshots.retain(|x| x.name != r.name);
+        })
+        .await?;
+        Ok(Response::new(pb::Empty {}))
+    }
+
+    async fn list_snapshots(&self, r: Request<pb::NameRequest>) -> Result<Response<pb::ListSnapshotsReply>, Status> {
+        let c = &self.0;
+        let name = r.into_inner().name;
+        let s = c.state.lock().await;
+        if !name.is_empty() {
+            volume(&s, &name)?;
+        }
+        let snapshots = s
+            .volumes
+            .iter()
+            .filter(|(k, _)| name.is_empty() || **k == name)
+            .flat_map(|(k, v)| v.snapshots.iter().map(|x| snapshot_info(&s, k, x)))
+            .collect();
+        Ok(Response::new(pb::ListSnapshotsReply { snapshots }))
+    }
+
+    async fn clone_snapshot(&self, r: Request<pb::CloneRequest>) -> Result<Response<pb::VolumeSpec>, Status> {
+        let c = &self.0;
+        let r = r.into_inner();
+        check_name("volume", &r.name)?;
+        let mut s = c.state.lock().await;
+        if s.volumes.contains_key(&r.name) {
+            return Err(Status::already_exists(format!("volume {:?} exists", r.name)));
+        }
+        let v = volume(&s, &r.volume)?.clone();
+        let snap = v
+            .snapshots
+            .iter()
+            .find(|x| x.name == r.snapshot)
+            .ok_or_else(|| Status::not_found(format!("volume {:?} has no snapshot {:?}", r.volume, r.snapshot)))?
+            .clone();
+        // on the snapshot's nodes: each clone replica reads through to its node's copy
+        let id = s.next_id.max(1);
+        let mut made: Vec<String> = Vec::new();
+        for n in &v.replicas {
+            let admin = node_admin(&s, n)?;
+            let res = async {
+                node_client(&admin)
+                    .await?
+                    .create_clone(pb::CreateCloneRequest {
+                        id,
+                        parent: v.id,
+                        snapshot: snap.id,
+                    })
+                    .await
+            }
+            .await;
+            if let Err(e) = res {
+                for a in &made {
+                    if let Ok(mut cl) = node_client(a).await {
+                        let _ = cl.delete_volume(pb::DeleteVolumeRequest { id }).await;
+                    }
+                }
+                return Err(Status::new(
+                    e.code(),
+                    format!("cloning on storage node {n}: {}", e.message()),
+                ));
+            }
+            made.push(admin);
+        }
+        let rec = VolumeRecord {
+            id,
+            size: snap.size,
+            replicas: v.replicas.clone(),
+            agent: None,
+            qos: r.qos.as_ref().map(qos_limits).unwrap_or(v.qos),
+            snapshots: Vec::new(),
+            next_snapshot: 1,
+            parent: Some(ParentRecord {
+                volume: r.volume.clone(),
+                snapshot: r.snapshot.clone(),
+            }),
+        };
+        c.commit(&mut s, |n| {
+            n.next_id = id + 1;
+            n.volumes.insert(r.name.clone(), rec.clone());
+        })
+        .await?;
+        {
+            let mut live = c.live.lock();
+            for n in &rec.replicas {
+                if let Some(l) = live.get_mut(n) {
+                    l.volumes.push(id);
+                }
+            }
+        }
+        tracing::info!("cloned {}@{} as volume {} (id {id})", r.volume, r.snapshot, r.name);
+        Ok(Response::new(c.spec(&r.name, &rec, &s)))
     }
 
     async fn describe(&self, r: Request<pb::NameRequest>) -> Result<Response<pb::VolumeSpec>, Status> {

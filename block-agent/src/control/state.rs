@@ -28,6 +28,32 @@ pub struct VolumeRecord {
     /// Provisioned IOPS and bandwidth (none in states written before QoS).
     #[serde(default)]
     pub qos: crate::qos::QosLimits,
+    /// Its snapshots, oldest first.
+    #[serde(default)]
+    pub snapshots: Vec<SnapshotRecord>,
+    /// The number the next snapshot gets (the storage nodes know snapshots by number).
+    #[serde(default)]
+    pub next_snapshot: u32,
+    /// A clone: the snapshot it was made from.
+    #[serde(default)]
+    pub parent: Option<ParentRecord>,
+}
+
+/// A snapshot as the controller records it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct SnapshotRecord {
+    pub name: String,
+    pub id: u32,
+    /// The volume's size when it was taken.
+    pub size: u64,
+    pub created_unix: u64,
+}
+
+/// The snapshot a clone was made from.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ParentRecord {
+    pub volume: String,
+    pub snapshot: String,
 }
 
 /// A storage node: where it last registered.

@@ -2,7 +2,7 @@
 //!
 //! `blkctl cluster up` starts a controller, storage nodes and an agent on this machine, creates
 //! a volume and prints its NBD URI; `blkctl cluster down` stops them. `create`, `delete`,
-//! `resize`, `list`, `describe` and `attach` talk to the controller; `bench` measures the
+//! `resize`, `list`, `describe`, `attach`, `qos`, `snapshot` and `clone` talk to the controller; `bench` measures the
 //! volume through real NBD clients against qemu-nbd and the agent's TCP mode.
 
 use anyhow::{Context as _, Result};
@@ -69,6 +69,20 @@ enum Cmd {
     List,
     /// Shows one volume.
     Describe { name: String },
+    /// Snapshots: crash-consistent, point in time, copy-on-write on the storage nodes.
+    Snapshot {
+        #[command(subcommand)]
+        cmd: SnapshotCmd,
+    },
+    /// Makes a new volume from a snapshot, usable at once: its blocks read as the snapshot's
+    /// until written (it keeps the snapshot's storage nodes and its volume's QoS).
+    Clone {
+        /// VOLUME@SNAPSHOT
+        #[arg(value_parser = snap_ref)]
+        snapshot: (String, String),
+        /// The new volume's name.
+        name: String,
+    },
     /// Attaches a volume to an agent; prints the NBD URI.
     Attach {
         name: String,
@@ -107,6 +121,44 @@ impl QosArgs {
             burst_ms: self.burst_ms,
         }
     }
+}
+
+#[derive(Subcommand)]
+enum SnapshotCmd {
+    /// Takes a snapshot (an attached volume's writes wait while every replica takes it).
+    Create {
+        /// VOLUME@SNAPSHOT
+        #[arg(value_parser = snap_ref)]
+        snapshot: (String, String),
+    },
+    /// Lists the snapshots of one volume, or of all.
+    List { volume: Option<String> },
+    /// Deletes a snapshot (refused while a clone of it exists).
+    Delete {
+        /// VOLUME@SNAPSHOT
+        #[arg(value_parser = snap_ref)]
+        snapshot: (String, String),
+    },
+}
+
+/// `VOLUME@SNAPSHOT`.
+fn snap_ref(s: &str) -> Result<(String, String), String> {
+    match s.split_once('@') {
+        Some((v, n)) if !v.is_empty() && !n.is_empty() => Ok((v.to_string(), n.to_string())),
+        _ => Err(format!("{s:?} is not VOLUME@SNAPSHOT")),
+    }
+}
+
+fn print_snapshot(x: &pb::SnapshotInfo) {
+    let clones = if x.clones.is_empty() {
+        String::new()
+    } else {
+        format!("  clones {}", x.clones.join(", "))
+    };
+    println!(
+        "{}@{:<16} number {:<4} {:>12} bytes  taken at {} (Unix){clones}",
+        x.volume, x.name, x.id, x.size, x.created_unix
+    );
 }
 
 #[derive(Subcommand)]
@@ -187,8 +239,13 @@ fn print_spec(v: &pb::VolumeSpec) {
         Some(q) if q.iops > 0 || q.bytes_per_sec > 0 => format!("  qos {}", qos_text(&q)),
         _ => String::new(),
     };
+    let parent = if v.parent.is_empty() {
+        String::new()
+    } else {
+        format!("  clone of {}", v.parent)
+    };
     println!(
-        "{:<16} id {:<4} {:>12} bytes  agent {}  replicas {}{qos}",
+        "{:<16} id {:<4} {:>12} bytes  agent {}  replicas {}{qos}{parent}",
         v.name,
         v.id,
         v.size,
@@ -402,6 +459,51 @@ fn run() -> anyhow::Result<()> {
                         let r = c.attach(pb::AttachVolumeRequest { name, agent }).await.map_err(st)?;
                         println!("{}", r.get_ref().uri);
                     }
+                    Cmd::Snapshot { cmd } => match cmd {
+                        SnapshotCmd::Create {
+                            snapshot: (volume, name),
+                        } => {
+                            let x = c.create_snapshot(pb::SnapshotName { volume, name }).await.map_err(st)?;
+                            print_snapshot(x.get_ref());
+                        }
+                        SnapshotCmd::List { volume } => {
+                            let l = c
+                                .list_snapshots(pb::NameRequest {
+                                    name: volume.unwrap_or_default(),
+                                })
+                                .await
+                                .map_err(st)?;
+                            for x in &l.get_ref().snapshots {
+                                print_snapshot(x);
+                            }
+                        }
+                        SnapshotCmd::Delete {
+                            snapshot: (volume, name),
+                        } => {
+                            c.delete_snapshot(pb::SnapshotName {
+                                volume: volume.clone(),
+                                name: name.clone(),
+                            })
+                            .await
+                            .map_err(st)?;
+                            println!("deleted {volume}@{name}");
+                        }
+                    },
+                    Cmd::Clone {
+                        snapshot: (volume, snapshot),
+                        name,
+                    } => {
+                        let v = c
+                            .clone_snapshot(pb::CloneRequest {
+                                volume,
+                                snapshot,
+                                name,
+                                qos: None,
+                            })
+                            .await
+                            .map_err(st)?;
+                        print_spec(v.get_ref());
+                    }
                     _ => unreachable!("handled above"),
                 }
                 anyhow::Ok(())
@@ -444,6 +546,9 @@ fn describe_json(v: &pb::VolumeSpec) -> serde_json::Value {
         "name": v.name, "id": v.id, "size": v.size, "replicas": replicas,
         "agent": if v.agent.is_empty() { None } else { Some(&v.agent) },
     });
+    if !v.parent.is_empty() {
+        j["clone_of"] = v.parent.clone().into();
+    }
     let q = v.qos.unwrap_or_default();
     j["qos"] = serde_json::json!({"iops": q.iops, "bytes_per_sec": q.bytes_per_sec,
         "burst_ms": if q.burst_ms == 0 { 1000 } else { q.burst_ms }});

@@ -22,6 +22,14 @@
 //!   ([`StoreError::Corrupt`]), never returned as data. Blocks never written read as zeros.
 //! - Each block keeps the version (request id) of the write that put it there, so the Solar
 //!   server can drop stale writes after a restart (`SolarServer::note_version`).
+//! - **Snapshots** are copy-on-write ([`snapshot`]): taking one checkpoints the volume and
+//!   copies its metadata; the first overwrite of a block afterwards copies the old block into
+//!   the newest snapshot first. A **clone** is a volume whose unwritten blocks read through to
+//!   a snapshot of another volume ([`Base`]), usable at once.
+
+mod snapshot;
+
+pub use snapshot::{read_base, Base};
 
 use parking_lot::{Condvar, Mutex, RwLock};
 use std::fs::{File, OpenOptions};
@@ -31,6 +39,8 @@ use std::path::{Path, PathBuf};
 
 /// Bytes of a block.
 pub const BLOCK: usize = 4096;
+/// Bytes of a block's metadata entry: CRC32C (4), written flag (1), a snapshot's preserved
+/// flag (1), reserved (2), version (8).
 const META: u64 = 16;
 const REC_MAGIC: u32 = 0x534C_4F47; // "SLOG"
 const REC_HDR: usize = 32;
@@ -121,6 +131,10 @@ pub struct VolumeStore {
     cv: Condvar,
     stripes: Vec<RwLock<()>>,
     stats: Mutex<StoreStats>,
+    /// Its snapshots; written (taking or deleting one) only with commits held off.
+    snaps: RwLock<snapshot::Snapshots>,
+    /// A clone's base.
+    base: Option<Base>,
 }
 
 /// Makes `dir`'s entries (files created, renamed or removed in it) durable.
@@ -219,6 +233,28 @@ impl VolumeStore {
     /// volume's commit mark: it is named last, after the other files are sized, synced and
     /// named, and leftovers of a create the power cut short are removed first.
     pub fn create(dir: &Path, volume: u32, blocks: u64, log_limit: u64) -> Result<VolumeStore, StoreError> {
+        Self::create_with(dir, volume, blocks, log_limit, None)
+    }
+
+    /// Creates a clone: volume `volume` whose blocks read as snapshot `base.snapshot` of
+    /// `base.store` until written, of that snapshot's size. Usable at once (nothing is copied).
+    pub fn create_clone(dir: &Path, volume: u32, log_limit: u64, base: Base) -> Result<VolumeStore, StoreError> {
+        let blocks = base.store.snapshot_blocks(base.snapshot).ok_or_else(|| {
+            StoreError::Invalid(
+                format!("volume {} has no snapshot {}", base.store.volume, base.snapshot),
+                volume,
+            )
+        })?;
+        Self::create_with(dir, volume, blocks, log_limit, Some(base))
+    }
+
+    fn create_with(
+        dir: &Path,
+        volume: u32,
+        blocks: u64,
+        log_limit: u64,
+        base: Option<Base>,
+    ) -> Result<VolumeStore, StoreError> {
         let (d, m, l) = paths(dir, volume);
         let err = |what: &str| {
             let what = what.to_string();
@@ -233,7 +269,8 @@ impl VolumeStore {
             });
         }
         let pending = d.with_extension("data.new");
-        for p in [&m, &l, &pending] {
+        snapshot::Snapshots::remove_all(dir, volume)?;
+        for p in [&m, &l, &pending, &snapshot::base_path(dir, volume)] {
             match std::fs::remove_file(p) {
                 Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
                     return Err(err(&format!("removing {}", p.display()))(e))
@@ -261,17 +298,21 @@ impl VolumeStore {
         }
         mk(&l2, 0)?;
         mk(&pending, blocks * BLOCK as u64)?;
+        if let Some(b) = &base {
+            snapshot::write_base(dir, volume, (b.store.volume, b.snapshot))?;
+        }
         sync_dir(dir).map_err(err("syncing the directory"))?;
         std::fs::rename(&pending, &d).map_err(err(&format!("renaming to {}", d.display())))?;
         sync_dir(dir).map_err(err("syncing the directory"))?;
-        Self::open(dir, volume, log_limit)
+        Self::open_with(dir, volume, log_limit, base)
     }
 
-    /// Removes a volume's files from `dir`, durably (the data file, its commit mark, first).
+    /// Removes a volume's files from `dir` with its snapshots, durably (the data file, its
+    /// commit mark, first).
     pub fn remove(dir: &Path, volume: u32) -> Result<(), StoreError> {
         let (d, m, l) = paths(dir, volume);
         let l2 = log2_path(dir, volume);
-        for p in [&d, &m, &l, &l2] {
+        for p in [&d, &m, &l, &l2, &snapshot::base_path(dir, volume)] {
             match std::fs::remove_file(p) {
                 Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
                     return Err(StoreError::Io {
@@ -290,11 +331,36 @@ impl VolumeStore {
                 })?;
             }
         }
-        Ok(())
+        snapshot::Snapshots::remove_all(dir, volume)
     }
 
     /// Opens a volume, replaying its log (after a crash: every acknowledged write comes back).
+    /// A clone is refused: it opens with [`VolumeStore::open_with`] and its base.
     pub fn open(dir: &Path, volume: u32, log_limit: u64) -> Result<VolumeStore, StoreError> {
+        Self::open_with(dir, volume, log_limit, None)
+    }
+
+    /// Opens a volume; `base` must be what its `vol-N.base` names ([`read_base`]), open.
+    pub fn open_with(dir: &Path, volume: u32, log_limit: u64, base: Option<Base>) -> Result<VolumeStore, StoreError> {
+        let named = read_base(dir, volume)?;
+        let given = base.as_ref().map(|b| (b.store.volume, b.snapshot));
+        if named != given {
+            return Err(StoreError::Invalid(
+                format!("its base is {named:?} (volume, snapshot), opened with {given:?}"),
+                volume,
+            ));
+        }
+        if let Some(b) = &base {
+            if b.store.snapshot_blocks(b.snapshot).is_none() {
+                return Err(StoreError::Invalid(
+                    format!(
+                        "its base, volume {} snapshot {}, does not exist",
+                        b.store.volume, b.snapshot
+                    ),
+                    volume,
+                ));
+            }
+        }
         let (d, m, l) = paths(dir, volume);
         let err = |what: String| move |source| StoreError::Io { volume, what, source };
         let l2 = log2_path(dir, volume);
@@ -349,6 +415,8 @@ impl VolumeStore {
             cv: Condvar::new(),
             stripes: (0..STRIPES).map(|_| RwLock::new(())).collect(),
             stats: Mutex::new(StoreStats::default()),
+            snaps: RwLock::new(snapshot::Snapshots::open(dir, volume)?),
+            base,
         };
         s.replay()?;
         Ok(s)
@@ -415,6 +483,17 @@ impl VolumeStore {
         }
         // the older log's records first: a block written in both ends with the newer
         logs.sort_by_key(|&(g, ..)| g);
+        // every record is newer than the newest snapshot (taking one empties the logs): what
+        // they overwrite goes there first
+        let mut lbas = Vec::new();
+        for (_, start, buf) in &logs {
+            let mut off = *start;
+            while let Some((lba, ..)) = decode_record(&buf[off..]) {
+                lbas.push(lba);
+                off += REC_HDR + BLOCK;
+            }
+        }
+        self.preserve(&lbas)?;
         let mut n = 0;
         for (_, start, buf) in &logs {
             let mut off = *start;
@@ -542,6 +621,13 @@ impl VolumeStore {
             log.file.sync_data().map_err(self.io("syncing the log"))?;
         }
         self.stats.lock().syncs += 1;
+        let mut lbas = Vec::new();
+        let mut off = 0;
+        while let Some((lba, ..)) = decode_record(&batch[off..]) {
+            lbas.push(lba);
+            off += REC_HDR + BLOCK;
+        }
+        self.preserve(&lbas)?;
         let mut off = 0;
         while let Some((lba, version, crc, data)) = decode_record(&batch[off..]) {
             self.place(lba, version, crc, data)?;
@@ -633,7 +719,7 @@ impl VolumeStore {
         self.stats.lock().reads += 1;
         let actual = crc32c::crc32c(&data);
         if m[4] == 0 {
-            // never written: zeros (anything else there is damage)
+            // never written: zeros (anything else there is damage), or a clone's base
             if data.iter().any(|&b| b != 0) {
                 self.stats.lock().corrupt_reads += 1;
                 return Err(StoreError::Corrupt {
@@ -642,6 +728,12 @@ impl VolumeStore {
                     stored: crc32c::crc32c(&[0u8; BLOCK]),
                     actual,
                 });
+            }
+            drop(_g);
+            if let Some(b) = &self.base {
+                let data = b.store.read_snapshot(b.snapshot, lba)?;
+                let crc = crc32c::crc32c(&data);
+                return Ok((data, crc, 0));
             }
             return Ok((data, actual, 0));
         }
@@ -678,13 +770,26 @@ impl VolumeStore {
     /// free: every acknowledged write already is durable; this bounds replay time). Waits for
     /// running commits and a background checkpoint; commits wait for it.
     pub fn checkpoint(&self) -> Result<(), StoreError> {
+        self.exclusive(|| self.checkpoint_held())
+    }
+
+    /// Runs `f` with commits held off (running ones finished, new ones waiting).
+    fn exclusive<T>(&self, f: impl FnOnce() -> Result<T, StoreError>) -> Result<T, StoreError> {
         let mut c = self.commit.lock();
         while c.committing {
             self.cv.wait(&mut c);
         }
         c.committing = true;
         drop(c);
-        let r = (|| {
+        let r = f();
+        self.commit.lock().committing = false;
+        self.cv.notify_all();
+        r
+    }
+
+    /// [`VolumeStore::checkpoint`]'s work; commits are held off.
+    fn checkpoint_held(&self) -> Result<(), StoreError> {
+        {
             let spare = self.take_spare()?;
             self.spare.0.lock().file = Some(spare);
             self.data.sync_data().map_err(self.io("syncing the data file"))?;
@@ -696,10 +801,94 @@ impl VolumeStore {
             *self.log_len.lock() = 0;
             self.spare.0.lock().checkpoints += 1;
             Ok(())
-        })();
-        self.commit.lock().committing = false;
-        self.cv.notify_all();
-        r
+        }
+    }
+
+    /// Copies into the newest snapshot the blocks of `lbas` it still shares with the volume,
+    /// synced, before new contents are placed over them.
+    fn preserve(&self, lbas: &[u64]) -> Result<(), StoreError> {
+        let snaps = self.snaps.read();
+        if !snaps.needs_copy(lbas) {
+            return Ok(());
+        }
+        snaps.preserve(lbas, |lba, buf| {
+            self.data
+                .read_exact_at(buf, lba * BLOCK as u64)
+                .map_err(self.io(format!("reading block {lba} for a snapshot")))
+        })
+    }
+
+    /// Takes snapshot `id` (a number the caller chooses, unique in this volume): a
+    /// point-in-time image of every write acknowledged before this call; writes wait while it
+    /// is taken (a checkpoint and a copy of the metadata, 16 bytes per block).
+    pub fn snapshot(&self, id: u32) -> Result<(), StoreError> {
+        self.exclusive(|| {
+            if self.snaps.read().ids().contains(&id) {
+                return Err(StoreError::Invalid(format!("snapshot {id} exists"), self.volume));
+            }
+            self.checkpoint_held()?;
+            self.snaps.write().create(id, &self.meta, self.blocks())
+        })
+    }
+
+    /// Deletes snapshot `id`; the blocks only it kept for an older snapshot move there first.
+    pub fn delete_snapshot(&self, id: u32) -> Result<(), StoreError> {
+        self.exclusive(|| self.snaps.write().delete(id))
+    }
+
+    /// The snapshots' ids, oldest first.
+    pub fn snapshots(&self) -> Vec<u32> {
+        self.snaps.read().ids()
+    }
+
+    /// The size of snapshot `id` in blocks, if it exists.
+    pub fn snapshot_blocks(&self, id: u32) -> Option<u64> {
+        self.snaps.read().list.iter().find(|s| s.id == id).map(|s| s.blocks)
+    }
+
+    /// The `(volume, snapshot)` this clone reads through to, if it is a clone.
+    pub fn base(&self) -> Option<(u32, u32)> {
+        self.base.as_ref().map(|b| (b.store.volume, b.snapshot))
+    }
+
+    /// Block `lba` as it was when snapshot `id` was taken, checked against the CRC it had then.
+    pub fn read_snapshot(&self, id: u32, lba: u64) -> Result<Vec<u8>, StoreError> {
+        let snaps = self.snaps.read();
+        let _g = self.stripes[lba as usize % STRIPES].read();
+        let src = snaps
+            .locate(id, lba)?
+            .ok_or_else(|| StoreError::Invalid(format!("no snapshot {id}"), self.volume))?;
+        let (data, crc) = match src {
+            snapshot::Source::Unwritten => {
+                drop(_g);
+                drop(snaps);
+                return match &self.base {
+                    Some(b) if lba < b.store.snapshot_blocks(b.snapshot).unwrap_or(0) => {
+                        b.store.read_snapshot(b.snapshot, lba)
+                    }
+                    _ => Ok(vec![0u8; BLOCK]),
+                };
+            }
+            snapshot::Source::Kept { data, crc } => (data, crc),
+            snapshot::Source::Volume { crc } => {
+                let mut data = vec![0u8; BLOCK];
+                self.data
+                    .read_exact_at(&mut data, lba * BLOCK as u64)
+                    .map_err(self.io(format!("reading block {lba}")))?;
+                (data, crc)
+            }
+        };
+        let actual = crc32c::crc32c(&data);
+        if actual != crc {
+            self.stats.lock().corrupt_reads += 1;
+            return Err(StoreError::Corrupt {
+                volume: self.volume,
+                lba,
+                stored: crc,
+                actual,
+            });
+        }
+        Ok(data)
     }
 }
 
