@@ -164,11 +164,13 @@ pub struct NodeCounters {
 
 /// A write for the writer pool: a Solar block, or a whole request of the TCP protocol.
 enum WriteJob {
+    /// `zero`: a zeroed block (no data).
     Solar {
         volume: u32,
         lba: u64,
         data: Vec<u8>,
         crc: u32,
+        zero: bool,
         rpc: u64,
         done: WriteDone,
     },
@@ -490,6 +492,21 @@ impl Inner {
         }
     }
 
+    /// Zeroes (deallocates) blocks of a volume durably; the status to answer.
+    fn store_zero(&self, volume: u32, lba: u64, count: u64, version: u64) -> Status {
+        let store = self.volumes.read().get(&volume).cloned();
+        match store {
+            None => Status::NoVolume,
+            Some(s) => match s.write_zeroes(lba, count, version) {
+                Ok(()) => Status::Ok,
+                Err(e) => {
+                    tracing::warn!("{e}");
+                    store_status(&e)
+                }
+            },
+        }
+    }
+
     /// Reads blocks of a volume into `out` (appended), each checked against its stored CRC;
     /// the status to answer (nothing appended unless Ok).
     fn store_read(&self, volume: u32, lba: u64, blocks: u32, out: &mut Vec<u8>) -> Status {
@@ -525,6 +542,7 @@ impl StorageHandler for Handler {
             lba: b.lba,
             data: b.data.to_vec(),
             crc: b.crc,
+            zero: b.zero,
             rpc: b.rpc,
             done,
         };
@@ -563,15 +581,24 @@ fn writer(inner: &Inner, rx: &Mutex<mpsc::Receiver<WriteJob>>) {
                 lba,
                 data,
                 crc,
+                zero,
                 rpc,
                 done,
             } => {
-                let status = inner.store_write(volume, lba, &[(&data, crc)], rpc);
+                let status = if zero {
+                    inner.store_zero(volume, lba, 1, rpc)
+                } else {
+                    inner.store_write(volume, lba, &[(&data, crc)], rpc)
+                };
                 done.finish(status);
             }
             WriteJob::Tcp { conn, req, data } => {
-                let blocks: Vec<(&[u8], u32)> = data.chunks(BLOCK).map(|b| (b, crc32c::crc32c(b))).collect();
-                let status = inner.store_write(req.volume, req.lba, &blocks, req.version);
+                let status = if req.op == tcp_proto::WRITE_ZEROES {
+                    inner.store_zero(req.volume, req.lba, req.blocks as u64, req.version)
+                } else {
+                    let blocks: Vec<(&[u8], u32)> = data.chunks(BLOCK).map(|b| (b, crc32c::crc32c(b))).collect();
+                    inner.store_write(req.volume, req.lba, &blocks, req.version)
+                };
                 // a failed answer is a closed connection: its reader sees it
                 let _ = conn.lock().write_all(&req.reply(status).encode());
             }
@@ -629,7 +656,7 @@ fn tcp_reader(inner: &Inner, s: TcpStream, w: Arc<Mutex<TcpStream>>) {
                 break;
             }
         };
-        if req.op == tcp_proto::WRITE {
+        if req.op == tcp_proto::WRITE || req.op == tcp_proto::WRITE_ZEROES {
             let mut data = vec![0u8; req.payload(false)];
             if r.read_exact(&mut data).is_err() {
                 break;

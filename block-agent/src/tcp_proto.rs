@@ -10,7 +10,7 @@
 //! | bytes | field |
 //! | --- | --- |
 //! | 0..4 | magic `TBK1` |
-//! | 4 | op: 1 READ, 2 WRITE |
+//! | 4 | op: 1 READ, 2 WRITE, 3 WRITE_ZEROES (no payload: the blocks are zeroed, deallocated) |
 //! | 5 | flags: 1 FUA (writes are durable when answered anyway) |
 //! | 6 | status (replies): 0 OK, else a Solar [`Status`] code (no volume, out of range, I/O error...) |
 //! | 7 | reserved, 0 |
@@ -33,6 +33,7 @@ const MAGIC: u32 = u32::from_le_bytes(*b"TBK1");
 /// Operations.
 pub const READ: u8 = 1;
 pub const WRITE: u8 = 2;
+pub const WRITE_ZEROES: u8 = 3;
 /// Flags.
 pub const FUA: u8 = 1;
 
@@ -95,7 +96,7 @@ impl Header {
             lba: u64_at(24),
             version: u64_at(32),
         };
-        if h.op != READ && h.op != WRITE {
+        if !matches!(h.op, READ | WRITE | WRITE_ZEROES) {
             return Err(HeaderError::Op(h.op));
         }
         if h.blocks == 0 || h.blocks > MAX_BLOCKS {

@@ -194,6 +194,32 @@ impl Drop for RangeGuard<'_> {
     }
 }
 
+/// Replicas' admin addresses and the way to ask them.
+type Admins = (Vec<String>, Option<Arc<dyn AllocationSource>>);
+
+/// Most blocks one allocation query covers (64 MiB).
+const MAP_BLOCKS: u64 = 16384;
+
+/// How a volume asks a storage node (by its admin address) for the allocation states of
+/// `blocks` blocks from `lba` of `volume` (one [`crate::store::ALLOC_DATA`] or
+/// [`crate::store::ALLOC_HOLE`] per block). The control plane provides it.
+pub trait AllocationSource: Send + Sync {
+    fn allocation(
+        &self,
+        admin: &str,
+        volume: u32,
+        lba: u64,
+        blocks: u64,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Vec<u8>, String>> + Send + 'static>>;
+}
+
+/// What a write puts in its blocks.
+enum Payload {
+    Data(Arc<[u8]>),
+    /// Zeros over this many blocks, deallocated.
+    Zeroes(u64),
+}
+
 /// A volume attached to this agent.
 pub struct Volume {
     id: u32,
@@ -216,6 +242,8 @@ pub struct Volume {
     /// Writes hold it shared; [`Volume::quiesced`] holds it alone (it is fair: once a
     /// snapshot waits, new writes queue behind it).
     gate: tokio::sync::RwLock<()>,
+    /// Its replicas' storage-node admin addresses ("" when not known) and how to ask them.
+    admins: Mutex<Admins>,
 }
 
 /// How long reads try a replica that failed one last.
@@ -248,6 +276,7 @@ impl Volume {
             qos: Mutex::new(crate::qos::Qos::default()),
             resyncing: std::sync::atomic::AtomicBool::new(false),
             gate: tokio::sync::RwLock::new(()),
+            admins: Mutex::new((Vec::new(), None)),
         })
     }
 
@@ -513,7 +542,7 @@ impl Volume {
             buf[head as usize..(head + len) as usize].copy_from_slice(data);
             Arc::from(buf)
         };
-        self.write_blocks(first, blocks, fua).await
+        self.write_blocks(first, Payload::Data(blocks), fua).await
     }
 
     /// Runs `f` with the volume's writes held off, every replica holding every acknowledged
@@ -556,25 +585,104 @@ impl Volume {
         Ok(f.await)
     }
 
-    /// Writes zeros over `len` bytes at `offset` (NBD WRITE_ZEROES and TRIM).
-    pub async fn write_zeroes(self: &Arc<Self>, offset: u64, len: u64) -> Result<(), VolumeError> {
+    /// Writes zeros over `len` bytes at `offset` (NBD WRITE_ZEROES and TRIM). With
+    /// `deallocate` the whole blocks in the range are zeroed on the storage nodes, which give
+    /// their space back (only headers cross the network); partial blocks at either end, and
+    /// the whole range without it (NBD's NO_HOLE), are written with zeros.
+    pub async fn write_zeroes(self: &Arc<Self>, offset: u64, len: u64, deallocate: bool) -> Result<(), VolumeError> {
         self.check(offset, len)?;
+        let end = offset + len;
+        let (first, last) = (offset.div_ceil(BLOCK), end / BLOCK);
+        if !deallocate || first >= last {
+            return self.write_zero_bytes(offset, end).await;
+        }
+        self.write_zero_bytes(offset, first * BLOCK).await?;
+        let mut lba = first;
+        while lba < last {
+            let n = CHUNK_BLOCKS.min(last - lba);
+            self.admit(n * BLOCK).await;
+            let _gate = self.gate.read().await;
+            self.counters.writes.fetch_add(1, Ordering::Relaxed);
+            let _g = self.locks.lock(lba, lba + n).await;
+            self.write_blocks(lba, Payload::Zeroes(n), false).await?;
+            lba += n;
+        }
+        self.write_zero_bytes(last * BLOCK, end).await
+    }
+
+    /// Writes zeros (as data) over `start..end`.
+    async fn write_zero_bytes(self: &Arc<Self>, start: u64, end: u64) -> Result<(), VolumeError> {
         let step = CHUNK_BLOCKS * BLOCK;
-        let mut at = offset;
-        while at < offset + len {
-            let k = step.min(offset + len - at);
+        let mut at = start;
+        while at < end {
+            let k = step.min(end - at);
             self.write(at, &vec![0u8; k as usize], false).await?;
             at += k;
         }
         Ok(())
     }
 
+    /// The allocation of `len` bytes at `offset` as a clean replica's storage node has it:
+    /// runs of (bytes, [`crate::store::ALLOC_DATA`] or [`crate::store::ALLOC_HOLE`]) covering
+    /// the range, block by block (NBD BLOCK_STATUS). Asked over the node's admin service.
+    pub async fn allocation(self: &Arc<Self>, offset: u64, len: u64) -> Result<Vec<(u64, u8)>, VolumeError> {
+        self.check(offset, len)?;
+        if len == 0 {
+            return Ok(Vec::new());
+        }
+        let (first, last) = (offset / BLOCK, (offset + len).div_ceil(BLOCK));
+        let n = (last - first).min(MAP_BLOCKS);
+        let (admins, source) = self.admins.lock().clone();
+        let Some(source) = source else {
+            return Err(VolumeError::AllReplicasFailed {
+                volume: self.id,
+                last: "no allocation source is set (the volume was not attached by a controller)".into(),
+            });
+        };
+        let mut last_err = String::from("no replica is clean over the range");
+        for i in self.clean_replicas(first, n) {
+            let Some(admin) = admins.get(i).filter(|a| !a.is_empty()) else {
+                last_err = format!("replica {i}'s storage node admin address is not known");
+                continue;
+            };
+            match source.allocation(admin, self.id, first, n).await {
+                Ok(states) if states.len() as u64 == n => {
+                    let mut runs: Vec<(u64, u8)> = Vec::new();
+                    for (k, &st) in states.iter().enumerate() {
+                        let b0 = ((first + k as u64) * BLOCK).max(offset);
+                        let b1 = ((first + k as u64 + 1) * BLOCK).min(offset + len);
+                        match runs.last_mut() {
+                            Some((bytes, s)) if *s == st => *bytes += b1 - b0,
+                            _ => runs.push((b1 - b0, st)),
+                        }
+                    }
+                    return Ok(runs);
+                }
+                Ok(states) => last_err = format!("{admin} answered {} states for {n} blocks", states.len()),
+                Err(e) => last_err = format!("{admin}: {e}"),
+            }
+        }
+        Err(VolumeError::AllReplicasFailed {
+            volume: self.id,
+            last: last_err,
+        })
+    }
+
+    /// Tells the volume its replicas' storage-node admin addresses, in replica order, and how
+    /// to ask them (for [`Volume::allocation`]).
+    pub fn set_admins(&self, admins: Vec<String>, source: Arc<dyn AllocationSource>) {
+        *self.admins.lock() = (admins, Some(source));
+    }
+
     /// Writes whole blocks on the replicas that are up (all of them when fewer than a quorum
     /// are); returns once a quorum has them durable. The others finish in the background: a
     /// straggler past [`VolumeConfig::replica_timeout`], or one that fails, is down and its
     /// regions missed.
-    async fn write_blocks(self: &Arc<Self>, lba: u64, data: Arc<[u8]>, fua: bool) -> Result<(), VolumeError> {
-        let n = data.len() as u64 / BLOCK;
+    async fn write_blocks(self: &Arc<Self>, lba: u64, payload: Payload, fua: bool) -> Result<(), VolumeError> {
+        let n = match &payload {
+            Payload::Data(d) => d.len() as u64 / BLOCK,
+            Payload::Zeroes(n) => *n,
+        };
         let span = regions(lba, n);
         let quorum = self.write_quorum();
         let targets: Vec<usize> = {
@@ -594,12 +702,17 @@ impl Volume {
             let mut at = 0u64;
             while at < n {
                 let k = CHUNK_BLOCKS.min(n - at);
-                let part: Arc<[u8]> = if k == n {
-                    data.clone()
-                } else {
-                    Arc::from(&data[(at * BLOCK) as usize..((at + k) * BLOCK) as usize])
-                };
-                waits.push(self.replicas[i].write(self.id, lba + at, part, fua));
+                waits.push(match &payload {
+                    Payload::Data(data) => {
+                        let part: Arc<[u8]> = if k == n {
+                            data.clone()
+                        } else {
+                            Arc::from(&data[(at * BLOCK) as usize..((at + k) * BLOCK) as usize])
+                        };
+                        self.replicas[i].write(self.id, lba + at, part, fua)
+                    }
+                    Payload::Zeroes(_) => self.replicas[i].write_zeroes(self.id, lba + at, k as u16),
+                });
                 at += k;
             }
             let server = self.replicas[i].server();

@@ -528,3 +528,121 @@ fn snapshots_under_a_running_fio_verify_workload_restore_to_a_state_fio_accepts(
     drop(c);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The extents `nbdinfo --map --json` reports: (offset, length, hole).
+fn nbd_map(uri: &str) -> Vec<(u64, u64, bool)> {
+    let o = Command::new("nbdinfo").args(["--map", "--json", uri]).output().unwrap();
+    assert!(o.status.success(), "nbdinfo: {}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    v.as_array()
+        .expect("extents")
+        .iter()
+        .map(|e| {
+            (
+                e["offset"].as_u64().unwrap(),
+                e["length"].as_u64().unwrap(),
+                e["type"].as_u64().unwrap() & 1 != 0,
+            )
+        })
+        .collect()
+}
+
+/// Bytes the storage nodes' data files occupy on disk.
+fn data_file_bytes(dir: &Path, nodes: usize) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    (0..nodes)
+        .map(|i| {
+            std::fs::metadata(dir.join(format!("node{i}/vol-1.data")))
+                .unwrap()
+                .blocks()
+                * 512
+        })
+        .sum()
+}
+
+/// TRIM and WRITE_ZEROES give space back: through real clients (qemu-io), the zeroed ranges
+/// read as zeros, `nbdinfo --map` and `qemu-img map` show them as holes, the storage nodes'
+/// data files shrink on disk, and WRITE_ZEROES with NO_HOLE keeps its blocks allocated.
+#[test]
+fn trim_deallocates_and_block_status_shows_the_sparse_layout() {
+    trim_round("solar");
+    trim_round("tcp");
+}
+
+fn trim_round(transport: &str) {
+    for t in ["qemu-io", "nbdinfo", "qemu-img"] {
+        if !have(t) {
+            test_support::skip(
+                "TRIM and BLOCK_STATUS",
+                test_support::Missing::Tool,
+                &format!("{t} is not installed (scripts/install-test-deps.sh installs it)"),
+            );
+            return;
+        }
+    }
+    let dir = tmp(&format!("trim-{transport}"));
+    let mut spec = ClusterSpec::new(dir.clone());
+    spec.transport = transport.into();
+    spec.size = 64 << 20;
+    spec.replicas = 2;
+    spec.nodes = 2;
+    let c = LocalCluster::start(&spawner(), spec).unwrap();
+    let io = |cmds: &[&str]| {
+        let mut a = vec!["-f", "raw", c.uri.as_str()];
+        for x in cmds {
+            a.extend(["-c", x]);
+        }
+        let o = Command::new("qemu-io").args(&a).output().unwrap();
+        let out = String::from_utf8_lossy(&o.stdout).to_string();
+        assert!(
+            o.status.success() && !out.contains("Pattern verification failed") && !out.contains("failed"),
+            "qemu-io {cmds:?}: {out}{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    };
+    assert_eq!(nbd_map(&c.uri), vec![(0, 64 << 20, true)], "a new volume is one hole");
+    io(&["write -P 0x5a 0 16M"]);
+    let written = data_file_bytes(&dir, 2);
+    io(&[
+        "discard 4M 8M",      // TRIM
+        "write -z -u 12M 2M", // WRITE_ZEROES, may deallocate
+        "write -z 14M 1M",    // WRITE_ZEROES with NO_HOLE
+        "read -P 0 4M 11M",
+        "read -P 0x5a 0 4M",
+        "read -P 0x5a 15M 1M",
+    ]);
+    let mib = 1u64 << 20;
+    assert_eq!(
+        nbd_map(&c.uri),
+        vec![
+            (0, 4 * mib, false),
+            (4 * mib, 10 * mib, true),
+            (14 * mib, 2 * mib, false),
+            (16 * mib, 48 * mib, true)
+        ]
+    );
+    let o = Command::new("qemu-img")
+        .args(["map", "--output=json", "-f", "raw", &c.uri])
+        .output()
+        .unwrap();
+    let map: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let hole = map
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["start"] == 4 * mib)
+        .expect("an extent at 4 MiB");
+    assert_eq!(
+        (hole["length"].as_u64(), hole["data"].as_bool()),
+        (Some(10 * mib), Some(false)),
+        "{map}"
+    );
+    let after = data_file_bytes(&dir, 2);
+    eprintln!("{transport}: data files on disk: {written} bytes after writing 16 MiB on 2 replicas, {after} after zeroing 10 MiB");
+    assert!(
+        after + 2 * 9 * mib <= written,
+        "the zeroed 10 MiB were given back on both replicas: {written} -> {after} bytes"
+    );
+    drop(c);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -4,7 +4,7 @@
 use super::pb;
 use crate::agent::{Agent, ReplicaAt};
 use crate::storage_node::{NodeError, StorageNode};
-use crate::volume::ReplicaState;
+use crate::volume::{AllocationSource, ReplicaState};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use tonic::{Request, Response, Status};
@@ -70,6 +70,28 @@ impl pb::storage_node_admin_server::StorageNodeAdmin for NodeAdmin {
         self.on_node(move |n| n.delete_snapshot(r.volume, r.snapshot)).await
     }
 
+    async fn allocation(&self, r: Request<pb::AllocationRequest>) -> Result<Response<pb::AllocationReply>, Status> {
+        let r = r.into_inner();
+        if r.blocks > 65536 {
+            return Err(Status::invalid_argument(format!(
+                "{} blocks: at most 65536 per request",
+                r.blocks
+            )));
+        }
+        let store = self
+            .0
+            .store(r.volume)
+            .ok_or_else(|| Status::not_found(format!("volume {} does not exist", r.volume)))?;
+        let states = tokio::task::spawn_blocking(move || store.allocation(r.lba, r.blocks))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?
+            .map_err(|e| match e {
+                crate::store::StoreError::OutOfRange { .. } => Status::out_of_range(e.to_string()),
+                e => Status::internal(e.to_string()),
+            })?;
+        Ok(Response::new(pb::AllocationReply { states }))
+    }
+
     async fn list_volumes(&self, _: Request<pb::ListVolumesRequest>) -> Result<Response<pb::ListVolumesReply>, Status> {
         let volumes = self
             .0
@@ -118,7 +140,37 @@ pub fn attach_spec(agent: &Agent, v: &pb::VolumeSpec) -> Result<(), Status> {
         .attach(name, v.id, v.size, &replicas)
         .map_err(|e| Status::invalid_argument(e.to_string()))?;
     vol.set_qos(v.qos.as_ref().map(super::controller::qos_limits).unwrap_or_default());
+    vol.set_admins(
+        v.replicas.iter().map(|r| r.admin.clone()).collect(),
+        Arc::new(NodeAllocation),
+    );
     Ok(())
+}
+
+/// Allocation maps from the storage nodes' admin services.
+struct NodeAllocation;
+
+impl AllocationSource for NodeAllocation {
+    fn allocation(
+        &self,
+        admin: &str,
+        volume: u32,
+        lba: u64,
+        blocks: u64,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Vec<u8>, String>> + Send + 'static>> {
+        let admin = admin.to_string();
+        Box::pin(async move {
+            let ask = async {
+                let mut c = super::controller::node_client(&admin).await?;
+                c.allocation(pb::AllocationRequest { volume, lba, blocks }).await
+            };
+            match tokio::time::timeout(std::time::Duration::from_secs(5), ask).await {
+                Ok(Ok(r)) => Ok(r.into_inner().states),
+                Ok(Err(e)) => Err(e.message().to_string()),
+                Err(_) => Err("no answer within 5 s".into()),
+            }
+        })
+    }
 }
 
 /// The agent's admin service.

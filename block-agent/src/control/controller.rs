@@ -243,12 +243,14 @@ impl Controller {
                         node: r.clone(),
                         addr: n.data.clone(),
                         state: state.into(),
+                        admin: n.admin.clone(),
                     }
                 }
                 None => pb::Replica {
                     node: String::new(),
                     addr: r.clone(),
                     state: "unregistered".into(),
+                    admin: String::new(),
                 },
             })
             .collect();

@@ -148,6 +148,13 @@ enum Cmd {
         blocks: u16,
         done: oneshot::Sender<ReadResult>,
     },
+    /// Zeroes (deallocates) blocks: no payload.
+    WriteZeroes {
+        volume: u32,
+        lba: u64,
+        blocks: u16,
+        done: oneshot::Sender<Result<(), LinkError>>,
+    },
     /// The storage node now serves at this address (it restarted elsewhere).
     Retarget,
 }
@@ -208,6 +215,24 @@ impl Link {
                     lba,
                     data,
                     fua,
+                    done,
+                });
+                Reply(ReplyFrom::Link(rx))
+            }
+        }
+    }
+
+    /// Zeroes `blocks` blocks at `lba` of `volume` (TRIM, WRITE_ZEROES): nothing but headers
+    /// cross the network, and the node gives the blocks' space back; answered once durable.
+    pub fn write_zeroes(&self, volume: u32, lba: u64, blocks: u16) -> Reply<()> {
+        match &self.driver {
+            Driver::Solar(l) => Reply(ReplyFrom::Solar(l.write_zeroes(volume, lba, blocks), self.server())),
+            Driver::Tcp(l) => {
+                let (done, rx) = oneshot::channel();
+                l.submit(Cmd::WriteZeroes {
+                    volume,
+                    lba,
+                    blocks,
                     done,
                 });
                 Reply(ReplyFrom::Link(rx))

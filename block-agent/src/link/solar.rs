@@ -98,6 +98,11 @@ impl SolarLink {
         self.agent.write(volume, lba, data, fua)
     }
 
+    /// Zeroes blocks (header-only packets); answered once durable on the node.
+    pub(super) fn write_zeroes(&self, volume: u32, lba: u64, blocks: u16) -> oneshot::Receiver<Result<(), SolarError>> {
+        self.agent.write_zeroes(volume, lba, blocks, false)
+    }
+
     /// Reads blocks, each checked against its stored CRC.
     pub(super) fn read(&self, volume: u32, lba: u64, blocks: u16) -> oneshot::Receiver<Result<Vec<u8>, SolarError>> {
         self.agent.read(volume, lba, blocks)

@@ -179,7 +179,9 @@ impl Sender {
         }
         for c in self.sh.queue.lock().drain(..) {
             match c {
-                Cmd::Write { done, .. } => answer(Done::Write(done), Err(LinkError::Stopped(addr))),
+                Cmd::Write { done, .. } | Cmd::WriteZeroes { done, .. } => {
+                    answer(Done::Write(done), Err(LinkError::Stopped(addr)))
+                }
                 Cmd::Read { done, .. } => answer(Done::Read(done), Err(LinkError::Stopped(addr))),
                 Cmd::Retarget => {}
             }
@@ -222,6 +224,27 @@ impl Sender {
                     ..Default::default()
                 };
                 (hdr, Some(data), Done::Write(done))
+            }
+            Cmd::WriteZeroes {
+                volume,
+                lba,
+                blocks,
+                done,
+            } => {
+                if blocks == 0 {
+                    let _ = done.send(Err(LinkError::Submit(addr, SubmitError::Length(0))));
+                    return;
+                }
+                self.version += 1;
+                let hdr = Header {
+                    op: tcp_proto::WRITE_ZEROES,
+                    volume,
+                    blocks: blocks as u32,
+                    lba,
+                    version: self.version,
+                    ..Default::default()
+                };
+                (hdr, None, Done::Write(done))
             }
             Cmd::Read {
                 volume,

@@ -91,6 +91,9 @@ pub const ESHUTDOWN: u32 = 108;
 pub const BASE_ALLOCATION: &str = "base:allocation";
 /// Its id.
 pub const BASE_ALLOCATION_ID: u32 = 1;
+/// `base:allocation` extent flags: unallocated, and reads as zeros.
+pub const STATE_HOLE: u32 = 1;
+pub const STATE_ZERO: u32 = 2;
 
 /// Largest request payload accepted (advertised as the maximum block size).
 pub const MAX_REQUEST: u32 = 32 << 20;

@@ -5,8 +5,11 @@
 //!
 //! Every write is durable on every replica when it is answered, so FLUSH has nothing left to
 //! do and FUA is free, and multi-conn is promised: what one connection saw acknowledged, every
-//! other connection reads. TRIM and WRITE_ZEROES write zeros (reads after TRIM return zeros);
-//! a FAST_ZERO request is refused with ENOTSUP because zeroing is not faster than writing here.
+//! other connection reads. TRIM and WRITE_ZEROES deallocate the whole blocks they cover (the
+//! storage nodes punch holes; only headers cross the network; reads return zeros), FAST_ZERO
+//! included; WRITE_ZEROES with NO_HOLE writes zeros as data (and FAST_ZERO with it is refused,
+//! ENOTSUP). BLOCK_STATUS (`base:allocation`) reports holes and data as a clean replica's
+//! storage node has them (a range it cannot learn is reported as data, which is always true).
 //! A request that fails its checks gets its NBD error and the connection goes on; only a
 //! request header with a bad magic (the stream is lost) closes the connection.
 //!
@@ -446,22 +449,46 @@ async fn run(s: &Session, req: &Request, payload: Vec<u8>) -> (Vec<u8>, bool) {
             .await
             .map(|()| simple_reply(req.handle, 0).to_vec())
             .map_err(|e| (errno(&e), e.to_string())),
-        CMD_WRITE_ZEROES if req.flags & CMD_FLAG_FAST_ZERO != 0 => {
-            Err((ENOTSUP, "zeroing is not faster than writing".into()))
-        }
+        CMD_WRITE_ZEROES if req.flags & CMD_FLAG_FAST_ZERO != 0 && req.flags & CMD_FLAG_NO_HOLE != 0 => Err((
+            ENOTSUP,
+            "zeros kept allocated (NO_HOLE) are written as data: not fast".into(),
+        )),
         CMD_WRITE_ZEROES | CMD_TRIM => v
-            .write_zeroes(off, len)
+            .write_zeroes(off, len, req.flags & CMD_FLAG_NO_HOLE == 0)
             .await
             .map(|()| simple_reply(req.handle, 0).to_vec())
             .map_err(|e| (errno(&e), e.to_string())),
         // every acknowledged write is already durable on every replica
         CMD_FLUSH => Ok(simple_reply(req.handle, 0).to_vec()),
         CMD_BLOCK_STATUS => {
+            let mut runs = match v.allocation(off, len).await {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::warn!("BLOCK_STATUS {off}+{len}: {e}; answering \"data\"");
+                    vec![(len, crate::store::ALLOC_DATA)]
+                }
+            };
+            if req.flags & CMD_FLAG_REQ_ONE != 0 {
+                runs.truncate(1);
+            }
             let mut out = Vec::new();
-            chunk_header(&mut out, REPLY_FLAG_DONE, CHUNK_BLOCK_STATUS, req.handle, 12);
+            chunk_header(
+                &mut out,
+                REPLY_FLAG_DONE,
+                CHUNK_BLOCK_STATUS,
+                req.handle,
+                4 + 8 * runs.len() as u32,
+            );
             out.extend_from_slice(&BASE_ALLOCATION_ID.to_be_bytes());
-            out.extend_from_slice(&req.length.to_be_bytes());
-            out.extend_from_slice(&0u32.to_be_bytes()); // allocated data
+            for (bytes, state) in runs {
+                let flags = if state == crate::store::ALLOC_HOLE {
+                    STATE_HOLE | STATE_ZERO
+                } else {
+                    0
+                };
+                out.extend_from_slice(&(bytes as u32).to_be_bytes());
+                out.extend_from_slice(&flags.to_be_bytes());
+            }
             Ok(out)
         }
         _ => Err((EINVAL, "unknown command".into())),

@@ -43,7 +43,20 @@ pub const BLOCK: usize = 4096;
 /// flag (1), reserved (2), version (8).
 const META: u64 = 16;
 const REC_MAGIC: u32 = 0x534C_4F47; // "SLOG"
+/// A record of a run of zeroed (deallocated) blocks: the header alone, its block count where a
+/// data record has the block's CRC.
+const ZERO_MAGIC: u32 = 0x534C_5A52; // "SLZR"
 const REC_HDR: usize = 32;
+/// Metadata flag (byte 4) of a block never written: zeros, or a clone's base.
+const UNWRITTEN: u8 = 0;
+/// Metadata flag of a block holding written data.
+const DATA: u8 = 1;
+/// Metadata flag of a block zeroed by TRIM or WRITE_ZEROES: zeros, its space given back.
+const ZEROED: u8 = 2;
+/// Allocation state of a block ([`VolumeStore::allocation`]): data.
+pub const ALLOC_DATA: u8 = 0;
+/// Allocation state: reads as zeros and holds no space (NBD's HOLE and ZERO).
+pub const ALLOC_HOLE: u8 = 3;
 /// A log file's header: magic, generation, CRC32C of the two (and reserved), 32 bytes.
 const LOG_MAGIC: u32 = 0x534C_4748; // "SLGH"
 const LOG_HDR: usize = 32;
@@ -187,6 +200,85 @@ fn reset_log(f: &mut File, generation: u64) -> std::io::Result<()> {
     f.set_len(0)?;
     f.seek(SeekFrom::Start(0))?;
     f.write_all(&log_header(generation))
+}
+
+/// CRC32C of a block of zeros.
+fn zero_crc() -> u32 {
+    crc32c::crc32c(&[0u8; BLOCK])
+}
+
+/// Appends a zero record: `count` blocks from `lba` zeroed as `version`.
+fn encode_zero_record(out: &mut Vec<u8>, lba: u64, count: u32, version: u64) {
+    let start = out.len();
+    out.extend_from_slice(&ZERO_MAGIC.to_le_bytes());
+    out.extend_from_slice(&count.to_le_bytes());
+    out.extend_from_slice(&lba.to_le_bytes());
+    out.extend_from_slice(&version.to_le_bytes());
+    out.extend_from_slice(&[0u8; 8]);
+    let rc = crc32c::crc32c(&out[start..start + 24]);
+    out[start + 24..start + 28].copy_from_slice(&rc.to_le_bytes());
+}
+
+/// A log record.
+enum Rec<'a> {
+    Data {
+        lba: u64,
+        version: u64,
+        crc: u32,
+        data: &'a [u8],
+    },
+    Zero {
+        lba: u64,
+        count: u32,
+        version: u64,
+    },
+}
+
+impl Rec<'_> {
+    /// The blocks it covers.
+    fn lbas(&self) -> std::ops::Range<u64> {
+        match *self {
+            Rec::Data { lba, .. } => lba..lba + 1,
+            Rec::Zero { lba, count, .. } => lba..lba.saturating_add(count as u64),
+        }
+    }
+}
+
+/// The whole, intact records at the start of `buf`, in order.
+fn records(buf: &[u8]) -> impl Iterator<Item = Rec<'_>> {
+    let mut off = 0;
+    std::iter::from_fn(move || {
+        let (r, len) = decode_any(&buf[off..])?;
+        off += len;
+        Some(r)
+    })
+}
+
+/// One record and its length, if it is whole and intact.
+fn decode_any(r: &[u8]) -> Option<(Rec<'_>, usize)> {
+    if r.len() >= REC_HDR && r[0..4] == ZERO_MAGIC.to_le_bytes() {
+        let u32at = |i: usize| u32::from_le_bytes(r[i..i + 4].try_into().expect("4 bytes"));
+        let u64at = |i: usize| u64::from_le_bytes(r[i..i + 8].try_into().expect("8 bytes"));
+        if crc32c::crc32c(&r[..24]) != u32at(24) {
+            return None;
+        }
+        let rec = Rec::Zero {
+            lba: u64at(8),
+            count: u32at(4),
+            version: u64at(16),
+        };
+        return Some((rec, REC_HDR));
+    }
+    let (lba, version, crc, data) = decode_record(r)?;
+    Some((
+        Rec::Data {
+            lba,
+            version,
+            crc,
+            data,
+        },
+        REC_HDR + BLOCK,
+    ))
 }
 
 fn encode_record(out: &mut Vec<u8>, lba: u64, version: u64, crc: u32, data: &[u8]) {
@@ -485,24 +577,19 @@ impl VolumeStore {
         logs.sort_by_key(|&(g, ..)| g);
         // every record is newer than the newest snapshot (taking one empties the logs): what
         // they overwrite goes there first
-        let mut lbas = Vec::new();
-        for (_, start, buf) in &logs {
-            let mut off = *start;
-            while let Some((lba, ..)) = decode_record(&buf[off..]) {
-                lbas.push(lba);
-                off += REC_HDR + BLOCK;
-            }
-        }
+        let blocks = self.blocks();
+        let lbas: Vec<u64> = logs
+            .iter()
+            .flat_map(|(_, start, buf)| records(&buf[*start..]))
+            .flat_map(|r| r.lbas())
+            .filter(|&l| l < blocks)
+            .collect();
         self.preserve(&lbas)?;
         let mut n = 0;
         for (_, start, buf) in &logs {
-            let mut off = *start;
-            while let Some((lba, version, crc, data)) = decode_record(&buf[off..]) {
-                if lba < self.blocks() {
-                    self.place(lba, version, crc, data)?;
-                    n += 1;
-                }
-                off += REC_HDR + BLOCK;
+            for r in records(&buf[*start..]) {
+                self.apply(&r)?;
+                n += 1;
             }
         }
         // what follows the last whole record of a log was never acknowledged
@@ -522,6 +609,52 @@ impl VolumeStore {
         Ok(())
     }
 
+    /// Places a record into the data and metadata files (blocks past the end ignored: a
+    /// replayed record of a volume whose growth did not survive).
+    fn apply(&self, r: &Rec<'_>) -> Result<(), StoreError> {
+        let blocks = self.blocks();
+        match *r {
+            Rec::Data {
+                lba,
+                version,
+                crc,
+                data,
+            } if lba < blocks => self.place(lba, version, crc, data),
+            Rec::Zero { lba, count, version } if lba < blocks => {
+                self.place_zeroes(lba, (count as u64).min(blocks - lba), version)
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Zeroes `count` blocks from `lba`: their space is given back to the file system (a hole
+    /// punched in the data file), their metadata says zeroed, with `version`.
+    fn place_zeroes(&self, lba: u64, count: u64, version: u64) -> Result<(), StoreError> {
+        let mut stripes: Vec<usize> = (lba..lba + count.min(STRIPES as u64))
+            .map(|l| l as usize % STRIPES)
+            .collect();
+        stripes.sort_unstable();
+        let _g: Vec<_> = stripes.iter().map(|&i| self.stripes[i].write()).collect();
+        rustix::fs::fallocate(
+            &*self.data,
+            rustix::fs::FallocateFlags::PUNCH_HOLE | rustix::fs::FallocateFlags::KEEP_SIZE,
+            lba * BLOCK as u64,
+            count * BLOCK as u64,
+        )
+        .map_err(|e| self.io(format!("deallocating blocks {lba}+{count}"))(e.into()))?;
+        let mut m = [0u8; META as usize];
+        m[0..4].copy_from_slice(&zero_crc().to_le_bytes());
+        m[4] = ZEROED;
+        m[8..16].copy_from_slice(&version.to_le_bytes());
+        let mut buf = Vec::with_capacity((count * META) as usize);
+        for _ in 0..count {
+            buf.extend_from_slice(&m);
+        }
+        self.meta
+            .write_all_at(&buf, lba * META)
+            .map_err(self.io(format!("writing blocks {lba}+{count}'s metadata")))
+    }
+
     fn place(&self, lba: u64, version: u64, crc: u32, data: &[u8]) -> Result<(), StoreError> {
         let _g = self.stripes[lba as usize % STRIPES].write();
         self.data
@@ -529,7 +662,7 @@ impl VolumeStore {
             .map_err(self.io(format!("writing block {lba}")))?;
         let mut m = [0u8; META as usize];
         m[0..4].copy_from_slice(&crc.to_le_bytes());
-        m[4] = 1; // written
+        m[4] = DATA;
         m[8..16].copy_from_slice(&version.to_le_bytes());
         self.meta
             .write_all_at(&m, lba * META)
@@ -577,12 +710,39 @@ impl VolumeStore {
         if blocks.is_empty() {
             return Ok(());
         }
+        self.commit_records(blocks.len() as u64, |out| {
+            for (k, (data, crc)) in blocks.iter().enumerate() {
+                encode_record(out, lba + k as u64, version, *crc, data);
+            }
+        })
+    }
+
+    /// Zeroes `count` blocks from `lba` as `version` (TRIM, WRITE_ZEROES): they read as zeros
+    /// and their space is given back (a hole in the data file); returns once that is durable
+    /// (one small log record).
+    pub fn write_zeroes(&self, lba: u64, count: u64, version: u64) -> Result<(), StoreError> {
+        if count == 0 {
+            return Ok(());
+        }
+        self.check(lba)?;
+        self.check(lba.saturating_add(count - 1))?;
+        self.commit_records(count, |out| {
+            let mut at = 0;
+            while at < count {
+                let k = (count - at).min(u32::MAX as u64);
+                encode_zero_record(out, lba + at, k as u32, version);
+                at += k;
+            }
+        })
+    }
+
+    /// Queues the records `encode` appends for the next group commit and waits until they
+    /// are durable (leading that commit when none runs); `blocks` is what they cover.
+    fn commit_records(&self, blocks: u64, encode: impl FnOnce(&mut Vec<u8>)) -> Result<(), StoreError> {
         let mut c = self.commit.lock();
         let seq = c.next_seq;
         c.next_seq += 1;
-        for (k, (data, crc)) in blocks.iter().enumerate() {
-            encode_record(&mut c.waiting, lba + k as u64, version, *crc, data);
-        }
+        encode(&mut c.waiting);
         c.waiting_last = seq;
         loop {
             if let Some((upto, e)) = &c.failed {
@@ -591,7 +751,7 @@ impl VolumeStore {
                 }
             }
             if c.durable_seq >= seq {
-                self.stats.lock().writes += blocks.len() as u64;
+                self.stats.lock().writes += blocks;
                 return Ok(());
             }
             if c.committing {
@@ -621,17 +781,10 @@ impl VolumeStore {
             log.file.sync_data().map_err(self.io("syncing the log"))?;
         }
         self.stats.lock().syncs += 1;
-        let mut lbas = Vec::new();
-        let mut off = 0;
-        while let Some((lba, ..)) = decode_record(&batch[off..]) {
-            lbas.push(lba);
-            off += REC_HDR + BLOCK;
-        }
+        let lbas: Vec<u64> = records(batch).flat_map(|r| r.lbas()).collect();
         self.preserve(&lbas)?;
-        let mut off = 0;
-        while let Some((lba, version, crc, data)) = decode_record(&batch[off..]) {
-            self.place(lba, version, crc, data)?;
-            off += REC_HDR + BLOCK;
+        for r in records(batch) {
+            self.apply(&r)?;
         }
         let mut len = self.log_len.lock();
         *len += batch.len() as u64;
@@ -718,7 +871,7 @@ impl VolumeStore {
             .map_err(self.io(format!("reading block {lba}")))?;
         self.stats.lock().reads += 1;
         let actual = crc32c::crc32c(&data);
-        if m[4] == 0 {
+        if m[4] == UNWRITTEN {
             // never written: zeros (anything else there is damage), or a clone's base
             if data.iter().any(|&b| b != 0) {
                 self.stats.lock().corrupt_reads += 1;
@@ -751,6 +904,39 @@ impl VolumeStore {
         Ok((data, stored, version))
     }
 
+    /// The allocation state of `count` blocks from `lba` ([`ALLOC_DATA`] or [`ALLOC_HOLE`]):
+    /// blocks never written or zeroed are holes; a clone's unwritten blocks are as its base
+    /// snapshot has them.
+    pub fn allocation(&self, lba: u64, count: u64) -> Result<Vec<u8>, StoreError> {
+        if count == 0 {
+            return Ok(Vec::new());
+        }
+        self.check(lba)?;
+        let count = count.min(self.blocks() - lba);
+        let mut m = vec![0u8; (count * META) as usize];
+        self.meta
+            .read_exact_at(&mut m, lba * META)
+            .map_err(self.io("reading the metadata"))?;
+        m.chunks_exact(META as usize)
+            .enumerate()
+            .map(|(k, e)| match (e[4], &self.base) {
+                (DATA, _) => Ok(ALLOC_DATA),
+                (UNWRITTEN, Some(b)) => b.store.snapshot_allocation(b.snapshot, lba + k as u64),
+                _ => Ok(ALLOC_HOLE),
+            })
+            .collect()
+    }
+
+    /// The allocation state of block `lba` in snapshot `id`.
+    fn snapshot_allocation(&self, id: u32, lba: u64) -> Result<u8, StoreError> {
+        let state = self.snaps.read().state(id, lba)?;
+        match (state, &self.base) {
+            (Some(DATA), _) => Ok(ALLOC_DATA),
+            (Some(UNWRITTEN), Some(b)) => b.store.snapshot_allocation(b.snapshot, lba),
+            _ => Ok(ALLOC_HOLE),
+        }
+    }
+
     /// `(lba, version)` of every written block (to seed the Solar server's stale-write check).
     pub fn versions(&self) -> Result<Vec<(u64, u64)>, StoreError> {
         let mut out = Vec::new();
@@ -759,7 +945,7 @@ impl VolumeStore {
             .read_exact_at(&mut m, 0)
             .map_err(self.io("reading the metadata"))?;
         for (lba, e) in m.chunks_exact(META as usize).enumerate() {
-            if e[4] != 0 {
+            if e[4] != UNWRITTEN {
                 out.push((lba as u64, u64::from_le_bytes(e[8..16].try_into().expect("8 bytes"))));
             }
         }
@@ -869,6 +1055,7 @@ impl VolumeStore {
                     _ => Ok(vec![0u8; BLOCK]),
                 };
             }
+            snapshot::Source::Zeroed => return Ok(vec![0u8; BLOCK]),
             snapshot::Source::Kept { data, crc } => (data, crc),
             snapshot::Source::Volume { crc } => {
                 let mut data = vec![0u8; BLOCK];
@@ -927,6 +1114,56 @@ mod tests {
         f.write_all_at(&[1], 9 * BLOCK as u64).unwrap();
         assert!(matches!(s.read(9), Err(StoreError::Corrupt { .. })));
         assert_eq!(s.stats().corrupt_reads, 2);
+        drop(s);
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn zeroed_blocks_read_as_zeros_give_their_space_back_and_survive_a_crash() {
+        use std::os::unix::fs::MetadataExt;
+        let d = dir("zero");
+        let s = VolumeStore::create(&d, 6, 1024, 1 << 30).unwrap();
+        for lba in 0..512u64 {
+            let b = block(lba as u8 | 1);
+            s.write(lba, &b, crc32c::crc32c(&b), 1).unwrap();
+        }
+        s.checkpoint().unwrap();
+        let used = |d: &Path| std::fs::metadata(d.join("vol-6.data")).unwrap().blocks() * 512;
+        let full = used(&d);
+        assert!(full >= 512 * BLOCK as u64, "{full} bytes allocated");
+        s.snapshot(1).unwrap();
+        s.write_zeroes(100, 300, 2).unwrap();
+        assert!(s.write_zeroes(1000, 30, 2).is_err(), "past the end is refused");
+        assert_eq!(s.read(100).unwrap(), (vec![0u8; BLOCK], zero_crc(), 2));
+        assert_eq!(s.read(399).unwrap().0, vec![0u8; BLOCK]);
+        assert_eq!(s.read(400).unwrap().0, block(400u64 as u8 | 1));
+        let map = s.allocation(98, 304).unwrap();
+        assert_eq!(&map[..2], &[ALLOC_DATA; 2]);
+        assert!(map[2..302].iter().all(|&a| a == ALLOC_HOLE));
+        assert_eq!(&map[302..], &[ALLOC_DATA; 2]);
+        assert_eq!(s.allocation(600, 10).unwrap(), vec![ALLOC_HOLE; 10], "never written");
+        // the snapshot kept the zeroed blocks' old contents
+        assert_eq!(s.read_snapshot(1, 250).unwrap(), block(250u64 as u8 | 1));
+        s.delete_snapshot(1).unwrap();
+        s.checkpoint().unwrap();
+        assert!(
+            used(&d) <= full - 250 * BLOCK as u64,
+            "{} bytes allocated after zeroing 300 blocks (were {full})",
+            used(&d)
+        );
+        // a zero record in the log replays (the data file still holds the old block)
+        s.write_zeroes(450, 2, 3).unwrap();
+        drop(s);
+        let f = OpenOptions::new().write(true).open(d.join("vol-6.data")).unwrap();
+        f.write_all_at(&block(9), 450 * BLOCK as u64).unwrap();
+        let s = VolumeStore::open(&d, 6, 1 << 30).unwrap();
+        assert_eq!(s.stats().replayed, 1);
+        assert_eq!(s.read(450).unwrap(), (vec![0u8; BLOCK], zero_crc(), 3));
+        assert_eq!(s.read(452).unwrap().0, block(452u64 as u8 | 1));
+        assert!(
+            s.versions().unwrap().contains(&(450, 3)),
+            "a zeroed block keeps its version"
+        );
         drop(s);
         let _ = std::fs::remove_dir_all(&d);
     }

@@ -19,14 +19,15 @@
 //! - A clone is a volume whose blocks never written read through to a snapshot of another
 //!   volume on the same node (its *base*, named in `vol-N.base`).
 
-use super::{sync_dir, StoreError, BLOCK, META};
+use super::{sync_dir, StoreError, BLOCK, DATA, META, UNWRITTEN, ZEROED};
 use parking_lot::Mutex;
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-/// Bit of a snapshot's in-memory block flags: the block held written data at the snapshot.
+/// Bit of a snapshot's in-memory block flags: the block held written data at the snapshot
+/// (a zeroed block needs no copy: the snapshot reads it as zeros).
 const WRITTEN: u8 = 1;
 /// Bit: the block's snapshot contents are in the snapshot's data file.
 const PRESERVED: u8 = 2;
@@ -94,7 +95,8 @@ impl Snap {
             meta.read_exact_at(b, lba * META)
                 .map_err(io_err(volume, "reading a snapshot's metadata"))?;
             for (k, e) in b.chunks_exact(META as usize).enumerate() {
-                flags[lba as usize + k] = if e[4] != 0 { WRITTEN } else { 0 } | if e[5] != 0 { PRESERVED } else { 0 };
+                flags[lba as usize + k] =
+                    if e[4] == DATA { WRITTEN } else { 0 } | if e[5] != 0 { PRESERVED } else { 0 };
             }
             lba += n;
         }
@@ -129,14 +131,14 @@ impl Snap {
             .map_err(io_err(volume, format!("syncing snapshot {}", self.id)))
     }
 
-    /// This snapshot's metadata entry of `lba`: (written, CRC).
-    fn entry(&self, lba: u64, volume: u32) -> Result<(bool, u32), StoreError> {
+    /// This snapshot's metadata entry of `lba`: (its flag, CRC).
+    fn entry(&self, lba: u64, volume: u32) -> Result<(u8, u32), StoreError> {
         let mut m = [0u8; META as usize];
         self.meta.read_exact_at(&mut m, lba * META).map_err(io_err(
             volume,
             format!("reading block {lba}'s metadata in snapshot {}", self.id),
         ))?;
-        Ok((m[4] != 0, u32::from_le_bytes(m[0..4].try_into().expect("4 bytes"))))
+        Ok((m[4], u32::from_le_bytes(m[0..4].try_into().expect("4 bytes"))))
     }
 }
 
@@ -144,6 +146,8 @@ impl Snap {
 pub(super) enum Source {
     /// Never written at the snapshot: zeros, or the clone's base.
     Unwritten,
+    /// Zeroed (TRIM) at the snapshot.
+    Zeroed,
     /// In this snapshot's (or a newer one's) data file, with the CRC it must have.
     Kept { data: Vec<u8>, crc: u32 },
     /// Still in the volume's data file, with the CRC it must have.
@@ -283,6 +287,14 @@ impl Snapshots {
         Ok(())
     }
 
+    /// Snapshot `id`'s metadata flag of `lba` (None: past its end, or no such snapshot).
+    pub(super) fn state(&self, id: u32, lba: u64) -> Result<Option<u8>, StoreError> {
+        match self.list.iter().find(|s| s.id == id) {
+            Some(s) if lba < s.blocks => Ok(Some(s.entry(lba, self.volume)?.0)),
+            _ => Ok(None),
+        }
+    }
+
     /// Where snapshot `id`'s block `lba` is (`None`: no such snapshot).
     pub(super) fn locate(&self, id: u32, lba: u64) -> Result<Option<Source>, StoreError> {
         let Some(i) = self.list.iter().position(|s| s.id == id) else {
@@ -292,9 +304,11 @@ impl Snapshots {
         if lba >= s.blocks {
             return Ok(Some(Source::Unwritten));
         }
-        let (written, crc) = s.entry(lba, self.volume)?;
-        if !written {
-            return Ok(Some(Source::Unwritten));
+        let (flag, crc) = s.entry(lba, self.volume)?;
+        match flag {
+            UNWRITTEN => return Ok(Some(Source::Unwritten)),
+            ZEROED => return Ok(Some(Source::Zeroed)),
+            _ => {}
         }
         for t in &self.list[i..] {
             if t.preserved(lba) {

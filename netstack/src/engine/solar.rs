@@ -58,11 +58,14 @@ pub struct AgentStatus {
 pub struct WriteBlock<'a> {
     pub volume: u32,
     pub lba: u64,
-    /// The block, in the core's receive buffer: copy what must outlive the call.
+    /// The block, in the core's receive buffer: copy what must outlive the call. Empty when
+    /// `zero`.
     pub data: &'a [u8],
     /// Its CRC32C, checked by the server against the data.
     pub crc: u32,
     pub fua: bool,
+    /// The block is zeros, to be deallocated (TRIM, WRITE_ZEROES): `data` is empty.
+    pub zero: bool,
     /// The write's request id: the block's version (see [`SolarServer::note_version`]).
     pub rpc: u64,
 }
@@ -145,11 +148,13 @@ pub(crate) enum SolarCmd {
         client: Box<SolarClient>,
         status: Arc<Mutex<AgentStatus>>,
     },
+    /// `data: None`: zeros over `blocks` blocks, deallocated (TRIM).
     Write {
         id: u64,
         volume: u32,
         lba: u64,
-        data: Arc<[u8]>,
+        data: Option<Arc<[u8]>>,
+        blocks: u16,
         fua: bool,
         done: oneshot::Sender<Result<(), SolarError>>,
     },
@@ -326,6 +331,7 @@ impl SolarCore {
                 volume,
                 lba,
                 data,
+                blocks,
                 fua,
                 done,
             } => {
@@ -333,7 +339,11 @@ impl SolarCore {
                     let _ = done.send(Err(SolarError::Stopped));
                     return;
                 };
-                match ep.client.write(now, volume, lba, data, fua) {
+                let submitted = match data {
+                    Some(data) => ep.client.write(now, volume, lba, data, fua),
+                    None => ep.client.write_zeroes(now, volume, lba, blocks, fua),
+                };
+                match submitted {
                     Ok(io) => {
                         ep.pending.insert(io, Pending::Write(done));
                     }
@@ -428,6 +438,7 @@ impl SolarCore {
                     data,
                     crc,
                     fua,
+                    zero,
                     rpc,
                 })) => {
                     let done = WriteDone {
@@ -442,6 +453,7 @@ impl SolarCore {
                         data,
                         crc,
                         fua,
+                        zero,
                         rpc,
                     };
                     s.handler.write(block, done);

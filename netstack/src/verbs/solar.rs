@@ -138,11 +138,35 @@ impl SolarAgent {
         fua: bool,
     ) -> oneshot::Receiver<Result<(), SolarError>> {
         let (done, rx) = oneshot::channel();
+        let blocks = (data.len() / crate::transport::solar::wire::BLOCK).min(u16::MAX as usize) as u16;
         self.core.solar_command(SolarCmd::Write {
             id: self.id,
             volume,
             lba,
-            data,
+            data: Some(data),
+            blocks,
+            fua,
+            done,
+        });
+        rx
+    }
+
+    /// Writes zeros over `blocks` blocks at `lba` of `volume`, deallocated on the server
+    /// (TRIM): header-only packets; answered once every block is durable.
+    pub fn write_zeroes(
+        &self,
+        volume: u32,
+        lba: u64,
+        blocks: u16,
+        fua: bool,
+    ) -> oneshot::Receiver<Result<(), SolarError>> {
+        let (done, rx) = oneshot::channel();
+        self.core.solar_command(SolarCmd::Write {
+            id: self.id,
+            volume,
+            lba,
+            data: None,
+            blocks,
             fua,
             done,
         });

@@ -436,6 +436,20 @@ impl SolarClient {
         Ok(self.add(now, Kind::Write, (volume, lba), n, Some(data), fua))
     }
 
+    /// Writes zeros over `blocks` blocks at `lba` of `volume`, to be deallocated (TRIM): one
+    /// header-only packet per block, with the ZERO flag.
+    pub fn write_zeroes(
+        &mut self,
+        now: u64,
+        volume: u32,
+        lba: u64,
+        blocks: u16,
+        fua: bool,
+    ) -> Result<IoId, SubmitError> {
+        let n = Self::check_len(lba, blocks as usize * BLOCK)?;
+        Ok(self.add(now, Kind::Write, (volume, lba), n, None, fua))
+    }
+
     /// Reads `blocks` blocks at `lba` of `volume`; they arrive through [`Self::on_packet`].
     pub fn read(&mut self, now: u64, volume: u32, lba: u64, blocks: u16) -> Result<IoId, SubmitError> {
         let n = Self::check_len(lba, blocks as usize * BLOCK)?;
@@ -577,6 +591,11 @@ impl SolarClient {
                 let off = idx as usize * BLOCK;
                 h.crc = wire::block_crc(&d[off..off + BLOCK]);
                 Some(BlockRef { data: d.clone(), off })
+            }
+            // a write without data: zeros
+            (None, Kind::Write) => {
+                h.flags |= flags::ZERO;
+                None
             }
             _ => None,
         };

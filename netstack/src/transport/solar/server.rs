@@ -23,9 +23,12 @@ pub enum Request<'a> {
         token: Token,
         volume: u32,
         lba: u64,
+        /// Empty when `zero`.
         data: &'a [u8],
         crc: u32,
         fua: bool,
+        /// The block is zeros, to be deallocated (a WRITE with the ZERO flag).
+        zero: bool,
         /// The write's request id: the block's version (store it, and after a restart hand it
         /// back through [`SolarServer::note_version`]).
         rpc: u64,
@@ -167,7 +170,8 @@ impl SolarServer {
                 Ok(None)
             }
             Op::Write => {
-                if wire::block_crc(payload) != h.crc {
+                let zero = h.flags & flags::ZERO != 0;
+                if !zero && wire::block_crc(payload) != h.crc {
                     self.stats.crc_errors += 1;
                     self.answer(peer, &h, Op::WriteAck, Status::CrcError);
                     return Ok(None);
@@ -215,6 +219,7 @@ impl SolarServer {
                     data: payload,
                     crc: h.crc,
                     fua: h.flags & flags::FUA != 0,
+                    zero,
                     rpc: h.rpc,
                 }))
             }

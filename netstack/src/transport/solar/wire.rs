@@ -1,4 +1,5 @@
-//! Solar's packet: a 64-byte header, then (WRITE and READ_DATA only) exactly one 4 KiB block.
+//! Solar's packet: a 64-byte header, then (WRITE and READ_DATA only) exactly one 4 KiB block;
+//! a WRITE with the ZERO flag carries none: its block is zeros, to be deallocated (TRIM).
 //!
 //! Layout (network byte order):
 //!
@@ -6,7 +7,7 @@
 //! | --- | --- | --- |
 //! | 0..2 | magic `0x53` + version `1` | |
 //! | 2 | opcode | WRITE, WRITE_ACK, READ_REQ, READ_DATA, NACK, PROBE, PROBE_ACK |
-//! | 3 | flags | FUA, RETX, ECN echo, LAST |
+//! | 3 | flags | FUA, RETX, ECN echo, LAST, ZERO |
 //! | 4..6 | path id | the path the packet (or the packet it answers) took |
 //! | 6..8 | status | in acknowledgements and NACKs |
 //! | 8..12 | volume id | |
@@ -74,6 +75,9 @@ pub mod flags {
     pub const ECN_ECHO: u8 = 4;
     /// The last block of a request.
     pub const LAST: u8 = 8;
+    /// WRITE: the block is zeros and carries no payload; the server deallocates it (TRIM,
+    /// WRITE_ZEROES). Its CRC field is 0.
+    pub const ZERO: u8 = 16;
 }
 
 /// Status codes of acknowledgements and NACKs.
@@ -232,7 +236,7 @@ impl Header {
             return Err(WireError::HeaderCrc);
         }
         let payload = &p[HDR..];
-        let want = if op.has_block() { BLOCK } else { 0 };
+        let want = if carries_block(op, p[3]) { BLOCK } else { 0 };
         if payload.len() != want {
             return Err(WireError::Length(op, payload.len()));
         }
@@ -259,6 +263,11 @@ impl Header {
     }
 }
 
+/// Whether a packet of `op` with `flags` carries a block.
+fn carries_block(op: Op, flags: u8) -> bool {
+    op.has_block() && !(op == Op::Write && flags & flags::ZERO != 0)
+}
+
 /// CRC32C of the header without its own CRC field (bytes 52..56).
 fn header_crc(b: &[u8]) -> u32 {
     crc32c::crc32c_append(crc32c::crc32c(&b[..52]), &b[56..HDR])
@@ -275,7 +284,7 @@ pub fn packet_len(hdr: &[u8]) -> Result<usize, WireError> {
         return Err(WireError::Magic);
     }
     let op = Op::from_u8(hdr[2]).ok_or(WireError::Opcode(hdr[2]))?;
-    Ok(HDR + if op.has_block() { BLOCK } else { 0 })
+    Ok(HDR + if carries_block(op, hdr[3]) { BLOCK } else { 0 })
 }
 
 /// Whether a datagram looks like a Solar packet (magic and version; [`Header::decode`] checks
@@ -322,6 +331,14 @@ mod tests {
         assert_eq!(Header::decode(&p[..HDR + 100]), Err(WireError::Length(Op::Write, 100)));
         assert_eq!(Header::decode(&p[..10]), Err(WireError::Short(10)));
         assert_eq!(packet_len(&p), Ok(HDR + BLOCK));
+        // a zeroed block's WRITE is the header alone; with a payload it is refused
+        h.flags |= flags::ZERO;
+        let z = h.packet(&[]);
+        assert_eq!((Header::decode(&z).unwrap().1.len(), packet_len(&z)), (0, Ok(HDR)));
+        assert_eq!(
+            Header::decode(&h.packet(&block)),
+            Err(WireError::Length(Op::Write, BLOCK))
+        );
         assert_eq!(packet_len(&p[..10]), Err(WireError::Short(10)));
         let ack = Header::new(Op::WriteAck).packet(&[]);
         assert_eq!(packet_len(&ack), Ok(HDR));
