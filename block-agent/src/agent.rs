@@ -99,9 +99,11 @@ impl Agent {
     }
 
     /// Exports volume `id` of `size` bytes on `replicas` as `name`. Attaching again what is
-    /// already exported changes nothing but the replicas' addresses (a node that moved), and
-    /// open connections go on; a different volume, size or replica set replaces the export (a
-    /// resized volume: new connections see the new size, open ones keep the old).
+    /// already exported changes nothing but the replicas' addresses (a node that moved) and,
+    /// for a grown volume, its size (the same [`Volume`] goes on: open connections and new ones
+    /// share its range locks, dirty regions and QoS; NBD has no way to tell an open connection
+    /// of a new size, so a client sees it when it connects again). A different volume or
+    /// replica set replaces the export.
     pub fn attach(&self, name: &str, id: u32, size: u64, replicas: &[ReplicaAt]) -> Result<Arc<Volume>, AttachError> {
         if name.is_empty() {
             return Err(AttachError::Name);
@@ -126,10 +128,14 @@ impl Agent {
         }
         if let Some(v) = self.exports.get(name) {
             let same = v.id() == id
-                && v.size() == size
+                && v.size() <= size
                 && v.replicas().len() == links.len()
                 && v.replicas().iter().zip(&links).all(|(a, b)| Arc::ptr_eq(a, b));
             if same {
+                if v.size() < size {
+                    tracing::info!("export {name:?}: volume {id} grew from {} to {size} bytes", v.size());
+                    v.grow(size);
+                }
                 return Ok(v);
             }
         }

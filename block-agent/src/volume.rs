@@ -223,7 +223,8 @@ enum Payload {
 /// A volume attached to this agent.
 pub struct Volume {
     id: u32,
-    size: u64,
+    /// Bytes; grows online ([`Volume::grow`]).
+    size: AtomicU64,
     replicas: Vec<Arc<Link>>,
     cfg: VolumeConfig,
     locks: RangeLocks,
@@ -264,7 +265,7 @@ impl Volume {
         let replicas_len = replicas.len();
         Arc::new(Volume {
             id,
-            size,
+            size: AtomicU64::new(size),
             replicas,
             cfg,
             locks: RangeLocks::default(),
@@ -316,7 +317,15 @@ impl Volume {
 
     /// Bytes.
     pub fn size(&self) -> u64 {
-        self.size
+        self.size.load(Ordering::Acquire)
+    }
+
+    /// Grows the volume to `size` bytes (the storage nodes grew it first): the same volume
+    /// goes on, so open connections keep one range lock, one dirty-region log and one QoS
+    /// bucket with new ones, and requests are checked against the new size. Shrinking is
+    /// ignored.
+    pub fn grow(&self, size: u64) {
+        self.size.fetch_max(size, Ordering::AcqRel);
     }
 
     pub fn replicas(&self) -> &[Arc<Link>] {
@@ -328,12 +337,13 @@ impl Volume {
     }
 
     fn check(&self, offset: u64, len: u64) -> Result<(), VolumeError> {
-        if offset.checked_add(len).is_none_or(|e| e > self.size) {
+        let size = self.size();
+        if offset.checked_add(len).is_none_or(|e| e > size) {
             return Err(VolumeError::OutOfRange {
                 volume: self.id,
                 offset,
                 len,
-                size: self.size,
+                size,
             });
         }
         Ok(())
@@ -846,7 +856,7 @@ impl Volume {
             return Ok(false);
         };
         let lba = g * REGION_BLOCKS;
-        let n = REGION_BLOCKS.min(self.size / BLOCK - lba);
+        let n = REGION_BLOCKS.min(self.size() / BLOCK - lba);
         if self.health.lock()[i].down {
             // a down replica answers a one-block read first, without the range lock: a dead
             // one must not hold up the writes to the region for the replica timeout
