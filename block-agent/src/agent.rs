@@ -4,7 +4,7 @@
 
 use crate::link::{Carrier, Link, LinkConfig, LinkError};
 use crate::nbd::server::Exports;
-use crate::volume::{Volume, VolumeConfig};
+use crate::volume::{NodeQueries, Volume, VolumeConfig};
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -47,11 +47,13 @@ impl AgentConfig {
     }
 }
 
-/// A replica as the agent is told of it: the storage node's id and where it serves now.
+/// A replica as the agent is told of it: the storage node's id, where it serves now, and its
+/// admin address ("" when not known: no allocation maps, no reconciliation).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ReplicaAt {
     pub node: String,
     pub addr: String,
+    pub admin: String,
 }
 
 /// An agent's state.
@@ -60,6 +62,8 @@ pub struct Agent {
     exports: Arc<Exports>,
     /// One link per storage node, by node id.
     links: Mutex<HashMap<String, Arc<Link>>>,
+    /// How volumes ask storage nodes' admin services (set by the control plane).
+    queries: Mutex<Option<Arc<dyn NodeQueries>>>,
 }
 
 impl Agent {
@@ -68,10 +72,17 @@ impl Agent {
             cfg,
             exports: Exports::new(),
             links: Mutex::new(HashMap::new()),
+            queries: Mutex::new(None),
         });
         let weak: std::sync::Weak<dyn netstack::telemetry::Collect> = Arc::downgrade(&a) as _;
         netstack::telemetry::register(weak);
         a
+    }
+
+    /// Sets how volumes ask the storage nodes' admin services: allocation maps for
+    /// BLOCK_STATUS, and the comparison of replicas when a volume is attached anew.
+    pub fn set_node_queries(&self, q: Arc<dyn NodeQueries>) {
+        *self.queries.lock() = Some(q);
     }
 
     /// The exports (for the NBD server).
@@ -104,7 +115,16 @@ impl Agent {
     /// share its range locks, dirty regions and QoS; NBD has no way to tell an open connection
     /// of a new size, so a client sees it when it connects again). A different volume or
     /// replica set replaces the export.
-    pub fn attach(&self, name: &str, id: u32, size: u64, replicas: &[ReplicaAt]) -> Result<Arc<Volume>, AttachError> {
+    ///
+    /// `write_quorum`: the volume's own (0: the agent's configuration, else a majority).
+    pub fn attach(
+        &self,
+        name: &str,
+        id: u32,
+        size: u64,
+        replicas: &[ReplicaAt],
+        write_quorum: usize,
+    ) -> Result<Arc<Volume>, AttachError> {
         if name.is_empty() {
             return Err(AttachError::Name);
         }
@@ -136,10 +156,20 @@ impl Agent {
                     tracing::info!("export {name:?}: volume {id} grew from {} to {size} bytes", v.size());
                     v.grow(size);
                 }
+                if let Some(q) = self.queries.lock().clone() {
+                    v.set_admins(replicas.iter().map(|r| r.admin.clone()).collect(), q);
+                }
+                v.set_write_quorum(write_quorum);
                 return Ok(v);
             }
         }
         let v = Volume::new(id, size, links, self.cfg.volume.clone());
+        v.set_write_quorum(write_quorum);
+        if let Some(q) = self.queries.lock().clone() {
+            v.set_admins(replicas.iter().map(|r| r.admin.clone()).collect(), q);
+            // before it is exported: no read reaches a replica not yet compared
+            v.start_reconcile();
+        }
         self.exports.insert(name, v.clone());
         tracing::info!(
             "attached volume {id} ({size} bytes, {} replicas) as export {name:?}",
@@ -185,6 +215,7 @@ impl netstack::telemetry::Collect for Agent {
             c("flexns_volume_degraded_writes_total", &k.degraded_writes);
             c("flexns_volume_replica_downs_total", &k.replica_downs);
             c("flexns_volume_resynced_regions_total", &k.resynced_regions);
+            c("flexns_volume_reconciled_blocks_total", &k.reconciled_blocks);
             let (_, throttled, waited) = v.qos();
             counter!("flexns_volume_qos_throttled_total", "volume" => name.clone()).absolute(throttled);
             counter!("flexns_volume_qos_throttled_microseconds_total", "volume" => name.clone())

@@ -154,9 +154,10 @@ pub struct AgentArgs {
     /// Runtime worker threads.
     #[arg(long, default_value_t = 2)]
     pub threads: usize,
-    /// Replicas that must have a write durable before it is acknowledged (0: all of them).
-    /// Fewer gives degraded writes: a replica that misses writes is caught up in the
-    /// background from a good copy. The record of what it missed is in this agent's memory.
+    /// Replicas that must have a write durable before it is acknowledged, for volumes whose
+    /// controller record sets none (0: a majority, 2 of 3). Fewer than all gives degraded
+    /// writes: a replica that misses writes is caught up in the background from a good copy;
+    /// after an agent restart the replicas are compared when the volume is attached again.
     #[arg(long, default_value_t = 0)]
     pub write_quorum: usize,
     /// Milliseconds between heartbeats to the controller (each also brings the volumes
@@ -421,6 +422,7 @@ pub async fn run_agent(a: AgentArgs) -> Result<(), DaemonError> {
         netstack::telemetry::serve_prometheus(addr)?;
     }
     let agent = Agent::new(a.config()?);
+    agent.set_node_queries(crate::control::node_queries());
     let (nbd_l, nbd) = listen(a.nbd, "NBD").await?;
     let nbd_task = tokio::spawn(serve_tcp(agent.exports().clone(), nbd_l));
     let unix_task = match &a.unix {

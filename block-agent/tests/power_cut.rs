@@ -61,7 +61,13 @@ fn volume(rt: &tokio::runtime::Runtime, nodes: &[StorageNode]) -> Arc<Volume> {
         .iter()
         .map(|n| Arc::new(Link::start(LinkConfig::new(n.addr(), Carrier::Udp { paths: 2 })).unwrap()))
         .collect();
-    Volume::new(VOLUME, BLOCKS * BLOCK as u64, links, VolumeConfig::default())
+    // every replica acknowledges: the test reads each store as the cut left it (with a
+    // majority quorum a replica may lack a write until the agent reconciles it)
+    let cfg = VolumeConfig {
+        write_quorum: Some(3),
+        ..VolumeConfig::default()
+    };
+    Volume::new(VOLUME, BLOCKS * BLOCK as u64, links, cfg)
 }
 
 #[test]

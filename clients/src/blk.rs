@@ -173,7 +173,7 @@ pub struct ClusterSpec {
     /// Prometheus metrics on 127.0.0.1: the controller on this port, storage node `i` on
     /// `+1+i`, the agent after the nodes (see [`ClusterSpec::metrics_addrs`]).
     pub metrics_base: Option<u16>,
-    /// The agent's `--write-quorum` (0: all replicas).
+    /// The volume's write quorum, also the agent's `--write-quorum` (0: a majority).
     pub write_quorum: usize,
 }
 
@@ -431,6 +431,7 @@ impl LocalCluster {
                     size: spec.size,
                     replicas: spec.replicas as u32,
                     qos: None,
+                    write_quorum: spec.write_quorum as u32,
                 })
                 .await
                 .map_err(status)?;

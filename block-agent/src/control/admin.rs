@@ -4,7 +4,7 @@
 use super::pb;
 use crate::agent::{Agent, ReplicaAt};
 use crate::storage_node::{NodeError, StorageNode};
-use crate::volume::{AllocationSource, ReplicaState};
+use crate::volume::{NodeQueries, ReplicaState};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use tonic::{Request, Response, Status};
@@ -23,7 +23,20 @@ fn node_status(e: NodeError) -> Status {
 /// The storage node's admin service.
 pub struct NodeAdmin(pub Arc<StorageNode>);
 
+fn store_status(e: crate::store::StoreError) -> Status {
+    match e {
+        crate::store::StoreError::OutOfRange { .. } => Status::out_of_range(e.to_string()),
+        e => Status::internal(e.to_string()),
+    }
+}
+
 impl NodeAdmin {
+    fn volume_store(&self, id: u32) -> Result<Arc<crate::store::VolumeStore>, Status> {
+        self.0
+            .store(id)
+            .ok_or_else(|| Status::not_found(format!("volume {id} does not exist")))
+    }
+
     /// Runs a volume-file operation (file creation, syncs) off the async threads.
     async fn on_node(
         &self,
@@ -78,18 +91,44 @@ impl pb::storage_node_admin_server::StorageNodeAdmin for NodeAdmin {
                 r.blocks
             )));
         }
-        let store = self
-            .0
-            .store(r.volume)
-            .ok_or_else(|| Status::not_found(format!("volume {} does not exist", r.volume)))?;
+        let store = self.volume_store(r.volume)?;
         let states = tokio::task::spawn_blocking(move || store.allocation(r.lba, r.blocks))
             .await
             .map_err(|e| Status::internal(e.to_string()))?
-            .map_err(|e| match e {
-                crate::store::StoreError::OutOfRange { .. } => Status::out_of_range(e.to_string()),
-                e => Status::internal(e.to_string()),
-            })?;
+            .map_err(store_status)?;
         Ok(Response::new(pb::AllocationReply { states }))
+    }
+
+    async fn region_digests(
+        &self,
+        r: Request<pb::RegionDigestsRequest>,
+    ) -> Result<Response<pb::RegionDigestsReply>, Status> {
+        let r = r.into_inner();
+        if r.regions.saturating_mul(r.region_blocks) > 1 << 22 {
+            return Err(Status::invalid_argument("at most 4194304 blocks per request"));
+        }
+        let store = self.volume_store(r.volume)?;
+        let digests = tokio::task::spawn_blocking(move || store.region_digests(r.first, r.regions, r.region_blocks))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?
+            .map_err(store_status)?;
+        Ok(Response::new(pb::RegionDigestsReply { digests }))
+    }
+
+    async fn block_versions(
+        &self,
+        r: Request<pb::BlockVersionsRequest>,
+    ) -> Result<Response<pb::BlockVersionsReply>, Status> {
+        let r = r.into_inner();
+        if r.blocks > 65536 {
+            return Err(Status::invalid_argument("at most 65536 blocks per request"));
+        }
+        let store = self.volume_store(r.volume)?;
+        let versions = tokio::task::spawn_blocking(move || store.block_versions(r.lba, r.blocks))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?
+            .map_err(store_status)?;
+        Ok(Response::new(pb::BlockVersionsReply { versions }))
     }
 
     async fn list_volumes(&self, _: Request<pb::ListVolumesRequest>) -> Result<Response<pb::ListVolumesReply>, Status> {
@@ -134,41 +173,82 @@ pub fn attach_spec(agent: &Agent, v: &pb::VolumeSpec) -> Result<(), Status> {
         .map(|r| ReplicaAt {
             node: r.node.clone(),
             addr: r.addr.clone(),
+            admin: r.admin.clone(),
         })
         .collect();
     let vol = agent
-        .attach(name, v.id, v.size, &replicas)
+        .attach(name, v.id, v.size, &replicas, v.write_quorum as usize)
         .map_err(|e| Status::invalid_argument(e.to_string()))?;
     vol.set_qos(v.qos.as_ref().map(super::controller::qos_limits).unwrap_or_default());
-    vol.set_admins(
-        v.replicas.iter().map(|r| r.admin.clone()).collect(),
-        Arc::new(NodeAllocation),
-    );
     Ok(())
 }
 
-/// Allocation maps from the storage nodes' admin services.
-struct NodeAllocation;
+/// The storage nodes' admin services, for an agent's volumes.
+pub fn node_queries() -> Arc<dyn NodeQueries> {
+    Arc::new(NodeAdminQueries)
+}
 
-impl AllocationSource for NodeAllocation {
-    fn allocation(
+/// The storage nodes' admin services, asked by the agent's volumes (allocation maps, and
+/// the digests and versions that reconcile replicas).
+struct NodeAdminQueries;
+
+/// Runs one admin call on node `admin`, bounded to 5 s.
+fn ask_node<T: Send + 'static, F>(admin: &str, call: F) -> crate::volume::Answer<T>
+where
+    F: FnOnce(
+            super::pb::storage_node_admin_client::StorageNodeAdminClient<tonic::transport::Channel>,
+        ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<T, Status>> + Send>>
+        + Send
+        + 'static,
+{
+    let admin = admin.to_string();
+    Box::pin(async move {
+        let ask = async { call(super::controller::node_client(&admin).await?).await };
+        match tokio::time::timeout(std::time::Duration::from_secs(5), ask).await {
+            Ok(Ok(r)) => Ok(r),
+            Ok(Err(e)) => Err(e.message().to_string()),
+            Err(_) => Err("no answer within 5 s".into()),
+        }
+    })
+}
+
+impl NodeQueries for NodeAdminQueries {
+    fn allocation(&self, admin: &str, volume: u32, lba: u64, blocks: u64) -> crate::volume::Answer<Vec<u8>> {
+        ask_node(admin, move |mut c| {
+            Box::pin(async move {
+                let r = c.allocation(pb::AllocationRequest { volume, lba, blocks }).await?;
+                Ok(r.into_inner().states)
+            })
+        })
+    }
+
+    fn region_digests(
         &self,
         admin: &str,
         volume: u32,
-        lba: u64,
-        blocks: u64,
-    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Vec<u8>, String>> + Send + 'static>> {
-        let admin = admin.to_string();
-        Box::pin(async move {
-            let ask = async {
-                let mut c = super::controller::node_client(&admin).await?;
-                c.allocation(pb::AllocationRequest { volume, lba, blocks }).await
-            };
-            match tokio::time::timeout(std::time::Duration::from_secs(5), ask).await {
-                Ok(Ok(r)) => Ok(r.into_inner().states),
-                Ok(Err(e)) => Err(e.message().to_string()),
-                Err(_) => Err("no answer within 5 s".into()),
-            }
+        first: u64,
+        regions: u64,
+        region_blocks: u64,
+    ) -> crate::volume::Answer<Vec<u64>> {
+        ask_node(admin, move |mut c| {
+            Box::pin(async move {
+                let req = pb::RegionDigestsRequest {
+                    volume,
+                    first,
+                    regions,
+                    region_blocks,
+                };
+                Ok(c.region_digests(req).await?.into_inner().digests)
+            })
+        })
+    }
+
+    fn block_versions(&self, admin: &str, volume: u32, lba: u64, blocks: u64) -> crate::volume::Answer<Vec<u64>> {
+        ask_node(admin, move |mut c| {
+            Box::pin(async move {
+                let req = pb::BlockVersionsRequest { volume, lba, blocks };
+                Ok(c.block_versions(req).await?.into_inner().versions)
+            })
         })
     }
 }
@@ -264,6 +344,7 @@ impl pb::agent_admin_server::AgentAdmin for AgentAdmin {
                     degraded_writes: c.degraded_writes.load(Ordering::Relaxed),
                     replica_downs: c.replica_downs.load(Ordering::Relaxed),
                     resynced_regions: c.resynced_regions.load(Ordering::Relaxed),
+                    reconciled_blocks: c.reconciled_blocks.load(Ordering::Relaxed),
                     replica_paths: statuses
                         .iter()
                         .map(|s| pb::ReplicaPaths {

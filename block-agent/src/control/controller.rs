@@ -273,6 +273,7 @@ impl Controller {
                 .as_ref()
                 .map(|p| format!("{}@{}", p.volume, p.snapshot))
                 .unwrap_or_default(),
+            write_quorum: v.write_quorum,
         }
     }
 
@@ -532,6 +533,12 @@ impl pb::block_control_server::BlockControl for ControllerService {
             )));
         }
         let want = r.replicas.max(1) as usize;
+        if r.write_quorum as usize > want {
+            return Err(Status::invalid_argument(format!(
+                "write quorum {} is more than the {want} replicas",
+                r.write_quorum
+            )));
+        }
         let mut s = c.state.lock().await;
         if s.volumes.contains_key(&r.name) {
             return Err(Status::already_exists(format!("volume {:?} exists", r.name)));
@@ -591,6 +598,7 @@ impl pb::block_control_server::BlockControl for ControllerService {
             snapshots: Vec::new(),
             next_snapshot: 1,
             parent: None,
+            write_quorum: r.write_quorum,
         };
         c.commit(&mut s, |n| {
             n.next_id = id + 1;
@@ -900,6 +908,7 @@ impl pb::block_control_server::BlockControl for ControllerService {
                 volume: r.volume.clone(),
                 snapshot: r.snapshot.clone(),
             }),
+            write_quorum: v.write_quorum,
         };
         c.commit(&mut s, |n| {
             n.next_id = id + 1;

@@ -37,6 +37,9 @@ pub struct VolumeRecord {
     /// A clone: the snapshot it was made from.
     #[serde(default)]
     pub parent: Option<ParentRecord>,
+    /// Replicas a write needs durable before it is acknowledged (0: a majority).
+    #[serde(default)]
+    pub write_quorum: u32,
 }
 
 /// A snapshot as the controller records it.

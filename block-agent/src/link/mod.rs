@@ -140,6 +140,7 @@ enum Cmd {
         lba: u64,
         data: Arc<[u8]>,
         fua: bool,
+        version: u64,
         done: oneshot::Sender<Result<(), LinkError>>,
     },
     Read {
@@ -153,6 +154,7 @@ enum Cmd {
         volume: u32,
         lba: u64,
         blocks: u16,
+        version: u64,
         done: oneshot::Sender<Result<(), LinkError>>,
     },
     /// The storage node now serves at this address (it restarted elsewhere).
@@ -203,11 +205,16 @@ impl Link {
         }
     }
 
-    /// Writes `data` (whole blocks) at block `lba` of `volume`; answered once every block is
+    /// Writes `data` (whole blocks) at block `lba` of `volume` as `version` (the node orders
+    /// writes to a block by it and stores it: one increasing sequence per writer, the same
+    /// on every replica, see [`crate::volume::next_versions`]); answered once every block is
     /// durable on the node.
-    pub fn write(&self, volume: u32, lba: u64, data: Arc<[u8]>, fua: bool) -> Reply<()> {
+    pub fn write(&self, volume: u32, lba: u64, data: Arc<[u8]>, fua: bool, version: u64) -> Reply<()> {
         match &self.driver {
-            Driver::Solar(l) => Reply(ReplyFrom::Solar(l.write(volume, lba, data, fua), self.server())),
+            Driver::Solar(l) => Reply(ReplyFrom::Solar(
+                l.write((volume, lba), Some(data), 0, fua, version),
+                self.server(),
+            )),
             Driver::Tcp(l) => {
                 let (done, rx) = oneshot::channel();
                 l.submit(Cmd::Write {
@@ -215,6 +222,7 @@ impl Link {
                     lba,
                     data,
                     fua,
+                    version,
                     done,
                 });
                 Reply(ReplyFrom::Link(rx))
@@ -224,15 +232,19 @@ impl Link {
 
     /// Zeroes `blocks` blocks at `lba` of `volume` (TRIM, WRITE_ZEROES): nothing but headers
     /// cross the network, and the node gives the blocks' space back; answered once durable.
-    pub fn write_zeroes(&self, volume: u32, lba: u64, blocks: u16) -> Reply<()> {
+    pub fn write_zeroes(&self, volume: u32, lba: u64, blocks: u16, version: u64) -> Reply<()> {
         match &self.driver {
-            Driver::Solar(l) => Reply(ReplyFrom::Solar(l.write_zeroes(volume, lba, blocks), self.server())),
+            Driver::Solar(l) => Reply(ReplyFrom::Solar(
+                l.write((volume, lba), None, blocks, false, version),
+                self.server(),
+            )),
             Driver::Tcp(l) => {
                 let (done, rx) = oneshot::channel();
                 l.submit(Cmd::WriteZeroes {
                     volume,
                     lba,
                     blocks,
+                    version,
                     done,
                 });
                 Reply(ReplyFrom::Link(rx))

@@ -87,20 +87,17 @@ impl SolarLink {
         Ok(SolarLink { agent, _ctx: shared })
     }
 
-    /// Writes whole blocks; answered by the core once they are durable on the node.
+    /// Writes whole blocks, or zeroes `blocks` blocks when `data` is None (header-only
+    /// packets), as `version`; answered by the core once durable on the node.
     pub(super) fn write(
         &self,
-        volume: u32,
-        lba: u64,
-        data: Arc<[u8]>,
+        target: (u32, u64),
+        data: Option<Arc<[u8]>>,
+        blocks: u16,
         fua: bool,
+        version: u64,
     ) -> oneshot::Receiver<Result<(), SolarError>> {
-        self.agent.write(volume, lba, data, fua)
-    }
-
-    /// Zeroes blocks (header-only packets); answered once durable on the node.
-    pub(super) fn write_zeroes(&self, volume: u32, lba: u64, blocks: u16) -> oneshot::Receiver<Result<(), SolarError>> {
-        self.agent.write_zeroes(volume, lba, blocks, false)
+        self.agent.write_versioned(target, data, blocks, fua, version)
     }
 
     /// Reads blocks, each checked against its stored CRC.

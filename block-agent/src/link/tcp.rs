@@ -71,10 +71,9 @@ impl TcpLink {
         });
         let s2 = sh.clone();
         let io_timeout = Duration::from_nanos(cfg.client.io_timeout_ns);
-        let first_version = cfg.client.rpc_base.max(1);
         let sender = std::thread::Builder::new()
             .name(format!("tblk-{server}"))
-            .spawn(move || Sender::new(s2, io_timeout, first_version).run())
+            .spawn(move || Sender::new(s2, io_timeout).run())
             .map_err(|e| LinkError::Setup(server, format!("thread: {e}")))?;
         Ok(TcpLink {
             sh,
@@ -130,7 +129,6 @@ struct Sender {
     sh: Arc<Shared>,
     io_timeout: Duration,
     next_id: u64,
-    version: u64,
     receiver: Option<JoinHandle<()>>,
     /// The next time to try connecting while disconnected.
     retry_at: Instant,
@@ -138,12 +136,11 @@ struct Sender {
 }
 
 impl Sender {
-    fn new(sh: Arc<Shared>, io_timeout: Duration, first_version: u64) -> Sender {
+    fn new(sh: Arc<Shared>, io_timeout: Duration) -> Sender {
         Sender {
             sh,
             io_timeout,
             next_id: 1,
-            version: first_version,
             receiver: None,
             retry_at: Instant::now(),
             sent: 0,
@@ -202,6 +199,7 @@ impl Sender {
                 lba,
                 data,
                 fua,
+                version,
                 done,
             } => {
                 let blocks = data.len() / tcp_proto::BLOCK;
@@ -213,14 +211,13 @@ impl Sender {
                     let _ = done.send(Err(LinkError::Submit(addr, SubmitError::TooLarge(blocks))));
                     return;
                 }
-                self.version += 1;
                 let hdr = Header {
                     op: tcp_proto::WRITE,
                     flags: if fua { tcp_proto::FUA } else { 0 },
                     volume,
                     blocks: blocks as u32,
                     lba,
-                    version: self.version,
+                    version,
                     ..Default::default()
                 };
                 (hdr, Some(data), Done::Write(done))
@@ -229,19 +226,19 @@ impl Sender {
                 volume,
                 lba,
                 blocks,
+                version,
                 done,
             } => {
                 if blocks == 0 {
                     let _ = done.send(Err(LinkError::Submit(addr, SubmitError::Length(0))));
                     return;
                 }
-                self.version += 1;
                 let hdr = Header {
                     op: tcp_proto::WRITE_ZEROES,
                     volume,
                     blocks: blocks as u32,
                     lba,
-                    version: self.version,
+                    version,
                     ..Default::default()
                 };
                 (hdr, None, Done::Write(done))

@@ -937,6 +937,47 @@ impl VolumeStore {
         }
     }
 
+    /// The versions of `count` blocks from `lba` (0: never written), as stored: replicas of a
+    /// volume are written with the same versions, so comparing them finds the newest copy.
+    pub fn block_versions(&self, lba: u64, count: u64) -> Result<Vec<u64>, StoreError> {
+        let m = self.meta_range(lba, count)?;
+        Ok(m.chunks_exact(META as usize)
+            .map(|e| u64::from_le_bytes(e[8..16].try_into().expect("8 bytes")))
+            .collect())
+    }
+
+    /// A digest of each of `count` regions of `region_blocks` blocks from region `first`: of
+    /// every block's written flag and version. Two replicas whose digests of a region are
+    /// equal hold the same writes there.
+    pub fn region_digests(&self, first: u64, count: u64, region_blocks: u64) -> Result<Vec<u64>, StoreError> {
+        let region_blocks = region_blocks.max(1);
+        let lba = first.saturating_mul(region_blocks);
+        let m = self.meta_range(lba, count.saturating_mul(region_blocks))?;
+        Ok(m.chunks(META as usize * region_blocks as usize)
+            .map(|r| {
+                let mut crc = 0u32;
+                let mut max = 0u64;
+                for e in r.chunks_exact(META as usize) {
+                    crc = crc32c::crc32c_append(crc, &e[4..5]);
+                    crc = crc32c::crc32c_append(crc, &e[8..16]);
+                    max = max.max(u64::from_le_bytes(e[8..16].try_into().expect("8 bytes")));
+                }
+                (crc as u64) << 32 ^ max
+            })
+            .collect())
+    }
+
+    /// The metadata entries of up to `count` blocks from `lba` (clamped to the volume).
+    fn meta_range(&self, lba: u64, count: u64) -> Result<Vec<u8>, StoreError> {
+        self.check(lba)?;
+        let count = count.min(self.blocks() - lba);
+        let mut m = vec![0u8; (count * META) as usize];
+        self.meta
+            .read_exact_at(&mut m, lba * META)
+            .map_err(self.io("reading the metadata"))?;
+        Ok(m)
+    }
+
     /// `(lba, version)` of every written block (to seed the Solar server's stale-write check).
     pub fn versions(&self) -> Result<Vec<(u64, u64)>, StoreError> {
         let mut out = Vec::new();

@@ -48,6 +48,9 @@ enum Cmd {
         size: u64,
         #[arg(long, default_value_t = 3)]
         replicas: u32,
+        /// Replicas a write needs durable before it is acknowledged (0: a majority, 2 of 3).
+        #[arg(long, default_value_t = 0)]
+        write_quorum: u32,
         #[command(flatten)]
         qos: QosArgs,
     },
@@ -189,8 +192,8 @@ enum ClusterCmd {
         /// port, the storage nodes on the next ones, the agent after them.
         #[arg(long, value_name = "PORT")]
         metrics_base: Option<u16>,
-        /// Replicas a write needs durable before it is acknowledged (0: all). 2 of 3 gives
-        /// degraded writes: a replica that misses writes is caught up from a good copy.
+        /// Replicas a write needs durable before it is acknowledged (0: a majority, 2 of 3:
+        /// degraded writes; a replica that misses writes is caught up from a good copy).
         #[arg(long, default_value_t = 0)]
         write_quorum: usize,
     },
@@ -411,6 +414,7 @@ fn run() -> anyhow::Result<()> {
                         name,
                         size,
                         replicas,
+                        write_quorum,
                         qos,
                     } => {
                         let q = Some(qos.pb());
@@ -420,6 +424,7 @@ fn run() -> anyhow::Result<()> {
                                 size,
                                 replicas,
                                 qos: q,
+                                write_quorum,
                             })
                             .await
                             .map_err(st)?;
@@ -558,7 +563,7 @@ fn describe_json(v: &pb::VolumeSpec) -> serde_json::Value {
         j["write_quorum"] = e.write_quorum.into();
         j["io"] = serde_json::json!({"reads": e.reads, "writes": e.writes, "read_failovers": e.read_failovers,
             "repairs": e.repairs, "degraded_writes": e.degraded_writes, "replica_downs": e.replica_downs,
-            "resynced_regions": e.resynced_regions});
+            "resynced_regions": e.resynced_regions, "reconciled_blocks": e.reconciled_blocks});
     } else if !v.agent.is_empty() {
         j["agent_view"] = "the agent did not answer".into();
     }

@@ -148,7 +148,8 @@ pub(crate) enum SolarCmd {
         client: Box<SolarClient>,
         status: Arc<Mutex<AgentStatus>>,
     },
-    /// `data: None`: zeros over `blocks` blocks, deallocated (TRIM).
+    /// `data: None`: zeros over `blocks` blocks, deallocated (TRIM). `version`: the caller's
+    /// (else the client numbers it).
     Write {
         id: u64,
         volume: u32,
@@ -156,6 +157,7 @@ pub(crate) enum SolarCmd {
         data: Option<Arc<[u8]>>,
         blocks: u16,
         fua: bool,
+        version: Option<u64>,
         done: oneshot::Sender<Result<(), SolarError>>,
     },
     Read {
@@ -333,15 +335,17 @@ impl SolarCore {
                 data,
                 blocks,
                 fua,
+                version,
                 done,
             } => {
                 let Some(ep) = self.client(id) else {
                     let _ = done.send(Err(SolarError::Stopped));
                     return;
                 };
-                let submitted = match data {
-                    Some(data) => ep.client.write(now, volume, lba, data, fua),
-                    None => ep.client.write_zeroes(now, volume, lba, blocks, fua),
+                let submitted = match (data, version) {
+                    (Some(data), None) => ep.client.write(now, volume, lba, data, fua),
+                    (data, Some(v)) => ep.client.write_versioned(now, (volume, lba), data, blocks, fua, v),
+                    (None, None) => Err(crate::transport::solar::client::SubmitError::Version(0)),
                 };
                 match submitted {
                     Ok(io) => {

@@ -146,28 +146,34 @@ impl SolarAgent {
             data: Some(data),
             blocks,
             fua,
+            version: None,
             done,
         });
         rx
     }
 
-    /// Writes zeros over `blocks` blocks at `lba` of `volume`, deallocated on the server
-    /// (TRIM): header-only packets; answered once every block is durable.
-    pub fn write_zeroes(
+    /// Writes `data`, or zeros over `blocks` blocks when `data` is None (deallocated on the
+    /// server: header-only packets), at block `lba` of `volume` as `version` (see
+    /// [`crate::transport::solar::client::SolarClient::write_versioned`]: one increasing
+    /// sequence per writer, the same version on every replica of a write); answered once
+    /// every block is durable.
+    pub fn write_versioned(
         &self,
-        volume: u32,
-        lba: u64,
+        target: (u32, u64),
+        data: Option<Arc<[u8]>>,
         blocks: u16,
         fua: bool,
+        version: u64,
     ) -> oneshot::Receiver<Result<(), SolarError>> {
         let (done, rx) = oneshot::channel();
         self.core.solar_command(SolarCmd::Write {
             id: self.id,
-            volume,
-            lba,
-            data: None,
+            volume: target.0,
+            lba: target.1,
+            data,
             blocks,
             fua,
+            version: Some(version),
             done,
         });
         rx

@@ -102,6 +102,8 @@ pub enum SubmitError {
     TooLarge(usize),
     #[error("lba {0} + {1} blocks overflows")]
     Range(u64, usize),
+    #[error("write version {0} is 0, in the upper half, or already in flight")]
+    Version(u64),
 }
 
 /// What the driver learns from the client.
@@ -153,6 +155,9 @@ struct Ledger {
 
 /// Presumed-lost PSNs remembered per path.
 const LOST_MEMORY: usize = 1024;
+/// Set in the request id of every read: the lower half is for write versions, which callers
+/// may choose ([`SolarClient::write_versioned`]).
+const READ_RPC: u64 = 1 << 63;
 
 /// Most doublings of a path's RTO while it delivers nothing.
 const MAX_BACKOFF: u32 = 8;
@@ -391,11 +396,25 @@ impl SolarClient {
     }
 
     fn add(&mut self, now: u64, kind: Kind, target: (u32, u64), n: u16, data: Option<Arc<[u8]>>, fua: bool) -> IoId {
+        let rpc = self.next_rpc | if kind == Kind::Read { READ_RPC } else { 0 };
+        self.next_rpc += 1;
+        self.add_as(now, kind, target, n, data, fua, rpc)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn add_as(
+        &mut self,
+        now: u64,
+        kind: Kind,
+        target: (u32, u64),
+        n: u16,
+        data: Option<Arc<[u8]>>,
+        fua: bool,
+        rpc: u64,
+    ) -> IoId {
         let (volume, lba) = target;
         let id = self.next_io;
         self.next_io += 1;
-        let rpc = self.next_rpc;
-        self.next_rpc += 1;
         self.ios.insert(
             id,
             Io {
@@ -436,18 +455,29 @@ impl SolarClient {
         Ok(self.add(now, Kind::Write, (volume, lba), n, Some(data), fua))
     }
 
-    /// Writes zeros over `blocks` blocks at `lba` of `volume`, to be deallocated (TRIM): one
-    /// header-only packet per block, with the ZERO flag.
-    pub fn write_zeroes(
+    /// Writes `data` (a positive multiple of 4 KiB), or zeros over `blocks` blocks when `data`
+    /// is None (deallocated: one header-only packet per block, with the ZERO flag), at block
+    /// `lba` of `volume`, as `version`: the request id the server orders writes to a block by
+    /// and stores with it. A caller that writes one volume through several clients (replicas)
+    /// gives each copy the same version, from one increasing sequence; versions must be unique
+    /// in this client and below 2^63 (reads use the upper half).
+    pub fn write_versioned(
         &mut self,
         now: u64,
-        volume: u32,
-        lba: u64,
+        target: (u32, u64),
+        data: Option<Arc<[u8]>>,
         blocks: u16,
         fua: bool,
+        version: u64,
     ) -> Result<IoId, SubmitError> {
-        let n = Self::check_len(lba, blocks as usize * BLOCK)?;
-        Ok(self.add(now, Kind::Write, (volume, lba), n, None, fua))
+        let n = match &data {
+            Some(d) => Self::check_len(target.1, d.len())?,
+            None => Self::check_len(target.1, blocks as usize * BLOCK)?,
+        };
+        if version & READ_RPC != 0 || version == 0 || self.by_rpc.contains_key(&version) {
+            return Err(SubmitError::Version(version));
+        }
+        Ok(self.add_as(now, Kind::Write, target, n, data, fua, version))
     }
 
     /// Reads `blocks` blocks at `lba` of `volume`; they arrive through [`Self::on_packet`].

@@ -1,9 +1,14 @@
 //! A replicated volume as the agent sees it: byte-addressed reads and writes turned into block
 //! requests on the [`Link`]s of the volume's replicas.
 //!
+//! - **Versions.** Every copy of a write carries the same version ([`next_versions`]), which
+//!   the storage node stores with the block; a volume attached anew compares the replicas by
+//!   them and copies the newest copy of each block where it is missing before serving
+//!   ([`reconcile`]).
 //! - **Writes** go to every replica that is up and complete when a **quorum** of them has the
-//!   blocks durable ([`VolumeConfig::write_quorum`]: all of them by default, 2 of 3 for
-//!   degraded writes; the agent's `--write-quorum`). While the
+//!   blocks durable (a majority by default, so 2 of 3 replicas give degraded writes; the
+//!   volume's own quorum from the controller, else [`VolumeConfig::write_quorum`], the
+//!   agent's `--write-quorum`, override it). While the
 //!   quorum is not reached the write waits (the links resend on other paths and probe dead
 //!   ones) up to the link's I/O timeout, then fails with EIO ("stall, don't fail").
 //! - **Dirty regions.** Per replica the volume keeps which 1 MiB regions it may lack: writes
@@ -28,6 +33,10 @@
 //! - **Reads** go to one replica (round-robin) and fail over to the next on a timeout, a CRC
 //!   error or a corrupt stored block. A replica that answered with bad data is **repaired**:
 //!   under the range lock the good copy is read again and written to it.
+
+mod reconcile;
+
+pub use reconcile::{Answer, NodeQueries};
 
 use crate::link::{Link, LinkError};
 use futures_util::stream::{FuturesUnordered, StreamExt};
@@ -73,11 +82,11 @@ pub enum VolumeError {
 pub struct VolumeConfig {
     /// A replica that has not answered a read in this long is skipped for the next one.
     pub read_failover_after: Duration,
-    /// Replicas that must have a write durable before it is acknowledged (a majority, 2 of 3,
-    /// gives degraded writes); None: all of them. All is the default because the dirty regions
-    /// live in the agent's memory: an agent that restarts while a replica is behind forgets
-    /// it, and reads may then reach the stale copy (persisting the log, or reconciling the
-    /// replicas' block versions at attach, is not built).
+    /// Replicas that must have a write durable before it is acknowledged; None: a majority
+    /// (2 of 3: degraded writes). What a replica missed is in the agent's memory; an agent
+    /// that attaches a volume anew (a restart) first reconciles the replicas block by block
+    /// ([`Volume::start_reconcile`]), so no stale copy is ever read. A volume's own quorum
+    /// ([`Volume::set_write_quorum`], from the controller) takes precedence.
     pub write_quorum: Option<usize>,
     /// A replica that has not answered a write this long after the quorum did is down.
     pub replica_timeout: Duration,
@@ -114,6 +123,9 @@ pub enum ReplicaState {
 #[derive(Debug, Default)]
 struct ReplicaHealth {
     down: bool,
+    /// It did not answer when the volume was attached: what it lacks is not known until it is
+    /// compared with a clean replica (the resync does that when it answers again).
+    unverified: bool,
     /// Region -> writes acknowledged without this replica's copy, still in flight to it.
     pending: HashMap<u64, u32>,
     /// Regions it missed: rewritten by the resync.
@@ -122,12 +134,13 @@ struct ReplicaHealth {
 
 impl ReplicaHealth {
     fn clean(&self, regions: std::ops::Range<u64>) -> bool {
-        self.missed.range(regions.clone()).next().is_none()
+        !self.unverified
+            && self.missed.range(regions.clone()).next().is_none()
             && regions.into_iter().all(|r| !self.pending.contains_key(&r))
     }
 
     fn state(&self) -> ReplicaState {
-        match (self.down, self.missed.is_empty()) {
+        match (self.down || self.unverified, self.missed.is_empty()) {
             (true, _) => ReplicaState::Down,
             (false, false) => ReplicaState::CatchingUp,
             (false, true) => ReplicaState::InSync,
@@ -153,6 +166,8 @@ pub struct VolumeCounters {
     pub replica_downs: AtomicU64,
     /// Regions the resync rewrote on a replica that missed them.
     pub resynced_regions: AtomicU64,
+    /// Blocks the reconciliation at attach copied to a replica that lacked their newest write.
+    pub reconciled_blocks: AtomicU64,
 }
 
 /// Block ranges being written, so overlapping writes take turns.
@@ -194,24 +209,28 @@ impl Drop for RangeGuard<'_> {
     }
 }
 
+/// Reserves `n` consecutive write versions; returns the first. Every write this process sends
+/// takes its versions from this one increasing sequence, and each replica's copy of a write
+/// carries the same version: the storage nodes order writes to a block by it (dropping an
+/// older one that arrives late) and store it with the block, so replicas can be compared
+/// block by block and the newest copy found. It starts at the wall clock in nanoseconds, so
+/// an agent that restarts goes on above the versions it wrote before.
+pub fn next_versions(n: u64) -> u64 {
+    static NEXT: std::sync::OnceLock<AtomicU64> = std::sync::OnceLock::new();
+    NEXT.get_or_init(|| {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.as_nanos() as u64);
+        AtomicU64::new(now.max(1))
+    })
+    .fetch_add(n.max(1), Ordering::Relaxed)
+}
+
 /// Replicas' admin addresses and the way to ask them.
-type Admins = (Vec<String>, Option<Arc<dyn AllocationSource>>);
+type Admins = (Vec<String>, Option<Arc<dyn NodeQueries>>);
 
 /// Most blocks one allocation query covers (64 MiB).
 const MAP_BLOCKS: u64 = 16384;
-
-/// How a volume asks a storage node (by its admin address) for the allocation states of
-/// `blocks` blocks from `lba` of `volume` (one [`crate::store::ALLOC_DATA`] or
-/// [`crate::store::ALLOC_HOLE`] per block). The control plane provides it.
-pub trait AllocationSource: Send + Sync {
-    fn allocation(
-        &self,
-        admin: &str,
-        volume: u32,
-        lba: u64,
-        blocks: u64,
-    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Vec<u8>, String>> + Send + 'static>>;
-}
 
 /// What a write puts in its blocks.
 enum Payload {
@@ -242,9 +261,15 @@ pub struct Volume {
     resyncing: std::sync::atomic::AtomicBool,
     /// Writes hold it shared; [`Volume::quiesced`] holds it alone (it is fair: once a
     /// snapshot waits, new writes queue behind it).
-    gate: tokio::sync::RwLock<()>,
+    gate: Arc<tokio::sync::RwLock<()>>,
     /// Its replicas' storage-node admin addresses ("" when not known) and how to ask them.
     admins: Mutex<Admins>,
+    /// Set once the replicas are reconciled (or none needed it): reads wait for it, writes
+    /// for the gate, which the reconciliation holds.
+    reconciled: std::sync::atomic::AtomicBool,
+    reconciled_cv: Notify,
+    /// The volume's own write quorum (0: the configuration's).
+    quorum: AtomicUsize,
 }
 
 /// How long reads try a replica that failed one last.
@@ -276,8 +301,11 @@ impl Volume {
             health: Mutex::new((0..replicas_len).map(|_| ReplicaHealth::default()).collect()),
             qos: Mutex::new(crate::qos::Qos::default()),
             resyncing: std::sync::atomic::AtomicBool::new(false),
-            gate: tokio::sync::RwLock::new(()),
+            gate: Arc::new(tokio::sync::RwLock::new(())),
             admins: Mutex::new((Vec::new(), None)),
+            reconciled: std::sync::atomic::AtomicBool::new(true),
+            reconciled_cv: Notify::new(),
+            quorum: AtomicUsize::new(0),
         })
     }
 
@@ -300,10 +328,33 @@ impl Volume {
         }
     }
 
-    /// Replicas whose durable copy acknowledges a write.
+    /// Replicas whose durable copy acknowledges a write: the volume's own quorum, else the
+    /// configuration's, else a majority.
     pub fn write_quorum(&self) -> usize {
         let r = self.replicas.len();
-        self.cfg.write_quorum.unwrap_or(r).clamp(1, r)
+        match self.quorum.load(Ordering::Relaxed) {
+            0 => self.cfg.write_quorum.unwrap_or(r / 2 + 1),
+            q => q,
+        }
+        .clamp(1, r)
+    }
+
+    /// Sets the volume's own write quorum (0: the configuration's, else a majority).
+    pub fn set_write_quorum(&self, q: usize) {
+        self.quorum.store(q, Ordering::Relaxed);
+    }
+
+    /// Waits until the replicas are reconciled (at once unless a reconciliation runs).
+    async fn wait_reconciled(&self) {
+        loop {
+            let n = self.reconciled_cv.notified();
+            tokio::pin!(n);
+            n.as_mut().enable();
+            if self.reconciled.load(Ordering::Acquire) {
+                return;
+            }
+            n.await;
+        }
     }
 
     /// Each replica's state, and how many regions it has yet to catch up.
@@ -356,6 +407,7 @@ impl Volume {
             return Ok(Vec::new());
         }
         self.admit(len).await;
+        self.wait_reconciled().await;
         self.counters.reads.fetch_add(1, Ordering::Relaxed);
         let first = offset / BLOCK;
         let last = (offset + len).div_ceil(BLOCK);
@@ -500,7 +552,10 @@ impl Volume {
                 }
             };
             for b in bad {
-                match v.replicas[b].write(v.id, lba, data.clone(), true).await {
+                match v.replicas[b]
+                    .write(v.id, lba, data.clone(), true, next_versions(1))
+                    .await
+                {
                     Ok(Ok(())) => {
                         v.counters.repairs.fetch_add(1, Ordering::Relaxed);
                         tracing::warn!(
@@ -640,6 +695,7 @@ impl Volume {
         if len == 0 {
             return Ok(Vec::new());
         }
+        self.wait_reconciled().await;
         let (first, last) = (offset / BLOCK, (offset + len).div_ceil(BLOCK));
         let n = (last - first).min(MAP_BLOCKS);
         let (admins, source) = self.admins.lock().clone();
@@ -680,7 +736,7 @@ impl Volume {
 
     /// Tells the volume its replicas' storage-node admin addresses, in replica order, and how
     /// to ask them (for [`Volume::allocation`]).
-    pub fn set_admins(&self, admins: Vec<String>, source: Arc<dyn AllocationSource>) {
+    pub fn set_admins(&self, admins: Vec<String>, source: Arc<dyn NodeQueries>) {
         *self.admins.lock() = (admins, Some(source));
     }
 
@@ -706,12 +762,15 @@ impl Volume {
             }
             targets
         };
+        // one version per link request, the same on every replica
+        let first_version = next_versions(n.div_ceil(CHUNK_BLOCKS));
         let mut replies = FuturesUnordered::new();
         for &i in &targets {
             let mut waits = Vec::new();
             let mut at = 0u64;
             while at < n {
                 let k = CHUNK_BLOCKS.min(n - at);
+                let version = first_version + at / CHUNK_BLOCKS;
                 waits.push(match &payload {
                     Payload::Data(data) => {
                         let part: Arc<[u8]> = if k == n {
@@ -719,9 +778,9 @@ impl Volume {
                         } else {
                             Arc::from(&data[(at * BLOCK) as usize..((at + k) * BLOCK) as usize])
                         };
-                        self.replicas[i].write(self.id, lba + at, part, fua)
+                        self.replicas[i].write(self.id, lba + at, part, fua, version)
                     }
-                    Payload::Zeroes(_) => self.replicas[i].write_zeroes(self.id, lba + at, k as u16),
+                    Payload::Zeroes(_) => self.replicas[i].write_zeroes(self.id, lba + at, k as u16, version),
                 });
                 at += k;
             }
@@ -882,7 +941,7 @@ impl Volume {
         };
         match tokio::time::timeout(
             self.cfg.replica_timeout,
-            self.replicas[i].write(self.id, lba, data, true),
+            self.replicas[i].write(self.id, lba, data, true, next_versions(1)),
         )
         .await
         {
@@ -925,9 +984,21 @@ async fn resync(v: std::sync::Weak<Volume>) {
         let Some(v) = v.upgrade() else { return };
         let behind: Vec<usize> = {
             let h = v.health.lock();
-            (0..h.len()).filter(|&i| h[i].down || !h[i].missed.is_empty()).collect()
+            (0..h.len())
+                .filter(|&i| h[i].down || h[i].unverified || !h[i].missed.is_empty())
+                .collect()
         };
         for i in behind {
+            if v.health.lock()[i].unverified {
+                match v.verify_returned(i).await {
+                    Ok(true) => {}
+                    Ok(false) => continue,
+                    Err(e) => {
+                        tracing::debug!("volume {}: comparing replica {i}: {e}", v.id);
+                        continue;
+                    }
+                }
+            }
             loop {
                 let t = std::time::Instant::now();
                 match v.resync_region(i).await {

@@ -1,0 +1,231 @@
+//! Reconciling replicas when a volume is attached anew, in process, with the volume asking the
+//! nodes' stores through a [`NodeQueries`] of the test (the agent's asks their admin services;
+//! `clients/tests/blk_cluster.rs` runs that as processes). With the default 2-of-3 quorum: a
+//! replica that missed writes a dropped volume knew of is compared and copied by the new
+//! volume before it serves; a replica that does not answer is never read until it answers and
+//! is compared (then caught up); with fewer than `replicas - quorum + 1` answering, I/O waits.
+
+use block_agent::link::{Carrier, Link, LinkConfig};
+use block_agent::storage_node::{NodeConfig, StorageNode};
+use block_agent::store::{VolumeStore, BLOCK};
+use block_agent::volume::{Answer, NodeQueries, ReplicaState, Volume, VolumeConfig};
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const VOLUME: u32 = 9;
+const BLOCKS: u64 = 2048;
+
+fn block(lba: u64, seq: u64) -> Vec<u8> {
+    let mut b = vec![(seq as u8) ^ (lba as u8) ^ 0x5A; BLOCK];
+    b[..8].copy_from_slice(&lba.to_le_bytes());
+    b[8..16].copy_from_slice(&seq.to_le_bytes());
+    b
+}
+
+/// The nodes' stores by "admin address" (the node's index); a stopped node has none.
+#[derive(Default)]
+struct Stores(Mutex<HashMap<String, Arc<VolumeStore>>>);
+
+impl Stores {
+    fn ask<T: Send + 'static>(
+        &self,
+        admin: &str,
+        f: impl FnOnce(&VolumeStore) -> Result<T, block_agent::store::StoreError>,
+    ) -> Answer<T> {
+        let r = match self.0.lock().get(admin) {
+            Some(s) => f(s).map_err(|e| e.to_string()),
+            None => Err(format!("{admin}: connection refused")),
+        };
+        Box::pin(async move { r })
+    }
+}
+
+impl NodeQueries for Stores {
+    fn allocation(&self, admin: &str, _v: u32, lba: u64, blocks: u64) -> Answer<Vec<u8>> {
+        self.ask(admin, |s| s.allocation(lba, blocks))
+    }
+    fn region_digests(&self, admin: &str, _v: u32, first: u64, regions: u64, rb: u64) -> Answer<Vec<u64>> {
+        self.ask(admin, |s| s.region_digests(first, regions, rb))
+    }
+    fn block_versions(&self, admin: &str, _v: u32, lba: u64, blocks: u64) -> Answer<Vec<u64>> {
+        self.ask(admin, |s| s.block_versions(lba, blocks))
+    }
+}
+
+struct Cluster {
+    base: std::path::PathBuf,
+    nodes: Vec<Option<StorageNode>>,
+    addrs: Vec<SocketAddr>,
+    stores: Arc<Stores>,
+}
+
+impl Cluster {
+    fn start(tag: &str) -> Cluster {
+        let base = std::env::temp_dir().join(format!("reconcile-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&base);
+        let mut c = Cluster {
+            base,
+            nodes: Vec::new(),
+            addrs: Vec::new(),
+            stores: Arc::default(),
+        };
+        for i in 0..3 {
+            let n = StorageNode::start(NodeConfig::new(c.base.join(format!("node{i}")))).unwrap();
+            n.create_volume(VOLUME, BLOCKS * BLOCK as u64).unwrap();
+            c.addrs.push(n.addr());
+            c.stores.0.lock().insert(i.to_string(), n.store(VOLUME).unwrap());
+            c.nodes.push(Some(n));
+        }
+        c
+    }
+
+    fn stop(&mut self, i: usize) {
+        self.stores.0.lock().remove(&i.to_string());
+        self.nodes[i] = None;
+    }
+
+    fn restart(&mut self, i: usize) {
+        let mut cfg = NodeConfig::new(self.base.join(format!("node{i}")));
+        cfg.listen = self.addrs[i];
+        let n = StorageNode::start(cfg).unwrap();
+        self.stores.0.lock().insert(i.to_string(), n.store(VOLUME).unwrap());
+        self.nodes[i] = Some(n);
+    }
+
+    /// A volume as an agent attaching it anew makes it (reconciling first when `reconcile`).
+    fn volume(&self, rt: &tokio::runtime::Runtime, reconcile: bool) -> Arc<Volume> {
+        let _g = rt.enter();
+        let links = self
+            .addrs
+            .iter()
+            .map(|&a| Arc::new(Link::start(LinkConfig::new(a, Carrier::Udp { paths: 2 })).unwrap()))
+            .collect();
+        let cfg = VolumeConfig {
+            replica_timeout: Duration::from_millis(300),
+            resync_interval: Duration::from_millis(100),
+            ..VolumeConfig::default()
+        };
+        let v = Volume::new(VOLUME, BLOCKS * BLOCK as u64, links, cfg);
+        v.set_admins((0..3).map(|i| i.to_string()).collect(), self.stores.clone());
+        if reconcile {
+            v.start_reconcile();
+        }
+        v
+    }
+
+    /// Every replica holds every acknowledged write.
+    fn check(&self, acked: &HashMap<u64, u64>) {
+        for (i, n) in self.nodes.iter().enumerate() {
+            let s = n.as_ref().unwrap().store(VOLUME).unwrap();
+            for (&lba, &seq) in acked {
+                assert!(
+                    s.read(lba).unwrap().0 == block(lba, seq),
+                    "replica {i} block {lba}: not write {seq}"
+                );
+            }
+        }
+    }
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+async fn writes(vol: &Arc<Volume>, seq: &mut u64, n: u64, acked: &mut HashMap<u64, u64>) {
+    for _ in 0..n {
+        *seq += 1;
+        let lba = (*seq * 7919) % BLOCKS;
+        vol.write(lba * BLOCK as u64, &block(lba, *seq), false).await.unwrap();
+        acked.insert(lba, *seq);
+    }
+}
+
+#[test]
+fn a_replica_down_at_attach_is_never_read_until_it_is_compared_and_caught_up() {
+    let mut c = Cluster::start("down");
+    let rt = runtime();
+    let (mut seq, mut acked) = (0u64, HashMap::new());
+    // replica 1 misses writes; the volume that knew it is dropped (an agent restart)
+    let vol = c.volume(&rt, false);
+    assert_eq!(vol.write_quorum(), 2, "a majority by default");
+    rt.block_on(writes(&vol, &mut seq, 200, &mut acked));
+    c.stop(1);
+    rt.block_on(writes(&vol, &mut seq, 400, &mut acked));
+    drop(vol);
+    // node 1 back, node 2 down: the new volume compares replicas 0 and 1 and copies what
+    // 1 lacks; 2 is down and unverified
+    c.restart(1);
+    c.stop(2);
+    let vol = c.volume(&rt, true);
+    let t = Instant::now();
+    rt.block_on(writes(&vol, &mut seq, 100, &mut acked));
+    let reconciled = vol
+        .counters()
+        .reconciled_blocks
+        .load(std::sync::atomic::Ordering::Relaxed);
+    assert!(reconciled > 100, "blocks copied to replica 1: {reconciled}");
+    assert_eq!(vol.replica_states()[2].0, ReplicaState::Down);
+    for (&lba, &s) in acked.iter() {
+        let got = rt.block_on(vol.read(lba * BLOCK as u64, BLOCK as u64)).unwrap();
+        assert!(got == block(lba, s), "block {lba}: not write {s}");
+    }
+    // node 2 returns: compared with a clean replica, caught up while writes go on
+    c.restart(2);
+    loop {
+        rt.block_on(writes(&vol, &mut seq, 20, &mut acked));
+        if vol.replica_states().iter().all(|s| s.0 == ReplicaState::InSync) {
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(20), "{:?}", vol.replica_states());
+    }
+    eprintln!(
+        "{reconciled} blocks reconciled at attach; node 2 caught up {:?} after the attach ({} regions)",
+        t.elapsed(),
+        vol.counters()
+            .resynced_regions
+            .load(std::sync::atomic::Ordering::Relaxed)
+    );
+    rt.block_on(async { tokio::time::sleep(Duration::from_millis(400)).await });
+    c.check(&acked);
+    drop(vol);
+    let _ = std::fs::remove_dir_all(&c.base);
+}
+
+#[test]
+fn with_too_few_replicas_answering_io_waits_for_one_more() {
+    let mut c = Cluster::start("wait");
+    let rt = runtime();
+    let (mut seq, mut acked) = (0u64, HashMap::new());
+    let vol = c.volume(&rt, false);
+    rt.block_on(writes(&vol, &mut seq, 100, &mut acked));
+    drop(vol);
+    c.stop(1);
+    c.stop(2);
+    let vol = c.volume(&rt, true);
+    let read = rt.spawn({
+        let vol = vol.clone();
+        async move { vol.read(0, BLOCK as u64).await }
+    });
+    std::thread::sleep(Duration::from_millis(800));
+    assert!(
+        !read.is_finished(),
+        "a read went ahead with one replica of three compared"
+    );
+    c.restart(2);
+    let t = Instant::now();
+    rt.block_on(read).unwrap().unwrap();
+    eprintln!(
+        "the read waited, and went on {:?} after a second replica answered",
+        t.elapsed()
+    );
+    assert!(t.elapsed() < Duration::from_secs(5));
+    drop(vol);
+    let _ = std::fs::remove_dir_all(&c.base);
+}
