@@ -147,11 +147,16 @@ impl Agent {
             links.push(self.link(node, a)?);
         }
         if let Some(v) = self.exports.get(name) {
-            let same = v.id() == id
-                && v.size() <= size
-                && v.replicas().len() == links.len()
-                && v.replicas().iter().zip(&links).all(|(a, b)| Arc::ptr_eq(a, b));
+            let cur = v.replicas();
+            let changed: Vec<usize> = (0..cur.len().min(links.len()))
+                .filter(|&k| !Arc::ptr_eq(&cur[k], &links[k]))
+                .collect();
+            let same = v.id() == id && v.size() <= size && cur.len() == links.len() && changed.len() < cur.len();
             if same {
+                // replicas the controller replaced: rebuilt in place from the others
+                for k in changed {
+                    v.replace_replica(k, links[k].clone());
+                }
                 if v.size() < size {
                     tracing::info!("export {name:?}: volume {id} grew from {} to {size} bytes", v.size());
                     v.grow(size);

@@ -189,6 +189,12 @@ pub struct ControlArgs {
     /// A storage node not heard from in this many milliseconds is down.
     #[arg(long, default_value_t = 3000, value_parser = clap::value_parser!(u64).range(50..=600_000))]
     pub node_timeout_ms: u64,
+    /// A replica whose storage node has been silent this many milliseconds is replaced by a
+    /// new one on another node that is up (rebuilt from the others by the volume's agent);
+    /// 0: never. Volumes with snapshots or clones are not moved (their snapshots live on
+    /// their nodes).
+    #[arg(long, default_value_t = 60_000)]
+    pub replace_after_ms: u64,
     /// Serve Prometheus metrics on this address (`GET /metrics`).
     #[arg(long, value_name = "ADDR")]
     pub metrics_addr: Option<SocketAddr>,
@@ -527,6 +533,7 @@ pub async fn run_control(a: ControlArgs) -> Result<(), DaemonError> {
     };
     let cfg = ControllerConfig {
         node_timeout: Duration::from_millis(a.node_timeout_ms),
+        replace_after: (a.replace_after_ms > 0).then(|| Duration::from_millis(a.replace_after_ms)),
     };
     let c = Arc::new(Controller::new(meta, cfg).await?);
     let weak: std::sync::Weak<dyn netstack::telemetry::Collect> = Arc::downgrade(&c) as _;

@@ -52,6 +52,9 @@ pub struct Spawner {
 /// A daemon process with its log file; stopped on drop unless detached.
 pub struct Daemon {
     pub name: String,
+    /// `node`, `agent` or `control`, and its arguments (what starts it again).
+    pub role: String,
+    pub args: Vec<String>,
     child: Option<Child>,
     pub pid: u32,
     pub banner: String,
@@ -91,6 +94,8 @@ impl Daemon {
                 let banner = l.to_string();
                 return Ok(Daemon {
                     name: name.to_string(),
+                    role: role.to_string(),
+                    args: args.to_vec(),
                     child: (!detached).then_some(child),
                     pid,
                     banner,
@@ -166,6 +171,8 @@ pub struct ClusterSpec {
     pub heartbeat_ms: u64,
     /// The controller's node timeout.
     pub node_timeout_ms: u64,
+    /// The controller's `--replace-after-ms` (0: never).
+    pub replace_after_ms: u64,
     /// With etcd: the lease (seconds) the storage nodes and the agent register themselves
     /// under (`PREFIX/block/live/...`); a node that dies leaves etcd within it and the
     /// controller marks it down then.
@@ -193,6 +200,7 @@ impl ClusterSpec {
             detached: false,
             heartbeat_ms: 1000,
             node_timeout_ms: 3000,
+            replace_after_ms: 60_000,
             etcd_lease_ttl_s: 10,
             metrics_base: None,
             write_quorum: 0,
@@ -244,6 +252,9 @@ pub struct ClusterState {
     /// name one process, so `down` never signals a process that reused a daemon's pid.
     #[serde(default)]
     pub starts: Vec<u64>,
+    /// Each daemon's role and arguments, as `pids` (`blkctl cluster restart`).
+    #[serde(default)]
+    pub argv: Vec<(String, Vec<String>)>,
 }
 
 /// A process's start time in clock ticks after boot (field 22 of /proc/PID/stat), if it runs.
@@ -322,6 +333,8 @@ fn control_args(spec: &ClusterSpec, listen: &str) -> Vec<String> {
         listen.into(),
         "--node-timeout-ms".into(),
         spec.node_timeout_ms.to_string(),
+        "--replace-after-ms".into(),
+        spec.replace_after_ms.to_string(),
     ];
     match &spec.etcd {
         Some(e) => a.extend(["--etcd".into(), e.clone(), "--prefix".into(), etcd_prefix(&spec.dir)]),
@@ -510,9 +523,10 @@ impl LocalCluster {
 
     /// The state `blkctl cluster down` needs (for a detached cluster).
     pub fn state(&self) -> ClusterState {
-        let mut pids = vec![(self.agent.name.clone(), self.agent.pid)];
-        pids.extend(self.nodes.iter().map(|n| (n.name.clone(), n.pid)));
-        pids.push((self.control.name.clone(), self.control.pid));
+        let mut daemons = vec![&self.agent];
+        daemons.extend(self.nodes.iter());
+        daemons.push(&self.control);
+        let pids: Vec<(String, u32)> = daemons.iter().map(|d| (d.name.clone(), d.pid)).collect();
         let starts = pids.iter().map(|(_, p)| proc_start_time(*p).unwrap_or(0)).collect();
         ClusterState {
             control: self.control_addr.clone(),
@@ -520,8 +534,38 @@ impl LocalCluster {
             pids,
             dir: self.spec.dir.clone(),
             starts,
+            argv: daemons.iter().map(|d| (d.role.clone(), d.args.clone())).collect(),
         }
     }
+}
+
+/// Starts daemon `name` of a detached cluster again (after it died or was killed) with the
+/// arguments it was started with, and records its new pid in `state`. A storage node that
+/// listened on port 0 gets a new port, which the controller and the agent follow; the agent
+/// keeps its NBD address unless it was port 0 (then `state.uri` changes). Returns the pid.
+pub fn restart_daemon(sp: &Spawner, state: &mut ClusterState, name: &str) -> Result<u32> {
+    let i = state.pids.iter().position(|(n, _)| n == name).with_context(|| {
+        let names: Vec<&str> = state.pids.iter().map(|(n, _)| n.as_str()).collect();
+        format!("no daemon {name:?} in this cluster (it has {})", names.join(", "))
+    })?;
+    if daemon_alive(state, i) == Alive::Yes {
+        bail!("{name} is running (pid {})", state.pids[i].1);
+    }
+    let (role, args) = state.argv.get(i).cloned().with_context(|| {
+        format!("the cluster's state has no arguments for {name} (it was started by an older blkctl)")
+    })?;
+    let d = Daemon::start(sp, &state.dir, name, &role, &args, true)?;
+    state.pids[i].1 = d.pid;
+    if let Some(s) = state.starts.get_mut(i) {
+        *s = proc_start_time(d.pid).unwrap_or(0);
+    }
+    if role == "agent" {
+        if let (Some(nbd), Some(path)) = (d.field("nbd"), state.uri.strip_prefix("nbd://")) {
+            let export = path.split_once('/').map_or("", |(_, e)| e);
+            state.uri = format!("nbd://{nbd}/{export}");
+        }
+    }
+    Ok(d.pid)
 }
 
 /// Stops a detached cluster's processes (agent first, controller last); a pid that is no

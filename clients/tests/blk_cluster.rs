@@ -10,10 +10,24 @@ mod common;
 
 use block_agent::nbd::client::NbdClient;
 use clients::blk::{ClusterSpec, LocalCluster};
-use common::{blkctl, check_stores, have, host_port, local_etcd, pattern, spawner, tmp, Writers};
+use common::{blkctl, check_stores, check_stores_on, have, host_port, local_etcd, pattern, spawner, tmp, Writers};
 use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
+
+/// SIGKILL to `pid`, and waits until it is gone.
+fn kill9_pid(pid: i32) {
+    let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+    let t = Instant::now();
+    while std::path::Path::new(&format!("/proc/{pid}/stat")).exists()
+        && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .unwrap_or_default()
+            .contains(") Z")
+        && t.elapsed() < Duration::from_secs(5)
+    {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
 
 fn cli_round(dir: &Path, extra: &[&str]) {
     let mut up = vec!["cluster", "up", "--size", "16MiB", "--nbd", "127.0.0.1:0"];
@@ -86,6 +100,22 @@ fn cli_round(dir: &Path, extra: &[&str]) {
             String::from_utf8_lossy(&o.stderr)
         );
     }
+    // a killed storage node comes back with `cluster restart`
+    let state: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("cluster.json")).unwrap()).unwrap();
+    let pid = state["pids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p[0] == "node0")
+        .and_then(|p| p[1].as_u64())
+        .expect("node0's pid");
+    let (ok, _, err) = blkctl(dir, &["cluster", "restart", "node0"]);
+    assert!(!ok && err.contains("is running"), "{err}");
+    kill9_pid(pid as i32);
+    let (ok, _, err) = blkctl(dir, &["cluster", "restart", "node0"]);
+    assert!(ok, "cluster restart: {err}");
+    let (ok, out, _) = blkctl(dir, &["cluster", "status"]);
+    assert!(ok && !out.contains("NOT RUNNING"), "{out}");
     let (ok, _, _) = blkctl(dir, &["delete", "data1"]);
     assert!(ok);
     assert!(
@@ -156,6 +186,53 @@ fn a_restarted_agent_reconciles_a_replica_it_no_longer_knows_is_behind() {
     drop(c);
     check_stores(&dir, &acked);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A replica whose storage node stays down past the controller's `--replace-after-ms` is
+/// replaced by a new one on a spare node, which the agent rebuilds from the others while
+/// writes go on: no write fails, `describe` shows the new node `in-sync`, and it holds every
+/// acknowledged write.
+#[test]
+fn a_replica_down_past_the_replace_timeout_is_rebuilt_on_another_node() {
+    let dir = tmp("replace");
+    let mut spec = ClusterSpec::new(dir.clone());
+    spec.size = 32 << 20;
+    spec.replicas = 3;
+    spec.nodes = 4;
+    spec.node_timeout_ms = 1000;
+    spec.replace_after_ms = 2000;
+    let mut c = LocalCluster::start(&spawner(), spec).unwrap();
+    let control = c.control_addr.clone();
+    let ids: Vec<String> = c.nodes.iter().map(|n| n.field("node").unwrap()).collect();
+    let d = describe(&dir, &control, "vol0");
+    let holds = |d: &serde_json::Value, id: &str| (0..3).any(|k| d["replicas"][k]["node"] == id);
+    let victim = (0..4).find(|&i| holds(&d, &ids[i])).unwrap();
+    let spare = (0..4).find(|&i| !holds(&d, &ids[i])).unwrap();
+    let w = Writers::start(&c.uri, (32u64 << 20) / 4096, 4);
+    std::thread::sleep(Duration::from_millis(1000));
+    c.nodes[victim].kill9();
+    let t = Instant::now();
+    let replaced = describe_until(&dir, &control, Duration::from_secs(20), |d| holds(d, &ids[spare]));
+    let rebuilt = describe_until(&dir, &control, Duration::from_secs(30), |d| {
+        (0..3).all(|k| d["replicas"][k]["sync"] == "in-sync")
+    });
+    let slowest = w.take_slowest();
+    let acked = w.finish();
+    std::thread::sleep(Duration::from_millis(500));
+    let d = describe(&dir, &control, "vol0");
+    eprintln!(
+        "node{victim} killed; node{spare} took its replica {replaced:?} later and was in sync {rebuilt:?} after that \
+         ({:?} in all); slowest write {slowest:?}; {}",
+        t.elapsed(),
+        d["io"]
+    );
+    assert!(!holds(&d, &ids[victim]) && holds(&d, &ids[spare]), "{d:#}");
+    drop(c);
+    let now: Vec<usize> = (0..4).filter(|&i| i != victim).collect();
+    check_stores_on(&dir, &now, &acked);
+    if std::env::var_os("BLOCK_KEEP").is_none() {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
 
 #[test]

@@ -16,6 +16,7 @@ fn state(pid: u32, starts: Vec<u64>) -> ClusterState {
         pids: vec![("block-server".into(), pid)],
         dir: std::env::temp_dir().join("blk-down-pids-not-a-cluster"),
         starts,
+        argv: Vec::new(),
     }
 }
 

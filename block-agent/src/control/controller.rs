@@ -31,12 +31,16 @@ use tonic::{Request, Response, Status};
 pub struct ControllerConfig {
     /// A storage node not heard from in this long is down.
     pub node_timeout: Duration,
+    /// A replica whose node has been silent this long is replaced on another node (None:
+    /// never).
+    pub replace_after: Option<Duration>,
 }
 
 impl Default for ControllerConfig {
     fn default() -> Self {
         ControllerConfig {
             node_timeout: Duration::from_secs(3),
+            replace_after: Some(Duration::from_secs(60)),
         }
     }
 }
@@ -320,12 +324,119 @@ impl Controller {
         });
     }
 
+    /// How long storage node `id` has been silent (None: it is not down).
+    fn silent_for(&self, live: &HashMap<String, Live>, id: &str) -> Option<Duration> {
+        if self.node_state(live, id) != "down" {
+            return None;
+        }
+        Some(live.get(id).map_or(self.started.elapsed(), |l| l.last_seen.elapsed()))
+    }
+
+    /// Replaces each replica whose node has been silent past `replace_after` by a new, empty
+    /// volume on the least loaded node that is up and holds none of the volume's replicas,
+    /// records it, and tells the volume's agent, which rebuilds it from the other replicas in
+    /// the background. Volumes with snapshots or clones stay (their snapshots and bases live
+    /// on their nodes); a volume with no node to move to waits for one.
+    async fn replace_down_replicas(self: &Arc<Self>, after: Duration) {
+        let mut s = self.state.lock().await;
+        // (volume, replica index, its silent node, seconds silent), and the nodes that are up
+        type Todo = Vec<(String, usize, String, u64)>;
+        let (todo, up): (Todo, Vec<String>) = {
+            let live = self.live.lock();
+            let todo = s
+                .volumes
+                .iter()
+                .filter(|(_, v)| v.snapshots.is_empty() && v.parent.is_none())
+                .filter(|(name, _)| clones_of(&s, name, None).is_empty())
+                .flat_map(|(name, v)| {
+                    v.replicas.iter().enumerate().filter_map(|(k, r)| {
+                        let silent = self.silent_for(&live, r)?;
+                        (silent >= after && s.nodes.contains_key(r))
+                            .then(|| (name.clone(), k, r.clone(), silent.as_secs()))
+                    })
+                })
+                .collect();
+            let up = s
+                .nodes
+                .keys()
+                .filter(|n| self.node_state(&live, n) == "up")
+                .cloned()
+                .collect();
+            (todo, up)
+        };
+        for (name, k, old, silent) in todo {
+            let Some(v) = s.volumes.get(&name).cloned() else {
+                continue;
+            };
+            let mut load: Vec<(usize, String)> = up
+                .iter()
+                .filter(|n| !v.replicas.contains(n))
+                .map(|n| (s.volumes.values().filter(|x| x.replicas.contains(n)).count(), n.clone()))
+                .collect();
+            load.sort();
+            let Some((_, new)) = load.into_iter().next() else {
+                tracing::debug!(
+                    "volume {name}: replica on {old} silent for {silent} s; no other node is up to take it"
+                );
+                continue;
+            };
+            let admin = s.nodes[&new].admin.clone();
+            let made = async {
+                node_client(&admin)
+                    .await?
+                    .create_volume(pb::CreateVolumeRequest { id: v.id, size: v.size })
+                    .await
+            }
+            .await;
+            match made {
+                Ok(_) => {}
+                // an old copy of it (a replica replaced before): the agent rewrites all of it
+                Err(e) if e.code() == tonic::Code::AlreadyExists => {
+                    if let Ok(mut c) = node_client(&admin).await {
+                        let _ = c
+                            .resize_volume(pb::ResizeVolumeRequest { id: v.id, size: v.size })
+                            .await;
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!("volume {name}: creating a replica on {new}: {}", e.message());
+                    continue;
+                }
+            }
+            let r = self
+                .commit(&mut s, |n| {
+                    n.volumes.get_mut(&name).expect("listed above").replicas[k] = new.clone();
+                })
+                .await;
+            if let Err(e) = r {
+                tracing::warn!("volume {name}: recording its new replica: {}", e.message());
+                continue;
+            }
+            if let Some(l) = self.live.lock().get_mut(&new) {
+                l.volumes.push(v.id);
+            }
+            tracing::warn!(
+                "volume {name}: replica {k} on storage node {old} silent for {silent} s: replaced by a new one on {new}, \
+                 rebuilt from the others by the agent"
+            );
+            if let Some(a) = v.agent.clone() {
+                if let Err(e) = self.attach_at(&s, &name, &a).await {
+                    tracing::warn!("telling agent {a} about {name}'s new replica: {}", e.message());
+                }
+            }
+        }
+    }
+
     /// Logs storage nodes going down (a node's state is derived when asked; this only says so
-    /// when it happens). Runs until the runtime stops.
+    /// when it happens) and replaces replicas on nodes silent past `replace_after`. Runs
+    /// until the runtime stops.
     pub async fn watch(self: Arc<Self>) {
         let mut tick = tokio::time::interval(self.cfg.node_timeout / 4);
         loop {
             tick.tick().await;
+            if let Some(after) = self.cfg.replace_after {
+                self.replace_down_replicas(after).await;
+            }
             let s = self.state.lock().await;
             let mut live = self.live.lock();
             for (id, l) in live.iter_mut() {

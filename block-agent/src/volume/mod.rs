@@ -130,6 +130,9 @@ struct ReplicaHealth {
     pending: HashMap<u64, u32>,
     /// Regions it missed: rewritten by the resync.
     missed: BTreeSet<u64>,
+    /// Bumped when the replica is replaced: what copies sent to the old one did no longer
+    /// counts.
+    generation: u64,
 }
 
 impl ReplicaHealth {
@@ -244,7 +247,8 @@ pub struct Volume {
     id: u32,
     /// Bytes; grows online ([`Volume::grow`]).
     size: AtomicU64,
-    replicas: Vec<Arc<Link>>,
+    /// Per replica its link; one is swapped when the controller replaces the replica.
+    replicas: Vec<parking_lot::RwLock<Arc<Link>>>,
     cfg: VolumeConfig,
     locks: RangeLocks,
     rr: AtomicUsize,
@@ -291,7 +295,7 @@ impl Volume {
         Arc::new(Volume {
             id,
             size: AtomicU64::new(size),
-            replicas,
+            replicas: replicas.into_iter().map(parking_lot::RwLock::new).collect(),
             cfg,
             locks: RangeLocks::default(),
             rr: AtomicUsize::new(0),
@@ -379,8 +383,42 @@ impl Volume {
         self.size.fetch_max(size, Ordering::AcqRel);
     }
 
-    pub fn replicas(&self) -> &[Arc<Link>] {
-        &self.replicas
+    pub fn replicas(&self) -> Vec<Arc<Link>> {
+        self.replicas.iter().map(|r| r.read().clone()).collect()
+    }
+
+    /// Replica `i`'s link.
+    fn link(&self, i: usize) -> Arc<Link> {
+        self.replicas[i].read().clone()
+    }
+
+    /// Puts `link` in place of replica `i`: the controller replaced that replica with a new,
+    /// empty one on another node. The new replica is down with every region missed: writes
+    /// reach it once the resync has written its first region, reads only regions it has been
+    /// given; the resync copies every region to it from a clean replica, at most
+    /// [`VolumeConfig::resync_bytes_per_sec`]. Writes in flight to the old one finish or fail
+    /// as they would have.
+    pub fn replace_replica(self: &Arc<Self>, i: usize, link: Arc<Link>) {
+        let regions = (self.size() / BLOCK).div_ceil(REGION_BLOCKS);
+        tracing::warn!(
+            "volume {}: replica {i} is now {} (replaced): rebuilding its {regions} regions from the others",
+            self.id,
+            link.server()
+        );
+        *self.replicas[i].write() = link;
+        {
+            let mut h = self.health.lock();
+            h[i] = ReplicaHealth {
+                down: true,
+                missed: (0..regions).collect(),
+                generation: h[i].generation + 1,
+                ..ReplicaHealth::default()
+            };
+        }
+        self.counters.replica_downs.fetch_add(1, Ordering::Relaxed);
+        if !self.resyncing.swap(true, Ordering::Relaxed) {
+            tokio::spawn(resync(Arc::downgrade(self)));
+        }
     }
 
     pub fn counters(&self) -> &VolumeCounters {
@@ -476,14 +514,14 @@ impl Volume {
                 .filter(move |&i| (i < 64 && suspects >> i & 1 == 1) == last)
         });
         for i in order {
-            let rx = self.replicas[i].read(self.id, lba, n);
+            let rx = self.link(i).read(self.id, lba, n);
             let res = if clean.len() > 1 {
                 match tokio::time::timeout(self.cfg.read_failover_after, rx).await {
                     Ok(x) => x,
                     Err(_) => {
                         last = format!(
                             "replica {i} ({}) did not answer in {:?}",
-                            self.replicas[i].server(),
+                            self.link(i).server(),
                             self.cfg.read_failover_after
                         );
                         tracing::warn!("volume {}: {last}; trying the next", self.id);
@@ -540,7 +578,7 @@ impl Volume {
         let v = self.clone();
         tokio::spawn(async move {
             let _g = v.locks.lock(lba, lba + n as u64).await;
-            let data = match v.replicas[good].read(v.id, lba, n).await {
+            let data = match v.link(good).read(v.id, lba, n).await {
                 Ok(Ok(d)) => Arc::<[u8]>::from(d),
                 other => {
                     v.counters.repair_failures.fetch_add(1, Ordering::Relaxed);
@@ -552,16 +590,13 @@ impl Volume {
                 }
             };
             for b in bad {
-                match v.replicas[b]
-                    .write(v.id, lba, data.clone(), true, next_versions(1))
-                    .await
-                {
+                match v.link(b).write(v.id, lba, data.clone(), true, next_versions(1)).await {
                     Ok(Ok(())) => {
                         v.counters.repairs.fetch_add(1, Ordering::Relaxed);
                         tracing::warn!(
                             "volume {}: repaired {n} blocks at {lba} on replica {b} ({}) from replica {good}",
                             v.id,
-                            v.replicas[b].server()
+                            v.link(b).server()
                         );
                     }
                     other => {
@@ -633,7 +668,7 @@ impl Volume {
                     "volume {}: replica {i} ({}) is {state:?} with {regions} regions behind: a snapshot now would lack \
                      writes it missed; retry once describe shows it in sync",
                     self.id,
-                    self.replicas[i].server()
+                    self.link(i).server()
                 ));
             }
             if !in_flight {
@@ -751,7 +786,7 @@ impl Volume {
         };
         let span = regions(lba, n);
         let quorum = self.write_quorum();
-        let targets: Vec<usize> = {
+        let (targets, gens): (Vec<usize>, Vec<u64>) = {
             let mut h = self.health.lock();
             let up: Vec<usize> = (0..h.len()).filter(|&i| !h[i].down).collect();
             let targets = if up.len() >= quorum { up } else { (0..h.len()).collect() };
@@ -760,7 +795,7 @@ impl Volume {
                     r.missed.extend(span.clone());
                 }
             }
-            targets
+            (targets, h.iter().map(|r| r.generation).collect())
         };
         // one version per link request, the same on every replica
         let first_version = next_versions(n.div_ceil(CHUNK_BLOCKS));
@@ -778,13 +813,13 @@ impl Volume {
                         } else {
                             Arc::from(&data[(at * BLOCK) as usize..((at + k) * BLOCK) as usize])
                         };
-                        self.replicas[i].write(self.id, lba + at, part, fua, version)
+                        self.link(i).write(self.id, lba + at, part, fua, version)
                     }
-                    Payload::Zeroes(_) => self.replicas[i].write_zeroes(self.id, lba + at, k as u16, version),
+                    Payload::Zeroes(_) => self.link(i).write_zeroes(self.id, lba + at, k as u16, version),
                 });
                 at += k;
             }
-            let server = self.replicas[i].server();
+            let server = self.link(i).server();
             replies.push(async move {
                 for w in waits {
                     match w.await {
@@ -818,7 +853,7 @@ impl Volume {
         }
         let acked = done >= quorum;
         for i in failed {
-            self.settle(i, span.clone(), false, acked, false);
+            self.settle(i, gens[i], span.clone(), false, acked, false);
         }
         if !left.is_empty() {
             if acked {
@@ -827,6 +862,9 @@ impl Volume {
                 // regions until their copies land
                 let mut h = self.health.lock();
                 for &i in &left {
+                    if h[i].generation != gens[i] {
+                        continue;
+                    }
                     for g in span.clone() {
                         *h[i].pending.entry(g).or_insert(0) += 1;
                     }
@@ -841,7 +879,7 @@ impl Volume {
                         if let Err(e) = &r {
                             tracing::error!("volume {}: write of {n} blocks at {lba}: replica {i}: {e}", v.id);
                         }
-                        v.settle(i, span.clone(), r.is_ok(), acked, acked);
+                        v.settle(i, gens[i], span.clone(), r.is_ok(), acked, acked);
                     }
                 })
                 .await;
@@ -851,9 +889,9 @@ impl Volume {
                         tracing::warn!(
                             "volume {}: replica {i} ({}) did not answer a write within {timeout:?} of the quorum",
                             v.id,
-                            v.replicas[i].server()
+                            v.link(i).server()
                         );
-                        v.settle(i, span.clone(), false, acked, acked);
+                        v.settle(i, gens[i], span.clone(), false, acked, acked);
                     }
                 }
             });
@@ -875,12 +913,25 @@ impl Volume {
     /// An unacknowledged write leaves its range undefined on every replica, as a failed write
     /// does on a disk: nothing to catch up. One replica has nothing to catch up from: no
     /// tracking.
-    fn settle(self: &Arc<Self>, i: usize, span: std::ops::Range<u64>, ok: bool, acked: bool, counted: bool) {
+    /// A copy sent to a replica since replaced (`generation` older than its current one) no
+    /// longer counts.
+    fn settle(
+        self: &Arc<Self>,
+        i: usize,
+        generation: u64,
+        span: std::ops::Range<u64>,
+        ok: bool,
+        acked: bool,
+        counted: bool,
+    ) {
         if self.replicas.len() == 1 {
             return;
         }
         let mut h = self.health.lock();
         let r = &mut h[i];
+        if r.generation != generation {
+            return;
+        }
         for g in span.clone().filter(|_| counted) {
             if let Some(c) = r.pending.get_mut(&g) {
                 *c -= 1;
@@ -902,7 +953,7 @@ impl Volume {
                 tracing::warn!(
                     "volume {}: replica {i} ({}) missed a write: down until the resync catches it up",
                     self.id,
-                    self.replicas[i].server()
+                    self.link(i).server()
                 );
             }
         }
@@ -919,7 +970,7 @@ impl Volume {
         if self.health.lock()[i].down {
             // a down replica answers a one-block read first, without the range lock: a dead
             // one must not hold up the writes to the region for the replica timeout
-            match tokio::time::timeout(self.cfg.replica_timeout, self.replicas[i].read(self.id, lba, 1)).await {
+            match tokio::time::timeout(self.cfg.replica_timeout, self.link(i).read(self.id, lba, 1)).await {
                 Ok(Ok(Ok(_))) => {}
                 other => return Err(format!("replica {i} does not answer: {other:?}")),
             }
@@ -930,18 +981,15 @@ impl Volume {
             .into_iter()
             .find(|&k| k != i)
             .ok_or_else(|| format!("no replica has region {g} in sync"))?;
-        let data = match tokio::time::timeout(
-            self.cfg.replica_timeout,
-            self.replicas[source].read(self.id, lba, n as u16),
-        )
-        .await
+        let data = match tokio::time::timeout(self.cfg.replica_timeout, self.link(source).read(self.id, lba, n as u16))
+            .await
         {
             Ok(Ok(Ok(d))) => Arc::<[u8]>::from(d),
             other => return Err(format!("reading region {g} from replica {source}: {other:?}")),
         };
         match tokio::time::timeout(
             self.cfg.replica_timeout,
-            self.replicas[i].write(self.id, lba, data, true, next_versions(1)),
+            self.link(i).write(self.id, lba, data, true, next_versions(1)),
         )
         .await
         {
@@ -956,16 +1004,12 @@ impl Volume {
             tracing::info!(
                 "volume {}: replica {i} ({}) answers again: catching up {} regions",
                 self.id,
-                self.replicas[i].server(),
+                self.link(i).server(),
                 h[i].missed.len()
             );
         }
         if h[i].missed.is_empty() {
-            tracing::info!(
-                "volume {}: replica {i} ({}) is in sync",
-                self.id,
-                self.replicas[i].server()
-            );
+            tracing::info!("volume {}: replica {i} ({}) is in sync", self.id, self.link(i).server());
         }
         self.counters.resynced_regions.fetch_add(1, Ordering::Relaxed);
         Ok(true)

@@ -139,7 +139,7 @@ impl Volume {
                 tracing::warn!(
                     "volume {}: replica {i} ({}) did not answer: down until it does and is compared",
                     self.id,
-                    self.replicas[i].server()
+                    self.link(i).server()
                 );
                 h[i].down = true;
                 h[i].unverified = true;
@@ -198,13 +198,13 @@ impl Volume {
                 continue;
             }
             let at = lba + k as u64;
-            let data: Arc<[u8]> = match self.replicas[best].read(self.id, at, 1).await {
+            let data: Arc<[u8]> = match self.link(best).read(self.id, at, 1).await {
                 Ok(Ok(d)) => Arc::from(d),
                 Ok(Err(e)) => return Err(format!("reading block {at} from replica {best}: {e}")),
                 Err(_) => return Err(format!("reading block {at} from replica {best}: the link stopped")),
             };
             for i in behind {
-                match self.replicas[i].write(self.id, at, data.clone(), true, newest).await {
+                match self.link(i).write(self.id, at, data.clone(), true, newest).await {
                     Ok(Ok(())) => copied += 1,
                     Ok(Err(e)) => return Err(format!("copying block {at} to replica {i}: {e}")),
                     Err(_) => return Err(format!("copying block {at} to replica {i}: the link stopped")),

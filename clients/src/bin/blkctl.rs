@@ -204,6 +204,9 @@ enum ClusterCmd {
     },
     /// Shows the local cluster.
     Status,
+    /// Starts a daemon of the local cluster again (node0, node1, ..., agent0, control) after
+    /// it died or was killed, with the arguments `up` gave it.
+    Restart { name: String },
 }
 
 fn size(s: &str) -> Result<u64, String> {
@@ -360,6 +363,17 @@ fn run() -> anyhow::Result<()> {
                 for (d, a) in metrics {
                     eprintln!("metrics of {d}: http://{a}/metrics");
                 }
+                Ok(())
+            }
+            ClusterCmd::Restart { name } => {
+                let mut s =
+                    load_state(&cli.dir).with_context(|| format!("no cluster is up in {}", cli.dir.display()))?;
+                let pid = blk::restart_daemon(&spawner, &mut s, &name)?;
+                std::fs::write(state_file(&cli.dir), serde_json::to_vec_pretty(&s)?)?;
+                eprintln!(
+                    "restarted {name} (pid {pid}); logs in {}",
+                    cli.dir.join(format!("{name}.log")).display()
+                );
                 Ok(())
             }
             ClusterCmd::Down { purge } => {

@@ -176,7 +176,13 @@ impl Writers {
 
 /// Every acknowledged write is on every replica (read straight from the stores).
 pub fn check_stores(dir: &Path, acked: &HashMap<u64, u64>) {
-    for i in 0..3 {
+    check_stores_on(dir, &[0, 1, 2], acked)
+}
+
+/// Every acknowledged write is on storage nodes `nodes` (node0, ...: read straight from
+/// their stores).
+pub fn check_stores_on(dir: &Path, nodes: &[usize], acked: &HashMap<u64, u64>) {
+    for &i in nodes {
         let s = VolumeStore::open(&dir.join(format!("node{i}")), 1, 1 << 30).unwrap();
         for (&lba, &v) in acked {
             let (data, _, _) = s.read(lba).unwrap();
