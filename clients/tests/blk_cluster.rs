@@ -335,6 +335,12 @@ fn with_a_write_quorum_a_dead_replica_stalls_no_write_and_is_caught_up() {
     let d = describe(&dir, &control, "vol0");
     std::thread::sleep(Duration::from_millis(500));
     let acked = w.finish(); // fails on any I/O error
+                            // the last writes' third copies may still be in flight (a quorum answered them): every
+                            // replica holds every write once they land, which an in-sync describe then shows
+    describe_until(&dir, &control, Duration::from_secs(20), |d| {
+        (0..3).all(|i| d["replicas"][i]["sync"] == "in-sync")
+    });
+    std::thread::sleep(Duration::from_millis(500));
     eprintln!(
         "{before_kill} writes before the kill; node1 down in describe after {down_after:?}; {while_down} writes \
          while it was down (slowest {slowest_down:?}); caught up {caught_up:?} after its restart: {}",
