@@ -164,13 +164,14 @@ pub struct NodeCounters {
 
 /// A write for the writer pool: a Solar block, or a whole request of the TCP protocol.
 enum WriteJob {
-    /// `zero`: a zeroed block (no data).
+    /// `zero`: `count` zeroed blocks (no data).
     Solar {
         volume: u32,
         lba: u64,
         data: Vec<u8>,
         crc: u32,
         zero: bool,
+        count: u32,
         rpc: u64,
         done: WriteDone,
     },
@@ -543,6 +544,7 @@ impl StorageHandler for Handler {
             data: b.data.to_vec(),
             crc: b.crc,
             zero: b.zero,
+            count: b.count,
             rpc: b.rpc,
             done,
         };
@@ -582,11 +584,12 @@ fn writer(inner: &Inner, rx: &Mutex<mpsc::Receiver<WriteJob>>) {
                 data,
                 crc,
                 zero,
+                count,
                 rpc,
                 done,
             } => {
                 let status = if zero {
-                    inner.store_zero(volume, lba, 1, rpc)
+                    inner.store_zero(volume, lba, count.max(1) as u64, rpc)
                 } else {
                     inner.store_write(volume, lba, &[(&data, crc)], rpc)
                 };

@@ -40,11 +40,11 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 1)]
     pub replicas: usize,
     /// Replicas a write needs durable before it is acknowledged, for the flexns and tcp
-    /// agents (0: all of them).
+    /// agents (0: a majority, the service's default).
     #[arg(long, default_value_t = 0)]
     pub write_quorum: usize,
-    /// Also run flexns with this many replicas (all needed for a write), as a reference: the
-    /// cost of replication, interleaved (`flexns-rN` in the lines).
+    /// Also run flexns with this many replicas (a majority needed for a write), as a
+    /// reference: the cost of replication, interleaved (`flexns-rN` in the lines).
     #[arg(long)]
     pub compare_replicas: Option<usize>,
     /// Volume size.
@@ -642,7 +642,7 @@ fn system_result(a: &BenchArgs, t: &Target, rs: &[Run], verified: bool, interrup
     };
     ex.insert("replicas".into(), replicas.into());
     let quorum = if t.name.starts_with("flexns-r") || a.write_quorum == 0 {
-        replicas
+        replicas / 2 + 1
     } else {
         a.write_quorum
     };
@@ -679,7 +679,7 @@ fn ratio_lines(a: &BenchArgs, targets: &[Target], runs: &[Vec<Run>]) {
         let line = serde_json::json!({
             "bench": format!("{}_ratio", a.rw), "system": "flexns", "reference": t.name, "client": a.client,
             "bs": a.bs, "depth": a.depth, "replicas": a.replicas,
-            "write_quorum": if a.write_quorum == 0 { a.replicas } else { a.write_quorum }, "pairs": pairs.len(),
+            "write_quorum": if a.write_quorum == 0 { a.replicas / 2 + 1 } else { a.write_quorum }, "pairs": pairs.len(),
             "iops_ratio": r3(median(&mut iops)), "iops_ratios": per_round,
             "p50_ratio": (!p50.is_empty()).then(|| r3(median(&mut p50))),
             "server_cpu_per_io_ratio": r3(median(&mut cpu)),

@@ -784,6 +784,7 @@ impl Volume {
             Payload::Data(d) => d.len() as u64 / BLOCK,
             Payload::Zeroes(n) => *n,
         };
+        let zero_run = matches!(payload, Payload::Zeroes(_));
         let span = regions(lba, n);
         let quorum = self.write_quorum();
         let (targets, gens): (Vec<usize>, Vec<u64>) = {
@@ -870,9 +871,11 @@ impl Volume {
                     }
                 }
             }
-            // each straggler lands, fails, or is given up on (down) after the timeout
+            // each straggler lands, fails, or is given up on (down) after the timeout; a zero
+            // run waits for them under the range lock (a replica drops a zero run that a newer
+            // write to any of its blocks overtook, so none may be issued meanwhile)
             let (v, timeout) = (self.clone(), self.cfg.replica_timeout);
-            tokio::spawn(async move {
+            let stragglers = async move {
                 let landed = tokio::time::timeout(timeout, async {
                     while let Some((i, r)) = replies.next().await {
                         left.retain(|&k| k != i);
@@ -894,7 +897,12 @@ impl Volume {
                         v.settle(i, gens[i], span.clone(), false, acked, acked);
                     }
                 }
-            });
+            };
+            if zero_run {
+                stragglers.await;
+            } else {
+                tokio::spawn(stragglers);
+            }
         }
         if acked {
             Ok(())
@@ -987,12 +995,14 @@ impl Volume {
             Ok(Ok(Ok(d))) => Arc::<[u8]>::from(d),
             other => return Err(format!("reading region {g} from replica {source}: {other:?}")),
         };
-        match tokio::time::timeout(
-            self.cfg.replica_timeout,
-            self.link(i).write(self.id, lba, data, true, next_versions(1)),
-        )
-        .await
-        {
+        // a region of zeros is written as a zero run (deallocated: a new replica of a sparse
+        // volume stays sparse)
+        let copy = if data.iter().all(|&b| b == 0) {
+            self.link(i).write_zeroes(self.id, lba, n as u16, next_versions(1))
+        } else {
+            self.link(i).write(self.id, lba, data, true, next_versions(1))
+        };
+        match tokio::time::timeout(self.cfg.replica_timeout, copy).await {
             Ok(Ok(Ok(()))) => {}
             other => return Err(format!("writing region {g}: {other:?}")),
         }

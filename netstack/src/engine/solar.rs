@@ -64,8 +64,11 @@ pub struct WriteBlock<'a> {
     /// Its CRC32C, checked by the server against the data.
     pub crc: u32,
     pub fua: bool,
-    /// The block is zeros, to be deallocated (TRIM, WRITE_ZEROES): `data` is empty.
+    /// Zeros, to be deallocated (TRIM, WRITE_ZEROES), over `count` blocks from `lba`: `data` is
+    /// empty.
     pub zero: bool,
+    /// Blocks: 1 for data, up to [`crate::transport::solar::wire::MAX_ZERO_BLOCKS`] for zeros.
+    pub count: u32,
     /// The write's request id: the block's version (see [`SolarServer::note_version`]).
     pub rpc: u64,
 }
@@ -443,6 +446,7 @@ impl SolarCore {
                     crc,
                     fua,
                     zero,
+                    count,
                     rpc,
                 })) => {
                     let done = WriteDone {
@@ -458,6 +462,7 @@ impl SolarCore {
                         crc,
                         fua,
                         zero,
+                        count,
                         rpc,
                     };
                     s.handler.write(block, done);

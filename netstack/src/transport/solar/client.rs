@@ -236,6 +236,9 @@ struct Io {
     rpc: u64,
     data: Option<Arc<[u8]>>,
     fua: bool,
+    /// A zero write: the blocks it zeroes; its "blocks" are then units of up to
+    /// `wire::MAX_ZERO_BLOCKS` blocks, one packet each. 0 otherwise.
+    zero_blocks: u64,
     /// Done bit per block.
     done: Vec<bool>,
     left: u16,
@@ -425,6 +428,7 @@ impl SolarClient {
                 rpc,
                 data,
                 fua,
+                zero_blocks: 0,
                 done: vec![false; n as usize],
                 left: n,
                 attempts: vec![0; n as usize],
@@ -477,7 +481,14 @@ impl SolarClient {
         if version & READ_RPC != 0 || version == 0 || self.by_rpc.contains_key(&version) {
             return Err(SubmitError::Version(version));
         }
-        Ok(self.add_as(now, Kind::Write, target, n, data, fua, version))
+        if data.is_some() {
+            return Ok(self.add_as(now, Kind::Write, target, n, data, fua, version));
+        }
+        // zeros: one packet per run of up to MAX_ZERO_BLOCKS blocks
+        let units = (n as u32).div_ceil(wire::MAX_ZERO_BLOCKS) as u16;
+        let io = self.add_as(now, Kind::Write, target, units, None, fua, version);
+        self.ios.get_mut(&io).expect("just added").zero_blocks = n as u64;
+        Ok(io)
     }
 
     /// Reads `blocks` blocks at `lba` of `volume`; they arrive through [`Self::on_packet`].
@@ -622,9 +633,12 @@ impl SolarClient {
                 h.crc = wire::block_crc(&d[off..off + BLOCK]);
                 Some(BlockRef { data: d.clone(), off })
             }
-            // a write without data: zeros
+            // a write without data: zeros, a run per unit
             (None, Kind::Write) => {
+                let per = wire::MAX_ZERO_BLOCKS as u64;
                 h.flags |= flags::ZERO;
+                h.lba = s.lba + idx as u64 * per;
+                h.count = per.min(s.zero_blocks.saturating_sub(idx as u64 * per)).max(1) as u32;
                 None
             }
             _ => None,

@@ -27,8 +27,11 @@ pub enum Request<'a> {
         data: &'a [u8],
         crc: u32,
         fua: bool,
-        /// The block is zeros, to be deallocated (a WRITE with the ZERO flag).
+        /// Zeros, to be deallocated (a WRITE with the ZERO flag), over `count` blocks from
+        /// `lba`.
         zero: bool,
+        /// Blocks: 1, or up to [`wire::MAX_ZERO_BLOCKS`] when `zero`.
+        count: u32,
         /// The write's request id: the block's version (store it, and after a restart hand it
         /// back through [`SolarServer::note_version`]).
         rpc: u64,
@@ -176,8 +179,19 @@ impl SolarServer {
                     self.answer(peer, &h, Op::WriteAck, Status::CrcError);
                     return Ok(None);
                 }
+                let count = if zero { h.count.max(1) } else { 1 };
+                if h.lba.checked_add(count as u64).is_none() {
+                    self.stats.malformed += 1;
+                    return Err(WireError::Count(h.count));
+                }
                 let key = (h.volume, h.lba);
-                let newest = self.newest.get(&key).copied().unwrap_or(0);
+                let mut newest = self.newest.get(&key).copied().unwrap_or(0);
+                // a zero run is stale when a newer write reached any of its blocks (the agent
+                // holds the range until every replica answered, so that only happens to a
+                // copy given up on, whose range the agent rewrites anyway)
+                for b in 1..count as u64 {
+                    newest = newest.max(self.newest.get(&(h.volume, h.lba + b)).copied().unwrap_or(0));
+                }
                 if h.rpc < newest {
                     self.stats.stale_dropped += 1;
                     self.answer(peer, &h, Op::WriteAck, Status::Stale);
@@ -196,7 +210,9 @@ impl SolarServer {
                         return Ok(None);
                     }
                 }
-                self.newest.insert(key, h.rpc);
+                for b in 0..count as u64 {
+                    self.newest.insert((h.volume, h.lba + b), h.rpc);
+                }
                 let token = self.next_token;
                 self.next_token += 1;
                 self.in_progress.insert((h.rpc, h.blk_idx), token);
@@ -220,6 +236,7 @@ impl SolarServer {
                     crc: h.crc,
                     fua: h.flags & flags::FUA != 0,
                     zero,
+                    count,
                     rpc: h.rpc,
                 }))
             }

@@ -19,8 +19,9 @@
 //! | 36..40 | psn | per-path sequence number, echoed in the answer |
 //! | 40..48 | timestamp | sender's clock, echoed (RTT) |
 //! | 48..52 | block CRC32C | WRITE, READ_DATA |
-//! | 52..56 | header CRC32C | over bytes 0..52 |
-//! | 56..64 | reserved | zero |
+//! | 52..56 | header CRC32C | over bytes 0..52 and 56..64 |
+//! | 56..60 | service time | in acknowledgements: microseconds the server held the block |
+//! | 60..64 | zero count | a WRITE with ZERO: the blocks from lba it zeroes (0 means 1) |
 //!
 //! Every packet is self-describing: a block is placed from its own header, in any order.
 
@@ -28,6 +29,8 @@
 pub const BLOCK: usize = 4096;
 /// Bytes of the header.
 pub const HDR: usize = 64;
+/// The most blocks one ZERO WRITE zeroes (16 MiB).
+pub const MAX_ZERO_BLOCKS: u32 = 4096;
 const MAGIC: u8 = 0x53;
 const VERSION: u8 = 1;
 
@@ -75,8 +78,9 @@ pub mod flags {
     pub const ECN_ECHO: u8 = 4;
     /// The last block of a request.
     pub const LAST: u8 = 8;
-    /// WRITE: the block is zeros and carries no payload; the server deallocates it (TRIM,
-    /// WRITE_ZEROES). Its CRC field is 0.
+    /// WRITE: zeros and no payload; the server deallocates the header's `count` blocks from
+    /// its lba (TRIM, WRITE_ZEROES): one packet for up to [`super::MAX_ZERO_BLOCKS`] blocks.
+    /// Its CRC field is 0.
     pub const ZERO: u8 = 16;
 }
 
@@ -147,6 +151,9 @@ pub struct Header {
     /// the sender's congestion control sees the network's share of the RTT, not the disk's
     /// (Swift's split of fabric and endpoint delay).
     pub service_us: u32,
+    /// A WRITE with ZERO: the blocks it zeroes from `lba` (0 means 1; at most
+    /// [`MAX_ZERO_BLOCKS`]). Echoed in its acknowledgements.
+    pub count: u32,
 }
 
 /// Why a packet was dropped.
@@ -164,6 +171,8 @@ pub enum WireError {
     Length(Op, usize),
     #[error("block index {0} not below the count {1}")]
     Index(u16, u16),
+    #[error("a zero count of {0} (more than 1 only on a ZERO WRITE and its answers, at most 4096)")]
+    Count(u32),
 }
 
 impl Header {
@@ -184,6 +193,7 @@ impl Header {
             ts: 0,
             crc: 0,
             service_us: 0,
+            count: 0,
         }
     }
 
@@ -206,7 +216,7 @@ impl Header {
         b[40..48].copy_from_slice(&self.ts.to_be_bytes());
         b[48..52].copy_from_slice(&self.crc.to_be_bytes());
         b[56..60].copy_from_slice(&self.service_us.to_be_bytes());
-        b[60..64].fill(0);
+        b[60..64].copy_from_slice(&self.count.to_be_bytes());
         let hc = header_crc(b);
         b[52..56].copy_from_slice(&hc.to_be_bytes());
     }
@@ -255,7 +265,12 @@ impl Header {
             ts: be64(40),
             crc: be32(48),
             service_us: be32(56),
+            count: be32(60),
         };
+        let zero_write = op == Op::Write && h.flags & flags::ZERO != 0;
+        if h.count > MAX_ZERO_BLOCKS || (h.count > 1 && !zero_write && op != Op::WriteAck) {
+            return Err(WireError::Count(h.count));
+        }
         if matches!(op, Op::Write | Op::ReadData | Op::WriteAck) && h.blk_idx >= h.blk_cnt {
             return Err(WireError::Index(h.blk_idx, h.blk_cnt));
         }
@@ -339,6 +354,17 @@ mod tests {
             Header::decode(&h.packet(&block)),
             Err(WireError::Length(Op::Write, BLOCK))
         );
+        // one zero packet covers up to MAX_ZERO_BLOCKS blocks; a count elsewhere is refused
+        h.count = MAX_ZERO_BLOCKS;
+        assert_eq!(Header::decode(&h.packet(&[])).unwrap().0.count, MAX_ZERO_BLOCKS);
+        h.count = MAX_ZERO_BLOCKS + 1;
+        assert_eq!(
+            Header::decode(&h.packet(&[])),
+            Err(WireError::Count(MAX_ZERO_BLOCKS + 1))
+        );
+        h.flags &= !flags::ZERO;
+        h.count = 2;
+        assert_eq!(Header::decode(&h.packet(&block)), Err(WireError::Count(2)));
         assert_eq!(packet_len(&p[..10]), Err(WireError::Short(10)));
         let ack = Header::new(Op::WriteAck).packet(&[]);
         assert_eq!(packet_len(&ack), Ok(HDR));
