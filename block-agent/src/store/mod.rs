@@ -99,6 +99,9 @@ pub struct StoreStats {
     pub corrupt_reads: u64,
     /// Records replayed at open.
     pub replayed: u64,
+    /// Writes not placed because the block already held a newer version (made durable in
+    /// the other order by two writer threads).
+    pub superseded: u64,
 }
 
 struct Commit {
@@ -200,6 +203,12 @@ fn reset_log(f: &mut File, generation: u64) -> std::io::Result<()> {
     f.set_len(0)?;
     f.seek(SeekFrom::Start(0))?;
     f.write_all(&log_header(generation))
+}
+
+/// The version in metadata entry `k` of `m`.
+fn entry_version(m: &[u8], k: u64) -> u64 {
+    let at = (k * META) as usize + 8;
+    u64::from_le_bytes(m[at..at + 8].try_into().expect("8 bytes"))
 }
 
 /// CRC32C of a block of zeros.
@@ -635,28 +644,55 @@ impl VolumeStore {
             .collect();
         stripes.sort_unstable();
         let _g: Vec<_> = stripes.iter().map(|&i| self.stripes[i].write()).collect();
-        rustix::fs::fallocate(
-            &*self.data,
-            rustix::fs::FallocateFlags::PUNCH_HOLE | rustix::fs::FallocateFlags::KEEP_SIZE,
-            lba * BLOCK as u64,
-            count * BLOCK as u64,
-        )
-        .map_err(|e| self.io(format!("deallocating blocks {lba}+{count}"))(e.into()))?;
+        let mut cur = vec![0u8; (count * META) as usize];
+        self.meta
+            .read_exact_at(&mut cur, lba * META)
+            .map_err(self.io(format!("reading blocks {lba}+{count}'s metadata")))?;
         let mut m = [0u8; META as usize];
         m[0..4].copy_from_slice(&zero_crc().to_le_bytes());
         m[4] = ZEROED;
         m[8..16].copy_from_slice(&version.to_le_bytes());
-        let mut buf = Vec::with_capacity((count * META) as usize);
-        for _ in 0..count {
-            buf.extend_from_slice(&m);
+        // runs of the blocks no newer write reached (see `place`)
+        let mut k = 0u64;
+        while k < count {
+            if entry_version(&cur, k) > version {
+                k += 1;
+                continue;
+            }
+            let start = k;
+            while k < count && entry_version(&cur, k) <= version {
+                k += 1;
+            }
+            let (at, n) = (lba + start, k - start);
+            rustix::fs::fallocate(
+                &*self.data,
+                rustix::fs::FallocateFlags::PUNCH_HOLE | rustix::fs::FallocateFlags::KEEP_SIZE,
+                at * BLOCK as u64,
+                n * BLOCK as u64,
+            )
+            .map_err(|e| self.io(format!("deallocating blocks {at}+{n}"))(e.into()))?;
+            let buf: Vec<u8> = (0..n).flat_map(|_| m).collect();
+            self.meta
+                .write_all_at(&buf, at * META)
+                .map_err(self.io(format!("writing blocks {at}+{n}'s metadata")))?;
         }
-        self.meta
-            .write_all_at(&buf, lba * META)
-            .map_err(self.io(format!("writing blocks {lba}+{count}'s metadata")))
+        Ok(())
     }
 
+    /// Places a block unless the block holds a newer version already: the storage node's
+    /// writer threads may make two writes to one block durable in either order (an agent with
+    /// a majority quorum sends the next write to a block before a straggling replica has the
+    /// previous one), and the newer must stay.
     fn place(&self, lba: u64, version: u64, crc: u32, data: &[u8]) -> Result<(), StoreError> {
         let _g = self.stripes[lba as usize % STRIPES].write();
+        let mut cur = [0u8; META as usize];
+        self.meta
+            .read_exact_at(&mut cur, lba * META)
+            .map_err(self.io(format!("reading block {lba}'s metadata")))?;
+        if entry_version(&cur, 0) > version {
+            self.stats.lock().superseded += 1;
+            return Ok(());
+        }
         self.data
             .write_all_at(data, lba * BLOCK as u64)
             .map_err(self.io(format!("writing block {lba}")))?;
@@ -729,7 +765,8 @@ impl VolumeStore {
         self.commit_records(count, |out| {
             let mut at = 0;
             while at < count {
-                let k = (count - at).min(u32::MAX as u64);
+                // bounded runs: placing one reads its metadata at once
+                let k = (count - at).min(1 << 16);
                 encode_zero_record(out, lba + at, k as u32, version);
                 at += k;
             }
@@ -1205,6 +1242,28 @@ mod tests {
             s.versions().unwrap().contains(&(450, 3)),
             "a zeroed block keeps its version"
         );
+        drop(s);
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn an_older_write_made_durable_after_a_newer_one_never_replaces_it() {
+        let d = dir("order");
+        let s = VolumeStore::create(&d, 8, 64, 1 << 30).unwrap();
+        let (old, new) = (block(1), block(2));
+        s.write(5, &new, crc32c::crc32c(&new), 20).unwrap();
+        s.write(5, &old, crc32c::crc32c(&old), 10).unwrap();
+        assert_eq!(s.read(5).unwrap(), (new.clone(), crc32c::crc32c(&new), 20));
+        // a zero run older than one of its blocks skips that block
+        s.write_zeroes(3, 4, 15).unwrap();
+        assert_eq!(s.read(5).unwrap().2, 20);
+        assert_eq!(s.read(4).unwrap(), (vec![0u8; BLOCK], zero_crc(), 15));
+        assert_eq!(s.stats().superseded, 1);
+        drop(s);
+        // and the replay of the log in its order ends the same
+        let s = VolumeStore::open(&d, 8, 1 << 30).unwrap();
+        assert_eq!(s.read(5).unwrap().2, 20);
+        assert_eq!(s.read(6).unwrap().2, 15);
         drop(s);
         let _ = std::fs::remove_dir_all(&d);
     }
