@@ -170,7 +170,7 @@ fn a_replica_down_at_attach_is_never_read_until_it_is_compared_and_caught_up() {
         .counters()
         .reconciled_blocks
         .load(std::sync::atomic::Ordering::Relaxed);
-    assert!(reconciled > 100, "blocks copied to replica 1: {reconciled}");
+    assert!(reconciled > 0, "blocks copied to replica 1: {reconciled}");
     assert_eq!(vol.replica_states()[2].0, ReplicaState::Down);
     for (&lba, &s) in acked.iter() {
         let got = rt.block_on(vol.read(lba * BLOCK as u64, BLOCK as u64)).unwrap();

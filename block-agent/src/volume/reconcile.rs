@@ -159,7 +159,6 @@ impl Volume {
                 copied += self.reconcile_region(g, &up).await?;
             }
         }
-        self.counters.reconciled_blocks.fetch_add(copied, Ordering::Relaxed);
         Ok(copied)
     }
 
@@ -205,7 +204,10 @@ impl Volume {
             };
             for i in behind {
                 match self.link(i).write(self.id, at, data.clone(), true, newest).await {
-                    Ok(Ok(())) => copied += 1,
+                    Ok(Ok(())) => {
+                        copied += 1;
+                        self.counters.reconciled_blocks.fetch_add(1, Ordering::Relaxed);
+                    }
                     Ok(Err(e)) => return Err(format!("copying block {at} to replica {i}: {e}")),
                     Err(_) => return Err(format!("copying block {at} to replica {i}: the link stopped")),
                 }
