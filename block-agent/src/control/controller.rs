@@ -125,6 +125,33 @@ pub(crate) async fn snapshot_on_nodes(admins: &[String], volume: u32, snapshot: 
     Err(err)
 }
 
+/// Makes volume `id` on each of `nodes` with `make` (a create or a clone call). When one
+/// fails, the volume is deleted again where it was made and the error names the node.
+async fn make_on_nodes<F, Fut>(s: &ControlState, nodes: &[String], id: u32, what: &str, make: F) -> Result<(), Status>
+where
+    F: Fn(StorageNodeAdminClient<tonic::transport::Channel>) -> Fut,
+    Fut: std::future::Future<Output = Result<Response<pb::Empty>, Status>>,
+{
+    let mut made: Vec<String> = Vec::new();
+    for n in nodes {
+        let admin = node_admin(s, n)?;
+        let res = async { make(node_client(&admin).await?).await }.await;
+        if let Err(e) = res {
+            for a in &made {
+                if let Ok(mut cl) = node_client(a).await {
+                    let _ = cl.delete_volume(pb::DeleteVolumeRequest { id }).await;
+                }
+            }
+            return Err(Status::new(
+                e.code(),
+                format!("{what} on storage node {n}: {}", e.message()),
+            ));
+        }
+        made.push(admin);
+    }
+    Ok(())
+}
+
 /// A snapshot as the services see it.
 fn snapshot_info(s: &ControlState, volume: &str, r: &SnapshotRecord) -> pb::SnapshotInfo {
     pb::SnapshotInfo {
@@ -324,6 +351,16 @@ impl Controller {
         });
     }
 
+    /// Notes that `nodes` hold volume `id` now (their next heartbeat says so too).
+    fn note_holds(&self, nodes: &[String], id: u32) {
+        let mut live = self.live.lock();
+        for n in nodes {
+            if let Some(l) = live.get_mut(n) {
+                l.volumes.push(id);
+            }
+        }
+    }
+
     /// How long storage node `id` has been silent (None: it is not down).
     fn silent_for(&self, live: &HashMap<String, Live>, id: &str) -> Option<Duration> {
         if self.node_state(live, id) != "down" {
@@ -412,9 +449,7 @@ impl Controller {
                 tracing::warn!("volume {name}: recording its new replica: {}", e.message());
                 continue;
             }
-            if let Some(l) = self.live.lock().get_mut(&new) {
-                l.volumes.push(v.id);
-            }
+            self.note_holds(std::slice::from_ref(&new), v.id);
             tracing::warn!(
                 "volume {name}: replica {k} on storage node {old} silent for {silent} s: replaced by a new one on {new}, \
                  rebuilt from the others by the agent"
@@ -677,29 +712,11 @@ impl pb::block_control_server::BlockControl for ControllerService {
         load.sort();
         let chosen: Vec<String> = load.into_iter().take(want).map(|(_, n)| n).collect();
         let id = s.next_id.max(1);
-        let mut made: Vec<String> = Vec::new();
-        for n in &chosen {
-            let admin = s.nodes[n].admin.clone();
-            let res = async {
-                node_client(&admin)
-                    .await?
-                    .create_volume(pb::CreateVolumeRequest { id, size: r.size })
-                    .await
-            }
-            .await;
-            if let Err(e) = res {
-                for a in &made {
-                    if let Ok(mut cl) = node_client(a).await {
-                        let _ = cl.delete_volume(pb::DeleteVolumeRequest { id }).await;
-                    }
-                }
-                return Err(Status::new(
-                    e.code(),
-                    format!("creating on storage node {n}: {}", e.message()),
-                ));
-            }
-            made.push(admin);
-        }
+        let size = r.size;
+        make_on_nodes(&s, &chosen, id, "creating", |mut c| async move {
+            c.create_volume(pb::CreateVolumeRequest { id, size }).await
+        })
+        .await?;
         let rec = VolumeRecord {
             id,
             size: r.size,
@@ -716,15 +733,7 @@ impl pb::block_control_server::BlockControl for ControllerService {
             n.volumes.insert(r.name.clone(), rec.clone());
         })
         .await?;
-        // the nodes hold it now (their next heartbeat says so too)
-        {
-            let mut live = c.live.lock();
-            for n in &rec.replicas {
-                if let Some(l) = live.get_mut(n) {
-                    l.volumes.push(id);
-                }
-            }
-        }
+        c.note_holds(&rec.replicas, id);
         tracing::info!(
             "created volume {} (id {id}, {} bytes) on {:?}",
             r.name,
@@ -980,33 +989,11 @@ impl pb::block_control_server::BlockControl for ControllerService {
             .clone();
         // on the snapshot's nodes: each clone replica reads through to its node's copy
         let id = s.next_id.max(1);
-        let mut made: Vec<String> = Vec::new();
-        for n in &v.replicas {
-            let admin = node_admin(&s, n)?;
-            let res = async {
-                node_client(&admin)
-                    .await?
-                    .create_clone(pb::CreateCloneRequest {
-                        id,
-                        parent: v.id,
-                        snapshot: snap.id,
-                    })
-                    .await
-            }
-            .await;
-            if let Err(e) = res {
-                for a in &made {
-                    if let Ok(mut cl) = node_client(a).await {
-                        let _ = cl.delete_volume(pb::DeleteVolumeRequest { id }).await;
-                    }
-                }
-                return Err(Status::new(
-                    e.code(),
-                    format!("cloning on storage node {n}: {}", e.message()),
-                ));
-            }
-            made.push(admin);
-        }
+        let (parent, snapshot) = (v.id, snap.id);
+        make_on_nodes(&s, &v.replicas, id, "cloning", |mut c| async move {
+            c.create_clone(pb::CreateCloneRequest { id, parent, snapshot }).await
+        })
+        .await?;
         let rec = VolumeRecord {
             id,
             size: snap.size,
@@ -1026,14 +1013,7 @@ impl pb::block_control_server::BlockControl for ControllerService {
             n.volumes.insert(r.name.clone(), rec.clone());
         })
         .await?;
-        {
-            let mut live = c.live.lock();
-            for n in &rec.replicas {
-                if let Some(l) = live.get_mut(n) {
-                    l.volumes.push(id);
-                }
-            }
-        }
+        c.note_holds(&rec.replicas, id);
         tracing::info!("cloned {}@{} as volume {} (id {id})", r.volume, r.snapshot, r.name);
         Ok(Response::new(c.spec(&r.name, &rec, &s)))
     }

@@ -104,6 +104,18 @@ impl Drop for TcpLink {
     }
 }
 
+/// The header of a request without payload (READ, WRITE_ZEROES).
+fn header(op: u8, volume: u32, lba: u64, blocks: u16, version: u64) -> Header {
+    Header {
+        op,
+        volume,
+        blocks: blocks as u32,
+        lba,
+        version,
+        ..Default::default()
+    }
+}
+
 /// Writes a frame: the header and, for a WRITE, its blocks (one vectored write where the
 /// socket takes it all).
 fn write_frame(s: &mut TcpStream, hdr: &Header, data: Option<&[u8]>) -> std::io::Result<()> {
@@ -222,47 +234,29 @@ impl Sender {
                 };
                 (hdr, Some(data), Done::Write(done))
             }
+            // the requests without payload: a header for `blocks` blocks
             Cmd::WriteZeroes {
                 volume,
                 lba,
                 blocks,
                 version,
                 done,
-            } => {
-                if blocks == 0 {
-                    let _ = done.send(Err(LinkError::Submit(addr, SubmitError::Length(0))));
-                    return;
-                }
-                let hdr = Header {
-                    op: tcp_proto::WRITE_ZEROES,
-                    volume,
-                    blocks: blocks as u32,
-                    lba,
-                    version,
-                    ..Default::default()
-                };
-                (hdr, None, Done::Write(done))
-            }
+            } => (
+                header(tcp_proto::WRITE_ZEROES, volume, lba, blocks, version),
+                None,
+                Done::Write(done),
+            ),
             Cmd::Read {
                 volume,
                 lba,
                 blocks,
                 done,
-            } => {
-                if blocks == 0 {
-                    let _ = done.send(Err(LinkError::Submit(addr, SubmitError::Length(0))));
-                    return;
-                }
-                let hdr = Header {
-                    op: tcp_proto::READ,
-                    volume,
-                    blocks: blocks as u32,
-                    lba,
-                    ..Default::default()
-                };
-                (hdr, None, Done::Read(done))
-            }
+            } => (header(tcp_proto::READ, volume, lba, blocks, 0), None, Done::Read(done)),
         };
+        if hdr.blocks == 0 {
+            answer(done, Err(LinkError::Submit(addr, SubmitError::Length(0))));
+            return;
+        }
         let hdr = Header {
             id: self.next_id,
             ..hdr

@@ -137,19 +137,8 @@ impl SolarAgent {
         data: Arc<[u8]>,
         fua: bool,
     ) -> oneshot::Receiver<Result<(), SolarError>> {
-        let (done, rx) = oneshot::channel();
         let blocks = (data.len() / crate::transport::solar::wire::BLOCK).min(u16::MAX as usize) as u16;
-        self.core.solar_command(SolarCmd::Write {
-            id: self.id,
-            volume,
-            lba,
-            data: Some(data),
-            blocks,
-            fua,
-            version: None,
-            done,
-        });
-        rx
+        self.submit_write((volume, lba), Some(data), blocks, fua, None)
     }
 
     /// Writes `data`, or zeros over `blocks` blocks when `data` is None (deallocated on the
@@ -165,6 +154,17 @@ impl SolarAgent {
         fua: bool,
         version: u64,
     ) -> oneshot::Receiver<Result<(), SolarError>> {
+        self.submit_write(target, data, blocks, fua, Some(version))
+    }
+
+    fn submit_write(
+        &self,
+        target: (u32, u64),
+        data: Option<Arc<[u8]>>,
+        blocks: u16,
+        fua: bool,
+        version: Option<u64>,
+    ) -> oneshot::Receiver<Result<(), SolarError>> {
         let (done, rx) = oneshot::channel();
         self.core.solar_command(SolarCmd::Write {
             id: self.id,
@@ -173,7 +173,7 @@ impl SolarAgent {
             data,
             blocks,
             fua,
-            version: Some(version),
+            version,
             done,
         });
         rx
