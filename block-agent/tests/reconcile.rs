@@ -1,5 +1,5 @@
 //! Reconciling replicas when a volume is attached anew, in process, with the volume asking the
-//! nodes' stores through a [`NodeQueries`] of the test (the agent's asks their admin services;
+//! nodes' stores directly ([`LocalStores`]; the agent asks their admin services;
 //! `clients/tests/blk_cluster.rs` runs that as processes). With the default 2-of-3 quorum: a
 //! replica that missed writes a dropped volume knew of is compared and copied by the new
 //! volume before it serves; a replica that does not answer is never read until it answers and
@@ -7,9 +7,8 @@
 
 use block_agent::link::{Carrier, Link, LinkConfig};
 use block_agent::storage_node::{NodeConfig, StorageNode};
-use block_agent::store::{VolumeStore, BLOCK};
-use block_agent::volume::{Answer, NodeQueries, ReplicaState, Volume, VolumeConfig};
-use parking_lot::Mutex;
+use block_agent::store::BLOCK;
+use block_agent::volume::{LocalStores, ReplicaState, Volume, VolumeConfig};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -25,41 +24,11 @@ fn block(lba: u64, seq: u64) -> Vec<u8> {
     b
 }
 
-/// The nodes' stores by "admin address" (the node's index); a stopped node has none.
-#[derive(Default)]
-struct Stores(Mutex<HashMap<String, Arc<VolumeStore>>>);
-
-impl Stores {
-    fn ask<T: Send + 'static>(
-        &self,
-        admin: &str,
-        f: impl FnOnce(&VolumeStore) -> Result<T, block_agent::store::StoreError>,
-    ) -> Answer<T> {
-        let r = match self.0.lock().get(admin) {
-            Some(s) => f(s).map_err(|e| e.to_string()),
-            None => Err(format!("{admin}: connection refused")),
-        };
-        Box::pin(async move { r })
-    }
-}
-
-impl NodeQueries for Stores {
-    fn allocation(&self, admin: &str, _v: u32, lba: u64, blocks: u64) -> Answer<Vec<u8>> {
-        self.ask(admin, |s| s.allocation(lba, blocks))
-    }
-    fn region_digests(&self, admin: &str, _v: u32, first: u64, regions: u64, rb: u64) -> Answer<Vec<u64>> {
-        self.ask(admin, |s| s.region_digests(first, regions, rb))
-    }
-    fn block_versions(&self, admin: &str, _v: u32, lba: u64, blocks: u64) -> Answer<Vec<u64>> {
-        self.ask(admin, |s| s.block_versions(lba, blocks))
-    }
-}
-
 struct Cluster {
     base: std::path::PathBuf,
     nodes: Vec<Option<StorageNode>>,
     addrs: Vec<SocketAddr>,
-    stores: Arc<Stores>,
+    stores: Arc<LocalStores>,
 }
 
 impl Cluster {
@@ -76,14 +45,14 @@ impl Cluster {
             let n = StorageNode::start(NodeConfig::new(c.base.join(format!("node{i}")))).unwrap();
             n.create_volume(VOLUME, BLOCKS * BLOCK as u64).unwrap();
             c.addrs.push(n.addr());
-            c.stores.0.lock().insert(i.to_string(), n.store(VOLUME).unwrap());
+            c.stores.set(&i.to_string(), n.store(VOLUME).unwrap());
             c.nodes.push(Some(n));
         }
         c
     }
 
     fn stop(&mut self, i: usize) {
-        self.stores.0.lock().remove(&i.to_string());
+        self.stores.remove(&i.to_string());
         self.nodes[i] = None;
     }
 
@@ -91,7 +60,7 @@ impl Cluster {
         let mut cfg = NodeConfig::new(self.base.join(format!("node{i}")));
         cfg.listen = self.addrs[i];
         let n = StorageNode::start(cfg).unwrap();
-        self.stores.0.lock().insert(i.to_string(), n.store(VOLUME).unwrap());
+        self.stores.set(&i.to_string(), n.store(VOLUME).unwrap());
         self.nodes[i] = Some(n);
     }
 

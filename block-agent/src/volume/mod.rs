@@ -36,7 +36,7 @@
 
 mod reconcile;
 
-pub use reconcile::{Answer, NodeQueries};
+pub use reconcile::{Answer, LocalStores, NodeQueries};
 
 use crate::link::{Link, LinkError};
 use futures_util::stream::{FuturesUnordered, StreamExt};

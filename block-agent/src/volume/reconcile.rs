@@ -44,6 +44,57 @@ pub trait NodeQueries: Send + Sync {
     fn block_versions(&self, admin: &str, volume: u32, lba: u64, blocks: u64) -> Answer<Vec<u64>>;
 }
 
+/// [`NodeQueries`] answered from stores in this process, by name (the "admin address" a
+/// volume is given): for an agent in the same process as its storage nodes, as the
+/// in-process tests run them. A name with no store answers as a node that is down.
+#[derive(Default)]
+pub struct LocalStores(parking_lot::Mutex<std::collections::HashMap<String, Arc<crate::store::VolumeStore>>>);
+
+impl LocalStores {
+    /// Answers for `name` from `store` (replacing what answered before).
+    pub fn set(&self, name: &str, store: Arc<crate::store::VolumeStore>) {
+        self.0.lock().insert(name.to_string(), store);
+    }
+
+    /// `name` answers no more (its node stopped).
+    pub fn remove(&self, name: &str) {
+        self.0.lock().remove(name);
+    }
+
+    fn ask<T: Send + 'static>(
+        &self,
+        name: &str,
+        f: impl FnOnce(&crate::store::VolumeStore) -> Result<T, crate::store::StoreError>,
+    ) -> Answer<T> {
+        let r = match self.0.lock().get(name).cloned() {
+            Some(s) => f(&s).map_err(|e| e.to_string()),
+            None => Err(format!("{name}: no such storage node here")),
+        };
+        Box::pin(async move { r })
+    }
+}
+
+impl NodeQueries for LocalStores {
+    fn allocation(&self, admin: &str, _volume: u32, lba: u64, blocks: u64) -> Answer<Vec<u8>> {
+        self.ask(admin, |s| s.allocation(lba, blocks))
+    }
+
+    fn region_digests(
+        &self,
+        admin: &str,
+        _volume: u32,
+        first: u64,
+        regions: u64,
+        region_blocks: u64,
+    ) -> Answer<Vec<u64>> {
+        self.ask(admin, |s| s.region_digests(first, regions, region_blocks))
+    }
+
+    fn block_versions(&self, admin: &str, _volume: u32, lba: u64, blocks: u64) -> Answer<Vec<u64>> {
+        self.ask(admin, |s| s.block_versions(lba, blocks))
+    }
+}
+
 /// Regions asked for in one digest query.
 const DIGEST_BATCH: u64 = 4096;
 /// How long a query may take before its replica counts as not answering.
