@@ -432,4 +432,6 @@ fn with_etcd_a_killed_node_leaves_etcd_and_is_down_within_its_lease() {
         "{:?}",
         live("nodes")
     );
+    drop(c);
+    let _ = std::fs::remove_dir_all(&dir);
 }
