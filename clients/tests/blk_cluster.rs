@@ -227,6 +227,17 @@ fn a_replica_down_past_the_replace_timeout_is_rebuilt_on_another_node() {
         d["io"]
     );
     assert!(!holds(&d, &ids[victim]) && holds(&d, &ids[spare]), "{d:#}");
+    // the old node comes back: its stale copy is deleted, never served
+    c.restart_node(victim, true).unwrap();
+    let stale = dir.join(format!("node{victim}/vol-1.data"));
+    let t = Instant::now();
+    while stale.exists() {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "node{victim} kept its stale copy"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
     drop(c);
     let now: Vec<usize> = (0..4).filter(|&i| i != victim).collect();
     check_stores_on(&dir, &now, &acked);

@@ -591,6 +591,34 @@ impl Controller {
                     );
                 }
             }
+            // copies of volumes whose replica on this node was replaced while it was away
+            let stale: Vec<(String, u32)> = s
+                .volumes
+                .iter()
+                .filter(|(_, v)| r.volumes.contains(&v.id) && !v.replicas.contains(&id))
+                .filter(|(_, v)| v.replicas.iter().all(|x| is_node_id(x)))
+                .map(|(name, v)| (name.clone(), v.id))
+                .collect();
+            if !stale.is_empty() {
+                let (admin, id) = (r.admin.clone(), id.clone());
+                tokio::spawn(async move {
+                    for (name, vid) in stale {
+                        tracing::warn!(
+                            "storage node {id} holds a stale copy of volume {name} (id {vid}), whose replica there was \
+                             replaced while it was away: deleting it"
+                        );
+                        let del = async {
+                            node_client(&admin)
+                                .await?
+                                .delete_volume(pb::DeleteVolumeRequest { id: vid })
+                                .await
+                        };
+                        if let Err(e) = del.await {
+                            tracing::warn!("deleting the stale copy of {name} on {id}: {}", e.message());
+                        }
+                    }
+                });
+            }
         }
         if moved || !claimed.is_empty() {
             self.tell_agents(&s, &id);
