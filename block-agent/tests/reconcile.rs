@@ -175,6 +175,11 @@ fn with_too_few_replicas_answering_io_waits_for_one_more() {
     let vol = c.volume(&rt, false);
     rt.block_on(writes(&vol, &mut seq, 100, &mut acked));
     drop(vol);
+    // a block written by a host whose clock ran far ahead: new versions must exceed it
+    let ahead = 1u64 << 62;
+    let b = block(7, 7);
+    let store = c.nodes[0].as_ref().unwrap().store(VOLUME).unwrap();
+    store.write(7, &b, crc32c::crc32c(&b), ahead).unwrap();
     c.stop(1);
     c.stop(2);
     let vol = c.volume(&rt, true);
@@ -190,6 +195,10 @@ fn with_too_few_replicas_answering_io_waits_for_one_more() {
     c.restart(2);
     let t = Instant::now();
     rt.block_on(read).unwrap().unwrap();
+    assert!(
+        block_agent::volume::next_versions(1) > ahead,
+        "the versions were raised above the highest a replica holds"
+    );
     eprintln!(
         "the read waited, and went on {:?} after a second replica answered",
         t.elapsed()

@@ -108,11 +108,12 @@ impl pb::storage_node_admin_server::StorageNodeAdmin for NodeAdmin {
             return Err(Status::invalid_argument("at most 4194304 blocks per request"));
         }
         let store = self.volume_store(r.volume)?;
-        let digests = tokio::task::spawn_blocking(move || store.region_digests(r.first, r.regions, r.region_blocks))
-            .await
-            .map_err(|e| Status::internal(e.to_string()))?
-            .map_err(store_status)?;
-        Ok(Response::new(pb::RegionDigestsReply { digests }))
+        let (digests, max_version) =
+            tokio::task::spawn_blocking(move || store.region_digests(r.first, r.regions, r.region_blocks))
+                .await
+                .map_err(|e| Status::internal(e.to_string()))?
+                .map_err(store_status)?;
+        Ok(Response::new(pb::RegionDigestsReply { digests, max_version }))
     }
 
     async fn block_versions(
@@ -229,7 +230,7 @@ impl NodeQueries for NodeAdminQueries {
         first: u64,
         regions: u64,
         region_blocks: u64,
-    ) -> crate::volume::Answer<Vec<u64>> {
+    ) -> crate::volume::Answer<(Vec<u64>, u64)> {
         ask_node(admin, move |mut c| {
             Box::pin(async move {
                 let req = pb::RegionDigestsRequest {
@@ -238,7 +239,8 @@ impl NodeQueries for NodeAdminQueries {
                     regions,
                     region_blocks,
                 };
-                Ok(c.region_digests(req).await?.into_inner().digests)
+                let r = c.region_digests(req).await?.into_inner();
+                Ok((r.digests, r.max_version))
             })
         })
     }

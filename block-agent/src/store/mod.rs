@@ -985,12 +985,14 @@ impl VolumeStore {
 
     /// A digest of each of `count` regions of `region_blocks` blocks from region `first`: of
     /// every block's written flag and version. Two replicas whose digests of a region are
-    /// equal hold the same writes there.
-    pub fn region_digests(&self, first: u64, count: u64, region_blocks: u64) -> Result<Vec<u64>, StoreError> {
+    /// equal hold the same writes there. Also the highest version in them.
+    pub fn region_digests(&self, first: u64, count: u64, region_blocks: u64) -> Result<(Vec<u64>, u64), StoreError> {
         let region_blocks = region_blocks.max(1);
         let lba = first.saturating_mul(region_blocks);
         let m = self.meta_range(lba, count.saturating_mul(region_blocks))?;
-        Ok(m.chunks(META as usize * region_blocks as usize)
+        let mut highest = 0;
+        let digests = m
+            .chunks(META as usize * region_blocks as usize)
             .map(|r| {
                 let mut crc = 0u32;
                 let mut max = 0u64;
@@ -999,9 +1001,11 @@ impl VolumeStore {
                     crc = crc32c::crc32c_append(crc, &e[8..16]);
                     max = max.max(u64::from_le_bytes(e[8..16].try_into().expect("8 bytes")));
                 }
+                highest = highest.max(max);
                 (crc as u64) << 32 ^ max
             })
-            .collect())
+            .collect();
+        Ok((digests, highest))
     }
 
     /// The metadata entries of up to `count` blocks from `lba` (clamped to the volume).

@@ -219,6 +219,18 @@ impl Drop for RangeGuard<'_> {
 /// block by block and the newest copy found. It starts at the wall clock in nanoseconds, so
 /// an agent that restarts goes on above the versions it wrote before.
 pub fn next_versions(n: u64) -> u64 {
+    versions().fetch_add(n.max(1), Ordering::Relaxed)
+}
+
+/// Makes every version drawn from now on at least `floor` (the comparison of replicas at
+/// attach raises it above the highest version any replica holds, so a host whose clock is
+/// behind the one that wrote them still writes newer versions).
+pub fn raise_versions(floor: u64) {
+    versions().fetch_max(floor, Ordering::Relaxed);
+}
+
+/// The process's version sequence.
+fn versions() -> &'static AtomicU64 {
     static NEXT: std::sync::OnceLock<AtomicU64> = std::sync::OnceLock::new();
     NEXT.get_or_init(|| {
         let now = std::time::SystemTime::now()
@@ -226,7 +238,6 @@ pub fn next_versions(n: u64) -> u64 {
             .map_or(1, |d| d.as_nanos() as u64);
         AtomicU64::new(now.max(1))
     })
-    .fetch_add(n.max(1), Ordering::Relaxed)
 }
 
 /// Replicas' admin addresses and the way to ask them.

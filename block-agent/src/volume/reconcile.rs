@@ -30,8 +30,8 @@ pub trait NodeQueries: Send + Sync {
     /// The allocation state of each of `blocks` blocks from `lba`
     /// ([`crate::store::ALLOC_DATA`] or [`crate::store::ALLOC_HOLE`]).
     fn allocation(&self, admin: &str, volume: u32, lba: u64, blocks: u64) -> Answer<Vec<u8>>;
-    /// Digests of `regions` regions of `region_blocks` blocks from region `first`
-    /// ([`crate::store::VolumeStore::region_digests`]).
+    /// Digests of `regions` regions of `region_blocks` blocks from region `first`, and the
+    /// highest version in them ([`crate::store::VolumeStore::region_digests`]).
     fn region_digests(
         &self,
         admin: &str,
@@ -39,7 +39,7 @@ pub trait NodeQueries: Send + Sync {
         first: u64,
         regions: u64,
         region_blocks: u64,
-    ) -> Answer<Vec<u64>>;
+    ) -> Answer<(Vec<u64>, u64)>;
     /// The stored version of each of `blocks` blocks from `lba`.
     fn block_versions(&self, admin: &str, volume: u32, lba: u64, blocks: u64) -> Answer<Vec<u64>>;
 }
@@ -86,7 +86,7 @@ impl NodeQueries for LocalStores {
         first: u64,
         regions: u64,
         region_blocks: u64,
-    ) -> Answer<Vec<u64>> {
+    ) -> Answer<(Vec<u64>, u64)> {
         self.ask(admin, |s| s.region_digests(first, regions, region_blocks))
     }
 
@@ -159,7 +159,10 @@ impl Volume {
         let mut first = 0;
         while first < regions {
             let n = DIGEST_BATCH.min(regions - first);
-            let d = bounded(q.region_digests(admin, self.id, first, n, REGION_BLOCKS)).await?;
+            let (d, highest) = bounded(q.region_digests(admin, self.id, first, n, REGION_BLOCKS)).await?;
+            // new writes must be newer than any a replica holds, even if this host's clock
+            // is behind the one that wrote them
+            super::raise_versions(highest.saturating_add(1));
             if d.len() as u64 != n {
                 return Err(format!("{admin} answered {} digests for {n} regions", d.len()));
             }
