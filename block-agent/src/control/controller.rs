@@ -383,8 +383,8 @@ impl Controller {
             let todo = s
                 .volumes
                 .iter()
+                // a volume with clones has their snapshots
                 .filter(|(_, v)| v.snapshots.is_empty() && v.parent.is_none())
-                .filter(|(name, _)| clones_of(&s, name, None).is_empty())
                 .flat_map(|(name, v)| {
                     v.replicas.iter().enumerate().filter_map(|(k, r)| {
                         let silent = self.silent_for(&live, r)?;

@@ -587,13 +587,12 @@ impl VolumeStore {
         // every record is newer than the newest snapshot (taking one empties the logs): what
         // they overwrite goes there first
         let blocks = self.blocks();
-        let lbas: Vec<u64> = logs
-            .iter()
-            .flat_map(|(_, start, buf)| records(&buf[*start..]))
-            .flat_map(|r| r.lbas())
-            .filter(|&l| l < blocks)
-            .collect();
-        self.preserve(&lbas)?;
+        self.preserve(
+            logs.iter()
+                .flat_map(|(_, start, buf)| records(&buf[*start..]))
+                .flat_map(|r| r.lbas())
+                .filter(|&l| l < blocks),
+        )?;
         let mut n = 0;
         for (_, start, buf) in &logs {
             for r in records(&buf[*start..]) {
@@ -818,8 +817,7 @@ impl VolumeStore {
             log.file.sync_data().map_err(self.io("syncing the log"))?;
         }
         self.stats.lock().syncs += 1;
-        let lbas: Vec<u64> = records(batch).flat_map(|r| r.lbas()).collect();
-        self.preserve(&lbas)?;
+        self.preserve(records(batch).flat_map(|r| r.lbas()))?;
         for r in records(batch) {
             self.apply(&r)?;
         }
@@ -1074,11 +1072,8 @@ impl VolumeStore {
 
     /// Copies into the newest snapshot the blocks of `lbas` it still shares with the volume,
     /// synced, before new contents are placed over them.
-    fn preserve(&self, lbas: &[u64]) -> Result<(), StoreError> {
+    fn preserve(&self, lbas: impl Iterator<Item = u64>) -> Result<(), StoreError> {
         let snaps = self.snaps.read();
-        if !snaps.needs_copy(lbas) {
-            return Ok(());
-        }
         snaps.preserve(lbas, |lba, buf| {
             self.data
                 .read_exact_at(buf, lba * BLOCK as u64)

@@ -258,23 +258,18 @@ impl Snapshots {
         Ok(())
     }
 
-    /// Whether the newest snapshot needs any of `lbas` copied before they are overwritten.
-    pub(super) fn needs_copy(&self, lbas: &[u64]) -> bool {
-        self.list.last().is_some_and(|s| lbas.iter().any(|&l| s.needs_copy(l)))
-    }
-
     /// Copies into the newest snapshot each of `lbas` that it still shares with the volume,
     /// reading the current contents with `read`, and syncs the copies: only then may the
     /// caller place new contents over them.
     pub(super) fn preserve(
         &self,
-        lbas: &[u64],
+        lbas: impl Iterator<Item = u64>,
         mut read: impl FnMut(u64, &mut [u8]) -> Result<(), StoreError>,
     ) -> Result<(), StoreError> {
         let Some(s) = self.list.last() else { return Ok(()) };
         let mut buf = vec![0u8; BLOCK];
         let mut copied = false;
-        for &lba in lbas {
+        for lba in lbas {
             if s.needs_copy(lba) {
                 read(lba, &mut buf)?;
                 s.keep(lba, &buf, self.volume)?;

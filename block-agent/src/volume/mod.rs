@@ -23,8 +23,9 @@
 //!   clean copy, region by region under the range lock, at most
 //!   [`VolumeConfig::resync_bytes_per_sec`]. The first region that lands brings the replica up
 //!   (new writes reach it again; its remaining missed regions still keep reads away); the last
-//!   one makes it in sync. A write still in flight to it from before is older than the resync's
-//!   (request ids increase per link) and the storage node drops it as stale.
+//!   one makes it in sync. A write still in flight to it from before carries an older version
+//!   than the resync's, and the storage node drops it as stale (or never places it over the
+//!   newer block).
 //! - **QoS**: every read and write first passes the volume's token buckets
 //!   ([`crate::qos`]: provisioned IOPS and bandwidth with a burst), changeable online.
 //! - Overlapping writes are **serialized** here (a range lock per volume), so an old write can

@@ -185,13 +185,13 @@ impl SolarServer {
                     return Err(WireError::Count(h.count));
                 }
                 let key = (h.volume, h.lba);
-                let mut newest = self.newest.get(&key).copied().unwrap_or(0);
                 // a zero run is stale when a newer write reached any of its blocks (the agent
                 // holds the range until every replica answered, so that only happens to a
                 // copy given up on, whose range the agent rewrites anyway)
-                for b in 1..count as u64 {
-                    newest = newest.max(self.newest.get(&(h.volume, h.lba + b)).copied().unwrap_or(0));
-                }
+                let newest = (0..count as u64)
+                    .filter_map(|b| self.newest.get(&(h.volume, h.lba + b)).copied())
+                    .max()
+                    .unwrap_or(0);
                 if h.rpc < newest {
                     self.stats.stale_dropped += 1;
                     self.answer(peer, &h, Op::WriteAck, Status::Stale);
