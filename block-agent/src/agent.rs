@@ -114,9 +114,11 @@ impl Agent {
     /// for a grown volume, its size (the same [`Volume`] goes on: open connections and new ones
     /// share its range locks, dirty regions and QoS; NBD has no way to tell an open connection
     /// of a new size, so a client sees it when it connects again). A different volume or
-    /// replica set replaces the export.
+    /// replica set replaces the export, and so does a new attachment epoch (the volume was
+    /// attached again: the new export fences the replicas at it before its first I/O).
     ///
     /// `write_quorum`: the volume's own (0: the agent's configuration, else a majority).
+    /// `epoch`: the attachment's, from the controller (0: none, no fencing).
     pub fn attach(
         &self,
         name: &str,
@@ -124,6 +126,7 @@ impl Agent {
         size: u64,
         replicas: &[ReplicaAt],
         write_quorum: usize,
+        epoch: u32,
     ) -> Result<Arc<Volume>, AttachError> {
         if name.is_empty() {
             return Err(AttachError::Name);
@@ -151,7 +154,11 @@ impl Agent {
             let changed: Vec<usize> = (0..cur.len().min(links.len()))
                 .filter(|&k| !Arc::ptr_eq(&cur[k], &links[k]))
                 .collect();
-            let same = v.id() == id && v.size() <= size && cur.len() == links.len() && changed.len() < cur.len();
+            let same = v.id() == id
+                && v.size() <= size
+                && cur.len() == links.len()
+                && changed.len() < cur.len()
+                && v.epoch() == epoch;
             if same {
                 // replicas the controller replaced: rebuilt in place from the others
                 for k in changed {
@@ -170,6 +177,7 @@ impl Agent {
         }
         let v = Volume::new(id, size, links, self.cfg.volume.clone());
         v.set_write_quorum(write_quorum);
+        v.set_epoch(epoch);
         if let Some(q) = self.queries.lock().clone() {
             v.set_admins(replicas.iter().map(|r| r.admin.clone()).collect(), q);
             // before it is exported: no read reaches a replica not yet compared
@@ -177,7 +185,7 @@ impl Agent {
         }
         self.exports.insert(name, v.clone());
         tracing::info!(
-            "attached volume {id} ({size} bytes, {} replicas) as export {name:?}",
+            "attached volume {id} ({size} bytes, {} replicas) as export {name:?}, epoch {epoch}",
             replicas.len()
         );
         Ok(v)

@@ -229,7 +229,7 @@ impl StorageNode {
         let lock = lock_dir(&cfg.dir)?;
         let id = node_id(&cfg.dir)?;
         let (ctx, addr, tcp) = bind_pair(listen)?;
-        let mut solar = SolarServer::new(0);
+        let mut solar = SolarServer::new();
         let mut volumes = HashMap::new();
         // ascending ids: a clone's base, an older volume, is open before the clone
         for id in list_volume_ids(&cfg.dir)? {
@@ -244,6 +244,7 @@ impl StorageNode {
             for (lba, v) in store.versions()? {
                 solar.note_version(id, lba, v);
             }
+            solar.fence(id, store.fenced_at());
             tracing::info!("volume {id}: {} blocks", store.blocks());
             volumes.insert(id, Arc::new(store));
         }
@@ -376,6 +377,27 @@ impl StorageNode {
         Ok(())
     }
 
+    /// Fences volume `id` at attachment epoch `epoch` (see [`VolumeStore::fence`]): kept in
+    /// its store, and in effect for Solar and TCP requests when this returns. The fence in
+    /// effect.
+    pub async fn fence(&self, id: u32, epoch: u32) -> Result<u32, NodeError> {
+        let store = self
+            .inner
+            .volumes
+            .read()
+            .get(&id)
+            .cloned()
+            .ok_or(NodeError::NoVolume(id))?;
+        let fence = tokio::task::spawn_blocking(move || store.fence(epoch))
+            .await
+            .map_err(|e| NodeError::Engine(self.addr, e.to_string()))??;
+        let service = self.inner.solar.lock().as_ref().map(|s| s.fence(id, fence));
+        if let Some(f) = service {
+            f.await.map_err(|e| NodeError::Engine(self.addr, e.to_string()))?;
+        }
+        Ok(fence)
+    }
+
     /// Grows a volume to `bytes` bytes.
     pub fn resize_volume(&self, id: u32, bytes: u64) -> Result<(), NodeError> {
         if bytes == 0 || !bytes.is_multiple_of(BLOCK as u64) {
@@ -478,6 +500,11 @@ fn list_volume_ids(dir: &Path) -> Result<Vec<u32>, NodeError> {
 }
 
 impl Inner {
+    /// Whether volume `volume` is fenced above `epoch` (its requests are refused).
+    fn fenced_out(&self, volume: u32, epoch: u32) -> bool {
+        self.volumes.read().get(&volume).is_some_and(|s| epoch < s.fenced_at())
+    }
+
     /// Writes blocks to a volume's store durably; the status to answer.
     fn store_write(&self, volume: u32, lba: u64, blocks: &[(&[u8], u32)], version: u64) -> Status {
         let store = self.volumes.read().get(&volume).cloned();
@@ -659,6 +686,17 @@ fn tcp_reader(inner: &Inner, s: TcpStream, w: Arc<Mutex<TcpStream>>) {
                 break;
             }
         };
+        if inner.fenced_out(req.volume, req.epoch) {
+            // refused before it touches anything; a WRITE's blocks are read past
+            let skip = req.payload(false) as u64;
+            if std::io::copy(&mut (&mut r).take(skip), &mut std::io::sink()).ok() != Some(skip) {
+                break;
+            }
+            if w.lock().write_all(&req.reply(Status::WrongEpoch).encode()).is_err() {
+                break;
+            }
+            continue;
+        }
         if req.op == tcp_proto::WRITE || req.op == tcp_proto::WRITE_ZEROES {
             let mut data = vec![0u8; req.payload(false)];
             if r.read_exact(&mut data).is_err() {

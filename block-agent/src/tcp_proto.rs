@@ -4,12 +4,12 @@
 //! with no windows, per-block acknowledgements or resends of its own (TCP delivers in order and
 //! retransmits).
 //!
-//! A request is a 40-byte header, followed for WRITE by its blocks; a reply is a 40-byte header
+//! A request is a 48-byte header, followed for WRITE by its blocks; a reply is a 48-byte header
 //! with the request's id, followed for a successful READ by its blocks. Little endian:
 //!
 //! | bytes | field |
 //! | --- | --- |
-//! | 0..4 | magic `TBK1` |
+//! | 0..4 | magic `TBK2` |
 //! | 4 | op: 1 READ, 2 WRITE, 3 WRITE_ZEROES (no payload: the blocks are zeroed, deallocated) |
 //! | 5 | flags: 1 FUA (writes are durable when answered anyway) |
 //! | 6 | status (replies): 0 OK, else a Solar [`Status`] code (no volume, out of range, I/O error...) |
@@ -19,16 +19,18 @@
 //! | 16..24 | request id (chosen by the client) |
 //! | 24..32 | first block (lba) |
 //! | 32..40 | version (WRITE: orders writes to a block, as Solar's request ids do) |
+//! | 40..44 | epoch: the sender's attachment epoch of the volume; a node fenced at a higher one refuses the request (`WrongEpoch`) |
+//! | 44..48 | reserved, 0 |
 
 use netstack::transport::solar::wire::Status;
 
 /// Bytes of a header.
-pub const HDR: usize = 40;
+pub const HDR: usize = 48;
 /// Bytes of a block.
 pub const BLOCK: usize = 4096;
 /// The most blocks one request carries (32 MiB, NBD's largest request).
 pub const MAX_BLOCKS: u32 = 8192;
-const MAGIC: u32 = u32::from_le_bytes(*b"TBK1");
+const MAGIC: u32 = u32::from_le_bytes(*b"TBK2");
 
 /// Operations.
 pub const READ: u8 = 1;
@@ -49,6 +51,7 @@ pub struct Header {
     pub id: u64,
     pub lba: u64,
     pub version: u64,
+    pub epoch: u32,
 }
 
 /// Why a header was refused.
@@ -76,6 +79,7 @@ impl Header {
         b[16..24].copy_from_slice(&self.id.to_le_bytes());
         b[24..32].copy_from_slice(&self.lba.to_le_bytes());
         b[32..40].copy_from_slice(&self.version.to_le_bytes());
+        b[40..44].copy_from_slice(&self.epoch.to_le_bytes());
         b
     }
 
@@ -95,6 +99,7 @@ impl Header {
             id: u64_at(16),
             lba: u64_at(24),
             version: u64_at(32),
+            epoch: u32_at(40),
         };
         if !matches!(h.op, READ | WRITE | WRITE_ZEROES) {
             return Err(HeaderError::Op(h.op));
@@ -152,6 +157,7 @@ mod tests {
             id: 99,
             lba: 1 << 40,
             version: 12345,
+            epoch: 6,
         };
         assert_eq!(Header::decode(&h.encode()), Ok(h));
         assert_eq!(h.payload(false), 3 * BLOCK);

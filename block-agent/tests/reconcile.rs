@@ -196,7 +196,7 @@ fn with_too_few_replicas_answering_io_waits_for_one_more() {
     let t = Instant::now();
     rt.block_on(read).unwrap().unwrap();
     assert!(
-        block_agent::volume::next_versions(1) > ahead,
+        vol.next_versions(1) > ahead,
         "the versions were raised above the highest a replica holds"
     );
     eprintln!(

@@ -145,9 +145,9 @@ fn a_grown_volume_stays_the_same_volume_for_its_open_users() {
         addr: nodes[0].addr().to_string(),
         admin: String::new(),
     }];
-    let v1 = agent.attach("v", VOLUME, BLOCKS * BLOCK as u64, &at, 0).unwrap();
+    let v1 = agent.attach("v", VOLUME, BLOCKS * BLOCK as u64, &at, 0, 0).unwrap();
     nodes[0].resize_volume(VOLUME, 2 * BLOCKS * BLOCK as u64).unwrap();
-    let v2 = agent.attach("v", VOLUME, 2 * BLOCKS * BLOCK as u64, &at, 0).unwrap();
+    let v2 = agent.attach("v", VOLUME, 2 * BLOCKS * BLOCK as u64, &at, 0, 0).unwrap();
     assert!(Arc::ptr_eq(&v1, &v2), "growing replaced the volume");
     assert_eq!(v1.size(), 2 * BLOCKS * BLOCK as u64);
     let last = (2 * BLOCKS - 1) * BLOCK as u64;

@@ -17,6 +17,19 @@ pub fn init_cli() {
         .init();
 }
 
+/// What a long-running server mode of the project's programs does first instead of
+/// [`init_cli`]: SIGPIPE stays ignored (a peer that closes its connection while the server
+/// writes an answer is an error on that connection, not the end of the server), and `tracing`
+/// logs on stderr at `info` unless `RUST_LOG` says otherwise.
+pub fn init_daemon() {
+    // SAFETY: setting a signal's disposition to ignored has no memory-safety preconditions.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .with_writer(std::io::stderr)
+        .init();
+}
+
 /// How every program of the crate ends: status 0, or its error's chain on one line
 /// (`program: outer: cause: root cause`) on stderr and status 1. A backtrace of the error
 /// follows only when asked for with `RUST_LIB_BACKTRACE=1` (RUST_BACKTRACE alone is for panics).

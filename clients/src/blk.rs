@@ -375,14 +375,19 @@ fn live_args(spec: &ClusterSpec) -> Vec<String> {
     }
 }
 
-fn agent_args(spec: &ClusterSpec, control: &str, nbd: &str) -> Vec<String> {
+fn agent_args(spec: &ClusterSpec, name: &str, control: &str, nbd: &str) -> Vec<String> {
+    let sock = if name == "agent0" {
+        "nbd.sock".to_string()
+    } else {
+        format!("nbd-{name}.sock")
+    };
     let mut a = vec![
         "--name".to_string(),
-        "agent0".into(),
+        name.into(),
         "--nbd".into(),
         nbd.into(),
         "--unix".into(),
-        spec.dir.join("nbd.sock").display().to_string(),
+        spec.dir.join(sock).display().to_string(),
         "--control".into(),
         control.into(),
         "--transport".into(),
@@ -396,7 +401,7 @@ fn agent_args(spec: &ClusterSpec, control: &str, nbd: &str) -> Vec<String> {
         "--write-quorum".into(),
         spec.write_quorum.to_string(),
     ];
-    a.extend(spec.metrics_flag("agent0"));
+    a.extend(spec.metrics_flag(name));
     a.extend(live_args(spec));
     a
 }
@@ -425,7 +430,7 @@ impl LocalCluster {
             d,
             "agent0",
             "agent",
-            &agent_args(&spec, &caddr, &spec.nbd),
+            &agent_args(&spec, "agent0", &caddr, &spec.nbd),
             spec.detached,
         )?;
         let rt = runtime()?;
@@ -495,7 +500,7 @@ impl LocalCluster {
     /// answer to its registration brings its volumes back.
     pub fn restart_agent(&mut self) -> Result<()> {
         let nbd = self.agent.field("nbd").context("agent banner")?;
-        let args = agent_args(&self.spec, &self.control_addr, &nbd);
+        let args = agent_args(&self.spec, "agent0", &self.control_addr, &nbd);
         self.agent = Daemon::start(
             &self.spawner,
             &self.spec.dir,
@@ -505,6 +510,12 @@ impl LocalCluster {
             self.spec.detached,
         )?;
         Ok(())
+    }
+
+    /// Starts another agent, `name`, on any NBD port (a host the volume can move to).
+    pub fn start_agent(&self, name: &str) -> Result<Daemon> {
+        let args = agent_args(&self.spec, name, &self.control_addr, "127.0.0.1:0");
+        Daemon::start(&self.spawner, &self.spec.dir, name, "agent", &args, self.spec.detached)
     }
 
     /// Starts the controller again (after [`Daemon::kill9`]) on its address and state.

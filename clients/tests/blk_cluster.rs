@@ -798,3 +798,83 @@ fn trim_round(transport: &str) {
     drop(c);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Sends `sig` (STOP, CONT) to `pid`.
+fn signal(pid: u32, sig: &str) {
+    let ok = Command::new("kill")
+        .args([&format!("-{sig}"), &pid.to_string()])
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(ok, "kill -{sig} {pid}");
+}
+
+/// A volume moved off an agent that hangs (SIGSTOP: cut off, not dead, its NBD connection
+/// still open). Detaching it needs `--force` since the agent cannot answer; attaching it to
+/// another agent raises its epoch and that agent fences every replica before its first I/O.
+/// When the old agent wakes, the writes and reads its client still sends fail (EIO) instead of
+/// writing over the new agent's data, and every write acknowledged through the new agent is on
+/// every replica.
+#[test]
+fn a_volume_moved_off_a_hung_agent_fences_that_agent_out() {
+    let dir = tmp("fence");
+    let mut spec = ClusterSpec::new(dir.clone());
+    spec.size = 16 << 20;
+    spec.replicas = 3;
+    spec.nodes = 3;
+    let c = LocalCluster::start(&spawner(), spec).unwrap();
+    let control = c.control_addr.clone();
+    let ctl = |args: &[&str]| {
+        let mut a = vec!["--control", control.as_str()];
+        a.extend_from_slice(args);
+        blkctl(&dir, &a)
+    };
+    let (hp, name) = host_port(&c.uri);
+    let mut old = NbdClient::connect(hp.as_str(), &name).unwrap();
+    old.set_timeout(Some(Duration::from_secs(30))).unwrap();
+    const BLOCKS: u64 = 64;
+    for lba in 0..BLOCKS {
+        old.write(lba * 4096, &pattern(lba, 1), false).unwrap();
+    }
+    assert_eq!(describe(&dir, &control, "vol0")["epoch"], 1);
+    let agent1 = c.start_agent("agent1").unwrap();
+    signal(c.agent.pid, "STOP");
+    let (ok, _, err) = ctl(&["detach", "vol0"]);
+    assert!(
+        !ok && err.contains("--force"),
+        "a detach the agent cannot answer is refused: {err}"
+    );
+    let (ok, _, err) = ctl(&["detach", "vol0", "--force"]);
+    assert!(ok, "detach --force: {err}");
+    let (ok, out, err) = ctl(&["attach", "vol0", "--agent", "agent1"]);
+    assert!(ok, "attach to agent1: {err}");
+    let (hp1, name1) = host_port(out.trim());
+    let mut new = NbdClient::connect(hp1.as_str(), &name1).unwrap();
+    for lba in 0..BLOCKS {
+        new.write(lba * 4096, &pattern(lba, 2), false).unwrap();
+    }
+    let view = describe(&dir, &control, "vol0");
+    assert_eq!(
+        (view["epoch"].as_u64(), view["agent"].as_str()),
+        (Some(2), Some("agent1")),
+        "{view}"
+    );
+    // the old agent wakes up with its client's requests waiting
+    signal(c.agent.pid, "CONT");
+    let t = Instant::now();
+    let w = old.write(0, &pattern(0, 3), false);
+    assert!(w.is_err(), "the fenced agent's write was refused");
+    let mut got = vec![0u8; 4096];
+    assert!(old.read(4096, &mut got).is_err(), "the fenced agent's read was refused");
+    eprintln!("the old agent's write failed {:?} after it woke: {w:?}", t.elapsed());
+    let log = std::fs::read_to_string(&c.agent.log).unwrap_or_default();
+    assert!(log.contains("fenced"), "the old agent says it is fenced");
+    for lba in 0..BLOCKS {
+        new.read(lba * 4096, &mut got).unwrap();
+        assert!(got == pattern(lba, 2), "block {lba}: the new agent's write");
+    }
+    new.disconnect();
+    drop(agent1);
+    drop(c);
+    check_stores(&dir, &(0..BLOCKS).map(|lba| (lba, 2)).collect());
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -107,9 +107,9 @@ fn seed() -> u64 {
 fn solar_runs_on_the_engine_cores() {
     let store = MemStore::start();
     let sctx = ctx(1);
-    let service = sctx.solar_server(SolarServer::new(0), store.clone()).unwrap();
+    let service = sctx.solar_server(SolarServer::new(), store.clone()).unwrap();
     assert!(
-        sctx.solar_server(SolarServer::new(0), store.clone()).is_err(),
+        sctx.solar_server(SolarServer::new(), store.clone()).is_err(),
         "one server per context"
     );
     let actx = ctx(4);

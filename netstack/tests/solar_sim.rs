@@ -5,7 +5,7 @@
 //! overtakes a newer one; a dead path is routed around and probed back; congestion control
 //! holds the window under a bottleneck.
 
-use netstack::transport::solar::client::{ClientConfig, ClientEvent, IoError, SolarClient};
+use netstack::transport::solar::client::{ClientConfig, ClientEvent, IoError, SolarClient, Target};
 use netstack::transport::solar::server::{Request, SolarServer};
 use netstack::transport::solar::wire::{self, Header, Op, Status, BLOCK};
 use rand::rngs::StdRng;
@@ -123,7 +123,7 @@ impl Sim {
         Sim {
             now: 1_000,
             c: SolarClient::new(cfg, cc, 1_000),
-            s: SolarServer::new(0),
+            s: SolarServer::new(),
             net: Net::new(net, seed),
             store: HashMap::new(),
             reads: HashMap::new(),
@@ -470,7 +470,7 @@ fn accepted_blocks_wait_for_durability_and_a_lost_one_is_sent_again() {
     };
     let mut now = 1_000u64;
     let mut c = SolarClient::new(cfg, None, now);
-    let mut s = SolarServer::new(0);
+    let mut s = SolarServer::new();
     let d: Arc<[u8]> = Arc::from(vec![0x5Au8; 2 * BLOCK]);
     let io = c.write(now, 1, 10, d, false).unwrap();
     let mut pending = Vec::new();
@@ -503,7 +503,7 @@ fn accepted_blocks_wait_for_durability_and_a_lost_one_is_sent_again() {
         c.path_stats()
     );
     // block 1 is lost with the server: the Ok never comes; the block goes again, to a new one
-    let mut s = SolarServer::new(0);
+    let mut s = SolarServer::new();
     let mut resent = 0;
     for _ in 0..100 {
         now += 10_000_000;
@@ -606,4 +606,73 @@ fn cutting_half_the_paths_under_load_stalls_no_write_for_long() {
         assert!(sim.store[&(1, *lba)].0[..] == d[..], "block {lba}");
     }
     eprintln!("slowest write {longest} ns, {completed} writes, {st:?}");
+}
+
+/// A volume fenced at an epoch refuses the WRITEs and READs of a lower one (`WrongEpoch`, the
+/// request fails at once, nothing reaches the storage) and leaves its write ordering alone: a
+/// write of the new epoch with a smaller version than the refused one still lands. Other
+/// volumes, and newer epochs, are served; a fence never goes down.
+#[test]
+fn a_fenced_volume_refuses_requests_of_an_older_epoch_without_touching_its_blocks() {
+    let mut now = 1_000u64;
+    let mut c = SolarClient::new(ClientConfig::default(), None, now);
+    let mut s = SolarServer::new();
+    assert_eq!(s.fence(7, 3), 3);
+    assert_eq!(s.fence(7, 2), 3, "a fence only rises");
+    let block: Arc<[u8]> = Arc::from(vec![0xA5u8; BLOCK]);
+    let at = |volume, epoch| Target { volume, lba: 4, epoch };
+    // (target, version, expected to reach the storage)
+    let cases = [
+        (at(7, 2), 900, false),
+        (at(7, 3), 100, true),
+        (at(8, 0), 50, true),
+        (at(7, 4), 101, true),
+    ];
+    for (target, version, served) in cases {
+        let io = c
+            .write_versioned(now, target, Some(block.clone()), 1, false, version)
+            .unwrap();
+        let mut reached = false;
+        while let Some(t) = c.poll_transmit(now) {
+            if let Ok(Some(Request::Write { token, rpc, .. })) = s.on_packet(0, &t.to_vec(), false) {
+                assert_eq!(rpc, version);
+                reached = true;
+                s.write_done(token, Status::Ok);
+            }
+        }
+        now += 10_000;
+        while let Some(t) = s.poll_transmit() {
+            c.on_packet(now, &t.to_vec()).unwrap();
+        }
+        assert_eq!(reached, served, "{target:?}");
+        let want = if served {
+            Ok(())
+        } else {
+            Err(IoError::Status(Status::WrongEpoch, 0))
+        };
+        assert_eq!(
+            c.poll_event(),
+            Some(ClientEvent::Done { io, result: want }),
+            "{target:?}"
+        );
+    }
+    let io = c.read_at(now, at(7, 2), 1).unwrap();
+    while let Some(t) = c.poll_transmit(now) {
+        assert_eq!(
+            s.on_packet(0, &t.to_vec(), false),
+            Ok(None),
+            "refused before the storage"
+        );
+    }
+    while let Some(t) = s.poll_transmit() {
+        c.on_packet(now, &t.to_vec()).unwrap();
+    }
+    assert_eq!(
+        c.poll_event(),
+        Some(ClientEvent::Done {
+            io,
+            result: Err(IoError::Status(Status::WrongEpoch, 0))
+        })
+    );
+    assert_eq!(s.stats().wrong_epoch, 2);
 }

@@ -132,6 +132,15 @@ impl pb::storage_node_admin_server::StorageNodeAdmin for NodeAdmin {
         Ok(Response::new(pb::BlockVersionsReply { versions }))
     }
 
+    async fn fence(&self, r: Request<pb::FenceRequest>) -> Result<Response<pb::FenceReply>, Status> {
+        let r = r.into_inner();
+        let epoch = self.0.fence(r.volume, r.epoch).await.map_err(|e| match e {
+            NodeError::NoVolume(_) => Status::not_found(e.to_string()),
+            e => Status::internal(e.to_string()),
+        })?;
+        Ok(Response::new(pb::FenceReply { epoch }))
+    }
+
     async fn list_volumes(&self, _: Request<pb::ListVolumesRequest>) -> Result<Response<pb::ListVolumesReply>, Status> {
         let volumes = self
             .0
@@ -178,7 +187,7 @@ pub fn attach_spec(agent: &Agent, v: &pb::VolumeSpec) -> Result<(), Status> {
         })
         .collect();
     let vol = agent
-        .attach(name, v.id, v.size, &replicas, v.write_quorum as usize)
+        .attach(name, v.id, v.size, &replicas, v.write_quorum as usize, v.epoch)
         .map_err(|e| Status::invalid_argument(e.to_string()))?;
     vol.set_qos(v.qos.as_ref().map(super::controller::qos_limits).unwrap_or_default());
     Ok(())
@@ -251,6 +260,12 @@ impl NodeQueries for NodeAdminQueries {
                 let req = pb::BlockVersionsRequest { volume, lba, blocks };
                 Ok(c.block_versions(req).await?.into_inner().versions)
             })
+        })
+    }
+
+    fn fence(&self, admin: &str, volume: u32, epoch: u32) -> crate::volume::Answer<u32> {
+        ask_node(admin, move |mut c| {
+            Box::pin(async move { Ok(c.fence(pb::FenceRequest { volume, epoch }).await?.into_inner().epoch) })
         })
     }
 }

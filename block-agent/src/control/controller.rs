@@ -305,6 +305,7 @@ impl Controller {
                 .map(|p| format!("{}@{}", p.volume, p.snapshot))
                 .unwrap_or_default(),
             write_quorum: v.write_quorum,
+            epoch: v.epoch,
         }
     }
 
@@ -755,6 +756,7 @@ impl pb::block_control_server::BlockControl for ControllerService {
             next_snapshot: 1,
             parent: None,
             write_quorum: r.write_quorum,
+            epoch: 0,
         };
         c.commit(&mut s, |n| {
             n.next_id = id + 1;
@@ -1035,6 +1037,7 @@ impl pb::block_control_server::BlockControl for ControllerService {
                 snapshot: r.snapshot.clone(),
             }),
             write_quorum: v.write_quorum,
+            epoch: 0,
         };
         c.commit(&mut s, |n| {
             n.next_id = id + 1;
@@ -1108,10 +1111,23 @@ impl pb::block_control_server::BlockControl for ControllerService {
         if let Some(a) = &v.agent {
             if a != &r.agent {
                 return Err(Status::failed_precondition(format!(
-                    "volume {:?} is attached to agent {a:?}; one writer only",
+                    "volume {:?} is attached to agent {a:?}; one writer only: detach it first (with --force when \
+                     that agent is gone)",
                     r.name
                 )));
             }
+        }
+        if v.agent.is_none() {
+            // a new attachment: a higher epoch, recorded before any agent sees it (the agent
+            // fences the replicas at it, shutting out whoever had the volume before)
+            let epoch = v
+                .epoch
+                .checked_add(1)
+                .ok_or_else(|| Status::resource_exhausted(format!("volume {:?}: attachment epochs used up", r.name)))?;
+            c.commit(&mut s, |n| {
+                n.volumes.get_mut(&r.name).expect("checked above").epoch = epoch;
+            })
+            .await?;
         }
         let uri = c.attach_at(&s, &r.name, &r.agent).await?;
         c.commit(&mut s, |n| {
@@ -1119,6 +1135,59 @@ impl pb::block_control_server::BlockControl for ControllerService {
         })
         .await?;
         Ok(Response::new(pb::AttachVolumeReply { uri }))
+    }
+
+    async fn detach(&self, r: Request<pb::DetachVolumeRequest>) -> Result<Response<pb::VolumeSpec>, Status> {
+        let c = &self.0;
+        let r = r.into_inner();
+        let mut s = c.state.lock().await;
+        let v = volume(&s, &r.name)?.clone();
+        if let Some(agent) = &v.agent {
+            let told = async {
+                let admin = s
+                    .agents
+                    .get(agent)
+                    .map(|a| a.admin.clone())
+                    .ok_or_else(|| Status::not_found(format!("agent {agent:?} is not registered")))?;
+                let call = async {
+                    agent_client(&admin)
+                        .await?
+                        .detach(pb::DetachRequest {
+                            export_name: r.name.clone(),
+                        })
+                        .await
+                };
+                tokio::time::timeout(Duration::from_secs(5), call)
+                    .await
+                    .map_err(|_| Status::unavailable(format!("agent {agent:?} at {admin} did not answer within 5 s")))?
+            }
+            .await;
+            match told {
+                Ok(_) => tracing::info!("volume {}: detached from agent {agent}", r.name),
+                Err(e) if r.force => tracing::warn!(
+                    "volume {}: agent {agent} was not told ({}); detached anyway: the next attachment fences it out",
+                    r.name,
+                    e.message()
+                ),
+                Err(e) => {
+                    return Err(Status::new(
+                        e.code(),
+                        format!(
+                            "volume {:?}: agent {agent:?} did not detach it: {}; --force detaches it anyway (the next \
+                             attachment fences that agent out)",
+                            r.name,
+                            e.message()
+                        ),
+                    ))
+                }
+            }
+            c.commit(&mut s, |n| {
+                n.volumes.get_mut(&r.name).expect("checked above").agent = None;
+            })
+            .await?;
+        }
+        let rec = volume(&s, &r.name)?.clone();
+        Ok(Response::new(c.spec(&r.name, &rec, &s)))
     }
 }
 

@@ -40,6 +40,10 @@ pub struct VolumeRecord {
     /// Replicas a write needs durable before it is acknowledged (0: a majority).
     #[serde(default)]
     pub write_quorum: u32,
+    /// The epoch of its latest attachment (raised by each attach to an agent that did not
+    /// have it): its replicas refuse the requests of earlier attachments.
+    #[serde(default)]
+    pub epoch: u32,
 }
 
 /// A snapshot as the controller records it.

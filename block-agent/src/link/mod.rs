@@ -12,6 +12,7 @@ mod solar;
 mod tcp;
 
 use netstack::cc::CcKind;
+pub use netstack::transport::solar::client::Target;
 use netstack::transport::solar::client::{ClientConfig, ClientStats, IoError, SubmitError};
 use netstack::transport::solar::wire::BLOCK;
 use netstack::verbs::solar::SolarError;
@@ -136,23 +137,20 @@ impl<T> Future for Reply<T> {
 /// A request to a link's driver.
 enum Cmd {
     Write {
-        volume: u32,
-        lba: u64,
+        target: Target,
         data: Arc<[u8]>,
         fua: bool,
         version: u64,
         done: oneshot::Sender<Result<(), LinkError>>,
     },
     Read {
-        volume: u32,
-        lba: u64,
+        target: Target,
         blocks: u16,
         done: oneshot::Sender<ReadResult>,
     },
     /// Zeroes (deallocates) blocks: no payload.
     WriteZeroes {
-        volume: u32,
-        lba: u64,
+        target: Target,
         blocks: u16,
         version: u64,
         done: oneshot::Sender<Result<(), LinkError>>,
@@ -205,21 +203,21 @@ impl Link {
         }
     }
 
-    /// Writes `data` (whole blocks) at block `lba` of `volume` as `version` (the node orders
-    /// writes to a block by it and stores it: one increasing sequence per writer, the same
-    /// on every replica, see [`crate::volume::next_versions`]); answered once every block is
-    /// durable on the node.
-    pub fn write(&self, volume: u32, lba: u64, data: Arc<[u8]>, fua: bool, version: u64) -> Reply<()> {
+    /// Writes `data` (whole blocks) at `target` as `version` (the node orders writes to a
+    /// block by it and stores it: one increasing sequence per volume, the same on every
+    /// replica, see [`crate::volume::Volume`]); answered once every block is durable on the
+    /// node. A node that fenced the volume at a higher epoch than the target's refuses it
+    /// (`WrongEpoch`).
+    pub fn write(&self, target: Target, data: Arc<[u8]>, fua: bool, version: u64) -> Reply<()> {
         match &self.driver {
             Driver::Solar(l) => Reply(ReplyFrom::Solar(
-                l.write((volume, lba), Some(data), 0, fua, version),
+                l.write(target, Some(data), 0, fua, version),
                 self.server(),
             )),
             Driver::Tcp(l) => {
                 let (done, rx) = oneshot::channel();
                 l.submit(Cmd::Write {
-                    volume,
-                    lba,
+                    target,
                     data,
                     fua,
                     version,
@@ -230,19 +228,18 @@ impl Link {
         }
     }
 
-    /// Zeroes `blocks` blocks at `lba` of `volume` (TRIM, WRITE_ZEROES): nothing but headers
-    /// cross the network, and the node gives the blocks' space back; answered once durable.
-    pub fn write_zeroes(&self, volume: u32, lba: u64, blocks: u16, version: u64) -> Reply<()> {
+    /// Zeroes `blocks` blocks at `target` (TRIM, WRITE_ZEROES): nothing but headers cross the
+    /// network, and the node gives the blocks' space back; answered once durable.
+    pub fn write_zeroes(&self, target: Target, blocks: u16, version: u64) -> Reply<()> {
         match &self.driver {
             Driver::Solar(l) => Reply(ReplyFrom::Solar(
-                l.write((volume, lba), None, blocks, false, version),
+                l.write(target, None, blocks, false, version),
                 self.server(),
             )),
             Driver::Tcp(l) => {
                 let (done, rx) = oneshot::channel();
                 l.submit(Cmd::WriteZeroes {
-                    volume,
-                    lba,
+                    target,
                     blocks,
                     version,
                     done,
@@ -252,18 +249,13 @@ impl Link {
         }
     }
 
-    /// Reads `blocks` blocks at `lba` of `volume` (each checked against its stored CRC).
-    pub fn read(&self, volume: u32, lba: u64, blocks: u16) -> Reply<Vec<u8>> {
+    /// Reads `blocks` blocks at `target` (each checked against its stored CRC).
+    pub fn read(&self, target: Target, blocks: u16) -> Reply<Vec<u8>> {
         match &self.driver {
-            Driver::Solar(l) => Reply(ReplyFrom::Solar(l.read(volume, lba, blocks), self.server())),
+            Driver::Solar(l) => Reply(ReplyFrom::Solar(l.read(target, blocks), self.server())),
             Driver::Tcp(l) => {
                 let (done, rx) = oneshot::channel();
-                l.submit(Cmd::Read {
-                    volume,
-                    lba,
-                    blocks,
-                    done,
-                });
+                l.submit(Cmd::Read { target, blocks, done });
                 Reply(ReplyFrom::Link(rx))
             }
         }

@@ -4,7 +4,7 @@
 //! `sendmmsg`/`recvmmsg`) and polling; each path is one of the core's source ports (its own
 //! ECMP flow). Read blocks are placed into the request's buffer by the core as they arrive.
 
-use super::{Carrier, LinkConfig, LinkError, LinkStatus};
+use super::{Carrier, LinkConfig, LinkError, LinkStatus, Target};
 use netstack::cc::{CcEnv, CcParams};
 use netstack::verbs::solar::{SolarAgent, SolarError};
 use netstack::verbs::{Context, ContextConfig, PollMode};
@@ -91,7 +91,7 @@ impl SolarLink {
     /// packets), as `version`; answered by the core once durable on the node.
     pub(super) fn write(
         &self,
-        target: (u32, u64),
+        target: Target,
         data: Option<Arc<[u8]>>,
         blocks: u16,
         fua: bool,
@@ -101,8 +101,8 @@ impl SolarLink {
     }
 
     /// Reads blocks, each checked against its stored CRC.
-    pub(super) fn read(&self, volume: u32, lba: u64, blocks: u16) -> oneshot::Receiver<Result<Vec<u8>, SolarError>> {
-        self.agent.read(volume, lba, blocks)
+    pub(super) fn read(&self, target: Target, blocks: u16) -> oneshot::Receiver<Result<Vec<u8>, SolarError>> {
+        self.agent.read_at(target, blocks)
     }
 
     /// Follows the storage node to `addr`.

@@ -6,7 +6,7 @@
 //! in flight (a write keeps its version, so a repeat cannot overtake a newer write); a request
 //! not answered within the I/O timeout fails.
 
-use super::{Cmd, LinkConfig, LinkError, LinkStatus, ReadResult};
+use super::{Cmd, LinkConfig, LinkError, LinkStatus, ReadResult, Target};
 use crate::tcp_proto::{self, Header};
 use netstack::transport::solar::client::{ClientStats, IoError, SubmitError};
 use netstack::transport::solar::wire::Status;
@@ -105,13 +105,14 @@ impl Drop for TcpLink {
 }
 
 /// The header of a request without payload (READ, WRITE_ZEROES).
-fn header(op: u8, volume: u32, lba: u64, blocks: u16, version: u64) -> Header {
+fn header(op: u8, t: Target, blocks: u16, version: u64) -> Header {
     Header {
         op,
-        volume,
+        volume: t.volume,
         blocks: blocks as u32,
-        lba,
+        lba: t.lba,
         version,
+        epoch: t.epoch,
         ..Default::default()
     }
 }
@@ -207,8 +208,7 @@ impl Sender {
                 return;
             }
             Cmd::Write {
-                volume,
-                lba,
+                target,
                 data,
                 fua,
                 version,
@@ -226,32 +226,27 @@ impl Sender {
                 let hdr = Header {
                     op: tcp_proto::WRITE,
                     flags: if fua { tcp_proto::FUA } else { 0 },
-                    volume,
+                    volume: target.volume,
                     blocks: blocks as u32,
-                    lba,
+                    lba: target.lba,
                     version,
+                    epoch: target.epoch,
                     ..Default::default()
                 };
                 (hdr, Some(data), Done::Write(done))
             }
             // the requests without payload: a header for `blocks` blocks
             Cmd::WriteZeroes {
-                volume,
-                lba,
+                target,
                 blocks,
                 version,
                 done,
             } => (
-                header(tcp_proto::WRITE_ZEROES, volume, lba, blocks, version),
+                header(tcp_proto::WRITE_ZEROES, target, blocks, version),
                 None,
                 Done::Write(done),
             ),
-            Cmd::Read {
-                volume,
-                lba,
-                blocks,
-                done,
-            } => (header(tcp_proto::READ, volume, lba, blocks, 0), None, Done::Read(done)),
+            Cmd::Read { target, blocks, done } => (header(tcp_proto::READ, target, blocks, 0), None, Done::Read(done)),
         };
         if hdr.blocks == 0 {
             answer(done, Err(LinkError::Submit(addr, SubmitError::Length(0))));

@@ -27,6 +27,7 @@
 //!   the newest snapshot first. A **clone** is a volume whose unwritten blocks read through to
 //!   a snapshot of another volume ([`Base`]), usable at once.
 
+mod fence;
 mod snapshot;
 
 pub use snapshot::{read_base, Base};
@@ -151,6 +152,8 @@ pub struct VolumeStore {
     snaps: RwLock<snapshot::Snapshots>,
     /// A clone's base.
     base: Option<Base>,
+    /// The lowest attachment epoch whose requests the node serves ([`VolumeStore::fence`]).
+    fence: fence::Fence,
 }
 
 /// Makes `dir`'s entries (files created, renamed or removed in it) durable.
@@ -413,7 +416,14 @@ impl VolumeStore {
     pub fn remove(dir: &Path, volume: u32) -> Result<(), StoreError> {
         let (d, m, l) = paths(dir, volume);
         let l2 = log2_path(dir, volume);
-        for p in [&d, &m, &l, &l2, &snapshot::base_path(dir, volume)] {
+        for p in [
+            &d,
+            &m,
+            &l,
+            &l2,
+            &snapshot::base_path(dir, volume),
+            &fence::path(dir, volume),
+        ] {
             match std::fs::remove_file(p) {
                 Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
                     return Err(StoreError::Io {
@@ -518,6 +528,7 @@ impl VolumeStore {
             stats: Mutex::new(StoreStats::default()),
             snaps: RwLock::new(snapshot::Snapshots::open(dir, volume)?),
             base,
+            fence: fence::Fence::load(dir, volume)?,
         };
         s.replay()?;
         Ok(s)
@@ -525,6 +536,18 @@ impl VolumeStore {
 
     pub fn volume(&self) -> u32 {
         self.volume
+    }
+
+    /// Fences the volume at attachment epoch `epoch`, durably: the node refuses requests of
+    /// a lower epoch from now on (a fence only rises; a lower `epoch` changes nothing).
+    /// Returns the fence in effect. See `fence.rs`.
+    pub fn fence(&self, epoch: u32) -> Result<u32, StoreError> {
+        self.fence.raise(&self.dir, self.volume, epoch)
+    }
+
+    /// The lowest attachment epoch the node serves (0: not fenced).
+    pub fn fenced_at(&self) -> u32 {
+        self.fence.epoch()
     }
 
     pub fn blocks(&self) -> u64 {

@@ -1,10 +1,17 @@
 //! A replicated volume as the agent sees it: byte-addressed reads and writes turned into block
 //! requests on the [`Link`]s of the volume's replicas.
 //!
-//! - **Versions.** Every copy of a write carries the same version ([`next_versions`]), which
-//!   the storage node stores with the block; a volume attached anew compares the replicas by
-//!   them and copies the newest copy of each block where it is missing before serving
-//!   ([`reconcile`]).
+//! - **Versions.** Every copy of a write carries the same version ([`Volume::next_versions`]),
+//!   which the storage node stores with the block; a volume attached anew compares the
+//!   replicas by them and copies the newest copy of each block where it is missing before
+//!   serving ([`reconcile`]).
+//! - **Epochs (fencing).** Each attachment of a volume has an epoch, higher than any before
+//!   (the controller's); every request carries it, and before its first I/O the agent fences
+//!   every replica at it (`reconcile.rs`). A storage node refuses requests of a lower epoch
+//!   (`WrongEpoch`), so an agent the volume was taken from can neither write nor read it: its
+//!   I/O fails at once with [`VolumeError::Fenced`]. Versions are epoch-major (the epoch in
+//!   their upper bits), so a write such an agent got onto a replica not yet fenced is older
+//!   than every write of the new attachment.
 //! - **Writes** go to every replica that is up and complete when a **quorum** of them has the
 //!   blocks durable (a majority by default, so 2 of 3 replicas give degraded writes; the
 //!   volume's own quorum from the controller, else [`VolumeConfig::write_quorum`], the
@@ -39,13 +46,13 @@ mod reconcile;
 
 pub use reconcile::{Answer, LocalStores, NodeQueries};
 
-use crate::link::{Link, LinkError};
+use crate::link::{Link, LinkError, Target};
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use netstack::transport::solar::client::IoError;
 use netstack::transport::solar::wire::Status;
 use parking_lot::Mutex;
 use std::collections::{BTreeSet, HashMap};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::Notify;
@@ -76,6 +83,11 @@ pub enum VolumeError {
     },
     #[error("volume {volume}: no replica answered the read ({last})")]
     AllReplicasFailed { volume: u32, last: String },
+    #[error(
+        "volume {volume} was attached elsewhere since: a storage node refused this attachment's epoch {epoch}; \
+         it is fenced (detach it)"
+    )]
+    Fenced { volume: u32, epoch: u32 },
 }
 
 /// Settings of a volume's I/O.
@@ -213,32 +225,20 @@ impl Drop for RangeGuard<'_> {
     }
 }
 
-/// Reserves `n` consecutive write versions; returns the first. Every write this process sends
-/// takes its versions from this one increasing sequence, and each replica's copy of a write
-/// carries the same version: the storage nodes order writes to a block by it (dropping an
-/// older one that arrives late) and store it with the block, so replicas can be compared
-/// block by block and the newest copy found. It starts at the wall clock in nanoseconds, so
-/// an agent that restarts goes on above the versions it wrote before.
-pub fn next_versions(n: u64) -> u64 {
-    versions().fetch_add(n.max(1), Ordering::Relaxed)
-}
+/// Bits of a version below its epoch: versions are `epoch << EPOCH_SHIFT | sequence`.
+const EPOCH_SHIFT: u32 = 48;
 
-/// Makes every version drawn from now on at least `floor` (the comparison of replicas at
-/// attach raises it above the highest version any replica holds, so a host whose clock is
-/// behind the one that wrote them still writes newer versions).
-pub fn raise_versions(floor: u64) {
-    versions().fetch_max(floor, Ordering::Relaxed);
-}
-
-/// The process's version sequence.
-fn versions() -> &'static AtomicU64 {
-    static NEXT: std::sync::OnceLock<AtomicU64> = std::sync::OnceLock::new();
-    NEXT.get_or_init(|| {
+/// The first version of attachment epoch `epoch`: above every version of the epochs before.
+/// Epoch 0 (a volume attached without a controller) starts at the wall clock in nanoseconds,
+/// so an agent that restarts goes on above the versions it wrote before.
+fn first_version(epoch: u32) -> u64 {
+    if epoch == 0 {
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(1, |d| d.as_nanos() as u64);
-        AtomicU64::new(now.max(1))
-    })
+        return now.max(1);
+    }
+    (epoch as u64) << EPOCH_SHIFT | 1
 }
 
 /// Replicas' admin addresses and the way to ask them.
@@ -257,6 +257,12 @@ enum Payload {
 /// A volume attached to this agent.
 pub struct Volume {
     id: u32,
+    /// This attachment's epoch: every request carries it ([`Volume::set_epoch`]).
+    epoch: AtomicU32,
+    /// The next write version (see [`Volume::next_versions`]).
+    versions: AtomicU64,
+    /// The epoch a storage node refused (0: none): this attachment is fenced and fails all I/O.
+    fenced: AtomicU32,
     /// Bytes; grows online ([`Volume::grow`]).
     size: AtomicU64,
     /// Per replica its link; one is swapped when the controller replaces the replica.
@@ -266,11 +272,11 @@ pub struct Volume {
     rr: AtomicUsize,
     counters: VolumeCounters,
     /// Per replica: until when reads try it last (it failed or did not answer a read), in
-    /// milliseconds since `epoch`; 0 when it is in good standing. A replica that is down then
+    /// milliseconds since `started`; 0 when it is in good standing. A replica that is down then
     /// costs one failover wait per [`SUSPECT_FOR`], not one per read that happens to start
     /// there.
     suspect_until: Vec<AtomicU64>,
-    epoch: std::time::Instant,
+    started: std::time::Instant,
     health: Mutex<Vec<ReplicaHealth>>,
     qos: Mutex<crate::qos::Qos>,
     /// The resync task was started.
@@ -306,6 +312,9 @@ impl Volume {
         let replicas_len = replicas.len();
         Arc::new(Volume {
             id,
+            epoch: AtomicU32::new(0),
+            versions: AtomicU64::new(first_version(0)),
+            fenced: AtomicU32::new(0),
             size: AtomicU64::new(size),
             replicas: replicas.into_iter().map(parking_lot::RwLock::new).collect(),
             cfg,
@@ -313,7 +322,7 @@ impl Volume {
             rr: AtomicUsize::new(0),
             counters: VolumeCounters::default(),
             suspect_until: (0..replicas_len).map(|_| AtomicU64::new(0)).collect(),
-            epoch: std::time::Instant::now(),
+            started: std::time::Instant::now(),
             health: Mutex::new((0..replicas_len).map(|_| ReplicaHealth::default()).collect()),
             qos: Mutex::new(crate::qos::Qos::default()),
             resyncing: std::sync::atomic::AtomicBool::new(false),
@@ -323,6 +332,82 @@ impl Volume {
             reconciled_cv: Notify::new(),
             quorum: AtomicUsize::new(0),
         })
+    }
+
+    /// Sets this attachment's epoch (the controller's; a lower one than the volume has changes
+    /// nothing). Set it before the first I/O: requests carry it and the replicas are fenced
+    /// at it when the volume is reconciled.
+    pub fn set_epoch(&self, epoch: u32) {
+        if self.epoch.fetch_max(epoch, Ordering::AcqRel) < epoch {
+            self.raise_versions(first_version(epoch));
+        }
+    }
+
+    /// This attachment's epoch.
+    pub fn epoch(&self) -> u32 {
+        self.epoch.load(Ordering::Acquire)
+    }
+
+    /// Blocks from `lba` under this attachment's epoch: where a link request goes.
+    fn at(&self, lba: u64) -> Target {
+        Target {
+            volume: self.id,
+            lba,
+            epoch: self.epoch(),
+        }
+    }
+
+    /// Reserves `n` consecutive write versions; returns the first. Every write of the volume
+    /// takes its versions from this one increasing sequence, and each replica's copy of a
+    /// write carries the same version: the storage nodes order writes to a block by it
+    /// (dropping an older one that arrives late) and store it with the block, so replicas can
+    /// be compared block by block and the newest copy found.
+    pub fn next_versions(&self, n: u64) -> u64 {
+        self.versions.fetch_add(n.max(1), Ordering::Relaxed)
+    }
+
+    /// Makes every version drawn from now on at least `floor` (the comparison of replicas at
+    /// attach raises it above the highest version any replica holds).
+    pub fn raise_versions(&self, floor: u64) {
+        self.versions.fetch_max(floor, Ordering::Relaxed);
+    }
+
+    /// Err once a storage node refused this attachment's epoch.
+    fn check_fenced(&self) -> Result<(), VolumeError> {
+        match self.fenced.load(Ordering::Acquire) {
+            0 => Ok(()),
+            epoch => Err(VolumeError::Fenced { volume: self.id, epoch }),
+        }
+    }
+
+    /// Notes that a storage node refused this attachment's epoch, if `e` says so; the error
+    /// the request fails with then.
+    fn fenced_by(&self, e: &LinkError) -> Option<VolumeError> {
+        if !matches!(e, LinkError::Io(_, IoError::Status(Status::WrongEpoch, _))) {
+            return None;
+        }
+        self.mark_fenced(&e.to_string());
+        Some(VolumeError::Fenced {
+            volume: self.id,
+            epoch: self.epoch().max(1),
+        })
+    }
+
+    /// This attachment is fenced from now on (`why`: who said so): all I/O fails.
+    fn mark_fenced(&self, why: &str) {
+        if self.fenced.swap(self.epoch().max(1), Ordering::AcqRel) == 0 {
+            tracing::error!(
+                "volume {}: attached elsewhere since (epoch {} refused: {why}); this attachment is fenced and \
+                 fails all I/O",
+                self.id,
+                self.epoch()
+            );
+        }
+    }
+
+    /// Whether a storage node refused this attachment's epoch.
+    pub fn is_fenced(&self) -> bool {
+        self.fenced.load(Ordering::Acquire) != 0
     }
 
     /// Sets the volume's QoS limits (online: requests after this see them).
@@ -453,6 +538,7 @@ impl Volume {
     /// Reads `len` bytes at `offset` (any alignment).
     pub async fn read(self: &Arc<Self>, offset: u64, len: u64) -> Result<Vec<u8>, VolumeError> {
         self.check(offset, len)?;
+        self.check_fenced()?;
         if len == 0 {
             return Ok(Vec::new());
         }
@@ -514,7 +600,7 @@ impl Volume {
         let mut last = String::new();
         // round robin over the replicas in good standing, then the suspect ones
         // (which replicas are suspect is read once: one that fails now is not tried twice)
-        let now = self.epoch.elapsed().as_millis() as u64;
+        let now = self.started.elapsed().as_millis() as u64;
         let suspects = (0..r.min(64))
             .filter(|&i| self.suspect_until[i].load(Ordering::Relaxed) > now)
             .fold(0u64, |m, i| m | 1 << i);
@@ -526,7 +612,7 @@ impl Volume {
                 .filter(move |&i| (i < 64 && suspects >> i & 1 == 1) == last)
         });
         for i in order {
-            let rx = self.link(i).read(self.id, lba, n);
+            let rx = self.link(i).read(self.at(lba), n);
             let res = if clean.len() > 1 {
                 match tokio::time::timeout(self.cfg.read_failover_after, rx).await {
                     Ok(x) => x,
@@ -554,6 +640,9 @@ impl Volume {
                     return Ok(data);
                 }
                 Ok(Err(e)) => {
+                    if let Some(f) = self.fenced_by(&e) {
+                        return Err(f);
+                    }
                     tracing::warn!("volume {}: read of {n} blocks at {lba} from replica {i}: {e}", self.id);
                     if is_data_error(&e) {
                         bad.push(i);
@@ -580,7 +669,7 @@ impl Volume {
 
     /// Reads try replica `i` last for a while.
     fn suspect(&self, i: usize) {
-        let until = (self.epoch.elapsed() + SUSPECT_FOR).as_millis() as u64;
+        let until = (self.started.elapsed() + SUSPECT_FOR).as_millis() as u64;
         self.suspect_until[i].store(until, Ordering::Relaxed);
     }
 
@@ -590,7 +679,7 @@ impl Volume {
         let v = self.clone();
         tokio::spawn(async move {
             let _g = v.locks.lock(lba, lba + n as u64).await;
-            let data = match v.link(good).read(v.id, lba, n).await {
+            let data = match v.link(good).read(v.at(lba), n).await {
                 Ok(Ok(d)) => Arc::<[u8]>::from(d),
                 other => {
                     v.counters.repair_failures.fetch_add(1, Ordering::Relaxed);
@@ -602,7 +691,7 @@ impl Volume {
                 }
             };
             for b in bad {
-                match v.link(b).write(v.id, lba, data.clone(), true, next_versions(1)).await {
+                match v.link(b).write(v.at(lba), data.clone(), true, v.next_versions(1)).await {
                     Ok(Ok(())) => {
                         v.counters.repairs.fetch_add(1, Ordering::Relaxed);
                         tracing::warn!(
@@ -628,6 +717,7 @@ impl Volume {
     pub async fn write(self: &Arc<Self>, offset: u64, data: &[u8], fua: bool) -> Result<(), VolumeError> {
         let len = data.len() as u64;
         self.check(offset, len)?;
+        self.check_fenced()?;
         if len == 0 {
             return Ok(());
         }
@@ -703,6 +793,7 @@ impl Volume {
     /// the whole range without it (NBD's NO_HOLE), are written with zeros.
     pub async fn write_zeroes(self: &Arc<Self>, offset: u64, len: u64, deallocate: bool) -> Result<(), VolumeError> {
         self.check(offset, len)?;
+        self.check_fenced()?;
         let end = offset + len;
         let (first, last) = (offset.div_ceil(BLOCK), end / BLOCK);
         if !deallocate || first >= last {
@@ -739,6 +830,7 @@ impl Volume {
     /// the range, block by block (NBD BLOCK_STATUS). Asked over the node's admin service.
     pub async fn allocation(self: &Arc<Self>, offset: u64, len: u64) -> Result<Vec<(u64, u8)>, VolumeError> {
         self.check(offset, len)?;
+        self.check_fenced()?;
         if len == 0 {
             return Ok(Vec::new());
         }
@@ -811,7 +903,7 @@ impl Volume {
             (targets, h.iter().map(|r| r.generation).collect())
         };
         // one version per link request, the same on every replica
-        let first_version = next_versions(n.div_ceil(CHUNK_BLOCKS));
+        let first_version = self.next_versions(n.div_ceil(CHUNK_BLOCKS));
         let mut replies = FuturesUnordered::new();
         for &i in &targets {
             let mut waits = Vec::new();
@@ -826,9 +918,9 @@ impl Volume {
                         } else {
                             Arc::from(&data[(at * BLOCK) as usize..((at + k) * BLOCK) as usize])
                         };
-                        self.link(i).write(self.id, lba + at, part, fua, version)
+                        self.link(i).write(self.at(lba + at), part, fua, version)
                     }
-                    Payload::Zeroes(_) => self.link(i).write_zeroes(self.id, lba + at, k as u16, version),
+                    Payload::Zeroes(_) => self.link(i).write_zeroes(self.at(lba + at), k as u16, version),
                 });
                 at += k;
             }
@@ -851,6 +943,10 @@ impl Volume {
             match r {
                 Ok(()) => done += 1,
                 Err(e) => {
+                    if let Some(f) = self.fenced_by(&e) {
+                        // not a replica failure: this attachment lost the volume
+                        return Err(f);
+                    }
                     tracing::error!("volume {}: write of {n} blocks at {lba}: replica {i}: {e}", self.id);
                     failed.push(i);
                     first_err.get_or_insert(VolumeError::Replica {
@@ -990,7 +1086,7 @@ impl Volume {
         if self.health.lock()[i].down {
             // a down replica answers a one-block read first, without the range lock: a dead
             // one must not hold up the writes to the region for the replica timeout
-            match tokio::time::timeout(self.cfg.replica_timeout, self.link(i).read(self.id, lba, 1)).await {
+            match tokio::time::timeout(self.cfg.replica_timeout, self.link(i).read(self.at(lba), 1)).await {
                 Ok(Ok(Ok(_))) => {}
                 other => return Err(format!("replica {i} does not answer: {other:?}")),
             }
@@ -1001,7 +1097,7 @@ impl Volume {
             .into_iter()
             .find(|&k| k != i)
             .ok_or_else(|| format!("no replica has region {g} in sync"))?;
-        let data = match tokio::time::timeout(self.cfg.replica_timeout, self.link(source).read(self.id, lba, n as u16))
+        let data = match tokio::time::timeout(self.cfg.replica_timeout, self.link(source).read(self.at(lba), n as u16))
             .await
         {
             Ok(Ok(Ok(d))) => Arc::<[u8]>::from(d),
@@ -1010,9 +1106,9 @@ impl Volume {
         // a region of zeros is written as a zero run (deallocated: a new replica of a sparse
         // volume stays sparse)
         let copy = if data.iter().all(|&b| b == 0) {
-            self.link(i).write_zeroes(self.id, lba, n as u16, next_versions(1))
+            self.link(i).write_zeroes(self.at(lba), n as u16, self.next_versions(1))
         } else {
-            self.link(i).write(self.id, lba, data, true, next_versions(1))
+            self.link(i).write(self.at(lba), data, true, self.next_versions(1))
         };
         match tokio::time::timeout(self.cfg.replica_timeout, copy).await {
             Ok(Ok(Ok(()))) => {}
@@ -1048,6 +1144,9 @@ async fn resync(v: std::sync::Weak<Volume>) {
         };
         tokio::time::sleep(interval).await;
         let Some(v) = v.upgrade() else { return };
+        if v.is_fenced() {
+            return;
+        }
         let behind: Vec<usize> = {
             let h = v.health.lock();
             (0..h.len())

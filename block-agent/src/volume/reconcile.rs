@@ -1,8 +1,12 @@
 //! Reconciling a volume's replicas when an agent attaches it anew (after its own restart, the
 //! dirty regions it kept in memory are gone).
 //!
+//! First every replica is fenced at the attachment's epoch: from then on its node refuses the
+//! requests of any earlier attachment, so what the replicas hold can only change through this
+//! one. A replica is compared only once fenced.
+//!
 //! Every copy of a write carries the same version, drawn from one increasing sequence
-//! ([`super::next_versions`]), and each storage node stores a block's version with it. So the
+//! ([`Volume::next_versions`]), and each storage node stores a block's version with it. So the
 //! replicas can be compared without reading data: first a digest per 1 MiB region (written
 //! flags and versions), then, where the digests differ, each block's version; the newest copy
 //! of each block is written, with its version, to the replicas that lack it. An acknowledged
@@ -11,8 +15,9 @@
 //! Until it is done reads wait and writes wait at the volume's gate, which it holds.
 //!
 //! A replica that does not answer is down and *unverified*: no read goes to it, and when it
-//! answers again the resync compares its region digests with a clean replica's and rewrites
-//! the regions that differ.
+//! answers again the resync fences it, compares its region digests with a clean replica's and
+//! rewrites the regions that differ. A node fenced at a higher epoch than this attachment's
+//! (the volume was attached elsewhere since) fences this attachment out: all its I/O fails.
 
 use super::{Volume, BLOCK, REGION_BLOCKS};
 use std::future::Future;
@@ -42,11 +47,18 @@ pub trait NodeQueries: Send + Sync {
     ) -> Answer<(Vec<u64>, u64)>;
     /// The stored version of each of `blocks` blocks from `lba`.
     fn block_versions(&self, admin: &str, volume: u32, lba: u64, blocks: u64) -> Answer<Vec<u64>>;
+    /// Fences the volume at attachment epoch `epoch` on the node, durably: it refuses the
+    /// requests of lower epochs from when this answers. The answer is the fence in effect,
+    /// higher than `epoch` when the volume was attached elsewhere since.
+    fn fence(&self, admin: &str, volume: u32, epoch: u32) -> Answer<u32>;
 }
 
 /// [`NodeQueries`] answered from stores in this process, by name (the "admin address" a
 /// volume is given): for an agent in the same process as its storage nodes, as the
-/// in-process tests run them. A name with no store answers as a node that is down.
+/// in-process tests run them. A name with no store answers as a node that is down. A fence
+/// is kept in the store only: a storage node's Solar server takes a store's fence when the
+/// node starts or through [`crate::storage_node::StorageNode::fence`], so in process a
+/// fenced request is refused on the wire only after that.
 #[derive(Default)]
 pub struct LocalStores(parking_lot::Mutex<std::collections::HashMap<String, Arc<crate::store::VolumeStore>>>);
 
@@ -93,6 +105,10 @@ impl NodeQueries for LocalStores {
     fn block_versions(&self, admin: &str, _volume: u32, lba: u64, blocks: u64) -> Answer<Vec<u64>> {
         self.ask(admin, |s| s.block_versions(lba, blocks))
     }
+
+    fn fence(&self, admin: &str, _volume: u32, epoch: u32) -> Answer<u32> {
+        self.ask(admin, |s| s.fence(epoch))
+    }
 }
 
 /// Regions asked for in one digest query.
@@ -111,7 +127,7 @@ impl Volume {
     /// doc); the agent calls it when it attaches a volume anew. Nothing to do with one replica
     /// or without [`Volume::set_admins`].
     pub fn start_reconcile(self: &Arc<Self>) {
-        if self.replicas.len() < 2 || self.admins.lock().1.is_none() {
+        if self.admins.lock().1.is_none() {
             return;
         }
         let Ok(gate) = self.gate.clone().try_write_owned() else {
@@ -132,6 +148,12 @@ impl Volume {
                             vol.id,
                             t.elapsed()
                         );
+                        vol.reconciled.store(true, Ordering::Release);
+                        vol.reconciled_cv.notify_waiters();
+                        return;
+                    }
+                    Err(_) if vol.is_fenced() => {
+                        // I/O fails from now on: let the waiting reads see it
                         vol.reconciled.store(true, Ordering::Release);
                         vol.reconciled_cv.notify_waiters();
                         return;
@@ -162,7 +184,7 @@ impl Volume {
             let (d, highest) = bounded(q.region_digests(admin, self.id, first, n, REGION_BLOCKS)).await?;
             // new writes must be newer than any a replica holds, even if this host's clock
             // is behind the one that wrote them
-            super::raise_versions(highest.saturating_add(1));
+            self.raise_versions(highest.saturating_add(1));
             if d.len() as u64 != n {
                 return Err(format!("{admin} answered {} digests for {n} regions", d.len()));
             }
@@ -172,13 +194,38 @@ impl Volume {
         Ok(out)
     }
 
+    /// Fences replica `i`'s node at this attachment's epoch. Err when it does not answer, or
+    /// when it was fenced at a higher epoch (then this attachment is fenced too).
+    async fn fence_replica(&self, i: usize) -> Result<(), String> {
+        let (admins, q) = self.admins.lock().clone();
+        let q = q.ok_or("no node queries")?;
+        let admin = admins.get(i).filter(|a| !a.is_empty()).ok_or("no admin address")?;
+        let epoch = self.epoch();
+        let fence = bounded(q.fence(admin, self.id, epoch)).await?;
+        if fence > epoch {
+            let why = format!("replica {i}'s node {admin} is fenced at epoch {fence}, above this attachment's {epoch}");
+            self.mark_fenced(&why);
+            return Err(why);
+        }
+        Ok(())
+    }
+
     /// One reconciliation; the number of blocks copied.
     async fn reconcile(self: &Arc<Self>) -> Result<u64, String> {
         let n = self.replicas.len();
         let need = n - self.write_quorum() + 1;
         let mut digests: Vec<Option<Vec<u64>>> = Vec::with_capacity(n);
         for i in 0..n {
-            digests.push(self.digests(i).await.ok());
+            let fenced = self.fence_replica(i).await;
+            if self.is_fenced() {
+                return Err(fenced.err().unwrap_or_default());
+            }
+            // one replica has nothing to compare with
+            digests.push(match fenced {
+                Ok(()) if n == 1 => Some(Vec::new()),
+                Ok(()) => self.digests(i).await.ok(),
+                Err(_) => None,
+            });
         }
         let up: Vec<usize> = (0..n).filter(|&i| digests[i].is_some()).collect();
         if up.len() < need {
@@ -251,13 +298,13 @@ impl Volume {
                 continue;
             }
             let at = lba + k as u64;
-            let data: Arc<[u8]> = match self.link(best).read(self.id, at, 1).await {
+            let data: Arc<[u8]> = match self.link(best).read(self.at(at), 1).await {
                 Ok(Ok(d)) => Arc::from(d),
                 Ok(Err(e)) => return Err(format!("reading block {at} from replica {best}: {e}")),
                 Err(_) => return Err(format!("reading block {at} from replica {best}: the link stopped")),
             };
             for i in behind {
-                match self.link(i).write(self.id, at, data.clone(), true, newest).await {
+                match self.link(i).write(self.at(at), data.clone(), true, newest).await {
                     Ok(Ok(())) => {
                         copied += 1;
                         self.counters.reconciled_blocks.fetch_add(1, Ordering::Relaxed);
@@ -287,6 +334,10 @@ impl Volume {
         let Some(c) = clean else {
             return Err("no clean replica to compare with".into());
         };
+        // fenced first: what it holds changes only through this attachment from then on
+        if let Err(e) = self.fence_replica(i).await {
+            return if self.is_fenced() { Err(e) } else { Ok(false) };
+        }
         if self.digests(i).await.is_err() {
             return Ok(false);
         }

@@ -2,8 +2,9 @@
 //!
 //! `blkctl cluster up` starts a controller, storage nodes and an agent on this machine, creates
 //! a volume and prints its NBD URI; `blkctl cluster down` stops them. `create`, `delete`,
-//! `resize`, `list`, `describe`, `attach`, `qos`, `snapshot` and `clone` talk to the controller; `bench` measures the
-//! volume through real NBD clients against qemu-nbd and the agent's TCP mode.
+//! `resize`, `list`, `describe`, `attach`, `detach`, `qos`, `snapshot` and `clone` talk to the
+//! controller; `bench` measures the volume through real NBD clients against qemu-nbd and the
+//! agent's TCP mode.
 
 use anyhow::{Context as _, Result};
 use block_agent::control::pb;
@@ -91,6 +92,13 @@ enum Cmd {
         name: String,
         #[arg(long, default_value = "agent0")]
         agent: String,
+    },
+    /// Takes a volume from its agent (to attach it to another). The agent must answer, unless
+    /// --force (it is gone or cut off): the next attachment then fences it out, its I/O fails.
+    Detach {
+        name: String,
+        #[arg(long)]
+        force: bool,
     },
     /// NBD benchmark through real clients (fio, qemu-img) against qemu-nbd and `--transport tcp`.
     Bench(clients::blkbench::BenchArgs),
@@ -293,8 +301,12 @@ fn main() -> std::process::ExitCode {
 }
 
 fn run() -> anyhow::Result<()> {
-    clients::bench::init_cli();
     let cli = Cli::parse();
+    if matches!(cli.cmd, Cmd::Daemon { .. }) {
+        clients::bench::init_daemon();
+    } else {
+        clients::bench::init_cli();
+    }
     let spawner = Spawner {
         exe: std::env::current_exe()?,
         prefix: vec!["daemon".into()],
@@ -478,6 +490,15 @@ fn run() -> anyhow::Result<()> {
                         let r = c.attach(pb::AttachVolumeRequest { name, agent }).await.map_err(st)?;
                         println!("{}", r.get_ref().uri);
                     }
+                    Cmd::Detach { name, force } => {
+                        c.detach(pb::DetachVolumeRequest {
+                            name: name.clone(),
+                            force,
+                        })
+                        .await
+                        .map_err(st)?;
+                        println!("volume {name} detached");
+                    }
                     Cmd::Snapshot { cmd } => match cmd {
                         SnapshotCmd::Create {
                             snapshot: (volume, name),
@@ -532,7 +553,7 @@ fn run() -> anyhow::Result<()> {
 }
 
 /// A volume as `describe` prints it: the controller's record (each replica's node, address and
-/// node state, `state`) and, when its agent answered, the agent's view: each replica's sync state
+/// node state, `state`; the attachment epoch) and, when its agent answered, the agent's view: each replica's sync state
 /// (`in-sync`, `catching-up`, `down`) and regions behind, its Solar paths' health, the write
 /// quorum and the replication counters.
 fn describe_json(v: &pb::VolumeSpec) -> serde_json::Value {
@@ -564,6 +585,7 @@ fn describe_json(v: &pb::VolumeSpec) -> serde_json::Value {
     let mut j = serde_json::json!({
         "name": v.name, "id": v.id, "size": v.size, "replicas": replicas,
         "agent": if v.agent.is_empty() { None } else { Some(&v.agent) },
+        "epoch": v.epoch,
     });
     if !v.parent.is_empty() {
         j["clone_of"] = v.parent.clone().into();

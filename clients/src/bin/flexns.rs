@@ -52,8 +52,14 @@ fn main() -> std::process::ExitCode {
 }
 
 fn run() -> anyhow::Result<()> {
-    clients::bench::init_cli();
-    match Cli::parse().cmd {
+    let cli = Cli::parse();
+    match cli.cmd {
+        Cmd::PerfServer(_) | Cmd::KvServer(_) | Cmd::KvcacheServe(_) | Cmd::BlkDaemon { .. } => {
+            clients::bench::init_daemon()
+        }
+        _ => clients::bench::init_cli(),
+    }
+    match cli.cmd {
         Cmd::PerfServer(a) => server::run(a),
         Cmd::KvServer(a) => kv_store::cli::run(a),
         Cmd::KvcacheServe(a) => Ok(kvcache_engine::daemon::run(&a)?),

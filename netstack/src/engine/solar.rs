@@ -14,7 +14,7 @@
 use super::EngineShared;
 use crate::link::sys::OutMsg;
 use crate::transport::solar::client::{
-    ClientConfig, ClientEvent, ClientStats, IoError, IoId, SolarClient, SubmitError,
+    ClientConfig, ClientEvent, ClientStats, IoError, IoId, SolarClient, SubmitError, Target,
 };
 use crate::transport::solar::server::{Request, ServerStats, SolarServer, Token};
 use crate::transport::solar::wire::{self, Op, Status, BLOCK};
@@ -152,11 +152,12 @@ pub(crate) enum SolarCmd {
         status: Arc<Mutex<AgentStatus>>,
     },
     /// `data: None`: zeros over `blocks` blocks, deallocated (TRIM). `version`: the caller's
-    /// (else the client numbers it).
+    /// (else the client numbers it). `epoch`: the caller's (else the client's configured one).
     Write {
         id: u64,
         volume: u32,
         lba: u64,
+        epoch: Option<u32>,
         data: Option<Arc<[u8]>>,
         blocks: u16,
         fua: bool,
@@ -167,8 +168,17 @@ pub(crate) enum SolarCmd {
         id: u64,
         volume: u32,
         lba: u64,
+        epoch: Option<u32>,
         blocks: u16,
         done: oneshot::Sender<Result<Vec<u8>, SolarError>>,
+    },
+    /// Fences `volume` at `epoch` in the server ([`SolarServer::fence`]); `done` gets the
+    /// fence in effect once requests arriving from now on are checked against it (None: this
+    /// core serves no Solar).
+    Fence {
+        volume: u32,
+        epoch: u32,
+        done: oneshot::Sender<Option<u32>>,
     },
     Retarget {
         id: u64,
@@ -335,6 +345,7 @@ impl SolarCore {
                 id,
                 volume,
                 lba,
+                epoch,
                 data,
                 blocks,
                 fua,
@@ -345,9 +356,13 @@ impl SolarCore {
                     let _ = done.send(Err(SolarError::Stopped));
                     return;
                 };
+                let epoch = epoch.unwrap_or(ep.client.epoch());
                 let submitted = match (data, version) {
                     (Some(data), None) => ep.client.write(now, volume, lba, data, fua),
-                    (data, Some(v)) => ep.client.write_versioned(now, (volume, lba), data, blocks, fua, v),
+                    (data, Some(v)) => {
+                        ep.client
+                            .write_versioned(now, Target { volume, lba, epoch }, data, blocks, fua, v)
+                    }
                     (None, None) => Err(crate::transport::solar::client::SubmitError::Version(0)),
                 };
                 match submitted {
@@ -363,6 +378,7 @@ impl SolarCore {
                 id,
                 volume,
                 lba,
+                epoch,
                 blocks,
                 done,
             } => {
@@ -370,7 +386,8 @@ impl SolarCore {
                     let _ = done.send(Err(SolarError::Stopped));
                     return;
                 };
-                match ep.client.read(now, volume, lba, blocks) {
+                let epoch = epoch.unwrap_or(ep.client.epoch());
+                match ep.client.read_at(now, Target { volume, lba, epoch }, blocks) {
                     Ok(io) => {
                         let buf = vec![0u8; blocks as usize * BLOCK];
                         ep.pending.insert(io, Pending::Read(buf, done));
@@ -395,6 +412,9 @@ impl SolarCore {
                 }
             }
             SolarCmd::Serve { server, handler, stats } => self.server = Some(ServerEp { server, handler, stats }),
+            SolarCmd::Fence { volume, epoch, done } => {
+                let _ = done.send(self.server.as_mut().map(|s| s.server.fence(volume, epoch)));
+            }
             SolarCmd::WriteDone {
                 token,
                 status,

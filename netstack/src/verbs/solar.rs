@@ -19,7 +19,7 @@ pub use crate::engine::solar::{
     AgentStatus, ReadAnswer, ReadBlocks, SolarError, StorageHandler, WriteBlock, WriteDone,
 };
 use crate::engine::EngineShared;
-use crate::transport::solar::client::{ClientConfig, SolarClient};
+use crate::transport::solar::client::{ClientConfig, SolarClient, Target};
 use crate::transport::solar::server::{ServerStats, SolarServer};
 use parking_lot::Mutex;
 use std::net::SocketAddrV4;
@@ -138,28 +138,34 @@ impl SolarAgent {
         fua: bool,
     ) -> oneshot::Receiver<Result<(), SolarError>> {
         let blocks = (data.len() / crate::transport::solar::wire::BLOCK).min(u16::MAX as usize) as u16;
-        self.submit_write((volume, lba), Some(data), blocks, fua, None)
+        self.submit_write((volume, lba, None), Some(data), blocks, fua, None)
     }
 
     /// Writes `data`, or zeros over `blocks` blocks when `data` is None (deallocated on the
-    /// server: header-only packets), at block `lba` of `volume` as `version` (see
+    /// server: header-only packets), at `target` as `version` (see
     /// [`crate::transport::solar::client::SolarClient::write_versioned`]: one increasing
     /// sequence per writer, the same version on every replica of a write); answered once
     /// every block is durable.
     pub fn write_versioned(
         &self,
-        target: (u32, u64),
+        target: Target,
         data: Option<Arc<[u8]>>,
         blocks: u16,
         fua: bool,
         version: u64,
     ) -> oneshot::Receiver<Result<(), SolarError>> {
-        self.submit_write(target, data, blocks, fua, Some(version))
+        self.submit_write(
+            (target.volume, target.lba, Some(target.epoch)),
+            data,
+            blocks,
+            fua,
+            Some(version),
+        )
     }
 
     fn submit_write(
         &self,
-        target: (u32, u64),
+        (volume, lba, epoch): (u32, u64, Option<u32>),
         data: Option<Arc<[u8]>>,
         blocks: u16,
         fua: bool,
@@ -168,8 +174,9 @@ impl SolarAgent {
         let (done, rx) = oneshot::channel();
         self.core.solar_command(SolarCmd::Write {
             id: self.id,
-            volume: target.0,
-            lba: target.1,
+            volume,
+            lba,
+            epoch,
             data,
             blocks,
             fua,
@@ -181,11 +188,25 @@ impl SolarAgent {
 
     /// Reads `blocks` blocks at `lba` of `volume`, each checked against its stored CRC.
     pub fn read(&self, volume: u32, lba: u64, blocks: u16) -> oneshot::Receiver<Result<Vec<u8>, SolarError>> {
+        self.submit_read((volume, lba, None), blocks)
+    }
+
+    /// Reads `blocks` blocks at `target`, under its epoch; see [`Self::read`].
+    pub fn read_at(&self, target: Target, blocks: u16) -> oneshot::Receiver<Result<Vec<u8>, SolarError>> {
+        self.submit_read((target.volume, target.lba, Some(target.epoch)), blocks)
+    }
+
+    fn submit_read(
+        &self,
+        (volume, lba, epoch): (u32, u64, Option<u32>),
+        blocks: u16,
+    ) -> oneshot::Receiver<Result<Vec<u8>, SolarError>> {
         let (done, rx) = oneshot::channel();
         self.core.solar_command(SolarCmd::Read {
             id: self.id,
             volume,
             lba,
+            epoch,
             blocks,
             done,
         });
@@ -256,6 +277,24 @@ impl SolarService {
     /// The server's counters (refreshed every few milliseconds by the core).
     pub fn stats(&self) -> ServerStats {
         *self.stats.lock()
+    }
+
+    /// Fences `volume` at `epoch`: its requests of a lower epoch are refused (`WrongEpoch`)
+    /// from the moment the answer, the fence in effect (it only rises), arrives.
+    /// The command is queued when this is called; the future waits for the core.
+    pub fn fence(
+        &self,
+        volume: u32,
+        epoch: u32,
+    ) -> impl std::future::Future<Output = Result<u32, VerbsError>> + Send + 'static {
+        let (done, rx) = oneshot::channel();
+        self.core.solar_command(SolarCmd::Fence { volume, epoch, done });
+        async move {
+            match rx.await {
+                Ok(Some(f)) => Ok(f),
+                _ => Err(VerbsError::Invalid("the Solar server stopped".into())),
+            }
+        }
     }
 
     /// The context it runs on.

@@ -28,6 +28,17 @@ use std::sync::Arc;
 /// A request handle.
 pub type IoId = u64;
 
+/// Where a request goes: blocks of a volume, under the epoch of the caller's attachment. A
+/// server fenced at a higher epoch for the volume refuses the request (`WrongEpoch`), so a
+/// writer whose attachment moved elsewhere can no longer change (or read) the volume.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Target {
+    pub volume: u32,
+    /// The first block.
+    pub lba: u64,
+    pub epoch: u32,
+}
+
 /// Settings of a client.
 #[derive(Debug, Clone)]
 pub struct ClientConfig {
@@ -35,7 +46,7 @@ pub struct ClientConfig {
     pub paths: u16,
     /// How packets spread over the paths.
     pub policy: SprayPolicy,
-    /// The segment epoch requests carry.
+    /// The epoch requests carry unless the caller names one ([`Target::epoch`]).
     pub epoch: u32,
     /// First request id; ids increase from it. Seed it above any id this agent used before for
     /// these volumes (a clock in ns does), so a server orders writes across agent restarts.
@@ -232,6 +243,7 @@ struct Io {
     kind: Kind,
     volume: u32,
     lba: u64,
+    epoch: u32,
     blocks: u16,
     rpc: u64,
     data: Option<Arc<[u8]>>,
@@ -359,6 +371,11 @@ impl SolarClient {
         (self.paths.rto(i as u8).min(self.cfg.max_rto_ns) << backoff).min(self.cfg.max_rto_ns)
     }
 
+    /// The epoch requests carry when the caller names none ([`ClientConfig::epoch`]).
+    pub fn epoch(&self) -> u32 {
+        self.cfg.epoch
+    }
+
     /// Requests not yet finished.
     pub fn outstanding(&self) -> usize {
         self.ios.len()
@@ -398,7 +415,7 @@ impl SolarClient {
         Ok(n as u16)
     }
 
-    fn add(&mut self, now: u64, kind: Kind, target: (u32, u64), n: u16, data: Option<Arc<[u8]>>, fua: bool) -> IoId {
+    fn add(&mut self, now: u64, kind: Kind, target: Target, n: u16, data: Option<Arc<[u8]>>, fua: bool) -> IoId {
         let rpc = self.next_rpc | if kind == Kind::Read { READ_RPC } else { 0 };
         self.next_rpc += 1;
         self.add_as(now, kind, target, n, data, fua, rpc)
@@ -409,13 +426,13 @@ impl SolarClient {
         &mut self,
         now: u64,
         kind: Kind,
-        target: (u32, u64),
+        target: Target,
         n: u16,
         data: Option<Arc<[u8]>>,
         fua: bool,
         rpc: u64,
     ) -> IoId {
-        let (volume, lba) = target;
+        let Target { volume, lba, epoch } = target;
         let id = self.next_io;
         self.next_io += 1;
         self.ios.insert(
@@ -424,6 +441,7 @@ impl SolarClient {
                 kind,
                 volume,
                 lba,
+                epoch,
                 blocks: n,
                 rpc,
                 data,
@@ -456,27 +474,28 @@ impl SolarClient {
     /// Writes `data` (a positive multiple of 4 KiB) at block `lba` of `volume`.
     pub fn write(&mut self, now: u64, volume: u32, lba: u64, data: Arc<[u8]>, fua: bool) -> Result<IoId, SubmitError> {
         let n = Self::check_len(lba, data.len())?;
-        Ok(self.add(now, Kind::Write, (volume, lba), n, Some(data), fua))
+        let epoch = self.cfg.epoch;
+        Ok(self.add(now, Kind::Write, Target { volume, lba, epoch }, n, Some(data), fua))
     }
 
     /// Writes `data` (a positive multiple of 4 KiB), or zeros over `blocks` blocks when `data`
-    /// is None (deallocated: one header-only packet per block, with the ZERO flag), at block
-    /// `lba` of `volume`, as `version`: the request id the server orders writes to a block by
+    /// is None (deallocated: one header-only packet per run of blocks, with the ZERO flag), at
+    /// `target`, as `version`: the request id the server orders writes to a block by
     /// and stores with it. A caller that writes one volume through several clients (replicas)
     /// gives each copy the same version, from one increasing sequence; versions must be unique
     /// in this client and below 2^63 (reads use the upper half).
     pub fn write_versioned(
         &mut self,
         now: u64,
-        target: (u32, u64),
+        target: Target,
         data: Option<Arc<[u8]>>,
         blocks: u16,
         fua: bool,
         version: u64,
     ) -> Result<IoId, SubmitError> {
         let n = match &data {
-            Some(d) => Self::check_len(target.1, d.len())?,
-            None => Self::check_len(target.1, blocks as usize * BLOCK)?,
+            Some(d) => Self::check_len(target.lba, d.len())?,
+            None => Self::check_len(target.lba, blocks as usize * BLOCK)?,
         };
         if version & READ_RPC != 0 || version == 0 || self.by_rpc.contains_key(&version) {
             return Err(SubmitError::Version(version));
@@ -493,8 +512,14 @@ impl SolarClient {
 
     /// Reads `blocks` blocks at `lba` of `volume`; they arrive through [`Self::on_packet`].
     pub fn read(&mut self, now: u64, volume: u32, lba: u64, blocks: u16) -> Result<IoId, SubmitError> {
-        let n = Self::check_len(lba, blocks as usize * BLOCK)?;
-        Ok(self.add(now, Kind::Read, (volume, lba), n, None, false))
+        let epoch = self.cfg.epoch;
+        self.read_at(now, Target { volume, lba, epoch }, blocks)
+    }
+
+    /// Reads `blocks` blocks at `target` (under its epoch); see [`Self::read`].
+    pub fn read_at(&mut self, now: u64, target: Target, blocks: u16) -> Result<IoId, SubmitError> {
+        let n = Self::check_len(target.lba, blocks as usize * BLOCK)?;
+        Ok(self.add(now, Kind::Read, target, n, None, false))
     }
 
     /// The next event, if any.
@@ -624,7 +649,7 @@ impl SolarClient {
         h.blk_idx = idx;
         h.blk_cnt = if s.kind == Kind::Write { s.blocks } else { idx + n };
         h.lba = s.lba + idx as u64;
-        h.epoch = self.cfg.epoch;
+        h.epoch = s.epoch;
         h.psn = psn;
         h.ts = now;
         let block = match (&s.data, s.kind) {

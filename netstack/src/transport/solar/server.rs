@@ -6,6 +6,11 @@
 //! the newest this server took for that block is an old retransmission that lost a race on
 //! another path: it is dropped and answered `Stale`. The same id again is a duplicate: answered
 //! `Ok` when it was applied, ignored while it is being applied.
+//!
+//! Fencing: a volume may be fenced at an epoch ([`SolarServer::fence`]); its WRITEs and
+//! READ_REQs of a lower epoch are answered `WrongEpoch` before anything else looks at them, so
+//! a writer whose attachment moved to another agent touches neither the blocks nor the
+//! write ordering state.
 
 use super::wire::{self, flags, Header, Op, Status, WireError, BLOCK};
 use super::{BlockRef, Transmit};
@@ -76,8 +81,8 @@ struct PendingRead {
 
 /// The server side of one storage server.
 pub struct SolarServer {
-    /// The segment epoch it serves; requests with another are refused (`WrongEpoch`), 0 = any.
-    pub epoch: u32,
+    /// The lowest epoch each fenced volume accepts.
+    fences: HashMap<u32, u32>,
     /// Newest request id taken per (volume, block).
     newest: HashMap<(u32, u64), u64>,
     /// Applied request ids per (volume, block) (for answering duplicates).
@@ -92,14 +97,15 @@ pub struct SolarServer {
 
 impl Default for SolarServer {
     fn default() -> Self {
-        Self::new(0)
+        Self::new()
     }
 }
 
 impl SolarServer {
-    pub fn new(epoch: u32) -> SolarServer {
+    /// A server with no volume fenced.
+    pub fn new() -> SolarServer {
         SolarServer {
-            epoch,
+            fences: HashMap::new(),
             newest: HashMap::new(),
             applied: HashMap::new(),
             in_progress: HashMap::new(),
@@ -113,6 +119,14 @@ impl SolarServer {
 
     pub fn stats(&self) -> ServerStats {
         self.stats
+    }
+
+    /// Refuses requests to `volume` of an epoch below `epoch` from now on (a fence only
+    /// rises: a lower `epoch` changes nothing). Returns the fence in effect.
+    pub fn fence(&mut self, volume: u32, epoch: u32) -> u32 {
+        let f = self.fences.entry(volume).or_insert(epoch);
+        *f = (*f).max(epoch);
+        *f
     }
 
     /// Seeds the newest request id of a block (from the store after a restart), so stale
@@ -161,7 +175,9 @@ impl SolarServer {
         if ce {
             h.flags |= flags::ECN_ECHO;
         }
-        if self.epoch != 0 && h.epoch != self.epoch && h.op != Op::Probe {
+        let fenced =
+            matches!(h.op, Op::Write | Op::ReadReq) && self.fences.get(&h.volume).is_some_and(|&f| h.epoch < f);
+        if fenced {
             self.stats.wrong_epoch += 1;
             let op = if h.op == Op::ReadReq { Op::Nack } else { Op::WriteAck };
             self.answer(peer, &h, op, Status::WrongEpoch);

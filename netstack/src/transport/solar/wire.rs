@@ -15,7 +15,7 @@
 //! | 20..22 | block index | within the request |
 //! | 22..24 | block count | of the request |
 //! | 24..32 | lba | in 4 KiB blocks, of this block (READ_REQ: of the first) |
-//! | 32..36 | epoch | segment epoch (fencing after migration) |
+//! | 32..36 | epoch | the sender's attachment epoch of the volume (fencing) |
 //! | 36..40 | psn | per-path sequence number, echoed in the answer |
 //! | 40..48 | timestamp | sender's clock, echoed (RTT) |
 //! | 48..52 | block CRC32C | WRITE, READ_DATA |
@@ -97,7 +97,8 @@ pub enum Status {
     OutOfRange = 3,
     /// The volume is not on this server.
     NoVolume = 4,
-    /// The segment epoch is not the server's (the segment moved).
+    /// The volume is fenced at a higher epoch than the request's (it was attached elsewhere
+    /// since).
     WrongEpoch = 5,
     /// The storage failed (I/O error, a corrupt stored block on read).
     IoError = 6,
