@@ -175,9 +175,8 @@ impl Agent {
                 return Ok(v);
             }
         }
-        let v = Volume::new(id, size, links, self.cfg.volume.clone());
+        let v = Volume::attached(id, size, links, self.cfg.volume.clone(), epoch);
         v.set_write_quorum(write_quorum);
-        v.set_epoch(epoch);
         if let Some(q) = self.queries.lock().clone() {
             v.set_admins(replicas.iter().map(|r| r.admin.clone()).collect(), q);
             // before it is exported: no read reaches a replica not yet compared

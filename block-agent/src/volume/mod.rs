@@ -257,8 +257,8 @@ enum Payload {
 /// A volume attached to this agent.
 pub struct Volume {
     id: u32,
-    /// This attachment's epoch: every request carries it ([`Volume::set_epoch`]).
-    epoch: AtomicU32,
+    /// This attachment's epoch: every request carries it ([`Volume::attached`]).
+    epoch: u32,
     /// The next write version (see [`Volume::next_versions`]).
     versions: AtomicU64,
     /// The epoch a storage node refused (0: none): this attachment is fenced and fails all I/O.
@@ -305,15 +305,23 @@ fn is_data_error(e: &LinkError) -> bool {
 }
 
 impl Volume {
-    /// Volume `id` of `size` bytes (a multiple of 4096) on `replicas` (at least one). The resync
-    /// task starts when a replica first goes down and runs while the volume lives.
+    /// Volume `id` of `size` bytes (a multiple of 4096) on `replicas` (at least one), attached
+    /// without an epoch (0: no fencing). The resync task starts when a replica first goes down
+    /// and runs while the volume lives.
     pub fn new(id: u32, size: u64, replicas: Vec<Arc<Link>>, cfg: VolumeConfig) -> Arc<Volume> {
+        Self::attached(id, size, replicas, cfg, 0)
+    }
+
+    /// [`Volume::new`] for an attachment of epoch `epoch` (the controller's): its requests
+    /// carry it, its write versions start above every earlier epoch's, and the replicas are
+    /// fenced at it when it is reconciled ([`Volume::start_reconcile`]).
+    pub fn attached(id: u32, size: u64, replicas: Vec<Arc<Link>>, cfg: VolumeConfig, epoch: u32) -> Arc<Volume> {
         assert!(!replicas.is_empty(), "a volume needs a replica");
         let replicas_len = replicas.len();
         Arc::new(Volume {
             id,
-            epoch: AtomicU32::new(0),
-            versions: AtomicU64::new(first_version(0)),
+            epoch,
+            versions: AtomicU64::new(first_version(epoch)),
             fenced: AtomicU32::new(0),
             size: AtomicU64::new(size),
             replicas: replicas.into_iter().map(parking_lot::RwLock::new).collect(),
@@ -334,18 +342,9 @@ impl Volume {
         })
     }
 
-    /// Sets this attachment's epoch (the controller's; a lower one than the volume has changes
-    /// nothing). Set it before the first I/O: requests carry it and the replicas are fenced
-    /// at it when the volume is reconciled.
-    pub fn set_epoch(&self, epoch: u32) {
-        if self.epoch.fetch_max(epoch, Ordering::AcqRel) < epoch {
-            self.raise_versions(first_version(epoch));
-        }
-    }
-
     /// This attachment's epoch.
     pub fn epoch(&self) -> u32 {
-        self.epoch.load(Ordering::Acquire)
+        self.epoch
     }
 
     /// Blocks from `lba` under this attachment's epoch: where a link request goes.

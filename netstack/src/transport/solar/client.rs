@@ -269,7 +269,9 @@ pub struct SolarClient {
     paths: PathSet,
     ledgers: Vec<Ledger>,
     ios: HashMap<IoId, Io>,
-    by_rpc: HashMap<u64, IoId>,
+    /// Requests by (volume, request id): ids are unique per volume (a caller's versions are
+    /// one sequence per volume; two volumes may use the same numbers).
+    by_rpc: HashMap<(u32, u64), IoId>,
     next_io: IoId,
     next_rpc: u64,
     /// Units to send, resends first.
@@ -455,7 +457,7 @@ impl SolarClient {
                 deadline: now + self.cfg.io_timeout_ns,
             },
         );
-        self.by_rpc.insert(rpc, id);
+        self.by_rpc.insert((volume, rpc), id);
         match kind {
             Kind::Write => self.queue.extend((0..n).map(|i| Queued::new(id, i, 1))),
             Kind::Read => {
@@ -483,7 +485,7 @@ impl SolarClient {
     /// `target`, as `version`: the request id the server orders writes to a block by
     /// and stores with it. A caller that writes one volume through several clients (replicas)
     /// gives each copy the same version, from one increasing sequence; versions must be unique
-    /// in this client and below 2^63 (reads use the upper half).
+    /// per volume in this client and below 2^63 (reads use the upper half).
     pub fn write_versioned(
         &mut self,
         now: u64,
@@ -497,7 +499,7 @@ impl SolarClient {
             Some(d) => Self::check_len(target.lba, d.len())?,
             None => Self::check_len(target.lba, blocks as usize * BLOCK)?,
         };
-        if version & READ_RPC != 0 || version == 0 || self.by_rpc.contains_key(&version) {
+        if version & READ_RPC != 0 || version == 0 || self.by_rpc.contains_key(&(target.volume, version)) {
             return Err(SubmitError::Version(version));
         }
         if data.is_some() {
@@ -767,7 +769,7 @@ impl SolarClient {
 
     fn finish(&mut self, io: IoId, result: Result<(), IoError>) {
         let Some(s) = self.ios.remove(&io) else { return };
-        self.by_rpc.remove(&s.rpc);
+        self.by_rpc.remove(&(s.volume, s.rpc));
         // its packets still in flight no longer count
         for (_, (path, psn)) in s.at {
             self.unsend(path, psn, Outcome::Retired); // None for a unit already retired
@@ -816,7 +818,7 @@ impl SolarClient {
                 let net_rtt = rtt.map(|r| r.saturating_sub(h.service_us as u64 * 1000).max(1));
                 self.cc_rx(now, RxKind::Ack, net_rtt, h.flags & flags::ECN_ECHO != 0);
                 self.fast_resend(path, h.psn);
-                let Some(&io) = self.by_rpc.get(&h.rpc) else {
+                let Some(&io) = self.by_rpc.get(&(h.volume, h.rpc)) else {
                     self.stats.duplicates += 1;
                     return Ok(None);
                 };
@@ -863,7 +865,7 @@ impl SolarClient {
                 if !self.ledgers[path as usize].sent.contains_key(&h.psn) {
                     self.late_answer(now, path, h.psn);
                 }
-                let Some(&io) = self.by_rpc.get(&h.rpc) else {
+                let Some(&io) = self.by_rpc.get(&(h.volume, h.rpc)) else {
                     self.stats.duplicates += 1;
                     return Ok(None);
                 };

@@ -87,7 +87,8 @@ pub struct SolarServer {
     newest: HashMap<(u32, u64), u64>,
     /// Applied request ids per (volume, block) (for answering duplicates).
     applied: HashMap<(u32, u64), u64>,
-    in_progress: HashMap<(u64, u16), Token>,
+    /// Writes being made durable, by (volume, request id, block index).
+    in_progress: HashMap<(u32, u64, u16), Token>,
     writes: HashMap<Token, PendingWrite>,
     reads: HashMap<Token, PendingRead>,
     next_token: Token,
@@ -219,7 +220,7 @@ impl SolarServer {
                         self.answer(peer, &h, Op::WriteAck, Status::Ok);
                         return Ok(None);
                     }
-                    if self.in_progress.contains_key(&(h.rpc, h.blk_idx)) {
+                    if self.in_progress.contains_key(&(h.volume, h.rpc, h.blk_idx)) {
                         self.stats.duplicates += 1;
                         // its `Ok` comes when it is durable; say again that it arrived
                         self.answer(peer, &h, Op::WriteAck, Status::Accepted);
@@ -231,7 +232,7 @@ impl SolarServer {
                 }
                 let token = self.next_token;
                 self.next_token += 1;
-                self.in_progress.insert((h.rpc, h.blk_idx), token);
+                self.in_progress.insert((h.volume, h.rpc, h.blk_idx), token);
                 self.writes.insert(
                     token,
                     PendingWrite {
@@ -301,7 +302,7 @@ impl SolarServer {
             return;
         };
         w.reply.service_us = (service_ns / 1000).min(u32::MAX as u64) as u32;
-        self.in_progress.remove(&(w.rpc, w.reply.blk_idx));
+        self.in_progress.remove(&(w.volume, w.rpc, w.reply.blk_idx));
         if status == Status::Ok {
             let a = self.applied.entry((w.volume, w.lba)).or_insert(w.rpc);
             *a = (*a).max(w.rpc);
