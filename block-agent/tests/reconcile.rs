@@ -207,3 +207,63 @@ fn with_too_few_replicas_answering_io_waits_for_one_more() {
     drop(vol);
     let _ = std::fs::remove_dir_all(&c.base);
 }
+
+/// Holes travel as holes. A replica that missed a TRIM (its node was down) is caught up by the
+/// resync, and one a new volume finds behind is reconciled, with zero runs where the good copy
+/// has holes: the trimmed blocks are holes on every replica afterwards (no space held), not
+/// zeros written as data, and the blocks around them are data.
+#[test]
+fn a_replica_catching_up_gets_the_good_copys_holes_as_holes() {
+    use block_agent::store::{ALLOC_DATA, ALLOC_HOLE};
+    let mut c = Cluster::start("holes");
+    let rt = runtime();
+    let vol = c.volume(&rt, false);
+    let all: Vec<u8> = (0..256).flat_map(|lba| block(lba, 1)).collect();
+    rt.block_on(vol.write(0, &all, false)).unwrap();
+    let layout = |c: &Cluster, i: usize| {
+        c.nodes[i]
+            .as_ref()
+            .unwrap()
+            .store(VOLUME)
+            .unwrap()
+            .allocation(0, 256)
+            .unwrap()
+    };
+    let expect = |holes: std::ops::Range<usize>| -> Vec<u8> {
+        (0..256)
+            .map(|k| if holes.contains(&k) { ALLOC_HOLE } else { ALLOC_DATA })
+            .collect()
+    };
+    // the resync: node 2 is down while half of region 0 is trimmed
+    c.stop(2);
+    rt.block_on(vol.write_zeroes(0, 128 * BLOCK as u64, true)).unwrap();
+    c.restart(2);
+    let t = Instant::now();
+    while vol.replica_states()[2] != (ReplicaState::InSync, 0) {
+        assert!(t.elapsed() < Duration::from_secs(20), "{:?}", vol.replica_states());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(layout(&c, 2), expect(0..128), "the resync copied the holes as holes");
+    // the reconciliation: node 1 is down while blocks 128..192 are trimmed, and the volume
+    // that knew it goes away
+    c.stop(1);
+    rt.block_on(vol.write_zeroes(128 * BLOCK as u64, 64 * BLOCK as u64, true))
+        .unwrap();
+    drop(vol);
+    c.restart(1);
+    let vol = c.volume(&rt, true);
+    let head = rt.block_on(vol.read(0, 256 * BLOCK as u64)).unwrap();
+    assert!(head[..192 * BLOCK].iter().all(|&b| b == 0));
+    assert!(head[192 * BLOCK..] == all[192 * BLOCK..]);
+    assert!(
+        vol.counters()
+            .reconciled_blocks
+            .load(std::sync::atomic::Ordering::Relaxed)
+            >= 64
+    );
+    for i in 0..3 {
+        assert_eq!(layout(&c, i), expect(0..192), "replica {i}");
+    }
+    drop(vol);
+    let _ = std::fs::remove_dir_all(&c.base);
+}

@@ -872,6 +872,18 @@ impl Volume {
         })
     }
 
+    /// Replica `i`'s allocation of `n` blocks from `lba` as its node reports it (None when
+    /// it cannot be asked or does not answer).
+    async fn node_allocation(&self, i: usize, lba: u64, n: u64) -> Option<Vec<u8>> {
+        let (admins, q) = self.admins.lock().clone();
+        let admin = admins.get(i).filter(|a| !a.is_empty())?;
+        let ask = q?.allocation(admin, self.id, lba, n);
+        match tokio::time::timeout(self.cfg.replica_timeout, ask).await {
+            Ok(Ok(states)) if states.len() as u64 == n => Some(states),
+            _ => None,
+        }
+    }
+
     /// Tells the volume its replicas' storage-node admin addresses, in replica order, and how
     /// to ask them (for [`Volume::allocation`]).
     pub fn set_admins(&self, admins: Vec<String>, source: Arc<dyn NodeQueries>) {
@@ -1102,16 +1114,26 @@ impl Volume {
             Ok(Ok(Ok(d))) => Arc::<[u8]>::from(d),
             other => return Err(format!("reading region {g} from replica {source}: {other:?}")),
         };
-        // a region of zeros is written as a zero run (deallocated: a new replica of a sparse
-        // volume stays sparse)
-        let copy = if data.iter().all(|&b| b == 0) {
-            self.link(i).write_zeroes(self.at(lba), n as u16, self.next_versions(1))
-        } else {
-            self.link(i).write(self.at(lba), data, true, self.next_versions(1))
+        // the source's holes go as zero runs (deallocated: a rebuilt replica of a sparse
+        // volume stays sparse), its data as data
+        let holes = match self.node_allocation(source, lba, n).await {
+            Some(states) => states.iter().map(|&s| s == crate::store::ALLOC_HOLE).collect(),
+            // no map: a region of zeros is one hole
+            None => vec![data.iter().all(|&b| b == 0); n as usize],
         };
-        match tokio::time::timeout(self.cfg.replica_timeout, copy).await {
-            Ok(Ok(Ok(()))) => {}
-            other => return Err(format!("writing region {g}: {other:?}")),
+        for (at, k, hole) in runs(&holes) {
+            let version = self.next_versions(1);
+            let target = self.at(lba + at);
+            let copy = if hole {
+                self.link(i).write_zeroes(target, k as u16, version)
+            } else {
+                let part = Arc::from(&data[(at * BLOCK) as usize..((at + k) * BLOCK) as usize]);
+                self.link(i).write(target, part, true, version)
+            };
+            match tokio::time::timeout(self.cfg.replica_timeout, copy).await {
+                Ok(Ok(Ok(()))) => {}
+                other => return Err(format!("writing region {g}: {other:?}")),
+            }
         }
         let mut h = self.health.lock();
         h[i].missed.remove(&g);
@@ -1131,6 +1153,18 @@ impl Volume {
         self.counters.resynced_regions.fetch_add(1, Ordering::Relaxed);
         Ok(true)
     }
+}
+
+/// Runs of equal flags: (first index, length, flag), in order.
+fn runs(flags: &[bool]) -> Vec<(u64, u64, bool)> {
+    let mut out: Vec<(u64, u64, bool)> = Vec::new();
+    for (k, &f) in flags.iter().enumerate() {
+        match out.last_mut() {
+            Some((_, len, g)) if *g == f => *len += 1,
+            _ => out.push((k as u64, 1, f)),
+        }
+    }
+    out
 }
 
 /// The resync task of a volume: while it lives, catches up its down replicas (see the

@@ -282,6 +282,8 @@ impl Volume {
             }
             versions.push(v);
         }
+        // the replicas' holes (zeroed or never written), for copying a hole as a hole
+        let mut holes: Vec<Option<Vec<u8>>> = Vec::new();
         let mut copied = 0;
         for k in 0..count as usize {
             let (best, newest) = versions
@@ -298,13 +300,28 @@ impl Volume {
                 continue;
             }
             let at = lba + k as u64;
-            let data: Arc<[u8]> = match self.link(best).read(self.at(at), 1).await {
-                Ok(Ok(d)) => Arc::from(d),
-                Ok(Err(e)) => return Err(format!("reading block {at} from replica {best}: {e}")),
-                Err(_) => return Err(format!("reading block {at} from replica {best}: the link stopped")),
+            if holes.is_empty() {
+                for &i in up {
+                    holes.push(self.node_allocation(i, lba, count).await);
+                }
+            }
+            let j = up.iter().position(|&i| i == best).expect("best is up");
+            let hole = holes[j].as_ref().is_some_and(|h| h[k] == crate::store::ALLOC_HOLE);
+            let data: Option<Arc<[u8]>> = if hole {
+                None
+            } else {
+                match self.link(best).read(self.at(at), 1).await {
+                    Ok(Ok(d)) => Some(Arc::from(d)),
+                    Ok(Err(e)) => return Err(format!("reading block {at} from replica {best}: {e}")),
+                    Err(_) => return Err(format!("reading block {at} from replica {best}: the link stopped")),
+                }
             };
             for i in behind {
-                match self.link(i).write(self.at(at), data.clone(), true, newest).await {
+                let copy = match &data {
+                    Some(d) => self.link(i).write(self.at(at), d.clone(), true, newest),
+                    None => self.link(i).write_zeroes(self.at(at), 1, newest),
+                };
+                match copy.await {
                     Ok(Ok(())) => {
                         copied += 1;
                         self.counters.reconciled_blocks.fetch_add(1, Ordering::Relaxed);
