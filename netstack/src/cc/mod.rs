@@ -19,6 +19,7 @@
 //! many bytes of CC header their data packets carry after the BTH ([`HeaderSpec`], 0–64 bytes,
 //! negotiated per QP when it connects). Algorithms never touch packets or clocks themselves, so
 //! the same code runs in the engine and in the simulator.
+#![deny(clippy::disallowed_methods, clippy::disallowed_types)] // sans-IO: see netstack/clippy.toml
 
 pub mod dcqcn;
 pub mod header;

@@ -1,6 +1,7 @@
 //! Transports as sans-IO state machines: they take packets, posted work requests and the
 //! current time, and return packets to send, completions and timer deadlines. They never touch
 //! sockets or clocks; the engine drives them, and so does the deterministic simulator in tests.
+#![deny(clippy::disallowed_methods, clippy::disallowed_types)] // sans-IO: see netstack/clippy.toml
 
 pub mod pacing;
 pub mod rc;

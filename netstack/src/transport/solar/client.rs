@@ -257,9 +257,9 @@ struct Io {
     /// Resends per block after retryable statuses.
     attempts: Vec<u32>,
     /// Where each outstanding block's packet is: (path, psn).
-    at: HashMap<u16, (u16, u32)>,
+    at: BTreeMap<u16, (u16, u32)>,
     /// Write blocks the server accepted, waiting to be durable: resent after the deadline.
-    accepted: HashMap<u16, u64>,
+    accepted: BTreeMap<u16, u64>,
     deadline: u64,
 }
 
@@ -268,7 +268,8 @@ pub struct SolarClient {
     cfg: ClientConfig,
     paths: PathSet,
     ledgers: Vec<Ledger>,
-    ios: HashMap<IoId, Io>,
+    /// In submission order (ids increase): timers visit them in one order every run.
+    ios: BTreeMap<IoId, Io>,
     /// Requests by (volume, request id): ids are unique per volume (a caller's versions are
     /// one sequence per volume; two volumes may use the same numbers).
     by_rpc: HashMap<(u32, u64), IoId>,
@@ -317,7 +318,7 @@ impl SolarClient {
             paths: PathSet::new(n, cfg.policy, params),
             ledgers: vec![ledger; n],
             cfg,
-            ios: HashMap::new(),
+            ios: BTreeMap::new(),
             by_rpc: HashMap::new(),
             next_io: 1,
             queue: VecDeque::new(),
@@ -452,8 +453,8 @@ impl SolarClient {
                 done: vec![false; n as usize],
                 left: n,
                 attempts: vec![0; n as usize],
-                at: HashMap::new(),
-                accepted: HashMap::new(),
+                at: BTreeMap::new(),
+                accepted: BTreeMap::new(),
                 deadline: now + self.cfg.io_timeout_ns,
             },
         );
