@@ -194,6 +194,26 @@ impl Agent {
     pub fn detach(&self, name: &str) -> bool {
         self.exports.remove(name).is_some()
     }
+
+    /// Stops exporting what the controller no longer attaches here: every export attached
+    /// before `asked` (when the controller was asked for this agent's volumes) that is not in
+    /// `assigned`. A volume moved to another agent while this one could not be told (`blkctl
+    /// detach --force`) goes away at its next heartbeat; one attached after `asked` is newer
+    /// than the answer and stays. Returns the names dropped.
+    pub fn keep_only(&self, assigned: &[&str], asked: std::time::Instant) -> Vec<String> {
+        let mut dropped = Vec::new();
+        for name in self.exports.names() {
+            let stale = self
+                .exports
+                .get(&name)
+                .is_some_and(|v| v.attached_at() < asked && !assigned.contains(&name.as_str()));
+            if stale && self.detach(&name) {
+                tracing::warn!("export {name:?}: the controller attaches it elsewhere now; no longer exported here");
+                dropped.push(name);
+            }
+        }
+        dropped
+    }
 }
 
 /// The agent's metrics: each storage-node link's health and Solar counters (`node` label) and

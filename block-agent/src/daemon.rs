@@ -462,27 +462,43 @@ pub async fn run_agent(a: AgentArgs) -> Result<(), DaemonError> {
             admin: admin.to_string(),
             nbd: nbd.to_string(),
         };
-        // export what belongs here as the controller says, following replicas that moved
+        // export what belongs here as the controller says (asked at `asked`), following
+        // replicas that moved, and drop what it moved elsewhere
         let reconcile = {
             let agent = agent.clone();
-            Arc::new(move |r: pb::RegisterAgentReply| {
+            Arc::new(move |r: pb::RegisterAgentReply, asked: std::time::Instant| {
                 for v in &r.volumes {
                     if let Err(e) = attach_spec(&agent, v) {
                         tracing::warn!("attaching {}: {}", v.name, e.message());
                     }
                 }
+                let names: Vec<&str> = r
+                    .volumes
+                    .iter()
+                    .map(|v| {
+                        if v.export_name.is_empty() {
+                            &v.name
+                        } else {
+                            &v.export_name
+                        }
+                    })
+                    .map(String::as_str)
+                    .collect();
+                agent.keep_only(&names, asked);
             })
         };
+        let asked = std::time::Instant::now();
         let first = register(c, || {
             let (mut cl, r) = (client.clone(), req.clone());
             async move { cl.register_agent(r).await.map(|r| r.into_inner()) }
         })
         .await?;
-        reconcile(first);
+        reconcile(first, asked);
         heartbeats(Duration::from_millis(a.heartbeat_ms), move || {
             let (mut cl, r, reconcile) = (client.clone(), req.clone(), reconcile.clone());
             async move {
-                reconcile(cl.register_agent(r).await?.into_inner());
+                let asked = std::time::Instant::now();
+                reconcile(cl.register_agent(r).await?.into_inner(), asked);
                 Ok(true)
             }
         });

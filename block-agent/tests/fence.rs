@@ -182,3 +182,42 @@ fn two_volumes_on_shared_links_may_use_the_same_versions() {
     drop((vols, links, nodes));
     let _ = std::fs::remove_dir_all(&base);
 }
+
+/// What the controller no longer attaches here (it moved the volume while this agent could not
+/// be told) stops being exported at the agent's next heartbeat: an export attached before the
+/// controller was asked and missing from its answer goes; one it names stays, and so does one
+/// attached after the question (the answer predates it).
+#[test]
+fn an_agent_drops_the_exports_its_controller_moved_elsewhere() {
+    use block_agent::agent::{Agent, AgentConfig, ReplicaAt};
+    let base = std::env::temp_dir().join(format!("fence-keep-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    let node = StorageNode::start(NodeConfig::new(base.join("node0"))).unwrap();
+    for v in [1, 2, 3] {
+        node.create_volume(v, BLOCKS * BLOCK as u64).unwrap();
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let _g = rt.enter();
+    let agent = Agent::new(AgentConfig::new(Carrier::Tcp));
+    let at = [ReplicaAt {
+        node: "sn-0000000000000001".into(),
+        addr: node.addr().to_string(),
+        admin: String::new(),
+    }];
+    agent.attach("kept", 1, BLOCKS * BLOCK as u64, &at, 0, 1).unwrap();
+    agent.attach("moved", 2, BLOCKS * BLOCK as u64, &at, 0, 1).unwrap();
+    let asked = std::time::Instant::now();
+    std::thread::sleep(Duration::from_millis(5));
+    agent.attach("newer", 3, BLOCKS * BLOCK as u64, &at, 0, 1).unwrap();
+    assert_eq!(agent.keep_only(&["kept"], asked), vec!["moved".to_string()]);
+    let mut left = agent.exports().names();
+    left.sort();
+    assert_eq!(left, ["kept", "newer"]);
+    drop(agent);
+    drop(node);
+    let _ = std::fs::remove_dir_all(&base);
+}

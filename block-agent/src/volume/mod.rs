@@ -347,6 +347,11 @@ impl Volume {
         self.epoch
     }
 
+    /// When this attachment was made.
+    pub fn attached_at(&self) -> std::time::Instant {
+        self.started
+    }
+
     /// Blocks from `lba` under this attachment's epoch: where a link request goes.
     fn at(&self, lba: u64) -> Target {
         Target {
