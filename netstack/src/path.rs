@@ -34,6 +34,7 @@
 //! Retransmissions are placed one by one, away from the path the packet was lost on and
 //! preferably on a path whose latest packet was delivered.
 #![deny(clippy::disallowed_methods, clippy::disallowed_types)] // sans-IO: see netstack/clippy.toml
+#![warn(missing_docs)]
 
 use smallvec::SmallVec;
 use std::str::FromStr;
@@ -123,20 +124,29 @@ impl Default for PathParams {
 /// What one path did (a snapshot; see [`PathSet::stats`]).
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
 pub struct PathStats {
+    /// In the rotation.
     pub up: bool,
-    /// Packets sent (first transmissions and retransmissions), delivered, presumed lost.
+    /// Packets sent (first transmissions and retransmissions).
     pub sent: u64,
+    /// Packets delivered (answered).
     pub delivered: u64,
+    /// Packets presumed lost.
     pub lost: u64,
+    /// Packets in flight now.
     pub inflight: u32,
+    /// Smoothed RTT (RFC 6298).
     pub srtt_ns: u64,
+    /// RTT variation (RFC 6298).
     pub rttvar_ns: u64,
     /// Smoothed fraction of this path's packets that were lost.
     pub loss_rate: f64,
-    /// Times the path went down and came back.
+    /// Times the path went down.
     pub downs: u32,
+    /// Times it came back.
     pub ups: u32,
+    /// Probes sent while it was down.
     pub probes_sent: u64,
+    /// Probes answered.
     pub probes_answered: u64,
 }
 
@@ -208,15 +218,19 @@ impl PathSet {
         }
     }
 
+    /// How many paths.
     pub fn len(&self) -> usize {
         self.paths.len()
     }
+    /// Whether there is none.
     pub fn is_empty(&self) -> bool {
         self.paths.is_empty()
     }
+    /// How packets spread over the paths.
     pub fn policy(&self) -> SprayPolicy {
         self.policy
     }
+    /// The health parameters.
     pub fn params(&self) -> &PathParams {
         &self.p
     }

@@ -16,8 +16,11 @@ use std::sync::Arc;
 /// A slice of registered memory that is the payload (or part of it) of an outgoing packet.
 #[derive(Debug, Clone)]
 pub struct PayloadPart {
+    /// The registered region it lies in.
     pub region: Arc<Region>,
+    /// Its offset in the region.
     pub off: usize,
+    /// Its length in bytes.
     pub len: usize,
 }
 
@@ -25,7 +28,9 @@ pub struct PayloadPart {
 /// (header-only TX). The link appends pad and ICRC.
 #[derive(Debug, Clone, Default)]
 pub struct TxPacket {
+    /// The packet's headers (BTH and extension headers).
     pub hdr: HeaderBuf,
+    /// The payload, in place, in order.
     pub payload: SmallVec<[PayloadPart; 2]>,
     /// Which of the QP's paths ([`crate::path`]) carries it; the engine maps it to a socket and
     /// a destination.

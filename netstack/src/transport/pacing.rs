@@ -4,6 +4,7 @@
 //! each packet's transmission time at the configured rate, with a burst allowance. Time is in
 //! nanoseconds and the division remainder is carried from packet to packet, so a long run sends
 //! exactly `rate × time` bytes (within one packet and the burst), whatever the packet sizes.
+#![warn(missing_docs)]
 
 /// Rate and window limits of one QP's requester.
 #[derive(Debug, Clone, Default)]
@@ -53,9 +54,11 @@ impl Pacer {
         self.window = bytes;
     }
 
+    /// The pacing rate in bytes per second (None: not paced).
     pub fn rate(&self) -> Option<u64> {
         self.rate
     }
+    /// The window in bytes (None: no window).
     pub fn window(&self) -> Option<u64> {
         self.window
     }

@@ -33,9 +33,11 @@ pub type IoId = u64;
 /// writer whose attachment moved elsewhere can no longer change (or read) the volume.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Target {
+    /// The volume.
     pub volume: u32,
     /// The first block.
     pub lba: u64,
+    /// The caller's attachment epoch of the volume.
     pub epoch: u32,
 }
 
@@ -51,12 +53,16 @@ pub struct ClientConfig {
     /// First request id; ids increase from it. Seed it above any id this agent used before for
     /// these volumes (a clock in ns does), so a server orders writes across agent restarts.
     pub rpc_base: u64,
+    /// A path's RTO before it has an RTT sample.
     pub initial_rto_ns: u64,
+    /// The least RTO (RFC 6298's floor, here for a datacenter fabric).
     pub min_rto_ns: u64,
+    /// The most RTO, backoff included.
     pub max_rto_ns: u64,
     /// RTOs a path may deliver nothing after a send, while another path delivers, before it
     /// is taken out of the rotation.
     pub down_after: u32,
+    /// How often a path out of the rotation is probed.
     pub probe_interval_ns: u64,
     /// A request not complete after this fails (TimedOut).
     pub io_timeout_ns: u64,
@@ -96,10 +102,18 @@ impl Default for ClientConfig {
 /// Why a request failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum IoError {
+    /// The server answered block `.1` with a final error status.
     #[error("the server answered {0:?} for block {1}")]
     Status(Status, u16),
+    /// The request did not complete within [`ClientConfig::io_timeout_ns`].
     #[error("not complete within the I/O timeout ({blocks_left} blocks outstanding, {paths_up} paths up)")]
-    TimedOut { blocks_left: u16, paths_up: u16 },
+    TimedOut {
+        /// Blocks not yet done.
+        blocks_left: u16,
+        /// Paths in the rotation at the time.
+        paths_up: u16,
+    },
+    /// Block `.0` failed its CRC check `.1` times (sent or received corrupt).
     #[error("block {0} failed its CRC check {1} times")]
     Crc(u16, u32),
 }
@@ -107,12 +121,16 @@ pub enum IoError {
 /// Refused requests.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SubmitError {
+    /// A length that is not whole blocks.
     #[error("length {0} is not a positive multiple of 4096")]
     Length(usize),
+    /// More blocks than one request carries.
     #[error("{0} blocks exceed 65535 per request")]
     TooLarge(usize),
+    /// A range past the end of the block address space.
     #[error("lba {0} + {1} blocks overflows")]
     Range(u64, usize),
+    /// A version that cannot be used (see [`SolarClient::write_versioned`]).
     #[error("write version {0} is 0, in the upper half, or already in flight")]
     Version(u64),
 }
@@ -121,31 +139,51 @@ pub enum SubmitError {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ClientEvent {
     /// A request finished: all blocks written and durable / all blocks delivered, or failed.
-    Done { io: IoId, result: Result<(), IoError> },
+    Done {
+        /// The request.
+        io: IoId,
+        /// How it ended.
+        result: Result<(), IoError>,
+    },
 }
 
 /// A checked READ_DATA block to place at `idx * 4096` of request `io`'s buffer.
 #[derive(Debug, PartialEq, Eq)]
 pub struct Placement<'a> {
+    /// The read it belongs to.
     pub io: IoId,
+    /// The block's index in the read.
     pub idx: u16,
+    /// The block (CRC checked), in the received packet.
     pub data: &'a [u8],
 }
 
 /// Counters.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ClientStats {
+    /// Packets sent (requests and probes).
     pub packets_sent: u64,
+    /// Blocks sent, resends included.
     pub blocks_sent: u64,
+    /// Blocks sent again (lost, refused as retryable, or not made durable in time).
     pub blocks_resent: u64,
+    /// Packets given up on at their RTO.
     pub timeouts: u64,
+    /// Packets resent because later ones on their path were answered first.
     pub fast_resends: u64,
+    /// Blocks that failed a CRC check (server's answer, or a read block here).
     pub crc_errors: u64,
+    /// Write blocks the server had a newer write for (done, nothing to resend).
     pub stale_acks: u64,
+    /// Answers for blocks already done or requests already finished.
     pub duplicates: u64,
+    /// Packets dropped as malformed.
     pub malformed: u64,
+    /// Probes sent to paths out of the rotation.
     pub probes: u64,
+    /// Times a path left the rotation.
     pub path_downs: u64,
+    /// Times a path came back.
     pub path_ups: u64,
     /// Accepted write blocks sent again because their `Ok` did not come in time.
     pub durable_resends: u64,
@@ -349,6 +387,7 @@ impl SolarClient {
         c
     }
 
+    /// The counters.
     pub fn stats(&self) -> ClientStats {
         self.stats
     }

@@ -15,6 +15,7 @@
 //!
 //! Neither side does I/O or reads a clock: the driver hands in packets and the time, and sends
 //! what [`client::SolarClient::poll_transmit`] / [`server::SolarServer::poll_transmit`] give.
+#![warn(missing_docs)]
 
 pub mod client;
 pub mod server;
@@ -29,18 +30,23 @@ pub struct Transmit {
     pub path: u16,
     /// The driver's token of the peer (servers answer many agents; clients use 0).
     pub peer: u64,
+    /// The encoded header.
     pub header: [u8; wire::HDR],
+    /// The block that follows it (WRITE, READ_DATA).
     pub block: Option<BlockRef>,
 }
 
 /// A block inside a shared buffer.
 #[derive(Debug, Clone)]
 pub struct BlockRef {
+    /// The buffer.
     pub data: Arc<[u8]>,
+    /// Where the block starts in it.
     pub off: usize,
 }
 
 impl BlockRef {
+    /// The block's 4 KiB.
     pub fn bytes(&self) -> &[u8] {
         &self.data[self.off..self.off + wire::BLOCK]
     }

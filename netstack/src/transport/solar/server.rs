@@ -25,12 +25,17 @@ pub type Token = u64;
 pub enum Request<'a> {
     /// Make this block durable, then call [`SolarServer::write_done`].
     Write {
+        /// What to answer it with.
         token: Token,
+        /// The volume written.
         volume: u32,
+        /// The block (the first, when `zero`).
         lba: u64,
         /// Empty when `zero`.
         data: &'a [u8],
+        /// The block's CRC32C (checked against `data` already): store it beside the block.
         crc: u32,
+        /// The agent asked for force unit access (every write is durable when answered).
         fua: bool,
         /// Zeros, to be deallocated (a WRITE with the ZERO flag), over `count` blocks from
         /// `lba`.
@@ -44,9 +49,13 @@ pub enum Request<'a> {
     /// Read `count` blocks from `lba` and answer each with [`SolarServer::read_block`] (or
     /// [`SolarServer::read_failed`]).
     Read {
+        /// What to answer it with.
         token: Token,
+        /// The volume read.
         volume: u32,
+        /// The first block.
         lba: u64,
+        /// Blocks to read.
         count: u16,
     },
 }
@@ -54,12 +63,19 @@ pub enum Request<'a> {
 /// Counters.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ServerStats {
+    /// Write blocks handed to the driver.
     pub writes: u64,
+    /// Blocks read.
     pub reads: u64,
+    /// Write blocks whose data did not match their CRC (answered CRC_ERROR).
     pub crc_errors: u64,
+    /// Writes older than the newest one taken for their block (answered `Stale`).
     pub stale_dropped: u64,
+    /// Writes seen again (answered, not applied again).
     pub duplicates: u64,
+    /// Packets dropped as malformed.
     pub malformed: u64,
+    /// Requests refused because their volume is fenced at a higher epoch.
     pub wrong_epoch: u64,
 }
 
@@ -118,6 +134,7 @@ impl SolarServer {
         }
     }
 
+    /// The counters.
     pub fn stats(&self) -> ServerStats {
         self.stats
     }

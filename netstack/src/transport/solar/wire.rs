@@ -38,12 +38,20 @@ const VERSION: u8 = 1;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
 pub enum Op {
+    /// One block of a write (or, with ZERO, a run of zeroed blocks), agent to server.
     Write = 1,
+    /// The server's answer to a WRITE: `Accepted` on arrival, then `Ok` (or an error) once
+    /// durable.
     WriteAck = 2,
+    /// A read of `blk_cnt - blk_idx` blocks from `lba`, agent to server.
     ReadReq = 3,
+    /// One block of a read, server to agent (a zero block with a status when it failed).
     ReadData = 4,
+    /// A refusal of a READ_REQ as a whole (wrong epoch).
     Nack = 5,
+    /// A path health probe, agent to server.
     Probe = 6,
+    /// The server's answer to a probe, on the probed path.
     ProbeAck = 7,
 }
 
@@ -88,6 +96,7 @@ pub mod flags {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u16)]
 pub enum Status {
+    /// Done: the block is durable (WRITE_ACK) or read (READ_DATA).
     Ok = 0,
     /// The block's CRC did not match: resend it.
     CrcError = 1,
@@ -111,6 +120,7 @@ pub enum Status {
 }
 
 impl Status {
+    /// The status a header's code stands for (None: unknown).
     pub fn from_u16(v: u16) -> Option<Status> {
         Some(match v {
             0 => Status::Ok,
@@ -135,18 +145,31 @@ impl Status {
 /// A decoded header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Header {
+    /// The packet type.
     pub op: Op,
+    /// [`flags`] bits.
     pub flags: u8,
+    /// The path the packet took (answers echo the request's).
     pub path: u16,
+    /// A [`Status`] code (answers).
     pub status: u16,
+    /// The volume addressed.
     pub volume: u32,
+    /// The request id: a write's version, unique per volume; reads use the upper half.
     pub rpc: u64,
+    /// This block's index within its request.
     pub blk_idx: u16,
+    /// The request's block count (a READ_REQ: the index one past its last block).
     pub blk_cnt: u16,
+    /// The block address, in 4 KiB blocks, of this block (READ_REQ: of its first).
     pub lba: u64,
+    /// The sender's attachment epoch of the volume; a server fenced higher refuses it.
     pub epoch: u32,
+    /// Per-path sequence number, echoed in the answer (loss detection).
     pub psn: u32,
+    /// The sender's clock when sent (ns), echoed (RTT).
     pub ts: u64,
+    /// CRC32C of the block (WRITE, READ_DATA).
     pub crc: u32,
     /// In acknowledgements: microseconds the server held the block (making it durable), so
     /// the sender's congestion control sees the network's share of the RTT, not the disk's
@@ -160,18 +183,25 @@ pub struct Header {
 /// Why a packet was dropped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum WireError {
+    /// Fewer bytes than a header.
     #[error("packet of {0} bytes is shorter than the header")]
     Short(usize),
+    /// Not a Solar packet of this version.
     #[error("bad magic or version")]
     Magic,
+    /// An opcode this version does not know, or one the receiver never gets.
     #[error("unknown opcode {0}")]
     Opcode(u8),
+    /// The header's CRC32C does not match.
     #[error("header CRC mismatch")]
     HeaderCrc,
+    /// A payload of the wrong size for the opcode.
     #[error("{0:?} with {1} payload bytes")]
     Length(Op, usize),
+    /// A block index outside its request, or a request that does not fit.
     #[error("block index {0} not below the count {1}")]
     Index(u16, u16),
+    /// A zero count where none may be, or above [`MAX_ZERO_BLOCKS`].
     #[error("a zero count of {0} (more than 1 only on a ZERO WRITE and its answers, at most 4096)")]
     Count(u32),
 }
