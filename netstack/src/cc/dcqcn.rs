@@ -27,6 +27,7 @@ pub struct Dcqcn {
 }
 
 impl Dcqcn {
+    /// A flow starting at line rate (DCQCN's start: no slow start).
     pub fn new(p: Arc<DcqcnParams>) -> Dcqcn {
         let c = p.line_rate as f64;
         Dcqcn {
@@ -48,9 +49,11 @@ impl Dcqcn {
     pub fn rate(&self) -> u64 {
         self.rc as u64
     }
+    /// Target rate R_t in bytes per second (what recovery climbs back to).
     pub fn target_rate(&self) -> u64 {
         self.rt as u64
     }
+    /// The congestion estimate alpha (0..=1).
     pub fn alpha(&self) -> f64 {
         self.alpha
     }

@@ -50,7 +50,9 @@ impl IntHop {
 /// An INT stack as read from a CC header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct IntStack {
+    /// Hops recorded (at most [`MAX_HOPS`]).
     pub nhop: u8,
+    /// Their records; the first `nhop` count.
     pub hops: [IntHop; MAX_HOPS],
 }
 
@@ -93,17 +95,22 @@ impl IntStack {
 /// A credit grant: the sender may send up to byte `offset` of its stream, at priority `prio`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GrantHdr {
+    /// The sender may send up to this byte of its stream.
     pub offset: u64,
+    /// The priority its scheduled packets take.
     pub prio: u8,
 }
 
 impl GrantHdr {
+    /// Bytes on the wire.
     pub const LEN: usize = 12;
+    /// Writes it to the first [`Self::LEN`] bytes of `b`.
     pub fn emit(&self, b: &mut [u8]) {
         b[0..8].copy_from_slice(&self.offset.to_be_bytes());
         b[8] = self.prio;
         b[9..12].fill(0);
     }
+    /// Reads one (None: too short).
     pub fn parse(b: &[u8]) -> Option<GrantHdr> {
         let o: [u8; 8] = b.get(0..8)?.try_into().ok()?;
         Some(GrantHdr {
@@ -118,16 +125,21 @@ impl GrantHdr {
 /// are in the sender's own byte count whatever the framing overhead.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HomaDataHdr {
+    /// Bytes of the message after this packet.
     pub remaining: u32,
+    /// The sender's stream position after this packet.
     pub sent_end: u64,
 }
 
 impl HomaDataHdr {
+    /// Bytes on the wire.
     pub const LEN: usize = 12;
+    /// Writes it to the first [`Self::LEN`] bytes of `b`.
     pub fn emit(&self, b: &mut [u8]) {
         b[0..4].copy_from_slice(&self.remaining.to_be_bytes());
         b[4..12].copy_from_slice(&self.sent_end.to_be_bytes());
     }
+    /// Reads one (None: too short).
     pub fn parse(b: &[u8]) -> Option<HomaDataHdr> {
         let r: [u8; 4] = b.get(0..4)?.try_into().ok()?;
         let e: [u8; 8] = b.get(4..12)?.try_into().ok()?;

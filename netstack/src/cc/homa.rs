@@ -76,6 +76,7 @@ pub struct Homa {
 }
 
 impl Homa {
+    /// A sender and receiver of one QP, ranked by the host's scheduler `sched`.
     pub fn new(p: Arc<HomaParams>, sched: Arc<HomaScheduler>) -> Homa {
         let id = sched.new_id();
         Homa {

@@ -42,6 +42,7 @@ pub struct Hpcc {
 }
 
 impl Hpcc {
+    /// A flow starting at a window of one bandwidth-delay product.
     pub fn new(p: Arc<HpccParams>) -> Hpcc {
         let w_init = p.line_rate as f64 * p.base_rtt_ns as f64 / 1e9;
         Hpcc {

@@ -20,6 +20,7 @@
 //! negotiated per QP when it connects). Algorithms never touch packets or clocks themselves, so
 //! the same code runs in the engine and in the simulator.
 #![deny(clippy::disallowed_methods, clippy::disallowed_types)] // sans-IO: see netstack/clippy.toml
+#![warn(missing_docs)]
 
 pub mod dcqcn;
 pub mod header;
@@ -114,6 +115,7 @@ pub enum Verdict {
 /// A received packet as congestion control sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RxMeta<'a> {
+    /// What arrived.
     pub kind: RxKind,
     /// Bytes of the packet above UDP.
     pub bytes: u32,
@@ -145,9 +147,13 @@ impl<'a> RxMeta<'a> {
 /// What kind of packet arrived (or, for `Timeout`, what happened).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RxKind {
+    /// A data packet (the receiver's side).
     Data,
+    /// An acknowledgement of this QP's data.
     Ack,
+    /// A RoCEv2 congestion notification packet.
     Cnp,
+    /// A credit grant (Homa).
     Grant,
     /// The requester's retransmission timer fired.
     Timeout,
@@ -160,7 +166,12 @@ pub enum Generate {
     Cnp,
     /// A credit grant: the peer may send data up to byte `offset` of this QP's stream, with
     /// priority `prio` (0 = highest).
-    Grant { offset: u64, prio: u8 },
+    Grant {
+        /// The stream byte the peer may send up to.
+        offset: u64,
+        /// The priority of its scheduled packets.
+        prio: u8,
+    },
     /// An ACK now, without waiting for the coalescing threshold.
     Ack,
 }
@@ -174,6 +185,7 @@ pub struct CcOutput {
     pub window: Option<Option<u64>>,
     /// When to call [`CcAlgorithm::on_timer`] next (replaces the previous timer).
     pub timer: Option<u64>,
+    /// A packet to send now.
     pub generate: Option<Generate>,
     /// The algorithm cannot run on this path (HPCC without INT telemetry): the transport stops
     /// the QP with this reason rather than let it guess.
@@ -219,21 +231,29 @@ pub trait CcAlgorithm: Send + std::fmt::Debug {
 /// What the QPs of one host share: the parameters and Homa's receiver scheduler.
 #[derive(Debug)]
 pub struct CcEnv {
+    /// Every algorithm's parameters.
     pub params: SharedParams,
+    /// Homa's receiver-side SRPT ranking of the host's inbound messages.
     pub homa: std::sync::Arc<homa::HomaScheduler>,
 }
 
 /// The parameters behind `Arc`s, so each QP's context holds a pointer rather than a copy.
 #[derive(Debug, Clone)]
 pub struct SharedParams {
+    /// DCQCN's.
     pub dcqcn: std::sync::Arc<params::DcqcnParams>,
+    /// TIMELY's.
     pub timely: std::sync::Arc<params::TimelyParams>,
+    /// HPCC's.
     pub hpcc: std::sync::Arc<params::HpccParams>,
+    /// Swift's.
     pub swift: std::sync::Arc<params::SwiftParams>,
+    /// Homa's.
     pub homa: std::sync::Arc<params::HomaParams>,
 }
 
 impl CcEnv {
+    /// The shared state of a host's QPs for parameters `p`.
     pub fn new(p: &CcParams) -> std::sync::Arc<CcEnv> {
         std::sync::Arc::new(CcEnv {
             params: SharedParams {
@@ -257,12 +277,18 @@ impl CcEnv {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum CcKind {
+    /// No congestion control: the window and rate are the transport's own.
     #[default]
     None,
+    /// DCQCN (ECN marks, CNPs, rate-based).
     Dcqcn,
+    /// TIMELY (RTT gradient, rate-based).
     Timely,
+    /// HPCC (in-band network telemetry, window-based).
     Hpcc,
+    /// Swift (delay target, window-based).
     Swift,
+    /// Homa (receiver-driven grants, SRPT).
     Homa,
 }
 
@@ -291,6 +317,7 @@ impl CcKind {
         })
     }
 
+    /// The name `--cc` selects it by.
     pub fn name(self) -> &'static str {
         match self {
             CcKind::None => "none",

@@ -6,10 +6,15 @@
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct CcParams {
+    /// `[cc.dcqcn]`.
     pub dcqcn: DcqcnParams,
+    /// `[cc.timely]`.
     pub timely: TimelyParams,
+    /// `[cc.hpcc]`.
     pub hpcc: HpccParams,
+    /// `[cc.swift]`.
     pub swift: SwiftParams,
+    /// `[cc.homa]`.
     pub homa: HomaParams,
 }
 
@@ -50,6 +55,7 @@ impl CcParams {
     }
 
     /// Checks every algorithm's parameters; the error names the field.
+    /// Checks the values; the error names the bad field.
     pub fn validate(&self) -> Result<(), String> {
         self.dcqcn.validate().map_err(|e| format!("dcqcn.{e}"))?;
         self.timely.validate().map_err(|e| format!("timely.{e}"))?;
@@ -99,12 +105,14 @@ pub struct DcqcnParams {
     /// Additive increase step R_AI and hyper increase step R_HAI, bytes per second.
     #[serde(with = "rate")]
     pub rate_ai: u64,
+    /// Hyper increase step R_HAI, bytes per second.
     #[serde(with = "rate")]
     pub rate_hai: u64,
     /// alpha gain g.
     pub g: f64,
     /// alpha update period K (ns) and rate increase timer T (ns).
     pub alpha_period_ns: u64,
+    /// Rate increase timer T (ns).
     pub rate_timer_ns: u64,
     /// Byte counter B.
     pub byte_counter: u64,
@@ -133,6 +141,7 @@ impl Default for DcqcnParams {
 }
 
 impl DcqcnParams {
+    /// Checks the values; the error names the bad field.
     pub fn validate(&self) -> Result<(), String> {
         if self.min_rate > self.line_rate {
             return Err("min_rate: above line_rate".into());
@@ -154,13 +163,16 @@ pub struct TimelyParams {
     /// Line rate C and floor, bytes per second.
     #[serde(with = "rate")]
     pub line_rate: u64,
+    /// Rate floor, bytes per second.
     #[serde(with = "rate")]
     pub min_rate: u64,
     /// EWMA weight of a new RTT difference.
     pub ewma: f64,
     /// Multiplicative decrease factor.
     pub beta: f64,
+    /// Below this RTT the rate always increases.
     pub t_low_ns: u64,
+    /// Above this RTT the rate always decreases.
     pub t_high_ns: u64,
     /// Minimum RTT: the gradient's normaliser and the update interval.
     pub min_rtt_ns: u64,
@@ -191,6 +203,7 @@ impl Default for TimelyParams {
 }
 
 impl TimelyParams {
+    /// Checks the values; the error names the bad field.
     pub fn validate(&self) -> Result<(), String> {
         if self.min_rate > self.line_rate {
             return Err("min_rate: above line_rate".into());
@@ -239,6 +252,7 @@ impl Default for HpccParams {
 }
 
 impl HpccParams {
+    /// Checks the values; the error names the bad field.
     pub fn validate(&self) -> Result<(), String> {
         if !(self.eta > 0.0 && self.eta <= 1.0) {
             return Err(format!("eta: {} not in (0, 1]", self.eta));
@@ -257,19 +271,27 @@ pub struct SwiftParams {
     /// Line rate, bytes per second (caps the pacing rate).
     #[serde(with = "rate")]
     pub line_rate: u64,
+    /// Base target delay (fabric and endpoint, without the per-hop share).
     pub base_target_ns: u64,
     /// Target added per hop, and the hops assumed on the path.
     pub per_hop_ns: u64,
+    /// Hops assumed on the path.
     pub hops: u32,
     /// Additive increment (packets per window), decrease factor and largest cut.
     pub ai: f64,
+    /// Multiplicative decrease factor.
     pub beta: f64,
+    /// Largest multiplicative decrease per step.
     pub max_mdf: f64,
+    /// Smallest window (packets; below 1 the flow is paced).
     pub min_cwnd: f64,
+    /// Largest window (packets).
     pub max_cwnd: f64,
     /// Flow scaling: extra target up to `fs_range_ns` for windows between these bounds.
     pub fs_range_ns: u64,
+    /// Window at which flow scaling adds its whole range.
     pub fs_min_cwnd: f64,
+    /// Window at which flow scaling adds nothing.
     pub fs_max_cwnd: f64,
     /// Consecutive timeouts that reset the window to the minimum.
     pub retx_reset: u32,
@@ -299,6 +321,7 @@ impl Default for SwiftParams {
 }
 
 impl SwiftParams {
+    /// Checks the values; the error names the bad field.
     pub fn validate(&self) -> Result<(), String> {
         if !(self.min_cwnd > 0.0 && self.min_cwnd <= self.max_cwnd) {
             return Err("min_cwnd: must be > 0 and at most max_cwnd".into());
@@ -336,6 +359,7 @@ impl Default for HomaParams {
 }
 
 impl HomaParams {
+    /// Checks the values; the error names the bad field.
     pub fn validate(&self) -> Result<(), String> {
         if self.rtt_bytes == 0 || self.overcommit == 0 || self.grant_timer_ns == 0 {
             return Err("rtt_bytes, overcommit, grant_timer_ns: must be > 0".into());
@@ -377,10 +401,12 @@ pub fn parse_rate(s: &str) -> Result<u64, String> {
 pub mod rate {
     use serde::{Deserialize, Deserializer, Serializer};
 
+    /// As a number of bytes per second.
     pub fn serialize<S: Serializer>(v: &u64, s: S) -> Result<S::Ok, S::Error> {
         s.serialize_u64(*v)
     }
 
+    /// From a number, or a string with a unit ([`super::parse_rate`]).
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
         #[derive(Deserialize)]
         #[serde(untagged)]

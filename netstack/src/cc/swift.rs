@@ -26,6 +26,7 @@ pub struct Swift {
 }
 
 impl Swift {
+    /// A flow starting at the configured initial window.
     pub fn new(p: Arc<SwiftParams>) -> Swift {
         let cwnd = p.init_cwnd.clamp(p.min_cwnd, p.max_cwnd);
         Swift {

@@ -24,6 +24,7 @@ pub struct Timely {
 }
 
 impl Timely {
+    /// A flow starting at line rate.
     pub fn new(p: Arc<TimelyParams>) -> Timely {
         let rate = p.line_rate as f64;
         Timely {
