@@ -30,26 +30,38 @@ pub const MASK24: u32 = 0x00FF_FFFF;
 /// Base Transport Header (12 bytes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Bth {
+    /// The opcode ([`super::Opcode`]).
     pub opcode: u8,
+    /// Solicited event: the receiver's CQ raises an event for it.
     pub solicited: bool,
+    /// Migration request (set, as RoCEv2 NICs send it).
     pub mig_req: bool,
+    /// Pad bytes at the end of the payload (0..=3).
     pub pad: u8,
+    /// Transport header version (0).
     pub tver: u8,
+    /// Partition key.
     pub pkey: u16,
+    /// Forward explicit congestion notification.
     pub fecn: bool,
+    /// Backward explicit congestion notification.
     pub becn: bool,
     /// Length of the congestion-control header that follows the BTH, in 4-byte words (0..=16;
     /// a flexns extension in the low five reserved bits of byte 4, negotiated per QP).
     pub cc_words: u8,
+    /// The destination QP number (24 bits).
     pub dest_qp: u32,
+    /// Acknowledge request: the responder answers this packet with an ACK.
     pub ack_req: bool,
     /// The multipath path the packet was sent on (0..=127; a flexns extension in the seven
     /// reserved bits of byte 8), so a responder answers on the path its request came on.
     pub path: u8,
+    /// Packet sequence number (24 bits).
     pub psn: u32,
 }
 
 impl Bth {
+    /// Bytes on the wire.
     pub const LEN: usize = 12;
 
     /// A BTH with the defaults this stack sends (MigReq set as RoCEv2 NICs do, TVer 0, default P_Key).
@@ -71,6 +83,7 @@ impl Bth {
         }
     }
 
+    /// Reads one from the start of `b`, which holds at least [`Self::LEN`] bytes.
     pub fn parse(b: &[u8]) -> Bth {
         Bth {
             opcode: b[0],
@@ -89,6 +102,7 @@ impl Bth {
         }
     }
 
+    /// Writes it to the first [`Self::LEN`] bytes of `b`.
     pub fn emit(&self, b: &mut [u8]) {
         b[0] = self.opcode;
         b[1] = (u8::from(self.solicited) << 7)
@@ -106,13 +120,18 @@ impl Bth {
 /// RDMA Extended Transport Header (16 bytes): WRITE FIRST/ONLY, READ request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Reth {
+    /// The remote virtual address.
     pub va: u64,
+    /// The remote key it is accessed with.
     pub rkey: u32,
+    /// The message's length in bytes.
     pub dma_len: u32,
 }
 
 impl Reth {
+    /// Bytes on the wire.
     pub const LEN: usize = 16;
+    /// Reads one from the start of `b`, which holds at least [`Self::LEN`] bytes.
     pub fn parse(b: &[u8]) -> Reth {
         Reth {
             va: be64(b),
@@ -120,6 +139,7 @@ impl Reth {
             dma_len: be32(&b[12..]),
         }
     }
+    /// Writes it to the first [`Self::LEN`] bytes of `b`.
     pub fn emit(&self, b: &mut [u8]) {
         b[..8].copy_from_slice(&self.va.to_be_bytes());
         b[8..12].copy_from_slice(&self.rkey.to_be_bytes());
@@ -130,10 +150,15 @@ impl Reth {
 /// NAK codes carried in the AETH syndrome (IBA Table 43).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum NakCode {
+    /// A PSN ahead of the expected one: resend from the NAK's PSN.
     PsnSequenceError = 0,
+    /// A request the responder cannot carry out (bad opcode, too long for the receive).
     InvalidRequest = 1,
+    /// A remote access that failed the rkey, PD, bounds or access check.
     RemoteAccessError = 2,
+    /// The responder failed carrying it out.
     RemoteOperationalError = 3,
+    /// An invalid RD request (not used by RC; decoded for completeness).
     InvalidRdRequest = 4,
 }
 
@@ -141,9 +166,15 @@ pub enum NakCode {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Syndrome {
     /// Positive ACK with a credit count (0x1F: credits not used).
-    Ack { credits: u8 },
+    Ack {
+        /// The credit count.
+        credits: u8,
+    },
     /// Receiver-not-ready NAK with the 5-bit RNR timer code.
-    Rnr { timer: u8 },
+    Rnr {
+        /// The RNR timer code (IBA Table 45).
+        timer: u8,
+    },
     /// NAK with a code.
     Nak(NakCode),
     /// A reserved encoding (counted and ignored by receivers).
@@ -151,6 +182,7 @@ pub enum Syndrome {
 }
 
 impl Syndrome {
+    /// The AETH syndrome byte.
     pub fn to_u8(self) -> u8 {
         match self {
             Syndrome::Ack { credits } => credits & 0x1F,
@@ -159,6 +191,7 @@ impl Syndrome {
             Syndrome::Reserved(v) => v,
         }
     }
+    /// The syndrome a byte encodes.
     pub fn from_u8(v: u8) -> Syndrome {
         match (v >> 5) & 3 {
             0 => Syndrome::Ack { credits: v & 0x1F },
@@ -179,18 +212,23 @@ impl Syndrome {
 /// ACK Extended Transport Header (4 bytes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Aeth {
+    /// ACK, RNR NAK or NAK.
     pub syndrome: Syndrome,
+    /// Message sequence number: messages the responder completed (24 bits).
     pub msn: u32,
 }
 
 impl Aeth {
+    /// Bytes on the wire.
     pub const LEN: usize = 4;
+    /// Reads one from the start of `b`, which holds at least [`Self::LEN`] bytes.
     pub fn parse(b: &[u8]) -> Aeth {
         Aeth {
             syndrome: Syndrome::from_u8(b[0]),
             msn: be24(&b[1..]),
         }
     }
+    /// Writes it to the first [`Self::LEN`] bytes of `b`.
     pub fn emit(&self, b: &mut [u8]) {
         b[0] = self.syndrome.to_u8();
         put24(&mut b[1..], self.msn);
@@ -200,14 +238,20 @@ impl Aeth {
 /// Atomic Extended Transport Header (28 bytes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct AtomicEth {
+    /// The remote address (8-byte aligned).
     pub va: u64,
+    /// The remote key.
     pub rkey: u32,
+    /// The value to swap in (compare-and-swap) or to add (fetch-and-add).
     pub swap_add: u64,
+    /// The value to compare with (compare-and-swap).
     pub compare: u64,
 }
 
 impl AtomicEth {
+    /// Bytes on the wire.
     pub const LEN: usize = 28;
+    /// Reads one from the start of `b`, which holds at least [`Self::LEN`] bytes.
     pub fn parse(b: &[u8]) -> AtomicEth {
         AtomicEth {
             va: be64(b),
@@ -216,6 +260,7 @@ impl AtomicEth {
             compare: be64(&b[20..]),
         }
     }
+    /// Writes it to the first [`Self::LEN`] bytes of `b`.
     pub fn emit(&self, b: &mut [u8]) {
         b[..8].copy_from_slice(&self.va.to_be_bytes());
         b[8..12].copy_from_slice(&self.rkey.to_be_bytes());
@@ -227,14 +272,18 @@ impl AtomicEth {
 /// Atomic ACK Extended Transport Header (8 bytes): the original remote value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct AtomicAckEth {
+    /// The remote value before the atomic.
     pub orig: u64,
 }
 
 impl AtomicAckEth {
+    /// Bytes on the wire.
     pub const LEN: usize = 8;
+    /// Reads one from the start of `b`, which holds at least [`Self::LEN`] bytes.
     pub fn parse(b: &[u8]) -> AtomicAckEth {
         AtomicAckEth { orig: be64(b) }
     }
+    /// Writes it to the first [`Self::LEN`] bytes of `b`.
     pub fn emit(&self, b: &mut [u8]) {
         b[..8].copy_from_slice(&self.orig.to_be_bytes());
     }
@@ -254,15 +303,22 @@ pub const IETH_LEN: usize = 4;
 /// IBA header: QPs in go-back-N mode never send it, so standard decoders see standard packets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct SrExt {
+    /// This packet's byte offset in its message.
     pub msg_offset: u32,
+    /// The message's receive sequence number (which receive WQE a SEND consumes).
     pub recv_seq: u32,
+    /// A WRITE's target address (of the message's first byte).
     pub va: u64,
+    /// A WRITE's remote key.
     pub rkey: u32,
+    /// The message's length in bytes.
     pub msg_len: u32,
 }
 
 impl SrExt {
+    /// Bytes on the wire.
     pub const LEN: usize = 24;
+    /// Reads one from the start of `b`, which holds at least [`Self::LEN`] bytes.
     pub fn parse(b: &[u8]) -> SrExt {
         SrExt {
             msg_offset: be32(b),
@@ -272,6 +328,7 @@ impl SrExt {
             msg_len: be32(&b[20..]),
         }
     }
+    /// Writes it to the first [`Self::LEN`] bytes of `b`.
     pub fn emit(&self, b: &mut [u8]) {
         b[..4].copy_from_slice(&self.msg_offset.to_be_bytes());
         b[4..8].copy_from_slice(&self.recv_seq.to_be_bytes());
@@ -287,13 +344,18 @@ impl SrExt {
 /// manufacturer-specific opcode range.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct OffloadReqHdr {
+    /// The handler's opcode.
     pub opcode: u16,
+    /// None defined (0).
     pub flags: u16,
+    /// Response bytes the requester's buffer holds.
     pub resp_cap: u32,
 }
 
 impl OffloadReqHdr {
+    /// Bytes on the wire.
     pub const LEN: usize = 8;
+    /// Reads one from the start of `b`, which holds at least [`Self::LEN`] bytes.
     pub fn parse(b: &[u8]) -> OffloadReqHdr {
         OffloadReqHdr {
             opcode: u16::from_be_bytes([b[0], b[1]]),
@@ -301,6 +363,7 @@ impl OffloadReqHdr {
             resp_cap: be32(&b[4..]),
         }
     }
+    /// Writes it to the first [`Self::LEN`] bytes of `b`.
     pub fn emit(&self, b: &mut [u8]) {
         b[..2].copy_from_slice(&self.opcode.to_be_bytes());
         b[2..4].copy_from_slice(&self.flags.to_be_bytes());
@@ -313,18 +376,23 @@ impl OffloadReqHdr {
 /// [`crate::offload::OffloadStatus`] code) and the response's length in bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct OffloadResult {
+    /// 0, or an offload status code.
     pub status: u8,
+    /// The response's length in bytes.
     pub len: u32,
 }
 
 impl OffloadResult {
+    /// Bytes on the wire.
     pub const LEN: usize = 8;
+    /// Reads one from the start of `b`, which holds at least [`Self::LEN`] bytes.
     pub fn parse(b: &[u8]) -> OffloadResult {
         OffloadResult {
             status: b[0],
             len: be32(&b[4..]),
         }
     }
+    /// Writes it to the first [`Self::LEN`] bytes of `b`.
     pub fn emit(&self, b: &mut [u8]) {
         b[0] = self.status;
         b[1..4].fill(0);
@@ -340,14 +408,20 @@ impl OffloadResult {
 /// TCP's DSACK: a retransmission was spurious.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct SackExt {
+    /// The first missing PSN.
     pub base: u32,
+    /// Bit `i`: PSN `base + 1 + i` was received.
     pub bitmap: u64,
+    /// The highest PSN received.
     pub high: u32,
+    /// A packet arrived twice since the previous SACK.
     pub dup: bool,
 }
 
 impl SackExt {
+    /// Bytes on the wire.
     pub const LEN: usize = 16;
+    /// Reads one from the start of `b`, which holds at least [`Self::LEN`] bytes.
     pub fn parse(b: &[u8]) -> SackExt {
         SackExt {
             base: be32(b) & MASK24,
@@ -356,6 +430,7 @@ impl SackExt {
             dup: b[12] & 0x80 != 0,
         }
     }
+    /// Writes it to the first [`Self::LEN`] bytes of `b`.
     pub fn emit(&self, b: &mut [u8]) {
         b[..4].copy_from_slice(&(self.base & MASK24).to_be_bytes());
         b[4..12].copy_from_slice(&self.bitmap.to_be_bytes());

@@ -86,6 +86,7 @@ impl Icrc {
         }
     }
 
+    /// The ICRC of everything fed in.
     pub fn finish(self) -> u32 {
         self.h.finalize()
     }

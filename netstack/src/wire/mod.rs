@@ -1,6 +1,7 @@
 //! RoCEv2 wire format: RC opcodes, the BTH and its extension headers, the ICRC, and a checked
 //! zero-copy packet view. Decoders take untrusted input and return a [`WireError`], never panic.
 #![deny(clippy::disallowed_methods, clippy::disallowed_types)] // sans-IO: see netstack/clippy.toml
+#![warn(missing_docs)]
 
 pub mod headers;
 pub mod icrc;
@@ -17,20 +18,48 @@ pub const ROCEV2_PORT: u16 = 4791;
 /// Why a received datagram was rejected.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum WireError {
+    /// Shorter than its headers say.
     #[error("truncated packet: need {need} bytes, have {have}")]
-    Truncated { need: usize, have: usize },
+    Truncated {
+        /// Bytes the headers need.
+        need: usize,
+        /// Bytes received.
+        have: usize,
+    },
+    /// Larger than any packet of this stack.
     #[error("oversized datagram of {len} bytes")]
-    Oversized { len: usize },
+    Oversized {
+        /// Its length.
+        len: usize,
+    },
+    /// An opcode this stack does not know, or not of the RC class.
     #[error("unknown or non-RC opcode {0:#04x}")]
     UnknownOpcode(u8),
+    /// A BTH transport header version other than 0.
     #[error("unsupported transport header version {0}")]
     BadVersion(u8),
+    /// More pad bytes than payload.
     #[error("pad count {pad} larger than the {len} payload bytes")]
-    BadPad { pad: u8, len: usize },
+    BadPad {
+        /// The BTH's pad count.
+        pad: u8,
+        /// The payload bytes.
+        len: usize,
+    },
+    /// A congestion-control header longer than allowed.
     #[error("congestion-control header of {words} words (at most 16)")]
-    BadCcHeader { words: u8 },
+    BadCcHeader {
+        /// Its length in 4-byte words.
+        words: u8,
+    },
+    /// The invariant CRC does not match (corrupted in flight).
     #[error("bad ICRC: computed {want:#010x}, packet carries {got:#010x}")]
-    BadIcrc { want: u32, got: u32 },
+    BadIcrc {
+        /// Computed over the packet.
+        want: u32,
+        /// Carried by it.
+        got: u32,
+    },
 }
 
 impl WireError {

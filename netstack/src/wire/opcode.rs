@@ -4,28 +4,51 @@
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u8)]
 pub enum Opcode {
+    /// SEND: the first packet of a multi-packet message.
     SendFirst = 0x00,
+    /// SEND: a middle packet.
     SendMiddle = 0x01,
+    /// SEND: the last packet.
     SendLast = 0x02,
+    /// SEND: the last packet, with immediate data.
     SendLastWithImm = 0x03,
+    /// SEND: a one-packet message.
     SendOnly = 0x04,
+    /// SEND: a one-packet message with immediate data.
     SendOnlyWithImm = 0x05,
+    /// RDMA WRITE: the first packet (carries the RETH).
     WriteFirst = 0x06,
+    /// RDMA WRITE: a middle packet.
     WriteMiddle = 0x07,
+    /// RDMA WRITE: the last packet.
     WriteLast = 0x08,
+    /// RDMA WRITE: the last packet, with immediate data (consumes a receive).
     WriteLastWithImm = 0x09,
+    /// RDMA WRITE: a one-packet message (carries the RETH).
     WriteOnly = 0x0A,
+    /// RDMA WRITE: a one-packet message with immediate data.
     WriteOnlyWithImm = 0x0B,
+    /// RDMA READ request (RETH: address, rkey, length).
     ReadRequest = 0x0C,
+    /// RDMA READ response: the first packet (AETH).
     ReadResponseFirst = 0x0D,
+    /// RDMA READ response: a middle packet.
     ReadResponseMiddle = 0x0E,
+    /// RDMA READ response: the last packet (AETH).
     ReadResponseLast = 0x0F,
+    /// RDMA READ response: a one-packet response (AETH).
     ReadResponseOnly = 0x10,
+    /// ACK or NAK (AETH syndrome).
     Acknowledge = 0x11,
+    /// The answer to an atomic (AETH and AtomicAckETH: the original value).
     AtomicAcknowledge = 0x12,
+    /// ATOMIC compare-and-swap request (AtomicETH).
     CompareSwap = 0x13,
+    /// ATOMIC fetch-and-add request (AtomicETH).
     FetchAdd = 0x14,
+    /// SEND: the last packet, invalidating an rkey at the responder (IETH).
     SendLastWithInvalidate = 0x16,
+    /// SEND: a one-packet message invalidating an rkey (IETH).
     SendOnlyWithInvalidate = 0x17,
     /// RoCEv2 congestion notification packet (BTH + 16 reserved bytes), sent by the notification
     /// point of DCQCN to the QP whose packets were ECN-marked.
@@ -40,21 +63,30 @@ pub enum Opcode {
     ProbeReply = 0x85,
     /// flexns offload request (manufacturer-specific range): [`super::OffloadReqHdr`] + request.
     OffloadRequest = 0xC0,
+    /// flexns offload response: the first packet (AETH).
     OffloadResponseFirst = 0xC1,
+    /// flexns offload response: a middle packet.
     OffloadResponseMiddle = 0xC2,
     /// Carries [`super::OffloadResult`] before its data, as does ONLY.
     OffloadResponseLast = 0xC3,
+    /// flexns offload response: a one-packet response ([`super::OffloadResult`] first).
     OffloadResponseOnly = 0xC4,
 }
 
 /// Which extension headers follow the BTH for an opcode, in wire order.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct HeaderSet {
+    /// RDMA extended transport header (address, rkey, length).
     pub reth: bool,
+    /// ACK extended transport header (syndrome, MSN).
     pub aeth: bool,
+    /// Atomic extended transport header (address, rkey, operands).
     pub atomic_eth: bool,
+    /// Atomic ACK extended transport header (the original value).
     pub atomic_ack_eth: bool,
+    /// Immediate data.
     pub imm: bool,
+    /// Invalidate extended transport header (the rkey).
     pub ieth: bool,
     /// The opcode carries payload bytes.
     pub payload: bool,

@@ -28,15 +28,23 @@ pub fn largest_mtu_within(ip_mtu: u32) -> u32 {
 /// A parsed packet whose header fields have been length-checked; `payload` borrows the datagram.
 #[derive(Debug, Clone)]
 pub struct PacketView<'a> {
+    /// The base transport header.
     pub bth: Bth,
+    /// Its opcode, known to this stack.
     pub opcode: Opcode,
     /// The congestion-control header after the BTH (empty unless the QP negotiated one).
     pub cc: &'a [u8],
+    /// The RETH, when the opcode has one.
     pub reth: Option<Reth>,
+    /// The AETH, when the opcode has one.
     pub aeth: Option<Aeth>,
+    /// The AtomicETH of an atomic request.
     pub atomic: Option<AtomicEth>,
+    /// The AtomicAckETH of an atomic acknowledge.
     pub atomic_ack: Option<AtomicAckEth>,
+    /// Immediate data (as sent, network order read as big-endian).
     pub imm: Option<u32>,
+    /// The rkey a SEND with invalidate invalidates.
     pub ieth: Option<u32>,
     /// Payload without pad and ICRC.
     pub payload: &'a [u8],
@@ -185,26 +193,32 @@ impl HeaderBuf {
         self.len += n as u8;
         &mut self.bytes[s..s + n]
     }
+    /// Appends a RETH.
     pub fn push_reth(&mut self, r: &Reth) -> &mut Self {
         r.emit(self.grow(Reth::LEN));
         self
     }
+    /// Appends an AETH.
     pub fn push_aeth(&mut self, a: &Aeth) -> &mut Self {
         a.emit(self.grow(Aeth::LEN));
         self
     }
+    /// Appends an AtomicETH.
     pub fn push_atomic(&mut self, a: &AtomicEth) -> &mut Self {
         a.emit(self.grow(AtomicEth::LEN));
         self
     }
+    /// Appends an AtomicAckETH.
     pub fn push_atomic_ack(&mut self, a: &AtomicAckEth) -> &mut Self {
         a.emit(self.grow(AtomicAckEth::LEN));
         self
     }
+    /// Appends 4 bytes in network order (immediate data, an IETH, a result word).
     pub fn push_u32(&mut self, v: u32) -> &mut Self {
         self.grow(4).copy_from_slice(&v.to_be_bytes());
         self
     }
+    /// Appends a selective-repeat extension.
     pub fn push_sr(&mut self, s: &SrExt) -> &mut Self {
         s.emit(self.grow(SrExt::LEN));
         self
@@ -233,6 +247,7 @@ impl HeaderBuf {
         self.bytes[8] = (self.bytes[8] & 0x80) | (path & 0x7F);
         self
     }
+    /// Appends a selective ACK extension (after the AETH).
     pub fn push_sack(&mut self, s: &SackExt) -> &mut Self {
         s.emit(self.grow(SackExt::LEN));
         self
@@ -243,15 +258,19 @@ impl HeaderBuf {
         self.bytes[1] = (self.bytes[1] & !0x30) | ((pad as u8) << 4);
         pad
     }
+    /// The BTH as pushed so far.
     pub fn bth(&self) -> Bth {
         Bth::parse(&self.bytes)
     }
+    /// The headers' bytes.
     pub fn as_bytes(&self) -> &[u8] {
         &self.bytes[..self.len as usize]
     }
+    /// Bytes of headers.
     pub fn len(&self) -> usize {
         self.len as usize
     }
+    /// Whether nothing was pushed.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
