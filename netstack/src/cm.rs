@@ -17,17 +17,24 @@ pub mod pb {
 /// Errors of connection management.
 #[derive(Debug, thiserror::Error)]
 pub enum CmError {
+    /// The peer's connection manager could not be reached.
     #[error("cannot reach connection manager at {addr}: {source}")]
     Transport {
+        /// Its address.
         addr: String,
+        /// Why.
         source: tonic::transport::Error,
     },
+    /// The peer refused the connection (its reason).
     #[error("connection manager refused: {0}")]
     Refused(String),
+    /// An endpoint description had a bad field (which, and why).
     #[error("bad endpoint field {0}")]
     BadEndpoint(String),
+    /// Making or moving the local QP failed.
     #[error(transparent)]
     Verbs(#[from] VerbsError),
+    /// A socket failed.
     #[error("I/O: {0}")]
     Io(#[from] std::io::Error),
 }
@@ -125,6 +132,7 @@ impl TryFrom<Option<pb::QpEndpoint>> for Endpoint {
 pub struct Accepted {
     /// The connected QP (kept alive by the acceptor's owner, e.g. in a list).
     pub qp: Qp,
+    /// The bytes the connecting side sent with its request.
     pub private_data: Vec<u8>,
 }
 

@@ -117,10 +117,13 @@ impl Default for ContextConfig {
 /// A configuration error naming the field.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
+    /// The TOML did not parse (it names the line and field).
     #[error("config: {0}")]
     Parse(#[from] toml::de::Error),
+    /// A field has a bad value (which, and why).
     #[error("config field {0}")]
     Invalid(String),
+    /// The file could not be read.
     #[error("reading {0}: {1}")]
     Read(std::path::PathBuf, std::io::Error),
 }

@@ -23,9 +23,9 @@
 //! The internal modules are private: what applications and the services need of them is
 //! re-exported by [`verbs`] (engine statistics, drive and poll modes, Solar endpoints),
 //! [`redn`] and [`config`] (RedN's managed queues and guards). `unreachable_pub` keeps every
-//! other item of theirs crate-visible only.
+//! other item of theirs crate-visible only, and `missing_docs` every public item documented.
 
-#![warn(unreachable_pub)]
+#![warn(unreachable_pub, missing_docs)]
 
 pub mod cc;
 mod chain;

@@ -116,12 +116,17 @@ fn stream_all(n: usize, zero: std::io::ErrorKind, mut step: impl FnMut(usize) ->
 pub struct Access(pub u32);
 
 impl Access {
+    /// The local side may write it (receives, READ responses, atomics' results).
     pub const LOCAL_WRITE: Access = Access(1);
+    /// Peers may RDMA WRITE it.
     pub const REMOTE_WRITE: Access = Access(2);
+    /// Peers may RDMA READ it.
     pub const REMOTE_READ: Access = Access(4);
+    /// Peers may run atomics on it.
     pub const REMOTE_ATOMIC: Access = Access(8);
     /// All of the above.
     pub const ALL: Access = Access(15);
+    /// Whether every right of `o` is granted.
     pub fn contains(self, o: Access) -> bool {
         self.0 & o.0 == o.0
     }
@@ -200,12 +205,15 @@ impl Region {
     }
 
     /// The virtual address of the first byte (what a peer puts in a RETH).
+    /// Its address (what work requests and rkeys name).
     pub fn addr(&self) -> u64 {
         self.ptr as u64
     }
+    /// Its length in bytes.
     pub fn len(&self) -> usize {
         self.len
     }
+    /// Whether it has no bytes.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -416,22 +424,36 @@ impl Region {
 /// A registered memory region as the key table holds it.
 #[derive(Debug, Clone)]
 pub struct MrEntry {
+    /// The memory.
     pub region: Arc<Region>,
+    /// The protection domain it was registered in.
     pub pd: u32,
+    /// The rights granted.
     pub access: Access,
+    /// Its local key.
     pub lkey: u32,
+    /// Its remote key.
     pub rkey: u32,
 }
 
 /// Why an access was refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum AccessError {
+    /// No region has this key (never registered, deregistered, or invalidated).
     #[error("unknown or invalidated key {0:#x}")]
     BadKey(u32),
+    /// The key's region is in another protection domain.
     #[error("key {0:#x} belongs to another protection domain")]
     WrongPd(u32),
+    /// The range does not lie inside the region.
     #[error("range {va:#x}+{len} is outside the memory region")]
-    OutOfBounds { va: u64, len: u64 },
+    OutOfBounds {
+        /// Start address asked for.
+        va: u64,
+        /// Bytes asked for.
+        len: u64,
+    },
+    /// The region does not grant the right.
     #[error("memory region lacks the access right {0:?}")]
     NoPermission(Access),
 }
@@ -443,6 +465,7 @@ pub struct MrTable {
 }
 
 impl MrTable {
+    /// An empty table.
     pub fn new() -> MrTable {
         MrTable::default()
     }

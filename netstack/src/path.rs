@@ -34,7 +34,6 @@
 //! Retransmissions are placed one by one, away from the path the packet was lost on and
 //! preferably on a path whose latest packet was delivered.
 #![deny(clippy::disallowed_methods, clippy::disallowed_types)] // sans-IO: see netstack/clippy.toml
-#![warn(missing_docs)]
 
 use smallvec::SmallVec;
 use std::str::FromStr;

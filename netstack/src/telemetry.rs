@@ -19,8 +19,15 @@ use std::time::Duration;
 /// Errors of [`serve_prometheus`].
 #[derive(Debug, thiserror::Error)]
 pub enum TelemetryError {
+    /// The Prometheus endpoint could not be started.
     #[error("--metrics-addr {addr}: {message}")]
-    Install { addr: SocketAddr, message: String },
+    Install {
+        /// The address asked for.
+        addr: SocketAddr,
+        /// Why.
+        message: String,
+    },
+    /// This process serves metrics already.
     #[error("metrics are already served by this process")]
     AlreadyServing,
 }

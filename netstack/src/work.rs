@@ -5,8 +5,11 @@ use smallvec::SmallVec;
 /// A scatter-gather element: `length` bytes at `addr` in the memory region of `lkey`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Sge {
+    /// Start address (in the region's address space).
     pub addr: u64,
+    /// Bytes.
     pub length: u32,
+    /// The local key of the region it lies in.
     pub lkey: u32,
 }
 
@@ -16,12 +19,19 @@ pub type SgList = SmallVec<[Sge; 2]>;
 /// Send work request opcodes (`IBV_WR_*`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WrOpcode {
+    /// SEND: consumes a receive work request at the peer.
     Send,
+    /// SEND with immediate data.
     SendWithImm,
+    /// RDMA WRITE to `remote_addr`/`rkey`.
     RdmaWrite,
+    /// RDMA WRITE with immediate data (consumes a receive at the peer).
     RdmaWriteWithImm,
+    /// RDMA READ from `remote_addr`/`rkey` into the scatter list.
     RdmaRead,
+    /// 8-byte compare-and-swap at `remote_addr` (`compare_add`, `swap`).
     AtomicCmpAndSwp,
+    /// 8-byte fetch-and-add at `remote_addr` (`compare_add`).
     AtomicFetchAndAdd,
     /// A request to an offload handler of the peer's stack (see [`crate::offload`]): the
     /// handler's opcode in `imm_data`, the request bytes as the INLINE payload, the response
@@ -43,10 +53,15 @@ pub enum WrOpcode {
 pub struct SendFlags(pub u32);
 
 impl SendFlags {
+    /// Wait for earlier READs and atomics to complete before starting.
     pub const FENCE: SendFlags = SendFlags(1);
+    /// Produce a completion (an unsignaled one completes silently).
     pub const SIGNALED: SendFlags = SendFlags(2);
+    /// Ask the receiver's CQ for an event.
     pub const SOLICITED: SendFlags = SendFlags(4);
+    /// Copy the payload at post time (the buffer may be reused at once).
     pub const INLINE: SendFlags = SendFlags(8);
+    /// Whether every flag of `o` is set.
     pub fn contains(self, o: SendFlags) -> bool {
         self.0 & o.0 == o.0
     }
@@ -62,14 +77,19 @@ impl std::ops::BitOr for SendFlags {
 /// A send work request (`ibv_send_wr`).
 #[derive(Debug, Clone)]
 pub struct SendWr {
+    /// The caller's id, returned in the completion.
     pub wr_id: u64,
+    /// What to do.
     pub opcode: WrOpcode,
+    /// The local memory: source of sends and writes, destination of reads and atomics.
     pub sg_list: SgList,
+    /// [`SendFlags`].
     pub flags: SendFlags,
     /// Immediate data for the `*_WITH_IMM` opcodes (network order, opaque).
     pub imm_data: u32,
     /// Remote address for RDMA and atomic operations.
     pub remote_addr: u64,
+    /// Remote key for RDMA and atomic operations.
     pub rkey: u32,
     /// CMP_AND_SWP: the compare value; FETCH_AND_ADD: the value to add.
     pub compare_add: u64,
@@ -92,23 +112,28 @@ impl SendWr {
             swap: 0,
         }
     }
+    /// Appends a scatter-gather element.
     pub fn sge(mut self, s: Sge) -> Self {
         self.sg_list.push(s);
         self
     }
+    /// Sets the remote address and key.
     pub fn remote(mut self, addr: u64, rkey: u32) -> Self {
         self.remote_addr = addr;
         self.rkey = rkey;
         self
     }
+    /// Sets the immediate data.
     pub fn imm(mut self, imm: u32) -> Self {
         self.imm_data = imm;
         self
     }
+    /// Sets the flags (replacing the default SIGNALED).
     pub fn flags(mut self, f: SendFlags) -> Self {
         self.flags = f;
         self
     }
+    /// Sets an atomic's operands.
     pub fn atomic(mut self, compare_add: u64, swap: u64) -> Self {
         self.compare_add = compare_add;
         self.swap = swap;
@@ -141,40 +166,62 @@ impl SendWr {
 /// A receive work request (`ibv_recv_wr`).
 #[derive(Debug, Clone)]
 pub struct RecvWr {
+    /// The caller's id, returned in the completion.
     pub wr_id: u64,
+    /// Where a received message lands.
     pub sg_list: SgList,
 }
 
 /// Work completion status (`IBV_WC_*`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WcStatus {
+    /// Done.
     Success,
+    /// A message longer than the receive buffer, or a local length error.
     LocLenErr,
+    /// A local QP operation error.
     LocQpOpErr,
+    /// A local memory key, PD or access check failed.
     LocProtErr,
+    /// Flushed: the QP went to the error state before it ran.
     WrFlushErr,
+    /// The responder refused the request as invalid (NAK).
     RemInvReqErr,
+    /// The responder's rkey, PD, bounds or access check failed (NAK).
     RemAccessErr,
+    /// The responder failed carrying it out (NAK).
     RemOpErr,
+    /// Retransmissions ran out (no answer).
     RetryExcErr,
+    /// RNR retries ran out (the peer had no receive posted).
     RnrRetryExcErr,
 }
 
 /// Work completion opcode (`IBV_WC_*` opcodes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WcOpcode {
+    /// A SEND (with or without immediate) completed.
     Send,
+    /// An RDMA WRITE completed.
     RdmaWrite,
+    /// An RDMA READ completed.
     RdmaRead,
+    /// A compare-and-swap completed.
     CompSwap,
+    /// A fetch-and-add completed.
     FetchAdd,
+    /// A message was received.
     Recv,
+    /// A WRITE with immediate data consumed a receive.
     RecvRdmaWithImm,
+    /// An offload request completed.
     Offload,
+    /// A NOOP, WAIT or ENABLE completed.
     Noop,
 }
 
 impl WcOpcode {
+    /// The completion opcode of a send work request's opcode.
     pub fn from_wr(op: WrOpcode) -> WcOpcode {
         match op {
             WrOpcode::Send | WrOpcode::SendWithImm => WcOpcode::Send,
@@ -191,12 +238,19 @@ impl WcOpcode {
 /// A work completion (`ibv_wc`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Wc {
+    /// The work request's id.
     pub wr_id: u64,
+    /// How it ended.
     pub status: WcStatus,
+    /// What completed.
     pub opcode: WcOpcode,
+    /// Bytes received (receives) or transferred.
     pub byte_len: u32,
+    /// Immediate data of a received message that had some.
     pub imm_data: Option<u32>,
+    /// The local QP.
     pub qp_num: u32,
+    /// The sending QP (receives).
     pub src_qp: u32,
     /// Why an offload request failed (an [`crate::offload::OffloadStatus`] code), else 0; like
     /// `ibv_wc.vendor_err`.

@@ -30,36 +30,59 @@ pub const WQE_BYTES: usize = 64;
 
 /// Byte offsets of the fields (for RECV scatter, READ, WRITE and CAS targets).
 pub mod off {
+    /// Byte 0: the opcode; byte 1: the flags; bytes 2..8: the operand (word 0).
     pub const WORD0: usize = 0;
     /// The 48-bit operand inside word 0.
     pub const OPERAND: usize = 2;
+    /// The work request id.
     pub const WR_ID: usize = 8;
+    /// The remote address (WAIT: the completion count; ENABLE: the index).
     pub const REMOTE_ADDR: usize = 16;
+    /// The remote key (WAIT: the CQ number; ENABLE: the QP number).
     pub const RKEY: usize = 24;
+    /// Immediate data.
     pub const IMM: usize = 28;
+    /// An atomic's compare or add value.
     pub const COMPARE_ADD: usize = 32;
+    /// A compare-and-swap's swap value.
     pub const SWAP: usize = 40;
+    /// The local buffer's address (one scatter-gather element).
     pub const LOCAL_ADDR: usize = 48;
+    /// Its length.
     pub const LENGTH: usize = 56;
+    /// Its local key.
     pub const LKEY: usize = 60;
 }
 
 /// Largest operand of word 0.
 pub const OPERAND_MASK: u64 = (1 << 48) - 1;
 
+/// Opcode byte: NOOP.
 pub const OP_NOOP: u8 = 0;
+/// Opcode byte: SEND.
 pub const OP_SEND: u8 = 1;
+/// Opcode byte: SEND with immediate.
 pub const OP_SEND_IMM: u8 = 2;
+/// Opcode byte: RDMA WRITE.
 pub const OP_WRITE: u8 = 3;
+/// Opcode byte: RDMA WRITE with immediate.
 pub const OP_WRITE_IMM: u8 = 4;
+/// Opcode byte: RDMA READ.
 pub const OP_READ: u8 = 5;
+/// Opcode byte: compare-and-swap.
 pub const OP_CAS: u8 = 6;
+/// Opcode byte: fetch-and-add.
 pub const OP_FAA: u8 = 7;
+/// Opcode byte: WAIT.
 pub const OP_WAIT: u8 = 8;
+/// Opcode byte: ENABLE.
 pub const OP_ENABLE: u8 = 9;
 
+/// Flag byte: produce a completion.
 pub const FLAG_SIGNALED: u8 = 1;
+/// Flag byte: fence (wait for earlier READs and atomics).
 pub const FLAG_FENCE: u8 = 2;
+/// Flag byte: solicited event.
 pub const FLAG_SOLICITED: u8 = 4;
 
 /// Word 0 from its parts (the operand is truncated to 48 bits).

@@ -32,10 +32,13 @@ const PUBLISH_NS: u64 = 5_000_000;
 /// Why a Solar request failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SolarError {
+    /// The request failed (a server status, a timeout, CRC failures).
     #[error(transparent)]
     Io(#[from] IoError),
+    /// The request was refused before it was sent.
     #[error(transparent)]
     Submit(#[from] SubmitError),
+    /// The endpoint closed before it finished.
     #[error("the Solar endpoint was closed")]
     Stopped,
 }
@@ -43,9 +46,11 @@ pub enum SolarError {
 /// What a Solar client endpoint reports about itself (refreshed every few milliseconds).
 #[derive(Debug, Clone, Default)]
 pub struct AgentStatus {
+    /// The client's counters.
     pub stats: ClientStats,
-    /// Paths toward the storage server, and how many of them are up.
+    /// Paths toward the storage server.
     pub paths: u16,
+    /// How many of them are up.
     pub paths_up: u16,
     /// What each path sent, delivered and lost, its RTT, whether it is up.
     pub path_stats: Vec<crate::path::PathStats>,
@@ -56,13 +61,16 @@ pub struct AgentStatus {
 /// One block of a WRITE the core hands to the storage handler.
 #[derive(Debug)]
 pub struct WriteBlock<'a> {
+    /// The volume written.
     pub volume: u32,
+    /// The block (the first, when `zero`).
     pub lba: u64,
     /// The block, in the core's receive buffer: copy what must outlive the call. Empty when
     /// `zero`.
     pub data: &'a [u8],
     /// Its CRC32C, checked by the server against the data.
     pub crc: u32,
+    /// The agent asked for force unit access.
     pub fua: bool,
     /// Zeros, to be deallocated (TRIM, WRITE_ZEROES), over `count` blocks from `lba`: `data` is
     /// empty.
@@ -76,8 +84,11 @@ pub struct WriteBlock<'a> {
 /// A READ the core hands to the storage handler.
 #[derive(Debug, Clone, Copy)]
 pub struct ReadBlocks {
+    /// The volume read.
     pub volume: u32,
+    /// The first block.
     pub lba: u64,
+    /// Blocks to read.
     pub count: u16,
 }
 

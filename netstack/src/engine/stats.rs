@@ -65,24 +65,44 @@ pub(crate) struct EngineStats {
 /// A point-in-time copy of the counters.
 #[derive(Debug, Clone, Copy, Default, Serialize, PartialEq, Eq)]
 pub struct StatsSnapshot {
+    /// Datagrams received.
     pub rx_datagrams: u64,
+    /// Bytes received.
     pub rx_bytes: u64,
+    /// Datagrams dropped as malformed (truncated, oversized, unknown opcode, bad version or
+    /// pad).
     pub rx_malformed: u64,
+    /// Datagrams dropped for a bad ICRC.
     pub rx_bad_icrc: u64,
+    /// Datagrams for a QP this engine does not have.
     pub rx_unknown_qp: u64,
+    /// Datagrams from an address that is not the QP's peer.
     pub rx_wrong_source: u64,
+    /// Receives whose IP header carried ECN CE.
     pub rx_ce: u64,
+    /// Packets sent.
     pub tx_packets: u64,
+    /// Bytes sent.
     pub tx_bytes: u64,
+    /// Send errors.
     pub tx_errors: u64,
+    /// Packets a core sent to its own addresses, delivered in memory.
     pub hairpin_packets: u64,
+    /// sendmmsg messages (a GSO message carries several packets).
     pub tx_messages: u64,
+    /// Receives into staging buffers.
     pub staging_fills: u64,
+    /// Payload bytes the transmit path copied.
     pub tx_payload_copy_bytes: u64,
+    /// Payload bytes copied into registered memory on receive.
     pub rx_payload_copy_bytes: u64,
+    /// The receive staging memory allocated.
     pub staging_bytes: u64,
+    /// The most staging memory one receive batch filled.
     pub staging_bytes_peak: u64,
+    /// Loop passes that did work on an engine thread.
     pub engine_thread_passes: u64,
+    /// Loop passes that did work on an application thread (run to completion).
     pub application_passes: u64,
 }
 

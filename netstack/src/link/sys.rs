@@ -83,8 +83,11 @@ pub const MAX_GSO_BYTES: usize = 65_000;
 /// One message to send: a destination, up to [`MAX_IOV`] byte spans, and, for GSO, the segment
 /// size at which the kernel cuts the concatenated spans into datagrams.
 pub struct OutMsg {
+    /// The destination.
     pub dst: libc::sockaddr_in,
+    /// The byte spans, in order.
     pub iov: [libc::iovec; MAX_IOV],
+    /// How many of `iov` are used.
     pub iovcnt: usize,
     /// Segment size for UDP GSO; 0 sends one datagram.
     pub gso: u16,
@@ -92,6 +95,7 @@ pub struct OutMsg {
 }
 
 impl OutMsg {
+    /// An empty message to `dst`.
     pub fn new(dst: &SocketAddrV4) -> OutMsg {
         OutMsg {
             dst: sockaddr(dst),
@@ -336,17 +340,20 @@ pub fn segments(data: &[u8], seg: usize) -> impl Iterator<Item = &[u8]> {
 pub struct EventFd(OwnedFd);
 
 impl EventFd {
+    /// A nonblocking eventfd.
     pub fn new() -> io::Result<EventFd> {
         // SAFETY: eventfd returns a new descriptor we own, or -1.
         let fd = cvt(unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) })?;
         // SAFETY: fd is a fresh descriptor owned by nobody else.
         Ok(EventFd(unsafe { OwnedFd::from_raw_fd(fd) }))
     }
+    /// Wakes whoever polls it.
     pub fn notify(&self) {
         let v: u64 = 1;
         // SAFETY: writes 8 bytes from a live u64.
         unsafe { libc::write(self.0.as_raw_fd(), &v as *const u64 as *const libc::c_void, 8) };
     }
+    /// Consumes the pending notifications.
     pub fn drain(&self) {
         self.take();
     }
@@ -357,6 +364,7 @@ impl EventFd {
         let r = unsafe { libc::read(self.0.as_raw_fd(), &mut v as *mut u64 as *mut libc::c_void, 8) };
         r == 8
     }
+    /// Its descriptor (to poll).
     pub fn fd(&self) -> RawFd {
         self.0.as_raw_fd()
     }

@@ -64,14 +64,17 @@ impl UdpLink {
         sys::setsockopt_int(self.fd(), libc::SOL_SOCKET, libc::SO_NO_CHECK, 1)
     }
 
+    /// Turns UDP GRO (coalesced receives) on or off.
     pub fn set_gro(&self, on: bool) -> io::Result<()> {
         sys::setsockopt_int(self.fd(), sys::SOL_UDP, sys::UDP_GRO, on as i32)
     }
 
+    /// The address it is bound to.
     pub fn local_addr(&self) -> SocketAddrV4 {
         self.local
     }
 
+    /// Its descriptor.
     pub fn fd(&self) -> RawFd {
         self.sock.as_raw_fd()
     }

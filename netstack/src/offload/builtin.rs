@@ -4,13 +4,16 @@
 
 use super::{DmaOp, OffloadCall, OffloadError};
 
-/// Conventional opcodes for the built-ins (any free opcode works).
+/// Conventional opcode of the batched READ (any free opcode works).
 pub const BATCH_READ: u16 = 0x0B01;
+/// Conventional opcode of the linked-list walk.
 pub const LIST_WALK: u16 = 0x0B02;
+/// Conventional opcode of the hash lookup.
 pub const HASH_LOOKUP: u16 = 0x0B03;
 
-/// Lookup result codes (first word of a list-walk or hash-lookup response).
+/// Lookup result code (first word of a list-walk or hash-lookup response): the key was found.
 pub const FOUND: u32 = 0;
+/// Lookup result code: the key is not there.
 pub const NOT_FOUND: u32 = 1;
 /// The walk stopped at its hop bound before finding the key or the end.
 pub const HOP_LIMIT: u32 = 2;
@@ -84,10 +87,15 @@ pub fn batch_read() -> impl super::OffloadHandler {
 /// `value_off`, all within `node_len` bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ListLayout {
+    /// Bytes of a node.
     pub node_len: usize,
+    /// Where its key is.
     pub key_off: usize,
+    /// Where its next pointer is.
     pub next_off: usize,
+    /// Where its value is.
     pub value_off: usize,
+    /// Bytes of value.
     pub value_len: usize,
 }
 
@@ -171,19 +179,33 @@ pub fn list_walk(layout: ListLayout) -> impl super::OffloadHandler {
 /// READ would be).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HashLayout {
+    /// The key the table and the entries are read with.
     pub rkey: u32,
+    /// Host address of bucket 0.
     pub table_addr: u64,
+    /// Buckets in the table.
     pub buckets: u64,
+    /// Bytes of a bucket.
     pub bucket_len: usize,
+    /// Slots per bucket.
     pub slots: usize,
+    /// Bytes of a slot.
     pub slot_len: usize,
+    /// Where a slot's key is.
     pub key_off: usize,
+    /// Where a slot's entry word is.
     pub ptr_off: usize,
+    /// Where a bucket's overflow link is.
     pub link_off: usize,
+    /// Host address entry words are relative to.
     pub data_base: u64,
+    /// The bits of an entry word that are its offset.
     pub ptr_mask: u64,
+    /// Where an entry's value length is.
     pub len_off: usize,
+    /// Where an entry's value is.
     pub value_off: usize,
+    /// Largest value.
     pub max_value: usize,
     /// Most buckets visited per lookup (the bucket and its overflow chain).
     pub max_chain: u32,

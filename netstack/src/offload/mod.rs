@@ -105,16 +105,27 @@ impl OffloadConfig {
 /// Why a handler failed (what the client sees in `vendor_err`).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum OffloadError {
+    /// The request is malformed (the handler says how).
     #[error("bad request: {0}")]
     BadRequest(String),
+    /// The handler failed.
     #[error("handler error: {0}")]
     Handler(String),
+    /// The response does not fit the requester's buffer.
     #[error("response of {len} bytes exceeds the requester's buffer of {cap}")]
-    ResponseTooLong { len: usize, cap: usize },
+    ResponseTooLong {
+        /// The response's bytes.
+        len: usize,
+        /// What the requester can take.
+        cap: usize,
+    },
+    /// A DMA failed its rkey, PD, bounds or access check.
     #[error("DMA fault: {0}")]
     DmaFault(String),
+    /// Registering a handler: the opcode is reserved or taken for an overlapping QP filter.
     #[error("opcode {0:#x} is reserved or already registered for an overlapping QP filter")]
     Opcode(u16),
+    /// The offload threads could not be started.
     #[error("offload threads: {0}")]
     Runtime(String),
 }
@@ -135,6 +146,7 @@ pub type HandlerFuture = Pin<Box<dyn Future<Output = Result<OffloadReply, Offloa
 
 /// An offload handler: called once per request, on an offload thread.
 pub trait OffloadHandler: Send + Sync + 'static {
+    /// Serves one request; the future runs on an offload thread within the handler's budget.
     fn call(&self, call: OffloadCall) -> HandlerFuture;
 }
 
@@ -189,14 +201,23 @@ struct Registration {
 /// Counters of an offload engine.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct OffloadStats {
+    /// Requests received.
     pub requests: u64,
+    /// Answered by their handler.
     pub ok: u64,
+    /// For an opcode with no handler on the QP.
     pub no_handler: u64,
+    /// Handlers that returned an error.
     pub errors: u64,
+    /// Handlers that panicked (caught).
     pub panics: u64,
+    /// Handlers past their time budget.
     pub timeouts: u64,
+    /// Refused: too many in flight.
     pub overloaded: u64,
+    /// DMA operations the handlers ran.
     pub dma_ops: u64,
+    /// Bytes they moved.
     pub dma_bytes: u64,
 }
 

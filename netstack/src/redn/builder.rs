@@ -26,13 +26,18 @@ use crate::work::{SendFlags, SendWr, Sge, WrOpcode};
 /// others (responses, NOOPs).
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub struct WrCount {
+    /// Copies (WRITE, READ).
     pub copy: u32,
+    /// Atomics (CAS, FAA).
     pub atomic: u32,
+    /// Ordering verbs (WAIT, ENABLE).
     pub order: u32,
+    /// The rest (responses, NOOPs).
     pub other: u32,
 }
 
 impl WrCount {
+    /// All of them.
     pub fn total(&self) -> u32 {
         self.copy + self.atomic + self.order + self.other
     }
@@ -53,7 +58,9 @@ impl std::ops::Sub for WrCount {
 /// A word in this host's memory that the worker reaches remotely (through its loopback peer).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Remote {
+    /// Its host address.
     pub addr: u64,
+    /// The remote key it is reached with.
     pub rkey: u32,
 }
 
@@ -64,6 +71,7 @@ pub struct Entry {
     pub addr: u64,
     /// The ring MR's keys.
     pub rkey: u32,
+    /// The ring MR's local key.
     pub lkey: u32,
     /// The entry's index in its QP.
     pub index: u64,

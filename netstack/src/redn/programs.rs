@@ -59,7 +59,9 @@ pub fn hash_get_request(key: u64, id: u32, buckets: &[u64]) -> Vec<u8> {
 /// Where a hash get's value goes: the client's buffer (registered with REMOTE_WRITE).
 #[derive(Debug, Clone, Copy)]
 pub struct ClientBuffer {
+    /// Its address in the client's memory.
     pub addr: u64,
+    /// The key the server's WRITE uses.
     pub rkey: u32,
 }
 

@@ -22,32 +22,48 @@ const DEPTH: u32 = 4;
 /// `bytes == u64::MAX` with a `stop` time is a long-running flow.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub struct FlowSpec {
+    /// The sending host.
     pub src: NodeId,
+    /// The receiving host.
     pub dst: NodeId,
+    /// Bytes to send (`u64::MAX`: until `stop`).
     pub bytes: u64,
+    /// When it starts (ns).
     pub start: u64,
+    /// When a long-running flow stops (ns).
     pub stop: Option<u64>,
+    /// Its congestion control.
     pub cc: CcKind,
 }
 
 /// What a flow did.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct FlowResult {
+    /// What it was asked to do.
     pub spec: FlowSpec,
     /// Payload bytes acknowledged.
     pub completed: u64,
+    /// When the last byte was acknowledged (ns).
     pub done_at: Option<u64>,
+    /// Its flow completion time (ns).
     pub fct_ns: Option<u64>,
     /// Payload bytes the receiver got per [`Network::rate_bin_ns`] bin from time 0.
     pub rx_bins: Vec<u64>,
+    /// Why its QP failed, if it did.
     pub failed: Option<String>,
+    /// Packets sent again.
     pub retransmitted_packets: u64,
+    /// Retransmissions whose first copy had arrived.
     pub spurious_retransmissions: u64,
+    /// Retransmission timeouts.
     pub timeouts: u64,
+    /// Congestion notification packets the sender received.
     pub cnps: u64,
+    /// Why its congestion control could not run, if so.
     pub cc_fault: Option<&'static str>,
     /// The sender's paths at the end (see [`Network::set_flow_paths`]).
     pub paths: Vec<crate::path::PathStats>,
+    /// Times one of its paths left the rotation.
     pub path_downs: u64,
 }
 

@@ -33,15 +33,20 @@ pub const WIRE_OVERHEAD: u64 = 14 + 4 + 20 + 8;
 /// A link's rate and one-way propagation delay.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub struct LinkSpec {
+    /// Bits per second.
     pub rate_bps: u64,
+    /// One-way propagation delay.
     pub delay_ns: u64,
 }
 
 /// RED-style ECN marking of a switch egress queue (bytes).
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
 pub struct EcnSpec {
+    /// Below this queue no packet is marked.
     pub kmin: u64,
+    /// Above this queue every packet is marked.
     pub kmax: u64,
+    /// The marking probability at `kmax` (linear from `kmin`).
     pub pmax: f64,
 }
 
@@ -50,6 +55,7 @@ pub struct EcnSpec {
 pub struct SwitchSpec {
     /// Buffer per egress port in bytes; arrivals beyond it are dropped.
     pub buffer_bytes: u64,
+    /// ECN marking (None: no marks).
     pub ecn: Option<EcnSpec>,
     /// Stamp HPCC INT records into packets that carry an INT stack.
     pub int: bool,
@@ -58,10 +64,15 @@ pub struct SwitchSpec {
 /// Counters and samples of one egress port.
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct PortStats {
+    /// Bytes sent.
     pub tx_bytes: u64,
+    /// Packets sent.
     pub tx_packets: u64,
+    /// Packets dropped (buffer full).
     pub drops: u64,
+    /// Packets marked CE.
     pub ce_marks: u64,
+    /// The longest queue in bytes.
     pub max_queue: u64,
     /// Queue length in bytes at every sampling tick (see [`Network::monitor`]).
     pub queue_samples: Vec<u64>,
@@ -169,6 +180,7 @@ impl Network {
         }
     }
 
+    /// The simulated time (ns).
     pub fn now(&self) -> u64 {
         self.now
     }
@@ -181,6 +193,7 @@ impl Network {
         id
     }
 
+    /// Adds a switch.
     pub fn add_switch(&mut self, spec: SwitchSpec) -> NodeId {
         self.nodes.push(Node::Switch(Switch {
             spec,
@@ -490,11 +503,17 @@ pub mod topo {
     /// The shape of a two-tier leaf-spine.
     #[derive(Debug, Clone, Copy, serde::Serialize)]
     pub struct LeafSpine {
+        /// Leaf switches.
         pub leaves: usize,
+        /// Hosts per leaf.
         pub per_leaf: usize,
+        /// Spine switches.
         pub spines: usize,
+        /// Host to leaf links.
         pub host_link: LinkSpec,
+        /// Leaf to spine links.
         pub fabric_link: LinkSpec,
+        /// Every switch.
         pub switch: SwitchSpec,
     }
 

@@ -4,7 +4,6 @@
 //! each packet's transmission time at the configured rate, with a burst allowance. Time is in
 //! nanoseconds and the division remainder is carried from packet to packet, so a long run sends
 //! exactly `rate × time` bytes (within one packet and the burst), whatever the packet sizes.
-#![warn(missing_docs)]
 
 /// Rate and window limits of one QP's requester.
 #[derive(Debug, Clone, Default)]

@@ -38,18 +38,30 @@ use std::time::Duration;
 /// Errors of the verbs API.
 #[derive(Debug, thiserror::Error)]
 pub enum VerbsError {
+    /// A socket or thread failed.
     #[error("I/O: {0}")]
     Io(#[from] std::io::Error),
+    /// The context's configuration is bad.
     #[error(transparent)]
     Config(#[from] crate::config::ConfigError),
+    /// A work request was refused.
     #[error(transparent)]
     Post(#[from] crate::transport::rc::PostError),
+    /// A QP state change was refused.
     #[error(transparent)]
     Modify(#[from] crate::transport::rc::ModifyError),
+    /// An INLINE payload longer than the QP takes.
     #[error("INLINE payload of {len} bytes exceeds max_inline {max}")]
-    InlineTooLong { len: u64, max: u32 },
+    InlineTooLong {
+        /// Its bytes.
+        len: u64,
+        /// The QP's `max_inline`.
+        max: u32,
+    },
+    /// A peer description is unusable (why).
     #[error("peer {0}")]
     Peer(String),
+    /// An argument is invalid (which, and why).
     #[error("invalid argument: {0}")]
     Invalid(String),
 }
@@ -107,10 +119,12 @@ impl Context {
     }
 
     /// The data-path address of the first data core (each QP's own is in its endpoint).
+    /// The address of its first data core (where peers send).
     pub fn local_addr(&self) -> SocketAddrV4 {
         self.inner.engine.cores()[0].local_addr()
     }
 
+    /// Its configuration.
     pub fn config(&self) -> &ContextConfig {
         &self.inner.cfg
     }
@@ -214,6 +228,7 @@ impl Pd {
         }
     }
 
+    /// Its number (what memory regions and QPs are checked against).
     pub fn id(&self) -> u32 {
         self.id
     }
@@ -226,9 +241,11 @@ pub struct Mr {
 }
 
 impl Mr {
+    /// Its local key (for SGEs).
     pub fn lkey(&self) -> u32 {
         self.entry.lkey
     }
+    /// Its remote key (for peers' RETHs).
     pub fn rkey(&self) -> u32 {
         self.entry.rkey
     }
@@ -236,9 +253,11 @@ impl Mr {
     pub fn addr(&self) -> u64 {
         self.entry.region.addr()
     }
+    /// Its length in bytes.
     pub fn len(&self) -> usize {
         self.entry.region.len()
     }
+    /// Whether it has no bytes.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }

@@ -31,11 +31,15 @@ pub struct QpInitAttr {
 /// What a peer needs to connect to a QP (exchanged by the connection manager).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Endpoint {
+    /// Its QP number.
     pub qpn: u32,
     /// First PSN this QP sends (the peer's expected PSN).
     pub psn: u32,
+    /// The data-path address its packets go to.
     pub addr: SocketAddrV4,
+    /// Its path MTU.
     pub mtu: u32,
+    /// Its loss recovery (both ends must agree).
     pub recovery: Recovery,
     /// The congestion control this QP runs (`None` adopts the peer's when connecting).
     #[serde(default)]
@@ -44,6 +48,7 @@ pub struct Endpoint {
     /// [`Qp::set_paths`]); a QP with one path adopts the peer's when connecting.
     #[serde(default = "one_path")]
     pub paths: u8,
+    /// How it spreads packets over its paths.
     #[serde(default)]
     pub spray: crate::path::SprayPolicy,
     /// The QP's data-path address on each of its host's other local addresses (multi-NIC),
@@ -239,6 +244,7 @@ impl Qp {
         Ok(())
     }
 
+    /// Its QP number.
     pub fn qp_num(&self) -> u32 {
         self.qpn
     }
@@ -272,6 +278,7 @@ impl Qp {
         self.slot.lock().qp.take_control_loop_samples()
     }
 
+    /// Its transport counters.
     pub fn stats(&self) -> RcStats {
         self.slot.lock().qp.stats()
     }
@@ -281,6 +288,7 @@ impl Qp {
         self.slot.lock().qp.state_bytes()
     }
 
+    /// Its transport parameters.
     pub fn config(&self) -> RcConfig {
         *self.slot.lock().qp.config()
     }

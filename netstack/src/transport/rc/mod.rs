@@ -50,10 +50,15 @@ pub enum Recovery {
 /// QP states (`IBV_QPS_*`; SQD and SQE are not modelled).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum QpState {
+    /// Made, not configured.
     Reset,
+    /// Configured; receives may be posted.
     Init,
+    /// Ready to receive: connected to its peer.
     Rtr,
+    /// Ready to send.
     Rts,
+    /// Failed: work requests are flushed.
     Err,
 }
 
@@ -63,6 +68,7 @@ pub enum QpState {
 pub struct RcConfig {
     /// Path MTU in bytes: 256, 512, 1024, 2048 or 4096.
     pub mtu: u32,
+    /// How losses are recovered (go-back-N or selective repeat).
     pub recovery: Recovery,
     /// Local ACK timeout in nanoseconds (ibverbs encodes it as 4.096 µs × 2^timeout).
     pub timeout_ns: u64,
@@ -74,7 +80,9 @@ pub struct RcConfig {
     pub min_rnr_timer: u8,
     /// Outstanding READ/atomic requests this QP may have in flight (initiator depth).
     pub max_rd_atomic: u32,
+    /// Send queue depth.
     pub max_send_wr: u32,
+    /// Receive queue depth.
     pub max_recv_wr: u32,
     /// Most unacknowledged packets in flight.
     pub window_pkts: u32,
@@ -160,10 +168,13 @@ impl RcConfig {
 /// Why a post was refused (the work request was not queued).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PostError {
+    /// The QP's state does not take this work request.
     #[error("QP is in state {0:?}, which does not accept this work request")]
     InvalidState(QpState),
+    /// The queue holds its depth already.
     #[error("queue is full ({0} outstanding work requests)")]
     QueueFull(u32),
+    /// The work request is malformed (what is wrong with it).
     #[error("invalid work request: {0}")]
     Invalid(&'static str),
 }
@@ -172,37 +183,57 @@ pub enum PostError {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("invalid QP state transition {from:?} -> {to:?}")]
 pub struct ModifyError {
+    /// The QP's state.
     pub from: QpState,
+    /// The state asked for.
     pub to: QpState,
 }
 
 /// Counters of one QP.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct RcStats {
+    /// Packets sent.
     pub tx_packets: u64,
+    /// Packets received.
     pub rx_packets: u64,
+    /// Packets sent again.
     pub retransmitted_packets: u64,
+    /// Retransmission timer expiries.
     pub timeouts: u64,
+    /// PSN sequence error NAKs sent.
     pub seq_naks_sent: u64,
+    /// Congestion notification packets sent.
     pub cnps_sent: u64,
+    /// Congestion notification packets received.
     pub cnps_received: u64,
+    /// RNR NAKs sent (no receive posted).
     pub rnr_naks_sent: u64,
+    /// RNR NAKs received.
     pub rnr_naks_received: u64,
+    /// Requests received again (answered again, not executed twice).
     pub duplicate_requests: u64,
+    /// Packets that arrived ahead of the expected PSN.
     pub out_of_order_packets: u64,
+    /// Responses for requests already completed.
     pub stale_responses: u64,
     /// Retransmissions whose first copy turned out to have arrived (overtaken, not lost).
     pub spurious_retransmissions: u64,
+    /// Packets dropped (malformed, or refused by a check).
     pub dropped_packets: u64,
+    /// ACKs sent.
     pub acks_sent: u64,
+    /// Credit grants sent (Homa).
     pub grants_sent: u64,
+    /// Credit grants received.
     pub grants_received: u64,
     /// Packets the congestion-control TX function deferred or held.
     pub cc_deferred: u64,
     /// Multipath: probes sent on down paths, probes answered for the peer, paths taken out of
     /// the rotation.
     pub probes_sent: u64,
+    /// Probes answered for the peer.
     pub probes_received: u64,
+    /// Paths taken out of the rotation.
     pub path_downs: u64,
     /// Payload bytes copied into registered memory: receives, WRITE and READ-response
     /// placement (the one copy from a receive buffer), loopback execution.
@@ -337,19 +368,24 @@ impl RcQp {
 
     /// Uses `env`'s congestion-control parameters (and its host-wide state, such as Homa's
     /// receiver scheduler) for the algorithm this QP builds when it connects.
+    /// Sets the shared congestion-control state its algorithm is built from.
     pub fn set_cc_env(&mut self, env: Arc<CcEnv>) {
         self.cc_env = env;
     }
 
+    /// Its QP number.
     pub fn qpn(&self) -> u32 {
         self.qpn
     }
+    /// The peer's QP number.
     pub fn dest_qpn(&self) -> u32 {
         self.dest_qpn
     }
+    /// Its state.
     pub fn state(&self) -> QpState {
         self.state
     }
+    /// Its transport parameters.
     pub fn config(&self) -> &RcConfig {
         &self.cfg
     }
@@ -364,6 +400,7 @@ impl RcQp {
         self.stats.payload_copy_bytes += n;
     }
 
+    /// Its counters.
     pub fn stats(&self) -> RcStats {
         RcStats {
             spurious_retransmissions: self.req.spurious,

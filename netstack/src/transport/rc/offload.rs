@@ -104,6 +104,8 @@ pub struct OffloadJob {
 }
 
 impl OffloadJob {
+    /// A job for QP `qpn` (in protection domain `pd`): handler `opcode` on `request`, at most
+    /// `resp_cap` response bytes, answered TIMEOUT after transport time `deadline`.
     pub fn new(qpn: u32, pd: u32, opcode: u16, request: Vec<u8>, resp_cap: u32, deadline: u64) -> OffloadJob {
         OffloadJob {
             qpn,

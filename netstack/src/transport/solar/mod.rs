@@ -15,7 +15,6 @@
 //!
 //! Neither side does I/O or reads a clock: the driver hands in packets and the time, and sends
 //! what [`client::SolarClient::poll_transmit`] / [`server::SolarServer::poll_transmit`] give.
-#![warn(missing_docs)]
 
 pub mod client;
 pub mod server;
