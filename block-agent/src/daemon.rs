@@ -461,6 +461,7 @@ pub async fn run_agent(a: AgentArgs) -> Result<(), DaemonError> {
             name: a.name.clone(),
             admin: admin.to_string(),
             nbd: nbd.to_string(),
+            first: false,
         };
         // export what belongs here as the controller says (asked at `asked`), following
         // replicas that moved, and drop what it moved elsewhere
@@ -489,7 +490,13 @@ pub async fn run_agent(a: AgentArgs) -> Result<(), DaemonError> {
         };
         let asked = std::time::Instant::now();
         let first = register(c, || {
-            let (mut cl, r) = (client.clone(), req.clone());
+            let (mut cl, r) = (
+                client.clone(),
+                pb::RegisterAgentRequest {
+                    first: true,
+                    ..req.clone()
+                },
+            );
             async move { cl.register_agent(r).await.map(|r| r.into_inner()) }
         })
         .await?;

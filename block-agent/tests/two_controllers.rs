@@ -13,6 +13,7 @@ fn agent(name: &str, port: u16) -> Request<RegisterAgentRequest> {
         name: name.into(),
         admin: format!("127.0.0.1:{port}"),
         nbd: format!("127.0.0.1:{}", port + 1),
+        first: false,
     })
 }
 

@@ -177,6 +177,7 @@ fn a_restarted_agent_reconciles_a_replica_it_no_longer_knows_is_behind() {
     }
     cl.disconnect();
     let view = describe(&dir, &control, "vol0");
+    assert_eq!(view["epoch"], 2, "the restarted agent is a new attachment: {view}");
     eprintln!(
         "{while_down} writes while node1 was down; after the agent's restart the replicas were reconciled \
          within {d:?} of it ({:?} since the restart): {}",

@@ -682,6 +682,26 @@ impl pb::block_control_server::BlockControl for ControllerService {
             .await?;
             tracing::info!("agent {} registered", r.name);
         }
+        if r.first {
+            // a new process of this agent: a new attachment of its volumes, at a higher epoch
+            // (its versions start above the last process's, and that process is fenced out)
+            let mine: Vec<String> = s
+                .volumes
+                .iter()
+                .filter(|(_, v)| v.agent.as_deref() == Some(r.name.as_str()))
+                .map(|(k, _)| k.clone())
+                .collect();
+            if !mine.is_empty() {
+                c.commit(&mut s, |n| {
+                    for k in &mine {
+                        let v = n.volumes.get_mut(k).expect("listed above");
+                        v.epoch = v.epoch.saturating_add(1);
+                    }
+                })
+                .await?;
+                tracing::info!("agent {} started: epochs raised for {}", r.name, mine.join(", "));
+            }
+        }
         // what belongs to it, with the replicas' current addresses (claimed replicas only)
         let volumes = s
             .volumes
