@@ -54,11 +54,7 @@ fn round(carrier: Carrier, tag: &str) {
         })
         .collect();
     let addrs: Vec<SocketAddr> = nodes.iter().map(|n| n.addr()).collect();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = test_support::runtime();
     let old = volume(&rt, &addrs, carrier, 1);
     rt.block_on(async {
         for lba in 0..16 {
@@ -143,11 +139,7 @@ fn two_volumes_on_shared_links_may_use_the_same_versions() {
             n
         })
         .collect();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = test_support::runtime();
     let _g = rt.enter();
     let links: Vec<Arc<Link>> = nodes
         .iter()
@@ -196,11 +188,7 @@ fn an_agent_drops_the_exports_its_controller_moved_elsewhere() {
     for v in [1, 2, 3] {
         node.create_volume(v, BLOCKS * BLOCK as u64).unwrap();
     }
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = test_support::runtime();
     let _g = rt.enter();
     let agent = Agent::new(AgentConfig::new(Carrier::Tcp));
     let at = [ReplicaAt {

@@ -99,14 +99,6 @@ impl Cluster {
     }
 }
 
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap()
-}
-
 async fn writes(vol: &Arc<Volume>, seq: &mut u64, n: u64, acked: &mut HashMap<u64, u64>) {
     for _ in 0..n {
         *seq += 1;
@@ -119,7 +111,7 @@ async fn writes(vol: &Arc<Volume>, seq: &mut u64, n: u64, acked: &mut HashMap<u6
 #[test]
 fn a_replica_down_at_attach_is_never_read_until_it_is_compared_and_caught_up() {
     let mut c = Cluster::start("down");
-    let rt = runtime();
+    let rt = test_support::runtime();
     let (mut seq, mut acked) = (0u64, HashMap::new());
     // replica 1 misses writes; the volume that knew it is dropped (an agent restart)
     let vol = c.volume(&rt, false);
@@ -170,7 +162,7 @@ fn a_replica_down_at_attach_is_never_read_until_it_is_compared_and_caught_up() {
 #[test]
 fn with_too_few_replicas_answering_io_waits_for_one_more() {
     let mut c = Cluster::start("wait");
-    let rt = runtime();
+    let rt = test_support::runtime();
     let (mut seq, mut acked) = (0u64, HashMap::new());
     let vol = c.volume(&rt, false);
     rt.block_on(writes(&vol, &mut seq, 100, &mut acked));
@@ -216,7 +208,7 @@ fn with_too_few_replicas_answering_io_waits_for_one_more() {
 fn a_replica_catching_up_gets_the_good_copys_holes_as_holes() {
     use block_agent::store::{ALLOC_DATA, ALLOC_HOLE};
     let mut c = Cluster::start("holes");
-    let rt = runtime();
+    let rt = test_support::runtime();
     let vol = c.volume(&rt, false);
     let all: Vec<u8> = (0..256).flat_map(|lba| block(lba, 1)).collect();
     rt.block_on(vol.write(0, &all, false)).unwrap();

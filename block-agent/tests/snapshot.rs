@@ -34,14 +34,6 @@ fn nodes(tag: &str, n: usize) -> (std::path::PathBuf, Vec<StorageNode>) {
     (base, nodes)
 }
 
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap()
-}
-
 fn volume(rt: &tokio::runtime::Runtime, nodes: &[StorageNode], cfg: VolumeConfig) -> Arc<Volume> {
     let _g = rt.enter();
     let links = nodes
@@ -54,7 +46,7 @@ fn volume(rt: &tokio::runtime::Runtime, nodes: &[StorageNode], cfg: VolumeConfig
 #[test]
 fn replicas_snapshot_the_same_writes_while_writes_are_in_flight() {
     let (base, nodes) = nodes("same", 2);
-    let rt = runtime();
+    let rt = test_support::runtime();
     let vol = volume(&rt, &nodes, VolumeConfig::default());
     let stop = Arc::new(AtomicBool::new(false));
     let count = Arc::new(AtomicU64::new(0));
@@ -113,7 +105,7 @@ fn replicas_snapshot_the_same_writes_while_writes_are_in_flight() {
 #[test]
 fn a_volume_with_a_replica_down_refuses_a_snapshot() {
     let (base, mut nodes) = nodes("down", 3);
-    let rt = runtime();
+    let rt = test_support::runtime();
     let cfg = VolumeConfig {
         write_quorum: Some(2),
         replica_timeout: Duration::from_millis(200),
@@ -137,7 +129,7 @@ fn a_volume_with_a_replica_down_refuses_a_snapshot() {
 #[test]
 fn a_grown_volume_stays_the_same_volume_for_its_open_users() {
     let (base, nodes) = nodes("grow", 1);
-    let rt = runtime();
+    let rt = test_support::runtime();
     let _g = rt.enter();
     let agent = Agent::new(AgentConfig::new(Carrier::Tcp));
     let at = [ReplicaAt {

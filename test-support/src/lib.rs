@@ -11,6 +11,16 @@ use std::io::Write;
 pub mod powercut;
 pub mod units;
 
+/// A tokio runtime of two worker threads with timers and I/O, as the in-process tests drive
+/// volumes and agents on it (the CI machine has two cores).
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("a tokio runtime")
+}
+
 /// Why a test cannot run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Missing {
