@@ -11,6 +11,7 @@ use crate::link::Carrier;
 use crate::nbd::server::{serve_tcp, serve_unix};
 use crate::storage_node::{NodeConfig, StorageNode};
 use netstack::cm::incoming;
+use netstack::verbs::PollMode;
 use std::io::Write;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -113,6 +114,10 @@ pub struct NodeArgs {
     /// Threads making writes durable.
     #[arg(long, default_value_t = 16)]
     pub write_threads: usize,
+    /// How the Solar data core waits for work: `sleep` (as soon as there is none), `adaptive`
+    /// (spin a while first: lower latency, more CPU) or `busy` (spin always: a core of its own).
+    #[arg(long, default_value = "sleep", value_parser = parse_poll_mode)]
+    pub poll_mode: PollMode,
     /// Milliseconds between heartbeats to the controller.
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(10..=60_000))]
     pub heartbeat_ms: u64,
@@ -154,6 +159,10 @@ pub struct AgentArgs {
     /// Runtime worker threads.
     #[arg(long, default_value_t = 2)]
     pub threads: usize,
+    /// How the Solar data core waits for work: `sleep` (as soon as there is none), `adaptive`
+    /// (spin a while first: lower latency, more CPU) or `busy` (spin always: a core of its own).
+    #[arg(long, default_value = "sleep", value_parser = parse_poll_mode)]
+    pub poll_mode: PollMode,
     /// Replicas that must have a write durable before it is acknowledged, for volumes whose
     /// controller record sets none (0: a majority, 2 of 3). Fewer than all gives degraded
     /// writes: a replica that misses writes is caught up in the background from a good copy;
@@ -220,7 +229,18 @@ impl AgentArgs {
             x => return Err(DaemonError::Config(format!("--cc {x:?}: swift or none"))),
         };
         c.volume.write_quorum = (self.write_quorum > 0).then_some(self.write_quorum);
+        c.link.poll_mode = self.poll_mode;
         Ok(c)
+    }
+}
+
+/// `--poll-mode`: sleep, adaptive or busy.
+fn parse_poll_mode(s: &str) -> Result<PollMode, String> {
+    match s {
+        "sleep" => Ok(PollMode::Sleep),
+        "adaptive" => Ok(PollMode::Adaptive),
+        "busy" => Ok(PollMode::BusyPoll),
+        x => Err(format!("{x:?}: sleep, adaptive or busy")),
     }
 }
 
@@ -338,6 +358,7 @@ pub async fn run_node(a: NodeArgs) -> Result<(), DaemonError> {
     let mut cfg = NodeConfig::new(&a.dir);
     cfg.listen = a.listen;
     cfg.write_threads = a.write_threads;
+    cfg.poll_mode = a.poll_mode;
     let node = Arc::new(
         tokio::task::spawn_blocking(move || StorageNode::start(cfg))
             .await
@@ -578,4 +599,32 @@ pub async fn run_control(a: ControlArgs) -> Result<(), DaemonError> {
         });
     netstack::cm::drain_bounded(serve, stopped).await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Agent {
+        #[command(flatten)]
+        a: AgentArgs,
+    }
+
+    #[test]
+    fn poll_mode_reaches_the_agents_links_and_a_bad_one_is_named() {
+        let a = Agent::try_parse_from(["agent", "--poll-mode", "adaptive"]).unwrap().a;
+        assert_eq!(a.config().unwrap().link.poll_mode, PollMode::Adaptive);
+        let d = Agent::try_parse_from(["agent"]).unwrap().a;
+        assert_eq!(d.config().unwrap().link.poll_mode, PollMode::Sleep);
+        let e = Agent::try_parse_from(["agent", "--poll-mode", "fast"])
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            e.contains("--poll-mode") && e.contains("sleep, adaptive or busy"),
+            "{e}"
+        );
+    }
 }

@@ -45,6 +45,8 @@ pub struct NodeConfig {
     pub write_threads: usize,
     /// A volume's log is checkpointed when it passes this many bytes.
     pub log_limit: u64,
+    /// How the Solar data core waits for work.
+    pub poll_mode: PollMode,
 }
 
 impl NodeConfig {
@@ -55,6 +57,7 @@ impl NodeConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             write_threads: 16,
             log_limit: 256 << 20,
+            poll_mode: PollMode::Sleep,
         }
     }
 }
@@ -228,7 +231,7 @@ impl StorageNode {
         }
         let lock = lock_dir(&cfg.dir)?;
         let id = node_id(&cfg.dir)?;
-        let (ctx, addr, tcp) = bind_pair(listen)?;
+        let (ctx, addr, tcp) = bind_pair(listen, cfg.poll_mode)?;
         let mut solar = SolarServer::new();
         let mut volumes = HashMap::new();
         // ascending ids: a clone's base, an older volume, is open before the clone
@@ -455,14 +458,14 @@ impl Drop for StorageNode {
 /// The Solar engine's context (its UDP socket) and the TCP listener (the plain protocol) on
 /// one address. With port 0 the kernel picks the UDP port, which a TCP socket (an outgoing
 /// connection's ephemeral port) may hold already: then another pair is tried.
-fn bind_pair(listen: SocketAddrV4) -> Result<(Context, SocketAddr, TcpListener), NodeError> {
+fn bind_pair(listen: SocketAddrV4, poll_mode: PollMode) -> Result<(Context, SocketAddr, TcpListener), NodeError> {
     let mut tries = 0;
     loop {
         let ctx = Context::open(ContextConfig {
             bind: listen,
             data_cores: 1,
             path_ports: 1,
-            poll_mode: PollMode::Sleep,
+            poll_mode,
             ..ContextConfig::default()
         })
         .map_err(|e| NodeError::Engine(listen.into(), e.to_string()))?;

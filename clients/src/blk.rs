@@ -164,6 +164,8 @@ pub struct ClusterSpec {
     pub paths: u16,
     /// The agent's Solar congestion control (swift or none).
     pub cc: String,
+    /// How the agent's and the nodes' Solar data cores wait: sleep, adaptive or busy.
+    pub poll_mode: String,
     pub nbd: String,
     pub etcd: Option<String>,
     pub detached: bool,
@@ -195,6 +197,7 @@ impl ClusterSpec {
             transport: "solar".into(),
             paths: 4,
             cc: "swift".into(),
+            poll_mode: "sleep".into(),
             nbd: "127.0.0.1:0".into(),
             etcd: None,
             detached: false,
@@ -354,6 +357,8 @@ fn node_args(spec: &ClusterSpec, control: &str, i: usize, listen: &str) -> Vec<S
         control.into(),
         "--heartbeat-ms".into(),
         spec.heartbeat_ms.to_string(),
+        "--poll-mode".into(),
+        spec.poll_mode.clone(),
     ];
     a.extend(spec.metrics_flag(&format!("node{i}")));
     a.extend(live_args(spec));
@@ -396,6 +401,8 @@ fn agent_args(spec: &ClusterSpec, name: &str, control: &str, nbd: &str) -> Vec<S
         spec.paths.to_string(),
         "--cc".into(),
         spec.cc.clone(),
+        "--poll-mode".into(),
+        spec.poll_mode.clone(),
         "--heartbeat-ms".into(),
         spec.heartbeat_ms.to_string(),
         "--write-quorum".into(),

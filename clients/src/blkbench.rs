@@ -65,6 +65,9 @@ pub struct BenchArgs {
     /// The agent's Solar congestion control: swift or none.
     #[arg(long, default_value = "swift")]
     pub cc: String,
+    /// How the flexns and tcp clusters' Solar data cores wait: sleep, adaptive or busy.
+    #[arg(long, default_value = "sleep")]
+    pub poll_mode: String,
     /// Benchmark this NBD URI instead of starting anything (one system, named by --system).
     #[arg(long)]
     pub uri: Option<String>,
@@ -467,6 +470,7 @@ fn bench(a: &BenchArgs, sp: &Spawner, systems: &[&str], dir: &Path) -> Result<()
                     spec.transport = if s == "tcp" { "tcp".into() } else { "solar".into() };
                     spec.paths = a.paths;
                     spec.cc = a.cc.clone();
+                    spec.poll_mode = a.poll_mode.clone();
                     let c = LocalCluster::start(sp, spec)?;
                     let uri = c.uri.clone();
                     fill(&src, &uri).with_context(|| format!("filling the {s} volume"))?;

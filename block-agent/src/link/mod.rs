@@ -50,6 +50,8 @@ pub struct LinkConfig {
     /// flight: below one packet Swift paces, and a window of 0.01 packets left writes waiting
     /// for a hundred RTTs behind a scheduler hiccup on a loaded host.
     pub cc_min_window: f64,
+    /// How the Solar data core waits for work (the first link of a context sets it).
+    pub poll_mode: netstack::verbs::PollMode,
 }
 
 impl LinkConfig {
@@ -73,6 +75,7 @@ impl LinkConfig {
             cc: CcKind::Swift,
             cc_target_ns: 500_000,
             cc_min_window: 2.0,
+            poll_mode: netstack::verbs::PollMode::Sleep,
         }
     }
 }

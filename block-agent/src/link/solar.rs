@@ -7,7 +7,7 @@
 use super::{Carrier, LinkConfig, LinkError, LinkStatus, Target};
 use netstack::cc::{CcEnv, CcParams};
 use netstack::verbs::solar::{SolarAgent, SolarError};
-use netstack::verbs::{Context, ContextConfig, PollMode};
+use netstack::verbs::{Context, ContextConfig};
 use parking_lot::Mutex;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::sync::{Arc, Weak};
@@ -74,7 +74,7 @@ impl SolarLink {
         let ctx = Context::open(ContextConfig {
             bind: SocketAddrV4::new(local, 0),
             path_ports: paths as u8,
-            poll_mode: PollMode::Sleep,
+            poll_mode: cfg.poll_mode,
             ..ContextConfig::default()
         })
         .map_err(|e| setup("context", &e))?;
