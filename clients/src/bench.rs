@@ -330,15 +330,16 @@ pub struct ChildServer {
 }
 
 impl ChildServer {
-    /// Starts `exe args...` and waits for its first stdout line.
+    /// Starts `exe args...` and waits for its first stdout line. Its logs share this
+    /// program's stderr, so unless `RUST_LOG` says otherwise it logs warnings and errors only
+    /// (a server on its own logs at info).
     pub fn start(exe: &std::path::Path, args: &[String]) -> Result<ChildServer> {
-        let mut child = crate::procs::spawn(
-            crate::procs::command(exe)
-                .args(args)
-                .stdout(Stdio::piped())
-                .stderr(Stdio::inherit()),
-        )
-        .with_context(|| format!("starting {}", exe.display()))?;
+        let mut cmd = crate::procs::command(exe);
+        cmd.args(args).stdout(Stdio::piped()).stderr(Stdio::inherit());
+        if std::env::var_os("RUST_LOG").is_none() {
+            cmd.env("RUST_LOG", "warn");
+        }
+        let mut child = crate::procs::spawn(&mut cmd).with_context(|| format!("starting {}", exe.display()))?;
         let out = child.stdout.take().context("child stdout")?;
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
