@@ -24,10 +24,7 @@ pub fn init_cli() {
 pub fn init_daemon() {
     // SAFETY: setting a signal's disposition to ignored has no memory-safety preconditions.
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
-        .with_writer(std::io::stderr)
-        .init();
+    block_agent::daemon::init_logging();
 }
 
 /// How every program of the crate ends: status 0, or its error's chain on one line

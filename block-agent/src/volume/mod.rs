@@ -52,7 +52,7 @@ use netstack::transport::solar::client::IoError;
 use netstack::transport::solar::wire::Status;
 use parking_lot::Mutex;
 use std::collections::{BTreeSet, HashMap};
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::Notify;
@@ -261,8 +261,8 @@ pub struct Volume {
     epoch: u32,
     /// The next write version (see [`Volume::next_versions`]).
     versions: AtomicU64,
-    /// The epoch a storage node refused (0: none): this attachment is fenced and fails all I/O.
-    fenced: AtomicU32,
+    /// A storage node refused this attachment's epoch: it is fenced and fails all I/O.
+    fenced: AtomicBool,
     /// Bytes; grows online ([`Volume::grow`]).
     size: AtomicU64,
     /// Per replica its link; one is swapped when the controller replaces the replica.
@@ -280,7 +280,7 @@ pub struct Volume {
     health: Mutex<Vec<ReplicaHealth>>,
     qos: Mutex<crate::qos::Qos>,
     /// The resync task was started.
-    resyncing: std::sync::atomic::AtomicBool,
+    resyncing: AtomicBool,
     /// Writes hold it shared; [`Volume::quiesced`] holds it alone (it is fair: once a
     /// snapshot waits, new writes queue behind it).
     gate: Arc<tokio::sync::RwLock<()>>,
@@ -288,7 +288,7 @@ pub struct Volume {
     admins: Mutex<Admins>,
     /// Set once the replicas are reconciled (or none needed it): reads wait for it, writes
     /// for the gate, which the reconciliation holds.
-    reconciled: std::sync::atomic::AtomicBool,
+    reconciled: AtomicBool,
     reconciled_cv: Notify,
     /// The volume's own write quorum (0: the configuration's).
     quorum: AtomicUsize,
@@ -322,7 +322,7 @@ impl Volume {
             id,
             epoch,
             versions: AtomicU64::new(first_version(epoch)),
-            fenced: AtomicU32::new(0),
+            fenced: AtomicBool::new(false),
             size: AtomicU64::new(size),
             replicas: replicas.into_iter().map(parking_lot::RwLock::new).collect(),
             cfg,
@@ -333,10 +333,10 @@ impl Volume {
             started: std::time::Instant::now(),
             health: Mutex::new((0..replicas_len).map(|_| ReplicaHealth::default()).collect()),
             qos: Mutex::new(crate::qos::Qos::default()),
-            resyncing: std::sync::atomic::AtomicBool::new(false),
+            resyncing: AtomicBool::new(false),
             gate: Arc::new(tokio::sync::RwLock::new(())),
             admins: Mutex::new((Vec::new(), None)),
-            reconciled: std::sync::atomic::AtomicBool::new(true),
+            reconciled: AtomicBool::new(true),
             reconciled_cv: Notify::new(),
             quorum: AtomicUsize::new(0),
         })
@@ -378,10 +378,13 @@ impl Volume {
 
     /// Err once a storage node refused this attachment's epoch.
     fn check_fenced(&self) -> Result<(), VolumeError> {
-        match self.fenced.load(Ordering::Acquire) {
-            0 => Ok(()),
-            epoch => Err(VolumeError::Fenced { volume: self.id, epoch }),
+        if !self.is_fenced() {
+            return Ok(());
         }
+        Err(VolumeError::Fenced {
+            volume: self.id,
+            epoch: self.epoch,
+        })
     }
 
     /// Notes that a storage node refused this attachment's epoch, if `e` says so; the error
@@ -391,15 +394,12 @@ impl Volume {
             return None;
         }
         self.mark_fenced(&e.to_string());
-        Some(VolumeError::Fenced {
-            volume: self.id,
-            epoch: self.epoch().max(1),
-        })
+        self.check_fenced().err()
     }
 
     /// This attachment is fenced from now on (`why`: who said so): all I/O fails.
     fn mark_fenced(&self, why: &str) {
-        if self.fenced.swap(self.epoch().max(1), Ordering::AcqRel) == 0 {
+        if !self.fenced.swap(true, Ordering::AcqRel) {
             tracing::error!(
                 "volume {}: attached elsewhere since (epoch {} refused: {why}); this attachment is fenced and \
                  fails all I/O",
@@ -411,7 +411,7 @@ impl Volume {
 
     /// Whether a storage node refused this attachment's epoch.
     pub fn is_fenced(&self) -> bool {
-        self.fenced.load(Ordering::Acquire) != 0
+        self.fenced.load(Ordering::Acquire)
     }
 
     /// Sets the volume's QoS limits (online: requests after this see them).
@@ -880,9 +880,8 @@ impl Volume {
     /// Replica `i`'s allocation of `n` blocks from `lba` as its node reports it (None when
     /// it cannot be asked or does not answer).
     async fn node_allocation(&self, i: usize, lba: u64, n: u64) -> Option<Vec<u8>> {
-        let (admins, q) = self.admins.lock().clone();
-        let admin = admins.get(i).filter(|a| !a.is_empty())?;
-        let ask = q?.allocation(admin, self.id, lba, n);
+        let (admin, q) = self.node(i).ok()?;
+        let ask = q.allocation(&admin, self.id, lba, n);
         match tokio::time::timeout(self.cfg.replica_timeout, ask).await {
             Ok(Ok(states)) if states.len() as u64 == n => Some(states),
             _ => None,

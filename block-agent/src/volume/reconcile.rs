@@ -20,6 +20,7 @@
 //! (the volume was attached elsewhere since) fences this attachment out: all its I/O fails.
 
 use super::{Volume, BLOCK, REGION_BLOCKS};
+use std::collections::hash_map::{Entry, HashMap};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::Ordering;
@@ -124,8 +125,8 @@ async fn bounded<T>(f: Answer<T>) -> Result<T, String> {
 
 impl Volume {
     /// Reconciles the replicas in the background before the volume serves (see the module's
-    /// doc); the agent calls it when it attaches a volume anew. Nothing to do with one replica
-    /// or without [`Volume::set_admins`].
+    /// doc); the agent calls it when it attaches a volume anew. Nothing to do without
+    /// [`Volume::set_admins`]; one replica is fenced, and its digests raise the versions.
     pub fn start_reconcile(self: &Arc<Self>) {
         if self.admins.lock().1.is_none() {
             return;
@@ -171,17 +172,23 @@ impl Volume {
         });
     }
 
-    /// Digests of every region of replica `i`.
-    async fn digests(&self, i: usize) -> Result<Vec<u64>, String> {
+    /// Replica `i`'s storage-node admin address and the way to ask it.
+    pub(super) fn node(&self, i: usize) -> Result<(String, Arc<dyn NodeQueries>), String> {
         let (admins, q) = self.admins.lock().clone();
         let q = q.ok_or("no node queries")?;
         let admin = admins.get(i).filter(|a| !a.is_empty()).ok_or("no admin address")?;
+        Ok((admin.clone(), q))
+    }
+
+    /// Digests of every region of replica `i`.
+    async fn digests(&self, i: usize) -> Result<Vec<u64>, String> {
+        let (admin, q) = self.node(i)?;
         let regions = (self.size() / BLOCK).div_ceil(REGION_BLOCKS);
         let mut out = Vec::with_capacity(regions as usize);
         let mut first = 0;
         while first < regions {
             let n = DIGEST_BATCH.min(regions - first);
-            let (d, highest) = bounded(q.region_digests(admin, self.id, first, n, REGION_BLOCKS)).await?;
+            let (d, highest) = bounded(q.region_digests(&admin, self.id, first, n, REGION_BLOCKS)).await?;
             // new writes must be newer than any a replica holds, even if this host's clock
             // is behind the one that wrote them
             self.raise_versions(highest.saturating_add(1));
@@ -197,11 +204,9 @@ impl Volume {
     /// Fences replica `i`'s node at this attachment's epoch. Err when it does not answer, or
     /// when it was fenced at a higher epoch (then this attachment is fenced too).
     async fn fence_replica(&self, i: usize) -> Result<(), String> {
-        let (admins, q) = self.admins.lock().clone();
-        let q = q.ok_or("no node queries")?;
-        let admin = admins.get(i).filter(|a| !a.is_empty()).ok_or("no admin address")?;
+        let (admin, q) = self.node(i)?;
         let epoch = self.epoch();
-        let fence = bounded(q.fence(admin, self.id, epoch)).await?;
+        let fence = bounded(q.fence(&admin, self.id, epoch)).await?;
         if fence > epoch {
             let why = format!("replica {i}'s node {admin} is fenced at epoch {fence}, above this attachment's {epoch}");
             self.mark_fenced(&why);
@@ -281,8 +286,9 @@ impl Volume {
             }
             versions.push(v);
         }
-        // the replicas' holes (zeroed or never written), for copying a hole as a hole
-        let mut holes: Vec<Option<Vec<u8>>> = Vec::new();
+        // the holes (zeroed or never written) of the replicas copied from, by replica: a hole
+        // is copied as a hole
+        let mut holes: HashMap<usize, Option<Vec<u8>>> = HashMap::new();
         let mut copied = 0;
         for k in 0..count as usize {
             let (best, newest) = versions
@@ -299,13 +305,10 @@ impl Volume {
                 continue;
             }
             let at = lba + k as u64;
-            if holes.is_empty() {
-                for &i in up {
-                    holes.push(self.node_allocation(i, lba, count).await);
-                }
+            if let Entry::Vacant(e) = holes.entry(best) {
+                e.insert(self.node_allocation(best, lba, count).await);
             }
-            let j = up.iter().position(|&i| i == best).expect("best is up");
-            let hole = holes[j].as_ref().is_some_and(|h| h[k] == crate::store::ALLOC_HOLE);
+            let hole = holes[&best].as_ref().is_some_and(|h| h[k] == crate::store::ALLOC_HOLE);
             let data: Option<Arc<[u8]>> = if hole {
                 None
             } else {
