@@ -88,6 +88,8 @@ fn round(carrier: Carrier, tag: &str) {
             assert!(got == block(lba, 2), "{tag}: block {lba} is the new attachment's");
         }
     });
+    // copies still in flight to the third replica (2 of 3 acknowledge a write) land first
+    rt.block_on(new.quiesced(async {})).unwrap();
     for n in &nodes {
         let s = n.store(VOLUME).unwrap();
         for lba in 0..16 {
