@@ -731,6 +731,8 @@ fn run_to_completion_contexts_carry_every_operation() {
         ..Default::default()
     };
     let (a, b) = pair_with(&o);
+    // (setting up the QPs ran b's cores from its application thread: the control commands)
+    let before = b.ctx.stats();
     let data = pattern(300_000, 9);
     a.mr.write(0, &data);
     // a WRITE into a context nobody polls: its backstop thread receives and acknowledges
@@ -745,8 +747,14 @@ fn run_to_completion_contexts_carry_every_operation() {
     b.mr.read(0, &mut got);
     assert!(got == data, "written data differs");
     let bs = b.ctx.stats();
-    assert_eq!(bs.application_passes, 0, "b's application never called the engine");
-    assert!(bs.engine_thread_passes > 0, "b's backstop served the WRITE");
+    assert_eq!(
+        bs.application_passes, before.application_passes,
+        "b's application never called the engine"
+    );
+    assert!(
+        bs.engine_thread_passes > before.engine_thread_passes,
+        "b's backstop served the WRITE"
+    );
     // a ping-pong of SENDs, each side's completions read by a spinning poll loop that runs
     // the engine itself
     let spin_next = |s: &Side| -> Wc {
@@ -794,4 +802,48 @@ fn run_to_completion_contexts_carry_every_operation() {
         .unwrap();
     let w = waiter.join().unwrap();
     assert_eq!((w.wr_id, w.status), (999, WcStatus::Success));
+}
+
+/// One owner per QP: a state change travels to the QP's core behind the work requests posted
+/// before it, so moving a QP to ERR right after posts flushes them (WR_FLUSH_ERR, or success for
+/// those already done) and never refuses them as posted to a QP in ERR (LOC_QP_OP_ERR), which
+/// is what a change applied beside the queue instead of in it would do. Also over a
+/// low-latency QP, whose posts run the core from the posting thread.
+#[test]
+fn a_state_change_after_posts_sees_those_posts() {
+    for low_latency in [false, true] {
+        let o = Opts {
+            attr: QpInitAttr {
+                low_latency,
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let (a, b) = pair_with(&o);
+        let n = 32;
+        for i in 0..n {
+            a.qp.post_send(
+                SendWr::new(i, WrOpcode::RdmaWrite)
+                    .sge(a.mr.sge(0, 65536))
+                    .remote(b.mr.addr(), b.mr.rkey()),
+            )
+            .unwrap();
+        }
+        a.qp.modify_to_err();
+        assert_eq!(a.qp.state(), QpState::Err);
+        let st: Vec<WcStatus> = (0..n).map(|_| a.cq.next(T).expect("completion").status).collect();
+        assert!(
+            st.iter().all(|s| matches!(s, WcStatus::Success | WcStatus::WrFlushErr)),
+            "low_latency {low_latency}: {st:?}"
+        );
+        assert!(st.contains(&WcStatus::WrFlushErr), "some were still queued: {st:?}");
+        // a receive posted to the QP in ERR completes flushed, through the core
+        a.qp.post_recv(RecvWr {
+            wr_id: 99,
+            sg_list: [a.mr.sge(0, 64)].into_iter().collect(),
+        })
+        .unwrap();
+        let wc = a.cq.next(T).expect("flushed receive");
+        assert_eq!((wc.wr_id, wc.status), (99, WcStatus::WrFlushErr));
+    }
 }

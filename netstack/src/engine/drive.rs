@@ -28,7 +28,7 @@ pub(crate) const HANDOFF_NS: u64 = 1_000_000;
 /// The data cores of a run-to-completion context, shared by its application threads and its
 /// backstop threads.
 pub(crate) struct AppDrive {
-    cores: Vec<Mutex<DataCore>>,
+    cores: Vec<Arc<Mutex<DataCore>>>,
     shared: Vec<Arc<EngineShared>>,
     /// Engine-clock time an application thread last ran the cores; 0 when it released them.
     last: AtomicU64,
@@ -37,10 +37,10 @@ pub(crate) struct AppDrive {
 }
 
 impl AppDrive {
-    pub(super) fn new(cores: Vec<DataCore>) -> std::io::Result<AppDrive> {
+    pub(super) fn new(cores: Vec<Arc<Mutex<DataCore>>>) -> std::io::Result<AppDrive> {
         Ok(AppDrive {
-            shared: cores.iter().map(|c| c.shared.clone()).collect(),
-            cores: cores.into_iter().map(Mutex::new).collect(),
+            shared: cores.iter().map(|c| c.lock().shared.clone()).collect(),
+            cores,
             last: AtomicU64::new(0),
             released: EventFd::new()?,
         })

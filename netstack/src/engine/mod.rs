@@ -1,9 +1,14 @@
 //! The engine: a data-core thread that owns a link and drives the QPs' transport state machines
 //! (receive, dispatch, timers, transmit) and delivers completions to completion queues.
 //!
-//! Applications reach it only through QP handles (posting marks a QP active and wakes the engine
-//! if it said it sleeps) and completion queues. Payload bytes move once: from registered memory
-//! to the socket as an iovec on transmit, from the receive buffer into registered memory on
+//! Applications reach it only through QP handles and completion queues. A data core is the
+//! only owner of its QPs' transport state: work requests and every other operation on a QP
+//! (state changes, path and congestion-control settings, statistics, offload results, RedN
+//! doorbells) reach the core as slots or [`Command`]s through its send queue, in the order they
+//! were issued, and answers travel back in a channel. Whichever thread holds the core's cell
+//! (its own thread, an application thread running it to completion, or a low-latency poster)
+//! runs one pass; there is no lock on a QP. Payload bytes move once: from registered memory to
+//! the socket as an iovec on transmit, from the receive buffer into registered memory on
 //! receive.
 
 mod cq;
@@ -26,7 +31,7 @@ use crate::pipe::{self, Consumer, Producer};
 use crate::transport::rc::{QpState, RcQp};
 use crate::transport::TxPacket;
 use crate::wire::{icrc, PacketView, MAX_DATAGRAM, PAD_ZEROS};
-use parking_lot::{Mutex, RwLock};
+use parking_lot::Mutex;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::net::SocketAddrV4;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
@@ -34,9 +39,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// How often a data core reads every QP's deadline afresh (nanoseconds): a safety net only. It
-/// learns deadlines from the QPs it touches, and from `EngineShared::rearm`, where application
-/// and offload threads leave every QP whose timers they may have changed (sends, control
-/// operations). A scan locks every QP: at 1 ms, 10,000 QPs spent the core on scanning.
+/// learns deadlines from the QPs it touches (every command and work request touches its QP).
+/// At 1 ms, 10,000 QPs spent the core on scanning.
 const DEADLINE_SCAN_NS: u64 = 100_000_000;
 
 /// Receive buffers per recvmmsg call (at most).
@@ -53,12 +57,16 @@ const SQ_DRAIN: usize = 256;
 /// Packets gathered before a send (several GSO messages of up to 15 packets of 4 KiB).
 pub(crate) const TX_BATCH: usize = 256;
 
-/// What an application handle may read about its QP without taking the QP's lock: its state
-/// and how many send WQEs have left the send queue. The engine refreshes it after every change.
+/// What an application handle may read about its QP without asking its core: its state and
+/// how many send and receive WQEs have left their queues. The core refreshes it after every
+/// change.
 #[derive(Default)]
 pub(crate) struct QpMirror {
     pub state: AtomicU8,
     pub retired: AtomicU64,
+    /// Receive WRs the core took from the send queue and no longer holds (consumed, flushed
+    /// or refused): with a count of posts, the receive queue's depth.
+    pub recv_retired: AtomicU64,
 }
 
 impl QpMirror {
@@ -88,6 +96,8 @@ pub(crate) struct QpSlot {
     pub mirror: Arc<QpMirror>,
     /// A managed QP's fetch state (RedN programs); `None` for ordinary QPs.
     pub chain: Option<crate::chain::ChainRunner>,
+    /// Receive WRs taken from the send queue so far.
+    pub recvs_taken: u64,
 }
 
 impl QpSlot {
@@ -104,7 +114,7 @@ impl QpSlot {
         self.remote == Some(src) || self.peer_sources.contains(&src)
     }
 
-    /// Refreshes the mirror the application reads (state, retired WQEs). Any thread may call it.
+    /// Refreshes the mirror the application reads (state, retired WQEs).
     pub(crate) fn sync_mirror(&self) {
         let st = match self.qp.state() {
             QpState::Reset => 0,
@@ -115,6 +125,10 @@ impl QpSlot {
         };
         self.mirror.state.store(st, Ordering::Release);
         self.mirror.retired.store(self.qp.retired_sends(), Ordering::Release);
+        let held = self.qp.recv_queue_len() as u64;
+        self.mirror
+            .recv_retired
+            .store(self.recvs_taken.saturating_sub(held), Ordering::Release);
     }
 
     /// Moves the transport's completions into the completion queues' pipes of data core
@@ -137,12 +151,36 @@ impl QpSlot {
     }
 }
 
+/// An operation another thread asks a data core to apply to the QPs it owns. Its answer, if
+/// it has one, travels in a channel the function captured; a command for a QP the core does
+/// not hold is dropped unapplied (its channel then reports the disconnection).
+pub(crate) enum Command {
+    /// The core owns this QP from now on.
+    Add(Box<QpSlot>),
+    /// The QP's handle was dropped.
+    Remove(u32),
+    /// Applies a function to one QP; the core then delivers its completions, transmits what it
+    /// has to send and arms its timer.
+    Qp(u32, Box<dyn FnOnce(&mut QpSlot) + Send>),
+    /// Reads every QP of the core (statistics).
+    Each(Box<dyn FnOnce(&mut QpIter<'_>) + Send>),
+}
+
+/// The QPs of a core, as [`Command::Each`] reads them.
+pub(crate) type QpIter<'a> = dyn Iterator<Item = &'a QpSlot> + 'a;
+
 /// State of one data core shared between its thread and application handles.
 pub(crate) struct EngineShared {
     pub mrs: Arc<MrTable>,
-    pub qps: RwLock<HashMap<u32, Arc<Mutex<QpSlot>>>>,
     /// The shared send queue of this core (producers serialize on the lock).
     pub sq: Mutex<Producer<sq::Slot>>,
+    /// Commands behind the send queue's command markers, in order (pushed under `sq`'s lock).
+    commands: Mutex<VecDeque<Command>>,
+    /// The core itself, for threads that run a pass of it when nobody else does.
+    cell: std::sync::OnceLock<std::sync::Weak<Mutex<DataCore>>>,
+    /// The engine-clock time until which the core's own thread sleeps (0 while it is awake): a
+    /// pass run by another thread that leaves an earlier deadline arms `timer` for it.
+    sleeping_until: AtomicU64,
     /// Every socket the core sends from: for each local address (`bind`, then `extra_addrs`),
     /// its main socket followed by `path_ports - 1` sockets on free ports (source-port entropy
     /// for ECMP). Index `addr * path_ports + port`.
@@ -151,16 +189,14 @@ pub(crate) struct EngineShared {
     pub path_ports: usize,
     /// Wakes the thread for control events (stop).
     wake: EventFd,
+    /// Wakes the sleeping thread at a deadline a pass run by another thread left earlier
+    /// than the one it sleeps until.
+    timer: sys::TimerFd,
     stop: AtomicBool,
     pub stats: EngineStats,
     /// CQ counters and managed QPs of the context (shared by its cores), and the guards.
     pub redn: Arc<crate::chain::RednRegistry>,
     pub guards: crate::config::RednGuards,
-    /// Managed QPs this core runs.
-    pub managed: Mutex<Vec<u32>>,
-    /// QPs that sent from an application or offload thread ([`EngineShared::transmit_now`]):
-    /// the data core arms their timers.
-    rearm: Mutex<Vec<u32>>,
     /// Commands to the core's Solar endpoints ([`EngineShared::solar_command`]).
     solar: solar::SolarHost,
     local: SocketAddrV4,
@@ -170,93 +206,106 @@ pub(crate) struct EngineShared {
 }
 
 impl EngineShared {
-    /// Asks the data core to deliver the completions an application thread left in `qpn`'s
-    /// transport (only data-core threads write completion pipes).
-    pub(crate) fn poke(&self, qpn: u32) {
-        let mut slots = Vec::with_capacity(1);
-        sq::encode_poke(qpn, &mut slots);
+    /// Queues `cmd` for the core behind everything posted before it, and wakes the core if it
+    /// sleeps.
+    pub(crate) fn command(&self, cmd: Command) {
         let mut q = self.sq.lock();
-        while !sq::push_all(&mut q, &slots) {
+        self.commands.lock().push_back(cmd);
+        while !sq::push_all(&mut q, &[sq::COMMAND]) {
             q.notify();
             std::thread::yield_now();
         }
         q.notify();
     }
 
-    /// Sends what `slot`'s QP has to send right now from the calling thread (the low-latency
-    /// path: no handoff to the data core). The caller holds the QP's lock, so the QP's packets
-    /// leave in order; whatever the socket does not take is left to the data core's timers.
-    pub(crate) fn transmit_now(&self, slot: &mut QpSlot) -> usize {
-        if slot.remote.is_none() {
-            return 0;
-        }
-        let now = self.now();
-        let mut total = 0;
-        // everything the window allows, 16 packets per system call; later packets are sent by
-        // the data core as acknowledgements open the window
+    /// Has the core look at QP `qpn` (an offload job of it finished, a RedN doorbell rang).
+    pub(crate) fn visit(&self, qpn: u32) {
+        self.command(Command::Qp(qpn, Box::new(|_| {})));
+    }
+
+    /// Applies `f` to QP `qpn` on its core and returns its answer; `None` when the core does
+    /// not hold the QP. Runs the core from this thread when nobody else does, so the answer
+    /// costs no wake-up of the core's thread. Never call it while running a core.
+    pub(crate) fn call<R: Send + 'static>(
+        &self,
+        qpn: u32,
+        f: impl FnOnce(&mut QpSlot) -> R + Send + 'static,
+    ) -> Option<R> {
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        self.command(Command::Qp(
+            qpn,
+            Box::new(move |s| {
+                let r = f(s);
+                // the caller reads the mirror next (a post after `modify_to_rts`)
+                s.sync_mirror();
+                let _ = tx.send(r);
+            }),
+        ));
+        self.answer(rx)
+    }
+
+    /// Reads every QP of the core with `f` and returns its answer.
+    pub(crate) fn call_each<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut QpIter<'_>) -> R + Send + 'static,
+    ) -> Option<R> {
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        self.command(Command::Each(Box::new(move |it| {
+            let _ = tx.send(f(it));
+        })));
+        self.answer(rx)
+    }
+
+    /// Waits for a command's answer, running the core from this thread whenever it is free.
+    fn answer<R>(&self, rx: std::sync::mpsc::Receiver<R>) -> Option<R> {
+        use std::sync::mpsc::{RecvTimeoutError, TryRecvError};
         loop {
-            let mut out: smallvec::SmallVec<[Outgoing; 16]> = smallvec::SmallVec::new();
-            while out.len() < 16 {
-                match slot.qp.poll_transmit(now) {
-                    Some(p) => {
-                        let Some((link, dst)) = slot.route(p.path) else { break };
-                        out.push(Outgoing::new(
-                            p,
-                            link,
-                            self.tx_links[link].local_addr(),
-                            dst,
-                            &self.stats,
-                        ))
-                    }
-                    None => break,
-                }
+            self.run_here();
+            match rx.try_recv() {
+                Ok(r) => return Some(r),
+                Err(TryRecvError::Disconnected) => return None,
+                Err(TryRecvError::Empty) => {}
             }
-            // one system call per run of packets from one socket
-            if out.is_empty() {
-                if total > 0 {
-                    // the retransmission timer the packets armed is the data core's to run
-                    self.rearm(slot.qp.qpn());
-                }
-                return total;
-            }
-            let mut msgs: smallvec::SmallVec<[OutMsg; 16]> = out
-                .iter()
-                .map(|o| {
-                    let mut m = OutMsg::new(&o.dst);
-                    // SAFETY: `out` is borrowed, neither moved nor changed, until `msgs` is sent
-                    // below and dropped at the end of this pass.
-                    unsafe { o.push_spans(&mut m) };
-                    m
-                })
-                .collect();
-            let mut sent = 0;
-            let mut full = false;
-            for run in out.chunk_by(|a, b| a.link == b.link) {
-                let k = run.len();
-                let n = self.tx_links[run[0].link]
-                    .send_batch(&mut msgs[sent..sent + k])
-                    .unwrap_or(0);
-                for o in &run[..n] {
-                    self.stats.tx_packets.inc();
-                    self.stats.tx_messages.inc();
-                    self.stats.tx_bytes.add(o.wire_len() as u64);
-                }
-                sent += k;
-                total += n;
-                full |= n < k;
-            }
-            if full {
-                // a socket is full: the transport's retransmission timer recovers the rest
-                self.rearm(slot.qp.qpn());
-                return total;
+            // another thread runs the core: its pass answers
+            match rx.recv_timeout(Duration::from_micros(200)) {
+                Ok(r) => return Some(r),
+                Err(RecvTimeoutError::Disconnected) => return None,
+                Err(RecvTimeoutError::Timeout) if self.stop.load(Ordering::Relaxed) => return None,
+                Err(RecvTimeoutError::Timeout) => {}
             }
         }
     }
 
-    /// QP `qpn`'s timers may have changed outside this core (a control operation of an
-    /// application thread): the core reads its deadline at its next pass.
-    pub(crate) fn rearm(&self, qpn: u32) {
-        self.rearm.lock().push(qpn);
+    /// Runs the core's send side once from the calling thread if no other thread is running
+    /// it ([`DataCore::post_pass`]; the low-latency path: a post leaves in the poster's own
+    /// call). Wakes the core's thread
+    /// when the pass left it a deadline earlier than the one it sleeps until. Returns whether
+    /// it ran.
+    pub(crate) fn run_here(&self) -> bool {
+        let Some(cell) = self.cell.get().and_then(|w| w.upgrade()) else {
+            return false;
+        };
+        let Some(mut core) = cell.try_lock() else {
+            return false;
+        };
+        let pass = core.post_pass();
+        // more than one pass takes (a long send queue) is left to the core's thread
+        let more = core.sq.has_data();
+        drop(core);
+        if pass.work {
+            self.stats.application_passes.inc();
+        }
+        if more && self.sleeping_until.load(Ordering::Acquire) != 0 {
+            self.wake.notify();
+        } else if let Some(d) = pass.next_deadline {
+            // an earlier deadline moves the sleeper's timer, without waking it now (a wake-up
+            // per post costs a context switch on a loaded machine)
+            let until = self.sleeping_until.fetch_min(d.max(1), Ordering::AcqRel);
+            if until != 0 && d < until {
+                self.timer.arm_at(d);
+            }
+        }
+        true
     }
 
     /// The transports' clock: CLOCK_MONOTONIC in nanoseconds (shared by all processes on the
@@ -319,17 +368,18 @@ impl Engine {
             let (sq_tx, sq_rx) = pipe::pipe::<sq::Slot>(SQ_SLOTS, 32)?;
             let shared = Arc::new(EngineShared {
                 mrs: mrs.clone(),
-                qps: RwLock::new(HashMap::new()),
                 sq: Mutex::new(sq_tx),
+                commands: Mutex::new(VecDeque::new()),
+                cell: std::sync::OnceLock::new(),
+                sleeping_until: AtomicU64::new(0),
                 tx_links: tx_links.clone(),
                 path_ports: ports,
                 wake: EventFd::new()?,
+                timer: sys::TimerFd::new()?,
                 stop: AtomicBool::new(false),
                 stats: EngineStats::default(),
                 redn: redn.clone(),
                 guards: cfg.redn,
-                managed: Mutex::new(Vec::new()),
-                rearm: Mutex::new(Vec::new()),
                 solar: solar::SolarHost::default(),
                 local: link.local_addr(),
                 epoch,
@@ -345,15 +395,17 @@ impl Engine {
                 staging: cfg.rx_staging_bytes,
                 rx_delay_ns: cfg.rx_delay_us * 1000,
             };
+            let cell = Arc::new(Mutex::new(DataCore::new(s2, sq_rx, &opts)));
+            let _ = shared.cell.set(Arc::downgrade(&cell));
             e.cores.push(shared);
             if cfg.drive == Drive::Application {
-                app_cores.push(DataCore::new(s2, sq_rx, &opts));
+                app_cores.push(cell);
                 continue;
             }
             // started threads are joined by Engine's drop if a later core fails to start
             let thread = std::thread::Builder::new()
                 .name(format!("flexns-core{i}-{}", link.local_addr().port()))
-                .spawn(move || DataCore::new(s2, sq_rx, &opts).run())?;
+                .spawn(move || DataCore::run(cell))?;
             e.threads.push(thread);
         }
         if cfg.drive == Drive::Application {
@@ -460,7 +512,7 @@ enum Idle {
 }
 
 /// The descriptors a sleeping data core waits on.
-type Fds = smallvec::SmallVec<[std::os::fd::RawFd; 4]>;
+type Fds = smallvec::SmallVec<[std::os::fd::RawFd; 8]>;
 
 /// A received datagram waiting out the emulated propagation delay.
 struct Delayed {
@@ -478,6 +530,9 @@ struct DataCore {
     /// QPs whose completions did not fit in a full CQ; retried every loop.
     stuck: HashSet<u32>,
     shared: Arc<EngineShared>,
+    /// The QPs this core owns (it is their only writer), and its managed ones (RedN).
+    qps: HashMap<u32, QpSlot>,
+    managed: Vec<u32>,
     /// The sockets the core receives on: the main socket of each local address.
     rx_links: Vec<Arc<UdpLink>>,
     sq: Consumer<sq::Slot>,
@@ -503,8 +558,6 @@ struct DataCore {
     /// The QPs' deadlines in time order, and when every QP's is next read afresh.
     deadlines: deadlines::Deadlines,
     next_scan: u64,
-    /// `EngineShared::rearm`'s entries, taken each loop.
-    rearm_buf: Vec<u32>,
     /// The core's Solar endpoints (storage clients and server).
     solar: solar::SolarCore,
 }
@@ -527,6 +580,8 @@ impl DataCore {
             index: o.index,
             stuck: HashSet::new(),
             shared,
+            qps: HashMap::new(),
+            managed: Vec::new(),
             rx_links,
             sq,
             mode: o.mode,
@@ -545,7 +600,6 @@ impl DataCore {
             hairpin: VecDeque::new(),
             deadlines: deadlines::Deadlines::default(),
             next_scan: 0,
-            rearm_buf: Vec::new(),
             solar: solar::SolarCore::default(),
         }
         .with_local_addrs()
@@ -556,22 +610,47 @@ impl DataCore {
         self
     }
 
-    fn run(mut self) {
+    /// The data-core thread: runs the core, holding its cell while it works or spins and
+    /// letting go of it while it yields or sleeps, so that a low-latency poster or a control
+    /// call may run a pass in the meantime.
+    fn run(cell: Arc<Mutex<DataCore>>) {
         // sleeps end within a microsecond of their deadline, not the default 50 us slack
         sys::set_timer_slack_ns(1_000);
+        let shared = cell.lock().shared.clone();
         let mut idle_since: Option<Instant> = None;
-        while !self.shared.stop.load(Ordering::Relaxed) {
-            let pass = self.pass();
-            if pass.work {
-                self.shared.stats.engine_thread_passes.inc();
-                idle_since = None;
+        while !shared.stop.load(Ordering::Relaxed) {
+            // another thread running a pass is never waited for: yield until it is done
+            let Some(mut core) = cell.try_lock() else {
+                std::thread::yield_now();
                 continue;
-            }
-            let since = *idle_since.get_or_insert_with(Instant::now);
-            match self.idle(pass.next_deadline, since) {
-                Idle::Spin => std::hint::spin_loop(),
-                Idle::Yield => std::thread::yield_now(),
-                Idle::Sleep => self.sleep(pass.next_deadline),
+            };
+            while !shared.stop.load(Ordering::Relaxed) {
+                let pass = core.pass();
+                if pass.work {
+                    shared.stats.engine_thread_passes.inc();
+                    idle_since = None;
+                    continue;
+                }
+                let since = *idle_since.get_or_insert_with(Instant::now);
+                match core.idle(pass.next_deadline, since) {
+                    Idle::Spin => std::hint::spin_loop(),
+                    Idle::Yield => {
+                        drop(core);
+                        std::thread::yield_now();
+                        break;
+                    }
+                    Idle::Sleep => {
+                        let Some((fds, wait)) = core.prepare_sleep(pass.next_deadline) else {
+                            continue;
+                        };
+                        shared.sleeping_until.store(shared.now() + wait, Ordering::Release);
+                        drop(core);
+                        let _ = sys::ppoll_readable(&fds, wait);
+                        shared.sleeping_until.store(0, Ordering::Release);
+                        cell.lock().woke();
+                        break;
+                    }
+                }
             }
         }
     }
@@ -619,6 +698,27 @@ impl DataCore {
         Pass { work, next_deadline }
     }
 
+    /// The send side of a pass, run by a thread that posted or sent a command: the send queue
+    /// (work requests and commands), then what the QPs have to send, sent at once. Receiving
+    /// stays with the core's own thread, so a poster pays no receive system calls.
+    fn post_pass(&mut self) -> Pass {
+        let now = self.shared.now();
+        let mut work = self.drain_sq(now);
+        self.retry_stuck();
+        work |= self.transmit(now, true);
+        // packets to this core itself are its thread's to receive, but they must not wait
+        // for a sleeping thread's deadline
+        let hairpin = !self.hairpin.is_empty();
+        let next_deadline = match (self.timers(now), self.delayed.front()) {
+            (t, Some(d)) => Some(t.map_or(d.due, |t| t.min(d.due))),
+            (t, None) => t,
+        };
+        Pass {
+            work,
+            next_deadline: if hairpin { Some(now) } else { next_deadline },
+        }
+    }
+
     /// How an idle core waits, idle since `since`: a deadline closer than a sleep's wake-up
     /// cost (pacing, delayed ACKs) is waited for awake, or the sleep would overshoot it.
     fn idle(&self, next_deadline: Option<u64>, since: Instant) -> Idle {
@@ -627,13 +727,6 @@ impl DataCore {
             PollMode::BusyPoll => Idle::Spin,
             PollMode::Adaptive if near || since.elapsed() < self.spin => Idle::Yield,
             _ => Idle::Sleep,
-        }
-    }
-
-    fn sleep(&mut self, next_deadline: Option<u64>) {
-        if let Some((fds, wait)) = self.prepare_sleep(next_deadline) {
-            let _ = sys::ppoll_readable(&fds, wait);
-            self.woke();
         }
     }
 
@@ -656,7 +749,7 @@ impl DataCore {
             .unwrap_or(100_000_000)
             .min(100_000_000);
         let mut fds: Fds = self.rx_links.iter().map(|l| l.fd()).collect();
-        fds.extend([self.sq.wake_fd(), self.shared.wake.fd()]);
+        fds.extend([self.sq.wake_fd(), self.shared.wake.fd(), self.shared.timer.fd()]);
         Some((fds, wait.max(1_000)))
     }
 
@@ -664,6 +757,7 @@ impl DataCore {
         self.sq.woke();
         self.solar.woke(&self.shared);
         self.shared.wake.drain();
+        self.shared.timer.drain();
     }
 
     /// Delivers completions that found their CQ full earlier.
@@ -673,16 +767,17 @@ impl DataCore {
         }
         let stuck: Vec<u32> = self.stuck.drain().collect();
         for qpn in stuck {
-            if let Some(slot) = self.shared.qps.read().get(&qpn).cloned() {
-                if !slot.lock().deliver_completions(self.index) {
+            if let Some(s) = self.qps.get_mut(&qpn) {
+                if !s.deliver_completions(self.index) {
                     self.stuck.insert(qpn);
                 }
             }
         }
     }
 
-    /// Moves posted work requests from the shared send queue into their QPs.
-    fn drain_sq(&mut self, _now: u64) -> bool {
+    /// Moves posted work requests from the shared send queue into their QPs, and applies the
+    /// commands queued among them.
+    fn drain_sq(&mut self, now: u64) -> bool {
         let mut n = 0;
         while n < SQ_DRAIN {
             let Some(req) = sq::pop_request(&mut self.sq) else {
@@ -690,12 +785,19 @@ impl DataCore {
             };
             n += 1;
             let qpn = match &req {
-                sq::Request::Send { qpn, .. } | sq::Request::Poke { qpn } => *qpn,
+                sq::Request::Send { qpn, .. } | sq::Request::Recv { qpn, .. } => *qpn,
+                sq::Request::Command => {
+                    // pushed before its marker, under the producers' lock
+                    let cmd = self.shared.commands.lock().pop_front();
+                    if let Some(c) = cmd {
+                        self.apply(c, now);
+                    }
+                    continue;
+                }
             };
-            let Some(slot) = self.shared.qps.read().get(&qpn).cloned() else {
+            let Some(s) = self.qps.get_mut(&qpn) else {
                 continue;
             };
-            let mut s = slot.lock();
             match req {
                 sq::Request::Send { wr, inline, .. } => {
                     if let Some(d) = &inline {
@@ -711,8 +813,15 @@ impl DataCore {
                         s.qp.reject_send(&wr, crate::work::WcStatus::LocQpOpErr);
                     }
                 }
-                // an application thread left completions in the transport: deliver them
-                sq::Request::Poke { .. } => {}
+                sq::Request::Recv { wr, .. } => {
+                    s.recvs_taken += 1;
+                    if let Err(e) = s.qp.post_recv(wr.clone()) {
+                        // the application checked state and depth when it posted
+                        tracing::debug!("QP {qpn:#x}: queued receive refused: {e}");
+                        s.qp.reject_recv(&wr, crate::work::WcStatus::LocQpOpErr);
+                    }
+                }
+                sq::Request::Command => {}
             }
             if !s.deliver_completions(self.index) {
                 self.stuck.insert(qpn);
@@ -720,6 +829,51 @@ impl DataCore {
             self.active.insert(qpn);
         }
         n > 0
+    }
+
+    /// Applies a command; a QP it changed is visited: completions delivered, marked active
+    /// (it may have something to send), its timer armed.
+    fn apply(&mut self, cmd: Command, now: u64) {
+        let qpn = match cmd {
+            Command::Add(slot) => {
+                let qpn = slot.qp.qpn();
+                if slot.chain.is_some() {
+                    self.managed.push(qpn);
+                }
+                self.qps.insert(qpn, *slot);
+                qpn
+            }
+            Command::Remove(qpn) => {
+                self.qps.remove(&qpn);
+                self.managed.retain(|&q| q != qpn);
+                self.active.remove(&qpn);
+                self.stuck.remove(&qpn);
+                return;
+            }
+            Command::Qp(qpn, f) => {
+                let Some(s) = self.qps.get_mut(&qpn) else {
+                    return;
+                };
+                f(s);
+                qpn
+            }
+            Command::Each(f) => {
+                f(&mut self.qps.values());
+                return;
+            }
+        };
+        let Some(s) = self.qps.get_mut(&qpn) else {
+            return;
+        };
+        if !s.deliver_completions(self.index) {
+            self.stuck.insert(qpn);
+        }
+        if s.qp.wants_transmit(now) {
+            self.active.insert(qpn);
+        }
+        if let Some(t) = s.qp.poll_timeout() {
+            self.deadlines.arm(qpn, t);
+        }
     }
 
     fn receive(&mut self, now: u64) -> bool {
@@ -774,7 +928,9 @@ impl DataCore {
                     self.solar.on_packet(&self.shared, now, dgram, src, ce);
                     continue;
                 }
-                if let Some((qpn, delivered)) = Self::dispatch(&self.shared, self.index, now, dgram, src, local, ce) {
+                if let Some((qpn, delivered)) =
+                    Self::dispatch(&self.shared, &mut self.qps, self.index, now, dgram, src, local, ce)
+                {
                     self.active.insert(qpn);
                     if !delivered {
                         self.stuck.insert(qpn);
@@ -791,7 +947,9 @@ impl DataCore {
         let mut any = false;
         while let Some((data, src, dst)) = self.hairpin.pop_front() {
             any = true;
-            if let Some((qpn, delivered)) = Self::dispatch(&self.shared, self.index, now, &data, src, dst, false) {
+            if let Some((qpn, delivered)) =
+                Self::dispatch(&self.shared, &mut self.qps, self.index, now, &data, src, dst, false)
+            {
                 self.active.insert(qpn);
                 if !delivered {
                     self.stuck.insert(qpn);
@@ -804,21 +962,19 @@ impl DataCore {
 
     /// Runs the managed QPs' RedN chains; returns when a throttled one may go on.
     fn run_chains(&mut self, now: u64, work: &mut bool) -> Option<u64> {
-        let managed = self.shared.managed.lock().clone();
-        if managed.is_empty() {
+        if self.managed.is_empty() {
             return None;
         }
+        let managed = std::mem::take(&mut self.managed);
         let mut retry: Option<u64> = None;
         // an ENABLE may release a QP visited earlier in the round: go round while one moves
         for _ in 0..8 {
             let mut moved = false;
             for &qpn in &managed {
-                let Some(slot) = self.shared.qps.read().get(&qpn).cloned() else {
+                let peer_pd = self.local_peer_pd(qpn);
+                let Some(s) = self.qps.get_mut(&qpn) else {
                     continue;
                 };
-                let peer_pd = self.local_peer_pd(&slot, qpn);
-                let mut g = slot.lock();
-                let s = &mut *g;
                 // a chain whose operations complete at once runs on after its completions are
                 // delivered (its WAITs count delivered completions)
                 for _ in 0..64 {
@@ -859,24 +1015,22 @@ impl DataCore {
             }
             *work = true;
         }
+        self.managed = managed;
         retry
     }
 
     /// The protection domain of a QP's peer when the peer is a QP of this core (a loopback
     /// peer whose operations the engine may execute on memory directly).
-    fn local_peer_pd(&self, slot: &Arc<Mutex<QpSlot>>, qpn: u32) -> Option<u32> {
-        let (remote, dest) = {
-            let s = slot.lock();
-            (s.remote?, s.qp.dest_qpn())
-        };
+    fn local_peer_pd(&self, qpn: u32) -> Option<u32> {
+        let s = self.qps.get(&qpn)?;
+        let (remote, dest) = (s.remote?, s.qp.dest_qpn());
         if !self.local_addrs.contains(&remote) {
             return None;
         }
         if dest == qpn {
-            return Some(slot.lock().qp.pd());
+            return Some(s.qp.pd());
         }
-        let peer = self.shared.qps.read().get(&dest).cloned()?;
-        let p = peer.lock();
+        let p = self.qps.get(&dest)?;
         (p.qp.state() == QpState::Rts && p.qp.dest_qpn() == qpn).then(|| p.qp.pd())
     }
 
@@ -893,8 +1047,16 @@ impl DataCore {
                 self.spare.push(d.data);
                 continue;
             }
-            if let Some((qpn, delivered)) = Self::dispatch(&self.shared, self.index, now, &d.data, d.src, d.local, d.ce)
-            {
+            if let Some((qpn, delivered)) = Self::dispatch(
+                &self.shared,
+                &mut self.qps,
+                self.index,
+                now,
+                &d.data,
+                d.src,
+                d.local,
+                d.ce,
+            ) {
                 self.active.insert(qpn);
                 if !delivered {
                     self.stuck.insert(qpn);
@@ -907,8 +1069,10 @@ impl DataCore {
 
     /// Checks one datagram and hands it to its QP; returns the QPN it went to and whether its
     /// completions all fit in their CQs.
+    #[allow(clippy::too_many_arguments)]
     fn dispatch(
         shared: &EngineShared,
+        qps: &mut HashMap<u32, QpSlot>,
         core: usize,
         now: u64,
         d: &[u8],
@@ -931,11 +1095,10 @@ impl DataCore {
             return None;
         }
         let qpn = v.bth.dest_qp;
-        let Some(slot) = shared.qps.read().get(&qpn).cloned() else {
+        let Some(s) = qps.get_mut(&qpn) else {
             stats.rx_unknown_qp.inc();
             return None;
         };
-        let mut s = slot.lock();
         if !s.accepts(src) {
             stats.rx_wrong_source.inc();
             return None;
@@ -950,35 +1113,18 @@ impl DataCore {
     fn timers(&mut self, now: u64) -> Option<u64> {
         if now >= self.next_scan {
             self.next_scan = now + DEADLINE_SCAN_NS;
-            let slots: Vec<(u32, Arc<Mutex<QpSlot>>)> =
-                self.shared.qps.read().iter().map(|(&q, s)| (q, s.clone())).collect();
-            for (qpn, slot) in slots {
-                let t = slot.lock().qp.poll_timeout();
-                if let Some(t) = t {
+            for (&qpn, s) in &self.qps {
+                if let Some(t) = s.qp.poll_timeout() {
                     self.deadlines.arm(qpn, t);
                 }
             }
         }
-        // (swapped with a buffer this core keeps: neither side allocates once both have grown)
-        std::mem::swap(&mut *self.shared.rearm.lock(), &mut self.rearm_buf);
-        for i in 0..self.rearm_buf.len() {
-            let qpn = self.rearm_buf[i];
-            let Some(slot) = self.shared.qps.read().get(&qpn).cloned() else {
-                continue;
-            };
-            let t = slot.lock().qp.poll_timeout();
-            if let Some(t) = t {
-                self.deadlines.arm(qpn, t);
-            }
-        }
-        self.rearm_buf.clear();
         // deadlines still due after their QP's timeout ran wait for the next loop
         let mut again = Vec::new();
         while let Some(qpn) = self.deadlines.pop_due(now) {
-            let Some(slot) = self.shared.qps.read().get(&qpn).cloned() else {
+            let Some(s) = self.qps.get_mut(&qpn) else {
                 continue;
             };
-            let mut s = slot.lock();
             match s.qp.poll_timeout() {
                 Some(t) if t <= now => {
                     s.qp.handle_timeout(now);
@@ -1005,11 +1151,10 @@ impl DataCore {
         let mut sent_any = false;
         let active: Vec<u32> = self.active.iter().copied().collect();
         for qpn in active {
-            let Some(slot) = self.shared.qps.read().get(&qpn).cloned() else {
+            let Some(s) = self.qps.get_mut(&qpn) else {
                 self.active.remove(&qpn);
                 continue;
             };
-            let mut s = slot.lock();
             if s.remote.is_none() {
                 self.active.remove(&qpn);
                 continue;
@@ -1019,11 +1164,12 @@ impl DataCore {
                     Some(pkt) => {
                         let Some((link, dst)) = s.route(pkt.path) else { break };
                         if self.local_addrs.contains(&dst) {
-                            self.loop_back(&pkt, link, dst);
+                            loop_back(&self.shared, &mut self.spare, &mut self.hairpin, &pkt, link, dst);
                             sent_any = true;
                             continue;
                         }
-                        self.out.push(self.finish(pkt, link, dst));
+                        let src = self.shared.tx_links[link].local_addr();
+                        self.out.push(Outgoing::new(pkt, link, src, dst, &self.shared.stats));
                     }
                     None => break,
                 }
@@ -1034,9 +1180,7 @@ impl DataCore {
             if !s.qp.wants_transmit(now) {
                 self.active.remove(&qpn);
             }
-            let deadline = s.qp.poll_timeout();
-            drop(s);
-            if let Some(t) = deadline {
+            if let Some(t) = s.qp.poll_timeout() {
                 self.deadlines.arm(qpn, t);
             }
             if self.out.len() >= TX_BATCH {
@@ -1047,37 +1191,6 @@ impl DataCore {
             sent_any |= self.flush();
         }
         sent_any
-    }
-
-    /// Queues a packet for this core itself (hairpin): serialized with its ICRC, no system call.
-    fn loop_back(&mut self, pkt: &TxPacket, link: usize, dst: SocketAddrV4) {
-        let src = self.shared.tx_links[link].local_addr();
-        let mut d = self.spare.pop().unwrap_or_default();
-        d.clear();
-        d.extend_from_slice(pkt.hdr.as_bytes());
-        for p in &pkt.payload {
-            p.region.append_to(p.off, p.len, &mut d);
-        }
-        // a hairpin packet is serialized: its payload is copied once
-        self.shared.stats.tx_payload_copy_bytes.add(pkt.payload_len() as u64);
-        d.extend_from_slice(&PAD_ZEROS[..pkt.hdr.bth().pad as usize]);
-        let c = icrc::compute(src, dst, &[d.as_slice()]);
-        d.extend_from_slice(&c.to_le_bytes());
-        let stats = &self.shared.stats;
-        stats.tx_packets.inc();
-        stats.tx_bytes.add(d.len() as u64);
-        stats.hairpin_packets.inc();
-        self.hairpin.push_back((d, src, dst));
-    }
-
-    fn finish(&self, pkt: TxPacket, link: usize, dst: SocketAddrV4) -> Outgoing {
-        Outgoing::new(
-            pkt,
-            link,
-            self.shared.tx_links[link].local_addr(),
-            dst,
-            &self.shared.stats,
-        )
     }
 
     /// Sends the batch of RC packets (see [`send_batch`]).
@@ -1114,6 +1227,35 @@ impl DataCore {
         }
         any
     }
+}
+
+/// Queues a packet for core `shared` itself (hairpin): serialized with its ICRC into a buffer
+/// from `spare`, no system call.
+fn loop_back(
+    shared: &EngineShared,
+    spare: &mut Vec<Vec<u8>>,
+    hairpin: &mut VecDeque<(Vec<u8>, SocketAddrV4, SocketAddrV4)>,
+    pkt: &TxPacket,
+    link: usize,
+    dst: SocketAddrV4,
+) {
+    let src = shared.tx_links[link].local_addr();
+    let mut d = spare.pop().unwrap_or_default();
+    d.clear();
+    d.extend_from_slice(pkt.hdr.as_bytes());
+    for p in &pkt.payload {
+        p.region.append_to(p.off, p.len, &mut d);
+    }
+    // a hairpin packet is serialized: its payload is copied once
+    shared.stats.tx_payload_copy_bytes.add(pkt.payload_len() as u64);
+    d.extend_from_slice(&PAD_ZEROS[..pkt.hdr.bth().pad as usize]);
+    let c = icrc::compute(src, dst, &[d.as_slice()]);
+    d.extend_from_slice(&c.to_le_bytes());
+    let stats = &shared.stats;
+    stats.tx_packets.inc();
+    stats.tx_bytes.add(d.len() as u64);
+    stats.hairpin_packets.inc();
+    hairpin.push_back((d, src, dst));
 }
 
 /// Sends `out` from the core's sockets and removes what the kernel took; what it did not take
@@ -1208,23 +1350,17 @@ fn send_batch<T: Datagram>(
 }
 
 impl crate::offload::JobDone for EngineShared {
-    /// The job's response goes out from the offload thread that finished it when the QP is
-    /// free (no hand-off back to the data core, the way a low-latency QP sends); when the data
-    /// core holds the QP, or the transport has completions or timers to look after, the data
-    /// core is poked to do it.
-    fn job_finished(&self, qpn: u32) {
-        let slot = self.qps.read().get(&qpn).cloned();
-        if let Some(slot) = slot {
-            if let Some(mut s) = slot.try_lock() {
-                self.transmit_now(&mut s);
-                s.sync_mirror();
-                let now = self.now();
-                if !s.qp.has_completions() && !s.qp.wants_transmit(now) {
-                    return;
-                }
-            }
-        }
-        self.poke(qpn);
+    /// The outcome travels to the QP's core as a command (an event through its send queue);
+    /// the offload thread that finished the job then runs the core itself if no other thread
+    /// does, so the response leaves without a hand-off back to the core's thread.
+    fn job_finished(&self, qpn: u32, id: u64, outcome: crate::transport::rc::offload::Outcome) {
+        self.command(Command::Qp(
+            qpn,
+            Box::new(move |s| {
+                s.qp.offload_finished(id, outcome);
+            }),
+        ));
+        self.run_here();
     }
 }
 

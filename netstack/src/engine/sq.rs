@@ -5,9 +5,11 @@
 //!
 //! A work request is one header slot followed by `extra` slots.
 //!
-//! Header slot, `kind` = 1 (send) or 3 (poke: deliver the completions an application thread
-//! left in the QP's transport; only word 1's QPN is used). Receives do not travel here yet:
-//! `Qp::post_recv` hands them to the transport under the QP's lock.
+//! Header slot, `kind` = 1 (send), 2 (receive: words 0's SGE count and extra slots, 1's QPN
+//! and 2's wr_id are used) or 4 (command: take the next [`super::Command`] from the core's
+//! command queue; nothing else is used). Commands travel through the queue as a marker so that
+//! they reach the core in the order they were issued among the work requests: a
+//! `modify_to_err` after a post sees that post in the QP.
 //!
 //! | word | bits 0..8 | 8..16 | 16..24 | 24..32 | 32..64 |
 //! | --- | --- | --- | --- | --- | --- |
@@ -25,13 +27,14 @@
 //! a consumer that sees a header finds its extra slots right behind it.
 
 use crate::pipe::{Consumer, Producer, MAX_PAYLOAD};
-use crate::work::{SendFlags, SendWr, SgList, Sge, WrOpcode};
+use crate::work::{RecvWr, SendFlags, SendWr, SgList, Sge, WrOpcode};
 
 /// One slot's payload.
 pub(crate) type Slot = [u64; 7];
 
 const KIND_SEND: u8 = 1;
-const KIND_POKE: u8 = 3;
+const KIND_RECV: u8 = 2;
+const KIND_COMMAND: u8 = 4;
 const SGES_PER_SLOT: usize = 3;
 
 /// Most slots one request may take (header, 256 B of inline data or 16 SGEs).
@@ -117,6 +120,25 @@ pub(crate) fn encode_send(qpn: u32, wr: &SendWr, inline: Option<&[u8]>, out: &mu
     }
 }
 
+/// Encodes a receive WR.
+pub(crate) fn encode_recv(qpn: u32, wr: &RecvWr, out: &mut Vec<Slot>) {
+    out.clear();
+    let extra = wr.sg_list.len().div_ceil(SGES_PER_SLOT);
+    out.push([
+        KIND_RECV as u64 | (wr.sg_list.len() as u64) << 16 | (extra as u64) << 24,
+        qpn as u64,
+        wr.wr_id,
+        0,
+        0,
+        0,
+        0,
+    ]);
+    sge_slots(&wr.sg_list, out);
+}
+
+/// The marker of a command: "apply the next command of the core's command queue".
+pub(crate) const COMMAND: Slot = [KIND_COMMAND as u64, 0, 0, 0, 0, 0, 0];
+
 /// A decoded request.
 pub(crate) enum Request {
     Send {
@@ -124,15 +146,12 @@ pub(crate) enum Request {
         wr: SendWr,
         inline: Option<Vec<u8>>,
     },
-    Poke {
+    Recv {
         qpn: u32,
+        wr: RecvWr,
     },
-}
-
-/// Encodes a poke: "deliver the completions waiting in this QP's transport".
-pub(crate) fn encode_poke(qpn: u32, out: &mut Vec<Slot>) {
-    out.clear();
-    out.push([KIND_POKE as u64, qpn as u64, 0, 0, 0, 0, 0]);
+    /// The next command of the core's command queue is due.
+    Command,
 }
 
 /// Writes all slots of one request, or none when the queue lacks room for all of them.
@@ -208,7 +227,14 @@ pub(crate) fn pop_request(c: &mut Consumer<Slot>) -> Option<Request> {
             };
             Some(Request::Send { qpn, wr, inline })
         }
-        KIND_POKE => Some(Request::Poke { qpn }),
+        KIND_RECV => Some(Request::Recv {
+            qpn,
+            wr: RecvWr {
+                wr_id: h[2],
+                sg_list: sges(),
+            },
+        }),
+        KIND_COMMAND => Some(Request::Command),
         _ => None,
     }
 }
@@ -265,6 +291,26 @@ mod tests {
             }
             _ => panic!("expected an inline send"),
         }
+        let mut rw = RecvWr {
+            wr_id: 11,
+            sg_list: SgList::new(),
+        };
+        for i in 0..4 {
+            rw.sg_list.push(Sge {
+                addr: 500 + i,
+                length: 64,
+                lkey: 9,
+            });
+        }
+        encode_recv(0x44, &rw, &mut buf);
+        assert_eq!(buf.len(), 1 + 2);
+        assert!(push_all(&mut p, &buf));
+        assert!(push_all(&mut p, &[COMMAND]));
+        match pop_request(&mut c) {
+            Some(Request::Recv { qpn: 0x44, wr }) => assert_eq!((wr.wr_id, &wr.sg_list), (11, &rw.sg_list)),
+            _ => panic!("expected a receive"),
+        }
+        assert!(matches!(pop_request(&mut c), Some(Request::Command)));
         assert!(pop_request(&mut c).is_none());
     }
 

@@ -1,5 +1,6 @@
 //! Thin wrappers over the socket syscalls the link needs and std does not expose:
-//! `sendmmsg` with scatter-gather iovecs, `recvmmsg`, socket options, `poll`, `eventfd`.
+//! `sendmmsg` with scatter-gather iovecs, `recvmmsg`, socket options, `poll`, `eventfd`,
+//! `timerfd`.
 //! This is the stack's second (and last) `unsafe` module; every function here documents why
 //! its pointers are valid.
 
@@ -363,6 +364,43 @@ impl EventFd {
         // SAFETY: reads 8 bytes into a live u64.
         let r = unsafe { libc::read(self.0.as_raw_fd(), &mut v as *mut u64 as *mut libc::c_void, 8) };
         r == 8
+    }
+    /// Its descriptor (to poll).
+    pub fn fd(&self) -> RawFd {
+        self.0.as_raw_fd()
+    }
+}
+
+/// A nonblocking CLOCK_MONOTONIC timerfd: a sleeper that polls it wakes at the time it was
+/// last armed for, and another thread may move that time earlier without waking it now.
+pub struct TimerFd(OwnedFd);
+
+impl TimerFd {
+    /// A disarmed timer.
+    pub fn new() -> io::Result<TimerFd> {
+        // SAFETY: timerfd_create returns a new descriptor we own, or -1.
+        let fd = cvt(unsafe { libc::timerfd_create(libc::CLOCK_MONOTONIC, libc::TFD_NONBLOCK | libc::TFD_CLOEXEC) })?;
+        // SAFETY: fd is a fresh descriptor owned by nobody else.
+        Ok(TimerFd(unsafe { OwnedFd::from_raw_fd(fd) }))
+    }
+    /// Fires (becomes readable) at CLOCK_MONOTONIC time `at_ns`, or at once if it has passed.
+    pub fn arm_at(&self, at_ns: u64) {
+        let spec = libc::itimerspec {
+            it_interval: libc::timespec { tv_sec: 0, tv_nsec: 0 },
+            // a zero value would disarm it
+            it_value: libc::timespec {
+                tv_sec: (at_ns / 1_000_000_000) as libc::time_t,
+                tv_nsec: (at_ns % 1_000_000_000).max(1) as libc::c_long,
+            },
+        };
+        // SAFETY: spec is a live itimerspec; the old value is not asked for (null).
+        unsafe { libc::timerfd_settime(self.0.as_raw_fd(), libc::TFD_TIMER_ABSTIME, &spec, std::ptr::null_mut()) };
+    }
+    /// Consumes an expiry (nonblocking).
+    pub fn drain(&self) {
+        let mut v: u64 = 0;
+        // SAFETY: reads 8 bytes into a live u64.
+        unsafe { libc::read(self.0.as_raw_fd(), &mut v as *mut u64 as *mut libc::c_void, 8) };
     }
     /// Its descriptor (to poll).
     pub fn fd(&self) -> RawFd {

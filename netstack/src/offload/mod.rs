@@ -414,8 +414,9 @@ impl OffloadEngine {
 
 /// A QP's data core as the offload engine sees it (the engine implements it).
 pub(crate) trait JobDone: Send + Sync {
-    /// A job of QP `qpn` has its outcome: its response is to be sent.
-    fn job_finished(&self, qpn: u32);
+    /// Job `id` of QP `qpn` ended with `outcome`: the core records it in the QP and sends
+    /// the response.
+    fn job_finished(&self, qpn: u32, id: u64, outcome: crate::transport::rc::offload::Outcome);
 }
 
 /// A QP's way into the engine: starts jobs and tells the QP's data core when one finishes.
@@ -431,25 +432,22 @@ impl OffloadSink for OffloadPort {
             .map_or(self.engine.inner.cfg.budget_us * 1000, |(_, b, _)| b)
     }
 
-    fn submit(&self, job: Arc<OffloadJob>) {
+    fn submit(&self, job: Arc<OffloadJob>) -> Result<(), OffloadStatus> {
         let inner = &self.engine.inner;
         let c = &inner.counters;
         c.requests.fetch_add(1, Ordering::Relaxed);
         let qpn = job.qpn;
         let Some((handler, budget_ns, latency)) = self.engine.lookup(qpn, job.opcode) else {
             c.no_handler.fetch_add(1, Ordering::Relaxed);
-            job.fail(OffloadStatus::NoHandler);
-            return; // the responder is running now and answers it in this pass
+            return Err(OffloadStatus::NoHandler); // answered by the responder in this pass
         };
         let Some(rt) = inner.rt.get() else {
-            job.fail(OffloadStatus::NoHandler);
-            return;
+            return Err(OffloadStatus::NoHandler);
         };
         if inner.inflight.fetch_add(1, Ordering::AcqRel) >= inner.cfg.max_inflight {
             inner.inflight.fetch_sub(1, Ordering::AcqRel);
             c.overloaded.fetch_add(1, Ordering::Relaxed);
-            job.fail(OffloadStatus::Overloaded);
-            return;
+            return Err(OffloadStatus::Overloaded);
         }
         let call = OffloadCall {
             job: job.clone(),
@@ -469,33 +467,34 @@ impl OffloadSink for OffloadPort {
             latency.record(started.elapsed().as_secs_f64());
             let Some(inner) = engine.upgrade() else { return };
             let c = &inner.counters;
-            let set = match res {
+            let empty = || Arc::from(&[][..]);
+            let outcome = match res {
                 Ok(Ok(Ok(reply))) => {
                     c.ok.fetch_add(1, Ordering::Relaxed);
-                    job.finish(OffloadStatus::Ok, reply.data)
+                    (OffloadStatus::Ok, reply.data)
                 }
                 Ok(Ok(Err(e))) => {
                     tracing::debug!("offload opcode {:#x} on QP {qpn:#x}: {e}", job.opcode);
                     c.errors.fetch_add(1, Ordering::Relaxed);
-                    job.fail(e.status())
+                    (e.status(), empty())
                 }
                 Ok(Err(_)) => {
                     tracing::warn!("offload handler for opcode {:#x} panicked (caught)", job.opcode);
                     c.panics.fetch_add(1, Ordering::Relaxed);
-                    job.fail(OffloadStatus::Panicked)
+                    (OffloadStatus::Panicked, empty())
                 }
                 Err(_) => {
                     c.timeouts.fetch_add(1, Ordering::Relaxed);
-                    job.fail(OffloadStatus::Timeout)
+                    (OffloadStatus::Timeout, empty())
                 }
             };
             inner.inflight.fetch_sub(1, Ordering::AcqRel);
-            if set {
-                if let Some(c) = core.upgrade() {
-                    c.job_finished(qpn);
-                }
+            // (the QP's core drops it if the responder already answered TIMEOUT)
+            if let Some(c) = core.upgrade() {
+                c.job_finished(qpn, job.id, outcome);
             }
         });
+        Ok(())
     }
 }
 

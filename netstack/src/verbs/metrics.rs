@@ -108,22 +108,35 @@ impl crate::telemetry::Collect for CtxInner {
         let mut cqs: Vec<Arc<CqShared>> = Vec::new();
         let mut cc: Vec<(&'static str, Option<u64>, Option<u64>)> = Vec::new();
         for core in self.engine.cores() {
-            let slots: Vec<_> = core.qps.read().values().cloned().collect();
-            for slot in slots {
-                let s = slot.lock();
-                qps += 1;
-                t.add(&s.qp.stats());
-                paths.extend(s.qp.path_stats());
-                for q in [&s.send_cq, &s.recv_cq] {
-                    if !cqs.iter().any(|c| Arc::ptr_eq(c, q)) {
-                        cqs.push(q.clone());
+            // read on the core that owns the QPs, in one command
+            let read = core.call_each(|slots| {
+                let mut r = CoreQps::default();
+                for s in slots {
+                    r.qps += 1;
+                    r.stats.add(&s.qp.stats());
+                    r.paths.extend(s.qp.path_stats());
+                    for q in [&s.send_cq, &s.recv_cq] {
+                        if !r.cqs.iter().any(|c| Arc::ptr_eq(c, q)) {
+                            r.cqs.push(q.clone());
+                        }
+                    }
+                    let kind = s.qp.config().cc;
+                    if kind != CcKind::None {
+                        r.cc.push((kind.name(), s.qp.pacer().rate(), s.qp.pacer().window()));
                     }
                 }
-                let kind = s.qp.config().cc;
-                if kind != CcKind::None {
-                    cc.push((kind.name(), s.qp.pacer().rate(), s.qp.pacer().window()));
+                r
+            });
+            let Some(r) = read else { continue };
+            qps += r.qps;
+            t.add(&r.stats);
+            paths.extend(r.paths);
+            for q in r.cqs {
+                if !cqs.iter().any(|c| Arc::ptr_eq(c, &q)) {
+                    cqs.push(q);
                 }
             }
+            cc.extend(r.cc);
         }
         // completions waiting in the CQs the QPs report to, and completions that found a CQ full
         let (used, room) = cqs
@@ -194,4 +207,14 @@ impl crate::telemetry::Collect for CtxInner {
         c("flexns_redn_aborts_total", r.aborts);
         c("flexns_redn_throttled_total", r.throttled);
     }
+}
+
+/// What the metrics read of one core's QPs.
+#[derive(Default)]
+struct CoreQps {
+    qps: usize,
+    stats: RcStats,
+    paths: Vec<PathStats>,
+    cqs: Vec<Arc<CqShared>>,
+    cc: Vec<(&'static str, Option<u64>, Option<u64>)>,
 }

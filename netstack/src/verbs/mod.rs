@@ -64,6 +64,9 @@ pub enum VerbsError {
     /// An argument is invalid (which, and why).
     #[error("invalid argument: {0}")]
     Invalid(String),
+    /// The QP's data core stopped before it answered (its context is shutting down).
+    #[error("the engine stopped")]
+    Gone,
 }
 
 pub(crate) struct CtxInner {

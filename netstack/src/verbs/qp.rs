@@ -1,12 +1,17 @@
 //! Queue pairs: creation, the RESET/INIT/RTR/RTS/ERR transitions, posting.
+//!
+//! A QP's transport state belongs to its data core. A handle never touches it: work requests
+//! travel to the core through its send queue, and every other operation (state changes,
+//! settings, statistics) is a command the core applies in order with them, answering through a
+//! channel ([`EngineShared::call`]); what a post must check at once (state, queue depths) it
+//! reads from the mirror the core publishes.
 
 use super::{Context, VerbsError};
-use crate::engine::{sq, CqShared, EngineShared, QpMirror, QpSlot};
+use crate::engine::{sq, Command, CqShared, EngineShared, QpMirror, QpSlot};
 use crate::mem::Access;
 use crate::transport::rc::PostError;
 use crate::transport::rc::{QpState, RcConfig, RcQp, RcStats, Recovery};
 use crate::work::{RecvWr, SendFlags, SendWr, Sge};
-use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use std::net::SocketAddrV4;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -17,10 +22,11 @@ use std::sync::Arc;
 pub struct QpInitAttr {
     /// Transport parameters; `None` takes the context's defaults.
     pub config: Option<RcConfig>,
-    /// Low-latency QP (FlexiNS §3.4): `post_send` runs the transport and sends from the posting
-    /// thread instead of handing the request to the data core, saving a thread handoff per
-    /// message. Meant for small (one-MTU), often INLINE, two-sided messages; receives are still
-    /// processed by the data core. Costs the posting thread a system call per post.
+    /// Low-latency QP (FlexiNS §3.4): `post_send` runs the QP's data core from the posting
+    /// thread when no other thread is running it, so the request is sent in the poster's own
+    /// call instead of after a hand-off to the core's thread (which only runs it when busy).
+    /// Meant for small (one-MTU), often INLINE, two-sided messages. Costs the posting thread
+    /// the core's pass (its receives, timers and system calls) per post.
     pub low_latency: bool,
     /// A managed QP (RedN): its send queue is a ring of this many 64-byte entries in memory
     /// ([`crate::redn::wqe`]) that the engine fetches only as far as an ENABLE allows; 0 for an
@@ -69,7 +75,6 @@ pub struct Qp {
     ctx: Context,
     qpn: u32,
     psn: u32,
-    slot: Arc<Mutex<QpSlot>>,
     /// The data core that owns this QP.
     core: Arc<EngineShared>,
     pd: u32,
@@ -78,6 +83,9 @@ pub struct Qp {
     /// Send WRs posted so far (with `mirror.retired`, the send queue's depth).
     posted: AtomicU64,
     max_send_wr: u32,
+    /// Receive WRs posted so far (with `mirror.recv_retired`, the receive queue's depth).
+    posted_recvs: AtomicU64,
+    max_recv_wr: u32,
     low_latency: bool,
     /// The ring of a managed QP.
     managed: Option<Arc<crate::chain::ManagedWq>>,
@@ -114,7 +122,7 @@ impl Qp {
             let c = Arc::downgrade(&core);
             let _ = wq.wake.set(Box::new(move || {
                 if let Some(c) = c.upgrade() {
-                    c.poke(qpn);
+                    c.visit(qpn);
                 }
             }));
             core.redn.add_wq(qpn, wq);
@@ -131,13 +139,11 @@ impl Qp {
             recv_cq,
             mirror: mirror.clone(),
             chain,
+            recvs_taken: 0,
         };
         qs.sync_mirror();
-        let slot = Arc::new(Mutex::new(qs));
-        core.qps.write().insert(qpn, slot.clone());
-        if managed.is_some() {
-            core.managed.lock().push(qpn);
-        }
+        // from here on the core owns it; the posts that follow queue behind this
+        core.command(Command::Add(Box::new(qs)));
         // a random-ish initial PSN, as NICs pick one
         let psn = (qpn.wrapping_mul(0x9E37_79B9) ^ std::process::id()) & crate::wire::MASK24;
         Ok(Qp {
@@ -145,11 +151,12 @@ impl Qp {
             qpn,
             psn,
             pd,
-            slot,
             core,
             mirror,
             posted: AtomicU64::new(0),
             max_send_wr: cfg.max_send_wr,
+            posted_recvs: AtomicU64::new(0),
+            max_recv_wr: cfg.max_recv_wr,
             low_latency: attr.low_latency,
             managed,
             send_cq_num,
@@ -226,21 +233,17 @@ impl Qp {
             QpState::Rts | QpState::Err => {}
             st => return Err(PostError::InvalidState(st).into()),
         }
-        let mut s = self.slot.lock();
-        s.qp.post_send_with_inline(wr, Some(request), self.ctx.mrs())?;
-        // the request is copied into the work request
-        self.core.stats.tx_payload_copy_bytes.add(request.len() as u64);
+        // the request is copied into the command (it may be longer than the send queue's
+        // inline payload), which its core copies into the work request
+        let request = request.to_vec();
+        self.core.stats.tx_payload_copy_bytes.add(2 * request.len() as u64);
+        let mrs = self.core.mrs.clone();
+        let posted = self
+            .core
+            .call(self.qpn, move |s| s.qp.post_send_with_inline(wr, Some(&request), &mrs))
+            .ok_or(VerbsError::Gone)?;
+        posted?;
         self.posted.fetch_add(1, Ordering::Relaxed);
-        if self.low_latency {
-            // sent from this thread, like the QP's other requests
-            self.core.transmit_now(&mut s);
-            self.settle(&s);
-            return Ok(());
-        }
-        drop(s);
-        // the data core sends it (and delivers an immediate error completion)
-        self.core.rearm(self.qpn);
-        self.core.poke(self.qpn);
         Ok(())
     }
 
@@ -258,66 +261,75 @@ impl Qp {
     /// connecting): SwCC's programmability for algorithms beyond the built-in five. The peer must
     /// run a matching receiving half, if the algorithm needs one.
     pub fn install_cc(&self, alg: Box<dyn crate::cc::CcAlgorithm>) {
-        self.slot.lock().qp.install_cc(alg);
-        self.core.rearm(self.qpn);
+        self.core.call(self.qpn, move |s| s.qp.install_cc(alg));
+    }
+
+    /// Applies `f` to this QP on its data core and returns its answer (the default when the
+    /// engine has stopped).
+    fn read<R: Default + Send + 'static>(&self, f: impl FnOnce(&mut QpSlot) -> R + Send + 'static) -> R {
+        self.core.call(self.qpn, f).unwrap_or_default()
     }
 
     /// Why congestion control stopped this QP, if it did (HPCC on a path without INT).
     pub fn cc_fault(&self) -> Option<&'static str> {
-        self.slot.lock().qp.cc_fault()
+        self.read(|s| s.qp.cc_fault())
     }
 
     /// The congestion-control algorithm and its per-QP context bytes, if one runs.
     pub fn cc_info(&self) -> Option<(&'static str, usize)> {
-        self.slot.lock().qp.cc_info()
+        self.read(|s| s.qp.cc_info())
     }
 
     /// Takes the control-loop delay samples (ns from a CE mark's arrival at the receiver to the
     /// rate change it caused here) collected since the last call.
     pub fn take_control_loop_samples(&self) -> Vec<u32> {
-        self.slot.lock().qp.take_control_loop_samples()
+        self.read(|s| s.qp.take_control_loop_samples())
     }
 
     /// Its transport counters.
     pub fn stats(&self) -> RcStats {
-        self.slot.lock().qp.stats()
+        self.read(|s| s.qp.stats())
     }
 
     /// Bytes of transport state this QP holds.
     pub fn state_bytes(&self) -> usize {
-        self.slot.lock().qp.state_bytes()
+        self.read(|s| s.qp.state_bytes())
     }
 
     /// Its transport parameters.
     pub fn config(&self) -> RcConfig {
-        *self.slot.lock().qp.config()
+        self.read(|s| Some(*s.qp.config())).unwrap_or(self.ctx.inner.cfg.qp)
     }
 
     /// Uses `n` paths with `policy` (before connecting; `n` at most the context's
     /// `path_ports` times its address pairs). Spraying needs selective repeat.
     pub fn set_paths(&self, n: usize, policy: crate::path::SprayPolicy) -> Result<(), VerbsError> {
-        let mut s = self.slot.lock();
-        if s.qp.state() != QpState::Init {
-            return Err(VerbsError::Invalid(
-                "set_paths: the QP must be in INIT (before connect)".into(),
-            ));
-        }
         let params = self.ctx.inner.cfg.paths;
-        s.qp.set_paths(n, policy, params).map_err(VerbsError::Invalid)
+        self.core
+            .call(self.qpn, move |s| {
+                if s.qp.state() != QpState::Init {
+                    return Err(VerbsError::Invalid(
+                        "set_paths: the QP must be in INIT (before connect)".into(),
+                    ));
+                }
+                s.qp.set_paths(n, policy, params).map_err(VerbsError::Invalid)
+            })
+            .ok_or(VerbsError::Gone)?
     }
 
     /// Per-path counters (RTT, loss, health, probes) of this QP.
     pub fn path_stats(&self) -> Vec<crate::path::PathStats> {
-        self.slot.lock().qp.path_stats()
+        self.read(|s| s.qp.path_stats())
     }
 
     /// This QP's half of a connection exchange.
     pub fn local_endpoint(&self) -> Endpoint {
-        let cfg = self.config();
-        let (paths, spray) = {
-            let s = self.slot.lock();
-            (s.qp.paths().len() as u8, s.qp.paths().policy())
-        };
+        let (cfg, paths, spray) = self
+            .core
+            .call(self.qpn, |s| {
+                (*s.qp.config(), s.qp.paths().len() as u8, s.qp.paths().policy())
+            })
+            .unwrap_or((self.ctx.inner.cfg.qp, 1, Default::default()));
         let ports = self.core.path_ports;
         let links = &self.core.tx_links;
         Endpoint {
@@ -369,79 +381,40 @@ impl Qp {
     /// (so the receiver's half of the algorithm, CNPs, grants or the INT echo, runs on the other
     /// end); two different algorithms are refused.
     pub fn modify_to_rtr(&self, remote: &Endpoint) -> Result<(), VerbsError> {
-        let mut s = self.slot.lock();
-        let mut cfg = *s.qp.config();
-        if cfg.recovery != remote.recovery {
-            return Err(VerbsError::Peer(format!(
-                "uses {:?} loss recovery, this QP {:?}",
-                remote.recovery, cfg.recovery
-            )));
-        }
         if remote.addr.ip().is_unspecified() || remote.addr.port() == 0 {
             return Err(VerbsError::Invalid(format!(
                 "remote address {} is not routable",
                 remote.addr
             )));
         }
-        cfg.mtu = cfg.mtu.min(remote.mtu);
         // packets leave with don't-fragment set: an MTU the route cannot carry would lose
         // every full-size packet (a 4096-byte RoCE MTU needs jumbo frames)
-        if let Ok(route) = crate::link::sys::route_mtu(remote.addr) {
-            let fits = crate::wire::packet::largest_mtu_within(route);
-            if fits < cfg.mtu {
-                tracing::info!(
-                    "qp {:#x}: MTU {} -> {fits}: the route to {} carries IP packets of {route} bytes",
-                    self.qpn,
-                    cfg.mtu,
-                    remote.addr
-                );
-                cfg.mtu = fits;
-            }
-        }
-        match (cfg.cc, remote.cc) {
-            (crate::cc::CcKind::None, theirs) => cfg.cc = theirs,
-            (ours, crate::cc::CcKind::None) => cfg.cc = ours,
-            (ours, theirs) if ours != theirs => {
-                return Err(VerbsError::Peer(format!(
-                    "runs congestion control {theirs}, this QP {ours}"
-                )))
-            }
-            _ => {}
-        }
-        cfg.validate()
-            .map_err(|e| VerbsError::Peer(format!("offers an invalid {e}")))?;
-        if s.qp.paths().len() == 1 && remote.paths > 1 {
-            // adopt the peer's paths (as many as this context has sockets for; responses on a
-            // path beyond them take path 0), so responses can follow the path of their request
-            let capacity = self.core.path_ports * self.local_addrs().min(1 + remote.extra_addrs.len());
-            let params = self.ctx.inner.cfg.paths;
-            s.qp.set_paths((remote.paths as usize).min(capacity), remote.spray, params)
-                .map_err(|e| VerbsError::Peer(format!("sprays: {e}")))?;
-        }
-        let routes = self.routes(s.qp.paths().len(), remote)?;
-        s.qp.modify_to_rtr(remote.qpn, remote.psn, cfg)?;
-        s.remote = Some(remote.addr);
-        s.routes = routes;
-        s.peer_sources = remote.sources.iter().chain(&remote.extra_addrs).copied().collect();
-        s.sync_mirror();
-        self.core.rearm(self.qpn);
-        Ok(())
+        let route_mtu = crate::link::sys::route_mtu(remote.addr)
+            .ok()
+            .map(crate::wire::packet::largest_mtu_within);
+        // the routes of as many paths as this context has sockets for
+        let capacity = self.core.path_ports * self.local_addrs().min(1 + remote.extra_addrs.len());
+        let routes = self.routes(capacity, remote)?;
+        let params = self.ctx.inner.cfg.paths;
+        let remote = remote.clone();
+        let qpn = self.qpn;
+        self.core
+            .call(self.qpn, move |s| rtr(s, qpn, &remote, route_mtu, routes, params))
+            .ok_or(VerbsError::Gone)?
     }
 
     /// RTR -> RTS.
     pub fn modify_to_rts(&self) -> Result<(), VerbsError> {
-        let mut s = self.slot.lock();
-        s.qp.modify_to_rts(self.psn)?;
-        s.sync_mirror();
-        self.core.rearm(self.qpn);
+        let psn = self.psn;
+        self.core
+            .call(self.qpn, move |s| s.qp.modify_to_rts(psn))
+            .ok_or(VerbsError::Gone)??;
         Ok(())
     }
 
     /// -> ERR: outstanding work requests complete with WR_FLUSH_ERR.
     pub fn modify_to_err(&self) {
-        let mut s = self.slot.lock();
-        s.qp.modify_to_err();
-        self.settle(&s);
+        self.core.call(self.qpn, |s| s.qp.modify_to_err());
     }
 
     /// INIT -> RTR -> RTS in one call.
@@ -453,19 +426,18 @@ impl Qp {
     /// Limits the QP's sending rate (bytes per second, with a burst) or lifts the limit with
     /// `None`; like `ibv_modify_qp_rate_limit`. Congestion control drives the same hook.
     pub fn set_rate_limit(&self, bytes_per_sec: Option<u64>, burst_bytes: u64) {
-        self.slot.lock().qp.set_rate(bytes_per_sec, burst_bytes);
-        self.core.rearm(self.qpn);
+        self.core
+            .call(self.qpn, move |s| s.qp.set_rate(bytes_per_sec, burst_bytes));
     }
 
     /// Limits the payload bytes in flight, or lifts the limit with `None`.
     pub fn set_window_limit(&self, bytes: Option<u64>) {
-        self.slot.lock().qp.set_window_bytes(bytes);
-        self.core.rearm(self.qpn);
+        self.core.call(self.qpn, move |s| s.qp.set_window_bytes(bytes));
     }
 
     /// Posts a send work request (`ibv_post_send`): the request is checked, encoded into the
     /// data core's shared send queue (INLINE payload inside the slots) and the core is woken if
-    /// it sleeps. The QP's lock is not taken.
+    /// it sleeps (a low-latency QP's poster runs the core itself when it can).
     pub fn post_send(&self, wr: SendWr) -> Result<(), VerbsError> {
         self.post_send_batch(std::iter::once(wr)).map(|_| ())
     }
@@ -480,11 +452,6 @@ impl Qp {
                 n += 1;
             }
             return Ok(n);
-        }
-        if self.low_latency {
-            let r = self.post_send_direct(wrs);
-            self.progress();
-            return r;
         }
         let mut slots = Vec::with_capacity(sq::MAX_SLOTS);
         let mut n = 0;
@@ -511,52 +478,22 @@ impl Qp {
             self.posted.fetch_add(1, Ordering::Relaxed);
             n += 1;
         }
-        q.notify();
         drop(q);
-        self.progress();
+        self.kick();
         res.map(|_| n)
     }
 
-    /// Run to completion: runs the context's cores once from this thread (after a post, so the
-    /// work request leaves in this call). Never called with a QP or send-queue lock held.
-    fn progress(&self) {
+    /// After a post: run to completion, the context's cores run once from this thread (so the
+    /// work request leaves in this call); a low-latency QP's poster runs its core when no other
+    /// thread does; otherwise the core is woken if it sleeps. Never called with the send
+    /// queue's lock held.
+    fn kick(&self) {
         if let Some(d) = self.ctx.inner.engine.drive() {
+            self.core.sq.lock().notify();
             d.progress();
+        } else if !(self.low_latency && self.core.run_here()) {
+            self.core.sq.lock().notify();
         }
-    }
-
-    /// After an application-thread operation on the transport: refresh the mirror, and have the
-    /// data core deliver any completions it produced (only core threads write CQ pipes, which
-    /// keeps each QP's completions in order).
-    fn settle(&self, s: &QpSlot) {
-        s.sync_mirror();
-        if s.qp.has_completions() {
-            self.core.poke(self.qpn);
-        }
-    }
-
-    /// The low-latency path: post into the transport and transmit from this thread.
-    fn post_send_direct(&self, wrs: impl IntoIterator<Item = SendWr>) -> Result<usize, VerbsError> {
-        let mut s = self.slot.lock();
-        let mut n = 0;
-        let mut res = Ok(());
-        for wr in wrs {
-            if wr.flags.contains(SendFlags::INLINE) && wr.total_len() > self.ctx.inner.cfg.max_inline as u64 {
-                res = Err(VerbsError::InlineTooLong {
-                    len: wr.total_len(),
-                    max: self.ctx.inner.cfg.max_inline,
-                });
-                break;
-            }
-            if let Err(e) = s.qp.post_send(wr, self.ctx.mrs()) {
-                res = Err(e.into());
-                break;
-            }
-            n += 1;
-        }
-        self.core.transmit_now(&mut s);
-        self.settle(&s);
-        res.map(|_| n)
     }
 
     /// Checks a WR against what the application side knows and encodes it.
@@ -607,23 +544,124 @@ impl Qp {
         Ok(())
     }
 
-    /// Posts a receive work request (`ibv_post_recv`).
+    /// Posts a receive work request (`ibv_post_recv`): checked against the QP's state and
+    /// receive queue depth as its core last published them, then queued for the core behind
+    /// the QP's earlier posts.
     pub fn post_recv(&self, wr: RecvWr) -> Result<(), VerbsError> {
-        let mut s = self.slot.lock();
-        s.qp.post_recv(wr)?;
-        self.settle(&s);
-        drop(s);
-        // a receive may unblock an RNR'd peer only by its retry; nothing to send now, but the
-        // engine must see ERR flushes delivered, which happened above
+        let mut slots = Vec::with_capacity(sq::MAX_SLOTS);
+        self.encode_recv(&wr, &mut slots)?;
+        self.push_recv(&slots)
+    }
+
+    fn encode_recv(&self, wr: &RecvWr, slots: &mut Vec<sq::Slot>) -> Result<(), VerbsError> {
+        if self.mirror.state() == QpState::Reset {
+            return Err(PostError::InvalidState(QpState::Reset).into());
+        }
+        let depth = self
+            .posted_recvs
+            .load(Ordering::Relaxed)
+            .saturating_sub(self.mirror.recv_retired.load(Ordering::Acquire));
+        if depth >= self.max_recv_wr as u64 {
+            return Err(PostError::QueueFull(self.max_recv_wr).into());
+        }
+        if wr.sg_list.len() > sq::MAX_SGE {
+            return Err(VerbsError::Invalid(format!(
+                "{} SGEs, at most {} per receive work request",
+                wr.sg_list.len(),
+                sq::MAX_SGE
+            )));
+        }
+        sq::encode_recv(self.qpn, wr, slots);
+        Ok(())
+    }
+
+    fn push_recv(&self, slots: &[sq::Slot]) -> Result<(), VerbsError> {
+        let mut q = self.core.sq.lock();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_millis(100);
+        while !sq::push_all(&mut q, slots) {
+            q.notify();
+            if std::time::Instant::now() > deadline {
+                return Err(PostError::QueueFull(sq::MAX_SLOTS as u32).into());
+            }
+            std::thread::yield_now();
+        }
+        self.posted_recvs.fetch_add(1, Ordering::Relaxed);
+        drop(q);
+        // a receive has nothing to send: a sleeping core is not woken for it, since it takes
+        // the send queue before the packets whose arrival wakes it (a wake-up per receive
+        // cost the ping-pong a context switch); only a QP in ERR owes a flush completion now
+        if let Some(d) = self.ctx.inner.engine.drive() {
+            self.core.sq.lock().notify();
+            d.progress();
+        } else if self.mirror.state() == QpState::Err {
+            self.core.sq.lock().notify();
+        }
         Ok(())
     }
 }
 
+/// INIT -> RTR on the core (see [`Qp::modify_to_rtr`]): `route_mtu` is the largest RoCE MTU
+/// the route to the peer carries, `routes` those of as many paths as the context can use.
+fn rtr(
+    s: &mut QpSlot,
+    qpn: u32,
+    remote: &Endpoint,
+    route_mtu: Option<u32>,
+    mut routes: Vec<(usize, SocketAddrV4)>,
+    params: crate::path::PathParams,
+) -> Result<(), VerbsError> {
+    let mut cfg = *s.qp.config();
+    if cfg.recovery != remote.recovery {
+        return Err(VerbsError::Peer(format!(
+            "uses {:?} loss recovery, this QP {:?}",
+            remote.recovery, cfg.recovery
+        )));
+    }
+    cfg.mtu = cfg.mtu.min(remote.mtu);
+    if let Some(fits) = route_mtu.filter(|&f| f < cfg.mtu) {
+        tracing::info!(
+            "qp {qpn:#x}: MTU {} -> {fits}: the route to {} cannot carry it",
+            cfg.mtu,
+            remote.addr
+        );
+        cfg.mtu = fits;
+    }
+    match (cfg.cc, remote.cc) {
+        (crate::cc::CcKind::None, theirs) => cfg.cc = theirs,
+        (ours, crate::cc::CcKind::None) => cfg.cc = ours,
+        (ours, theirs) if ours != theirs => {
+            return Err(VerbsError::Peer(format!(
+                "runs congestion control {theirs}, this QP {ours}"
+            )))
+        }
+        _ => {}
+    }
+    cfg.validate()
+        .map_err(|e| VerbsError::Peer(format!("offers an invalid {e}")))?;
+    if s.qp.paths().len() == 1 && remote.paths > 1 {
+        // adopt the peer's paths (as many as this context has sockets for; responses on a
+        // path beyond them take path 0), so responses can follow the path of their request
+        s.qp.set_paths((remote.paths as usize).min(routes.len()), remote.spray, params)
+            .map_err(|e| VerbsError::Peer(format!("sprays: {e}")))?;
+    }
+    let n = s.qp.paths().len();
+    if n > routes.len() {
+        return Err(VerbsError::Invalid(format!(
+            "paths: {n} paths need more source ports than the context has ({} over these address \
+             pairs; raise path_ports)",
+            routes.len()
+        )));
+    }
+    routes.truncate(n);
+    s.qp.modify_to_rtr(remote.qpn, remote.psn, cfg)?;
+    s.remote = Some(remote.addr);
+    s.routes = routes;
+    s.peer_sources = remote.sources.iter().chain(&remote.extra_addrs).copied().collect();
+    Ok(())
+}
+
 impl Drop for Qp {
     fn drop(&mut self) {
-        if self.managed.is_some() {
-            self.core.managed.lock().retain(|&q| q != self.qpn);
-        }
-        self.core.qps.write().remove(&self.qpn);
+        self.core.command(Command::Remove(self.qpn));
     }
 }

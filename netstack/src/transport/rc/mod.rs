@@ -416,6 +416,26 @@ impl RcQp {
         self.req.retire_unqueued();
     }
 
+    /// Completes a receive WR the QP could not take with `status` (its queue was full, or
+    /// the QP in a state that takes none).
+    pub fn reject_recv(&mut self, wr: &RecvWr, status: WcStatus) {
+        let mut wc = responder::flush_recv_wc(wr, self.qpn, self.dest_qpn);
+        wc.status = status;
+        self.push_completion(wc);
+    }
+
+    /// Offload job `id` (see [`offload::OffloadJob::id`]) ended with `outcome`: its response
+    /// goes out at the next transmit. The first outcome wins (the responder may have answered
+    /// TIMEOUT); returns whether this one was taken.
+    pub fn offload_finished(&mut self, id: u64, outcome: offload::Outcome) -> bool {
+        self.resp.offload_finished(id, outcome)
+    }
+
+    /// Receive WRs posted and not yet consumed or flushed.
+    pub fn recv_queue_len(&self) -> usize {
+        self.resp.rq_len()
+    }
+
     /// The protection domain.
     pub fn pd(&self) -> u32 {
         self.pd

@@ -11,12 +11,12 @@
 //!   requester's response buffer; LAST and ONLY start with an [`crate::wire::OffloadResult`]
 //!   (status, total length), so their data is at most MTU - 8. Packets past the end of a short
 //!   response carry no data.
+//!
+//! A job's outcome comes back as an event: the engine applies it to the QP on the QP's own
+//! data core ([`crate::transport::rc::RcQp::offload_finished`]), so the transport state has one
+//! writer. The first outcome wins: the responder answers TIMEOUT itself when the budget passes,
+//! and a handler's later outcome is dropped.
 
-#[expect(
-    clippy::disallowed_types,
-    reason = "written by an offload thread, read by the QP's core: an event through the pipes is issue 19 item 2"
-)]
-use parking_lot::Mutex;
 use std::sync::Arc;
 
 /// Largest response buffer an offload request may announce (1 MiB).
@@ -81,9 +81,12 @@ impl std::fmt::Display for OffloadStatus {
     }
 }
 
-/// One offload request in progress: what the handler gets, and the slot its outcome goes to.
+/// One offload request in progress: what the handler gets.
 #[derive(Debug)]
 pub struct OffloadJob {
+    /// The job's id on its QP (the request's PSN, in the transport's 64-bit PSN space): what
+    /// its outcome names.
+    pub id: u64,
     /// The QP the request arrived on.
     pub qpn: u32,
     /// That QP's protection domain: what the handler's DMA is checked against.
@@ -96,72 +99,18 @@ pub struct OffloadJob {
     pub resp_cap: u32,
     /// Transport time (ns) after which the responder answers TIMEOUT.
     pub deadline: u64,
-    #[expect(
-        clippy::disallowed_types,
-        reason = "written by an offload thread, read by the QP's core: an event through the pipes is issue 19 item 2"
-    )]
-    outcome: Mutex<Option<(OffloadStatus, Arc<[u8]>)>>,
 }
 
-impl OffloadJob {
-    /// A job for QP `qpn` (in protection domain `pd`): handler `opcode` on `request`, at most
-    /// `resp_cap` response bytes, answered TIMEOUT after transport time `deadline`.
-    pub fn new(qpn: u32, pd: u32, opcode: u16, request: Vec<u8>, resp_cap: u32, deadline: u64) -> OffloadJob {
-        OffloadJob {
-            qpn,
-            pd,
-            opcode,
-            request,
-            resp_cap,
-            deadline,
-            #[expect(
-                clippy::disallowed_types,
-                reason = "written by an offload thread, read by the QP's core: an event through the pipes is issue 19 item 2"
-            )]
-            outcome: Mutex::new(None),
-        }
-    }
-
-    /// Records the outcome; the first one wins (a handler finishing after its timeout was
-    /// answered is ignored). Returns whether this call set it. A response longer than the
-    /// requester's buffer becomes RESPONSE_TOO_LONG.
-    pub fn finish(&self, status: OffloadStatus, data: Arc<[u8]>) -> bool {
-        let mut o = self.outcome.lock();
-        if o.is_some() {
-            return false;
-        }
-        *o = Some(if data.len() > self.resp_cap as usize {
-            (OffloadStatus::ResponseTooLong, Arc::from(&[][..]))
-        } else {
-            (status, data)
-        });
-        true
-    }
-
-    /// Records a failure with no data.
-    pub fn fail(&self, status: OffloadStatus) -> bool {
-        self.finish(status, Arc::from(&[][..]))
-    }
-
-    /// The outcome, if the job finished (or timed out by `now`).
-    pub fn outcome(&self, now: u64) -> Option<(OffloadStatus, Arc<[u8]>)> {
-        if now >= self.deadline {
-            self.fail(OffloadStatus::Timeout);
-        }
-        self.outcome.lock().clone()
-    }
-
-    /// Whether an outcome is recorded.
-    pub fn is_finished(&self) -> bool {
-        self.outcome.lock().is_some()
-    }
-}
+/// How a job ended: its status and response bytes (empty unless it succeeded).
+pub type Outcome = (OffloadStatus, Arc<[u8]>);
 
 /// Where a QP's responder hands offload jobs. The engine's implementation runs the registered
-/// handler on an offload thread, records the outcome in the job and wakes the QP's data core.
+/// handler on an offload thread and sends the outcome to the QP's data core as an event.
 pub trait OffloadSink: Send + Sync {
-    /// Starts `job`; must not block. Finishing the job (`job.finish`) may happen on any thread.
-    fn submit(&self, job: Arc<OffloadJob>);
+    /// Starts `job`; must not block. `Err` is a job that failed at once (no handler, the
+    /// offload threads saturated); otherwise its outcome arrives later, through
+    /// [`crate::transport::rc::RcQp::offload_finished`].
+    fn submit(&self, job: Arc<OffloadJob>) -> Result<(), OffloadStatus>;
     /// Time budget of a handler for `opcode` on QP `qpn`, in nanoseconds.
     fn budget_ns(&self, qpn: u32, opcode: u16) -> u64;
 }

@@ -1,7 +1,7 @@
 //! The responder half of an RC QP: the expected PSN, placement of SEND and WRITE payloads,
 //! READ responses, atomics with a replay cache, receive-side completions, ACK/NAK generation.
 
-use super::offload::{response_packets, OffloadJob, OffloadStatus, MAX_OFFLOAD_RESP};
+use super::offload::{response_packets, OffloadJob, OffloadStatus, Outcome, MAX_OFFLOAD_RESP};
 use super::{RcConfig, RcQp, Recovery};
 use crate::mem::{Access, MrTable, Region};
 use crate::transport::{psn_unwrap, PayloadPart, TxPacket};
@@ -79,6 +79,15 @@ enum Resp {
     },
 }
 
+/// An offload request answered or in progress, kept to answer its duplicates from (a handler
+/// never runs twice): its first PSN, its response's packets, the job and its outcome once known.
+struct CachedJob {
+    psn: u64,
+    n: u32,
+    job: Arc<OffloadJob>,
+    outcome: Option<Outcome>,
+}
+
 /// Why a request packet could not be processed.
 enum Reject {
     Nak(NakCode),
@@ -115,7 +124,7 @@ pub(super) struct Responder {
     ooo: BTreeMap<u64, Action>,
     resp_q: VecDeque<Resp>,
     atomic_cache: VecDeque<(u64, u64)>,
-    offload_cache: VecDeque<(u64, u32, Arc<OffloadJob>)>,
+    offload_cache: VecDeque<CachedJob>,
     ack_pending: bool,
     ack_deadline: Option<u64>,
     unacked: u32,
@@ -195,9 +204,51 @@ impl Responder {
     /// blocks it (later responses, ACKs and NAKs wait behind it, in order).
     fn blocked_offload(&self) -> Option<u64> {
         match self.resp_q.front() {
-            Some(Resp::Offload { job, data: None, .. }) if !job.is_finished() => Some(job.deadline),
+            Some(Resp::Offload { job, data: None, .. }) => Some(job.deadline),
             _ => None,
         }
+    }
+
+    /// Records the outcome of offload job `id` (the first outcome wins; one for a job this QP
+    /// no longer knows is dropped). Returns whether it was taken.
+    pub(super) fn offload_finished(&mut self, id: u64, outcome: Outcome) -> bool {
+        let cached = self.offload_cache.iter_mut().find(|c| c.job.id == id);
+        if cached.as_ref().is_some_and(|c| c.outcome.is_some()) {
+            return false;
+        }
+        // (a job still queued stays in `resp_q` even when the cache has moved past it)
+        let mut cap = cached.as_ref().map(|c| c.job.resp_cap);
+        let mut waiting = false;
+        for r in self.resp_q.iter() {
+            if let Resp::Offload { job, data: None, .. } = r {
+                if job.id == id {
+                    cap = Some(job.resp_cap);
+                    waiting = true;
+                }
+            }
+        }
+        let Some(cap) = cap else {
+            return false;
+        };
+        if cached.is_none() && !waiting {
+            return false;
+        }
+        let outcome = if outcome.1.len() > cap as usize {
+            (OffloadStatus::ResponseTooLong, Arc::from(&[][..]))
+        } else {
+            outcome
+        };
+        if let Some(c) = cached {
+            c.outcome = Some(outcome.clone());
+        }
+        for r in self.resp_q.iter_mut() {
+            if let Resp::Offload { job, data, .. } = r {
+                if job.id == id && data.is_none() {
+                    *data = Some(response_data(&outcome));
+                }
+            }
+        }
+        true
     }
 
     /// Acknowledges what arrived at the next transmit opportunity (congestion control asked).
@@ -323,13 +374,13 @@ impl Responder {
                     .resp_q
                     .iter()
                     .any(|r| matches!(r, Resp::Offload { first, .. } if *first == p));
-                match s.offload_cache.iter().find(|(q, _, _)| *q == p) {
-                    Some((_, n, job)) if !queued => s.resp_q.push_back(Resp::Offload {
+                match s.offload_cache.iter().find(|c| c.psn == p) {
+                    Some(c) if !queued => s.resp_q.push_back(Resp::Offload {
                         first: p,
-                        n: *n,
+                        n: c.n,
                         next: 0,
-                        job: job.clone(),
-                        data: None,
+                        job: c.job.clone(),
+                        data: c.outcome.as_ref().map(response_data),
                     }),
                     Some(_) => {}
                     None => qp.stats.dropped_packets += 1,
@@ -356,7 +407,6 @@ impl Responder {
         mrs: &MrTable,
         in_order: bool,
     ) -> Result<Action, Reject> {
-        let _ = p;
         let op = pkt.opcode;
         if op == Opcode::ReadRequest {
             return pkt.reth.map(Action::Read).ok_or(Reject::Nak(NakCode::InvalidRequest));
@@ -370,14 +420,15 @@ impl Responder {
                 return Err(Reject::Nak(NakCode::InvalidRequest));
             }
             let budget = qp.offload.as_ref().map_or(0, |o| o.budget_ns(qp.qpn, h.opcode));
-            let job = OffloadJob::new(
-                qp.qpn,
-                qp.pd,
-                h.opcode,
-                pkt.payload[OffloadReqHdr::LEN..].to_vec(),
-                h.resp_cap,
-                now.saturating_add(budget),
-            );
+            let job = OffloadJob {
+                id: p,
+                qpn: qp.qpn,
+                pd: qp.pd,
+                opcode: h.opcode,
+                request: pkt.payload[OffloadReqHdr::LEN..].to_vec(),
+                resp_cap: h.resp_cap,
+                deadline: now.saturating_add(budget),
+            };
             return Ok(Action::Offload {
                 job: Arc::new(job),
                 n: response_packets(h.resp_cap, qp.cfg.mtu),
@@ -621,23 +672,27 @@ impl Responder {
                 s.epsn = p + n as u64;
             }
             Action::Offload { job, n } => {
-                match &qp.offload {
-                    Some(sink) => sink.submit(job.clone()),
-                    None => {
-                        job.fail(OffloadStatus::NoHandler);
-                    }
-                }
+                let failed = match &qp.offload {
+                    Some(sink) => sink.submit(job.clone()).err(),
+                    None => Some(OffloadStatus::NoHandler),
+                };
+                let outcome: Option<Outcome> = failed.map(|st| (st, Arc::from(&[][..])));
                 let s = &mut qp.resp;
                 if s.offload_cache.len() == OFFLOAD_CACHE {
                     s.offload_cache.pop_front();
                 }
-                s.offload_cache.push_back((p, n, job.clone()));
+                s.offload_cache.push_back(CachedJob {
+                    psn: p,
+                    n,
+                    job: job.clone(),
+                    outcome: outcome.clone(),
+                });
                 s.resp_q.push_back(Resp::Offload {
                     first: p,
                     n,
                     next: 0,
                     job,
-                    data: None,
+                    data: outcome.as_ref().map(response_data),
                 });
                 s.msn = (s.msn + 1) & MASK24;
                 s.epsn = p + n as u64;
@@ -722,9 +777,16 @@ impl Responder {
                     data,
                 } => {
                     if data.is_none() {
-                        let (status, bytes) = job.outcome(now)?;
-                        let region = (!bytes.is_empty()).then(|| Arc::new(Region::from_bytes(&bytes)));
-                        *data = Some((status, bytes.len() as u32, region));
+                        // no outcome by its deadline: the responder answers TIMEOUT, once for
+                        // the job and its duplicates
+                        if now < job.deadline {
+                            return None;
+                        }
+                        let timeout: Outcome = (OffloadStatus::Timeout, Arc::from(&[][..]));
+                        *data = Some(response_data(&timeout));
+                        if let Some(c) = s.offload_cache.iter_mut().find(|c| c.job.id == job.id) {
+                            c.outcome.get_or_insert(timeout);
+                        }
                     }
                     let (status, len, region) = data.as_ref()?;
                     let k = *next;
@@ -825,4 +887,11 @@ impl Responder {
         }
         None
     }
+}
+
+/// An offload response's status, length and payload (as a region the packets reference).
+fn response_data(o: &Outcome) -> (OffloadStatus, u32, Option<Arc<Region>>) {
+    let (status, bytes) = o;
+    let region = (!bytes.is_empty()).then(|| Arc::new(Region::from_bytes(bytes)));
+    (*status, bytes.len() as u32, region)
 }
