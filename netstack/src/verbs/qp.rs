@@ -503,20 +503,7 @@ impl Qp {
             QpState::Rts | QpState::Err => {}
             st => return Err(PostError::InvalidState(st).into()),
         }
-        let depth = self
-            .posted
-            .load(Ordering::Relaxed)
-            .saturating_sub(self.mirror.retired.load(Ordering::Acquire));
-        if depth >= self.max_send_wr as u64 {
-            return Err(PostError::QueueFull(self.max_send_wr).into());
-        }
-        if wr.sg_list.len() > sq::MAX_SGE {
-            return Err(VerbsError::Invalid(format!(
-                "{} SGEs, at most {} per work request",
-                wr.sg_list.len(),
-                sq::MAX_SGE
-            )));
-        }
+        check_room(&self.posted, &self.mirror.retired, self.max_send_wr, wr.sg_list.len())?;
         if wr.flags.contains(SendFlags::INLINE) {
             let max = self.ctx.inner.cfg.max_inline;
             if wr.total_len() > max as u64 {
@@ -557,20 +544,12 @@ impl Qp {
         if self.mirror.state() == QpState::Reset {
             return Err(PostError::InvalidState(QpState::Reset).into());
         }
-        let depth = self
-            .posted_recvs
-            .load(Ordering::Relaxed)
-            .saturating_sub(self.mirror.recv_retired.load(Ordering::Acquire));
-        if depth >= self.max_recv_wr as u64 {
-            return Err(PostError::QueueFull(self.max_recv_wr).into());
-        }
-        if wr.sg_list.len() > sq::MAX_SGE {
-            return Err(VerbsError::Invalid(format!(
-                "{} SGEs, at most {} per receive work request",
-                wr.sg_list.len(),
-                sq::MAX_SGE
-            )));
-        }
+        check_room(
+            &self.posted_recvs,
+            &self.mirror.recv_retired,
+            self.max_recv_wr,
+            wr.sg_list.len(),
+        )?;
         sq::encode_recv(self.qpn, wr, slots);
         Ok(())
     }
@@ -598,6 +577,24 @@ impl Qp {
         }
         Ok(())
     }
+}
+
+/// Refuses a post to a queue that holds `max` work requests already (`posted` so far, of which
+/// the core `retired` some), or one with more SGEs than a send-queue slot run carries.
+fn check_room(posted: &AtomicU64, retired: &AtomicU64, max: u32, sges: usize) -> Result<(), VerbsError> {
+    let depth = posted
+        .load(Ordering::Relaxed)
+        .saturating_sub(retired.load(Ordering::Acquire));
+    if depth >= max as u64 {
+        return Err(PostError::QueueFull(max).into());
+    }
+    if sges > sq::MAX_SGE {
+        return Err(VerbsError::Invalid(format!(
+            "{sges} SGEs, at most {} per work request",
+            sq::MAX_SGE
+        )));
+    }
+    Ok(())
 }
 
 /// INIT -> RTR on the core (see [`Qp::modify_to_rtr`]): `route_mtu` is the largest RoCE MTU
