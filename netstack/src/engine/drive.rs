@@ -15,12 +15,11 @@
 //! of one-sided operations that never polls, retransmission timers and blocked waiters all keep
 //! working.
 
-use super::{DataCore, EngineShared, Idle};
+use super::{DataCore, EngineShared};
 use crate::link::sys::{self, EventFd};
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
 
 /// How long after an application thread last ran a core its backstop thread leaves it alone.
 pub(crate) const HANDOFF_NS: u64 = 1_000_000;
@@ -69,57 +68,21 @@ impl AppDrive {
     }
 
     /// Whether the application drove the cores within [`HANDOFF_NS`] of `now`; if so, until when.
-    fn driven_until(&self, now: u64) -> Option<u64> {
+    pub(super) fn driven_until(&self, now: u64) -> Option<u64> {
         let last = self.last.load(Ordering::Relaxed);
         (last != 0 && now < last + HANDOFF_NS).then_some(last + HANDOFF_NS)
     }
 
+    /// While the application drives the cores: waits until it stops (at the hand-off time, or
+    /// at once when it blocks in [`AppDrive::release`]) or the engine is told to stop.
+    pub(super) fn wait_while_driven(&self, shared: &EngineShared, until: u64, now: u64) {
+        let _ = sys::ppoll_readable(&[self.released.fd(), shared.wake.fd()], until - now);
+        self.released.drain();
+        shared.wake.drain();
+    }
+
     /// The backstop thread of core `i`: runs it while the application does not.
     pub(super) fn backstop(&self, i: usize) {
-        sys::set_timer_slack_ns(1_000);
-        let shared = &self.shared[i];
-        let mut idle_since: Option<Instant> = None;
-        while !shared.stop.load(Ordering::Relaxed) {
-            let now = shared.now();
-            if let Some(until) = self.driven_until(now) {
-                idle_since = None;
-                let _ = sys::ppoll_readable(&[self.released.fd(), shared.wake.fd()], until - now);
-                self.released.drain();
-                shared.wake.drain();
-                continue;
-            }
-            let Some(mut core) = self.cores[i].try_lock() else {
-                std::thread::yield_now();
-                continue;
-            };
-            let pass = core.pass();
-            if pass.work {
-                shared.stats.engine_thread_passes.inc();
-                idle_since = None;
-                continue;
-            }
-            let since = *idle_since.get_or_insert_with(Instant::now);
-            match core.idle(pass.next_deadline, since) {
-                Idle::Spin => {
-                    drop(core);
-                    std::hint::spin_loop()
-                }
-                Idle::Yield => {
-                    drop(core);
-                    std::thread::yield_now()
-                }
-                Idle::Sleep => {
-                    // sleep without the lock, so an application thread that comes back runs
-                    // the core at once; the eventfd `release` rings is not watched here (the
-                    // core is already ours)
-                    let Some((fds, wait)) = core.prepare_sleep(pass.next_deadline) else {
-                        continue;
-                    };
-                    drop(core);
-                    let _ = sys::ppoll_readable(&fds, wait);
-                    self.cores[i].lock().woke();
-                }
-            }
-        }
+        DataCore::run(self.cores[i].clone(), Some(self));
     }
 }

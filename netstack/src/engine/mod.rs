@@ -278,9 +278,9 @@ impl EngineShared {
 
     /// Runs the core's send side once from the calling thread if no other thread is running
     /// it ([`DataCore::post_pass`]; the low-latency path: a post leaves in the poster's own
-    /// call). Wakes the core's thread
-    /// when the pass left it a deadline earlier than the one it sleeps until. Returns whether
-    /// it ran.
+    /// call). A deadline the pass left earlier than the one the core's thread sleeps until
+    /// moves that thread's timer; a send queue it could not empty wakes the thread. Returns
+    /// whether it ran.
     pub(crate) fn run_here(&self) -> bool {
         let Some(cell) = self.cell.get().and_then(|w| w.upgrade()) else {
             return false;
@@ -405,7 +405,7 @@ impl Engine {
             // started threads are joined by Engine's drop if a later core fails to start
             let thread = std::thread::Builder::new()
                 .name(format!("flexns-core{i}-{}", link.local_addr().port()))
-                .spawn(move || DataCore::run(cell))?;
+                .spawn(move || DataCore::run(cell, None))?;
             e.threads.push(thread);
         }
         if cfg.drive == Drive::Application {
@@ -610,15 +610,25 @@ impl DataCore {
         self
     }
 
-    /// The data-core thread: runs the core, holding its cell while it works or spins and
+    /// The data-core thread, or with `app` a run-to-completion context's backstop thread:
+    /// runs the core until the engine stops, holding its cell while it works or spins and
     /// letting go of it while it yields or sleeps, so that a low-latency poster or a control
-    /// call may run a pass in the meantime.
-    fn run(cell: Arc<Mutex<DataCore>>) {
+    /// call may run a pass in the meantime. A backstop leaves the core alone while an
+    /// application thread drives it, and lets go of it even to spin, so that the application
+    /// finds it free.
+    fn run(cell: Arc<Mutex<DataCore>>, app: Option<&drive::AppDrive>) {
         // sleeps end within a microsecond of their deadline, not the default 50 us slack
         sys::set_timer_slack_ns(1_000);
         let shared = cell.lock().shared.clone();
+        let driven = |now| app.and_then(|a| a.driven_until(now).map(|until| (a, until)));
         let mut idle_since: Option<Instant> = None;
         while !shared.stop.load(Ordering::Relaxed) {
+            let now = shared.now();
+            if let Some((a, until)) = driven(now) {
+                idle_since = None;
+                a.wait_while_driven(&shared, until, now);
+                continue;
+            }
             // another thread running a pass is never waited for: yield until it is done
             let Some(mut core) = cell.try_lock() else {
                 std::thread::yield_now();
@@ -629,17 +639,28 @@ impl DataCore {
                 if pass.work {
                     shared.stats.engine_thread_passes.inc();
                     idle_since = None;
+                    if app.is_some() {
+                        break;
+                    }
                     continue;
                 }
                 let since = *idle_since.get_or_insert_with(Instant::now);
                 match core.idle(pass.next_deadline, since) {
-                    Idle::Spin => std::hint::spin_loop(),
+                    Idle::Spin if app.is_none() => std::hint::spin_loop(),
+                    Idle::Spin => {
+                        drop(core);
+                        std::hint::spin_loop();
+                        break;
+                    }
                     Idle::Yield => {
                         drop(core);
                         std::thread::yield_now();
                         break;
                     }
                     Idle::Sleep => {
+                        // sleep without the cell, so a thread that comes to run the core
+                        // finds it free (and the `released` eventfd is not watched: the core
+                        // is already this thread's)
                         let Some((fds, wait)) = core.prepare_sleep(pass.next_deadline) else {
                             continue;
                         };
@@ -667,18 +688,7 @@ impl DataCore {
         work |= self.release_delayed(now);
         work |= self.receive_hairpin(now);
         let chains_retry = self.run_chains(now, &mut work);
-        let next_deadline = match (self.timers(now), self.delayed.front()) {
-            (t, Some(d)) => Some(t.map_or(d.due, |t| t.min(d.due))),
-            (t, None) => t,
-        };
-        let next_deadline = match (next_deadline, chains_retry) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
-        let next_deadline = match (next_deadline, self.solar.timers(now)) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
+        let next_deadline = earliest(earliest(self.rc_deadline(now), chains_retry), self.solar.timers(now));
         work |= self.solar.collect(&self.shared, now);
         // packets this core sends to itself (RedN chains on loopback QPs) are processed at
         // once, so a chain advances several steps per loop without a system call; the
@@ -708,15 +718,16 @@ impl DataCore {
         work |= self.transmit(now, true);
         // packets to this core itself are its thread's to receive, but they must not wait
         // for a sleeping thread's deadline
-        let hairpin = !self.hairpin.is_empty();
-        let next_deadline = match (self.timers(now), self.delayed.front()) {
-            (t, Some(d)) => Some(t.map_or(d.due, |t| t.min(d.due))),
-            (t, None) => t,
-        };
+        let hairpin = (!self.hairpin.is_empty()).then_some(now);
         Pass {
             work,
-            next_deadline: if hairpin { Some(now) } else { next_deadline },
+            next_deadline: earliest(self.rc_deadline(now), hairpin),
         }
+    }
+
+    /// Runs the QPs' due timers; returns the earliest deadline of the QPs and the delay line.
+    fn rc_deadline(&mut self, now: u64) -> Option<u64> {
+        earliest(self.timers(now), self.delayed.front().map(|d| d.due))
     }
 
     /// How an idle core waits, idle since `since`: a deadline closer than a sleep's wake-up
@@ -784,8 +795,8 @@ impl DataCore {
                 break;
             };
             n += 1;
-            let qpn = match &req {
-                sq::Request::Send { qpn, .. } | sq::Request::Recv { qpn, .. } => *qpn,
+            let qpn = match req {
+                sq::Request::Send { qpn, .. } | sq::Request::Recv { qpn, .. } => qpn,
                 sq::Request::Command => {
                     // pushed before its marker, under the producers' lock
                     let cmd = self.shared.commands.lock().pop_front();
@@ -799,6 +810,7 @@ impl DataCore {
                 continue;
             };
             match req {
+                sq::Request::Command => {}
                 sq::Request::Send { wr, inline, .. } => {
                     if let Some(d) = &inline {
                         // out of the slots, then into the WQE's own buffer
@@ -815,13 +827,13 @@ impl DataCore {
                 }
                 sq::Request::Recv { wr, .. } => {
                     s.recvs_taken += 1;
-                    if let Err(e) = s.qp.post_recv(wr.clone()) {
+                    let wr_id = wr.wr_id;
+                    if let Err(e) = s.qp.post_recv(wr) {
                         // the application checked state and depth when it posted
                         tracing::debug!("QP {qpn:#x}: queued receive refused: {e}");
-                        s.qp.reject_recv(&wr, crate::work::WcStatus::LocQpOpErr);
+                        s.qp.reject_recv(wr_id, crate::work::WcStatus::LocQpOpErr);
                     }
                 }
-                sq::Request::Command => {}
             }
             if !s.deliver_completions(self.index) {
                 self.stuck.insert(qpn);
@@ -1226,6 +1238,14 @@ impl DataCore {
             self.rx_links = self.shared.tx_links.clone();
         }
         any
+    }
+}
+
+/// The earlier of two optional deadlines.
+fn earliest(a: Option<u64>, b: Option<u64>) -> Option<u64> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
     }
 }
 

@@ -39,6 +39,8 @@ const SGES_PER_SLOT: usize = 3;
 
 /// Most slots one request may take (header, 256 B of inline data or 16 SGEs).
 pub(crate) const MAX_SLOTS: usize = 1 + 6;
+/// One request's slots, encoded on the poster's stack (no allocation per post).
+pub(crate) type Slots = smallvec::SmallVec<[Slot; MAX_SLOTS]>;
 /// Most SGEs per request carried through the queue.
 pub(crate) const MAX_SGE: usize = 16;
 
@@ -75,7 +77,7 @@ fn code_opcode(c: u8) -> Option<WrOpcode> {
     })
 }
 
-fn sge_slots(sg: &SgList, out: &mut Vec<Slot>) {
+fn sge_slots(sg: &SgList, out: &mut Slots) {
     for chunk in sg.chunks(SGES_PER_SLOT) {
         let mut s = [0u64; 7];
         for (i, g) in chunk.iter().enumerate() {
@@ -87,7 +89,7 @@ fn sge_slots(sg: &SgList, out: &mut Vec<Slot>) {
 }
 
 /// Encodes a send WR; `inline` is its payload when the WR is INLINE.
-pub(crate) fn encode_send(qpn: u32, wr: &SendWr, inline: Option<&[u8]>, out: &mut Vec<Slot>) {
+pub(crate) fn encode_send(qpn: u32, wr: &SendWr, inline: Option<&[u8]>, out: &mut Slots) {
     out.clear();
     let (extra, inline_len) = match inline {
         Some(d) => (d.len().div_ceil(MAX_PAYLOAD), d.len()),
@@ -121,7 +123,7 @@ pub(crate) fn encode_send(qpn: u32, wr: &SendWr, inline: Option<&[u8]>, out: &mu
 }
 
 /// Encodes a receive WR.
-pub(crate) fn encode_recv(qpn: u32, wr: &RecvWr, out: &mut Vec<Slot>) {
+pub(crate) fn encode_recv(qpn: u32, wr: &RecvWr, out: &mut Slots) {
     out.clear();
     let extra = wr.sg_list.len().div_ceil(SGES_PER_SLOT);
     out.push([
@@ -173,7 +175,7 @@ pub(crate) fn pop_request(c: &mut Consumer<Slot>) -> Option<Request> {
     let kind = h[0] as u8;
     let nsge = ((h[0] >> 16) & 0xFF) as usize;
     let extra = ((h[0] >> 24) & 0xFF) as usize;
-    let mut slots: smallvec::SmallVec<[Slot; MAX_SLOTS]> = smallvec::SmallVec::new();
+    let mut slots = Slots::new();
     for _ in 0..extra {
         loop {
             if let Some(s) = c.pop() {
@@ -258,7 +260,7 @@ mod tests {
                 lkey: 0x300 + i as u32,
             });
         }
-        let mut buf = Vec::new();
+        let mut buf = Slots::new();
         encode_send(0x42, &wr, None, &mut buf);
         assert_eq!(buf.len(), 3);
         assert!(push_all(&mut p, &buf));
@@ -318,7 +320,7 @@ mod tests {
     fn a_request_is_written_whole_or_not_at_all() {
         let (mut p, _c) = pipe::<Slot>(4, 1).unwrap();
         let wr = SendWr::new(1, WrOpcode::Send).flags(SendFlags::INLINE);
-        let mut buf = Vec::new();
+        let mut buf = Slots::new();
         encode_send(1, &wr, Some(&[0u8; 200]), &mut buf);
         assert_eq!(buf.len(), 5);
         assert!(!push_all(&mut p, &buf), "5 slots do not fit in 4");

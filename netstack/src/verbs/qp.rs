@@ -453,26 +453,13 @@ impl Qp {
             }
             return Ok(n);
         }
-        let mut slots = Vec::with_capacity(sq::MAX_SLOTS);
+        let mut slots = sq::Slots::new();
         let mut n = 0;
         let mut q = self.core.sq.lock();
         let mut res = Ok(());
         for wr in wrs {
-            if let Err(e) = self.encode(&wr, &mut slots) {
+            if let Err(e) = self.encode(&wr, &mut slots).and_then(|()| push_waiting(&mut q, &slots)) {
                 res = Err(e);
-                break;
-            }
-            // the engine drains the queue continuously; wait briefly for room
-            let deadline = std::time::Instant::now() + std::time::Duration::from_millis(100);
-            while !sq::push_all(&mut q, &slots) {
-                q.notify();
-                if std::time::Instant::now() > deadline {
-                    res = Err(PostError::QueueFull(sq::MAX_SLOTS as u32).into());
-                    break;
-                }
-                std::thread::yield_now();
-            }
-            if res.is_err() {
                 break;
             }
             self.posted.fetch_add(1, Ordering::Relaxed);
@@ -488,16 +475,26 @@ impl Qp {
     /// thread does; otherwise the core is woken if it sleeps. Never called with the send
     /// queue's lock held.
     fn kick(&self) {
-        if let Some(d) = self.ctx.inner.engine.drive() {
-            self.core.sq.lock().notify();
-            d.progress();
-        } else if !(self.low_latency && self.core.run_here()) {
+        let ran = self.run_to_completion() || (self.low_latency && self.core.run_here());
+        if !ran {
             self.core.sq.lock().notify();
         }
     }
 
+    /// Run to completion: wakes the context's backstop threads if they sleep and runs its
+    /// cores once from this thread. Returns false (doing nothing) for a context whose cores
+    /// have threads of their own.
+    fn run_to_completion(&self) -> bool {
+        let Some(d) = self.ctx.inner.engine.drive() else {
+            return false;
+        };
+        self.core.sq.lock().notify();
+        d.progress();
+        true
+    }
+
     /// Checks a WR against what the application side knows and encodes it.
-    fn encode(&self, wr: &SendWr, slots: &mut Vec<sq::Slot>) -> Result<(), VerbsError> {
+    fn encode(&self, wr: &SendWr, slots: &mut sq::Slots) -> Result<(), VerbsError> {
         crate::work::validate_send(wr).map_err(PostError::Invalid)?;
         match self.mirror.state() {
             QpState::Rts | QpState::Err => {}
@@ -535,12 +532,20 @@ impl Qp {
     /// receive queue depth as its core last published them, then queued for the core behind
     /// the QP's earlier posts.
     pub fn post_recv(&self, wr: RecvWr) -> Result<(), VerbsError> {
-        let mut slots = Vec::with_capacity(sq::MAX_SLOTS);
+        let mut slots = sq::Slots::new();
         self.encode_recv(&wr, &mut slots)?;
-        self.push_recv(&slots)
+        push_waiting(&mut self.core.sq.lock(), &slots)?;
+        self.posted_recvs.fetch_add(1, Ordering::Relaxed);
+        // a receive has nothing to send: a sleeping core is not woken for it, since it takes
+        // the send queue before the packets whose arrival wakes it (a wake-up per receive
+        // cost the ping-pong a context switch); only a QP in ERR owes a flush completion now
+        if !self.run_to_completion() && self.mirror.state() == QpState::Err {
+            self.core.sq.lock().notify();
+        }
+        Ok(())
     }
 
-    fn encode_recv(&self, wr: &RecvWr, slots: &mut Vec<sq::Slot>) -> Result<(), VerbsError> {
+    fn encode_recv(&self, wr: &RecvWr, slots: &mut sq::Slots) -> Result<(), VerbsError> {
         if self.mirror.state() == QpState::Reset {
             return Err(PostError::InvalidState(QpState::Reset).into());
         }
@@ -553,30 +558,20 @@ impl Qp {
         sq::encode_recv(self.qpn, wr, slots);
         Ok(())
     }
+}
 
-    fn push_recv(&self, slots: &[sq::Slot]) -> Result<(), VerbsError> {
-        let mut q = self.core.sq.lock();
-        let deadline = std::time::Instant::now() + std::time::Duration::from_millis(100);
-        while !sq::push_all(&mut q, slots) {
-            q.notify();
-            if std::time::Instant::now() > deadline {
-                return Err(PostError::QueueFull(sq::MAX_SLOTS as u32).into());
-            }
-            std::thread::yield_now();
+/// Writes one request's slots into a core's send queue, waiting briefly for room (the core
+/// drains it continuously).
+fn push_waiting(q: &mut crate::pipe::Producer<sq::Slot>, slots: &[sq::Slot]) -> Result<(), VerbsError> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_millis(100);
+    while !sq::push_all(q, slots) {
+        q.notify();
+        if std::time::Instant::now() > deadline {
+            return Err(PostError::QueueFull(sq::MAX_SLOTS as u32).into());
         }
-        self.posted_recvs.fetch_add(1, Ordering::Relaxed);
-        drop(q);
-        // a receive has nothing to send: a sleeping core is not woken for it, since it takes
-        // the send queue before the packets whose arrival wakes it (a wake-up per receive
-        // cost the ping-pong a context switch); only a QP in ERR owes a flush completion now
-        if let Some(d) = self.ctx.inner.engine.drive() {
-            self.core.sq.lock().notify();
-            d.progress();
-        } else if self.mirror.state() == QpState::Err {
-            self.core.sq.lock().notify();
-        }
-        Ok(())
+        std::thread::yield_now();
     }
+    Ok(())
 }
 
 /// Refuses a post to a queue that holds `max` work requests already (`posted` so far, of which

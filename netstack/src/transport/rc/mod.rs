@@ -416,11 +416,10 @@ impl RcQp {
         self.req.retire_unqueued();
     }
 
-    /// Completes a receive WR the QP could not take with `status` (its queue was full, or
+    /// Completes receive WR `wr_id`, which the QP could not take, with `status` (its queue was full, or
     /// the QP in a state that takes none).
-    pub fn reject_recv(&mut self, wr: &RecvWr, status: WcStatus) {
-        let mut wc = responder::flush_recv_wc(wr, self.qpn, self.dest_qpn);
-        wc.status = status;
+    pub fn reject_recv(&mut self, wr_id: u64, status: WcStatus) {
+        let wc = responder::recv_error_wc(wr_id, status, self.qpn, self.dest_qpn);
         self.push_completion(wc);
     }
 

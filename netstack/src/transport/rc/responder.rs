@@ -97,7 +97,7 @@ enum Reject {
 }
 
 /// A receive-side completion that carries no data (errors and flushes).
-fn recv_error_wc(wr_id: u64, status: WcStatus, qpn: u32, dest: u32) -> Wc {
+pub(super) fn recv_error_wc(wr_id: u64, status: WcStatus, qpn: u32, dest: u32) -> Wc {
     Wc {
         wr_id,
         status,
