@@ -125,7 +125,10 @@ pub struct EngineConfig {
     /// merely slow is left to the transport's own retransmission, and a request not done within
     /// `transfer_timeout` fails.
     pub slice_attempts: u32,
-    /// Overrides of the flexns stack (MTU, recovery, congestion control, poll mode...).
+    /// Overrides of the flexns stack (MTU, recovery, congestion control, poll mode, drive...).
+    /// Engine threads drive it by default: measured on 2 cores, run to completion
+    /// (`drive = "application"`) halves 4 KiB latency but loses 16 MiB throughput (see
+    /// docs/BENCHMARKS.md, "who runs the engine").
     pub stack: Option<netstack::verbs::ContextConfig>,
 }
 
