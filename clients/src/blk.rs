@@ -413,6 +413,45 @@ fn agent_args(spec: &ClusterSpec, name: &str, control: &str, nbd: &str) -> Vec<S
     a
 }
 
+/// Starts storage node `i` on a port below the kernel's ephemeral range, as a deployment
+/// would: a node restarted on its old address (`restart_node(i, true)`) then cannot find it
+/// taken by some outgoing connection's ephemeral port, which CI's parallel tests once did.
+/// Another test may have picked the same port meanwhile: then another one is tried.
+fn start_node(sp: &Spawner, spec: &ClusterSpec, control: &str, i: usize) -> Result<Daemon> {
+    let mut tries = 0;
+    loop {
+        let listen = format!("127.0.0.1:{}", fixed_port()?);
+        let args = node_args(spec, control, i, &listen);
+        match Daemon::start(sp, &spec.dir, &format!("node{i}"), "node", &args, spec.detached) {
+            Err(e) if tries < 8 && format!("{e:#}").contains("Address already in use") => tries += 1,
+            r => return r,
+        }
+    }
+}
+
+/// A port on 127.0.0.1 below the ephemeral range (`ip_local_port_range`) that is free for
+/// both TCP and UDP now.
+fn fixed_port() -> Result<u16> {
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().and_then(|p| p.parse::<u16>().ok()))
+        .unwrap_or(32768);
+    let floor = 10_000u16;
+    anyhow::ensure!(
+        low > floor + 1_000,
+        "ip_local_port_range starts at {low}: no room below it"
+    );
+    for _ in 0..64 {
+        let port = rand::random_range(floor..low);
+        let tcp = std::net::TcpListener::bind(("127.0.0.1", port));
+        let udp = std::net::UdpSocket::bind(("127.0.0.1", port));
+        if tcp.is_ok() && udp.is_ok() {
+            return Ok(port);
+        }
+    }
+    bail!("no free port between {floor} and {low} on 127.0.0.1")
+}
+
 impl LocalCluster {
     /// Starts the processes; creates the volume unless the kept state has it (then its data,
     /// on the storage nodes' directories, serves again); attaches it to the agent.
@@ -429,8 +468,7 @@ impl LocalCluster {
         let caddr = control.field("control").context("controller banner")?;
         let mut nodes = Vec::new();
         for i in 0..spec.nodes {
-            let args = node_args(&spec, &caddr, i, "127.0.0.1:0");
-            nodes.push(Daemon::start(sp, d, &format!("node{i}"), "node", &args, spec.detached)?);
+            nodes.push(start_node(sp, &spec, &caddr, i)?);
         }
         let agent = Daemon::start(
             sp,
@@ -486,20 +524,20 @@ impl LocalCluster {
     /// [`Daemon::stop`]): on its old data address, or on a new one (`same_port` false), which
     /// the controller and the agent then follow.
     pub fn restart_node(&mut self, i: usize, same_port: bool) -> Result<()> {
-        let listen = if same_port {
-            self.nodes[i].field("data").context("node banner")?
+        self.nodes[i] = if same_port {
+            let listen = self.nodes[i].field("data").context("node banner")?;
+            let args = node_args(&self.spec, &self.control_addr, i, &listen);
+            Daemon::start(
+                &self.spawner,
+                &self.spec.dir,
+                &format!("node{i}"),
+                "node",
+                &args,
+                self.spec.detached,
+            )?
         } else {
-            "127.0.0.1:0".to_string()
+            start_node(&self.spawner, &self.spec, &self.control_addr, i)?
         };
-        let args = node_args(&self.spec, &self.control_addr, i, &listen);
-        self.nodes[i] = Daemon::start(
-            &self.spawner,
-            &self.spec.dir,
-            &format!("node{i}"),
-            "node",
-            &args,
-            self.spec.detached,
-        )?;
         Ok(())
     }
 
