@@ -547,13 +547,21 @@ impl PathSet {
         if self.paths.len() < 2 {
             return None;
         }
-        let suspects = self.policy.sprays();
+        // only times at which something would happen are deadlines: a silent path is probed
+        // only while another is up, and goes down only once another path has delivered since
+        // it began waiting (before that, the delivery itself brings the QP up). A time that
+        // passed with nothing to do would be asked for again and again: the core would spin
+        // through a partition instead of sleeping until its retransmission timeout.
+        let suspects = self.policy.sprays() && self.up_count() > 1;
         (0..self.paths.len())
             .filter_map(|i| {
                 let p = &self.paths[i];
                 if p.s.up {
                     let probe = self.silent_at(i).filter(|_| suspects).map(|t| t.max(p.next_probe));
-                    [self.down_at(i), probe].into_iter().flatten().min()
+                    let down = self
+                        .down_at(i)
+                        .filter(|_| p.waiting_since.is_some_and(|since| self.last_delivery > since));
+                    [down, probe].into_iter().flatten().min()
                 } else {
                     Some(p.next_probe)
                 }
@@ -735,6 +743,28 @@ mod tests {
         let st = &s.stats()[1];
         // one probe while suspect, one while down
         assert_eq!((st.downs, st.ups, st.probes_sent, st.probes_answered), (1, 1, 2, 1));
+    }
+
+    #[test]
+    fn with_every_path_silent_no_deadline_passes_unanswered() {
+        // a partition takes both paths: nothing is delivered after the sends. Neither path may
+        // go down (no other path delivered since) nor be probed as a suspect, so no time at
+        // which that would happen is a deadline: a core asked for a passed time again and
+        // again spins (the whole-stack simulator found a core doing so through a partition)
+        let mut s = measured(2);
+        let rto = s.rto(0);
+        let last = s.last_delivery();
+        s.on_send(0, last + 1_000);
+        s.on_send(1, last + 1_000);
+        let late = last + 1_000 + 10 * rto;
+        // what the QP does when its deadline comes: check, then send the probes that are due
+        assert!(s.check(late).is_empty(), "nothing delivered since: no path goes down");
+        while s.probe_due(late).is_some() {}
+        assert!(s.next_deadline().is_none_or(|d| d > late), "{:?}", s.next_deadline());
+        // a delivery on path 0 makes path 1's overdue down time a deadline again, and it goes
+        s.on_delivered(0, late);
+        assert!(s.next_deadline().is_some_and(|d| d <= late));
+        assert_eq!(s.check(late).as_slice(), &[1]);
     }
 
     #[test]
