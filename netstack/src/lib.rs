@@ -6,7 +6,8 @@
 //! - [`work`]: work requests and completions with ibverbs' names.
 //! - [`pipe`]: SPSC notification pipes of 64-byte slots between application and engine threads.
 //! - [`transport`]: sans-IO transports ([`transport::rc`]).
-//! - [`link`]: UDP sockets with batched `sendmmsg`/`recvmmsg`.
+//! - [`link`]: what a data core sends and receives through: UDP sockets with batched
+//!   `sendmmsg`/`recvmmsg`, or a deterministic simulated network and clock.
 //! - `chain` (internal): the engine's side of RedN: managed work queues and the chain runner.
 //! - `engine` (internal): the data-core threads that drive transports over a link.
 //! - [`verbs`]: the application API (`Context`, `Pd`, `Mr`, `Cq`, `Qp`).

@@ -41,7 +41,7 @@ pub const CHUNK: usize = 4096;
 /// `src..src+n` must be valid for reads for the whole copy and accessed by others only
 /// atomically or by the kernel; `dst..dst+n` must be valid for writes, not shared, and not
 /// overlap the source.
-unsafe fn load_bytes(src: *const u8, dst: *mut u8, n: usize) {
+pub(crate) unsafe fn load_bytes(src: *const u8, dst: *mut u8, n: usize) {
     let head = src.align_offset(8).min(n);
     let words = (n - head) / 8;
     // SAFETY: every address below is inside the caller's ranges; `src + head` is 8-aligned, so
@@ -143,6 +143,9 @@ impl std::ops::BitOr for Access {
 pub struct Region {
     ptr: *mut u8,
     len: usize,
+    /// The address work requests and peers name its first byte by: its pointer, or a virtual
+    /// address given to it ([`Region::at_iova`]).
+    iova: u64,
     /// The allocation this region owns (None: caller memory, see [`Region::from_raw`]).
     owned: Option<std::alloc::Layout>,
 }
@@ -183,8 +186,18 @@ impl Region {
         Region {
             ptr,
             len,
+            iova: ptr as u64,
             owned: Some(layout),
         }
+    }
+
+    /// The region with `iova` as the address of its first byte instead of its pointer (an
+    /// I/O virtual address, as an IOMMU gives a NIC). A simulated context names its memory
+    /// this way, so that the addresses in its packets do not depend on where the allocator put
+    /// the memory and a seed replays byte for byte.
+    pub fn at_iova(mut self, iova: u64) -> Region {
+        self.iova = iova;
+        self
     }
 
     /// Allocates a region holding a copy of `data`.
@@ -201,13 +214,18 @@ impl Region {
     /// Region (and of every memory region registered over it), and must not be accessed through
     /// Rust references while remote peers may access it.
     pub unsafe fn from_raw(ptr: *mut u8, len: usize) -> Region {
-        Region { ptr, len, owned: None }
+        Region {
+            ptr,
+            len,
+            iova: ptr as u64,
+            owned: None,
+        }
     }
 
-    /// The virtual address of the first byte (what a peer puts in a RETH).
-    /// Its address (what work requests and rkeys name).
+    /// The virtual address of the first byte (what work requests, rkeys and a peer's RETH
+    /// name): its pointer, unless given another ([`Region::at_iova`]).
     pub fn addr(&self) -> u64 {
-        self.ptr as u64
+        self.iova
     }
     /// Its length in bytes.
     pub fn len(&self) -> usize {

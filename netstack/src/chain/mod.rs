@@ -74,9 +74,11 @@ pub struct ManagedWq {
 }
 
 impl ManagedWq {
-    pub(crate) fn new(slots: usize) -> ManagedWq {
+    /// A ring of `slots` entries in `ring` (zeroed memory of at least `slots` entries).
+    pub(crate) fn new(slots: usize, ring: Region) -> ManagedWq {
+        debug_assert!(ring.len() >= slots * wqe::WQE_BYTES);
         ManagedWq {
-            ring: Arc::new(Region::alloc(slots * wqe::WQE_BYTES)),
+            ring: Arc::new(ring),
             slots: slots as u64,
             posted: AtomicU64::new(0),
             enabled: AtomicU64::new(0),

@@ -24,8 +24,10 @@ pub(crate) use stats::{Counter, EngineStats};
 
 use crate::config::ContextConfig;
 pub use crate::config::{Drive, PollMode};
+use crate::link::sim::SimNet;
 use crate::link::sys::{self, EventFd, OutMsg, RecvBatch};
-use crate::link::udp::UdpLink;
+use crate::link::udp::{UdpLink, UdpPorts};
+use crate::link::Link;
 use crate::mem::MrTable;
 use crate::pipe::{self, Consumer, Producer};
 use crate::transport::rc::{QpState, RcQp};
@@ -57,6 +59,12 @@ const SQ_DRAIN: usize = 256;
 /// Packets gathered before a send (several GSO messages of up to 15 packets of 4 KiB).
 pub(crate) const TX_BATCH: usize = 256;
 
+/// The hasher of a core's QP maps and sets: fixed keys, so that the order they iterate in
+/// (which QP transmits first) follows from the QPNs and the order they were inserted in, and a
+/// simulated run replays exactly. QPNs are the stack's own, so fixed keys offer no one a way to
+/// collide them.
+type Ordered = std::hash::BuildHasherDefault<std::hash::DefaultHasher>;
+
 /// What an application handle may read about its QP without asking its core: its state and
 /// how many send and receive WQEs have left their queues. The core refreshes it after every
 /// change.
@@ -86,7 +94,7 @@ pub(crate) struct QpSlot {
     pub qp: RcQp,
     pub remote: Option<SocketAddrV4>,
     /// Multipath: for each of the QP's paths, the data core's socket it leaves from (an index
-    /// into [`EngineShared::tx_links`]) and the peer's address it goes to; empty means path 0
+    /// into [`EngineShared::link`]) and the peer's address it goes to; empty means path 0
     /// only (the core's main socket to `remote`).
     pub routes: Vec<(usize, SocketAddrV4)>,
     /// Other addresses the peer sends this QP's packets from (its path sockets).
@@ -101,7 +109,7 @@ pub(crate) struct QpSlot {
 }
 
 impl QpSlot {
-    /// The socket (index into the core's `tx_links`) and destination of path `path`.
+    /// The port (index into the core's `link`) and destination of path `path`.
     pub(crate) fn route(&self, path: u8) -> Option<(usize, SocketAddrV4)> {
         match self.routes.get(path as usize).or(self.routes.first()) {
             Some(&r) => Some(r),
@@ -181,10 +189,10 @@ pub(crate) struct EngineShared {
     /// The engine-clock time until which the core's own thread sleeps (0 while it is awake): a
     /// pass run by another thread that leaves an earlier deadline arms `timer` for it.
     sleeping_until: AtomicU64,
-    /// Every socket the core sends from: for each local address (`bind`, then `extra_addrs`),
-    /// its main socket followed by `path_ports - 1` sockets on free ports (source-port entropy
-    /// for ECMP). Index `addr * path_ports + port`.
-    pub tx_links: Vec<Arc<UdpLink>>,
+    /// The ports the core sends from: for each local address (`bind`, then `extra_addrs`),
+    /// its main port followed by `path_ports - 1` ports on free port numbers (source-port
+    /// entropy for ECMP). Index `addr * path_ports + port`.
+    pub link: Box<dyn Link>,
     /// Source ports per local address (`path_ports`).
     pub path_ports: usize,
     /// Wakes the thread for control events (stop).
@@ -200,9 +208,25 @@ pub(crate) struct EngineShared {
     /// Commands to the core's Solar endpoints ([`EngineShared::solar_command`]).
     solar: solar::SolarHost,
     local: SocketAddrV4,
-    epoch: Instant,
-    /// CLOCK_MONOTONIC at `epoch`, so the transports' clock is the host's monotonic clock.
-    epoch_ns: u64,
+    clock: Clock,
+}
+
+/// Where a core's time comes from.
+enum Clock {
+    /// The host's: CLOCK_MONOTONIC at `epoch` plus the time elapsed since.
+    Host { epoch: Instant, epoch_ns: u64 },
+    /// A simulated network's.
+    Sim(Arc<SimNet>),
+}
+
+/// What the engine's cores send and receive through.
+#[derive(Clone, Default)]
+pub(crate) enum LinkKind {
+    /// Kernel UDP sockets, one set per core.
+    #[default]
+    Udp,
+    /// A simulated network: no threads; the network's [`SimNet::step`] runs the cores.
+    Sim(Arc<SimNet>),
 }
 
 impl EngineShared {
@@ -309,9 +333,12 @@ impl EngineShared {
     }
 
     /// The transports' clock: CLOCK_MONOTONIC in nanoseconds (shared by all processes on the
-    /// host, so a CNP's CE timestamp can be compared by its receiver).
+    /// host, so a CNP's CE timestamp can be compared by its receiver), or the simulated one.
     pub(crate) fn now(&self) -> u64 {
-        self.epoch_ns + self.epoch.elapsed().as_nanos() as u64
+        match &self.clock {
+            Clock::Host { epoch, epoch_ns } => epoch_ns + epoch.elapsed().as_nanos() as u64,
+            Clock::Sim(net) => net.now(),
+        }
     }
     pub(crate) fn local_addr(&self) -> SocketAddrV4 {
         self.local
@@ -324,13 +351,35 @@ pub(crate) struct Engine {
     threads: Vec<std::thread::JoinHandle<()>>,
     /// The cores, when application threads run them ([`Drive::Application`]).
     drive: Option<Arc<drive::AppDrive>>,
+    /// The cores, on a simulated network (which holds them only weakly).
+    sim_cells: Vec<Arc<Mutex<DataCore>>>,
+}
+
+/// A core on a simulated network, as the network's driver runs it.
+struct SimCore(std::sync::Weak<Mutex<DataCore>>);
+
+impl crate::link::sim::Node for SimCore {
+    fn run(&mut self, _now: u64) -> (bool, Option<u64>) {
+        let Some(cell) = self.0.upgrade() else {
+            return (false, None);
+        };
+        // the simulation is one thread: nobody else holds the core while the network runs it
+        let Some(mut core) = cell.try_lock() else {
+            return (true, None);
+        };
+        let pass = core.pass();
+        (pass.work, pass.next_deadline)
+    }
+    fn alive(&self) -> bool {
+        self.0.strong_count() > 0
+    }
 }
 
 impl Engine {
     /// Binds one link per data core and starts the data-core threads (or, run to completion,
     /// the backstop threads). Core `i` binds the configured address with port `port + i` (or a
     /// free port when the port is 0).
-    pub(crate) fn start(cfg: &ContextConfig, mrs: Arc<MrTable>) -> std::io::Result<Engine> {
+    pub(crate) fn start(cfg: &ContextConfig, mrs: Arc<MrTable>, kind: LinkKind) -> std::io::Result<Engine> {
         let redn = Arc::new(crate::chain::RednRegistry::default());
         let epoch = Instant::now();
         let epoch_ns = sys::monotonic_ns();
@@ -338,6 +387,7 @@ impl Engine {
             cores: Vec::new(),
             threads: Vec::new(),
             drive: None,
+            sim_cells: Vec::new(),
         };
         let mut app_cores = Vec::new();
         for i in 0..cfg.data_cores.max(1) {
@@ -346,25 +396,33 @@ impl Engine {
                 bind.set_port(bind.port() + i as u16);
             }
             let ports = cfg.path_ports.max(1) as usize;
-            let mut tx_links = Vec::new();
-            for ip in std::iter::once(*bind.ip()).chain(cfg.extra_addrs.iter().copied()) {
-                for j in 0..ports {
-                    // the main socket on the configured port, the others on free ports
-                    let port = if j == 0 { bind.port() } else { 0 };
-                    let l = UdpLink::bind(SocketAddrV4::new(ip, port))?;
-                    if cfg.gro && j == 0 {
-                        l.set_gro(true)?;
+            // the main port of each address on the configured port number, the others on free
+            // ones
+            let addrs: Vec<SocketAddrV4> = std::iter::once(*bind.ip())
+                .chain(cfg.extra_addrs.iter().copied())
+                .flat_map(|ip| (0..ports).map(move |j| SocketAddrV4::new(ip, if j == 0 { bind.port() } else { 0 })))
+                .collect();
+            let (link, clock): (Box<dyn Link>, Clock) = match &kind {
+                LinkKind::Udp => {
+                    let mut socks = Vec::new();
+                    for (j, &a) in addrs.iter().enumerate() {
+                        let l = UdpLink::bind(a)?;
+                        if cfg.gro && j % ports == 0 {
+                            l.set_gro(true)?;
+                        }
+                        if cfg.ecn {
+                            l.set_ecn()?;
+                        }
+                        if !cfg.udp_checksum {
+                            l.set_no_checksum()?;
+                        }
+                        socks.push(l);
                     }
-                    if cfg.ecn {
-                        l.set_ecn()?;
-                    }
-                    if !cfg.udp_checksum {
-                        l.set_no_checksum()?;
-                    }
-                    tx_links.push(Arc::new(l));
+                    (Box::new(UdpPorts(socks)), Clock::Host { epoch, epoch_ns })
                 }
-            }
-            let link = tx_links[0].clone();
+                LinkKind::Sim(net) => (Box::new(net.link(&addrs)?), Clock::Sim(net.clone())),
+            };
+            let local = link.local_addr(0);
             let (sq_tx, sq_rx) = pipe::pipe::<sq::Slot>(SQ_SLOTS, 32)?;
             let shared = Arc::new(EngineShared {
                 mrs: mrs.clone(),
@@ -372,7 +430,7 @@ impl Engine {
                 commands: Mutex::new(VecDeque::new()),
                 cell: std::sync::OnceLock::new(),
                 sleeping_until: AtomicU64::new(0),
-                tx_links: tx_links.clone(),
+                link,
                 path_ports: ports,
                 wake: EventFd::new()?,
                 timer: sys::TimerFd::new()?,
@@ -381,9 +439,8 @@ impl Engine {
                 redn: redn.clone(),
                 guards: cfg.redn,
                 solar: solar::SolarHost::default(),
-                local: link.local_addr(),
-                epoch,
-                epoch_ns,
+                local,
+                clock,
             });
             let s2 = shared.clone();
             let opts = CoreOptions {
@@ -398,17 +455,23 @@ impl Engine {
             let cell = Arc::new(Mutex::new(DataCore::new(s2, sq_rx, &opts)));
             let _ = shared.cell.set(Arc::downgrade(&cell));
             e.cores.push(shared);
+            if let LinkKind::Sim(net) = &kind {
+                // the network's driver runs the core: no thread
+                net.attach(Box::new(SimCore(Arc::downgrade(&cell))));
+                e.sim_cells.push(cell);
+                continue;
+            }
             if cfg.drive == Drive::Application {
                 app_cores.push(cell);
                 continue;
             }
             // started threads are joined by Engine's drop if a later core fails to start
             let thread = std::thread::Builder::new()
-                .name(format!("flexns-core{i}-{}", link.local_addr().port()))
+                .name(format!("flexns-core{i}-{}", local.port()))
                 .spawn(move || DataCore::run(cell, None))?;
             e.threads.push(thread);
         }
-        if cfg.drive == Drive::Application {
+        if cfg.drive == Drive::Application && !app_cores.is_empty() {
             let d = Arc::new(drive::AppDrive::new(app_cores)?);
             for (i, c) in e.cores.iter().enumerate() {
                 let d = d.clone();
@@ -463,7 +526,7 @@ impl Drop for Engine {
 /// destination, and the pad + ICRC trailer.
 struct Outgoing {
     pkt: TxPacket,
-    /// Index of the socket it leaves from (`EngineShared::tx_links`).
+    /// Index of the port it leaves from (`EngineShared::link`).
     link: usize,
     dst: SocketAddrV4,
     trailer: [u8; 8],
@@ -472,7 +535,7 @@ struct Outgoing {
 
 /// A packet a core sends: the socket it leaves from, where it goes, and its bytes as spans.
 trait Datagram {
-    /// Index of the socket it leaves from (`EngineShared::tx_links`).
+    /// Index of the port it leaves from (`EngineShared::link`).
     fn link(&self) -> usize;
     fn dst(&self) -> SocketAddrV4;
     /// Bytes on the wire (the UDP payload).
@@ -528,18 +591,18 @@ struct DataCore {
     /// This core's index (its pipe in every CQ).
     index: usize,
     /// QPs whose completions did not fit in a full CQ; retried every loop.
-    stuck: HashSet<u32>,
+    stuck: HashSet<u32, Ordered>,
     shared: Arc<EngineShared>,
     /// The QPs this core owns (it is their only writer), and its managed ones (RedN).
-    qps: HashMap<u32, QpSlot>,
+    qps: HashMap<u32, QpSlot, Ordered>,
     managed: Vec<u32>,
-    /// The sockets the core receives on: the main socket of each local address.
-    rx_links: Vec<Arc<UdpLink>>,
+    /// The ports the core receives on: the main port of each local address.
+    rx_ports: Vec<usize>,
     sq: Consumer<sq::Slot>,
     mode: PollMode,
     spin: Duration,
     gso: bool,
-    active: HashSet<u32>,
+    active: HashSet<u32, Ordered>,
     rx: RecvBatch,
     out: Vec<Outgoing>,
     /// Send buffers reused across batches (messages, packets per message, kernel headers).
@@ -571,23 +634,23 @@ unsafe impl Send for DataCore {}
 
 impl DataCore {
     fn new(shared: Arc<EngineShared>, sq: Consumer<sq::Slot>, o: &CoreOptions) -> DataCore {
-        let rx_links = shared.tx_links.iter().step_by(shared.path_ports).cloned().collect();
+        let rx_ports = (0..shared.link.ports()).step_by(shared.path_ports).collect();
         // with GRO one receive may hold up to 64 KiB of coalesced datagrams
         let buf = if o.gro { 1 << 16 } else { MAX_DATAGRAM + 64 };
         let rx = RecvBatch::new((o.staging / buf).clamp(1, BATCH), buf);
         shared.stats.set_staging_bytes(rx.staging_bytes() as u64);
         DataCore {
             index: o.index,
-            stuck: HashSet::new(),
+            stuck: HashSet::default(),
             shared,
-            qps: HashMap::new(),
+            qps: HashMap::default(),
             managed: Vec::new(),
-            rx_links,
+            rx_ports,
             sq,
             mode: o.mode,
             spin: o.spin,
             gso: o.gso,
-            active: HashSet::new(),
+            active: HashSet::default(),
             rx,
             out: Vec::with_capacity(TX_BATCH),
             tx_msgs: Vec::with_capacity(TX_BATCH),
@@ -606,7 +669,7 @@ impl DataCore {
     }
 
     fn with_local_addrs(mut self) -> Self {
-        self.local_addrs = self.rx_links.iter().map(|l| l.local_addr()).collect();
+        self.local_addrs = self.rx_ports.iter().map(|&p| self.shared.link.local_addr(p)).collect();
         self
     }
 
@@ -759,7 +822,11 @@ impl DataCore {
             .map(|d| d.saturating_sub(now))
             .unwrap_or(100_000_000)
             .min(100_000_000);
-        let mut fds: Fds = self.rx_links.iter().map(|l| l.fd()).collect();
+        let mut fds: Fds = self
+            .rx_ports
+            .iter()
+            .filter_map(|&p| self.shared.link.wait_fd(p))
+            .collect();
         fds.extend([self.sq.wake_fd(), self.shared.wake.fd(), self.shared.timer.fd()]);
         Some((fds, wait.max(1_000)))
     }
@@ -890,21 +957,21 @@ impl DataCore {
 
     fn receive(&mut self, now: u64) -> bool {
         let mut any = false;
-        for i in 0..self.rx_links.len() {
-            any |= self.receive_on(i, now);
+        for i in 0..self.rx_ports.len() {
+            any |= self.receive_on(self.rx_ports[i], now);
         }
         any
     }
 
-    fn receive_on(&mut self, link: usize, now: u64) -> bool {
-        let n = match self.rx_links[link].recv_batch(&mut self.rx) {
+    fn receive_on(&mut self, port: usize, now: u64) -> bool {
+        let n = match self.shared.link.recv(port, &mut self.rx) {
             Ok(n) => n,
             Err(e) => {
                 tracing::warn!("receive failed: {e}");
                 return false;
             }
         };
-        let local = self.rx_links[link].local_addr();
+        let local = self.shared.link.local_addr(port);
         let mut staged = 0u64;
         for i in 0..n {
             let (d, src, seg) = self.rx.get(i);
@@ -1084,7 +1151,7 @@ impl DataCore {
     #[allow(clippy::too_many_arguments)]
     fn dispatch(
         shared: &EngineShared,
-        qps: &mut HashMap<u32, QpSlot>,
+        qps: &mut HashMap<u32, QpSlot, Ordered>,
         core: usize,
         now: u64,
         d: &[u8],
@@ -1180,7 +1247,7 @@ impl DataCore {
                             sent_any = true;
                             continue;
                         }
-                        let src = self.shared.tx_links[link].local_addr();
+                        let src = self.shared.link.local_addr(link);
                         self.out.push(Outgoing::new(pkt, link, src, dst, &self.shared.stats));
                     }
                     None => break,
@@ -1235,7 +1302,7 @@ impl DataCore {
         let had = self.solar.has_clients();
         let any = self.solar.commands(&self.shared, now);
         if !had && self.solar.has_clients() {
-            self.rx_links = self.shared.tx_links.clone();
+            self.rx_ports = (0..self.shared.link.ports()).collect();
         }
         any
     }
@@ -1259,7 +1326,7 @@ fn loop_back(
     link: usize,
     dst: SocketAddrV4,
 ) {
-    let src = shared.tx_links[link].local_addr();
+    let src = shared.link.local_addr(link);
     let mut d = spare.pop().unwrap_or_default();
     d.clear();
     d.extend_from_slice(pkt.hdr.as_bytes());
@@ -1342,7 +1409,7 @@ fn send_batch<T: Datagram>(
             k += 1;
         }
         let run = &mut msgs[sent_msgs..sent_msgs + k];
-        let took = match shared.tx_links[link].send_batch_with(run, hdrs) {
+        let took = match shared.link.send(link, run, hdrs) {
             Ok(t) => t,
             Err(e) => {
                 tracing::warn!("send failed: {e}");

@@ -273,7 +273,7 @@ struct ServerEp {
 /// A Solar packet on its way out.
 pub(super) struct SolarOut {
     t: Transmit,
-    /// The core's socket it leaves from (`EngineShared::tx_links`).
+    /// The core's port it leaves from (`EngineShared::link`).
     link: usize,
     dst: SocketAddrV4,
 }

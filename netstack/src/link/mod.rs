@@ -1,4 +1,35 @@
-//! Link backends that carry RoCEv2 datagrams. `udp` is the default (kernel UDP sockets).
+//! Links: what a data core sends and receives RoCEv2 (and Solar) datagrams through. A link has
+//! one or more ports, each with its own local address (the main socket of each local address,
+//! then the extra source ports multipath sprays over). Two implementations:
+//! - [`udp`]: kernel UDP sockets with batched `sendmmsg`/`recvmmsg`, GSO, GRO and ECN (the
+//!   default);
+//! - [`sim`]: a deterministic simulated network in one process, with a simulated clock and
+//!   fault injection (loss, duplication, reordering, corruption, partitions, path cuts) and a
+//!   pcap writer: the whole stack runs on it in the simulator tests.
 
+pub mod sim;
 pub mod sys;
 pub mod udp;
+
+use std::io;
+use std::net::SocketAddrV4;
+use std::os::fd::RawFd;
+use sys::{OutMsg, RecvBatch};
+
+/// The ports a data core sends and receives through. Every method is nonblocking.
+pub trait Link: Send + Sync {
+    /// How many ports it has.
+    fn ports(&self) -> usize;
+    /// The local address of port `port` (the source of what it sends).
+    fn local_addr(&self, port: usize) -> SocketAddrV4;
+    /// Sends a batch from `port` (`hdrs` is scratch space the caller reuses); returns how many
+    /// messages were taken. A message with a GSO size is cut into datagrams of that size.
+    fn send(&self, port: usize, msgs: &mut [OutMsg], hdrs: &mut Vec<libc::mmsghdr>) -> io::Result<usize>;
+    /// Receives what has arrived at `port` into `batch`; returns how many receives it holds.
+    fn recv(&self, port: usize, batch: &mut RecvBatch) -> io::Result<usize>;
+    /// A descriptor that becomes readable when `port` has datagrams, for a core that sleeps;
+    /// `None` when nothing needs waking (a simulated link's driver runs the core itself).
+    fn wait_fd(&self, port: usize) -> Option<RawFd>;
+    /// The IP MTU of the route to `to`, when the link knows it.
+    fn route_mtu(&self, to: SocketAddrV4) -> Option<u32>;
+}

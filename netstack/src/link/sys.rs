@@ -112,10 +112,10 @@ impl OutMsg {
     /// Appends a span of `len` bytes at `p`; false when the message has no room left.
     ///
     /// # Safety
-    /// `p..p+len` must stay valid for reads until every [`sendmmsg`] call given this message
-    /// has returned (the kernel reads the span there); a message whose spans are no longer
-    /// valid must not be sent. The memory may be shared (the kernel's reads are not Rust
-    /// accesses).
+    /// `p..p+len` must stay valid for reads until every [`sendmmsg`] or [`OutMsg::gather`] call
+    /// given this message has returned (the kernel, or `gather`, reads the span there); a
+    /// message whose spans are no longer valid must not be sent. The memory may be shared (the
+    /// kernel's reads are not Rust accesses, and `gather`'s are byte-wise atomic).
     pub unsafe fn push(&mut self, p: *const u8, len: usize) -> bool {
         if self.iovcnt == MAX_IOV {
             return false;
@@ -130,6 +130,25 @@ impl OutMsg {
     /// Spans left.
     pub fn room(&self) -> usize {
         MAX_IOV - self.iovcnt
+    }
+
+    /// Its destination.
+    pub fn destination(&self) -> SocketAddrV4 {
+        from_sockaddr(&self.dst)
+    }
+
+    /// Appends the bytes of its spans to `out`, as the kernel reads them when it sends the
+    /// message (the simulated link sends it this way). Spans into registered memory are read
+    /// with byte-wise atomic loads: a remote peer's WRITE or the application may be writing it.
+    pub fn gather(&self, out: &mut Vec<u8>) {
+        for v in &self.iov[..self.iovcnt] {
+            let at = out.len();
+            out.resize(at + v.iov_len, 0);
+            // SAFETY: the span is valid for reads until the message is sent (the contract of
+            // `push`, the only way a span gets in, covers this call); `out` is this function's
+            // own buffer, resized to hold it, and cannot overlap a span.
+            unsafe { crate::mem::load_bytes(v.iov_base as *const u8, out.as_mut_ptr().add(at), v.iov_len) };
+        }
     }
 }
 
@@ -323,6 +342,32 @@ impl RecvBatch {
     /// The IP TOS byte of receive `i` (with `IP_RECVTOS` on; its low two bits are the ECN field).
     pub fn tos(&self, i: usize) -> u8 {
         self.tos[i]
+    }
+
+    /// Fills the batch from `datagrams` (source address, TOS byte, bytes) without a system
+    /// call, as a simulated link delivers; returns how many it took (at most its size). A
+    /// datagram larger than a buffer is reported truncated, as `recvmmsg` reports it.
+    pub fn fill<'a>(&mut self, datagrams: impl Iterator<Item = (SocketAddrV4, u8, &'a [u8])>) -> usize {
+        let mut n = 0;
+        for (src, tos, data) in datagrams.take(self.bufs.len()) {
+            let buf = &mut self.bufs[n];
+            self.lens[n] = if data.len() > buf.len() {
+                usize::MAX
+            } else {
+                buf[..data.len()].copy_from_slice(data);
+                data.len()
+            };
+            self.names[n] = sockaddr(&src);
+            self.segs[n] = 0;
+            self.tos[n] = tos;
+            n += 1;
+        }
+        n
+    }
+
+    /// Buffers in the batch (the most one receive returns).
+    pub fn capacity(&self) -> usize {
+        self.bufs.len()
     }
 
     /// Bytes of staging memory this batch holds.

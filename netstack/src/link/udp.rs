@@ -94,3 +94,27 @@ impl UdpLink {
         batch.recv(self.fd())
     }
 }
+
+/// A data core's UDP sockets as a [`super::Link`]: port `i` is socket `i`.
+pub struct UdpPorts(pub Vec<UdpLink>);
+
+impl super::Link for UdpPorts {
+    fn ports(&self) -> usize {
+        self.0.len()
+    }
+    fn local_addr(&self, port: usize) -> SocketAddrV4 {
+        self.0[port].local_addr()
+    }
+    fn send(&self, port: usize, msgs: &mut [OutMsg], hdrs: &mut Vec<libc::mmsghdr>) -> io::Result<usize> {
+        self.0[port].send_batch_with(msgs, hdrs)
+    }
+    fn recv(&self, port: usize, batch: &mut RecvBatch) -> io::Result<usize> {
+        self.0[port].recv_batch(batch)
+    }
+    fn wait_fd(&self, port: usize) -> Option<RawFd> {
+        Some(self.0[port].fd())
+    }
+    fn route_mtu(&self, to: SocketAddrV4) -> Option<u32> {
+        sys::route_mtu(to).ok()
+    }
+}

@@ -28,7 +28,8 @@ mod metrics;
 pub mod solar;
 
 use crate::engine::drive::AppDrive;
-use crate::engine::{CqShared, Engine};
+use crate::engine::{CqShared, Engine, LinkKind};
+use crate::link::sim::SimNet;
 use crate::mem::{MrEntry, MrTable, Region};
 use std::net::SocketAddrV4;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -75,12 +76,30 @@ pub(crate) struct CtxInner {
     /// Congestion-control parameters and host-wide CC state shared by this context's QPs.
     pub(crate) cc_env: Arc<crate::cc::CcEnv>,
     next_qpn: AtomicU32,
+    /// Mixed into initial PSNs: the process id, or 0 on a simulated network.
+    pub(crate) salt: u32,
+    /// On a simulated network, the next I/O virtual address to give memory the context
+    /// allocates (see [`Region::at_iova`]); `None` names memory by its pointer.
+    iovas: Option<std::sync::atomic::AtomicU64>,
     next_pd: AtomicU32,
     next_cq: AtomicU32,
     /// The offloading engine whose handlers serve this context's QPs.
     pub(crate) offload: crate::offload::OffloadEngine,
     /// The context's Solar endpoints (see [`solar`]).
     pub(crate) solar: solar::SolarRegistry,
+}
+
+impl CtxInner {
+    /// `len` zeroed bytes of memory for the context to register: named by a deterministic
+    /// I/O virtual address on a simulated network, by its pointer otherwise.
+    pub(crate) fn alloc_region(&self, len: usize) -> Region {
+        let r = Region::alloc(len);
+        match &self.iovas {
+            // 1 TiB apart: past any region's end
+            Some(next) => r.at_iova(next.fetch_add(1 << 40, Ordering::Relaxed)),
+            None => r,
+        }
+    }
 }
 
 /// An open device context: one engine (data core) with its link and memory-region table.
@@ -92,16 +111,35 @@ pub struct Context {
 impl Context {
     /// Opens a context: binds the data-path socket and starts the engine.
     pub fn open(cfg: ContextConfig) -> Result<Context, VerbsError> {
+        Context::open_on(cfg, LinkKind::Udp)
+    }
+
+    /// Opens a context on a simulated network: its data cores send and receive through `net`
+    /// at the address `cfg.bind` (port 0 picks one), read the network's clock, and run only
+    /// when the network runs them ([`SimNet::step`]), in the thread that steps it. Everything
+    /// it does follows from the network's seed and the calls made on it: QPNs, PSNs and keys
+    /// do not depend on the process.
+    pub fn open_simulated(cfg: ContextConfig, net: &Arc<SimNet>) -> Result<Context, VerbsError> {
+        Context::open_on(cfg, LinkKind::Sim(net.clone()))
+    }
+
+    fn open_on(cfg: ContextConfig, kind: LinkKind) -> Result<Context, VerbsError> {
         cfg.validate()?;
         let mrs = Arc::new(MrTable::new());
-        let engine = Engine::start(&cfg, mrs.clone())?;
+        let simulated = matches!(kind, LinkKind::Sim(_));
+        let engine = Engine::start(&cfg, mrs.clone(), kind)?;
         // QPNs start at a per-context base (process, address and a per-process count mixed), so
         // contexts in one process differ and a stale packet for an earlier run's QP on a reused
-        // port is unlikely to hit a new QP
+        // port is unlikely to hit a new QP; on a simulated network, from the address alone
         static CONTEXTS: AtomicU32 = AtomicU32::new(0);
         let local = engine.cores()[0].local_addr();
-        let n = CONTEXTS.fetch_add(1, Ordering::Relaxed);
-        let mix = std::process::id() ^ u32::from(*local.ip()) ^ ((local.port() as u32) << 8) ^ (n << 16);
+        let n = if simulated {
+            0
+        } else {
+            CONTEXTS.fetch_add(1, Ordering::Relaxed)
+        };
+        let salt = if simulated { 0 } else { std::process::id() };
+        let mix = salt ^ u32::from(*local.ip()) ^ ((local.port() as u32) << 8) ^ (n << 16);
         let base = mix.wrapping_mul(2654435761) & 0x7F_FF00;
         let offload = crate::offload::OffloadEngine::new(cfg.offload, mrs);
         let ctx = Context {
@@ -110,6 +148,8 @@ impl Context {
                 cc_env: crate::cc::CcEnv::new(&cfg.cc),
                 cfg,
                 next_qpn: AtomicU32::new(base.max(0x100)),
+                salt,
+                iovas: simulated.then(|| std::sync::atomic::AtomicU64::new(1 << 40)),
                 next_pd: AtomicU32::new(1),
                 next_cq: AtomicU32::new(1),
                 offload,
@@ -204,7 +244,7 @@ pub struct Pd {
 impl Pd {
     /// Allocates `len` zeroed bytes and registers them.
     pub fn reg_mr(&self, len: usize, access: Access) -> Result<Mr, VerbsError> {
-        Ok(self.register(Arc::new(Region::alloc(len)), access))
+        Ok(self.register(Arc::new(self.ctx.inner.alloc_region(len)), access))
     }
 
     /// Registers caller memory.

@@ -117,7 +117,13 @@ impl Qp {
         qp.set_offload_sink(ctx.inner.offload.port(job_done));
         qp.modify_to_init()?;
         let mirror = Arc::new(QpMirror::default());
-        let managed = (attr.managed_slots > 0).then(|| Arc::new(crate::chain::ManagedWq::new(attr.managed_slots)));
+        let managed = (attr.managed_slots > 0).then(|| {
+            Arc::new(crate::chain::ManagedWq::new(
+                attr.managed_slots,
+                ctx.inner
+                    .alloc_region(attr.managed_slots * crate::chain::wqe::WQE_BYTES),
+            ))
+        });
         let chain = managed.as_ref().map(|wq| {
             let c = Arc::downgrade(&core);
             let _ = wq.wake.set(Box::new(move || {
@@ -145,7 +151,7 @@ impl Qp {
         // from here on the core owns it; the posts that follow queue behind this
         core.command(Command::Add(Box::new(qs)));
         // a random-ish initial PSN, as NICs pick one
-        let psn = (qpn.wrapping_mul(0x9E37_79B9) ^ std::process::id()) & crate::wire::MASK24;
+        let psn = (qpn.wrapping_mul(0x9E37_79B9) ^ ctx.inner.salt) & crate::wire::MASK24;
         Ok(Qp {
             ctx,
             qpn,
@@ -331,7 +337,8 @@ impl Qp {
             })
             .unwrap_or((self.ctx.inner.cfg.qp, 1, Default::default()));
         let ports = self.core.path_ports;
-        let links = &self.core.tx_links;
+        let link = &self.core.link;
+        let addrs = (0..link.ports()).map(|p| link.local_addr(p));
         Endpoint {
             qpn: self.qpn,
             psn: self.psn,
@@ -341,14 +348,14 @@ impl Qp {
             cc: cfg.cc,
             paths,
             spray,
-            extra_addrs: links.iter().step_by(ports).skip(1).map(|l| l.local_addr()).collect(),
-            sources: links.iter().skip(1).map(|l| l.local_addr()).collect(),
+            extra_addrs: addrs.clone().step_by(ports).skip(1).collect(),
+            sources: addrs.skip(1).collect(),
         }
     }
 
     /// Local addresses this QP's data core has sockets on.
     fn local_addrs(&self) -> usize {
-        self.core.tx_links.len() / self.core.path_ports
+        self.core.link.ports() / self.core.path_ports
     }
 
     /// The routes of `n` paths towards `remote`: path `k` uses address pair `k % pairs` and
@@ -389,8 +396,10 @@ impl Qp {
         }
         // packets leave with don't-fragment set: an MTU the route cannot carry would lose
         // every full-size packet (a 4096-byte RoCE MTU needs jumbo frames)
-        let route_mtu = crate::link::sys::route_mtu(remote.addr)
-            .ok()
+        let route_mtu = self
+            .core
+            .link
+            .route_mtu(remote.addr)
             .map(crate::wire::packet::largest_mtu_within);
         // the routes of as many paths as this context has sockets for
         let capacity = self.core.path_ports * self.local_addrs().min(1 + remote.extra_addrs.len());

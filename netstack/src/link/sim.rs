@@ -1,0 +1,519 @@
+//! A deterministic simulated network for the whole stack: the engine's real data cores send
+//! and receive through [`SimLink`]s attached to one [`SimNet`], which carries datagrams between
+//! addresses with a propagation delay, a line rate per port and seeded faults, and keeps the
+//! simulated clock the engines read. Nothing runs on its own: [`SimNet::step`] runs every
+//! attached core at the current time until none has work, then moves the clock to the next
+//! event (a datagram's arrival or a core's deadline). One thread, one seed, one outcome: two
+//! runs of the same seed deliver the same datagrams at the same times, which
+//! [`SimNet::trace_hash`] condenses.
+//!
+//! Faults: random loss, duplication, corruption (one flipped bit, which the ICRC catches) and
+//! reordering (a random extra delay per datagram, `jitter_ns`), partitions between two hosts
+//! and cuts of one path (datagrams from one source port), each for a stretch of simulated
+//! time. [`SimNet::pcap`] records what is delivered as Ethernet/IPv4/UDP frames for tshark or
+//! Wireshark.
+
+use parking_lot::Mutex;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap, VecDeque};
+use std::io::{self, Write};
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use super::sys::{OutMsg, RecvBatch};
+
+/// Datagrams an address may have waiting before more are dropped (a socket's receive buffer).
+const INBOX_LIMIT: usize = 4096;
+
+/// The random faults of a simulated network and its timing.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Faults {
+    /// Probability that a datagram is lost.
+    pub loss: f64,
+    /// Probability that a datagram is delivered twice.
+    pub duplicate: f64,
+    /// Probability that a datagram has one bit flipped.
+    pub corrupt: f64,
+    /// One-way propagation delay (ns).
+    pub delay_ns: u64,
+    /// Up to this much extra delay per datagram, drawn uniformly (ns): datagrams overtake one
+    /// another when it exceeds their spacing.
+    pub jitter_ns: u64,
+    /// Line rate of each port in bits per second (0: unlimited).
+    pub rate_bps: u64,
+    /// The IP MTU of every route.
+    pub mtu: u32,
+}
+
+impl Default for Faults {
+    fn default() -> Faults {
+        Faults {
+            loss: 0.0,
+            duplicate: 0.0,
+            corrupt: 0.0,
+            delay_ns: 5_000,
+            jitter_ns: 0,
+            rate_bps: 25_000_000_000,
+            mtu: 1500,
+        }
+    }
+}
+
+/// What the network did, counted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SimStats {
+    /// Datagrams handed to the network.
+    pub sent: u64,
+    /// Datagrams delivered to an address (duplicates included).
+    pub delivered: u64,
+    /// Lost at random.
+    pub lost: u64,
+    /// Delivered a second time.
+    pub duplicated: u64,
+    /// Delivered with a bit flipped.
+    pub corrupted: u64,
+    /// Dropped by a partition or a path cut.
+    pub blocked: u64,
+    /// Sent to an address nobody holds, or to a full inbox.
+    pub unroutable: u64,
+}
+
+/// A core attached to the network: [`SimNet::step`] runs it.
+pub trait Node: Send {
+    /// Runs one pass at simulated time `now`: whether it did anything, and the time it must
+    /// run again by.
+    fn run(&mut self, now: u64) -> (bool, Option<u64>);
+    /// Whether it still exists (a node whose context was dropped is detached).
+    fn alive(&self) -> bool;
+}
+
+struct Flight {
+    at: u64,
+    seq: u64,
+    src: SocketAddrV4,
+    dst: SocketAddrV4,
+    data: Vec<u8>,
+}
+
+impl PartialEq for Flight {
+    fn eq(&self, o: &Flight) -> bool {
+        (self.at, self.seq) == (o.at, o.seq)
+    }
+}
+impl Eq for Flight {}
+impl PartialOrd for Flight {
+    fn partial_cmp(&self, o: &Flight) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for Flight {
+    fn cmp(&self, o: &Flight) -> std::cmp::Ordering {
+        (self.at, self.seq).cmp(&(o.at, o.seq))
+    }
+}
+
+/// A stretch of time during which some datagrams are dropped.
+#[derive(Debug, Clone, Copy)]
+enum Block {
+    /// Between two hosts, both ways.
+    Partition(Ipv4Addr, Ipv4Addr, u64),
+    /// From one source address (one path of a sprayed QP).
+    Cut(SocketAddrV4, u64),
+}
+
+struct NetState {
+    rng: StdRng,
+    faults: Faults,
+    seq: u64,
+    flight: BinaryHeap<Reverse<Flight>>,
+    inboxes: BTreeMap<SocketAddrV4, VecDeque<(SocketAddrV4, Vec<u8>)>>,
+    /// When each sending port's line is free again (serialization at `rate_bps`).
+    line_free: BTreeMap<SocketAddrV4, u64>,
+    blocks: Vec<Block>,
+    stats: SimStats,
+    trace: u64,
+    pcap: Option<io::BufWriter<std::fs::File>>,
+}
+
+/// The simulated network and clock. Shared (`Arc`) by the links attached to it.
+pub struct SimNet {
+    /// Simulated time (ns). Starts at 1 s, so that no deadline is 0.
+    clock: AtomicU64,
+    state: Mutex<NetState>,
+    nodes: Mutex<Vec<Box<dyn Node>>>,
+}
+
+const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
+
+fn fnv(mut h: u64, bytes: &[u8]) -> u64 {
+    for &b in bytes {
+        h ^= b as u64;
+        h = h.wrapping_mul(FNV_PRIME);
+    }
+    h
+}
+
+fn addr_bytes(a: SocketAddrV4) -> [u8; 6] {
+    let [a0, a1, a2, a3] = a.ip().octets();
+    let [p0, p1] = a.port().to_be_bytes();
+    [a0, a1, a2, a3, p0, p1]
+}
+
+impl SimNet {
+    /// A network whose random choices all come from `seed`.
+    pub fn new(seed: u64, faults: Faults) -> Arc<SimNet> {
+        Arc::new(SimNet {
+            clock: AtomicU64::new(1_000_000_000),
+            state: Mutex::new(NetState {
+                rng: StdRng::seed_from_u64(seed),
+                faults,
+                seq: 0,
+                flight: BinaryHeap::new(),
+                inboxes: BTreeMap::new(),
+                line_free: BTreeMap::new(),
+                blocks: Vec::new(),
+                stats: SimStats::default(),
+                trace: FNV_OFFSET,
+                pcap: None,
+            }),
+            nodes: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// The simulated clock (ns).
+    pub fn now(&self) -> u64 {
+        self.clock.load(Ordering::Acquire)
+    }
+
+    /// Changes the random faults from now on.
+    pub fn set_faults(&self, f: Faults) {
+        self.state.lock().faults = f;
+    }
+
+    /// The faults in force.
+    pub fn faults(&self) -> Faults {
+        self.state.lock().faults
+    }
+
+    /// Drops every datagram between hosts `a` and `b` for the next `ns` nanoseconds.
+    pub fn partition(&self, a: Ipv4Addr, b: Ipv4Addr, ns: u64) {
+        let until = self.now() + ns;
+        self.state.lock().blocks.push(Block::Partition(a, b, until));
+    }
+
+    /// Drops every datagram sent from `src` (one path) for the next `ns` nanoseconds.
+    pub fn cut(&self, src: SocketAddrV4, ns: u64) {
+        let until = self.now() + ns;
+        self.state.lock().blocks.push(Block::Cut(src, until));
+    }
+
+    /// What the network did so far.
+    pub fn stats(&self) -> SimStats {
+        self.state.lock().stats
+    }
+
+    /// A hash of every delivery so far (time, source, destination, bytes): two runs of one
+    /// seed must end with the same hash.
+    pub fn trace_hash(&self) -> u64 {
+        self.state.lock().trace
+    }
+
+    /// Records every datagram delivered from now on to a pcap file at `path`.
+    pub fn pcap(&self, path: &std::path::Path) -> io::Result<()> {
+        let mut w = io::BufWriter::new(std::fs::File::create(path)?);
+        // classic pcap, microsecond timestamps, Ethernet frames
+        w.write_all(&0xa1b2_c3d4u32.to_le_bytes())?;
+        w.write_all(&2u16.to_le_bytes())?;
+        w.write_all(&4u16.to_le_bytes())?;
+        w.write_all(&[0; 8])?;
+        w.write_all(&65_535u32.to_le_bytes())?;
+        w.write_all(&1u32.to_le_bytes())?;
+        self.state.lock().pcap = Some(w);
+        Ok(())
+    }
+
+    /// A link with one port per address of `addrs`; a port of 0 picks a free one. Fails with
+    /// `AddrInUse` for an address another link holds.
+    pub fn link(self: &Arc<SimNet>, addrs: &[SocketAddrV4]) -> io::Result<SimLink> {
+        let mut s = self.state.lock();
+        let mut taken = Vec::new();
+        for &a in addrs {
+            let mut a = a;
+            if a.port() == 0 {
+                let mut port = 40_000u16;
+                while s.inboxes.contains_key(&SocketAddrV4::new(*a.ip(), port))
+                    || taken.contains(&SocketAddrV4::new(*a.ip(), port))
+                {
+                    port = port
+                        .checked_add(1)
+                        .ok_or_else(|| io::Error::new(io::ErrorKind::AddrInUse, "no free simulated port"))?;
+                }
+                a.set_port(port);
+            } else if s.inboxes.contains_key(&a) || taken.contains(&a) {
+                return Err(io::Error::new(
+                    io::ErrorKind::AddrInUse,
+                    format!("simulated address {a} is held"),
+                ));
+            }
+            taken.push(a);
+        }
+        for &a in &taken {
+            s.inboxes.insert(a, VecDeque::new());
+        }
+        Ok(SimLink {
+            net: self.clone(),
+            addrs: taken,
+        })
+    }
+
+    /// Attaches a core: [`SimNet::step`] runs it from now on.
+    pub fn attach(&self, node: Box<dyn Node>) {
+        self.nodes.lock().push(node);
+    }
+
+    /// Runs every attached core at the current time until none has work and no datagram is
+    /// due, then moves the clock to the next event. Returns false when nothing is left to
+    /// happen (no datagram in flight, no deadline).
+    pub fn step(&self) -> bool {
+        let now = self.now();
+        let mut nodes = self.nodes.lock();
+        nodes.retain(|n| n.alive());
+        let mut next = None;
+        for _ in 0..10_000 {
+            let delivered = self.deliver_due(now);
+            let mut work = false;
+            next = None;
+            for n in nodes.iter_mut() {
+                let (w, d) = n.run(now);
+                work |= w;
+                next = earliest(next, d);
+            }
+            if !work && !delivered {
+                break;
+            }
+        }
+        drop(nodes);
+        let arrival = self.state.lock().flight.peek().map(|f| f.0.at);
+        match earliest(next, arrival) {
+            Some(t) => {
+                self.clock.store(t.max(now + 1), Ordering::Release);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Steps until `until` returns true or `ns` of simulated time pass; returns whether
+    /// `until` held.
+    pub fn run_until(&self, ns: u64, mut until: impl FnMut() -> bool) -> bool {
+        let end = self.now() + ns;
+        loop {
+            if until() {
+                return true;
+            }
+            if self.now() >= end {
+                return false;
+            }
+            if !self.step() {
+                // nothing scheduled: time passes to the end
+                self.clock.fetch_max(end, Ordering::AcqRel);
+            }
+        }
+    }
+
+    /// Moves datagrams whose arrival time has come into their inboxes; returns whether any.
+    fn deliver_due(&self, now: u64) -> bool {
+        let mut s = self.state.lock();
+        let mut any = false;
+        while s.flight.peek().is_some_and(|f| f.0.at <= now) {
+            let Some(Reverse(f)) = s.flight.pop() else { break };
+            any = true;
+            let mut h = fnv(s.trace, &f.at.to_le_bytes());
+            h = fnv(h, &addr_bytes(f.src));
+            h = fnv(h, &addr_bytes(f.dst));
+            s.trace = fnv(h, &f.data);
+            if let Some(w) = s.pcap.as_mut() {
+                let _ = write_frame(w, f.at, f.src, f.dst, &f.data);
+            }
+            match s.inboxes.get_mut(&f.dst) {
+                Some(q) if q.len() < INBOX_LIMIT => {
+                    q.push_back((f.src, f.data));
+                    s.stats.delivered += 1;
+                }
+                _ => s.stats.unroutable += 1,
+            }
+        }
+        any
+    }
+
+    /// Puts one datagram on the wire at `now`, with the faults drawn for it.
+    fn transmit(&self, src: SocketAddrV4, dst: SocketAddrV4, data: Vec<u8>) {
+        let now = self.now();
+        let mut s = self.state.lock();
+        let s = &mut *s;
+        s.stats.sent += 1;
+        s.blocks.retain(|b| match *b {
+            Block::Partition(_, _, until) | Block::Cut(_, until) => until > now,
+        });
+        let blocked = s.blocks.iter().any(|b| match *b {
+            Block::Partition(a, b, _) => (*src.ip() == a && *dst.ip() == b) || (*src.ip() == b && *dst.ip() == a),
+            Block::Cut(c, _) => c == src,
+        });
+        let f = s.faults;
+        // serialization on the sending port's line, then propagation
+        let wire = (data.len() as u64 + 46) * 8;
+        let tx_ns = (wire * 1_000_000_000).checked_div(f.rate_bps).unwrap_or(0);
+        let free = s.line_free.entry(src).or_insert(0);
+        let depart = (*free).max(now) + tx_ns;
+        *free = depart;
+        if blocked {
+            s.stats.blocked += 1;
+            return;
+        }
+        if s.rng.random_bool(f.loss.clamp(0.0, 1.0)) {
+            s.stats.lost += 1;
+            return;
+        }
+        let mut data = data;
+        if !data.is_empty() && s.rng.random_bool(f.corrupt.clamp(0.0, 1.0)) {
+            let bit = s.rng.random_range(0..data.len() * 8);
+            data[bit / 8] ^= 1 << (bit % 8);
+            s.stats.corrupted += 1;
+        }
+        let copies = if s.rng.random_bool(f.duplicate.clamp(0.0, 1.0)) {
+            s.stats.duplicated += 1;
+            2
+        } else {
+            1
+        };
+        for k in 0..copies {
+            let jitter = if f.jitter_ns > 0 {
+                s.rng.random_range(0..=f.jitter_ns)
+            } else {
+                0
+            };
+            s.seq += 1;
+            let flight = Flight {
+                at: depart + f.delay_ns + jitter,
+                seq: s.seq,
+                src,
+                dst,
+                data: if k + 1 == copies {
+                    std::mem::take(&mut data)
+                } else {
+                    data.clone()
+                },
+            };
+            s.flight.push(Reverse(flight));
+        }
+    }
+}
+
+fn earliest(a: Option<u64>, b: Option<u64>) -> Option<u64> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+/// One pcap record: the datagram in an Ethernet/IPv4/UDP frame (zero MACs, DF set, no UDP
+/// checksum: RoCEv2's ICRC covers the payload).
+fn write_frame(w: &mut impl Write, at: u64, src: SocketAddrV4, dst: SocketAddrV4, data: &[u8]) -> io::Result<()> {
+    let ip_len = 20 + 8 + data.len();
+    let frame = 14 + ip_len;
+    w.write_all(&((at / 1_000_000_000) as u32).to_le_bytes())?;
+    w.write_all(&(((at % 1_000_000_000) / 1_000) as u32).to_le_bytes())?;
+    w.write_all(&(frame as u32).to_le_bytes())?;
+    w.write_all(&(frame as u32).to_le_bytes())?;
+    let mut eth = [0u8; 14];
+    eth[12..].copy_from_slice(&0x0800u16.to_be_bytes());
+    w.write_all(&eth)?;
+    let mut ip = [0u8; 20];
+    ip[0] = 0x45;
+    ip[2..4].copy_from_slice(&(ip_len as u16).to_be_bytes());
+    ip[6] = 0x40; // don't fragment
+    ip[8] = 64;
+    ip[9] = 17;
+    ip[12..16].copy_from_slice(&src.ip().octets());
+    ip[16..20].copy_from_slice(&dst.ip().octets());
+    let mut sum: u32 = ip.chunks(2).map(|c| u16::from_be_bytes([c[0], c[1]]) as u32).sum();
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    ip[10..12].copy_from_slice(&(!(sum as u16)).to_be_bytes());
+    w.write_all(&ip)?;
+    w.write_all(&src.port().to_be_bytes())?;
+    w.write_all(&dst.port().to_be_bytes())?;
+    w.write_all(&((8 + data.len()) as u16).to_be_bytes())?;
+    w.write_all(&[0, 0])?;
+    w.write_all(data)?;
+    w.flush()
+}
+
+/// A data core's ports on a [`SimNet`].
+pub struct SimLink {
+    net: Arc<SimNet>,
+    addrs: Vec<SocketAddrV4>,
+}
+
+impl SimLink {
+    /// The network it is attached to.
+    pub fn net(&self) -> &Arc<SimNet> {
+        &self.net
+    }
+}
+
+impl Drop for SimLink {
+    fn drop(&mut self) {
+        let mut s = self.net.state.lock();
+        for a in &self.addrs {
+            s.inboxes.remove(a);
+        }
+    }
+}
+
+impl super::Link for SimLink {
+    fn ports(&self) -> usize {
+        self.addrs.len()
+    }
+    fn local_addr(&self, port: usize) -> SocketAddrV4 {
+        self.addrs[port]
+    }
+    fn send(&self, port: usize, msgs: &mut [OutMsg], _hdrs: &mut Vec<libc::mmsghdr>) -> io::Result<usize> {
+        let src = self.addrs[port];
+        for m in msgs.iter() {
+            let mut bytes = Vec::new();
+            m.gather(&mut bytes);
+            let dst = m.destination();
+            if m.gso == 0 {
+                self.net.transmit(src, dst, bytes);
+            } else {
+                for seg in bytes.chunks(m.gso as usize) {
+                    self.net.transmit(src, dst, seg.to_vec());
+                }
+            }
+        }
+        Ok(msgs.len())
+    }
+    fn recv(&self, port: usize, batch: &mut RecvBatch) -> io::Result<usize> {
+        let mut s = self.net.state.lock();
+        let Some(q) = s.inboxes.get_mut(&self.addrs[port]) else {
+            return Ok(0);
+        };
+        let k = q.len().min(batch.capacity());
+        let n = batch.fill(q.iter().take(k).map(|(src, d)| (*src, 0u8, d.as_slice())));
+        q.drain(..n);
+        Ok(n)
+    }
+    fn wait_fd(&self, _port: usize) -> Option<RawFd> {
+        None
+    }
+    fn route_mtu(&self, _to: SocketAddrV4) -> Option<u32> {
+        Some(self.net.state.lock().faults.mtu)
+    }
+}
