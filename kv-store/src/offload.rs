@@ -1,10 +1,12 @@
-//! The gets served inside the stack: offload handlers registered with
-//! [`netstack::offload::OffloadEngine::register_opcode`], running on the engine's offload
-//! threads next to the data, with no application thread involved.
+//! The gets served inside the stack: offload handlers registered with the context's offload
+//! engine, running next to the data (on the data core, or the engine's offload threads), with
+//! no application thread involved.
 //!
 //! - [`get_handler`] ([`OFFLOAD_GET`]): walks the key's bucket chain with engine DMA reads,
 //!   validates the entry (versions, CRC, key, incarnation), rereads a torn copy locally, and
-//!   replies with the value: one round trip.
+//!   replies with the value: one round trip. It and the multi-get are registered inline: they
+//!   run on the data core that received the request, and only a torn entry (a write in
+//!   progress) moves them to the offload threads to be reread there.
 //! - [`hybrid_handler`] ([`OFFLOAD_HYBRID_GET`], DrTM-KV A4+A5): a bounded [`HotCache`] of
 //!   values answers hot keys directly; for any other key the handler walks only the index and
 //!   answers with the entry's address, which the client READs (the value stays in host memory
@@ -62,13 +64,31 @@ fn reply(mut call: OffloadCall, r: GetReply, payload: &[u8]) -> Result<netstack:
     call.submit_resp()
 }
 
+/// Looks `key` up from a handler. An inline handler runs on a data core, where waiting for a
+/// writer would stall the core's other QPs: the first lookup does not reread a torn entry (a
+/// write in progress); then the handler yields, which moves it to the offload threads, and
+/// looks up again there, rereading for up to [`store::MAX_TORN_WAIT`].
+async fn lookup(
+    call: &OffloadCall,
+    at: Mapped,
+    g: &Geometry,
+    key: &[u8],
+) -> Result<Option<store::Found>, OffloadError> {
+    let mem = DmaMem { call, at };
+    if let Ok((found, _)) = store::lookup_within(&mem, g, key, std::time::Duration::ZERO) {
+        return Ok(found);
+    }
+    tokio::task::yield_now().await;
+    Ok(store::lookup(&mem, g, key)
+        .map_err(|e| OffloadError::Handler(e.to_string()))?
+        .0)
+}
+
 /// The offloaded get of the store at `at`.
 pub fn get_handler(at: Mapped, g: Geometry) -> impl OffloadHandler {
     move |call: OffloadCall| async move {
         let key = key_of(&call)?;
-        let found = store::lookup(&DmaMem { call: &call, at }, &g, &key)
-            .map_err(|e| OffloadError::Handler(e.to_string()))?
-            .0;
+        let found = lookup(&call, at, &g, &key).await?;
         match found {
             Some(f) => reply(
                 call,
@@ -105,9 +125,7 @@ pub fn multi_get_handler(at: Mapped, g: Geometry) -> impl OffloadHandler {
         let cap = call.resp_capacity();
         let mut out = Vec::with_capacity(cap.min(64 * 1024));
         for k in &keys {
-            let found = store::lookup(&DmaMem { call: &call, at }, &g, k)
-                .map_err(|e| OffloadError::Handler(e.to_string()))?
-                .0;
+            let found = lookup(&call, at, &g, k).await?;
             // room for this reply and a header for each key after it
             let after = (keys.len() - 1) * GET_REPLY_HEADER;
             let (r, v): (GetReply, &[u8]) = match &found {

@@ -521,9 +521,11 @@ impl KvServer {
             rkey: mr.rkey(),
         };
         let offloads = vec![
-            off.register_opcode(OFFLOAD_GET, QpFilter::Any, get_handler(at, geometry))
+            // a get walks a bounded bucket chain with DMA reads and never waits: it runs on
+            // the data core that received it, and its response leaves in that pass
+            off.register_inline(OFFLOAD_GET, QpFilter::Any, get_handler(at, geometry))
                 .map_err(|e| KvError::Config(e.to_string()))?,
-            off.register_opcode(OFFLOAD_MULTI_GET, QpFilter::Any, multi_get_handler(at, geometry))
+            off.register_inline(OFFLOAD_MULTI_GET, QpFilter::Any, multi_get_handler(at, geometry))
                 .map_err(|e| KvError::Config(e.to_string()))?,
             off.register_opcode(
                 OFFLOAD_HYBRID_GET,

@@ -112,6 +112,17 @@ pub const MAX_TORN_WAIT: Duration = Duration::from_millis(25);
 /// Looks `key` up: walks its bucket chain, copies the entry, validates, retries torn copies.
 /// Returns the entry and the number of buckets visited.
 pub fn lookup<M: ReadMem + ?Sized>(m: &M, g: &Geometry, key: &[u8]) -> Result<(Option<Found>, u32), KvError> {
+    lookup_within(m, g, key, MAX_TORN_WAIT)
+}
+
+/// [`lookup`], rereading a torn entry for at most `torn_wait` (zero: a torn entry is an error
+/// at once, for a caller that must not wait for a writer).
+pub fn lookup_within<M: ReadMem + ?Sized>(
+    m: &M,
+    g: &Geometry,
+    key: &[u8],
+    torn_wait: Duration,
+) -> Result<(Option<Found>, u32), KvError> {
     let word = layout::key_word(key);
     let mut bucket = [0u8; BUCKET_LEN];
     let mut entry = Vec::new();
@@ -168,9 +179,9 @@ pub fn lookup<M: ReadMem + ?Sized>(m: &M, g: &Geometry, key: &[u8]) -> Result<(O
                             skip = 0;
                             torn += 1;
                             let since = *torn_since.get_or_insert_with(Instant::now);
-                            if since.elapsed() > MAX_TORN_WAIT {
+                            if since.elapsed() >= torn_wait {
                                 return Err(KvError::Corrupt(format!(
-                                    "entry {offset:#x} still inconsistent ({why:?}, versions {} and {}) after {torn} reads in {MAX_TORN_WAIT:?}",
+                                    "entry {offset:#x} still inconsistent ({why:?}, versions {} and {}) after {torn} reads in {torn_wait:?}",
                                     layout::entry_version(&entry),
                                     layout::entry_version(&entry[entry.len() - 8..]),
                                 )));

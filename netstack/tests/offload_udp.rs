@@ -498,3 +498,85 @@ fn offload_dma_reaches_only_what_the_requesting_qp_may() {
     assert_eq!(client.qp.state(), QpState::Rts);
     assert_eq!(off.stats().dma_ops, 4, "only the permitted DMAs ran");
 }
+
+#[test]
+fn inline_handlers_run_on_the_receiving_core_and_go_on_elsewhere_when_they_wait() {
+    use std::sync::{Arc, Mutex};
+    let (client, server) = pair(&ContextConfig::default());
+    let data: Vec<u8> = (0..4096u32).map(|i| (i * 13 % 251) as u8).collect();
+    server.mr.write(0, &data);
+    let off = server.ctx.offload();
+    let _d = off.register_dma_region(&server.mr, false);
+    // a built-in, inline: the same answer as on the offload threads
+    let _b = off
+        .register_inline(builtin::BATCH_READ, QpFilter::Any, builtin::batch_read())
+        .unwrap();
+    let base = server.mr.addr();
+    let req = builtin::encode_batch_read(server.mr.rkey(), &[(base + 10, 100), (base + 3000, 50)]);
+    let wc = offload(&client, builtin::BATCH_READ, &req, 4096);
+    assert_eq!((wc.status, wc.byte_len), (WcStatus::Success, 150), "{wc:?}");
+    let got = resp(&client, 150);
+    assert_eq!(&got[..100], &data[10..110]);
+    assert_eq!(&got[100..], &data[3000..3050]);
+    // where a handler runs: on the data core's thread until it waits, then on an offload thread
+    let threads: Arc<Mutex<Vec<String>>> = Arc::default();
+    let name = || std::thread::current().name().unwrap_or("").to_string();
+    let t = threads.clone();
+    let _w = off
+        .register_inline(0x0C01, QpFilter::Any, move |mut call: OffloadCall| {
+            let t = t.clone();
+            async move {
+                t.lock().unwrap().push(name());
+                if call.request() == b"wait" {
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                    t.lock().unwrap().push(name());
+                }
+                call.alloc_resp(4)?;
+                call.resp_mut().copy_from_slice(b"done");
+                call.submit_resp()
+            }
+        })
+        .unwrap();
+    let wc = offload(&client, 0x0C01, b"now", 64);
+    assert_eq!((wc.status, wc.byte_len), (WcStatus::Success, 4), "{wc:?}");
+    assert_eq!(&resp(&client, 4), b"done");
+    let wc = offload(&client, 0x0C01, b"wait", 64);
+    assert_eq!((wc.status, wc.byte_len), (WcStatus::Success, 4), "{wc:?}");
+    let seen = threads.lock().unwrap().clone();
+    assert_eq!(seen.len(), 3, "{seen:?}");
+    assert!(
+        seen[0].starts_with("flexns-core") && seen[1].starts_with("flexns-core"),
+        "{seen:?}"
+    );
+    assert!(seen[2].starts_with("flexns-offload"), "after its wait: {seen:?}");
+    // a panic and a DMA fault inline: answered, and the QP and core keep serving
+    let _p = off
+        .register_inline(0x0C02, QpFilter::Any, |_call: OffloadCall| async move {
+            if std::hint::black_box(true) {
+                panic!("inline handler panics (expected by the test)");
+            }
+            Err(OffloadError::Handler("unreachable".into()))
+        })
+        .unwrap();
+    let wc = offload(&client, 0x0C02, b"x", 64);
+    assert_eq!(
+        (wc.status, wc.vendor_err),
+        (WcStatus::RemOpErr, OffloadStatus::Panicked as u32),
+        "{wc:?}"
+    );
+    let wc = offload(
+        &client,
+        builtin::BATCH_READ,
+        &builtin::encode_batch_read(server.mr.rkey(), &[(base + (1 << 20) - 8, 64)]),
+        4096,
+    );
+    assert_eq!(
+        (wc.status, wc.vendor_err),
+        (WcStatus::RemOpErr, OffloadStatus::DmaFault as u32),
+        "{wc:?}"
+    );
+    let wc = offload(&client, builtin::BATCH_READ, &req, 4096);
+    assert_eq!(wc.status, WcStatus::Success);
+    let st = off.stats();
+    assert_eq!((st.ok, st.panics, st.errors), (4, 1, 1), "{st:?}");
+}

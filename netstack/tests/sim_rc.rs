@@ -984,10 +984,10 @@ impl netstack::transport::rc::offload::OffloadSink for LateSink {
     fn submit(
         &self,
         job: Arc<netstack::transport::rc::offload::OffloadJob>,
-    ) -> Result<(), netstack::transport::rc::offload::OffloadStatus> {
+    ) -> Option<netstack::transport::rc::offload::Outcome> {
         self.runs.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.jobs.lock().push(job);
-        Ok(())
+        None
     }
     fn budget_ns(&self, _: u32, _: u16) -> u64 {
         1 << 40

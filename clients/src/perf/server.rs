@@ -380,12 +380,12 @@ pub fn run(args: ServerArgs) -> Result<()> {
     // offloads: batched READ over the main region, list walk over the list (read-only DMA)
     let off = ctx.offload();
     let _offloads = [
-        off.register_opcode(
+        off.register_inline(
             netstack::offload::builtin::BATCH_READ,
             netstack::offload::QpFilter::Any,
             netstack::offload::builtin::batch_read(),
         )?,
-        off.register_opcode(
+        off.register_inline(
             netstack::offload::builtin::LIST_WALK,
             netstack::offload::QpFilter::Any,
             netstack::offload::builtin::list_walk(netstack::offload::builtin::ListLayout::packed(super::VALUE_LEN)),

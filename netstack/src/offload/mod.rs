@@ -22,7 +22,13 @@
 //! }
 //! ```
 //!
-//! Isolation: a handler never runs on a data core, so a slow one cannot stall packet
+//! Handlers of bounded cost that do not block (the [`builtin`] ones, a key-value get) may be
+//! registered to run **inline** ([`OffloadEngine::register_inline`]): on the data core that
+//! received the request, inside the pass that received it, so the response leaves in that pass
+//! with no hand-off to another thread. An inline handler that waits on something not ready
+//! goes on from there on the offload threads.
+//!
+//! Isolation: other handlers never run on a data core, so a slow one cannot stall packet
 //! processing; each has a time budget (`offload.budget_us`, or per registration) after which
 //! the responder answers TIMEOUT and the handler's task is dropped at its next await; a panic is
 //! caught and answered PANICKED; every failure reaches the client as a completion with
@@ -144,7 +150,8 @@ impl OffloadError {
 /// The future a handler returns.
 pub type HandlerFuture = Pin<Box<dyn Future<Output = Result<OffloadReply, OffloadError>> + Send>>;
 
-/// An offload handler: called once per request, on an offload thread.
+/// An offload handler: called once per request, on an offload thread (or, registered inline,
+/// first on the data core that received the request).
 pub trait OffloadHandler: Send + Sync + 'static {
     /// Serves one request; the future runs on an offload thread within the handler's budget.
     fn call(&self, call: OffloadCall) -> HandlerFuture;
@@ -193,8 +200,11 @@ struct Registration {
     filter: QpFilter,
     handler: Arc<dyn OffloadHandler>,
     budget_ns: u64,
-    /// `flexns_offload_handler_duration_seconds{opcode}`: each call's time on its offload
-    /// thread (a handle taken at registration: serve metrics before registering handlers).
+    /// Runs on the receiving data core until it first waits ([`OffloadEngine::register_inline`]).
+    inline: bool,
+    /// `flexns_offload_handler_duration_seconds{opcode}`: each call's time, inline or on its
+    /// offload thread (a handle taken at registration: serve metrics before registering
+    /// handlers).
     latency: metrics::Histogram,
 }
 
@@ -337,6 +347,25 @@ impl OffloadEngine {
         self.register_with_budget(opcode, filter, handler, Duration::from_micros(self.inner.cfg.budget_us))
     }
 
+    /// Registers a handler of bounded cost that does not block (the [`builtin`] ones, a
+    /// key-value get) to run **inline**: on the data core that received the request, inside
+    /// the pass that received it, so its response leaves in that pass with no hand-off to an
+    /// offload thread. It runs until it first waits on something that is not ready (a DMA wait
+    /// is ready at once); from there it goes on on the offload threads, within the default
+    /// time budget. While it runs on the core nothing preempts it: a handler that loops or
+    /// blocks there stalls every QP of that core, so register such handlers with
+    /// [`OffloadEngine::register_opcode`]. A panic is caught and answered PANICKED, as on the
+    /// offload threads.
+    pub fn register_inline(
+        &self,
+        opcode: u16,
+        filter: QpFilter,
+        handler: impl OffloadHandler,
+    ) -> Result<Registered, OffloadError> {
+        let budget = Duration::from_micros(self.inner.cfg.budget_us);
+        self.register(opcode, filter, Arc::new(handler), budget, true)
+    }
+
     /// [`OffloadEngine::register_opcode`] with a time budget of its own.
     pub fn register_with_budget(
         &self,
@@ -344,6 +373,17 @@ impl OffloadEngine {
         filter: QpFilter,
         handler: impl OffloadHandler,
         budget: Duration,
+    ) -> Result<Registered, OffloadError> {
+        self.register(opcode, filter, Arc::new(handler), budget, false)
+    }
+
+    fn register(
+        &self,
+        opcode: u16,
+        filter: QpFilter,
+        handler: Arc<dyn OffloadHandler>,
+        budget: Duration,
+        inline: bool,
     ) -> Result<Registered, OffloadError> {
         if RESERVED_OPCODES.contains(&opcode) {
             return Err(OffloadError::Opcode(opcode));
@@ -358,8 +398,9 @@ impl OffloadEngine {
             id,
             opcode,
             filter,
-            handler: Arc::new(handler),
+            handler,
             budget_ns: budget.as_nanos().clamp(1, u64::MAX as u128) as u64,
+            inline,
             latency: metrics::histogram!(
                 "flexns_offload_handler_duration_seconds",
                 "opcode" => format!("{opcode:#06x}")
@@ -402,13 +443,58 @@ impl OffloadEngine {
         })
     }
 
-    fn lookup(&self, qpn: u32, opcode: u16) -> Option<(Arc<dyn OffloadHandler>, u64, metrics::Histogram)> {
+    fn lookup(&self, qpn: u32, opcode: u16) -> Option<Found> {
         self.inner
             .handlers
             .read()
             .iter()
             .find(|r| r.opcode == opcode && r.filter.admits(qpn))
-            .map(|r| (r.handler.clone(), r.budget_ns, r.latency.clone()))
+            .map(|r| Found {
+                handler: r.handler.clone(),
+                budget_ns: r.budget_ns,
+                inline: r.inline,
+                latency: r.latency.clone(),
+            })
+    }
+}
+
+/// The registration serving a request.
+struct Found {
+    handler: Arc<dyn OffloadHandler>,
+    budget_ns: u64,
+    inline: bool,
+    latency: metrics::Histogram,
+}
+
+/// What running a handler's future came to: its result, a caught panic, or the budget passed.
+type Ran =
+    Result<Result<Result<OffloadReply, OffloadError>, Box<dyn std::any::Any + Send>>, tokio::time::error::Elapsed>;
+
+impl Inner {
+    /// Counts how a job of `opcode` on QP `qpn` ended and turns it into its outcome.
+    fn outcome(&self, qpn: u32, opcode: u16, ran: Ran) -> crate::transport::rc::offload::Outcome {
+        let c = &self.counters;
+        let empty = || Arc::from(&[][..]);
+        match ran {
+            Ok(Ok(Ok(reply))) => {
+                c.ok.fetch_add(1, Ordering::Relaxed);
+                (OffloadStatus::Ok, reply.data)
+            }
+            Ok(Ok(Err(e))) => {
+                tracing::debug!("offload opcode {opcode:#x} on QP {qpn:#x}: {e}");
+                c.errors.fetch_add(1, Ordering::Relaxed);
+                (e.status(), empty())
+            }
+            Ok(Err(_)) => {
+                tracing::warn!("offload handler for opcode {opcode:#x} panicked (caught)");
+                c.panics.fetch_add(1, Ordering::Relaxed);
+                (OffloadStatus::Panicked, empty())
+            }
+            Err(_) => {
+                c.timeouts.fetch_add(1, Ordering::Relaxed);
+                (OffloadStatus::Timeout, empty())
+            }
+        }
     }
 }
 
@@ -429,26 +515,22 @@ impl OffloadSink for OffloadPort {
     fn budget_ns(&self, qpn: u32, opcode: u16) -> u64 {
         self.engine
             .lookup(qpn, opcode)
-            .map_or(self.engine.inner.cfg.budget_us * 1000, |(_, b, _)| b)
+            .map_or(self.engine.inner.cfg.budget_us * 1000, |f| f.budget_ns)
     }
 
-    fn submit(&self, job: Arc<OffloadJob>) -> Result<(), OffloadStatus> {
+    fn submit(&self, job: Arc<OffloadJob>) -> Option<crate::transport::rc::offload::Outcome> {
         let inner = &self.engine.inner;
         let c = &inner.counters;
         c.requests.fetch_add(1, Ordering::Relaxed);
-        let qpn = job.qpn;
-        let Some((handler, budget_ns, latency)) = self.engine.lookup(qpn, job.opcode) else {
+        let (qpn, opcode) = (job.qpn, job.opcode);
+        let refused = |st| Some((st, Arc::from(&[][..])));
+        let Some(found) = self.engine.lookup(qpn, opcode) else {
             c.no_handler.fetch_add(1, Ordering::Relaxed);
-            return Err(OffloadStatus::NoHandler); // answered by the responder in this pass
+            return refused(OffloadStatus::NoHandler); // answered by the responder in this pass
         };
         let Some(rt) = inner.rt.get() else {
-            return Err(OffloadStatus::NoHandler);
+            return refused(OffloadStatus::NoHandler);
         };
-        if inner.inflight.fetch_add(1, Ordering::AcqRel) >= inner.cfg.max_inflight {
-            inner.inflight.fetch_sub(1, Ordering::AcqRel);
-            c.overloaded.fetch_add(1, Ordering::Relaxed);
-            return Err(OffloadStatus::Overloaded);
-        }
         let call = OffloadCall {
             job: job.clone(),
             dma: inner.dma.clone(),
@@ -457,44 +539,40 @@ impl OffloadSink for OffloadPort {
             next_dma: 0,
             done_dma: 0,
         };
+        let started = std::time::Instant::now();
+        let mut fut = std::panic::AssertUnwindSafe(found.handler.call(call)).catch_unwind();
+        if found.inline {
+            // one poll on this core, inside the runtime's context (a handler that starts a
+            // timer or a task registers it there); the waker is a no-op because a handler
+            // that is not done goes to the runtime, which polls it again with its own
+            let _rt = rt.enter();
+            let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+            if let std::task::Poll::Ready(r) = Pin::new(&mut fut).poll(&mut cx) {
+                found.latency.record(started.elapsed().as_secs_f64());
+                return Some(inner.outcome(qpn, opcode, Ok(r)));
+            }
+        }
+        if inner.inflight.fetch_add(1, Ordering::AcqRel) >= inner.cfg.max_inflight && !found.inline {
+            inner.inflight.fetch_sub(1, Ordering::AcqRel);
+            c.overloaded.fetch_add(1, Ordering::Relaxed);
+            return refused(OffloadStatus::Overloaded);
+        }
         let engine = Arc::downgrade(inner);
         let core = self.core.clone();
+        let (budget_ns, latency) = (found.budget_ns, found.latency);
         inner.submitted.fetch_add(1, Ordering::Release);
         rt.spawn(async move {
-            let started = std::time::Instant::now();
-            let fut = std::panic::AssertUnwindSafe(handler.call(call)).catch_unwind();
             let res = tokio::time::timeout(Duration::from_nanos(budget_ns), fut).await;
             latency.record(started.elapsed().as_secs_f64());
             let Some(inner) = engine.upgrade() else { return };
-            let c = &inner.counters;
-            let empty = || Arc::from(&[][..]);
-            let outcome = match res {
-                Ok(Ok(Ok(reply))) => {
-                    c.ok.fetch_add(1, Ordering::Relaxed);
-                    (OffloadStatus::Ok, reply.data)
-                }
-                Ok(Ok(Err(e))) => {
-                    tracing::debug!("offload opcode {:#x} on QP {qpn:#x}: {e}", job.opcode);
-                    c.errors.fetch_add(1, Ordering::Relaxed);
-                    (e.status(), empty())
-                }
-                Ok(Err(_)) => {
-                    tracing::warn!("offload handler for opcode {:#x} panicked (caught)", job.opcode);
-                    c.panics.fetch_add(1, Ordering::Relaxed);
-                    (OffloadStatus::Panicked, empty())
-                }
-                Err(_) => {
-                    c.timeouts.fetch_add(1, Ordering::Relaxed);
-                    (OffloadStatus::Timeout, empty())
-                }
-            };
+            let outcome = inner.outcome(qpn, opcode, res);
             inner.inflight.fetch_sub(1, Ordering::AcqRel);
             // (the QP's core drops it if the responder already answered TIMEOUT)
             if let Some(c) = core.upgrade() {
                 c.job_finished(qpn, job.id, outcome);
             }
         });
-        Ok(())
+        None
     }
 }
 

@@ -12,7 +12,9 @@
 //!   (status, total length), so their data is at most MTU - 8. Packets past the end of a short
 //!   response carry no data.
 //!
-//! A job's outcome comes back as an event: the engine applies it to the QP on the QP's own
+//! A job that ends within [`OffloadSink::submit`] (refused at once, or a handler of bounded
+//! cost run on the receiving core) is answered in the pass that received it. Otherwise its
+//! outcome comes back as an event: the engine applies it to the QP on the QP's own
 //! data core ([`crate::transport::rc::RcQp::offload_finished`]), so the transport state has one
 //! writer. The first outcome wins: the responder answers TIMEOUT itself when the budget passes,
 //! and a handler's later outcome is dropped.
@@ -107,10 +109,11 @@ pub type Outcome = (OffloadStatus, Arc<[u8]>);
 /// Where a QP's responder hands offload jobs. The engine's implementation runs the registered
 /// handler on an offload thread and sends the outcome to the QP's data core as an event.
 pub trait OffloadSink: Send + Sync {
-    /// Starts `job`; must not block. `Err` is a job that failed at once (no handler, the
-    /// offload threads saturated); otherwise its outcome arrives later, through
+    /// Starts `job`; must not block. Returns its outcome when the job ended within the call
+    /// (no handler, the offload threads saturated, or a handler run on the calling core that
+    /// finished); otherwise (`None`) the outcome arrives later, through
     /// [`crate::transport::rc::RcQp::offload_finished`].
-    fn submit(&self, job: Arc<OffloadJob>) -> Result<(), OffloadStatus>;
+    fn submit(&self, job: Arc<OffloadJob>) -> Option<Outcome>;
     /// Time budget of a handler for `opcode` on QP `qpn`, in nanoseconds.
     fn budget_ns(&self, qpn: u32, opcode: u16) -> u64;
 }

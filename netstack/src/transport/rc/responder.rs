@@ -672,11 +672,17 @@ impl Responder {
                 s.epsn = p + n as u64;
             }
             Action::Offload { job, n } => {
-                let failed = match &qp.offload {
-                    Some(sink) => sink.submit(job.clone()).err(),
-                    None => Some(OffloadStatus::NoHandler),
-                };
-                let outcome: Option<Outcome> = failed.map(|st| (st, Arc::from(&[][..])));
+                let outcome: Option<Outcome> = match &qp.offload {
+                    Some(sink) => sink.submit(job.clone()),
+                    None => Some((OffloadStatus::NoHandler, Arc::from(&[][..]))),
+                }
+                .map(|o| {
+                    if o.1.len() > job.resp_cap as usize {
+                        (OffloadStatus::ResponseTooLong, Arc::from(&[][..]))
+                    } else {
+                        o
+                    }
+                });
                 let s = &mut qp.resp;
                 if s.offload_cache.len() == OFFLOAD_CACHE {
                     s.offload_cache.pop_front();
