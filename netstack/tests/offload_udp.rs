@@ -580,3 +580,30 @@ fn inline_handlers_run_on_the_receiving_core_and_go_on_elsewhere_when_they_wait(
     let st = off.stats();
     assert_eq!((st.ok, st.panics, st.errors), (4, 1, 1), "{st:?}");
 }
+
+/// A response buffer just short of a multiple of the MTU: the LAST packet gives 8 bytes to the
+/// result, so it carries no data and starts past the buffer's end. The requester dropped it as
+/// not fitting and the offload ended in RETRY_EXC_ERR (found by the whole-stack simulator).
+#[test]
+fn a_last_response_packet_with_only_the_result_is_accepted() {
+    let (client, server) = pair(&ContextConfig::default());
+    let data: Vec<u8> = (0..4096u32).map(|i| (i * 11 % 251) as u8).collect();
+    server.mr.write(0, &data);
+    let off = server.ctx.offload();
+    let _h = off
+        .register_inline(builtin::BATCH_READ, QpFilter::Any, builtin::batch_read())
+        .unwrap();
+    let _d = off.register_dma_region(&server.mr, false);
+    let mtu = client.qp.config().mtu as usize;
+    for cap in [mtu - 6, mtu - 1, 2 * mtu - 3] {
+        let want = cap.min(3000);
+        let req = builtin::encode_batch_read(server.mr.rkey(), &[(server.mr.addr(), want as u32)]);
+        let wc = offload(&client, builtin::BATCH_READ, &req, cap);
+        assert_eq!(
+            (wc.status, wc.byte_len as usize),
+            (WcStatus::Success, want),
+            "buffer of {cap}: {wc:?}"
+        );
+        assert_eq!(resp(&client, want), data[..want], "buffer of {cap}");
+    }
+}
