@@ -2,13 +2,15 @@
 //! commands, completion queues, the hairpin path) on a simulated network and clock, under
 //! seeded faults (loss, duplication, corruption, reordering, partitions, and cuts of one path
 //! of QPs that spray over two). A random workload of
-//! WRITEs, READs and SENDs runs on several connections, one of them a loopback on one host;
+//! WRITEs, READs, SENDs and offloads (the batched READ and a handler that counts its runs, both
+//! inline on the receiving core) runs on several connections, one of them a loopback on one host;
 //! checkers run after every step against the workload's own record:
 //! - every work request completes exactly once, successfully, in the order it was posted;
 //! - nothing completes before its data is in place: at a WRITE's completion the target holds
 //!   the new bytes, at a READ's the local buffer does, and at a SEND's the receiver has
 //!   already completed the receive;
 //! - receives complete in order with the bytes and length that were sent;
+//! - an offload completes with its handler's response, and each request's handler ran once;
 //! - data is new at its target (fresh random bytes per operation).
 //!
 //! Every seed runs twice and the two traces (every delivered datagram with its time, every
@@ -17,13 +19,15 @@
 //! (default 10,000, spread over the available cores).
 
 use netstack::link::sim::{Faults, SimNet};
+use netstack::offload::{builtin, OffloadCall, OffloadError, QpFilter};
 use netstack::path::SprayPolicy;
 use netstack::verbs::*;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::sync::Arc;
+use std::sync::Mutex;
 
 const MR_LEN: usize = 1 << 20;
 /// Steps a seed may take (a livelock of tiny deadlines would otherwise run for ever).
@@ -34,6 +38,11 @@ const BOUND_NS: u64 = 20_000_000_000;
 struct Host {
     ctx: Context,
     _pd: Pd,
+    /// The offload handlers this host serves (inline) and the region they may read.
+    _offloads: Vec<netstack::offload::Registered>,
+    _dma: netstack::offload::DmaRegionHandle,
+    /// How many times the counting handler ran for each request id.
+    runs: Arc<Mutex<BTreeMap<u64, u32>>>,
     send_cq: Cq,
     recv_cq: Cq,
     mr: Mr,
@@ -52,10 +61,21 @@ impl Host {
 
 #[derive(Debug)]
 enum Kind {
-    Write { remote: usize },
-    Read { local: usize },
+    Write {
+        remote: usize,
+    },
+    Read {
+        local: usize,
+    },
     Send,
+    /// An offload whose response lands at `local` (`data` is the expected response).
+    Offload {
+        local: usize,
+    },
 }
+
+/// The counting handler's opcode: it answers its 8-byte request id twice and records the run.
+const COUNTED: u16 = 0x0C01;
 
 #[derive(Debug)]
 struct Op {
@@ -154,9 +174,39 @@ impl World {
             let send_cq = ctx.create_cq(256).unwrap();
             let recv_cq = ctx.create_cq(256).unwrap();
             let mr = pd.reg_mr(MR_LEN, Access::ALL).unwrap();
+            // offloads served on the data core (inline): the batched READ, and a handler that
+            // counts its runs (a resent request must be answered from the cache, not rerun)
+            let off = ctx.offload();
+            let runs: Arc<Mutex<BTreeMap<u64, u32>>> = Arc::default();
+            let r = runs.clone();
+            let offloads = vec![
+                off.register_inline(builtin::BATCH_READ, QpFilter::Any, builtin::batch_read())
+                    .unwrap(),
+                off.register_inline(COUNTED, QpFilter::Any, move |mut call: OffloadCall| {
+                    let r = r.clone();
+                    async move {
+                        let id = call.request().to_vec();
+                        let key = u64::from_le_bytes(
+                            id[..8]
+                                .try_into()
+                                .map_err(|_| OffloadError::BadRequest("short".into()))?,
+                        );
+                        *r.lock().unwrap().entry(key).or_default() += 1;
+                        call.alloc_resp(16)?;
+                        call.resp_mut()[..8].copy_from_slice(&id);
+                        call.resp_mut()[8..].copy_from_slice(&id);
+                        call.submit_resp()
+                    }
+                })
+                .unwrap(),
+            ];
+            let dma = off.register_dma_region(&mr, false);
             hosts.push(Host {
                 ctx,
                 _pd: pd,
+                _offloads: offloads,
+                _dma: dma,
+                runs,
                 send_cq,
                 recv_cq,
                 mr,
@@ -239,7 +289,7 @@ impl World {
         let mut data = vec![0u8; len];
         self.rng.fill(&mut data[..]);
         let (a, b) = (self.conns[c].a, self.conns[c].b);
-        let pick = self.rng.random_range(0..3);
+        let pick = self.rng.random_range(0..5);
         let outstanding_sends = self.conns[c].sends.len();
         let op = match pick {
             0 => {
@@ -270,6 +320,52 @@ impl World {
                     wr_id,
                     kind: Kind::Read { local },
                     data,
+                }
+            }
+            3 => {
+                // a batched READ of 1-4 fresh ranges of the responder's memory, served inline
+                let n = self.rng.random_range(1..=4);
+                let mut ranges = Vec::new();
+                let mut expect = Vec::new();
+                for _ in 0..n {
+                    let l = self.rng.random_range(1..400);
+                    let at = self.hosts[b].take(l);
+                    let mut d = vec![0u8; l];
+                    self.rng.fill(&mut d[..]);
+                    self.hosts[b].mr.write(at, &d);
+                    ranges.push((self.hosts[b].mr.addr() + at as u64, l as u32));
+                    expect.extend_from_slice(&d);
+                }
+                let local = self.hosts[a].take(expect.len());
+                self.hosts[a].mr.region().fill(local, expect.len(), 0xEE);
+                let req = builtin::encode_batch_read(self.hosts[b].mr.rkey(), &ranges);
+                let sge = self.hosts[a].mr.sge(local, expect.len());
+                self.conns[c]
+                    .qa
+                    .post_offload(wr_id, builtin::BATCH_READ, &req, sge)
+                    .expect("post offload");
+                Op {
+                    wr_id,
+                    kind: Kind::Offload { local },
+                    data: expect,
+                }
+            }
+            4 => {
+                // the counting handler: the id is unique in the run (connection, wr_id)
+                let id = ((c as u64) << 32) | wr_id;
+                let local = self.hosts[a].take(16);
+                self.hosts[a].mr.region().fill(local, 16, 0xEE);
+                let sge = self.hosts[a].mr.sge(local, 16);
+                self.conns[c]
+                    .qa
+                    .post_offload(wr_id, COUNTED, &id.to_le_bytes(), sge)
+                    .expect("post offload");
+                let mut expect = id.to_le_bytes().to_vec();
+                expect.extend_from_slice(&id.to_le_bytes());
+                Op {
+                    wr_id,
+                    kind: Kind::Offload { local },
+                    data: expect,
                 }
             }
             _ if outstanding_sends < RECVS => {
@@ -385,7 +481,16 @@ impl World {
                         ));
                     }
                     if wc.status != WcStatus::Success {
-                        return Err(format!("{op:?} failed: {wc:?}"));
+                        let c = &self.conns[c];
+                        return Err(format!(
+                            "{:?} of {} bytes failed: {wc:?}; requester {:?}; responder {:?}; faults {:?}; network {:?}",
+                            op.kind,
+                            op.data.len(),
+                            c.qa.stats(),
+                            c.qb.stats(),
+                            self.net.faults(),
+                            self.net.stats()
+                        ));
                     }
                     let mut got = vec![0u8; op.data.len()];
                     match op.kind {
@@ -402,6 +507,20 @@ impl World {
                             self.hosts[h].mr.read(local, &mut got);
                             if got != op.data {
                                 return Err(format!("READ {} completed without the remote bytes", op.wr_id));
+                            }
+                        }
+                        Kind::Offload { local } => {
+                            if wc.byte_len as usize != op.data.len() {
+                                return Err(format!(
+                                    "offload {}: {} response bytes, {} expected",
+                                    op.wr_id,
+                                    wc.byte_len,
+                                    op.data.len()
+                                ));
+                            }
+                            self.hosts[h].mr.read(local, &mut got);
+                            if got != op.data {
+                                return Err(format!("offload {} completed without its response", op.wr_id));
                             }
                         }
                         Kind::Send => {
@@ -554,6 +673,12 @@ fn run_seed(seed: u64, pcap: Option<&std::path::Path>) -> Result<Outcome, String
             "{} completions after the workload finished; {receives_left} SENDs never received",
             w.completions - seen
         ));
+    }
+    // every counted offload ran exactly once, however often its request was resent
+    for h in &w.hosts {
+        if let Some((id, n)) = h.runs.lock().unwrap().iter().find(|(_, &n)| n != 1) {
+            return Err(format!("offload request {id:#x} ran {n} times"));
+        }
     }
     Ok(Outcome {
         trace: w.trace,
