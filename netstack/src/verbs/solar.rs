@@ -54,7 +54,11 @@ impl Context {
         cc: Option<Box<dyn crate::cc::CcAlgorithm>>,
     ) -> Result<SolarAgent, VerbsError> {
         check_client_config(&cfg, self.inner.cfg.path_ports.max(1) as usize).map_err(VerbsError::Invalid)?;
-        let mtu = crate::link::sys::route_mtu(server)?;
+        // the context's link knows its routes (the kernel's, or a simulated network's)
+        let mtu = self.inner.engine.cores()[0]
+            .link
+            .route_mtu(server)
+            .ok_or_else(|| VerbsError::Invalid(format!("no route toward {server} (its MTU could not be read)")))?;
         if mtu < SOLAR_MIN_MTU {
             return Err(VerbsError::Invalid(format!(
                 "the route toward {server} has MTU {mtu}: Solar sends a 4 KiB block per datagram \
