@@ -695,9 +695,11 @@ fn run_seed(seed: u64, pcap: Option<&std::path::Path>) -> Result<Outcome, String
     })
 }
 
-fn check_seed(seed: u64, pcap: Option<&std::path::Path>) -> Result<Outcome, String> {
-    let first = run_seed(seed, pcap).map_err(|e| format!("seed {seed}: {e} (replay: SIM_SEED={seed})"))?;
-    let second = run_seed(seed, None).map_err(|e| format!("seed {seed}, second run: {e}"))?;
+/// Runs seed `seed` twice with `run`; the two runs' traces (datagrams and completions with
+/// their times) must hash the same. Returns the first run's outcome.
+fn twice(seed: u64, run: impl Fn(u64) -> Result<Outcome, String>) -> Result<Outcome, String> {
+    let first = run(seed).map_err(|e| format!("seed {seed}: {e} (replay: SIM_SEED={seed})"))?;
+    let second = run(seed).map_err(|e| format!("seed {seed}, second run: {e}"))?;
     if (first.trace, first.net_trace) != (second.trace, second.net_trace) {
         return Err(format!(
             "seed {seed}: two runs differ (completions {:x} vs {:x}, datagrams {:x} vs {:x})",
@@ -707,12 +709,25 @@ fn check_seed(seed: u64, pcap: Option<&std::path::Path>) -> Result<Outcome, Stri
     Ok(first)
 }
 
+/// The seeds a test runs: `SIM_SEED` alone, or as many as the variable `count` says (else
+/// `default`), from 0.
+fn seeds(count: &str, default: u64) -> std::ops::Range<u64> {
+    if let Ok(s) = std::env::var("SIM_SEED") {
+        let s: u64 = s.parse().expect("SIM_SEED must be a number");
+        return s..s + 1;
+    }
+    0..std::env::var(count)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default)
+}
+
 #[test]
 fn seeded_runs_of_the_whole_stack_are_exactly_once_in_order_and_replay_identically() {
     if let Ok(s) = std::env::var("SIM_SEED") {
         let seed: u64 = s.parse().expect("SIM_SEED must be a number");
         let pcap = std::env::var("SIM_PCAP").ok().map(std::path::PathBuf::from);
-        let o = check_seed(seed, pcap.as_deref()).unwrap_or_else(|e| panic!("{e}"));
+        let o = twice(seed, |s| run_seed(s, pcap.as_deref())).unwrap_or_else(|e| panic!("{e}"));
         eprintln!(
             "seed {seed}: {} completions in {} us simulated; network {:?}",
             o.completions,
@@ -721,10 +736,8 @@ fn seeded_runs_of_the_whole_stack_are_exactly_once_in_order_and_replay_identical
         );
         return;
     }
-    let seeds: u64 = std::env::var("SIM_SEEDS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(10_000);
+    // (`SIM_SEED` is handled above: `seeds` gives 0..n here)
+    let seeds = seeds("SIM_SEEDS", 10_000).end;
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;
     let started = std::time::Instant::now();
     let totals = std::thread::scope(|s| {
@@ -735,7 +748,7 @@ fn seeded_runs_of_the_whole_stack_are_exactly_once_in_order_and_replay_identical
                     let mut completions = 0;
                     let mut seed = t;
                     while seed < seeds {
-                        let o = check_seed(seed, None).unwrap_or_else(|e| panic!("{e}"));
+                        let o = twice(seed, |s| run_seed(s, None)).unwrap_or_else(|e| panic!("{e}"));
                         completions += o.completions;
                         sum.sent += o.stats.sent;
                         sum.lost += o.stats.lost;
@@ -927,23 +940,9 @@ fn run_redn_seed(seed: u64) -> Result<Outcome, String> {
 
 #[test]
 fn redn_hash_gets_on_the_simulated_network_answer_each_get_once_and_replay_identically() {
-    let seeds: u64 = std::env::var("SIM_REDN_SEEDS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(10_000);
-    let only = std::env::var("SIM_SEED")
-        .ok()
-        .map(|s| s.parse::<u64>().expect("SIM_SEED must be a number"));
     let mut completions = 0;
-    for seed in only.map_or(0..seeds, |s| s..s + 1) {
-        let a = run_redn_seed(seed).unwrap_or_else(|e| panic!("seed {seed}: {e} (replay: SIM_SEED={seed})"));
-        let b = run_redn_seed(seed).unwrap_or_else(|e| panic!("seed {seed}, second run: {e}"));
-        assert_eq!(
-            (a.trace, a.net_trace),
-            (b.trace, b.net_trace),
-            "seed {seed}: two runs differ"
-        );
-        completions += a.completions;
+    for seed in seeds("SIM_REDN_SEEDS", 10_000) {
+        completions += twice(seed, run_redn_seed).unwrap_or_else(|e| panic!("{e}")).completions;
     }
     eprintln!("RedN hash get: {completions} client completions");
 }
@@ -1111,28 +1110,17 @@ fn run_solar_seed(seed: u64) -> Result<Outcome, String> {
 
 #[test]
 fn solar_on_the_simulated_network_acknowledges_and_applies_each_write_once() {
-    let seeds: u64 = std::env::var("SIM_SOLAR_SEEDS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(2_000);
-    let only = std::env::var("SIM_SEED")
-        .ok()
-        .map(|s| s.parse::<u64>().expect("SIM_SEED must be a number"));
     let (mut completions, mut blocked, mut lost) = (0, 0, 0);
-    for seed in only.map_or(0..seeds, |s| s..s + 1) {
-        let a = run_solar_seed(seed).unwrap_or_else(|e| panic!("seed {seed}: {e} (replay: SIM_SEED={seed})"));
-        let b = run_solar_seed(seed).unwrap_or_else(|e| panic!("seed {seed}, second run: {e}"));
-        assert_eq!(
-            (a.trace, a.net_trace),
-            (b.trace, b.net_trace),
-            "seed {seed}: two runs differ"
-        );
+    let seeds = seeds("SIM_SOLAR_SEEDS", 2_000);
+    let n = seeds.end - seeds.start;
+    for seed in seeds {
+        let a = twice(seed, run_solar_seed).unwrap_or_else(|e| panic!("{e}"));
         completions += a.completions;
         blocked += a.stats.blocked;
         lost += a.stats.lost;
     }
     eprintln!("Solar: {completions} writes and reads; {lost} datagrams lost, {blocked} on cut paths");
-    if seeds >= 100 {
+    if n >= 100 {
         assert!(lost > 0 && blocked > 0, "faults were not injected");
     }
 }
