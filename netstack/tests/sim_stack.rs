@@ -16,15 +16,15 @@
 //! Every seed runs twice and the two traces (every delivered datagram with its time, every
 //! completion with its time) must hash the same. `SIM_SEED=n` replays one seed (with
 //! `SIM_PCAP=file` it writes that run's datagrams as a pcap); `SIM_SEEDS=n` sets how many run
-//! (default 10,000, spread over the available cores).
+//! (default 10,000). Seeds are spread over the available cores.
 //!
 //! A second test runs RedN's hash get (recycled chains on managed QPs, executed by the
 //! server's data core) under the same faults: every get answered once with its value
 //! (`SIM_REDN_SEEDS`, default 10,000). A third runs Solar between an agent and a storage
 //! server, sprayed over 1-4 paths with one sometimes cut: every write acknowledged and applied
-//! once, every read the last acknowledged data (`SIM_SOLAR_SEEDS`, default 2,000).
+//! once, every read the last acknowledged data (`SIM_SOLAR_SEEDS`, default 10,000).
 
-use netstack::link::sim::{Faults, SimNet};
+use netstack::link::sim::{Faults, SimNet, SimStats};
 use netstack::offload::{builtin, OffloadCall, OffloadError, QpFilter};
 use netstack::path::SprayPolicy;
 use netstack::verbs::*;
@@ -554,8 +554,7 @@ struct Outcome {
     trace: u64,
     net_trace: u64,
     completions: u64,
-    stats: netstack::link::sim::SimStats,
-    end_ns: u64,
+    stats: SimStats,
 }
 
 fn run_seed(seed: u64, pcap: Option<&std::path::Path>) -> Result<Outcome, String> {
@@ -691,7 +690,6 @@ fn run_seed(seed: u64, pcap: Option<&std::path::Path>) -> Result<Outcome, String
         net_trace: w.net.trace_hash(),
         completions: w.completions,
         stats: w.net.stats(),
-        end_ns: w.net.now() - start,
     })
 }
 
@@ -722,33 +720,20 @@ fn seeds(count: &str, default: u64) -> std::ops::Range<u64> {
         .unwrap_or(default)
 }
 
-#[test]
-fn seeded_runs_of_the_whole_stack_are_exactly_once_in_order_and_replay_identically() {
-    if let Ok(s) = std::env::var("SIM_SEED") {
-        let seed: u64 = s.parse().expect("SIM_SEED must be a number");
-        let pcap = std::env::var("SIM_PCAP").ok().map(std::path::PathBuf::from);
-        let o = twice(seed, |s| run_seed(s, pcap.as_deref())).unwrap_or_else(|e| panic!("{e}"));
-        eprintln!(
-            "seed {seed}: {} completions in {} us simulated; network {:?}",
-            o.completions,
-            o.end_ns / 1000,
-            o.stats
-        );
-        return;
-    }
-    // (`SIM_SEED` is handled above: `seeds` gives 0..n here)
-    let seeds = seeds("SIM_SEEDS", 10_000).end;
+/// Runs every seed of `seeds` twice with `run` ([`twice`]), spread over the machine's cores;
+/// panics with the first failure. Returns the completions and what the networks did, summed.
+fn run_all(seeds: std::ops::Range<u64>, run: impl Fn(u64) -> Result<Outcome, String> + Sync) -> (u64, SimStats) {
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;
-    let started = std::time::Instant::now();
     let totals = std::thread::scope(|s| {
+        let (run, seeds) = (&run, &seeds);
         let handles: Vec<_> = (0..threads)
             .map(|t| {
                 s.spawn(move || {
-                    let mut sum = netstack::link::sim::SimStats::default();
+                    let mut sum = SimStats::default();
                     let mut completions = 0;
-                    let mut seed = t;
-                    while seed < seeds {
-                        let o = twice(seed, |s| run_seed(s, None)).unwrap_or_else(|e| panic!("{e}"));
+                    let mut seed = seeds.start + t;
+                    while seed < seeds.end {
+                        let o = twice(seed, run).unwrap_or_else(|e| panic!("{e}"));
                         completions += o.completions;
                         sum.sent += o.stats.sent;
                         sum.lost += o.stats.lost;
@@ -763,21 +748,38 @@ fn seeded_runs_of_the_whole_stack_are_exactly_once_in_order_and_replay_identical
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
     });
-    let completions: u64 = totals.iter().map(|t| t.0).sum();
-    let sent: u64 = totals.iter().map(|t| t.1.sent).sum();
-    let lost: u64 = totals.iter().map(|t| t.1.lost).sum();
-    let dup: u64 = totals.iter().map(|t| t.1.duplicated).sum();
-    let bad: u64 = totals.iter().map(|t| t.1.corrupted).sum();
-    let blocked: u64 = totals.iter().map(|t| t.1.blocked).sum();
+    let mut sum = SimStats::default();
+    for (_, t) in &totals {
+        sum.sent += t.sent;
+        sum.lost += t.lost;
+        sum.duplicated += t.duplicated;
+        sum.corrupted += t.corrupted;
+        sum.blocked += t.blocked;
+    }
+    (totals.iter().map(|t| t.0).sum(), sum)
+}
+
+#[test]
+fn seeded_runs_of_the_whole_stack_are_exactly_once_in_order_and_replay_identically() {
+    let seeds = seeds("SIM_SEEDS", 10_000);
+    let n = seeds.end - seeds.start;
+    let pcap = std::env::var("SIM_PCAP").ok().map(std::path::PathBuf::from);
+    let started = std::time::Instant::now();
+    let (completions, net) = run_all(seeds, |s| run_seed(s, pcap.as_deref()));
     eprintln!(
-        "{seeds} seeds, each run twice, in {:.1} s: {completions} completions; {sent} datagrams, \
-         {lost} lost, {dup} duplicated, {bad} corrupted, {blocked} partitioned",
-        started.elapsed().as_secs_f64()
+        "{n} seeds, each run twice, in {:.1} s: {completions} completions; {} datagrams, {} lost, \
+         {} duplicated, {} corrupted, {} partitioned or cut",
+        started.elapsed().as_secs_f64(),
+        net.sent,
+        net.lost,
+        net.duplicated,
+        net.corrupted,
+        net.blocked
     );
     // the faults did happen (a simulator that injects nothing proves nothing)
-    if seeds >= 100 {
+    if n >= 100 {
         assert!(
-            lost > 0 && dup > 0 && bad > 0 && blocked > 0,
+            net.lost > 0 && net.duplicated > 0 && net.corrupted > 0 && net.blocked > 0,
             "faults were not injected"
         );
     }
@@ -934,16 +936,12 @@ fn run_redn_seed(seed: u64) -> Result<Outcome, String> {
         net_trace: net.trace_hash(),
         completions,
         stats: net.stats(),
-        end_ns: net.now() - start,
     })
 }
 
 #[test]
 fn redn_hash_gets_on_the_simulated_network_answer_each_get_once_and_replay_identically() {
-    let mut completions = 0;
-    for seed in seeds("SIM_REDN_SEEDS", 10_000) {
-        completions += twice(seed, run_redn_seed).unwrap_or_else(|e| panic!("{e}")).completions;
-    }
+    let (completions, _) = run_all(seeds("SIM_REDN_SEEDS", 10_000), run_redn_seed);
     eprintln!("RedN hash get: {completions} client completions");
 }
 
@@ -1104,21 +1102,15 @@ fn run_solar_seed(seed: u64) -> Result<Outcome, String> {
         net_trace: net.trace_hash(),
         completions,
         stats: net.stats(),
-        end_ns: net.now() - start,
     })
 }
 
 #[test]
 fn solar_on_the_simulated_network_acknowledges_and_applies_each_write_once() {
-    let (mut completions, mut blocked, mut lost) = (0, 0, 0);
-    let seeds = seeds("SIM_SOLAR_SEEDS", 2_000);
+    let seeds = seeds("SIM_SOLAR_SEEDS", 10_000);
     let n = seeds.end - seeds.start;
-    for seed in seeds {
-        let a = twice(seed, run_solar_seed).unwrap_or_else(|e| panic!("{e}"));
-        completions += a.completions;
-        blocked += a.stats.blocked;
-        lost += a.stats.lost;
-    }
+    let (completions, net) = run_all(seeds, run_solar_seed);
+    let (lost, blocked) = (net.lost, net.blocked);
     eprintln!("Solar: {completions} writes and reads; {lost} datagrams lost, {blocked} on cut paths");
     if n >= 100 {
         assert!(lost > 0 && blocked > 0, "faults were not injected");
