@@ -1,0 +1,175 @@
+//! A data core's receive side: batches from the link, the emulated propagation delay line,
+//! hairpin packets, and dispatch of each datagram to its QP (or to the Solar endpoints).
+
+use super::*;
+
+/// A received datagram waiting out the emulated propagation delay.
+pub(super) struct Delayed {
+    pub(super) due: u64,
+    data: Vec<u8>,
+    src: SocketAddrV4,
+    /// The address it was received on.
+    local: SocketAddrV4,
+    ce: bool,
+}
+
+impl DataCore {
+    pub(super) fn receive(&mut self, now: u64) -> bool {
+        let mut any = false;
+        for i in 0..self.rx_ports.len() {
+            any |= self.receive_on(self.rx_ports[i], now);
+        }
+        any
+    }
+
+    pub(super) fn receive_on(&mut self, port: usize, now: u64) -> bool {
+        let n = match self.shared.link.recv(port, &mut self.rx) {
+            Ok(n) => n,
+            Err(e) => {
+                tracing::warn!("receive failed: {e}");
+                return false;
+            }
+        };
+        let local = self.shared.link.local_addr(port);
+        let mut staged = 0u64;
+        for i in 0..n {
+            let (d, src, seg) = self.rx.get(i);
+            staged += d.map_or(0, |d| d.len() as u64);
+            let Some(d) = d else {
+                self.shared.stats.rx_datagrams.inc();
+                self.shared.stats.rx_malformed("oversized");
+                continue;
+            };
+            self.shared.stats.staging_fills.inc();
+            // GRO coalesces only datagrams with identical IP headers, so one TOS covers all
+            let ce = self.rx.tos(i) & 3 == 3;
+            if ce {
+                self.shared.stats.rx_ce.inc();
+            }
+            for dgram in sys::segments(d, seg) {
+                if self.rx_delay > 0 {
+                    let mut data = self.spare.pop().unwrap_or_default();
+                    data.clear();
+                    data.extend_from_slice(dgram);
+                    self.delayed.push_back(Delayed {
+                        due: now + self.rx_delay,
+                        data,
+                        src,
+                        local,
+                        ce,
+                    });
+                    continue;
+                }
+                if crate::transport::solar::wire::is_solar_packet(dgram) {
+                    self.shared.stats.rx_datagrams.inc();
+                    self.shared.stats.rx_bytes.add(dgram.len() as u64);
+                    self.solar.on_packet(&self.shared, now, dgram, src, ce);
+                    continue;
+                }
+                if let Some((qpn, delivered)) =
+                    Self::dispatch(&self.shared, &mut self.qps, self.index, now, dgram, src, local, ce)
+                {
+                    self.active.insert(qpn);
+                    if !delivered {
+                        self.stuck.insert(qpn);
+                    }
+                }
+            }
+        }
+        self.shared.stats.note_staged(staged);
+        n > 0
+    }
+
+    /// Processes the packets this core sent to itself.
+    pub(super) fn receive_hairpin(&mut self, now: u64) -> bool {
+        let mut any = false;
+        while let Some((data, src, dst)) = self.hairpin.pop_front() {
+            any = true;
+            if let Some((qpn, delivered)) =
+                Self::dispatch(&self.shared, &mut self.qps, self.index, now, &data, src, dst, false)
+            {
+                self.active.insert(qpn);
+                if !delivered {
+                    self.stuck.insert(qpn);
+                }
+            }
+            self.spare.push(data);
+        }
+        any
+    }
+
+    /// Processes the delayed datagrams whose delay has passed.
+    pub(super) fn release_delayed(&mut self, now: u64) -> bool {
+        let mut any = false;
+        while self.delayed.front().is_some_and(|d| d.due <= now) {
+            let Some(d) = self.delayed.pop_front() else { break };
+            any = true;
+            if crate::transport::solar::wire::is_solar_packet(&d.data) {
+                self.shared.stats.rx_datagrams.inc();
+                self.shared.stats.rx_bytes.add(d.data.len() as u64);
+                self.solar.on_packet(&self.shared, now, &d.data, d.src, d.ce);
+                self.spare.push(d.data);
+                continue;
+            }
+            if let Some((qpn, delivered)) = Self::dispatch(
+                &self.shared,
+                &mut self.qps,
+                self.index,
+                now,
+                &d.data,
+                d.src,
+                d.local,
+                d.ce,
+            ) {
+                self.active.insert(qpn);
+                if !delivered {
+                    self.stuck.insert(qpn);
+                }
+            }
+            self.spare.push(d.data);
+        }
+        any
+    }
+
+    /// Checks one datagram and hands it to its QP; returns the QPN it went to and whether its
+    /// completions all fit in their CQs.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn dispatch(
+        shared: &EngineShared,
+        qps: &mut HashMap<u32, QpSlot, Ordered>,
+        core: usize,
+        now: u64,
+        d: &[u8],
+        src: SocketAddrV4,
+        local: SocketAddrV4,
+        ce: bool,
+    ) -> Option<(u32, bool)> {
+        let stats = &shared.stats;
+        stats.rx_datagrams.inc();
+        stats.rx_bytes.add(d.len() as u64);
+        let v = match PacketView::parse(d) {
+            Ok(v) => v,
+            Err(e) => {
+                stats.rx_malformed(e.kind());
+                return None;
+            }
+        };
+        if let Err(e) = PacketView::verify_icrc(d, src, local) {
+            stats.rx_malformed(e.kind());
+            return None;
+        }
+        let qpn = v.bth.dest_qp;
+        let Some(s) = qps.get_mut(&qpn) else {
+            stats.rx_unknown_qp.inc();
+            return None;
+        };
+        if !s.accepts(src) {
+            stats.rx_wrong_source.inc();
+            return None;
+        }
+        let copied = s.qp.payload_copy_bytes();
+        s.qp.handle_packet_ecn(now, &v, ce, &shared.mrs);
+        stats.rx_payload_copy_bytes.add(s.qp.payload_copy_bytes() - copied);
+        Some((qpn, s.deliver_completions(core)))
+    }
+}

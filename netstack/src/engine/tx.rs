@@ -1,0 +1,379 @@
+//! A data core's transmit side: polling the active QPs for packets, hairpin (packets to
+//! the core itself), and batched sends over the link, with GSO grouping and READ-response
+//! snapshots.
+
+use super::*;
+
+impl DataCore {
+    /// Polls the active QPs for packets; sends them when `flush` (or the batch is full).
+    pub(super) fn transmit(&mut self, now: u64, flush: bool) -> bool {
+        let mut sent_any = false;
+        let active: Vec<u32> = self.active.iter().copied().collect();
+        for qpn in active {
+            let Some(s) = self.qps.get_mut(&qpn) else {
+                self.active.remove(&qpn);
+                continue;
+            };
+            if s.remote.is_none() {
+                self.active.remove(&qpn);
+                continue;
+            }
+            while self.out.len() < TX_BATCH {
+                match s.qp.poll_transmit(now) {
+                    Some(pkt) => {
+                        let Some((link, dst)) = s.route(pkt.path) else { break };
+                        if self.local_addrs.contains(&dst) {
+                            loop_back(&self.shared, &mut self.spare, &mut self.hairpin, &pkt, link, dst);
+                            sent_any = true;
+                            continue;
+                        }
+                        let src = self.shared.link.local_addr(link);
+                        self.out.push(Outgoing::new(pkt, link, src, dst, &self.shared.stats));
+                    }
+                    None => break,
+                }
+            }
+            if !s.deliver_completions(self.index) {
+                self.stuck.insert(qpn);
+            }
+            if !s.qp.wants_transmit(now) {
+                self.active.remove(&qpn);
+            }
+            if let Some(t) = s.qp.poll_timeout() {
+                self.deadlines.arm(qpn, t);
+            }
+            if self.out.len() >= TX_BATCH {
+                sent_any |= self.flush();
+            }
+        }
+        if flush {
+            sent_any |= self.flush();
+        }
+        sent_any
+    }
+
+    /// Sends the batch of RC packets (see [`send_batch`]).
+    pub(super) fn flush(&mut self) -> bool {
+        send_batch(
+            &mut self.out,
+            self.gso,
+            &self.shared,
+            &mut self.tx_msgs,
+            &mut self.tx_per_msg,
+            &mut self.tx_hdrs,
+        )
+    }
+
+    /// Sends the batch of Solar packets (see [`send_batch`]).
+    pub(super) fn flush_solar(&mut self) -> bool {
+        send_batch(
+            &mut self.solar.out,
+            self.gso,
+            &self.shared,
+            &mut self.tx_msgs,
+            &mut self.tx_per_msg,
+            &mut self.tx_hdrs,
+        )
+    }
+}
+
+/// One outgoing datagram being assembled: the packet (holding its payload regions alive), the
+/// destination, and the pad + ICRC trailer.
+pub(super) struct Outgoing {
+    pkt: TxPacket,
+    /// Index of the port it leaves from (`EngineShared::link`).
+    link: usize,
+    dst: SocketAddrV4,
+    trailer: [u8; 8],
+    trailer_len: usize,
+}
+
+/// A packet a core sends: the socket it leaves from, where it goes, and its bytes as spans.
+pub(super) trait Datagram {
+    /// Index of the port it leaves from (`EngineShared::link`).
+    fn link(&self) -> usize;
+    fn dst(&self) -> SocketAddrV4;
+    /// Bytes on the wire (the UDP payload).
+    fn wire_len(&self) -> usize;
+    /// Spans [`Datagram::push_spans`] adds.
+    fn spans(&self) -> usize;
+    /// Adds this packet's spans to `m`.
+    ///
+    /// # Safety
+    /// `self` must stay alive and unmoved until `m` has been sent (or is never sent): the
+    /// spans point into it and into the buffers it keeps alive.
+    unsafe fn push_spans(&self, m: &mut OutMsg);
+}
+
+/// Queues a packet for core `shared` itself (hairpin): serialized with its ICRC into a buffer
+/// from `spare`, no system call.
+fn loop_back(
+    shared: &EngineShared,
+    spare: &mut Vec<Vec<u8>>,
+    hairpin: &mut VecDeque<(Vec<u8>, SocketAddrV4, SocketAddrV4)>,
+    pkt: &TxPacket,
+    link: usize,
+    dst: SocketAddrV4,
+) {
+    let src = shared.link.local_addr(link);
+    let mut d = spare.pop().unwrap_or_default();
+    d.clear();
+    d.extend_from_slice(pkt.hdr.as_bytes());
+    for p in &pkt.payload {
+        p.region.append_to(p.off, p.len, &mut d);
+    }
+    // a hairpin packet is serialized: its payload is copied once
+    shared.stats.tx_payload_copy_bytes.add(pkt.payload_len() as u64);
+    d.extend_from_slice(&PAD_ZEROS[..pkt.hdr.bth().pad as usize]);
+    let c = icrc::compute(src, dst, &[d.as_slice()]);
+    d.extend_from_slice(&c.to_le_bytes());
+    let stats = &shared.stats;
+    stats.tx_packets.inc();
+    stats.tx_bytes.add(d.len() as u64);
+    stats.hairpin_packets.inc();
+    hairpin.push_back((d, src, dst));
+}
+
+/// Sends `out` from the core's sockets and removes what the kernel took; what it did not take
+/// (a socket buffer full) is kept for the next round. With GSO, runs of packets to one
+/// destination with the same length (the last of a run may be shorter) go out as one message
+/// the kernel segments. The message buffers are reused: no allocation per batch.
+fn send_batch<T: Datagram>(
+    out: &mut Vec<T>,
+    gso: bool,
+    shared: &EngineShared,
+    msgs: &mut Vec<OutMsg>,
+    per_msg: &mut Vec<usize>,
+    hdrs: &mut Vec<libc::mmsghdr>,
+) -> bool {
+    if out.is_empty() {
+        return false;
+    }
+    // sprayed packets leave from several sockets: each run of packets from one socket is a
+    // sendmmsg (sprayed in bursts, so runs are whole GSO messages), in order, so the
+    // receiver of a loopback or single-link path sees no reordering
+    msgs.clear();
+    per_msg.clear();
+    let mut i = 0;
+    while i < out.len() {
+        let o = &out[i];
+        let seg = o.wire_len();
+        let mut m = OutMsg::new(&o.dst());
+        // SAFETY: `out` is neither changed nor moved until the batch is sent below; `msgs` is
+        // cleared before the next batch is built.
+        unsafe { o.push_spans(&mut m) };
+        let mut n = 1;
+        if gso {
+            let max = sys::MAX_GSO_SEGMENTS.min(sys::MAX_GSO_BYTES / seg);
+            while n < max {
+                let Some(p) = out.get(i + n) else { break };
+                let l = p.wire_len();
+                if p.dst() != o.dst() || p.link() != o.link() || l > seg || m.room() < p.spans() {
+                    break;
+                }
+                // SAFETY: as for the first packet of the message, above.
+                unsafe { p.push_spans(&mut m) };
+                n += 1;
+                if l < seg {
+                    break; // only the last segment may be shorter
+                }
+            }
+            if n > 1 {
+                m.gso = seg as u16;
+            }
+        }
+        msgs.push(m);
+        per_msg.push(n);
+        i += n;
+    }
+    // one sendmmsg per socket run; a socket that takes less stops the batch there
+    let mut sent_msgs = 0;
+    let mut pkt = 0;
+    while sent_msgs < msgs.len() {
+        let link = out[pkt].link();
+        let mut k = 0;
+        let mut pk = pkt;
+        while sent_msgs + k < msgs.len() && out[pk].link() == link {
+            pk += per_msg[sent_msgs + k];
+            k += 1;
+        }
+        let run = &mut msgs[sent_msgs..sent_msgs + k];
+        let took = match shared.link.send(link, run, hdrs) {
+            Ok(t) => t,
+            Err(e) => {
+                tracing::warn!("send failed: {e}");
+                shared.stats.tx_errors.inc();
+                k // drop the run; the transport retransmits
+            }
+        };
+        pkt += per_msg[sent_msgs..sent_msgs + took].iter().sum::<usize>();
+        sent_msgs += took;
+        if took < k {
+            break;
+        }
+    }
+    let n = pkt;
+    let stats = &shared.stats;
+    for o in &out[..n] {
+        stats.tx_packets.inc();
+        stats.tx_bytes.add(o.wire_len() as u64);
+    }
+    stats.tx_messages.add(sent_msgs as u64);
+    out.drain(..n);
+    // the spans pointed into the packets just removed
+    msgs.clear();
+    n > 0
+}
+
+/// A READ response carries memory that the responder's own application may be writing at this
+/// moment (a key-value store rewriting an entry that clients READ). Checksummed in place and
+/// copied by the kernel later, such a packet could carry bytes other than those its ICRC
+/// covers: the requester drops it as corrupt, and again on every retransmission while the
+/// writes go on, until the READ fails with RETRY_EXC_ERR. Like a NIC, which DMA-reads the
+/// payload once and checksums what it read, the engine copies a READ response's payload first,
+/// so the READ completes with whatever the memory held (torn data is the reader's to detect).
+/// Small payloads of any opcode are copied too (cheaper than the system call they ride in):
+/// a RedN chain's response WRITE sources memory the store's writer owns. Larger SEND and WRITE
+/// payloads stay zero-copy: their memory is the poster's, not to be modified while the request
+/// is outstanding (the verbs rule).
+///
+/// The payload is copied out chunk by chunk; each chunk is checksummed into `crc` (which has
+/// seen the header) and written to the snapshot, so one pass does both. Returns false (and
+/// touches neither) when the payload is sent from its memory instead.
+fn snapshot_read_payload(pkt: &mut TxPacket, stats: &EngineStats, crc: &mut icrc::Icrc) -> bool {
+    /// Payloads up to this many bytes are always copied.
+    const SNAPSHOT_SMALL_PAYLOAD: usize = 512;
+    use crate::wire::opcode::Opcode;
+    let read_resp = matches!(
+        Opcode::from_u8(pkt.hdr.bth().opcode),
+        Some(
+            Opcode::ReadResponseFirst
+                | Opcode::ReadResponseMiddle
+                | Opcode::ReadResponseLast
+                | Opcode::ReadResponseOnly
+        )
+    );
+    let len = pkt.payload_len();
+    if len == 0 || !read_resp && len > SNAPSHOT_SMALL_PAYLOAD {
+        return false;
+    }
+    stats.tx_payload_copy_bytes.add(len as u64);
+    let snap = snapshot_buffer(len);
+    let mut at = 0;
+    for p in &pkt.payload {
+        p.region.chunks(p.off, p.len, |k, c| {
+            crc.update(c);
+            snap.write(at + k, c);
+        });
+        at += p.len;
+    }
+    pkt.payload.clear();
+    pkt.payload.push(crate::transport::PayloadPart {
+        region: snap,
+        off: 0,
+        len,
+    });
+    true
+}
+
+/// A buffer of at least `len` bytes that no packet is using.
+fn snapshot_buffer(len: usize) -> Arc<crate::mem::Region> {
+    /// Buffers kept per thread (a window of packets in flight between copy and send).
+    const POOL: usize = 512;
+    /// Pooled buffers hold a full packet's payload.
+    const SIZE: usize = 4096;
+    if len > SIZE {
+        return Arc::new(crate::mem::Region::alloc(len));
+    }
+    SNAPSHOTS.with(|p| {
+        let (pool, next) = &mut *p.borrow_mut();
+        // look from where the last search ended: buffers are freed roughly in the order they
+        // were taken (packets leave in order)
+        for k in 0..pool.len() {
+            let i = (*next + k) % pool.len();
+            if Arc::strong_count(&pool[i]) == 1 {
+                *next = i + 1;
+                return pool[i].clone();
+            }
+        }
+        let r = Arc::new(crate::mem::Region::alloc(SIZE));
+        if pool.len() < POOL {
+            pool.push(r.clone());
+        }
+        r
+    })
+}
+
+impl Outgoing {
+    /// Computes pad and ICRC over the header buffer and the payload, which the kernel then
+    /// sends from its memory (the ICRC reads it through private chunks, see
+    /// [`crate::mem::Region::chunks`]); READ responses and small payloads are snapshotted in
+    /// the same pass (see [`snapshot_read_payload`]).
+    fn new(mut pkt: TxPacket, link: usize, src: SocketAddrV4, dst: SocketAddrV4, stats: &EngineStats) -> Outgoing {
+        let pad = pkt.hdr.bth().pad as usize;
+        let body = pkt.hdr.len() + pkt.payload_len() + pad;
+        let mut c = icrc::Icrc::new(src, dst, body);
+        c.update(pkt.hdr.as_bytes());
+        if !snapshot_read_payload(&mut pkt, stats, &mut c) {
+            for p in &pkt.payload {
+                p.region.chunks(p.off, p.len, |_, s| c.update(s));
+            }
+        }
+        c.update(&PAD_ZEROS[..pad]);
+        let mut trailer = [0u8; 8];
+        trailer[pad..pad + 4].copy_from_slice(&c.finish().to_le_bytes());
+        Outgoing {
+            pkt,
+            link,
+            dst,
+            trailer,
+            trailer_len: pad + 4,
+        }
+    }
+}
+
+impl Datagram for Outgoing {
+    fn link(&self) -> usize {
+        self.link
+    }
+    fn dst(&self) -> SocketAddrV4 {
+        self.dst
+    }
+    fn wire_len(&self) -> usize {
+        self.pkt.hdr.len() + self.pkt.payload_len() + self.trailer_len
+    }
+    fn spans(&self) -> usize {
+        2 + self.pkt.payload.len()
+    }
+    /// Adds this packet's header, payload spans and trailer to `m`.
+    unsafe fn push_spans(&self, m: &mut OutMsg) {
+        // SAFETY: the header, trailer and payload regions live in `self`, which the caller
+        // keeps alive and in place until `m` is sent; `ptr_at` bounds-checks each payload span.
+        unsafe {
+            m.push(self.pkt.hdr.as_bytes().as_ptr(), self.pkt.hdr.len());
+            for p in &self.pkt.payload {
+                m.push(p.region.ptr_at(p.off, p.len), p.len);
+            }
+            m.push(self.trailer.as_ptr(), self.trailer_len);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn snapshot_buffers_are_reused_once_no_packet_holds_them() {
+        let a = snapshot_buffer(100);
+        let a_addr = a.addr();
+        let b = snapshot_buffer(4096);
+        assert_ne!(b.addr(), a_addr, "a buffer in use is not handed out again");
+        drop(a);
+        let c = snapshot_buffer(2000);
+        assert_eq!(c.addr(), a_addr, "a freed buffer is reused");
+        let big = snapshot_buffer(10_000);
+        assert!(big.len() >= 10_000, "larger payloads get a buffer of their own");
+        drop((b, c, big));
+    }
+}
