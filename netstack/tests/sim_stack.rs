@@ -1,5 +1,6 @@
-//! The whole stack in one deterministic simulator: real contexts (data cores, send queues,
-//! commands, completion queues, the hairpin path) on a simulated network and clock, under
+//! The whole stack in one deterministic simulator: real contexts (one or two data cores each,
+//! send queues, commands, completion queues, the hairpin path, congestion control) on a
+//! simulated network and clock, under
 //! seeded faults (loss, duplication, corruption, reordering, partitions, and cuts of one path
 //! of QPs that spray over two). A random workload of
 //! WRITEs, READs, SENDs and offloads (the batched READ and a handler that counts its runs, both
@@ -160,17 +161,28 @@ impl World {
         };
         let mtu = [256, 1024][rng.random_range(0..2)];
         let gso = rng.random_bool(0.5);
+        // one data core or two (QPs sharded across them, completions merged per CQ), and a
+        // congestion control that needs no switch support, or none
+        let cores = rng.random_range(1..=2usize);
+        let cc = [
+            netstack::cc::CcKind::None,
+            netstack::cc::CcKind::None,
+            netstack::cc::CcKind::Dcqcn,
+            netstack::cc::CcKind::Timely,
+            netstack::cc::CcKind::Swift,
+        ][rng.random_range(0..5)];
         let mut hosts = Vec::new();
         for h in 0..2u8 {
             let cfg = ContextConfig {
                 bind: SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, h + 1), 4791),
-                data_cores: 1,
+                data_cores: cores,
                 path_ports: if spray.is_some() { 2 } else { 1 },
                 gso,
                 rx_staging_bytes: 64 << 10,
                 qp: RcConfig {
                     recovery,
                     mtu,
+                    cc,
                     ..RcConfig::default()
                 },
                 ..ContextConfig::default()
