@@ -143,6 +143,7 @@ fn faults_for(rng: &mut StdRng) -> Faults {
         jitter_ns: [0, 5_000, 30_000][rng.random_range(0..3)],
         rate_bps: [10_000_000_000, 100_000_000_000][rng.random_range(0..2)],
         mtu: 1500,
+        ecn_mark_ns: [0, 0, 2_000, 20_000][rng.random_range(0..4)],
     }
 }
 
@@ -752,6 +753,7 @@ fn run_all(seeds: std::ops::Range<u64>, run: impl Fn(u64) -> Result<Outcome, Str
                         sum.duplicated += o.stats.duplicated;
                         sum.corrupted += o.stats.corrupted;
                         sum.blocked += o.stats.blocked;
+                        sum.ce_marked += o.stats.ce_marked;
                         seed += threads;
                     }
                     (completions, sum)
@@ -767,6 +769,7 @@ fn run_all(seeds: std::ops::Range<u64>, run: impl Fn(u64) -> Result<Outcome, Str
         sum.duplicated += t.duplicated;
         sum.corrupted += t.corrupted;
         sum.blocked += t.blocked;
+        sum.ce_marked += t.ce_marked;
     }
     (totals.iter().map(|t| t.0).sum(), sum)
 }
@@ -780,18 +783,19 @@ fn seeded_runs_of_the_whole_stack_are_exactly_once_in_order_and_replay_identical
     let (completions, net) = run_all(seeds, |s| run_seed(s, pcap.as_deref()));
     eprintln!(
         "{n} seeds, each run twice, in {:.1} s: {completions} completions; {} datagrams, {} lost, \
-         {} duplicated, {} corrupted, {} partitioned or cut",
+         {} duplicated, {} corrupted, {} partitioned or cut, {} marked CE",
         started.elapsed().as_secs_f64(),
         net.sent,
         net.lost,
         net.duplicated,
         net.corrupted,
-        net.blocked
+        net.blocked,
+        net.ce_marked
     );
     // the faults did happen (a simulator that injects nothing proves nothing)
     if n >= 100 {
         assert!(
-            net.lost > 0 && net.duplicated > 0 && net.corrupted > 0 && net.blocked > 0,
+            net.lost > 0 && net.duplicated > 0 && net.corrupted > 0 && net.blocked > 0 && net.ce_marked > 0,
             "faults were not injected"
         );
     }

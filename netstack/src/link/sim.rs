@@ -8,7 +8,8 @@
 //! [`SimNet::trace_hash`] condenses.
 //!
 //! Faults: random loss, duplication, corruption (one flipped bit, which the ICRC catches) and
-//! reordering (a random extra delay per datagram, `jitter_ns`), partitions between two hosts
+//! reordering (a random extra delay per datagram, `jitter_ns`), ECN CE marks on datagrams that
+//! queued for their port's line past a threshold, partitions between two hosts
 //! and cuts of one path (datagrams from one source port), each for a stretch of simulated
 //! time. [`SimNet::pcap`] records what is delivered as Ethernet/IPv4/UDP frames for tshark or
 //! Wireshark.
@@ -47,6 +48,9 @@ pub struct Faults {
     pub rate_bps: u64,
     /// The IP MTU of every route.
     pub mtu: u32,
+    /// A datagram that waits longer than this for its port's line (ns) arrives marked
+    /// congestion experienced (ECN CE), as a switch marks above a queue threshold; 0: never.
+    pub ecn_mark_ns: u64,
 }
 
 impl Default for Faults {
@@ -59,6 +63,7 @@ impl Default for Faults {
             jitter_ns: 0,
             rate_bps: 25_000_000_000,
             mtu: 1500,
+            ecn_mark_ns: 0,
         }
     }
 }
@@ -80,6 +85,8 @@ pub struct SimStats {
     pub blocked: u64,
     /// Sent to an address nobody holds, or to a full inbox.
     pub unroutable: u64,
+    /// Marked congestion experienced.
+    pub ce_marked: u64,
 }
 
 /// A core attached to the network: [`SimNet::step`] runs it.
@@ -96,6 +103,8 @@ struct Flight {
     seq: u64,
     src: SocketAddrV4,
     dst: SocketAddrV4,
+    /// The IP TOS byte it arrives with (its low two bits: ECN).
+    tos: u8,
     data: Vec<u8>,
 }
 
@@ -130,7 +139,7 @@ struct NetState {
     faults: Faults,
     seq: u64,
     flight: BinaryHeap<Reverse<Flight>>,
-    inboxes: BTreeMap<SocketAddrV4, VecDeque<(SocketAddrV4, Vec<u8>)>>,
+    inboxes: BTreeMap<SocketAddrV4, VecDeque<(SocketAddrV4, u8, Vec<u8>)>>,
     /// When each sending port's line is free again (serialization at `rate_bps`).
     line_free: BTreeMap<SocketAddrV4, u64>,
     blocks: Vec<Block>,
@@ -336,13 +345,14 @@ impl SimNet {
             let mut h = fnv(s.trace, &f.at.to_le_bytes());
             h = fnv(h, &addr_bytes(f.src));
             h = fnv(h, &addr_bytes(f.dst));
+            h = fnv(h, &[f.tos]);
             s.trace = fnv(h, &f.data);
             if let Some(w) = s.pcap.as_mut() {
                 let _ = write_frame(w, f.at, f.src, f.dst, &f.data);
             }
             match s.inboxes.get_mut(&f.dst) {
                 Some(q) if q.len() < INBOX_LIMIT => {
-                    q.push_back((f.src, f.data));
+                    q.push_back((f.src, f.tos, f.data));
                     s.stats.delivered += 1;
                 }
                 _ => s.stats.unroutable += 1,
@@ -369,8 +379,16 @@ impl SimNet {
         let wire = (data.len() as u64 + 46) * 8;
         let tx_ns = (wire * 1_000_000_000).checked_div(f.rate_bps).unwrap_or(0);
         let free = s.line_free.entry(src).or_insert(0);
+        let waited = (*free).saturating_sub(now);
         let depart = (*free).max(now) + tx_ns;
         *free = depart;
+        // ECT(0), or CE past the marking threshold
+        let tos = if f.ecn_mark_ns > 0 && waited > f.ecn_mark_ns {
+            s.stats.ce_marked += 1;
+            3
+        } else {
+            2
+        };
         if blocked {
             s.stats.blocked += 1;
             return;
@@ -403,6 +421,7 @@ impl SimNet {
                 seq: s.seq,
                 src,
                 dst,
+                tos,
                 data: if k + 1 == copies {
                     std::mem::take(&mut data)
                 } else {
@@ -506,7 +525,7 @@ impl super::Link for SimLink {
             return Ok(0);
         };
         let k = q.len().min(batch.capacity());
-        let n = batch.fill(q.iter().take(k).map(|(src, d)| (*src, 0u8, d.as_slice())));
+        let n = batch.fill(q.iter().take(k).map(|(src, tos, d)| (*src, *tos, d.as_slice())));
         q.drain(..n);
         Ok(n)
     }
