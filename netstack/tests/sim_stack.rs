@@ -311,35 +311,25 @@ impl World {
         let pick = self.rng.random_range(0..5);
         let outstanding_sends = self.conns[c].sends.len();
         let op = match pick {
-            0 => {
-                let src = self.hosts[a].take(len);
-                self.hosts[a].mr.write(src, &data);
-                let remote = self.hosts[b].take(len);
-                self.hosts[b].mr.region().fill(remote, len, 0xEE);
-                let wr = SendWr::new(wr_id, WrOpcode::RdmaWrite)
-                    .sge(self.hosts[a].mr.sge(src, len))
-                    .remote(self.hosts[b].mr.addr() + remote as u64, self.hosts[b].mr.rkey());
-                self.conns[c].qa.post_send(wr).expect("post WRITE");
-                Op {
-                    wr_id,
-                    kind: Kind::Write { remote },
-                    data,
-                }
-            }
-            1 => {
-                let remote = self.hosts[b].take(len);
-                self.hosts[b].mr.write(remote, &data);
-                let local = self.hosts[a].take(len);
-                self.hosts[a].mr.region().fill(local, len, 0xEE);
-                let wr = SendWr::new(wr_id, WrOpcode::RdmaRead)
+            0 | 1 => {
+                // the data at its source, stale bytes at its destination
+                let (local, remote) = (self.hosts[a].take(len), self.hosts[b].take(len));
+                let write = pick == 0;
+                let (src, dst) = if write { (a, b) } else { (b, a) };
+                let (src_off, dst_off) = if write { (local, remote) } else { (remote, local) };
+                self.hosts[src].mr.write(src_off, &data);
+                self.hosts[dst].mr.region().fill(dst_off, len, 0xEE);
+                let opcode = if write { WrOpcode::RdmaWrite } else { WrOpcode::RdmaRead };
+                let wr = SendWr::new(wr_id, opcode)
                     .sge(self.hosts[a].mr.sge(local, len))
                     .remote(self.hosts[b].mr.addr() + remote as u64, self.hosts[b].mr.rkey());
-                self.conns[c].qa.post_send(wr).expect("post READ");
-                Op {
-                    wr_id,
-                    kind: Kind::Read { local },
-                    data,
-                }
+                self.conns[c].qa.post_send(wr).expect("post WRITE or READ");
+                let kind = if write {
+                    Kind::Write { remote }
+                } else {
+                    Kind::Read { local }
+                };
+                Op { wr_id, kind, data }
             }
             3 => {
                 // a batched READ of 1-4 fresh ranges of the responder's memory, served inline

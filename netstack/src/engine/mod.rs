@@ -227,10 +227,9 @@ enum Clock {
 }
 
 /// What the engine's cores send and receive through.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub(crate) enum LinkKind {
     /// Kernel UDP sockets, one set per core.
-    #[default]
     Udp,
     /// A simulated network: no threads; the network's [`SimNet::step`] runs the cores.
     Sim(Arc<SimNet>),
@@ -366,7 +365,7 @@ pub(crate) struct Engine {
 struct SimCore(std::sync::Weak<Mutex<DataCore>>);
 
 impl crate::link::sim::Node for SimCore {
-    fn run(&mut self, _now: u64) -> (bool, Option<u64>) {
+    fn run(&mut self) -> (bool, Option<u64>) {
         let Some(cell) = self.0.upgrade() else {
             return (false, None);
         };

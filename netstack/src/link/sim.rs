@@ -91,9 +91,9 @@ pub struct SimStats {
 
 /// A core attached to the network: [`SimNet::step`] runs it.
 pub trait Node: Send {
-    /// Runs one pass at simulated time `now`: whether it did anything, and the time it must
-    /// run again by.
-    fn run(&mut self, now: u64) -> (bool, Option<u64>);
+    /// Runs one pass (at the network's current time, which the core reads from its clock):
+    /// whether it did anything, and the time it must run again by.
+    fn run(&mut self) -> (bool, Option<u64>);
     /// Whether it still exists (a node whose context was dropped is detached).
     fn alive(&self) -> bool;
 }
@@ -199,11 +199,6 @@ impl SimNet {
         self.clock.load(Ordering::Acquire)
     }
 
-    /// Changes the random faults from now on.
-    pub fn set_faults(&self, f: Faults) {
-        self.state.lock().faults = f;
-    }
-
     /// The faults in force.
     pub fn faults(&self) -> Faults {
         self.state.lock().faults
@@ -298,7 +293,7 @@ impl SimNet {
             let mut work = false;
             next = None;
             for n in nodes.iter_mut() {
-                let (w, d) = n.run(now);
+                let (w, d) = n.run();
                 work |= w;
                 next = earliest(next, d);
             }
@@ -434,10 +429,7 @@ impl SimNet {
 }
 
 fn earliest(a: Option<u64>, b: Option<u64>) -> Option<u64> {
-    match (a, b) {
-        (Some(a), Some(b)) => Some(a.min(b)),
-        (a, b) => a.or(b),
-    }
+    [a, b].into_iter().flatten().min()
 }
 
 /// One pcap record: the datagram in an Ethernet/IPv4/UDP frame (zero MACs, DF set, no UDP
@@ -478,13 +470,6 @@ fn write_frame(w: &mut impl Write, at: u64, src: SocketAddrV4, dst: SocketAddrV4
 pub struct SimLink {
     net: Arc<SimNet>,
     addrs: Vec<SocketAddrV4>,
-}
-
-impl SimLink {
-    /// The network it is attached to.
-    pub fn net(&self) -> &Arc<SimNet> {
-        &self.net
-    }
 }
 
 impl Drop for SimLink {

@@ -233,11 +233,7 @@ impl Responder {
         if cached.is_none() && !waiting {
             return false;
         }
-        let outcome = if outcome.1.len() > cap as usize {
-            (OffloadStatus::ResponseTooLong, Arc::from(&[][..]))
-        } else {
-            outcome
-        };
+        let outcome = within(outcome, cap);
         if let Some(c) = cached {
             c.outcome = Some(outcome.clone());
         }
@@ -676,13 +672,7 @@ impl Responder {
                     Some(sink) => sink.submit(job.clone()),
                     None => Some((OffloadStatus::NoHandler, Arc::from(&[][..]))),
                 }
-                .map(|o| {
-                    if o.1.len() > job.resp_cap as usize {
-                        (OffloadStatus::ResponseTooLong, Arc::from(&[][..]))
-                    } else {
-                        o
-                    }
-                });
+                .map(|o| within(o, job.resp_cap));
                 let s = &mut qp.resp;
                 if s.offload_cache.len() == OFFLOAD_CACHE {
                     s.offload_cache.pop_front();
@@ -896,6 +886,15 @@ impl Responder {
 }
 
 /// An offload response's status, length and payload (as a region the packets reference).
+/// `o`, or RESPONSE_TOO_LONG when its bytes exceed the requester's `cap`.
+fn within(o: Outcome, cap: u32) -> Outcome {
+    if o.1.len() > cap as usize {
+        (OffloadStatus::ResponseTooLong, Arc::from(&[][..]))
+    } else {
+        o
+    }
+}
+
 fn response_data(o: &Outcome) -> (OffloadStatus, u32, Option<Arc<Region>>) {
     let (status, bytes) = o;
     let region = (!bytes.is_empty()).then(|| Arc::new(Region::from_bytes(bytes)));
