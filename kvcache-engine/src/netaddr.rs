@@ -18,31 +18,7 @@ pub fn is_bridge(ifname: &str) -> bool {
 
 /// The IPv4 addresses of this host's interfaces that are up, with the interface names.
 pub fn interfaces() -> Vec<(String, Ipv4Addr)> {
-    let mut out = Vec::new();
-    let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
-    // SAFETY: getifaddrs fills `head` with a list that stays valid until freeifaddrs; every node
-    // and its name/address pointers are read only before that, null-checked first.
-    unsafe {
-        if libc::getifaddrs(&mut head) != 0 {
-            return out;
-        }
-        let mut p = head;
-        while !p.is_null() {
-            let ifa = &*p;
-            if !ifa.ifa_addr.is_null()
-                && (*ifa.ifa_addr).sa_family as i32 == libc::AF_INET
-                && ifa.ifa_flags & libc::IFF_UP as u32 != 0
-            {
-                let sin = &*(ifa.ifa_addr as *const libc::sockaddr_in);
-                let ip = Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr));
-                let name = std::ffi::CStr::from_ptr(ifa.ifa_name).to_string_lossy().into_owned();
-                out.push((name, ip));
-            }
-            p = ifa.ifa_next;
-        }
-        libc::freeifaddrs(head);
-    }
-    out
+    netstack::link::sys::interfaces()
 }
 
 /// The source address the kernel would use toward a remote host (the default route's), found

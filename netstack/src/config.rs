@@ -32,6 +32,18 @@ pub enum Drive {
     Application,
 }
 
+/// What a context's data cores send and receive through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum LinkMode {
+    /// Kernel UDP sockets (GSO, GRO, ECN) to every peer.
+    #[default]
+    Udp,
+    /// Shared-memory rings to peers on the same host that use `shm` too (no system call on the
+    /// data path), UDP to every other peer; see `netstack::link::shm`.
+    Shm,
+}
+
 pub use crate::chain::RednGuards;
 
 /// Configuration of a [`crate::verbs::Context`].
@@ -46,6 +58,9 @@ pub struct ContextConfig {
     pub data_cores: usize,
     /// Who runs the data cores: engine threads, or the application's own threads.
     pub drive: Drive,
+    /// What the data cores send and receive through: `udp`, or `shm` (rings to same-host
+    /// peers that use `shm` too, UDP to the others).
+    pub link: LinkMode,
     /// How idle engine threads wait.
     pub poll_mode: PollMode,
     /// Spin time before an adaptive engine sleeps, in microseconds.
@@ -94,6 +109,7 @@ impl Default for ContextConfig {
             bind: "127.0.0.1:0".parse().expect("valid"),
             data_cores: 1,
             drive: Drive::Threads,
+            link: LinkMode::Udp,
             poll_mode: PollMode::Adaptive,
             spin_us: 50,
             max_inline: 256,

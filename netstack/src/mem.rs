@@ -92,6 +92,31 @@ unsafe fn store_bytes(src: *const u8, dst: *mut u8, n: usize) {
     }
 }
 
+/// Copies `n` bytes between two shared ranges (registered memory into a shared-memory ring):
+/// byte-wise atomic loads into a private chunk on the stack, then byte-wise atomic stores out
+/// of it ([`load_bytes`], [`store_bytes`]), [`CHUNK`] bytes at a time.
+///
+/// # Safety
+/// Both ranges must be valid (`src` for reads, `dst` for writes) for the whole copy, accessed
+/// by others only atomically or by the kernel, and must not overlap.
+pub(crate) unsafe fn copy_shared(src: *const u8, dst: *mut u8, n: usize) {
+    // not zeroed: every byte stored out was loaded in first
+    let mut chunk = [std::mem::MaybeUninit::<u8>::uninit(); CHUNK];
+    let buf = chunk.as_mut_ptr() as *mut u8;
+    let mut done = 0;
+    while done < n {
+        let k = (n - done).min(CHUNK);
+        // SAFETY: `done + k <= n`, inside both ranges (the caller's contract); `chunk` is this
+        // function's own buffer and overlaps neither; its first `k` bytes are written by the
+        // load before the store reads them.
+        unsafe {
+            load_bytes(src.add(done), buf, k);
+            store_bytes(buf, dst.add(done), k);
+        }
+        done += k;
+    }
+}
+
 /// Runs `step(done)` (one `recv` or `send` of the rest) until `n` bytes have moved; a step that
 /// moves nothing ends with `zero`, EINTR is retried, other errors end it.
 fn stream_all(n: usize, zero: std::io::ErrorKind, mut step: impl FnMut(usize) -> isize) -> std::io::Result<()> {

@@ -30,7 +30,9 @@ pub use stats::StatsSnapshot;
 pub(crate) use stats::{Counter, EngineStats};
 
 use crate::config::ContextConfig;
+use crate::config::LinkMode;
 pub use crate::config::{Drive, PollMode};
+use crate::link::shm::ShmLink;
 use crate::link::sim::SimNet;
 use crate::link::sys::{self, EventFd, OutMsg, RecvBatch};
 use crate::link::udp::{UdpLink, UdpPorts};
@@ -424,7 +426,11 @@ impl Engine {
                         }
                         socks.push(l);
                     }
-                    (Box::new(UdpPorts(socks)), Clock::Host { epoch, epoch_ns })
+                    let link: Box<dyn Link> = match cfg.link {
+                        LinkMode::Udp => Box::new(UdpPorts(socks)),
+                        LinkMode::Shm => Box::new(ShmLink::new(UdpPorts(socks), ports)),
+                    };
+                    (link, Clock::Host { epoch, epoch_ns })
                 }
                 LinkKind::Sim(net) => (Box::new(net.link(&addrs)?), Clock::Sim(net.clone())),
             };
@@ -510,7 +516,7 @@ impl Engine {
     pub(crate) fn stats(&self) -> StatsSnapshot {
         let mut t = StatsSnapshot::default();
         for c in &self.cores {
-            t.add(&c.stats.snapshot());
+            t.add(&c.stats.snapshot(c.link.stats()));
         }
         t
     }
@@ -780,6 +786,16 @@ impl DataCore {
             self.sq.woke();
             return None;
         }
+        for (k, &p) in self.rx_ports.iter().enumerate() {
+            if !self.shared.link.prepare_sleep(p) {
+                for &q in &self.rx_ports[..k] {
+                    self.shared.link.woke(q);
+                }
+                self.solar.woke(&self.shared);
+                self.sq.woke();
+                return None;
+            }
+        }
         let now = self.shared.now();
         let wait = next_deadline
             .map(|d| d.saturating_sub(now))
@@ -795,6 +811,9 @@ impl DataCore {
     }
 
     fn woke(&mut self) {
+        for &p in &self.rx_ports {
+            self.shared.link.woke(p);
+        }
         self.sq.woke();
         self.solar.woke(&self.shared);
         self.shared.wake.drain();

@@ -104,6 +104,14 @@ pub struct StatsSnapshot {
     pub engine_thread_passes: u64,
     /// Loop passes that did work on an application thread (run to completion).
     pub application_passes: u64,
+    /// Messages (datagrams or GSO messages) sent through shared-memory rings (`link = "shm"`).
+    pub shm_tx_messages: u64,
+    /// Messages received from shared-memory rings.
+    pub shm_rx_messages: u64,
+    /// Peers sent to through a ring now.
+    pub shm_peers: u64,
+    /// Doorbells sent to wake a peer that slept with an empty ring.
+    pub shm_doorbells: u64,
 }
 
 impl StatsSnapshot {
@@ -123,6 +131,10 @@ impl StatsSnapshot {
         self.tx_messages += o.tx_messages;
         self.staging_fills += o.staging_fills;
         self.tx_payload_copy_bytes += o.tx_payload_copy_bytes;
+        self.shm_tx_messages += o.shm_tx_messages;
+        self.shm_rx_messages += o.shm_rx_messages;
+        self.shm_peers += o.shm_peers;
+        self.shm_doorbells += o.shm_doorbells;
         self.rx_payload_copy_bytes += o.rx_payload_copy_bytes;
         self.staging_bytes += o.staging_bytes;
         self.staging_bytes_peak += o.staging_bytes_peak;
@@ -154,7 +166,8 @@ impl EngineStats {
         self.staging_bytes_peak.0.fetch_max(n, Ordering::Relaxed);
     }
 
-    pub(crate) fn snapshot(&self) -> StatsSnapshot {
+    /// The counters, with those the core's link keeps itself.
+    pub(crate) fn snapshot(&self, link: crate::link::LinkStats) -> StatsSnapshot {
         StatsSnapshot {
             rx_datagrams: self.rx_datagrams.get(),
             rx_bytes: self.rx_bytes.get(),
@@ -179,6 +192,10 @@ impl EngineStats {
             staging_bytes_peak: self.staging_bytes_peak.get(),
             engine_thread_passes: self.engine_thread_passes.get(),
             application_passes: self.application_passes.get(),
+            shm_tx_messages: link.ring_tx_messages,
+            shm_rx_messages: link.ring_rx_messages,
+            shm_peers: link.ring_peers,
+            shm_doorbells: link.ring_doorbells,
         }
     }
 }

@@ -241,6 +241,10 @@ pub struct RecvBatch {
     tos: Vec<u8>,
 }
 
+// SAFETY: the raw pointers in a batch (iovecs, message headers) point only into heap buffers
+// the batch owns, which move with it; nothing else refers to them.
+unsafe impl Send for RecvBatch {}
+
 impl RecvBatch {
     /// `n` buffers of `size` bytes each.
     pub fn new(n: usize, size: usize) -> RecvBatch {
@@ -374,6 +378,82 @@ impl RecvBatch {
     pub fn staging_bytes(&self) -> usize {
         self.bufs.iter().map(|b| b.len()).sum()
     }
+
+    /// Bytes one buffer of the batch holds (the largest receive it takes).
+    pub fn buffer_len(&self) -> usize {
+        self.bufs.first().map_or(0, |b| b.len())
+    }
+
+    /// Keeps the receives among the first `n` for which `keep(bytes, source)` says so (in
+    /// order, at the front) and returns how many were kept; a truncated receive is kept.
+    pub fn retain(&mut self, n: usize, mut keep: impl FnMut(&[u8], SocketAddrV4) -> bool) -> usize {
+        let mut k = 0;
+        for i in 0..n {
+            let src = from_sockaddr(&self.names[i]);
+            let kept = match self.lens[i] {
+                usize::MAX => true,
+                l => keep(&self.bufs[i][..l], src),
+            };
+            if kept {
+                if i != k {
+                    // the buffers move with their iovecs (an iovec points into its buffer)
+                    self.bufs.swap(i, k);
+                    self.iovs.swap(i, k);
+                    self.names.swap(i, k);
+                    self.lens.swap(i, k);
+                    self.segs.swap(i, k);
+                    self.tos.swap(i, k);
+                }
+                k += 1;
+            }
+        }
+        k
+    }
+
+    /// Puts a receive in slot `i` that was too large for its buffer (reported as `recvmmsg`
+    /// reports a truncated datagram); false when `i` is past the batch.
+    pub fn put_truncated(&mut self, i: usize, src: SocketAddrV4) -> bool {
+        if i >= self.bufs.len() {
+            return false;
+        }
+        self.lens[i] = usize::MAX;
+        self.names[i] = sockaddr(&src);
+        self.segs[i] = 0;
+        self.tos[i] = 0;
+        true
+    }
+
+    /// Puts a receive of `len` bytes copied from shared memory at `p` in slot `i`, from `src`,
+    /// with GRO segment size `seg` (0: one datagram) and TOS byte `tos`; false (and nothing
+    /// copied) when `i` is past the batch or `len` is larger than a buffer.
+    ///
+    /// # Safety
+    /// `p..p+len` must be valid for reads during the call and accessed by others only
+    /// atomically (the copy is a byte-wise atomic load, [`crate::mem::load_bytes`]).
+    pub(crate) unsafe fn put_shared(
+        &mut self,
+        i: usize,
+        src: SocketAddrV4,
+        tos: u8,
+        seg: usize,
+        p: *const u8,
+        len: usize,
+    ) -> bool {
+        let Some(buf) = self.bufs.get_mut(i) else {
+            return false;
+        };
+        if len > buf.len() {
+            return false;
+        }
+        // SAFETY: the caller's contract covers the source; the destination is this batch's own
+        // buffer, at least `len` bytes long, which cannot overlap shared memory.
+        unsafe { crate::mem::load_bytes(p, buf.as_mut_ptr(), len) };
+        self.lens[i] = len;
+        self.names[i] = sockaddr(&src);
+        self.segs[i] = seg;
+        self.tos[i] = tos;
+        true
+    }
 }
 
 /// Splits a (possibly GRO-coalesced) receive into its datagrams.
@@ -491,4 +571,33 @@ pub fn monotonic_ns() -> u64 {
 pub fn set_timer_slack_ns(ns: u64) {
     // SAFETY: PR_SET_TIMERSLACK takes an integer argument and affects only this thread.
     unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, ns as libc::c_ulong, 0, 0, 0) };
+}
+
+/// The IPv4 addresses of this host's interfaces that are up, with the interface names.
+pub fn interfaces() -> Vec<(String, Ipv4Addr)> {
+    let mut out = Vec::new();
+    let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs fills `head` with a list that stays valid until freeifaddrs; every node
+    // and its name/address pointers are read only before that, null-checked first.
+    unsafe {
+        if libc::getifaddrs(&mut head) != 0 {
+            return out;
+        }
+        let mut p = head;
+        while !p.is_null() {
+            let ifa = &*p;
+            if !ifa.ifa_addr.is_null()
+                && (*ifa.ifa_addr).sa_family as i32 == libc::AF_INET
+                && ifa.ifa_flags & libc::IFF_UP as u32 != 0
+            {
+                let sin = &*(ifa.ifa_addr as *const libc::sockaddr_in);
+                let ip = Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr));
+                let name = std::ffi::CStr::from_ptr(ifa.ifa_name).to_string_lossy().into_owned();
+                out.push((name, ip));
+            }
+            p = ifa.ifa_next;
+        }
+        libc::freeifaddrs(head);
+    }
+    out
 }

@@ -89,6 +89,12 @@ impl UdpLink {
         sys::sendmmsg_with(self.fd(), msgs, hdrs)
     }
 
+    /// Sends one datagram to `to` without blocking (a control message of another link layered
+    /// over this one).
+    pub fn send_to(&self, data: &[u8], to: SocketAddrV4) -> io::Result<usize> {
+        self.sock.send_to(data, to)
+    }
+
     /// Receives into `batch` without blocking.
     pub fn recv_batch(&self, batch: &mut RecvBatch) -> io::Result<usize> {
         batch.recv(self.fd())
