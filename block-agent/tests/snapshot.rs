@@ -149,3 +149,134 @@ fn a_grown_volume_stays_the_same_volume_for_its_open_users() {
     drop(nodes);
     let _ = std::fs::remove_dir_all(&base);
 }
+
+/// The storage node's admin calls that move snapshots between nodes (the controller's
+/// re-replication of a volume with snapshots): a node copies a volume's snapshots from another
+/// node's admin service, each as it was taken (sizes too: the volume grew between them), and
+/// its live blocks read as zeros; bad requests get errors naming what is wrong, and a copy that
+/// fails leaves nothing behind.
+#[test]
+fn a_node_copies_a_volumes_snapshots_from_another() {
+    use block_agent::control::pb;
+    use block_agent::control::pb::storage_node_admin_server::{StorageNodeAdmin, StorageNodeAdminServer};
+    use block_agent::control::NodeAdmin;
+    use tonic::{Code, Request};
+    let base = std::env::temp_dir().join(format!("snap-copy-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    let src = Arc::new(StorageNode::start(NodeConfig::new(base.join("src"))).unwrap());
+    let dst = Arc::new(StorageNode::start(NodeConfig::new(base.join("dst"))).unwrap());
+    src.create_volume(VOLUME, BLOCKS * BLOCK as u64).unwrap();
+    let s = src.store(VOLUME).unwrap();
+    let put = |lba: u64, seq: u64| {
+        let b = block(lba, seq);
+        s.write(lba, &b, crc32c::crc32c(&b), seq).unwrap();
+    };
+    // snapshot 1: even blocks of the first half; snapshot 7: grown, some overwritten, some
+    // zeroed, some new past the old end; then live writes neither has
+    for lba in (0..BLOCKS / 2).step_by(2) {
+        put(lba, 1);
+    }
+    src.snapshot(VOLUME, 1).unwrap();
+    src.resize_volume(VOLUME, 2 * BLOCKS * BLOCK as u64).unwrap();
+    for lba in (0..BLOCKS / 2).step_by(6) {
+        put(lba, 2);
+    }
+    s.write_zeroes(4, 8, 3).unwrap();
+    for lba in BLOCKS..BLOCKS + 40 {
+        put(lba, 4);
+    }
+    src.snapshot(VOLUME, 7).unwrap();
+    for lba in 0..64 {
+        put(lba, 5);
+    }
+    let expect = |snap: u32, lba: u64| s.read_snapshot(snap, lba).unwrap();
+
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    rt.spawn(
+        tonic::transport::Server::builder()
+            .add_service(StorageNodeAdminServer::new(NodeAdmin(src.clone())))
+            .serve(addr),
+    );
+    let admin = NodeAdmin(dst.clone());
+    let copy = |source: String, snapshots: Vec<u32>, size: u64| {
+        rt.block_on(admin.copy_snapshots(Request::new(pb::CopySnapshotsRequest {
+            volume: VOLUME,
+            source,
+            snapshots,
+            size,
+        })))
+    };
+    // bad requests, and a source that is not there: errors, nothing made
+    let size = 3 * BLOCKS * BLOCK as u64;
+    assert_eq!(
+        copy(addr.to_string(), vec![], size).unwrap_err().code(),
+        Code::InvalidArgument
+    );
+    assert_eq!(
+        copy(addr.to_string(), vec![1], 1000).unwrap_err().code(),
+        Code::InvalidArgument
+    );
+    let gone = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .to_string();
+    assert!(copy(gone, vec![1, 7], size).is_err());
+    assert!(dst.store(VOLUME).is_none(), "a failed copy left a volume");
+    let ask = |volume, snapshot, blocks| {
+        rt.block_on(
+            NodeAdmin(src.clone()).read_snapshot(Request::new(pb::ReadSnapshotRequest {
+                volume,
+                snapshot,
+                lba: 0,
+                blocks,
+            })),
+        )
+    };
+    assert_eq!(ask(VOLUME, 1, 257).unwrap_err().code(), Code::InvalidArgument);
+    assert_eq!(ask(VOLUME, 2, 1).unwrap_err().code(), Code::NotFound);
+    assert_eq!(ask(VOLUME + 1, 1, 1).unwrap_err().code(), Code::NotFound);
+    // the copy (the source's server may still be starting: a few tries)
+    let mut tries = 0;
+    while let Err(e) = copy(addr.to_string(), vec![1, 7], size) {
+        tries += 1;
+        assert!(tries < 50 && e.code() == Code::Unavailable, "{e}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let d = dst.store(VOLUME).unwrap();
+    assert_eq!(d.snapshots(), vec![1, 7]);
+    assert_eq!(
+        (d.snapshot_blocks(1), d.snapshot_blocks(7)),
+        (Some(BLOCKS), Some(2 * BLOCKS))
+    );
+    assert_eq!(d.blocks(), 3 * BLOCKS);
+    for (snap, end) in [(1, BLOCKS), (7, 2 * BLOCKS)] {
+        for lba in 0..end {
+            assert!(
+                d.read_snapshot(snap, lba).unwrap() == expect(snap, lba),
+                "snapshot {snap} block {lba}"
+            );
+            assert_eq!(
+                d.snapshot_allocation(snap, lba).unwrap(),
+                s.snapshot_allocation(snap, lba).unwrap(),
+                "snapshot {snap} block {lba}'s allocation"
+            );
+        }
+    }
+    for lba in [0, 1, 63, BLOCKS, 3 * BLOCKS - 1] {
+        assert!(d.read(lba).unwrap().0 == vec![0u8; BLOCK], "live block {lba} is zeros");
+    }
+    // a second copy of the same volume is refused
+    assert_eq!(
+        copy(addr.to_string(), vec![1], size).unwrap_err().code(),
+        Code::AlreadyExists
+    );
+    drop(rt);
+    let _ = std::fs::remove_dir_all(&base);
+}

@@ -247,6 +247,90 @@ fn a_replica_down_past_the_replace_timeout_is_rebuilt_on_another_node() {
     }
 }
 
+/// A volume with a snapshot loses a replica for good: the controller makes a new one on the
+/// spare node with the snapshot copied from a surviving replica (not only the live blocks),
+/// and the agent rebuilds the live blocks. Read straight from the stores afterwards: the new
+/// replica's snapshot holds what the volume held when it was taken (holes where it had none),
+/// and its live blocks hold what was written after.
+#[test]
+fn a_replica_of_a_volume_with_snapshots_is_rebuilt_with_them() {
+    let dir = tmp("replace-snap");
+    let mut spec = ClusterSpec::new(dir.clone());
+    spec.size = 16 << 20;
+    spec.replicas = 3;
+    spec.nodes = 4;
+    spec.node_timeout_ms = 1000;
+    spec.replace_after_ms = 2000;
+    let mut c = LocalCluster::start(&spawner(), spec).unwrap();
+    let control = c.control_addr.clone();
+    let ids: Vec<String> = c.nodes.iter().map(|n| n.field("node").unwrap()).collect();
+    let d = describe(&dir, &control, "vol0");
+    let holds = |d: &serde_json::Value, id: &str| (0..3).any(|k| d["replicas"][k]["node"] == id);
+    let victim = (0..4).find(|&i| holds(&d, &ids[i])).unwrap();
+    let spare = (0..4).find(|&i| !holds(&d, &ids[i])).unwrap();
+    let blocks = (16u64 << 20) / 4096;
+    let w = Writers::start(&c.uri, blocks, 4);
+    std::thread::sleep(Duration::from_millis(800));
+    let at_snapshot = w.finish();
+    let (ok, out, err) = blkctl(&dir, &["--control", control.as_str(), "snapshot", "create", "vol0@s1"]);
+    assert!(ok, "snapshot create: {err}");
+    assert!(out.contains("vol0@s1"), "{out}");
+    // after the snapshot: some of its blocks overwritten, some blocks it lacks written
+    let (hp, name) = host_port(&c.uri);
+    let mut nbd = NbdClient::connect(hp.as_str(), &name).unwrap();
+    let mut live = at_snapshot.clone();
+    let overwritten: Vec<u64> = at_snapshot.keys().copied().take(200).collect();
+    let fresh: Vec<u64> = (0..blocks).filter(|l| !at_snapshot.contains_key(l)).take(50).collect();
+    assert!(
+        overwritten.len() > 20 && fresh.len() == 50,
+        "writes before the snapshot: {}",
+        at_snapshot.len()
+    );
+    for &lba in overwritten.iter().chain(&fresh) {
+        let v = (1 << 62) | lba;
+        nbd.write(lba * 4096, &pattern(lba, v), false).unwrap();
+        live.insert(lba, v);
+    }
+    nbd.flush().unwrap();
+    drop(nbd);
+    c.nodes[victim].kill9();
+    let t = Instant::now();
+    let replaced = describe_until(&dir, &control, Duration::from_secs(30), |d| holds(d, &ids[spare]));
+    let rebuilt = describe_until(&dir, &control, Duration::from_secs(30), |d| {
+        (0..3).all(|k| d["replicas"][k]["sync"] == "in-sync")
+    });
+    eprintln!(
+        "node{victim} killed; node{spare} took its replica with the snapshot {replaced:?} later, in sync {rebuilt:?} \
+         after that ({:?} in all); {} blocks in the snapshot, {} written after",
+        t.elapsed(),
+        at_snapshot.len(),
+        overwritten.len() + fresh.len()
+    );
+    drop(c);
+    let now: Vec<usize> = (0..4).filter(|&i| i != victim).collect();
+    check_stores_on(&dir, &now, &live);
+    for i in now {
+        let s = block_agent::store::VolumeStore::open(&dir.join(format!("node{i}")), 1, 1 << 30).unwrap();
+        let snaps = s.snapshots();
+        assert_eq!(snaps.len(), 1, "node{i}'s snapshots: {snaps:?}");
+        for (&lba, &v) in &at_snapshot {
+            assert!(
+                s.read_snapshot(snaps[0], lba).unwrap() == pattern(lba, v),
+                "node{i} snapshot block {lba}: not the write {v:#x} it held"
+            );
+        }
+        for &lba in &fresh {
+            assert!(
+                s.read_snapshot(snaps[0], lba).unwrap() == vec![0u8; 4096],
+                "node{i} snapshot block {lba}: written after the snapshot, yet in it"
+            );
+        }
+    }
+    if std::env::var_os("BLOCK_KEEP").is_none() {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
 #[test]
 fn kill_dash_nine_of_a_storage_node_loses_no_acknowledged_write() {
     let dir = tmp("kill9");

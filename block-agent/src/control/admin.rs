@@ -4,6 +4,7 @@
 use super::pb;
 use crate::agent::{Agent, ReplicaAt};
 use crate::storage_node::{NodeError, StorageNode};
+use crate::store::{VolumeStore, ALLOC_DATA, BLOCK};
 use crate::volume::{NodeQueries, ReplicaState};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -49,6 +50,86 @@ impl NodeAdmin {
             .map_err(node_status)?;
         Ok(Response::new(pb::Empty {}))
     }
+
+    /// [`pb::storage_node_admin_server::StorageNodeAdmin::copy_snapshots`]'s work: each
+    /// snapshot's blocks from the source into the live volume (grown to the snapshot's size),
+    /// then the snapshot taken here; last, the live blocks zeroed at version 0 and the size.
+    async fn copy_from(&self, r: &pb::CopySnapshotsRequest) -> Result<(), Status> {
+        let mut src = super::controller::node_client(&r.source).await?;
+        let id = r.volume;
+        let ask = |snapshot, lba, blocks| pb::ReadSnapshotRequest {
+            volume: id,
+            snapshot,
+            lba,
+            blocks,
+        };
+        for &snap in &r.snapshots {
+            let size = src.read_snapshot(ask(snap, 0, 0)).await?.into_inner().size_blocks;
+            let bytes = size * BLOCK as u64;
+            match self.0.store(id) {
+                None => self.on_node(move |n| n.create_volume(id, bytes)).await.map(drop)?,
+                Some(s) if s.blocks() < size => self.on_node(move |n| n.resize_volume(id, bytes)).await.map(drop)?,
+                Some(_) => {}
+            }
+            let store = self.volume_store(id)?;
+            let mut lba = 0;
+            while lba < size {
+                let n = (size - lba).min(SNAPSHOT_READ_BLOCKS);
+                let rep = src.read_snapshot(ask(snap, lba, n)).await?.into_inner();
+                let store = store.clone();
+                tokio::task::spawn_blocking(move || place_snapshot_blocks(&store, lba, n, &rep))
+                    .await
+                    .map_err(|e| Status::internal(e.to_string()))??;
+                lba += n;
+            }
+            self.on_node(move |n| n.snapshot(id, snap)).await?;
+        }
+        let store = self.volume_store(id)?;
+        let blocks = store.blocks();
+        tokio::task::spawn_blocking(move || store.write_zeroes(0, blocks, 0))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?
+            .map_err(store_status)?;
+        if r.size > blocks * BLOCK as u64 {
+            let size = r.size;
+            self.on_node(move |n| n.resize_volume(id, size)).await?;
+        }
+        Ok(())
+    }
+}
+
+/// Blocks a [`pb::ReadSnapshotRequest`] may ask for (1 MiB of data at most in a reply).
+const SNAPSHOT_READ_BLOCKS: u64 = 256;
+
+/// Writes what a [`pb::ReadSnapshotReply`] says of `n` blocks from `lba` into `store` at
+/// version 0: runs of data blocks as one durable write each, runs of holes as zeroes.
+fn place_snapshot_blocks(store: &VolumeStore, lba: u64, n: u64, rep: &pb::ReadSnapshotReply) -> Result<(), Status> {
+    let states = &rep.states;
+    let data_blocks = states.iter().filter(|&&s| s == ALLOC_DATA).count();
+    if states.len() as u64 != n || rep.data.len() != data_blocks * BLOCK {
+        return Err(Status::internal(format!(
+            "snapshot source answered {} states and {} bytes for {n} blocks at {lba}",
+            states.len(),
+            rep.data.len()
+        )));
+    }
+    let mut data = rep.data.chunks_exact(BLOCK);
+    let mut k = 0;
+    while k < states.len() {
+        let run = states[k..]
+            .iter()
+            .take_while(|&&s| (s == ALLOC_DATA) == (states[k] == ALLOC_DATA))
+            .count();
+        let at = lba + k as u64;
+        if states[k] == ALLOC_DATA {
+            let blocks: Vec<(&[u8], u32)> = data.by_ref().take(run).map(|d| (d, crc32c::crc32c(d))).collect();
+            store.write_blocks(at, &blocks, 0).map_err(store_status)?;
+        } else {
+            store.write_zeroes(at, run as u64, 0).map_err(store_status)?;
+        }
+        k += run;
+    }
+    Ok(())
 }
 
 #[tonic::async_trait]
@@ -139,6 +220,63 @@ impl pb::storage_node_admin_server::StorageNodeAdmin for NodeAdmin {
             e => Status::internal(e.to_string()),
         })?;
         Ok(Response::new(pb::FenceReply { epoch }))
+    }
+
+    async fn read_snapshot(
+        &self,
+        r: Request<pb::ReadSnapshotRequest>,
+    ) -> Result<Response<pb::ReadSnapshotReply>, Status> {
+        let r = r.into_inner();
+        if r.blocks > SNAPSHOT_READ_BLOCKS {
+            return Err(Status::invalid_argument(format!(
+                "{} blocks: at most {SNAPSHOT_READ_BLOCKS} per request",
+                r.blocks
+            )));
+        }
+        let store = self.volume_store(r.volume)?;
+        let size = store
+            .snapshot_blocks(r.snapshot)
+            .ok_or_else(|| Status::not_found(format!("volume {} has no snapshot {}", r.volume, r.snapshot)))?;
+        let reply = tokio::task::spawn_blocking(move || {
+            let end = r.lba.saturating_add(r.blocks).min(size);
+            let mut states = Vec::with_capacity(end.saturating_sub(r.lba) as usize);
+            let mut data = Vec::new();
+            for lba in r.lba..end {
+                let state = store.snapshot_allocation(r.snapshot, lba)?;
+                if state == ALLOC_DATA {
+                    data.extend_from_slice(&store.read_snapshot(r.snapshot, lba)?);
+                }
+                states.push(state);
+            }
+            Ok::<_, crate::store::StoreError>(pb::ReadSnapshotReply {
+                states,
+                data,
+                size_blocks: size,
+            })
+        })
+        .await
+        .map_err(|e| Status::internal(e.to_string()))?
+        .map_err(store_status)?;
+        Ok(Response::new(reply))
+    }
+
+    async fn copy_snapshots(&self, r: Request<pb::CopySnapshotsRequest>) -> Result<Response<pb::Empty>, Status> {
+        let r = r.into_inner();
+        if r.snapshots.is_empty() || r.size == 0 || !r.size.is_multiple_of(BLOCK as u64) {
+            return Err(Status::invalid_argument(
+                "copy snapshots: name at least one snapshot and a size that is a multiple of 4096",
+            ));
+        }
+        if self.0.store(r.volume).is_some() {
+            return Err(Status::already_exists(format!("volume {} exists", r.volume)));
+        }
+        let copied = self.copy_from(&r).await;
+        if copied.is_err() {
+            // nothing half made stays behind
+            let id = r.volume;
+            let _ = self.on_node(move |n| n.delete_volume(id)).await;
+        }
+        copied.map(|_| Response::new(pb::Empty {}))
     }
 
     async fn list_volumes(&self, _: Request<pb::ListVolumesRequest>) -> Result<Response<pb::ListVolumesReply>, Status> {

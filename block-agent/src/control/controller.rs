@@ -373,8 +373,11 @@ impl Controller {
     /// Replaces each replica whose node has been silent past `replace_after` by a new, empty
     /// volume on the least loaded node that is up and holds none of the volume's replicas,
     /// records it, and tells the volume's agent, which rebuilds it from the other replicas in
-    /// the background. Volumes with snapshots or clones stay (their snapshots and bases live
-    /// on their nodes); a volume with no node to move to waits for one.
+    /// the background. A volume with snapshots gets them first: the new node copies each from
+    /// a replica that is up, oldest first (`CopySnapshots`), before the agent rebuilds the
+    /// live blocks. Clones and volumes with clones stay (a clone reads through to its base on
+    /// the same node); a volume with no node to move to waits for one. The control state
+    /// stays locked while snapshots are copied.
     async fn replace_down_replicas(self: &Arc<Self>, after: Duration) {
         let mut s = self.state.lock().await;
         // (volume, replica index, its silent node, seconds silent), and the nodes that are up
@@ -384,8 +387,9 @@ impl Controller {
             let todo = s
                 .volumes
                 .iter()
-                // a volume with clones has their snapshots
-                .filter(|(_, v)| v.snapshots.is_empty() && v.parent.is_none())
+                // a clone's base, and the snapshots its clones read through to, live on the
+                // nodes of its replicas
+                .filter(|(name, v)| v.parent.is_none() && clones_of(&s, name, None).is_empty())
                 .flat_map(|(name, v)| {
                     v.replicas.iter().enumerate().filter_map(|(k, r)| {
                         let silent = self.silent_for(&live, r)?;
@@ -419,11 +423,37 @@ impl Controller {
                 continue;
             };
             let admin = s.nodes[&new].admin.clone();
+            // where the snapshots come from: a replica on a node that is up
+            let source = v
+                .replicas
+                .iter()
+                .find(|r| **r != old && up.contains(r))
+                .map(|r| s.nodes[r].admin.clone());
             let made = async {
-                node_client(&admin)
-                    .await?
-                    .create_volume(pb::CreateVolumeRequest { id: v.id, size: v.size })
-                    .await
+                let mut c = node_client(&admin).await?;
+                if v.snapshots.is_empty() {
+                    return c
+                        .create_volume(pb::CreateVolumeRequest { id: v.id, size: v.size })
+                        .await;
+                }
+                let Some(source) = source else {
+                    return Err(Status::unavailable("no replica with its snapshots is up"));
+                };
+                let req = pb::CopySnapshotsRequest {
+                    volume: v.id,
+                    source,
+                    snapshots: v.snapshots.iter().map(|r| r.id).collect(),
+                    size: v.size,
+                };
+                let copied = c.copy_snapshots(req.clone()).await;
+                match copied {
+                    // an old copy of it (a replica replaced before, snapshots and all): made anew
+                    Err(e) if e.code() == tonic::Code::AlreadyExists => {
+                        c.delete_volume(pb::DeleteVolumeRequest { id: v.id }).await?;
+                        c.copy_snapshots(req).await
+                    }
+                    r => r,
+                }
             }
             .await;
             match made {

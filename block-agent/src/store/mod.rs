@@ -985,8 +985,9 @@ impl VolumeStore {
             .collect()
     }
 
-    /// The allocation state of block `lba` in snapshot `id`.
-    fn snapshot_allocation(&self, id: u32, lba: u64) -> Result<u8, StoreError> {
+    /// The allocation state of block `lba` in snapshot `id` ([`ALLOC_DATA`] or
+    /// [`ALLOC_HOLE`]).
+    pub fn snapshot_allocation(&self, id: u32, lba: u64) -> Result<u8, StoreError> {
         let state = self.snaps.read().state(id, lba)?;
         match (state, &self.base) {
             (Some(DATA), _) => Ok(ALLOC_DATA),
