@@ -11,6 +11,7 @@ mod common;
 use block_agent::nbd::client::NbdClient;
 use clients::blk::{ClusterSpec, LocalCluster};
 use common::{blkctl, check_stores, check_stores_on, have, host_port, local_etcd, pattern, spawner, tmp, Writers};
+use std::collections::HashMap;
 use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -247,11 +248,12 @@ fn a_replica_down_past_the_replace_timeout_is_rebuilt_on_another_node() {
     }
 }
 
-/// A volume with a snapshot loses a replica for good: the controller makes a new one on the
-/// spare node with the snapshot copied from a surviving replica (not only the live blocks),
-/// and the agent rebuilds the live blocks. Read straight from the stores afterwards: the new
+/// A volume with a snapshot, and a clone of it, lose a replica for good: the controller makes
+/// a new one on the spare node with the snapshot copied from a surviving replica (not only the
+/// live blocks), then the clone's there (a fresh clone of the copied snapshot), and the agent
+/// rebuilds the live blocks of both. Read straight from the stores afterwards: the new
 /// replica's snapshot holds what the volume held when it was taken (holes where it had none),
-/// and its live blocks hold what was written after.
+/// its live blocks what was written after, and the clone its own writes over the snapshot.
 #[test]
 fn a_replica_of_a_volume_with_snapshots_is_rebuilt_with_them() {
     let dir = tmp("replace-snap");
@@ -293,15 +295,46 @@ fn a_replica_of_a_volume_with_snapshots_is_rebuilt_with_them() {
     }
     nbd.flush().unwrap();
     drop(nbd);
+    // a clone of the snapshot, with writes of its own
+    let ok = |args: &[&str]| {
+        let mut a = vec!["--control", control.as_str()];
+        a.extend_from_slice(args);
+        let (ok, out, err) = blkctl(&dir, &a);
+        assert!(ok, "blkctl {args:?}: {err}");
+        out
+    };
+    ok(&["clone", "vol0@s1", "c1"]);
+    let c1_uri = ok(&["attach", "c1"]).trim().to_string();
+    let (hp1, n1) = host_port(&c1_uri);
+    let mut cl = NbdClient::connect(hp1.as_str(), &n1).unwrap();
+    let mut clone_writes = HashMap::new();
+    for &lba in overwritten.iter().take(20).chain(fresh.iter().take(20)) {
+        let v = (1 << 61) | lba;
+        cl.write(lba * 4096, &pattern(lba, v), false).unwrap();
+        clone_writes.insert(lba, v);
+    }
+    cl.flush().unwrap();
+    cl.disconnect();
     c.nodes[victim].kill9();
     let t = Instant::now();
     let replaced = describe_until(&dir, &control, Duration::from_secs(30), |d| holds(d, &ids[spare]));
     let rebuilt = describe_until(&dir, &control, Duration::from_secs(30), |d| {
         (0..3).all(|k| d["replicas"][k]["sync"] == "in-sync")
     });
+    // the clone follows its parent's replica to the spare node
+    let clone_rebuilt = loop {
+        let d = describe(&dir, &control, "c1");
+        if holds(&d, &ids[spare]) && (0..3).all(|k| d["replicas"][k]["sync"] == "in-sync") {
+            break t.elapsed();
+        }
+        assert!(t.elapsed() < Duration::from_secs(40), "c1 was not moved: {d:#}");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let c1_id = describe(&dir, &control, "c1")["id"].as_u64().unwrap() as u32;
     eprintln!(
         "node{victim} killed; node{spare} took its replica with the snapshot {replaced:?} later, in sync {rebuilt:?} \
-         after that ({:?} in all); {} blocks in the snapshot, {} written after",
+         after that ({:?} in all), its clone c1 in sync {clone_rebuilt:?} after the kill; {} blocks in the \
+         snapshot, {} written after",
         t.elapsed(),
         at_snapshot.len(),
         overwritten.len() + fresh.len()
@@ -323,6 +356,20 @@ fn a_replica_of_a_volume_with_snapshots_is_rebuilt_with_them() {
             assert!(
                 s.read_snapshot(snaps[0], lba).unwrap() == vec![0u8; 4096],
                 "node{i} snapshot block {lba}: written after the snapshot, yet in it"
+            );
+        }
+        // the clone: its own writes, the rest as the snapshot had it
+        let node_dir = dir.join(format!("node{i}"));
+        let base = block_agent::store::Base {
+            store: std::sync::Arc::new(s),
+            snapshot: snaps[0],
+        };
+        let clone = block_agent::store::VolumeStore::open_with(&node_dir, c1_id, 1 << 30, Some(base)).unwrap();
+        for (&lba, &v) in at_snapshot.iter().chain(&clone_writes) {
+            let want = clone_writes.get(&lba).copied().unwrap_or(v);
+            assert!(
+                clone.read(lba).unwrap().0 == pattern(lba, want),
+                "node{i} clone block {lba}: not {want:#x}"
             );
         }
     }

@@ -375,21 +375,21 @@ impl Controller {
     /// records it, and tells the volume's agent, which rebuilds it from the other replicas in
     /// the background. A volume with snapshots gets them first: the new node copies each from
     /// a replica that is up, oldest first (`CopySnapshots`), before the agent rebuilds the
-    /// live blocks. Clones and volumes with clones stay (a clone reads through to its base on
-    /// the same node); a volume with no node to move to waits for one. The control state
-    /// stays locked while snapshots are copied.
+    /// live blocks. A clone's replica goes to the node its parent's replica of the same index
+    /// moved to (parents are moved first), made there as a fresh clone of the parent's
+    /// snapshot; a clone with snapshots of its own stays. A volume with no node to move to
+    /// waits for one. The control state stays locked while snapshots are copied.
     async fn replace_down_replicas(self: &Arc<Self>, after: Duration) {
         let mut s = self.state.lock().await;
         // (volume, replica index, its silent node, seconds silent), and the nodes that are up
         type Todo = Vec<(String, usize, String, u64)>;
-        let (todo, up): (Todo, Vec<String>) = {
+        let (mut todo, up): (Todo, Vec<String>) = {
             let live = self.live.lock();
             let todo = s
                 .volumes
                 .iter()
-                // a clone's base, and the snapshots its clones read through to, live on the
-                // nodes of its replicas
-                .filter(|(name, v)| v.parent.is_none() && clones_of(&s, name, None).is_empty())
+                // a clone with snapshots of its own would need them copied as a clone's
+                .filter(|(_, v)| v.parent.is_none() || v.snapshots.is_empty())
                 .flat_map(|(name, v)| {
                     v.replicas.iter().enumerate().filter_map(|(k, r)| {
                         let silent = self.silent_for(&live, r)?;
@@ -406,19 +406,36 @@ impl Controller {
                 .collect();
             (todo, up)
         };
+        // parents first: a clone's replica k goes where its parent's replica k went
+        todo.sort_by_key(|(name, ..)| s.volumes.get(name).is_some_and(|v| v.parent.is_some()));
         for (name, k, old, silent) in todo {
             let Some(v) = s.volumes.get(&name).cloned() else {
                 continue;
             };
-            let mut load: Vec<(usize, String)> = up
-                .iter()
-                .filter(|n| !v.replicas.contains(n))
-                .map(|n| (s.volumes.values().filter(|x| x.replicas.contains(n)).count(), n.clone()))
-                .collect();
-            load.sort();
-            let Some((_, new)) = load.into_iter().next() else {
+            // a clone reads through to its parent's snapshot on the same node
+            let base = v.parent.as_ref().and_then(|p| {
+                let pv = s.volumes.get(&p.volume)?;
+                let snap = pv.snapshots.iter().find(|x| x.name == p.snapshot)?;
+                Some((pv.id, snap.id, pv.replicas.get(k)?.clone()))
+            });
+            let new = match &base {
+                Some((_, _, at)) if *at != old && up.contains(at) && !v.replicas.contains(at) => Some(at.clone()),
+                Some(_) => None,
+                None if v.parent.is_some() => None,
+                None => {
+                    let mut load: Vec<(usize, String)> = up
+                        .iter()
+                        .filter(|n| !v.replicas.contains(n))
+                        .map(|n| (s.volumes.values().filter(|x| x.replicas.contains(n)).count(), n.clone()))
+                        .collect();
+                    load.sort();
+                    load.into_iter().next().map(|(_, n)| n)
+                }
+            };
+            let Some(new) = new else {
                 tracing::debug!(
-                    "volume {name}: replica on {old} silent for {silent} s; no other node is up to take it"
+                    "volume {name}: replica on {old} silent for {silent} s; no node is up to take it \
+                     (a clone waits for its parent's replica to move)"
                 );
                 continue;
             };
@@ -431,6 +448,22 @@ impl Controller {
                 .map(|r| s.nodes[r].admin.clone());
             let made = async {
                 let mut c = node_client(&admin).await?;
+                if let Some((parent, snapshot, _)) = base {
+                    // a fresh clone: its unwritten blocks read through to the parent's snapshot
+                    // there; the agent rewrites the blocks written since
+                    let req = pb::CreateCloneRequest {
+                        id: v.id,
+                        parent,
+                        snapshot,
+                    };
+                    return match c.create_clone(req).await {
+                        Err(e) if e.code() == tonic::Code::AlreadyExists => {
+                            c.delete_volume(pb::DeleteVolumeRequest { id: v.id }).await?;
+                            c.create_clone(req).await
+                        }
+                        r => r,
+                    };
+                }
                 if v.snapshots.is_empty() {
                     return c
                         .create_volume(pb::CreateVolumeRequest { id: v.id, size: v.size })
