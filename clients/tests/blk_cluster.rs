@@ -190,26 +190,61 @@ fn a_restarted_agent_reconciles_a_replica_it_no_longer_knows_is_behind() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A 4-node cluster whose 3-replica volume `vol0` has a replica replaced 2 s after its node
+/// falls silent (1 s without a heartbeat): a node holding one of its replicas (the victim to
+/// kill) and the node holding none (the spare that takes it over).
+struct ReplaceCluster {
+    c: LocalCluster,
+    dir: std::path::PathBuf,
+    control: String,
+    ids: Vec<String>,
+    victim: usize,
+    spare: usize,
+}
+
+fn replace_cluster(tag: &str, size: u64) -> ReplaceCluster {
+    let dir = tmp(tag);
+    let mut spec = ClusterSpec::new(dir.clone());
+    spec.size = size;
+    spec.replicas = 3;
+    spec.nodes = 4;
+    spec.node_timeout_ms = 1000;
+    spec.replace_after_ms = 2000;
+    let c = LocalCluster::start(&spawner(), spec).unwrap();
+    let control = c.control_addr.clone();
+    let ids: Vec<String> = c.nodes.iter().map(|n| n.field("node").unwrap()).collect();
+    let d = describe(&dir, &control, "vol0");
+    let victim = (0..4).find(|&i| holds(&d, &ids[i])).unwrap();
+    let spare = (0..4).find(|&i| !holds(&d, &ids[i])).unwrap();
+    ReplaceCluster {
+        c,
+        dir,
+        control,
+        ids,
+        victim,
+        spare,
+    }
+}
+
+/// Whether a volume `describe` names storage node `id` among its 3 replicas.
+fn holds(d: &serde_json::Value, id: &str) -> bool {
+    (0..3).any(|k| d["replicas"][k]["node"] == id)
+}
+
 /// A replica whose storage node stays down past the controller's `--replace-after-ms` is
 /// replaced by a new one on a spare node, which the agent rebuilds from the others while
 /// writes go on: no write fails, `describe` shows the new node `in-sync`, and it holds every
 /// acknowledged write.
 #[test]
 fn a_replica_down_past_the_replace_timeout_is_rebuilt_on_another_node() {
-    let dir = tmp("replace");
-    let mut spec = ClusterSpec::new(dir.clone());
-    spec.size = 32 << 20;
-    spec.replicas = 3;
-    spec.nodes = 4;
-    spec.node_timeout_ms = 1000;
-    spec.replace_after_ms = 2000;
-    let mut c = LocalCluster::start(&spawner(), spec).unwrap();
-    let control = c.control_addr.clone();
-    let ids: Vec<String> = c.nodes.iter().map(|n| n.field("node").unwrap()).collect();
-    let d = describe(&dir, &control, "vol0");
-    let holds = |d: &serde_json::Value, id: &str| (0..3).any(|k| d["replicas"][k]["node"] == id);
-    let victim = (0..4).find(|&i| holds(&d, &ids[i])).unwrap();
-    let spare = (0..4).find(|&i| !holds(&d, &ids[i])).unwrap();
+    let ReplaceCluster {
+        mut c,
+        dir,
+        control,
+        ids,
+        victim,
+        spare,
+    } = replace_cluster("replace", 32 << 20);
     let w = Writers::start(&c.uri, (32u64 << 20) / 4096, 4);
     std::thread::sleep(Duration::from_millis(1000));
     c.nodes[victim].kill9();
@@ -256,20 +291,14 @@ fn a_replica_down_past_the_replace_timeout_is_rebuilt_on_another_node() {
 /// its live blocks what was written after, and the clone its own writes over the snapshot.
 #[test]
 fn a_replica_of_a_volume_with_snapshots_is_rebuilt_with_them() {
-    let dir = tmp("replace-snap");
-    let mut spec = ClusterSpec::new(dir.clone());
-    spec.size = 16 << 20;
-    spec.replicas = 3;
-    spec.nodes = 4;
-    spec.node_timeout_ms = 1000;
-    spec.replace_after_ms = 2000;
-    let mut c = LocalCluster::start(&spawner(), spec).unwrap();
-    let control = c.control_addr.clone();
-    let ids: Vec<String> = c.nodes.iter().map(|n| n.field("node").unwrap()).collect();
-    let d = describe(&dir, &control, "vol0");
-    let holds = |d: &serde_json::Value, id: &str| (0..3).any(|k| d["replicas"][k]["node"] == id);
-    let victim = (0..4).find(|&i| holds(&d, &ids[i])).unwrap();
-    let spare = (0..4).find(|&i| !holds(&d, &ids[i])).unwrap();
+    let ReplaceCluster {
+        mut c,
+        dir,
+        control,
+        ids,
+        victim,
+        spare,
+    } = replace_cluster("replace-snap", 16 << 20);
     let blocks = (16u64 << 20) / 4096;
     let w = Writers::start(&c.uri, blocks, 4);
     std::thread::sleep(Duration::from_millis(800));
