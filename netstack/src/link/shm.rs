@@ -743,3 +743,119 @@ impl Link for ShmLink {
         st.read_udp = true;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::Ipv4Addr;
+
+    fn addr(port: u16) -> SocketAddrV4 {
+        SocketAddrV4::new(Ipv4Addr::LOCALHOST, port)
+    }
+
+    /// A producer and a consumer of one ring in this process (the file's name removed).
+    fn ring() -> (OutRing, InRing) {
+        let (src, dst) = (addr(40001), addr(40002));
+        let (out, path, nonce) = OutRing::create(src, dst).unwrap();
+        let inr = InRing::attach(&path.to_string_lossy(), nonce, src, dst).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        (out, inr)
+    }
+
+    fn msg(bytes: &[u8], gso: u16) -> OutMsg {
+        let mut m = OutMsg::new(&addr(40002));
+        // SAFETY: `bytes` outlives every push of the message in these tests.
+        assert!(unsafe { m.push(bytes.as_ptr(), bytes.len()) });
+        m.gso = gso;
+        m
+    }
+
+    #[test]
+    fn datagrams_and_gso_messages_cross_a_ring_in_order() {
+        let (mut out, mut inr) = ring();
+        let a: Vec<u8> = (0..100u8).collect();
+        let b: Vec<u8> = (0..3000).map(|i| (i % 251) as u8).collect();
+        assert!(matches!(out.push(&msg(&a, 0)), Push::Pushed));
+        assert!(matches!(out.push(&msg(&b, 1000)), Push::Pushed));
+        // buffers smaller than the GSO message: one receive per segment
+        let mut batch = RecvBatch::new(8, 1500);
+        assert_eq!(inr.drain(&mut batch, 0), Some(4));
+        let got: Vec<Vec<u8>> = (0..4).map(|i| batch.get(i).0.unwrap().to_vec()).collect();
+        assert_eq!(got[0], a);
+        assert_eq!(got[1..].concat(), b);
+        assert!(got[1..].iter().all(|s| s.len() == 1000));
+        assert_eq!(batch.get(0).1, addr(40001), "the source is the sender's port");
+        assert!(inr.is_empty());
+    }
+
+    #[test]
+    fn a_full_ring_pushes_back_and_frees_up_when_drained() {
+        let (mut out, mut inr) = ring();
+        let d = [7u8; 64];
+        for _ in 0..SLOTS {
+            assert!(matches!(out.push(&msg(&d, 0)), Push::Pushed));
+        }
+        assert!(matches!(out.push(&msg(&d, 0)), Push::Full), "the consumer lives: wait");
+        let mut batch = RecvBatch::new(SLOTS as usize, 128);
+        assert_eq!(inr.drain(&mut batch, 0), Some(SLOTS as usize));
+        assert!(matches!(out.push(&msg(&d, 0)), Push::Pushed));
+        // a consumer that goes away is seen by the producer
+        drop(inr);
+        assert!(matches!(out.push(&msg(&d, 0)), Push::Gone));
+    }
+
+    #[test]
+    fn garbage_from_the_other_process_is_dropped_not_trusted() {
+        let (mut out, mut inr) = ring();
+        let d = [1u8; 200];
+        assert!(matches!(out.push(&msg(&d, 0)), Push::Pushed));
+        assert!(matches!(out.push(&msg(&d, 0)), Push::Pushed));
+        // the peer rewrites a published slot's length past the slot: a truncated receive
+        inr.map.slot_word(0).store(u64::MAX >> 8, Ordering::Relaxed);
+        let mut batch = RecvBatch::new(8, 2048);
+        assert_eq!(inr.drain(&mut batch, 0), Some(2));
+        assert!(
+            batch.get(0).0.is_none(),
+            "an impossible length is reported as truncated"
+        );
+        assert_eq!(batch.get(1).0.unwrap(), &d[..]);
+        // a tail that runs more than a ring ahead, or behind the head: the ring is dropped
+        inr.map.word(H_TAIL).store(2 + SLOTS + 1, Ordering::Release);
+        assert_eq!(inr.drain(&mut batch, 0), None);
+        inr.map.word(H_TAIL).store(1, Ordering::Release);
+        assert_eq!(inr.drain(&mut batch, 0), None);
+        // a head the consumer moved backwards or past the tail: the producer gives up on it
+        out.map.word(H_HEAD).store(1 << 40, Ordering::Release);
+        for _ in 0..SLOTS {
+            if let Push::Gone = out.push(&msg(&d, 0)) {
+                return;
+            }
+        }
+        panic!("a nonsensical head was trusted");
+    }
+
+    #[test]
+    fn a_hello_naming_another_file_or_the_wrong_addresses_is_refused() {
+        let (src, dst) = (addr(40011), addr(40012));
+        let (_out, path, nonce) = OutRing::create(src, dst).unwrap();
+        let p = path.to_string_lossy().into_owned();
+        for (path, nonce, src, dst) in [
+            ("/etc/passwd".to_string(), nonce, src, dst),
+            (format!("{PREFIX}../x"), nonce, src, dst),
+            (p.clone(), nonce ^ 1, src, dst),
+            (p.clone(), nonce, addr(1), dst),
+            (p.clone(), nonce, src, addr(2)),
+        ] {
+            assert!(
+                InRing::attach(&path, nonce, src, dst).is_err(),
+                "{path} {nonce:x} {src} {dst}"
+            );
+        }
+        assert!(InRing::attach(&p, nonce, src, dst).is_ok());
+        std::fs::remove_file(&path).unwrap();
+        assert!(parse_control(b"FLXSHM\x00\x01short").is_none());
+        assert!(parse_control(&[0u8; 64]).is_none());
+        let m = control(HELLO, 9, "/dev/shm/x");
+        assert_eq!(parse_control(&m), Some((HELLO, 9, &b"/dev/shm/x"[..])));
+    }
+}
