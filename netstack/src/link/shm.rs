@@ -36,7 +36,9 @@
 //! A link that is dropped marks its rings closed; a sender whose receiver closed or died (seen
 //! when the ring is full) forgets the ring and handshakes again on the next datagram, and a
 //! receiver drops a ring once its sender has closed it or died and it is empty. A process
-//! killed between creating a ring and its ACK leaves the file behind in `/dev/shm`.
+//! killed between creating a ring and its ACK leaves the file behind in `/dev/shm` until the
+//! next shm link on the host starts: it removes the ring files whose creating process (named
+//! in the file's name) is gone.
 //!
 //! This is one of the documented `unsafe` modules (docs/ARCHITECTURE.md, "Unsafe inventory"):
 //! `mmap`/`munmap`, `AtomicU64::from_ptr` over the mapping, the atomic copies, and `kill(pid,
@@ -66,7 +68,7 @@ const SLOT: usize = SLOT_HDR + SLOT_DATA;
 const HEADER: usize = 4096;
 /// The size of a ring file.
 const RING_BYTES: usize = HEADER + SLOTS as usize * SLOT;
-/// Where ring files live, and how their names start.
+/// Where ring files live, and how their names start (then the creating process's id).
 const PREFIX: &str = "/dev/shm/flexns-shm-";
 /// "flexnsR1": the header's first word (the layout's version is its last byte).
 const RING_MAGIC: u64 = u64::from_le_bytes(*b"flexnsR1");
@@ -119,6 +121,30 @@ fn is_dead(pid: u64) -> bool {
     // SAFETY: signal 0 delivers nothing; it only checks that the process exists.
     let r = unsafe { libc::kill(p, 0) };
     r == -1 && io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
+}
+
+/// Removes the ring files in `/dev/shm` whose creating process is gone (one killed between
+/// creating a ring and its ACK leaves the file behind); returns how many. Runs when a link
+/// starts.
+fn sweep_stale_files() -> usize {
+    let (dir, start) = PREFIX.rsplit_once('/').expect("PREFIX is a path");
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    let mut removed = 0;
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(start)) else {
+            continue;
+        };
+        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u64>().ok()) else {
+            continue;
+        };
+        if is_dead(pid) && std::fs::remove_file(e.path()).is_ok() {
+            removed += 1;
+        }
+    }
+    removed
 }
 
 /// A shared mapping of one ring file.
@@ -462,6 +488,10 @@ impl ShmLink {
         let mut local_ips: Vec<Ipv4Addr> = super::sys::interfaces().into_iter().map(|(_, ip)| ip).collect();
         local_ips.sort();
         local_ips.dedup();
+        let stale = sweep_stale_files();
+        if stale > 0 {
+            tracing::info!("shm link: removed {stale} ring files of processes that are gone");
+        }
         let ports = (0..udp.0.len()).map(|_| Mutex::new(PortState::default())).collect();
         ShmLink {
             udp,
@@ -857,5 +887,23 @@ mod tests {
         assert!(parse_control(&[0u8; 64]).is_none());
         let m = control(HELLO, 9, "/dev/shm/x");
         assert_eq!(parse_control(&m), Some((HELLO, 9, &b"/dev/shm/x"[..])));
+    }
+
+    #[test]
+    fn ring_files_of_processes_that_are_gone_are_swept() {
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let gone = child.id();
+        child.wait().unwrap();
+        let stale = format!("{PREFIX}{gone}-1-127.0.0.1-2-00000000000000aa");
+        let mine = format!("{PREFIX}{}-1-127.0.0.1-2-00000000000000ab", std::process::id());
+        std::fs::write(&stale, b"").unwrap();
+        std::fs::write(&mine, b"").unwrap();
+        assert!(sweep_stale_files() >= 1);
+        assert!(!std::path::Path::new(&stale).exists(), "the dead process's file stays");
+        assert!(
+            std::path::Path::new(&mine).exists(),
+            "a live process's file was removed"
+        );
+        std::fs::remove_file(&mine).unwrap();
     }
 }
