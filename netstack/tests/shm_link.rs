@@ -100,6 +100,29 @@ fn same_host_contexts_move_datagrams_through_rings() {
     }
     // the rings carried what one side sent and the other received
     assert!(sa.shm_tx_messages <= sb.shm_rx_messages + 1 && sb.shm_tx_messages <= sa.shm_rx_messages + 1);
+    // the same counters on the Prometheus endpoint
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    netstack::telemetry::serve_prometheus(format!("127.0.0.1:{port}").parse().unwrap()).unwrap();
+    netstack::telemetry::collect_now();
+    let mut http = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    http.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+    let mut page = String::new();
+    std::io::Read::read_to_string(&mut http, &mut page).unwrap();
+    let ctx = a.qp.local_endpoint().addr.to_string();
+    let value = |metric: &str, label: &str| -> f64 {
+        page.lines()
+            .find(|l| l.starts_with(metric) && l.contains(&format!("context=\"{ctx}\"")) && l.contains(label))
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+            .unwrap_or_else(|| panic!("no {metric} {label} for {ctx} in:\n{page}"))
+    };
+    // (late ACKs may have moved the counters since the snapshot above)
+    assert!(value("flexns_shm_messages_total", "direction=\"tx\"") >= sa.shm_tx_messages as f64);
+    assert!(value("flexns_shm_messages_total", "direction=\"rx\"") >= sa.shm_rx_messages as f64);
+    assert_eq!(value("flexns_shm_peers", ""), 1.0);
     // the names of the ring files are gone once both ends mapped them
     let left: Vec<_> = std::fs::read_dir("/dev/shm")
         .unwrap()

@@ -101,6 +101,13 @@ impl crate::telemetry::Collect for CtxInner {
         gauge!("flexns_staging_bytes", "context" => ctx.clone()).set(staging as f64);
         gauge!("flexns_staging_peak_bytes", "context" => ctx.clone()).set(peak as f64);
 
+        // the link's own counters (shared-memory rings, `link = "shm"`), summed over cores
+        let st = self.engine.stats();
+        ck("flexns_shm_messages_total", "direction", "tx", st.shm_tx_messages);
+        ck("flexns_shm_messages_total", "direction", "rx", st.shm_rx_messages);
+        c("flexns_shm_doorbells_total", st.shm_doorbells);
+        gauge!("flexns_shm_peers", "context" => ctx.clone()).set(st.shm_peers as f64);
+
         // the QPs, summed, and their paths; their CQs; the limits congestion control set
         let mut t = RcStats::default();
         let mut qps = 0usize;
