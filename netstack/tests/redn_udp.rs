@@ -2,7 +2,7 @@
 //! SEND, with no server thread involved, over real UDP sockets on 127.0.0.1.
 
 use netstack::redn::builder::{entry, ChainBuilder, Entry, Remote};
-use netstack::redn::programs::{hash_get_request, ClientBuffer, HashGetServer};
+use netstack::redn::programs::{hash_get_request, insert_bucket, ClientBuffer, HashGetServer};
 use netstack::redn::wqe::{self, off};
 use netstack::verbs::*;
 use std::time::Duration;
@@ -381,18 +381,11 @@ fn fig9_hash_get_serves_from_either_bucket_while_the_server_is_blocked() {
     // 40 keys, each in one of its two buckets (the second when the first is taken)
     let mut stored = Vec::new();
     for k in 1..=40u64 {
-        let b = if table.load_u64(h1(k) as usize * 16) == Some(0) {
-            h1(k)
-        } else {
-            h2(k)
-        };
-        if table.load_u64(b as usize * 16) != Some(0) {
+        let v = values.addr() + 64 * (stored.len() as u64);
+        if insert_bucket(&table, &[h1(k), h2(k)], k, v).is_none() {
             continue;
         }
-        let v = values.addr() + 64 * (stored.len() as u64);
         values.write(64 * stored.len(), &[k as u8; 64]);
-        table.write(b as usize * 16, &k.to_le_bytes());
-        table.write(b as usize * 16 + 8, &v.to_le_bytes());
         stored.push(k);
     }
     let server = HashGetServer::new(

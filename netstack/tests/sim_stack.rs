@@ -560,6 +560,18 @@ struct Outcome {
     stats: SimStats,
 }
 
+impl Outcome {
+    /// A finished run: the workload's trace hash and completions, and what `net` carried.
+    fn of(net: &SimNet, trace: u64, completions: u64) -> Outcome {
+        Outcome {
+            trace,
+            net_trace: net.trace_hash(),
+            completions,
+            stats: net.stats(),
+        }
+    }
+}
+
 fn run_seed(seed: u64, pcap: Option<&std::path::Path>) -> Result<Outcome, String> {
     let mut w = World::new(seed);
     if let Some(p) = pcap {
@@ -688,12 +700,7 @@ fn run_seed(seed: u64, pcap: Option<&std::path::Path>) -> Result<Outcome, String
             return Err(format!("offload request {id:#x} ran {n} times"));
         }
     }
-    Ok(Outcome {
-        trace: w.trace,
-        net_trace: w.net.trace_hash(),
-        completions: w.completions,
-        stats: w.net.stats(),
-    })
+    Ok(Outcome::of(&w.net, w.trace, w.completions))
 }
 
 /// Runs seed `seed` twice with `run`; the two runs' traces (datagrams and completions with
@@ -795,7 +802,7 @@ fn seeded_runs_of_the_whole_stack_are_exactly_once_in_order_and_replay_identical
 /// server's data core on the simulated network, under the same seeded faults: every get is
 /// answered once, with its id and the key's value, and nothing else arrives.
 fn run_redn_seed(seed: u64) -> Result<Outcome, String> {
-    use netstack::redn::programs::{hash_get_request, ClientBuffer, HashGetServer};
+    use netstack::redn::programs::{hash_get_request, insert_bucket, ClientBuffer, HashGetServer};
     let mut rng = StdRng::seed_from_u64(seed ^ 0x4ed4_4ed4);
     let mut faults = faults_for(&mut rng);
     // a miss is silence, so a lost answer would look like one: RC recovers every loss, but
@@ -840,22 +847,13 @@ fn run_redn_seed(seed: u64) -> Result<Outcome, String> {
     let h2 = |k: u64| (k * 7 + 3) % 64;
     let mut stored = Vec::new();
     for k in 1..=40u64 {
-        let b = if table.load_u64(h1(k) as usize * 16) == Some(0) {
-            h1(k)
-        } else {
-            h2(k)
-        };
-        if table.load_u64(b as usize * 16) != Some(0) {
+        let at = values.addr() + 64 * stored.len() as u64;
+        if insert_bucket(&table, &[h1(k), h2(k)], k, at).is_none() {
             continue;
         }
         let mut v = [0u8; 64];
         rng.fill(&mut v[..]);
         values.write(64 * stored.len(), &v);
-        table.write(b as usize * 16, &k.to_le_bytes());
-        table.write(
-            b as usize * 16 + 8,
-            &(values.addr() + 64 * stored.len() as u64).to_le_bytes(),
-        );
         stored.push((k, v));
     }
     let server = HashGetServer::new(
@@ -937,12 +935,7 @@ fn run_redn_seed(seed: u64) -> Result<Outcome, String> {
         }
     }
     drop(server);
-    Ok(Outcome {
-        trace,
-        net_trace: net.trace_hash(),
-        completions,
-        stats: net.stats(),
-    })
+    Ok(Outcome::of(&net, trace, completions))
 }
 
 #[test]
@@ -1103,12 +1096,7 @@ fn run_solar_seed(seed: u64) -> Result<Outcome, String> {
         return Err(format!("a write of block {lba} was applied {n} times"));
     }
     drop(agent);
-    Ok(Outcome {
-        trace,
-        net_trace: net.trace_hash(),
-        completions,
-        stats: net.stats(),
-    })
+    Ok(Outcome::of(&net, trace, completions))
 }
 
 #[test]

@@ -56,6 +56,21 @@ pub fn hash_get_request(key: u64, id: u32, buckets: &[u64]) -> Vec<u8> {
     v
 }
 
+/// Bytes of one bucket of a hash-get table: `{key: u64, value address: u64}`.
+pub const BUCKET: usize = 16;
+
+/// Puts `key`, with its value at `value_addr`, into the first empty bucket (key 0) among
+/// `candidates` (bucket indices) of `table`, the layout [`HashGetServer`] serves; returns the
+/// bucket used, or `None` when every candidate is taken.
+pub fn insert_bucket(table: &Mr, candidates: &[u64], key: u64, value_addr: u64) -> Option<u64> {
+    let b = *candidates
+        .iter()
+        .find(|&&b| table.load_u64(b as usize * BUCKET) == Some(0))?;
+    table.write(b as usize * BUCKET, &key.to_le_bytes());
+    table.write(b as usize * BUCKET + 8, &value_addr.to_le_bytes());
+    Some(b)
+}
+
 /// Where a hash get's value goes: the client's buffer (registered with REMOTE_WRITE).
 #[derive(Debug, Clone, Copy)]
 pub struct ClientBuffer {
