@@ -22,6 +22,9 @@
 //! A word accessed with 8-byte atomics by one thread and through a copy whose range starts or
 //! ends inside that word (byte atomics at the edge) by another is a mixed-size race, which the
 //! model leaves unspecified; the stack's own users race only on 8-byte-aligned ranges.
+pub use flexns_proto::memory::{Access, AccessError};
+
+use flexns_proto::memory::{KeyTable, SharedRegion};
 use parking_lot::RwLock;
 use std::os::fd::{AsRawFd, BorrowedFd};
 use std::sync::atomic::{fence, AtomicU64, AtomicU8, Ordering};
@@ -134,34 +137,6 @@ fn stream_all(n: usize, zero: std::io::ErrorKind, mut step: impl FnMut(usize) ->
         }
     }
     Ok(())
-}
-
-/// Memory access rights of a memory region, with ibverbs' bit values.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Access(pub u32);
-
-impl Access {
-    /// The local side may write it (receives, READ responses, atomics' results).
-    pub const LOCAL_WRITE: Access = Access(1);
-    /// Peers may RDMA WRITE it.
-    pub const REMOTE_WRITE: Access = Access(2);
-    /// Peers may RDMA READ it.
-    pub const REMOTE_READ: Access = Access(4);
-    /// Peers may run atomics on it.
-    pub const REMOTE_ATOMIC: Access = Access(8);
-    /// All of the above.
-    pub const ALL: Access = Access(15);
-    /// Whether every right of `o` is granted.
-    pub fn contains(self, o: Access) -> bool {
-        self.0 & o.0 == o.0
-    }
-}
-
-impl std::ops::BitOr for Access {
-    type Output = Access;
-    fn bitor(self, o: Access) -> Access {
-        Access(self.0 | o.0)
-    }
 }
 
 /// A span of registerable memory.
@@ -488,28 +463,6 @@ pub struct MrEntry {
     pub rkey: u32,
 }
 
-/// Why an access was refused.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-pub enum AccessError {
-    /// No region has this key (never registered, deregistered, or invalidated).
-    #[error("unknown or invalidated key {0:#x}")]
-    BadKey(u32),
-    /// The key's region is in another protection domain.
-    #[error("key {0:#x} belongs to another protection domain")]
-    WrongPd(u32),
-    /// The range does not lie inside the region.
-    #[error("range {va:#x}+{len} is outside the memory region")]
-    OutOfBounds {
-        /// Start address asked for.
-        va: u64,
-        /// Bytes asked for.
-        len: u64,
-    },
-    /// The region does not grant the right.
-    #[error("memory region lacks the access right {0:?}")]
-    NoPermission(Access),
-}
-
 /// The table of registered memory regions of a context; keys are `index << 8 | generation`.
 #[derive(Default)]
 pub struct MrTable {
@@ -593,6 +546,39 @@ impl MrTable {
             return Err(AccessError::OutOfBounds { va, len });
         }
         Ok((e.region, (va - base) as usize))
+    }
+}
+
+/// The protocol core's view of a region: the inherent methods above.
+impl SharedRegion for Region {
+    fn from_bytes(data: &[u8]) -> Region {
+        Region::from_bytes(data)
+    }
+    fn len(&self) -> usize {
+        Region::len(self)
+    }
+    fn read(&self, off: usize, dst: &mut [u8]) {
+        Region::read(self, off, dst)
+    }
+    fn write(&self, off: usize, src: &[u8]) {
+        Region::write(self, off, src)
+    }
+    fn append_to(&self, off: usize, n: usize, out: &mut Vec<u8>) {
+        Region::append_to(self, off, n, out)
+    }
+    fn compare_swap(&self, off: usize, compare: u64, swap: u64) -> Option<u64> {
+        Region::compare_swap(self, off, compare, swap)
+    }
+    fn fetch_add(&self, off: usize, add: u64) -> Option<u64> {
+        Region::fetch_add(self, off, add)
+    }
+}
+
+/// The protocol core checks keys through [`MrTable::check`].
+impl KeyTable for MrTable {
+    type Region = Region;
+    fn check(&self, key: u32, pd: u32, va: u64, len: u64, need: Access) -> Result<(Arc<Region>, usize), AccessError> {
+        MrTable::check(self, key, pd, va, len, need)
     }
 }
 

@@ -117,7 +117,7 @@ impl Sim {
             let mut p = netstack::cc::CcParams::default();
             p.swift.base_target_ns = 200_000;
             netstack::cc::CcKind::Swift
-                .build(&netstack::cc::CcEnv::new(&p))
+                .build(&netstack::cc::host_env(&p))
                 .expect("swift")
         });
         Sim {

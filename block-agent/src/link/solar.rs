@@ -5,7 +5,7 @@
 //! ECMP flow). Read blocks are placed into the request's buffer by the core as they arrive.
 
 use super::{Carrier, LinkConfig, LinkError, LinkStatus, Target};
-use netstack::cc::{CcEnv, CcParams};
+use netstack::cc::CcParams;
 use netstack::verbs::solar::{SolarAgent, SolarError};
 use netstack::verbs::{Context, ContextConfig};
 use parking_lot::Mutex;
@@ -58,7 +58,7 @@ impl SolarLink {
         p.swift.base_target_ns = cfg.cc_target_ns;
         p.swift.min_cwnd = cfg.cc_min_window;
         p.swift.fs_min_cwnd = p.swift.fs_min_cwnd.max(cfg.cc_min_window);
-        let env = CcEnv::new(&p);
+        let env = netstack::cc::host_env(&p);
         let mut pool = CONTEXTS.lock();
         pool.retain(|(_, _, w)| w.strong_count() > 0);
         // a context that has no client toward this server yet

@@ -866,7 +866,7 @@ impl DataCore {
                         self.shared.stats.tx_payload_copy_bytes.add(2 * d.len() as u64);
                     }
                     if let Err(e) =
-                        s.qp.post_send_with_inline(wr.clone(), inline.as_deref(), &self.shared.mrs)
+                        s.qp.post_send_with_inline(wr.clone(), inline.as_deref(), &*self.shared.mrs)
                     {
                         // the application checked state and depth when it posted; a QP that
                         // changed since answers with an error completion

@@ -168,7 +168,7 @@ impl DataCore {
             return None;
         }
         let copied = s.qp.payload_copy_bytes();
-        s.qp.handle_packet_ecn(now, &v, ce, &shared.mrs);
+        s.qp.handle_packet_ecn(now, &v, ce, &*shared.mrs);
         stats.rx_payload_copy_bytes.add(s.qp.payload_copy_bytes() - copied);
         Some((qpn, s.deliver_completions(core)))
     }

@@ -155,7 +155,7 @@ impl Host {
                 ROCEV2_PORT,
             ),
             qp_cfg,
-            env: CcEnv::new(cc),
+            env: crate::cc::host_env(cc),
             mrs,
             region,
             key,

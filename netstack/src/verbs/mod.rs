@@ -145,7 +145,7 @@ impl Context {
         let ctx = Context {
             inner: Arc::new(CtxInner {
                 engine,
-                cc_env: crate::cc::CcEnv::new(&cfg.cc),
+                cc_env: crate::cc::host_env(&cfg.cc),
                 cfg,
                 next_qpn: AtomicU32::new(base.max(0x100)),
                 salt,

@@ -246,7 +246,7 @@ impl Qp {
         let mrs = self.core.mrs.clone();
         let posted = self
             .core
-            .call(self.qpn, move |s| s.qp.post_send_with_inline(wr, Some(&request), &mrs))
+            .call(self.qpn, move |s| s.qp.post_send_with_inline(wr, Some(&request), &*mrs))
             .ok_or(VerbsError::Gone)?;
         posted?;
         self.posted.fetch_add(1, Ordering::Relaxed);

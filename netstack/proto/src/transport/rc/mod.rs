@@ -19,7 +19,7 @@ mod responder;
 
 use crate::cc::header::GrantHdr;
 use crate::cc::{CcAlgorithm, CcEnv, CcOutput, Generate, HeaderSpec, RxKind, RxMeta, StartInfo, Traced, Verdict};
-use crate::mem::MrTable;
+use crate::memory::{KeyTable, SharedRegion};
 use crate::wire::MAX_CC_HDR_LEN;
 use crate::wire::{Bth, HeaderBuf, Opcode};
 use crate::wire::{PacketView, MASK24};
@@ -296,18 +296,18 @@ impl RcStats {
 pub const MAX_LOOP_SAMPLES: usize = 1 << 16;
 
 /// One RC queue pair's transport state.
-pub struct RcQp {
+pub struct RcQp<R> {
     qpn: u32,
     pd: u32,
     cfg: RcConfig,
     state: QpState,
     dest_qpn: u32,
-    req: Requester,
-    resp: Responder,
+    req: Requester<R>,
+    resp: Responder<R>,
     completions: VecDeque<Wc>,
     stats: RcStats,
     cc_env: Arc<CcEnv>,
-    cc: CcSlot,
+    cc: CcSlot<R>,
     probe: multipath::ProbeSlot,
     /// The path the latest request came on: responses, ACKs and CNPs go back on it.
     rx_path: u8,
@@ -318,8 +318,8 @@ pub struct RcQp {
 /// A QP's congestion control: the algorithm's context, whether it started, its timer, the
 /// packets it asked for, the data packet its TX function is holding back, and the CC header to
 /// echo in ACKs.
-#[derive(Debug, Default)]
-struct CcSlot {
+#[derive(Debug)]
+struct CcSlot<R> {
     alg: Option<Box<dyn CcAlgorithm>>,
     traced: Traced,
     header: HeaderSpec,
@@ -329,7 +329,7 @@ struct CcSlot {
     cnp_pending: Option<u64>,
     grant_pending: Option<GrantHdr>,
     /// The TX function deferred (until a time) or held (until the next CC event) this packet.
-    stash: Option<(crate::transport::TxPacket, crate::cc::TxMeta)>,
+    stash: Option<(crate::transport::TxPacket<R>, crate::cc::TxMeta)>,
     defer_until: Option<u64>,
     held: bool,
     echo: Vec<u8>,
@@ -338,11 +338,31 @@ struct CcSlot {
     loop_samples: Vec<u32>,
 }
 
+impl<R> Default for CcSlot<R> {
+    fn default() -> Self {
+        CcSlot {
+            alg: None,
+            traced: Traced::default(),
+            header: HeaderSpec::default(),
+            started: false,
+            timer: None,
+            cnp_pending: None,
+            grant_pending: None,
+            stash: None,
+            defer_until: None,
+            held: false,
+            echo: Vec::new(),
+            fault: None,
+            loop_samples: Vec::new(),
+        }
+    }
+}
+
 static DEFAULT_CC_ENV: std::sync::OnceLock<Arc<CcEnv>> = std::sync::OnceLock::new();
 
-impl RcQp {
+impl<R: SharedRegion> RcQp<R> {
     /// A QP in RESET.
-    pub fn new(qpn: u32, pd: u32, cfg: RcConfig) -> RcQp {
+    pub fn new(qpn: u32, pd: u32, cfg: RcConfig) -> RcQp<R> {
         RcQp {
             qpn: qpn & MASK24,
             pd,
@@ -485,7 +505,7 @@ impl RcQp {
 
     /// Bytes of state this QP holds beyond its fixed struct (queues and windows).
     pub fn state_bytes(&self) -> usize {
-        std::mem::size_of::<RcQp>() + self.req.heap_bytes() + self.resp.heap_bytes()
+        std::mem::size_of::<RcQp<R>>() + self.req.heap_bytes() + self.resp.heap_bytes()
     }
 
     /// RESET -> INIT (receive WRs may be posted from now on).
@@ -545,13 +565,18 @@ impl RcQp {
 
     /// Queues a send work request. Its local memory is checked now; a bad lkey completes the
     /// WR with LOC_PROT_ERR when its turn comes.
-    pub fn post_send(&mut self, wr: SendWr, mrs: &MrTable) -> Result<(), PostError> {
+    pub fn post_send(&mut self, wr: SendWr, mrs: &impl KeyTable<Region = R>) -> Result<(), PostError> {
         self.post_send_with_inline(wr, None, mrs)
     }
 
     /// [`RcQp::post_send`] for an INLINE WR whose payload was already copied out of the
     /// caller's memory (into the WQE slots of the engine's send queue).
-    pub fn post_send_with_inline(&mut self, wr: SendWr, inline: Option<&[u8]>, mrs: &MrTable) -> Result<(), PostError> {
+    pub fn post_send_with_inline(
+        &mut self,
+        wr: SendWr,
+        inline: Option<&[u8]>,
+        mrs: &impl KeyTable<Region = R>,
+    ) -> Result<(), PostError> {
         match self.state {
             QpState::Rts => {}
             QpState::Err => {
@@ -587,12 +612,12 @@ impl RcQp {
     }
 
     /// Handles a received packet addressed to this QP (the caller has verified its ICRC).
-    pub fn handle_packet(&mut self, now: u64, pkt: &PacketView<'_>, mrs: &MrTable) {
+    pub fn handle_packet(&mut self, now: u64, pkt: &PacketView<'_>, mrs: &impl KeyTable<Region = R>) {
         self.handle_packet_ecn(now, pkt, false, mrs)
     }
 
     /// [`RcQp::handle_packet`] with the ECN congestion-experienced bit of its IP header.
-    pub fn handle_packet_ecn(&mut self, now: u64, pkt: &PacketView<'_>, ce: bool, mrs: &MrTable) {
+    pub fn handle_packet_ecn(&mut self, now: u64, pkt: &PacketView<'_>, ce: bool, mrs: &impl KeyTable<Region = R>) {
         if !matches!(self.state, QpState::Rtr | QpState::Rts) {
             self.stats.dropped_packets += 1;
             return;
@@ -667,13 +692,13 @@ impl RcQp {
 
     /// Next packet to send, if any. Generated CC packets and responses (read data, atomics,
     /// NAKs, ACKs) go first; the requester's data packets pass the CC TX function's verdict.
-    pub fn poll_transmit(&mut self, now: u64) -> Option<crate::transport::TxPacket> {
+    pub fn poll_transmit(&mut self, now: u64) -> Option<crate::transport::TxPacket<R>> {
         let mut p = self.next_packet(now)?;
         p.hdr.set_path(p.path);
         Some(p)
     }
 
-    fn next_packet(&mut self, now: u64) -> Option<crate::transport::TxPacket> {
+    fn next_packet(&mut self, now: u64) -> Option<crate::transport::TxPacket<R>> {
         if !matches!(self.state, QpState::Rtr | QpState::Rts) {
             return None;
         }
@@ -776,7 +801,7 @@ impl RcQp {
     }
 
     /// Adds the algorithm's CC header to a data packet that leaves.
-    fn finish_data(&mut self, now: u64, pkt: &mut crate::transport::TxPacket, meta: &crate::cc::TxMeta) {
+    fn finish_data(&mut self, now: u64, pkt: &mut crate::transport::TxPacket<R>, meta: &crate::cc::TxMeta) {
         self.stats.tx_packets += 1;
         let n = self.cc.header.data_bytes as usize;
         if n > 0 {

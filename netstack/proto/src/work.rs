@@ -33,12 +33,12 @@ pub enum WrOpcode {
     AtomicCmpAndSwp,
     /// 8-byte fetch-and-add at `remote_addr` (`compare_add`).
     AtomicFetchAndAdd,
-    /// A request to an offload handler of the peer's stack (see [`crate::offload`]): the
+    /// A request to an offload handler of the peer's stack (see netstack's `offload`): the
     /// handler's opcode in `imm_data`, the request bytes as the INLINE payload, the response
-    /// buffer as the scatter list. Posted with [`crate::verbs::Qp::post_offload`].
+    /// buffer as the scatter list. Posted with netstack's `verbs::Qp::post_offload`.
     Offload,
     /// Does nothing; completes in order with the QP's other work requests. On a managed QP it is
-    /// the placeholder a RedN `if` turns into a real verb (see [`crate::redn`]).
+    /// the placeholder a RedN `if` turns into a real verb (see netstack's `redn`).
     Noop,
     /// Managed QPs only: stops fetching this QP's later work requests until the completion
     /// queue numbered `rkey` has produced `remote_addr` completions (see [`SendWr::wait`]).
@@ -252,7 +252,7 @@ pub struct Wc {
     pub qp_num: u32,
     /// The sending QP (receives).
     pub src_qp: u32,
-    /// Why an offload request failed (an [`crate::offload::OffloadStatus`] code), else 0; like
+    /// Why an offload request failed (an [`crate::transport::rc::offload::OffloadStatus`] code), else 0; like
     /// `ibv_wc.vendor_err`.
     pub vendor_err: u32,
 }
