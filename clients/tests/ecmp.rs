@@ -166,7 +166,7 @@ fn block_writes_ride_out_a_cut_and_random_loss_on_solar() {
     #[rustfmt::skip]
     let loss = [
         "block", "--fault", "loss", "--loss", "5", "--rate", "200mbit", "--paths", "8",
-        "--pairs", "1", "--io-bytes", "48MiB",
+        "--pairs", "3", "--io-bytes", "32MiB",
     ];
     let Some((out, sum)) = block_summary(&loss, "fl") else {
         return;
