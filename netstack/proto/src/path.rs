@@ -162,6 +162,14 @@ struct Path {
     next_probe: u64,
 }
 
+/// The path new packets keep taking, and how many more may take it (flowlets: a GSO message
+/// stays on one path, in order).
+#[derive(Debug, Clone, Copy)]
+struct Burst {
+    path: u8,
+    left: u32,
+}
+
 /// The paths of one QP.
 #[derive(Debug, Clone)]
 pub struct PathSet {
@@ -169,8 +177,8 @@ pub struct PathSet {
     policy: SprayPolicy,
     p: PathParams,
     rr: usize,
-    /// The path of the current burst and the new packets it may still take.
-    burst: (u8, u32),
+    /// The current burst of new packets.
+    burst: Burst,
     /// The latest delivery on any path.
     last_delivery: u64,
     /// The latest time the requester told (sends, deliveries, samples).
@@ -209,7 +217,7 @@ impl PathSet {
             policy,
             p,
             rr: 0,
-            burst: (0, 0),
+            burst: Burst { path: 0, left: 0 },
             last_delivery: 0,
             now: 0,
             window_pkts: u32::MAX,
@@ -250,16 +258,19 @@ impl PathSet {
             return 0;
         }
         if avoid.is_none() {
-            let (cur, left) = self.burst;
+            let Burst { path: cur, left } = self.burst;
             if left > 0 && self.paths[cur as usize].s.up && !self.is_suspect(cur as usize) {
-                self.burst.1 -= 1;
+                self.burst.left -= 1;
                 return cur;
             }
             let p = self.choose(None);
             // a burst is at most a path's share of the QP's window, so a small window (a
             // congestion-controlled QP) is still spread finely enough to balance the paths
             let share = self.window_pkts / self.up_count().max(1) as u32;
-            self.burst = (p, share.clamp(1, self.p.burst_packets.max(1)) - 1);
+            self.burst = Burst {
+                path: p,
+                left: share.clamp(1, self.p.burst_packets.max(1)) - 1,
+            };
             return p;
         }
         self.choose(avoid)

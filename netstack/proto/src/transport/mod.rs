@@ -2,6 +2,7 @@
 //! current time, and return packets to send, completions and timer deadlines. They never touch
 //! sockets or clocks; the engine drives them, and so does the deterministic simulator in tests.
 
+pub mod ledger;
 pub mod pacing;
 pub mod rc;
 pub mod solar;

@@ -5,6 +5,7 @@ use super::{QpState, RcConfig, RcQp, Recovery};
 use crate::cc::TxMeta;
 use crate::memory::{Access, KeyTable, SharedRegion};
 use crate::path::{PathSet, NO_PATH};
+use crate::transport::ledger::{Flight, Leave, SendTime, SentLedger};
 use crate::transport::pacing::Pacer;
 use crate::transport::{psn_unwrap, PayloadPart, TxPacket};
 use crate::wire::*;
@@ -13,8 +14,6 @@ use smallvec::SmallVec;
 use std::collections::{BTreeSet, VecDeque};
 use std::sync::Arc;
 
-/// `sent_at` value of a packet that was sent more than once.
-const RETRANSMITTED: u64 = u64::MAX;
 /// Smallest reordering window of selective repeat (a quarter of the smoothed RTT otherwise).
 const MIN_REORDER_NS: u64 = 2_000;
 /// Most quarter RTTs the reordering window widens to after spurious retransmissions.
@@ -22,11 +21,6 @@ const MAX_REO_STEPS: u32 = 16;
 /// Most timeouts in a row that count as a path's failure rather than a retry (about half a
 /// second at the default timeout); past them a packet no path delivers spends the retry budget.
 const MAX_PATH_TIMEOUTS: u32 = 32;
-
-/// `sent_path` values: below this, the path a packet is in flight on; `LEFT + path`, the path it
-/// was last sent on and is no longer in flight on (delivered, lost or forgotten); [`NO_PATH`],
-/// never sent by us (READ response PSNs).
-const LEFT: u8 = 64;
 
 /// Every this many packets of a long message carries AckReq.
 const ACKREQ_EVERY: u32 = 16;
@@ -202,16 +196,11 @@ pub(super) struct Requester<R> {
     /// Index in `sq` of the WQE being transmitted, and the packet within it.
     cursor: usize,
     cursor_pkt: u32,
-    next_psn: u64,
-    /// Oldest unacknowledged PSN.
-    una: u64,
+    /// The record of every PSN from the oldest unacknowledged one (`una`) to the next one to
+    /// assign (`next_psn`): send time, path, acknowledged.
+    ledger: SentLedger<()>,
     /// One past the highest PSN ever sent.
     sent_max: u64,
-    /// Acknowledged flags for PSNs `una..next_psn`.
-    acked: VecDeque<bool>,
-    /// Last transmission time of PSNs `una..next_psn` (`RETRANSMITTED` after a resend: no RTT
-    /// sample from those, Karn's rule; 0 before the first send).
-    sent_at: VecDeque<u64>,
     /// An RTT sample taken by the last ACK, for congestion control.
     pub(super) rtt_sample: Option<u64>,
     /// What congestion control sees of the data packet `poll_transmit` returned last.
@@ -222,7 +211,7 @@ pub(super) struct Requester<R> {
     /// Selective repeat: resent PSNs not yet acknowledged, with when they were resent, so RACK
     /// finds a lost retransmission too (a packet sent after it was delivered) instead of
     /// leaving it to the retransmission timer.
-    resent: std::collections::BTreeMap<u64, (u64, bool, u8)>,
+    resent: std::collections::BTreeMap<u64, Resend>,
     /// PSNs queued for resending by RACK's reordering rule (not by a timeout or a dead path):
     /// only their resends tell whether the reordering window is too small.
     rack_marked: BTreeSet<u64>,
@@ -260,9 +249,20 @@ pub(super) struct Requester<R> {
     retired: u64,
     /// Rate and window limits (driven by congestion control).
     pub(super) pacer: Pacer,
-    /// The QP's paths, and the path of each PSN `una..next_psn` (see [`LEFT`]).
+    /// The QP's paths (each PSN's is in the ledger).
     pub(super) paths: PathSet,
-    sent_path: VecDeque<u8>,
+}
+
+/// A selective-repeat resend not yet acknowledged.
+#[derive(Debug, Clone, Copy)]
+struct Resend {
+    /// When it was resent.
+    at: u64,
+    /// Whether RACK's reordering rule called the first copy lost (rather than a timeout or a
+    /// dead path): only then does an early acknowledgement mean the resend was spurious.
+    by_rack: bool,
+    /// The path the first copy went on ([`NO_PATH`] if unknown).
+    first_path: u8,
 }
 
 impl<R: SharedRegion> Requester<R> {
@@ -271,11 +271,8 @@ impl<R: SharedRegion> Requester<R> {
             sq: VecDeque::new(),
             cursor: 0,
             cursor_pkt: 0,
-            next_psn: psn,
-            una: psn,
+            ledger: SentLedger::new(psn),
             sent_max: psn,
-            acked: VecDeque::new(),
-            sent_at: VecDeque::new(),
             rtt_sample: None,
             last_meta: None,
             retx: BTreeSet::new(),
@@ -304,7 +301,6 @@ impl<R: SharedRegion> Requester<R> {
             retired: 0,
             pacer: Pacer::default(),
             paths: PathSet::default(),
-            sent_path: VecDeque::new(),
         }
     }
 
@@ -335,11 +331,16 @@ impl<R: SharedRegion> Requester<R> {
 
     /// The oldest unacknowledged PSN.
     pub(super) fn una(&self) -> u64 {
-        self.una
+        self.ledger.base()
+    }
+
+    /// The next PSN to assign.
+    fn next_psn(&self) -> u64 {
+        self.ledger.end()
     }
 
     pub(super) fn heap_bytes(&self) -> usize {
-        self.sq.capacity() * std::mem::size_of::<SendWqe<R>>() + self.acked.capacity() + self.retx.len() * 24
+        self.sq.capacity() * std::mem::size_of::<SendWqe<R>>() + self.ledger.heap_bytes() + self.retx.len() * 24
     }
 
     /// Queues a WR. `inline` carries the payload of an INLINE WR that was copied out of the
@@ -462,36 +463,26 @@ impl<R: SharedRegion> Requester<R> {
         Ok(())
     }
 
-    fn stamp(&mut self, psn: u64, t: u64) {
-        if let Some(x) = psn.checked_sub(self.una).and_then(|i| self.sent_at.get_mut(i as usize)) {
-            *x = t;
-        }
-    }
-
     /// The RTT of the packet with PSN `psn`, acknowledged now (none for a resent packet).
     fn rtt_of(&self, psn: u64, now: u64) -> Option<u64> {
-        let t = *self.sent_at.get(psn.checked_sub(self.una)? as usize)?;
-        (t != 0 && t != RETRANSMITTED).then(|| now.saturating_sub(t))
+        self.ledger.rtt_of(psn, now)
     }
 
     fn is_acked(&self, psn: u64) -> bool {
-        psn < self.una || self.acked.get((psn - self.una) as usize).copied().unwrap_or(false)
+        self.ledger.is_acked(psn)
     }
 
     fn mark(&mut self, psn: u64, now: u64) {
-        if psn >= self.una {
-            let i = (psn - self.una) as usize;
-            if let Some(a) = self.acked.get_mut(i) {
-                *a = true;
-            }
-            if let Some(sp) = self.sent_path.get_mut(i) {
-                if *sp < LEFT {
-                    self.paths.on_delivered(*sp, now);
-                    *sp += LEFT;
-                }
-            }
+        if psn >= self.una() {
+            self.ledger.set_acked(psn);
+            self.ledger.take_off(psn, Leave::Delivered(now), &mut self.paths);
             if !self.resent.is_empty() {
-                if let Some((t, by_rack, first_path)) = self.resent.remove(&psn) {
+                if let Some(Resend {
+                    at: t,
+                    by_rack,
+                    first_path,
+                }) = self.resent.remove(&psn)
+                {
                     // acknowledged sooner after the resend than half the smallest RTT: the
                     // first copy arrived, it was only overtaken
                     let age = now.saturating_sub(t);
@@ -526,42 +517,27 @@ impl<R: SharedRegion> Requester<R> {
 
     /// The path PSN `psn` was last sent on.
     fn path_of(&self, psn: u64) -> Option<u8> {
-        let v = *self.sent_path.get(psn.checked_sub(self.una)? as usize)?;
-        (v != NO_PATH).then_some(v % LEFT)
+        self.ledger.get(psn)?.flight.path()
     }
 
     /// Records that `psn` left on a path the policy picks now (avoiding the path a resent
-    /// packet was lost on) and returns the path.
-    fn send_on_path(&mut self, psn: u64, now: u64) -> u8 {
-        let Some(i) = psn.checked_sub(self.una).map(|i| i as usize) else {
+    /// packet was lost on) and returns the path. A resend (`resend`) gives no RTT sample.
+    fn send_on_path(&mut self, psn: u64, now: u64, resend: bool) -> u8 {
+        let Some(s) = self.ledger.get(psn) else {
             return self.paths.first_up();
         };
-        let avoid = self.path_of(psn);
-        let Some(sp) = self.sent_path.get_mut(i) else {
-            return self.paths.first_up();
-        };
-        if *sp < LEFT {
-            // resent while the earlier copy still counts in flight (go-back-N): forget it
-            self.paths.forget(*sp);
-        }
+        let avoid = s.flight.path();
+        // resent while the earlier copy still counts in flight (go-back-N): forget it
+        self.ledger.take_off(psn, Leave::Forgotten, &mut self.paths);
         let path = self.paths.pick(avoid);
-        *sp = path;
-        self.paths.on_send(path, now);
+        self.ledger.put_on(psn, path, now, resend, &mut self.paths);
         path
     }
 
     /// PSN `psn` is presumed lost: it leaves its path's flight (counted as that path's loss)
     /// and is queued for retransmission.
     fn presume_lost(&mut self, psn: u64) {
-        if let Some(sp) = psn
-            .checked_sub(self.una)
-            .and_then(|i| self.sent_path.get_mut(i as usize))
-        {
-            if *sp < LEFT {
-                self.paths.on_lost(*sp);
-                *sp += LEFT;
-            }
-        }
+        self.ledger.take_off(psn, Leave::Lost, &mut self.paths);
         self.retx.insert(psn);
     }
 
@@ -570,31 +546,38 @@ impl<R: SharedRegion> Requester<R> {
     /// those copies, leaving a dead path with nothing in flight and no loss, which the path
     /// detector can never take down (new data kept going into a cut link for seconds).
     fn presume_silent_paths_lost(&mut self) {
-        for (sp, &acked) in self.sent_path.iter_mut().zip(&self.acked) {
-            if *sp < LEFT && !acked && self.paths.is_silent(*sp) {
-                self.paths.on_lost(*sp);
-                *sp += LEFT;
-            }
+        let silent: SmallVec<[u64; 16]> = self
+            .ledger
+            .in_flight()
+            .filter(|(_, s)| !s.acked && s.flight.path().is_some_and(|p| self.paths.is_silent(p)))
+            .map(|(q, _)| q)
+            .collect();
+        for q in silent {
+            self.ledger.take_off(q, Leave::Lost, &mut self.paths);
         }
     }
 
     /// Go-back-N resends everything from `psn`: earlier copies stop counting in flight.
     fn forget_from(&mut self, psn: u64) {
-        let from = psn.saturating_sub(self.una) as usize;
-        for sp in self.sent_path.iter_mut().skip(from) {
-            if *sp < LEFT {
-                self.paths.forget(*sp);
-                *sp += LEFT;
-            }
+        let from: SmallVec<[u64; 16]> = self
+            .ledger
+            .iter_from(psn)
+            .filter(|(_, s)| matches!(s.flight, Flight::On(_)))
+            .map(|(q, _)| q)
+            .collect();
+        for q in from {
+            self.ledger.take_off(q, Leave::Forgotten, &mut self.paths);
         }
     }
 
     /// Path `path` went down: what is in flight on it is resent on the others (selective
     /// repeat) or everything from its oldest packet is (go-back-N).
     pub(super) fn path_down(&mut self, path: u8, cfg: &RcConfig) {
-        let lost: Vec<u64> = (0..self.sent_path.len())
-            .filter(|&i| self.sent_path[i] == path)
-            .map(|i| self.una + i as u64)
+        let lost: Vec<u64> = self
+            .ledger
+            .in_flight()
+            .filter(|(_, s)| s.flight == Flight::On(path))
+            .map(|(q, _)| q)
             .collect();
         match cfg.recovery {
             Recovery::SelectiveRepeat => {
@@ -659,7 +642,7 @@ impl<R: SharedRegion> Requester<R> {
 
     /// Payload bytes in flight, in whole packets (an upper bound).
     fn inflight_bytes(&self, cfg: &RcConfig) -> u64 {
-        self.sent_max.saturating_sub(self.una) * cfg.mtu as u64
+        self.sent_max.saturating_sub(self.una()) * cfg.mtu as u64
     }
 
     /// Packets this QP may have in flight: its window, its CC window, and its pacing rate over
@@ -694,9 +677,12 @@ impl<R: SharedRegion> Requester<R> {
         match self.sq.get(self.cursor) {
             None => false,
             Some(w) => {
-                let psn = w.first_psn.map(|f| f + self.cursor_pkt as u64).unwrap_or(self.next_psn);
+                let psn = w
+                    .first_psn
+                    .map(|f| f + self.cursor_pkt as u64)
+                    .unwrap_or(self.next_psn());
                 w.bad.is_none()
-                    && psn < self.una + cfg.window_pkts as u64
+                    && psn < self.una() + cfg.window_pkts as u64
                     && (psn < self.sent_max || self.window_ok(cfg))
             }
         }
@@ -857,12 +843,18 @@ impl<R: SharedRegion> Requester<R> {
             let mut pkt = Self::build(&r.sq[i], k, end, &cfg, dest);
             r.last_meta = tx_meta(&r.sq[i], k, &pkt, true, &cfg);
             let first_path = r.path_of(p).unwrap_or(NO_PATH);
-            pkt.path = r.send_on_path(p, now);
+            pkt.path = r.send_on_path(p, now, true);
             let by_rack = r.rack_marked.remove(&p);
-            r.resent.insert(p, (now, by_rack, first_path));
+            r.resent.insert(
+                p,
+                Resend {
+                    at: now,
+                    by_rack,
+                    first_path,
+                },
+            );
             qp.stats.retransmitted_packets += 1;
             let r = &mut qp.req;
-            r.stamp(p, RETRANSMITTED);
             r.deadline.get_or_insert(now + cfg.timeout_ns);
             r.pacer.on_send(now, wire_bytes(&pkt));
             return Some(pkt);
@@ -873,7 +865,7 @@ impl<R: SharedRegion> Requester<R> {
             if w.op != WrOpcode::Noop || (w.first_psn.is_none() && w.fence && r.rd_outstanding > 0) {
                 break;
             }
-            let next = r.next_psn;
+            let next = r.next_psn();
             r.sq[r.cursor].first_psn.get_or_insert(next);
             r.cursor += 1;
             r.cursor_pkt = 0;
@@ -895,18 +887,17 @@ impl<R: SharedRegion> Requester<R> {
             if w.bad.is_some()
                 || (w.fence && r.rd_outstanding > 0)
                 || (w.is_rd_atomic() && r.rd_outstanding >= cfg.max_rd_atomic)
-                || r.next_psn >= r.una + cfg.window_pkts as u64
+                || r.next_psn() >= r.una() + cfg.window_pkts as u64
             {
                 return None;
             }
             let n = w.npkts;
             let rd = w.is_rd_atomic();
-            let first = r.next_psn;
+            let first = r.next_psn();
             r.sq[r.cursor].first_psn = Some(first);
-            r.next_psn += n as u64;
-            r.acked.extend(std::iter::repeat_n(false, n as usize));
-            r.sent_at.extend(std::iter::repeat_n(0, n as usize));
-            r.sent_path.extend(std::iter::repeat_n(NO_PATH, n as usize));
+            for _ in 0..n {
+                r.ledger.push(());
+            }
             if rd {
                 r.rd_outstanding += 1;
             }
@@ -915,7 +906,7 @@ impl<R: SharedRegion> Requester<R> {
         let w = &r.sq[r.cursor];
         let first = w.first_psn.unwrap_or(0);
         let psn = first + r.cursor_pkt as u64;
-        if psn >= r.una + cfg.window_pkts as u64 {
+        if psn >= r.una() + cfg.window_pkts as u64 {
             return None;
         }
         let (k, end) = if matches!(w.op, WrOpcode::RdmaRead | WrOpcode::Offload) {
@@ -940,8 +931,7 @@ impl<R: SharedRegion> Requester<R> {
         if r.paths.len() > 1 {
             r.paths.set_window_hint(r.window_pkts(&cfg));
         }
-        pkt.path = r.send_on_path(psn, now);
-        r.stamp(psn, if resent { RETRANSMITTED } else { now });
+        pkt.path = r.send_on_path(psn, now, resent);
         r.sent_max = r.sent_max.max(first + end as u64);
         r.deadline.get_or_insert(now + cfg.timeout_ns);
         r.pacer.on_send(now, wire_bytes(&pkt));
@@ -952,11 +942,11 @@ impl<R: SharedRegion> Requester<R> {
     /// their responses: an ACK beyond one that has no response means the response was lost.
     /// Returns the first such PSN.
     fn cum_ack(&mut self, a: u64, now: u64) -> Option<u64> {
-        if a < self.una || a >= self.next_psn {
+        if a < self.una() || a >= self.next_psn() {
             return None;
         }
         let mut missing = None;
-        let mut i = self.find(self.una)?;
+        let mut i = self.find(self.una())?;
         while let Some(w) = self.sq.get(i) {
             let Some(f) = w.first_psn else { break };
             if f > a {
@@ -964,12 +954,12 @@ impl<R: SharedRegion> Requester<R> {
             }
             let end = (f + w.npkts as u64 - 1).min(a);
             if w.is_rd_atomic() {
-                if let Some(p) = (f.max(self.una)..=end).find(|&p| !self.is_acked(p)) {
+                if let Some(p) = (f.max(self.una())..=end).find(|&p| !self.is_acked(p)) {
                     missing = Some(p);
                     break;
                 }
             } else {
-                for p in f.max(self.una)..=end {
+                for p in f.max(self.una())..=end {
                     self.mark(p, now);
                 }
             }
@@ -980,11 +970,7 @@ impl<R: SharedRegion> Requester<R> {
 
     fn advance(&mut self, now: u64, cfg: &RcConfig) -> bool {
         let mut moved = false;
-        while self.acked.front() == Some(&true) {
-            self.acked.pop_front();
-            self.sent_at.pop_front();
-            self.sent_path.pop_front();
-            self.una += 1;
+        if self.ledger.pop_acked() > 0 {
             moved = true;
         }
         if moved {
@@ -992,14 +978,14 @@ impl<R: SharedRegion> Requester<R> {
             self.path_timeouts = 0;
             self.rnr_retries = 0;
             self.last_rewind = None;
-            self.retx_done_up_to = self.retx_done_up_to.max(self.una);
+            self.retx_done_up_to = self.retx_done_up_to.max(self.una());
             if !self.resent.is_empty() {
-                self.resent = self.resent.split_off(&self.una);
+                self.resent = self.resent.split_off(&self.una());
             }
             if !self.rack_marked.is_empty() {
-                self.rack_marked = self.rack_marked.split_off(&self.una);
+                self.rack_marked = self.rack_marked.split_off(&self.una());
             }
-            self.deadline = (self.una < self.sent_max).then_some(now + cfg.timeout_ns);
+            self.deadline = (self.una() < self.sent_max).then_some(now + cfg.timeout_ns);
         }
         moved
     }
@@ -1008,7 +994,7 @@ impl<R: SharedRegion> Requester<R> {
     /// it (the responder executes in order); when an earlier response is missing, the requester
     /// asks again from there and this packet is dropped (returns true).
     fn gbn_response_gap(&mut self, p: u64, now: u64, cfg: &RcConfig) -> bool {
-        if cfg.recovery != Recovery::GoBackN || p == self.una {
+        if cfg.recovery != Recovery::GoBackN || p == self.una() {
             return false;
         }
         match self.cum_ack(p - 1, now) {
@@ -1022,7 +1008,7 @@ impl<R: SharedRegion> Requester<R> {
     }
 
     fn retx_all_from(&mut self, psn: u64) {
-        for p in psn.max(self.una)..self.sent_max {
+        for p in psn.max(self.una())..self.sent_max {
             if !self.is_acked(p) {
                 // counted against its path: a path that delivers keeps resetting its run of
                 // losses, one that stopped does not (and a path never goes down while no
@@ -1044,8 +1030,8 @@ impl<R: SharedRegion> Requester<R> {
     pub(super) fn handle(qp: &mut RcQp<R>, now: u64, pkt: &PacketView<'_>) {
         let cfg = qp.cfg;
         let r = &mut qp.req;
-        let p = psn_unwrap(r.una, pkt.bth.psn);
-        if p >= r.next_psn || (p < r.una && pkt.opcode != Opcode::Acknowledge) {
+        let p = psn_unwrap(r.una(), pkt.bth.psn);
+        if p >= r.next_psn() || (p < r.una() && pkt.opcode != Opcode::Acknowledge) {
             qp.stats.stale_responses += 1;
             return;
         }
@@ -1054,7 +1040,7 @@ impl<R: SharedRegion> Requester<R> {
                 let Some(aeth) = pkt.aeth else { return };
                 match aeth.syndrome {
                     Syndrome::Ack { .. } => {
-                        if p < r.una {
+                        if p < r.una() {
                             qp.stats.stale_responses += 1;
                         }
                         r.rtt_sample = r.rtt_of(p, now);
@@ -1212,12 +1198,12 @@ impl<R: SharedRegion> Requester<R> {
             self.spurious += 1;
             self.widen_reordering_window();
         }
-        let base = psn_unwrap(self.una, s.base);
+        let base = psn_unwrap(self.una(), s.base);
         let mut highest = None;
         for i in 0..64u64 {
             if s.bitmap & (1 << i) != 0 {
                 let p = base + 1 + i;
-                if p >= self.next_psn {
+                if p >= self.next_psn() {
                     break;
                 }
                 if let Some(j) = self.find(p) {
@@ -1234,15 +1220,16 @@ impl<R: SharedRegion> Requester<R> {
         }
         // the highest PSN received, beyond the bitmap: delivered, and the newest send time RACK
         // compares holes against (the PSNs between stay unknown, so they are not holes yet)
-        let high = psn_unwrap(self.una, s.high);
+        let high = psn_unwrap(self.una(), s.high);
         if high > base + 64
-            && high >= self.una
-            && high < self.next_psn
+            && high >= self.una()
+            && high < self.next_psn()
             && self.find(high).is_some_and(|j| !self.sq[j].is_rd_atomic())
         {
-            let sent = self.sent_at.get((high - self.una) as usize).copied().unwrap_or(0);
-            if sent != 0 && sent != RETRANSMITTED && sent >= self.rack_xmit {
-                self.rack_xmit = sent;
+            if let Some(sent) = self.ledger.get(high).and_then(|s| s.time.once()) {
+                if sent >= self.rack_xmit {
+                    self.rack_xmit = sent;
+                }
             }
             self.mark(high, now);
         }
@@ -1276,7 +1263,7 @@ impl<R: SharedRegion> Requester<R> {
         // widened by the paths' RTT spread when spraying
         let wnd =
             (self.rtt.srtt_ns() / 4 * (1 + self.reo_steps as u64)).max(MIN_REORDER_NS) + self.paths.delay_spread();
-        let from = self.una.max(self.retx_done_up_to);
+        let from = self.una().max(self.retx_done_up_to);
         let mut done_to = self.sack_high;
         self.reorder_deadline = None;
         for p in from..self.sack_high {
@@ -1290,10 +1277,11 @@ impl<R: SharedRegion> Requester<R> {
                     continue;
                 }
             }
-            let sent = self.sent_at.get((p - self.una) as usize).copied().unwrap_or(0);
-            if sent == RETRANSMITTED {
-                continue;
-            }
+            let sent = match self.ledger.get(p).map_or(SendTime::NotYet, |s| s.time) {
+                SendTime::Resent(_) => continue,
+                SendTime::Once(t) => t,
+                SendTime::NotYet => 0,
+            };
             // without newer deliveries, a hole is given two RTTs before it counts as lost
             let due = sent + 2 * self.rack_rtt.max(self.rtt.srtt_ns()) + wnd;
             let lost = sent.saturating_add(wnd) < self.rack_xmit || now >= due;
@@ -1311,7 +1299,7 @@ impl<R: SharedRegion> Requester<R> {
             let lost: SmallVec<[u64; 8]> = self
                 .resent
                 .iter()
-                .filter(|&(_, &(t, _, _))| t.saturating_add(wnd) < self.rack_xmit)
+                .filter(|&(_, r)| r.at.saturating_add(wnd) < self.rack_xmit)
                 .map(|(&p, _)| p)
                 .collect();
             for p in lost {
@@ -1365,7 +1353,7 @@ impl<R: SharedRegion> Requester<R> {
         if now < d {
             return;
         }
-        if r.una >= r.sent_max {
+        if r.una() >= r.sent_max {
             r.deadline = None;
             return;
         }
@@ -1393,19 +1381,19 @@ impl<R: SharedRegion> Requester<R> {
             r.retries += 1;
         }
         if r.retries > cfg.retry_cnt as u32 {
-            let una = r.una;
+            let una = r.una();
             return Self::fail_at(qp, una, WcStatus::RetryExcErr);
         }
         r.deadline = Some(now + (cfg.timeout_ns << r.retries.min(cfg.max_backoff_shift as u32)));
         tracing::debug!(
             qpn = qp.qpn,
-            una = r.una,
+            una = r.una(),
             sent_max = r.sent_max,
             retries = r.retries,
             path_timeouts = r.path_timeouts,
             "retransmission timeout"
         );
-        let una = r.una;
+        let una = r.una();
         match cfg.recovery {
             Recovery::GoBackN => r.rewind(una, false),
             Recovery::SelectiveRepeat => {
@@ -1434,7 +1422,7 @@ impl<R: SharedRegion> Requester<R> {
                 break;
             }
             let f = w.first_psn.unwrap_or(0);
-            if f + w.npkts as u64 > r.una {
+            if f + w.npkts as u64 > r.una() {
                 break;
             }
             let w = r.sq.pop_front().expect("front exists");

@@ -75,8 +75,29 @@ enum Resp<R> {
         n: u32,
         next: u32,
         job: Arc<OffloadJob>,
-        data: Option<(OffloadStatus, u32, Option<Arc<R>>)>,
+        data: Option<OffloadAnswer<R>>,
     },
+}
+
+/// What an offload response carries: the status, the length and the bytes (none when empty).
+struct OffloadAnswer<R> {
+    status: OffloadStatus,
+    len: u32,
+    bytes: Option<Arc<R>>,
+}
+
+/// A NAK to send: its syndrome, at this PSN.
+#[derive(Debug, Clone, Copy)]
+struct PendingNak {
+    syndrome: Syndrome,
+    psn: u64,
+}
+
+/// An executed atomic's result, kept to answer a duplicate of its request.
+#[derive(Debug, Clone, Copy)]
+struct AtomicResult {
+    psn: u64,
+    orig: u64,
 }
 
 /// An offload request answered or in progress, kept to answer its duplicates from (a handler
@@ -123,12 +144,12 @@ pub(super) struct Responder<R> {
     cur: Option<CurMsg>,
     ooo: BTreeMap<u64, Action>,
     resp_q: VecDeque<Resp<R>>,
-    atomic_cache: VecDeque<(u64, u64)>,
+    atomic_cache: VecDeque<AtomicResult>,
     offload_cache: VecDeque<CachedJob>,
     ack_pending: bool,
     ack_deadline: Option<u64>,
     unacked: u32,
-    nak: Option<(Syndrome, u64)>,
+    nak: Option<PendingNak>,
     seq_nak_sent: bool,
     /// A packet arrived twice since the last SACK (reported like TCP's DSACK, so the
     /// requester learns that its resend was spurious and widens its reordering window).
@@ -282,7 +303,10 @@ impl<R: SharedRegion> Responder<R> {
             match cfg.recovery {
                 Recovery::GoBackN => {
                     if !s.seq_nak_sent {
-                        s.nak = Some((Syndrome::Nak(NakCode::PsnSequenceError), s.epsn));
+                        s.nak = Some(PendingNak {
+                            syndrome: Syndrome::Nak(NakCode::PsnSequenceError),
+                            psn: s.epsn,
+                        });
                         s.seq_nak_sent = true;
                         qp.stats.seq_naks_sent += 1;
                     }
@@ -338,14 +362,19 @@ impl<R: SharedRegion> Responder<R> {
 
     fn reject(qp: &mut RcQp<R>, p: u64, e: Reject) {
         match e {
-            Reject::Nak(code) => qp.resp.nak = Some((Syndrome::Nak(code), p)),
+            Reject::Nak(code) => {
+                qp.resp.nak = Some(PendingNak {
+                    syndrome: Syndrome::Nak(code),
+                    psn: p,
+                })
+            }
             Reject::Rnr => {
-                qp.resp.nak = Some((
-                    Syndrome::Rnr {
+                qp.resp.nak = Some(PendingNak {
+                    syndrome: Syndrome::Rnr {
                         timer: qp.cfg.min_rnr_timer,
                     },
-                    p,
-                ));
+                    psn: p,
+                });
                 qp.stats.rnr_naks_sent += 1;
             }
             Reject::Drop => qp.stats.dropped_packets += 1,
@@ -384,7 +413,7 @@ impl<R: SharedRegion> Responder<R> {
             }
             Opcode::CompareSwap | Opcode::FetchAdd => {
                 // replay the saved result; never execute an atomic twice
-                if let Some(&(_, orig)) = qp.resp.atomic_cache.iter().find(|(q, _)| *q == p) {
+                if let Some(&AtomicResult { orig, .. }) = qp.resp.atomic_cache.iter().find(|a| a.psn == p) {
                     qp.resp.resp_q.push_back(Resp::Atomic { psn: p, orig });
                 } else {
                     qp.stats.dropped_packets += 1;
@@ -716,7 +745,7 @@ impl<R: SharedRegion> Responder<R> {
                 if s.atomic_cache.len() == ATOMIC_CACHE {
                     s.atomic_cache.pop_front();
                 }
-                s.atomic_cache.push_back((p, orig));
+                s.atomic_cache.push_back(AtomicResult { psn: p, orig });
                 s.resp_q.push_back(Resp::Atomic { psn: p, orig });
                 s.msn = (s.msn + 1) & MASK24;
                 s.epsn = p + 1;
@@ -790,7 +819,11 @@ impl<R: SharedRegion> Responder<R> {
                             c.outcome.get_or_insert(timeout);
                         }
                     }
-                    let (status, len, region) = data.as_ref()?;
+                    let OffloadAnswer {
+                        status,
+                        len,
+                        bytes: region,
+                    } = data.as_ref()?;
                     let k = *next;
                     let last = k + 1 == *n;
                     let op = Opcode::offload_response(k, *n);
@@ -848,7 +881,7 @@ impl<R: SharedRegion> Responder<R> {
             }
             return Some(pkt);
         }
-        if let Some((syn, psn)) = s.nak.take() {
+        if let Some(PendingNak { syndrome: syn, psn }) = s.nak.take() {
             let mut hdr = HeaderBuf::with_bth(&Bth::new(Opcode::Acknowledge as u8, dest, psn as u32));
             hdr.push_aeth(&s.aeth(syn));
             return Some(TxPacket {
@@ -901,8 +934,11 @@ fn within(o: Outcome, cap: u32) -> Outcome {
     }
 }
 
-fn response_data<R: SharedRegion>(o: &Outcome) -> (OffloadStatus, u32, Option<Arc<R>>) {
+fn response_data<R: SharedRegion>(o: &Outcome) -> OffloadAnswer<R> {
     let (status, bytes) = o;
-    let region = (!bytes.is_empty()).then(|| Arc::new(R::from_bytes(bytes)));
-    (*status, bytes.len() as u32, region)
+    OffloadAnswer {
+        status: *status,
+        len: bytes.len() as u32,
+        bytes: (!bytes.is_empty()).then(|| Arc::new(R::from_bytes(bytes))),
+    }
 }

@@ -22,6 +22,7 @@ use super::wire::{self, flags, Header, Op, Status, WireError, BLOCK};
 use super::{BlockRef, Transmit};
 use crate::cc::{CcAlgorithm, CcOutput, RxKind, RxMeta, StartInfo, TxMeta, Verdict};
 use crate::path::{PathParams, PathSet, PathStats, SprayPolicy};
+use crate::transport::ledger::{Flight, Leave, SendTime, Sent, SentLedger};
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::Arc;
 
@@ -189,15 +190,16 @@ pub struct ClientStats {
     pub durable_resends: u64,
 }
 
-/// One path's packets in flight, by PSN (health and timing are the [`PathSet`]'s).
+/// One path's packets, by PSN (health and timing are the [`PathSet`]'s). The wire carries a
+/// PSN's low 32 bits ([`SolarClient::seq_of`] extends an answer's).
 #[derive(Debug, Clone)]
-struct Ledger {
-    next_psn: u32,
-    /// In flight on this path by psn: the unit it carries.
-    sent: BTreeMap<u32, Unit>,
+struct PathLedger {
+    /// The units sent on this path; a unit is in flight while its record is
+    /// [`Flight::On`] (answered, lost and retired ones are taken off and acknowledged).
+    sent: SentLedger<Unit>,
     /// PSNs presumed lost whose answer may still come (a late answer takes the loss back);
     /// the newest [`LOST_MEMORY`].
-    lost: BTreeSet<u32>,
+    lost: BTreeSet<u64>,
     /// Timeouts on this path since it last delivered: each doubles its RTO.
     backoff: u32,
 }
@@ -258,7 +260,8 @@ impl Queued {
     }
 }
 
-/// What a packet in flight carries: one WRITE block, or a READ_REQ for blocks `idx..idx+n`.
+/// What a packet in flight carries: one WRITE block, or a READ_REQ for blocks `idx..idx+n`
+/// (its send time, and whether it is a resend, are its ledger record's).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Unit {
     io: IoId,
@@ -266,9 +269,7 @@ struct Unit {
     n: u16,
     /// Blocks of the unit still expected (a READ_REQ's blocks arrive one by one).
     left: u16,
-    sent_at: u64,
     deadline: u64,
-    retx: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -294,18 +295,25 @@ struct Io {
     left: u16,
     /// Resends per block after retryable statuses.
     attempts: Vec<u32>,
-    /// Where each outstanding block's packet is: (path, psn).
-    at: BTreeMap<u16, (u16, u32)>,
+    /// Where each outstanding block's packet is.
+    at: BTreeMap<u16, Carrier>,
     /// Write blocks the server accepted, waiting to be durable: resent after the deadline.
     accepted: BTreeMap<u16, u64>,
     deadline: u64,
+}
+
+/// The packet that carries a block: its path and its PSN there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Carrier {
+    path: u16,
+    psn: u64,
 }
 
 /// The client toward one storage server.
 pub struct SolarClient {
     cfg: ClientConfig,
     paths: PathSet,
-    ledgers: Vec<Ledger>,
+    ledgers: Vec<PathLedger>,
     /// In submission order (ids increase): timers visit them in one order every run.
     ios: BTreeMap<IoId, Io>,
     /// Requests by (volume, request id): ids are unique per volume (a caller's versions are
@@ -345,9 +353,8 @@ impl SolarClient {
             burst_packets: 1,
             ..PathParams::default()
         };
-        let ledger = Ledger {
-            next_psn: 1,
-            sent: BTreeMap::new(),
+        let ledger = PathLedger {
+            sent: SentLedger::new(1),
             lost: BTreeSet::new(),
             backoff: 0,
         };
@@ -649,24 +656,17 @@ impl SolarClient {
 
     fn send_unit(&mut self, now: u64, io: IoId, idx: u16, n: u16, retx: bool, path: u16) -> Transmit {
         let rto = self.rto(path);
-        self.paths.on_send(path as u8, now);
         let p = &mut self.ledgers[path as usize];
-        let psn = p.next_psn;
-        p.next_psn = p.next_psn.wrapping_add(1).max(1);
         // a read's blocks come back one after another: give the whole chunk time to arrive
         let deadline = now + rto + n as u64 * 2_000;
-        p.sent.insert(
-            psn,
-            Unit {
-                io,
-                idx,
-                n,
-                left: n,
-                sent_at: now,
-                deadline,
-                retx,
-            },
-        );
+        let psn = p.sent.push(Unit {
+            io,
+            idx,
+            n,
+            left: n,
+            deadline,
+        });
+        p.sent.put_on(psn, path as u8, now, retx, &mut self.paths);
         let bytes = n as u64 * BLOCK as u64;
         self.inflight_bytes += bytes;
         if let Some(r) = self.cc_rate.filter(|&r| r > 0) {
@@ -678,7 +678,7 @@ impl SolarClient {
         }
         let s = self.ios.get_mut(&io).expect("queued units belong to live requests");
         for i in idx..idx + n {
-            s.at.insert(i, (path, psn));
+            s.at.insert(i, Carrier { path, psn });
         }
         let mut h = Header::new(if s.kind == Kind::Write { Op::Write } else { Op::ReadReq });
         h.flags = if retx { flags::RETX } else { 0 } | if s.fua { flags::FUA } else { 0 };
@@ -692,7 +692,7 @@ impl SolarClient {
         h.blk_cnt = if s.kind == Kind::Write { s.blocks } else { idx + n };
         h.lba = s.lba + idx as u64;
         h.epoch = s.epoch;
-        h.psn = psn;
+        h.psn = psn as u32;
         h.ts = now;
         let block = match (&s.data, s.kind) {
             (Some(d), Kind::Write) => {
@@ -725,32 +725,61 @@ impl SolarClient {
         }
     }
 
-    /// Removes a unit from its path's ledger, telling the path set how it left; returns it.
-    fn unsend(&mut self, path: u16, psn: u32, how: Outcome) -> Option<Unit> {
+    /// The ledger PSN of an answer's 32-bit PSN on `path`: the newest one sent with those low
+    /// bits (`u64::MAX`, which no unit has, for one never sent).
+    fn seq_of(&self, path: u16, psn: u32) -> u64 {
+        let Some(l) = self.ledgers.get(path as usize) else {
+            return u64::MAX;
+        };
+        let end = l.sent.end();
+        let back = (end as u32).wrapping_sub(psn) as u64;
+        if back == 0 {
+            return u64::MAX;
+        }
+        end.checked_sub(back).unwrap_or(u64::MAX)
+    }
+
+    /// The unit in flight on `path` with PSN `psn`.
+    fn in_flight(&self, path: u16, psn: u64) -> Option<&Sent<Unit>> {
+        self.ledgers
+            .get(path as usize)?
+            .sent
+            .get(psn)
+            .filter(|s| matches!(s.flight, Flight::On(_)))
+    }
+
+    /// Takes a unit off its path's ledger, telling the path set how it left; returns it and
+    /// its send time.
+    fn unsend(&mut self, path: u16, psn: u64, how: Outcome) -> Option<(Unit, SendTime)> {
         let l = self.ledgers.get_mut(path as usize)?;
-        let u = l.sent.remove(&psn)?;
-        let i = path as u8;
+        let leave = match how {
+            Outcome::Delivered => Leave::Delivered(self.last_now),
+            Outcome::Lost => Leave::Lost,
+            Outcome::Retired => Leave::Forgotten,
+        };
+        if !l.sent.take_off(psn, leave, &mut self.paths) {
+            return None;
+        }
+        l.sent.set_acked(psn);
+        let rec = l.sent.get(psn).map(|s| (s.data, s.time))?;
+        l.sent.pop_acked();
         match how {
-            Outcome::Delivered => {
-                l.backoff = 0;
-                self.paths.on_delivered(i, self.last_now);
-            }
+            Outcome::Delivered => l.backoff = 0,
             Outcome::Lost => {
                 if l.lost.len() >= LOST_MEMORY {
                     l.lost.pop_first();
                 }
                 l.lost.insert(psn);
-                self.paths.on_lost(i);
             }
-            Outcome::Retired => self.paths.forget(i),
+            Outcome::Retired => {}
         }
-        self.inflight_bytes = self.inflight_bytes.saturating_sub(u.left as u64 * BLOCK as u64);
-        Some(u)
+        self.inflight_bytes = self.inflight_bytes.saturating_sub(rec.0.left as u64 * BLOCK as u64);
+        Some(rec)
     }
 
     /// An answer on `path` to `psn`, a packet no longer in the ledger: if it was presumed
     /// lost, the loss is taken back and the path counts as delivering.
-    fn late_answer(&mut self, now: u64, path: u16, psn: u32) {
+    fn late_answer(&mut self, now: u64, path: u16, psn: u64) {
         let l = &mut self.ledgers[path as usize];
         if l.lost.remove(&psn) {
             l.backoff = 0;
@@ -796,8 +825,8 @@ impl SolarClient {
         s.accepted.remove(&idx);
         let carrier = s.at.remove(&idx);
         let write = s.kind == Kind::Write;
-        if let (true, Some((p, psn))) = (write, carrier) {
-            self.unsend(p, psn, Outcome::Retired);
+        if let (true, Some(c)) = (write, carrier) {
+            self.unsend(c.path, c.psn, Outcome::Retired);
         }
         let Some(s) = self.ios.get_mut(&io) else { return false };
         s.left -= 1;
@@ -811,8 +840,8 @@ impl SolarClient {
         let Some(s) = self.ios.remove(&io) else { return };
         self.by_rpc.remove(&(s.volume, s.rpc));
         // its packets still in flight no longer count
-        for (_, (path, psn)) in s.at {
-            self.unsend(path, psn, Outcome::Retired); // None for a unit already retired
+        for c in s.at.into_values() {
+            self.unsend(c.path, c.psn, Outcome::Retired); // None for a unit already retired
         }
         self.events.push_back(ClientEvent::Done { io, result });
     }
@@ -843,13 +872,15 @@ impl SolarClient {
                 Ok(None)
             }
             Op::WriteAck | Op::Nack => {
-                let unit = self.unsend(path, h.psn, Outcome::Delivered);
+                let psn = self.seq_of(path, h.psn);
+                let unit = self.unsend(path, psn, Outcome::Delivered);
                 if unit.is_none() {
-                    self.late_answer(now, path, h.psn);
+                    self.late_answer(now, path, psn);
                 }
                 let rtt = unit
-                    .filter(|u| !u.retx && u.sent_at == h.ts)
-                    .map(|u| now.saturating_sub(u.sent_at));
+                    .and_then(|(_, t)| t.once())
+                    .filter(|&t| t == h.ts)
+                    .map(|t| now.saturating_sub(t));
                 if let Some(r) = rtt {
                     self.paths.on_rtt(path as u8, r, now);
                 }
@@ -857,7 +888,7 @@ impl SolarClient {
                 // block (making it durable) is taken out
                 let net_rtt = rtt.map(|r| r.saturating_sub(h.service_us as u64 * 1000).max(1));
                 self.cc_rx(now, RxKind::Ack, net_rtt, h.flags & flags::ECN_ECHO != 0);
-                self.fast_resend(path, h.psn);
+                self.fast_resend(path, psn);
                 let Some(&io) = self.by_rpc.get(&(h.volume, h.rpc)) else {
                     self.stats.duplicates += 1;
                     return Ok(None);
@@ -877,7 +908,7 @@ impl SolarClient {
                         // now on only a lost server (no `Ok` in time) makes it go again
                         let timeout = (self.rto(path) + 4 * self.service_ns).min(self.cfg.durable_timeout_ns);
                         let s = self.ios.get_mut(&io).expect("looked up above");
-                        if !s.done[idx as usize] && s.at.get(&idx) == Some(&(path, h.psn)) {
+                        if !s.done[idx as usize] && s.at.get(&idx) == Some(&Carrier { path, psn }) {
                             s.at.remove(&idx);
                             s.accepted.insert(idx, now + timeout);
                         }
@@ -902,8 +933,9 @@ impl SolarClient {
                 Ok(None)
             }
             Op::ReadData => {
-                if !self.ledgers[path as usize].sent.contains_key(&h.psn) {
-                    self.late_answer(now, path, h.psn);
+                let psn = self.seq_of(path, h.psn);
+                if self.in_flight(path, psn).is_none() {
+                    self.late_answer(now, path, psn);
                 }
                 let Some(&io) = self.by_rpc.get(&(h.volume, h.rpc)) else {
                     self.stats.duplicates += 1;
@@ -917,25 +949,24 @@ impl SolarClient {
                 }
                 // the READ_REQ it answers (the header echoes its path and psn); a duplicate, or
                 // a block another request already brought, changes nothing there
-                let fresh = !s.done[idx as usize] && s.at.get(&idx) == Some(&(path, h.psn));
-                let unit = self.ledgers[path as usize]
-                    .sent
-                    .get(&h.psn)
-                    .copied()
-                    .filter(|u| fresh && u.io == io && u.idx <= idx && idx < u.idx + u.n);
-                if let Some(u) = unit {
-                    if u.left == u.n && !u.retx && u.sent_at == h.ts {
-                        let rtt = now.saturating_sub(u.sent_at);
+                let fresh = !s.done[idx as usize] && s.at.get(&idx) == Some(&Carrier { path, psn });
+                let unit = self
+                    .in_flight(path, psn)
+                    .map(|s| (s.data, s.time))
+                    .filter(|(u, _)| fresh && u.io == io && u.idx <= idx && idx < u.idx + u.n);
+                if let Some((u, time)) = unit {
+                    if let Some(t) = time.once().filter(|&t| u.left == u.n && t == h.ts) {
+                        let rtt = now.saturating_sub(t);
                         self.paths.on_rtt(path as u8, rtt, now);
                         self.cc_rx(now, RxKind::Ack, Some(rtt), h.flags & flags::ECN_ECHO != 0);
                     }
                     self.inflight_bytes = self.inflight_bytes.saturating_sub(BLOCK as u64);
-                    let e = self.ledgers[path as usize].sent.get_mut(&h.psn).expect("found above");
-                    e.left -= 1;
-                    if e.left == 0 {
+                    let e = self.ledgers[path as usize].sent.get_mut(psn).expect("found above");
+                    e.data.left -= 1;
+                    if e.data.left == 0 {
                         // nothing left of it counts in flight
-                        self.unsend(path, h.psn, Outcome::Delivered);
-                        self.fast_resend(path, h.psn);
+                        self.unsend(path, psn, Outcome::Delivered);
+                        self.fast_resend(path, psn);
                     }
                 }
                 if h.status != Status::Ok as u16 {
@@ -968,14 +999,18 @@ impl SolarClient {
 
     /// Packets of `path` sent three or more before `psn` and still unanswered are lost (a path
     /// keeps order): resend their blocks.
-    fn fast_resend(&mut self, path: u16, psn: u32) {
-        let lost: Vec<u32> = self.ledgers[path as usize]
+    fn fast_resend(&mut self, path: u16, psn: u64) {
+        let Some(l) = self.ledgers.get(path as usize) else {
+            return;
+        };
+        let lost: Vec<u64> = l
             .sent
-            .range(..psn.saturating_sub(2))
-            .map(|(&p, _)| p)
+            .in_flight()
+            .take_while(|&(p, _)| p < psn.saturating_sub(2))
+            .map(|(p, _)| p)
             .collect();
         for p in lost {
-            if let Some(u) = self.unsend(path, p, Outcome::Lost) {
+            if let Some((u, _)) = self.unsend(path, p, Outcome::Lost) {
                 self.stats.fast_resends += 1;
                 self.requeue(u, path);
             }
@@ -1000,7 +1035,7 @@ impl SolarClient {
         let Some(s) = self.ios.get_mut(&io) else { return };
         s.attempts[idx as usize] += 1;
         let a = s.attempts[idx as usize];
-        let avoid = s.at.remove(&idx).map(|(p, _)| p);
+        let avoid = s.at.remove(&idx).map(|c| c.path);
         if a >= self.cfg.max_block_attempts {
             let e = if why == Status::CrcError {
                 IoError::Crc(idx, a)
@@ -1018,7 +1053,7 @@ impl SolarClient {
         let rto = self
             .ledgers
             .iter()
-            .flat_map(|p| p.sent.values().map(|u| u.deadline))
+            .flat_map(|p| p.sent.in_flight().map(|(_, s)| s.data.deadline))
             .min();
         // a path's health deadline already passed stays unchanged until another path
         // delivers: looked at again one minimum RTO later, not in a spin
@@ -1050,11 +1085,11 @@ impl SolarClient {
         }
         let mut timeouts = 0;
         for i in 0..self.ledgers.len() {
-            let expired: Vec<u32> = self.ledgers[i]
+            let expired: Vec<u64> = self.ledgers[i]
                 .sent
-                .iter()
-                .filter(|(_, u)| u.deadline <= now)
-                .map(|(&p, _)| p)
+                .in_flight()
+                .filter(|(_, s)| s.data.deadline <= now)
+                .map(|(p, _)| p)
                 .collect();
             if expired.is_empty() {
                 continue;
@@ -1062,7 +1097,7 @@ impl SolarClient {
             timeouts += expired.len();
             self.ledgers[i].backoff += 1;
             for psn in expired {
-                if let Some(u) = self.unsend(i as u16, psn, Outcome::Lost) {
+                if let Some((u, _)) = self.unsend(i as u16, psn, Outcome::Lost) {
                     self.requeue(u, i as u16);
                 }
             }
@@ -1078,9 +1113,9 @@ impl SolarClient {
                 "solar: path {i} delivered nothing for {} RTOs: out of the rotation",
                 self.cfg.down_after
             );
-            let gone: Vec<u32> = self.ledgers[i as usize].sent.keys().copied().collect();
+            let gone: Vec<u64> = self.ledgers[i as usize].sent.in_flight().map(|(p, _)| p).collect();
             for psn in gone {
-                if let Some(u) = self.unsend(i as u16, psn, Outcome::Lost) {
+                if let Some((u, _)) = self.unsend(i as u16, psn, Outcome::Lost) {
                     self.requeue(u, i as u16);
                 }
             }
