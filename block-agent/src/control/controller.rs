@@ -378,14 +378,19 @@ impl Controller {
     /// live blocks. A clone's replica goes to the node its parent's replica of the same index
     /// moved to (parents are moved first), made there as a fresh clone of the parent's
     /// snapshot; a clone with snapshots of its own stays. A volume with no node to move to
-    /// waits for one. The control state stays locked while snapshots are copied.
+    /// waits for one.
+    ///
+    /// The control state is locked to choose each move and to record it, not while the new
+    /// replica is made: a copy of large snapshots does not hold up the other control calls.
+    /// A move whose volume changed in between (deleted, snapshotted, its replica moved) is
+    /// dropped, its new copy deleted, and chosen again at the next pass.
     async fn replace_down_replicas(self: &Arc<Self>, after: Duration) {
-        let mut s = self.state.lock().await;
         // (volume, replica index, its silent node, seconds silent), and the nodes that are up
         type Todo = Vec<(String, usize, String, u64)>;
         let (mut todo, up): (Todo, Vec<String>) = {
+            let s = self.state.lock().await;
             let live = self.live.lock();
-            let todo = s
+            let mut todo: Todo = s
                 .volumes
                 .iter()
                 // a clone with snapshots of its own would need them copied as a clone's
@@ -398,6 +403,8 @@ impl Controller {
                     })
                 })
                 .collect();
+            // parents first: a clone's replica k goes where its parent's replica k went
+            todo.sort_by_key(|(name, ..)| s.volumes.get(name).is_some_and(|v| v.parent.is_some()));
             let up = s
                 .nodes
                 .keys()
@@ -406,124 +413,120 @@ impl Controller {
                 .collect();
             (todo, up)
         };
-        // parents first: a clone's replica k goes where its parent's replica k went
-        todo.sort_by_key(|(name, ..)| s.volumes.get(name).is_some_and(|v| v.parent.is_some()));
-        for (name, k, old, silent) in todo {
-            let Some(v) = s.volumes.get(&name).cloned() else {
-                continue;
-            };
-            // a clone reads through to its parent's snapshot on the same node
-            let base = v.parent.as_ref().and_then(|p| {
-                let pv = s.volumes.get(&p.volume)?;
-                let snap = pv.snapshots.iter().find(|x| x.name == p.snapshot)?;
-                Some((pv.id, snap.id, pv.replicas.get(k)?.clone()))
-            });
-            let new = match &base {
-                Some((_, _, at)) if *at != old && up.contains(at) && !v.replicas.contains(at) => Some(at.clone()),
-                Some(_) => None,
-                None if v.parent.is_some() => None,
-                None => {
-                    let mut load: Vec<(usize, String)> = up
-                        .iter()
-                        .filter(|n| !v.replicas.contains(n))
-                        .map(|n| (s.volumes.values().filter(|x| x.replicas.contains(n)).count(), n.clone()))
-                        .collect();
-                    load.sort();
-                    load.into_iter().next().map(|(_, n)| n)
-                }
-            };
-            let Some(new) = new else {
+        for (name, k, old, silent) in todo.drain(..) {
+            let Some(m) = self.plan_move(&name, k, &old, &up).await else {
                 tracing::debug!(
                     "volume {name}: replica on {old} silent for {silent} s; no node is up to take it \
                      (a clone waits for its parent's replica to move)"
                 );
                 continue;
             };
-            let admin = s.nodes[&new].admin.clone();
-            // where the snapshots come from: a replica on a node that is up
-            let source = v
-                .replicas
-                .iter()
-                .find(|r| **r != old && up.contains(r))
-                .map(|r| s.nodes[r].admin.clone());
-            let made = async {
-                let mut c = node_client(&admin).await?;
-                if let Some((parent, snapshot, _)) = base {
-                    // a fresh clone: its unwritten blocks read through to the parent's snapshot
-                    // there; the agent rewrites the blocks written since
-                    let req = pb::CreateCloneRequest {
-                        id: v.id,
-                        parent,
-                        snapshot,
-                    };
-                    return match c.create_clone(req).await {
-                        Err(e) if e.code() == tonic::Code::AlreadyExists => {
-                            c.delete_volume(pb::DeleteVolumeRequest { id: v.id }).await?;
-                            c.create_clone(req).await
-                        }
-                        r => r,
-                    };
-                }
-                if v.snapshots.is_empty() {
-                    return c
-                        .create_volume(pb::CreateVolumeRequest { id: v.id, size: v.size })
-                        .await;
-                }
-                let Some(source) = source else {
-                    return Err(Status::unavailable("no replica with its snapshots is up"));
-                };
-                let req = pb::CopySnapshotsRequest {
-                    volume: v.id,
-                    source,
-                    snapshots: v.snapshots.iter().map(|r| r.id).collect(),
-                    size: v.size,
-                };
-                let copied = c.copy_snapshots(req.clone()).await;
-                match copied {
-                    // an old copy of it (a replica replaced before, snapshots and all): made anew
-                    Err(e) if e.code() == tonic::Code::AlreadyExists => {
-                        c.delete_volume(pb::DeleteVolumeRequest { id: v.id }).await?;
-                        c.copy_snapshots(req).await
-                    }
-                    r => r,
-                }
-            }
-            .await;
+            let made = m.make().await;
             match made {
                 Ok(_) => {}
                 // an old copy of it (a replica replaced before): the agent rewrites all of it
                 Err(e) if e.code() == tonic::Code::AlreadyExists => {
-                    if let Ok(mut c) = node_client(&admin).await {
+                    if let Ok(mut c) = node_client(&m.admin).await {
                         let _ = c
-                            .resize_volume(pb::ResizeVolumeRequest { id: v.id, size: v.size })
+                            .resize_volume(pb::ResizeVolumeRequest {
+                                id: m.v.id,
+                                size: m.v.size,
+                            })
                             .await;
                     }
                 }
                 Err(e) => {
-                    tracing::warn!("volume {name}: creating a replica on {new}: {}", e.message());
+                    tracing::warn!("volume {name}: creating a replica on {}: {}", m.new, e.message());
                     continue;
                 }
             }
+            let mut s = self.state.lock().await;
+            // what was copied must still be what the volume is
+            let now = s.volumes.get(&name);
+            let same = now.is_some_and(|cur| {
+                cur.id == m.v.id
+                    && cur.replicas.get(k) == Some(&old)
+                    && cur.snapshots == m.v.snapshots
+                    && cur.parent == m.v.parent
+            });
+            if !same {
+                let holds = now.is_some_and(|cur| cur.id == m.v.id && cur.replicas.contains(&m.new));
+                drop(s);
+                tracing::warn!(
+                    "volume {name}: changed while its new replica on {} was made; made again at the next pass",
+                    m.new
+                );
+                if !holds {
+                    if let Ok(mut c) = node_client(&m.admin).await {
+                        let _ = c.delete_volume(pb::DeleteVolumeRequest { id: m.v.id }).await;
+                    }
+                }
+                continue;
+            }
+            let new = m.new.clone();
             let r = self
                 .commit(&mut s, |n| {
-                    n.volumes.get_mut(&name).expect("listed above").replicas[k] = new.clone();
+                    n.volumes.get_mut(&name).expect("checked above").replicas[k] = new.clone();
                 })
                 .await;
             if let Err(e) = r {
                 tracing::warn!("volume {name}: recording its new replica: {}", e.message());
                 continue;
             }
-            self.note_holds(std::slice::from_ref(&new), v.id);
+            self.note_holds(std::slice::from_ref(&new), m.v.id);
             tracing::warn!(
                 "volume {name}: replica {k} on storage node {old} silent for {silent} s: replaced by a new one on {new}, \
                  rebuilt from the others by the agent"
             );
-            if let Some(a) = v.agent.clone() {
+            if let Some(a) = m.v.agent.clone() {
                 if let Err(e) = self.attach_at(&s, &name, &a).await {
                     tracing::warn!("telling agent {a} about {name}'s new replica: {}", e.message());
                 }
             }
         }
+    }
+
+    /// Chooses where replica `k` of volume `name`, on the silent node `old`, moves (see
+    /// [`Controller::replace_down_replicas`]); `None` when no node can take it now.
+    async fn plan_move(&self, name: &str, k: usize, old: &str, up: &[String]) -> Option<Move> {
+        let s = self.state.lock().await;
+        let v = s.volumes.get(name)?.clone();
+        if v.replicas.get(k).map(String::as_str) != Some(old) {
+            return None;
+        }
+        // a clone reads through to its parent's snapshot on the same node
+        let base = v.parent.as_ref().and_then(|p| {
+            let pv = s.volumes.get(&p.volume)?;
+            let snap = pv.snapshots.iter().find(|x| x.name == p.snapshot)?;
+            Some((pv.id, snap.id, pv.replicas.get(k)?.clone()))
+        });
+        let new = match &base {
+            Some((_, _, at)) if at != old && up.contains(at) && !v.replicas.contains(at) => at.clone(),
+            Some(_) => return None,
+            None if v.parent.is_some() => return None,
+            None => {
+                let mut load: Vec<(usize, String)> = up
+                    .iter()
+                    .filter(|n| !v.replicas.contains(n))
+                    .map(|n| (s.volumes.values().filter(|x| x.replicas.contains(n)).count(), n.clone()))
+                    .collect();
+                load.sort();
+                load.into_iter().next()?.1
+            }
+        };
+        // where the snapshots come from: a replica on a node that is up
+        let source = v
+            .replicas
+            .iter()
+            .find(|r| r.as_str() != old && up.contains(r))
+            .map(|r| s.nodes[r].admin.clone());
+        Some(Move {
+            admin: s.nodes.get(&new)?.admin.clone(),
+            new,
+            base: base.map(|(parent, snapshot, _)| (parent, snapshot)),
+            source,
+            v,
+        })
     }
 
     /// Logs storage nodes going down (a node's state is derived when asked; this only says so
@@ -1281,4 +1284,64 @@ fn node_admin(s: &ControlState, r: &str) -> Result<String, Status> {
             "replica {r} has not registered since the upgrade to node ids; start its storage node"
         ))
     })
+}
+
+/// A replica's move, chosen under the control state's lock and carried out without it.
+struct Move {
+    /// The volume as it was when the move was chosen.
+    v: VolumeRecord,
+    /// The node taking the replica, and its admin address.
+    new: String,
+    admin: String,
+    /// For a clone: its parent volume's id and the snapshot's id.
+    base: Option<(u32, u32)>,
+    /// The admin address of a replica that is up, to copy snapshots from.
+    source: Option<String>,
+}
+
+impl Move {
+    /// Makes the new replica on its node: a fresh clone of the parent's snapshot, a volume
+    /// with the snapshots copied from the source, or an empty volume. An old copy of the
+    /// volume there (a replica replaced before) is deleted and made anew.
+    async fn make(&self) -> Result<Response<pb::Empty>, Status> {
+        let v = &self.v;
+        let mut c = node_client(&self.admin).await?;
+        if let Some((parent, snapshot)) = self.base {
+            // its unwritten blocks read through to the parent's snapshot there; the agent
+            // rewrites the blocks written since
+            let req = pb::CreateCloneRequest {
+                id: v.id,
+                parent,
+                snapshot,
+            };
+            return match c.create_clone(req).await {
+                Err(e) if e.code() == tonic::Code::AlreadyExists => {
+                    c.delete_volume(pb::DeleteVolumeRequest { id: v.id }).await?;
+                    c.create_clone(req).await
+                }
+                r => r,
+            };
+        }
+        if v.snapshots.is_empty() {
+            return c
+                .create_volume(pb::CreateVolumeRequest { id: v.id, size: v.size })
+                .await;
+        }
+        let Some(source) = self.source.clone() else {
+            return Err(Status::unavailable("no replica with its snapshots is up"));
+        };
+        let req = pb::CopySnapshotsRequest {
+            volume: v.id,
+            source,
+            snapshots: v.snapshots.iter().map(|r| r.id).collect(),
+            size: v.size,
+        };
+        match c.copy_snapshots(req.clone()).await {
+            Err(e) if e.code() == tonic::Code::AlreadyExists => {
+                c.delete_volume(pb::DeleteVolumeRequest { id: v.id }).await?;
+                c.copy_snapshots(req).await
+            }
+            r => r,
+        }
+    }
 }
