@@ -938,9 +938,10 @@ impl<R: SharedRegion> Requester<R> {
         Some(pkt)
     }
 
-    /// Marks PSNs `una..=a` acknowledged. PSNs of READs and atomics are only acknowledged by
-    /// their responses: an ACK beyond one that has no response means the response was lost.
-    /// Returns the first such PSN.
+    /// Marks PSNs `una..=a` acknowledged: an acknowledgement of PSN `a` acknowledges every
+    /// request before it (coalesced acknowledges, IBA Vol 1 Release 1.5, 9.7.5.1.2). PSNs of
+    /// READs and atomics are only acknowledged by their responses: an ACK beyond one that has no
+    /// response means the response was lost. Returns the first such PSN.
     fn cum_ack(&mut self, a: u64, now: u64) -> Option<u64> {
         if a < self.una() || a >= self.next_psn() {
             return None;

@@ -423,7 +423,8 @@ impl<R: SharedRegion> Responder<R> {
         }
     }
 
-    /// Validates a request packet and places its payload; returns what is left to do in PSN order.
+    /// Validates a request packet and places its payload; returns what is left to do in PSN order
+    /// (the responder's checks of a received request: IBA Vol 1 Release 1.5, 9.7.4.1).
     fn process(
         qp: &mut RcQp<R>,
         now: u64,
@@ -548,7 +549,8 @@ impl<R: SharedRegion> Responder<R> {
             }
             if len > 0 {
                 // the whole message range is checked on every packet, so a bad access never
-                // writes a byte, whichever of its packets arrives first
+                // writes a byte, whichever of its packets arrives first (R_Key, protection domain,
+                // bounds and access rights: IBA 9.7.4.1.5, C9-88; a zero-length WRITE checks none)
                 let (region, off) = mrs
                     .check(rkey, pd, va, len, Access::REMOTE_WRITE)
                     .map_err(|_| Reject::Nak(NakCode::RemoteAccessError))?;
@@ -635,6 +637,7 @@ impl<R: SharedRegion> Responder<R> {
         if len > 1 << 31 {
             return Err(Reject::Nak(NakCode::InvalidRequest));
         }
+        // a zero-length READ validates no R_Key (IBA 9.7.4.1.5, C9-88)
         let (region, off) = if len == 0 {
             (None, 0)
         } else {
