@@ -996,7 +996,7 @@ impl netstack::transport::rc::offload::OffloadSink for LateSink {
 
 #[test]
 fn offloads_over_a_lossy_link_run_once_and_complete_once() {
-    use netstack::transport::rc::offload::OffloadStatus;
+    use netstack::transport::rc::offload::{OffloadStatus, Outcome};
     for seed in seeds().into_iter().take(24) {
         let mut sc = Scenario::new(seed);
         sc.link.loss = sc.link.loss.max(0.03);
@@ -1034,7 +1034,7 @@ fn offloads_over_a_lossy_link_run_once_and_complete_once() {
                 let len = 1 + (i * 397) % (3 * mtu);
                 let data: Vec<u8> = (0..len).map(|k| (k as u8) ^ (i as u8)).collect();
                 // the outcome reaches the QP as an event, as the engine delivers it
-                server.offload_finished(j.id, (OffloadStatus::Ok, Arc::from(data)));
+                server.offload_finished(j.id, Outcome::new(OffloadStatus::Ok, Arc::from(data)));
                 false
             });
             drop(jobs);

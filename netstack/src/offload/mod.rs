@@ -46,7 +46,7 @@
 pub mod builtin;
 mod dma;
 
-pub use crate::transport::rc::offload::{OffloadJob, OffloadSink, OffloadStatus, MAX_OFFLOAD_RESP};
+pub use crate::transport::rc::offload::{OffloadJob, OffloadSink, OffloadStatus, Outcome, MAX_OFFLOAD_RESP};
 use dma::Grant;
 pub use dma::{DmaId, DmaOp, DmaRegionHandle, DmaSpace};
 
@@ -474,25 +474,24 @@ impl Inner {
     /// Counts how a job of `opcode` on QP `qpn` ended and turns it into its outcome.
     fn outcome(&self, qpn: u32, opcode: u16, ran: Ran) -> crate::transport::rc::offload::Outcome {
         let c = &self.counters;
-        let empty = || Arc::from(&[][..]);
         match ran {
             Ok(Ok(Ok(reply))) => {
                 c.ok.fetch_add(1, Ordering::Relaxed);
-                (OffloadStatus::Ok, reply.data)
+                Outcome::new(OffloadStatus::Ok, reply.data)
             }
             Ok(Ok(Err(e))) => {
                 tracing::debug!("offload opcode {opcode:#x} on QP {qpn:#x}: {e}");
                 c.errors.fetch_add(1, Ordering::Relaxed);
-                (e.status(), empty())
+                Outcome::empty(e.status())
             }
             Ok(Err(_)) => {
                 tracing::warn!("offload handler for opcode {opcode:#x} panicked (caught)");
                 c.panics.fetch_add(1, Ordering::Relaxed);
-                (OffloadStatus::Panicked, empty())
+                Outcome::empty(OffloadStatus::Panicked)
             }
             Err(_) => {
                 c.timeouts.fetch_add(1, Ordering::Relaxed);
-                (OffloadStatus::Timeout, empty())
+                Outcome::empty(OffloadStatus::Timeout)
             }
         }
     }
@@ -523,7 +522,7 @@ impl OffloadSink for OffloadPort {
         let c = &inner.counters;
         c.requests.fetch_add(1, Ordering::Relaxed);
         let (qpn, opcode) = (job.qpn, job.opcode);
-        let refused = |st| Some((st, Arc::from(&[][..])));
+        let refused = |st| Some(Outcome::empty(st));
         let Some(found) = self.engine.lookup(qpn, opcode) else {
             c.no_handler.fetch_add(1, Ordering::Relaxed);
             return refused(OffloadStatus::NoHandler); // answered by the responder in this pass

@@ -104,7 +104,25 @@ pub struct OffloadJob {
 }
 
 /// How a job ended: its status and response bytes (empty unless it succeeded).
-pub type Outcome = (OffloadStatus, Arc<[u8]>);
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outcome {
+    /// How it ended.
+    pub status: OffloadStatus,
+    /// The handler's response.
+    pub response: Arc<[u8]>,
+}
+
+impl Outcome {
+    /// A job that ended with `status` and `response`.
+    pub fn new(status: OffloadStatus, response: Arc<[u8]>) -> Outcome {
+        Outcome { status, response }
+    }
+
+    /// A job that ended with `status` and no response (refused, failed, timed out).
+    pub fn empty(status: OffloadStatus) -> Outcome {
+        Outcome::new(status, Arc::from(&[][..]))
+    }
+}
 
 /// Where a QP's responder hands offload jobs. The engine's implementation runs the registered
 /// handler on an offload thread and sends the outcome to the QP's data core as an event.

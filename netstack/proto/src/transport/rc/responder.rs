@@ -708,7 +708,7 @@ impl<R: SharedRegion> Responder<R> {
             Action::Offload { job, n } => {
                 let outcome: Option<Outcome> = match &qp.offload {
                     Some(sink) => sink.submit(job.clone()),
-                    None => Some((OffloadStatus::NoHandler, Arc::from(&[][..]))),
+                    None => Some(Outcome::empty(OffloadStatus::NoHandler)),
                 }
                 .map(|o| within(o, job.resp_cap));
                 let s = &mut qp.resp;
@@ -816,7 +816,7 @@ impl<R: SharedRegion> Responder<R> {
                         if now < job.deadline {
                             return None;
                         }
-                        let timeout: Outcome = (OffloadStatus::Timeout, Arc::from(&[][..]));
+                        let timeout = Outcome::empty(OffloadStatus::Timeout);
                         *data = Some(response_data(&timeout));
                         if let Some(c) = s.offload_cache.iter_mut().find(|c| c.job.id == job.id) {
                             c.outcome.get_or_insert(timeout);
@@ -930,15 +930,18 @@ impl<R: SharedRegion> Responder<R> {
 /// An offload response's status, length and payload (as a region the packets reference).
 /// `o`, or RESPONSE_TOO_LONG when its bytes exceed the requester's `cap`.
 fn within(o: Outcome, cap: u32) -> Outcome {
-    if o.1.len() > cap as usize {
-        (OffloadStatus::ResponseTooLong, Arc::from(&[][..]))
+    if o.response.len() > cap as usize {
+        Outcome::empty(OffloadStatus::ResponseTooLong)
     } else {
         o
     }
 }
 
 fn response_data<R: SharedRegion>(o: &Outcome) -> OffloadAnswer<R> {
-    let (status, bytes) = o;
+    let Outcome {
+        status,
+        response: bytes,
+    } = o;
     OffloadAnswer {
         status: *status,
         len: bytes.len() as u32,
