@@ -229,19 +229,61 @@ fn a_node_copies_a_volumes_snapshots_from_another() {
         .to_string();
     assert!(copy(gone, vec![1, 7], size).is_err());
     assert!(dst.store(VOLUME).is_none(), "a failed copy left a volume");
-    let ask = |volume, snapshot, blocks| {
+    let ask_since = |volume, snapshot, lba, blocks, since| {
         rt.block_on(
             NodeAdmin(src.clone()).read_snapshot(Request::new(pb::ReadSnapshotRequest {
                 volume,
                 snapshot,
-                lba: 0,
+                lba,
                 blocks,
+                since,
             })),
         )
     };
+    let ask = |volume, snapshot, blocks| ask_since(volume, snapshot, 0, blocks, 0);
     assert_eq!(ask(VOLUME, 1, 257).unwrap_err().code(), Code::InvalidArgument);
     assert_eq!(ask(VOLUME, 2, 1).unwrap_err().code(), Code::NotFound);
     assert_eq!(ask(VOLUME + 1, 1, 1).unwrap_err().code(), Code::NotFound);
+    assert_eq!(
+        ask_since(VOLUME, 7, 0, 1, 2).unwrap_err().code(),
+        Code::NotFound,
+        "no snapshot 2"
+    );
+    assert_eq!(
+        ask_since(VOLUME, 7, 0, 1, 7).unwrap_err().code(),
+        Code::NotFound,
+        "itself"
+    );
+    // snapshot 7 since snapshot 1: a block no write touched in between comes without data;
+    // one written, zeroed or grown in between comes as a full read would give it
+    let mut unchanged = 0;
+    for from in (0..2 * BLOCKS).step_by(256) {
+        let rep = ask_since(VOLUME, 7, from, 256, 1).unwrap().into_inner();
+        let mut data = rep.data.chunks_exact(BLOCK);
+        for (k, &state) in rep.states.iter().enumerate() {
+            let lba = from + k as u64;
+            let same = lba < BLOCKS
+                && s.read_snapshot(1, lba).unwrap() == s.read_snapshot(7, lba).unwrap()
+                && s.snapshot_allocation(1, lba).unwrap() == s.snapshot_allocation(7, lba).unwrap();
+            if state == block_agent::control::SNAPSHOT_UNCHANGED {
+                assert!(same, "block {lba} changed between the snapshots but came as unchanged");
+                unchanged += 1;
+                continue;
+            }
+            // what the writes between the snapshots touched (a zeroed hole is a new write too)
+            let touched = lba >= BLOCKS || (lba < BLOCKS / 2 && lba.is_multiple_of(6)) || (4..12).contains(&lba);
+            assert!(touched, "block {lba}, untouched between the snapshots, came whole");
+            assert_eq!(state, s.snapshot_allocation(7, lba).unwrap(), "block {lba}'s state");
+            if state == block_agent::store::ALLOC_DATA {
+                assert!(
+                    data.next().unwrap() == &s.read_snapshot(7, lba).unwrap()[..],
+                    "block {lba}"
+                );
+            }
+        }
+        assert!(data.next().is_none(), "data beyond the data blocks");
+    }
+    assert!(unchanged > BLOCKS / 4, "only {unchanged} blocks came as unchanged");
     // the copy (the source's server may still be starting: a few tries)
     let mut tries = 0;
     while let Err(e) = copy(addr.to_string(), vec![1, 7], size) {

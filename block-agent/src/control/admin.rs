@@ -54,17 +54,21 @@ impl NodeAdmin {
     /// [`pb::storage_node_admin_server::StorageNodeAdmin::copy_snapshots`]'s work: each
     /// snapshot's blocks from the source into the live volume (grown to the snapshot's size),
     /// then the snapshot taken here; last, the live blocks zeroed at version 0 and the size.
+    /// The first snapshot is read whole, each later one only where it differs from the one
+    /// before (the live volume holds that one already).
     async fn copy_from(&self, r: &pb::CopySnapshotsRequest) -> Result<(), Status> {
         let mut src = super::controller::node_client(&r.source).await?;
         let id = r.volume;
-        let ask = |snapshot, lba, blocks| pb::ReadSnapshotRequest {
+        let ask = |snapshot, lba, blocks, since| pb::ReadSnapshotRequest {
             volume: id,
             snapshot,
             lba,
             blocks,
+            since,
         };
+        let mut since = 0;
         for &snap in &r.snapshots {
-            let size = src.read_snapshot(ask(snap, 0, 0)).await?.into_inner().size_blocks;
+            let size = src.read_snapshot(ask(snap, 0, 0, 0)).await?.into_inner().size_blocks;
             let bytes = size * BLOCK as u64;
             match self.0.store(id) {
                 None => self.on_node(move |n| n.create_volume(id, bytes)).await.map(drop)?,
@@ -75,7 +79,7 @@ impl NodeAdmin {
             let mut lba = 0;
             while lba < size {
                 let n = (size - lba).min(SNAPSHOT_READ_BLOCKS);
-                let rep = src.read_snapshot(ask(snap, lba, n)).await?.into_inner();
+                let rep = src.read_snapshot(ask(snap, lba, n, since)).await?.into_inner();
                 let store = store.clone();
                 tokio::task::spawn_blocking(move || place_snapshot_blocks(&store, lba, n, &rep))
                     .await
@@ -83,6 +87,7 @@ impl NodeAdmin {
                 lba += n;
             }
             self.on_node(move |n| n.snapshot(id, snap)).await?;
+            since = snap;
         }
         let store = self.volume_store(id)?;
         let blocks = store.blocks();
@@ -101,8 +106,12 @@ impl NodeAdmin {
 /// Blocks a [`pb::ReadSnapshotRequest`] may ask for (1 MiB of data at most in a reply).
 const SNAPSHOT_READ_BLOCKS: u64 = 256;
 
+/// A [`pb::ReadSnapshotReply`] state: the block is the same in the request's `since` snapshot.
+pub const SNAPSHOT_UNCHANGED: u8 = 0x80;
+
 /// Writes what a [`pb::ReadSnapshotReply`] says of `n` blocks from `lba` into `store` at
-/// version 0: runs of data blocks as one durable write each, runs of holes as zeroes.
+/// version 0: runs of data blocks as one durable write each, runs of holes as zeroes; blocks
+/// unchanged since the previous snapshot are already there.
 fn place_snapshot_blocks(store: &VolumeStore, lba: u64, n: u64, rep: &pb::ReadSnapshotReply) -> Result<(), Status> {
     let states = &rep.states;
     let data_blocks = states.iter().filter(|&&s| s == ALLOC_DATA).count();
@@ -118,9 +127,15 @@ fn place_snapshot_blocks(store: &VolumeStore, lba: u64, n: u64, rep: &pb::ReadSn
     while k < states.len() {
         let run = states[k..]
             .iter()
-            .take_while(|&&s| (s == ALLOC_DATA) == (states[k] == ALLOC_DATA))
+            .take_while(|&&s| s != SNAPSHOT_UNCHANGED && (s == ALLOC_DATA) == (states[k] == ALLOC_DATA))
             .count();
         let at = lba + k as u64;
+        if states[k] == SNAPSHOT_UNCHANGED {
+            // the run ends at the first block of another state
+            let same = states[k..].iter().take_while(|&&s| s == SNAPSHOT_UNCHANGED).count();
+            k += same;
+            continue;
+        }
         if states[k] == ALLOC_DATA {
             let blocks: Vec<(&[u8], u32)> = data.by_ref().take(run).map(|d| (d, crc32c::crc32c(d))).collect();
             store.write_blocks(at, &blocks, 0).map_err(store_status)?;
@@ -237,11 +252,21 @@ impl pb::storage_node_admin_server::StorageNodeAdmin for NodeAdmin {
         let size = store
             .snapshot_blocks(r.snapshot)
             .ok_or_else(|| Status::not_found(format!("volume {} has no snapshot {}", r.volume, r.snapshot)))?;
+        if r.since != 0 && (r.since == r.snapshot || store.snapshot_blocks(r.since).is_none()) {
+            return Err(Status::not_found(format!(
+                "volume {} has no snapshot {} other than {} to compare with",
+                r.volume, r.since, r.snapshot
+            )));
+        }
         let reply = tokio::task::spawn_blocking(move || {
             let end = r.lba.saturating_add(r.blocks).min(size);
             let mut states = Vec::with_capacity(end.saturating_sub(r.lba) as usize);
             let mut data = Vec::new();
             for lba in r.lba..end {
+                if r.since != 0 && store.snapshot_unchanged(r.snapshot, r.since, lba)? == Some(true) {
+                    states.push(SNAPSHOT_UNCHANGED);
+                    continue;
+                }
                 let state = store.snapshot_allocation(r.snapshot, lba)?;
                 if state == ALLOC_DATA {
                     data.extend_from_slice(&store.read_snapshot(r.snapshot, lba)?);

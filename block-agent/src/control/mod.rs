@@ -16,6 +16,6 @@ pub mod pb {
     tonic::include_proto!("flexns.block");
 }
 
-pub use admin::{attach_spec, node_queries, AgentAdmin, NodeAdmin};
+pub use admin::{attach_spec, node_queries, AgentAdmin, NodeAdmin, SNAPSHOT_UNCHANGED};
 pub use controller::{Controller, ControllerConfig, ControllerService};
 pub use state::{AgentRecord, ControlState, MetaError, MetaStore, NodeRecord, VolumeRecord, STATE_VERSION};

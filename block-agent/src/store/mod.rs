@@ -985,6 +985,13 @@ impl VolumeStore {
             .collect()
     }
 
+    /// Whether block `lba` is the same in snapshots `id` and `since` (the same write, or
+    /// unwritten or zeroed alike in both); `None` when either snapshot does not exist. A block
+    /// past either snapshot's end is not the same.
+    pub fn snapshot_unchanged(&self, id: u32, since: u32, lba: u64) -> Result<Option<bool>, StoreError> {
+        self.snaps.read().unchanged(id, since, lba)
+    }
+
     /// The allocation state of block `lba` in snapshot `id` ([`ALLOC_DATA`] or
     /// [`ALLOC_HOLE`]).
     pub fn snapshot_allocation(&self, id: u32, lba: u64) -> Result<u8, StoreError> {

@@ -133,12 +133,18 @@ impl Snap {
 
     /// This snapshot's metadata entry of `lba`: (its flag, CRC).
     fn entry(&self, lba: u64, volume: u32) -> Result<(u8, u32), StoreError> {
+        let m = self.raw_entry(lba, volume)?;
+        Ok((m[4], u32::from_le_bytes(m[0..4].try_into().expect("4 bytes"))))
+    }
+
+    /// Block `lba`'s metadata entry in this snapshot, as stored.
+    fn raw_entry(&self, lba: u64, volume: u32) -> Result<[u8; META as usize], StoreError> {
         let mut m = [0u8; META as usize];
         self.meta.read_exact_at(&mut m, lba * META).map_err(io_err(
             volume,
             format!("reading block {lba}'s metadata in snapshot {}", self.id),
         ))?;
-        Ok((m[4], u32::from_le_bytes(m[0..4].try_into().expect("4 bytes"))))
+        Ok(m)
     }
 }
 
@@ -288,6 +294,24 @@ impl Snapshots {
             Some(s) if lba < s.blocks => Ok(Some(s.entry(lba, self.volume)?.0)),
             _ => Ok(None),
         }
+    }
+
+    /// Whether block `lba` is the same in snapshots `id` and `since`: both cover it and their
+    /// metadata entries agree on its CRC, written flag and version (a version names one write,
+    /// so equal versions are equal contents). `None` when either snapshot does not exist.
+    pub(super) fn unchanged(&self, id: u32, since: u32, lba: u64) -> Result<Option<bool>, StoreError> {
+        let (Some(a), Some(b)) = (
+            self.list.iter().find(|s| s.id == id),
+            self.list.iter().find(|s| s.id == since),
+        ) else {
+            return Ok(None);
+        };
+        if lba >= a.blocks || lba >= b.blocks {
+            return Ok(Some(false));
+        }
+        let (x, y) = (a.raw_entry(lba, self.volume)?, b.raw_entry(lba, self.volume)?);
+        // byte 5 (preserved) differs between snapshots of the same contents; 6..8 are reserved
+        Ok(Some(x[..5] == y[..5] && x[8..] == y[8..]))
     }
 
     /// Where snapshot `id`'s block `lba` is (`None`: no such snapshot).
