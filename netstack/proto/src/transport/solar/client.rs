@@ -1158,3 +1158,56 @@ impl SolarClient {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transport::solar::server::{Request, SolarServer};
+
+    /// The wire carries a PSN's low 32 bits: answers to packets whose PSNs cross 2^32 on every
+    /// path are matched to their packets (each block sent once, no timeout).
+    #[test]
+    fn answers_are_matched_to_their_packets_across_the_32_bit_psn_wrap() {
+        let cfg = ClientConfig {
+            paths: 2,
+            ..Default::default()
+        };
+        let mut c = SolarClient::new(cfg, None, 1_000);
+        for l in &mut c.ledgers {
+            l.sent = SentLedger::new(u32::MAX as u64 - 3);
+        }
+        let mut s = SolarServer::new();
+        let mut now = 1_000;
+        for k in 0..16u64 {
+            c.write(now, 1, k, Arc::from(vec![k as u8; BLOCK]), false).unwrap();
+        }
+        let mut done = 0;
+        for _ in 0..1_000 {
+            now += 1_000;
+            while let Some(t) = c.poll_transmit(now) {
+                if let Ok(Some(Request::Write { token, .. })) = s.on_packet(0, &t.to_vec(), false) {
+                    s.write_done(token, Status::Ok);
+                }
+            }
+            while let Some(t) = s.poll_transmit() {
+                c.on_packet(now, &t.to_vec()).unwrap();
+            }
+            c.on_timer(now);
+            while let Some(ClientEvent::Done { result, .. }) = c.poll_event() {
+                result.unwrap();
+                done += 1;
+            }
+            if done == 16 {
+                break;
+            }
+        }
+        assert_eq!(done, 16);
+        let st = c.stats();
+        assert_eq!((st.blocks_sent, st.blocks_resent, st.timeouts), (16, 0, 0));
+        assert!(
+            c.ledgers.iter().all(|l| l.sent.end() > u32::MAX as u64 + 1),
+            "every path's PSNs went past 2^32"
+        );
+        assert!(c.ledgers.iter().all(|l| l.sent.is_empty()), "nothing left in flight");
+    }
+}
