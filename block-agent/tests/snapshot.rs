@@ -210,6 +210,7 @@ fn a_node_copies_a_volumes_snapshots_from_another() {
             source,
             snapshots,
             size,
+            ..Default::default()
         })))
     };
     // bad requests, and a source that is not there: errors, nothing made
@@ -237,6 +238,7 @@ fn a_node_copies_a_volumes_snapshots_from_another() {
                 lba,
                 blocks,
                 since,
+                own: false,
             })),
         )
     };

@@ -283,12 +283,14 @@ fn a_replica_down_past_the_replace_timeout_is_rebuilt_on_another_node() {
     }
 }
 
-/// A volume with a snapshot, and a clone of it, lose a replica for good: the controller makes
-/// a new one on the spare node with the snapshot copied from a surviving replica (not only the
-/// live blocks), then the clone's there (a fresh clone of the copied snapshot), and the agent
-/// rebuilds the live blocks of both. Read straight from the stores afterwards: the new
-/// replica's snapshot holds what the volume held when it was taken (holes where it had none),
-/// its live blocks what was written after, and the clone its own writes over the snapshot.
+/// A volume with a snapshot, and a clone of it with a snapshot of its own, lose a replica for
+/// good: the controller makes a new one on the spare node with the snapshot copied from a
+/// surviving replica (not only the live blocks), then the clone's there (a clone of the copied
+/// snapshot, with the clone's snapshot copied into it), and the agent rebuilds the live blocks
+/// of both. Read straight from the stores afterwards: the new replica's snapshot holds what
+/// the volume held when it was taken (holes where it had none), its live blocks what was
+/// written after, the clone its own writes over the snapshot, and the clone's snapshot the
+/// clone's writes before it.
 #[test]
 fn a_replica_of_a_volume_with_snapshots_is_rebuilt_with_them() {
     let ReplaceCluster {
@@ -339,6 +341,21 @@ fn a_replica_of_a_volume_with_snapshots_is_rebuilt_with_them() {
     let mut clone_writes = HashMap::new();
     for &lba in overwritten.iter().take(20).chain(fresh.iter().take(20)) {
         let v = (1 << 61) | lba;
+        cl.write(lba * 4096, &pattern(lba, v), false).unwrap();
+        clone_writes.insert(lba, v);
+    }
+    cl.flush().unwrap();
+    // a snapshot of the clone, then writes over 10 of its blocks and 10 it never wrote
+    ok(&["snapshot", "create", "c1@cs1"]);
+    let at_clone_snapshot = clone_writes.clone();
+    let later: Vec<u64> = overwritten
+        .iter()
+        .take(10)
+        .chain(overwritten.iter().skip(20).take(10))
+        .copied()
+        .collect();
+    for &lba in &later {
+        let v = (1 << 60) | lba;
         cl.write(lba * 4096, &pattern(lba, v), false).unwrap();
         clone_writes.insert(lba, v);
     }
@@ -399,6 +416,22 @@ fn a_replica_of_a_volume_with_snapshots_is_rebuilt_with_them() {
             assert!(
                 clone.read(lba).unwrap().0 == pattern(lba, want),
                 "node{i} clone block {lba}: not {want:#x}"
+            );
+        }
+        // the clone's own snapshot: its writes before it, the parent's snapshot elsewhere
+        let cs = clone.snapshots();
+        assert_eq!(cs.len(), 1, "node{i}: the clone's snapshots {cs:?}");
+        for (&lba, &v) in at_snapshot.iter().chain(&at_clone_snapshot) {
+            let want = at_clone_snapshot.get(&lba).copied().unwrap_or(v);
+            assert!(
+                clone.read_snapshot(cs[0], lba).unwrap() == pattern(lba, want),
+                "node{i} clone snapshot block {lba}: not {want:#x}"
+            );
+        }
+        for &lba in fresh.iter().skip(20) {
+            assert!(
+                clone.read_snapshot(cs[0], lba).unwrap() == vec![0u8; 4096],
+                "node{i} clone snapshot block {lba}: neither the parent's snapshot nor the clone wrote it"
             );
         }
     }

@@ -55,7 +55,8 @@ impl NodeAdmin {
     /// snapshot's blocks from the source into the live volume (grown to the snapshot's size),
     /// then the snapshot taken here; last, the live blocks zeroed at version 0 and the size.
     /// The first snapshot is read whole, each later one only where it differs from the one
-    /// before (the live volume holds that one already).
+    /// before (the live volume holds that one already). A clone is made as a clone of its
+    /// base, and only the blocks it wrote are copied; its live blocks are not zeroed.
     async fn copy_from(&self, r: &pb::CopySnapshotsRequest) -> Result<(), Status> {
         let mut src = super::controller::node_client(&r.source).await?;
         let id = r.volume;
@@ -65,12 +66,20 @@ impl NodeAdmin {
             lba,
             blocks,
             since,
+            own: r.clone,
         };
         let mut since = 0;
         for &snap in &r.snapshots {
             let size = src.read_snapshot(ask(snap, 0, 0, 0)).await?.into_inner().size_blocks;
             let bytes = size * BLOCK as u64;
             match self.0.store(id) {
+                None if r.clone => {
+                    let (parent, snapshot) = (r.parent, r.parent_snapshot);
+                    self.on_node(move |n| n.create_clone(id, parent, snapshot)).await?;
+                    if self.volume_store(id)?.blocks() < size {
+                        self.on_node(move |n| n.resize_volume(id, bytes)).await?;
+                    }
+                }
                 None => self.on_node(move |n| n.create_volume(id, bytes)).await.map(drop)?,
                 Some(s) if s.blocks() < size => self.on_node(move |n| n.resize_volume(id, bytes)).await.map(drop)?,
                 Some(_) => {}
@@ -91,10 +100,15 @@ impl NodeAdmin {
         }
         let store = self.volume_store(id)?;
         let blocks = store.blocks();
-        tokio::task::spawn_blocking(move || store.write_zeroes(0, blocks, 0))
-            .await
-            .map_err(|e| Status::internal(e.to_string()))?
-            .map_err(store_status)?;
+        // a clone's live blocks keep what the copy left: its own writes as of the last
+        // snapshot over its base (zeroes would hide the base); the agent rewrites what the
+        // clone wrote since
+        if !r.clone {
+            tokio::task::spawn_blocking(move || store.write_zeroes(0, blocks, 0))
+                .await
+                .map_err(|e| Status::internal(e.to_string()))?
+                .map_err(store_status)?;
+        }
         if r.size > blocks * BLOCK as u64 {
             let size = r.size;
             self.on_node(move |n| n.resize_volume(id, size)).await?;
@@ -263,7 +277,9 @@ impl pb::storage_node_admin_server::StorageNodeAdmin for NodeAdmin {
             let mut states = Vec::with_capacity(end.saturating_sub(r.lba) as usize);
             let mut data = Vec::new();
             for lba in r.lba..end {
-                if r.since != 0 && store.snapshot_unchanged(r.snapshot, r.since, lba)? == Some(true) {
+                if (r.since != 0 && store.snapshot_unchanged(r.snapshot, r.since, lba)? == Some(true))
+                    || (r.own && store.snapshot_reads_base(r.snapshot, lba)?)
+                {
                     states.push(SNAPSHOT_UNCHANGED);
                     continue;
                 }

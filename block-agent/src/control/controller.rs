@@ -377,8 +377,8 @@ impl Controller {
     /// a replica that is up, oldest first (`CopySnapshots`), before the agent rebuilds the
     /// live blocks. A clone's replica goes to the node its parent's replica of the same index
     /// moved to (parents are moved first), made there as a fresh clone of the parent's
-    /// snapshot; a clone with snapshots of its own stays. A volume with no node to move to
-    /// waits for one.
+    /// snapshot, with the clone's own snapshots copied into it (`CopySnapshots` as a clone:
+    /// only the blocks the clone wrote). A volume with no node to move to waits for one.
     ///
     /// The control state is locked to choose each move and to record it, not while the new
     /// replica is made: a copy of large snapshots does not hold up the other control calls.
@@ -393,8 +393,6 @@ impl Controller {
             let mut todo: Todo = s
                 .volumes
                 .iter()
-                // a clone with snapshots of its own would need them copied as a clone's
-                .filter(|(_, v)| v.parent.is_none() || v.snapshots.is_empty())
                 .flat_map(|(name, v)| {
                     v.replicas.iter().enumerate().filter_map(|(k, r)| {
                         let silent = self.silent_for(&live, r)?;
@@ -1306,7 +1304,7 @@ impl Move {
     async fn make(&self) -> Result<Response<pb::Empty>, Status> {
         let v = &self.v;
         let mut c = node_client(&self.admin).await?;
-        if let Some((parent, snapshot)) = self.base {
+        if let Some((parent, snapshot)) = self.base.filter(|_| v.snapshots.is_empty()) {
             // its unwritten blocks read through to the parent's snapshot there; the agent
             // rewrites the blocks written since
             let req = pb::CreateCloneRequest {
@@ -1330,11 +1328,16 @@ impl Move {
         let Some(source) = self.source.clone() else {
             return Err(Status::unavailable("no replica with its snapshots is up"));
         };
+        // a clone's own snapshots go into a fresh clone of its base, as the clone wrote them
+        let (parent, parent_snapshot) = self.base.unwrap_or_default();
         let req = pb::CopySnapshotsRequest {
             volume: v.id,
             source,
             snapshots: v.snapshots.iter().map(|r| r.id).collect(),
             size: v.size,
+            clone: self.base.is_some(),
+            parent,
+            parent_snapshot,
         };
         match c.copy_snapshots(req.clone()).await {
             Err(e) if e.code() == tonic::Code::AlreadyExists => {

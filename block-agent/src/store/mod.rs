@@ -992,6 +992,12 @@ impl VolumeStore {
         self.snaps.read().unchanged(id, since, lba)
     }
 
+    /// Whether block `lba` of snapshot `id` of this clone reads through to the clone's base
+    /// (the clone had never written it by the snapshot); false for a volume that is no clone.
+    pub fn snapshot_reads_base(&self, id: u32, lba: u64) -> Result<bool, StoreError> {
+        Ok(self.base.is_some() && self.snaps.read().state(id, lba)? == Some(UNWRITTEN))
+    }
+
     /// The allocation state of block `lba` in snapshot `id` ([`ALLOC_DATA`] or
     /// [`ALLOC_HOLE`]).
     pub fn snapshot_allocation(&self, id: u32, lba: u64) -> Result<u8, StoreError> {
