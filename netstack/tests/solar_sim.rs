@@ -1,17 +1,18 @@
-//! The Solar transport (sans-IO client and server) over a deterministic simulated network of K
-//! paths: per-path delay (paths differ, so packets reorder across paths; a path keeps order),
+//! The Solar transport (sans-IO client and server) over the stack's simulated network
+//! (`link::sim::SimNet`, which the test drives itself), K paths: per-path delay (paths differ, so packets reorder across paths; a path keeps order),
 //! loss, duplication, corruption, black-holed paths, a bandwidth bottleneck. Every request
 //! completes with the right data; only lost blocks are resent; an old retransmitted write never
 //! overtakes a newer one; a dead path is routed around and probed back; congestion control
 //! holds the window under a bottleneck.
 
+use netstack::link::sim::{Faults, SimLink, SimNet};
 use netstack::transport::solar::client::{ClientConfig, ClientEvent, IoError, SolarClient, Target};
 use netstack::transport::solar::server::{Request, SolarServer};
 use netstack::transport::solar::wire::{self, Header, Op, Status, BLOCK};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap, HashSet};
+use std::collections::HashMap;
+use std::net::{Ipv4Addr, SocketAddrV4};
 use std::sync::Arc;
 
 #[derive(Default, Clone)]
@@ -26,68 +27,18 @@ struct NetCfg {
     rate: u64,
 }
 
-/// A packet on the wire: (arrival time, sequence, toward the server, bytes).
-type InFlight = (u64, u64, bool, Vec<u8>);
-
-struct Net {
-    cfg: NetCfg,
-    rng: StdRng,
-    q: BinaryHeap<Reverse<InFlight>>,
-    seq: u64,
-    /// Last arrival per (path, direction): a path keeps order.
-    last: HashMap<(u16, bool), u64>,
-    dead: HashSet<u16>,
-    /// Blocks whose packets were dropped (a lost READ_REQ counts its blocks).
-    dropped_blocks: u64,
-    tap: Vec<Vec<u8>>,
+/// The storage server's address, and path `i`'s on the client (a source port per path).
+const SERVER: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 2), 7000);
+fn client(path: u16) -> SocketAddrV4 {
+    SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 1), 40_000 + path)
 }
 
-impl Net {
-    fn new(cfg: NetCfg, seed: u64) -> Net {
-        Net {
-            cfg,
-            rng: StdRng::seed_from_u64(seed),
-            q: BinaryHeap::new(),
-            seq: 0,
-            last: HashMap::new(),
-            dead: HashSet::new(),
-            dropped_blocks: 0,
-            tap: Vec::new(),
-        }
-    }
-
-    fn blocks_of(p: &[u8]) -> u64 {
-        match Header::decode(p) {
-            Ok((h, _)) if h.op == Op::ReadReq => h.blk_cnt.saturating_sub(h.blk_idx) as u64,
-            Ok((h, _)) if h.op == Op::Probe || h.op == Op::ProbeAck => 0,
-            _ => 1,
-        }
-    }
-
-    fn send(&mut self, now: u64, to_server: bool, path: u16, mut p: Vec<u8>) {
-        if to_server {
-            self.tap.push(p.clone());
-        }
-        if self.dead.contains(&path) || self.rng.random::<f64>() < self.cfg.loss {
-            self.dropped_blocks += Self::blocks_of(&p);
-            return;
-        }
-        if self.rng.random::<f64>() < self.cfg.corrupt {
-            let i = self.rng.random_range(0..p.len());
-            p[i] ^= 1 << self.rng.random_range(0..8);
-        }
-        let copies = if self.rng.random::<f64>() < self.cfg.dup { 2 } else { 1 };
-        for _ in 0..copies {
-            let prop = self.cfg.base_ns + path as u64 * self.cfg.spread_ns;
-            let ser = (p.len() as u64 * 1_000_000_000).checked_div(self.cfg.rate).unwrap_or(0);
-            let last = self.last.entry((path, to_server)).or_insert(0);
-            // a path is a FIFO link: serialization queues behind the previous packet
-            let depart = now.max(last.saturating_sub(prop)) + ser;
-            let at = depart + prop;
-            *last = at;
-            self.seq += 1;
-            self.q.push(Reverse((at, self.seq, to_server, p.clone())));
-        }
+/// Blocks a packet carries (a READ_REQ asks for its blocks; probes carry none).
+fn blocks_of(p: &[u8]) -> u64 {
+    match Header::decode(p) {
+        Ok((h, _)) if h.op == Op::ReadReq => h.blk_cnt.saturating_sub(h.blk_idx) as u64,
+        Ok((h, _)) if h.op == Op::Probe || h.op == Op::ProbeAck => 0,
+        _ => 1,
     }
 }
 
@@ -95,10 +46,14 @@ impl Net {
 type Store = HashMap<(u32, u64), (Arc<[u8]>, u32)>;
 
 struct Sim {
-    now: u64,
     c: SolarClient,
     s: SolarServer,
-    net: Net,
+    /// The network: the stack's simulated network (`link::sim`), with a path per client port
+    /// (path i's datagrams, both ways, take base + i * spread); a test that checks what was
+    /// sent or dropped has it recorded (`net.record()`).
+    net: Arc<SimNet>,
+    _ports: SimLink,
+    paths: u16,
     store: Store,
     reads: HashMap<u64, Vec<u8>>,
     done: HashMap<u64, Result<(), IoError>>,
@@ -106,6 +61,23 @@ struct Sim {
 
 impl Sim {
     fn new(paths: u16, net: NetCfg, seed: u64, cc: bool) -> Sim {
+        let faults = Faults {
+            loss: net.loss,
+            duplicate: net.dup,
+            corrupt: net.corrupt,
+            delay_ns: net.base_ns,
+            jitter_ns: 0,
+            rate_bps: net.rate * 8,
+            ecn_mark_ns: 0,
+            ..Faults::default()
+        };
+        let sim = SimNet::new(seed, faults);
+        let mut addrs: Vec<SocketAddrV4> = (0..paths).map(client).collect();
+        addrs.push(SERVER);
+        let ports = sim.link(&addrs).expect("free simulated addresses");
+        for i in 0..paths {
+            sim.set_path_delay(client(i), i as u64 * net.spread_ns);
+        }
         let cfg = ClientConfig {
             paths,
             initial_rto_ns: 2_000_000,
@@ -121,22 +93,52 @@ impl Sim {
                 .expect("swift")
         });
         Sim {
-            now: 1_000,
-            c: SolarClient::new(cfg, cc, 1_000),
+            c: SolarClient::new(cfg, cc, sim.now()),
             s: SolarServer::new(),
-            net: Net::new(net, seed),
+            net: sim,
+            _ports: ports,
+            paths,
             store: HashMap::new(),
             reads: HashMap::new(),
             done: HashMap::new(),
         }
     }
 
+    /// The simulated time (ns).
+    fn now(&self) -> u64 {
+        self.net.now()
+    }
+
+    /// Blocks whose packets the network dropped, both ways.
+    fn dropped_blocks(&self) -> u64 {
+        self.net.records().dropped.iter().map(|(_, _, p)| blocks_of(p)).sum()
+    }
+
+    /// The packets the client sent toward the server, in order, before any fault.
+    fn sent_to_server(&self) -> Vec<Vec<u8>> {
+        let r = self.net.records();
+        r.sent
+            .into_iter()
+            .filter(|(_, d, _)| *d == SERVER)
+            .map(|(_, _, p)| p)
+            .collect()
+    }
+
+    /// Paths `down` go black, both ways; the others work.
+    fn set_dead(&self, down: &[u16]) {
+        for i in 0..self.paths {
+            self.net.set_down(client(i), down.contains(&i));
+        }
+    }
+
     fn write(&mut self, lba: u64, data: &[u8]) -> u64 {
-        self.c.write(self.now, 1, lba, Arc::from(data.to_vec()), true).unwrap()
+        self.c
+            .write(self.now(), 1, lba, Arc::from(data.to_vec()), true)
+            .unwrap()
     }
 
     fn read(&mut self, lba: u64, blocks: u16) -> u64 {
-        let io = self.c.read(self.now, 1, lba, blocks).unwrap();
+        let io = self.c.read(self.now(), 1, lba, blocks).unwrap();
         self.reads.insert(io, vec![0u8; blocks as usize * BLOCK]);
         io
     }
@@ -185,34 +187,34 @@ impl Sim {
     }
 
     fn step(&mut self, limit: u64, until_done: bool) {
-        let end = self.now + limit;
-        while (!until_done || self.c.outstanding() > 0) && self.now < end {
-            while let Some(t) = self.c.poll_transmit(self.now) {
-                self.net.send(self.now, true, t.path, t.to_vec());
+        let end = self.now() + limit;
+        while (!until_done || self.c.outstanding() > 0) && self.now() < end {
+            let now = self.now();
+            while let Some(t) = self.c.poll_transmit(now) {
+                self.net.send(client(t.path), SERVER, t.to_vec());
             }
             while let Some(t) = self.s.poll_transmit() {
-                self.net.send(self.now, false, t.path, t.to_vec());
+                self.net.send(SERVER, client(t.path), t.to_vec());
             }
-            let next_pkt = self.net.q.peek().map(|Reverse((t, ..))| *t);
-            let next = [next_pkt, self.c.next_timeout()]
+            let next = [self.net.next_arrival(), self.c.next_timeout()]
                 .into_iter()
                 .flatten()
                 .min()
                 .unwrap_or(end);
-            self.now = self.now.max(next.min(end));
-            while let Some(Reverse((t, _, _, _))) = self.net.q.peek() {
-                if *t > self.now {
-                    break;
-                }
-                let Reverse((_, _, to_server, p)) = self.net.q.pop().unwrap();
-                if to_server {
-                    self.serve(&p);
-                } else if let Ok(Some(pl)) = self.c.on_packet(self.now, &p) {
-                    let buf = self.reads.get_mut(&pl.io).expect("a read's buffer");
-                    buf[pl.idx as usize * BLOCK..][..BLOCK].copy_from_slice(pl.data);
+            self.net.advance(next.min(end));
+            let now = self.now();
+            while let Some((_, p)) = self.net.recv(SERVER) {
+                self.serve(&p);
+            }
+            for i in 0..self.paths {
+                while let Some((_, p)) = self.net.recv(client(i)) {
+                    if let Ok(Some(pl)) = self.c.on_packet(now, &p) {
+                        let buf = self.reads.get_mut(&pl.io).expect("a read's buffer");
+                        buf[pl.idx as usize * BLOCK..][..BLOCK].copy_from_slice(pl.data);
+                    }
                 }
             }
-            self.c.on_timer(self.now);
+            self.c.on_timer(now);
             while let Some(ClientEvent::Done { io, result }) = self.c.poll_event() {
                 self.done.insert(io, result);
             }
@@ -243,6 +245,7 @@ fn lossy_reordering_paths_deliver_every_block_and_resend_only_lost_ones() {
         // congestion control (Swift) on the runs with little random loss: it takes every
         // timeout for congestion, so at 5-10 % random loss it crawls (correctly, and slowly)
         let mut sim = Sim::new(paths, net, seed, net_loss <= 0.01 && seed % 8 < 4);
+        sim.net.record();
         let mut model: HashMap<u64, Vec<u8>> = HashMap::new();
         for round in 0..4 {
             // non-overlapping writes in flight together (the agent serializes overlapping ones)
@@ -294,10 +297,10 @@ fn lossy_reordering_paths_deliver_every_block_and_resend_only_lost_ones() {
         // a row) takes packets that were merely late with it: a few percent at most
         let spurious = if st.path_downs == 0 { 0 } else { st.blocks_sent / 20 };
         assert!(
-            st.blocks_resent <= sim.net.dropped_blocks + spurious,
+            st.blocks_resent <= sim.dropped_blocks() + spurious,
             "seed {seed}: {} blocks resent for {} lost: {st:?}",
             st.blocks_resent,
-            sim.net.dropped_blocks
+            sim.dropped_blocks()
         );
     }
 }
@@ -305,11 +308,12 @@ fn lossy_reordering_paths_deliver_every_block_and_resend_only_lost_ones() {
 #[test]
 fn an_old_retransmitted_write_never_overtakes_a_newer_one() {
     let mut sim = Sim::new(2, NetCfg::default(), 1, false);
+    sim.net.record();
     let a = vec![0xAAu8; BLOCK];
     let b = vec![0xBBu8; BLOCK];
     let w1 = sim.write(5, &a);
     sim.run(1_000_000_000);
-    let old = sim.net.tap.last().cloned().expect("the first write's packet");
+    let old = sim.sent_to_server().last().cloned().expect("the first write's packet");
     let w2 = sim.write(5, &b);
     sim.run(1_000_000_000);
     assert_eq!(sim.done[&w1], Ok(()));
@@ -322,7 +326,7 @@ fn an_old_retransmitted_write_never_overtakes_a_newer_one() {
     assert_eq!((h.op, h.status), (Op::WriteAck, Status::Stale as u16));
     assert_eq!(&sim.store[&(1, 5)].0[..], &b[..], "the newer data stays");
     // the newer write's duplicate is answered Ok without being applied again
-    let newer = sim.net.tap.last().cloned().unwrap();
+    let newer = sim.sent_to_server().last().cloned().unwrap();
     let writes = sim.s.stats().writes;
     sim.serve(&newer);
     assert_eq!(sim.s.stats().writes, writes);
@@ -341,29 +345,29 @@ fn a_dead_path_is_routed_around_and_probed_back() {
     let first = data(&mut rng, 64);
     let w = sim.write(0, &first);
     sim.run(100_000);
-    sim.net.dead.insert(1); // a black hole, both directions
+    sim.set_dead(&[1]); // a black hole, both directions
     sim.run(2_000_000_000);
     assert_eq!(sim.done[&w], Ok(()));
-    let start = sim.now;
+    let start = sim.now();
     let more = data(&mut rng, 256);
     let w = sim.write(100, &more);
     sim.run(2_000_000_000);
     assert_eq!(sim.done[&w], Ok(()));
     assert!(
-        sim.now - start < 50_000_000,
+        sim.now() - start < 50_000_000,
         "256 blocks over 3 paths took {} ns",
-        sim.now - start
+        sim.now() - start
     );
     sim.idle(100_000_000); // unanswered probes take it down
     assert!(!sim.c.paths().is_up(1), "{:?}", sim.c.path_stats()[1]);
     assert!(sim.c.stats().path_downs >= 1);
     // the path heals: a probe brings it back and it carries traffic again
-    sim.net.dead.clear();
+    sim.set_dead(&[]);
     let r = sim.read(100, 256);
-    let t = sim.now;
+    let t = sim.now();
     sim.run(1_000_000_000);
     sim.idle(50_000_000); // the next probe is answered
-    assert!(sim.now - t < 200_000_000);
+    assert!(sim.now() - t < 200_000_000);
     assert_eq!(sim.done[&r], Ok(()));
     assert!(sim.reads[&r] == more);
     assert!(sim.c.paths().is_up(1), "{:?}", sim.c.path_stats()[1]);
@@ -396,7 +400,7 @@ fn corrupted_packets_are_caught_and_resent_and_garbage_is_counted() {
         .s
         .on_packet(0, b"not a solar packet at all, just some bytes", false)
         .is_err());
-    assert!(sim.c.on_packet(sim.now, &[0u8; 4160]).is_err());
+    assert!(sim.c.on_packet(sim.now(), &[0u8; 4160]).is_err());
 }
 
 /// Every path silent at once: the request waits, resending with the RTO backed off, and fails
@@ -412,9 +416,9 @@ fn with_every_path_silent_a_request_waits_backs_off_then_times_out() {
             ..Default::default()
         },
         None,
-        sim.now,
+        sim.now(),
     );
-    sim.net.dead.extend([0, 1]);
+    sim.set_dead(&[0, 1]);
     let w = sim.write(0, &[7u8; BLOCK]);
     sim.run(1_250_000_000);
     assert!(!sim.done.contains_key(&w), "still waiting while the paths are silent");
@@ -552,19 +556,19 @@ fn cutting_half_the_paths_under_load_stalls_no_write_for_long() {
             ..Default::default()
         },
         None,
-        sim.now,
+        sim.now(),
     );
-    let start = sim.now;
+    let start = sim.now();
     let (cut_at, heal_at, end) = (start + 50_000_000, start + 150_000_000, start + 250_000_000);
     let mut rng = StdRng::seed_from_u64(5);
     let mut outstanding: HashMap<u64, (u64, Vec<u8>, u64)> = HashMap::new();
     let mut model: HashMap<u64, Vec<u8>> = HashMap::new();
     let (mut next_lba, mut longest, mut completed) = (0u64, 0u64, 0u64);
-    while sim.now < end {
-        if sim.now >= cut_at && sim.now < heal_at {
-            sim.net.dead.extend([1, 3, 5, 7]);
+    while sim.now() < end {
+        if sim.now() >= cut_at && sim.now() < heal_at {
+            sim.set_dead(&[1, 3, 5, 7]);
         } else {
-            sim.net.dead.clear();
+            sim.set_dead(&[]);
         }
         while outstanding.len() < 32 {
             let d = data(&mut rng, 1);
@@ -574,7 +578,7 @@ fn cutting_half_the_paths_under_load_stalls_no_write_for_long() {
                 continue;
             }
             let io = sim.write(lba, &d);
-            outstanding.insert(io, (lba, d, sim.now));
+            outstanding.insert(io, (lba, d, sim.now()));
         }
         sim.idle(100_000);
         let finished: Vec<u64> = outstanding
@@ -587,7 +591,7 @@ fn cutting_half_the_paths_under_load_stalls_no_write_for_long() {
             let (lba, d, at) = outstanding.remove(&io).unwrap();
             model.insert(lba, d);
             completed += 1;
-            longest = longest.max(sim.now - at);
+            longest = longest.max(sim.now() - at);
         }
     }
     let st = sim.c.stats();

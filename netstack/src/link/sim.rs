@@ -11,8 +11,15 @@
 //! reordering (a random extra delay per datagram, `jitter_ns`), ECN CE marks on datagrams that
 //! queued for their port's line past a threshold, partitions between two hosts
 //! and cuts of one path (datagrams from one source port), each for a stretch of simulated
-//! time. [`SimNet::pcap`] records what is delivered as Ethernet/IPv4/UDP frames for tshark or
-//! Wireshark.
+//! time; paths of their own length ([`SimNet::set_path_delay`]) and paths gone black both ways
+//! until brought back ([`SimNet::set_down`]). [`SimNet::pcap`] records what is delivered as
+//! Ethernet/IPv4/UDP frames for tshark or Wireshark, and [`SimNet::record`] keeps what is sent
+//! and what is dropped for a test's checks.
+//!
+//! Two ways to drive it: engines' cores attached as [`Node`]s and run by [`SimNet::step`]
+//! (the whole stack), or a test that runs sans-IO endpoints itself and moves datagrams with
+//! [`SimNet::send`], [`SimNet::recv`] and [`SimNet::advance`] (Solar's client and server in
+//! `netstack/tests/solar_sim.rs`).
 
 use parking_lot::Mutex;
 use rand::rngs::StdRng;
@@ -132,6 +139,18 @@ enum Block {
     Partition(Ipv4Addr, Ipv4Addr, u64),
     /// From one source address (one path of a sprayed QP).
     Cut(SocketAddrV4, u64),
+    /// From and to one address (a path gone black, both ways), until lifted.
+    Down(SocketAddrV4),
+}
+
+/// What [`SimNet::record`] keeps: every datagram put on the wire, and those the network
+/// dropped (loss, a partition, a cut, a path down), each as (source, destination, bytes).
+#[derive(Debug, Default, Clone)]
+pub struct Records {
+    /// Sent, before any fault.
+    pub sent: Vec<(SocketAddrV4, SocketAddrV4, Vec<u8>)>,
+    /// Dropped.
+    pub dropped: Vec<(SocketAddrV4, SocketAddrV4, Vec<u8>)>,
 }
 
 struct NetState {
@@ -143,6 +162,9 @@ struct NetState {
     /// When each sending port's line is free again (serialization at `rate_bps`).
     line_free: BTreeMap<SocketAddrV4, u64>,
     blocks: Vec<Block>,
+    /// Extra one-way delay of datagrams from or to an address (a longer path).
+    extra_delay: BTreeMap<SocketAddrV4, u64>,
+    records: Option<Records>,
     stats: SimStats,
     trace: u64,
     pcap: Option<io::BufWriter<std::fs::File>>,
@@ -186,6 +208,8 @@ impl SimNet {
                 inboxes: BTreeMap::new(),
                 line_free: BTreeMap::new(),
                 blocks: Vec::new(),
+                extra_delay: BTreeMap::new(),
+                records: None,
                 stats: SimStats::default(),
                 trace: FNV_OFFSET,
                 pcap: None,
@@ -273,6 +297,54 @@ impl SimNet {
             net: self.clone(),
             addrs: taken,
         })
+    }
+
+    /// Datagrams from or to `addr` take `ns` longer on their way (a longer path; 0: none).
+    pub fn set_path_delay(&self, addr: SocketAddrV4, ns: u64) {
+        self.state.lock().extra_delay.insert(addr, ns);
+    }
+
+    /// Drops every datagram from or to `addr` (a path gone black, both ways) while `down`.
+    pub fn set_down(&self, addr: SocketAddrV4, down: bool) {
+        let mut s = self.state.lock();
+        s.blocks.retain(|b| !matches!(*b, Block::Down(a) if a == addr));
+        if down {
+            s.blocks.push(Block::Down(addr));
+        }
+    }
+
+    /// Starts keeping [`Records`] of what is sent and dropped from now on.
+    pub fn record(&self) {
+        self.state.lock().records.get_or_insert_with(Records::default);
+    }
+
+    /// What was recorded since [`SimNet::record`] (empty when not recording).
+    pub fn records(&self) -> Records {
+        self.state.lock().records.clone().unwrap_or_default()
+    }
+
+    /// Puts one datagram from `src` to `dst` on the wire now, for a driver that sends without
+    /// a [`SimLink`] (a sans-IO endpoint driven by a test). `dst` must be a linked address.
+    pub fn send(&self, src: SocketAddrV4, dst: SocketAddrV4, data: Vec<u8>) {
+        self.transmit(src, dst, data);
+    }
+
+    /// The next datagram delivered to `at` (a linked address), with its source.
+    pub fn recv(&self, at: SocketAddrV4) -> Option<(SocketAddrV4, Vec<u8>)> {
+        let mut s = self.state.lock();
+        s.inboxes.get_mut(&at)?.pop_front().map(|(src, _, d)| (src, d))
+    }
+
+    /// When the next datagram in flight arrives.
+    pub fn next_arrival(&self) -> Option<u64> {
+        self.state.lock().flight.peek().map(|f| f.0.at)
+    }
+
+    /// Moves the clock to `t` (never back) and delivers what has arrived by then, for a driver
+    /// that runs its endpoints itself rather than through [`SimNet::step`].
+    pub fn advance(&self, t: u64) {
+        let now = self.clock.fetch_max(t, Ordering::AcqRel).max(t);
+        self.deliver_due(now);
     }
 
     /// Attaches a core: [`SimNet::step`] runs it from now on.
@@ -364,11 +436,16 @@ impl SimNet {
         s.stats.sent += 1;
         s.blocks.retain(|b| match *b {
             Block::Partition(_, _, until) | Block::Cut(_, until) => until > now,
+            Block::Down(_) => true,
         });
         let blocked = s.blocks.iter().any(|b| match *b {
             Block::Partition(a, b, _) => (*src.ip() == a && *dst.ip() == b) || (*src.ip() == b && *dst.ip() == a),
             Block::Cut(c, _) => c == src,
+            Block::Down(d) => d == src || d == dst,
         });
+        if let Some(r) = s.records.as_mut() {
+            r.sent.push((src, dst, data.clone()));
+        }
         let f = s.faults;
         // serialization on the sending port's line, then propagation
         let wire = (data.len() as u64 + 46) * 8;
@@ -386,10 +463,16 @@ impl SimNet {
         };
         if blocked {
             s.stats.blocked += 1;
+            if let Some(r) = s.records.as_mut() {
+                r.dropped.push((src, dst, data));
+            }
             return;
         }
         if s.rng.random_bool(f.loss.clamp(0.0, 1.0)) {
             s.stats.lost += 1;
+            if let Some(r) = s.records.as_mut() {
+                r.dropped.push((src, dst, data));
+            }
             return;
         }
         let mut data = data;
@@ -411,8 +494,9 @@ impl SimNet {
                 0
             };
             s.seq += 1;
+            let extra = s.extra_delay.get(&src).copied().unwrap_or(0) + s.extra_delay.get(&dst).copied().unwrap_or(0);
             let flight = Flight {
-                at: depart + f.delay_ns + jitter,
+                at: depart + f.delay_ns + extra + jitter,
                 seq: s.seq,
                 src,
                 dst,
