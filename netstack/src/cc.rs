@@ -30,13 +30,7 @@ impl homa::SrptRanking for HomaScheduler {
     }
 
     fn update(&self, id: u64, remaining: u64) -> u32 {
-        let mut v = self.inbound.lock();
-        v.retain(|e| e.0 != id);
-        if remaining == 0 {
-            return 0;
-        }
-        v.push((id, remaining));
-        v.iter().filter(|e| (e.1, e.0) < (remaining, id)).count() as u32
+        homa::srpt_rank(&mut self.inbound.lock(), id, remaining)
     }
 
     fn remove(&self, id: u64) {

@@ -28,6 +28,19 @@ pub trait SrptRanking: Send + Sync + std::fmt::Debug {
     fn remove(&self, id: u64);
 }
 
+/// SRPT ranking over the inbound messages `inbound` (QP id, bytes left): records that QP `id`
+/// has `remaining` bytes to come and returns its rank (0 = the fewest bytes left, ties by id);
+/// a finished message (`remaining` 0) leaves the list. What an [`SrptRanking`] computes under
+/// whatever sharing it uses.
+pub fn srpt_rank(inbound: &mut Vec<(u64, u64)>, id: u64, remaining: u64) -> u32 {
+    inbound.retain(|e| e.0 != id);
+    if remaining == 0 {
+        return 0;
+    }
+    inbound.push((id, remaining));
+    inbound.iter().filter(|e| (e.1, e.0) < (remaining, id)).count() as u32
+}
+
 /// The ranking of a QP that shares it with no other: its message always ranks first. QPs made
 /// outside an engine start with it; the engine installs its host's shared ranking.
 #[derive(Debug, Default, Clone, Copy)]
@@ -272,13 +285,7 @@ mod tests {
             self.1.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
         }
         fn update(&self, id: u64, remaining: u64) -> u32 {
-            let mut v = self.0.lock().unwrap();
-            v.retain(|e| e.0 != id);
-            if remaining == 0 {
-                return 0;
-            }
-            v.push((id, remaining));
-            v.iter().filter(|e| (e.1, e.0) < (remaining, id)).count() as u32
+            srpt_rank(&mut self.0.lock().unwrap(), id, remaining)
         }
         fn remove(&self, id: u64) {
             self.0.lock().unwrap().retain(|e| e.0 != id);
