@@ -1,20 +1,22 @@
-//! Deterministic simulation of two RC QPs over a lossy, reordering, duplicating, corrupting link.
+//! Deterministic simulation of two RC QPs over a lossy, reordering, duplicating, corrupting link:
+//! the stack's simulated network (`link::sim::SimNet`), which the test drives itself.
 //!
 //! Every scenario is a seed. `SIM_SEED=N cargo test -p netstack --test sim_rc` replays one seed
 //! (with `SIM_TRACE=1` it prints each packet); `SIM_SCENARIOS=N` changes how many run.
 
 use netstack::cc::CcKind;
+use netstack::link::sim::{Faults, SimLink, SimNet};
 use netstack::mem::{Access, MrTable, Region};
 use netstack::transport::rc::{QpState, RcConfig, RcQp, Recovery};
 use netstack::wire::PacketView;
 use netstack::work::*;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::HashMap;
 use std::net::SocketAddrV4;
 use std::sync::Arc;
 
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 struct LinkCfg {
     loss: f64,
     reorder: f64,
@@ -26,6 +28,22 @@ struct LinkCfg {
 }
 
 impl LinkCfg {
+    /// The network's faults for this link. Reordering is a random extra delay on every
+    /// datagram, with the mean of the `reorder` share delayed by up to 4 delays.
+    fn faults(&self) -> Faults {
+        let reorder_ns = (4.0 * self.delay_ns as f64 * self.reorder) as u64;
+        Faults {
+            loss: self.loss,
+            duplicate: self.dup,
+            corrupt: self.corrupt,
+            delay_ns: self.delay_ns,
+            jitter_ns: self.jitter_ns.max(reorder_ns),
+            rate_bps: 0,
+            ecn_mark_ns: 0,
+            ..Faults::default()
+        }
+    }
+
     /// A link that loses, reorders, duplicates and corrupts nothing (reordering only through
     /// `jitter_ns`).
     fn clean(delay_ns: u64, jitter_ns: u64, gap_ns: u64) -> LinkCfg {
@@ -86,9 +104,6 @@ impl Node {
     }
 }
 
-#[derive(PartialEq, Eq, PartialOrd, Ord)]
-struct Ev(std::cmp::Reverse<(u64, u64)>, usize, Vec<u8>);
-
 /// What the requester side expects of one work request.
 #[derive(Debug, Clone)]
 enum Expect {
@@ -121,11 +136,15 @@ enum Expect {
 
 struct Scenario {
     rng: StdRng,
+    /// The link's faults; a test may change them between steps. `applied` is what the
+    /// network has.
     link: LinkCfg,
+    applied: LinkCfg,
     nodes: [Node; 2],
-    queue: BinaryHeap<Ev>,
+    net: Arc<SimNet>,
+    _ports: SimLink,
+    /// Time since the scenario started (the network's clock less [`BASE`]).
     now: u64,
-    seq: u64,
     trace: bool,
     delivered: u64,
     corrupted_dropped: u64,
@@ -136,6 +155,8 @@ struct Scenario {
 }
 
 const MR: usize = 1 << 17;
+/// The simulated network's clock when a scenario starts.
+const BASE: u64 = 1_000_000_000;
 
 impl Scenario {
     fn new(seed: u64) -> Scenario {
@@ -189,13 +210,17 @@ impl Scenario {
         for n in [&mut a, &mut b] {
             n.mr["atomic"].0.fill(0, 64, 0);
         }
+        let net = SimNet::new(rng.random(), link.faults());
+        assert_eq!(net.now(), BASE);
+        let ports = net.link(&[a.addr, b.addr]).expect("free simulated addresses");
         Scenario {
             rng,
             link,
+            applied: link,
             nodes: [a, b],
-            queue: BinaryHeap::new(),
+            net,
+            _ports: ports,
             now: 0,
-            seq: 0,
             trace: std::env::var("SIM_TRACE").is_ok(),
             delivered: 0,
             corrupted_dropped: 0,
@@ -355,6 +380,11 @@ impl Scenario {
     }
 
     fn send_from(&mut self, i: usize) {
+        // the test may have changed the link since the last step
+        if self.link != self.applied {
+            self.applied = self.link;
+            self.net.set_faults(self.link.faults());
+        }
         loop {
             let n = &mut self.nodes[i];
             if n.dead || n.next_free > self.now {
@@ -367,7 +397,6 @@ impl Scenario {
             p.encode(n.addr, self.nodes[1 - i].addr, &mut bytes);
             self.sent_bytes[i] += bytes.len() as u64;
             self.nodes[i].next_free = self.now + self.link.gap_ns;
-            let l = self.link;
             if self.trace {
                 let v = PacketView::parse(&bytes).unwrap();
                 eprintln!(
@@ -382,40 +411,11 @@ impl Scenario {
                     v.aeth.map(|a| a.syndrome)
                 );
             }
-            if self.rng.random_bool(l.loss) {
-                continue;
-            }
-            let copies = if self.rng.random_bool(l.dup) { 2 } else { 1 };
-            for _ in 0..copies {
-                let mut b = bytes.clone();
-                if self.rng.random_bool(l.corrupt) {
-                    let k = self.rng.random_range(0..b.len());
-                    b[k] ^= 1 << self.rng.random_range(0..8);
-                }
-                let mut t = self.now
-                    + l.delay_ns
-                    + if l.jitter_ns > 0 {
-                        self.rng.random_range(0..l.jitter_ns)
-                    } else {
-                        0
-                    };
-                if self.rng.random_bool(l.reorder) {
-                    t += self.rng.random_range(0..l.delay_ns * 4);
-                }
-                self.seq += 1;
-                // the first byte of the event payload carries the CE mark (IP header, not packet)
-                let ce = self.mark_ce && i == 0 && p.payload_len() > 0;
-                let mut framed = Vec::with_capacity(b.len() + 1);
-                framed.push(ce as u8);
-                framed.extend_from_slice(&b);
-                self.queue.push(Ev(std::cmp::Reverse((t, self.seq)), 1 - i, framed));
-            }
+            self.net.send(self.nodes[i].addr, self.nodes[1 - i].addr, bytes);
         }
     }
 
-    fn deliver(&mut self, to: usize, framed: Vec<u8>) {
-        let ce = framed[0] == 1;
-        let bytes = &framed[1..];
+    fn deliver(&mut self, to: usize, bytes: &[u8]) {
         let from = self.nodes[1 - to].addr;
         let n = &mut self.nodes[to];
         if n.dead {
@@ -430,18 +430,18 @@ impl Scenario {
             return;
         }
         self.delivered += 1;
+        // a congested queue on the path to node 1 marks node 0's data packets
+        let ce = self.mark_ce && to == 1 && !v.payload.is_empty();
         n.qp.handle_packet_ecn(self.now, &v, ce, &n.mrs);
     }
 
     /// Runs until both QPs are idle or `limit` ns of simulated time pass.
     fn run(&mut self, limit: u64, mut on_step: impl FnMut(&mut Scenario)) {
         while self.now < limit {
-            while let Some(Ev(std::cmp::Reverse((t, _)), _, _)) = self.queue.peek() {
-                if *t > self.now {
-                    break;
+            for to in 0..2 {
+                while let Some((_, b)) = self.net.recv(self.nodes[to].addr) {
+                    self.deliver(to, &b);
                 }
-                let Ev(_, to, b) = self.queue.pop().unwrap();
-                self.deliver(to, b);
             }
             for i in 0..2 {
                 if !self.nodes[i].dead {
@@ -452,8 +452,8 @@ impl Scenario {
             on_step(self);
             // next event
             let mut next = u64::MAX;
-            if let Some(Ev(std::cmp::Reverse((t, _)), _, _)) = self.queue.peek() {
-                next = next.min(*t);
+            if let Some(t) = self.net.next_arrival() {
+                next = next.min(t - BASE);
             }
             for n in &self.nodes {
                 if n.dead {
@@ -470,6 +470,7 @@ impl Scenario {
                 return;
             }
             self.now = next.max(self.now + 1);
+            self.net.advance(BASE + self.now);
         }
     }
 }

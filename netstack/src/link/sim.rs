@@ -299,6 +299,12 @@ impl SimNet {
         })
     }
 
+    /// Changes the faults and timing for datagrams sent from now on (those in flight keep
+    /// theirs).
+    pub fn set_faults(&self, faults: Faults) {
+        self.state.lock().faults = faults;
+    }
+
     /// Datagrams from or to `addr` take `ns` longer on their way (a longer path; 0: none).
     pub fn set_path_delay(&self, addr: SocketAddrV4, ns: u64) {
         self.state.lock().extra_delay.insert(addr, ns);
