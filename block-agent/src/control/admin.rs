@@ -138,23 +138,18 @@ fn place_snapshot_blocks(store: &VolumeStore, lba: u64, n: u64, rep: &pb::ReadSn
     }
     let mut data = rep.data.chunks_exact(BLOCK);
     let mut k = 0;
+    // runs of one kind: unchanged (already in place), data, or reads as zeros
+    let kind = |s: u8| (s == SNAPSHOT_UNCHANGED, s == ALLOC_DATA);
     while k < states.len() {
-        let run = states[k..]
-            .iter()
-            .take_while(|&&s| s != SNAPSHOT_UNCHANGED && (s == ALLOC_DATA) == (states[k] == ALLOC_DATA))
-            .count();
+        let run = states[k..].iter().take_while(|&&s| kind(s) == kind(states[k])).count();
         let at = lba + k as u64;
-        if states[k] == SNAPSHOT_UNCHANGED {
-            // the run ends at the first block of another state
-            let same = states[k..].iter().take_while(|&&s| s == SNAPSHOT_UNCHANGED).count();
-            k += same;
-            continue;
-        }
-        if states[k] == ALLOC_DATA {
-            let blocks: Vec<(&[u8], u32)> = data.by_ref().take(run).map(|d| (d, crc32c::crc32c(d))).collect();
-            store.write_blocks(at, &blocks, 0).map_err(store_status)?;
-        } else {
-            store.write_zeroes(at, run as u64, 0).map_err(store_status)?;
+        match kind(states[k]) {
+            (true, _) => {}
+            (false, true) => {
+                let blocks: Vec<(&[u8], u32)> = data.by_ref().take(run).map(|d| (d, crc32c::crc32c(d))).collect();
+                store.write_blocks(at, &blocks, 0).map_err(store_status)?;
+            }
+            (false, false) => store.write_zeroes(at, run as u64, 0).map_err(store_status)?,
         }
         k += run;
     }

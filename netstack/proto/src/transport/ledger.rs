@@ -182,13 +182,6 @@ impl<T> SentLedger<T> {
         paths.on_send(path, now);
     }
 
-    /// Sets the send time of `seq` alone (a packet whose path accounting is done elsewhere).
-    pub fn stamp(&mut self, seq: u64, time: SendTime) {
-        if let Some(s) = self.get_mut(seq) {
-            s.time = time;
-        }
-    }
-
     /// `seq` stops counting in its path's flight, as `how` says; returns whether it was in
     /// flight.
     pub fn take_off(&mut self, seq: u64, how: Leave, paths: &mut PathSet) -> bool {
