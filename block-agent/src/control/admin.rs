@@ -548,6 +548,8 @@ impl pb::agent_admin_server::AgentAdmin for AgentAdmin {
                                     delivered: p.delivered,
                                     lost: p.lost,
                                     srtt_ns: p.srtt_ns,
+                                    port: p.port as u32,
+                                    repaths: p.repaths,
                                 })
                                 .collect(),
                         })

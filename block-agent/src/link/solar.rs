@@ -35,6 +35,12 @@ fn local_toward(server: SocketAddrV4) -> std::io::Result<Ipv4Addr> {
     }
 }
 
+/// Source ports for `paths` Solar paths: half as many again as spares (at least 2, at most 64
+/// in all).
+fn spare_ports(paths: u16) -> u16 {
+    (paths + (paths / 2).max(2)).min(64)
+}
+
 fn v4(server: SocketAddr) -> Result<SocketAddrV4, LinkError> {
     match server {
         SocketAddr::V4(a) => Ok(a),
@@ -54,6 +60,10 @@ impl SolarLink {
         let local = local_toward(server).map_err(|e| setup("route", &e))?;
         let mut ccfg = cfg.client.clone();
         ccfg.paths = paths;
+        // spare source ports: a path whose port ECMP hashed onto a cut link moves to one (all
+        // of a run's ports on the one link that fails is then no 2 s stall, but a few probes)
+        let ports = spare_ports(paths);
+        ccfg.source_ports = ports;
         let mut p = CcParams::default();
         p.swift.base_target_ns = cfg.cc_target_ns;
         p.swift.min_cwnd = cfg.cc_min_window;
@@ -73,7 +83,7 @@ impl SolarLink {
         }
         let ctx = Context::open(ContextConfig {
             bind: SocketAddrV4::new(local, 0),
-            path_ports: paths as u8,
+            path_ports: ports as u8,
             poll_mode: cfg.poll_mode,
             ..ContextConfig::default()
         })

@@ -574,7 +574,8 @@ fn describe_json(v: &pb::VolumeSpec) -> serde_json::Value {
                         .iter()
                         .map(|p| {
                             serde_json::json!({"up": p.up, "sent": p.sent, "delivered": p.delivered,
-                                "lost": p.lost, "srtt_us": p.srtt_ns as f64 / 1e3})
+                                "lost": p.lost, "srtt_us": p.srtt_ns as f64 / 1e3, "port": p.port,
+                                "repaths": p.repaths})
                         })
                         .collect();
                 }

@@ -146,6 +146,10 @@ pub struct PathStats {
     pub probes_sent: u64,
     /// Probes answered.
     pub probes_answered: u64,
+    /// The host source port (index) the path leaves from now (see [`PathSet::set_ports`]).
+    pub port: u8,
+    /// Times the path moved to another source port.
+    pub repaths: u32,
 }
 
 #[derive(Debug, Clone)]
@@ -160,6 +164,10 @@ struct Path {
     sampled_at: u64,
     losses_in_row: u32,
     next_probe: u64,
+    /// When the path last moved to another source port (0: never).
+    repathed_at: u64,
+    /// A probe went out on the current port while the path was down.
+    probed_here: bool,
 }
 
 /// The path new packets keep taking, and how many more may take it (flowlets: a GSO message
@@ -185,6 +193,10 @@ pub struct PathSet {
     now: u64,
     /// Packets the QP may have in flight (its window, or rate x RTT), as the requester last said.
     window_pkts: u32,
+    /// Source ports the paths may leave from (at least one per path; see [`PathSet::set_ports`]).
+    ports: u8,
+    /// Where the search for a free source port starts next.
+    port_cursor: u8,
 }
 
 impl Default for PathSet {
@@ -211,9 +223,15 @@ impl PathSet {
             sampled_at: 0,
             losses_in_row: 0,
             next_probe: 0,
+            repathed_at: 0,
+            probed_here: false,
         };
+        let mut paths: SmallVec<[Path; 4]> = std::iter::repeat_n(path, n).collect();
+        for (i, p) in paths.iter_mut().enumerate() {
+            p.s.port = i as u8;
+        }
         PathSet {
-            paths: std::iter::repeat_n(path, n).collect(),
+            paths,
             policy,
             p,
             rr: 0,
@@ -221,7 +239,70 @@ impl PathSet {
             last_delivery: 0,
             now: 0,
             window_pkts: u32::MAX,
+            ports: n as u8,
+            port_cursor: n as u8,
         }
+    }
+
+    /// The host has `total` source ports (a 5-tuple each, so ECMP hashes each onto a link of its
+    /// own choosing) that these paths may leave from; path `i` starts on port `i`, and ports
+    /// `len()..total` are spares. A path that looks cut (it went down, a probe of it went
+    /// unanswered, or a packet sent on its current port timed out) moves to a port no other
+    /// path uses: a fresh hash, likely onto a link that works, as Protective ReRoute moves a
+    /// flow by changing its IPv6 flow label. Without spares (`total` at most `len()`) paths
+    /// never move. At most 255.
+    pub fn set_ports(&mut self, total: usize) {
+        self.ports = total.clamp(self.paths.len(), 255) as u8;
+        self.port_cursor = self.paths.len() as u8 % self.ports;
+    }
+
+    /// Whether no two paths leave from one port (the invariant repathing keeps).
+    #[cfg(test)]
+    fn ports_distinct(&self) -> bool {
+        (0..self.paths.len()).all(|i| (0..i).all(|j| self.paths[i].s.port != self.paths[j].s.port))
+    }
+
+    /// Times any path moved to another source port.
+    pub fn repaths(&self) -> u64 {
+        self.paths.iter().map(|p| p.s.repaths as u64).sum()
+    }
+
+    /// The source port (index) path `i` leaves from now.
+    pub fn port(&self, i: u8) -> u8 {
+        self.paths.get(i as usize).map_or(i, |p| p.s.port)
+    }
+
+    /// Moves path `i` to the next source port no path uses (round robin over the host's
+    /// ports); returns whether it moved (not without a spare port).
+    fn repath(&mut self, i: usize, now: u64) -> bool {
+        let total = self.ports as usize;
+        if total <= self.paths.len() || i >= self.paths.len() {
+            return false;
+        }
+        for step in 0..total {
+            let port = ((self.port_cursor as usize + step) % total) as u8;
+            if self.paths.iter().all(|p| p.s.port != port) {
+                self.port_cursor = ((port as usize + 1) % total) as u8;
+                let p = &mut self.paths[i];
+                p.s.port = port;
+                p.s.repaths += 1;
+                p.repathed_at = now.max(1);
+                p.probed_here = false;
+                return true;
+            }
+        }
+        false
+    }
+
+    /// A packet sent on path `i` at `sent_at` timed out (its retransmission timer fired). If it
+    /// left from the path's current port, the path moves to a fresh one (once per port: packets
+    /// sent before the move say nothing about the new port); returns whether it moved.
+    pub fn on_timeout(&mut self, i: u8, sent_at: u64, now: u64) -> bool {
+        self.now = self.now.max(now);
+        let Some(p) = self.paths.get(i as usize) else {
+            return false;
+        };
+        sent_at >= p.repathed_at && self.repath(i as usize, now)
     }
 
     /// How many paths.
@@ -509,6 +590,7 @@ impl PathSet {
                 p.s.downs += 1;
                 p.next_probe = now + self.p.probe_interval_ns;
                 down.push(i as u8);
+                self.repath(i, now);
             }
         }
         down
@@ -525,7 +607,12 @@ impl PathSet {
         } else {
             self.p.probe_interval_ns
         };
+        // a down path's earlier probe went unanswered: this one tries another port
+        if !self.paths[i].s.up && self.paths[i].probed_here {
+            self.repath(i, now);
+        }
         let p = &mut self.paths[i];
+        p.probed_here = !p.s.up;
         p.next_probe = now + every;
         p.s.probes_sent += 1;
         Some(i as u8)
@@ -837,6 +924,48 @@ mod tests {
         one.on_delivered(1, 10);
         assert_eq!(one.probe_due(u64::MAX / 4), None);
         assert_eq!(one.pick(None), 0);
+    }
+
+    #[test]
+    fn a_path_moves_to_a_spare_port_once_per_port_on_timeouts_and_on_each_unanswered_probe() {
+        let mut s = measured(2);
+        // no spare: never moves
+        assert!(!s.on_timeout(0, 1_000_000, 2_000_000));
+        s.set_ports(4);
+        assert_eq!((s.port(0), s.port(1)), (0, 1));
+        assert!(s.on_timeout(0, 1_000_000, 2_000_000));
+        assert_eq!(s.port(0), 2, "the first port no path uses");
+        // a packet sent before the move timing out says nothing about the new port
+        assert!(!s.on_timeout(0, 1_500_000, 2_500_000));
+        assert!(s.on_timeout(0, 2_100_000, 4_000_000));
+        assert_eq!(s.port(0), 3);
+        // round robin over the free ports: port 0 is free again
+        assert!(s.on_timeout(1, 1_000_000, 4_000_000));
+        assert_eq!(s.port(1), 0);
+        assert_eq!(s.repaths(), 3);
+        // path 1 goes silent while path 0 delivers: down, and off its port at once
+        s.on_send(1, 5_000_000);
+        s.on_send(0, 5_000_000);
+        s.on_delivered(0, 5_100_000);
+        let down = s.check(5_000_000 + 3 * s.rto(1) + 1);
+        assert_eq!(&down[..], &[1]);
+        let moved = s.port(1);
+        assert_ne!(moved, 0);
+        // its first probe tries that port; the next (the first unanswered) another one
+        let t = 100_000_000;
+        assert_eq!(s.probe_due(t), Some(1));
+        assert_eq!(s.port(1), moved);
+        assert_eq!(s.probe_due(t + s.params().probe_interval_ns), Some(1));
+        assert_ne!(s.port(1), moved);
+        let stats = s.stats();
+        assert_eq!(stats[1].port, s.port(1));
+        assert_eq!(stats[0].repaths + stats[1].repaths, 5);
+        // an answer brings it back, where it is
+        let here = s.port(1);
+        s.on_probe_reply(1, t + 20_000_000);
+        assert!(s.is_up(1));
+        assert_eq!(s.port(1), here);
+        assert!(s.ports_distinct());
     }
 
     #[test]

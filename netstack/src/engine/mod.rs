@@ -570,8 +570,11 @@ struct DataCore {
     /// The QPs this core owns (it is their only writer), and its managed ones (RedN).
     qps: HashMap<u32, QpSlot, Ordered>,
     managed: Vec<u32>,
-    /// The ports the core receives on: the main port of each local address.
+    /// The ports the core receives on: the main port of each local address, and the source
+    /// ports its Solar clients' paths leave from now (where their servers answer).
     rx_ports: Vec<usize>,
+    /// The Solar clients' ports generation `rx_ports` was built for.
+    rx_ports_gen: (u64, u64),
     sq: Consumer<sq::Slot>,
     mode: PollMode,
     spin: Duration,
@@ -620,6 +623,7 @@ impl DataCore {
             qps: HashMap::default(),
             managed: Vec::new(),
             rx_ports,
+            rx_ports_gen: (0, 0),
             sq,
             mode: o.mode,
             spin: o.spin,
@@ -727,6 +731,7 @@ impl DataCore {
         let chains_retry = self.run_chains(now, &mut work);
         let next_deadline = earliest(earliest(self.rc_deadline(now), chains_retry), self.solar.timers(now));
         work |= self.solar.collect(&self.shared, now);
+        self.sync_rx_ports();
         // packets this core sends to itself (RedN chains on loopback QPs) are processed at
         // once, so a chain advances several steps per loop without a system call; the
         // packets for the network go out together afterwards
@@ -937,15 +942,28 @@ impl DataCore {
         }
     }
 
-    /// Applies the commands to this core's Solar endpoints. A core with Solar clients also
-    /// receives on its path sockets, where their storage servers answer.
+    /// Applies the commands to this core's Solar endpoints.
     fn solar_commands(&mut self, now: u64) -> bool {
-        let had = self.solar.has_clients();
         let any = self.solar.commands(&self.shared, now);
-        if !had && self.solar.has_clients() {
-            self.rx_ports = (0..self.shared.link.ports()).collect();
-        }
+        self.sync_rx_ports();
         any
+    }
+
+    /// A core with Solar clients also receives on the source ports their paths leave from,
+    /// where their storage servers answer: only those (each port received on costs a system
+    /// call per pass), so a spare port is watched once a path moves to it.
+    fn sync_rx_ports(&mut self) {
+        let gen = self.solar.ports_generation();
+        if gen == self.rx_ports_gen {
+            return;
+        }
+        self.rx_ports_gen = gen;
+        let ports = self.shared.path_ports;
+        let mut rx: Vec<usize> = (0..self.shared.link.ports()).step_by(ports).collect();
+        self.solar.client_ports(ports, &mut rx);
+        rx.sort_unstable();
+        rx.dedup();
+        self.rx_ports = rx;
     }
 }
 

@@ -312,12 +312,29 @@ pub(super) struct SolarCore {
     pub(super) out: Vec<SolarOut>,
     next_publish: u64,
     cmd_buf: Vec<SolarCmd>,
+    /// Clients added or closed so far (a part of [`SolarCore::ports_generation`]).
+    client_changes: u64,
 }
 
 impl SolarCore {
-    /// Whether the core has clients (which are answered on its path sockets).
-    pub(super) fn has_clients(&self) -> bool {
+    fn has_clients(&self) -> bool {
         !self.clients.is_empty()
+    }
+
+    /// Changes whenever the source ports the clients' paths leave from may have changed (a
+    /// client came or went, a path moved to a spare port).
+    pub(super) fn ports_generation(&self) -> (u64, u64) {
+        let moves = self.clients.iter().map(|ep| ep.client.paths().repaths()).sum();
+        (self.client_changes, moves)
+    }
+
+    /// Adds the source ports (link indexes below `path_ports`) the clients' paths leave from
+    /// now, where their storage servers answer.
+    pub(super) fn client_ports(&self, path_ports: usize, out: &mut Vec<usize>) {
+        for ep in &self.clients {
+            let paths = ep.client.paths();
+            out.extend((0..paths.len()).map(|i| paths.port(i as u8) as usize % path_ports));
+        }
     }
 
     /// Applies the commands queued for this core; returns whether there were any.
@@ -345,13 +362,16 @@ impl SolarCore {
                 server,
                 client,
                 status,
-            } => self.clients.push(ClientEp {
-                id,
-                server,
-                client,
-                pending: HashMap::new(),
-                status,
-            }),
+            } => {
+                self.client_changes += 1;
+                self.clients.push(ClientEp {
+                    id,
+                    server,
+                    client,
+                    pending: HashMap::new(),
+                    status,
+                });
+            }
             SolarCmd::Write {
                 id,
                 volume,
@@ -416,6 +436,7 @@ impl SolarCore {
             }
             SolarCmd::CloseClient { id } => {
                 if let Some(i) = self.clients.iter().position(|c| c.id == id) {
+                    self.client_changes += 1;
                     let ep = self.clients.swap_remove(i);
                     for (_, p) in ep.pending {
                         p.fail(SolarError::Stopped);
@@ -573,7 +594,8 @@ impl SolarCore {
             }
             while let Some(t) = ep.client.poll_transmit(now) {
                 any = true;
-                let link = t.path as usize % ports;
+                // the path's current source port (a path that looked cut moves to a spare)
+                let link = t.port as usize % ports;
                 self.out.push(SolarOut {
                     t,
                     link,
@@ -623,6 +645,12 @@ impl Drop for SolarCore {
 
 /// A client endpoint's settings, checked against the context (`paths` at most its path ports).
 pub(crate) fn check_client_config(cfg: &ClientConfig, path_ports: usize) -> Result<(), String> {
+    if cfg.source_ports as usize > path_ports {
+        return Err(format!(
+            "source_ports: {} exceeds the context's path_ports ({path_ports})",
+            cfg.source_ports
+        ));
+    }
     if cfg.paths == 0 || cfg.paths as usize > path_ports {
         return Err(format!(
             "paths: {} not in 1..={path_ports} (the context's path_ports: a path is a source port)",

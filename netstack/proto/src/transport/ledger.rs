@@ -35,6 +35,13 @@ impl SendTime {
             _ => None,
         }
     }
+    /// When the packet was last sent (None before the first time).
+    pub fn last(self) -> Option<u64> {
+        match self {
+            SendTime::Once(t) | SendTime::Resent(t) => Some(t),
+            SendTime::NotYet => None,
+        }
+    }
 }
 
 /// Where a packet is, as its path's accounting sees it.

@@ -47,6 +47,10 @@ pub struct Target {
 pub struct ClientConfig {
     /// Paths toward the server (1..=64).
     pub paths: u16,
+    /// Source ports the paths may leave from (the driver's; at most 255): path `p` starts on
+    /// port `p`, and a path that looks cut moves to a spare one, a fresh ECMP hash (see
+    /// [`PathSet::set_ports`]). At most `paths` (0 included): no spare, paths never move.
+    pub source_ports: u16,
     /// How packets spread over the paths.
     pub policy: SprayPolicy,
     /// The epoch requests carry unless the caller names one ([`Target::epoch`]).
@@ -83,6 +87,7 @@ impl Default for ClientConfig {
     fn default() -> Self {
         ClientConfig {
             paths: 4,
+            source_ports: 0,
             policy: SprayPolicy::Weighted,
             epoch: 0,
             rpc_base: 1,
@@ -186,6 +191,8 @@ pub struct ClientStats {
     pub path_downs: u64,
     /// Times a path came back.
     pub path_ups: u64,
+    /// Times a path moved to another source port (see [`ClientConfig::source_ports`]).
+    pub repaths: u64,
     /// Accepted write blocks sent again because their `Ok` did not come in time.
     pub durable_resends: u64,
 }
@@ -358,9 +365,11 @@ impl SolarClient {
             lost: BTreeSet::new(),
             backoff: 0,
         };
+        let mut paths = PathSet::new(n, cfg.policy, params);
+        paths.set_ports(cfg.source_ports as usize);
         let mut c = SolarClient {
             next_rpc: cfg.rpc_base.max(1),
-            paths: PathSet::new(n, cfg.policy, params),
+            paths,
             ledgers: vec![ledger; n],
             cfg,
             ios: BTreeMap::new(),
@@ -396,7 +405,10 @@ impl SolarClient {
 
     /// The counters.
     pub fn stats(&self) -> ClientStats {
-        self.stats
+        ClientStats {
+            repaths: self.paths.repaths(),
+            ..self.stats
+        }
     }
 
     /// The paths toward the server: how many, the policy, which are up.
@@ -719,6 +731,7 @@ impl SolarClient {
         h.encode(&mut header);
         Transmit {
             path,
+            port: self.paths.port(path as u8) as u16,
             peer: 0,
             header,
             block,
@@ -1096,6 +1109,14 @@ impl SolarClient {
             }
             timeouts += expired.len();
             self.ledgers[i].backoff += 1;
+            // a timeout on the path's current source port: it may hash onto a cut link
+            let sent = expired
+                .iter()
+                .filter_map(|&p| self.ledgers[i].sent.get(p).and_then(|s| s.time.last()))
+                .max();
+            if let Some(t) = sent {
+                self.paths.on_timeout(i as u8, t, now);
+            }
             for psn in expired {
                 if let Some((u, _)) = self.unsend(i as u16, psn, Outcome::Lost) {
                     self.requeue(u, i as u16);

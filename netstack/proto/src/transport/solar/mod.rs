@@ -25,8 +25,12 @@ use std::sync::Arc;
 /// A packet to send: the header and, for WRITE and READ_DATA, a block referenced in place.
 #[derive(Debug, Clone)]
 pub struct Transmit {
-    /// The path (the driver maps it to a UDP source port / address pair).
+    /// The path (the header carries it; answers echo it).
     pub path: u16,
+    /// The driver's source port (index) the packet leaves from: the client path's current
+    /// one (a path that looked cut moves to a spare, see [`crate::path::PathSet::set_ports`]);
+    /// a server answers from its port 0.
+    pub port: u16,
     /// The driver's token of the peer (servers answer many agents; clients use 0).
     pub peer: u64,
     /// The encoded header.

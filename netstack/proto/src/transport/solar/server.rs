@@ -173,6 +173,7 @@ impl SolarServer {
         h.encode(&mut header);
         self.out.push_back(Transmit {
             path: h.path,
+            port: 0,
             peer,
             header,
             block,
