@@ -283,6 +283,70 @@ fn a_replica_down_past_the_replace_timeout_is_rebuilt_on_another_node() {
     }
 }
 
+/// The controller makes a new replica without holding its state: while the snapshot copy onto
+/// the spare node hangs (the spare is stopped, SIGSTOP, in the middle of it), `blkctl list`
+/// and `describe` are answered at once, and the move completes when the spare wakes.
+#[test]
+fn control_calls_are_answered_while_a_new_replicas_snapshot_copy_hangs() {
+    let ReplaceCluster {
+        mut c,
+        dir,
+        control,
+        ids,
+        victim,
+        spare,
+    } = replace_cluster("copy-hang", 64 << 20);
+    // a snapshot of many written blocks: a copy that takes a while
+    let w = Writers::start(&c.uri, (64u64 << 20) / 4096, 4);
+    std::thread::sleep(Duration::from_millis(1500));
+    let written = w.finish().len();
+    let (ok, _, err) = blkctl(&dir, &["--control", control.as_str(), "snapshot", "create", "vol0@s1"]);
+    assert!(ok, "snapshot create: {err}");
+    let spare_log = dir.join(format!("node{spare}.log"));
+    let read = |p: &Path| std::fs::read_to_string(p).unwrap_or_default();
+    c.nodes[victim].kill9();
+    let t = Instant::now();
+    while !read(&spare_log).contains("copying snapshots") {
+        assert!(t.elapsed() < Duration::from_secs(30), "no copy started on node{spare}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    signal(c.nodes[spare].pid, "STOP");
+    // well within the 1 s after which the stopped spare would count as down
+    let t = Instant::now();
+    let (listed, out, err) = blkctl(&dir, &["--control", control.as_str(), "list"]);
+    let list_took = t.elapsed();
+    let t = Instant::now();
+    let d = describe(&dir, &control, "vol0");
+    let describe_took = t.elapsed();
+    let copy_done = read(&spare_log).contains("copied its snapshots");
+    let moved = read(&dir.join("control.log")).contains(&format!("replaced by a new one on {}", ids[spare]));
+    signal(c.nodes[spare].pid, "CONT");
+    assert!(
+        !copy_done && !moved,
+        "the copy of {written} blocks was over before the spare stopped: nothing was held up"
+    );
+    assert!(listed && out.contains("vol0"), "list: {out} {err}");
+    assert!(
+        !holds(&d, &ids[spare]),
+        "the move is not recorded before it is made: {d:#}"
+    );
+    assert!(
+        list_took < Duration::from_millis(500) && describe_took < Duration::from_millis(500),
+        "control calls during the copy: list {list_took:?}, describe {describe_took:?}"
+    );
+    let rebuilt = describe_until(&dir, &control, Duration::from_secs(40), |d| {
+        holds(d, &ids[spare]) && (0..3).all(|k| d["replicas"][k]["sync"] == "in-sync")
+    });
+    eprintln!(
+        "{written} blocks in the snapshot; during its copy list took {list_took:?}, describe {describe_took:?}; \
+         the new replica was in sync {rebuilt:?} after the spare woke"
+    );
+    drop(c);
+    if std::env::var_os("BLOCK_KEEP").is_none() {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
 /// A volume with a snapshot, and a clone of it with a snapshot of its own, lose a replica for
 /// good: the controller makes a new one on the spare node with the snapshot copied from a
 /// surviving replica (not only the live blocks), then the clone's there (a clone of the copied

@@ -306,7 +306,18 @@ impl pb::storage_node_admin_server::StorageNodeAdmin for NodeAdmin {
         if self.0.store(r.volume).is_some() {
             return Err(Status::already_exists(format!("volume {} exists", r.volume)));
         }
+        tracing::info!(
+            "volume {}: copying snapshots {:?} from storage node {}",
+            r.volume,
+            r.snapshots,
+            r.source
+        );
+        let t = std::time::Instant::now();
         let copied = self.copy_from(&r).await;
+        match &copied {
+            Ok(()) => tracing::info!("volume {}: copied its snapshots in {:?}", r.volume, t.elapsed()),
+            Err(e) => tracing::warn!("volume {}: copying its snapshots failed: {}", r.volume, e.message()),
+        }
         if copied.is_err() {
             // nothing half made stays behind
             let id = r.volume;
