@@ -1110,3 +1110,81 @@ fn solar_on_the_simulated_network_acknowledges_and_applies_each_write_once() {
         assert!(lost > 0 && blocked > 0, "faults were not injected");
     }
 }
+
+/// ECMP may hash every path of a sprayed RC QP onto the link that fails: here every source
+/// port its two paths start on is cut (host 1's main port and its first extra port) for a
+/// second. None delivers, so none can go down; the retransmission timeouts move the paths to
+/// the context's spare ports (a fresh hash), and the WRITEs complete long before the cut ends.
+#[test]
+fn a_sprayed_qp_whose_every_starting_port_is_cut_moves_to_spare_ports() {
+    let faults = Faults {
+        delay_ns: 10_000,
+        ..Faults::default()
+    };
+    let net = SimNet::new(11, faults);
+    let open = |h: u8, path_ports: u8| {
+        Context::open_simulated(
+            ContextConfig {
+                bind: SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, h), 4791),
+                path_ports,
+                qp: RcConfig {
+                    recovery: Recovery::SelectiveRepeat,
+                    ..RcConfig::default()
+                },
+                ..ContextConfig::default()
+            },
+            &net,
+        )
+        .expect("simulated context")
+    };
+    let (a, b) = (open(1, 4), open(2, 1));
+    let (pa, pb) = (a.alloc_pd(), b.alloc_pd());
+    let (ca, cb) = (a.create_cq(64).unwrap(), b.create_cq(64).unwrap());
+    let (ma, mb) = (
+        pa.reg_mr(1 << 20, Access::ALL).unwrap(),
+        pb.reg_mr(1 << 20, Access::ALL).unwrap(),
+    );
+    let qa = a.create_qp(&pa, &ca, &ca, QpInitAttr::default()).unwrap();
+    let qb = b.create_qp(&pb, &cb, &cb, QpInitAttr::default()).unwrap();
+    qa.set_paths(2, SprayPolicy::RoundRobin).unwrap();
+    qa.connect(&qb.local_endpoint()).unwrap();
+    qb.connect(&qa.local_endpoint()).unwrap();
+    let start = net.now();
+    net.cut(SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 1), 4791), 1_000_000_000);
+    net.cut(SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 1), 40_000), 1_000_000_000);
+    const N: usize = 16;
+    let mut rng = StdRng::seed_from_u64(11);
+    let mut data = vec![0u8; N * 4096];
+    rng.fill(&mut data[..]);
+    ma.write(0, &data);
+    for i in 0..N {
+        let wr = SendWr::new(i as u64, WrOpcode::RdmaWrite)
+            .sge(ma.sge(i * 4096, 4096))
+            .remote(mb.addr() + (i * 4096) as u64, mb.rkey());
+        qa.post_send(wr).unwrap();
+    }
+    let mut wcs = [EMPTY_WC; 16];
+    let mut done = 0;
+    while done < N {
+        assert!(
+            net.now() - start < 200_000_000,
+            "{done} of {N} WRITEs done 200 ms into a 1 s cut: {:?}",
+            qa.path_stats()
+        );
+        net.step();
+        let n = ca.poll(&mut wcs);
+        for wc in &wcs[..n] {
+            assert_eq!(wc.status, WcStatus::Success, "{wc:?}");
+            done += 1;
+        }
+    }
+    let mut got = vec![0u8; N * 4096];
+    mb.read(0, &mut got);
+    assert!(got == data, "every WRITE's bytes at the target");
+    let st = qa.path_stats();
+    assert!(
+        st.iter().all(|p| p.port >= 2) && st.iter().map(|p| p.repaths).sum::<u32>() >= 2,
+        "both paths left their cut ports: {st:?}"
+    );
+    eprintln!("done {} us into the cut: {st:?}", (net.now() - start) / 1000);
+}

@@ -35,12 +35,6 @@ fn local_toward(server: SocketAddrV4) -> std::io::Result<Ipv4Addr> {
     }
 }
 
-/// Source ports for `paths` Solar paths: half as many again as spares (at least 2, at most 64
-/// in all).
-fn spare_ports(paths: u16) -> u16 {
-    (paths + (paths / 2).max(2)).min(64)
-}
-
 fn v4(server: SocketAddr) -> Result<SocketAddrV4, LinkError> {
     match server {
         SocketAddr::V4(a) => Ok(a),
@@ -62,7 +56,7 @@ impl SolarLink {
         ccfg.paths = paths;
         // spare source ports: a path whose port ECMP hashed onto a cut link moves to one (all
         // of a run's ports on the one link that fails is then no 2 s stall, but a few probes)
-        let ports = spare_ports(paths);
+        let ports = netstack::path::with_spares(paths as usize) as u16;
         ccfg.source_ports = ports;
         let mut p = CcParams::default();
         p.swift.base_target_ns = cfg.cc_target_ns;

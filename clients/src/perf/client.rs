@@ -504,7 +504,8 @@ fn flexns(
         data_cores: a.data_cores,
         drive: a.drive_mode().into(),
         poll_mode: a.poll_mode.into(),
-        path_ports: npaths.div_ceil(1 + a.net.extra_addrs.len()).max(8) as u8,
+        // spare source ports: a path that looks cut moves to one (a fresh ECMP hash)
+        path_ports: netstack::path::with_spares(npaths.div_ceil(1 + a.net.extra_addrs.len())).max(8) as u8,
         ..Default::default()
     };
     a.net.apply(&mut cfg)?;

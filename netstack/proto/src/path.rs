@@ -119,6 +119,12 @@ impl Default for PathParams {
     }
 }
 
+/// Source ports (routes) for `paths` paths with spares to move to (see
+/// [`PathSet::set_ports`]): half as many again, at least 2 more, at most 64 in all.
+pub fn with_spares(paths: usize) -> usize {
+    (paths + (paths / 2).max(2)).min(MAX_PATHS)
+}
+
 /// What one path did (a snapshot; see [`PathSet::stats`]).
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
 pub struct PathStats {

@@ -102,9 +102,10 @@ impl QpMirror {
 pub(crate) struct QpSlot {
     pub qp: RcQp,
     pub remote: Option<SocketAddrV4>,
-    /// Multipath: for each of the QP's paths, the data core's socket it leaves from (an index
-    /// into [`EngineShared::link`]) and the peer's address it goes to; empty means path 0
-    /// only (the core's main socket to `remote`).
+    /// Multipath: the routes the QP's paths may take, each the data core's socket it leaves
+    /// from (an index into [`EngineShared::link`]) and the peer's address it goes to: path `k`
+    /// starts on route `k`, and one that looks cut moves to a spare (`PathSet::port`); empty
+    /// means path 0 only (the core's main socket to `remote`).
     pub routes: Vec<(usize, SocketAddrV4)>,
     /// Other addresses the peer sends this QP's packets from (its path sockets).
     pub peer_sources: Vec<SocketAddrV4>,
@@ -120,7 +121,9 @@ pub(crate) struct QpSlot {
 impl QpSlot {
     /// The port (index into the core's `link`) and destination of path `path`.
     pub(crate) fn route(&self, path: u8) -> Option<(usize, SocketAddrV4)> {
-        match self.routes.get(path as usize).or(self.routes.first()) {
+        // the path's current route (a path that looked cut moves to a spare one)
+        let port = self.qp.paths().port(path);
+        match self.routes.get(port as usize).or(self.routes.first()) {
             Some(&r) => Some(r),
             None => self.remote.map(|r| (0, r)),
         }

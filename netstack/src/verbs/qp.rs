@@ -608,7 +608,7 @@ fn rtr(
     qpn: u32,
     remote: &Endpoint,
     route_mtu: Option<u32>,
-    mut routes: Vec<(usize, SocketAddrV4)>,
+    routes: Vec<(usize, SocketAddrV4)>,
     params: crate::path::PathParams,
 ) -> Result<(), VerbsError> {
     let mut cfg = *s.qp.config();
@@ -653,7 +653,8 @@ fn rtr(
             routes.len()
         )));
     }
-    routes.truncate(n);
+    // every route is kept: path k starts on route k, and one that looks cut moves to a spare
+    s.qp.set_source_ports(routes.len());
     s.qp.modify_to_rtr(remote.qpn, remote.psn, cfg)?;
     s.remote = Some(remote.addr);
     s.routes = routes;

@@ -38,7 +38,17 @@ impl<R: SharedRegion> RcQp<R> {
             return Err("paths: set them before posting work requests".into());
         }
         self.req.paths = PathSet::new(n, policy, params);
+        self.req.paths.set_ports(self.req.source_ports);
         Ok(())
+    }
+
+    /// The driver has `total` routes (source ports, address pairs) this QP's paths may take:
+    /// path `k` starts on route `k`, and one that looks cut moves to a route no other path
+    /// takes (see [`PathSet::set_ports`]); the driver sends each packet on its path's route
+    /// ([`PathSet::port`]). Kept across [`RcQp::set_paths`].
+    pub fn set_source_ports(&mut self, total: usize) {
+        self.req.source_ports = total;
+        self.req.paths.set_ports(total);
     }
 
     /// The QP's paths: how many, the policy, and what each did.

@@ -251,6 +251,8 @@ pub(super) struct Requester<R> {
     pub(super) pacer: Pacer,
     /// The QP's paths (each PSN's is in the ledger).
     pub(super) paths: PathSet,
+    /// Routes the driver has for the paths (see [`RcQp::set_source_ports`]).
+    pub(super) source_ports: usize,
 }
 
 /// A selective-repeat resend not yet acknowledged.
@@ -301,6 +303,7 @@ impl<R: SharedRegion> Requester<R> {
             retired: 0,
             pacer: Pacer::default(),
             paths: PathSet::default(),
+            source_ports: 0,
         }
     }
 
@@ -539,6 +542,28 @@ impl<R: SharedRegion> Requester<R> {
     fn presume_lost(&mut self, psn: u64) {
         self.ledger.take_off(psn, Leave::Lost, &mut self.paths);
         self.retx.insert(psn);
+    }
+
+    /// At a retransmission timeout: a path with a packet out for longer than the path's RTO
+    /// moves to another route if the packet left from its current one (ECMP may hash every
+    /// path onto a cut link: then none delivers, none goes down, and only a fresh hash helps).
+    fn repath_timed_out(&mut self, now: u64) {
+        let mut latest: SmallVec<[(u8, u64); 8]> = SmallVec::new();
+        for (_, s) in self.ledger.in_flight() {
+            let (Some(p), Some(t)) = (s.flight.path(), s.time.last()) else {
+                continue;
+            };
+            if s.acked || now < t.saturating_add(self.paths.rto(p)) {
+                continue;
+            }
+            match latest.iter_mut().find(|(q, _)| *q == p) {
+                Some(e) => e.1 = e.1.max(t),
+                None => latest.push((p, t)),
+            }
+        }
+        for (p, t) in latest {
+            self.paths.on_timeout(p, t, now);
+        }
     }
 
     /// At a retransmission timeout: what is still in flight on a path silent for longer than
@@ -1369,6 +1394,7 @@ impl<R: SharedRegion> Requester<R> {
             }
         }
         qp.stats.timeouts += 1;
+        r.repath_timed_out(now);
         // With several paths, a timeout while another path delivered since the last one is a
         // path's failure, not the peer's: the path detector takes that path out and the resend
         // goes elsewhere, so the timer neither backs off nor spends the retry budget (backing
