@@ -50,9 +50,9 @@ impl AppDrive {
     pub(crate) fn progress(&self) -> bool {
         self.last.store(self.shared[0].now().max(1), Ordering::Relaxed);
         let mut work = false;
-        for c in &self.cores {
+        for (c, shared) in self.cores.iter().zip(&self.shared) {
             if let Some(mut core) = c.try_lock() {
-                if core.pass().work {
+                if core.poll(shared.now(), &*shared.link).work {
                     core.shared.stats.application_passes.inc();
                     work = true;
                 }

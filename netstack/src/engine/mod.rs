@@ -323,7 +323,7 @@ impl EngineShared {
         let Some(mut core) = cell.try_lock() else {
             return false;
         };
-        let pass = core.post_pass();
+        let pass = core.post_pass(self.now(), &*self.link);
         // more than one pass takes (a long send queue) is left to the core's thread
         let more = core.sq.has_data();
         drop(core);
@@ -378,7 +378,10 @@ impl crate::link::sim::Node for SimCore {
         let Some(mut core) = cell.try_lock() else {
             return (true, None);
         };
-        let pass = core.pass();
+        // the simulated clock and network: the engine clock of a simulated context is the
+        // network's
+        let shared = core.shared.clone();
+        let pass = core.poll(shared.now(), &*shared.link);
         (pass.work, pass.next_deadline)
     }
     fn alive(&self) -> bool {
@@ -679,7 +682,7 @@ impl DataCore {
                 continue;
             };
             while !shared.stop.load(Ordering::Relaxed) {
-                let pass = core.pass();
+                let pass = core.poll(shared.now(), &*shared.link);
                 if pass.work {
                     shared.stats.engine_thread_passes.inc();
                     idle_since = None;
@@ -720,25 +723,27 @@ impl DataCore {
         }
     }
 
-    /// One turn of the loop: the send queue, receives, RedN chains, timers and transmits.
-    /// Returns whether it did anything and the next deadline (engine clock) it must run by.
-    fn pass(&mut self) -> Pass {
-        let now = self.shared.now();
+    /// One turn of the core at time `now` (engine clock, ns) over `link`: the send queue,
+    /// receives, RedN chains, timers and transmits. Returns whether it did anything and the
+    /// next deadline it must run by. The core reads no clock and owns no socket: its drivers
+    /// (its thread, an application thread running it to completion, the simulator) say what
+    /// time it is and which link it runs over.
+    pub(super) fn poll(&mut self, now: u64, link: &dyn Link) -> Pass {
         let mut work = false;
-        work |= self.solar_commands(now);
+        work |= self.solar_commands(now, link);
         work |= self.drain_sq(now);
         self.retry_stuck();
-        work |= self.receive(now);
+        work |= self.receive(now, link);
         work |= self.release_delayed(now);
         work |= self.receive_hairpin(now);
         let chains_retry = self.run_chains(now, &mut work);
         let next_deadline = earliest(earliest(self.rc_deadline(now), chains_retry), self.solar.timers(now));
         work |= self.solar.collect(&self.shared, now);
-        self.sync_rx_ports();
+        self.sync_rx_ports(link);
         // packets this core sends to itself (RedN chains on loopback QPs) are processed at
         // once, so a chain advances several steps per loop without a system call; the
         // packets for the network go out together afterwards
-        work |= self.transmit(now, false);
+        work |= self.transmit(now, false, link);
         for _ in 0..64 {
             if self.hairpin.is_empty() {
                 break;
@@ -746,21 +751,20 @@ impl DataCore {
             self.receive_hairpin(now);
             let mut w = false;
             self.run_chains(now, &mut w);
-            self.transmit(now, false);
+            self.transmit(now, false, link);
         }
-        work |= self.flush();
-        work |= self.flush_solar();
+        work |= self.flush(link);
+        work |= self.flush_solar(link);
         Pass { work, next_deadline }
     }
 
     /// The send side of a pass, run by a thread that posted or sent a command: the send queue
     /// (work requests and commands), then what the QPs have to send, sent at once. Receiving
     /// stays with the core's own thread, so a poster pays no receive system calls.
-    fn post_pass(&mut self) -> Pass {
-        let now = self.shared.now();
+    fn post_pass(&mut self, now: u64, link: &dyn Link) -> Pass {
         let mut work = self.drain_sq(now);
         self.retry_stuck();
-        work |= self.transmit(now, true);
+        work |= self.transmit(now, true, link);
         // packets to this core itself are its thread's to receive, but they must not wait
         // for a sleeping thread's deadline
         let hairpin = (!self.hairpin.is_empty()).then_some(now);
@@ -946,23 +950,23 @@ impl DataCore {
     }
 
     /// Applies the commands to this core's Solar endpoints.
-    fn solar_commands(&mut self, now: u64) -> bool {
+    fn solar_commands(&mut self, now: u64, link: &dyn Link) -> bool {
         let any = self.solar.commands(&self.shared, now);
-        self.sync_rx_ports();
+        self.sync_rx_ports(link);
         any
     }
 
     /// A core with Solar clients also receives on the source ports their paths leave from,
     /// where their storage servers answer: only those (each port received on costs a system
     /// call per pass), so a spare port is watched once a path moves to it.
-    fn sync_rx_ports(&mut self) {
+    fn sync_rx_ports(&mut self, link: &dyn Link) {
         let gen = self.solar.ports_generation();
         if gen == self.rx_ports_gen {
             return;
         }
         self.rx_ports_gen = gen;
         let ports = self.shared.path_ports;
-        let mut rx: Vec<usize> = (0..self.shared.link.ports()).step_by(ports).collect();
+        let mut rx: Vec<usize> = (0..link.ports()).step_by(ports).collect();
         self.solar.client_ports(ports, &mut rx);
         rx.sort_unstable();
         rx.dedup();

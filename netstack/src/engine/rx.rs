@@ -14,23 +14,23 @@ pub(super) struct Delayed {
 }
 
 impl DataCore {
-    pub(super) fn receive(&mut self, now: u64) -> bool {
+    pub(super) fn receive(&mut self, now: u64, link: &dyn Link) -> bool {
         let mut any = false;
         for i in 0..self.rx_ports.len() {
-            any |= self.receive_on(self.rx_ports[i], now);
+            any |= self.receive_on(self.rx_ports[i], now, link);
         }
         any
     }
 
-    pub(super) fn receive_on(&mut self, port: usize, now: u64) -> bool {
-        let n = match self.shared.link.recv(port, &mut self.rx) {
+    pub(super) fn receive_on(&mut self, port: usize, now: u64, link: &dyn Link) -> bool {
+        let n = match link.recv(port, &mut self.rx) {
             Ok(n) => n,
             Err(e) => {
                 tracing::warn!("receive failed: {e}");
                 return false;
             }
         };
-        let local = self.shared.link.local_addr(port);
+        let local = link.local_addr(port);
         let mut staged = 0u64;
         for i in 0..n {
             let (d, src, seg) = self.rx.get(i);

@@ -6,7 +6,7 @@ use super::*;
 
 impl DataCore {
     /// Polls the active QPs for packets; sends them when `flush` (or the batch is full).
-    pub(super) fn transmit(&mut self, now: u64, flush: bool) -> bool {
+    pub(super) fn transmit(&mut self, now: u64, flush: bool, link: &dyn Link) -> bool {
         let mut sent_any = false;
         let active: Vec<u32> = self.active.iter().copied().collect();
         for qpn in active {
@@ -21,14 +21,14 @@ impl DataCore {
             while self.out.len() < TX_BATCH {
                 match s.qp.poll_transmit(now) {
                     Some(pkt) => {
-                        let Some((link, dst)) = s.route(pkt.path) else { break };
+                        let Some((port, dst)) = s.route(pkt.path) else { break };
+                        let src = link.local_addr(port);
                         if self.local_addrs.contains(&dst) {
-                            loop_back(&self.shared, &mut self.spare, &mut self.hairpin, &pkt, link, dst);
+                            loop_back(&self.shared.stats, &mut self.spare, &mut self.hairpin, &pkt, src, dst);
                             sent_any = true;
                             continue;
                         }
-                        let src = self.shared.link.local_addr(link);
-                        self.out.push(Outgoing::new(pkt, link, src, dst, &self.shared.stats));
+                        self.out.push(Outgoing::new(pkt, port, src, dst, &self.shared.stats));
                     }
                     None => break,
                 }
@@ -43,21 +43,22 @@ impl DataCore {
                 self.deadlines.arm(qpn, t);
             }
             if self.out.len() >= TX_BATCH {
-                sent_any |= self.flush();
+                sent_any |= self.flush(link);
             }
         }
         if flush {
-            sent_any |= self.flush();
+            sent_any |= self.flush(link);
         }
         sent_any
     }
 
     /// Sends the batch of RC packets (see [`send_batch`]).
-    pub(super) fn flush(&mut self) -> bool {
+    pub(super) fn flush(&mut self, link: &dyn Link) -> bool {
         send_batch(
             &mut self.out,
             self.gso,
-            &self.shared,
+            link,
+            &self.shared.stats,
             &mut self.tx_msgs,
             &mut self.tx_per_msg,
             &mut self.tx_hdrs,
@@ -65,11 +66,12 @@ impl DataCore {
     }
 
     /// Sends the batch of Solar packets (see [`send_batch`]).
-    pub(super) fn flush_solar(&mut self) -> bool {
+    pub(super) fn flush_solar(&mut self, link: &dyn Link) -> bool {
         send_batch(
             &mut self.solar.out,
             self.gso,
-            &self.shared,
+            link,
+            &self.shared.stats,
             &mut self.tx_msgs,
             &mut self.tx_per_msg,
             &mut self.tx_hdrs,
@@ -105,17 +107,16 @@ pub(super) trait Datagram {
     unsafe fn push_spans(&self, m: &mut OutMsg);
 }
 
-/// Queues a packet for core `shared` itself (hairpin): serialized with its ICRC into a buffer
-/// from `spare`, no system call.
+/// Queues a packet from `src` for the core itself (hairpin, at `dst`): serialized with its
+/// ICRC into a buffer from `spare`, no system call.
 fn loop_back(
-    shared: &EngineShared,
+    stats: &EngineStats,
     spare: &mut Vec<Vec<u8>>,
     hairpin: &mut VecDeque<(Vec<u8>, SocketAddrV4, SocketAddrV4)>,
     pkt: &TxPacket,
-    link: usize,
+    src: SocketAddrV4,
     dst: SocketAddrV4,
 ) {
-    let src = shared.link.local_addr(link);
     let mut d = spare.pop().unwrap_or_default();
     d.clear();
     d.extend_from_slice(pkt.hdr.as_bytes());
@@ -123,25 +124,25 @@ fn loop_back(
         p.region.append_to(p.off, p.len, &mut d);
     }
     // a hairpin packet is serialized: its payload is copied once
-    shared.stats.tx_payload_copy_bytes.add(pkt.payload_len() as u64);
+    stats.tx_payload_copy_bytes.add(pkt.payload_len() as u64);
     d.extend_from_slice(&PAD_ZEROS[..pkt.hdr.bth().pad as usize]);
     let c = icrc::compute(src, dst, &[d.as_slice()]);
     d.extend_from_slice(&c.to_le_bytes());
-    let stats = &shared.stats;
     stats.tx_packets.inc();
     stats.tx_bytes.add(d.len() as u64);
     stats.hairpin_packets.inc();
     hairpin.push_back((d, src, dst));
 }
 
-/// Sends `out` from the core's sockets and removes what the kernel took; what it did not take
+/// Sends `out` from `link`'s ports and removes what the kernel took; what it did not take
 /// (a socket buffer full) is kept for the next round. With GSO, runs of packets to one
 /// destination with the same length (the last of a run may be shorter) go out as one message
 /// the kernel segments. The message buffers are reused: no allocation per batch.
 fn send_batch<T: Datagram>(
     out: &mut Vec<T>,
     gso: bool,
-    shared: &EngineShared,
+    link: &dyn Link,
+    stats: &EngineStats,
     msgs: &mut Vec<OutMsg>,
     per_msg: &mut Vec<usize>,
     hdrs: &mut Vec<libc::mmsghdr>,
@@ -190,19 +191,19 @@ fn send_batch<T: Datagram>(
     let mut sent_msgs = 0;
     let mut pkt = 0;
     while sent_msgs < msgs.len() {
-        let link = out[pkt].link();
+        let port = out[pkt].link();
         let mut k = 0;
         let mut pk = pkt;
-        while sent_msgs + k < msgs.len() && out[pk].link() == link {
+        while sent_msgs + k < msgs.len() && out[pk].link() == port {
             pk += per_msg[sent_msgs + k];
             k += 1;
         }
         let run = &mut msgs[sent_msgs..sent_msgs + k];
-        let took = match shared.link.send(link, run, hdrs) {
+        let took = match link.send(port, run, hdrs) {
             Ok(t) => t,
             Err(e) => {
                 tracing::warn!("send failed: {e}");
-                shared.stats.tx_errors.inc();
+                stats.tx_errors.inc();
                 k // drop the run; the transport retransmits
             }
         };
@@ -213,7 +214,6 @@ fn send_batch<T: Datagram>(
         }
     }
     let n = pkt;
-    let stats = &shared.stats;
     for o in &out[..n] {
         stats.tx_packets.inc();
         stats.tx_bytes.add(o.wire_len() as u64);
