@@ -454,6 +454,10 @@ pub fn run(args: ServerArgs) -> Result<()> {
                     // spin: poll again; block: sleep on the CQ (after a short spin following
                     // work, less than one wake-up costs)
                     match wait {
+                        // idle between runs: park, as the references' servers do
+                        super::reference::Wait::Spin if last_work.elapsed() > super::reference::PARK_AFTER => {
+                            cq.wait(Duration::from_millis(100));
+                        }
                         super::reference::Wait::Spin => std::thread::yield_now(),
                         super::reference::Wait::Block if last_work.elapsed() < Duration::from_micros(20) => {
                             std::thread::yield_now()
