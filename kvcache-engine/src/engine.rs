@@ -112,7 +112,15 @@ impl TransferEngine {
                 sc.data_cores = cfg.data_cores;
                 sc.extra_addrs = cfg.extra_addrs.clone();
                 let pairs = 1 + cfg.extra_addrs.len();
-                sc.path_ports = sc.path_ports.max(cfg.paths.div_ceil(pairs).min(64) as u8);
+                // a sprayed QP gets spare source ports: a path that looks cut moves to one (a
+                // fresh ECMP hash), as nsperf's and the block agent's do
+                let need = cfg.paths.div_ceil(pairs);
+                let ports = if cfg.paths > 1 {
+                    netstack::path::with_spares(need)
+                } else {
+                    need
+                };
+                sc.path_ports = sc.path_ports.max(ports.min(64) as u8);
                 let ctx = netstack::verbs::Context::open(sc)?;
                 let fc = FlexCfg {
                     name: name.clone(),
