@@ -288,14 +288,8 @@ fn a_replica_down_past_the_replace_timeout_is_rebuilt_on_another_node() {
 /// and `describe` are answered at once, and the move completes when the spare wakes.
 #[test]
 fn control_calls_are_answered_while_a_new_replicas_snapshot_copy_hangs() {
-    let ReplaceCluster {
-        mut c,
-        dir,
-        control,
-        ids,
-        victim,
-        spare,
-    } = replace_cluster("copy-hang", 64 << 20);
+    let r = replace_cluster("copy-hang", 64 << 20);
+    let (mut c, dir, control, ids, victim, spare) = (r.c, r.dir, r.control, r.ids, r.victim, r.spare);
     // a snapshot of many written blocks: a copy that takes a while
     let w = Writers::start(&c.uri, (64u64 << 20) / 4096, 4);
     std::thread::sleep(Duration::from_millis(1500));

@@ -730,7 +730,7 @@ impl DataCore {
     /// time it is and which link it runs over.
     pub(super) fn poll(&mut self, now: u64, link: &dyn Link) -> Pass {
         let mut work = false;
-        work |= self.solar_commands(now, link);
+        work |= self.solar.commands(&self.shared, now);
         work |= self.drain_sq(now);
         self.retry_stuck();
         work |= self.receive(now, link);
@@ -739,6 +739,8 @@ impl DataCore {
         let chains_retry = self.run_chains(now, &mut work);
         let next_deadline = earliest(earliest(self.rc_deadline(now), chains_retry), self.solar.timers(now));
         work |= self.solar.collect(&self.shared, now);
+        // once per pass, after the commands (new clients) and the timers (paths that moved):
+        // no answer can come on a port before the first packet leaves from it, below
         self.sync_rx_ports(link);
         // packets this core sends to itself (RedN chains on loopback QPs) are processed at
         // once, so a chain advances several steps per loop without a system call; the
@@ -947,13 +949,6 @@ impl DataCore {
         if let Some(t) = s.qp.poll_timeout() {
             self.deadlines.arm(qpn, t);
         }
-    }
-
-    /// Applies the commands to this core's Solar endpoints.
-    fn solar_commands(&mut self, now: u64, link: &dyn Link) -> bool {
-        let any = self.solar.commands(&self.shared, now);
-        self.sync_rx_ports(link);
-        any
     }
 
     /// A core with Solar clients also receives on the source ports their paths leave from,

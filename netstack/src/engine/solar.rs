@@ -607,7 +607,8 @@ impl SolarCore {
             while let Some(t) = s.server.poll_transmit() {
                 any = true;
                 let dst = token_addr(t.peer);
-                self.out.push(SolarOut { t, link: 0, dst });
+                let link = t.port as usize;
+                self.out.push(SolarOut { t, link, dst });
             }
         }
         if now >= self.next_publish {
