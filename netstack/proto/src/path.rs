@@ -172,8 +172,6 @@ struct Path {
     next_probe: u64,
     /// When the path last moved to another source port (0: never).
     repathed_at: u64,
-    /// A probe went out on the current port while the path was down.
-    probed_here: bool,
 }
 
 /// The path new packets keep taking, and how many more may take it (flowlets: a GSO message
@@ -230,7 +228,6 @@ impl PathSet {
             losses_in_row: 0,
             next_probe: 0,
             repathed_at: 0,
-            probed_here: false,
         };
         let mut paths: SmallVec<[Path; 4]> = std::iter::repeat_n(path, n).collect();
         for (i, p) in paths.iter_mut().enumerate() {
@@ -252,11 +249,13 @@ impl PathSet {
 
     /// The host has `total` source ports (a 5-tuple each, so ECMP hashes each onto a link of its
     /// own choosing) that these paths may leave from; path `i` starts on port `i`, and ports
-    /// `len()..total` are spares. A path that looks cut (it went down, a probe of it went
-    /// unanswered, or a packet sent on its current port timed out) moves to a port no other
-    /// path uses: a fresh hash, likely onto a link that works, as Protective ReRoute moves a
-    /// flow by changing its IPv6 flow label. Without spares (`total` at most `len()`) paths
-    /// never move. At most 255.
+    /// `len()..total` are spares. When every path is silent (a packet times out and no path
+    /// delivered since it was sent), the timed-out path moves to a port no other path uses: a
+    /// fresh hash, likely onto a link that works, as Protective ReRoute moves a flow by
+    /// changing its IPv6 flow label. While another path delivers, a silent path keeps its port
+    /// (it goes down, is probed there, and comes back when its link does): moving it would
+    /// gather every path on the links that stayed up, and a restored link would stay unused.
+    /// Without spares (`total` at most `len()`) paths never move. At most 255.
     pub fn set_ports(&mut self, total: usize) {
         self.ports = total.clamp(self.paths.len(), 255) as u8;
         self.port_cursor = self.paths.len() as u8 % self.ports;
@@ -293,22 +292,23 @@ impl PathSet {
                 p.s.port = port;
                 p.s.repaths += 1;
                 p.repathed_at = now.max(1);
-                p.probed_here = false;
                 return true;
             }
         }
         false
     }
 
-    /// A packet sent on path `i` at `sent_at` timed out (its retransmission timer fired). If it
-    /// left from the path's current port, the path moves to a fresh one (once per port: packets
-    /// sent before the move say nothing about the new port); returns whether it moved.
+    /// A packet sent on path `i` at `sent_at` timed out (its retransmission timer fired). If no
+    /// path delivered since it was sent and it left from the path's current port, the path
+    /// moves to a fresh one (once per port: packets sent before the move say nothing about the
+    /// new port); returns whether it moved.
     pub fn on_timeout(&mut self, i: u8, sent_at: u64, now: u64) -> bool {
         self.now = self.now.max(now);
         let Some(p) = self.paths.get(i as usize) else {
             return false;
         };
-        sent_at >= p.repathed_at && self.repath(i as usize, now)
+        let all_silent = self.last_delivery <= sent_at;
+        all_silent && sent_at >= p.repathed_at && self.repath(i as usize, now)
     }
 
     /// How many paths.
@@ -596,7 +596,6 @@ impl PathSet {
                 p.s.downs += 1;
                 p.next_probe = now + self.p.probe_interval_ns;
                 down.push(i as u8);
-                self.repath(i, now);
             }
         }
         down
@@ -613,12 +612,7 @@ impl PathSet {
         } else {
             self.p.probe_interval_ns
         };
-        // a down path's earlier probe went unanswered: this one tries another port
-        if !self.paths[i].s.up && self.paths[i].probed_here {
-            self.repath(i, now);
-        }
         let p = &mut self.paths[i];
-        p.probed_here = !p.s.up;
         p.next_probe = now + every;
         p.s.probes_sent += 1;
         Some(i as u8)
@@ -933,7 +927,8 @@ mod tests {
     }
 
     #[test]
-    fn a_path_moves_to_a_spare_port_once_per_port_on_timeouts_and_on_each_unanswered_probe() {
+    fn a_path_moves_to_a_spare_port_on_timeouts_only_while_every_path_is_silent() {
+        // both paths delivered at 100 us, nothing since
         let mut s = measured(2);
         // no spare: never moves
         assert!(!s.on_timeout(0, 1_000_000, 2_000_000));
@@ -949,28 +944,23 @@ mod tests {
         assert!(s.on_timeout(1, 1_000_000, 4_000_000));
         assert_eq!(s.port(1), 0);
         assert_eq!(s.repaths(), 3);
-        // path 1 goes silent while path 0 delivers: down, and off its port at once
+        // path 0 delivers: path 1's loss is a partial cut, and path 1 keeps its port through
+        // its timeout, going down, and its probes, so it comes back where its link does
         s.on_send(1, 5_000_000);
         s.on_send(0, 5_000_000);
         s.on_delivered(0, 5_100_000);
+        assert!(!s.on_timeout(1, 5_000_000, 7_000_000));
         let down = s.check(5_000_000 + 3 * s.rto(1) + 1);
         assert_eq!(&down[..], &[1]);
-        let moved = s.port(1);
-        assert_ne!(moved, 0);
-        // its first probe tries that port; the next (the first unanswered) another one
         let t = 100_000_000;
         assert_eq!(s.probe_due(t), Some(1));
-        assert_eq!(s.port(1), moved);
         assert_eq!(s.probe_due(t + s.params().probe_interval_ns), Some(1));
-        assert_ne!(s.port(1), moved);
-        let stats = s.stats();
-        assert_eq!(stats[1].port, s.port(1));
-        assert_eq!(stats[0].repaths + stats[1].repaths, 5);
-        // an answer brings it back, where it is
-        let here = s.port(1);
+        assert_eq!(s.port(1), 0);
         s.on_probe_reply(1, t + 20_000_000);
         assert!(s.is_up(1));
-        assert_eq!(s.port(1), here);
+        let stats = s.stats();
+        assert_eq!((stats[0].port, stats[1].port), (3, 0));
+        assert_eq!(stats[0].repaths + stats[1].repaths, 3);
         assert!(s.ports_distinct());
     }
 
