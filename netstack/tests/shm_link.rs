@@ -44,6 +44,17 @@ fn pair(a: LinkMode, b: LinkMode) -> (Side, Side) {
     (a, b)
 }
 
+/// The most rings a side may have sent through: one per source port its QP's path used. A
+/// path starts on the main port and moves to a spare port at a timeout while no answer came
+/// (one at the first READ when the peer connects late, or a long stall on a loaded machine).
+fn rings_for(sides: &[&Side]) -> u64 {
+    1 + sides
+        .iter()
+        .flat_map(|s| s.qp.path_stats())
+        .map(|p| p.repaths as u64)
+        .sum::<u64>()
+}
+
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len)
         .map(|i| (i as u32).wrapping_mul(2654435761).to_le_bytes()[1] ^ seed)
@@ -88,14 +99,23 @@ fn round(a: &Side, b: &Side, len: usize, seed: u8) {
 #[test]
 fn same_host_contexts_move_datagrams_through_rings() {
     let (a, b) = pair(LinkMode::Shm, LinkMode::Shm);
-    for (i, len) in [1 << 20, 4096, 100_000].into_iter().enumerate() {
+    // the first round's datagrams go over UDP until each side has read its HELLO's ACK (late
+    // on a loaded machine); the rounds after it go through the rings
+    let mut first = None;
+    for (i, len) in [1 << 20, 4096, 100_000, 1 << 20].into_iter().enumerate() {
         round(&a, &b, len, i as u8);
         round(&b, &a, len, 100 + i as u8);
+        first.get_or_insert((a.ctx.stats(), b.ctx.stats()));
     }
     let (sa, sb) = (a.ctx.stats(), b.ctx.stats());
-    for s in [&sa, &sb] {
-        assert_eq!(s.shm_peers, 1, "{s:?}");
-        assert!(s.shm_tx_messages > 20 && s.shm_rx_messages > 20, "{s:?}");
+    let (fa, fb) = first.unwrap();
+    let rings = rings_for(&[&a, &b]);
+    for (s, f) in [(&sa, &fa), (&sb, &fb)] {
+        assert!((1..=rings).contains(&s.shm_peers), "{s:?}");
+        // most sends after the first round went through a ring (a path that moved to a spare
+        // port sends its first datagrams from there over UDP)
+        let (ring, all) = (s.shm_tx_messages - f.shm_tx_messages, s.tx_messages - f.tx_messages);
+        assert!(2 * ring >= all && s.shm_rx_messages > f.shm_rx_messages, "{f:?}\n{s:?}");
         assert_eq!((s.rx_bad_icrc, s.rx_malformed), (0, 0), "{s:?}");
     }
     // the rings carried what one side sent and the other received
@@ -122,7 +142,7 @@ fn same_host_contexts_move_datagrams_through_rings() {
     // (late ACKs may have moved the counters since the snapshot above)
     assert!(value("flexns_shm_messages_total", "direction=\"tx\"") >= sa.shm_tx_messages as f64);
     assert!(value("flexns_shm_messages_total", "direction=\"rx\"") >= sa.shm_rx_messages as f64);
-    assert_eq!(value("flexns_shm_peers", ""), 1.0);
+    assert!((1.0..=rings as f64).contains(&value("flexns_shm_peers", "")));
     // the names of the ring files are gone once both ends mapped them
     let left: Vec<_> = std::fs::read_dir("/dev/shm")
         .unwrap()
@@ -187,19 +207,9 @@ fn two_processes_share_rings() {
     let a = side(LinkMode::Shm);
     // the child's endpoint and memory key, one line each way
     let line = peer_says(&mut out, "PEER ");
-    let (ep, addr, rkey) = peer_line(&line, a.qp.local_endpoint());
+    let (ep, addr, rkey) = peer_line(&line).unwrap();
     a.qp.connect(&ep).unwrap();
-    let me = a.qp.local_endpoint();
-    writeln!(
-        stdin,
-        "{} {} {} {} {}",
-        me.qpn,
-        me.psn,
-        me.addr,
-        a.mr.addr(),
-        a.mr.rkey()
-    )
-    .unwrap();
+    writeln!(stdin, "{}", my_line(&a.qp.local_endpoint(), a.mr.addr(), a.mr.rkey())).unwrap();
     // small READs until the handshake over UDP has put this side's datagrams on a ring
     for i in 0.. {
         assert!(i < 1000, "no ring to the child: {:?}", a.ctx.stats());
@@ -210,7 +220,7 @@ fn two_processes_share_rings() {
         )
         .unwrap();
         assert_eq!(a.cq.next(T).expect("read completion").status, WcStatus::Success);
-        if a.ctx.stats().shm_peers == 1 {
+        if a.ctx.stats().shm_peers >= 1 {
             break;
         }
     }
@@ -249,25 +259,27 @@ fn two_processes_share_rings() {
     let rest = peer_says(&mut out, "shm_rx_messages ");
     assert!(child.wait().unwrap().success());
     let s = a.ctx.stats();
-    assert_eq!(s.shm_peers, 1, "{s:?}");
+    assert!((1..=rings_for(&[&a])).contains(&s.shm_peers), "{s:?}");
     assert!(s.shm_tx_messages > 10 && s.shm_rx_messages > 10, "{s:?}");
     // the child's own count: ring messages it received
     let child_rx: u64 = rest.trim().parse().unwrap();
     assert!(child_rx > 10, "child: {rest}");
 }
 
-/// The child's line: QPN, PSN, address, memory address and rkey (the rest of the endpoint is
-/// the defaults both sides share).
-fn peer_line(line: &str, template: Endpoint) -> (Endpoint, u64, u32) {
+/// A side's line: its QP's whole endpoint (JSON: the peer accepts packets from every source
+/// port it names, and a path that moves to a spare port sends from one), its memory's address
+/// and its rkey.
+fn my_line(ep: &Endpoint, addr: u64, rkey: u32) -> String {
+    format!("{} {addr} {rkey}", serde_json::to_string(ep).unwrap())
+}
+
+/// Reads [`my_line`]'s fields back.
+fn peer_line(line: &str) -> Result<(Endpoint, u64, u32), Box<dyn std::error::Error>> {
     let f: Vec<&str> = line.split_whitespace().collect();
-    assert_eq!(f.len(), 5, "child said {line:?}");
-    let ep = Endpoint {
-        qpn: f[0].parse().unwrap(),
-        psn: f[1].parse().unwrap(),
-        addr: f[2].parse().unwrap(),
-        ..template
-    };
-    (ep, f[3].parse().unwrap(), f[4].parse().unwrap())
+    if f.len() != 3 {
+        return Err(format!("bad peer line {line:?}").into());
+    }
+    Ok((serde_json::from_str(f[0])?, f[1].parse()?, f[2].parse()?))
 }
 
 /// Set in the child process of [`two_processes_share_rings`].
@@ -291,7 +303,7 @@ fn peer_says(out: &mut impl BufRead, tag: &str) -> String {
 }
 
 /// The child: a context with `link = "shm"` that prints its QP's endpoint and memory key
-/// (`PEER QPN PSN ADDRESS MEMORY_ADDRESS RKEY`), reads the test's line (the same fields),
+/// (`PEER` and [`my_line`]), reads the test's line (the same fields),
 /// waits for the test's WRITE and SEND, WRITEs the same bytes back to the test at offset
 /// 1 MiB, SENDs, and prints how many messages it received through rings once its stdin closes.
 fn child_side() -> Result<(), Box<dyn std::error::Error>> {
@@ -304,21 +316,10 @@ fn child_side() -> Result<(), Box<dyn std::error::Error>> {
     let cq = ctx.create_cq(64)?;
     let qp = ctx.create_qp(&pd, &cq, &cq, QpInitAttr::default())?;
     let mr = pd.reg_mr(2 << 20, Access::ALL)?;
-    let me = qp.local_endpoint();
-    println!("PEER {} {} {} {} {}", me.qpn, me.psn, me.addr, mr.addr(), mr.rkey());
+    println!("PEER {}", my_line(&qp.local_endpoint(), mr.addr(), mr.rkey()));
     let mut lines = std::io::stdin().lock().lines();
     let line = lines.next().ok_or("no peer line")??;
-    let f: Vec<&str> = line.split_whitespace().collect();
-    if f.len() != 5 {
-        return Err(format!("bad peer line {line:?}").into());
-    }
-    let peer = Endpoint {
-        qpn: f[0].parse()?,
-        psn: f[1].parse()?,
-        addr: f[2].parse()?,
-        ..me
-    };
-    let (addr, rkey): (u64, u32) = (f[3].parse()?, f[4].parse()?);
+    let (peer, addr, rkey) = peer_line(&line)?;
     qp.post_recv(RecvWr {
         wr_id: 1,
         sg_list: [mr.sge(1 << 20, 64)].into_iter().collect(),
