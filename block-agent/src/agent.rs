@@ -234,6 +234,13 @@ impl netstack::telemetry::Collect for Agent {
             c("flexns_solar_timeouts_total", st.stats.timeouts);
             c("flexns_solar_crc_errors_total", st.stats.crc_errors);
             c("flexns_solar_path_downs_total", st.stats.path_downs);
+            // accepted write blocks asked again: their deadline passed, or a later block's Ok
+            // overtook them
+            let by_order = st.stats.durable_resends_by_order;
+            for (trigger, v) in [("deadline", st.stats.durable_resends - by_order), ("order", by_order)] {
+                counter!("flexns_solar_durable_resends_total", "node" => node.clone(), "trigger" => trigger)
+                    .absolute(v);
+            }
         }
         for name in self.exports.names() {
             let Some(v) = self.exports.get(&name) else { continue };

@@ -195,6 +195,9 @@ pub struct ClientStats {
     pub repaths: u64,
     /// Accepted write blocks sent again because their `Ok` did not come in time.
     pub durable_resends: u64,
+    /// Of those, the ones sent again early: the `Ok` of a block accepted well after them came
+    /// first (the server makes writes durable in about the order it accepts them).
+    pub durable_resends_by_order: u64,
 }
 
 /// One path's packets, by PSN (health and timing are the [`PathSet`]'s). The wire carries a
@@ -305,8 +308,20 @@ struct Io {
     /// Where each outstanding block's packet is.
     at: BTreeMap<u16, Carrier>,
     /// Write blocks the server accepted, waiting to be durable: resent after the deadline.
-    accepted: BTreeMap<u16, u64>,
+    accepted: BTreeMap<u16, Accepted>,
     deadline: u64,
+}
+
+/// A write block the server accepted: when its `Accepted` came, and when it is sent again if
+/// its `Ok` has not come.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Accepted {
+    at: u64,
+    deadline: u64,
+    /// Sent again once already because a later block's `Ok` overtook it: from then on only
+    /// its deadline sends it again (a block the disk is slow with is not resent at every
+    /// `Ok` that overtakes it).
+    reordered: bool,
 }
 
 /// The packet that carries a block: its path and its PSN there.
@@ -343,6 +358,10 @@ pub struct SolarClient {
     last_now: u64,
     /// Smoothed time the server takes to make a write durable (from its `Ok` answers).
     service_ns: u64,
+    /// Accepted write blocks by when their `Accepted` came: (time, request, block). An entry
+    /// whose block is no longer waiting (done, resent, its request gone) is skipped and
+    /// dropped when reached.
+    accept_order: BTreeSet<(u64, IoId, u16)>,
     stats: ClientStats,
 }
 
@@ -387,6 +406,7 @@ impl SolarClient {
             next_send_at: 0,
             last_now: now,
             service_ns: 0,
+            accept_order: BTreeSet::new(),
             stats: ClientStats::default(),
         };
         if let Some(cc) = c.cc.as_mut() {
@@ -835,7 +855,9 @@ impl SolarClient {
             return false;
         }
         s.done[idx as usize] = true;
-        s.accepted.remove(&idx);
+        if let Some(a) = s.accepted.remove(&idx) {
+            self.accept_order.remove(&(a.at, io, idx));
+        }
         let carrier = s.at.remove(&idx);
         let write = s.kind == Kind::Write;
         if let (true, Some(c)) = (write, carrier) {
@@ -923,11 +945,27 @@ impl SolarClient {
                         let s = self.ios.get_mut(&io).expect("looked up above");
                         if !s.done[idx as usize] && s.at.get(&idx) == Some(&Carrier { path, psn }) {
                             s.at.remove(&idx);
-                            s.accepted.insert(idx, now + timeout);
+                            let reordered = s.accepted.get(&idx).is_some_and(|a| a.reordered);
+                            let a = Accepted {
+                                at: now,
+                                deadline: now + timeout,
+                                reordered,
+                            };
+                            if let Some(old) = s.accepted.insert(idx, a) {
+                                self.accept_order.remove(&(old.at, io, idx));
+                            }
+                            if !reordered {
+                                self.accept_order.insert((now, io, idx));
+                            }
                         }
                     }
                     Some(Status::Ok) => {
-                        self.block_done(io, idx);
+                        let at = self.ios[&io].accepted.get(&idx).map(|a| a.at);
+                        if self.block_done(io, idx) {
+                            if let Some(at) = at {
+                                self.oks_overtaken(now, at);
+                            }
+                        }
                     }
                     Some(Status::Stale) => {
                         // a newer write to the block is already there: nothing to resend
@@ -1061,6 +1099,33 @@ impl SolarClient {
         }
     }
 
+    /// The `Ok` of a block accepted at `at` came: a block accepted well before it that is
+    /// still waiting lost its `Ok` (or the server lost the block) and is sent again now rather
+    /// than at its deadline. The server makes writes durable in about the order it accepts
+    /// them (its writers share group commits), and an `Accepted` and the `Ok` after it cross
+    /// the same path, so "well before" is one smoothed service time plus half the least RTO
+    /// (blocks of one group commit, answered in any order, and the paths' jitter). A block
+    /// sent again that is still being applied is answered `Accepted` once more; its deadline
+    /// starts again from now.
+    fn oks_overtaken(&mut self, now: u64, at: u64) {
+        let margin = self.service_ns + self.cfg.min_rto_ns / 2;
+        let Some(before) = at.checked_sub(margin) else { return };
+        while let Some(&(t, io, idx)) = self.accept_order.first() {
+            if t >= before {
+                break;
+            }
+            self.accept_order.pop_first();
+            let Some(s) = self.ios.get_mut(&io) else { continue };
+            if let Some(a) = s.accepted.get_mut(&idx).filter(|a| a.at == t) {
+                a.deadline = now + (a.deadline - a.at);
+                a.reordered = true;
+                self.stats.durable_resends += 1;
+                self.stats.durable_resends_by_order += 1;
+                self.queue.push_front(Queued::resend(io, idx, None));
+            }
+        }
+    }
+
     /// The earliest time [`Self::on_timer`] has work.
     pub fn next_timeout(&self) -> Option<u64> {
         let rto = self
@@ -1077,7 +1142,7 @@ impl SolarClient {
         let io = self
             .ios
             .values()
-            .flat_map(|s| s.accepted.values().copied().chain([s.deadline]))
+            .flat_map(|s| s.accepted.values().map(|a| a.deadline).chain([s.deadline]))
             .min();
         let pace = (self.next_send_at > self.last_now && !self.queue.is_empty()).then_some(self.next_send_at);
         [rto, paths, io, self.cc_timer, pace].into_iter().flatten().min()
@@ -1149,14 +1214,15 @@ impl SolarClient {
         // accepted write blocks that never became durable: sent again
         let mut again = Vec::new();
         for (&io, s) in self.ios.iter_mut() {
-            s.accepted.retain(|&idx, &mut t| {
-                if t <= now {
-                    again.push((io, idx));
+            s.accepted.retain(|&idx, a| {
+                if a.deadline <= now {
+                    again.push((io, idx, a.at));
                 }
-                t > now
+                a.deadline > now
             });
         }
-        for (io, idx) in again {
+        for (io, idx, at) in again {
+            self.accept_order.remove(&(at, io, idx));
             self.stats.durable_resends += 1;
             self.queue.push_front(Queued::resend(io, idx, None));
         }
@@ -1183,7 +1249,7 @@ impl SolarClient {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::transport::solar::server::{Request, SolarServer};
+    use crate::transport::solar::server::{Request, SolarServer, Token};
 
     /// The wire carries a PSN's low 32 bits: answers to packets whose PSNs cross 2^32 on every
     /// path are matched to their packets (each block sent once, no timeout).
@@ -1230,5 +1296,95 @@ mod tests {
             "every path's PSNs went past 2^32"
         );
         assert!(c.ledgers.iter().all(|l| l.sent.is_empty()), "nothing left in flight");
+    }
+
+    /// Sends the client's next packet to the server; returns the token of the write the
+    /// server hands its driver (None for a duplicate it answers itself).
+    fn deliver_write(c: &mut SolarClient, s: &mut SolarServer, now: u64) -> Option<Token> {
+        let t = c.poll_transmit(now).expect("a packet to send");
+        match s.on_packet(0, &t.to_vec(), false).unwrap() {
+            Some(Request::Write { token, .. }) => Some(token),
+            None => None,
+            Some(other) => panic!("{other:?}"),
+        }
+    }
+
+    /// The server's answers reach the client (`keep` false: they are lost).
+    fn answers(c: &mut SolarClient, s: &mut SolarServer, now: u64, keep: bool) {
+        while let Some(t) = s.poll_transmit() {
+            if keep {
+                c.on_packet(now, &t.to_vec()).unwrap();
+            }
+        }
+    }
+
+    /// The `Ok` of a block accepted well after another comes first: the other's `Ok` was lost,
+    /// and that block goes again at once, not at its deadline (no timer runs here); the
+    /// server answers the duplicate `Ok`. A block the disk is only slow with goes again once,
+    /// however many later `Ok`s overtake it.
+    #[test]
+    fn a_lost_ok_is_asked_again_when_a_later_blocks_ok_overtakes_it() {
+        let cfg = ClientConfig {
+            paths: 1,
+            ..Default::default()
+        };
+        let mut c = SolarClient::new(cfg, None, 1_000);
+        let mut s = SolarServer::new();
+        let block = |b: u8| Arc::from(vec![b; BLOCK]);
+        let mut now = 1_000_000;
+        let a = c.write(now, 1, 1, block(1), false).unwrap();
+        let ta = deliver_write(&mut c, &mut s, now).unwrap();
+        answers(&mut c, &mut s, now, true); // Accepted
+                                            // past the margin (half the least RTO, the server's service time being 0 here)
+        now += 2_000_000;
+        let b = c.write(now, 1, 2, block(2), false).unwrap();
+        let tb = deliver_write(&mut c, &mut s, now).unwrap();
+        answers(&mut c, &mut s, now, true);
+        s.write_done(ta, Status::Ok);
+        answers(&mut c, &mut s, now, false); // a's Ok is lost
+        s.write_done(tb, Status::Ok);
+        answers(&mut c, &mut s, now, true);
+        assert_eq!(c.poll_event(), Some(ClientEvent::Done { io: b, result: Ok(()) }));
+        assert_eq!(c.stats().durable_resends_by_order, 1);
+        // a goes again now, and the server says again that it is durable
+        assert_eq!(
+            deliver_write(&mut c, &mut s, now),
+            None,
+            "a duplicate, not applied twice"
+        );
+        answers(&mut c, &mut s, now, true);
+        assert_eq!(c.poll_event(), Some(ClientEvent::Done { io: a, result: Ok(()) }));
+        assert!(c.accept_order.is_empty());
+
+        // the disk is slow with block 10: the Oks of 11 and 12, accepted later, come first
+        now += 2_000_000;
+        let slow = c.write(now, 1, 10, block(10), false).unwrap();
+        let t10 = deliver_write(&mut c, &mut s, now).unwrap();
+        answers(&mut c, &mut s, now, true);
+        for lba in [11, 12] {
+            now += 2_000_000;
+            let io = c.write(now, 1, lba, block(lba as u8), false).unwrap();
+            let t = deliver_write(&mut c, &mut s, now).unwrap();
+            s.write_done(t, Status::Ok);
+            answers(&mut c, &mut s, now, true);
+            assert_eq!(c.poll_event(), Some(ClientEvent::Done { io, result: Ok(()) }));
+            if lba == 11 {
+                // 10 goes again; the server is still applying it and says so
+                assert_eq!(deliver_write(&mut c, &mut s, now), None);
+                answers(&mut c, &mut s, now, true);
+            }
+            assert!(c.poll_transmit(now).is_none(), "10 goes again once, after 11's Ok only");
+        }
+        assert_eq!(c.stats().durable_resends_by_order, 2);
+        s.write_done(t10, Status::Ok);
+        answers(&mut c, &mut s, now, true);
+        assert_eq!(
+            c.poll_event(),
+            Some(ClientEvent::Done {
+                io: slow,
+                result: Ok(())
+            })
+        );
+        assert_eq!(s.stats().writes, 5, "every block applied once");
     }
 }
