@@ -1111,6 +1111,76 @@ fn solar_on_the_simulated_network_acknowledges_and_applies_each_write_once() {
     }
 }
 
+/// ECMP hashes the two directions of a flow apart: here only the way back fails (every
+/// datagram the responder's main port sends is dropped for a second), so the requests arrive
+/// and every ACK is lost. The requester's timeout moves its one path to a spare port; the
+/// responder answers a request from the peer's spare port `k` from its own port `k`, a fresh
+/// hash back, and the WRITEs complete long before the cut ends.
+#[test]
+fn a_qp_whose_way_back_is_cut_gets_its_answers_on_the_port_it_moved_to() {
+    let faults = Faults {
+        delay_ns: 10_000,
+        ..Faults::default()
+    };
+    let net = SimNet::new(12, faults);
+    let open = |h: u8| {
+        Context::open_simulated(
+            ContextConfig {
+                bind: SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, h), 4791),
+                path_ports: 4,
+                ..ContextConfig::default()
+            },
+            &net,
+        )
+        .expect("simulated context")
+    };
+    let (a, b) = (open(1), open(2));
+    let (pa, pb) = (a.alloc_pd(), b.alloc_pd());
+    let (ca, cb) = (a.create_cq(64).unwrap(), b.create_cq(64).unwrap());
+    let (ma, mb) = (
+        pa.reg_mr(1 << 20, Access::ALL).unwrap(),
+        pb.reg_mr(1 << 20, Access::ALL).unwrap(),
+    );
+    let qa = a.create_qp(&pa, &ca, &ca, QpInitAttr::default()).unwrap();
+    let qb = b.create_qp(&pb, &cb, &cb, QpInitAttr::default()).unwrap();
+    qa.connect(&qb.local_endpoint()).unwrap();
+    qb.connect(&qa.local_endpoint()).unwrap();
+    let start = net.now();
+    net.cut(SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 2), 4791), 1_000_000_000);
+    const N: usize = 8;
+    let mut rng = StdRng::seed_from_u64(12);
+    let mut data = vec![0u8; N * 4096];
+    rng.fill(&mut data[..]);
+    ma.write(0, &data);
+    for i in 0..N {
+        let wr = SendWr::new(i as u64, WrOpcode::RdmaWrite)
+            .sge(ma.sge(i * 4096, 4096))
+            .remote(mb.addr() + (i * 4096) as u64, mb.rkey());
+        qa.post_send(wr).unwrap();
+    }
+    let mut wcs = [EMPTY_WC; 16];
+    let mut done = 0;
+    while done < N {
+        assert!(
+            net.now() - start < 200_000_000,
+            "{done} of {N} WRITEs done 200 ms into a 1 s cut of the way back: {:?}",
+            qa.path_stats()
+        );
+        net.step();
+        let n = ca.poll(&mut wcs);
+        for wc in &wcs[..n] {
+            assert_eq!(wc.status, WcStatus::Success, "{wc:?}");
+            done += 1;
+        }
+    }
+    let mut got = vec![0u8; N * 4096];
+    mb.read(0, &mut got);
+    assert!(got == data, "every WRITE's bytes at the target");
+    let st = qa.path_stats();
+    assert!(st[0].port >= 1 && st[0].repaths >= 1, "the path left its port: {st:?}");
+    eprintln!("done {} us into the cut: {st:?}", (net.now() - start) / 1000);
+}
+
 /// ECMP may hash every path of a sprayed RC QP onto the link that fails: here every source
 /// port its two paths start on is cut (host 1's main port and its first extra port) for a
 /// second. None delivers, so none can go down; the retransmission timeouts move the paths to

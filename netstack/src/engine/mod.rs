@@ -109,6 +109,11 @@ pub(crate) struct QpSlot {
     pub routes: Vec<(usize, SocketAddrV4)>,
     /// Other addresses the peer sends this QP's packets from (its path sockets).
     pub peer_sources: Vec<SocketAddrV4>,
+    /// Per path, the route its responses (ACKs, READ responses, CNPs) leave on: the one whose
+    /// socket has the index of the peer's socket the latest request on that path came from,
+    /// so a peer that moved a path to a spare port (a fresh ECMP hash one way) also gets its
+    /// answers on a fresh hash back; unset (`u8::MAX`) until a request came.
+    pub reply_routes: Vec<u8>,
     pub send_cq: Arc<CqShared>,
     pub recv_cq: Arc<CqShared>,
     pub mirror: Arc<QpMirror>,
@@ -132,6 +137,43 @@ impl QpSlot {
     /// Whether a packet from `src` may be this QP's peer.
     pub(crate) fn accepts(&self, src: SocketAddrV4) -> bool {
         self.remote == Some(src) || self.peer_sources.contains(&src)
+    }
+
+    /// A request on `path` came from the peer's socket at `src`: that path's responses leave
+    /// from this side's socket of the same index (the peer's sockets are its `remote` and
+    /// then its `peer_sources`, in its link's order, as this side's routes are numbered).
+    pub(crate) fn note_request_source(&mut self, path: u8, src: SocketAddrV4) {
+        let peer_socket = if self.remote == Some(src) {
+            0
+        } else {
+            match self.peer_sources.iter().position(|&a| a == src) {
+                Some(i) => i + 1,
+                None => return,
+            }
+        };
+        let Some(route) = self.routes.iter().position(|r| r.0 == peer_socket) else {
+            return;
+        };
+        let path = path as usize;
+        if self.reply_routes.len() <= path {
+            self.reply_routes.resize(path + 1, u8::MAX);
+        }
+        self.reply_routes[path] = route as u8;
+    }
+
+    /// The port and destination of a packet on `path`: a response takes the route its
+    /// path's requests came on ([`QpSlot::note_request_source`]), the rest [`QpSlot::route`].
+    pub(crate) fn route_for(&self, path: u8, response: bool) -> Option<(usize, SocketAddrV4)> {
+        if response {
+            if let Some(&r) = self
+                .reply_routes
+                .get(path as usize)
+                .and_then(|&k| self.routes.get(k as usize))
+            {
+                return Some(r);
+            }
+        }
+        self.route(path)
     }
 
     /// Refreshes the mirror the application reads (state, retired WQEs).

@@ -2,6 +2,7 @@
 //! hairpin packets, and dispatch of each datagram to its QP (or to the Solar endpoints).
 
 use super::*;
+use crate::wire::opcode::Opcode;
 
 /// A received datagram waiting out the emulated propagation delay.
 pub(super) struct Delayed {
@@ -166,6 +167,9 @@ impl DataCore {
         if !s.accepts(src) {
             stats.rx_wrong_source.inc();
             return None;
+        }
+        if Opcode::from_u8(v.bth.opcode).is_some_and(Opcode::is_request) {
+            s.note_request_source(v.bth.path, src);
         }
         let copied = s.qp.payload_copy_bytes();
         s.qp.handle_packet_ecn(now, &v, ce, &*shared.mrs);

@@ -3,6 +3,7 @@
 //! snapshots.
 
 use super::*;
+use crate::wire::opcode::Opcode;
 
 impl DataCore {
     /// Polls the active QPs for packets; sends them when `flush` (or the batch is full).
@@ -21,7 +22,10 @@ impl DataCore {
             while self.out.len() < TX_BATCH {
                 match s.qp.poll_transmit(now) {
                     Some(pkt) => {
-                        let Some((port, dst)) = s.route(pkt.path) else { break };
+                        let response = !Opcode::from_u8(pkt.hdr.bth().opcode).is_some_and(Opcode::is_request);
+                        let Some((port, dst)) = s.route_for(pkt.path, response) else {
+                            break;
+                        };
                         let src = link.local_addr(port);
                         if self.local_addrs.contains(&dst) {
                             loop_back(&self.shared.stats, &mut self.spare, &mut self.hairpin, &pkt, src, dst);
@@ -243,7 +247,6 @@ fn send_batch<T: Datagram>(
 fn snapshot_read_payload(pkt: &mut TxPacket, stats: &EngineStats, crc: &mut icrc::Icrc) -> bool {
     /// Payloads up to this many bytes are always copied.
     const SNAPSHOT_SMALL_PAYLOAD: usize = 512;
-    use crate::wire::opcode::Opcode;
     let read_resp = matches!(
         Opcode::from_u8(pkt.hdr.bth().opcode),
         Some(

@@ -141,6 +141,7 @@ impl Qp {
             remote: None,
             routes: Vec::new(),
             peer_sources: Vec::new(),
+            reply_routes: Vec::new(),
             send_cq,
             recv_cq,
             mirror: mirror.clone(),
@@ -659,6 +660,7 @@ fn rtr(
     s.remote = Some(remote.addr);
     s.routes = routes;
     s.peer_sources = remote.sources.iter().chain(&remote.extra_addrs).copied().collect();
+    s.reply_routes.clear();
     Ok(())
 }
 
