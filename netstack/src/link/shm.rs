@@ -447,6 +447,9 @@ struct PortState {
     tx_messages: u64,
     rx_messages: u64,
     doorbells: u64,
+    /// The core received on this port itself since [`ShmLink::answers_on`] last looked (a
+    /// Solar client's path moved to it, and its server answers there).
+    received: bool,
 }
 
 /// UDP sockets with shared-memory rings to the peers on this host that run a shm link too.
@@ -503,10 +506,12 @@ impl ShmLink {
     }
 
     /// Reads the socket of send-only port `q` for answers to its pending handshakes (anything
-    /// else arriving there is dropped, as it would be with nothing reading that socket).
+    /// else arriving there is dropped, as it would be with nothing reading that socket). A
+    /// port the core receives on itself is left to it: its datagrams are the core's, and its
+    /// receive handles the handshake answers among them.
     fn answers_on(&self, q: usize) {
         let mut st = self.ports[q].lock();
-        if !st.out.values().any(|p| matches!(p, Peer::Pending(_))) {
+        if std::mem::take(&mut st.received) || !st.out.values().any(|p| matches!(p, Peer::Pending(_))) {
             return;
         }
         let mut b = self.scratch.lock();
@@ -692,6 +697,7 @@ impl Link for ShmLink {
     fn recv(&self, port: usize, batch: &mut RecvBatch) -> io::Result<usize> {
         let mut st = self.ports[port].lock();
         st.polls = st.polls.wrapping_add(1);
+        st.received = true;
         let mut n = 0;
         if st.inbound.is_empty() || st.read_udp || st.polls.is_multiple_of(UDP_EVERY) {
             st.read_udp = false;
