@@ -568,26 +568,16 @@ fn accepted_blocks_wait_for_durability_and_a_lost_one_is_sent_again() {
 /// fails, and none takes much longer than one RTO (2 ms here). Resends avoid paths silent for their RTO, the cut paths leave the
 /// rotation once the others deliver, and probes bring them back. With the agent's RTO
 /// settings (20 ms initial, 2 ms minimum) on a 40 us fabric.
-/// Writes at depth 32 over 4 paths losing 1 % of packets both ways, to a server whose writes
-/// become durable at a group commit every 200 us: a write whose `Ok` was lost is asked again
-/// once the `Ok` of a later one comes (not after RTO + 4 service times), so the slowest writes
-/// take about a lost packet's recovery, and every acknowledged block is stored.
-#[test]
-fn at_one_percent_loss_a_lost_ok_costs_no_deadline() {
-    let net = NetCfg {
-        loss: 0.01,
-        base_ns: 20_000,
-        spread_ns: 2_000,
-        ..Default::default()
-    };
-    let mut sim = Sim::new(4, net, 11, false);
-    sim.commit_ns = 200_000;
-    let mut rng = StdRng::seed_from_u64(11);
+/// Writes `n` fresh blocks at depth 32 (distinct blocks in flight), then lets the last ones
+/// finish; checks every write succeeded and the store holds what was acknowledged last.
+/// Returns the writes' latencies, sorted (ns).
+fn depth32_writes(sim: &mut Sim, seed: u64, n: usize) -> Vec<u64> {
+    let mut rng = StdRng::seed_from_u64(seed);
     let mut outstanding: HashMap<u64, (u64, Vec<u8>, u64)> = HashMap::new();
     let mut model: HashMap<u64, Vec<u8>> = HashMap::new();
     let mut lat = Vec::new();
     let mut next_lba = 0u64;
-    while lat.len() < 20_000 {
+    while lat.len() < n {
         while outstanding.len() < 32 {
             let d = data(&mut rng, 1);
             let lba = next_lba % 4096;
@@ -611,23 +601,6 @@ fn at_one_percent_loss_a_lost_ok_costs_no_deadline() {
             lat.push(sim.now() - at);
         }
     }
-    lat.sort_unstable();
-    let q = |f: f64| lat[((lat.len() as f64 * f) as usize).min(lat.len() - 1)];
-    let st = sim.c.stats();
-    eprintln!(
-        "p50 {} p99 {} p99.9 {} max {} ns; {st:?}",
-        q(0.5),
-        q(0.99),
-        q(0.999),
-        lat[lat.len() - 1]
-    );
-    assert!(
-        st.durable_resends_by_order > 0,
-        "lost Oks were asked again early: {st:?}"
-    );
-    // (waiting for the deadline instead, RTO + 4 service times, made p99.9 1.4 ms here)
-    assert!(q(0.999) < 1_000_000, "p99.9 {} ns", q(0.999));
-    // the writes still outstanding finish; then the store holds what was acknowledged last
     sim.run(2_000_000_000);
     for (io, (lba, d, _)) in outstanding {
         assert_eq!(sim.done[&io], Ok(()), "write {io} failed");
@@ -635,6 +608,70 @@ fn at_one_percent_loss_a_lost_ok_costs_no_deadline() {
     }
     for (lba, d) in &model {
         assert!(sim.store[&(1, *lba)].0[..] == d[..], "block {lba}");
+    }
+    lat.sort_unstable();
+    lat
+}
+
+/// The `q` quantile of sorted latencies.
+fn quantile(lat: &[u64], q: f64) -> u64 {
+    lat[((lat.len() as f64 * q) as usize).min(lat.len() - 1)]
+}
+
+/// Writes at depth 32 over 4 paths losing 1 % of packets both ways, to a server whose writes
+/// become durable at a group commit every 200 us: a write whose `Ok` was lost is asked again
+/// once the `Ok` of a later one comes (not after RTO + 4 service times), so the slowest writes
+/// take about a lost packet's recovery, and every acknowledged block is stored.
+#[test]
+fn at_one_percent_loss_a_lost_ok_costs_no_deadline() {
+    let net = NetCfg {
+        loss: 0.01,
+        base_ns: 20_000,
+        spread_ns: 2_000,
+        ..Default::default()
+    };
+    let mut sim = Sim::new(4, net, 11, false);
+    sim.commit_ns = 200_000;
+    let lat = depth32_writes(&mut sim, 11, 20_000);
+    let st = sim.c.stats();
+    let p999 = quantile(&lat, 0.999);
+    eprintln!(
+        "p50 {} p99.9 {p999} max {} ns; {st:?}",
+        quantile(&lat, 0.5),
+        lat[lat.len() - 1]
+    );
+    assert!(
+        st.durable_resends_by_order > 0,
+        "lost Oks were asked again early: {st:?}"
+    );
+    // (waiting for the deadline instead, RTO + 4 service times, made p99.9 1.4 ms here)
+    assert!(p999 < 1_000_000, "p99.9 {p999} ns");
+}
+
+/// The same stream over 8 paths losing 5 % both ways, with Swift: a timeout while other
+/// packets keep arriving is loss, not a queue, and does not reach the congestion control.
+/// (Fed every expiry, Swift reset its window to the minimum and paced one block per ~100
+/// RTTs: p99 32-57 ms and writes of up to 99 ms on this 40 us fabric; 100-200 ms stalls on
+/// the ECMP testbed.)
+#[test]
+fn at_five_percent_loss_swift_paces_no_write_for_long() {
+    let net = NetCfg {
+        loss: 0.05,
+        base_ns: 20_000,
+        spread_ns: 2_000,
+        ..Default::default()
+    };
+    for seed in 1..4 {
+        let mut sim = Sim::new(8, net.clone(), seed, true);
+        sim.commit_ns = 200_000;
+        let lat = depth32_writes(&mut sim, seed, 10_000);
+        let st = sim.c.stats();
+        let (p99, max) = (quantile(&lat, 0.99), lat[lat.len() - 1]);
+        eprintln!("seed {seed}: p99 {p99} max {max} ns; {st:?}");
+        assert!(
+            p99 < 2_000_000 && max < 5_000_000,
+            "seed {seed}: p99 {p99} ns, max {max} ns: {st:?}"
+        );
     }
 }
 

@@ -358,6 +358,8 @@ pub struct SolarClient {
     last_now: u64,
     /// Smoothed time the server takes to make a write durable (from its `Ok` answers).
     service_ns: u64,
+    /// When packets last expired (0: never).
+    last_timeout: u64,
     /// Accepted write blocks by when their `Accepted` came: (time, request, block). An entry
     /// whose block is no longer waiting (done, resent, its request gone) is skipped and
     /// dropped when reached.
@@ -406,6 +408,7 @@ impl SolarClient {
             next_send_at: 0,
             last_now: now,
             service_ns: 0,
+            last_timeout: 0,
             accept_order: BTreeSet::new(),
             stats: ClientStats::default(),
         };
@@ -1190,7 +1193,15 @@ impl SolarClient {
         }
         if timeouts > 0 {
             self.stats.timeouts += timeouts as u64;
-            self.cc_rx(now, RxKind::Timeout, None, false);
+            // the congestion control hears of a timeout only when nothing was delivered since
+            // the last one: packets that expire while others keep arriving were lost (random
+            // loss, a cut path the detector takes out), not queued, and the delay signal
+            // speaks for the queues. Feeding each expiry made Swift reset its window to the
+            // minimum at 5 % loss and pace one block per ~100 RTTs: stalls of 100-200 ms.
+            if self.paths.last_delivery() <= self.last_timeout {
+                self.cc_rx(now, RxKind::Timeout, None, false);
+            }
+            self.last_timeout = now;
         }
         // what a path that went down had in flight is lost
         for i in self.paths.check(now) {
