@@ -1111,92 +1111,31 @@ fn solar_on_the_simulated_network_acknowledges_and_applies_each_write_once() {
     }
 }
 
-/// ECMP hashes the two directions of a flow apart: here only the way back fails (every
-/// datagram the responder's main port sends is dropped for a second), so the requests arrive
-/// and every ACK is lost. The requester's timeout moves its one path to a spare port; the
-/// responder answers a request from the peer's spare port `k` from its own port `k`, a fresh
-/// hash back, and the WRITEs complete long before the cut ends.
-#[test]
-fn a_qp_whose_way_back_is_cut_gets_its_answers_on_the_port_it_moved_to() {
-    let faults = Faults {
-        delay_ns: 10_000,
-        ..Faults::default()
-    };
-    let net = SimNet::new(12, faults);
+/// Two simulated hosts, 10.0.0.1 and 10.0.0.2 (port 4791), with `ports` source ports each,
+/// and a connected QP on each (the first with `paths` paths, selective repeat); each with
+/// 1 MiB of memory.
+struct CutPair {
+    net: Arc<SimNet>,
+    _ctx: [Context; 2],
+    cq: Cq,
+    qp: Qp,
+    mr: [Mr; 2],
+    _peer: Qp,
+}
+
+fn cut_pair(seed: u64, ports: [u8; 2], paths: usize) -> CutPair {
+    let net = SimNet::new(
+        seed,
+        Faults {
+            delay_ns: 10_000,
+            ..Faults::default()
+        },
+    );
     let open = |h: u8| {
         Context::open_simulated(
             ContextConfig {
                 bind: SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, h), 4791),
-                path_ports: 4,
-                ..ContextConfig::default()
-            },
-            &net,
-        )
-        .expect("simulated context")
-    };
-    let (a, b) = (open(1), open(2));
-    let (pa, pb) = (a.alloc_pd(), b.alloc_pd());
-    let (ca, cb) = (a.create_cq(64).unwrap(), b.create_cq(64).unwrap());
-    let (ma, mb) = (
-        pa.reg_mr(1 << 20, Access::ALL).unwrap(),
-        pb.reg_mr(1 << 20, Access::ALL).unwrap(),
-    );
-    let qa = a.create_qp(&pa, &ca, &ca, QpInitAttr::default()).unwrap();
-    let qb = b.create_qp(&pb, &cb, &cb, QpInitAttr::default()).unwrap();
-    qa.connect(&qb.local_endpoint()).unwrap();
-    qb.connect(&qa.local_endpoint()).unwrap();
-    let start = net.now();
-    net.cut(SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 2), 4791), 1_000_000_000);
-    const N: usize = 8;
-    let mut rng = StdRng::seed_from_u64(12);
-    let mut data = vec![0u8; N * 4096];
-    rng.fill(&mut data[..]);
-    ma.write(0, &data);
-    for i in 0..N {
-        let wr = SendWr::new(i as u64, WrOpcode::RdmaWrite)
-            .sge(ma.sge(i * 4096, 4096))
-            .remote(mb.addr() + (i * 4096) as u64, mb.rkey());
-        qa.post_send(wr).unwrap();
-    }
-    let mut wcs = [EMPTY_WC; 16];
-    let mut done = 0;
-    while done < N {
-        assert!(
-            net.now() - start < 200_000_000,
-            "{done} of {N} WRITEs done 200 ms into a 1 s cut of the way back: {:?}",
-            qa.path_stats()
-        );
-        net.step();
-        let n = ca.poll(&mut wcs);
-        for wc in &wcs[..n] {
-            assert_eq!(wc.status, WcStatus::Success, "{wc:?}");
-            done += 1;
-        }
-    }
-    let mut got = vec![0u8; N * 4096];
-    mb.read(0, &mut got);
-    assert!(got == data, "every WRITE's bytes at the target");
-    let st = qa.path_stats();
-    assert!(st[0].port >= 1 && st[0].repaths >= 1, "the path left its port: {st:?}");
-    eprintln!("done {} us into the cut: {st:?}", (net.now() - start) / 1000);
-}
-
-/// ECMP may hash every path of a sprayed RC QP onto the link that fails: here every source
-/// port its two paths start on is cut (host 1's main port and its first extra port) for a
-/// second. None delivers, so none can go down; the retransmission timeouts move the paths to
-/// the context's spare ports (a fresh hash), and the WRITEs complete long before the cut ends.
-#[test]
-fn a_sprayed_qp_whose_every_starting_port_is_cut_moves_to_spare_ports() {
-    let faults = Faults {
-        delay_ns: 10_000,
-        ..Faults::default()
-    };
-    let net = SimNet::new(11, faults);
-    let open = |h: u8, path_ports: u8| {
-        Context::open_simulated(
-            ContextConfig {
-                bind: SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, h), 4791),
-                path_ports,
+                path_ports: ports[h as usize - 1],
                 qp: RcConfig {
                     recovery: Recovery::SelectiveRepeat,
                     ..RcConfig::default()
@@ -1207,54 +1146,104 @@ fn a_sprayed_qp_whose_every_starting_port_is_cut_moves_to_spare_ports() {
         )
         .expect("simulated context")
     };
-    let (a, b) = (open(1, 4), open(2, 1));
+    let (a, b) = (open(1), open(2));
     let (pa, pb) = (a.alloc_pd(), b.alloc_pd());
     let (ca, cb) = (a.create_cq(64).unwrap(), b.create_cq(64).unwrap());
-    let (ma, mb) = (
+    let mr = [
         pa.reg_mr(1 << 20, Access::ALL).unwrap(),
         pb.reg_mr(1 << 20, Access::ALL).unwrap(),
-    );
+    ];
     let qa = a.create_qp(&pa, &ca, &ca, QpInitAttr::default()).unwrap();
     let qb = b.create_qp(&pb, &cb, &cb, QpInitAttr::default()).unwrap();
-    qa.set_paths(2, SprayPolicy::RoundRobin).unwrap();
+    if paths > 1 {
+        qa.set_paths(paths, SprayPolicy::RoundRobin).unwrap();
+    }
     qa.connect(&qb.local_endpoint()).unwrap();
     qb.connect(&qa.local_endpoint()).unwrap();
-    let start = net.now();
-    net.cut(SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 1), 4791), 1_000_000_000);
-    net.cut(SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 1), 40_000), 1_000_000_000);
-    const N: usize = 16;
-    let mut rng = StdRng::seed_from_u64(11);
-    let mut data = vec![0u8; N * 4096];
-    rng.fill(&mut data[..]);
-    ma.write(0, &data);
-    for i in 0..N {
-        let wr = SendWr::new(i as u64, WrOpcode::RdmaWrite)
-            .sge(ma.sge(i * 4096, 4096))
-            .remote(mb.addr() + (i * 4096) as u64, mb.rkey());
-        qa.post_send(wr).unwrap();
+    CutPair {
+        net,
+        _ctx: [a, b],
+        cq: ca,
+        qp: qa,
+        mr,
+        _peer: qb,
     }
-    let mut wcs = [EMPTY_WC; 16];
-    let mut done = 0;
-    while done < N {
-        assert!(
-            net.now() - start < 200_000_000,
-            "{done} of {N} WRITEs done 200 ms into a 1 s cut: {:?}",
-            qa.path_stats()
-        );
-        net.step();
-        let n = ca.poll(&mut wcs);
-        for wc in &wcs[..n] {
-            assert_eq!(wc.status, WcStatus::Success, "{wc:?}");
-            done += 1;
+}
+
+impl CutPair {
+    /// Posts `n` WRITEs of 4 KiB of fresh bytes from the first host to the second and steps
+    /// the network until they complete, each successfully, within `limit_ns` of `start`;
+    /// checks the bytes at the target.
+    fn writes_done_within(&self, n: usize, start: u64, limit_ns: u64, what: &str) {
+        let mut rng = StdRng::seed_from_u64(n as u64);
+        let mut data = vec![0u8; n * 4096];
+        rng.fill(&mut data[..]);
+        self.mr[0].write(0, &data);
+        for i in 0..n {
+            let wr = SendWr::new(i as u64, WrOpcode::RdmaWrite)
+                .sge(self.mr[0].sge(i * 4096, 4096))
+                .remote(self.mr[1].addr() + (i * 4096) as u64, self.mr[1].rkey());
+            self.qp.post_send(wr).unwrap();
         }
+        let mut wcs = [EMPTY_WC; 16];
+        let mut done = 0;
+        while done < n {
+            assert!(
+                self.net.now() - start < limit_ns,
+                "{done} of {n} WRITEs done {} ms into {what}: {:?}",
+                limit_ns / 1_000_000,
+                self.qp.path_stats()
+            );
+            self.net.step();
+            let k = self.cq.poll(&mut wcs);
+            for wc in &wcs[..k] {
+                assert_eq!(wc.status, WcStatus::Success, "{wc:?}");
+                done += 1;
+            }
+        }
+        let mut got = vec![0u8; n * 4096];
+        self.mr[1].read(0, &mut got);
+        assert!(got == data, "every WRITE's bytes at the target");
+        eprintln!(
+            "done {} us into {what}: {:?}",
+            (self.net.now() - start) / 1000,
+            self.qp.path_stats()
+        );
     }
-    let mut got = vec![0u8; N * 4096];
-    mb.read(0, &mut got);
-    assert!(got == data, "every WRITE's bytes at the target");
-    let st = qa.path_stats();
+}
+
+/// ECMP hashes the two directions of a flow apart: here only the way back fails (every
+/// datagram the responder's main port sends is dropped for a second), so the requests arrive
+/// and every ACK is lost. The requester's timeout moves its one path to a spare port; the
+/// responder answers a request from the peer's spare port `k` from its own port `k`, a fresh
+/// hash back, and the WRITEs complete long before the cut ends.
+#[test]
+fn a_qp_whose_way_back_is_cut_gets_its_answers_on_the_port_it_moved_to() {
+    let p = cut_pair(12, [4, 4], 1);
+    let start = p.net.now();
+    p.net
+        .cut(SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 2), 4791), 1_000_000_000);
+    p.writes_done_within(8, start, 200_000_000, "a 1 s cut of the way back");
+    let st = p.qp.path_stats();
+    assert!(st[0].port >= 1 && st[0].repaths >= 1, "the path left its port: {st:?}");
+}
+
+/// ECMP may hash every path of a sprayed RC QP onto the link that fails: here every source
+/// port its two paths start on is cut (host 1's main port and its first extra port) for a
+/// second. None delivers, so none can go down; the retransmission timeouts move the paths to
+/// the context's spare ports (a fresh hash), and the WRITEs complete long before the cut ends.
+#[test]
+fn a_sprayed_qp_whose_every_starting_port_is_cut_moves_to_spare_ports() {
+    let p = cut_pair(11, [4, 1], 2);
+    let start = p.net.now();
+    p.net
+        .cut(SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 1), 4791), 1_000_000_000);
+    p.net
+        .cut(SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 1), 40_000), 1_000_000_000);
+    p.writes_done_within(16, start, 200_000_000, "a 1 s cut");
+    let st = p.qp.path_stats();
     assert!(
         st.iter().all(|p| p.port >= 2) && st.iter().map(|p| p.repaths).sum::<u32>() >= 2,
         "both paths left their cut ports: {st:?}"
     );
-    eprintln!("done {} us into the cut: {st:?}", (net.now() - start) / 1000);
 }

@@ -568,47 +568,84 @@ fn accepted_blocks_wait_for_durability_and_a_lost_one_is_sent_again() {
 /// fails, and none takes much longer than one RTO (2 ms here). Resends avoid paths silent for their RTO, the cut paths leave the
 /// rotation once the others deliver, and probes bring them back. With the agent's RTO
 /// settings (20 ms initial, 2 ms minimum) on a 40 us fabric.
-/// Writes `n` fresh blocks at depth 32 (distinct blocks in flight), then lets the last ones
-/// finish; checks every write succeeded and the store holds what was acknowledged last.
-/// Returns the writes' latencies, sorted (ns).
-fn depth32_writes(sim: &mut Sim, seed: u64, n: usize) -> Vec<u64> {
-    let mut rng = StdRng::seed_from_u64(seed);
-    let mut outstanding: HashMap<u64, (u64, Vec<u8>, u64)> = HashMap::new();
-    let mut model: HashMap<u64, Vec<u8>> = HashMap::new();
-    let mut lat = Vec::new();
-    let mut next_lba = 0u64;
-    while lat.len() < n {
-        while outstanding.len() < 32 {
-            let d = data(&mut rng, 1);
-            let lba = next_lba % 4096;
-            next_lba += 1;
-            if outstanding.values().any(|(l, ..)| *l == lba) {
+/// A stream of single-block writes of fresh data at depth 32, never two to one block at once,
+/// with the acknowledged contents of every block written.
+struct Stream {
+    rng: StdRng,
+    /// Request -> (block, data, when submitted).
+    outstanding: HashMap<u64, (u64, Vec<u8>, u64)>,
+    model: HashMap<u64, Vec<u8>>,
+    next_lba: u64,
+}
+
+impl Stream {
+    fn new(seed: u64) -> Stream {
+        Stream {
+            rng: StdRng::seed_from_u64(seed),
+            outstanding: HashMap::new(),
+            model: HashMap::new(),
+            next_lba: 0,
+        }
+    }
+
+    /// Submits writes until 32 are outstanding.
+    fn top_up(&mut self, sim: &mut Sim) {
+        while self.outstanding.len() < 32 {
+            let d = data(&mut self.rng, 1);
+            let lba = self.next_lba % 4096;
+            self.next_lba += 1;
+            if self.outstanding.values().any(|(l, ..)| *l == lba) {
                 continue;
             }
             let io = sim.write(lba, &d);
-            outstanding.insert(io, (lba, d, sim.now()));
+            self.outstanding.insert(io, (lba, d, sim.now()));
         }
-        sim.idle(20_000);
-        let finished: Vec<u64> = outstanding
+    }
+
+    /// Takes the finished writes (each must have succeeded); returns their latencies.
+    fn collect(&mut self, sim: &Sim) -> Vec<u64> {
+        let finished: Vec<u64> = self
+            .outstanding
             .keys()
             .copied()
             .filter(|io| sim.done.contains_key(io))
             .collect();
-        for io in finished {
-            assert_eq!(sim.done[&io], Ok(()), "write {io} failed");
-            let (lba, d, at) = outstanding.remove(&io).unwrap();
-            model.insert(lba, d);
-            lat.push(sim.now() - at);
+        finished
+            .into_iter()
+            .map(|io| {
+                assert_eq!(sim.done[&io], Ok(()), "write {io} failed");
+                let (lba, d, at) = self.outstanding.remove(&io).unwrap();
+                self.model.insert(lba, d);
+                sim.now() - at
+            })
+            .collect()
+    }
+
+    /// Lets the outstanding writes finish; checks that the store holds what was acknowledged
+    /// last for every block.
+    fn finish_and_check(mut self, sim: &mut Sim) {
+        sim.run(2_000_000_000);
+        assert!(
+            self.outstanding.len() == self.collect(sim).len(),
+            "every write finished"
+        );
+        for (lba, d) in &self.model {
+            assert!(sim.store[&(1, *lba)].0[..] == d[..], "block {lba}");
         }
     }
-    sim.run(2_000_000_000);
-    for (io, (lba, d, _)) in outstanding {
-        assert_eq!(sim.done[&io], Ok(()), "write {io} failed");
-        model.insert(lba, d);
+}
+
+/// Writes `n` blocks as a [`Stream`], then checks the store. Returns the writes' latencies,
+/// sorted (ns).
+fn depth32_writes(sim: &mut Sim, seed: u64, n: usize) -> Vec<u64> {
+    let mut w = Stream::new(seed);
+    let mut lat = Vec::new();
+    while lat.len() < n {
+        w.top_up(sim);
+        sim.idle(20_000);
+        lat.extend(w.collect(sim));
     }
-    for (lba, d) in &model {
-        assert!(sim.store[&(1, *lba)].0[..] == d[..], "block {lba}");
-    }
+    w.finish_and_check(sim);
     lat.sort_unstable();
     lat
 }
@@ -726,38 +763,19 @@ fn cut_under_load(ports: u16, cut: &[u16], limit_ns: u64) -> ClientStats {
     );
     let start = sim.now();
     let (cut_at, heal_at, end) = (start + 50_000_000, start + 150_000_000, start + 250_000_000);
-    let mut rng = StdRng::seed_from_u64(5);
-    let mut outstanding: HashMap<u64, (u64, Vec<u8>, u64)> = HashMap::new();
-    let mut model: HashMap<u64, Vec<u8>> = HashMap::new();
-    let (mut next_lba, mut longest, mut completed) = (0u64, 0u64, 0u64);
+    let mut w = Stream::new(5);
+    let (mut longest, mut completed) = (0u64, 0u64);
     while sim.now() < end {
         if sim.now() >= cut_at && sim.now() < heal_at {
             sim.set_dead(cut);
         } else {
             sim.set_dead(&[]);
         }
-        while outstanding.len() < 32 {
-            let d = data(&mut rng, 1);
-            let lba = next_lba % 4096;
-            next_lba += 1;
-            if outstanding.values().any(|(l, ..)| *l == lba) {
-                continue;
-            }
-            let io = sim.write(lba, &d);
-            outstanding.insert(io, (lba, d, sim.now()));
-        }
+        w.top_up(&mut sim);
         sim.idle(100_000);
-        let finished: Vec<u64> = outstanding
-            .keys()
-            .copied()
-            .filter(|io| sim.done.contains_key(io))
-            .collect();
-        for io in finished {
-            assert_eq!(sim.done[&io], Ok(()), "write {io} failed");
-            let (lba, d, at) = outstanding.remove(&io).unwrap();
-            model.insert(lba, d);
+        for l in w.collect(&sim) {
             completed += 1;
-            longest = longest.max(sim.now() - at);
+            longest = longest.max(l);
         }
     }
     let st = sim.c.stats();
@@ -767,10 +785,7 @@ fn cut_under_load(ports: u16, cut: &[u16], limit_ns: u64) -> ClientStats {
         "a write took {longest} ns (one RTO is 2 ms): {st:?}"
     );
     // everything acknowledged is there
-    sim.run(2_000_000_000);
-    for (lba, d) in &model {
-        assert!(sim.store[&(1, *lba)].0[..] == d[..], "block {lba}");
-    }
+    w.finish_and_check(&mut sim);
     eprintln!(
         "slowest write {longest} ns, {completed} writes, {st:?} {:?}",
         sim.c.path_stats()
