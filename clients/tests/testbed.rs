@@ -52,8 +52,11 @@ fn dumbbell_with_and_without_congestion_control() {
         assert!(x["qdisc_samples"].as_u64().unwrap() >= 20, "too few qdisc samples: {x}");
         x[k].as_u64().unwrap()
     };
-    // no CC: the queue sits near the buffer limit and packets drop
-    assert!(backlog(&none, "qdisc_backlog_p50_bytes") > 100_000, "{none}");
+    // no CC: the queue fills up to the buffer limit and packets drop. (Its median is no check:
+    // debug nsperf on a loaded 2-core machine may send below the bottleneck's rate, 143 of 200
+    // Mbit/s in one CI run, and the queue then drains between bursts, p50 3 KB; the p99 is
+    // what the CC runs are held to below)
+    assert!(backlog(&none, "qdisc_backlog_p99_bytes") > 100_000, "{none}");
     assert!(none["drops"].as_u64().unwrap() > 100, "{none}");
     // DCQCN: ECN marks and CNPs keep the queue near the marking thresholds, and share fairly
     assert!(dcqcn["ce_fraction"].as_f64().unwrap() > 0.0, "{dcqcn}");
