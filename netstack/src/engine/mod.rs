@@ -41,6 +41,7 @@ use crate::mem::MrTable;
 use crate::pipe::{self, Consumer, Producer};
 use crate::transport::rc::{QpState, RcQp};
 use crate::transport::TxPacket;
+use crate::wire::opcode::Opcode;
 use crate::wire::{icrc, PacketView, MAX_DATAGRAM, PAD_ZEROS};
 use parking_lot::Mutex;
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -112,8 +113,9 @@ pub(crate) struct QpSlot {
     /// Per path, the route its responses (ACKs, READ responses, CNPs) leave on: the one whose
     /// socket has the index of the peer's socket the latest request on that path came from,
     /// so a peer that moved a path to a spare port (a fresh ECMP hash one way) also gets its
-    /// answers on a fresh hash back; unset (`u8::MAX`) until a request came.
-    pub reply_routes: Vec<u8>,
+    /// answers on a fresh hash back; with the source it was found for (the lookup runs again
+    /// only when a path's requests come from another socket). `None` until a request came.
+    pub reply_routes: Vec<Option<(SocketAddrV4, u8)>>,
     pub send_cq: Arc<CqShared>,
     pub recv_cq: Arc<CqShared>,
     pub mirror: Arc<QpMirror>,
@@ -143,6 +145,14 @@ impl QpSlot {
     /// from this side's socket of the same index (the peer's sockets are its `remote` and
     /// then its `peer_sources`, in its link's order, as this side's routes are numbered).
     pub(crate) fn note_request_source(&mut self, path: u8, src: SocketAddrV4) {
+        let path = path as usize;
+        if self
+            .reply_routes
+            .get(path)
+            .is_some_and(|r| r.is_some_and(|(a, _)| a == src))
+        {
+            return;
+        }
         let peer_socket = if self.remote == Some(src) {
             0
         } else {
@@ -154,26 +164,23 @@ impl QpSlot {
         let Some(route) = self.routes.iter().position(|r| r.0 == peer_socket) else {
             return;
         };
-        let path = path as usize;
         if self.reply_routes.len() <= path {
-            self.reply_routes.resize(path + 1, u8::MAX);
+            self.reply_routes.resize(path + 1, None);
         }
-        self.reply_routes[path] = route as u8;
+        self.reply_routes[path] = Some((src, route as u8));
     }
 
-    /// The port and destination of a packet on `path`: a response takes the route its
-    /// path's requests came on ([`QpSlot::note_request_source`]), the rest [`QpSlot::route`].
-    pub(crate) fn route_for(&self, path: u8, response: bool) -> Option<(usize, SocketAddrV4)> {
-        if response {
-            if let Some(&r) = self
-                .reply_routes
-                .get(path as usize)
-                .and_then(|&k| self.routes.get(k as usize))
-            {
+    /// The port and destination of `pkt`: a response takes the route its path's requests
+    /// came on ([`QpSlot::note_request_source`]), the rest [`QpSlot::route`]. (A QP that has
+    /// answered no request does not look at the opcode.)
+    pub(crate) fn route_of(&self, pkt: &TxPacket) -> Option<(usize, SocketAddrV4)> {
+        if let Some((_, k)) = self.reply_routes.get(pkt.path as usize).copied().flatten() {
+            let response = !Opcode::from_u8(pkt.hdr.bth().opcode).is_some_and(Opcode::is_request);
+            if let (true, Some(&r)) = (response, self.routes.get(k as usize)) {
                 return Some(r);
             }
         }
-        self.route(path)
+        self.route(pkt.path)
     }
 
     /// Refreshes the mirror the application reads (state, retired WQEs).

@@ -2,7 +2,6 @@
 //! hairpin packets, and dispatch of each datagram to its QP (or to the Solar endpoints).
 
 use super::*;
-use crate::wire::opcode::Opcode;
 
 /// A received datagram waiting out the emulated propagation delay.
 pub(super) struct Delayed {

@@ -3,7 +3,6 @@
 //! snapshots.
 
 use super::*;
-use crate::wire::opcode::Opcode;
 
 impl DataCore {
     /// Polls the active QPs for packets; sends them when `flush` (or the batch is full).
@@ -22,10 +21,7 @@ impl DataCore {
             while self.out.len() < TX_BATCH {
                 match s.qp.poll_transmit(now) {
                     Some(pkt) => {
-                        let response = !Opcode::from_u8(pkt.hdr.bth().opcode).is_some_and(Opcode::is_request);
-                        let Some((port, dst)) = s.route_for(pkt.path, response) else {
-                            break;
-                        };
+                        let Some((port, dst)) = s.route_of(&pkt) else { break };
                         let src = link.local_addr(port);
                         if self.local_addrs.contains(&dst) {
                             loop_back(&self.shared.stats, &mut self.spare, &mut self.hairpin, &pkt, src, dst);

@@ -1345,8 +1345,9 @@ mod tests {
         let mut now = 1_000_000;
         let a = c.write(now, 1, 1, block(1), false).unwrap();
         let ta = deliver_write(&mut c, &mut s, now).unwrap();
-        answers(&mut c, &mut s, now, true); // Accepted
-                                            // past the margin (half the least RTO, the server's service time being 0 here)
+        // Accepted
+        answers(&mut c, &mut s, now, true);
+        // past the margin (half the least RTO, the server's service time being 0 here)
         now += 2_000_000;
         let b = c.write(now, 1, 2, block(2), false).unwrap();
         let tb = deliver_write(&mut c, &mut s, now).unwrap();
