@@ -671,7 +671,10 @@ fn provisioned_iops_hold_and_change_online() {
     );
     let d = describe(&dir, ctl, "q");
     assert_eq!(d["qos"]["iops"], 200, "{d:#}");
-    assert!(d["qos"]["throttled"].as_u64().unwrap() > 200, "{d:#}");
+    // how many writes waited depends on how long each took by itself: on a loaded machine a
+    // write that takes 5 ms needs no wait at 200 IOPS, so only "some did" is certain here
+    assert!(d["qos"]["throttled"].as_u64().unwrap() > 0, "{d:#}");
+    assert!(d["qos"]["throttled_ms"].as_f64().unwrap() > 0.0, "{d:#}");
     run(&["qos", "q", "--iops", "0"]);
     let lifted = timed(&mut cl);
     eprintln!("300 writes: {limited:?} at 200 IOPS, {lifted:?} with the limit lifted online");
