@@ -52,7 +52,8 @@ cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --quiet -- -D warnings
 cargo clippy -p kvcache-engine --features gpu --all-targets --quiet -- -D warnings
 scripts/layers.sh
-cargo test --workspace
+# --no-fail-fast: one run shows every failing test binary, not only the first
+cargo test --workspace --no-fail-fast
 cargo test -p kvcache-engine --features gpu --lib --test gpu -- --nocapture
 
 # the Python package (a Mooncake-compatible TransferEngine): built, installed, and its tests
