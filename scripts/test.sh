@@ -51,6 +51,7 @@ trap check_leftovers EXIT
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --quiet -- -D warnings
 cargo clippy -p kvcache-engine --features gpu --all-targets --quiet -- -D warnings
+cargo clippy -p netstack --features bench-internals --benches --quiet -- -D warnings
 scripts/layers.sh
 # --no-fail-fast: one run shows every failing test binary, not only the first
 cargo test --workspace --no-fail-fast

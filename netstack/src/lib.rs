@@ -4,7 +4,8 @@
 //! - [`wire`]: RoCEv2 headers, the ICRC, a checked zero-copy packet view.
 //! - [`mem`]: registered memory regions and the key table.
 //! - [`work`]: work requests and completions with ibverbs' names.
-//! - [`pipe`]: SPSC notification pipes of 64-byte slots between application and engine threads.
+//! - `pipe` (internal): SPSC notification pipes of 64-byte slots between application and engine
+//!   threads (public with the `bench-internals` feature, for its criterion bench only).
 //! - [`transport`]: sans-IO transports ([`transport::rc`]).
 //! - [`link`]: what a data core sends and receives through: UDP sockets with batched
 //!   `sendmmsg`/`recvmmsg`, or a deterministic simulated network and clock.
@@ -37,7 +38,12 @@ pub mod link;
 pub mod mem;
 pub mod offload;
 pub use flexns_proto::path;
+#[cfg(feature = "bench-internals")]
 pub mod pipe;
+// its items are `pub` so that the `bench-internals` build can show them to the pipe bench
+#[cfg(not(feature = "bench-internals"))]
+#[allow(unreachable_pub)]
+mod pipe;
 pub mod redn;
 pub mod sim;
 pub mod telemetry;

@@ -22,7 +22,7 @@
 //! stays a real one: a system call, ordered with everything around it), and explores every
 //! interleaving of the tests in `loom_model`.
 
-use crate::link::sys::{self, EventFd};
+use crate::link::sys::EventFd;
 use std::mem::MaybeUninit;
 use std::sync::Arc;
 
@@ -210,6 +210,7 @@ impl<T: Copy + Send> Producer<T> {
     }
 
     /// Slots written so far.
+    #[cfg(test)]
     pub fn pushed(&self) -> u64 {
         self.head
     }
@@ -272,19 +273,19 @@ impl<T: Copy + Send> Consumer<T> {
         self.ring.wake.fd()
     }
 
-    /// Sleeps until a producer notifies or `timeout_ns` passes (when no data is waiting).
+    /// Sleeps until a producer notifies or `timeout_ns` passes (when no data is waiting); the
+    /// engine's waits use `prepare_sleep` and `woke` around their own `ppoll`, this one the tests.
+    #[cfg(test)]
     pub fn sleep(&mut self, timeout_ns: u64) {
         if self.prepare_sleep() {
-            let _ = sys::ppoll_readable(&[self.wake_fd()], timeout_ns);
+            let _ = crate::link::sys::ppoll_readable(&[self.wake_fd()], timeout_ns);
             self.woke();
         }
     }
-
-    /// Slots read so far.
-    pub fn popped(&self) -> u64 {
-        self.tail
-    }
 }
+
+#[cfg(all(test, not(flexns_loom)))]
+mod stress;
 
 #[cfg(test)]
 mod tests {

@@ -1,8 +1,9 @@
 //! Seeded cross-thread stress of the notification pipe: small rings wrap hundreds of thousands
 //! of times while the producer bursts and the consumer sleeps on the eventfd; every slot must
-//! arrive exactly once, in order, intact. `PIPE_SEED=N` replays one configuration.
+//! arrive exactly once, in order, intact. `PIPE_SEED=N` replays one configuration
+//! (`cargo test -p netstack --lib pipe::stress`).
 
-use netstack::pipe::pipe;
+use super::pipe;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::time::{Duration, Instant};
