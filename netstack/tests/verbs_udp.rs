@@ -199,7 +199,11 @@ fn copy_counters_count_every_copy() {
         .unwrap();
         done(&a.cq);
     };
+    let fused = b.ctx.stats().rx_fused_copy_bytes;
     assert_eq!(d(&write, &snap), (0, 0, 0, 65536));
+    // of its 16 packets (MTU 4096) the 15 after the first were placed in the ICRC's pass; the
+    // first, whose RETH names the range, was checked before it was placed
+    assert_eq!(b.ctx.stats().rx_fused_copy_bytes - fused, 65536 - 4096);
     // a 64 KiB READ: the responder snapshots its response, the requester places it
     let read = || {
         a.qp.post_send(

@@ -154,12 +154,23 @@ impl DataCore {
                 return None;
             }
         };
-        if let Err(e) = PacketView::verify_icrc(d, src, local) {
+        let qpn = v.bth.dest_qp;
+        // the next expected packet of a WRITE in progress is copied into its checked range in the
+        // pass that verifies its ICRC; every other packet is verified before anything reads it
+        let slot = qps.get_mut(&qpn);
+        let placement = slot
+            .as_ref()
+            .filter(|s| s.accepts(src))
+            .and_then(|s| s.qp.write_placement(&v, &*shared.mrs));
+        let verdict = match &placement {
+            Some((region, off)) => v.verify_icrc_placing(d, src, local, |o, b| region.write(off + o, b)),
+            None => PacketView::verify_icrc(d, src, local),
+        };
+        if let Err(e) = verdict {
             stats.rx_malformed(e.kind());
             return None;
         }
-        let qpn = v.bth.dest_qp;
-        let Some(s) = qps.get_mut(&qpn) else {
+        let Some(s) = slot else {
             stats.rx_unknown_qp.inc();
             return None;
         };
@@ -171,7 +182,12 @@ impl DataCore {
             s.note_request_source(v.bth.path, src);
         }
         let copied = s.qp.payload_copy_bytes();
-        s.qp.handle_packet_ecn(now, &v, ce, &*shared.mrs);
+        if placement.is_some() {
+            s.qp.handle_placed_packet_ecn(now, &v, ce, &*shared.mrs);
+            stats.rx_fused_copy_bytes.add(v.payload.len() as u64);
+        } else {
+            s.qp.handle_packet_ecn(now, &v, ce, &*shared.mrs);
+        }
         stats.rx_payload_copy_bytes.add(s.qp.payload_copy_bytes() - copied);
         Some((qpn, s.deliver_completions(core)))
     }

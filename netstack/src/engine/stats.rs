@@ -50,6 +50,9 @@ pub(crate) struct EngineStats {
     /// Payload bytes copied into registered memory on receive (from the staging buffers) and
     /// by loopback execution of RedN chains.
     pub rx_payload_copy_bytes: Counter,
+    /// The part of `rx_payload_copy_bytes` copied in the same pass that verified the ICRC (the
+    /// next expected packets of WRITEs in progress, placed straight into their checked range).
+    pub rx_fused_copy_bytes: Counter,
     /// The receive staging memory allocated.
     pub staging_bytes: Counter,
     /// The most staging memory one receive batch filled.
@@ -96,6 +99,8 @@ pub struct StatsSnapshot {
     pub tx_payload_copy_bytes: u64,
     /// Payload bytes copied into registered memory on receive.
     pub rx_payload_copy_bytes: u64,
+    /// The part of those copied in the pass that verified the ICRC.
+    pub rx_fused_copy_bytes: u64,
     /// The receive staging memory allocated.
     pub staging_bytes: u64,
     /// The most staging memory one receive batch filled.
@@ -136,6 +141,7 @@ impl StatsSnapshot {
         self.shm_peers += o.shm_peers;
         self.shm_doorbells += o.shm_doorbells;
         self.rx_payload_copy_bytes += o.rx_payload_copy_bytes;
+        self.rx_fused_copy_bytes += o.rx_fused_copy_bytes;
         self.staging_bytes += o.staging_bytes;
         self.staging_bytes_peak += o.staging_bytes_peak;
         self.engine_thread_passes += o.engine_thread_passes;
@@ -188,6 +194,7 @@ impl EngineStats {
             staging_fills: self.staging_fills.get(),
             tx_payload_copy_bytes: self.tx_payload_copy_bytes.get(),
             rx_payload_copy_bytes: self.rx_payload_copy_bytes.get(),
+            rx_fused_copy_bytes: self.rx_fused_copy_bytes.get(),
             staging_bytes: self.staging_bytes.get(),
             staging_bytes_peak: self.staging_bytes_peak.get(),
             engine_thread_passes: self.engine_thread_passes.get(),

@@ -18,7 +18,7 @@ type EngineCounter = (
 );
 
 /// The engine's counters as metrics: name, optional label, which counter.
-const ENGINE_COUNTERS: [EngineCounter; 18] = [
+const ENGINE_COUNTERS: [EngineCounter; 19] = [
     ("flexns_engine_passes_total", Some(("thread", "engine")), |s| {
         &s.engine_thread_passes
     }),
@@ -67,6 +67,7 @@ const ENGINE_COUNTERS: [EngineCounter; 18] = [
     ("flexns_payload_copy_bytes_total", Some(("direction", "rx")), |s| {
         &s.rx_payload_copy_bytes
     }),
+    ("flexns_rx_fused_copy_bytes_total", None, |s| &s.rx_fused_copy_bytes),
 ];
 
 impl crate::telemetry::Collect for CtxInner {

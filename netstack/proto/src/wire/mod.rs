@@ -8,7 +8,9 @@ pub mod packet;
 
 pub use headers::*;
 pub use opcode::Opcode;
-pub use packet::{encode_into, HeaderBuf, PacketView, MAX_CC_HDR_LEN, MAX_DATAGRAM, MAX_HDR_LEN, MAX_MTU, PAD_ZEROS};
+pub use packet::{
+    encode_into, HeaderBuf, PacketView, MAX_CC_HDR_LEN, MAX_DATAGRAM, MAX_HDR_LEN, MAX_MTU, PAD_ZEROS, PLACE_PIECE,
+};
 
 /// The IANA-assigned RoCEv2 UDP destination port.
 pub const ROCEV2_PORT: u16 = 4791;

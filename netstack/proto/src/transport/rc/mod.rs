@@ -618,6 +618,41 @@ impl<R: SharedRegion> RcQp<R> {
 
     /// [`RcQp::handle_packet`] with the ECN congestion-experienced bit of its IP header.
     pub fn handle_packet_ecn(&mut self, now: u64, pkt: &PacketView<'_>, ce: bool, mrs: &impl KeyTable<Region = R>) {
+        self.receive(now, pkt, ce, mrs, false)
+    }
+
+    /// Where the payload of `pkt` belongs if it is the next expected packet of a WRITE whose
+    /// first packet this QP accepted: go-back-N recovery, a middle or last WRITE packet at the
+    /// expected PSN, of the length its place in the message needs. The range is the one the
+    /// message's packets are checked against (R_Key, protection domain, bounds and access of the
+    /// whole message, IBA 9.7.4.1.5); the region and the byte offset of this packet's payload in it.
+    ///
+    /// A driver may copy the payload there in the same pass that computes its ICRC, before it
+    /// knows the packet is intact: the target of a WRITE is undefined until the WRITE completes
+    /// (IBA 9.4.3), and a corrupt packet is dropped, so its PSN is sent and placed again. It then
+    /// hands an intact packet to [`RcQp::handle_placed_packet_ecn`]. Every other packet, including
+    /// a first packet whose RETH names the range, is checked before a byte of it is placed.
+    pub fn write_placement(&self, pkt: &PacketView<'_>, mrs: &impl KeyTable<Region = R>) -> Option<(Arc<R>, usize)> {
+        if !matches!(self.state, QpState::Rtr | QpState::Rts) {
+            return None;
+        }
+        Responder::write_placement(self, pkt, mrs)
+    }
+
+    /// [`RcQp::handle_packet_ecn`] for a packet whose payload the driver already copied to
+    /// where [`RcQp::write_placement`] said, in the pass that verified its ICRC.
+    pub fn handle_placed_packet_ecn(
+        &mut self,
+        now: u64,
+        pkt: &PacketView<'_>,
+        ce: bool,
+        mrs: &impl KeyTable<Region = R>,
+    ) {
+        self.receive(now, pkt, ce, mrs, true)
+    }
+
+    /// A received packet; `placed`: its payload is already where [`RcQp::write_placement`] said.
+    fn receive(&mut self, now: u64, pkt: &PacketView<'_>, ce: bool, mrs: &impl KeyTable<Region = R>, placed: bool) {
         if !matches!(self.state, QpState::Rtr | QpState::Rts) {
             self.stats.dropped_packets += 1;
             return;
@@ -670,7 +705,7 @@ impl<R: SharedRegion> RcQp<R> {
                 self.cc.echo.clear();
                 self.cc.echo.extend_from_slice(pkt.cc);
             }
-            Responder::handle(self, now, pkt, mrs);
+            Responder::handle(self, now, pkt, mrs, placed);
         } else if self.state == QpState::Rts {
             self.req.rtt_sample = None;
             Requester::handle(self, now, pkt);

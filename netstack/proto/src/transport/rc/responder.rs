@@ -289,7 +289,38 @@ impl<R: SharedRegion> Responder<R> {
         }
     }
 
-    pub(super) fn handle(qp: &mut RcQp<R>, now: u64, pkt: &PacketView<'_>, mrs: &impl KeyTable<Region = R>) {
+    /// See [`RcQp::write_placement`].
+    pub(super) fn write_placement(
+        qp: &RcQp<R>,
+        pkt: &PacketView<'_>,
+        mrs: &impl KeyTable<Region = R>,
+    ) -> Option<(Arc<R>, usize)> {
+        let op = pkt.opcode;
+        if qp.cfg.recovery != Recovery::GoBackN || !op.is_write() || op.is_first() {
+            return None;
+        }
+        let s = &qp.resp;
+        let c = s.cur.filter(|c| c.write)?;
+        if psn_unwrap(s.epsn, pkt.bth.psn) != s.epsn {
+            return None;
+        }
+        // the length rules `process` applies; a packet that breaks one is NAKed unplaced
+        let (n, mtu) = (pkt.payload.len() as u64, qp.cfg.mtu as u64);
+        let end = c.offset + n;
+        if c.len == 0 || n > mtu || end > c.len || (op.is_last() != (end == c.len)) || (!op.is_last() && n != mtu) {
+            return None;
+        }
+        let (region, off) = mrs.check(c.rkey, qp.pd, c.va, c.len, Access::REMOTE_WRITE).ok()?;
+        Some((region, off + c.offset as usize))
+    }
+
+    pub(super) fn handle(
+        qp: &mut RcQp<R>,
+        now: u64,
+        pkt: &PacketView<'_>,
+        mrs: &impl KeyTable<Region = R>,
+        placed: bool,
+    ) {
         let cfg = qp.cfg;
         let s = &mut qp.resp;
         let p = psn_unwrap(s.epsn, pkt.bth.psn);
@@ -316,7 +347,7 @@ impl<R: SharedRegion> Responder<R> {
                         qp.stats.duplicate_requests += 1;
                         s.dup_seen = true;
                     } else if p - s.epsn < 2 * cfg.window_pkts as u64 {
-                        match Self::process(qp, now, p, pkt, mrs, false) {
+                        match Self::process(qp, now, p, pkt, mrs, false, false) {
                             Ok(a) => {
                                 qp.resp.ooo.insert(p, a);
                             }
@@ -328,7 +359,7 @@ impl<R: SharedRegion> Responder<R> {
             }
             return;
         }
-        let res = Self::process(qp, now, p, pkt, mrs, true).and_then(|a| Self::execute(qp, p, a, mrs));
+        let res = Self::process(qp, now, p, pkt, mrs, true, placed).and_then(|a| Self::execute(qp, p, a, mrs));
         match res {
             Ok(()) => {
                 // drain packets that arrived early and are now in order
@@ -423,8 +454,10 @@ impl<R: SharedRegion> Responder<R> {
         }
     }
 
-    /// Validates a request packet and places its payload; returns what is left to do in PSN order
+    /// Validates a request packet and places its payload (unless `placed`: the driver copied it
+    /// to where [`Responder::write_placement`] said); returns what is left to do in PSN order
     /// (the responder's checks of a received request: IBA Vol 1 Release 1.5, 9.7.4.1).
+    #[allow(clippy::too_many_arguments)]
     fn process(
         qp: &mut RcQp<R>,
         now: u64,
@@ -432,6 +465,7 @@ impl<R: SharedRegion> Responder<R> {
         pkt: &PacketView<'_>,
         mrs: &impl KeyTable<Region = R>,
         in_order: bool,
+        placed: bool,
     ) -> Result<Action, Reject> {
         let op = pkt.opcode;
         if op == Opcode::ReadRequest {
@@ -554,7 +588,9 @@ impl<R: SharedRegion> Responder<R> {
                 let (region, off) = mrs
                     .check(rkey, pd, va, len, Access::REMOTE_WRITE)
                     .map_err(|_| Reject::Nak(NakCode::RemoteAccessError))?;
-                region.write(off + offset as usize, data);
+                if !placed {
+                    region.write(off + offset as usize, data);
+                }
             }
         } else {
             let w = &s.rq[idx];
