@@ -678,8 +678,14 @@ fn provisioned_iops_hold_and_change_online() {
     run(&["qos", "q", "--iops", "0"]);
     let lifted = timed(&mut cl);
     eprintln!("300 writes: {limited:?} at 200 IOPS, {lifted:?} with the limit lifted online");
-    assert!(lifted < limited / 2, "the lifted limit still held: {lifted:?}");
-    assert_eq!(describe(&dir, ctl, "q")["qos"]["iops"], 0);
+    // lifted, no write waits (counted exactly; how fast 300 writes go depends on the machine's
+    // load: 811 ms on a busy CI machine)
+    let after = describe(&dir, ctl, "q");
+    assert_eq!(after["qos"]["iops"], 0, "{after:#}");
+    assert_eq!(
+        after["qos"]["throttled"], d["qos"]["throttled"],
+        "a write waited: {after:#}"
+    );
     drop(c);
     let _ = std::fs::remove_dir_all(&dir);
 }
