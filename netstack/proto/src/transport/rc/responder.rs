@@ -581,16 +581,15 @@ impl<R: SharedRegion> Responder<R> {
             if end > len || (last && end != len) {
                 return Err(Reject::Nak(NakCode::InvalidRequest));
             }
-            if len > 0 {
-                // the whole message range is checked on every packet, so a bad access never
-                // writes a byte, whichever of its packets arrives first (R_Key, protection domain,
-                // bounds and access rights: IBA 9.7.4.1.5, C9-88; a zero-length WRITE checks none)
+            // the whole message range is checked on every packet, so a bad access never
+            // writes a byte, whichever of its packets arrives first (R_Key, protection domain,
+            // bounds and access rights: IBA 9.7.4.1.5, C9-88; a zero-length WRITE checks none);
+            // a placed packet's range passed the same check in `write_placement`, in this pass
+            if len > 0 && !placed {
                 let (region, off) = mrs
                     .check(rkey, pd, va, len, Access::REMOTE_WRITE)
                     .map_err(|_| Reject::Nak(NakCode::RemoteAccessError))?;
-                if !placed {
-                    region.write(off + offset as usize, data);
-                }
+                region.write(off + offset as usize, data);
             }
         } else {
             let w = &s.rq[idx];
