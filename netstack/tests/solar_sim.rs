@@ -861,3 +861,68 @@ fn a_fenced_volume_refuses_requests_of_an_older_epoch_without_touching_its_block
     );
     assert_eq!(s.stats().wrong_epoch, 2);
 }
+
+/// The ECMP testbed's cut, with the agent's settings: 8 paths over 12 source ports (spares
+/// included), each port hashed onto the failing link with probability 1/2, Swift with the
+/// agent's 500 us target and window floor of 2, RTOs of 20 ms initial and 2 ms minimum, 25 MB/s
+/// per path, group commits every 200 us; the cut lasts 2 s. Per seed (a cut set), no write may
+/// take 20 ms (the target is a stall under 100 ms), and every acknowledged block is stored.
+/// (`SOLAR_CUT_SEEDS=n` runs more; 30 seeds: the slowest write 3-6 ms.)
+#[test]
+fn a_two_second_cut_of_random_ports_with_the_agents_settings_stalls_no_write_for_long() {
+    let seeds: u64 = std::env::var("SOLAR_CUT_SEEDS").map_or(4, |s| s.parse().expect("a number"));
+    for seed in 0..seeds {
+        let mut rng = StdRng::seed_from_u64(seed * 7 + 1);
+        let ports = netstack::path::with_spares(8) as u16;
+        let cut: Vec<u16> = (0..ports).filter(|_| rng.random_bool(0.5)).collect();
+        let net = NetCfg {
+            base_ns: 20_000,
+            spread_ns: 2_000,
+            rate: 25_000_000,
+            ..Default::default()
+        };
+        let mut sim = Sim::with_ports(8, ports, net, seed, false);
+        let mut p = netstack::cc::CcParams::default();
+        p.swift.base_target_ns = 500_000;
+        p.swift.min_cwnd = 2.0;
+        p.swift.fs_min_cwnd = p.swift.fs_min_cwnd.max(2.0);
+        let cc = netstack::cc::CcKind::Swift
+            .build(&netstack::cc::host_env(&p))
+            .expect("swift");
+        sim.c = SolarClient::new(
+            ClientConfig {
+                paths: 8,
+                source_ports: ports,
+                initial_rto_ns: 20_000_000,
+                min_rto_ns: 2_000_000,
+                io_timeout_ns: 5_000_000_000,
+                ..Default::default()
+            },
+            Some(cc),
+            sim.now(),
+        );
+        sim.commit_ns = 200_000;
+        let start = sim.now();
+        let (cut_at, heal_at, end) = (start + 300_000_000, start + 2_300_000_000, start + 2_600_000_000);
+        let mut w = Stream::new(seed);
+        let (mut longest, mut completed) = (0u64, 0u64);
+        while sim.now() < end {
+            sim.set_dead(if sim.now() >= cut_at && sim.now() < heal_at {
+                &cut
+            } else {
+                &[]
+            });
+            w.top_up(&mut sim);
+            sim.idle(100_000);
+            for l in w.collect(&sim) {
+                completed += 1;
+                longest = longest.max(l);
+            }
+        }
+        let st = sim.c.stats();
+        eprintln!("seed {seed}: ports {cut:?} cut: slowest write {longest} ns of {completed}; {st:?}");
+        assert!(longest < 20_000_000, "seed {seed}: a write took {longest} ns: {st:?}");
+        assert!(st.timeouts > 0, "seed {seed}: the cut was felt: {st:?}");
+        w.finish_and_check(&mut sim);
+    }
+}
