@@ -773,6 +773,7 @@ fn run_to_completion_contexts_carry_every_operation() {
         }
     };
     let before = (a.ctx.stats().application_passes, b.ctx.stats().application_passes);
+    let calls = (a.ctx.stats().tx_calls, b.ctx.stats().tx_calls);
     ping_pong(&a, &b, 200, SendFlags::SIGNALED, SendFlags::SIGNALED, &|s, _| {
         spin_next(s)
     });
@@ -781,6 +782,12 @@ fn run_to_completion_contexts_carry_every_operation() {
         after.0 > before.0 && after.1 > before.1,
         "the polling threads ran the engine: {before:?} -> {after:?}"
     );
+    // a receive's ACK waits for the application's next call, and posting a receive runs no
+    // pass, so each side's ACK leaves in the same sendmmsg as its next SEND: one system call
+    // per side per round, not two (400 and 400 when ACKs went at once)
+    let calls = (a.ctx.stats().tx_calls - calls.0, b.ctx.stats().tx_calls - calls.1);
+    eprintln!("sendmmsg calls in 200 rounds: a {}, b {}", calls.0, calls.1);
+    assert!(calls.0 <= 250 && calls.1 <= 250, "ACKs went alone: {calls:?}");
     // a thread blocked in wait() is served by the backstop once it releases the cores
     let waiter = {
         let cq = a.cq.clone();

@@ -4,8 +4,10 @@
 //! happen in the thread that then reads the completion.
 //!
 //! A core's state sits behind a mutex that callers only ever `try_lock`: whoever holds it runs
-//! one pass ([`DataCore::pass`]); a caller that finds it held skips it (the holder's pass does
-//! the work), so a handler running on the core that posts again cannot deadlock.
+//! one pass ([`DataCore::poll_app`]: it sends what is pending, then receives, so a completion
+//! reaches the application before the system call that acknowledges it, and that ACK leaves
+//! with what the application posts next); a caller that finds it held skips it (the holder's
+//! pass does the work), so a handler running on the core that posts again cannot deadlock.
 //!
 //! A **backstop** thread per core keeps the context alive when the application stops calling:
 //! while an application thread ran the core within the last [`HANDOFF_NS`] it sleeps on a timer
@@ -52,7 +54,7 @@ impl AppDrive {
         let mut work = false;
         for (c, shared) in self.cores.iter().zip(&self.shared) {
             if let Some(mut core) = c.try_lock() {
-                if core.poll(shared.now(), &*shared.link).work {
+                if core.poll_app(shared.now(), &*shared.link).work {
                     core.shared.stats.application_passes.inc();
                     work = true;
                 }

@@ -791,10 +791,15 @@ impl DataCore {
         // once per pass, after the commands (new clients) and the timers (paths that moved):
         // no answer can come on a port before the first packet leaves from it, below
         self.sync_rx_ports(link);
-        // packets this core sends to itself (RedN chains on loopback QPs) are processed at
-        // once, so a chain advances several steps per loop without a system call; the
-        // packets for the network go out together afterwards
-        work |= self.transmit(now, false, link);
+        work |= self.send_all(now, link);
+        Pass { work, next_deadline }
+    }
+
+    /// What the QPs and Solar endpoints have to send, sent: packets this core sends to itself
+    /// (RedN chains on loopback QPs) are processed at once, so a chain advances several steps
+    /// per loop without a system call; the packets for the network go out together afterwards.
+    fn send_all(&mut self, now: u64, link: &dyn Link) -> bool {
+        let mut work = self.transmit(now, false, link);
         for _ in 0..64 {
             if self.hairpin.is_empty() {
                 break;
@@ -806,7 +811,38 @@ impl DataCore {
         }
         work |= self.flush(link);
         work |= self.flush_solar(link);
-        Pass { work, next_deadline }
+        work
+    }
+
+    /// [`DataCore::poll`] as an application thread runs it (run to completion): what earlier
+    /// passes and the application's posts left to send goes out first, then the receive, whose
+    /// answers (ACKs, READ responses) wait for the application's next call. So a completion
+    /// reaches the application before a system call sends its acknowledgement, and the
+    /// acknowledgement leaves in the same `sendmmsg` as what the application posts in reply (a
+    /// ping-pong's SEND: one system call per side per round trip, not two). An answer waits at
+    /// most until that call, or [`drive::HANDOFF_NS`] (1 ms, far below RC's 16.8 ms ACK
+    /// timeout) when the application stops calling and the backstop, which runs
+    /// [`DataCore::poll`], takes over; at once when it blocks.
+    pub(super) fn poll_app(&mut self, now: u64, link: &dyn Link) -> Pass {
+        let mut work = false;
+        work |= self.solar.commands(&self.shared, now);
+        work |= self.drain_sq(now);
+        self.retry_stuck();
+        let timers = earliest(self.rc_deadline(now), self.solar.timers(now));
+        // before anything leaves: a port a moved path sends from is received on
+        self.sync_rx_ports(link);
+        work |= self.send_all(now, link);
+        work |= self.receive(now, link);
+        work |= self.release_delayed(now);
+        work |= self.receive_hairpin(now);
+        let chains_retry = self.run_chains(now, &mut work);
+        work |= self.solar.collect(&self.shared, now);
+        // what the receive left to send is due at the next call
+        let answers = (!self.active.is_empty() || !self.hairpin.is_empty()).then_some(now);
+        Pass {
+            work,
+            next_deadline: earliest(earliest(timers, chains_retry), answers),
+        }
     }
 
     /// The send side of a pass, run by a thread that posted or sent a command: the send queue

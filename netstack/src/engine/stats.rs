@@ -41,6 +41,8 @@ pub(crate) struct EngineStats {
     pub hairpin_packets: Counter,
     /// sendmmsg messages (a GSO message carries several packets).
     pub tx_messages: Counter,
+    /// Send calls to the link: `sendmmsg` system calls on UDP, ring pushes on shm.
+    pub tx_calls: Counter,
     /// Receives into staging buffers (a GRO receive carries several datagrams).
     pub staging_fills: Counter,
     /// Payload bytes the transmit path copied: READ-response and small-payload snapshots taken
@@ -93,6 +95,8 @@ pub struct StatsSnapshot {
     pub hairpin_packets: u64,
     /// sendmmsg messages (a GSO message carries several packets).
     pub tx_messages: u64,
+    /// Send calls to the link (`sendmmsg` system calls on UDP).
+    pub tx_calls: u64,
     /// Receives into staging buffers.
     pub staging_fills: u64,
     /// Payload bytes the transmit path copied.
@@ -134,6 +138,7 @@ impl StatsSnapshot {
         self.tx_errors += o.tx_errors;
         self.hairpin_packets += o.hairpin_packets;
         self.tx_messages += o.tx_messages;
+        self.tx_calls += o.tx_calls;
         self.staging_fills += o.staging_fills;
         self.tx_payload_copy_bytes += o.tx_payload_copy_bytes;
         self.shm_tx_messages += o.shm_tx_messages;
@@ -191,6 +196,7 @@ impl EngineStats {
             tx_errors: self.tx_errors.get(),
             hairpin_packets: self.hairpin_packets.get(),
             tx_messages: self.tx_messages.get(),
+            tx_calls: self.tx_calls.get(),
             staging_fills: self.staging_fills.get(),
             tx_payload_copy_bytes: self.tx_payload_copy_bytes.get(),
             rx_payload_copy_bytes: self.rx_payload_copy_bytes.get(),

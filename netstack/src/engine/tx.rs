@@ -199,6 +199,7 @@ fn send_batch<T: Datagram>(
             k += 1;
         }
         let run = &mut msgs[sent_msgs..sent_msgs + k];
+        stats.tx_calls.inc();
         let took = match link.send(port, run, hdrs) {
             Ok(t) => t,
             Err(e) => {

@@ -18,7 +18,7 @@ type EngineCounter = (
 );
 
 /// The engine's counters as metrics: name, optional label, which counter.
-const ENGINE_COUNTERS: [EngineCounter; 19] = [
+const ENGINE_COUNTERS: [EngineCounter; 20] = [
     ("flexns_engine_passes_total", Some(("thread", "engine")), |s| {
         &s.engine_thread_passes
     }),
@@ -68,6 +68,7 @@ const ENGINE_COUNTERS: [EngineCounter; 19] = [
         &s.rx_payload_copy_bytes
     }),
     ("flexns_rx_fused_copy_bytes_total", None, |s| &s.rx_fused_copy_bytes),
+    ("flexns_tx_calls_total", None, |s| &s.tx_calls),
 ];
 
 impl crate::telemetry::Collect for CtxInner {

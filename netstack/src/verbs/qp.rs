@@ -548,8 +548,11 @@ impl Qp {
         self.posted_recvs.fetch_add(1, Ordering::Relaxed);
         // a receive has nothing to send: a sleeping core is not woken for it, since it takes
         // the send queue before the packets whose arrival wakes it (a wake-up per receive
-        // cost the ping-pong a context switch); only a QP in ERR owes a flush completion now
-        if !self.run_to_completion() && self.mirror.state() == QpState::Err {
+        // cost the ping-pong a context switch); only a QP in ERR owes a flush completion now.
+        // Run to completion, no pass runs here either: the application's next post, poll or
+        // wait runs one, which takes the receive first (and a pass here would send the ACKs
+        // waiting for that post alone, a system call more per round trip)
+        if self.mirror.state() == QpState::Err {
             self.core.sq.lock().notify();
         }
         Ok(())
