@@ -739,6 +739,20 @@ fn cutting_every_port_the_paths_start_on_moves_them_to_spares() {
     assert!(st.repaths >= 4, "the paths moved to the 4 spare ports: {st:?}");
 }
 
+/// A client over 8 paths and `ports` source ports with the agent's RTOs (20 ms initial, 2 ms
+/// minimum) and an I/O timeout of 5 s.
+fn agent_client(ports: u16, cc: Option<Box<dyn netstack::cc::CcAlgorithm>>, now: u64) -> SolarClient {
+    let cfg = ClientConfig {
+        paths: 8,
+        source_ports: ports,
+        initial_rto_ns: 20_000_000,
+        min_rto_ns: 2_000_000,
+        io_timeout_ns: 5_000_000_000,
+        ..Default::default()
+    };
+    SolarClient::new(cfg, cc, now)
+}
+
 /// Writes at depth 32 over 8 paths and `ports` source ports; the `cut` ports go black for
 /// 100 ms and come back: no write takes `limit_ns` (a path RTO is 2 ms), and every
 /// acknowledged block is stored. Returns the client's counters.
@@ -749,18 +763,7 @@ fn cut_under_load(ports: u16, cut: &[u16], limit_ns: u64) -> ClientStats {
         ..Default::default()
     };
     let mut sim = Sim::with_ports(8, ports, net, 5, false);
-    sim.c = SolarClient::new(
-        ClientConfig {
-            paths: 8,
-            source_ports: ports,
-            initial_rto_ns: 20_000_000,
-            min_rto_ns: 2_000_000,
-            io_timeout_ns: 5_000_000_000,
-            ..Default::default()
-        },
-        None,
-        sim.now(),
-    );
+    sim.c = agent_client(ports, None, sim.now());
     let start = sim.now();
     let (cut_at, heal_at, end) = (start + 50_000_000, start + 150_000_000, start + 250_000_000);
     let mut w = Stream::new(5);
@@ -889,18 +892,7 @@ fn a_two_second_cut_of_random_ports_with_the_agents_settings_stalls_no_write_for
         let cc = netstack::cc::CcKind::Swift
             .build(&netstack::cc::host_env(&p))
             .expect("swift");
-        sim.c = SolarClient::new(
-            ClientConfig {
-                paths: 8,
-                source_ports: ports,
-                initial_rto_ns: 20_000_000,
-                min_rto_ns: 2_000_000,
-                io_timeout_ns: 5_000_000_000,
-                ..Default::default()
-            },
-            Some(cc),
-            sim.now(),
-        );
+        sim.c = agent_client(ports, Some(cc), sim.now());
         sim.commit_ns = 200_000;
         let start = sim.now();
         let (cut_at, heal_at, end) = (start + 300_000_000, start + 2_300_000_000, start + 2_600_000_000);
