@@ -621,6 +621,26 @@ impl Stream {
             .collect()
     }
 
+    /// Streams until `end` while the `cut` ports are black from `cut_at` to `heal_at`; returns
+    /// the slowest write's latency (ns) and how many writes completed.
+    fn through_cut(&mut self, sim: &mut Sim, cut: &[u16], (cut_at, heal_at, end): (u64, u64, u64)) -> (u64, u64) {
+        let (mut longest, mut completed) = (0u64, 0u64);
+        while sim.now() < end {
+            sim.set_dead(if sim.now() >= cut_at && sim.now() < heal_at {
+                cut
+            } else {
+                &[]
+            });
+            self.top_up(sim);
+            sim.idle(100_000);
+            for l in self.collect(sim) {
+                completed += 1;
+                longest = longest.max(l);
+            }
+        }
+        (longest, completed)
+    }
+
     /// Lets the outstanding writes finish; checks that the store holds what was acknowledged
     /// last for every block.
     fn finish_and_check(mut self, sim: &mut Sim) {
@@ -767,20 +787,7 @@ fn cut_under_load(ports: u16, cut: &[u16], limit_ns: u64) -> ClientStats {
     let start = sim.now();
     let (cut_at, heal_at, end) = (start + 50_000_000, start + 150_000_000, start + 250_000_000);
     let mut w = Stream::new(5);
-    let (mut longest, mut completed) = (0u64, 0u64);
-    while sim.now() < end {
-        if sim.now() >= cut_at && sim.now() < heal_at {
-            sim.set_dead(cut);
-        } else {
-            sim.set_dead(&[]);
-        }
-        w.top_up(&mut sim);
-        sim.idle(100_000);
-        for l in w.collect(&sim) {
-            completed += 1;
-            longest = longest.max(l);
-        }
-    }
+    let (longest, completed) = w.through_cut(&mut sim, cut, (cut_at, heal_at, end));
     let st = sim.c.stats();
     assert!(completed > 1_000, "{completed} writes completed: {st:?}");
     assert!(
@@ -897,20 +904,7 @@ fn a_two_second_cut_of_random_ports_with_the_agents_settings_stalls_no_write_for
         let start = sim.now();
         let (cut_at, heal_at, end) = (start + 300_000_000, start + 2_300_000_000, start + 2_600_000_000);
         let mut w = Stream::new(seed);
-        let (mut longest, mut completed) = (0u64, 0u64);
-        while sim.now() < end {
-            sim.set_dead(if sim.now() >= cut_at && sim.now() < heal_at {
-                &cut
-            } else {
-                &[]
-            });
-            w.top_up(&mut sim);
-            sim.idle(100_000);
-            for l in w.collect(&sim) {
-                completed += 1;
-                longest = longest.max(l);
-            }
-        }
+        let (longest, completed) = w.through_cut(&mut sim, &cut, (cut_at, heal_at, end));
         let st = sim.c.stats();
         eprintln!("seed {seed}: ports {cut:?} cut: slowest write {longest} ns of {completed}; {st:?}");
         assert!(longest < 20_000_000, "seed {seed}: a write took {longest} ns: {st:?}");
