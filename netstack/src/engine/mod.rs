@@ -778,14 +778,8 @@ impl DataCore {
     /// (its thread, an application thread running it to completion, the simulator) say what
     /// time it is and which link it runs over.
     pub(super) fn poll(&mut self, now: u64, link: &dyn Link) -> Pass {
-        let mut work = false;
-        work |= self.solar.commands(&self.shared, now);
-        work |= self.drain_sq(now);
-        self.retry_stuck();
-        work |= self.receive(now, link);
-        work |= self.release_delayed(now);
-        work |= self.receive_hairpin(now);
-        let chains_retry = self.run_chains(now, &mut work);
+        let mut work = self.take_requests(now);
+        let chains_retry = self.take_arrivals(now, link, &mut work);
         let next_deadline = earliest(earliest(self.rc_deadline(now), chains_retry), self.solar.timers(now));
         work |= self.solar.collect(&self.shared, now);
         // once per pass, after the commands (new clients) and the timers (paths that moved):
@@ -793,6 +787,23 @@ impl DataCore {
         self.sync_rx_ports(link);
         work |= self.send_all(now, link);
         Pass { work, next_deadline }
+    }
+
+    /// The first step of a pass: Solar's commands, the send queue (posts and commands), and
+    /// completions that found their CQ full earlier. Whether any of it was work.
+    fn take_requests(&mut self, now: u64) -> bool {
+        let work = self.solar.commands(&self.shared, now) | self.drain_sq(now);
+        self.retry_stuck();
+        work
+    }
+
+    /// The receive step of a pass: the link's datagrams, the delay line, hairpin packets, and
+    /// the RedN chains they advance; returns when the chains want another look.
+    fn take_arrivals(&mut self, now: u64, link: &dyn Link, work: &mut bool) -> Option<u64> {
+        *work |= self.receive(now, link);
+        *work |= self.release_delayed(now);
+        *work |= self.receive_hairpin(now);
+        self.run_chains(now, work)
     }
 
     /// What the QPs and Solar endpoints have to send, sent: packets this core sends to itself
@@ -824,18 +835,12 @@ impl DataCore {
     /// timeout) when the application stops calling and the backstop, which runs
     /// [`DataCore::poll`], takes over; at once when it blocks.
     pub(super) fn poll_app(&mut self, now: u64, link: &dyn Link) -> Pass {
-        let mut work = false;
-        work |= self.solar.commands(&self.shared, now);
-        work |= self.drain_sq(now);
-        self.retry_stuck();
+        let mut work = self.take_requests(now);
         let timers = earliest(self.rc_deadline(now), self.solar.timers(now));
         // before anything leaves: a port a moved path sends from is received on
         self.sync_rx_ports(link);
         work |= self.send_all(now, link);
-        work |= self.receive(now, link);
-        work |= self.release_delayed(now);
-        work |= self.receive_hairpin(now);
-        let chains_retry = self.run_chains(now, &mut work);
+        let chains_retry = self.take_arrivals(now, link, &mut work);
         work |= self.solar.collect(&self.shared, now);
         // what the receive left to send is due at the next call
         let answers = (!self.active.is_empty() || !self.hairpin.is_empty()).then_some(now);

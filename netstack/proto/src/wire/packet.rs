@@ -181,7 +181,8 @@ impl<'a> PacketView<'a> {
             }
             return Ok(());
         }
-        let got = u32::from_le_bytes([datagram[end], datagram[end + 1], datagram[end + 2], datagram[end + 3]]);
+        // (the view was parsed from `datagram`: its ICRC is the trailer's)
+        let got = self.icrc;
         let mut c = icrc::Icrc::new(src, dst, end);
         c.update(&datagram[..start]);
         for (i, p) in self.payload.chunks(PLACE_PIECE).enumerate() {
