@@ -63,12 +63,17 @@ fn spraying_fills_both_paths_and_a_cut_path_is_routed_around() {
     let spray = find(&|l| l["experiment"] == "spray" && l["mode"] == "spray");
     let fixed = find(&|l| l["experiment"] == "spray" && l["mode"] == "fixed");
     let ratio = find(&|l| l["experiment"] == "spray" && l.get("ratio").is_some());
+    let split = find(&|l| l["experiment"] == "spray" && l.get("link_bytes").is_some());
     let cut = find(&|l| l["experiment"] == "cut");
     let g = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap_or_else(|| panic!("{k} in {v}"));
-    // one source port: one path's 200 Mbit/s; sprayed: both
+    // one source port: at most one path's 200 Mbit/s
     assert!(g(&fixed, "gbps") < 0.21, "{fixed}");
-    assert!(g(&spray, "gbps") > 0.34, "{spray}");
-    assert!(g(&ratio, "ratio") >= 1.7, "{ratio}");
+    // sprayed: both links carry the QP's bytes, about half each (the router's counters, so
+    // this holds however few cycles a loaded machine leaves the debug sender; the speed-up it
+    // gives is the benchmark's figure, `ecmp.sh run` with release binaries, in BENCHMARKS.md)
+    let share = g(&split, "sprayed_share_of_lesser_link");
+    assert!((0.3..=0.7).contains(&share), "both links carry sprayed bytes: {split}");
+    assert!(g(&spray, "gbps") > 0.0 && g(&ratio, "ratio") > 0.0, "{spray} {ratio}");
     assert_eq!(ratio["verified"], true, "{ratio}");
     // the cut: the data arrives intact, the stall is short, one path carries on, the path returns
     assert_eq!(cut["verified"], true, "{cut}");

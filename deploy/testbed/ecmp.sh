@@ -10,8 +10,11 @@
 #               [--cut-bytes 1GiB] [--cut-at 2] [--cut-for 4] [--failover-bytes 256MiB] [--prefix fe$$]
 #       1. spraying versus a fixed source port: one QP writing 64 KiB messages for --duration
 #          seconds, sprayed over --paths paths, then with one path (fixed port), interleaved
-#          --pairs times. Prints a JSON line per mode ({"experiment":"spray","mode":...,"gbps"})
-#          and {"experiment":"spray","ratio":...,"verified":...}.
+#          --pairs times. Prints a JSON line per mode ({"experiment":"spray","mode":...,"gbps"}),
+#          {"experiment":"spray","ratio":...,"verified":...}, and where the bytes went:
+#          {"experiment":"spray","link_bytes":[link 1, link 2],"sprayed_bytes":...,
+#          "sprayed_share_of_lesser_link":...} (the router's bytes toward B on each link; about
+#          0.5 when spraying splits evenly, 0 when everything took one link).
 #       2. a path cut: one sprayed QP writes --cut-bytes in 256 KiB WRITEs; --cut-at seconds in,
 #          B's end of path 1 goes down (`ip link set ... down`: the router still hashes flows
 #          onto the dead link, a black hole), and comes back --cut-for seconds later. Prints
@@ -162,6 +165,10 @@ start ecmp.sh "${deps[@]}"
 # once its neighbour answers (the kernel would otherwise hash B's replies onto it at once, into
 # an unresolved ARP entry whose first request may go out before the carrier is up and is
 # retried a second later).
+# link_bytes K: bytes the router has sent toward B on link K
+link_bytes() {
+  ip -n "${P}_r" -s link show "${P}r$1" | awk '/TX:/ {getline; print $1; exit}'
+}
 cut_link() {
   ip -n "${P}_b" link set "${P}b$1" down
 }
@@ -254,10 +261,6 @@ if [ "$cmd" = block ]; then
       ip netns exec "${P}_${nd%%:*}" tc filter add dev "${P}${nd#*:}" egress bpf da obj "$work/loss.o" sec tc
     done
   fi
-  # link_bytes K: bytes the router has sent toward B on link K
-  link_bytes() {
-    ip -n "${P}_r" -s link show "${P}r$1" | awk '/TX:/ {getline; print $1; exit}'
-  }
   # fio reads 64MiB as 64,000,000 bytes: give it the byte count the volume has
   io_bytes=$(python3 -c "import sys; n,u=sys.argv[1][:-3],sys.argv[1][-3:]; print(int(n)*{'KiB':1<<10,'MiB':1<<20,'GiB':1<<30}[u])" "$IO_BYTES")
   for pair in $(seq 1 "$PAIRS"); do
@@ -402,11 +405,14 @@ net=(--op write --mtu 4096 --recovery selective-repeat --json --cc "$CC"
 client=(ip netns exec "${P}_a" "$NSPERF" client --server 10.88.2.2:7471 --data 10.88.1.2:4791
   --paths "$PATHS" --spray "$SPRAY" "${net[@]}")
 
-# 1. spraying versus one fixed source port, interleaved
+# 1. spraying versus one fixed source port, interleaved; the router's bytes toward B on each
+# link, before and after, say how the runs split over the two links
+echo "$(link_bytes 1) $(link_bytes 2)" >"$work/spray.links"
 if ! run "${client[@]}" --size 64KiB --depth 32 --duration "$DURATION" --compare-paths 1 --pairs "$PAIRS" \
   >"$work/spray.json" 2>"$work/spray.err"; then
   echo "the spray experiment failed:" >&2; grep -v "^ \\|^Stack backtrace" "$work/spray.err" | tail -5 >&2; exit 1
 fi
+echo "$(link_bytes 1) $(link_bytes 2)" >>"$work/spray.links"
 
 # cut_run NAME CMD...: runs CMD in the background, cuts link 1 (B's end) --cut-at seconds in,
 # restores it --cut-for seconds later, waits; NAME.json, NAME.times (cut and restore times)
@@ -458,6 +464,14 @@ for mode, rs in (("spray", sprayed), ("fixed", fixed)):
                       "retransmitted_packets": sum(r.get("retransmitted_packets", 0) for r in rs)}))
 print(json.dumps({"experiment": "spray", "ratio": ratio.get("ratio"), "ratios": ratio.get("ratios"),
                   "verified": bool(runs) and all(r["verified"] for r in runs)}))
+# where the bytes went: every fixed run's bytes on one link (whichever its port hashes to), the
+# sprayed runs' bytes over both; the link that carried less carried only sprayed bytes
+before, after = (list(map(int, l.split())) for l in open(f"{work}/spray.links"))
+links = [a - b for a, b in zip(after, before)]
+sprayed_bytes = sum(r["bytes"] for r in sprayed)
+print(json.dumps({"experiment": "spray", "link_bytes": links, "sprayed_bytes": sprayed_bytes,
+                  "fixed_bytes": sum(r["bytes"] for r in fixed),
+                  "sprayed_share_of_lesser_link": round(min(links) / sprayed_bytes, 3) if sprayed_bytes else None}))
 ok = True
 for name, npaths, policy in (("cut", int(paths), spray), ("failover", 2, "single")):
     res = next((l for l in lines(f"{name}.json") if l.get("bench") == "write_bw"), None)
