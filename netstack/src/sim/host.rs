@@ -1,13 +1,15 @@
-//! Simulated hosts: RC QPs behind a NIC that serializes their packets, and flows (an
-//! application that keeps WRITEs outstanding until its bytes are acknowledged).
+//! Simulated hosts: RC QPs behind a NIC that sends their packets round-robin, one at a time
+//! as its line frees, and flows (an application that keeps WRITEs outstanding until its bytes
+//! are acknowledged).
 
-use super::{Ev, Network, Node, NodeId, Packet, Port};
+use super::{Network, Node, NodeId};
 use crate::cc::{CcEnv, CcKind, CcParams};
+use crate::link::sim::{SimLink, SimNet};
 use crate::mem::{Access, MrTable, Region};
 use crate::transport::rc::{RcConfig, RcQp, RcStats};
 use crate::wire::{Opcode, PacketView, ROCEV2_PORT};
 use crate::work::{SendWr, Sge, WcStatus, WrOpcode};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::sync::Arc;
 
@@ -127,8 +129,10 @@ struct HostQp {
 }
 
 pub(super) struct Host {
-    pub(super) ports: Vec<Port>,
     addr: SocketAddrV4,
+    /// Holds the host's address (its inbox) on the network.
+    _link: SimLink,
+    pub(super) attached: bool,
     qp_cfg: RcConfig,
     env: Arc<CcEnv>,
     mrs: MrTable,
@@ -137,23 +141,41 @@ pub(super) struct Host {
     qps: BTreeMap<u32, HostQp>,
     next_qpn: u32,
     rr: u32,
-    pub(super) wake_at: Option<u64>,
+    /// When it must run again (a QP's deadline, its line free for the next packet, delayed
+    /// feedback due).
+    pub(super) next_at: Option<u64>,
     pub(super) feedback_delay: u64,
-    /// Packets dropped because they were malformed or for a QP that no longer exists.
+    /// Feedback held back by `feedback_delay`: when it is due, its CE mark, its bytes.
+    delayed: VecDeque<(u64, bool, Vec<u8>)>,
+    /// Packets dropped: a bad ICRC, malformed, or for a QP that no longer exists.
     pub(super) dropped: u64,
 }
 
+/// The address of host `id`: 10.x.y.z from its node number, the RoCEv2 port.
+fn addr_of(id: NodeId) -> SocketAddrV4 {
+    SocketAddrV4::new(
+        Ipv4Addr::new(10, (id >> 16) as u8, (id >> 8) as u8, id as u8),
+        ROCEV2_PORT,
+    )
+}
+
+/// The UDP source port of QP `qpn`'s packets on `path`: each path its own flow for ECMP.
+fn source_port(qpn: u32, path: u8) -> u16 {
+    0xC000 | ((qpn.wrapping_mul(64) + path as u32) & 0x3FFF) as u16
+}
+
 impl Host {
-    pub(super) fn new(id: NodeId, qp_cfg: RcConfig, cc: &CcParams) -> Host {
+    pub(super) fn new(id: NodeId, net: &Arc<SimNet>, qp_cfg: RcConfig, cc: &CcParams) -> Host {
         let mrs = MrTable::new();
-        let region = Arc::new(Region::alloc(CHUNK as usize));
+        // named by an address that depends only on the host, not on the process's heap: the
+        // WRITEs carry it, so two runs of a seed send the same bytes
+        let region = Arc::new(Region::alloc(CHUNK as usize).at_iova(0x1_0000_0000 * (id as u64 + 1)));
         let key = mrs.register(region.clone(), 1, Access::ALL).rkey;
+        let addr = addr_of(id);
         Host {
-            ports: Vec::new(),
-            addr: SocketAddrV4::new(
-                Ipv4Addr::new(10, (id >> 16) as u8, (id >> 8) as u8, id as u8),
-                ROCEV2_PORT,
-            ),
+            addr,
+            _link: net.link(&[addr]).expect("a new host's address is free"),
+            attached: false,
             qp_cfg,
             env: crate::cc::host_env(cc),
             mrs,
@@ -162,10 +184,15 @@ impl Host {
             qps: BTreeMap::new(),
             next_qpn: 0x100,
             rr: 0,
-            wake_at: None,
+            next_at: None,
             feedback_delay: 0,
+            delayed: VecDeque::new(),
             dropped: 0,
         }
+    }
+
+    pub(super) fn addr(&self) -> SocketAddrV4 {
+        self.addr
     }
 
     fn new_qp(&mut self, cc: CcKind) -> (u32, RcQp) {
@@ -178,19 +205,11 @@ impl Host {
     }
 }
 
-fn host(net: &mut Network, n: NodeId) -> &mut Host {
+pub(super) fn host(net: &mut Network, n: NodeId) -> &mut Host {
     match &mut net.nodes[n] {
         Node::Host(h) => h,
         Node::Switch(_) => unreachable!("node {n} is a switch"),
     }
-}
-
-/// SplitMix64's finalizer (0 stays 0): spreads a path index over all bits of the ECMP hash.
-fn mix(x: u64) -> u64 {
-    let mut z = x.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    (z ^ (z >> 31)) >> 1
 }
 
 fn is_feedback(op: u8) -> bool {
@@ -199,6 +218,7 @@ fn is_feedback(op: u8) -> bool {
 
 impl Network {
     pub(super) fn flow_start(&mut self, id: FlowId) {
+        let now = self.net.now();
         let spec = self.flows[id].spec;
         let cfg_cc = spec.cc;
         let (sq, mut sqp) = host(self, spec.src).new_qp(cfg_cc);
@@ -226,12 +246,12 @@ impl Network {
         host(self, spec.dst).qps.insert(rq, qp(rqp, spec.src, false));
         self.flows[id].qps = Some((sq, rq));
         self.flow_post(id);
-        self.host_pump(spec.src);
+        self.host_pump(spec.src, now);
     }
 
     /// Keeps `DEPTH` WRITEs outstanding while the flow has bytes left (and has not stopped).
     fn flow_post(&mut self, id: FlowId) {
-        let now = self.now;
+        let now = self.now();
         let f = &self.flows[id];
         let (Some((sq, _)), spec) = (f.qps, f.spec) else { return };
         let (raddr, rkey) = {
@@ -264,7 +284,7 @@ impl Network {
 
     /// Handles the completions of `qpn` on host `n`.
     fn drain_completions(&mut self, n: NodeId, qpn: u32) {
-        let now = self.now;
+        let now = self.now();
         let Some(e) = host(self, n).qps.get_mut(&qpn) else {
             return;
         };
@@ -300,7 +320,7 @@ impl Network {
     }
 
     fn flow_finish(&mut self, id: FlowId, fault: Option<&'static str>) {
-        let now = self.now;
+        let now = self.now();
         let spec = self.flows[id].spec;
         let Some((sq, rq)) = self.flows[id].qps.take() else {
             return;
@@ -315,17 +335,37 @@ impl Network {
         f.fault = fault;
     }
 
-    pub(super) fn host_receive(&mut self, n: NodeId, mut pkt: Packet) {
-        let now = self.now;
-        let delay = host(self, n).feedback_delay;
-        if delay > 0 && pkt.hash != u64::MAX && pkt.data.first().is_some_and(|&op| is_feedback(op)) {
-            pkt.hash = u64::MAX; // delayed once
-            self.schedule(now + delay, Ev::Arrive { node: n, pkt });
-            return;
+    /// Runs host `n` at `now`: what arrived, the feedback now due, its QPs' deadlines, then
+    /// its NIC.
+    pub(super) fn host_run(&mut self, n: NodeId, now: u64) {
+        let addr = host(self, n).addr;
+        while let Some((src, ce, data)) = self.net.recv_ecn(addr) {
+            let h = host(self, n);
+            // the ICRC, as the engine checks it: a corrupted datagram is counted and dropped
+            if PacketView::verify_icrc(&data, src, addr).is_err() {
+                h.dropped += 1;
+                continue;
+            }
+            if h.feedback_delay > 0 && data.first().is_some_and(|&op| is_feedback(op)) {
+                h.delayed.push_back((now + h.feedback_delay, ce, data));
+                continue;
+            }
+            self.host_receive(n, now, ce, &data);
         }
-        let bin = self.rate_bin_ns;
+        while host(self, n).delayed.front().is_some_and(|d| d.0 <= now) {
+            let Some((_, ce, data)) = host(self, n).delayed.pop_front() else {
+                break;
+            };
+            self.host_receive(n, now, ce, &data);
+        }
+        self.host_timers(n, now);
+        self.host_pump(n, now);
+    }
+
+    fn host_receive(&mut self, n: NodeId, now: u64, ce: bool, data: &[u8]) {
+        let (bin, rel) = (self.rate_bin_ns, self.now());
         let h = host(self, n);
-        let Ok(v) = PacketView::parse(&pkt.data) else {
+        let Ok(v) = PacketView::parse(data) else {
             h.dropped += 1;
             return;
         };
@@ -334,23 +374,21 @@ impl Network {
             h.dropped += 1;
             return;
         };
-        e.qp.handle_packet_ecn(now, &v, pkt.ce, &h.mrs);
+        e.qp.handle_packet_ecn(now, &v, ce, &h.mrs);
         let (flow, data) = (e.flow, v.opcode.is_request() && !v.payload.is_empty());
         let payload = v.payload.len() as u64;
         if data && bin > 0 {
             let bins = &mut self.flows[flow].rx_bins;
-            let i = (now / bin) as usize;
+            let i = (rel / bin) as usize;
             if bins.len() <= i {
                 bins.resize(i + 1, 0);
             }
             bins[i] += payload;
         }
         self.drain_completions(n, qpn);
-        self.host_pump(n);
     }
 
-    pub(super) fn host_timers(&mut self, n: NodeId) {
-        let now = self.now;
+    fn host_timers(&mut self, n: NodeId, now: u64) {
         let due: Vec<u32> = host(self, n)
             .qps
             .iter()
@@ -365,12 +403,13 @@ impl Network {
         }
     }
 
-    /// Sends the next packet (round robin over QPs) if the NIC is idle, and re-arms the
-    /// host's wake-up for its QPs' earliest deadline.
-    pub(super) fn host_pump(&mut self, n: NodeId) {
-        let now = self.now;
+    /// Sends the next packet (round robin over QPs) if the NIC's line is free, and sets when
+    /// the host must run again.
+    fn host_pump(&mut self, n: NodeId, now: u64) {
+        let net = self.net.clone();
         let h = host(self, n);
-        if !h.ports[0].busy {
+        let mut line = net.line_free_at(h.addr);
+        if line <= now {
             let order: Vec<u32> = h
                 .qps
                 .range(h.rr + 1..)
@@ -383,34 +422,22 @@ impl Network {
                     continue;
                 }
                 let Some(p) = e.qp.poll_transmit(now) else { continue };
-                let peer = e.peer;
-                let dst_addr = SocketAddrV4::new(
-                    Ipv4Addr::new(10, (peer >> 16) as u8, (peer >> 8) as u8, peer as u8),
-                    ROCEV2_PORT,
-                );
+                let dst = addr_of(e.peer);
+                let src = SocketAddrV4::new(*h.addr.ip(), source_port(q, p.path));
                 let mut data = Vec::with_capacity(p.hdr.len() + p.payload_len() + 8);
-                p.encode(h.addr, dst_addr, &mut data);
+                p.encode(src, dst, &mut data);
                 h.rr = q;
-                // each path is its own 5-tuple (source port) for the switches' ECMP hash
-                let hash = (n as u64) << 40 ^ (q as u64) << 8 ^ peer as u64;
-                let pkt = Packet {
-                    data,
-                    dst: peer,
-                    ce: false,
-                    hash: (hash.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 1) ^ mix(p.path as u64),
-                };
-                self.start_tx(n, 0, pkt);
+                net.send(src, dst, data);
+                line = net.line_free_at(h.addr);
                 break;
             }
         }
-        let h = host(self, n);
-        let next = h.qps.values().filter_map(|e| e.qp.poll_timeout()).min();
-        if let Some(t) = next {
-            let t = t.max(now + 1);
-            if h.wake_at.is_none_or(|w| w <= now || t < w) {
-                h.wake_at = Some(t);
-                self.schedule(t, Ev::HostWake { node: n });
-            }
-        }
+        // its line frees (the next packet), a QP's deadline, feedback due
+        let busy = (line > now).then_some(line);
+        let next = (h.qps.values().filter_map(|e| e.qp.poll_timeout()))
+            .chain(busy)
+            .chain(h.delayed.front().map(|d| d.0))
+            .min();
+        h.next_at = next.map(|t| t.max(now + 1));
     }
 }

@@ -16,10 +16,18 @@
 //! Ethernet/IPv4/UDP frames for tshark or Wireshark, and [`SimNet::record`] keeps what is sent
 //! and what is dropped for a test's checks.
 //!
+//! The network is one big switch with a line per sending port, or a fabric of output-queued
+//! switches with ECN marking, INT stamping and ECMP between the hosts attached to it
+//! ([`SimNet::add_switch`], [`SimNet::attach_host`], [`SimNet::connect`]; the `fabric` module).
+//!
 //! Two ways to drive it: engines' cores attached as [`Node`]s and run by [`SimNet::step`]
-//! (the whole stack), or a test that runs sans-IO endpoints itself and moves datagrams with
+//! (the whole stack), or a driver that runs sans-IO endpoints itself and moves datagrams with
 //! [`SimNet::send`], [`SimNet::recv`] and [`SimNet::advance`] (Solar's client and server in
-//! `netstack/tests/solar_sim.rs`).
+//! `netstack/tests/solar_sim.rs`, the congestion-control experiments' hosts in `crate::sim`).
+
+mod fabric;
+
+pub use fabric::{EcnSpec, LinkSpec, PortId, PortStats, SwitchId, SwitchSpec, WIRE_OVERHEAD};
 
 use parking_lot::Mutex;
 use rand::rngs::StdRng;
@@ -92,8 +100,25 @@ pub struct SimStats {
     pub blocked: u64,
     /// Sent to an address nobody holds, or to a full inbox.
     pub unroutable: u64,
-    /// Marked congestion experienced.
+    /// Marked congestion experienced (by a port's line wait or a fabric's switch).
     pub ce_marked: u64,
+    /// Lost in a fabric: a switch buffer full, a link down, no route.
+    pub fabric_drops: u64,
+}
+
+impl std::ops::AddAssign for SimStats {
+    /// Adds another network's counts (totals over many runs).
+    fn add_assign(&mut self, o: SimStats) {
+        self.sent += o.sent;
+        self.delivered += o.delivered;
+        self.lost += o.lost;
+        self.duplicated += o.duplicated;
+        self.corrupted += o.corrupted;
+        self.blocked += o.blocked;
+        self.unroutable += o.unroutable;
+        self.ce_marked += o.ce_marked;
+        self.fabric_drops += o.fabric_drops;
+    }
 }
 
 /// A core attached to the network: [`SimNet::step`] runs it.
@@ -105,30 +130,67 @@ pub trait Node: Send {
     fn alive(&self) -> bool;
 }
 
-struct Flight {
-    at: u64,
-    seq: u64,
+/// A datagram on its way.
+#[derive(Debug)]
+struct Datagram {
     src: SocketAddrV4,
     dst: SocketAddrV4,
-    /// The IP TOS byte it arrives with (its low two bits: ECN).
+    /// The IP TOS byte it carries (its low two bits: ECN).
     tos: u8,
     data: Vec<u8>,
 }
 
-impl PartialEq for Flight {
-    fn eq(&self, o: &Flight) -> bool {
+/// What happens at a moment of simulated time.
+#[derive(Debug)]
+enum Ev {
+    /// A datagram reaches its destination address.
+    Deliver(Datagram),
+    /// A datagram reaches a fabric switch.
+    AtSwitch(SwitchId, Datagram),
+    /// A fabric switch's port finished sending a datagram.
+    PortFree(SwitchId, usize),
+    /// The monitored queues are sampled.
+    Sample,
+}
+
+struct Timed {
+    at: u64,
+    seq: u64,
+    ev: Ev,
+}
+
+impl PartialEq for Timed {
+    fn eq(&self, o: &Timed) -> bool {
         (self.at, self.seq) == (o.at, o.seq)
     }
 }
-impl Eq for Flight {}
-impl PartialOrd for Flight {
-    fn partial_cmp(&self, o: &Flight) -> Option<std::cmp::Ordering> {
+impl Eq for Timed {}
+impl PartialOrd for Timed {
+    fn partial_cmp(&self, o: &Timed) -> Option<std::cmp::Ordering> {
         Some(self.cmp(o))
     }
 }
-impl Ord for Flight {
-    fn cmp(&self, o: &Flight) -> std::cmp::Ordering {
+impl Ord for Timed {
+    fn cmp(&self, o: &Timed) -> std::cmp::Ordering {
         (self.at, self.seq).cmp(&(o.at, o.seq))
+    }
+}
+
+/// The events to come, in time order (ties in the order they were scheduled).
+#[derive(Default)]
+struct Schedule {
+    seq: u64,
+    heap: BinaryHeap<Reverse<Timed>>,
+}
+
+impl Schedule {
+    fn at(&mut self, at: u64, ev: Ev) {
+        self.seq += 1;
+        self.heap.push(Reverse(Timed { at, seq: self.seq, ev }));
+    }
+
+    fn next_at(&self) -> Option<u64> {
+        self.heap.peek().map(|t| t.0.at)
     }
 }
 
@@ -156,8 +218,8 @@ pub struct Records {
 struct NetState {
     rng: StdRng,
     faults: Faults,
-    seq: u64,
-    flight: BinaryHeap<Reverse<Flight>>,
+    events: Schedule,
+    fabric: fabric::Fabric,
     inboxes: BTreeMap<SocketAddrV4, VecDeque<(SocketAddrV4, u8, Vec<u8>)>>,
     /// When each sending port's line is free again (serialization at `rate_bps`).
     line_free: BTreeMap<SocketAddrV4, u64>,
@@ -203,8 +265,8 @@ impl SimNet {
             state: Mutex::new(NetState {
                 rng: StdRng::seed_from_u64(seed),
                 faults,
-                seq: 0,
-                flight: BinaryHeap::new(),
+                events: Schedule::default(),
+                fabric: fabric::Fabric::default(),
                 inboxes: BTreeMap::new(),
                 line_free: BTreeMap::new(),
                 blocks: Vec::new(),
@@ -242,7 +304,75 @@ impl SimNet {
 
     /// What the network did so far.
     pub fn stats(&self) -> SimStats {
-        self.state.lock().stats
+        let s = self.state.lock();
+        SimStats {
+            fabric_drops: s.fabric.drops,
+            ce_marked: s.stats.ce_marked + s.fabric.marks,
+            ..s.stats
+        }
+    }
+
+    /// Adds a switch to the fabric.
+    pub fn add_switch(&self, spec: SwitchSpec) -> SwitchId {
+        self.state.lock().fabric.add_switch(spec)
+    }
+
+    /// Attaches host `ip` to switch `sw` over a link: from then on every datagram from an
+    /// address of `ip` leaves through its NIC at the link's rate and crosses the fabric to its
+    /// destination host (which must be attached too). Returns the switch's port toward it.
+    pub fn attach_host(&self, ip: Ipv4Addr, sw: SwitchId, link: LinkSpec) -> usize {
+        self.state.lock().fabric.attach(ip, sw, link)
+    }
+
+    /// Links two switches; returns the port index on each side.
+    pub fn connect(&self, a: SwitchId, b: SwitchId, link: LinkSpec) -> (usize, usize) {
+        self.state.lock().fabric.connect(a, b, link)
+    }
+
+    /// Seeds the fabric's ECMP hash (0 unless set): which route each flow takes changes with
+    /// it, as between two switch vendors' hash functions.
+    pub fn set_ecmp_seed(&self, seed: u64) {
+        self.state.lock().fabric.ecmp_seed = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+
+    /// Computes the fabric's ECMP routes (all shortest paths) toward every attached host.
+    /// Call after the last [`SimNet::attach_host`] and [`SimNet::connect`].
+    pub fn build_routes(&self) {
+        self.state.lock().fabric.build_routes();
+    }
+
+    /// Takes a fabric port's link down (what is sent on it is lost; the sender does not know)
+    /// or brings it back. One direction: the peer's port is another [`PortId`].
+    pub fn set_port_up(&self, port: PortId, up: bool) {
+        self.state.lock().fabric.set_up(port, up);
+    }
+
+    /// A fabric port's counters and queue samples (default for a port that does not exist).
+    pub fn port_stats(&self, port: PortId) -> PortStats {
+        self.state.lock().fabric.stats(port).cloned().unwrap_or_default()
+    }
+
+    /// The first port of switch `sw`'s ECMP group toward host `ip`.
+    pub fn route(&self, sw: SwitchId, ip: Ipv4Addr) -> Option<usize> {
+        self.state.lock().fabric.route(sw, ip)
+    }
+
+    /// Records the queue length of switch `sw`'s `port` every `every_ns` from now on.
+    pub fn monitor(&self, sw: SwitchId, port: usize, every_ns: u64) {
+        let now = self.now();
+        let mut s = self.state.lock();
+        if s.fabric.monitor(sw, port, every_ns) {
+            s.events.at(now, Ev::Sample);
+        }
+    }
+
+    /// When the line that datagrams from `src` leave on is free: its host's NIC in a fabric,
+    /// else the port's own line (now or earlier: free).
+    pub fn line_free_at(&self, src: SocketAddrV4) -> u64 {
+        let s = self.state.lock();
+        s.fabric
+            .line_free(src.ip())
+            .unwrap_or_else(|| s.line_free.get(&src).copied().unwrap_or(0))
     }
 
     /// A hash of every delivery so far (time, source, destination, bytes): two runs of one
@@ -337,13 +467,33 @@ impl SimNet {
 
     /// The next datagram delivered to `at` (a linked address), with its source.
     pub fn recv(&self, at: SocketAddrV4) -> Option<(SocketAddrV4, Vec<u8>)> {
-        let mut s = self.state.lock();
-        s.inboxes.get_mut(&at)?.pop_front().map(|(src, _, d)| (src, d))
+        self.recv_ecn(at).map(|(src, _, d)| (src, d))
     }
 
-    /// When the next datagram in flight arrives.
+    /// The next datagram delivered to `at` (a linked address), with its source and whether it
+    /// arrived marked congestion experienced.
+    pub fn recv_ecn(&self, at: SocketAddrV4) -> Option<(SocketAddrV4, bool, Vec<u8>)> {
+        let mut s = self.state.lock();
+        s.inboxes
+            .get_mut(&at)?
+            .pop_front()
+            .map(|(src, tos, d)| (src, tos & 3 == 3, d))
+    }
+
+    /// The linked addresses that have datagrams waiting, in address order.
+    pub fn ready(&self) -> Vec<SocketAddrV4> {
+        let s = self.state.lock();
+        s.inboxes
+            .iter()
+            .filter(|(_, q)| !q.is_empty())
+            .map(|(&a, _)| a)
+            .collect()
+    }
+
+    /// When the next event happens: a datagram's arrival, or a fabric's own step (a switch
+    /// port finishing a datagram, a queue sample).
     pub fn next_arrival(&self) -> Option<u64> {
-        self.state.lock().flight.peek().map(|f| f.0.at)
+        self.state.lock().events.next_at()
     }
 
     /// Moves the clock to `t` (never back) and delivers what has arrived by then, for a driver
@@ -380,7 +530,7 @@ impl SimNet {
             }
         }
         drop(nodes);
-        let arrival = self.state.lock().flight.peek().map(|f| f.0.at);
+        let arrival = self.state.lock().events.next_at();
         match earliest(next, arrival) {
             Some(t) => {
                 self.clock.store(t.max(now + 1), Ordering::Release);
@@ -408,20 +558,39 @@ impl SimNet {
         }
     }
 
-    /// Moves datagrams whose arrival time has come into their inboxes; returns whether any.
+    /// Runs the events whose time has come: datagrams into their inboxes, fabric steps;
+    /// returns whether a datagram was delivered.
     fn deliver_due(&self, now: u64) -> bool {
         let mut s = self.state.lock();
+        let s = &mut *s;
         let mut any = false;
-        while s.flight.peek().is_some_and(|f| f.0.at <= now) {
-            let Some(Reverse(f)) = s.flight.pop() else { break };
+        while s.events.next_at().is_some_and(|t| t <= now) {
+            let Some(Reverse(Timed { at, ev, .. })) = s.events.heap.pop() else {
+                break;
+            };
+            let f = match ev {
+                Ev::Deliver(d) => d,
+                Ev::AtSwitch(sw, d) => {
+                    s.fabric.arrive(at, sw, d, &mut s.events, &mut s.rng);
+                    continue;
+                }
+                Ev::PortFree(sw, port) => {
+                    s.fabric.port_free(at, sw, port, &mut s.events, &mut s.rng);
+                    continue;
+                }
+                Ev::Sample => {
+                    s.fabric.sample(at, &mut s.events);
+                    continue;
+                }
+            };
             any = true;
-            let mut h = fnv(s.trace, &f.at.to_le_bytes());
+            let mut h = fnv(s.trace, &at.to_le_bytes());
             h = fnv(h, &addr_bytes(f.src));
             h = fnv(h, &addr_bytes(f.dst));
             h = fnv(h, &[f.tos]);
             s.trace = fnv(h, &f.data);
             if let Some(w) = s.pcap.as_mut() {
-                let _ = write_frame(w, f.at, f.src, f.dst, &f.data);
+                let _ = write_frame(w, at, f.src, f.dst, &f.data);
             }
             match s.inboxes.get_mut(&f.dst) {
                 Some(q) if q.len() < INBOX_LIMIT => {
@@ -453,13 +622,20 @@ impl SimNet {
             r.sent.push((src, dst, data.clone()));
         }
         let f = s.faults;
-        // serialization on the sending port's line, then propagation
-        let wire = (data.len() as u64 + 46) * 8;
-        let tx_ns = (wire * 1_000_000_000).checked_div(f.rate_bps).unwrap_or(0);
-        let free = s.line_free.entry(src).or_insert(0);
-        let waited = (*free).saturating_sub(now);
-        let depart = (*free).max(now) + tx_ns;
-        *free = depart;
+        let fabric = s.fabric.is_host(src.ip());
+        // without a fabric: serialization on the sending port's line, then propagation (a
+        // fabric host's NIC serializes in the fabric, after the faults below)
+        let (waited, depart) = if fabric {
+            (0, now)
+        } else {
+            let wire = (data.len() as u64 + WIRE_OVERHEAD) * 8;
+            let tx_ns = (wire * 1_000_000_000).checked_div(f.rate_bps).unwrap_or(0);
+            let free = s.line_free.entry(src).or_insert(0);
+            let waited = (*free).saturating_sub(now);
+            let depart = (*free).max(now) + tx_ns;
+            *free = depart;
+            (waited, depart)
+        };
         // ECT(0), or CE past the marking threshold
         let tos = if f.ecn_mark_ns > 0 && waited > f.ecn_mark_ns {
             s.stats.ce_marked += 1;
@@ -499,11 +675,8 @@ impl SimNet {
             } else {
                 0
             };
-            s.seq += 1;
             let extra = s.extra_delay.get(&src).copied().unwrap_or(0) + s.extra_delay.get(&dst).copied().unwrap_or(0);
-            let flight = Flight {
-                at: depart + f.delay_ns + extra + jitter,
-                seq: s.seq,
+            let d = Datagram {
                 src,
                 dst,
                 tos,
@@ -513,7 +686,12 @@ impl SimNet {
                     data.clone()
                 },
             };
-            s.flight.push(Reverse(flight));
+            if fabric {
+                // the fabric's own propagation delays replace the network's
+                s.fabric.send_from_host(now, d, extra + jitter, &mut s.events);
+            } else {
+                s.events.at(depart + f.delay_ns + extra + jitter, Ev::Deliver(d));
+            }
         }
     }
 }
