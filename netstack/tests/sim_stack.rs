@@ -2,7 +2,9 @@
 //! send queues, commands, completion queues, the hairpin path, congestion control) on a
 //! simulated network and clock, under
 //! seeded faults (loss, duplication, corruption, reordering, partitions, and cuts of one path
-//! of QPs that spray over two). A random workload of
+//! of QPs that spray over two); a quarter of the seeds cross a leaf-spine fabric instead of one
+//! big switch (small buffers that drop, RED ECN marks, INT for HPCC, ECMP over two spines, one
+//! spine link sometimes down for a while). A random workload of
 //! WRITEs, READs, SENDs and offloads (the batched READ and a handler that counts its runs, both
 //! inline on the receiving core) runs on several connections, one of them a loopback on one host;
 //! checkers run after every step against the workload's own record:
@@ -25,7 +27,7 @@
 //! server, sprayed over 1-4 paths with one sometimes cut: every write acknowledged and applied
 //! once, every read the last acknowledged data (`SIM_SOLAR_SEEDS`, default 10,000).
 
-use netstack::link::sim::{Faults, SimNet, SimStats};
+use netstack::link::sim::{EcnSpec, Faults, LinkSpec, PortId, SimNet, SimStats, SwitchSpec};
 use netstack::offload::{builtin, OffloadCall, OffloadError, QpFilter};
 use netstack::path::SprayPolicy;
 use netstack::verbs::*;
@@ -120,6 +122,8 @@ struct World {
     trace: u64,
     /// Whether QPs spray over two paths.
     spray: bool,
+    /// On a fabric: the two ports of the link between host 0's leaf and the first spine.
+    spine_link: Option<[PortId; 2]>,
     completions: u64,
 }
 
@@ -152,6 +156,36 @@ impl World {
         let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed_5eed);
         let faults = faults_for(&mut rng);
         let net = SimNet::new(seed, faults);
+        // a quarter of the seeds: each host on a leaf of its own, two spines, links of the
+        // drawn rate, switches with RED ECN marking, INT, and buffers from tiny (drops) to ample
+        let spine_link = rng.random_bool(0.25).then(|| {
+            let link = LinkSpec {
+                rate_bps: faults.rate_bps,
+                delay_ns: faults.delay_ns / 2,
+            };
+            let sw = SwitchSpec {
+                buffer_bytes: [16 << 10, 64 << 10, 1 << 20][rng.random_range(0..3)],
+                ecn: Some(EcnSpec {
+                    kmin: 8 << 10,
+                    kmax: 32 << 10,
+                    pmax: 0.2,
+                }),
+                int: true,
+            };
+            let spines = [net.add_switch(sw), net.add_switch(sw)];
+            let mut first = None;
+            for h in 0..2u8 {
+                let leaf = net.add_switch(sw);
+                for &spine in &spines {
+                    let (pl, ps) = net.connect(leaf, spine, link);
+                    first.get_or_insert([PortId::Switch(leaf, pl), PortId::Switch(spine, ps)]);
+                }
+                net.attach_host(Ipv4Addr::new(10, 0, 0, h + 1), leaf, link);
+            }
+            net.build_routes();
+            net.set_ecmp_seed(seed);
+            first.expect("two spines")
+        });
         // a third of the seeds spray every QP over two paths (source ports), one of which
         // may be cut; spraying needs selective repeat
         let spray = [None, None, Some(SprayPolicy::RoundRobin), Some(SprayPolicy::Weighted)][rng.random_range(0..4)];
@@ -163,15 +197,17 @@ impl World {
         let mtu = [256, 1024][rng.random_range(0..2)];
         let gso = rng.random_bool(0.5);
         // one data core or two (QPs sharded across them, completions merged per CQ), and a
-        // congestion control that needs no switch support, or none
+        // congestion control, or none (HPCC only where switches stamp INT)
         let cores = rng.random_range(1..=2usize);
-        let cc = [
+        let algorithms = [
             netstack::cc::CcKind::None,
             netstack::cc::CcKind::None,
             netstack::cc::CcKind::Dcqcn,
             netstack::cc::CcKind::Timely,
             netstack::cc::CcKind::Swift,
-        ][rng.random_range(0..5)];
+            netstack::cc::CcKind::Hpcc,
+        ];
+        let cc = algorithms[rng.random_range(0..algorithms.len() - usize::from(spine_link.is_none()))];
         let mut hosts = Vec::new();
         for h in 0..2u8 {
             let cfg = ContextConfig {
@@ -238,14 +274,24 @@ impl World {
             conns: Vec::new(),
             rng,
             spray: spray.is_some(),
+            spine_link,
             trace: 0xcbf2_9ce4_8422_2325,
             completions: 0,
         };
         // two connections host 0 -> host 1, one back, one loopback on host 0 (hairpin)
         for (a, b) in [(0, 1), (0, 1), (1, 0), (0, 0)] {
             let low_latency = w.rng.random_bool(0.3);
+            // a host's loopback crosses no switch, so no INT: HPCC refuses such a path, and
+            // the loopback runs DCQCN instead
+            let config = (a == b && cc == netstack::cc::CcKind::Hpcc).then_some(RcConfig {
+                recovery,
+                mtu,
+                cc: netstack::cc::CcKind::Dcqcn,
+                ..RcConfig::default()
+            });
             let attr = QpInitAttr {
                 low_latency,
+                config,
                 ..QpInitAttr::default()
             };
             let ha = &w.hosts[a];
@@ -603,6 +649,13 @@ fn run_seed(seed: u64, pcap: Option<&std::path::Path>) -> Result<Outcome, String
         )
     });
     let mut was_cut = false;
+    // on a fabric, the link from host 0's leaf to the first spine down for a while, sometimes
+    // (the flows ECMP hashed onto it are black-holed until it returns)
+    let spine_down = w.spine_link.filter(|_| w.rng.random_bool(0.5)).map(|ports| {
+        let at = start + w.rng.random_range(0..2_000_000);
+        (ports, at, at + w.rng.random_range(100_000..20_000_000))
+    });
+    let mut spine_state = 0;
     let ops_per_conn = w.rng.random_range(4..24);
     let mut posted = vec![0u64; w.conns.len()];
     let mut partitioned = false;
@@ -626,6 +679,15 @@ fn run_seed(seed: u64, pcap: Option<&std::path::Path>) -> Result<Outcome, String
             if !was_cut && w.net.now() >= at {
                 was_cut = true;
                 w.net.cut(src, len);
+            }
+        }
+        if let Some((ports, down, up)) = spine_down {
+            let now = w.net.now();
+            if (spine_state == 0 && now >= down) || (spine_state == 1 && now >= up) {
+                spine_state += 1;
+                for p in ports {
+                    w.net.set_port_up(p, spine_state == 2);
+                }
             }
         }
         let done = w
@@ -745,12 +807,7 @@ fn run_all(seeds: std::ops::Range<u64>, run: impl Fn(u64) -> Result<Outcome, Str
                     while seed < seeds.end {
                         let o = twice(seed, run).unwrap_or_else(|e| panic!("{e}"));
                         completions += o.completions;
-                        sum.sent += o.stats.sent;
-                        sum.lost += o.stats.lost;
-                        sum.duplicated += o.stats.duplicated;
-                        sum.corrupted += o.stats.corrupted;
-                        sum.blocked += o.stats.blocked;
-                        sum.ce_marked += o.stats.ce_marked;
+                        sum += o.stats;
                         seed += threads;
                     }
                     (completions, sum)
@@ -760,13 +817,8 @@ fn run_all(seeds: std::ops::Range<u64>, run: impl Fn(u64) -> Result<Outcome, Str
         handles.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
     });
     let mut sum = SimStats::default();
-    for (_, t) in &totals {
-        sum.sent += t.sent;
-        sum.lost += t.lost;
-        sum.duplicated += t.duplicated;
-        sum.corrupted += t.corrupted;
-        sum.blocked += t.blocked;
-        sum.ce_marked += t.ce_marked;
+    for &(_, t) in &totals {
+        sum += t;
     }
     (totals.iter().map(|t| t.0).sum(), sum)
 }
@@ -780,20 +832,26 @@ fn seeded_runs_of_the_whole_stack_are_exactly_once_in_order_and_replay_identical
     let (completions, net) = run_all(seeds, |s| run_seed(s, pcap.as_deref()));
     eprintln!(
         "{n} seeds, each run twice, in {:.1} s: {completions} completions; {} datagrams, {} lost, \
-         {} duplicated, {} corrupted, {} partitioned or cut, {} marked CE",
+         {} duplicated, {} corrupted, {} partitioned or cut, {} marked CE, {} dropped in a fabric",
         started.elapsed().as_secs_f64(),
         net.sent,
         net.lost,
         net.duplicated,
         net.corrupted,
         net.blocked,
-        net.ce_marked
+        net.ce_marked,
+        net.fabric_drops
     );
     // the faults did happen (a simulator that injects nothing proves nothing)
     if n >= 100 {
         assert!(
-            net.lost > 0 && net.duplicated > 0 && net.corrupted > 0 && net.blocked > 0 && net.ce_marked > 0,
-            "faults were not injected"
+            net.lost > 0
+                && net.duplicated > 0
+                && net.corrupted > 0
+                && net.blocked > 0
+                && net.ce_marked > 0
+                && net.fabric_drops > 0,
+            "faults were not injected: {net:?}"
         );
     }
 }
