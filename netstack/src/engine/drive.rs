@@ -54,7 +54,7 @@ impl AppDrive {
         let mut work = false;
         for (c, shared) in self.cores.iter().zip(&self.shared) {
             if let Some(mut core) = c.try_lock() {
-                if core.poll_app(shared.now(), &*shared.link).work {
+                if core.poll_app(shared.now(), &*shared.link) {
                     core.shared.stats.application_passes.inc();
                     work = true;
                 }

@@ -825,29 +825,27 @@ impl DataCore {
         work
     }
 
-    /// [`DataCore::poll`] as an application thread runs it (run to completion): what earlier
-    /// passes and the application's posts left to send goes out first, then the receive, whose
-    /// answers (ACKs, READ responses) wait for the application's next call. So a completion
+    /// [`DataCore::poll`] as an application thread runs it (run to completion); returns
+    /// whether it did anything. What earlier passes and the application's posts left to send
+    /// goes out first, then the receive, whose answers (ACKs, READ responses) wait for the application's next call. So a completion
     /// reaches the application before a system call sends its acknowledgement, and the
     /// acknowledgement leaves in the same `sendmmsg` as what the application posts in reply (a
     /// ping-pong's SEND: one system call per side per round trip, not two). An answer waits at
     /// most until that call, or [`drive::HANDOFF_NS`] (1 ms, far below RC's 16.8 ms ACK
     /// timeout) when the application stops calling and the backstop, which runs
     /// [`DataCore::poll`], takes over; at once when it blocks.
-    pub(super) fn poll_app(&mut self, now: u64, link: &dyn Link) -> Pass {
+    pub(super) fn poll_app(&mut self, now: u64, link: &dyn Link) -> bool {
         let mut work = self.take_requests(now);
-        let timers = earliest(self.rc_deadline(now), self.solar.timers(now));
+        // the timers due run now; later ones wait for a later call (the application calls
+        // again, or the backstop takes over), so their deadlines are not needed here
+        self.rc_deadline(now);
+        self.solar.timers(now);
         // before anything leaves: a port a moved path sends from is received on
         self.sync_rx_ports(link);
         work |= self.send_all(now, link);
-        let chains_retry = self.take_arrivals(now, link, &mut work);
-        work |= self.solar.collect(&self.shared, now);
-        // what the receive left to send is due at the next call
-        let answers = (!self.active.is_empty() || !self.hairpin.is_empty()).then_some(now);
-        Pass {
-            work,
-            next_deadline: earliest(earliest(timers, chains_retry), answers),
-        }
+        // chains to retry are retried by the next call too
+        let _ = self.take_arrivals(now, link, &mut work);
+        work | self.solar.collect(&self.shared, now)
     }
 
     /// The send side of a pass, run by a thread that posted or sent a command: the send queue
