@@ -814,6 +814,22 @@ fn agent_client(ports: u16, cc: Option<Box<dyn netstack::cc::CcAlgorithm>>, now:
     SolarClient::new(cfg, cc, now)
 }
 
+/// A [`Sim`] whose client has the agent's settings ([`agent_client`], Swift with a 500 us
+/// target and a window floor of 2) toward a server that group-commits every 200 us.
+fn agent_sim(ports: u16, net: NetCfg, seed: u64) -> Sim {
+    let mut sim = Sim::with_ports(8, ports, net, seed, false);
+    let mut p = netstack::cc::CcParams::default();
+    p.swift.base_target_ns = 500_000;
+    p.swift.min_cwnd = 2.0;
+    p.swift.fs_min_cwnd = p.swift.fs_min_cwnd.max(2.0);
+    let cc = netstack::cc::CcKind::Swift
+        .build(&netstack::cc::host_env(&p))
+        .expect("swift");
+    sim.c = agent_client(ports, Some(cc), sim.now());
+    sim.commit_ns = 200_000;
+    sim
+}
+
 /// Writes at depth 32 over 8 paths and `ports` source ports; the `cut` ports go black for
 /// 100 ms and come back: no write takes `limit_ns` (a path RTO is 2 ms), and every
 /// acknowledged block is stored. Returns the client's counters.
@@ -933,16 +949,7 @@ fn a_two_second_cut_of_random_ports_with_the_agents_settings_stalls_no_write_for
             rate: 25_000_000,
             ..Default::default()
         };
-        let mut sim = Sim::with_ports(8, ports, net, seed, false);
-        let mut p = netstack::cc::CcParams::default();
-        p.swift.base_target_ns = 500_000;
-        p.swift.min_cwnd = 2.0;
-        p.swift.fs_min_cwnd = p.swift.fs_min_cwnd.max(2.0);
-        let cc = netstack::cc::CcKind::Swift
-            .build(&netstack::cc::host_env(&p))
-            .expect("swift");
-        sim.c = agent_client(ports, Some(cc), sim.now());
-        sim.commit_ns = 200_000;
+        let mut sim = agent_sim(ports, net, seed);
         let start = sim.now();
         let (cut_at, heal_at, end) = (start + 300_000_000, start + 2_300_000_000, start + 2_600_000_000);
         let mut w = Stream::new(seed);
@@ -975,18 +982,9 @@ fn a_two_second_spine_link_cut_on_a_fabric_stalls_no_write_for_long() {
             fabric_rate: 25_000_000,
             ..Default::default()
         };
-        let mut sim = Sim::with_ports(8, ports, net, seed, false);
-        let mut p = netstack::cc::CcParams::default();
-        p.swift.base_target_ns = 500_000;
-        p.swift.min_cwnd = 2.0;
-        p.swift.fs_min_cwnd = p.swift.fs_min_cwnd.max(2.0);
-        let cc = netstack::cc::CcKind::Swift
-            .build(&netstack::cc::host_env(&p))
-            .expect("swift");
-        sim.c = agent_client(ports, Some(cc), sim.now());
+        let mut sim = agent_sim(ports, net, seed);
         // which source ports hash onto the cut spine differs by seed
         sim.net.set_ecmp_seed(seed);
-        sim.commit_ns = 200_000;
         let start = sim.now();
         let (cut_at, heal_at, end) = (start + 300_000_000, start + 2_300_000_000, start + 2_600_000_000);
         let mut w = Stream::new(seed);
