@@ -5,7 +5,7 @@
 //! overtakes a newer one; a dead path is routed around and probed back; congestion control
 //! holds the window under a bottleneck. On a switch fabric (two spines, ECMP by each source
 //! port's 5-tuple), a spine link that goes black one way for two seconds stalls no write for
-//! long.
+//! long, and four agents writing into one server share its link evenly without stalls.
 
 use netstack::link::sim::{Faults, LinkSpec, PortId, SimLink, SimNet, SwitchSpec};
 use netstack::transport::solar::client::{ClientConfig, ClientEvent, ClientStats, IoError, SolarClient, Target};
@@ -609,10 +609,12 @@ fn accepted_blocks_wait_for_durability_and_a_lost_one_is_sent_again() {
 /// settings (20 ms initial, 2 ms minimum) on a 40 us fabric.
 /// A stream of single-block writes of fresh data at depth 32, never two to one block at once,
 /// with the acknowledged contents of every block written.
+/// Writes in flight: request -> (block, data, when submitted).
+type Outstanding = HashMap<u64, (u64, Vec<u8>, u64)>;
+
 struct Stream {
     rng: StdRng,
-    /// Request -> (block, data, when submitted).
-    outstanding: HashMap<u64, (u64, Vec<u8>, u64)>,
+    outstanding: Outstanding,
     model: HashMap<u64, Vec<u8>>,
     next_lba: u64,
 }
@@ -814,10 +816,9 @@ fn agent_client(ports: u16, cc: Option<Box<dyn netstack::cc::CcAlgorithm>>, now:
     SolarClient::new(cfg, cc, now)
 }
 
-/// A [`Sim`] whose client has the agent's settings ([`agent_client`], Swift with a 500 us
-/// target and a window floor of 2) toward a server that group-commits every 200 us.
-fn agent_sim(ports: u16, net: NetCfg, seed: u64) -> Sim {
-    let mut sim = Sim::with_ports(8, ports, net, seed, false);
+/// A client with all the agent's settings: [`agent_client`] with Swift (a 500 us target, a
+/// window floor of 2).
+fn agent_swift_client(ports: u16, now: u64) -> SolarClient {
     let mut p = netstack::cc::CcParams::default();
     p.swift.base_target_ns = 500_000;
     p.swift.min_cwnd = 2.0;
@@ -825,7 +826,14 @@ fn agent_sim(ports: u16, net: NetCfg, seed: u64) -> Sim {
     let cc = netstack::cc::CcKind::Swift
         .build(&netstack::cc::host_env(&p))
         .expect("swift");
-    sim.c = agent_client(ports, Some(cc), sim.now());
+    agent_client(ports, Some(cc), now)
+}
+
+/// A [`Sim`] whose client has the agent's settings ([`agent_swift_client`]) toward a server
+/// that group-commits every 200 us.
+fn agent_sim(ports: u16, net: NetCfg, seed: u64) -> Sim {
+    let mut sim = Sim::with_ports(8, ports, net, seed, false);
+    sim.c = agent_swift_client(ports, sim.now());
     sim.commit_ns = 200_000;
     sim
 }
@@ -1003,5 +1011,150 @@ fn a_two_second_spine_link_cut_on_a_fabric_stalls_no_write_for_long() {
             "seed {seed}: the cut was felt: {st:?}"
         );
         w.finish_and_check(&mut sim);
+    }
+}
+
+/// An incast on a fabric: four agents (a host each, the agent's settings, 8 paths over spare
+/// ports) write at depth 32 into one storage server through one switch, 25 MB/s links, so the
+/// server's link is a 4:1 bottleneck with a 256 KiB buffer. Swift shares it: the link stays
+/// busy, the agents get even shares (Jain's index over 0.9), no write fails or takes 100 ms
+/// (the ECMP testbed's stall target), the switch drops under 1 %, and every acknowledged block
+/// is stored. (Measured: 1,517-1,518 writes each, slowest 22 ms, no drop, the longest queue
+/// 160 KB: 6.4 ms at 25 MB/s, well above Swift's 500 us target.)
+#[test]
+fn an_incast_of_four_agents_into_one_server_shares_its_link_without_stalls() {
+    const AGENTS: u64 = 4;
+    const RATE: u64 = 25_000_000;
+    let faults = Faults {
+        delay_ns: 0,
+        rate_bps: 0,
+        ..Faults::default()
+    };
+    let net = SimNet::new(3, faults);
+    let sw = net.add_switch(SwitchSpec {
+        buffer_bytes: 256 << 10,
+        ecn: None,
+        int: false,
+    });
+    let link = LinkSpec {
+        rate_bps: RATE * 8,
+        delay_ns: 10_000,
+    };
+    let host = |k: u64| Ipv4Addr::new(10, 0, 1, k as u8 + 1);
+    let ports = netstack::path::with_spares(8) as u16;
+    let addr = |k: u64, port: u16| SocketAddrV4::new(host(k), 40_000 + port);
+    let server_port = net.attach_host(*SERVER.ip(), sw, link);
+    let mut addrs = vec![SERVER];
+    for k in 0..AGENTS {
+        net.attach_host(host(k), sw, link);
+        addrs.extend((0..ports).map(|p| addr(k, p)));
+    }
+    net.build_routes();
+    let _link = net.link(&addrs).expect("free simulated addresses");
+    let mut clients: Vec<SolarClient> = (0..AGENTS).map(|_| agent_swift_client(ports, net.now())).collect();
+    let mut server = SolarServer::new();
+    let mut store: Store = HashMap::new();
+    let mut rng = StdRng::seed_from_u64(3);
+    let mut outstanding: Vec<Outstanding> = vec![HashMap::new(); AGENTS as usize];
+    let mut acked: HashMap<(u32, u64), Vec<u8>> = HashMap::new();
+    let (mut uncommitted, mut next_commit) = (Vec::new(), 0u64);
+    let (mut longest, mut completed) = (0u64, vec![0u64; AGENTS as usize]);
+    let start = net.now();
+    let end = start + 1_000_000_000;
+    let mut next_lba = vec![0u64; AGENTS as usize];
+    while net.now() < end || outstanding.iter().any(|o| !o.is_empty()) {
+        assert!(
+            net.now() < end + 2_000_000_000,
+            "writes still outstanding 2 s after the last"
+        );
+        let now = net.now();
+        for (k, c) in clients.iter_mut().enumerate() {
+            while now < end && outstanding[k].len() < 32 {
+                let lba = next_lba[k] % 4096;
+                next_lba[k] += 1;
+                let d = data(&mut rng, 1);
+                let io = c.write(now, k as u32 + 1, lba, Arc::from(d.clone()), true).unwrap();
+                outstanding[k].insert(io, (lba, d, now));
+            }
+            while let Some(t) = c.poll_transmit(now) {
+                net.send(addr(k as u64, t.port), SERVER, t.to_vec());
+            }
+        }
+        while let Some(t) = server.poll_transmit() {
+            let (k, port) = (t.peer / 1000, (t.peer % 1000) as u16);
+            net.send(SERVER, addr(k, port), t.to_vec());
+        }
+        let commit = (!uncommitted.is_empty()).then_some(next_commit);
+        let timers = clients.iter().filter_map(|c| c.next_timeout());
+        let next = timers
+            .chain(net.next_arrival())
+            .chain(commit)
+            .min()
+            .unwrap_or(now + 100_000);
+        net.advance(next.max(now + 1));
+        let now = net.now();
+        if now >= next_commit {
+            for token in uncommitted.drain(..) {
+                server.write_done_after(token, Status::Ok, 200_000);
+            }
+            next_commit = now + 200_000;
+        }
+        while let Some((from, p)) = net.recv(SERVER) {
+            let k = (u32::from(*from.ip()) & 0xff) as u64 - 1;
+            let peer = k * 1000 + (from.port() - 40_000) as u64;
+            if let Ok(Some(Request::Write {
+                token,
+                volume,
+                lba,
+                data,
+                crc,
+                ..
+            })) = server.on_packet(peer, &p, false)
+            {
+                store.insert((volume, lba), (Arc::from(data.to_vec()), crc));
+                uncommitted.push(token);
+            }
+        }
+        for (k, c) in clients.iter_mut().enumerate() {
+            for port in 0..ports {
+                while let Some((_, p)) = net.recv(addr(k as u64, port)) {
+                    let _ = c.on_packet(now, &p);
+                }
+            }
+            c.on_timer(now);
+            while let Some(ClientEvent::Done { io, result }) = c.poll_event() {
+                assert_eq!(result, Ok(()), "agent {k}: write {io} failed");
+                let (lba, d, at) = outstanding[k].remove(&io).expect("an outstanding write");
+                acked.insert((k as u32 + 1, lba), d);
+                longest = longest.max(now - at);
+                completed[k] += 1;
+            }
+        }
+    }
+    let st = net.port_stats(PortId::Switch(sw, server_port));
+    let secs = (net.now() - start) as f64 / 1e9;
+    let busy = st.tx_bytes as f64 / secs / RATE as f64;
+    let (sum, squares) = completed
+        .iter()
+        .fold((0.0, 0.0), |(s, q), &c| (s + c as f64, q + (c * c) as f64));
+    let jain = sum * sum / (AGENTS as f64 * squares);
+    eprintln!(
+        "writes per agent {completed:?} (Jain {jain:.3}), slowest {longest} ns; the server's link {:.0} % busy, \
+         {} drops, longest queue {} B",
+        busy * 100.0,
+        st.drops,
+        st.max_queue
+    );
+    assert!(longest < 100_000_000, "a write took {longest} ns");
+    assert!(jain > 0.9, "the agents' shares {completed:?}");
+    assert!(busy > 0.8, "the server's link was {:.0} % busy", busy * 100.0);
+    assert!(
+        st.drops * 100 < st.tx_packets,
+        "{} drops of {} packets",
+        st.drops,
+        st.tx_packets
+    );
+    for (key, d) in &acked {
+        assert!(store[key].0[..] == d[..], "block {key:?}");
     }
 }
