@@ -827,8 +827,9 @@ impl DataCore {
 
     /// [`DataCore::poll`] as an application thread runs it (run to completion); returns
     /// whether it did anything. What earlier passes and the application's posts left to send
-    /// goes out first, then the receive, whose answers (ACKs, READ responses) wait for the application's next call. So a completion
-    /// reaches the application before a system call sends its acknowledgement, and the
+    /// goes out first, then the receive, whose answers (ACKs, READ responses) wait for the
+    /// application's next call. So a completion reaches the application before a system call
+    /// sends its acknowledgement, and the
     /// acknowledgement leaves in the same `sendmmsg` as what the application posts in reply (a
     /// ping-pong's SEND: one system call per side per round trip, not two). An answer waits at
     /// most until that call, or [`drive::HANDOFF_NS`] (1 ms, far below RC's 16.8 ms ACK

@@ -95,7 +95,7 @@ pub struct StatsSnapshot {
     pub hairpin_packets: u64,
     /// sendmmsg messages (a GSO message carries several packets).
     pub tx_messages: u64,
-    /// Send calls to the link (`sendmmsg` system calls on UDP).
+    /// Send calls to the link: `sendmmsg` system calls on UDP, ring pushes on shm.
     pub tx_calls: u64,
     /// Receives into staging buffers.
     pub staging_fills: u64,

@@ -116,15 +116,24 @@ impl Port {
     }
 
     fn ser_ns(&self, bytes: u64) -> u64 {
-        (bytes as u128 * 8_000_000_000 / self.link.rate_bps.max(1) as u128) as u64
+        ser_ns(self.link, bytes)
     }
 }
 
-/// A host's attachment: its NIC port and the switch it leads to.
+/// How long `bytes` take to serialize on `link`.
+fn ser_ns(link: LinkSpec, bytes: u64) -> u64 {
+    (bytes as u128 * 8_000_000_000 / link.rate_bps.max(1) as u128) as u64
+}
+
+/// A host's attachment: its NIC, whose datagrams queue implicitly behind `free_at` (the host
+/// sends one when its line frees), and the switch its link leads to.
 #[derive(Debug)]
 struct Nic {
     switch: SwitchId,
-    port: Port,
+    link: LinkSpec,
+    /// A NIC whose link is down loses what it sends.
+    up: bool,
+    stats: PortStats,
     /// When its line is free again.
     free_at: u64,
 }
@@ -185,7 +194,9 @@ impl Fabric {
             ip,
             Nic {
                 switch: sw,
-                port: Port::new(Peer::Switch(sw), link),
+                link,
+                up: true,
+                stats: PortStats::default(),
                 free_at: 0,
             },
         );
@@ -238,23 +249,24 @@ impl Fabric {
         self.hosts.contains_key(ip)
     }
 
-    fn port_mut(&mut self, p: PortId) -> Option<&mut Port> {
-        match p {
-            PortId::Switch(s, i) => self.switches.get_mut(s)?.ports.get_mut(i),
-            PortId::Host(ip) => self.hosts.get_mut(&ip).map(|n| &mut n.port),
-        }
-    }
-
     pub(super) fn set_up(&mut self, p: PortId, up: bool) {
-        if let Some(port) = self.port_mut(p) {
-            port.up = up;
+        let flag = match p {
+            PortId::Switch(s, i) => self
+                .switches
+                .get_mut(s)
+                .and_then(|s| s.ports.get_mut(i))
+                .map(|p| &mut p.up),
+            PortId::Host(ip) => self.hosts.get_mut(&ip).map(|n| &mut n.up),
+        };
+        if let Some(f) = flag {
+            *f = up;
         }
     }
 
     pub(super) fn stats(&self, p: PortId) -> Option<&PortStats> {
         match p {
             PortId::Switch(s, i) => self.switches.get(s)?.ports.get(i).map(|p| &p.stats),
-            PortId::Host(ip) => self.hosts.get(&ip).map(|n| &n.port.stats),
+            PortId::Host(ip) => self.hosts.get(&ip).map(|n| &n.stats),
         }
     }
 
@@ -293,17 +305,16 @@ impl Fabric {
             return;
         };
         let len = wire_len(&d);
-        let depart = nic.free_at.max(now) + nic.port.ser_ns(len);
+        let depart = nic.free_at.max(now) + ser_ns(nic.link, len);
         nic.free_at = depart;
-        let p = &mut nic.port;
-        p.stats.tx_bytes += len;
-        p.stats.tx_packets += 1;
-        if !p.up {
-            p.stats.drops += 1;
+        nic.stats.tx_bytes += len;
+        nic.stats.tx_packets += 1;
+        if !nic.up {
+            nic.stats.drops += 1;
             self.drops += 1;
             return;
         }
-        sched.at(depart + p.link.delay_ns + extra_ns, Ev::AtSwitch(nic.switch, d));
+        sched.at(depart + nic.link.delay_ns + extra_ns, Ev::AtSwitch(nic.switch, d));
     }
 
     /// A datagram reaches switch `sw`: it takes one of the ports of its destination's ECMP
