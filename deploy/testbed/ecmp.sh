@@ -31,7 +31,9 @@
 #          prefill engine in A; kvcache-bench writes --size transfers sprayed over --paths paths,
 #          against one path and against the tcp transport with its default lanes (4 connections:
 #          ECMP hashes each 5-tuple, so they usually cover both links), interleaved. Prints
-#          kvcache-bench's JSON lines (results and ratios).
+#          kvcache-bench's JSON lines (results and ratios), after one sprayed-only run's
+#          {"experiment":"kvcache","link_bytes":[link 1, link 2],"sprayed_bytes":...,
+#          "sprayed_share_of_lesser_link":...,"verified":...} (the router's bytes toward B).
 #          KVCACHE_BENCH=path uses that binary; otherwise it is built (release).
 #   ecmp.sh block [--rate R] [--paths N] [--pairs P] [--fault cut|loss|incast] [--loss 1]
 #                 [--agents N] [--io-bytes 96MiB] [--depth 32] [--cut-at 1.5] [--cut-for 2] [--prefix P]
@@ -207,6 +209,23 @@ if [ "$cmd" = kvcache ]; then
   }
   kvc_server kvf flexns 7481
   kvc_server kvt tcp 7482
+  # where a sprayed transfer's bytes go: one sprayed-only run between two reads of the router's
+  # counters (the comparison below mixes in one-path and tcp runs)
+  b=("$(link_bytes 1)" "$(link_bytes 2)")
+  if ! run ip netns exec "${P}_a" "$KVCACHE_BENCH" --server 10.88.2.2:7481 --bind 10.88.1.2 \
+    --paths "$PATHS" --stack-config "$work/kvc.toml" --size "$SIZE" --duration "$DURATION" --pairs 1 \
+    --json >"$work/kvs.json" 2>"$work/kvc.err"; then
+    echo "the sprayed kvcache run failed:" >&2; grep -v "^ \\|^Stack backtrace" "$work/kvc.err" | tail -5 >&2; exit 1
+  fi
+  python3 - "$work/kvs.json" "$(( $(link_bytes 1) - b[0] ))" "$(( $(link_bytes 2) - b[1] ))" <<'PY'
+import json, sys
+runs = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+links = [int(sys.argv[2]), int(sys.argv[3])]
+sprayed = sum(r["bytes"] for r in runs if r.get("bench") == "kvcache_write")
+print(json.dumps({"experiment": "kvcache", "link_bytes": links, "sprayed_bytes": sprayed,
+                  "verified": bool(runs) and all(r.get("verified") for r in runs if r.get("bench") == "kvcache_write"),
+                  "sprayed_share_of_lesser_link": round(min(links) / sprayed, 3) if sprayed else None}))
+PY
   if ! run ip netns exec "${P}_a" "$KVCACHE_BENCH" --server 10.88.2.2:7481 --bind 10.88.1.2 \
     --paths "$PATHS" --compare-paths 1 --compare tcp --compare-server 10.88.2.2:7482 \
     --stack-config "$work/kvc.toml" --size "$SIZE" --duration "$DURATION" --pairs "$PAIRS" --json \
