@@ -373,8 +373,9 @@ impl EngineShared {
             return false;
         };
         let pass = core.post_pass(self.now(), &*self.link);
-        // more than one pass takes (a long send queue) is left to the core's thread
-        let more = core.sq.has_data();
+        // more than one pass takes (a long send queue) is left to the core's thread, and so
+        // is receiving on ports it does not watch yet
+        let more = core.sq.has_data() || core.rx_ports_stale();
         drop(core);
         if pass.work {
             self.stats.application_passes.inc();
@@ -853,16 +854,27 @@ impl DataCore {
     /// (work requests and commands), then what the QPs have to send, sent at once. Receiving
     /// stays with the core's own thread, so a poster pays no receive system calls.
     fn post_pass(&mut self, now: u64, link: &dyn Link) -> Pass {
-        let mut work = self.drain_sq(now);
-        self.retry_stuck();
+        let mut work = self.take_requests(now);
         work |= self.transmit(now, true, link);
+        // Solar: a request leaves, or a storage node's writer thread sends its write's
+        // answer, from the thread that handed it in, with no wake-up of the core's thread
+        let solar = self.solar.timers(now);
+        work |= self.solar.collect(&self.shared, now);
+        work |= self.flush_solar(link);
         // packets to this core itself are its thread's to receive, but they must not wait
         // for a sleeping thread's deadline
         let hairpin = (!self.hairpin.is_empty()).then_some(now);
         Pass {
             work,
-            next_deadline: earliest(self.rc_deadline(now), hairpin),
+            next_deadline: earliest(earliest(self.rc_deadline(now), hairpin), solar),
         }
+    }
+
+    /// Whether the ports this core must receive on changed since its thread last looked (a
+    /// pass run by another thread added a Solar client or moved a path): a sleeping thread
+    /// waits on the old set and must be woken.
+    fn rx_ports_stale(&self) -> bool {
+        self.solar.ports_generation() != self.rx_ports_gen
     }
 
     /// How an idle core waits, idle since `since`: a deadline closer than a sleep's wake-up
