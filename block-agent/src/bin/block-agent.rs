@@ -18,8 +18,12 @@ fn main() -> std::process::ExitCode {
     std::process::ExitCode::SUCCESS
 }
 
-#[tokio::main]
-async fn run() -> anyhow::Result<()> {
+fn run() -> anyhow::Result<()> {
     block_agent::daemon::init_logging();
-    Ok(block_agent::daemon::run_agent(Cli::parse().args).await?)
+    let args = Cli::parse().args;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(args.threads.max(1))
+        .enable_all()
+        .build()?;
+    Ok(rt.block_on(block_agent::daemon::run_agent(args))?)
 }
