@@ -5,12 +5,14 @@
 //! Threads: Solar is served by a netstack context's data core (a [`SolarService`]: the engine's
 //! batched sockets and polling, the sans-IO [`SolarServer`] owned by the core), which calls
 //! the node's storage handler: reads are answered on the core (the store reads from the page
-//! cache and checks each block's CRC); writes go to a pool of writer threads, because a store
-//! write returns only when its log record is durable, and many writers waiting together share
-//! one `fdatasync` (group commit); a writer finishes the block's answer, which the core sends.
-//! TCP connections get a reader thread each: a WRITE request's blocks go to the writer pool
-//! as one job (its records share one group commit), a READ is answered by the reader. Answers
-//! go out from whichever thread finished the work. After a restart every volume's block versions seed the Solar server, so a write
+//! cache and checks each block's CRC); a write is queued on the core for the store's next
+//! group commit ([`VolumeStore::submit_blocks`]: its record joins the batch, nobody waits
+//! for it), and the first write of a group asks the pool of writer threads for a leader,
+//! which appends the batch to the log, `fdatasync`s it once and finishes every write of it
+//! (the core sends their answers). So a group costs one wake-up of a writer, not one per
+//! write. TCP connections get a reader thread each: a WRITE request's blocks are queued the
+//! same way (one group commit; its leader writes the answer), a READ is answered by the
+//! reader. Answers go out from whichever thread finished the work. After a restart every volume's block versions seed the Solar server, so a write
 //! retransmitted from before the crash still cannot overtake a newer one.
 //!
 //! Identity: a node is its data directory. The directory holds a node id (`node-id`, drawn at
@@ -183,6 +185,8 @@ enum WriteJob {
         req: tcp_proto::Header,
         data: Vec<u8>,
     },
+    /// Lead the group commits of a store's queued writes ([`VolumeStore::lead_commits`]).
+    Lead(Arc<VolumeStore>),
 }
 
 struct Inner {
@@ -509,6 +513,38 @@ impl Inner {
     }
 
     /// Writes blocks to a volume's store durably; the status to answer.
+    /// Queues a durable write of `blocks` (data, CRC32C) at `lba` of `volume`: `done` gets the
+    /// status to answer, on the writer thread that leads its group commit (no thread waits
+    /// per write), or at once when it is refused. A group's first write asks the writer pool
+    /// for a leader.
+    fn submit_write(
+        &self,
+        volume: u32,
+        lba: u64,
+        blocks: &[(&[u8], u32)],
+        version: u64,
+        done: impl FnOnce(Status) + Send + 'static,
+    ) {
+        let Some(store) = self.volumes.read().get(&volume).cloned() else {
+            return done(Status::NoVolume);
+        };
+        let status = move |r: Result<(), StoreError>| {
+            done(match r {
+                Ok(()) => Status::Ok,
+                Err(e) => {
+                    tracing::warn!("{e}");
+                    store_status(&e)
+                }
+            })
+        };
+        if store.submit_blocks(lba, blocks, version, Box::new(status))
+            && self_send(self, WriteJob::Lead(store.clone())).is_err()
+        {
+            // the pool is gone (the node stops): commit here, so every write is answered
+            store.lead_commits();
+        }
+    }
+
     fn store_write(&self, volume: u32, lba: u64, blocks: &[(&[u8], u32)], version: u64) -> Status {
         let store = self.volumes.read().get(&volume).cloned();
         match store {
@@ -568,6 +604,11 @@ struct Handler(std::sync::Weak<Inner>);
 impl StorageHandler for Handler {
     fn write(&self, b: WriteBlock<'_>, done: WriteDone) {
         let Some(inner) = self.0.upgrade() else { return };
+        if !b.zero {
+            // queued from the core; the group commit's leader answers it
+            inner.submit_write(b.volume, b.lba, &[(b.data, b.crc)], b.rpc, move |st| done.finish(st));
+            return;
+        }
         let job = WriteJob::Solar {
             volume: b.volume,
             lba: b.lba,
@@ -635,6 +676,7 @@ fn writer(inner: &Inner, rx: &Mutex<mpsc::Receiver<WriteJob>>) {
                 // a failed answer is a closed connection: its reader sees it
                 let _ = conn.lock().write_all(&req.reply(status).encode());
             }
+            WriteJob::Lead(store) => store.lead_commits(),
         }
     }
 }
@@ -700,7 +742,20 @@ fn tcp_reader(inner: &Inner, s: TcpStream, w: Arc<Mutex<TcpStream>>) {
             }
             continue;
         }
-        if req.op == tcp_proto::WRITE || req.op == tcp_proto::WRITE_ZEROES {
+        if req.op == tcp_proto::WRITE {
+            // queued as the Solar path queues its blocks: the leader of its group commit
+            // answers (the same store path for both, so the reference is as strong)
+            let mut data = vec![0u8; req.payload(false)];
+            if r.read_exact(&mut data).is_err() {
+                break;
+            }
+            let blocks: Vec<(&[u8], u32)> = data.chunks(BLOCK).map(|b| (b, crc32c::crc32c(b))).collect();
+            let conn = w.clone();
+            inner.submit_write(req.volume, req.lba, &blocks, req.version, move |st| {
+                // a failed answer is a closed connection: its reader sees it
+                let _ = conn.lock().write_all(&req.reply(st).encode());
+            });
+        } else if req.op == tcp_proto::WRITE_ZEROES {
             let mut data = vec![0u8; req.payload(false)];
             if r.read_exact(&mut data).is_err() {
                 break;

@@ -114,7 +114,15 @@ struct Commit {
     committing: bool,
     /// A commit failed: writers waiting on it get this error.
     failed: Option<(u64, String)>,
+    /// Queued writes ([`VolumeStore::submit_blocks`]): the sequence number of each, its
+    /// blocks and what runs once it is durable; a commit's leader runs them.
+    queued: Vec<(u64, u64, Durable)>,
+    /// A queued write asked for a leader ([`VolumeStore::lead_commits`]) not yet run.
+    kicked: bool,
 }
+
+/// What runs once a queued write is durable, or its commit failed.
+pub type Durable = Box<dyn FnOnce(Result<(), StoreError>) + Send>;
 
 /// The log file commits append to.
 struct ActiveLog {
@@ -522,6 +530,8 @@ impl VolumeStore {
                 durable_seq: 0,
                 committing: false,
                 failed: None,
+                queued: Vec::new(),
+                kicked: false,
             }),
             cv: Condvar::new(),
             stripes: (0..STRIPES).map(|_| RwLock::new(())).collect(),
@@ -748,6 +758,54 @@ impl VolumeStore {
     /// as `version`; returns once every record is durable (one wait for the group commit that
     /// covers them all). Nothing is written when a block is refused.
     pub fn write_blocks(&self, lba: u64, blocks: &[(&[u8], u32)], version: u64) -> Result<(), StoreError> {
+        self.check_blocks(lba, blocks)?;
+        if blocks.is_empty() {
+            return Ok(());
+        }
+        self.commit_records(blocks.len() as u64, |out| {
+            for (k, (data, crc)) in blocks.iter().enumerate() {
+                encode_record(out, lba + k as u64, version, *crc, data);
+            }
+        })
+    }
+
+    /// [`VolumeStore::write_blocks`] without waiting: the records join the next group commit
+    /// and `done` runs once they are durable, on the thread that leads that commit (or at
+    /// once with the error when a block is refused). Returns true when no commit runs or
+    /// was asked for: the caller must then have a thread call [`VolumeStore::lead_commits`].
+    /// A storage node's data core queues its writes so, and no thread waits per write: one
+    /// wake-up leads a group and its leader finishes every write in it.
+    pub fn submit_blocks(&self, lba: u64, blocks: &[(&[u8], u32)], version: u64, done: Durable) -> bool {
+        if let Err(e) = self.check_blocks(lba, blocks) {
+            done(Err(e));
+            return false;
+        }
+        let mut c = self.commit.lock();
+        let seq = c.next_seq;
+        c.next_seq += 1;
+        for (k, (data, crc)) in blocks.iter().enumerate() {
+            encode_record(&mut c.waiting, lba + k as u64, version, *crc, data);
+        }
+        c.waiting_last = seq;
+        c.queued.push((seq, blocks.len() as u64, done));
+        let kick = !c.committing && !c.kicked;
+        c.kicked |= kick;
+        kick
+    }
+
+    /// Commits what is queued until nothing is (see [`VolumeStore::submit_blocks`]); returns
+    /// at once when another thread leads (it commits these too).
+    pub fn lead_commits(&self) {
+        let mut c = self.commit.lock();
+        c.kicked = false;
+        while !c.committing && !c.waiting.is_empty() {
+            c = self.lead_one(c);
+        }
+    }
+
+    /// Checks blocks to be written at `lba`: in the volume, whole, and with the CRC32C their
+    /// sender gave.
+    fn check_blocks(&self, lba: u64, blocks: &[(&[u8], u32)]) -> Result<(), StoreError> {
         for (k, (data, crc)) in blocks.iter().enumerate() {
             self.check(lba + k as u64)?;
             if data.len() != BLOCK {
@@ -765,14 +823,7 @@ impl VolumeStore {
                 });
             }
         }
-        if blocks.is_empty() {
-            return Ok(());
-        }
-        self.commit_records(blocks.len() as u64, |out| {
-            for (k, (data, crc)) in blocks.iter().enumerate() {
-                encode_record(out, lba + k as u64, version, *crc, data);
-            }
-        })
+        Ok(())
     }
 
     /// Zeroes `count` blocks from `lba` as `version` (TRIM, WRITE_ZEROES): they read as zeros
@@ -817,20 +868,52 @@ impl VolumeStore {
                 self.cv.wait(&mut c);
                 continue;
             }
-            // lead a commit of everything waiting
-            c.committing = true;
-            let batch = std::mem::take(&mut c.waiting);
-            let last = c.waiting_last;
-            drop(c);
-            let r = self.commit_batch(&batch);
-            c = self.commit.lock();
-            c.committing = false;
-            match r {
-                Ok(()) => c.durable_seq = last,
-                Err(e) => c.failed = Some((last, e.to_string())),
+            c = self.lead_one(c);
+            // queued writes have no thread waiting: a leader leaves none behind
+            while c.durable_seq >= seq && !c.committing && !c.queued.is_empty() {
+                c = self.lead_one(c);
             }
-            self.cv.notify_all();
         }
+    }
+
+    /// Leads one commit of everything waiting (the caller holds the lock and no commit
+    /// runs), wakes the writers waiting on it and runs the queued writes' `done`s it covers.
+    fn lead_one<'a>(&'a self, mut c: parking_lot::MutexGuard<'a, Commit>) -> parking_lot::MutexGuard<'a, Commit> {
+        c.committing = true;
+        let batch = std::mem::take(&mut c.waiting);
+        let last = c.waiting_last;
+        drop(c);
+        let r = self.commit_batch(&batch);
+        let mut c = self.commit.lock();
+        c.committing = false;
+        let failed = match r {
+            Ok(()) => {
+                c.durable_seq = last;
+                None
+            }
+            Err(e) => {
+                let e = e.to_string();
+                c.failed = Some((last, e.clone()));
+                Some(e)
+            }
+        };
+        self.cv.notify_all();
+        let split = c.queued.partition_point(|q| q.0 <= last);
+        if split == 0 {
+            return c;
+        }
+        let done: Vec<_> = c.queued.drain(..split).collect();
+        drop(c);
+        if failed.is_none() {
+            self.stats.lock().writes += done.iter().map(|q| q.1).sum::<u64>();
+        }
+        for (_, _, d) in done {
+            d(match &failed {
+                None => Ok(()),
+                Some(e) => Err(StoreError::Invalid(format!("commit failed: {e}"), self.volume)),
+            });
+        }
+        self.commit.lock()
     }
 
     fn commit_batch(&self, batch: &[u8]) -> Result<(), StoreError> {
@@ -1324,6 +1407,88 @@ mod tests {
         assert_eq!(s.blocks(), 16);
         assert_eq!(s.read(7).unwrap().0, b);
         assert_eq!(s.read(15).unwrap().0, b);
+        drop(s);
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn queued_writes_are_answered_by_their_groups_leader_beside_waiting_writers() {
+        let d = dir("queued");
+        let s = std::sync::Arc::new(VolumeStore::create(&d, 2, 4096, 64 << 20).unwrap());
+        let (tx, rx) = std::sync::mpsc::channel::<Result<u64, String>>();
+        // a leader thread per kick, as the storage node's writer pool gives one
+        let (lead_tx, lead_rx) = std::sync::mpsc::channel::<()>();
+        let leader = {
+            let s = s.clone();
+            std::thread::spawn(move || {
+                while lead_rx.recv().is_ok() {
+                    s.lead_commits();
+                }
+            })
+        };
+        // synchronous writers at the same time: they lead commits too, and must leave no
+        // queued write without a leader
+        let waiting: Vec<_> = (0..2u64)
+            .map(|t| {
+                let s = s.clone();
+                std::thread::spawn(move || {
+                    for i in 0..50u64 {
+                        let b = block(200 + t as u8);
+                        s.write(3000 + t * 100 + i, &b, crc32c::crc32c(&b), 1).unwrap();
+                    }
+                })
+            })
+            .collect();
+        for i in 0..400u64 {
+            let b = block(i as u8);
+            let tx = tx.clone();
+            let kick = s.submit_blocks(
+                i,
+                &[(&b, crc32c::crc32c(&b))],
+                i + 1,
+                Box::new(move |r| {
+                    let _ = tx.send(r.map(|()| i).map_err(|e| e.to_string()));
+                }),
+            );
+            if kick {
+                lead_tx.send(()).unwrap();
+            }
+        }
+        // a refused block is answered at once, and nothing of it is queued
+        let bad = block(9);
+        let tx2 = tx.clone();
+        assert!(!s.submit_blocks(
+            5,
+            &[(&bad, 0)],
+            1,
+            Box::new(move |r| {
+                let _ = tx2.send(Err(format!("{:?}", r.err())));
+            })
+        ));
+        drop(tx);
+        let mut ok = 0;
+        let mut refused = 0;
+        for r in rx.iter().take(401) {
+            match r {
+                Ok(_) => ok += 1,
+                Err(e) => {
+                    assert!(e.contains("BadCrc"), "{e}");
+                    refused += 1;
+                }
+            }
+        }
+        assert_eq!((ok, refused), (400, 1));
+        for t in waiting {
+            t.join().unwrap();
+        }
+        drop(lead_tx);
+        leader.join().unwrap();
+        let st = s.stats();
+        assert_eq!(st.writes, 500);
+        assert!(st.syncs < 400, "group commit: {} syncs for 500 writes", st.syncs);
+        for i in 0..400u64 {
+            assert_eq!(s.read(i).unwrap().0, block(i as u8), "block {i}");
+        }
         drop(s);
         let _ = std::fs::remove_dir_all(&d);
     }
