@@ -167,23 +167,21 @@ pub struct NodeCounters {
     pub tcp_connections: AtomicU64,
 }
 
-/// A write for the writer pool: a Solar block, or a whole request of the TCP protocol.
+/// Work for the writer pool. Data writes are queued for the store's group commit
+/// ([`Inner::submit_write`]); zeroing (TRIM, WRITE_ZEROES) is made durable by a writer.
 enum WriteJob {
-    /// `zero`: `count` zeroed blocks (no data).
-    Solar {
+    /// A Solar ZERO write: `count` blocks from `lba`.
+    SolarZero {
         volume: u32,
         lba: u64,
-        data: Vec<u8>,
-        crc: u32,
-        zero: bool,
         count: u32,
         rpc: u64,
         done: WriteDone,
     },
-    Tcp {
+    /// A WRITE_ZEROES request of the TCP protocol (it carries no payload).
+    TcpZero {
         conn: Arc<Mutex<TcpStream>>,
         req: tcp_proto::Header,
-        data: Vec<u8>,
     },
     /// Lead the group commits of a store's queued writes ([`VolumeStore::lead_commits`]).
     Lead(Arc<VolumeStore>),
@@ -512,7 +510,6 @@ impl Inner {
         self.volumes.read().get(&volume).is_some_and(|s| epoch < s.fenced_at())
     }
 
-    /// Writes blocks to a volume's store durably; the status to answer.
     /// Queues a durable write of `blocks` (data, CRC32C) at `lba` of `volume`: `done` gets the
     /// status to answer, on the writer thread that leads its group commit (no thread waits
     /// per write), or at once when it is refused. A group's first write asks the writer pool
@@ -542,20 +539,6 @@ impl Inner {
         {
             // the pool is gone (the node stops): commit here, so every write is answered
             store.lead_commits();
-        }
-    }
-
-    fn store_write(&self, volume: u32, lba: u64, blocks: &[(&[u8], u32)], version: u64) -> Status {
-        let store = self.volumes.read().get(&volume).cloned();
-        match store {
-            None => Status::NoVolume,
-            Some(s) => match s.write_blocks(lba, blocks, version) {
-                Ok(()) => Status::Ok,
-                Err(e) => {
-                    tracing::warn!("{e}");
-                    store_status(&e)
-                }
-            },
         }
     }
 
@@ -609,12 +592,9 @@ impl StorageHandler for Handler {
             inner.submit_write(b.volume, b.lba, &[(b.data, b.crc)], b.rpc, move |st| done.finish(st));
             return;
         }
-        let job = WriteJob::Solar {
+        let job = WriteJob::SolarZero {
             volume: b.volume,
             lba: b.lba,
-            data: b.data.to_vec(),
-            crc: b.crc,
-            zero: b.zero,
             count: b.count,
             rpc: b.rpc,
             done,
@@ -649,30 +629,15 @@ fn writer(inner: &Inner, rx: &Mutex<mpsc::Receiver<WriteJob>>) {
         let job = rx.lock().recv();
         let Ok(j) = job else { return };
         match j {
-            WriteJob::Solar {
+            WriteJob::SolarZero {
                 volume,
                 lba,
-                data,
-                crc,
-                zero,
                 count,
                 rpc,
                 done,
-            } => {
-                let status = if zero {
-                    inner.store_zero(volume, lba, count.max(1) as u64, rpc)
-                } else {
-                    inner.store_write(volume, lba, &[(&data, crc)], rpc)
-                };
-                done.finish(status);
-            }
-            WriteJob::Tcp { conn, req, data } => {
-                let status = if req.op == tcp_proto::WRITE_ZEROES {
-                    inner.store_zero(req.volume, req.lba, req.blocks as u64, req.version)
-                } else {
-                    let blocks: Vec<(&[u8], u32)> = data.chunks(BLOCK).map(|b| (b, crc32c::crc32c(b))).collect();
-                    inner.store_write(req.volume, req.lba, &blocks, req.version)
-                };
+            } => done.finish(inner.store_zero(volume, lba, count.max(1) as u64, rpc)),
+            WriteJob::TcpZero { conn, req } => {
+                let status = inner.store_zero(req.volume, req.lba, req.blocks as u64, req.version);
                 // a failed answer is a closed connection: its reader sees it
                 let _ = conn.lock().write_all(&req.reply(status).encode());
             }
@@ -756,15 +721,7 @@ fn tcp_reader(inner: &Inner, s: TcpStream, w: Arc<Mutex<TcpStream>>) {
                 let _ = conn.lock().write_all(&req.reply(st).encode());
             });
         } else if req.op == tcp_proto::WRITE_ZEROES {
-            let mut data = vec![0u8; req.payload(false)];
-            if r.read_exact(&mut data).is_err() {
-                break;
-            }
-            let job = WriteJob::Tcp {
-                conn: w.clone(),
-                req,
-                data,
-            };
+            let job = WriteJob::TcpZero { conn: w.clone(), req };
             if self_send(inner, job).is_err() {
                 let _ = w.lock().write_all(&req.reply(Status::Busy).encode());
             }

@@ -780,6 +780,11 @@ impl VolumeStore {
             done(Err(e));
             return false;
         }
+        if blocks.is_empty() {
+            // nothing to make durable, as `write_blocks` answers it
+            done(Ok(()));
+            return false;
+        }
         let mut c = self.commit.lock();
         let seq = c.next_seq;
         c.next_seq += 1;

@@ -856,8 +856,8 @@ impl DataCore {
     fn post_pass(&mut self, now: u64, link: &dyn Link) -> Pass {
         let mut work = self.take_requests(now);
         work |= self.transmit(now, true, link);
-        // Solar: a request leaves, or a storage node's writer thread sends its write's
-        // answer, from the thread that handed it in, with no wake-up of the core's thread
+        // Solar: a lone request leaves from the thread that handed it in, with no wake-up
+        // of the core's thread (`EngineShared::solar_command`)
         let solar = self.solar.timers(now);
         work |= self.solar.collect(&self.shared, now);
         work |= self.flush_solar(link);
