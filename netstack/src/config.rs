@@ -30,6 +30,13 @@ pub enum Drive {
     /// application thread has for a millisecond, or once one blocks; `poll_mode` and `spin_us`
     /// say how a waiting application thread (and the backstop) waits.
     Application,
+    /// A task on the tokio runtime of the thread that opens the context runs each core: it
+    /// awaits the core's sockets, send queue and timer in the runtime's own poll, so a
+    /// packet's receive, its completion and the task awaiting it run on one runtime thread,
+    /// with no hand-off between threads (a Solar client in a service's runtime). Opening the
+    /// context outside a runtime fails. A backstop thread per core runs it while the task has
+    /// not for 50 ms (a runtime blocked or shut down); `poll_mode` applies to the backstop only.
+    Runtime,
 }
 
 /// What a context's data cores send and receive through.

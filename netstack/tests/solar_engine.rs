@@ -199,3 +199,70 @@ fn a_request_to_nobody_times_out_and_a_closed_client_fails_its_requests() {
     // the address is free again for a new client
     let _again = actx.solar_client(addr, cfg, None).unwrap();
 }
+
+/// A client context driven by a task on the application's runtime (`Drive::Runtime`): requests
+/// at depth and alone come back right, the passes are the task's (counted as application
+/// passes), and a context opened outside a runtime is refused with the reason.
+#[test]
+fn a_runtime_task_drives_a_client_context() {
+    let outside = Context::open(ContextConfig {
+        drive: netstack::verbs::Drive::Runtime,
+        ..ContextConfig::default()
+    });
+    let e = outside.err().expect("no runtime, no runtime drive");
+    assert!(e.to_string().contains("tokio runtime"), "{e}");
+
+    let store = MemStore::start();
+    let sctx = ctx(1);
+    let service = sctx.solar_server(SolarServer::new(), store.clone()).unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let actx = rt.block_on(async {
+        Context::open(ContextConfig {
+            path_ports: 4,
+            drive: netstack::verbs::Drive::Runtime,
+            ..ContextConfig::default()
+        })
+        .unwrap()
+    });
+    let cfg = ClientConfig {
+        paths: 4,
+        ..ClientConfig::default()
+    };
+    let agent = actx.solar_client(service.local_addr(), cfg, None).unwrap();
+    let data = fresh(64 * BLOCK, seed());
+    rt.block_on(async {
+        // 32 single-block writes at once, then reads alone and at depth
+        let writes: Vec<_> = (0..32)
+            .map(|i| {
+                agent.write(
+                    7,
+                    2 * i as u64,
+                    Arc::from(&data[2 * i * BLOCK..(2 * i + 2) * BLOCK]),
+                    false,
+                )
+            })
+            .collect();
+        for w in writes {
+            w.await.unwrap().unwrap();
+        }
+        for i in 0..8u64 {
+            let one = agent.read(7, 5 * i, 1).await.unwrap().unwrap();
+            assert_eq!(one, data[5 * i as usize * BLOCK..(5 * i as usize + 1) * BLOCK]);
+        }
+        let reads: Vec<_> = (0..16).map(|i| agent.read(7, 4 * i, 4)).collect();
+        for (i, r) in reads.into_iter().enumerate() {
+            let got = r.await.unwrap().unwrap();
+            assert!(got == data[4 * i * BLOCK..(4 * i + 4) * BLOCK], "read {i}");
+        }
+    });
+    let es = actx.stats();
+    assert!(es.task_passes > 0, "the runtime's task received the answers: {es:?}");
+    assert!(es.rx_datagrams >= 32 + 8 + 16, "{es:?}");
+    drop(agent);
+    drop(actx);
+    drop(rt);
+}

@@ -26,6 +26,14 @@ use std::sync::Arc;
 /// How long after an application thread last ran a core its backstop thread leaves it alone.
 pub(crate) const HANDOFF_NS: u64 = 1_000_000;
 
+/// How the application side runs the cores: its threads in their calls, or a task per core on
+/// its runtime ([`super::task`]).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Driver {
+    Threads,
+    Task,
+}
+
 /// The data cores of a run-to-completion context, shared by its application threads and its
 /// backstop threads.
 pub(crate) struct AppDrive {
@@ -35,22 +43,48 @@ pub(crate) struct AppDrive {
     last: AtomicU64,
     /// Rung by [`AppDrive::release`]: the backstops take over at once.
     released: EventFd,
+    /// Who drives the cores, and so how long the backstops wait before they take over.
+    driver: Driver,
 }
 
 impl AppDrive {
-    pub(super) fn new(cores: Vec<Arc<Mutex<DataCore>>>) -> std::io::Result<AppDrive> {
+    pub(super) fn new(cores: Vec<Arc<Mutex<DataCore>>>, driver: Driver) -> std::io::Result<AppDrive> {
         Ok(AppDrive {
             shared: cores.iter().map(|c| c.lock().shared.clone()).collect(),
             cores,
             last: AtomicU64::new(0),
             released: EventFd::new()?,
+            driver,
         })
+    }
+
+    /// Core `i` and its shared state (for its driver task).
+    pub(super) fn core(&self, i: usize) -> (&Arc<Mutex<DataCore>>, &Arc<EngineShared>) {
+        (&self.cores[i], &self.shared[i])
+    }
+
+    /// The application side ran the cores (or, a driver task, is alive and watching them) at
+    /// engine time `now`.
+    pub(super) fn touch(&self, now: u64) {
+        self.last.store(now.max(1), Ordering::Relaxed);
+    }
+
+    /// Wakes the backstops (the engine stops).
+    pub(super) fn stopping(&self) {
+        self.released.notify();
+    }
+
+    fn handoff_ns(&self) -> u64 {
+        match self.driver {
+            Driver::Threads => HANDOFF_NS,
+            Driver::Task => super::task::HANDOFF_NS,
+        }
     }
 
     /// Runs one pass of every core no other thread is running; returns whether any did work.
     /// Called by posts, polls and waits of the context's application threads.
     pub(crate) fn progress(&self) -> bool {
-        self.last.store(self.shared[0].now().max(1), Ordering::Relaxed);
+        self.touch(self.shared[0].now());
         let mut work = false;
         for (c, shared) in self.cores.iter().zip(&self.shared) {
             if let Some(mut core) = c.try_lock() {
@@ -69,18 +103,26 @@ impl AppDrive {
         self.released.notify();
     }
 
-    /// Whether the application drove the cores within [`HANDOFF_NS`] of `now`; if so, until when.
+    /// Whether the application drove the cores within the hand-off time ([`HANDOFF_NS`], or
+    /// a driver task's [`super::task::HANDOFF_NS`]) of `now`; if so, until when.
     pub(super) fn driven_until(&self, now: u64) -> Option<u64> {
         let last = self.last.load(Ordering::Relaxed);
-        (last != 0 && now < last + HANDOFF_NS).then_some(last + HANDOFF_NS)
+        let until = last + self.handoff_ns();
+        (last != 0 && now < until).then_some(until)
     }
 
     /// While the application drives the cores: waits until it stops (at the hand-off time, or
-    /// at once when it blocks in [`AppDrive::release`]) or the engine is told to stop.
+    /// at once when it blocks in [`AppDrive::release`]) or the engine is told to stop. A
+    /// driver task watches the core's wake-up eventfd itself: the backstop leaves it alone,
+    /// or every command at depth would wake this thread too.
     pub(super) fn wait_while_driven(&self, shared: &EngineShared, until: u64, now: u64) {
-        let _ = sys::ppoll_readable(&[self.released.fd(), shared.wake.fd()], until - now);
+        if self.driver == Driver::Task {
+            let _ = sys::ppoll_readable(&[self.released.fd()], until - now);
+        } else {
+            let _ = sys::ppoll_readable(&[self.released.fd(), shared.wake.fd()], until - now);
+            shared.wake.drain();
+        }
         self.released.drain();
-        shared.wake.drain();
     }
 
     /// The backstop thread of core `i`: runs it while the application does not.

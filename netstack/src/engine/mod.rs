@@ -19,6 +19,7 @@ mod rx;
 pub(crate) mod solar;
 pub(crate) mod sq;
 mod stats;
+mod task;
 mod timers;
 mod tx;
 
@@ -412,6 +413,8 @@ pub(crate) struct Engine {
     threads: Vec<std::thread::JoinHandle<()>>,
     /// The cores, when application threads run them ([`Drive::Application`]).
     drive: Option<Arc<drive::AppDrive>>,
+    /// The cores, when tasks on the application's runtime run them ([`Drive::Runtime`]).
+    tasks: Option<Arc<drive::AppDrive>>,
     /// The cores, on a simulated network (which holds them only weakly).
     sim_cells: Vec<Arc<Mutex<DataCore>>>,
 }
@@ -451,6 +454,7 @@ impl Engine {
             cores: Vec::new(),
             threads: Vec::new(),
             drive: None,
+            tasks: None,
             sim_cells: Vec::new(),
         };
         let mut app_cores = Vec::new();
@@ -529,7 +533,7 @@ impl Engine {
                 e.sim_cells.push(cell);
                 continue;
             }
-            if cfg.drive == Drive::Application {
+            if cfg.drive != Drive::Threads {
                 app_cores.push(cell);
                 continue;
             }
@@ -539,8 +543,16 @@ impl Engine {
                 .spawn(move || DataCore::run(cell, None))?;
             e.threads.push(thread);
         }
-        if cfg.drive == Drive::Application && !app_cores.is_empty() {
-            let d = Arc::new(drive::AppDrive::new(app_cores)?);
+        if !app_cores.is_empty() {
+            let driver = match cfg.drive {
+                Drive::Runtime => drive::Driver::Task,
+                _ => drive::Driver::Threads,
+            };
+            let d = Arc::new(drive::AppDrive::new(app_cores, driver)?);
+            if driver == drive::Driver::Task {
+                // the tasks first: without a runtime the context fails to open, threadless
+                task::spawn(&d, e.cores.len())?;
+            }
             for (i, c) in e.cores.iter().enumerate() {
                 let d = d.clone();
                 let thread = std::thread::Builder::new()
@@ -548,7 +560,10 @@ impl Engine {
                     .spawn(move || d.backstop(i))?;
                 e.threads.push(thread);
             }
-            e.drive = Some(d);
+            match driver {
+                drive::Driver::Threads => e.drive = Some(d),
+                drive::Driver::Task => e.tasks = Some(d),
+            }
         }
         Ok(e)
     }
@@ -583,6 +598,9 @@ impl Drop for Engine {
         for c in &self.cores {
             c.stop.store(true, Ordering::SeqCst);
             c.wake.notify();
+        }
+        for d in self.drive.iter().chain(&self.tasks) {
+            d.stopping();
         }
         for t in self.threads.drain(..) {
             let _ = t.join();
@@ -719,10 +737,13 @@ impl DataCore {
         let shared = cell.lock().shared.clone();
         let driven = |now| app.and_then(|a| a.driven_until(now).map(|until| (a, until)));
         let mut idle_since: Option<Instant> = None;
+        // after a wait, the descriptors it reported readable: the ports to receive on
+        let mut only: Option<rx::ReadyFds> = None;
         while !shared.stop.load(Ordering::Relaxed) {
             let now = shared.now();
             if let Some((a, until)) = driven(now) {
                 idle_since = None;
+                only = None;
                 a.wait_while_driven(&shared, until, now);
                 continue;
             }
@@ -732,7 +753,7 @@ impl DataCore {
                 continue;
             };
             while !shared.stop.load(Ordering::Relaxed) {
-                let pass = core.poll(shared.now(), &*shared.link);
+                let pass = core.poll_ready(shared.now(), &*shared.link, only.as_mut());
                 if pass.work {
                     shared.stats.engine_thread_passes.inc();
                     idle_since = None;
@@ -742,7 +763,12 @@ impl DataCore {
                     continue;
                 }
                 let since = *idle_since.get_or_insert_with(Instant::now);
-                match core.idle(pass.next_deadline, since) {
+                let idle = core.idle(pass.next_deadline, since);
+                if !matches!(idle, Idle::Sleep) {
+                    // no wait says what is readable: every port, every pass
+                    only = None;
+                }
+                match idle {
                     Idle::Spin if app.is_none() => std::hint::spin_loop(),
                     Idle::Spin => {
                         drop(core);
@@ -759,13 +785,23 @@ impl DataCore {
                         // finds it free (and the `released` eventfd is not watched: the core
                         // is already this thread's)
                         let Some((fds, wait)) = core.prepare_sleep(pass.next_deadline) else {
+                            // traffic the descriptors do not show (a shared-memory ring)
+                            only = None;
                             continue;
                         };
                         shared.sleeping_until.store(shared.now() + wait, Ordering::Release);
                         drop(core);
-                        let _ = sys::ppoll_readable(&fds, wait);
+                        let ready = sys::ppoll_ready(&fds, wait).ok();
                         shared.sleeping_until.store(0, Ordering::Release);
-                        cell.lock().woke();
+                        cell.lock().woke(ready.as_deref());
+                        // the passes until the next wait receive on what it reported (ppoll
+                        // is level-triggered: a datagram that comes later ends the next wait
+                        // at once)
+                        only = ready.map(|ready| rx::ReadyFds {
+                            watched: fds,
+                            ready,
+                            all: false,
+                        });
                         break;
                     }
                 }
@@ -779,8 +815,13 @@ impl DataCore {
     /// (its thread, an application thread running it to completion, the simulator) say what
     /// time it is and which link it runs over.
     pub(super) fn poll(&mut self, now: u64, link: &dyn Link) -> Pass {
+        self.poll_ready(now, link, None)
+    }
+
+    /// [`DataCore::poll`], receiving with `only` on the ports it lists as ready alone.
+    pub(super) fn poll_ready(&mut self, now: u64, link: &dyn Link, only: Option<&mut rx::ReadyFds>) -> Pass {
         let mut work = self.take_requests(now);
-        let chains_retry = self.take_arrivals(now, link, &mut work);
+        let chains_retry = self.take_arrivals(now, link, only, &mut work);
         let next_deadline = earliest(earliest(self.rc_deadline(now), chains_retry), self.solar.timers(now));
         work |= self.solar.collect(&self.shared, now);
         // once per pass, after the commands (new clients) and the timers (paths that moved):
@@ -800,8 +841,14 @@ impl DataCore {
 
     /// The receive step of a pass: the link's datagrams, the delay line, hairpin packets, and
     /// the RedN chains they advance; returns when the chains want another look.
-    fn take_arrivals(&mut self, now: u64, link: &dyn Link, work: &mut bool) -> Option<u64> {
-        *work |= self.receive(now, link);
+    fn take_arrivals(
+        &mut self,
+        now: u64,
+        link: &dyn Link,
+        only: Option<&mut rx::ReadyFds>,
+        work: &mut bool,
+    ) -> Option<u64> {
+        *work |= self.receive(now, link, only);
         *work |= self.release_delayed(now);
         *work |= self.receive_hairpin(now);
         self.run_chains(now, work)
@@ -846,7 +893,7 @@ impl DataCore {
         self.sync_rx_ports(link);
         work |= self.send_all(now, link);
         // chains to retry are retried by the next call too
-        let _ = self.take_arrivals(now, link, &mut work);
+        let _ = self.take_arrivals(now, link, None, &mut work);
         work | self.solar.collect(&self.shared, now)
     }
 
@@ -925,14 +972,22 @@ impl DataCore {
         Some((fds, wait.max(1_000)))
     }
 
-    fn woke(&mut self) {
+    /// The core woke from a wait that reported `ready` readable (`None`: not known). The
+    /// eventfds it reported are drained; the others were not written, and a read of them would
+    /// be a system call for nothing.
+    fn woke(&mut self, ready: Option<&[std::os::fd::RawFd]>) {
+        let rung = |fd| ready.is_none_or(|r| r.contains(&fd));
         for &p in &self.rx_ports {
             self.shared.link.woke(p);
         }
-        self.sq.woke();
+        self.sq.woke_ready(rung(self.sq.wake_fd()));
         self.solar.woke(&self.shared);
-        self.shared.wake.drain();
-        self.shared.timer.drain();
+        if rung(self.shared.wake.fd()) {
+            self.shared.wake.drain();
+        }
+        if rung(self.shared.timer.fd()) {
+            self.shared.timer.drain();
+        }
     }
 
     /// Delivers completions that found their CQ full earlier.

@@ -2,6 +2,7 @@
 //! hairpin packets, and dispatch of each datagram to its QP (or to the Solar endpoints).
 
 use super::*;
+use std::os::fd::RawFd;
 
 /// A received datagram waiting out the emulated propagation delay.
 pub(super) struct Delayed {
@@ -13,21 +14,58 @@ pub(super) struct Delayed {
     ce: bool,
 }
 
+/// The descriptors a driver task's reactor reported readable since the core last received on
+/// them ([`super::task`]): a pass receives only on those, not on every port (a Solar client's
+/// paths are a socket each, and most are empty in any one pass).
+#[derive(Default)]
+pub(super) struct ReadyFds {
+    /// The descriptors the wait watched; a port whose descriptor is not among them is always
+    /// received on.
+    pub(super) watched: Fds,
+    /// Those reported readable, and those whose last receive filled its batch (more may wait).
+    pub(super) ready: Fds,
+    /// Receive on every port in the next pass.
+    pub(super) all: bool,
+}
+
+impl ReadyFds {
+    fn wants(&self, fd: Option<RawFd>) -> bool {
+        self.all || fd.is_none_or(|fd| !self.watched.contains(&fd) || self.ready.contains(&fd))
+    }
+}
+
 impl DataCore {
-    pub(super) fn receive(&mut self, now: u64, link: &dyn Link) -> bool {
+    /// Receives on the core's ports: all of them, or with `only` those it lists as ready
+    /// (which it leaves listing the ports whose batch came back full).
+    pub(super) fn receive(&mut self, now: u64, link: &dyn Link, mut only: Option<&mut ReadyFds>) -> bool {
         let mut any = false;
+        let mut full = Fds::new();
         for i in 0..self.rx_ports.len() {
-            any |= self.receive_on(self.rx_ports[i], now, link);
+            let port = self.rx_ports[i];
+            let fd = link.wait_fd(port);
+            if only.as_ref().is_some_and(|r| !r.wants(fd)) {
+                continue;
+            }
+            let n = self.receive_on(port, now, link);
+            any |= n > 0;
+            if n == self.rx.capacity() {
+                full.extend(fd);
+            }
+        }
+        if let Some(r) = only.as_mut() {
+            r.ready = full;
+            r.all = false;
         }
         any
     }
 
-    pub(super) fn receive_on(&mut self, port: usize, now: u64, link: &dyn Link) -> bool {
+    /// Receives one batch on `port`; returns how many receive buffers it filled.
+    pub(super) fn receive_on(&mut self, port: usize, now: u64, link: &dyn Link) -> usize {
         let n = match link.recv(port, &mut self.rx) {
             Ok(n) => n,
             Err(e) => {
                 tracing::warn!("receive failed: {e}");
-                return false;
+                return 0;
             }
         };
         let local = link.local_addr(port);
@@ -77,7 +115,7 @@ impl DataCore {
             }
         }
         self.shared.stats.note_staged(staged);
-        n > 0
+        n
     }
 
     /// Processes the packets this core sent to itself.

@@ -63,8 +63,11 @@ pub(crate) struct EngineStats {
     /// context's backstop).
     pub engine_thread_passes: Counter,
     /// Loop passes that did work, run by an application thread inside a post, poll or wait
-    /// (run to completion).
+    /// (run to completion, or a lone request's send).
     pub application_passes: Counter,
+    /// Loop passes that did work, run by a driver task on the application's runtime
+    /// ([`crate::config::Drive::Runtime`]).
+    pub task_passes: Counter,
 }
 
 /// A point-in-time copy of the counters.
@@ -113,6 +116,8 @@ pub struct StatsSnapshot {
     pub engine_thread_passes: u64,
     /// Loop passes that did work on an application thread (run to completion).
     pub application_passes: u64,
+    /// Loop passes that did work in a driver task on the application's runtime.
+    pub task_passes: u64,
     /// Messages (datagrams or GSO messages) sent through shared-memory rings (`link = "shm"`).
     pub shm_tx_messages: u64,
     /// Messages received from shared-memory rings.
@@ -151,6 +156,7 @@ impl StatsSnapshot {
         self.staging_bytes_peak += o.staging_bytes_peak;
         self.engine_thread_passes += o.engine_thread_passes;
         self.application_passes += o.application_passes;
+        self.task_passes += o.task_passes;
     }
 }
 
@@ -205,6 +211,7 @@ impl EngineStats {
             staging_bytes_peak: self.staging_bytes_peak.get(),
             engine_thread_passes: self.engine_thread_passes.get(),
             application_passes: self.application_passes.get(),
+            task_passes: self.task_passes.get(),
             shm_tx_messages: link.ring_tx_messages,
             shm_rx_messages: link.ring_rx_messages,
             shm_peers: link.ring_peers,

@@ -535,6 +535,11 @@ impl TimerFd {
 
 /// Waits until one of `fds` is readable or `timeout_ns` passes (nanosecond resolution).
 pub fn ppoll_readable(fds: &[RawFd], timeout_ns: u64) -> io::Result<()> {
+    ppoll_ready(fds, timeout_ns).map(drop)
+}
+
+/// [`ppoll_readable`], returning those of `fds` that are readable (none after a timeout).
+pub fn ppoll_ready(fds: &[RawFd], timeout_ns: u64) -> io::Result<smallvec::SmallVec<[RawFd; 8]>> {
     let mut p: Vec<libc::pollfd> = fds
         .iter()
         .map(|&fd| libc::pollfd {
@@ -555,7 +560,7 @@ pub fn ppoll_readable(fds: &[RawFd], timeout_ns: u64) -> io::Result<()> {
             return Err(e);
         }
     }
-    Ok(())
+    Ok(p.iter().filter(|q| q.revents != 0).map(|q| q.fd).collect())
 }
 
 /// CLOCK_MONOTONIC in nanoseconds: the clock every process (and network namespace) on this

@@ -265,8 +265,16 @@ impl<T: Copy + Send> Consumer<T> {
 
     /// Clears the sleeping flag and drains the eventfd.
     pub fn woke(&mut self) {
+        self.woke_ready(true);
+    }
+
+    /// Clears the sleeping flag, and drains the eventfd when the wait reported it `readable`
+    /// (a read of an empty eventfd is a system call for nothing).
+    pub fn woke_ready(&mut self, readable: bool) {
         self.ring.sleeping.0.store(false, Ordering::SeqCst);
-        self.ring.wake.drain();
+        if readable {
+            self.ring.wake.drain();
+        }
     }
 
     /// The eventfd a sleeping consumer waits on (with other descriptors, e.g. in `ppoll`).

@@ -18,12 +18,15 @@ type EngineCounter = (
 );
 
 /// The engine's counters as metrics: name, optional label, which counter.
-const ENGINE_COUNTERS: [EngineCounter; 20] = [
+const ENGINE_COUNTERS: [EngineCounter; 21] = [
     ("flexns_engine_passes_total", Some(("thread", "engine")), |s| {
         &s.engine_thread_passes
     }),
     ("flexns_engine_passes_total", Some(("thread", "application")), |s| {
         &s.application_passes
+    }),
+    ("flexns_engine_passes_total", Some(("thread", "runtime-task")), |s| {
+        &s.task_passes
     }),
     ("flexns_rx_packets_total", None, |s| &s.rx_datagrams),
     ("flexns_rx_bytes_total", None, |s| &s.rx_bytes),
