@@ -11,7 +11,7 @@ use crate::link::Carrier;
 use crate::nbd::server::{serve_tcp, serve_unix};
 use crate::storage_node::{NodeConfig, StorageNode};
 use netstack::cm::incoming;
-use netstack::verbs::PollMode;
+use netstack::verbs::{Drive, PollMode};
 use std::io::Write;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -166,6 +166,11 @@ pub struct AgentArgs {
     /// (spin a while first: lower latency, more CPU) or `busy` (spin always: a core of its own).
     #[arg(long, default_value = "sleep", value_parser = parse_poll_mode)]
     pub poll_mode: PollMode,
+    /// Who runs the Solar data core: `runtime` (a task on the agent's runtime, beside the NBD
+    /// connections: an answer is received, completed and replied to on one thread) or
+    /// `threads` (a data-core thread of its own, which hands each answer to the runtime).
+    #[arg(long, default_value = "runtime", value_parser = parse_drive)]
+    pub engine_drive: Drive,
     /// Replicas that must have a write durable before it is acknowledged, for volumes whose
     /// controller record sets none (0: a majority, 2 of 3). Fewer than all gives degraded
     /// writes: a replica that misses writes is caught up in the background from a good copy;
@@ -233,6 +238,7 @@ impl AgentArgs {
         };
         c.volume.write_quorum = (self.write_quorum > 0).then_some(self.write_quorum);
         c.link.poll_mode = self.poll_mode;
+        c.link.drive = self.engine_drive;
         Ok(c)
     }
 }
@@ -244,6 +250,15 @@ fn parse_poll_mode(s: &str) -> Result<PollMode, String> {
         "adaptive" => Ok(PollMode::Adaptive),
         "busy" => Ok(PollMode::BusyPoll),
         x => Err(format!("{x:?}: sleep, adaptive or busy")),
+    }
+}
+
+/// `--engine-drive`: runtime or threads.
+fn parse_drive(s: &str) -> Result<Drive, String> {
+    match s {
+        "runtime" => Ok(Drive::Runtime),
+        "threads" => Ok(Drive::Threads),
+        x => Err(format!("{x:?}: runtime or threads")),
     }
 }
 

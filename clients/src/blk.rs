@@ -166,6 +166,8 @@ pub struct ClusterSpec {
     pub cc: String,
     /// How the agent's and the nodes' Solar data cores wait: sleep, adaptive or busy.
     pub poll_mode: String,
+    /// Who runs the agent's Solar data core: runtime or threads (`--engine-drive`).
+    pub engine_drive: String,
     pub nbd: String,
     pub etcd: Option<String>,
     pub detached: bool,
@@ -198,6 +200,7 @@ impl ClusterSpec {
             paths: 4,
             cc: "swift".into(),
             poll_mode: "sleep".into(),
+            engine_drive: "runtime".into(),
             nbd: "127.0.0.1:0".into(),
             etcd: None,
             detached: false,
@@ -403,6 +406,8 @@ fn agent_args(spec: &ClusterSpec, name: &str, control: &str, nbd: &str) -> Vec<S
         spec.cc.clone(),
         "--poll-mode".into(),
         spec.poll_mode.clone(),
+        "--engine-drive".into(),
+        spec.engine_drive.clone(),
         "--heartbeat-ms".into(),
         spec.heartbeat_ms.to_string(),
         "--write-quorum".into(),

@@ -68,6 +68,10 @@ pub struct BenchArgs {
     /// How the flexns and tcp clusters' Solar data cores wait: sleep, adaptive or busy.
     #[arg(long, default_value = "sleep")]
     pub poll_mode: String,
+    /// Who runs the flexns and tcp agents' Solar data core: runtime (a task beside the NBD
+    /// connections) or threads (a data-core thread).
+    #[arg(long, default_value = "runtime")]
+    pub engine_drive: String,
     /// Benchmark this NBD URI instead of starting anything (one system, named by --system).
     #[arg(long)]
     pub uri: Option<String>,
@@ -471,6 +475,7 @@ fn bench(a: &BenchArgs, sp: &Spawner, systems: &[&str], dir: &Path) -> Result<()
                     spec.paths = a.paths;
                     spec.cc = a.cc.clone();
                     spec.poll_mode = a.poll_mode.clone();
+                    spec.engine_drive = a.engine_drive.clone();
                     let c = LocalCluster::start(sp, spec)?;
                     let uri = c.uri.clone();
                     fill(&src, &uri).with_context(|| format!("filling the {s} volume"))?;

@@ -52,6 +52,12 @@ pub struct LinkConfig {
     pub cc_min_window: f64,
     /// How the Solar data core waits for work (the first link of a context sets it).
     pub poll_mode: netstack::verbs::PollMode,
+    /// Who runs the Solar data core (the first link of a context sets it):
+    /// [`netstack::verbs::Drive::Runtime`], a task on the runtime the link is opened on (the
+    /// agent's: the NBD side and the link's receives run on one thread, no hand-off per
+    /// answer), or [`netstack::verbs::Drive::Threads`], a data-core thread. A link opened
+    /// outside a runtime gets a thread.
+    pub drive: netstack::verbs::Drive,
 }
 
 impl LinkConfig {
@@ -76,6 +82,7 @@ impl LinkConfig {
             cc_target_ns: 500_000,
             cc_min_window: 2.0,
             poll_mode: netstack::verbs::PollMode::Sleep,
+            drive: netstack::verbs::Drive::Runtime,
         }
     }
 }

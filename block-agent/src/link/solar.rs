@@ -7,7 +7,7 @@
 use super::{Carrier, LinkConfig, LinkError, LinkStatus, Target};
 use netstack::cc::CcParams;
 use netstack::verbs::solar::{SolarAgent, SolarError};
-use netstack::verbs::{Context, ContextConfig};
+use netstack::verbs::{Context, ContextConfig, Drive};
 use parking_lot::Mutex;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::sync::{Arc, Weak};
@@ -75,10 +75,15 @@ impl SolarLink {
                 return Ok(SolarLink { agent, _ctx: shared });
             }
         }
+        let drive = match cfg.drive {
+            Drive::Runtime if tokio::runtime::Handle::try_current().is_err() => Drive::Threads,
+            d => d,
+        };
         let ctx = Context::open(ContextConfig {
             bind: SocketAddrV4::new(local, 0),
             path_ports: ports as u8,
             poll_mode: cfg.poll_mode,
+            drive,
             ..ContextConfig::default()
         })
         .map_err(|e| setup("context", &e))?;

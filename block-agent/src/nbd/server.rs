@@ -23,7 +23,7 @@ use super::proto::*;
 use crate::volume::{Volume, VolumeError};
 use parking_lot::RwLock;
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
@@ -33,6 +33,8 @@ pub const MAX_INFLIGHT_BYTES: usize = 2 * MAX_REQUEST as usize;
 
 /// Least budget a request takes (headers, a reply, a task), whatever its data.
 const MIN_REQUEST_COST: usize = 4096;
+/// The request reader's buffer: many queued requests per system call.
+const READ_BUFFER: usize = 64 << 10;
 
 /// The volumes this agent exports, by export name.
 #[derive(Default)]
@@ -278,15 +280,19 @@ fn errno(e: &VolumeError) -> u32 {
     }
 }
 
-async fn transmission<R, W>(exports: Arc<Exports>, s: Session, mut r: R, w: W) -> Result<(), NbdError>
+async fn transmission<R, W>(exports: Arc<Exports>, s: Session, r: R, w: W) -> Result<(), NbdError>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin + Send + 'static,
 {
+    // requests a client queued together are read with one system call (a header is 28 bytes;
+    // a write's payload larger than the buffer is read past it)
+    let mut r = tokio::io::BufReader::with_capacity(READ_BUFFER, r);
     // every queued reply holds its request's share of the budget, so the channel is bounded
     // by the budget
     let (tx, rx) = mpsc::unbounded_channel::<(Vec<u8>, OwnedSemaphorePermit)>();
-    let writer = tokio::spawn(write_replies(w, rx));
+    let running = Arc::new(AtomicUsize::new(0));
+    let writer = tokio::spawn(write_replies(w, rx, running.clone()));
     let session = Arc::new(s);
     let cap = MAX_INFLIGHT_BYTES;
     let budget = Arc::new(Semaphore::new(cap));
@@ -337,7 +343,8 @@ where
             let _ = tx.send((error_reply(&session, &req, e, "request refused"), permit));
             continue;
         }
-        let (session, tx, exports) = (session.clone(), tx.clone(), exports.clone());
+        let (session, tx, exports, running) = (session.clone(), tx.clone(), exports.clone(), running.clone());
+        running.fetch_add(1, Ordering::Relaxed);
         tokio::spawn(async move {
             let t0 = std::time::Instant::now();
             let reply = run(&session, &req, payload).await;
@@ -345,6 +352,7 @@ where
             if reply.1 {
                 exports.stats.errors.fetch_add(1, Ordering::Relaxed);
             }
+            running.fetch_sub(1, Ordering::Relaxed);
             let _ = tx.send((reply.0, permit));
         });
     };
@@ -503,14 +511,21 @@ async fn run(s: &Session, req: &Request, payload: Vec<u8>) -> (Vec<u8>, bool) {
 }
 
 /// Writes replies as they come, coalescing what is queued (up to 4 MiB); a reply's budget
-/// share is returned once it is written.
+/// share is returned once it is written. A lone reply while other requests of the connection
+/// still run waits for one turn of the runtime first: the answers the engine completed in
+/// the same pass finish in that turn and leave in the same write (at depth, one system call
+/// for several replies); a reply with none running beside it (QD1) leaves at once.
 async fn write_replies<W: AsyncWrite + Unpin>(
     mut w: W,
     mut rx: mpsc::UnboundedReceiver<(Vec<u8>, OwnedSemaphorePermit)>,
+    running: Arc<AtomicUsize>,
 ) {
     let mut batch: Vec<u8> = Vec::with_capacity(1 << 20);
     let mut held = Vec::new();
     while let Some((first, permit)) = rx.recv().await {
+        if rx.is_empty() && running.load(Ordering::Relaxed) > 0 {
+            tokio::task::yield_now().await;
+        }
         if rx.is_empty() {
             if w.write_all(&first).await.is_err() {
                 return;
