@@ -753,6 +753,13 @@ impl DataCore {
                 continue;
             };
             while !shared.stop.load(Ordering::Relaxed) {
+                // what the wait reported is fresh for the pass after it and the one after
+                // that (which finds a QD1 exchange done); a core that keeps working (a
+                // sender streaming into its window) receives everywhere from then on, or
+                // its ACKs would wait for the window to close
+                if only.as_ref().is_some_and(|o| o.passes >= 2) {
+                    only = None;
+                }
                 let pass = core.poll_ready(shared.now(), &*shared.link, only.as_mut());
                 if pass.work {
                     shared.stats.engine_thread_passes.inc();
@@ -801,6 +808,7 @@ impl DataCore {
                             watched: fds,
                             ready,
                             all: false,
+                            passes: 0,
                         });
                         break;
                     }

@@ -14,9 +14,10 @@ pub(super) struct Delayed {
     ce: bool,
 }
 
-/// The descriptors a driver task's reactor reported readable since the core last received on
-/// them ([`super::task`]): a pass receives only on those, not on every port (a Solar client's
-/// paths are a socket each, and most are empty in any one pass).
+/// The descriptors a wait reported readable (a thread's `ppoll`, or a driver task's reactor,
+/// [`super::task`]) since the core last received on them: a pass receives only on those, not
+/// on every port (a Solar client's paths are a socket each, and most are empty in any one
+/// pass).
 #[derive(Default)]
 pub(super) struct ReadyFds {
     /// The descriptors the wait watched; a port whose descriptor is not among them is always
@@ -26,6 +27,8 @@ pub(super) struct ReadyFds {
     pub(super) ready: Fds,
     /// Receive on every port in the next pass.
     pub(super) all: bool,
+    /// Passes that received with it.
+    pub(super) passes: u32,
 }
 
 impl ReadyFds {
@@ -55,6 +58,7 @@ impl DataCore {
         if let Some(r) = only.as_mut() {
             r.ready = full;
             r.all = false;
+            r.passes += 1;
         }
         any
     }
