@@ -1,3 +1,7 @@
+//! The cores as the application side runs them: run to completion by its threads (below), or
+//! by a task per core on its runtime ([`crate::config::Drive::Runtime`], [`super::task`]),
+//! both with a backstop thread per core.
+//!
 //! Run-to-completion ([`crate::config::Drive::Application`]): the application thread that posts, polls or
 //! waits runs its context's data cores itself, in its own call, with no hand-off to another
 //! thread (eRPC's discipline). A packet's receive, the transport's work and the completion all
