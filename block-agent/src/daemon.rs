@@ -168,7 +168,8 @@ pub struct AgentArgs {
     pub poll_mode: PollMode,
     /// Who runs the Solar data core: `runtime` (a task on the agent's runtime, beside the NBD
     /// connections: an answer is received, completed and replied to on one thread) or
-    /// `threads` (a data-core thread of its own, which hands each answer to the runtime).
+    /// `threads` (a data-core thread of its own, which hands each answer to the runtime). A
+    /// `--poll-mode` that spins (adaptive, busy) gets the thread it spins on either way.
     #[arg(long, default_value = "runtime", value_parser = parse_drive)]
     pub engine_drive: Drive,
     /// Replicas that must have a write durable before it is acknowledged, for volumes whose

@@ -56,7 +56,7 @@ pub struct LinkConfig {
     /// [`netstack::verbs::Drive::Runtime`], a task on the runtime the link is opened on (the
     /// agent's: the NBD side and the link's receives run on one thread, no hand-off per
     /// answer), or [`netstack::verbs::Drive::Threads`], a data-core thread. A link opened
-    /// outside a runtime gets a thread.
+    /// outside a runtime, or whose `poll_mode` spins, gets a thread.
     pub drive: netstack::verbs::Drive,
 }
 

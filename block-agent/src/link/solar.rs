@@ -7,7 +7,7 @@
 use super::{Carrier, LinkConfig, LinkError, LinkStatus, Target};
 use netstack::cc::CcParams;
 use netstack::verbs::solar::{SolarAgent, SolarError};
-use netstack::verbs::{Context, ContextConfig, Drive};
+use netstack::verbs::{Context, ContextConfig, Drive, PollMode};
 use parking_lot::Mutex;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::sync::{Arc, Weak};
@@ -75,7 +75,10 @@ impl SolarLink {
                 return Ok(SolarLink { agent, _ctx: shared });
             }
         }
+        // a core that spins (`--poll-mode adaptive|busy`) needs a thread of its own: a task
+        // on the runtime waits in the runtime's epoll only
         let drive = match cfg.drive {
+            Drive::Runtime if cfg.poll_mode != PollMode::Sleep => Drive::Threads,
             Drive::Runtime if tokio::runtime::Handle::try_current().is_err() => Drive::Threads,
             d => d,
         };
