@@ -22,6 +22,7 @@
 //! working.
 
 use super::{DataCore, EngineShared};
+use crate::config::Drive;
 use crate::link::sys::{self, EventFd};
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -29,14 +30,6 @@ use std::sync::Arc;
 
 /// How long after an application thread last ran a core its backstop thread leaves it alone.
 pub(crate) const HANDOFF_NS: u64 = 1_000_000;
-
-/// How the application side runs the cores: its threads in their calls, or a task per core on
-/// its runtime ([`super::task`]).
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub(super) enum Driver {
-    Threads,
-    Task,
-}
 
 /// The data cores of a run-to-completion context, shared by its application threads and its
 /// backstop threads.
@@ -47,18 +40,19 @@ pub(crate) struct AppDrive {
     last: AtomicU64,
     /// Rung by [`AppDrive::release`]: the backstops take over at once.
     released: EventFd,
-    /// Who drives the cores, and so how long the backstops wait before they take over.
-    driver: Driver,
+    /// Who drives the cores ([`Drive::Application`] or [`Drive::Runtime`]), and so how long
+    /// the backstops wait before they take over.
+    drive: Drive,
 }
 
 impl AppDrive {
-    pub(super) fn new(cores: Vec<Arc<Mutex<DataCore>>>, driver: Driver) -> std::io::Result<AppDrive> {
+    pub(super) fn new(cores: Vec<Arc<Mutex<DataCore>>>, drive: Drive) -> std::io::Result<AppDrive> {
         Ok(AppDrive {
             shared: cores.iter().map(|c| c.lock().shared.clone()).collect(),
             cores,
             last: AtomicU64::new(0),
             released: EventFd::new()?,
-            driver,
+            drive,
         })
     }
 
@@ -78,10 +72,15 @@ impl AppDrive {
         self.released.notify();
     }
 
+    /// Who drives the cores.
+    pub(super) fn drive(&self) -> Drive {
+        self.drive
+    }
+
     fn handoff_ns(&self) -> u64 {
-        match self.driver {
-            Driver::Threads => HANDOFF_NS,
-            Driver::Task => super::task::HANDOFF_NS,
+        match self.drive {
+            Drive::Runtime => super::task::HANDOFF_NS,
+            _ => HANDOFF_NS,
         }
     }
 
@@ -120,7 +119,7 @@ impl AppDrive {
     /// driver task watches the core's wake-up eventfd itself: the backstop leaves it alone,
     /// or every command at depth would wake this thread too.
     pub(super) fn wait_while_driven(&self, shared: &EngineShared, until: u64, now: u64) {
-        if self.driver == Driver::Task {
+        if self.drive == Drive::Runtime {
             let _ = sys::ppoll_readable(&[self.released.fd()], until - now);
         } else {
             let _ = sys::ppoll_readable(&[self.released.fd(), shared.wake.fd()], until - now);

@@ -411,10 +411,9 @@ impl EngineShared {
 pub(crate) struct Engine {
     cores: Vec<Arc<EngineShared>>,
     threads: Vec<std::thread::JoinHandle<()>>,
-    /// The cores, when application threads run them ([`Drive::Application`]).
+    /// The cores, when application threads ([`Drive::Application`]) or tasks on the
+    /// application's runtime ([`Drive::Runtime`]) run them, with backstop threads.
     drive: Option<Arc<drive::AppDrive>>,
-    /// The cores, when tasks on the application's runtime run them ([`Drive::Runtime`]).
-    tasks: Option<Arc<drive::AppDrive>>,
     /// The cores, on a simulated network (which holds them only weakly).
     sim_cells: Vec<Arc<Mutex<DataCore>>>,
 }
@@ -454,7 +453,6 @@ impl Engine {
             cores: Vec::new(),
             threads: Vec::new(),
             drive: None,
-            tasks: None,
             sim_cells: Vec::new(),
         };
         let mut app_cores = Vec::new();
@@ -544,12 +542,8 @@ impl Engine {
             e.threads.push(thread);
         }
         if !app_cores.is_empty() {
-            let driver = match cfg.drive {
-                Drive::Runtime => drive::Driver::Task,
-                _ => drive::Driver::Threads,
-            };
-            let d = Arc::new(drive::AppDrive::new(app_cores, driver)?);
-            if driver == drive::Driver::Task {
+            let d = Arc::new(drive::AppDrive::new(app_cores, cfg.drive)?);
+            if cfg.drive == Drive::Runtime {
                 // the tasks first: without a runtime the context fails to open, threadless
                 task::spawn(&d, e.cores.len())?;
             }
@@ -560,17 +554,15 @@ impl Engine {
                     .spawn(move || d.backstop(i))?;
                 e.threads.push(thread);
             }
-            match driver {
-                drive::Driver::Threads => e.drive = Some(d),
-                drive::Driver::Task => e.tasks = Some(d),
-            }
+            e.drive = Some(d);
         }
         Ok(e)
     }
 
     /// The cores' run-to-completion handle, when application threads run them.
     pub(crate) fn drive(&self) -> Option<&Arc<drive::AppDrive>> {
-        self.drive.as_ref()
+        // a runtime's tasks run the cores themselves: posts do not
+        self.drive.as_ref().filter(|d| d.drive() == Drive::Application)
     }
 
     /// The data core that owns QP `qpn` (QPs are sharded by QPN).
@@ -599,7 +591,7 @@ impl Drop for Engine {
             c.stop.store(true, Ordering::SeqCst);
             c.wake.notify();
         }
-        for d in self.drive.iter().chain(&self.tasks) {
+        if let Some(d) = &self.drive {
             d.stopping();
         }
         for t in self.threads.drain(..) {
