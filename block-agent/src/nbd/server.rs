@@ -23,7 +23,7 @@ use super::proto::*;
 use crate::volume::{Volume, VolumeError};
 use parking_lot::RwLock;
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
@@ -291,11 +291,10 @@ where
     // every queued reply holds its request's share of the budget, so the channel is bounded
     // by the budget
     let (tx, rx) = mpsc::unbounded_channel::<(Vec<u8>, OwnedSemaphorePermit)>();
-    let running = Arc::new(AtomicUsize::new(0));
-    let writer = tokio::spawn(write_replies(w, rx, running.clone()));
     let session = Arc::new(s);
     let cap = MAX_INFLIGHT_BYTES;
     let budget = Arc::new(Semaphore::new(cap));
+    let writer = tokio::spawn(write_replies(w, rx, budget.clone(), cap));
     let mut hdr = [0u8; Request::LEN];
     let result = loop {
         match r.read_exact(&mut hdr).await {
@@ -343,8 +342,7 @@ where
             let _ = tx.send((error_reply(&session, &req, e, "request refused"), permit));
             continue;
         }
-        let (session, tx, exports, running) = (session.clone(), tx.clone(), exports.clone(), running.clone());
-        running.fetch_add(1, Ordering::Relaxed);
+        let (session, tx, exports) = (session.clone(), tx.clone(), exports.clone());
         tokio::spawn(async move {
             let t0 = std::time::Instant::now();
             let reply = run(&session, &req, payload).await;
@@ -352,7 +350,6 @@ where
             if reply.1 {
                 exports.stats.errors.fetch_add(1, Ordering::Relaxed);
             }
-            running.fetch_sub(1, Ordering::Relaxed);
             let _ = tx.send((reply.0, permit));
         });
     };
@@ -518,12 +515,15 @@ async fn run(s: &Session, req: &Request, payload: Vec<u8>) -> (Vec<u8>, bool) {
 async fn write_replies<W: AsyncWrite + Unpin>(
     mut w: W,
     mut rx: mpsc::UnboundedReceiver<(Vec<u8>, OwnedSemaphorePermit)>,
-    running: Arc<AtomicUsize>,
+    budget: Arc<Semaphore>,
+    cap: usize,
 ) {
     let mut batch: Vec<u8> = Vec::with_capacity(1 << 20);
     let mut held = Vec::new();
     while let Some((first, permit)) = rx.recv().await {
-        if rx.is_empty() && running.load(Ordering::Relaxed) > 0 {
+        // with no other reply queued, the budget that this reply does not hold is held by
+        // requests still running (or being read)
+        if rx.is_empty() && budget.available_permits() + permit.num_permits() < cap {
             tokio::task::yield_now().await;
         }
         if rx.is_empty() {
