@@ -3,7 +3,8 @@
 //!   [`netstack::transport::solar`] protocol; each path one of the core's source ports, its own
 //!   ECMP flow), shared by the process's links;
 //! - `tcp` ([`tcp`]): the plain block protocol ([`crate::tcp_proto`]) over one kernel TCP
-//!   connection: whole requests, many in flight, no Solar layer (the reference).
+//!   connection: whole requests, many in flight, no Solar layer (the reference), run by one
+//!   task on the runtime the link is opened on, as the Solar link's core is.
 //!
 //! Callers submit block reads and writes from any thread and get a [`Reply`], a future of the
 //! answer. A link follows its storage node to a new address ([`Link::retarget`]).
@@ -119,7 +120,7 @@ pub struct LinkStatus {
 pub struct Reply<T>(ReplyFrom<T>);
 
 enum ReplyFrom<T> {
-    /// From the TCP link's threads.
+    /// From the TCP link's task.
     Link(oneshot::Receiver<Result<T, LinkError>>),
     /// From the Solar client's data core, toward this storage node.
     Solar(oneshot::Receiver<Result<T, SolarError>>, SocketAddr),
@@ -166,7 +167,7 @@ enum Cmd {
         done: oneshot::Sender<Result<(), LinkError>>,
     },
     /// The storage node now serves at this address (it restarted elsewhere).
-    Retarget,
+    Retarget(SocketAddr),
 }
 
 enum Driver {
@@ -209,7 +210,7 @@ impl Link {
         drop(cur);
         match &self.driver {
             Driver::Solar(l) => l.retarget(addr),
-            Driver::Tcp(l) => l.submit(Cmd::Retarget),
+            Driver::Tcp(l) => l.submit(Cmd::Retarget(addr)),
         }
     }
 

@@ -1,24 +1,37 @@
 //! The plain-TCP link: the plain block protocol ([`crate::tcp_proto`]) over one kernel TCP
-//! connection to the storage node, the reference the Solar link is measured against. A sender
-//! thread writes requests as they are submitted (as many in flight as callers make); a receiver
-//! thread reads the replies, matched by id, and answers them. When the connection breaks, or
-//! the node moves ([`super::Link::retarget`]), the sender reconnects and sends again what was
-//! in flight (a write keeps its version, so a repeat cannot overtake a newer write); a request
-//! not answered within the I/O timeout fails.
+//! connection to the storage node, the reference the Solar link is measured against.
+//!
+//! One task owns the link: the connection, the requests in flight and the request ids. It runs
+//! on the runtime the link is opened on (the agent's, as the Solar link's data core does), so a
+//! request goes from the NBD side to the socket, and its reply back, without a hand-off to
+//! another thread; a link opened outside a runtime gets a thread running one. Requests that
+//! arrive together leave in one `write`, and one `read` takes every reply the socket holds.
+//! When the connection breaks, or the node moves ([`super::Link::retarget`]), the task
+//! reconnects and sends again what was in flight (a write keeps its version, so a repeat cannot
+//! overtake a newer write); a request not answered within the I/O timeout fails.
 
 use super::{Cmd, LinkConfig, LinkError, LinkStatus, ReadResult, Target};
 use crate::tcp_proto::{self, Header};
+use bytes::{Buf, BytesMut};
 use netstack::transport::solar::client::{ClientStats, IoError, SubmitError};
 use netstack::transport::solar::wire::Status;
-use parking_lot::{Condvar, Mutex};
-use std::collections::{BTreeMap, VecDeque};
-use std::io::{IoSlice, Read, Write};
-use std::net::{SocketAddr, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use parking_lot::Mutex;
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
-use tokio::sync::oneshot;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::TcpStream;
+use tokio::sync::{mpsc, oneshot};
+
+/// How often the task fails requests past their deadline and publishes its status.
+const TICK: Duration = Duration::from_millis(20);
+/// How long a failed connect waits before the next one.
+const RETRY: Duration = Duration::from_millis(50);
+/// What one `read` takes at least room for.
+const READ_CHUNK: usize = 64 * 1024;
 
 enum Done {
     Write(oneshot::Sender<Result<(), LinkError>>),
@@ -33,72 +46,78 @@ struct InFlight {
     deadline: Instant,
 }
 
-struct Shared {
-    server: Mutex<SocketAddr>,
-    queue: Mutex<VecDeque<Cmd>>,
-    cv: Condvar,
-    /// By request id, so a reconnect resends in order.
-    inflight: Mutex<BTreeMap<u64, InFlight>>,
-    /// The connection's write half; None while disconnected.
-    conn: Mutex<Option<TcpStream>>,
-    /// The connection failed (the receiver saw it, or the node moved): the sender reconnects.
-    broken: AtomicBool,
-    stop: AtomicBool,
-    status: Mutex<LinkStatus>,
-}
-
-/// A plain-TCP link; dropping it stops its threads (requests in flight fail).
+/// A plain-TCP link; dropping it stops its task (requests in flight fail).
 pub(super) struct TcpLink {
-    sh: Arc<Shared>,
-    sender: Option<JoinHandle<()>>,
+    /// Commands to the task; taken on drop, which ends the task.
+    tx: Option<mpsc::UnboundedSender<Cmd>>,
+    status: Arc<Mutex<LinkStatus>>,
+    /// The thread running the task's runtime, for a link opened outside a runtime.
+    thread: Option<JoinHandle<()>>,
+    server: SocketAddr,
 }
 
 impl TcpLink {
     pub(super) fn start(cfg: LinkConfig) -> Result<TcpLink, LinkError> {
         let server = cfg.server;
-        let sh = Arc::new(Shared {
-            server: Mutex::new(server),
-            queue: Mutex::new(VecDeque::new()),
-            cv: Condvar::new(),
-            inflight: Mutex::new(BTreeMap::new()),
-            conn: Mutex::new(None),
-            broken: AtomicBool::new(true),
-            stop: AtomicBool::new(false),
-            status: Mutex::new(LinkStatus {
-                paths: 1,
-                ..Default::default()
-            }),
-        });
-        let s2 = sh.clone();
-        let io_timeout = Duration::from_nanos(cfg.client.io_timeout_ns);
-        let sender = std::thread::Builder::new()
-            .name(format!("tblk-{server}"))
-            .spawn(move || Sender::new(s2, io_timeout).run())
-            .map_err(|e| LinkError::Setup(server, format!("thread: {e}")))?;
+        let (tx, rx) = mpsc::unbounded_channel();
+        let status = Arc::new(Mutex::new(LinkStatus {
+            paths: 1,
+            ..Default::default()
+        }));
+        let task = Task {
+            server,
+            io_timeout: Duration::from_nanos(cfg.client.io_timeout_ns),
+            rx,
+            status: status.clone(),
+            next_id: 1,
+            inflight: BTreeMap::new(),
+            conn: None,
+            retry_at: Instant::now(),
+            sent: 0,
+        };
+        let thread = match tokio::runtime::Handle::try_current() {
+            Ok(rt) => {
+                rt.spawn(task.run());
+                None
+            }
+            Err(_) => {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .map_err(|e| LinkError::Setup(server, format!("runtime: {e}")))?;
+                let t = std::thread::Builder::new()
+                    .name(format!("tblk-{server}"))
+                    .spawn(move || rt.block_on(task.run()))
+                    .map_err(|e| LinkError::Setup(server, format!("thread: {e}")))?;
+                Some(t)
+            }
+        };
         Ok(TcpLink {
-            sh,
-            sender: Some(sender),
+            tx: Some(tx),
+            status,
+            thread,
+            server,
         })
     }
 
     pub(super) fn submit(&self, c: Cmd) {
-        self.sh.queue.lock().push_back(c);
-        self.sh.cv.notify_one();
+        let Some(tx) = &self.tx else { return };
+        if let Err(mpsc::error::SendError(c)) = tx.send(c) {
+            // the task is gone (its runtime shut down)
+            fail(c, LinkError::Stopped(self.server));
+        }
     }
 
     pub(super) fn status(&self) -> LinkStatus {
-        self.sh.status.lock().clone()
+        self.status.lock().clone()
     }
 }
 
 impl Drop for TcpLink {
     fn drop(&mut self) {
-        self.sh.stop.store(true, Ordering::SeqCst);
-        self.sh.cv.notify_all();
-        if let Some(s) = self.sh.conn.lock().as_ref() {
-            let _ = s.shutdown(std::net::Shutdown::Both);
-        }
-        if let Some(t) = self.sender.take() {
+        // the task sees the channel closed, fails what is in flight and closes the connection
+        self.tx = None;
+        if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
     }
@@ -117,93 +136,139 @@ fn header(op: u8, t: Target, blocks: u16, version: u64) -> Header {
     }
 }
 
-/// Writes a frame: the header and, for a WRITE, its blocks (one vectored write where the
-/// socket takes it all).
-fn write_frame(s: &mut TcpStream, hdr: &Header, data: Option<&[u8]>) -> std::io::Result<()> {
-    let h = hdr.encode();
-    let data = data.unwrap_or(&[]);
-    let total = h.len() + data.len();
-    let mut done = 0;
-    while done < total {
-        let n = if done < h.len() {
-            s.write_vectored(&[IoSlice::new(&h[done..]), IoSlice::new(data)])?
-        } else {
-            s.write(&data[done - h.len()..])?
-        };
-        if n == 0 {
-            return Err(std::io::ErrorKind::WriteZero.into());
-        }
-        done += n;
+/// Appends a frame to `out`: the header and, for a WRITE, its blocks.
+fn encode_frame(out: &mut BytesMut, hdr: &Header, data: Option<&[u8]>) {
+    out.extend_from_slice(&hdr.encode());
+    if let Some(d) = data {
+        out.extend_from_slice(d);
     }
-    Ok(())
 }
 
-struct Sender {
-    sh: Arc<Shared>,
+fn answer(d: Done, r: Result<Vec<u8>, LinkError>) {
+    match d {
+        Done::Write(tx) => {
+            let _ = tx.send(r.map(|_| ()));
+        }
+        Done::Read(tx) => {
+            let _ = tx.send(r);
+        }
+    }
+}
+
+/// Answers a command the task never took with `e`.
+fn fail(c: Cmd, e: LinkError) {
+    match c {
+        Cmd::Write { done, .. } | Cmd::WriteZeroes { done, .. } => answer(Done::Write(done), Err(e)),
+        Cmd::Read { done, .. } => answer(Done::Read(done), Err(e)),
+        Cmd::Retarget(_) => {}
+    }
+}
+
+/// One connection: its halves, the replies read but not yet parsed, the frames not yet
+/// written.
+struct Conn {
+    rd: OwnedReadHalf,
+    wr: OwnedWriteHalf,
+    inbuf: BytesMut,
+    out: BytesMut,
+}
+
+/// What woke the task.
+enum Event {
+    Cmd(Option<Cmd>),
+    Read(std::io::Result<usize>),
+    Wrote(std::io::Result<usize>),
+    Tick,
+}
+
+/// The link's owner: every field is this task's alone.
+struct Task {
+    server: SocketAddr,
     io_timeout: Duration,
+    rx: mpsc::UnboundedReceiver<Cmd>,
+    status: Arc<Mutex<LinkStatus>>,
     next_id: u64,
-    receiver: Option<JoinHandle<()>>,
+    /// By request id, so a reconnect resends in order.
+    inflight: BTreeMap<u64, InFlight>,
+    /// None while disconnected.
+    conn: Option<Conn>,
     /// The next time to try connecting while disconnected.
     retry_at: Instant,
     sent: u64,
 }
 
-impl Sender {
-    fn new(sh: Arc<Shared>, io_timeout: Duration) -> Sender {
-        Sender {
-            sh,
-            io_timeout,
-            next_id: 1,
-            receiver: None,
-            retry_at: Instant::now(),
-            sent: 0,
-        }
-    }
-
-    fn server(&self) -> SocketAddr {
-        *self.sh.server.lock()
-    }
-
-    fn run(mut self) {
-        while !self.sh.stop.load(Ordering::SeqCst) {
-            if self.sh.broken.load(Ordering::SeqCst) && Instant::now() >= self.retry_at {
-                self.reconnect();
+impl Task {
+    async fn run(mut self) {
+        let mut tick = tokio::time::interval(TICK);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            if self.conn.is_none() && Instant::now() >= self.retry_at {
+                self.reconnect().await;
             }
-            let cmd = {
-                let mut q = self.sh.queue.lock();
-                if q.is_empty() {
-                    self.sh.cv.wait_for(&mut q, Duration::from_millis(20));
+            // every branch is cancel-safe: a branch that loses the race did nothing
+            let ev = {
+                let (rx, conn) = (&mut self.rx, &mut self.conn);
+                match conn {
+                    Some(c) => {
+                        c.inbuf.reserve(READ_CHUNK);
+                        let writing = !c.out.is_empty();
+                        let Conn { rd, wr, inbuf, out } = c;
+                        tokio::select! {
+                            biased;
+                            r = wr.write(out), if writing => Event::Wrote(r),
+                            r = rd.read_buf(inbuf) => Event::Read(r),
+                            c = rx.recv() => Event::Cmd(c),
+                            _ = tick.tick() => Event::Tick,
+                        }
+                    }
+                    None => tokio::select! {
+                        c = rx.recv() => Event::Cmd(c),
+                        _ = tick.tick() => Event::Tick,
+                    },
                 }
-                q.pop_front()
             };
-            if let Some(c) = cmd {
-                self.handle(c);
+            match ev {
+                Event::Cmd(None) => break,
+                Event::Cmd(Some(c)) => {
+                    self.handle(c);
+                    // what arrived meanwhile leaves in the same write
+                    while let Ok(c) = self.rx.try_recv() {
+                        self.handle(c);
+                    }
+                }
+                Event::Wrote(Ok(n)) if n > 0 => {
+                    if let Some(c) = &mut self.conn {
+                        c.out.advance(n);
+                    }
+                }
+                Event::Wrote(r) => self.broken(r.map_or_else(|e| e.to_string(), |_| "wrote nothing".into())),
+                Event::Read(Ok(0)) => self.broken("the node closed the connection".into()),
+                Event::Read(Ok(_)) => self.replies(),
+                Event::Read(Err(e)) => self.broken(e.to_string()),
+                Event::Tick => {
+                    self.expire();
+                    self.publish();
+                }
             }
-            self.expire();
-            self.publish();
         }
-        self.teardown();
-        let addr = self.server();
-        for (_, f) in std::mem::take(&mut *self.sh.inflight.lock()) {
+        self.conn = None;
+        let addr = self.server;
+        for (_, f) in std::mem::take(&mut self.inflight) {
             answer(f.done, Err(LinkError::Stopped(addr)));
         }
-        for c in self.sh.queue.lock().drain(..) {
-            match c {
-                Cmd::Write { done, .. } | Cmd::WriteZeroes { done, .. } => {
-                    answer(Done::Write(done), Err(LinkError::Stopped(addr)))
-                }
-                Cmd::Read { done, .. } => answer(Done::Read(done), Err(LinkError::Stopped(addr))),
-                Cmd::Retarget => {}
-            }
+        self.rx.close();
+        while let Ok(c) = self.rx.try_recv() {
+            fail(c, LinkError::Stopped(addr));
         }
     }
 
     fn handle(&mut self, c: Cmd) {
-        let addr = self.server();
+        let addr = self.server;
         let (hdr, data, done) = match c {
-            Cmd::Retarget => {
-                // the new address is in `server`: reconnect there, resending what is in flight
-                self.break_conn();
+            Cmd::Retarget(to) => {
+                // reconnect there, resending what is in flight
+                self.server = to;
+                self.conn = None;
                 self.retry_at = Instant::now();
                 return;
             }
@@ -257,8 +322,12 @@ impl Sender {
             ..hdr
         };
         self.next_id += 1;
-        let data2 = data.clone();
-        self.sh.inflight.lock().insert(
+        // disconnected: it goes out with the others when the connection is back
+        if let Some(c) = &mut self.conn {
+            encode_frame(&mut c.out, &hdr, data.as_deref());
+            self.sent += 1;
+        }
+        self.inflight.insert(
             hdr.id,
             InFlight {
                 hdr,
@@ -267,164 +336,114 @@ impl Sender {
                 deadline: Instant::now() + self.io_timeout,
             },
         );
-        // disconnected: it goes out with the others when the connection is back
-        let mut g = self.sh.conn.lock();
-        if let Some(s) = g.as_mut() {
-            if let Err(e) = write_frame(s, &hdr, data2.as_deref()) {
-                tracing::warn!("TCP link to {addr}: {e}; reconnecting");
-                drop(g);
-                self.break_conn();
-            } else {
-                self.sent += 1;
+    }
+
+    /// Answers every whole reply read so far.
+    fn replies(&mut self) {
+        let addr = self.server;
+        loop {
+            let Some(c) = &mut self.conn else { return };
+            let Some(head) = c.inbuf.get(..tcp_proto::HDR) else {
+                return;
+            };
+            let h = match Header::decode(head.try_into().expect("a header's length")) {
+                Ok(h) => h,
+                Err(e) => return self.broken(format!("a bad reply: {e}")),
+            };
+            let len = tcp_proto::HDR + h.payload(true);
+            if c.inbuf.len() < len {
+                c.inbuf.reserve(len - c.inbuf.len());
+                return;
             }
+            let data = c.inbuf[tcp_proto::HDR..len].to_vec();
+            c.inbuf.advance(len);
+            // an answer to a request that timed out meanwhile is dropped
+            let Some(f) = self.inflight.remove(&h.id) else {
+                continue;
+            };
+            let r = match h.status() {
+                Status::Ok => Ok(data),
+                st => Err(LinkError::Io(addr, IoError::Status(st, 0))),
+            };
+            answer(f.done, r);
         }
     }
 
     /// Fails requests not answered within the I/O timeout.
     fn expire(&mut self) {
         let now = Instant::now();
-        let addr = self.server();
         let late: Vec<u64> = self
-            .sh
             .inflight
-            .lock()
             .iter()
             .filter(|(_, f)| f.deadline <= now)
             .map(|(&id, _)| id)
             .collect();
+        let paths_up = u16::from(self.conn.is_some());
         for id in late {
-            if let Some(f) = self.sh.inflight.lock().remove(&id) {
+            if let Some(f) = self.inflight.remove(&id) {
                 let e = IoError::TimedOut {
                     blocks_left: f.hdr.blocks.min(u16::MAX as u32) as u16,
-                    paths_up: u16::from(!self.sh.broken.load(Ordering::SeqCst)),
+                    paths_up,
                 };
-                answer(f.done, Err(LinkError::Io(addr, e)));
+                answer(f.done, Err(LinkError::Io(self.server, e)));
             }
         }
     }
 
     fn publish(&self) {
-        let up = !self.sh.broken.load(Ordering::SeqCst);
-        *self.sh.status.lock() = LinkStatus {
+        *self.status.lock() = LinkStatus {
             stats: ClientStats {
                 packets_sent: self.sent,
                 ..Default::default()
             },
             paths: 1,
-            paths_up: u16::from(up),
+            paths_up: u16::from(self.conn.is_some()),
             path_stats: Vec::new(),
-            outstanding: self.sh.inflight.lock().len(),
+            outstanding: self.inflight.len(),
         };
     }
 
-    fn break_conn(&self) {
-        self.sh.broken.store(true, Ordering::SeqCst);
-        if let Some(s) = self.sh.conn.lock().as_ref() {
-            let _ = s.shutdown(std::net::Shutdown::Both);
-        }
+    /// Drops the connection; the next turn connects again.
+    fn broken(&mut self, why: String) {
+        tracing::warn!("TCP link to {}: {why}; reconnecting", self.server);
+        self.conn = None;
     }
 
-    /// Closes the connection and waits for its receiver.
-    fn teardown(&mut self) {
-        self.break_conn();
-        *self.sh.conn.lock() = None;
-        if let Some(r) = self.receiver.take() {
-            let _ = r.join();
-        }
-    }
-
-    /// Connects (again) and sends every request in flight, in order.
-    fn reconnect(&mut self) {
-        self.teardown();
-        let addr = self.server();
-        let s = match TcpStream::connect_timeout(&addr, Duration::from_secs(1)) {
-            Ok(s) => s,
-            Err(e) => {
+    /// Connects (again) and queues every request in flight, in order, to be sent first.
+    async fn reconnect(&mut self) {
+        self.conn = None;
+        let addr = self.server;
+        let s = match tokio::time::timeout(Duration::from_secs(1), TcpStream::connect(addr)).await {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => {
                 tracing::debug!("TCP link to {addr}: {e}");
-                self.retry_at = Instant::now() + Duration::from_millis(50);
+                self.retry_at = Instant::now() + RETRY;
+                return;
+            }
+            Err(_) => {
+                tracing::debug!("TCP link to {addr}: connect timed out");
+                self.retry_at = Instant::now() + RETRY;
                 return;
             }
         };
         let _ = s.set_nodelay(true);
-        let Ok(r) = s.try_clone() else {
-            self.retry_at = Instant::now() + Duration::from_millis(50);
-            return;
-        };
-        let sh = self.sh.clone();
-        match std::thread::Builder::new()
-            .name(format!("tblk-rx-{addr}"))
-            .spawn(move || receive(sh, r, addr))
-        {
-            Ok(t) => self.receiver = Some(t),
-            Err(_) => {
-                self.retry_at = Instant::now() + Duration::from_millis(50);
-                return;
-            }
+        let (rd, wr) = s.into_split();
+        let mut out = BytesMut::new();
+        for f in self.inflight.values() {
+            encode_frame(&mut out, &f.hdr, f.data.as_deref());
         }
-        let mut g = self.sh.conn.lock();
-        *g = Some(s);
-        self.sh.broken.store(false, Ordering::SeqCst);
-        let resend: Vec<(Header, Option<Arc<[u8]>>)> = self
-            .sh
-            .inflight
-            .lock()
-            .values()
-            .map(|f| (f.hdr, f.data.clone()))
-            .collect();
-        if !resend.is_empty() {
-            tracing::info!("TCP link to {addr}: connected; sending {} requests again", resend.len());
+        if !self.inflight.is_empty() {
+            tracing::info!(
+                "TCP link to {addr}: connected; sending {} requests again",
+                self.inflight.len()
+            );
         }
-        let s = g.as_mut().expect("just set");
-        for (h, d) in resend {
-            if write_frame(s, &h, d.as_deref()).is_err() {
-                drop(g);
-                self.break_conn();
-                return;
-            }
-        }
-    }
-}
-
-fn answer(d: Done, r: Result<Vec<u8>, LinkError>) {
-    match d {
-        Done::Write(tx) => {
-            let _ = tx.send(r.map(|_| ()));
-        }
-        Done::Read(tx) => {
-            let _ = tx.send(r);
-        }
-    }
-}
-
-/// The receiver of one connection: answers replies by id until the connection ends.
-fn receive(sh: Arc<Shared>, mut s: TcpStream, addr: SocketAddr) {
-    let mut hdr = [0u8; tcp_proto::HDR];
-    let end = |sh: &Shared, why: String| {
-        if !sh.broken.swap(true, Ordering::SeqCst) && !sh.stop.load(Ordering::SeqCst) {
-            tracing::warn!("TCP link to {addr}: {why}; reconnecting");
-        }
-        sh.cv.notify_all();
-    };
-    loop {
-        if let Err(e) = s.read_exact(&mut hdr) {
-            return end(&sh, e.to_string());
-        }
-        let h = match Header::decode(&hdr) {
-            Ok(h) => h,
-            Err(e) => return end(&sh, format!("a bad reply: {e}")),
-        };
-        let mut data = vec![0u8; h.payload(true)];
-        if let Err(e) = s.read_exact(&mut data) {
-            return end(&sh, e.to_string());
-        }
-        // an answer to a request that timed out meanwhile is dropped
-        let Some(f) = sh.inflight.lock().remove(&h.id) else {
-            continue;
-        };
-        let r = match h.status() {
-            Status::Ok => Ok(data),
-            st => Err(LinkError::Io(addr, IoError::Status(st, 0))),
-        };
-        answer(f.done, r);
+        self.sent += self.inflight.len() as u64;
+        self.conn = Some(Conn {
+            rd,
+            wr,
+            inbuf: BytesMut::with_capacity(READ_CHUNK),
+            out,
+        });
     }
 }
