@@ -53,6 +53,12 @@ pub struct ClientConfig {
     pub source_ports: u16,
     /// How packets spread over the paths.
     pub policy: SprayPolicy,
+    /// New blocks sent in a row on the path the policy picked before it picks again (a
+    /// flowlet; at most a path's share of the window, so a small window still spreads over
+    /// every path). A pass's blocks then leave in fewer system calls (one `sendmmsg` per path
+    /// it uses) and the server answers them on fewer ports; 1 places every block on its own.
+    /// Resent blocks are always placed one by one, away from the path they were lost on.
+    pub burst_blocks: u32,
     /// The epoch requests carry unless the caller names one ([`Target::epoch`]).
     pub epoch: u32,
     /// First request id; ids increase from it. Seed it above any id this agent used before for
@@ -89,6 +95,7 @@ impl Default for ClientConfig {
             paths: 4,
             source_ports: 0,
             policy: SprayPolicy::Weighted,
+            burst_blocks: 8,
             epoch: 0,
             rpc_base: 1,
             initial_rto_ns: 5_000_000,
@@ -376,9 +383,7 @@ impl SolarClient {
             initial_rto_ns: cfg.initial_rto_ns,
             down_after_rtos: cfg.down_after.max(1),
             probe_interval_ns: cfg.probe_interval_ns,
-            // every block is placed on its own: a burst of one lets each packet take the path
-            // expected to deliver it first
-            burst_packets: 1,
+            burst_packets: cfg.burst_blocks.max(1),
             ..PathParams::default()
         };
         let ledger = PathLedger {
