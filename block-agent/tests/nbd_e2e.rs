@@ -414,6 +414,9 @@ fn a_corrupt_replica_block_is_read_from_another_and_repaired() {
     let data: Vec<u8> = (0..4096u32 * 4).map(|i| (i % 253) as u8).collect();
     let v = c.volume.clone();
     c.rt.block_on(v.write(0, &data, true)).unwrap();
+    // the write was acknowledged by a quorum (2 of 3): wait until the third copy landed too,
+    // or a read would skip that replica as not yet clean and find only the damaged copies
+    c.rt.block_on(v.quiesced(async {})).unwrap();
     // damage block 2 in every replica's data file except the last one; reads must still
     // return the good data and the damaged copies must be rewritten
     for n in &c.nodes[..2] {

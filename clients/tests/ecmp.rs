@@ -176,7 +176,7 @@ fn block_writes_ride_out_a_cut_and_random_loss_on_solar() {
     // TCP's one connection waits for the link (2 s); Solar's requests move to the other link
     // within a few path RTOs. The target (no stall of 100 ms) is a benchmark figure
     // (`ecmp.sh block --fault cut`, ARCHITECTURE has the runs): on this 2-core VM most runs
-    // stall under 15 ms, and about one in six 100-125 ms (a resend that hashed onto the cut
+    // stall under 15 ms, and about one in ten 100-125 ms (a resend that hashed onto the cut
     // link too waits out a backed-off RTO). What a test can hold: no stall near TCP's
     assert!(g(&solar, "stall_ms") < 250.0, "{solar}");
     assert!(g(&tcp, "stall_ms") > 1000.0, "the cut hit the TCP flow: {tcp}");
