@@ -213,12 +213,14 @@ impl Task {
                         c.inbuf.reserve(READ_CHUNK);
                         let writing = !c.out.is_empty();
                         let Conn { rd, wr, inbuf, out } = c;
+                        // the tick first: it is ready once per TICK, and a stream of replies
+                        // (always readable) must not starve the timeouts behind it
                         tokio::select! {
                             biased;
+                            _ = tick.tick() => Event::Tick,
                             r = wr.write(out), if writing => Event::Wrote(r),
                             r = rd.read_buf(inbuf) => Event::Read(r),
                             c = rx.recv() => Event::Cmd(c),
-                            _ = tick.tick() => Event::Tick,
                         }
                     }
                     None => tokio::select! {
