@@ -462,7 +462,7 @@ pub(super) fn write_base(dir: &Path, volume: u32, base: (u32, u32)) -> Result<()
 
 #[cfg(test)]
 mod tests {
-    use super::super::{encode_record, VolumeStore};
+    use super::super::{encode_record, log_start, stamp_generation, VolumeStore};
     use super::*;
 
     fn dir(tag: &str) -> PathBuf {
@@ -526,6 +526,8 @@ mod tests {
         let b = block(5, 7);
         let mut rec = Vec::new();
         encode_record(&mut rec, 7, 9, crc32c::crc32c(&b), &b);
+        let (generation, _) = log_start(&std::fs::read(d.join("vol-1.log")).unwrap()).unwrap();
+        stamp_generation(&mut rec, generation);
         std::io::Write::write_all(&mut log, &rec).unwrap();
         drop(log);
         let s = VolumeStore::open(&d, 1, limit).unwrap();
