@@ -24,9 +24,9 @@
 //!   commit into a recycled file overwrites blocks the file system has allocated and
 //!   initialized already, so its `fdatasync` writes the records and no file-system journal
 //!   commit (an append changes the file's size and extents, which costs one): on this
-//!   project's VM that halved a 128 KiB commit's sync (590 to 270 us) and cut the node's CPU
-//!   per write. The cost is space: each log file keeps about `log_limit` bytes once it filled
-//!   once. Opening a volume truncates both (replay has placed everything), so records of the
+//!   project's VM that halved a 128 KiB commit's sync (590 to 270 us); end to end the gain is
+//!   small (docs/ARCHITECTURE.md has the figures). The cost is space: each log file keeps
+//!   about `log_limit` bytes once it filled once. Opening a volume truncates both (replay has placed everything), so records of the
 //!   format before generations (`SLOG`/`SLZR` magic, never recycled) only appear in logs from
 //!   before an upgrade, and replay accepts them there.
 //! - Every read checks the block against its CRC; a mismatch is reported
