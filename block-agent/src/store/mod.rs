@@ -40,6 +40,7 @@
 
 mod fence;
 mod snapshot;
+mod writeback;
 
 pub use snapshot::{read_base, Base};
 
@@ -997,7 +998,7 @@ impl VolumeStore {
         let mut len = self.log_len.lock();
         *len += batch.len() as u64;
         if *len >= self.log_limit {
-            self.switch_logs()?;
+            self.switch_logs(*len)?;
             *len = 0;
         }
         Ok(())
@@ -1023,8 +1024,8 @@ impl VolumeStore {
 
     /// Moves commits to the spare log (every record of the active one is placed: the commit
     /// leader calls this after placing its batch) and checkpoints the full one in the
-    /// background.
-    fn switch_logs(&self) -> Result<(), StoreError> {
+    /// background. `placed` is about how many bytes its records placed.
+    fn switch_logs(&self, placed: u64) -> Result<(), StoreError> {
         let mut next = self.take_spare()?;
         let mut log = self.log.lock();
         let generation = log.generation + 1;
@@ -1038,7 +1039,14 @@ impl VolumeStore {
         let (data, meta, spare, volume) = (self.data.clone(), self.meta.clone(), self.spare.clone(), self.volume);
         let run = move || {
             // the files first: only then may the records leave the log. It is emptied by its
-            // header (the file is recycled: see the module's doc)
+            // header (the file is recycled: see the module's doc). Their dirty pages go to
+            // the device a range at a time first, so the log's syncs meanwhile do not queue
+            // behind all of them (see `writeback`); the syncs alone make them durable
+            for f in [&data, &meta] {
+                if let Err(e) = writeback::write_back(f, placed) {
+                    tracing::warn!("volume {volume}: checkpoint: writing back in ranges: {e}");
+                }
+            }
             let r = data
                 .sync_data()
                 .and_then(|()| meta.sync_data())
