@@ -237,21 +237,22 @@ impl StorageNode {
         let mut solar = SolarServer::new();
         let mut volumes = HashMap::new();
         // ascending ids: a clone's base, an older volume, is open before the clone
-        for id in list_volume_ids(&cfg.dir)? {
-            let base = match read_base(&cfg.dir, id)? {
+        for vol in list_volume_ids(&cfg.dir)? {
+            let base = match read_base(&cfg.dir, vol)? {
                 None => None,
                 Some((v, snapshot)) => Some(Base {
                     store: volumes.get(&v).cloned().ok_or(NodeError::NoVolume(v))?,
                     snapshot,
                 }),
             };
-            let store = VolumeStore::open_with(&cfg.dir, id, cfg.log_limit, base)?;
+            let store = VolumeStore::open_with(&cfg.dir, vol, cfg.log_limit, base)?;
+            observe(&store, &id, vol);
             for (lba, v) in store.versions()? {
-                solar.note_version(id, lba, v);
+                solar.note_version(vol, lba, v);
             }
-            solar.fence(id, store.fenced_at());
-            tracing::info!("volume {id}: {} blocks", store.blocks());
-            volumes.insert(id, Arc::new(store));
+            solar.fence(vol, store.fenced_at());
+            tracing::info!("volume {vol}: {} blocks", store.blocks());
+            volumes.insert(vol, Arc::new(store));
         }
         let volumes: HashMap<u32, Arc<VolumeStore>> = volumes;
         let (tx, rx) = mpsc::channel::<WriteJob>();
@@ -310,6 +311,7 @@ impl StorageNode {
             return Err(NodeError::Exists(id));
         }
         let store = VolumeStore::create(&self.inner.dir, id, bytes / BLOCK as u64, self.inner.log_limit)?;
+        observe(&store, &self.inner.id, id);
         v.insert(id, Arc::new(store));
         Ok(())
     }
@@ -327,6 +329,7 @@ impl StorageNode {
         }
         let base = Base { store, snapshot };
         let clone = VolumeStore::create_clone(&self.inner.dir, id, self.inner.log_limit, base)?;
+        observe(&clone, &self.inner.id, id);
         v.insert(id, Arc::new(clone));
         Ok(())
     }
@@ -746,6 +749,16 @@ fn self_send(inner: &Inner, job: WriteJob) -> Result<(), ()> {
         Some(tx) => tx.send(job).map_err(|_| ()),
         None => Err(()),
     }
+}
+
+/// Has `store` (volume `volume` of node `node`) record its log syncs' durations in
+/// `flexns_store_log_sync_duration_seconds`.
+fn observe(store: &VolumeStore, node: &str, volume: u32) {
+    store.observe_log_syncs(metrics::histogram!(
+        "flexns_store_log_sync_duration_seconds",
+        "node" => node.to_string(),
+        "volume" => volume.to_string()
+    ));
 }
 
 /// The storage node's metrics, copied once a second: packets, malformed input, the Solar

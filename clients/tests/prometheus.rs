@@ -216,6 +216,12 @@ fn prometheus_scrapes_every_daemon_and_sees_the_workload() {
         "histogram_quantile(0.99, sum by (le, op) (flexns_nbd_request_duration_seconds_bucket))",
     );
     assert!(p99.iter().any(|(m, v)| m["op"] == "write" && *v > 0.0), "p99 {p99:?}");
+    // each storage node timed its log syncs (the writes above reached all three)
+    let syncs = query(&prom, "sum by (node) (flexns_store_log_sync_duration_seconds_count)");
+    assert!(
+        syncs.len() == 3 && syncs.iter().all(|(_, v)| *v >= 1.0),
+        "log syncs timed per node: {syncs:?}"
+    );
     let nodes_up = query(&prom, "flexns_control_storage_nodes{state=\"up\"}");
     assert_eq!(nodes_up.first().map(|(_, v)| *v), Some(3.0), "{nodes_up:?}");
     eprintln!(

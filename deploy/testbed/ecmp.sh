@@ -51,8 +51,9 @@
 #          ECMP spreads over the links) write at once. --agents applies to every fault (default
 #          1). Prints per run (all of its agents together)
 #          {"experiment":"block","system","fault","iops","p50_us","p99_us","p999_us",
-#          "max_ms","stall_ms","errors","verified",...} (stall_ms: the longest time without a
-#          completed write) and {"experiment":"block","summary":true,...} with the medians and
+#          "max_ms","stall_ms","errors","verified","node_syncs_over_20ms",...} (stall_ms: the
+#          longest time without a completed write; node_syncs_over_20ms/_50ms: the storage node's
+#          log syncs that slow during the run, a disk stall, which no transport avoids) and {"experiment":"block","summary":true,...} with the medians and
 #          the Solar/TCP ratios. BLKCTL=path uses that blkctl; otherwise it is built (release).
 #          BLOCK_KEEP=dir keeps fio's JSON, its per-I/O latency logs and the daemons' logs.
 #   ecmp.sh up [...] / ecmp.sh down [--prefix P]
@@ -256,7 +257,27 @@ if [ "$cmd" = block ]; then
   }
   daemon control b control --listen 10.88.2.2:7420 --state "$work/control.json" --node-timeout-ms 60000
   daemon node0 b node --dir "$work/node0" --listen 10.88.2.2:7500 --admin 10.88.2.2:0 \
-    --control 10.88.2.2:7420
+    --control 10.88.2.2:7420 --metrics-addr 10.88.2.2:9400
+  # the node's log syncs so far, all volumes (flexns_store_log_sync_duration_seconds):
+  # "COUNT OVER_20MS OVER_50MS". A write waits for its sync, so a slow one is a stall that
+  # the disk made, in either system's run
+  node_syncs() {
+    ip netns exec "${P}_b" python3 - <<'PY'
+import re, urllib.request
+text = urllib.request.urlopen("http://10.88.2.2:9400/metrics", timeout=5).read().decode()
+n = {"count": 0.0, "0.02": 0.0, "0.05": 0.0}
+for line in text.splitlines():
+    if not line.startswith("flexns_store_log_sync_duration_seconds"):
+        continue
+    v = float(line.rsplit(" ", 1)[1])
+    if line.startswith("flexns_store_log_sync_duration_seconds_count"):
+        n["count"] += v
+    m = re.search(r'le="([^"]+)"', line)
+    if m and m.group(1) in n:
+        n[m.group(1)] += v
+print(int(n["count"]), int(n["count"] - n["0.02"]), int(n["count"] - n["0.05"]))
+PY
+  }
   blk=(ip netns exec "${P}_a" "$BLKCTL" --control 10.88.2.2:7420 --dir "$work")
   declare -A uri
   for k in $(seq 1 "$AGENTS"); do
@@ -297,6 +318,7 @@ if [ "$cmd" = block ]; then
         fpids+=($!)
       done
       python3 -c 'import time; print(time.monotonic_ns())' >"$work/$name.times"
+      node_syncs >"$work/$name.syncs" || true
       if [ "$FAULT" = cut ]; then
         b1=$(link_bytes 1) b2=$(link_bytes 2)
         run sleep "$CUT_AT"
@@ -310,6 +332,7 @@ if [ "$cmd" = block ]; then
         echo "$k" >"$work/$name.link"
       fi
       for f in "${fpids[@]}"; do wait "$f" || true; done
+      node_syncs >>"$work/$name.syncs" || true
     done
   done
   # BLOCK_KEEP=DIR keeps fio's results and per-I/O latency logs there, with each volume's
@@ -380,6 +403,14 @@ for pair in range(1, int(pairs) + 1):
         try:
             r["cut_link"] = int(open(f"{work}/{name}.link").read())
         except OSError:
+            pass
+        # the storage node's log syncs during the run (writes and their read-back): how many,
+        # and how many took over 20 and 50 ms (the disk's stalls, which hit both systems)
+        try:
+            a, b = [[int(x) for x in l.split()] for l in open(f"{work}/{name}.syncs").read().split("\n")[:2]]
+            r.update({"node_log_syncs": b[0] - a[0], "node_syncs_over_20ms": b[1] - a[1],
+                      "node_syncs_over_50ms": b[2] - a[2]})
+        except (OSError, ValueError):
             pass
         print(json.dumps(r))
         runs[sysname].append(r)

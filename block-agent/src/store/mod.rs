@@ -181,6 +181,8 @@ pub struct VolumeStore {
     base: Option<Base>,
     /// The lowest attachment epoch whose requests the node serves ([`VolumeStore::fence`]).
     fence: fence::Fence,
+    /// Where each log sync's duration goes ([`VolumeStore::observe_log_syncs`]).
+    sync_latency: std::sync::OnceLock<metrics::Histogram>,
 }
 
 /// Makes `dir`'s entries (files created, renamed or removed in it) durable.
@@ -592,6 +594,7 @@ impl VolumeStore {
             snaps: RwLock::new(snapshot::Snapshots::open(dir, volume)?),
             base,
             fence: fence::Fence::load(dir, volume)?,
+            sync_latency: std::sync::OnceLock::new(),
         };
         s.replay()?;
         Ok(s)
@@ -644,6 +647,13 @@ impl VolumeStore {
 
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// Records every later log sync's duration (the batch's write and its `fdatasync`: what
+    /// a write waits for, beside the queue for its group) in `h`. The disk's latency spikes
+    /// show there, as in etcd's `wal_fsync_duration`; a second call is ignored.
+    pub fn observe_log_syncs(&self, h: metrics::Histogram) {
+        let _ = self.sync_latency.set(h);
     }
 
     pub fn stats(&self) -> StoreStats {
@@ -987,8 +997,12 @@ impl VolumeStore {
         {
             let mut log = self.log.lock();
             stamp_generation(batch, log.generation);
+            let t = std::time::Instant::now();
             log.file.write_all(batch).map_err(self.io("appending to the log"))?;
             log.file.sync_data().map_err(self.io("syncing the log"))?;
+            if let Some(h) = self.sync_latency.get() {
+                h.record(t.elapsed());
+            }
         }
         self.stats.lock().syncs += 1;
         self.preserve(records(batch, Check::Encoded).flat_map(|r| r.lbas()))?;
