@@ -15,7 +15,9 @@
 //!   header carrying its generation. When the active one passes `log_limit`, commits move to
 //!   the other (empty) file under the next generation, and a background thread checkpoints the
 //!   full one: it syncs the data and metadata files (every record of that log was placed there
-//!   before the switch) and only then empties it, to be the next switch's target. So writers
+//!   before the switch; their dirty pages go to the device a range at a time first, so the log
+//!   syncs meanwhile do not queue behind all of them: [`writeback`]) and only then empties it,
+//!   to be the next switch's target. So writers
 //!   wait for a checkpoint only when the new log fills before the old one's is done. Replay
 //!   applies both files' records, older generation first.
 //! - **Log files are recycled, not truncated.** Emptying one overwrites its header (zeros, or
