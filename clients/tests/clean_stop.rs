@@ -345,10 +345,26 @@ fn a_testbed_script_stops_cleanly_and_its_children_die_with_it() {
             assert!(Instant::now() < deadline, "the testbed's flows did not start");
             std::thread::sleep(Duration::from_millis(50));
         };
+        let named: Vec<String> = kids.iter().map(|&p| format!("{p} {}", comm(p))).collect();
         let t = Instant::now();
         clients::procs::signal(child.id(), sig);
+        let mut late = String::new();
         while child.try_wait().unwrap().is_none() || kids.iter().any(|&p| alive(p)) {
             if t.elapsed() > Duration::from_secs(10) {
+                // what was still there, for the failure below
+                let left: Vec<String> = kids
+                    .iter()
+                    .filter(|&&p| alive(p))
+                    .map(|&p| format!("{p} {}", comm(p)))
+                    .collect();
+                late = format!(
+                    "; the script {}, children still running: {left:?} (of {named:?})",
+                    if child.try_wait().unwrap().is_none() {
+                        "still ran"
+                    } else {
+                        "had exited"
+                    }
+                );
                 for &p in &kids {
                     clients::procs::signal(p, libc::SIGKILL);
                 }
@@ -369,7 +385,7 @@ fn a_testbed_script_stops_cleanly_and_its_children_die_with_it() {
                 .output()
                 .unwrap();
         }
-        assert!(took <= BOUND, "signal {sig}: stopped in {took:?}");
+        assert!(took <= BOUND, "signal {sig}: stopped in {took:?}{late}");
         if sig != libc::SIGKILL {
             assert!(left.is_empty(), "signal {sig}: namespaces left behind: {left:?}");
         }
