@@ -326,8 +326,21 @@ fn a_testbed_script_stops_cleanly_and_its_children_die_with_it() {
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/testbed/dumbbell.sh");
     for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGKILL] {
         let prefix = format!("cs{}{sig}", std::process::id() % 10000);
-        let mut child = Command::new("bash")
-            .args([script, "run", "--cc", "none", "--duration", "30", "--prefix", &prefix])
+        // SIGINT's default action restored first: a shell started in the background (`cmd &`,
+        // nohup) hands its children SIGINT ignored, and bash can trap no signal that was
+        // ignored when it started, so the script would sit out the Ctrl-C this test sends
+        let mut child = Command::new("env")
+            .args([
+                "--default-signal=INT",
+                "bash",
+                script,
+                "run",
+                "--cc",
+                "none",
+                "--duration",
+                "30",
+            ])
+            .args(["--prefix", &prefix])
             .env("NSPERF", env!("CARGO_BIN_EXE_nsperf"))
             .env("RUST_BACKTRACE", "0")
             .stdout(Stdio::null())
