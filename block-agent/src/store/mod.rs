@@ -10,7 +10,8 @@
 //! - Restart replays the log into the files. Records carry their own CRC32C; replay stops at
 //!   the first torn or damaged record (one that was never acknowledged: its sync never
 //!   returned). So a `kill -9` at any instant loses no acknowledged write, and a torn block in
-//!   the data file is rewritten from the log.
+//!   the data file is rewritten from the log. Replay reads a log a chunk at a time
+//!   (`logread`), so memory at restart does not grow with `log_limit`.
 //! - The log is two files used in turn (`vol-N.log`, `vol-N.log2`), each starting with a
 //!   header carrying its generation. When the active one passes `log_limit`, commits move to
 //!   the other (empty) file under the next generation, and a background thread checkpoints the
@@ -41,6 +42,7 @@
 //!   a snapshot of another volume ([`Base`]), usable at once.
 
 mod fence;
+mod logread;
 mod snapshot;
 mod writeback;
 
@@ -48,7 +50,7 @@ pub use snapshot::{read_base, Base};
 
 use parking_lot::{Condvar, Mutex, RwLock};
 use std::fs::{File, OpenOptions};
-use std::io::{Read, Seek, SeekFrom, Write};
+use std::io::{Seek, SeekFrom, Write};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
@@ -669,40 +671,55 @@ impl VolumeStore {
         let mut spare = self.spare.0.lock();
         let spare_file = spare
             .file
-            .as_mut()
+            .as_ref()
             .expect("no checkpoint runs before the store is open");
+        let files = [&log.file, spare_file];
+        // each log's generation and where its records start, from its header (an emptied
+        // log, recycled and about `log_limit` long, is not read further). The records are
+        // read a chunk at a time (`logread`), twice when the volume has snapshots
         let mut logs = Vec::new();
-        for f in [&mut log.file, spare_file] {
-            // the header first: an emptied log (recycled, about `log_limit` long) is not read
-            let mut buf = Vec::new();
-            f.seek(SeekFrom::Start(0)).map_err(self.io("reading the log"))?;
-            (&mut *f)
-                .take(LOG_HDR as u64)
-                .read_to_end(&mut buf)
-                .map_err(self.io("reading the log"))?;
-            let Some((generation, start)) = log_start(&buf) else {
+        for (i, f) in files.iter().enumerate() {
+            let mut hdr = [0u8; LOG_HDR];
+            let mut got = 0;
+            while got < LOG_HDR {
+                match f.read_at(&mut hdr[got..], got as u64) {
+                    Ok(0) => break,
+                    Ok(k) => got += k,
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(e) => return Err(self.io("reading the log")(e)),
+                }
+            }
+            let Some((generation, start)) = log_start(&hdr[..got]) else {
                 continue;
             };
-            f.read_to_end(&mut buf).map_err(self.io("reading the log"))?;
-            logs.push((generation, start, buf));
+            logs.push((generation, start as u64, i));
         }
         // the older log's records first: a block written in both ends with the newer
         logs.sort_by_key(|&(g, ..)| g);
         // every record is newer than the newest snapshot (taking one empties the logs): what
-        // they overwrite goes there first
-        let blocks = self.blocks();
-        self.preserve(
-            logs.iter()
-                .flat_map(|&(g, start, ref buf)| records(&buf[start..], Check::Log(g)))
-                .flat_map(|r| r.lbas())
-                .filter(|&l| l < blocks),
-        )?;
-        let mut n = 0;
-        for &(g, start, ref buf) in &logs {
-            for r in records(&buf[start..], Check::Log(g)) {
-                self.apply(&r)?;
-                n += 1;
+        // they overwrite goes there first, a batch of records at a time
+        if !self.snapshots().is_empty() {
+            let blocks = self.blocks();
+            let mut pending: Vec<std::ops::Range<u64>> = Vec::new();
+            let flush = |pending: &mut Vec<std::ops::Range<u64>>| {
+                self.preserve(pending.drain(..).flatten().filter(|&l| l < blocks))
+            };
+            for &(g, start, i) in &logs {
+                logread::for_each_record(files[i], start, Check::Log(g), logread::CHUNK, self.volume, |r| {
+                    pending.push(r.lbas());
+                    if pending.len() >= 4096 {
+                        flush(&mut pending)?;
+                    }
+                    Ok(())
+                })?;
             }
+            flush(&mut pending)?;
+        }
+        let mut n = 0;
+        for &(g, start, i) in &logs {
+            n += logread::for_each_record(files[i], start, Check::Log(g), logread::CHUNK, self.volume, |r| {
+                self.apply(r)
+            })?;
         }
         // what follows the last whole record of a log was never acknowledged
         self.data.sync_data().map_err(self.io("syncing the data file"))?;
