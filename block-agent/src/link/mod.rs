@@ -1,8 +1,8 @@
 //! The agent's link to one storage node, over one of two carriers:
-//! - `solar` ([`solar`]): a Solar client endpoint on a netstack context's data core (the
+//! - `solar`: a Solar client endpoint on a netstack context's data core (the
 //!   [`netstack::transport::solar`] protocol; each path one of the core's source ports, its own
 //!   ECMP flow), shared by the process's links;
-//! - `tcp` ([`tcp`]): the plain block protocol ([`crate::tcp_proto`]) over one kernel TCP
+//! - `tcp`: the plain block protocol ([`crate::tcp_proto`]) over one kernel TCP
 //!   connection: whole requests, many in flight, no Solar layer (the reference), run by one
 //!   task on the runtime the link is opened on, as the Solar link's core is.
 //!

@@ -17,7 +17,7 @@
 //!   the other (empty) file under the next generation, and a background thread checkpoints the
 //!   full one: it syncs the data and metadata files (every record of that log was placed there
 //!   before the switch; their dirty pages go to the device a range at a time first, so the log
-//!   syncs meanwhile do not queue behind all of them: [`writeback`]) and only then empties it,
+//!   syncs meanwhile do not queue behind all of them: `writeback`) and only then empties it,
 //!   to be the next switch's target. So writers
 //!   wait for a checkpoint only when the new log fills before the old one's is done. Replay
 //!   applies both files' records, older generation first.
@@ -36,7 +36,7 @@
 //!   ([`StoreError::Corrupt`]), never returned as data. Blocks never written read as zeros.
 //! - Each block keeps the version (request id) of the write that put it there, so the Solar
 //!   server can drop stale writes after a restart (`SolarServer::note_version`).
-//! - **Snapshots** are copy-on-write ([`snapshot`]): taking one checkpoints the volume and
+//! - **Snapshots** are copy-on-write (`snapshot`): taking one checkpoints the volume and
 //!   copies its metadata; the first overwrite of a block afterwards copies the old block into
 //!   the newest snapshot first. A **clone** is a volume whose unwritten blocks read through to
 //!   a snapshot of another volume ([`Base`]), usable at once.

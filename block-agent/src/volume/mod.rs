@@ -4,7 +4,7 @@
 //! - **Versions.** Every copy of a write carries the same version ([`Volume::next_versions`]),
 //!   which the storage node stores with the block; a volume attached anew compares the
 //!   replicas by them and copies the newest copy of each block where it is missing before
-//!   serving ([`reconcile`]).
+//!   serving (`reconcile`).
 //! - **Epochs (fencing).** Each attachment of a volume has an epoch, higher than any before
 //!   (the controller's); every request carries it, and before its first I/O the agent fences
 //!   every replica at it (`reconcile.rs`). A storage node refuses requests of a lower epoch
