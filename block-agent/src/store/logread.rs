@@ -108,14 +108,7 @@ mod tests {
         let block = vec![9u8; BLOCK];
         encode_record(&mut older, 999, 1, crc32c::crc32c(&block), &block);
         stamp_generation(&mut older, generation - 1);
-        let path = std::env::temp_dir().join(format!("blockstore-logread-{}", std::process::id()));
-        let f = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&path)
-            .unwrap();
+        let (path, f) = super::super::scratch_file("logread");
         let expect: Vec<_> = records(&log[32..], Check::Log(generation)).map(|r| key(&r)).collect();
         assert_eq!(expect.len(), 40);
         for (tail, want) in [

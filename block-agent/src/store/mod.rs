@@ -1387,6 +1387,21 @@ impl VolumeStore {
     }
 }
 
+/// A new, empty file for a test to read and write, in the temp directory (named by `tag` and
+/// the process); the test removes it.
+#[cfg(test)]
+fn scratch_file(tag: &str) -> (PathBuf, File) {
+    let path = std::env::temp_dir().join(format!("blockstore-{tag}-{}", std::process::id()));
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&path)
+        .unwrap();
+    (path, f)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -91,16 +91,7 @@ mod tests {
     #[test]
     fn a_file_written_back_in_ranges_reads_back_whole() {
         use std::os::unix::fs::FileExt;
-        let dir = std::env::temp_dir().join(format!("flexns-wb-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("f");
-        let f = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&path)
-            .unwrap();
+        let (path, f) = super::super::scratch_file("writeback");
         f.set_len(64 << 20).unwrap();
         for k in 0..512u64 {
             let lba = (k * 7919) % (16 << 10);
@@ -114,6 +105,6 @@ mod tests {
             f.read_exact_at(&mut b, lba * 4096).unwrap();
             assert!(b.iter().all(|&x| x == (k % 251) as u8 + 1), "block {lba}");
         }
-        std::fs::remove_dir_all(&dir).unwrap();
+        std::fs::remove_file(&path).unwrap();
     }
 }
