@@ -602,6 +602,11 @@ impl Controller {
                 .map_err(|_| Status::invalid_argument(format!("{what} address {a:?} is not IP:PORT")))?;
         }
         let id = r.node_id.clone();
+        // registrations take turns on the state, and the incarnation is checked in this one's
+        // turn: checked before it, a heartbeat of the process a new one replaces could pass,
+        // wait behind the new one's first registration and then put its own incarnation back,
+        // so the new process would be the one refused
+        let mut s = self.state.lock().await;
         {
             let live = self.live.lock();
             if let Some(l) = live.get(&id) {
@@ -612,7 +617,6 @@ impl Controller {
                 }
             }
         }
-        let mut s = self.state.lock().await;
         let rec = NodeRecord {
             data: r.addr.clone(),
             admin: r.admin.clone(),
@@ -1346,5 +1350,54 @@ impl Move {
             }
             r => r,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn beat(incarnation: u64, first: bool, port: u16) -> pb::RegisterNodeRequest {
+        pb::RegisterNodeRequest {
+            addr: format!("127.0.0.1:{port}"),
+            admin: "127.0.0.1:1".into(),
+            node_id: "sn-0123456789abcdef".into(),
+            incarnation,
+            first,
+            volumes: Vec::new(),
+        }
+    }
+
+    /// A heartbeat of the old process that arrives while the new process's first registration
+    /// waits for the state, and gets the state after it, is refused: the new process serves.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_old_process_loses_a_heartbeat_that_races_the_new_ones_registration() {
+        let path = std::env::temp_dir().join(format!("flexns-ctl-race-{}.json", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        let ctl = Arc::new(
+            Controller::new(MetaStore::File(path.clone()), ControllerConfig::default())
+                .await
+                .unwrap(),
+        );
+        ctl.node_heartbeat(beat(1, true, 1000)).await.unwrap();
+        let held = ctl.state.lock().await;
+        // the new process (incarnation 2) queues for the state first, then the old one's beat
+        let c = ctl.clone();
+        let new = tokio::spawn(async move { c.node_heartbeat(beat(2, true, 2000)).await });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let c = ctl.clone();
+        let old = tokio::spawn(async move { c.node_heartbeat(beat(1, false, 1000)).await });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        drop(held);
+        new.await.unwrap().unwrap();
+        let e = old.await.unwrap().unwrap_err();
+        assert!(e.message().contains("superseded"), "{e:?}");
+        // the new process keeps serving the id, at its address
+        ctl.node_heartbeat(beat(2, false, 2000)).await.unwrap();
+        assert_eq!(
+            ctl.state.lock().await.nodes["sn-0123456789abcdef"].data,
+            "127.0.0.1:2000"
+        );
+        std::fs::remove_file(&path).unwrap();
     }
 }
