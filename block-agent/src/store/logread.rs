@@ -37,27 +37,13 @@ pub(super) fn for_each_record(
             off = 0;
             let have = buf.len();
             buf.resize(have + chunk, 0);
-            let mut got = 0;
-            while have + got < buf.len() {
-                match file.read_at(&mut buf[have + got..], pos) {
-                    Ok(0) => {
-                        eof = true;
-                        break;
-                    }
-                    Ok(k) => {
-                        got += k;
-                        pos += k as u64;
-                    }
-                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                    Err(source) => {
-                        return Err(StoreError::Io {
-                            volume,
-                            what: "reading the log".into(),
-                            source,
-                        })
-                    }
-                }
-            }
+            let got = read_full_at(file, &mut buf[have..], pos).map_err(|source| StoreError::Io {
+                volume,
+                what: "reading the log".into(),
+                source,
+            })?;
+            pos += got as u64;
+            eof = got < chunk;
             buf.truncate(have + got);
         }
         let Some((r, len)) = decode_any(&buf[off..], check) else {
@@ -67,6 +53,21 @@ pub(super) fn for_each_record(
         off += len;
         n += 1;
     }
+}
+
+/// Reads into `buf` from byte `pos` until it is full or the file ends; returns how many bytes
+/// it read (fewer than `buf.len()` only at the end of the file).
+pub(super) fn read_full_at(file: &File, buf: &mut [u8], pos: u64) -> std::io::Result<usize> {
+    let mut got = 0;
+    while got < buf.len() {
+        match file.read_at(&mut buf[got..], pos + got as u64) {
+            Ok(0) => break,
+            Ok(k) => got += k,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(got)
 }
 
 #[cfg(test)]

@@ -85,6 +85,9 @@ pub const ALLOC_HOLE: u8 = 3;
 const LOG_MAGIC: u32 = 0x534C_4748; // "SLGH"
 const LOG_HDR: usize = 32;
 const STRIPES: usize = 64;
+/// Records whose blocks replay copies into the newest snapshot at a time (one sync per batch
+/// that copied any).
+const PRESERVE_BATCH: usize = 4096;
 
 /// Errors of the store; each names the volume and, where it applies, the block.
 #[derive(Debug, thiserror::Error)]
@@ -680,15 +683,7 @@ impl VolumeStore {
         let mut logs = Vec::new();
         for (i, f) in files.iter().enumerate() {
             let mut hdr = [0u8; LOG_HDR];
-            let mut got = 0;
-            while got < LOG_HDR {
-                match f.read_at(&mut hdr[got..], got as u64) {
-                    Ok(0) => break,
-                    Ok(k) => got += k,
-                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                    Err(e) => return Err(self.io("reading the log")(e)),
-                }
-            }
+            let got = logread::read_full_at(f, &mut hdr, 0).map_err(self.io("reading the log"))?;
             let Some((generation, start)) = log_start(&hdr[..got]) else {
                 continue;
             };
@@ -707,7 +702,7 @@ impl VolumeStore {
             for &(g, start, i) in &logs {
                 logread::for_each_record(files[i], start, Check::Log(g), logread::CHUNK, self.volume, |r| {
                     pending.push(r.lbas());
-                    if pending.len() >= 4096 {
+                    if pending.len() >= PRESERVE_BATCH {
                         flush(&mut pending)?;
                     }
                     Ok(())
