@@ -152,6 +152,9 @@ struct Scenario {
     sent_bytes: [u64; 2],
     /// Mark ECN CE on data packets sent by node 0 (a congested queue on the path to node 1).
     mark_ce: bool,
+    /// How long before its delivery each packet reached its host (the driver's receive
+    /// timestamp; a thread waiting for a core in between).
+    host_wait_ns: u64,
 }
 
 const MR: usize = 1 << 17;
@@ -226,6 +229,7 @@ impl Scenario {
             corrupted_dropped: 0,
             sent_bytes: [0; 2],
             mark_ce: false,
+            host_wait_ns: 0,
         }
     }
 
@@ -432,7 +436,12 @@ impl Scenario {
         self.delivered += 1;
         // a congested queue on the path to node 1 marks node 0's data packets
         let ce = self.mark_ce && to == 1 && !v.payload.is_empty();
-        n.qp.handle_packet_ecn(self.now, &v, ce, &n.mrs);
+        if self.host_wait_ns == 0 {
+            n.qp.handle_packet_ecn(self.now, &v, ce, &n.mrs);
+        } else {
+            let arrived = self.now.saturating_sub(self.host_wait_ns);
+            n.qp.handle_received(self.now, arrived, &v, ce, &n.mrs, false);
+        }
     }
 
     /// Runs until both QPs are idle or `limit` ns of simulated time pass.
@@ -971,6 +980,73 @@ fn user_algorithms_see_only_the_opcodes_they_trace() {
     let n = |a: &Arc<std::sync::atomic::AtomicU64>| a.load(std::sync::atomic::Ordering::Relaxed);
     assert_eq!((n(&tx), n(&rx)), (20, 20), "one TX and one RX event per WRITE");
     assert!(sc.nodes[0].qp.stats().tx_packets >= 80);
+}
+
+/// Each ACK's `(now, host_delay_ns)`.
+type Reports = Arc<parking_lot::Mutex<Vec<(u64, Option<u64>)>>>;
+
+/// A user-written algorithm that asks for host-delay reports and keeps them.
+#[derive(Debug)]
+struct HostDelays(Reports);
+
+impl netstack::cc::CcAlgorithm for HostDelays {
+    fn name(&self) -> &'static str {
+        "host-delays"
+    }
+    fn traced(&self) -> netstack::cc::Traced {
+        netstack::cc::Traced {
+            rx_ack: true,
+            ..Default::default()
+        }
+    }
+    fn header(&self) -> netstack::cc::HeaderSpec {
+        netstack::cc::HeaderSpec {
+            host_delay: true,
+            ..Default::default()
+        }
+    }
+    fn on_start(&mut self, _: u64, _: &netstack::cc::StartInfo, _: &mut netstack::cc::CcOutput) {}
+    fn on_rx(&mut self, now: u64, pkt: &netstack::cc::RxMeta<'_>, _: &mut netstack::cc::CcOutput) {
+        assert!(pkt.cc.is_empty(), "the report is taken off the CC header");
+        self.0.lock().push((now, pkt.host_delay_ns));
+    }
+}
+
+#[test]
+fn acks_report_the_time_packets_waited_at_the_hosts() {
+    for wait in [0, 20_000] {
+        let mut sc = Scenario::new(22);
+        // 5 us per packet: the 160 packets take about 0.8 ms, most of it after the first waits
+        sc.link = LinkCfg::clean(2_000, 0, 5_000);
+        sc.host_wait_ns = wait;
+        let seen = Reports::default();
+        sc.nodes[0].qp.install_cc(Box::new(HostDelays(seen.clone())));
+        sc.nodes[1].qp.install_cc(Box::new(HostDelays(Arc::default())));
+        let mtu = sc.nodes[0].qp.config().mtu as usize;
+        post_writes(&mut sc, 40, mtu * 3 + 1);
+        sc.run(1_000_000_000, |_| {});
+        assert_eq!(sc.nodes[0].qp.retired_sends(), 40);
+        let seen = seen.lock();
+        assert!(
+            seen.iter().all(|(_, host)| host.is_some()),
+            "every ACK carries a report"
+        );
+        // from when both hosts had been up for `wait` on: the responder's wait (the packet's,
+        // then its ACK coalescing: the scenario's 5 us ACK delay, a few steps) plus the
+        // requester's
+        let late: Vec<u64> = seen
+            .iter()
+            .filter(|(now, _)| *now > 3 * wait)
+            .filter_map(|(_, h)| *h)
+            .collect();
+        assert!(late.len() >= 10, "{seen:?}");
+        for host in late {
+            assert!(
+                host >= 2 * wait && host < 2 * wait + 50_000,
+                "wait {wait}: host delay {host}"
+            );
+        }
+    }
 }
 
 /// An offload sink that finishes jobs later (from the test loop), like offload threads, and

@@ -479,6 +479,7 @@ impl Engine {
                         if cfg.ecn {
                             l.set_ecn()?;
                         }
+                        l.set_rx_timestamps()?;
                         if !cfg.udp_checksum {
                             l.set_no_checksum()?;
                         }

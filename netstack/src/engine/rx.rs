@@ -85,6 +85,8 @@ impl DataCore {
             self.shared.stats.staging_fills.inc();
             // GRO coalesces only datagrams with identical IP headers, so one TOS covers all
             let ce = self.rx.tos(i) & 3 == 3;
+            // when the kernel took it in: the wait since is this host's delay, not the network's
+            let arrived = self.rx.arrived(i).unwrap_or(now);
             if ce {
                 self.shared.stats.rx_ce.inc();
             }
@@ -108,9 +110,16 @@ impl DataCore {
                     self.solar.on_packet(&self.shared, now, dgram, src, ce);
                     continue;
                 }
-                if let Some((qpn, delivered)) =
-                    Self::dispatch(&self.shared, &mut self.qps, self.index, now, dgram, src, local, ce)
-                {
+                if let Some((qpn, delivered)) = Self::dispatch(
+                    &self.shared,
+                    &mut self.qps,
+                    self.index,
+                    (now, arrived),
+                    dgram,
+                    src,
+                    local,
+                    ce,
+                ) {
                     self.active.insert(qpn);
                     if !delivered {
                         self.stuck.insert(qpn);
@@ -127,9 +136,16 @@ impl DataCore {
         let mut any = false;
         while let Some((data, src, dst)) = self.hairpin.pop_front() {
             any = true;
-            if let Some((qpn, delivered)) =
-                Self::dispatch(&self.shared, &mut self.qps, self.index, now, &data, src, dst, false)
-            {
+            if let Some((qpn, delivered)) = Self::dispatch(
+                &self.shared,
+                &mut self.qps,
+                self.index,
+                (now, now),
+                &data,
+                src,
+                dst,
+                false,
+            ) {
                 self.active.insert(qpn);
                 if !delivered {
                     self.stuck.insert(qpn);
@@ -157,7 +173,8 @@ impl DataCore {
                 &self.shared,
                 &mut self.qps,
                 self.index,
-                now,
+                // the emulated propagation delay ends when the packet is due
+                (now, d.due),
                 &d.data,
                 d.src,
                 d.local,
@@ -173,14 +190,14 @@ impl DataCore {
         any
     }
 
-    /// Checks one datagram and hands it to its QP; returns the QPN it went to and whether its
-    /// completions all fit in their CQs.
+    /// Checks one datagram, which arrived at the host at `arrived`, and hands it to its QP at
+    /// `now`; returns the QPN it went to and whether its completions all fit in their CQs.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn dispatch(
         shared: &EngineShared,
         qps: &mut HashMap<u32, QpSlot, Ordered>,
         core: usize,
-        now: u64,
+        (now, arrived): (u64, u64),
         d: &[u8],
         src: SocketAddrV4,
         local: SocketAddrV4,
@@ -224,11 +241,9 @@ impl DataCore {
             s.note_request_source(v.bth.path, src);
         }
         let copied = s.qp.payload_copy_bytes();
+        s.qp.handle_received(now, arrived, &v, ce, &*shared.mrs, placement.is_some());
         if placement.is_some() {
-            s.qp.handle_placed_packet_ecn(now, &v, ce, &*shared.mrs);
             stats.rx_fused_copy_bytes.add(v.payload.len() as u64);
-        } else {
-            s.qp.handle_packet_ecn(now, &v, ce, &*shared.mrs);
         }
         stats.rx_payload_copy_bytes.add(s.qp.payload_copy_bytes() - copied);
         Some((qpn, s.deliver_completions(core)))

@@ -72,6 +72,9 @@ pub const SOL_UDP: libc::c_int = 17;
 pub const UDP_SEGMENT: libc::c_int = 103;
 /// UDP generic receive offload: coalesced receives report their segment size in a cmsg.
 pub const UDP_GRO: libc::c_int = 104;
+/// `SO_TIMESTAMPNS` (= `SCM_TIMESTAMPNS`, the generic Linux value, x86-64 and arm64): each
+/// receive reports in a cmsg when the kernel took the packet in (CLOCK_REALTIME `timespec`).
+pub const SO_TIMESTAMPNS: libc::c_int = 35;
 
 /// Most iovecs in one message (a GSO message holds up to [`MAX_GSO_SEGMENTS`] packets of a few
 /// spans each).
@@ -229,16 +232,19 @@ fn cmsg_space(n: usize) -> usize {
     unsafe { libc::CMSG_SPACE(n as u32) as usize }
 }
 
-/// Receive buffers for [`recvmmsg`], with room for the GRO segment-size cmsg.
+/// Receive buffers for [`recvmmsg`], with room for the GRO segment-size, TOS and receive-time
+/// cmsgs.
 pub struct RecvBatch {
     bufs: Vec<Vec<u8>>,
     names: Vec<libc::sockaddr_in>,
     iovs: Vec<libc::iovec>,
-    cmsgs: Vec<[u64; 8]>,
+    cmsgs: Vec<[u64; 12]>,
     hdrs: Vec<libc::mmsghdr>,
     lens: Vec<usize>,
     segs: Vec<usize>,
     tos: Vec<u8>,
+    /// When the kernel received each datagram, CLOCK_MONOTONIC ns (0: not reported).
+    arrived: Vec<u64>,
 }
 
 // SAFETY: the raw pointers in a batch (iovecs, message headers) point only into heap buffers
@@ -263,11 +269,12 @@ impl RecvBatch {
             bufs,
             names,
             iovs,
-            cmsgs: vec![[0; 8]; n],
+            cmsgs: vec![[0; 12]; n],
             hdrs,
             lens: vec![0; n],
             segs: vec![0; n],
             tos: vec![0; n],
+            arrived: vec![0; n],
         }
     }
 
@@ -282,7 +289,7 @@ impl RecvBatch {
                     msg_iov: &mut self.iovs[i],
                     msg_iovlen: 1,
                     msg_control: self.cmsgs[i].as_mut_ptr() as *mut libc::c_void,
-                    msg_controllen: std::mem::size_of::<[u64; 8]>() as _,
+                    msg_controllen: std::mem::size_of::<[u64; 12]>() as _,
                     msg_flags: 0,
                 },
                 msg_len: 0,
@@ -305,6 +312,8 @@ impl RecvBatch {
             }
             return Err(e);
         }
+        // receive timestamps are CLOCK_REALTIME; the transports' clock is CLOCK_MONOTONIC
+        let mut clock_offset = None;
         for i in 0..r as usize {
             let h = &self.hdrs[i].msg_hdr;
             // MSG_TRUNC in msg_flags: the datagram was larger than the buffer
@@ -315,6 +324,7 @@ impl RecvBatch {
             };
             self.segs[i] = 0;
             self.tos[i] = 0;
+            self.arrived[i] = 0;
             // SAFETY: the kernel filled msg_control/msg_controllen; the CMSG macros walk it
             // within those bounds.
             unsafe {
@@ -325,6 +335,12 @@ impl RecvBatch {
                     }
                     if (*c).cmsg_level == libc::IPPROTO_IP && (*c).cmsg_type == libc::IP_TOS {
                         self.tos[i] = *libc::CMSG_DATA(c);
+                    }
+                    if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == SO_TIMESTAMPNS {
+                        let ts = std::ptr::read_unaligned(libc::CMSG_DATA(c) as *const libc::timespec);
+                        let real = ts.tv_sec as i128 * 1_000_000_000 + ts.tv_nsec as i128;
+                        let off = *clock_offset.get_or_insert_with(realtime_minus_monotonic);
+                        self.arrived[i] = u64::try_from(real - off).unwrap_or(0);
                     }
                     c = libc::CMSG_NXTHDR(h, c);
                 }
@@ -348,6 +364,13 @@ impl RecvBatch {
         self.tos[i]
     }
 
+    /// When the kernel received datagram `i` of the last receive, CLOCK_MONOTONIC ns (with
+    /// `SO_TIMESTAMPNS` on; `None` when it was not reported, or for a batch filled without a
+    /// system call). For a GRO-coalesced receive, its first datagram's time.
+    pub fn arrived(&self, i: usize) -> Option<u64> {
+        Some(self.arrived[i]).filter(|&t| t != 0)
+    }
+
     /// Fills the batch from `datagrams` (source address, TOS byte, bytes) without a system
     /// call, as a simulated link delivers; returns how many it took (at most its size). A
     /// datagram larger than a buffer is reported truncated, as `recvmmsg` reports it.
@@ -364,6 +387,7 @@ impl RecvBatch {
             self.names[n] = sockaddr(&src);
             self.segs[n] = 0;
             self.tos[n] = tos;
+            self.arrived[n] = 0;
             n += 1;
         }
         n
@@ -403,6 +427,7 @@ impl RecvBatch {
                     self.lens.swap(i, k);
                     self.segs.swap(i, k);
                     self.tos.swap(i, k);
+                    self.arrived.swap(i, k);
                 }
                 k += 1;
             }
@@ -420,6 +445,7 @@ impl RecvBatch {
         self.names[i] = sockaddr(&src);
         self.segs[i] = 0;
         self.tos[i] = 0;
+        self.arrived[i] = 0;
         true
     }
 
@@ -452,6 +478,7 @@ impl RecvBatch {
         self.names[i] = sockaddr(&src);
         self.segs[i] = seg;
         self.tos[i] = tos;
+        self.arrived[i] = 0;
         true
     }
 }
@@ -561,6 +588,17 @@ pub fn ppoll_ready(fds: &[RawFd], timeout_ns: u64) -> io::Result<smallvec::Small
         }
     }
     Ok(p.iter().filter(|q| q.revents != 0).map(|q| q.fd).collect())
+}
+
+/// CLOCK_REALTIME minus CLOCK_MONOTONIC now, ns (converts a receive timestamp to the
+/// transports' clock; read once per receive batch, so a step of the wall clock mismeasures at
+/// most one batch).
+fn realtime_minus_monotonic() -> i128 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes one timespec into the valid pointer it is given.
+    unsafe { libc::clock_gettime(libc::CLOCK_REALTIME, &mut ts) };
+    let real = ts.tv_sec as i128 * 1_000_000_000 + ts.tv_nsec as i128;
+    real - monotonic_ns() as i128
 }
 
 /// CLOCK_MONOTONIC in nanoseconds: the clock every process (and network namespace) on this

@@ -64,6 +64,13 @@ impl UdpLink {
         sys::setsockopt_int(self.fd(), libc::SOL_SOCKET, libc::SO_NO_CHECK, 1)
     }
 
+    /// Has every receive report when the kernel took the datagram in (`SO_TIMESTAMPNS`): the
+    /// time a packet waited for the engine to run counts as host delay, not network delay
+    /// ([`sys::RecvBatch::arrived`]).
+    pub fn set_rx_timestamps(&self) -> io::Result<()> {
+        sys::setsockopt_int(self.fd(), libc::SOL_SOCKET, sys::SO_TIMESTAMPNS, 1)
+    }
+
     /// Turns UDP GRO (coalesced receives) on or off.
     pub fn set_gro(&self, on: bool) -> io::Result<()> {
         sys::setsockopt_int(self.fd(), sys::SOL_UDP, sys::UDP_GRO, on as i32)
@@ -122,5 +129,41 @@ impl super::Link for UdpPorts {
     }
     fn route_mtu(&self, to: SocketAddrV4) -> Option<u32> {
         sys::route_mtu(to).ok()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::Ipv4Addr;
+
+    #[test]
+    fn a_receive_reports_when_the_kernel_took_the_datagram_in() {
+        let lo = SocketAddrV4::new(Ipv4Addr::LOCALHOST, 0);
+        let (a, b) = (UdpLink::bind(lo).expect("bind"), UdpLink::bind(lo).expect("bind"));
+        b.set_gro(true).expect("gro");
+        b.set_ecn().expect("ecn");
+        let mut batch = RecvBatch::new(4, 2048);
+        // without the option: no time
+        let before = sys::monotonic_ns();
+        a.sock.send_to(b"one", b.local_addr()).expect("send");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        assert_eq!(b.recv_batch(&mut batch).expect("recv"), 1);
+        assert_eq!(batch.arrived(0), None);
+        // with it: the time the datagram came in, on the transports' clock, however long
+        // it then waited for the receive
+        b.set_rx_timestamps().expect("timestamps");
+        let sent = sys::monotonic_ns();
+        a.sock.send_to(b"two", b.local_addr()).expect("send");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let received = sys::monotonic_ns();
+        assert_eq!(b.recv_batch(&mut batch).expect("recv"), 1);
+        let (data, ..) = batch.get(0);
+        assert_eq!(data, Some(&b"two"[..]));
+        let at = batch.arrived(0).expect("a receive time");
+        assert!(
+            sent > before && at >= sent - 1_000_000 && at + 15_000_000 < received,
+            "sent {sent}, arrived {at}, received {received}"
+        );
     }
 }

@@ -139,6 +139,7 @@ impl CcAlgorithm for Homa {
         HeaderSpec {
             data_bytes: HomaDataHdr::LEN as u8,
             echo_in_ack: false,
+            host_delay: false,
         }
     }
 

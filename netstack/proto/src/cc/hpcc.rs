@@ -131,6 +131,7 @@ impl CcAlgorithm for Hpcc {
         HeaderSpec {
             data_bytes: INT_STACK_LEN as u8,
             echo_in_ack: true,
+            host_delay: false,
         }
     }
 

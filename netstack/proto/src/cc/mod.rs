@@ -77,6 +77,12 @@ pub struct HeaderSpec {
     /// The responder copies the CC header of the latest data packet into its ACKs (HPCC's INT
     /// echo).
     pub echo_in_ack: bool,
+    /// The responder reports in each ACK how long the packet it answers waited at its host (from
+    /// the kernel's receive timestamp to the ACK leaving: scheduling, ACK coalescing), 4 bytes
+    /// at the end of the ACK's CC header; the requester adds its own wait and hands the sum to
+    /// the algorithm as [`RxMeta::host_delay_ns`] (Swift's endpoint delay, which its NIC
+    /// timestamps measure).
+    pub host_delay: bool,
 }
 
 /// A data packet as the TX function sees it.
@@ -124,6 +130,10 @@ pub struct RxMeta<'a> {
     /// For an ACK: the round-trip time of the packet it acknowledges (none when that packet was
     /// retransmitted).
     pub rtt_ns: Option<u64>,
+    /// For an ACK, with [`HeaderSpec::host_delay`]: how much of `rtt_ns` the packet and its ACK
+    /// spent waiting at the two hosts rather than in the network: at the responder from its
+    /// arrival to the ACK's transmission, and here from the ACK's arrival to this event.
+    pub host_delay_ns: Option<u64>,
     /// The packet's congestion-control header (empty when it carries none).
     pub cc: &'a [u8],
 }
@@ -137,6 +147,7 @@ impl<'a> RxMeta<'a> {
             payload: 0,
             ce: false,
             rtt_ns: None,
+            host_delay_ns: None,
             cc: &[],
         }
     }

@@ -6,10 +6,19 @@
 //! retransmission timeout cuts the window by `max_mdf`; `retx_reset` in a row reset it to the
 //! minimum. Defaults from Google's isekai/Falcon simulator (`Swift::DefaultConfiguration()`).
 //!
-//! The delay is the transport's RTT sample, which includes the responder's ACK coalescing (at
-//! most one ACK interval); Swift's NIC timestamps would subtract it.
+//! The window reacts to the fabric delay: the transport's RTT sample less the time the packet
+//! and its ACK waited at the two hosts ([`RxMeta::host_delay_ns`]: kernel receive timestamp to
+//! processing at each end, plus the responder's ACK coalescing), as Swift subtracts the endpoint
+//! delays its NIC timestamps measure. So a busy host, whose threads wait for a core, does not
+//! read as a congested network: counting that wait cut the window to its floor on a loaded
+//! 2-core machine and paced the flow at `min_cwnd × MTU / RTT`, seconds per packet. Swift's
+//! second window, which reacts to the endpoint delay against a target of its own (never below
+//! one packet), is not built: a receiver that cannot keep up loses packets from its socket
+//! buffer, and loss recovery and the RTO cut handle that. The wait before a packet leaves its
+//! sender (the engine stamps the send time before the system call) is not measured and counts
+//! as fabric delay. Without a host-delay report (a peer without it) the whole RTT counts.
 
-use super::{CcAlgorithm, CcOutput, RxKind, RxMeta, StartInfo, Traced};
+use super::{CcAlgorithm, CcOutput, HeaderSpec, RxKind, RxMeta, StartInfo, Traced};
 use std::sync::Arc;
 
 pub use super::params::SwiftParams;
@@ -86,6 +95,13 @@ impl CcAlgorithm for Swift {
         }
     }
 
+    fn header(&self) -> HeaderSpec {
+        HeaderSpec {
+            host_delay: true,
+            ..HeaderSpec::default()
+        }
+    }
+
     fn on_start(&mut self, now: u64, info: &StartInfo, out: &mut CcOutput) {
         self.mtu = info.mtu;
         self.set_cwnd(now, self.cwnd, out);
@@ -93,14 +109,17 @@ impl CcAlgorithm for Swift {
 
     fn on_rx(&mut self, now: u64, pkt: &RxMeta<'_>, out: &mut CcOutput) {
         match (pkt.kind, pkt.rtt_ns) {
-            (RxKind::Ack, Some(delay)) => {
+            (RxKind::Ack, Some(rtt)) => {
                 self.retx = 0;
-                let d = delay as f64;
+                // the RTT paces a window below one packet and spaces the cuts; the fabric
+                // delay decides them
+                let r = rtt as f64;
                 self.srtt = if self.srtt == 0.0 {
-                    d
+                    r
                 } else {
-                    0.75 * self.srtt + 0.25 * d
+                    0.75 * self.srtt + 0.25 * r
                 };
+                let d = rtt.saturating_sub(pkt.host_delay_ns.unwrap_or(0)) as f64;
                 // one ACK stands for the packets it acknowledges
                 let acked = (pkt.payload.max(1) as f64 / self.mtu as f64).max(1.0);
                 let target = self.target_ns();
@@ -112,7 +131,7 @@ impl CcAlgorithm for Swift {
                         self.p.ai * acked
                     };
                     self.set_cwnd(now, c + inc, out);
-                } else if self.can_decrease(now) {
+                } else if self.can_decrease(now) && d > 0.0 {
                     let f = (1.0 - self.p.beta * (d - target) / d).max(1.0 - self.p.max_mdf);
                     self.set_cwnd(now, c * f, out);
                 }
@@ -171,6 +190,39 @@ mod tests {
         assert!(cut < grown && cut >= grown * 0.5 - 1e-9, "{grown} -> {cut}");
         s.on_rx(now + 1_000, &ack(400_000), &mut CcOutput::default());
         assert_eq!(s.cwnd(), cut, "a second cut within one RTT");
+    }
+
+    #[test]
+    fn host_delay_is_not_congestion() {
+        // 5 ms round trips, 4.99 ms of them spent waiting at the hosts: the fabric delay is
+        // 10 us, below the target, so the window grows as it would on an idle host
+        let busy_host = |s: &mut Swift, now: u64| {
+            let m = RxMeta {
+                host_delay_ns: Some(4_990_000),
+                ..ack(5_000_000)
+            };
+            s.on_rx(now, &m, &mut CcOutput::default());
+        };
+        let mut s = swift();
+        let c0 = s.cwnd();
+        for i in 1..=50 {
+            busy_host(&mut s, i * 5_000_000);
+        }
+        assert!(s.cwnd() > c0 + 3.0, "{c0} -> {}", s.cwnd());
+        // the same round trips spent in the network cut the window to below a packet
+        let mut s = swift();
+        for i in 1..=50 {
+            s.on_rx(i * 5_000_000, &ack(5_000_000), &mut CcOutput::default());
+        }
+        assert!(s.cwnd() < 1.0, "{}", s.cwnd());
+        // a report larger than the RTT (clock skew between the stamps) is no delay at all
+        let mut s = swift();
+        let m = RxMeta {
+            host_delay_ns: Some(9_000_000),
+            ..ack(5_000_000)
+        };
+        s.on_rx(1, &m, &mut CcOutput::default());
+        assert!(s.cwnd() > c0, "{c0} -> {}", s.cwnd());
     }
 
     #[test]

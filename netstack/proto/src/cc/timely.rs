@@ -111,6 +111,7 @@ mod tests {
             cc: &[],
             ce: false,
             rtt_ns: Some(rtt),
+            host_delay_ns: None,
         }
     }
 

@@ -333,6 +333,9 @@ struct CcSlot<R> {
     defer_until: Option<u64>,
     held: bool,
     echo: Vec<u8>,
+    /// When the host took in the latest request packet (engine clock): an ACK reports how long
+    /// it has waited since ([`crate::cc::HeaderSpec::host_delay`]).
+    rx_arrived: u64,
     fault: Option<&'static str>,
     /// Control-loop delays (CE arrival at the receiver to the sender's new rate), ns.
     loop_samples: Vec<u32>,
@@ -352,11 +355,15 @@ impl<R> Default for CcSlot<R> {
             defer_until: None,
             held: false,
             echo: Vec::new(),
+            rx_arrived: 0,
             fault: None,
             loop_samples: Vec::new(),
         }
     }
 }
+
+/// Bytes of the host-delay report at the end of an ACK's CC header.
+const HOST_DELAY_LEN: usize = 4;
 
 static DEFAULT_CC_ENV: std::sync::OnceLock<Arc<CcEnv>> = std::sync::OnceLock::new();
 
@@ -618,7 +625,25 @@ impl<R: SharedRegion> RcQp<R> {
 
     /// [`RcQp::handle_packet`] with the ECN congestion-experienced bit of its IP header.
     pub fn handle_packet_ecn(&mut self, now: u64, pkt: &PacketView<'_>, ce: bool, mrs: &impl KeyTable<Region = R>) {
-        self.receive(now, pkt, ce, mrs, false)
+        self.receive(now, now, pkt, ce, mrs, false)
+    }
+
+    /// [`RcQp::handle_packet_ecn`] for a packet the host took in at `arrived` (the driver's
+    /// receive timestamp on the engine clock; a later one counts as `now`), its payload already
+    /// where [`RcQp::write_placement`] said or not (`placed`). The time it waited for this call
+    /// is host delay, not network delay, to an algorithm that asks for it
+    /// ([`crate::cc::HeaderSpec::host_delay`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn handle_received(
+        &mut self,
+        now: u64,
+        arrived: u64,
+        pkt: &PacketView<'_>,
+        ce: bool,
+        mrs: &impl KeyTable<Region = R>,
+        placed: bool,
+    ) {
+        self.receive(now, arrived.min(now), pkt, ce, mrs, placed)
     }
 
     /// Where the payload of `pkt` belongs if it is the next expected packet of a WRITE whose
@@ -648,11 +673,20 @@ impl<R: SharedRegion> RcQp<R> {
         ce: bool,
         mrs: &impl KeyTable<Region = R>,
     ) {
-        self.receive(now, pkt, ce, mrs, true)
+        self.receive(now, now, pkt, ce, mrs, true)
     }
 
-    /// A received packet; `placed`: its payload is already where [`RcQp::write_placement`] said.
-    fn receive(&mut self, now: u64, pkt: &PacketView<'_>, ce: bool, mrs: &impl KeyTable<Region = R>, placed: bool) {
+    /// A received packet, taken in by the host at `arrived`; `placed`: its payload is already
+    /// where [`RcQp::write_placement`] said.
+    fn receive(
+        &mut self,
+        now: u64,
+        arrived: u64,
+        pkt: &PacketView<'_>,
+        ce: bool,
+        mrs: &impl KeyTable<Region = R>,
+        placed: bool,
+    ) {
         if !matches!(self.state, QpState::Rtr | QpState::Rts) {
             self.stats.dropped_packets += 1;
             return;
@@ -660,13 +694,23 @@ impl<R: SharedRegion> RcQp<R> {
         self.stats.rx_packets += 1;
         let bytes = (pkt.payload.len() + 16) as u32;
         let t = self.cc.traced;
+        // an ACK's host-delay report is the last 4 bytes of its CC header; the algorithm sees
+        // the rest, and the report plus this host's wait
+        let (cc_hdr, host_delay_ns) = match pkt.cc.len().checked_sub(HOST_DELAY_LEN) {
+            Some(n) if self.cc.header.host_delay && pkt.opcode == Opcode::Acknowledge => {
+                let remote = u32::from_be_bytes(pkt.cc[n..].try_into().unwrap_or_default());
+                (&pkt.cc[..n], Some(remote as u64 + (now - arrived)))
+            }
+            _ => (pkt.cc, None),
+        };
         let meta = |kind, payload, rtt_ns| RxMeta {
             kind,
             bytes,
             payload,
             ce,
             rtt_ns,
-            cc: pkt.cc,
+            host_delay_ns: if kind == RxKind::Ack { host_delay_ns } else { None },
+            cc: cc_hdr,
         };
         match pkt.opcode {
             Opcode::Cnp => {
@@ -701,6 +745,7 @@ impl<R: SharedRegion> RcQp<R> {
         let una = self.req.una();
         if pkt.opcode.is_request() {
             self.rx_path = pkt.bth.path;
+            self.cc.rx_arrived = arrived;
             if self.cc.header.echo_in_ack && !pkt.cc.is_empty() {
                 self.cc.echo.clear();
                 self.cc.echo.extend_from_slice(pkt.cc);
@@ -770,8 +815,8 @@ impl<R: SharedRegion> RcQp<R> {
         if let Some(mut p) = Responder::poll_transmit(self, now) {
             self.stats.tx_packets += 1;
             p.path = self.rx_path;
-            if !self.cc.echo.is_empty() && p.hdr.bth().opcode == Opcode::Acknowledge as u8 {
-                p.hdr.insert_cc(&self.cc.echo);
+            if p.hdr.bth().opcode == Opcode::Acknowledge as u8 {
+                self.insert_ack_cc(now, &mut p.hdr);
             }
             return Some(p);
         }
@@ -846,6 +891,24 @@ impl<R: SharedRegion> RcQp<R> {
                 pkt.hdr.insert_cc(&b[..n]);
             }
         }
+    }
+
+    /// An ACK's CC header: the echo of the latest data packet's, then, with
+    /// [`crate::cc::HeaderSpec::host_delay`], how long that packet has waited here since the
+    /// host took it in (ns, saturating at `u32::MAX`).
+    fn insert_ack_cc(&self, now: u64, hdr: &mut crate::wire::HeaderBuf) {
+        if !self.cc.header.host_delay {
+            if !self.cc.echo.is_empty() {
+                hdr.insert_cc(&self.cc.echo);
+            }
+            return;
+        }
+        let mut b = [0u8; MAX_CC_HDR_LEN];
+        let n = self.cc.echo.len().min(MAX_CC_HDR_LEN - HOST_DELAY_LEN);
+        b[..n].copy_from_slice(&self.cc.echo[..n]);
+        let held = now.saturating_sub(self.cc.rx_arrived).min(u32::MAX as u64) as u32;
+        b[n..n + HOST_DELAY_LEN].copy_from_slice(&held.to_be_bytes());
+        hdr.insert_cc(&b[..n + HOST_DELAY_LEN]);
     }
 
     /// Runs `alg`, an algorithm of the caller's (not one of [`crate::cc::CcKind`]'s), on this QP

@@ -845,6 +845,7 @@ impl SolarClient {
                         payload: 0,
                         ce,
                         rtt_ns: rtt,
+                        host_delay_ns: None,
                         cc: &[],
                     },
                     &mut out,
