@@ -625,25 +625,7 @@ impl<R: SharedRegion> RcQp<R> {
 
     /// [`RcQp::handle_packet`] with the ECN congestion-experienced bit of its IP header.
     pub fn handle_packet_ecn(&mut self, now: u64, pkt: &PacketView<'_>, ce: bool, mrs: &impl KeyTable<Region = R>) {
-        self.receive(now, now, pkt, ce, mrs, false)
-    }
-
-    /// [`RcQp::handle_packet_ecn`] for a packet the host took in at `arrived` (the driver's
-    /// receive timestamp on the engine clock; a later one counts as `now`), its payload already
-    /// where [`RcQp::write_placement`] said or not (`placed`). The time it waited for this call
-    /// is host delay, not network delay, to an algorithm that asks for it
-    /// ([`crate::cc::HeaderSpec::host_delay`]).
-    #[allow(clippy::too_many_arguments)]
-    pub fn handle_received(
-        &mut self,
-        now: u64,
-        arrived: u64,
-        pkt: &PacketView<'_>,
-        ce: bool,
-        mrs: &impl KeyTable<Region = R>,
-        placed: bool,
-    ) {
-        self.receive(now, arrived.min(now), pkt, ce, mrs, placed)
+        self.handle_received(now, now, pkt, ce, mrs, false)
     }
 
     /// Where the payload of `pkt` belongs if it is the next expected packet of a WRITE whose
@@ -673,12 +655,16 @@ impl<R: SharedRegion> RcQp<R> {
         ce: bool,
         mrs: &impl KeyTable<Region = R>,
     ) {
-        self.receive(now, now, pkt, ce, mrs, true)
+        self.handle_received(now, now, pkt, ce, mrs, true)
     }
 
-    /// A received packet, taken in by the host at `arrived`; `placed`: its payload is already
-    /// where [`RcQp::write_placement`] said.
-    fn receive(
+    /// [`RcQp::handle_packet_ecn`] for a packet the host took in at `arrived` (the driver's
+    /// receive timestamp on the engine clock; a later one counts as `now`), its payload already
+    /// where [`RcQp::write_placement`] said or not (`placed`). The time it waited for this call
+    /// is host delay, not network delay, to an algorithm that asks for it
+    /// ([`crate::cc::HeaderSpec::host_delay`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn handle_received(
         &mut self,
         now: u64,
         arrived: u64,
@@ -687,6 +673,7 @@ impl<R: SharedRegion> RcQp<R> {
         mrs: &impl KeyTable<Region = R>,
         placed: bool,
     ) {
+        let arrived = arrived.min(now);
         if !matches!(self.state, QpState::Rtr | QpState::Rts) {
             self.stats.dropped_packets += 1;
             return;
