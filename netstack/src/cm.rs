@@ -319,7 +319,7 @@ impl Connector {
     }
 
     /// Connects many QPs to one peer, each with its private data: the requests travel
-    /// [`CHUNK`] per exchange with a few exchanges in flight, so N QPs cost N / 256 round trips
+    /// `CHUNK` per exchange with a few exchanges in flight, so N QPs cost N / 256 round trips
     /// rather than N. Returns, in order, each QP's reply private data (the QP is then in RTS)
     /// or why that QP was refused or could not connect; the outer error is a failed exchange.
     pub async fn connect_many(&mut self, reqs: &[(&Qp, Vec<u8>)]) -> Result<Vec<Result<Vec<u8>, CmError>>, CmError> {

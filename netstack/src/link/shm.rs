@@ -21,7 +21,7 @@
 //! tail; the consumer reads the tail with Acquire, copies slots out and publishes the head.
 //! The memory is writable by another process, so it is never behind a Rust reference: header
 //! words are `AtomicU64`s and slot bytes move by byte-wise atomic copies
-//! ([`crate::mem::load_bytes`], [`crate::mem::copy_shared`]). A peer that writes garbage can
+//! (`mem::load_bytes`, `mem::copy_shared`). A peer that writes garbage can
 //! only make its own datagrams malformed: lengths are checked against the slot, and a ring
 //! whose indices make no sense is dropped.
 //!

@@ -232,7 +232,7 @@ fn cmsg_space(n: usize) -> usize {
     unsafe { libc::CMSG_SPACE(n as u32) as usize }
 }
 
-/// Receive buffers for [`recvmmsg`], with room for the GRO segment-size, TOS and receive-time
+/// Receive buffers for `recvmmsg`, with room for the GRO segment-size, TOS and receive-time
 /// cmsgs.
 pub struct RecvBatch {
     bufs: Vec<Vec<u8>>,
