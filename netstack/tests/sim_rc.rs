@@ -436,12 +436,8 @@ impl Scenario {
         self.delivered += 1;
         // a congested queue on the path to node 1 marks node 0's data packets
         let ce = self.mark_ce && to == 1 && !v.payload.is_empty();
-        if self.host_wait_ns == 0 {
-            n.qp.handle_packet_ecn(self.now, &v, ce, &n.mrs);
-        } else {
-            let arrived = self.now.saturating_sub(self.host_wait_ns);
-            n.qp.handle_received(self.now, arrived, &v, ce, &n.mrs, false);
-        }
+        let arrived = self.now.saturating_sub(self.host_wait_ns);
+        n.qp.handle_received(self.now, arrived, &v, ce, &n.mrs, false);
     }
 
     /// Runs until both QPs are idle or `limit` ns of simulated time pass.

@@ -637,25 +637,13 @@ impl<R: SharedRegion> RcQp<R> {
     /// A driver may copy the payload there in the same pass that computes its ICRC, before it
     /// knows the packet is intact: the target of a WRITE is undefined until the WRITE completes
     /// (IBA 9.4.3), and a corrupt packet is dropped, so its PSN is sent and placed again. It then
-    /// hands an intact packet to [`RcQp::handle_placed_packet_ecn`]. Every other packet, including
+    /// hands an intact packet to [`RcQp::handle_received`] with `placed`. Every other packet, including
     /// a first packet whose RETH names the range, is checked before a byte of it is placed.
     pub fn write_placement(&self, pkt: &PacketView<'_>, mrs: &impl KeyTable<Region = R>) -> Option<(Arc<R>, usize)> {
         if !matches!(self.state, QpState::Rtr | QpState::Rts) {
             return None;
         }
         Responder::write_placement(self, pkt, mrs)
-    }
-
-    /// [`RcQp::handle_packet_ecn`] for a packet whose payload the driver already copied to
-    /// where [`RcQp::write_placement`] said, in the pass that verified its ICRC.
-    pub fn handle_placed_packet_ecn(
-        &mut self,
-        now: u64,
-        pkt: &PacketView<'_>,
-        ce: bool,
-        mrs: &impl KeyTable<Region = R>,
-    ) {
-        self.handle_received(now, now, pkt, ce, mrs, true)
     }
 
     /// [`RcQp::handle_packet_ecn`] for a packet the host took in at `arrived` (the driver's
@@ -696,7 +684,7 @@ impl<R: SharedRegion> RcQp<R> {
             payload,
             ce,
             rtt_ns,
-            host_delay_ns: if kind == RxKind::Ack { host_delay_ns } else { None },
+            host_delay_ns,
             cc: cc_hdr,
         };
         match pkt.opcode {
