@@ -13,6 +13,14 @@
 //! (nothing more reaches the platter), the mount goes away, and the visible image becomes the
 //! durable one. [`Disk::power_on`] mounts the surviving image again at the same place.
 //!
+//! **Faults** ([`Disk::inject`]): the Nth `fsync`/`fdatasync` or write of a file (of any file,
+//! or of those whose name starts with a prefix) fails with `EIO`, once or from then on until
+//! [`Disk::heal`]. A failed file sync does what Linux does after a writeback error
+//! (PostgreSQL's "fsyncgate"): the file's dirty pages are dropped, so the visible image goes
+//! back to the durable one for those pages (zeros where the durable file is shorter), and they
+//! are clean: a later sync of the file succeeds without making the lost bytes durable. A failed
+//! write changes nothing.
+//!
 //! Files are held in memory and opened with `FOPEN_DIRECT_IO` and zero attribute and entry
 //! lifetimes, so the kernel caches nothing that could outlive the cut. Locks (`flock`) are the
 //! kernel's local emulation. Needs root and `/dev/fuse`: see [`Disk::available`].
@@ -70,6 +78,70 @@ pub struct DiskStats {
     pub file_syncs: u64,
     /// `fsync` calls on directories.
     pub dir_syncs: u64,
+    /// File syncs failed by an injected fault ([`Disk::inject`]).
+    pub failed_syncs: u64,
+    /// Writes failed by an injected fault.
+    pub failed_writes: u64,
+    /// Dirty pages a failed sync dropped (the visible image went back to the durable one).
+    pub pages_dropped: u64,
+}
+
+/// The calls a [`Fault`] fails.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FaultOp {
+    /// `fsync` and `fdatasync` of a file (not of a directory).
+    Sync,
+    /// Writes to a file.
+    Write,
+}
+
+/// A fault the disk injects: the `nth` matching call after [`Disk::inject`] (1: the next one)
+/// fails with `EIO`, and with `sticky` every matching call after it too, until
+/// [`Disk::heal`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fault {
+    /// Which calls.
+    pub op: FaultOp,
+    /// Only calls on a file with a name that starts with this (`None`: any file).
+    pub file_prefix: Option<String>,
+    /// Which matching call fails first (counted from 1).
+    pub nth: u64,
+    /// Every matching call after the `nth` fails too.
+    pub sticky: bool,
+}
+
+impl Fault {
+    /// The `nth` sync of a file whose name starts with `prefix` (any file: `None`) fails, once.
+    pub fn sync(prefix: Option<&str>, nth: u64) -> Fault {
+        Fault {
+            op: FaultOp::Sync,
+            file_prefix: prefix.map(str::to_string),
+            nth,
+            sticky: false,
+        }
+    }
+
+    /// The `nth` write to a file whose name starts with `prefix` (any file: `None`) fails,
+    /// once.
+    pub fn write(prefix: Option<&str>, nth: u64) -> Fault {
+        Fault {
+            op: FaultOp::Write,
+            file_prefix: prefix.map(str::to_string),
+            nth,
+            sticky: false,
+        }
+    }
+
+    /// The same fault, failing every matching call from the `nth` on.
+    pub fn sticky(self) -> Fault {
+        Fault { sticky: true, ..self }
+    }
+}
+
+/// An injected fault and how many matching calls it has seen.
+struct Armed {
+    fault: Fault,
+    seen: u64,
 }
 
 struct State {
@@ -80,6 +152,7 @@ struct State {
     /// lazy unmount while files stay open) answers `EIO` for good.
     life: u64,
     stats: DiskStats,
+    faults: Vec<Armed>,
 }
 
 impl State {
@@ -97,6 +170,7 @@ impl State {
             powered: true,
             life: 0,
             stats: DiskStats::default(),
+            faults: Vec::new(),
         }
     }
 
@@ -161,7 +235,65 @@ impl State {
         matches!(self.inodes.get(&ino).map(|i| &i.body), Some(Body::Dir { live, .. }) if live.is_empty())
     }
 
+    /// The names file `ino` has in the visible directories.
+    fn names(&self, ino: u64) -> Vec<&OsStr> {
+        self.inodes
+            .values()
+            .filter_map(|i| match &i.body {
+                Body::Dir { live, .. } => Some(live),
+                Body::File { .. } => None,
+            })
+            .flat_map(|d| d.iter().filter(|&(_, &c)| c == ino).map(|(n, _)| n.as_os_str()))
+            .collect()
+    }
+
+    /// Whether an injected fault fails this `op` call on file `ino` (counting it).
+    fn fault(&mut self, op: FaultOp, ino: u64) -> bool {
+        if !self.faults.iter().any(|a| a.fault.op == op) {
+            return false;
+        }
+        let names: Vec<Vec<u8>> = self
+            .names(ino)
+            .into_iter()
+            .map(|n| n.as_encoded_bytes().to_vec())
+            .collect();
+        let mut fail = false;
+        for a in self.faults.iter_mut().filter(|a| a.fault.op == op) {
+            let matches = match &a.fault.file_prefix {
+                None => true,
+                Some(p) => names.iter().any(|n| n.starts_with(p.as_bytes())),
+            };
+            if matches {
+                a.seen += 1;
+                fail |= a.seen == a.fault.nth || a.fault.sticky && a.seen > a.fault.nth;
+            }
+        }
+        fail
+    }
+
+    /// A failed sync of file `ino`: its dirty pages are dropped (visible again as the durable
+    /// image has them, zeros past its end) and clean; the size stays.
+    fn drop_dirty(&mut self, ino: u64) {
+        let Some(Body::File { live, durable, dirty }) = self.inodes.get_mut(&ino).map(|i| &mut i.body) else {
+            return;
+        };
+        let n = dirty.len() as u64;
+        for p in std::mem::take(dirty) {
+            let a = ((p * PAGE) as usize).min(live.len());
+            let b = (a + PAGE as usize).min(live.len());
+            for (k, byte) in live[a..b].iter_mut().enumerate() {
+                *byte = durable.get(a + k).copied().unwrap_or(0);
+            }
+        }
+        self.stats.failed_syncs += 1;
+        self.stats.pages_dropped += n;
+    }
+
     fn sync_file(&mut self, ino: u64) -> Result<(), Errno> {
+        if matches!(self.inodes.get(&ino).map(|i| &i.body), Some(Body::File { .. })) && self.fault(FaultOp::Sync, ino) {
+            self.drop_dirty(ino);
+            return Err(Errno::EIO);
+        }
         match self.inodes.get_mut(&ino).map(|i| &mut i.body) {
             Some(Body::File { live, durable, dirty }) => {
                 durable.resize(live.len(), 0);
@@ -464,6 +596,11 @@ impl Filesystem for Fs {
     ) {
         let r = self.on().and_then(|mut s| {
             s.stats.writes += 1;
+            s.file(ino.0)?;
+            if s.fault(FaultOp::Write, ino.0) {
+                s.stats.failed_writes += 1;
+                return Err(Errno::EIO);
+            }
             let (live, dirty) = s.file(ino.0)?;
             let end = offset + data.len() as u64;
             if live.len() < end as usize {
@@ -580,6 +717,18 @@ impl Disk {
     /// What reached the disk so far.
     pub fn stats(&self) -> DiskStats {
         self.state.lock().unwrap_or_else(|p| p.into_inner()).stats
+    }
+
+    /// Injects `fault` (beside those injected before): see the module's doc.
+    pub fn inject(&self, fault: Fault) {
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        s.faults.push(Armed { fault, seen: 0 });
+    }
+
+    /// Removes every injected fault: the disk works again (what a failed sync dropped stays
+    /// lost).
+    pub fn heal(&self) {
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).faults.clear();
     }
 
     /// Cuts the power: every later operation fails with `EIO`, the visible image becomes the
