@@ -2,15 +2,17 @@
 //! against the flexns agent (Solar over UDP), the same agent and storage nodes over the plain
 //! block protocol on kernel TCP (`tcp`: whole requests, no Solar layer), and `qemu-nbd` serving
 //! a raw file directly, twice: `qemu-nbd` writethrough (like the agent, a write is durable when
-//! it completes; reads from the page cache) and `qemu-nbd-direct` (`--cache=none
-//! --aio=native`: O_DIRECT and Linux AIO, what a performance-minded qemu user runs). Systems
+//! it completes; reads from the page cache) and `qemu-nbd-direct` (`--cache=directsync
+//! --aio=native`: O_DIRECT|O_DSYNC and Linux AIO, what a performance-minded qemu user runs
+//! when each write must be durable when it completes, as the agent's are). Systems
 //! run interleaved (A B C D A B C D ...); every round's ratio against each reference is taken
 //! and the summary gives the median over rounds, per `docs/BENCHMARKS.md`.
 //!
-//! Every invocation proves its own data: volumes and files are filled with random data of a
-//! fresh seed (zero blocks would be skipped by clients); after read rounds `qemu-img compare`
-//! checks every byte against that source, and after write rounds a fio pass with a fresh seed
-//! writes and verifies (CRC32C per block) a region of the volume. CPU is accounted per process
+//! Every invocation proves its own data, in the timed I/O itself (fio): read rounds read a
+//! volume filled with random data of a fresh seed and a fio CRC32C header per block, and fio
+//! checks every read; write rounds are fio verify workloads, each block written read back
+//! after the round and checked (CRC32C, offset, and that it holds the last write to it).
+//! After read rounds `qemu-img compare` also checks every byte. CPU is accounted per process
 //! and per round: fio (the client), and the agent and storage nodes, or qemu-nbd.
 
 use crate::bench::{median, BenchResult};
@@ -146,7 +148,8 @@ fn free_port() -> Result<u16> {
 }
 
 /// Starts qemu-nbd on `file`: writethrough (page cache, each write synced), or `direct`
-/// (`--cache=none --aio=native`: O_DIRECT with Linux AIO).
+/// (`--cache=directsync --aio=native`: O_DIRECT|O_DSYNC with Linux AIO). Either way a write
+/// is durable when its reply leaves, as the agent's writes are on their write quorum.
 fn start_qemu_nbd(file: &Path, direct: bool) -> Result<(QemuNbd, String)> {
     tool("qemu-nbd")?;
     let port = free_port()?;
@@ -166,7 +169,7 @@ fn start_qemu_nbd(file: &Path, direct: bool) -> Result<(QemuNbd, String)> {
                 "8",
             ])
             .args(if direct {
-                &["--cache=none", "--aio=native"][..]
+                &["--cache=directsync", "--aio=native"][..]
             } else {
                 &["--cache=writethrough"][..]
             })
@@ -186,18 +189,6 @@ fn start_qemu_nbd(file: &Path, direct: bool) -> Result<(QemuNbd, String)> {
     Ok((q, format!("nbd://127.0.0.1:{port}/vol")))
 }
 
-/// fio's output; after SIGINT (this program is stopping) fio ends its job early, exits with
-/// an error and still prints its report of the time it ran.
-fn fio_output(cmd: &mut Command) -> Result<String> {
-    let o = crate::procs::output(cmd, libc::SIGINT).with_context(|| format!("running {cmd:?}"))?;
-    let out = String::from_utf8_lossy(&o.stdout).to_string();
-    let report_after_stop = crate::procs::stopping() && out.contains('{');
-    if !(o.status.success() || report_after_stop) {
-        bail!("{cmd:?} failed: {out}{}", String::from_utf8_lossy(&o.stderr));
-    }
-    Ok(out)
-}
-
 /// One measurement.
 struct Run {
     iops: f64,
@@ -211,99 +202,157 @@ struct Run {
     client_cpu: Option<f64>,
     /// What each serving process used during the run.
     servers: Vec<crate::bench::ProcUsage>,
+    /// Blocks the client checked in this run (fio: every read, or every block written read
+    /// back; qemu-img bench: none).
+    checked: u64,
+    /// Why this run's data is not proven (a block that failed, no check that ran).
+    failure: Option<String>,
 }
 
-fn fio(a: &BenchArgs, uri: &str) -> Result<Run> {
+/// I/Os a fio round may issue before it has a measured rate to size it by: at most this many
+/// per second of the round (ramp included), on the generous side, since a read round that
+/// runs out of its log ends early (and says so in its `secs`).
+const FIRST_ROUND_IOPS: f64 = 20_000.0;
+
+/// I/Os a round of `a` issues (ramp included), from a system's measured rate so far.
+fn budget(a: &BenchArgs, iops: Option<f64>) -> u64 {
+    let secs = a.duration + 1.0;
+    match iops {
+        // reads end at --duration: a log with room to spare; writes end at their count
+        Some(r) if a.rw.contains("read") => (r * secs * 2.0).ceil() as u64,
+        Some(r) => (r * secs).ceil() as u64,
+        None => (FIRST_ROUND_IOPS * secs) as u64,
+    }
+    .max(4 * a.depth as u64)
+}
+
+/// The replay log of a read round: `n` reads of `bs` at offsets of this run's own (random,
+/// or in order from a random start for `read`), for fio's `--read_iolog`: fio stops a
+/// time-based read job that verifies after one pass of `--size`, but a job replaying a log runs
+/// its whole log (or until `--runtime`), verifying every read.
+fn read_log(path: &Path, a: &BenchArgs, n: u64, seed: u64) -> Result<()> {
+    use std::io::Write;
+    let blocks = a.size / a.bs;
+    let mut f = std::io::BufWriter::new(std::fs::File::create(path)?);
+    writeln!(f, "fio version 2 iolog\nnbd add\nnbd open")?;
+    let mut x = seed | 1;
+    let mut next = || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let first = next() % blocks;
+    for i in 0..n {
+        let b = if a.rw == "read" {
+            (first + i) % blocks
+        } else {
+            next() % blocks
+        };
+        writeln!(f, "nbd read {} {}", b * a.bs, a.bs)?;
+    }
+    writeln!(f, "nbd close")?;
+    f.flush()?;
+    Ok(())
+}
+
+/// What fio's verification of one round found, from its JSON job and its stderr: the blocks
+/// it checked, or why the round's data is not proven. A write round must have read back
+/// blocks (fio's verify phase after the writes), a read round must have checked reads (each
+/// read against its block's CRC32C header); any job error (EILSEQ: a block failed) fails it.
+fn fio_check(job: &serde_json::Value, writes: bool, stderr: &str) -> (u64, Option<String>) {
+    let error = job["error"].as_i64().unwrap_or(-1);
+    let (w, r) = (
+        job["write"]["total_ios"].as_u64().unwrap_or(0),
+        job["read"]["total_ios"].as_u64().unwrap_or(0),
+    );
+    if error != 0 {
+        let why = stderr
+            .lines()
+            .find(|l| l.contains("verify:") || l.contains("bad "))
+            .unwrap_or("")
+            .trim();
+        return (0, Some(format!("fio job error {error}: {why}")));
+    }
+    if writes && (w == 0 || r == 0) {
+        return (
+            0,
+            Some(format!("fio wrote {w} blocks and read back {r}: no verify phase ran")),
+        );
+    }
+    if !writes && r == 0 {
+        return (0, Some("fio read nothing".into()));
+    }
+    (r, None)
+}
+
+fn fio(a: &BenchArgs, uri: &str, ops: u64, log: &Path) -> Result<Run> {
     tool("fio")?;
+    let writes = a.rw.contains("write");
+    let mut cmd = crate::procs::command("fio");
+    cmd.args(["--name=b", "--ioengine=nbd", "--ramp_time=1"])
+        .arg(format!("--uri={uri}"))
+        .arg(format!("--bs={}", a.bs))
+        .arg(format!("--iodepth={}", a.depth))
+        .arg(format!("--size={}", a.size))
+        .args(["--verify=crc32c", "--verify_fatal=1", "--verify_state_save=0"])
+        .arg("--output-format=json");
+    if writes {
+        // not time-based: fio then reads back every block the round wrote (ramp included)
+        // and checks its CRC32C, offset and that it holds the last write to it (numberio);
+        // overlapping writes are never in flight together, so that last write is defined
+        cmd.args([
+            "--do_verify=1",
+            "--norandommap",
+            "--randrepeat=0",
+            "--serialize_overlap=1",
+        ])
+        .arg(format!("--rw={}", a.rw))
+        .arg(format!("--io_size={}", ops * a.bs))
+        // written data of this run's own
+        .arg(format!("--randseed={}", crate::bench::run_seed() >> 1));
+    } else {
+        read_log(log, a, ops, crate::bench::run_seed() ^ ops)?;
+        cmd.arg(format!("--read_iolog={}", log.display()))
+            .arg(format!("--runtime={}", a.duration));
+    }
     let (c0, _) = crate::bench::rusage(true);
-    let out = fio_output(
-        crate::procs::command("fio")
-            .args([
-                "--name=b",
-                "--ioengine=nbd",
-                "--randrepeat=0",
-                "--norandommap",
-                "--time_based",
-                "--ramp_time=1",
-            ])
-            .arg(format!("--uri={uri}"))
-            .arg(format!("--rw={}", a.rw))
-            .arg(format!("--bs={}", a.bs))
-            .arg(format!("--iodepth={}", a.depth))
-            .arg(format!("--size={}", a.size))
-            .arg(format!("--runtime={}", a.duration))
-            // written data of this run's own
-            .arg(format!("--randseed={}", crate::bench::run_seed() >> 1))
-            .arg("--output-format=json"),
-    )?;
+    let o = crate::procs::output(&mut cmd, libc::SIGINT).with_context(|| format!("running {cmd:?}"))?;
     // fio and its job process, both reaped children: their CPU over the whole run
     let (c1, _) = crate::bench::rusage(true);
-    let start = out.find('{').context("fio printed no JSON")?;
+    let out = String::from_utf8_lossy(&o.stdout).to_string();
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    // a failed verification exits non-zero with its report; no report is a failure to run
+    let start = out
+        .find('{')
+        .with_context(|| format!("{cmd:?} printed no report: {out}{err}"))?;
     let v: serde_json::Value = serde_json::from_str(&out[start..]).context("fio JSON")?;
     let job = &v["jobs"][0];
-    let side = if a.rw.contains("read") {
-        &job["read"]
-    } else {
-        &job["write"]
-    };
+    let side = if writes { &job["write"] } else { &job["read"] };
     let pct = |k: &str| {
         side["clat_ns"]["percentile"][k]
             .as_f64()
             .map(|ns| (ns / 10.0).round() / 100.0)
     };
-    let ms = job["job_runtime"].as_f64().unwrap_or(0.0);
+    let (checked, failure) = fio_check(job, writes, &err);
+    let failure = match failure {
+        // stopped early: fio's report of the time it ran, not a verification failure
+        Some(_) if crate::procs::stopping() => None,
+        f => f,
+    };
     Ok(Run {
         iops: side["iops"].as_f64().unwrap_or(0.0),
         mbps: side["bw_bytes"].as_f64().unwrap_or(0.0) / 1048576.0,
         p50: pct("50.000000"),
         p99: pct("99.000000"),
         p999: pct("99.900000"),
-        secs: ms / 1000.0,
+        secs: side["runtime"].as_f64().unwrap_or(0.0) / 1000.0,
         ops: side["total_ios"].as_u64().unwrap_or(0),
         client_cpu: Some(c1 - c0),
         servers: Vec::new(),
+        checked,
+        failure,
     })
-}
-
-/// A write-and-verify pass with a fresh seed over the first `len` bytes of the volume (fio
-/// writes each block with a CRC32C header, then reads all back and checks them): proves, in
-/// this run, that the system stores what is written to it. Returns the blocks verified.
-fn fio_verify(uri: &str, len: u64) -> Result<u64> {
-    let out = fio_output(
-        crate::procs::command("fio")
-            .args([
-                "--name=verify",
-                "--ioengine=nbd",
-                "--rw=randwrite",
-                "--bs=4k",
-                "--iodepth=16",
-            ])
-            .args([
-                "--verify=crc32c",
-                "--do_verify=1",
-                "--verify_fatal=1",
-                // no verify state file in the working directory
-                "--verify_state_save=0",
-                "--output-format=json",
-            ])
-            .arg(format!("--uri={uri}"))
-            .arg(format!("--size={len}"))
-            .arg(format!("--randseed={}", crate::bench::run_seed() >> 1)),
-    )?;
-    let start = out.find('{').context("fio printed no JSON")?;
-    let v: serde_json::Value = serde_json::from_str(&out[start..]).context("fio JSON")?;
-    let job = &v["jobs"][0];
-    let (w, r) = (
-        job["write"]["total_ios"].as_u64().unwrap_or(0),
-        job["read"]["total_ios"].as_u64().unwrap_or(0),
-    );
-    if job["error"].as_i64() != Some(0) || w == 0 || r != w {
-        bail!(
-            "fio's verify pass: {w} blocks written, {r} read back, error {}",
-            job["error"]
-        );
-    }
-    Ok(r)
 }
 
 fn qemu_img(a: &BenchArgs, uri: &str) -> Result<Run> {
@@ -343,6 +392,8 @@ fn qemu_img(a: &BenchArgs, uri: &str) -> Result<Run> {
         ops: a.ops,
         client_cpu: None,
         servers: Vec::new(),
+        checked: 0,
+        failure: None,
     })
 }
 
@@ -431,8 +482,13 @@ pub fn run(a: &BenchArgs, sp: &Spawner) -> Result<()> {
 
 fn bench(a: &BenchArgs, sp: &Spawner, systems: &[&str], dir: &Path) -> Result<()> {
     let src = dir.join("src.img");
-    // this invocation's data, not what an earlier one left
-    random_file(&src, a.size, crate::bench::run_seed())?;
+    // this invocation's data, not what an earlier one left; what fio reads carries a CRC32C
+    // header per block, which it checks on every read
+    if a.client == "fio" && a.rw.contains("read") {
+        lay_down(&src, a)?;
+    } else {
+        random_file(&src, a.size, crate::bench::run_seed())?;
+    }
     let mut targets = Vec::new();
     if let Some(u) = &a.uri {
         if systems.len() != 1 {
@@ -505,9 +561,11 @@ fn bench(a: &BenchArgs, sp: &Spawner, systems: &[&str], dir: &Path) -> Result<()
                 break 'rounds;
             }
             progress.start(format!("{} round {}", t.name, round + 1));
+            // a round's I/Os from this system's rate in its last round
+            let ops = budget(a, runs[i].last().map(|r: &Run| r.iops));
             let meter = crate::bench::Meter::start(&t.procs);
             let r = match a.client.as_str() {
-                "fio" => fio(a, &t.uri),
+                "fio" => fio(a, &t.uri, ops, &dir.join("reads.log")),
                 _ => qemu_img(a, &t.uri),
             };
             // fio stopped by SIGINT reports its jobs so far; a tool killed mid-run has nothing
@@ -529,30 +587,13 @@ fn bench(a: &BenchArgs, sp: &Spawner, systems: &[&str], dir: &Path) -> Result<()
             runs[i].push(r);
         }
     }
-    let reads = a.rw.contains("read");
     // a run cut short is reported as such and not verified (the program has to stop now)
     let interrupted = crate::procs::stopping();
     for (t, rs) in targets.iter().zip(&runs) {
         if rs.is_empty() {
             continue;
         }
-        let (verified, how) = if interrupted {
-            (false, "interrupted: stopped early, not verified".to_string())
-        } else if reads {
-            let ok = verify(&src, &t.uri);
-            (
-                ok,
-                "every byte compared with this run's source image (qemu-img compare)".into(),
-            )
-        } else {
-            match fio_verify(&t.uri, a.size.min(16 << 20)) {
-                Ok(n) => (
-                    true,
-                    format!("{n} blocks written with a fresh seed and read back checked (fio verify)"),
-                ),
-                Err(e) => (false, format!("{e:#}")),
-            }
-        };
+        let (verified, how) = verdict(a, rs, interrupted, || verify(&src, &t.uri));
         let result = system_result(a, t, rs, verified, interrupted, how);
         if a.json {
             result.print(true);
@@ -578,6 +619,90 @@ fn bench(a: &BenchArgs, sp: &Spawner, systems: &[&str], dir: &Path) -> Result<()
     Ok(())
 }
 
+/// Whether a system's rounds are proven, and how: fio checked the timed I/O of every round
+/// itself (every read against its block's CRC32C header; every block a write round wrote read
+/// back after the round, its CRC32C, offset and write number checked); reads are also
+/// compared byte for byte with the source image after the rounds (`compare`). qemu-img bench
+/// checks nothing it reads or writes: its rounds are not proven, whatever the image holds.
+fn verdict(a: &BenchArgs, rs: &[Run], interrupted: bool, compare: impl FnOnce() -> bool) -> (bool, String) {
+    if interrupted {
+        return (false, "interrupted: stopped early, not verified".into());
+    }
+    if let Some((k, e)) = rs
+        .iter()
+        .enumerate()
+        .find_map(|(k, r)| r.failure.as_ref().map(|e| (k, e)))
+    {
+        return (false, format!("round {}: {e}", k + 1));
+    }
+    let reads = a.rw.contains("read");
+    let checked: u64 = rs.iter().map(|r| r.checked).sum();
+    if a.client != "fio" {
+        let same = reads && compare();
+        return (
+            false,
+            format!(
+                "qemu-img bench does not check its I/O: not verified{}",
+                if !reads {
+                    ""
+                } else if same {
+                    " (the image still equals its source after the rounds)"
+                } else {
+                    " (and the image differs from its source after the rounds)"
+                }
+            ),
+        );
+    }
+    if reads {
+        if !compare() {
+            return (
+                false,
+                format!("{checked} timed reads checked (fio CRC32C header per block), but the image differs from its source after the rounds (qemu-img compare)"),
+            );
+        }
+        return (
+            true,
+            format!("every timed read checked by fio against its block's CRC32C header ({checked} after the ramps), and every byte compared with the source image after the rounds (qemu-img compare)"),
+        );
+    }
+    (
+        true,
+        format!("every block the timed writes wrote read back after each round and checked by fio: CRC32C, offset and that it holds the last write to it ({checked} blocks)"),
+    )
+}
+
+/// When a system's write is durable: each acknowledges a write only once it is (the same
+/// guarantee for every system compared).
+fn durability(system: &str) -> &'static str {
+    match system {
+        "qemu-nbd" => "writethrough: each write flushed (fdatasync) before its reply",
+        "qemu-nbd-direct" => "directsync: O_DIRECT|O_DSYNC, each write on the disk before its reply",
+        _ => "each write in its write quorum's storage-node logs, fdatasync'd, before its reply",
+    }
+}
+
+/// Writes `a.size` bytes of this run's own random data to `path`, a CRC32C verify header at
+/// the start of each `a.bs` block (fio's, so that fio checks each block it reads).
+fn lay_down(path: &Path, a: &BenchArgs) -> Result<()> {
+    tool("fio")?;
+    run_ok(
+        crate::procs::command("fio")
+            .args([
+                "--name=lay",
+                "--ioengine=psync",
+                "--rw=write",
+                "--verify=crc32c",
+                "--do_verify=0",
+            ])
+            .args(["--verify_state_save=0", "--output-format=json"])
+            .arg(format!("--filename={}", path.display()))
+            .arg(format!("--bs={}", a.bs))
+            .arg(format!("--size={}", a.size))
+            .arg(format!("--randseed={}", crate::bench::run_seed() >> 1)),
+    )?;
+    Ok(())
+}
+
 /// The median result of one system's rounds, with per-process CPU of the median round's
 /// processes summed over all rounds.
 fn system_result(a: &BenchArgs, t: &Target, rs: &[Run], verified: bool, interrupted: bool, how: String) -> BenchResult {
@@ -593,7 +718,7 @@ fn system_result(a: &BenchArgs, t: &Target, rs: &[Run], verified: bool, interrup
         transport: Some(match t.name.as_str() {
             "flexns" => format!("solar/udp x{}", a.paths),
             "tcp" => "plain block protocol over kernel tcp".into(),
-            "qemu-nbd-direct" => "nbd over tcp, O_DIRECT + linux aio".into(),
+            "qemu-nbd-direct" => "nbd over tcp, O_DIRECT|O_DSYNC (cache=directsync) + linux aio".into(),
             _ => "nbd over tcp, writethrough".into(),
         }),
         msg_bytes: a.bs,
@@ -657,6 +782,7 @@ fn system_result(a: &BenchArgs, t: &Target, rs: &[Run], verified: bool, interrup
     };
     ex.insert("write_quorum".into(), quorum.into());
     ex.insert("runs".into(), rs.len().into());
+    ex.insert("durability".into(), durability(&t.name).into());
     ex.insert(
         "iops_runs".into(),
         rs.iter()
@@ -705,5 +831,95 @@ fn ratio_lines(a: &BenchArgs, targets: &[Target], runs: &[Vec<Run>]) {
                 pairs.len()
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        a: BenchArgs,
+    }
+
+    fn args(rw: &str, client: &str) -> BenchArgs {
+        Cli::parse_from(["t", "--rw", rw, "--client", client]).a
+    }
+
+    fn job(error: i64, writes: u64, reads: u64) -> serde_json::Value {
+        serde_json::json!({"error": error, "write": {"total_ios": writes}, "read": {"total_ios": reads}})
+    }
+
+    fn run(checked: u64, failure: Option<&str>) -> Run {
+        Run {
+            iops: 1.0,
+            mbps: 1.0,
+            p50: None,
+            p99: None,
+            p999: None,
+            secs: 1.0,
+            ops: 1,
+            client_cpu: None,
+            servers: Vec::new(),
+            checked,
+            failure: failure.map(String::from),
+        }
+    }
+
+    #[test]
+    fn fio_verify_failures_and_missing_checks_are_not_verified() {
+        let bad = "verify: bad header numberio 4524, wanted 6999 at file nbd offset 6037504, length 4096";
+        let (n, e) = fio_check(&job(84, 8192, 1281), true, bad);
+        assert_eq!(n, 0);
+        assert!(e.unwrap().contains("numberio 4524"));
+        // a write round whose verify phase never ran (its runtime was used up) proves nothing
+        assert!(fio_check(&job(0, 8192, 0), true, "").1.is_some());
+        assert!(fio_check(&job(0, 0, 0), false, "").1.is_some());
+        assert_eq!(fio_check(&job(0, 8192, 3561), true, ""), (3561, None));
+        assert_eq!(fio_check(&job(0, 0, 50_000), false, ""), (50_000, None));
+    }
+
+    #[test]
+    fn a_round_that_failed_or_a_client_that_checks_nothing_is_not_verified() {
+        let reads = args("randread", "fio");
+        let (ok, how) = verdict(
+            &reads,
+            &[run(10, None), run(5, Some("fio job error 84: verify: bad magic"))],
+            false,
+            || true,
+        );
+        assert!(!ok && how.starts_with("round 2: fio job error 84"), "{how}");
+        let (ok, how) = verdict(&reads, &[run(10, None)], false, || false);
+        assert!(!ok && how.contains("differs"), "{how}");
+        let (ok, how) = verdict(&reads, &[run(10, None), run(20, None)], false, || true);
+        assert!(ok && how.contains("(30 after the ramps)"), "{how}");
+        let writes = args("randwrite", "fio");
+        let (ok, how) = verdict(&writes, &[run(7, None)], false, || panic!("writes compare nothing"));
+        assert!(ok && how.contains("(7 blocks)"), "{how}");
+        assert!(!verdict(&args("randread", "qemu-img"), &[run(0, None)], false, || true).0);
+        assert!(!verdict(&reads, &[run(10, None)], true, || true).0);
+    }
+
+    #[test]
+    fn read_logs_stay_in_the_volume() {
+        let dir = std::env::temp_dir().join(format!("blkbench-log-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut a = args("randread", "fio");
+        a.size = 1 << 20;
+        a.bs = 8192;
+        read_log(&dir.join("l"), &a, 1000, 7).unwrap();
+        let text = std::fs::read_to_string(dir.join("l")).unwrap();
+        let offsets: Vec<u64> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("nbd read "))
+            .map(|l| l.split(' ').next().unwrap().parse().unwrap())
+            .collect();
+        assert_eq!(offsets.len(), 1000);
+        assert!(offsets.iter().all(|o| o % 8192 == 0 && *o < 1 << 20));
+        assert!(offsets.iter().collect::<std::collections::HashSet<_>>().len() > 100);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
