@@ -201,6 +201,8 @@ pub struct PathSet {
     ports: u8,
     /// Where the search for a free source port starts next.
     port_cursor: u8,
+    /// How long the hosts have lately kept packets waiting (see [`PathSet::set_host_delay`]).
+    host_delay_ns: u64,
 }
 
 impl Default for PathSet {
@@ -244,7 +246,24 @@ impl PathSet {
             window_pkts: u32::MAX,
             ports: n as u8,
             port_cursor: n as u8,
+            host_delay_ns: 0,
         }
+    }
+
+    /// How long this host has lately kept work waiting (its driver measures it: datagrams
+    /// that sat in a socket before a pass took them in, timers that fired late), added to
+    /// every path's RTO. A host whose threads wait milliseconds for a core answers late for
+    /// the same reason, so a deadline of a fabric RTO alone would call its peer's answers lost:
+    /// on a 2-core machine shared with two busy loops, a 1-2 ms floor timed out thousands of
+    /// packets a run that were never lost, and took paths out of the rotation with no fault
+    /// on the fabric. The RTT estimate itself stays the samples' (RFC 6298).
+    pub fn set_host_delay(&mut self, ns: u64) {
+        self.host_delay_ns = ns;
+    }
+
+    /// What [`PathSet::set_host_delay`] last said.
+    pub fn host_delay(&self) -> u64 {
+        self.host_delay_ns
     }
 
     /// The host has `total` source ports (a 5-tuple each, so ECMP hashes each onto a link of its
@@ -526,9 +545,11 @@ impl PathSet {
     /// Path `i`'s retransmission timeout.
     pub fn rto(&self, i: u8) -> u64 {
         let Some(p) = self.paths.get(i as usize) else {
-            return self.p.initial_rto_ns;
+            return self.p.initial_rto_ns.saturating_add(self.host_delay_ns);
         };
-        p.rtt.rto(self.p.initial_rto_ns, self.p.min_rto_ns, u64::MAX)
+        p.rtt
+            .rto(self.p.initial_rto_ns, self.p.min_rto_ns, u64::MAX)
+            .saturating_add(self.host_delay_ns)
     }
 
     /// Whether path `i` has had a packet outstanding (or lost) for longer than its RTO
@@ -810,6 +831,17 @@ mod tests {
             l.on_lost(1);
         }
         assert!((0..20).all(|_| l.pick(None) == 0));
+    }
+
+    #[test]
+    fn the_host_delay_is_added_to_every_rto() {
+        let mut s = PathSet::new(2, SprayPolicy::RoundRobin, PathParams::default());
+        s.on_send(0, 1_000);
+        s.on_rtt(0, 50_000, 51_000);
+        let (r0, r1) = (s.rto(0), s.rto(1));
+        s.set_host_delay(4_000_000);
+        assert_eq!((s.rto(0), s.rto(1)), (r0 + 4_000_000, r1 + 4_000_000));
+        assert_eq!(s.host_delay(), 4_000_000);
     }
 
     #[test]

@@ -15,6 +15,7 @@ mod chains;
 mod cq;
 mod deadlines;
 pub(crate) mod drive;
+mod lateness;
 mod rx;
 pub(crate) mod solar;
 pub(crate) mod sq;
@@ -667,6 +668,8 @@ struct DataCore {
     next_scan: u64,
     /// The core's Solar endpoints (storage clients and server).
     solar: solar::SolarCore,
+    /// How late this core has lately been: its flows' host delay and its timers' horizon.
+    late: lateness::Lateness,
 }
 
 // SAFETY: the raw pointers a core holds are in its reusable system-call buffers (`rx`'s
@@ -709,6 +712,7 @@ impl DataCore {
             deadlines: deadlines::Deadlines::default(),
             next_scan: 0,
             solar: solar::SolarCore::default(),
+            late: lateness::Lateness::default(),
         }
         .with_local_addrs()
     }
@@ -823,7 +827,10 @@ impl DataCore {
     pub(super) fn poll_ready(&mut self, now: u64, link: &dyn Link, only: Option<&mut rx::ReadyFds>) -> Pass {
         let mut work = self.take_requests(now);
         let chains_retry = self.take_arrivals(now, link, only, &mut work);
-        let next_deadline = earliest(earliest(self.rc_deadline(now), chains_retry), self.solar.timers(now));
+        // timers are judged at what has been taken in (`lateness`): one due after a horizon
+        // behind the clock (a full batch) stays due, and the next pass receives the rest
+        let at = self.late.timer_now(now);
+        let next_deadline = earliest(earliest(self.rc_deadline(at), chains_retry), self.solar.timers(at));
         work |= self.solar.collect(&self.shared, now);
         // once per pass, after the commands (new clients) and the timers (paths that moved):
         // no answer can come on a port before the first packet leaves from it, below
@@ -888,8 +895,9 @@ impl DataCore {
         let mut work = self.take_requests(now);
         // the timers due run now; later ones wait for a later call (the application calls
         // again, or the backstop takes over), so their deadlines are not needed here
-        self.rc_deadline(now);
-        self.solar.timers(now);
+        let at = self.late.timer_now(now);
+        self.rc_deadline(at);
+        self.solar.timers(at);
         // before anything leaves: a port a moved path sends from is received on
         self.sync_rx_ports(link);
         work |= self.send_all(now, link);
@@ -906,7 +914,9 @@ impl DataCore {
         work |= self.transmit(now, true, link);
         // Solar: a lone request leaves from the thread that handed it in, with no wake-up
         // of the core's thread (`EngineShared::solar_command`)
-        let solar = self.solar.timers(now);
+        // this pass receives nothing: its timers are judged at what the core's receives took in
+        let at = self.late.timer_now(now);
+        let solar = self.solar.timers(at);
         work |= self.solar.collect(&self.shared, now);
         work |= self.flush_solar(link);
         // packets to this core itself are its thread's to receive, but they must not wait
@@ -914,7 +924,7 @@ impl DataCore {
         let hairpin = (!self.hairpin.is_empty()).then_some(now);
         Pass {
             work,
-            next_deadline: earliest(earliest(self.rc_deadline(now), hairpin), solar),
+            next_deadline: earliest(earliest(self.rc_deadline(at), hairpin), solar),
         }
     }
 
@@ -960,6 +970,7 @@ impl DataCore {
             }
         }
         let now = self.shared.now();
+        self.late.sleeping(next_deadline);
         let wait = next_deadline
             .map(|d| d.saturating_sub(now))
             .unwrap_or(100_000_000)
@@ -977,6 +988,7 @@ impl DataCore {
     /// eventfds it reported are drained; the others were not written, and a read of them would
     /// be a system call for nothing.
     fn woke(&mut self, ready: Option<&[std::os::fd::RawFd]>) {
+        self.late.woke(self.shared.now());
         let rung = |fd| ready.is_none_or(|r| r.contains(&fd));
         for &p in &self.rx_ports {
             self.shared.link.woke(p);
@@ -1072,7 +1084,9 @@ impl DataCore {
                 if slot.chain.is_some() {
                     self.managed.push(qpn);
                 }
-                self.qps.insert(qpn, *slot);
+                let mut slot = *slot;
+                slot.qp.set_host_delay(self.late.applied());
+                self.qps.insert(qpn, slot);
                 qpn
             }
             Command::Remove(qpn) => {

@@ -41,6 +41,7 @@ impl DataCore {
     /// Receives on the core's ports: all of them, or with `only` those it lists as ready
     /// (which it leaves listing the ports whose batch came back full).
     pub(super) fn receive(&mut self, now: u64, link: &dyn Link, mut only: Option<&mut ReadyFds>) -> bool {
+        let all_ports = only.as_ref().is_none_or(|r| r.all);
         let mut any = false;
         let mut full = Fds::new();
         for i in 0..self.rx_ports.len() {
@@ -55,12 +56,24 @@ impl DataCore {
                 full.extend(fd);
             }
         }
+        let drained = full.is_empty();
         if let Some(r) = only.as_mut() {
             r.ready = full;
             r.all = false;
             r.passes += 1;
         }
+        if let Some(ns) = self.late.end_receive(now, drained, all_ports) {
+            self.set_host_delay(ns);
+        }
         any
+    }
+
+    /// Hands the flows a new host-delay estimate (see [`super::lateness`]).
+    fn set_host_delay(&mut self, ns: u64) {
+        for s in self.qps.values_mut() {
+            s.qp.set_host_delay(ns);
+        }
+        self.solar.set_host_delay(ns);
     }
 
     /// Receives one batch on `port`; returns how many receive buffers it filled.
@@ -87,6 +100,7 @@ impl DataCore {
             let ce = self.rx.tos(i) & 3 == 3;
             // when the kernel took it in: the wait since is this host's delay, not the network's
             let arrived = self.rx.arrived(i).unwrap_or(now);
+            self.late.arrival(now, arrived);
             if ce {
                 self.shared.stats.rx_ce.inc();
             }

@@ -330,6 +330,8 @@ pub(super) struct SolarCore {
     cmd_buf: Vec<SolarCmd>,
     /// Clients added or closed so far (a part of [`SolarCore::ports_generation`]).
     client_changes: u64,
+    /// The host delay the clients were last given (a new client starts with it).
+    host_delay: u64,
 }
 
 impl SolarCore {
@@ -376,10 +378,11 @@ impl SolarCore {
             SolarCmd::AddClient {
                 id,
                 server,
-                client,
+                mut client,
                 status,
             } => {
                 self.client_changes += 1;
+                client.set_host_delay(self.host_delay);
                 self.clients.push(ClientEp {
                     id,
                     server,
@@ -570,6 +573,14 @@ impl SolarCore {
                     }
                 }
             }
+        }
+    }
+
+    /// Hands every client a new host-delay estimate (see [`super::lateness`]).
+    pub(super) fn set_host_delay(&mut self, ns: u64) {
+        self.host_delay = ns;
+        for ep in &mut self.clients {
+            ep.client.set_host_delay(ns);
         }
     }
 

@@ -931,6 +931,14 @@ impl<R: SharedRegion> RcQp<R> {
         }
     }
 
+    /// How long this QP's host has lately kept packets waiting (its driver measures it),
+    /// added to the ACK timeout and to each path's RTO: a
+    /// retry is spent on a peer that did not answer, not on a host whose threads waited for a
+    /// core. Deadlines already armed keep theirs (see [`crate::path::PathSet::set_host_delay`]).
+    pub fn set_host_delay(&mut self, ns: u64) {
+        self.req.paths.set_host_delay(ns);
+    }
+
     /// The earliest time at which [`RcQp::handle_timeout`] has work to do.
     pub fn poll_timeout(&self) -> Option<u64> {
         if !matches!(self.state, QpState::Rtr | QpState::Rts) {

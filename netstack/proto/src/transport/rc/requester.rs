@@ -880,7 +880,7 @@ impl<R: SharedRegion> Requester<R> {
             );
             qp.stats.retransmitted_packets += 1;
             let r = &mut qp.req;
-            r.deadline.get_or_insert(now + cfg.timeout_ns);
+            r.deadline.get_or_insert(now + cfg.timeout_ns + r.paths.host_delay());
             r.pacer.on_send(now, wire_bytes(&pkt));
             return Some(pkt);
         }
@@ -958,7 +958,7 @@ impl<R: SharedRegion> Requester<R> {
         }
         pkt.path = r.send_on_path(psn, now, resent);
         r.sent_max = r.sent_max.max(first + end as u64);
-        r.deadline.get_or_insert(now + cfg.timeout_ns);
+        r.deadline.get_or_insert(now + cfg.timeout_ns + r.paths.host_delay());
         r.pacer.on_send(now, wire_bytes(&pkt));
         Some(pkt)
     }
@@ -1011,7 +1011,7 @@ impl<R: SharedRegion> Requester<R> {
             if !self.rack_marked.is_empty() {
                 self.rack_marked = self.rack_marked.split_off(&self.una());
             }
-            self.deadline = (self.una() < self.sent_max).then_some(now + cfg.timeout_ns);
+            self.deadline = (self.una() < self.sent_max).then_some(now + cfg.timeout_ns + self.paths.host_delay());
         }
         moved
     }
@@ -1372,7 +1372,7 @@ impl<R: SharedRegion> Requester<R> {
                     Recovery::GoBackN => r.rewind(p, false),
                     Recovery::SelectiveRepeat => r.retx_all_from(p),
                 }
-                r.deadline = Some(now + cfg.timeout_ns);
+                r.deadline = Some(now + cfg.timeout_ns + r.paths.host_delay());
             }
         }
         let Some(d) = r.deadline else { return };
@@ -1389,7 +1389,7 @@ impl<R: SharedRegion> Requester<R> {
         // lets the resend go
         if r.last_timeout > 0 && r.pacer.last_send() < r.last_timeout {
             if let Some(t) = r.pacer.ready_at(now) {
-                r.deadline = Some(t + cfg.timeout_ns);
+                r.deadline = Some(t + cfg.timeout_ns + r.paths.host_delay());
                 return;
             }
         }
@@ -1411,7 +1411,7 @@ impl<R: SharedRegion> Requester<R> {
             let una = r.una();
             return Self::fail_at(qp, una, WcStatus::RetryExcErr);
         }
-        r.deadline = Some(now + (cfg.timeout_ns << r.retries.min(cfg.max_backoff_shift as u32)));
+        r.deadline = Some(now + (cfg.timeout_ns << r.retries.min(cfg.max_backoff_shift as u32)) + r.paths.host_delay());
         tracing::debug!(
             qpn = qp.qpn,
             una = r.una(),

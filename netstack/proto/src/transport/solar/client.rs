@@ -454,6 +454,15 @@ impl SolarClient {
         self.paths.up_count() as u16
     }
 
+    /// How long this host has lately kept packets waiting (the driver measures it: datagrams
+    /// that sat in a socket, timers that fired late), added to every path's RTO and to the
+    /// margin by which an `Ok` overtakes a block: a block is resent because the server did
+    /// not answer, not because a thread here or there waited for a core (see
+    /// [`crate::path::PathSet::set_host_delay`]). Deadlines already armed keep theirs.
+    pub fn set_host_delay(&mut self, ns: u64) {
+        self.paths.set_host_delay(ns);
+    }
+
     /// Path `i`'s retransmission timeout, backed off while it delivers nothing.
     fn rto(&self, i: u16) -> u64 {
         let backoff = self.ledgers[i as usize].backoff.min(MAX_BACKOFF);
@@ -1117,7 +1126,7 @@ impl SolarClient {
     /// sent again that is still being applied is answered `Accepted` once more; its deadline
     /// starts again from now.
     fn oks_overtaken(&mut self, now: u64, at: u64) {
-        let margin = self.service_ns + self.cfg.min_rto_ns / 2;
+        let margin = self.service_ns + self.cfg.min_rto_ns / 2 + self.paths.host_delay();
         let Some(before) = at.checked_sub(margin) else { return };
         while let Some(&(t, io, idx)) = self.accept_order.first() {
             if t >= before {
@@ -1313,6 +1322,66 @@ mod tests {
             "every path's PSNs went past 2^32"
         );
         assert!(c.ledgers.iter().all(|l| l.sent.is_empty()), "nothing left in flight");
+    }
+
+    /// A server whose host answers late (its threads wait for a core) is not a lossy fabric
+    /// once the client knows how late hosts are: quiet for 2 ms (answers in 20 us, the RTO at
+    /// its 1 ms floor), then every answer takes 6 ms. Told a host delay of 8 ms, the client
+    /// sends each block once; told nothing, it times out blocks that were never lost.
+    #[test]
+    fn a_late_host_is_no_lost_packet_once_the_client_knows_its_delay() {
+        let run = |host_delay: u64| {
+            let cfg = ClientConfig {
+                paths: 2,
+                ..Default::default()
+            };
+            let mut c = SolarClient::new(cfg, None, 1_000);
+            c.set_host_delay(host_delay);
+            let mut s = SolarServer::new();
+            let mut wire: VecDeque<(u64, Vec<u8>)> = VecDeque::new();
+            let (mut now, mut done, mut written) = (1_000u64, 0, 0u64);
+            while done < 64 && now < 1_000_000_000 {
+                now += 10_000;
+                // 32 blocks while the host is quiet, 32 once it is late
+                let due = if now < 2_000_000 { 32 } else { 64 };
+                while written < due {
+                    c.write(now, 1, written, Arc::from(vec![written as u8; BLOCK]), false)
+                        .unwrap();
+                    written += 1;
+                }
+                while let Some(t) = c.poll_transmit(now) {
+                    if let Ok(Some(Request::Write { token, .. })) = s.on_packet(0, &t.to_vec(), false) {
+                        s.write_done(token, Status::Ok);
+                    }
+                }
+                let lag = if now < 2_000_000 { 20_000 } else { 6_000_000 };
+                while let Some(t) = s.poll_transmit() {
+                    wire.push_back((now + lag, t.to_vec()));
+                }
+                while wire.front().is_some_and(|(t, _)| *t <= now) {
+                    let (_, p) = wire.pop_front().unwrap();
+                    c.on_packet(now, &p).unwrap();
+                }
+                c.on_timer(now);
+                while let Some(ClientEvent::Done { result, .. }) = c.poll_event() {
+                    result.unwrap();
+                    done += 1;
+                }
+            }
+            assert_eq!(done, 64, "every write completes");
+            c.stats()
+        };
+        let told = run(8_000_000);
+        assert_eq!(
+            (told.blocks_sent, told.blocks_resent, told.timeouts),
+            (64, 0, 0),
+            "{told:?}"
+        );
+        let untold = run(0);
+        assert!(
+            untold.timeouts > 0,
+            "the late answers time out without the host delay: {untold:?}"
+        );
     }
 
     /// Sends the client's next packet to the server; returns the token of the write the
