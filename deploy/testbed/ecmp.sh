@@ -35,7 +35,7 @@
 #          {"experiment":"kvcache","link_bytes":[link 1, link 2],"sprayed_bytes":...,
 #          "sprayed_share_of_lesser_link":...,"verified":...} (the router's bytes toward B).
 #          KVCACHE_BENCH=path uses that binary; otherwise it is built (release).
-#   ecmp.sh block [--rate R] [--paths N] [--pairs P] [--fault cut|loss|incast] [--loss 1]
+#   ecmp.sh block [--rate R] [--paths N] [--pairs P] [--fault cut|loss|incast|none] [--loss 1]
 #                 [--agents N] [--io-bytes 96MiB] [--depth 32] [--cut-at 1.5] [--cut-for 2] [--prefix P]
 #       5. the block service on a faulty fabric: a controller and a storage node in B, two agents
 #          in A (Solar sprayed over --paths source ports, and the plain block protocol over one
@@ -48,16 +48,21 @@
 #          has no netem) drops --loss percent of the IP packets in both directions of both
 #          links for the whole run. `incast`: --agents agents per system (default 4; each its
 #          own volume, all on the one storage node, each TCP agent its own connection, which
-#          ECMP spreads over the links) write at once. --agents applies to every fault (default
+#          ECMP spreads over the links) write at once. `none`: no fault (with --busy: a busy
+#          host alone must not look like a faulty fabric). --agents applies to every fault (default
 #          1). Prints per run (all of its agents together)
 #          {"experiment":"block","system","fault","iops","p50_us","p99_us","p999_us",
-#          "max_ms","stall_ms","errors","verified","node_syncs_over_20ms",...} (stall_ms: the
+#          "max_ms","stall_ms","errors","verified","node_syncs_over_20ms","solar_timeouts",
+#          "solar_blocks_resent",...} (solar_*: the Solar agents' RTO expiries and resent
+#          blocks during the run, from their /metrics; stall_ms: the
 #          longest time without a completed write; node_syncs_over_20ms/_50ms: the storage node's
 #          log syncs that slow during the run, a disk stall, which no transport avoids) and {"experiment":"block","summary":true,...} with the medians and
 #          the Solar/TCP ratios. BLKCTL=path uses that blkctl; otherwise it is built (release).
 #          BLOCK_KEEP=dir keeps fio's JSON, its per-I/O latency logs and the daemons' logs.
 #   ecmp.sh up [...] / ecmp.sh down [--prefix P]
 #       only build / only remove the topology.
+#   --busy N (any experiment): N busy loops run beside the testbed for the whole run (a CPU-
+#       starved host: on 2 cores, its threads wait milliseconds for a core).
 #
 # Needs root. Installs what it lacks (iproute2, ethtool) with apt. NSPERF=path uses that nsperf
 # binary; otherwise it is built with cargo (release). Everything it creates (namespaces, veths,
@@ -73,7 +78,7 @@ RATE=500mbit PATHS=8 SPRAY=weighted DURATION=3 PAIRS=3 CUT_BYTES=1GiB CUT_AT=2 C
 FAILOVER_BYTES=256MiB
 SWIFT_TARGET_NS=1000000
 SIZE=16MiB
-FAULT=cut LOSS=1 IO_BYTES=96MiB DEPTH=32 AGENTS=
+FAULT=cut LOSS=1 IO_BYTES=96MiB DEPTH=32 AGENTS= BUSY=0
 P="fe$$"
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -93,12 +98,14 @@ while [ $# -gt 0 ]; do
     --io-bytes) IO_BYTES="$2"; shift 2 ;;
     --depth) DEPTH="$2"; shift 2 ;;
     --agents) AGENTS="$2"; shift 2 ;;
+    --busy) BUSY="$2"; shift 2 ;;
     --prefix) P="$2"; shift 2 ;;
     *) echo "ecmp.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
-case "$cmd" in run|up|down|kvcache|block) ;; *) sed -n '2,46p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;; esac
-case "$FAULT" in cut|loss|incast) ;; *) echo "--fault: cut, loss or incast" >&2; exit 2 ;; esac
+case "$cmd" in run|up|down|kvcache|block) ;; *) sed -n '2,51p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;; esac
+case "$FAULT" in cut|loss|incast|none) ;; *) echo "--fault: cut, loss, incast or none" >&2; exit 2 ;; esac
+[[ "$BUSY" =~ ^[0-9]+$ ]] && [ "$BUSY" -le 16 ] || { echo "--busy: 0..16 busy loops" >&2; exit 2; }
 [ -n "$AGENTS" ] || { [ "$FAULT" = incast ] && AGENTS=4 || AGENTS=1; }
 [[ "$AGENTS" =~ ^[0-9]+$ ]] && [ "$AGENTS" -ge 1 ] && [ "$AGENTS" -le 16 ] || { echo "--agents: 1..16" >&2; exit 2; }
 [[ "$LOSS" =~ ^[0-9]+(\.[0-9]+)?$ ]] || { echo "--loss: a percentage like 1 or 0.5" >&2; exit 2; }
@@ -162,6 +169,11 @@ deps=(ip:iproute2 tc:iproute2 ethtool:ethtool python3:python3 ping:iputils-ping)
 [ "$cmd" = block ] && deps+=(fio:fio)
 [ "$cmd" = block ] && [ "$FAULT" = loss ] && deps+=(clang:clang /usr/include/bpf/bpf_helpers.h:libbpf-dev)
 start ecmp.sh "${deps[@]}"
+# --busy N: busy loops beside the testbed for the whole run, stopped with everything else
+for _ in $(seq 1 "$BUSY"); do
+  "${DIE[@]}" bash -c 'while :; do :; done' &
+  pids+=($!)
+done
 
 # cut_link K / restore_link K: B's end of link K (1 or 2) goes down: the router still hashes
 # flows onto it, a black hole. Restored as a router brings a link back: the route uses it only
@@ -278,11 +290,27 @@ for line in text.splitlines():
 print(int(n["count"]), int(n["count"] - n["0.02"]), int(n["count"] - n["0.05"]))
 PY
   }
+  # the Solar agents' RTO expiries and resent blocks so far: "TIMEOUTS RESENT"
+  solar_counts() {
+    ip netns exec "${P}_a" python3 - "$AGENTS" <<'PY'
+import sys, urllib.request
+t = r = 0
+for k in range(1, int(sys.argv[1]) + 1):
+    text = urllib.request.urlopen(f"http://10.88.1.2:{9500 + k}/metrics", timeout=5).read().decode()
+    for line in text.splitlines():
+        if line.startswith("flexns_solar_timeouts_total"):
+            t += int(float(line.rsplit(" ", 1)[1]))
+        elif line.startswith("flexns_solar_blocks_resent_total"):
+            r += int(float(line.rsplit(" ", 1)[1]))
+print(t, r)
+PY
+  }
   blk=(ip netns exec "${P}_a" "$BLKCTL" --control 10.88.2.2:7420 --dir "$work")
   declare -A uri
   for k in $(seq 1 "$AGENTS"); do
     daemon "solar$k" a agent --name "solar$k" --nbd "127.0.0.1:$(( 10808 + k ))" --admin 10.88.1.2:0 \
-      --control 10.88.2.2:7420 --transport solar --paths "$PATHS" --cc "$CC"
+      --control 10.88.2.2:7420 --transport solar --paths "$PATHS" --cc "$CC" \
+      --metrics-addr "10.88.1.2:$(( 9500 + k ))"
     daemon "tcp$k" a agent --name "tcp$k" --nbd "127.0.0.1:$(( 10908 + k ))" --admin 10.88.1.2:0 \
       --control 10.88.2.2:7420 --transport tcp
     for sys in solar tcp; do
@@ -319,6 +347,7 @@ PY
       done
       python3 -c 'import time; print(time.monotonic_ns())' >"$work/$name.times"
       node_syncs >"$work/$name.syncs" || true
+      [ "$sys" = solar ] && { solar_counts >"$work/$name.solar" || true; }
       if [ "$FAULT" = cut ]; then
         b1=$(link_bytes 1) b2=$(link_bytes 2)
         run sleep "$CUT_AT"
@@ -333,6 +362,7 @@ PY
       fi
       for f in "${fpids[@]}"; do wait "$f" || true; done
       node_syncs >>"$work/$name.syncs" || true
+      [ "$sys" = solar ] && { solar_counts >>"$work/$name.solar" || true; }
     done
   done
   # BLOCK_KEEP=DIR keeps fio's results and per-I/O latency logs there, with each volume's
@@ -343,10 +373,10 @@ PY
     done
     mkdir -p "$BLOCK_KEEP" && cp "$work"/*.{json,log,times} "$BLOCK_KEEP"/ 2>/dev/null || true
   fi
-  python3 - "$work" "$FAULT" "$LOSS" "$PAIRS" "$PATHS" "$RATE" "$AGENTS" <<'PYEOF'
+  python3 - "$work" "$FAULT" "$LOSS" "$PAIRS" "$PATHS" "$RATE" "$AGENTS" "$BUSY" <<'PYEOF'
 import json, sys
-work, fault, loss, pairs, paths, rate, agents = sys.argv[1:]
-agents = int(agents)
+work, fault, loss, pairs, paths, rate, agents, busy = sys.argv[1:]
+agents, busy = int(agents), int(busy)
 def med(v):
     v = sorted(x for x in v if x is not None)
     return v[len(v) // 2] if v else None
@@ -412,6 +442,13 @@ for pair in range(1, int(pairs) + 1):
                       "node_syncs_over_50ms": b[2] - a[2]})
         except (OSError, ValueError):
             pass
+        # the Solar agents' RTO expiries and resent blocks during the run
+        try:
+            a, b = [[int(x) for x in l.split()] for l in open(f"{work}/{name}.solar").read().split("\n")[:2]]
+            r.update({"solar_timeouts": b[0] - a[0], "solar_blocks_resent": b[1] - a[1]})
+        except (OSError, ValueError):
+            pass
+        r["busy_loops"] = busy
         print(json.dumps(r))
         runs[sysname].append(r)
 s, t = runs["solar"], runs["tcp"]
@@ -424,6 +461,9 @@ print(json.dumps({
     "stall_ms_solar_max": max((r.get("stall_ms") or 0 for r in s), default=None),
     "stall_ms_tcp_max": max((r.get("stall_ms") or 0 for r in t), default=None),
     "errors_solar": sum(1 for r in s if r.get("errors")), "errors_tcp": sum(1 for r in t if r.get("errors")),
+    "solar_timeouts": sum(r.get("solar_timeouts") or 0 for r in s),
+    "solar_blocks_resent": sum(r.get("solar_blocks_resent") or 0 for r in s),
+    "busy_loops": busy,
     "verified": all(r.get("verified") for r in s + t),
 }))
 PYEOF
