@@ -3,8 +3,11 @@
 #   scripts/fuzz.sh [--seconds N] [TARGET...]   (default: 60 s for each target in fuzz/)
 # Prints one JSON line per target: executions, seconds, and the corpus size. A crash stops
 # the run with libFuzzer's report; its input is kept under fuzz/artifacts/TARGET/ (turn it
-# into a regression test). Needs the nightly toolchain and cargo-fuzz
-# (`cargo install cargo-fuzz`).
+# into a regression test). Needs cargo-fuzz (scripts/install-test-deps.sh installs it).
+# cargo fuzz passes flags only a nightly compiler takes (-Zsanitizer=address, sancov); this
+# script runs the project's stable toolchain with RUSTC_BOOTSTRAP=1, which takes them, so no
+# other toolchain is needed (none can be fetched on the project's machines). FUZZ_TOOLCHAIN=
+# nightly uses an installed nightly instead.
 set -euo pipefail
 cd "$(dirname "$0")/../fuzz"
 secs=60
@@ -12,20 +15,26 @@ if [ "${1:-}" = "--seconds" ]; then
   secs="$2"
   shift 2
 fi
-if ! cargo +nightly fuzz --version >/dev/null 2>&1; then
-  echo "scripts/fuzz.sh: needs the nightly toolchain and cargo-fuzz (cargo install cargo-fuzz)" >&2
+if [ -n "${FUZZ_TOOLCHAIN:-}" ]; then
+  fuzz=(cargo "+$FUZZ_TOOLCHAIN" fuzz)
+else
+  export RUSTC_BOOTSTRAP=1
+  fuzz=(cargo fuzz)
+fi
+if ! "${fuzz[@]}" --version >/dev/null 2>&1; then
+  echo "scripts/fuzz.sh: needs cargo-fuzz (cargo install cargo-fuzz --locked; scripts/install-test-deps.sh does)" >&2
   exit 2
 fi
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || mapfile -t targets < <(cargo +nightly fuzz list)
-if ! cargo +nightly fuzz build -O >/dev/null 2>&1; then
-  cargo +nightly fuzz build -O # again, to show why
+[ ${#targets[@]} -gt 0 ] || mapfile -t targets < <("${fuzz[@]}" list)
+if ! "${fuzz[@]}" build -O >/dev/null 2>&1; then
+  "${fuzz[@]}" build -O # again, to show why
   exit 1
 fi
 for t in "${targets[@]}"; do
   mkdir -p "corpus/$t"
   log="$(mktemp)"
-  if ! cargo +nightly fuzz run -O "$t" "corpus/$t" -- -max_total_time="$secs" -print_final_stats=1 >"$log" 2>&1; then
+  if ! "${fuzz[@]}" run -O "$t" "corpus/$t" -- -max_total_time="$secs" -print_final_stats=1 >"$log" 2>&1; then
     tail -40 "$log" >&2
     rm -f "$log"
     echo "{\"target\":\"$t\",\"crash\":true}"

@@ -58,3 +58,10 @@ if ! python3 -c 'import pytest, numpy' >/dev/null 2>&1 || ! command -v maturin >
     || python3 -m pip install -q --disable-pip-version-check --break-system-packages 'maturin>=1.7,<2' pytest numpy \
     || echo "could not install maturin, pytest or numpy; the Python package's tests will fail" >&2
 fi
+
+# the fuzz smoke (scripts/fuzz.sh): cargo-fuzz, from crates.io, built with the project's own
+# stable toolchain (fuzz.sh runs it with RUSTC_BOOTSTRAP=1, so no nightly is needed)
+if ! command -v cargo-fuzz >/dev/null 2>&1; then
+  echo "installing: cargo-fuzz (crates.io)"
+  cargo install -q --locked cargo-fuzz || echo "could not install cargo-fuzz; the fuzz smoke will skip" >&2
+fi

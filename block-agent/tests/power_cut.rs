@@ -82,7 +82,7 @@ fn every_acknowledged_write_survives_a_power_cut_on_every_replica() {
         return;
     }
     if let Err(why) = Disk::available() {
-        test_support::skip(NAME, test_support::Missing::Hardware, &why);
+        test_support::skip(NAME, test_support::Missing::Mount, &why);
         return;
     }
     let base = std::env::temp_dir().join(format!("power-cut-{}", std::process::id()));
