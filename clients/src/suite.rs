@@ -109,7 +109,7 @@ fn comparisons(a: &SuiteArgs) -> Vec<Comparison> {
         },
         c(
             "block-randread",
-            "block 4 KiB randread QD32 through fio's NBD engine vs qemu-nbd (writethrough and O_DIRECT+aio) and the plain-TCP agent",
+            "block 4 KiB randread QD32 through fio's NBD engine vs qemu-nbd (writethrough, and O_DIRECT|O_DSYNC with aio) and the plain-TCP agent",
             "blkctl",
             format!("bench --system all --rw randread --bs 4k --depth 32 --size {blk_size} --duration {blk_d} --repeat {p}"),
         ),
