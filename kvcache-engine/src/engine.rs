@@ -286,7 +286,10 @@ impl TransferEngine {
     }
 
     /// Registers caller memory (a tensor's storage, an mmap), like Mooncake's
-    /// `registerLocalMemory(addr, len)`.
+    /// `registerLocalMemory(addr, len)`. The range is checked first
+    /// ([`crate::hostmem::check_caller_memory`]): device memory (as the CUDA driver, if loaded,
+    /// says), `cuda:N`, and a range outside this process's writable host mappings are refused
+    /// with the address, the length and the reason, never dereferenced.
     ///
     /// # Safety
     /// `ptr..ptr+len` must stay valid until it is unregistered and no transfer uses it, and the
@@ -297,7 +300,9 @@ impl TransferEngine {
         len: usize,
         location: Location,
     ) -> Result<u64, TransferError> {
-        // SAFETY: forwarded to the caller.
+        let location = crate::hostmem::check_caller_memory(ptr as u64, len as u64, Some(location), true)?;
+        // SAFETY: the range is mapped, readable and writable host memory now (checked above);
+        // that it stays so is forwarded to the caller.
         let r = Arc::new(unsafe { Region::from_raw(ptr, len) });
         self.register(r, location, true)
     }

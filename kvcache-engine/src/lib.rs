@@ -26,6 +26,7 @@ pub mod daemon;
 pub mod engine;
 mod error;
 pub mod gpu;
+pub mod hostmem;
 pub mod kvcache;
 mod memory;
 mod metadata;

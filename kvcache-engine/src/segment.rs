@@ -16,13 +16,32 @@ pub enum Location {
 
 impl std::str::FromStr for Location {
     type Err = String;
+    /// `cpu:N` or `cuda:N` (`cpu`, `cuda`: device 0). Mooncake's `"*"` (detect) is not a
+    /// location: see [`Location::parse_requested`].
     fn from_str(s: &str) -> Result<Location, String> {
         let (kind, n) = s.split_once(':').unwrap_or((s, "0"));
         let n: u32 = n.parse().map_err(|_| format!("location {s:?}: bad device number"))?;
         match kind {
-            "cpu" | "*" => Ok(Location::Cpu(n)),
+            "cpu" => Ok(Location::Cpu(n)),
             "cuda" => Ok(Location::Cuda(n)),
-            _ => Err(format!("location {s:?}: expected cpu:N or cuda:N")),
+            "*" => Err(format!(
+                "location {s:?}: \"*\" means detect, which only memory given by address can be \
+                 (Location::parse_requested, hostmem::check_caller_memory)"
+            )),
+            _ => Err(format!("location {s:?}: expected cpu:N, cuda:N or \"*\" (detect)")),
+        }
+    }
+}
+
+impl Location {
+    /// A location string as Mooncake's `register_memory` takes it: `"*"` (detect where the
+    /// memory is, see [`crate::hostmem::check_caller_memory`]) is `None`, else `cpu:N` or
+    /// `cuda:N`.
+    pub fn parse_requested(s: &str) -> Result<Option<Location>, String> {
+        if s == "*" {
+            Ok(None)
+        } else {
+            s.parse().map(Some)
         }
     }
 }
@@ -131,7 +150,11 @@ mod tests {
         assert!(d.buffer_for(u64::MAX, 2).is_none());
         assert!(SegmentDesc::from_json("{").is_err());
         assert_eq!("cuda:3".parse::<Location>(), Ok(Location::Cuda(3)));
-        assert_eq!("*".parse::<Location>(), Ok(Location::Cpu(0)));
+        // Mooncake's "*" means detect: not cpu:0
+        assert!("*".parse::<Location>().unwrap_err().contains("detect"));
+        assert_eq!(Location::parse_requested("*"), Ok(None));
+        assert_eq!(Location::parse_requested("cpu:1"), Ok(Some(Location::Cpu(1))));
+        assert!(Location::parse_requested("gpu").unwrap_err().contains("expected cpu:N"));
         assert!("tpu:0".parse::<Location>().is_err());
     }
 }
