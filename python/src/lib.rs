@@ -8,9 +8,11 @@
 //! addresses; a remote address is the peer's). What differs, on purpose: a failure is never
 //! silent (its message, naming the peer and the cause, is logged on the `flexns` logger and
 //! kept for [`Engine::last_error`]); an unknown protocol, metadata server or transport hint is a
-//! `ValueError` naming the supported ones, never a fallback; `initialize` and registration raise
-//! (`ValueError`, `TransferError`) instead of returning -1; memory may be given as a NumPy
-//! array or a PyTorch tensor as well as an address. Every blocking call releases the GIL.
+//! `ValueError` naming the supported ones, never a fallback; `initialize` raises (`ValueError`,
+//! `TransferError`) instead of returning -1; memory may be given as a NumPy array or a PyTorch
+//! tensor as well as an address, and an address is checked before it is registered (device
+//! memory, or a range outside this process's writable host memory, is -1 with the reason, never
+//! dereferenced). Every blocking call releases the GIL.
 
 use kvcache_engine::batch::{Notification, Opcode, SegmentHandle, TransferRequest, TransferState};
 use kvcache_engine::{BatchId, EngineConfig, Location, MetadataConfig, TransferEngine, TransportKind};
@@ -67,7 +69,8 @@ struct Registered {
     _owner: Option<Py<PyAny>>,
 }
 
-/// Where a Python value's memory is: (address, length if the value knows it, on a GPU).
+/// Where a Python value's memory is: (address, length if the value knows it, on a GPU by the
+/// object's own account: a bare address is classified by `hostmem::check_caller_memory`).
 struct Memory {
     addr: u64,
     len: Option<usize>,
@@ -133,9 +136,10 @@ fn memory_of(obj: &Bound<'_, PyAny>) -> PyResult<Memory> {
     )))
 }
 
-const CUDA_UNSUPPORTED: &str = "CUDA memory cannot be registered by address: flexns moves GPU memory through \
-     kvcache-engine's gpu::GpuBuffer segments (Rust, feature `gpu`), and this Python package has no path from a \
-     caller's device pointer to one yet; copy the tensor to host memory (tensor.cpu()) or use the Rust API";
+const CUDA_UNSUPPORTED: &str = "CUDA memory cannot be registered or transferred by this package: it is built \
+     without GPU support (flexns.SUPPORT_CUDA is False), and flexns registers GPU memory only as kvcache-engine \
+     gpu::GpuBuffer segments (Rust, feature `gpu`), never by a caller's device pointer; copy the tensor to host \
+     memory (tensor.cpu()) first";
 
 fn protocol(p: &str) -> PyResult<TransportKind> {
     match p {
@@ -329,24 +333,20 @@ impl Engine {
         )))
     }
 
+    /// Registers one buffer. A malformed argument raises (`TypeError`, `ValueError`); memory
+    /// that cannot be registered (device memory, a range outside this process's writable host
+    /// mappings, a read-only array, the engine's refusal) is `Ok(Err(reason))`, which the
+    /// Mooncake-style callers report as -1 with `last_error()`.
     fn register_one(
         &self,
         py: Python<'_>,
         obj: &Bound<'_, PyAny>,
         capacity: Option<usize>,
         location: &str,
-    ) -> PyResult<u64> {
+    ) -> PyResult<Result<u64, String>> {
         let e = self.engine()?;
         let m = memory_of(obj)?;
-        let loc: Location = location.parse().map_err(PyValueError::new_err)?;
-        if m.cuda || matches!(loc, Location::Cuda(_)) {
-            return Err(PyValueError::new_err(CUDA_UNSUPPORTED));
-        }
-        if !m.writable {
-            return Err(PyValueError::new_err(
-                "the array is read-only: registered memory is remotely writable (numpy: arr.flags.writeable)",
-            ));
-        }
+        let requested = Location::parse_requested(location).map_err(PyValueError::new_err)?;
         let len = match (capacity, m.len) {
             (Some(c), Some(l)) if c > l => {
                 return Err(PyValueError::new_err(format!(
@@ -357,25 +357,37 @@ impl Engine {
             (None, Some(l)) => l,
             (None, None) => return Err(PyValueError::new_err("an address needs its capacity (length in bytes)")),
         };
-        if m.addr == 0 || len == 0 {
-            return Err(PyValueError::new_err(format!(
-                "cannot register {len} bytes at address {:#x}",
-                m.addr
+        let at = format!("{:#x} +{len}", m.addr);
+        if m.cuda {
+            return Ok(Err(format!("{at}: a CUDA tensor: {CUDA_UNSUPPORTED}")));
+        }
+        if !m.writable {
+            return Ok(Err(format!(
+                "{at}: the array is read-only, and registered memory is written by peers (numpy: arr.flags.writeable)"
             )));
         }
-        // SAFETY: Python hands over a range it owns; the object (when one was given) is kept
-        // alive in `registered` until unregistered, and an address given as an int is the
-        // caller's promise, exactly as in Mooncake's `register_memory(addr, len)`. The region
-        // is reached only through its atomic copies, never as a Rust reference.
+        // an address from Python may be anything (a CUDA tensor's data_ptr(), a freed buffer):
+        // it is classified and its mappings checked before anything reads or writes it
+        let loc = match kvcache_engine::hostmem::check_caller_memory(m.addr, len as u64, requested, true) {
+            Ok(l) => l,
+            Err(err) => return Ok(Err(err.to_string())),
+        };
+        // SAFETY: `check_caller_memory` found the range mapped, readable and writable host
+        // memory of this process. Python hands over a range it owns; the object (when one was
+        // given) is kept alive in `registered` until unregistered, and an address given as an
+        // int is the caller's promise to keep it mapped, exactly as in Mooncake's
+        // `register_memory(addr, len)`. The region is reached only through its atomic copies,
+        // never as a Rust reference.
         let region = Arc::new(unsafe { Region::from_raw(m.addr as *mut u8, len) });
         let owner = (m.len.is_some()).then(|| obj.clone().unbind());
-        let addr = py
-            .detach(|| e.register_memory(region.clone(), loc))
-            .map_err(|e| TransferError::new_err(e.to_string()))?;
+        let addr = match py.detach(|| e.register_memory(region.clone(), loc)) {
+            Ok(a) => a,
+            Err(err) => return Ok(Err(format!("{at}: {err}"))),
+        };
         self.registered
             .lock()
             .insert(addr, Registered { region, _owner: owner });
-        Ok(addr)
+        Ok(Ok(addr))
     }
 
     /// The registered (or managed) region holding `[addr, addr+len)`, and the offset in it.
@@ -526,7 +538,10 @@ impl Engine {
     }
 
     /// Registers memory for transfers and publishes it: an address and its capacity (as in
-    /// Mooncake), or a NumPy array or PyTorch tensor (kept alive until unregistered). Returns 0.
+    /// Mooncake), or a NumPy array or PyTorch tensor (kept alive until unregistered).
+    /// `location`: `"*"` (detect), `"cpu:N"`; `"cuda:N"` is refused. Returns 0, or -1 (with
+    /// `last_error()`) if the memory cannot be registered: device memory, a range that is not
+    /// this process's writable host memory. A malformed argument raises.
     #[pyo3(signature = (buffer_addr, capacity = None, location = "*"))]
     fn register_memory(
         &self,
@@ -535,7 +550,13 @@ impl Engine {
         capacity: Option<usize>,
         location: &str,
     ) -> PyResult<i32> {
-        self.register_one(py, buffer_addr, capacity, location).map(|_| 0)
+        Ok(match self.register_one(py, buffer_addr, capacity, location)? {
+            Ok(_) => 0,
+            Err(m) => {
+                self.failed(py, "register_memory", m);
+                -1
+            }
+        })
     }
 
     /// Unregisters memory (by address or by the object registered). Returns 0, or -1 if
@@ -550,8 +571,9 @@ impl Engine {
         Ok(code(r.map_err(|m| self.failed(py, "unregister_memory", m))))
     }
 
-    /// Registers several buffers (lists of addresses or objects, and of capacities). Returns 0;
-    /// on an error none of them stays registered.
+    /// Registers several buffers (lists of addresses or objects, and of capacities). Returns 0,
+    /// or -1 (with `last_error()` naming the buffer) if one cannot be registered; on an error
+    /// (or a raised malformed argument) none of them stays registered.
     #[pyo3(signature = (buffer_addresses, capacities = None, location = "*"))]
     fn batch_register_memory(
         &self,
@@ -571,17 +593,23 @@ impl Engine {
         }
         let mut done = Vec::new();
         for (i, obj) in buffer_addresses.iter().enumerate() {
-            match self.register_one(py, &obj, capacities.as_ref().map(|c| c[i]), location) {
-                Ok(a) => done.push(a),
-                Err(err) => {
-                    let e = self.engine()?;
-                    for a in done {
-                        let _ = e.unregister_memory(a);
-                        self.registered.lock().remove(&a);
-                    }
-                    return Err(err);
-                }
+            let r = self.register_one(py, &obj, capacities.as_ref().map(|c| c[i]), location);
+            if let Ok(Ok(a)) = r {
+                done.push(a);
+                continue;
             }
+            let e = self.engine()?;
+            for a in done {
+                let _ = e.unregister_memory(a);
+                self.registered.lock().remove(&a);
+            }
+            let m = r?.err().unwrap_or_default();
+            self.failed(
+                py,
+                "batch_register_memory",
+                format!("buffer {i}: {m} (none registered)"),
+            );
+            return Ok(-1);
         }
         Ok(0)
     }
