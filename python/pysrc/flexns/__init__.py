@@ -37,19 +37,26 @@ __all__ = [
 ]
 
 
-def use_as_mooncake():
+def use_as_mooncake(export=True):
     """Makes ``from mooncake.engine import TransferEngine`` (and ``import mooncake.engine``)
-    resolve to flexns's engine in this process. Opt-in: nothing is installed under the name
-    ``mooncake``, so a real Mooncake is never shadowed unless this is called (or a program is
-    started with ``python -m flexns.as_mooncake``). Returns the alias module."""
+    resolve to flexns's engine in this process, and (``export``) sets
+    ``FLEXNS_AS_MOONCAKE=force`` in the environment, so that worker processes started from here
+    (multiprocessing ``spawn``, ``subprocess``) resolve it to flexns too, through the
+    ``flexns_mooncake.pth`` hook the wheel installs. Opt-in: nothing is installed under the name
+    ``mooncake``, so a real Mooncake is never shadowed unless this is called, a program is
+    started with ``python -m flexns.as_mooncake``, or ``FLEXNS_AS_MOONCAKE`` is set (``1``: only
+    where no real Mooncake is installed; ``force``: always). Returns the alias module."""
+    import os
     import sys
     import types
 
     from . import _flexns
 
+    if export:
+        os.environ["FLEXNS_AS_MOONCAKE"] = "force"
     pkg = types.ModuleType("mooncake")
     pkg.__path__ = []  # a package, so that submodule imports resolve
-    pkg.__doc__ = "flexns standing in for Mooncake (flexns.use_as_mooncake)"
+    pkg.__doc__ = "flexns standing in for Mooncake (flexns.use_as_mooncake, FLEXNS_AS_MOONCAKE)"
     engine = types.ModuleType("mooncake.engine")
     for name in ("TransferEngine", "TransferNotify", "TransferOpcode", "SUPPORT_CUDA"):
         setattr(engine, name, getattr(_flexns, name))

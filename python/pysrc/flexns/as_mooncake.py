@@ -4,7 +4,10 @@
     python -m flexns.as_mooncake -m package.module ARGS...
 
 so that serving code written for Mooncake (vLLM's MooncakeConnector, SGLang's mooncake
-transfer backend) runs over flexns unchanged.
+transfer backend) runs over flexns unchanged. It exports ``FLEXNS_AS_MOONCAKE=force``, so the
+worker processes the program starts (multiprocessing ``spawn``, ``subprocess``) get the alias
+too (through the ``flexns_mooncake.pth`` hook the wheel installs); asking for the runner is
+asking for flexns, so a real Mooncake is shadowed (with a warning in the workers).
 """
 
 import runpy
