@@ -210,11 +210,24 @@ pub struct StorageNode {
     threads: Vec<JoinHandle<()>>,
 }
 
+/// The status answering a request the store refused. A failed store
+/// ([`StoreError::Poisoned`]) answers `IoError` to everything: the agent counts a write that
+/// fails so as a failed replica (down: later writes skip it, the resync catches it up once it
+/// takes writes again) and reads elsewhere.
 fn store_status(e: &StoreError) -> Status {
     match e {
         StoreError::OutOfRange { .. } => Status::OutOfRange,
         StoreError::BadCrc { .. } => Status::CrcError,
         _ => Status::IoError,
+    }
+}
+
+/// Logs a refused write: a failed store's refusals only at debug (it logged its failure once).
+fn log_refused(e: &StoreError) {
+    if matches!(e, StoreError::Poisoned { .. }) {
+        tracing::debug!("{e}");
+    } else {
+        tracing::warn!("{e}");
     }
 }
 
@@ -532,7 +545,7 @@ impl Inner {
             done(match r {
                 Ok(()) => Status::Ok,
                 Err(e) => {
-                    tracing::warn!("{e}");
+                    log_refused(&e);
                     store_status(&e)
                 }
             })
@@ -553,7 +566,7 @@ impl Inner {
             Some(s) => match s.write_zeroes(lba, count, version) {
                 Ok(()) => Status::Ok,
                 Err(e) => {
-                    tracing::warn!("{e}");
+                    log_refused(&e);
                     store_status(&e)
                 }
             },
@@ -762,7 +775,9 @@ fn observe(store: &VolumeStore, node: &str, volume: u32) {
 }
 
 /// The storage node's metrics, copied once a second: packets, malformed input, the Solar
-/// server's counters, and per volume (`volume` label) writes, log syncs, checkpoints and reads.
+/// server's counters, and per volume (`volume` label) writes, log syncs, checkpoints, reads
+/// and whether its store failed (`flexns_store_failed`: 1 once a log or checkpoint write or
+/// sync failed and it refuses all I/O, see [`StoreError::Poisoned`]).
 impl netstack::telemetry::Collect for Inner {
     fn collect(&self) {
         use metrics::{counter, gauge};
@@ -805,6 +820,8 @@ impl netstack::telemetry::Collect for Inner {
             v("flexns_store_corrupt_reads_total", st.corrupt_reads);
             gauge!("flexns_store_size_bytes", "node" => node.clone(), "volume" => id.to_string())
                 .set((store.blocks() * BLOCK as u64) as f64);
+            gauge!("flexns_store_failed", "node" => node.clone(), "volume" => id.to_string())
+                .set(if store.poisoned().is_some() { 1.0 } else { 0.0 });
         }
     }
 }

@@ -344,6 +344,7 @@ impl pb::storage_node_admin_server::StorageNodeAdmin for NodeAdmin {
                     snapshots: store.as_ref().map(|s| s.snapshots()).unwrap_or_default(),
                     base_volume: base.map_or(0, |b| b.0),
                     base_snapshot: base.map_or(0, |b| b.1),
+                    failed: store.as_ref().and_then(|s| s.poisoned()).unwrap_or_default(),
                 }
             })
             .collect();

@@ -12,6 +12,17 @@
 //!   returned). So a `kill -9` at any instant loses no acknowledged write, and a torn block in
 //!   the data file is rewritten from the log. Replay reads a log a chunk at a time
 //!   (`logread`), so memory at restart does not grow with `log_limit`.
+//! - **A failed write or sync poisons the store** ([`StoreError::Poisoned`]): a failed
+//!   append to the log or `fdatasync` of it, a failed write or sync of the data or metadata
+//!   files in a checkpoint, or a failed log switch. After a failed sync the kernel may have
+//!   dropped the dirty pages (PostgreSQL's "fsyncgate"), so the log past the last durable
+//!   record may hold zeros or an older generation's records, and replay would stop there:
+//!   anything appended after it and acknowledged would be lost at the next crash. So from then
+//!   on the store appends and acknowledges nothing (every write not durable yet fails, and
+//!   every later one) and serves no read either (a dropped page of the data file would read as
+//!   its older contents, which match the dropped metadata's CRC). The node answers `IoError`,
+//!   which the agent takes as a failed replica; a restart replays what was durable (it stops at
+//!   the first record that is torn or of another generation) and the agent resyncs it.
 //! - The log is two files used in turn (`vol-N.log`, `vol-N.log2`), each starting with a
 //!   header carrying its generation. When the active one passes `log_limit`, commits move to
 //!   the other (empty) file under the next generation, and a background thread checkpoints the
@@ -113,6 +124,50 @@ pub enum StoreError {
     Invalid(String, u32),
     #[error("volume {volume}: a background checkpoint failed (its log is kept): {what}")]
     Checkpoint { volume: u32, what: String },
+    /// A write or sync of the log, or of the data or metadata files in a checkpoint, or a log
+    /// switch failed: after a failed sync the kernel may have dropped the dirty pages, so
+    /// nothing past the last durable record can be trusted. The store refuses every request
+    /// (writes, and reads too: a dropped page of the data file would read back as its older
+    /// contents, matching the dropped metadata's CRC) until the node restarts and replays what
+    /// was durable. See [`VolumeStore::poisoned`].
+    #[error("volume {volume}: the store failed and refuses all I/O until the node restarts: {cause}")]
+    Poisoned { volume: u32, cause: String },
+}
+
+/// Why a store failed (see [`StoreError::Poisoned`]): set once, shared with the background
+/// checkpoint thread.
+struct Poison {
+    volume: u32,
+    cause: std::sync::OnceLock<String>,
+}
+
+impl Poison {
+    /// Marks the store failed because of `cause` (the first cause stays; logged once).
+    fn set(&self, cause: String) {
+        let mut first = false;
+        self.cause.get_or_init(|| {
+            first = true;
+            cause.clone()
+        });
+        if first {
+            tracing::error!(
+                "volume {}: the store failed ({cause}); it refuses all I/O from now on, and the agent treats \
+                 this replica as failed until the node restarts and it is resynced",
+                self.volume
+            );
+        }
+    }
+
+    /// Err when the store failed.
+    fn check(&self) -> Result<(), StoreError> {
+        match self.cause.get() {
+            None => Ok(()),
+            Some(c) => Err(StoreError::Poisoned {
+                volume: self.volume,
+                cause: c.clone(),
+            }),
+        }
+    }
 }
 
 /// Counters.
@@ -138,8 +193,6 @@ struct Commit {
     next_seq: u64,
     durable_seq: u64,
     committing: bool,
-    /// A commit failed: writers waiting on it get this error.
-    failed: Option<(u64, String)>,
     /// Queued writes ([`VolumeStore::submit_blocks`]): the sequence number of each, its
     /// blocks and what runs once it is durable; a commit's leader runs them.
     queued: Vec<(u64, u64, Durable)>,
@@ -190,6 +243,9 @@ pub struct VolumeStore {
     fence: fence::Fence,
     /// Where each log sync's duration goes ([`VolumeStore::observe_log_syncs`]).
     sync_latency: std::sync::OnceLock<metrics::Histogram>,
+    /// Set when a log write or sync, a checkpoint or a log switch failed: every request is
+    /// refused from then on ([`StoreError::Poisoned`]).
+    poison: std::sync::Arc<Poison>,
 }
 
 /// Makes `dir`'s entries (files created, renamed or removed in it) durable.
@@ -591,7 +647,6 @@ impl VolumeStore {
                 next_seq: 1,
                 durable_seq: 0,
                 committing: false,
-                failed: None,
                 queued: Vec::new(),
                 kicked: false,
             }),
@@ -602,6 +657,10 @@ impl VolumeStore {
             base,
             fence: fence::Fence::load(dir, volume)?,
             sync_latency: std::sync::OnceLock::new(),
+            poison: std::sync::Arc::new(Poison {
+                volume,
+                cause: std::sync::OnceLock::new(),
+            }),
         };
         s.replay()?;
         Ok(s)
@@ -638,8 +697,19 @@ impl VolumeStore {
                 self.volume,
             ));
         }
+        self.poison.check()?;
         // metadata first: a crash in between leaves a data file of the old size, which is
         // what the volume is opened with (the extra metadata is zeros: never written)
+        let r = self.grow_files(blocks);
+        if let Err(e) = &r {
+            // a failed sync may have dropped the files' dirty pages
+            self.poison.set(format!("growing the volume failed: {e}"));
+        }
+        r
+    }
+
+    /// [`VolumeStore::grow`]'s resizes and syncs (commits are held off).
+    fn grow_files(&self, blocks: u64) -> Result<(), StoreError> {
         self.meta
             .set_len(blocks * META)
             .map_err(self.io("growing the metadata file"))?;
@@ -661,6 +731,12 @@ impl VolumeStore {
     /// show there, as in etcd's `wal_fsync_duration`; a second call is ignored.
     pub fn observe_log_syncs(&self, h: metrics::Histogram) {
         let _ = self.sync_latency.set(h);
+    }
+
+    /// Why the store failed, if it did ([`StoreError::Poisoned`]): it then refuses every
+    /// request until the node restarts (the node reports it in its volume list and metrics).
+    pub fn poisoned(&self) -> Option<String> {
+        self.poison.cause.get().cloned()
     }
 
     pub fn stats(&self) -> StoreStats {
@@ -872,6 +948,13 @@ impl VolumeStore {
             return false;
         }
         let mut c = self.commit.lock();
+        // checked under the lock a failed commit's leader poisons the store under: a write
+        // queued before it is failed by that leader, one after it here
+        if let Err(e) = self.poison.check() {
+            drop(c);
+            done(Err(e));
+            return false;
+        }
         let seq = c.next_seq;
         c.next_seq += 1;
         for (k, (data, crc)) in blocks.iter().enumerate() {
@@ -940,21 +1023,19 @@ impl VolumeStore {
     /// Queues the records `encode` appends for the next group commit and waits until they
     /// are durable (leading that commit when none runs); `blocks` is what they cover.
     fn commit_records(&self, blocks: u64, encode: impl FnOnce(&mut Vec<u8>)) -> Result<(), StoreError> {
+        self.poison.check()?;
         let mut c = self.commit.lock();
         let seq = c.next_seq;
         c.next_seq += 1;
         encode(&mut c.waiting);
         c.waiting_last = seq;
         loop {
-            if let Some((upto, e)) = &c.failed {
-                if seq <= *upto {
-                    return Err(StoreError::Invalid(format!("commit failed: {e}"), self.volume));
-                }
-            }
             if c.durable_seq >= seq {
                 self.stats.lock().writes += blocks;
                 return Ok(());
             }
+            // not durable, and nothing is made durable after a failure
+            self.poison.check()?;
             if c.committing {
                 self.cv.wait(&mut c);
                 continue;
@@ -969,40 +1050,50 @@ impl VolumeStore {
 
     /// Leads one commit of everything waiting (the caller holds the lock and no commit
     /// runs), wakes the writers waiting on it and runs the queued writes' `done`s it covers.
+    ///
+    /// A failed commit poisons the store ([`StoreError::Poisoned`]): after a failed write or
+    /// `fdatasync` the kernel may have dropped the log's dirty pages, so a later record
+    /// appended after them would sit behind a hole that stops replay, and be lost at the next
+    /// crash although acknowledged. So nothing is appended or acknowledged after it: every
+    /// write not durable yet, waiting or queued, fails, and so does every later one.
     fn lead_one<'a>(&'a self, mut c: parking_lot::MutexGuard<'a, Commit>) -> parking_lot::MutexGuard<'a, Commit> {
         c.committing = true;
         let mut batch = std::mem::take(&mut c.waiting);
         let last = c.waiting_last;
         drop(c);
-        let r = self.commit_batch(&mut batch);
+        let r = self.poison.check().and_then(|()| self.commit_batch(&mut batch));
         let mut c = self.commit.lock();
         c.committing = false;
-        let failed = match r {
+        // a background checkpoint that failed meanwhile poisoned the store too: nothing more
+        // is acknowledged
+        let ok = match r.and_then(|()| self.poison.check()) {
             Ok(()) => {
                 c.durable_seq = last;
-                None
+                true
             }
             Err(e) => {
-                let e = e.to_string();
-                c.failed = Some((last, e.clone()));
-                Some(e)
+                self.poison.set(e.to_string());
+                // the records of writers still waiting are never written: they see the poison
+                c.waiting.clear();
+                false
             }
         };
         self.cv.notify_all();
-        let split = c.queued.partition_point(|q| q.0 <= last);
+        let split = if ok {
+            c.queued.partition_point(|q| q.0 <= last)
+        } else {
+            c.queued.len()
+        };
         if split == 0 {
             return c;
         }
         let done: Vec<_> = c.queued.drain(..split).collect();
         drop(c);
-        if failed.is_none() {
+        if ok {
             self.stats.lock().writes += done.iter().map(|q| q.1).sum::<u64>();
         }
         for (_, _, d) in done {
-            d(match &failed {
-                None => Ok(()),
-                Some(e) => Err(StoreError::Invalid(format!("commit failed: {e}"), self.volume)),
-            });
+            d(if ok { Ok(()) } else { self.poison.check() });
         }
         self.commit.lock()
     }
@@ -1065,6 +1156,7 @@ impl VolumeStore {
         log.generation = generation;
         drop(log);
         let (data, meta, spare, volume) = (self.data.clone(), self.meta.clone(), self.spare.clone(), self.volume);
+        let poison = self.poison.clone();
         let run = move || {
             // the files first: only then may the records leave the log. It is emptied by its
             // header (the file is recycled: see the module's doc). Their dirty pages go to
@@ -1085,7 +1177,8 @@ impl VolumeStore {
             match r {
                 Ok(()) => sp.checkpoints += 1,
                 Err(e) => {
-                    tracing::error!("volume {volume}: checkpoint: {e}");
+                    // the files' dirty pages may be gone: nothing more is served
+                    poison.set(format!("a background checkpoint failed: {e}"));
                     sp.failed = Some(e.to_string());
                 }
             }
@@ -1104,6 +1197,7 @@ impl VolumeStore {
     /// Reads a block with its stored CRC and version, checked: a block that does not match its
     /// CRC is [`StoreError::Corrupt`]. A block never written is zeros, version 0.
     pub fn read(&self, lba: u64) -> Result<(Vec<u8>, u32, u64), StoreError> {
+        self.poison.check()?;
         self.check(lba)?;
         let _g = self.stripes[lba as usize % STRIPES].read();
         let mut m = [0u8; META as usize];
@@ -1153,6 +1247,7 @@ impl VolumeStore {
     /// blocks never written or zeroed are holes; a clone's unwritten blocks are as its base
     /// snapshot has them.
     pub fn allocation(&self, lba: u64, count: u64) -> Result<Vec<u8>, StoreError> {
+        self.poison.check()?;
         if count == 0 {
             return Ok(Vec::new());
         }
@@ -1176,18 +1271,21 @@ impl VolumeStore {
     /// unwritten or zeroed alike in both); `None` when either snapshot does not exist. A block
     /// past either snapshot's end is not the same.
     pub fn snapshot_unchanged(&self, id: u32, since: u32, lba: u64) -> Result<Option<bool>, StoreError> {
+        self.poison.check()?;
         self.snaps.read().unchanged(id, since, lba)
     }
 
     /// Whether block `lba` of snapshot `id` of this clone reads through to the clone's base
     /// (the clone had never written it by the snapshot); false for a volume that is no clone.
     pub fn snapshot_reads_base(&self, id: u32, lba: u64) -> Result<bool, StoreError> {
+        self.poison.check()?;
         Ok(self.base.is_some() && self.snaps.read().state(id, lba)? == Some(UNWRITTEN))
     }
 
     /// The allocation state of block `lba` in snapshot `id` ([`ALLOC_DATA`] or
     /// [`ALLOC_HOLE`]).
     pub fn snapshot_allocation(&self, id: u32, lba: u64) -> Result<u8, StoreError> {
+        self.poison.check()?;
         let state = self.snaps.read().state(id, lba)?;
         match (state, &self.base) {
             (Some(DATA), _) => Ok(ALLOC_DATA),
@@ -1232,6 +1330,7 @@ impl VolumeStore {
 
     /// The metadata entries of up to `count` blocks from `lba` (clamped to the volume).
     fn meta_range(&self, lba: u64, count: u64) -> Result<Vec<u8>, StoreError> {
+        self.poison.check()?;
         self.check(lba)?;
         let count = count.min(self.blocks() - lba);
         let mut m = vec![0u8; (count * META) as usize];
@@ -1243,6 +1342,7 @@ impl VolumeStore {
 
     /// `(lba, version)` of every written block (to seed the Solar server's stale-write check).
     pub fn versions(&self) -> Result<Vec<(u64, u64)>, StoreError> {
+        self.poison.check()?;
         let mut out = Vec::new();
         let mut m = vec![0u8; (self.blocks() * META) as usize];
         self.meta
@@ -1279,6 +1379,16 @@ impl VolumeStore {
 
     /// [`VolumeStore::checkpoint`]'s work; commits are held off.
     fn checkpoint_held(&self) -> Result<(), StoreError> {
+        self.poison.check()?;
+        let r = self.checkpoint_files();
+        if let Err(e) = &r {
+            self.poison.set(format!("a checkpoint failed: {e}"));
+        }
+        r
+    }
+
+    /// [`VolumeStore::checkpoint_held`]'s syncs and log reset.
+    fn checkpoint_files(&self) -> Result<(), StoreError> {
         {
             let spare = self.take_spare()?;
             self.spare.0.lock().file = Some(spare);
@@ -1322,6 +1432,7 @@ impl VolumeStore {
 
     /// Deletes snapshot `id`; the blocks only it kept for an older snapshot move there first.
     pub fn delete_snapshot(&self, id: u32) -> Result<(), StoreError> {
+        self.poison.check()?;
         self.exclusive(|| self.snaps.write().delete(id))
     }
 
@@ -1342,6 +1453,7 @@ impl VolumeStore {
 
     /// Block `lba` as it was when snapshot `id` was taken, checked against the CRC it had then.
     pub fn read_snapshot(&self, id: u32, lba: u64) -> Result<Vec<u8>, StoreError> {
+        self.poison.check()?;
         let snaps = self.snaps.read();
         let _g = self.stripes[lba as usize % STRIPES].read();
         let src = snaps
@@ -1712,6 +1824,44 @@ mod tests {
         std::fs::write(d.join("vol-5.log2"), b"").unwrap();
         let s = VolumeStore::open(&d, 5, 1 << 30).unwrap();
         assert_eq!(s.read(2).unwrap().2, 30);
+        drop(s);
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn replay_stops_where_a_failed_sync_left_an_older_generations_records() {
+        let d = dir("fsyncgate");
+        drop(VolumeStore::create(&d, 7, 16, 1 << 30).unwrap());
+        let rec = |lba: u64, version: u64, generation: u64| {
+            let mut r = Vec::new();
+            encode_record(
+                &mut r,
+                lba,
+                version,
+                crc32c::crc32c(&block(lba as u8)),
+                &block(lba as u8),
+            );
+            stamp_generation(&mut r, generation);
+            r
+        };
+        // generation 9's log, recycled: its records 1 and 2 were synced; the sync of record 3
+        // failed and the kernel dropped its page, so the file holds what the disk had there,
+        // a record of generation 7 (valid, and of a newer version than anything synced); a
+        // store that went on after the failure appended record 4 behind it, and acknowledged
+        // it, but replay cannot reach it
+        let mut log = log_header(9).to_vec();
+        log.extend(rec(1, 10, 9));
+        log.extend(rec(2, 11, 9));
+        log.extend(rec(3, 50, 7));
+        log.extend(rec(4, 13, 9));
+        std::fs::write(d.join("vol-7.log"), &log).unwrap();
+        std::fs::write(d.join("vol-7.log2"), b"").unwrap();
+        let s = VolumeStore::open(&d, 7, 1 << 30).unwrap();
+        assert_eq!(s.stats().replayed, 2, "only the records before the dropped page");
+        assert_eq!(s.read(1).unwrap(), (block(1), crc32c::crc32c(&block(1)), 10));
+        assert_eq!(s.read(2).unwrap().2, 11);
+        assert_eq!(s.read(3).unwrap().2, 0, "the older generation's record is not replayed");
+        assert_eq!(s.read(4).unwrap().2, 0, "nor anything after it");
         drop(s);
         let _ = std::fs::remove_dir_all(&d);
     }
