@@ -104,7 +104,7 @@ impl TransferEngine {
             _ => cfg.name.clone(),
         };
         let memory = Arc::new(Memory::default());
-        let notifies = Arc::new(Notifies::default());
+        let notifies = Arc::new(Notifies::new(cfg.transport.as_str()));
         let (transport, data) = match cfg.transport {
             TransportKind::Flexns => {
                 let mut sc = cfg.stack.clone().unwrap_or_default();
@@ -925,7 +925,15 @@ impl TransferEngine {
         self.transfer_sync(target, &[r], None)
     }
 
-    /// Sends a notification by itself; returns once the target engine has queued it.
+    /// Most notifications an engine keeps from one peer engine that its application has not
+    /// taken ([`Self::get_notifies`], [`Self::wait_notify`]); past it the peer's notifications
+    /// are refused: its `send_notify` and its batches with a notification fail with the cause,
+    /// while other peers' are still queued.
+    pub const MAX_NOTIFIES_PER_PEER: usize = crate::transport::MAX_NOTIFIES_PER_PEER;
+
+    /// Sends a notification by itself; returns once the target engine has queued it, or an
+    /// error when it refused it (its queue for this engine is full: its application has not
+    /// taken [`Self::MAX_NOTIFIES_PER_PEER`] of ours).
     pub fn send_notify(&self, target: SegmentHandle, n: &Notification) -> Result<(), TransferError> {
         let payload = encode_notify(n).map_err(TransferError::Invalid)?;
         let name = self.seg_name(target)?;

@@ -6,8 +6,14 @@
 //! responder does after placing the data, so Completed means visible at the target. A slice
 //! whose QP failed (retry budget spent: peer down, every path dead) is retried on another QP
 //! of the peer, reconnecting when none is left; the error that ends a request names the peer,
-//! the QP, its paths and the cause. Notifications travel as a SEND on the peer's first QP after
-//! the batch's data completed; the receiver keeps receive buffers posted on accepted QPs.
+//! the QP, its paths and the cause. Notifications travel as a SEND on the peer's first live QP
+//! after the batch's data completed (an 8-byte id, then the encoded notification); the receiver
+//! keeps receive buffers posted on accepted QPs and answers each with a SEND (the id, a status
+//! byte, an error message): queued, or refused (malformed, or the sender's share of its
+//! notification queue is full). The sender's notification completes with that answer, so a
+//! refused one fails its batch with the cause. A QP has at most `NOTIFY_WINDOW` notifications
+//! unanswered (the rest wait, in order), fewer than the receive buffers on either side, so
+//! neither side ever runs out of posted receives (no RNR stall of the QP's data).
 
 use super::{Notifies, Slice};
 use crate::batch::{Batch, Opcode};
@@ -25,6 +31,14 @@ use std::time::Duration;
 /// Receive buffers kept posted per accepted QP (notifications).
 const RECV_SLOTS: usize = 16;
 const RECV_SLOT_BYTES: usize = 4096;
+/// Receive buffers kept posted per initiator QP (answers to its notifications).
+const REPLY_SLOTS: usize = 8;
+const REPLY_SLOT_BYTES: usize = 1024;
+/// Notifications unanswered per QP, at most: within both sides' receive buffers.
+const NOTIFY_WINDOW: usize = REPLY_SLOTS;
+/// Bytes before a notification (its id) and before an answer's message (id, status).
+const NOTIFY_HDR: usize = 8;
+const REPLY_HDR: usize = 9;
 
 /// Settings of the transport (from the engine's configuration).
 #[derive(Debug, Clone)]
@@ -42,6 +56,35 @@ struct Lane {
     qp: Qp,
     inflight: AtomicUsize,
     dead: AtomicBool,
+    /// Receive buffers for the answers to this QP's notifications (`REPLY_SLOTS` slots).
+    replies: Mr,
+    /// Notifications sent on this QP and not yet answered, and those waiting for room.
+    notify: Mutex<NotifyWindow>,
+}
+
+#[derive(Default)]
+struct NotifyWindow {
+    unanswered: usize,
+    waiting: VecDeque<(u64, Vec<u8>, Waiter)>,
+}
+
+/// Who hears how a notification ended: its batch, or the caller of `notify`.
+struct Waiter {
+    /// The peer, for messages.
+    who: String,
+    batch: Option<Arc<Batch>>,
+    done: Option<std::sync::mpsc::Sender<Result<(), String>>>,
+}
+
+impl Waiter {
+    fn finish(self, r: Result<(), String>) {
+        if let Some(b) = self.batch {
+            b.notify_done(r.clone());
+        }
+        if let Some(d) = self.done {
+            let _ = d.send(r);
+        }
+    }
 }
 
 impl Lane {
@@ -81,13 +124,16 @@ enum Outstanding {
         lane: Arc<Lane>,
         slice: Slice,
     },
+    /// A notification's SEND; its waiter is in `awaiting` under `id` until it is answered.
     Notify {
-        peer: Arc<FlexPeer>,
+        /// The peer, for messages.
+        who: String,
         lane: Arc<Lane>,
-        batch: Option<Arc<Batch>>,
-        done: Option<std::sync::mpsc::Sender<Result<(), String>>>,
+        id: u64,
         _mr: Mr,
     },
+    /// This engine's answer to a peer's notification.
+    Reply { _mr: Mr },
 }
 
 /// Work requests planned for one QP.
@@ -100,6 +146,8 @@ struct Planned {
 struct AcceptedQp {
     qp: Qp,
     mr: Mr,
+    /// The name of the engine that connected it: its notifications are bounded under it.
+    from: String,
 }
 
 /// The flexns transport of one engine.
@@ -117,8 +165,13 @@ pub(crate) struct FlexnsPath {
     next_wr: AtomicU64,
     pending: Mutex<VecDeque<(String, Slice)>>,
     accepted: Mutex<HashMap<u32, AcceptedQp>>,
-    /// Receive buffers of QPs being connected, until the connection manager hands them back.
-    accepting: Mutex<HashMap<u32, Mr>>,
+    /// Receive buffers (and the connecting engine's name) of QPs being connected, until the
+    /// connection manager hands them back.
+    accepting: Mutex<HashMap<u32, (Mr, String)>>,
+    /// This engine's QPs to peers by QP number (their answers to notifications arrive on them).
+    initiators: Mutex<HashMap<u32, std::sync::Weak<Lane>>>,
+    /// Notifications sent and not yet answered, by id, with their QP.
+    awaiting: Mutex<HashMap<u64, (Arc<Lane>, Waiter)>>,
     progress_lock: Mutex<()>,
     /// Callers polling completions themselves (small synchronous transfers): while any is,
     /// the completion thread stays off the CQ, so the data core does not wake it per completion.
@@ -178,6 +231,8 @@ impl FlexnsPath {
             pending: Mutex::new(VecDeque::new()),
             accepted: Mutex::new(HashMap::new()),
             accepting: Mutex::new(HashMap::new()),
+            initiators: Mutex::new(HashMap::new()),
+            awaiting: Mutex::new(HashMap::new()),
             progress_lock: Mutex::new(()),
             spinners: AtomicUsize::new(0),
             idle: Mutex::new(()),
@@ -287,6 +342,23 @@ impl FlexnsPath {
                 Ok(qp)
             })
             .collect::<Result<Vec<Qp>, TransferError>>()?;
+        // receive buffers for the answers to notifications, posted before the peer can send
+        let mrs = qps
+            .iter()
+            .map(|qp| {
+                let mr = self.pd.reg_mr(REPLY_SLOTS * REPLY_SLOT_BYTES, Access::LOCAL_WRITE)?;
+                for slot in 0..REPLY_SLOTS {
+                    qp.post_recv(RecvWr {
+                        wr_id: slot as u64,
+                        sg_list: [mr.sge(slot * REPLY_SLOT_BYTES, REPLY_SLOT_BYTES)]
+                            .into_iter()
+                            .collect(),
+                    })?;
+                }
+                Ok(mr)
+            })
+            .collect::<Result<Vec<Mr>, TransferError>>()?;
+        let mut mrs = mrs.into_iter();
         let replies = self.rt.block_on(async {
             let mut c = tokio::time::timeout(Duration::from_secs(3), cm::Connector::new(rpc))
                 .await
@@ -320,7 +392,14 @@ impl FlexnsPath {
                 qp,
                 inflight: AtomicUsize::new(0),
                 dead: AtomicBool::new(false),
+                replies: mrs.next().expect("one per QP"),
+                notify: Mutex::new(NotifyWindow::default()),
             }));
+        }
+        {
+            let mut init = self.initiators.lock();
+            init.retain(|_, l| l.strong_count() > 0);
+            init.extend(lanes.iter().map(|l| (l.qp.qp_num(), Arc::downgrade(l))));
         }
         let peer = Arc::new(FlexPeer {
             name: name.to_string(),
@@ -484,7 +563,10 @@ impl FlexnsPath {
             let r = lane.qp.post_send_batch(wrs.iter().cloned().inspect(|_| yielded += 1));
             let Err(e) = r else { continue };
             // the post stopped at the work request it refused: it and the rest did not go
-            lane.dead.store(true, Ordering::Relaxed);
+            self.lane_failed(
+                &lane,
+                &format!("{} qp {:#x}: posting: {e}", peer.who(), lane.qp.qp_num()),
+            );
             let mut out = self.outstanding.lock();
             for wr in &wrs[yielded.saturating_sub(1)..] {
                 if let Some(Outstanding::Slice { slice, .. }) = out.remove(&wr.wr_id) {
@@ -543,7 +625,7 @@ impl FlexnsPath {
                     status_text(wc.status)
                 );
                 if retryable(wc.status) {
-                    lane.dead.store(true, Ordering::Relaxed);
+                    self.lane_failed(&lane, &msg);
                     if wc.status != WcStatus::WrFlushErr {
                         *peer.last_error.lock() = Some(msg.clone());
                     }
@@ -554,31 +636,47 @@ impl FlexnsPath {
                     slice.fail(msg);
                 }
             }
-            Outstanding::Notify {
-                peer,
-                lane,
-                batch,
-                done,
-                ..
-            } => {
-                let r = if wc.status == WcStatus::Success {
-                    Ok(())
-                } else {
-                    lane.dead.store(true, Ordering::Relaxed);
-                    Err(format!(
-                        "{} qp {:#x}: notification: {}",
-                        peer.who(),
-                        lane.qp.qp_num(),
-                        status_text(wc.status)
-                    ))
-                };
-                if let Some(b) = batch {
-                    b.notify_done(r.clone());
+            // sent: its answer completes it (see `receive_notifies`)
+            Outstanding::Notify { .. } if wc.status == WcStatus::Success => {}
+            Outstanding::Notify { who, lane, id, .. } => {
+                let msg = format!(
+                    "{who} qp {:#x}: notification: {}",
+                    lane.qp.qp_num(),
+                    status_text(wc.status)
+                );
+                if let Some((_, w)) = self.awaiting.lock().remove(&id) {
+                    w.finish(Err(msg.clone()));
                 }
-                if let Some(d) = done {
-                    let _ = d.send(r);
-                }
+                self.lane_failed(&lane, &msg);
             }
+            Outstanding::Reply { .. } if wc.status == WcStatus::Success => {}
+            Outstanding::Reply { .. } => {
+                // the sender's QP is gone; its notification fails there (its QP failed)
+                tracing::debug!(
+                    "answering a notification on qp {:#x}: {}",
+                    wc.qp_num,
+                    status_text(wc.status)
+                );
+            }
+        }
+    }
+
+    /// A QP failed: it takes no more work, and its notifications waiting for room or for an
+    /// answer (which can no longer arrive on it) fail with `why`.
+    fn lane_failed(&self, lane: &Arc<Lane>, why: &str) {
+        lane.dead.store(true, Ordering::Relaxed);
+        let waiting: Vec<Waiter> = lane.notify.lock().waiting.drain(..).map(|(_, _, w)| w).collect();
+        let unanswered: Vec<Waiter> = {
+            let mut a = self.awaiting.lock();
+            let ids: Vec<u64> = a
+                .iter()
+                .filter(|(_, (l, _))| Arc::ptr_eq(l, lane))
+                .map(|(&id, _)| id)
+                .collect();
+            ids.into_iter().filter_map(|id| a.remove(&id)).map(|(_, w)| w).collect()
+        };
+        for w in waiting.into_iter().chain(unanswered) {
+            w.finish(Err(format!("notification not answered: {why}")));
         }
     }
 
@@ -609,27 +707,63 @@ impl FlexnsPath {
             .find(|l| !l.dead.load(Ordering::Relaxed))
             .cloned()
             .ok_or_else(|| TransferError::Failed(format!("{}: every queue pair failed", p.who())))?;
-        let mr = self.pd.reg_mr(payload.len().max(1), Access::LOCAL_WRITE)?;
-        mr.write(0, payload);
+        let id = self.next_wr.fetch_add(1, Ordering::Relaxed);
+        let mut msg = Vec::with_capacity(NOTIFY_HDR + payload.len());
+        msg.extend_from_slice(&id.to_le_bytes());
+        msg.extend_from_slice(payload);
+        let w = Waiter {
+            who: p.who(),
+            batch,
+            done,
+        };
+        // posted under the window's lock: a peer's notifications leave in the order given
+        let mut win = lane.notify.lock();
+        if win.unanswered >= NOTIFY_WINDOW {
+            win.waiting.push_back((id, msg, w));
+            return Ok(());
+        }
+        match self.send_notify_msg(&lane, id, &msg, w) {
+            Ok(()) => {
+                win.unanswered += 1;
+                Ok(())
+            }
+            Err((e, _)) => Err(e),
+        }
+    }
+
+    /// Posts a notification's SEND on `lane`; its waiter waits in `awaiting` for the answer.
+    /// On error the waiter is handed back, not told (none if an answer took it meanwhile).
+    fn send_notify_msg(
+        &self,
+        lane: &Arc<Lane>,
+        id: u64,
+        msg: &[u8],
+        w: Waiter,
+    ) -> Result<(), (TransferError, Option<Waiter>)> {
+        let mr = match self.pd.reg_mr(msg.len(), Access::LOCAL_WRITE) {
+            Ok(mr) => mr,
+            Err(e) => return Err((e.into(), Some(w))),
+        };
+        mr.write(0, msg);
         let wr_id = self.next_wr.fetch_add(1, Ordering::Relaxed);
-        let wr = SendWr::new(wr_id, WrOpcode::Send).sge(mr.sge(0, payload.len()));
+        let wr = SendWr::new(wr_id, WrOpcode::Send).sge(mr.sge(0, msg.len()));
+        let who = w.who.clone();
+        self.awaiting.lock().insert(id, (lane.clone(), w));
         self.outstanding.lock().insert(
             wr_id,
             Outstanding::Notify {
-                peer: p.clone(),
+                who: who.clone(),
                 lane: lane.clone(),
-                batch,
-                done,
+                id,
                 _mr: mr,
             },
         );
         self.idle_cv.notify_one();
         if let Err(e) = lane.qp.post_send(wr) {
             self.outstanding.lock().remove(&wr_id);
-            return Err(TransferError::Failed(format!(
-                "{}: posting a notification: {e}",
-                p.who()
-            )));
+            let w = self.awaiting.lock().remove(&id).map(|(_, w)| w);
+            let e = TransferError::Failed(format!("{who}: posting a notification: {e}"));
+            return Err((e, w));
         }
         Ok(())
     }
@@ -656,29 +790,20 @@ impl FlexnsPath {
         }
     }
 
+    /// Takes receive completions: peers' notifications on accepted QPs (queued or refused,
+    /// and answered) and the answers to this engine's notifications on its own QPs.
     fn receive_notifies(&self) {
         let mut wcs = [EMPTY_WC; 32];
         loop {
             let n = self.rcq.poll(&mut wcs);
             for wc in &wcs[..n] {
-                if wc.opcode != WcOpcode::Recv {
+                if wc.opcode != WcOpcode::Recv || wc.status != WcStatus::Success {
                     continue;
                 }
-                let acc = self.accepted.lock();
-                let Some(a) = acc.get(&wc.qp_num) else { continue };
-                let slot = wc.wr_id as usize;
-                if wc.status == WcStatus::Success && slot < RECV_SLOTS {
-                    let mut b = vec![0u8; (wc.byte_len as usize).min(RECV_SLOT_BYTES)];
-                    a.mr.read(slot * RECV_SLOT_BYTES, &mut b);
-                    if let Err(e) = self.notifies.push_encoded(&b) {
-                        tracing::warn!("dropping a notification from qp {:#x}: {e}", wc.qp_num);
-                    }
-                    let _ = a.qp.post_recv(RecvWr {
-                        wr_id: slot as u64,
-                        sg_list: [a.mr.sge(slot * RECV_SLOT_BYTES, RECV_SLOT_BYTES)]
-                            .into_iter()
-                            .collect(),
-                    });
+                let lane = self.initiators.lock().get(&wc.qp_num).and_then(|l| l.upgrade());
+                match lane {
+                    Some(l) => self.answered(&l, wc),
+                    None => self.notified(wc),
                 }
             }
             if n < wcs.len() {
@@ -687,12 +812,127 @@ impl FlexnsPath {
         }
     }
 
+    /// A peer's notification arrived on an accepted QP: queue it (or refuse it), give the
+    /// receive buffer back, answer.
+    fn notified(&self, wc: &Wc) {
+        let acc = self.accepted.lock();
+        let Some(a) = acc.get(&wc.qp_num) else { return };
+        let slot = wc.wr_id as usize;
+        if slot >= RECV_SLOTS {
+            return;
+        }
+        let mut b = vec![0u8; (wc.byte_len as usize).min(RECV_SLOT_BYTES)];
+        a.mr.read(slot * RECV_SLOT_BYTES, &mut b);
+        // the buffer goes back before the answer: a sender that has its answer finds it posted
+        if let Err(e) = a.qp.post_recv(RecvWr {
+            wr_id: slot as u64,
+            sg_list: [a.mr.sge(slot * RECV_SLOT_BYTES, RECV_SLOT_BYTES)]
+                .into_iter()
+                .collect(),
+        }) {
+            tracing::debug!("qp {:#x} from {}: re-posting a receive: {e}", wc.qp_num, a.from);
+        }
+        if b.len() < NOTIFY_HDR {
+            tracing::warn!(
+                "a message of {} B from {} on qp {:#x} is no notification; not answered",
+                b.len(),
+                a.from,
+                wc.qp_num
+            );
+            return;
+        }
+        let id = u64::from_le_bytes(b[..NOTIFY_HDR].try_into().expect("8 bytes"));
+        let r = self.notifies.push_encoded(&a.from, &b[NOTIFY_HDR..]);
+        let mut reply = Vec::with_capacity(REPLY_SLOT_BYTES);
+        reply.extend_from_slice(&id.to_le_bytes());
+        match r {
+            Ok(()) => reply.push(0),
+            Err(m) => {
+                reply.push(1);
+                let m = m.as_bytes();
+                reply.extend_from_slice(&m[..m.len().min(REPLY_SLOT_BYTES - REPLY_HDR)]);
+            }
+        }
+        let posted = self.pd.reg_mr(reply.len(), Access::LOCAL_WRITE).and_then(|mr| {
+            mr.write(0, &reply);
+            let wr_id = self.next_wr.fetch_add(1, Ordering::Relaxed);
+            let wr = SendWr::new(wr_id, WrOpcode::Send).sge(mr.sge(0, reply.len()));
+            self.outstanding.lock().insert(wr_id, Outstanding::Reply { _mr: mr });
+            self.idle_cv.notify_one();
+            a.qp.post_send(wr).inspect_err(|_| {
+                self.outstanding.lock().remove(&wr_id);
+            })
+        });
+        if let Err(e) = posted {
+            // the sender's QP fails (or its notification times out) without an answer
+            tracing::warn!("answering a notification from {} on qp {:#x}: {e}", a.from, wc.qp_num);
+        }
+    }
+
+    /// A peer answered one of this engine's notifications on `lane`: give the receive buffer
+    /// back, send the next waiting notification, tell the waiter.
+    fn answered(&self, lane: &Arc<Lane>, wc: &Wc) {
+        let slot = wc.wr_id as usize;
+        if slot >= REPLY_SLOTS {
+            return;
+        }
+        let mut b = vec![0u8; (wc.byte_len as usize).min(REPLY_SLOT_BYTES)];
+        lane.replies.read(slot * REPLY_SLOT_BYTES, &mut b);
+        if let Err(e) = lane.qp.post_recv(RecvWr {
+            wr_id: slot as u64,
+            sg_list: [lane.replies.sge(slot * REPLY_SLOT_BYTES, REPLY_SLOT_BYTES)]
+                .into_iter()
+                .collect(),
+        }) {
+            tracing::debug!("qp {:#x}: re-posting a receive: {e}", wc.qp_num);
+        }
+        if b.len() < REPLY_HDR {
+            tracing::warn!("qp {:#x}: an answer of {} B to a notification", wc.qp_num, b.len());
+            return;
+        }
+        let id = u64::from_le_bytes(b[..NOTIFY_HDR].try_into().expect("8 bytes"));
+        let Some((_, w)) = self.awaiting.lock().remove(&id) else {
+            return; // already failed with its QP
+        };
+        let r = match b[NOTIFY_HDR] {
+            0 => Ok(()),
+            _ => Err(format!(
+                "{}: notification refused: {}",
+                w.who,
+                String::from_utf8_lossy(&b[REPLY_HDR..])
+            )),
+        };
+        // room for one more: the oldest waiting goes now
+        let mut failed = Vec::new();
+        {
+            let mut win = lane.notify.lock();
+            win.unanswered = win.unanswered.saturating_sub(1);
+            while let Some((nid, msg, nw)) = win.waiting.pop_front() {
+                match self.send_notify_msg(lane, nid, &msg, nw) {
+                    Ok(()) => {
+                        win.unanswered += 1;
+                        break;
+                    }
+                    Err((e, nw)) => failed.extend(nw.map(|nw| (nw, e.to_string()))),
+                }
+            }
+        }
+        for (nw, e) in failed {
+            nw.finish(Err(e));
+        }
+        w.finish(r);
+    }
+
     /// The connection manager's side: a QP for a connecting engine, with receive buffers for
     /// its notifications.
     fn accept_qp(&self, remote: &Endpoint, private: &[u8]) -> Result<cm::Accepted, String> {
         let hello: serde_json::Value =
             serde_json::from_slice(private).map_err(|_| "not a transfer engine's connection request".to_string())?;
-        tracing::debug!("accepting a queue pair from {}", hello["from"]);
+        let from = hello["from"]
+            .as_str()
+            .ok_or_else(|| "connection request without the engine's name (from)".to_string())?
+            .to_string();
+        tracing::debug!("accepting a queue pair from {from}");
         let qp = self.new_qp(remote.recovery).map_err(|e| e.to_string())?;
         let mr = self
             .pd
@@ -705,7 +945,7 @@ impl FlexnsPath {
             })
             .map_err(|e| e.to_string())?;
         }
-        self.accepting.lock().insert(qp.qp_num(), mr);
+        self.accepting.lock().insert(qp.qp_num(), (mr, from));
         let reply = serde_json::json!({"instance": self.cfg.instance}).to_string();
         Ok(cm::Accepted {
             qp,
@@ -724,8 +964,8 @@ impl cm::Acceptor for FlexAcceptor {
 
     fn connected(&self, qp: Qp) {
         let qpn = qp.qp_num();
-        if let Some(mr) = self.0.accepting.lock().remove(&qpn) {
-            self.0.accepted.lock().insert(qpn, AcceptedQp { qp, mr });
+        if let Some((mr, from)) = self.0.accepting.lock().remove(&qpn) {
+            self.0.accepted.lock().insert(qpn, AcceptedQp { qp, mr, from });
         }
     }
 }

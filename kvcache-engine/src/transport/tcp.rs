@@ -11,8 +11,11 @@
 //!
 //! Frame header (little endian): magic `KVT1` u32, op u8, status u8, reserved u16, len u32,
 //! reserved u32, id u64, addr u64. Ops: HELLO (addr = the instance the caller expects; the
-//! reply's addr = the live instance), WRITE, READ, NOTIFY (payload = a notification). A reply
-//! with status ≠ 0 carries an error message of `len` bytes.
+//! reply's addr = the live instance; its payload = the caller's engine name), WRITE, READ,
+//! NOTIFY (payload = a notification). A reply with status ≠ 0 carries an error message of `len`
+//! bytes. A NOTIFY is answered after the receiver queued it, or with an error when it refuses
+//! it (malformed, or the caller's share of its notification queue is full): the sender's
+//! notification, and so its batch, fails with that cause.
 
 use super::{Notifies, Slice};
 use crate::batch::{Batch, Opcode, MAX_NOTIFY_BYTES};
@@ -151,7 +154,10 @@ fn serve_conn(mut s: TcpStream, sh: Arc<Shared>) -> io::Result<()> {
         sh.malformed.fetch_add(1, Ordering::Relaxed);
         return reply_err(&mut s, &h, "expected HELLO");
     }
-    drain(&mut s, h.len as u64)?; // the caller's name (for logs only)
+    // the caller's name: its notifications are bounded under it (see `Notifies`)
+    let mut from = vec![0u8; h.len as usize];
+    s.read_exact(&mut from)?;
+    let from = String::from_utf8_lossy(&from).into_owned();
     reply_ok(&mut s, &h, sh.instance)?;
     loop {
         let h = match read_header(&mut s) {
@@ -203,7 +209,7 @@ fn serve_conn(mut s: TcpStream, sh: Arc<Shared>) -> io::Result<()> {
             OP_NOTIFY if h.len as usize <= MAX_NOTIFY_BYTES => {
                 let mut v = vec![0u8; h.len as usize];
                 s.read_exact(&mut v)?;
-                match sh.notifies.push_encoded(&v) {
+                match sh.notifies.push_encoded(&from, &v) {
                     Ok(()) => reply_ok(&mut s, &h, 0)?,
                     Err(m) => reply_err(&mut s, &h, &m)?,
                 }
@@ -641,6 +647,7 @@ fn answered(sh: &Shared, peer: &TcpPeer, w: TcpWork, r: Result<(), String>) {
                 let _ = d.send(Ok(()));
             }
         }
+        (Err(m), w @ TcpWork::Notify { .. }) => w.fail(format!("{}: notification refused: {m}", peer.who())),
         (Err(m), w) => w.fail(format!("{}: {m}", peer.who())),
     }
 }
