@@ -1,6 +1,7 @@
 //! A client for the part of etcd's v3 API that the flexns services keep metadata in, over gRPC
 //! (tonic) against a real `etcd` server: put, get, prefix range, delete and compare-and-put
-//! transactions; leases ([`Registration`] keeps a live process's key alive); watches
+//! transactions; leases ([`Registration`] keeps a live process's key alive, and never takes
+//! it from another live process); watches
 //! ([`Watch`], and [`PrefixView`], a prefix's current contents kept by a watch).
 //!
 //! The protobuf subset is compiled with protox (pure Rust), so building needs no `protoc`.
@@ -29,6 +30,23 @@ pub struct EtcdError {
     pub what: &'static str,
     /// The cause.
     pub message: String,
+}
+
+/// The outcome of a conditional leased put ([`EtcdClient::put_leased_if_free`],
+/// [`EtcdClient::put_leased_if_ours`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LeasedPut {
+    /// Written, at this store revision.
+    Written(i64),
+    /// Not written: the key holds `value` under lease `lease` (0: a key put without a lease).
+    Held {
+        /// The holder's lease.
+        lease: i64,
+        /// The value the key holds.
+        value: Vec<u8>,
+    },
+    /// Not written: the key is absent.
+    Absent,
 }
 
 /// A connected client of one etcd endpoint. Cheap to clone (one gRPC channel).
@@ -258,6 +276,108 @@ impl EtcdClient {
             .await
             .map_err(|s| self.err("lease revoke", s))?;
         Ok(())
+    }
+
+    /// The seconds lease `id` has left, -1 when it has expired or was revoked (etcd's
+    /// LeaseTimeToLive). A lease its holder renews jumps back up; a dead holder's only falls.
+    pub async fn lease_time_to_live(&mut self, id: i64) -> Result<i64, EtcdError> {
+        let r = self
+            .lease
+            .lease_time_to_live(pb::LeaseTimeToLiveRequest { id, keys: false })
+            .await
+            .map_err(|s| self.err("lease time-to-live", s))?
+            .into_inner();
+        Ok(r.ttl)
+    }
+
+    /// The lease `key` is attached to (0: none) and its value; `None` when the key is absent.
+    pub async fn get_lease(&mut self, key: impl Into<Vec<u8>>) -> Result<Option<(i64, Vec<u8>)>, EtcdError> {
+        let r = self
+            .kv
+            .range(pb::RangeRequest {
+                key: key.into(),
+                ..Default::default()
+            })
+            .await
+            .map_err(|s| self.err("range", s))?
+            .into_inner();
+        Ok(r.kvs.into_iter().next().map(|kv| (kv.lease, kv.value)))
+    }
+
+    /// Stores `value` under `key` attached to `lease`, in one etcd transaction, only if no
+    /// lease holds the key (it is absent, or was put without a lease): a key another process
+    /// keeps under its live lease is left alone. See [`LeasedPut`] for the outcome.
+    pub async fn put_leased_if_free(
+        &mut self,
+        key: impl Into<Vec<u8>>,
+        value: impl Into<Vec<u8>>,
+        lease: i64,
+    ) -> Result<LeasedPut, EtcdError> {
+        self.put_leased_if_lease(key.into(), value.into(), lease, 0).await
+    }
+
+    /// Stores `value` under `key` attached to `lease`, in one etcd transaction, only if the key
+    /// is held under `lease` now (it was not taken over, nor deleted, since).
+    pub async fn put_leased_if_ours(
+        &mut self,
+        key: impl Into<Vec<u8>>,
+        value: impl Into<Vec<u8>>,
+        lease: i64,
+    ) -> Result<LeasedPut, EtcdError> {
+        self.put_leased_if_lease(key.into(), value.into(), lease, lease).await
+    }
+
+    /// Puts `value` under `key` with `lease` if the key's lease is `expect` (etcd compares an
+    /// absent key's lease as 0); otherwise reads who holds it, in the same transaction.
+    async fn put_leased_if_lease(
+        &mut self,
+        key: Vec<u8>,
+        value: Vec<u8>,
+        lease: i64,
+        expect: i64,
+    ) -> Result<LeasedPut, EtcdError> {
+        let r = self
+            .kv
+            .txn(pb::TxnRequest {
+                compare: vec![pb::Compare {
+                    result: pb::compare::CompareResult::Equal as i32,
+                    target: pb::compare::CompareTarget::Lease as i32,
+                    key: key.clone(),
+                    target_union: Some(pb::compare::TargetUnion::Lease(expect)),
+                    range_end: Vec::new(),
+                }],
+                success: vec![pb::RequestOp {
+                    request: Some(pb::request_op::Request::RequestPut(pb::PutRequest {
+                        key: key.clone(),
+                        value,
+                        lease,
+                        ..Default::default()
+                    })),
+                }],
+                failure: vec![pb::RequestOp {
+                    request: Some(pb::request_op::Request::RequestRange(pb::RangeRequest {
+                        key,
+                        ..Default::default()
+                    })),
+                }],
+            })
+            .await
+            .map_err(|s| self.err("txn", s))?
+            .into_inner();
+        if r.succeeded {
+            return Ok(LeasedPut::Written(r.header.map_or(0, |h| h.revision)));
+        }
+        let held = r.responses.into_iter().find_map(|op| match op.response {
+            Some(pb::response_op::Response::ResponseRange(rr)) => rr.kvs.into_iter().next(),
+            _ => None,
+        });
+        Ok(match held {
+            Some(kv) => LeasedPut::Held {
+                lease: kv.lease,
+                value: kv.value,
+            },
+            None => LeasedPut::Absent,
+        })
     }
 
     /// Stores `value` under `key`, attached to lease `lease` (deleted when the lease expires).

@@ -39,12 +39,13 @@ impl EtcdMap {
     /// Registers shard `shard` of `shards` at `cm` (again after a restart, or on another
     /// server to move the shard: the newest wins, and running clients follow it): the count as
     /// is, the address under a lease its server keeps renewing while the returned
-    /// registration lives. Must run inside a tokio runtime (the renewals run on it).
+    /// registration lives (a take-over: the server it was taken from sees its registration
+    /// lost and no longer registers it). Must run inside a tokio runtime (the renewals run on it).
     pub async fn register(&self, shard: u32, shards: u32, cm: SocketAddr) -> Result<etcd_lite::Registration, KvError> {
         let mut c = self.client().await?;
         let e = |e: etcd_lite::EtcdError| KvError::Config(e.to_string());
         c.put(self.key("count"), shards.to_string()).await.map_err(e)?;
-        etcd_lite::Registration::start(&self.endpoint, self.shard_key(shard), cm.to_string(), self.lease_ttl)
+        etcd_lite::Registration::take_over(&self.endpoint, self.shard_key(shard), cm.to_string(), self.lease_ttl)
             .await
             .map_err(e)
     }
