@@ -3,7 +3,9 @@
 //! WRITEs of `--size` bytes from this process's prefill engine, one synchronous transfer after
 //! another, as a prefill node pushes one request's KV cache. Each run reports throughput and
 //! the latency of whole transfers, then reads the region back and compares it with the pattern
-//! written (`verified`). References run interleaved in the same invocation (`--compare tcp`,
+//! written (`verified`): every slot of the pool it wrote holds data of its own (the pattern with
+//! the slot's number in its first bytes), and the check buffer is poisoned before each read, so
+//! a READ that places nothing, or places another slot's data, is caught. References run interleaved in the same invocation (`--compare tcp`,
 //! `--compare-paths 1`) and a ratio line gives the median of the pairs.
 
 use crate::bench::{fill_pattern, histogram, median, parse_size, BenchResult, ChildServer, Meter, Proc, ProcUsage};
@@ -313,6 +315,13 @@ fn run_request(t: &Target, v: &Variant, l: &PagedKvLayout, blocks: usize, secs: 
         return Ok(run.interrupted("kvcache_request", v, bytes / ops.max(1), &h));
     }
     let back = l.transfer_requests(Opcode::Read, t.check.addr(), &to, t.seg, t.remote_addr, &to)?;
+    // poison where the READ places data: an earlier run left matching bytes there
+    for (s, d) in from.iter().zip(&to) {
+        for ((so, len), (dof, _)) in l.chunks(*s).into_iter().zip(l.chunks(*d)) {
+            let poison: Vec<u8> = pat[so as usize..][..len as usize].iter().map(|b| !b).collect();
+            t.check.write(dof as usize, &poison);
+        }
+    }
     t.engine
         .transfer_sync(t.seg, &back, None)
         .map_err(|e| anyhow::anyhow!("{} verifying read: {e}", v.label))?;
@@ -349,7 +358,11 @@ fn run_once(t: &Target, v: &Variant, size: u64, secs: f64, seed: u64) -> Result<
     // spread consecutive transfers over the pool like different requests' blocks
     let slots = (t.remote_len / size).max(1);
     loop {
-        let off = (ops % slots) * size;
+        let slot = ops % slots;
+        let off = slot * size;
+        // the slot's own data: its number in the first bytes (8 B written, not timed apart)
+        let (stamp, n) = slot_stamp(&pat, slot);
+        t.src.write(0, &stamp[..n]);
         let t0 = Instant::now();
         t.engine
             .transfer_sync_write(t.seg, t.src.addr(), t.remote_addr + off, size)
@@ -372,14 +385,12 @@ fn run_once(t: &Target, v: &Variant, size: u64, secs: f64, seed: u64) -> Result<
         };
         return Ok(run.interrupted("kvcache_write", v, size, &h));
     }
-    // verify: every slot written holds the pattern
-    let mut verified = true;
-    for s in 0..slots.min(ops) {
+    // verify: every slot written holds its own data
+    let verified = verify_slots(&t.check, &pat, slots.min(ops), |s| {
         t.engine
             .transfer_sync_read(t.seg, t.check.addr(), t.remote_addr + s * size, size)
-            .with_context(|| format!("{} verifying read", v.label))?;
-        verified &= t.check.equals(0, &pat[..size as usize]);
-    }
+            .with_context(|| format!("{} verifying read of slot {s}", v.label))
+    })?;
     let run = Run {
         bytes: ops * size,
         ops,
@@ -388,6 +399,45 @@ fn run_once(t: &Target, v: &Variant, size: u64, secs: f64, seed: u64) -> Result<
         usage,
     };
     Ok(run.result("kvcache_write", v, size, &h))
+}
+
+/// The first bytes (at most 8, the count is returned) of what slot `slot` of the pool is
+/// written with: the pattern's, with the slot's number mixed in, so slots hold different data
+/// and none the bare pattern.
+fn slot_stamp(pat: &[u8], slot: u64) -> ([u8; 8], usize) {
+    let n = pat.len().min(8);
+    let k = (slot + 1).to_le_bytes();
+    let mut st = [0u8; 8];
+    for ((d, p), k) in st.iter_mut().zip(&pat[..n]).zip(k) {
+        *d = p ^ k;
+    }
+    (st, n)
+}
+
+/// Reads back slots `0..slots` with `read` (which places slot `s`'s data at offset 0 of
+/// `check`) and compares each with what was written there (`pat` with the slot's stamp).
+/// Before each read the check buffer is poisoned, every byte the complement of the expected
+/// one, so a read that places nothing (or only part) does not pass on what an earlier slot left.
+fn verify_slots(
+    check: &netstack::mem::Region,
+    pat: &[u8],
+    slots: u64,
+    mut read: impl FnMut(u64) -> Result<()>,
+) -> Result<bool> {
+    let mut expect = pat.to_vec();
+    let mut poison: Vec<u8> = pat.iter().map(|b| !b).collect();
+    let mut verified = true;
+    for s in 0..slots {
+        let (stamp, n) = slot_stamp(pat, s);
+        expect[..n].copy_from_slice(&stamp[..n]);
+        for (p, e) in poison.iter_mut().zip(&stamp[..n]) {
+            *p = !e;
+        }
+        check.write(0, &poison);
+        read(s)?;
+        verified &= check.equals(0, &expect);
+    }
+    Ok(verified)
 }
 
 /// Runs the benchmark; returns every result line (ratios included) as JSON values. Decode
@@ -528,4 +578,75 @@ pub fn run(a: &BenchArgs, exe: &std::path::Path, sub: &[String]) -> Result<Vec<s
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use netstack::mem::Region;
+
+    /// A pool of `slots` slots written as `run_once` writes them.
+    fn written_pool(pat: &[u8], slots: u64) -> Region {
+        let size = pat.len();
+        let pool = Region::alloc(size * slots as usize);
+        for s in 0..slots {
+            let (stamp, n) = slot_stamp(pat, s);
+            pool.write(s as usize * size, pat);
+            pool.write(s as usize * size, &stamp[..n]);
+        }
+        pool
+    }
+
+    #[test]
+    fn verification_fails_on_a_read_that_places_nothing_or_the_wrong_slot() {
+        let size = 4096;
+        let mut pat = vec![0u8; size];
+        fill_pattern(&mut pat, 0, 42);
+        let pool = written_pool(&pat, 4);
+        let check = Region::alloc(size);
+        let copy = |from: u64| {
+            let mut v = vec![0u8; size];
+            pool.read(from as usize * size, &mut v);
+            check.write(0, &v);
+        };
+        // a transport that reads right
+        let ok = verify_slots(&check, &pat, 4, |s| {
+            copy(s);
+            Ok(())
+        });
+        assert!(ok.unwrap(), "the right data verifies");
+        // one that reads slot 0 right, then places nothing: the check buffer still held slot 0's
+        // data (and, before slots differed, the pattern every slot held)
+        let r = verify_slots(&check, &pat, 4, |s| {
+            if s == 0 {
+                copy(0);
+            }
+            Ok(())
+        });
+        assert!(!r.unwrap(), "a READ that places nothing verified");
+        // one that always reads slot 0
+        assert!(!verify_slots(&check, &pat, 4, |_| {
+            copy(0);
+            Ok(())
+        })
+        .unwrap());
+        // one that places nothing at all, after a correct run left the last slot's data
+        copy(3);
+        assert!(!verify_slots(&check, &pat, 1, |_| Ok(())).unwrap());
+        // a failed read is an error, not a pass
+        assert!(verify_slots(&check, &pat, 2, |_| anyhow::bail!("peer gone")).is_err());
+    }
+
+    #[test]
+    fn slots_hold_different_data_and_never_the_bare_pattern() {
+        let mut pat = vec![0u8; 16];
+        fill_pattern(&mut pat, 0, 7);
+        let stamps: Vec<[u8; 8]> = (0..1000).map(|s| slot_stamp(&pat, s).0).collect();
+        for (i, a) in stamps.iter().enumerate() {
+            assert_ne!(&a[..], &pat[..8], "slot {i} holds the bare pattern");
+            assert!(stamps[..i].iter().all(|b| b != a), "slot {i} repeats an earlier one");
+        }
+        // a transfer shorter than 8 bytes is stamped in what it has
+        assert_eq!(slot_stamp(&pat[..3], 5).1, 3);
+    }
 }
