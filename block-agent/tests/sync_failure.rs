@@ -10,6 +10,8 @@
 //! restarts on a healthy disk the resync brings it back: every acknowledged write then reads
 //! back from every replica. A store that goes on appending after a failed sync fails here.
 
+use block_agent::control::pb::{self, storage_node_admin_server::StorageNodeAdmin};
+use block_agent::control::NodeAdmin;
 use block_agent::link::{Carrier, Link, LinkConfig};
 use block_agent::storage_node::{NodeConfig, StorageNode};
 use block_agent::store::{StoreError, VolumeStore, BLOCK};
@@ -170,14 +172,22 @@ fn a_replica_whose_disk_fails_a_sync_acknowledges_nothing_more_and_is_resynced_a
         }
         c
     };
-    let mut nodes: Vec<Option<StorageNode>> = (0..3)
-        .map(|i| Some(StorageNode::start(cfg(i, None)).unwrap()))
+    let mut nodes: Vec<Option<Arc<StorageNode>>> = (0..3)
+        .map(|i| Some(Arc::new(StorageNode::start(cfg(i, None)).unwrap())))
         .collect();
     let addrs: Vec<_> = nodes.iter().map(|n| n.as_ref().unwrap().addr()).collect();
     for n in nodes.iter().flatten() {
         n.create_volume(VOLUME, BLOCKS * BLOCK as u64).unwrap();
     }
     let rt = test_support::runtime();
+    // why volume VOLUME's store on node `i` failed, as the node's admin service lists it
+    let failed = |nodes: &[Option<Arc<StorageNode>>], i: usize| {
+        let admin = NodeAdmin(nodes[i].clone().unwrap());
+        let r = rt.block_on(admin.list_volumes(tonic::Request::new(pb::ListVolumesRequest {})));
+        let v = r.unwrap().into_inner().volumes;
+        assert_eq!(v.len(), 1, "{v:?}");
+        v[0].failed.clone()
+    };
     let vcfg = VolumeConfig {
         replica_timeout: Duration::from_millis(300),
         resync_interval: Duration::from_millis(100),
@@ -221,6 +231,8 @@ fn a_replica_whose_disk_fails_a_sync_acknowledges_nothing_more_and_is_resynced_a
     let b = block(0, 1);
     poisoned(failing.write(0, &b, crc32c::crc32c(&b), 1), "a write to replica 2");
     assert!(failing.poisoned().is_some());
+    assert!(failed(&nodes, 2).contains("syncing the log"), "{}", failed(&nodes, 2));
+    assert_eq!(failed(&nodes, 0), "");
     let states = vol.replica_states();
     assert_eq!(states[2].0, ReplicaState::Down, "{states:?}");
     let c = vol.counters();
@@ -233,8 +245,8 @@ fn a_replica_whose_disk_fails_a_sync_acknowledges_nothing_more_and_is_resynced_a
     disk.power_cut();
     disk.heal();
     disk.power_on().unwrap();
-    nodes[2] = Some(StorageNode::start(cfg(2, Some(addrs[2]))).unwrap());
-    assert_eq!(nodes[2].as_ref().unwrap().store(VOLUME).unwrap().poisoned(), None);
+    nodes[2] = Some(Arc::new(StorageNode::start(cfg(2, Some(addrs[2]))).unwrap()));
+    assert_eq!(failed(&nodes, 2), "", "a restarted store starts healthy");
     let t = Instant::now();
     loop {
         rt.block_on(writes(&vol, &mut seq, 20, &mut acked));
