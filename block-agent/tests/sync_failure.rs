@@ -39,7 +39,7 @@ fn can_mount(test: &str) -> bool {
         return false;
     }
     if let Err(why) = Disk::available() {
-        test_support::skip(test, test_support::Missing::Hardware, &why);
+        test_support::skip(test, test_support::Missing::Mount, &why);
         return false;
     }
     true

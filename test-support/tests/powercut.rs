@@ -92,7 +92,7 @@ fn a_cut_keeps_what_was_synced_and_nothing_else() {
 fn a_failed_sync_drops_the_dirty_pages_and_a_failed_write_changes_nothing() {
     const NAME: &str = "a_failed_sync_drops_the_dirty_pages_and_a_failed_write_changes_nothing";
     if let Err(why) = Disk::available() {
-        test_support::skip(NAME, test_support::Missing::Root, &why);
+        test_support::skip(NAME, test_support::Missing::Mount, &why);
         return;
     }
     use test_support::powercut::Fault;
