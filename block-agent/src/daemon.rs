@@ -85,6 +85,27 @@ impl LiveArgs {
     }
 }
 
+/// Resolves, after an error log, when the live registration is lost: another process holds
+/// this process's key now (this one was paused or cut off from etcd past its lease and a
+/// successor registered in its place, or one was started under the same name). The daemon
+/// stops then rather than serve beside its successor. Never resolves without a registration.
+fn when_lost(live: &Option<etcd_lite::Registration>) -> impl std::future::Future<Output = String> + Send + 'static {
+    let lost = live.as_ref().map(|r| r.when_lost());
+    async move {
+        match lost {
+            Some(lost) => {
+                let e = lost.await;
+                tracing::error!(
+                    "another process holds this process's etcd key now (it serves in this one's place): \
+                     stopping; {e}"
+                );
+                format!("another process holds this process's etcd key: {e}")
+            }
+            None => std::future::pending().await,
+        }
+    }
+}
+
 /// Leaves etcd at a clean stop (the key goes now rather than when the lease runs out).
 async fn deregister(r: Option<etcd_lite::Registration>) {
     if let Some(r) = r {
@@ -435,6 +456,7 @@ pub async fn run_node(a: NodeArgs) -> Result<(), DaemonError> {
                 .to_string(),
         )
         .await?;
+    let lost = when_lost(&live);
     banner(&format!(
         "block-server node={} data={data} admin={admin} dir={}",
         node.id(),
@@ -450,6 +472,7 @@ pub async fn run_node(a: NodeArgs) -> Result<(), DaemonError> {
             tokio::select! {
                 _ = shutdown() => {}
                 Ok(m) = superseded_rx => why = Some(m),
+                m = lost => why = Some(m),
             }
             let _ = stop.send(());
         });
@@ -486,11 +509,18 @@ pub async fn run_agent(a: AgentArgs) -> Result<(), DaemonError> {
         nbd: nbd.to_string(),
     });
     let (stop, stopped) = tokio::sync::oneshot::channel();
+    // why the agent stopped, when it was not asked to: its etcd registration was lost
+    let (lost_tx, lost_rx) = tokio::sync::oneshot::channel::<String>();
+    let why = Arc::new(parking_lot::Mutex::new(None));
+    let why_set = why.clone();
     let server = tokio::spawn(netstack::cm::drain_bounded(
         tonic::transport::Server::builder()
             .add_service(svc)
             .serve_with_incoming_shutdown(incoming(l), async move {
-                shutdown().await;
+                tokio::select! {
+                    _ = shutdown() => {}
+                    Ok(m) = lost_rx => *why_set.lock() = Some(m),
+                }
                 let _ = stop.send(());
             }),
         stopped,
@@ -564,11 +594,16 @@ pub async fn run_agent(a: AgentArgs) -> Result<(), DaemonError> {
                 .to_string(),
         )
         .await?;
+    let lost = when_lost(&live);
+    let lost = tokio::spawn(async move {
+        let _ = lost_tx.send(lost.await);
+    });
     banner(&format!(
         "block-agent name={} nbd={nbd} admin={admin} transport={}{unix}",
         a.name, a.transport
     ));
     let r = server.await.map_err(|e| DaemonError::Config(e.to_string()))?;
+    lost.abort();
     deregister(live).await;
     nbd_task.abort();
     if let Some(t) = unix_task {
@@ -578,7 +613,11 @@ pub async fn run_agent(a: AgentArgs) -> Result<(), DaemonError> {
         let _ = std::fs::remove_file(p);
     }
     r?;
-    Ok(())
+    let why = why.lock().take();
+    match why {
+        Some(m) => Err(DaemonError::Superseded(m)),
+        None => Ok(()),
+    }
 }
 
 /// Runs the controller.
