@@ -39,9 +39,29 @@ pub struct ServerArgs {
     /// Entries of the hybrid get's hot-value cache (0: off).
     #[arg(long, default_value_t = 4096)]
     pub hot_entries: usize,
-    /// Most client connections at once.
+    /// Most client connections at once on the RDMA (connection-manager) door; the RESP door
+    /// has --resp-max-clients.
     #[arg(long, default_value_t = 1024)]
     pub max_connections: usize,
+    /// Most RESP connections at once (redis `maxclients`): one more gets `-ERR max number of
+    /// clients reached` and is closed.
+    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub resp_max_clients: u64,
+    /// Most bytes of one command a RESP connection buffers (redis
+    /// `client-query-buffer-limit`; suffixes k, MiB, GiB; 1KiB to 1GiB): a command declared or
+    /// buffered beyond it gets `-ERR max query buffer length reached ...` and the connection
+    /// is closed.
+    #[arg(long, default_value = "512KiB", value_parser = query_buffer_limit)]
+    pub resp_query_buffer_limit: u64,
+    /// Longest RESP bulk string (redis `proto-max-bulk-len`; 1 to 66560, the largest value and
+    /// 1 KiB): a longer one is a protocol error, refused as soon as its `$N` line arrives.
+    #[arg(long, default_value_t = crate::resp::MAX_BULK as u64,
+          value_parser = clap::value_parser!(u64).range(1..=crate::resp::MAX_BULK as u64))]
+    pub resp_max_bulk_len: u64,
+    /// Most elements of one RESP command (1 to 1048576, redis's limit).
+    #[arg(long, default_value_t = 1024,
+          value_parser = clap::value_parser!(u64).range(1..=crate::resp::MAX_MULTIBULK as u64))]
+    pub resp_max_multibulk_len: u64,
     /// Engine threads (data cores) [config: data_cores; default 1].
     #[arg(long)]
     pub data_cores: Option<usize>,
@@ -65,6 +85,18 @@ pub struct ServerArgs {
     /// Serve Prometheus metrics on this address (`GET /metrics`).
     #[arg(long, value_name = "ADDR")]
     pub metrics_addr: Option<std::net::SocketAddr>,
+}
+
+fn query_buffer_limit(s: &str) -> Result<u64, String> {
+    let v = netstack::config::parse_size(s)?;
+    let (lo, hi) = (
+        crate::resp::MIN_QUERY_BUFFER as u64,
+        crate::resp::MAX_QUERY_BUFFER as u64,
+    );
+    if !(lo..=hi).contains(&v) {
+        return Err(format!("{v} bytes is out of range: {lo} (1KiB) to {hi} (1GiB)"));
+    }
+    Ok(v)
 }
 
 impl ServerArgs {
@@ -102,6 +134,12 @@ impl ServerArgs {
             map,
             hot_entries: self.hot_entries,
             max_connections: self.max_connections,
+            resp_limits: crate::resp::RespLimits {
+                max_clients: self.resp_max_clients as usize,
+                query_buffer_limit: self.resp_query_buffer_limit as usize,
+                max_bulk_len: self.resp_max_bulk_len as usize,
+                max_multibulk_len: self.resp_max_multibulk_len as usize,
+            },
             etcd: self.etcd.as_deref().map(|e| crate::shardmap::EtcdMap {
                 lease_ttl: std::time::Duration::from_secs(self.etcd_lease_ttl),
                 ..crate::shardmap::EtcdMap::new(e, &self.etcd_prefix)
@@ -171,5 +209,44 @@ mod tests {
         let c = parse(&["--data-cores", "1", "--data", "127.0.0.1:0", "--offload-threads", "1"]);
         assert_eq!((c.data_cores, c.bind.port(), c.offload.threads), (1, 0, 1));
         let _ = std::fs::remove_file(&p);
+    }
+
+    #[test]
+    fn resp_limits_come_from_flags_and_bad_values_name_the_flag() {
+        let l = Cli::parse_from(["kv-server"]).args.config().unwrap().resp_limits;
+        assert_eq!(l, crate::resp::RespLimits::default());
+        let l = Cli::parse_from([
+            "kv-server",
+            "--resp-max-clients",
+            "8",
+            "--resp-query-buffer-limit",
+            "64KiB",
+            "--resp-max-bulk-len",
+            "4096",
+            "--resp-max-multibulk-len",
+            "16",
+        ])
+        .args
+        .config()
+        .unwrap()
+        .resp_limits;
+        assert_eq!(
+            (l.max_clients, l.query_buffer_limit, l.max_bulk_len, l.max_multibulk_len),
+            (8, 64 << 10, 4096, 16)
+        );
+        for (flag, bad) in [
+            ("--resp-max-clients", "0"),
+            ("--resp-query-buffer-limit", "100"),
+            ("--resp-query-buffer-limit", "2GiB"),
+            ("--resp-query-buffer-limit", "lots"),
+            ("--resp-max-bulk-len", "1000000000"),
+            ("--resp-max-multibulk-len", "0"),
+        ] {
+            let e = Cli::try_parse_from(["kv-server", flag, bad])
+                .err()
+                .expect(bad)
+                .to_string();
+            assert!(e.contains(flag), "{flag} {bad}: {e}");
+        }
     }
 }

@@ -52,9 +52,12 @@ pub struct ServerConfig {
     /// A connection idle this long gets a keepalive message; a client that is gone lets it
     /// fail (RETRY_EXC_ERR), and the connection and its RedN pairs are dropped.
     pub keepalive: Duration,
-    /// Most client connections at once (each holds up to 3 × 64 × 66 KiB of message memory);
-    /// more are refused with a message saying so.
+    /// Most client connections at once on the RDMA (connection-manager) door (each holds up
+    /// to 3 × 64 × 66 KiB of message memory); more are refused with a message saying so. The
+    /// RESP door has its own, `resp_limits.max_clients`.
     pub max_connections: usize,
+    /// The RESP door's limits: connections, query buffer, bulk and multibulk lengths.
+    pub resp_limits: crate::resp::RespLimits,
 }
 
 impl Default for ServerConfig {
@@ -74,6 +77,7 @@ impl Default for ServerConfig {
             etcd: None,
             keepalive: KEEPALIVE_IDLE,
             max_connections: 1024,
+            resp_limits: Default::default(),
         }
     }
 }
@@ -88,6 +92,8 @@ pub struct ServerStats {
     pub rpc_requests: u64,
     pub rpc_errors: u64,
     pub resp_requests: u64,
+    /// The RESP door's connections and refusals.
+    pub resp: crate::resp::RespStats,
     pub connections: u64,
     pub redn_pairs: u64,
 }
@@ -147,6 +153,7 @@ pub(crate) struct Inner {
     rpc_requests: AtomicU64,
     rpc_errors: AtomicU64,
     pub(crate) resp_requests: AtomicU64,
+    resp_door: crate::resp::Door,
 }
 
 impl Inner {
@@ -508,6 +515,7 @@ impl KvServer {
                 cfg.shards
             )));
         }
+        cfg.resp_limits.check().map_err(KvError::Config)?;
         let geometry = Geometry::for_capacity(cfg.capacity, cfg.data_bytes, cfg.redn_value_len)?;
         let ctx = Context::open(cfg.ctx.clone())?;
         let pd = ctx.alloc_pd();
@@ -556,6 +564,7 @@ impl KvServer {
             rpc_requests: AtomicU64::new(0),
             rpc_errors: AtomicU64::new(0),
             resp_requests: AtomicU64::new(0),
+            resp_door: crate::resp::Door::new(cfg.resp_limits),
         });
         let weak: std::sync::Weak<dyn netstack::telemetry::Collect> = Arc::downgrade(&inner) as _;
         netstack::telemetry::register(weak);
@@ -657,6 +666,7 @@ impl KvServer {
             rpc_requests: i.rpc_requests.load(Ordering::Relaxed),
             rpc_errors: i.rpc_errors.load(Ordering::Relaxed),
             resp_requests: i.resp_requests.load(Ordering::Relaxed),
+            resp: i.resp_door.stats(),
             connections: i.conns.lock().len() as u64,
             redn_pairs: i.redn.lock().len() as u64,
         }
@@ -693,6 +703,16 @@ impl netstack::telemetry::Collect for Inner {
         }
         c("flexns_kv_rpc_errors_total", self.rpc_errors.load(Ordering::Relaxed));
         g("flexns_kv_connections", self.conns.lock().len() as u64);
+        let r = self.resp_door.stats();
+        g("flexns_kv_resp_connections", r.connections);
+        g("flexns_kv_resp_query_buffer_peak_bytes", r.peak_query_buffer_bytes);
+        for (reason, v) in [
+            ("max_clients", r.refused_max_clients),
+            ("query_buffer", r.refused_query_buffer),
+            ("protocol", r.protocol_errors),
+        ] {
+            counter!("flexns_kv_resp_refused_total", "shard" => shard.clone(), "reason" => reason).absolute(v);
+        }
     }
 }
 
@@ -762,5 +782,8 @@ impl crate::resp::Partition for Inner {
     }
     fn count_request(&self) {
         self.resp_requests.fetch_add(1, Ordering::Relaxed);
+    }
+    fn door(&self) -> &crate::resp::Door {
+        &self.resp_door
     }
 }
