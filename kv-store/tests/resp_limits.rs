@@ -230,6 +230,34 @@ fn connections_over_max_clients_are_refused_until_one_closes() {
     }
     let st = s.stats().resp;
     assert_eq!((st.refused_max_clients, st.connections), (refused, 8), "{st:?}");
+    // and Prometheus sees them (the only test of this process that serves metrics)
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    netstack::telemetry::serve_prometheus(port).unwrap();
+    netstack::telemetry::collect_now();
+    // the exporter listens from its own thread: give it a moment
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let text = loop {
+        let mut text = String::new();
+        let got = TcpStream::connect(port).and_then(|mut m| {
+            m.write_all(b"GET /metrics HTTP/1.0\r\n\r\n")?;
+            m.read_to_string(&mut text)
+        });
+        if got.is_ok() && text.contains("flexns_kv_resp") {
+            break text;
+        }
+        assert!(Instant::now() < deadline, "no kv-store metrics served: {got:?} {text}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    for want in [
+        format!("flexns_kv_resp_refused_total{{shard=\"0\",reason=\"max_clients\"}} {refused}"),
+        "flexns_kv_resp_refused_total{shard=\"0\",reason=\"protocol\"} 0".into(),
+        "flexns_kv_resp_connections{shard=\"0\"} 8".into(),
+    ] {
+        assert!(text.contains(&want), "{want} not in\n{text}");
+    }
 }
 
 /// `redis-cli` shows the refusals as errors.
