@@ -16,6 +16,8 @@ mod multipath;
 pub mod offload;
 mod requester;
 mod responder;
+#[cfg(test)]
+mod tests;
 
 use crate::cc::header::GrantHdr;
 use crate::cc::{CcAlgorithm, CcEnv, CcOutput, Generate, HeaderSpec, RxKind, RxMeta, StartInfo, Traced, Verdict};
@@ -189,6 +191,76 @@ pub struct ModifyError {
     pub to: QpState,
 }
 
+/// Duplicate READ and atomic requests a responder keeps what it needs to answer again: the
+/// last this many it accepted (an RNIC's `max_dest_rd_atomic` resources). A requester has at
+/// most [`RcConfig::max_rd_atomic`] (16 by default) READs and atomics outstanding, and a
+/// duplicate it sends is for one of them, so a responder at least that deep answers every
+/// legitimate duplicate; the bound is the larger of this and the QP's `max_rd_atomic`.
+pub const RESPONDER_RD_ATOMIC: usize = 16;
+
+/// Why a QP entered the error state (the `cause` of `flexns_qp_errors_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum QpErrorCause {
+    /// The peer NAKed an outstanding request with a remote access error.
+    RemoteAccess,
+    /// The peer NAKed an outstanding request with a remote operational error.
+    RemoteOperation,
+    /// The peer NAKed an outstanding request as invalid.
+    RemoteInvalidRequest,
+    /// The peer did not answer within the retry budget (RETRY_EXC_ERR).
+    RetryExceeded,
+    /// The peer had no receive posted within the RNR retry budget (RNR_RETRY_EXC_ERR).
+    RnrRetryExceeded,
+    /// A work request failed a local check (memory key, length) or a loopback execution.
+    Local,
+    /// Congestion control stopped the QP (e.g. HPCC without INT telemetry).
+    CongestionControl,
+    /// The application (or a RedN chain's abort) moved it to ERR.
+    Application,
+}
+
+impl QpErrorCause {
+    /// How many causes there are.
+    pub const COUNT: usize = 8;
+    /// Every cause, in index order.
+    pub const ALL: [QpErrorCause; Self::COUNT] = [
+        QpErrorCause::RemoteAccess,
+        QpErrorCause::RemoteOperation,
+        QpErrorCause::RemoteInvalidRequest,
+        QpErrorCause::RetryExceeded,
+        QpErrorCause::RnrRetryExceeded,
+        QpErrorCause::Local,
+        QpErrorCause::CongestionControl,
+        QpErrorCause::Application,
+    ];
+
+    /// Its metric label.
+    pub fn label(self) -> &'static str {
+        match self {
+            QpErrorCause::RemoteAccess => "remote_access",
+            QpErrorCause::RemoteOperation => "remote_operation",
+            QpErrorCause::RemoteInvalidRequest => "remote_invalid_request",
+            QpErrorCause::RetryExceeded => "retry_exceeded",
+            QpErrorCause::RnrRetryExceeded => "rnr_retry_exceeded",
+            QpErrorCause::Local => "local",
+            QpErrorCause::CongestionControl => "congestion_control",
+            QpErrorCause::Application => "application",
+        }
+    }
+
+    /// The cause a failed work completion's status stands for.
+    fn of_status(st: WcStatus) -> QpErrorCause {
+        match st {
+            WcStatus::RemAccessErr => QpErrorCause::RemoteAccess,
+            WcStatus::RemOpErr => QpErrorCause::RemoteOperation,
+            WcStatus::RemInvReqErr => QpErrorCause::RemoteInvalidRequest,
+            WcStatus::RetryExcErr => QpErrorCause::RetryExceeded,
+            WcStatus::RnrRetryExcErr => QpErrorCause::RnrRetryExceeded,
+            _ => QpErrorCause::Local,
+        }
+    }
+}
+
 /// Counters of one QP.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct RcStats {
@@ -212,10 +284,28 @@ pub struct RcStats {
     pub rnr_naks_received: u64,
     /// Requests received again (answered again, not executed twice).
     pub duplicate_requests: u64,
+    /// Duplicate READ, atomic and offload requests refused: a READ that matches none of the
+    /// READs this QP recently accepted (PSN, address, length, R_Key; see
+    /// [`RESPONDER_RD_ATOMIC`]), an atomic whose saved result is gone or whose header differs,
+    /// an offload request unknown to its cache. Dropped unanswered: a forged or stale copy
+    /// never makes the responder send memory it was not asked for by the live connection.
+    pub duplicate_requests_refused: u64,
     /// Packets that arrived ahead of the expected PSN.
     pub out_of_order_packets: u64,
     /// Responses for requests already completed.
     pub stale_responses: u64,
+    /// Positive ACKs naming a PSN this QP never sent (at or past the highest PSN sent):
+    /// dropped ("ghost" responses, IBA 9.7.5.1).
+    pub ghost_acks: u64,
+    /// NAKs (sequence error, RNR, fatal) naming no outstanding PSN (behind the oldest
+    /// unacknowledged one, or never sent; any PSN when nothing is outstanding): dropped, never
+    /// fatal.
+    pub ghost_naks: u64,
+    /// READ, atomic and offload responses naming a PSN this QP never sent: dropped.
+    pub ghost_responses: u64,
+    /// Times this QP entered the error state, by cause (indexed by [`QpErrorCause`]; kept
+    /// across a reset to RESET).
+    pub qp_errors: [u64; QpErrorCause::COUNT],
     /// Retransmissions whose first copy turned out to have arrived (overtaken, not lost).
     pub spurious_retransmissions: u64,
     /// Packets dropped (malformed, or refused by a check).
@@ -254,8 +344,13 @@ impl RcStats {
             rnr_naks_sent,
             rnr_naks_received,
             duplicate_requests,
+            duplicate_requests_refused,
             out_of_order_packets,
             stale_responses,
+            ghost_acks,
+            ghost_naks,
+            ghost_responses,
+            qp_errors,
             spurious_retransmissions,
             dropped_packets,
             acks_sent,
@@ -277,8 +372,15 @@ impl RcStats {
         self.rnr_naks_sent += rnr_naks_sent;
         self.rnr_naks_received += rnr_naks_received;
         self.duplicate_requests += duplicate_requests;
+        self.duplicate_requests_refused += duplicate_requests_refused;
         self.out_of_order_packets += out_of_order_packets;
         self.stale_responses += stale_responses;
+        self.ghost_acks += ghost_acks;
+        self.ghost_naks += ghost_naks;
+        self.ghost_responses += ghost_responses;
+        for (t, v) in self.qp_errors.iter_mut().zip(qp_errors) {
+            *t += v;
+        }
         self.spurious_retransmissions += spurious_retransmissions;
         self.dropped_packets += dropped_packets;
         self.acks_sent += acks_sent;
@@ -313,6 +415,8 @@ pub struct RcQp<R> {
     rx_path: u8,
     /// Where OFFLOAD_REQUESTs go; without one they are answered NO_HANDLER.
     offload: Option<Arc<dyn offload::OffloadSink>>,
+    /// Why it entered ERR, once it did.
+    error_cause: Option<QpErrorCause>,
 }
 
 /// A QP's congestion control: the algorithm's context, whether it started, its timer, the
@@ -385,6 +489,7 @@ impl<R: SharedRegion> RcQp<R> {
             probe: Default::default(),
             rx_path: 0,
             offload: None,
+            error_cause: None,
         }
     }
 
@@ -411,6 +516,10 @@ impl<R: SharedRegion> RcQp<R> {
     /// Its state.
     pub fn state(&self) -> QpState {
         self.state
+    }
+    /// Why it entered ERR, if it is there.
+    pub fn error_cause(&self) -> Option<QpErrorCause> {
+        self.error_cause
     }
     /// Its transport parameters.
     pub fn config(&self) -> &RcConfig {
@@ -550,15 +659,18 @@ impl<R: SharedRegion> RcQp<R> {
 
     /// Any state -> ERR: outstanding work requests complete with WR_FLUSH_ERR.
     pub fn modify_to_err(&mut self) {
-        self.enter_error();
+        self.enter_error(QpErrorCause::Application);
     }
 
-    /// Any state -> RESET: everything is dropped without completions.
+    /// Any state -> RESET: everything is dropped without completions (the count of errors
+    /// stays: it is a counter).
     pub fn modify_to_reset(&mut self) {
         let qpn = self.qpn;
         let env = self.cc_env.clone();
+        let errors = self.stats.qp_errors;
         *self = RcQp::new(qpn, self.pd, self.cfg);
         self.cc_env = env;
+        self.stats.qp_errors = errors;
     }
 
     fn transition(&mut self, from: &[QpState], to: QpState) -> Result<(), ModifyError> {
@@ -1044,7 +1156,7 @@ impl<R: SharedRegion> RcQp<R> {
             if self.cc.fault.is_none() {
                 tracing::warn!(qpn = self.qpn, cc = self.cc_info().map_or("", |c| c.0), "{reason}");
                 self.cc.fault = Some(reason);
-                self.enter_error();
+                self.enter_error(QpErrorCause::CongestionControl);
             }
         }
     }
@@ -1058,10 +1170,26 @@ impl<R: SharedRegion> RcQp<R> {
         self.completions.push_back(wc);
     }
 
-    fn enter_error(&mut self) {
+    fn enter_error(&mut self, cause: QpErrorCause) {
         if self.state == QpState::Err {
             return;
         }
+        if cause == QpErrorCause::Application {
+            tracing::debug!(
+                qpn = self.qpn,
+                dest_qpn = self.dest_qpn,
+                "QP moved to ERR by the application"
+            );
+        } else {
+            tracing::warn!(
+                qpn = self.qpn,
+                dest_qpn = self.dest_qpn,
+                cause = cause.label(),
+                "QP entered the error state"
+            );
+        }
+        self.error_cause = Some(cause);
+        self.stats.qp_errors[cause as usize] += 1;
         self.state = QpState::Err;
         self.cc.stash = None;
         let (qpn, dq) = (self.qpn, self.dest_qpn);
@@ -1075,7 +1203,8 @@ impl<R: SharedRegion> RcQp<R> {
 
     fn complete_error(&mut self, wc: Wc) {
         debug_assert_ne!(wc.status, WcStatus::Success);
+        let cause = QpErrorCause::of_status(wc.status);
         self.completions.push_back(wc);
-        self.enter_error();
+        self.enter_error(cause);
     }
 }

@@ -1057,9 +1057,32 @@ impl<R: SharedRegion> Requester<R> {
         let cfg = qp.cfg;
         let r = &mut qp.req;
         let p = psn_unwrap(r.una(), pkt.bth.psn);
-        if p >= r.next_psn() || (p < r.una() && pkt.opcode != Opcode::Acknowledge) {
-            qp.stats.stale_responses += 1;
-            return;
+        // Only a PSN in [una, sent_max) names an outstanding request; anything else is a
+        // ghost (IBA 9.7.5.1): dropped, never acted on, whatever it says. A positive ACK
+        // behind una is the responder repeating what it acknowledged (a duplicate, whose
+        // SACK still counts); a response behind una answers a request already completed.
+        if p < r.una() || p >= r.sent_max {
+            let ack = pkt.opcode == Opcode::Acknowledge;
+            let positive = pkt.aeth.is_some_and(|a| matches!(a.syndrome, Syndrome::Ack { .. }));
+            match (ack, positive, p < r.una()) {
+                (true, true, true) => {} // a duplicate ACK: handled below
+                (true, true, false) => {
+                    qp.stats.ghost_acks += 1;
+                    return;
+                }
+                (true, false, _) => {
+                    qp.stats.ghost_naks += 1;
+                    return;
+                }
+                (false, _, true) => {
+                    qp.stats.stale_responses += 1;
+                    return;
+                }
+                (false, _, false) => {
+                    qp.stats.ghost_responses += 1;
+                    return;
+                }
+            }
         }
         match pkt.opcode {
             Opcode::Acknowledge => {
@@ -1354,7 +1377,7 @@ impl<R: SharedRegion> Requester<R> {
             qp.req.retired += 1;
             qp.complete_error(w.wc(status, qpn, dest));
         } else {
-            qp.enter_error();
+            qp.enter_error(super::QpErrorCause::of_status(status));
         }
     }
 

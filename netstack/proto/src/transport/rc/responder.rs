@@ -2,7 +2,7 @@
 //! READ responses, atomics with a replay cache, receive-side completions, ACK/NAK generation.
 
 use super::offload::{response_packets, OffloadJob, OffloadStatus, Outcome, MAX_OFFLOAD_RESP};
-use super::{RcConfig, RcQp, Recovery};
+use super::{RcConfig, RcQp, Recovery, RESPONDER_RD_ATOMIC};
 use crate::memory::{Access, KeyTable, SharedRegion};
 use crate::transport::{psn_unwrap, PayloadPart, TxPacket};
 use crate::wire::*;
@@ -15,6 +15,9 @@ use std::sync::Arc;
 const ATOMIC_CACHE: usize = 64;
 /// Offload jobs kept for answering duplicate offload requests (never run twice).
 const OFFLOAD_CACHE: usize = 32;
+/// The most READs a responder remembers, whatever `max_rd_atomic` says (ibverbs' attribute
+/// is 8 bits wide).
+const MAX_READ_LOG: usize = 1024;
 
 struct RecvWqe {
     wr_id: u64,
@@ -93,11 +96,40 @@ struct PendingNak {
     psn: u64,
 }
 
-/// An executed atomic's result, kept to answer a duplicate of its request.
+/// An executed atomic's result, kept to answer a duplicate of its request (one with the same
+/// PSN, opcode and header).
 #[derive(Debug, Clone, Copy)]
 struct AtomicResult {
     psn: u64,
+    eth: AtomicEth,
+    cas: bool,
     orig: u64,
+}
+
+/// A READ this responder accepted: a duplicate is answered again only within it.
+#[derive(Debug, Clone, Copy)]
+struct ReadRecord {
+    /// Its first PSN and the PSNs its response takes.
+    psn: u64,
+    n: u32,
+    va: u64,
+    len: u64,
+    rkey: u32,
+}
+
+impl ReadRecord {
+    /// Whether `reth` at PSN `p` asks again for (part of) this READ: from one of its response
+    /// PSNs, at the address that PSN's data starts at, with the same R_Key, for no more than
+    /// the rest (a requester asks again from the first response packet it is missing, IBA
+    /// 9.7.4.1.2 / o9-25).
+    fn covers(&self, p: u64, reth: &Reth, mtu: u32) -> bool {
+        if p < self.psn || p >= self.psn + self.n as u64 {
+            return false;
+        }
+        let off = (p - self.psn) * mtu as u64;
+        let rest = self.len.saturating_sub(off);
+        reth.rkey == self.rkey && reth.va == self.va.wrapping_add(off) && reth.dma_len as u64 <= rest
+    }
 }
 
 /// An offload request answered or in progress, kept to answer its duplicates from (a handler
@@ -145,6 +177,8 @@ pub(super) struct Responder<R> {
     ooo: BTreeMap<u64, Action>,
     resp_q: VecDeque<Resp<R>>,
     atomic_cache: VecDeque<AtomicResult>,
+    /// The READs accepted last (see [`RESPONDER_RD_ATOMIC`]).
+    read_log: VecDeque<ReadRecord>,
     offload_cache: VecDeque<CachedJob>,
     ack_pending: bool,
     ack_deadline: Option<u64>,
@@ -167,6 +201,7 @@ impl<R: SharedRegion> Responder<R> {
             ooo: BTreeMap::new(),
             resp_q: VecDeque::new(),
             atomic_cache: VecDeque::new(),
+            read_log: VecDeque::new(),
             offload_cache: VecDeque::new(),
             ack_pending: false,
             ack_deadline: None,
@@ -189,7 +224,8 @@ impl<R: SharedRegion> Responder<R> {
         self.rq.capacity() * std::mem::size_of::<RecvWqe>()
             + self.ooo.len() * 48
             + self.resp_q.capacity() * std::mem::size_of::<Resp<R>>()
-            + self.atomic_cache.capacity() * 16
+            + self.atomic_cache.capacity() * std::mem::size_of::<AtomicResult>()
+            + self.read_log.capacity() * std::mem::size_of::<ReadRecord>()
     }
 
     pub(super) fn post(&mut self, wr: RecvWr) {
@@ -204,6 +240,7 @@ impl<R: SharedRegion> Responder<R> {
     pub(super) fn flush(&mut self, qpn: u32, dest: u32) -> Vec<Wc> {
         self.resp_q.clear();
         self.offload_cache.clear();
+        self.read_log.clear();
         self.ooo.clear();
         self.nak = None;
         self.ack_pending = false;
@@ -325,9 +362,13 @@ impl<R: SharedRegion> Responder<R> {
         let s = &mut qp.resp;
         let p = psn_unwrap(s.epsn, pkt.bth.psn);
         if p < s.epsn {
-            qp.stats.duplicate_requests += 1;
-            s.dup_seen = true;
-            return Self::duplicate(qp, p, pkt, mrs);
+            if Self::duplicate(qp, p, pkt, mrs) {
+                qp.stats.duplicate_requests += 1;
+                qp.resp.dup_seen = true;
+            } else {
+                qp.stats.duplicate_requests_refused += 1;
+            }
+            return;
         }
         if p > s.epsn {
             qp.stats.out_of_order_packets += 1;
@@ -412,11 +453,29 @@ impl<R: SharedRegion> Responder<R> {
         }
     }
 
-    fn duplicate(qp: &mut RcQp<R>, p: u64, pkt: &PacketView<'_>, mrs: &impl KeyTable<Region = R>) {
+    /// Answers a request whose PSN is behind the expected one; returns false when it was
+    /// refused (dropped unanswered).
+    fn duplicate(qp: &mut RcQp<R>, p: u64, pkt: &PacketView<'_>, mrs: &impl KeyTable<Region = R>) -> bool {
         match pkt.opcode {
             Opcode::ReadRequest => {
-                // IBA: a duplicate READ is executed again from its PSN
-                if let Some(reth) = pkt.reth {
+                // IBA: a duplicate READ is executed again from its PSN, but only one this QP
+                // accepted lately, asked for again within its range: any other (a forged or
+                // replayed RETH) would make this host send memory to the peer's address that
+                // nobody asked for, as much as the region holds for one small packet
+                let mtu = qp.cfg.mtu;
+                let Some(reth) = pkt
+                    .reth
+                    .filter(|r| qp.resp.read_log.iter().any(|l| l.covers(p, r, mtu)))
+                else {
+                    return false;
+                };
+                // a response from that PSN still waiting to start answers this copy too
+                let queued = qp
+                    .resp
+                    .resp_q
+                    .iter()
+                    .any(|r| matches!(r, Resp::Read { first, next: 0, .. } if *first == p));
+                if !queued {
                     if let Ok(r) = Self::read_resp(qp, p, &reth, mrs) {
                         qp.resp.resp_q.push_back(r);
                     }
@@ -439,19 +498,25 @@ impl<R: SharedRegion> Responder<R> {
                         data: c.outcome.as_ref().map(response_data),
                     }),
                     Some(_) => {}
-                    None => qp.stats.dropped_packets += 1,
+                    None => return false,
                 }
             }
             Opcode::CompareSwap | Opcode::FetchAdd => {
-                // replay the saved result; never execute an atomic twice
-                if let Some(&AtomicResult { orig, .. }) = qp.resp.atomic_cache.iter().find(|a| a.psn == p) {
-                    qp.resp.resp_q.push_back(Resp::Atomic { psn: p, orig });
-                } else {
-                    qp.stats.dropped_packets += 1;
-                }
+                // replay the saved result of the same request; never execute an atomic twice
+                let cas = pkt.opcode == Opcode::CompareSwap;
+                let saved = qp
+                    .resp
+                    .atomic_cache
+                    .iter()
+                    .find(|a| a.psn == p && a.cas == cas && pkt.atomic == Some(a.eth));
+                let Some(&AtomicResult { orig, .. }) = saved else {
+                    return false;
+                };
+                qp.resp.resp_q.push_back(Resp::Atomic { psn: p, orig });
             }
             _ => qp.resp.ack_pending = true,
         }
+        true
     }
 
     /// Validates a request packet and places its payload (unless `placed`: the driver copied it
@@ -735,7 +800,18 @@ impl<R: SharedRegion> Responder<R> {
                     Resp::Read { n, .. } | Resp::Offload { n, .. } => *n,
                     Resp::Atomic { .. } => 1,
                 };
+                let depth = RESPONDER_RD_ATOMIC.max(qp.cfg.max_rd_atomic as usize).min(MAX_READ_LOG);
                 let s = &mut qp.resp;
+                if s.read_log.len() >= depth {
+                    s.read_log.pop_front();
+                }
+                s.read_log.push_back(ReadRecord {
+                    psn: p,
+                    n,
+                    va: reth.va,
+                    len: reth.dma_len as u64,
+                    rkey: reth.rkey,
+                });
                 s.resp_q.push_back(r);
                 s.msn = (s.msn + 1) & MASK24;
                 s.epsn = p + n as u64;
@@ -783,7 +859,7 @@ impl<R: SharedRegion> Responder<R> {
                 if s.atomic_cache.len() == ATOMIC_CACHE {
                     s.atomic_cache.pop_front();
                 }
-                s.atomic_cache.push_back(AtomicResult { psn: p, orig });
+                s.atomic_cache.push_back(AtomicResult { psn: p, eth, cas, orig });
                 s.resp_q.push_back(Resp::Atomic { psn: p, orig });
                 s.msn = (s.msn + 1) & MASK24;
                 s.epsn = p + 1;

@@ -1,0 +1,363 @@
+//! Sans-IO tests of the RC transport against hostile peers: forged packets with correct ICRCs
+//! (a QPN and PSNs learnt from one captured packet) must neither turn a responder into a
+//! reflector nor end a live connection.
+
+use super::*;
+use crate::memory::{Access, AccessError, KeyTable, SharedRegion};
+use crate::wire::{encode_into, Aeth, AtomicEth, NakCode, Reth, Syndrome};
+use crate::work::{Sge, WcStatus, WrOpcode};
+use std::net::SocketAddrV4;
+use std::sync::atomic::{AtomicU8, Ordering};
+
+/// Registered memory for the tests: bytes a peer may access through shared references (the
+/// crate takes no locks; the tests run on one thread, so an atomic needs no more than this).
+#[derive(Debug)]
+struct Mem(Vec<AtomicU8>);
+
+impl Mem {
+    fn new(data: &[u8]) -> Mem {
+        Mem(data.iter().map(|&b| AtomicU8::new(b)).collect())
+    }
+    fn bytes(&self, off: usize, n: usize) -> Vec<u8> {
+        self.0[off..off + n].iter().map(|b| b.load(Ordering::Relaxed)).collect()
+    }
+    fn word(&self, off: usize) -> Option<u64> {
+        if !off.is_multiple_of(8) || off + 8 > self.0.len() {
+            return None;
+        }
+        Some(u64::from_le_bytes(self.bytes(off, 8).try_into().unwrap_or_default()))
+    }
+}
+
+impl SharedRegion for Mem {
+    fn from_bytes(data: &[u8]) -> Mem {
+        Mem::new(data)
+    }
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+    fn read(&self, off: usize, dst: &mut [u8]) {
+        dst.copy_from_slice(&self.bytes(off, dst.len()));
+    }
+    fn write(&self, off: usize, src: &[u8]) {
+        for (d, &s) in self.0[off..off + src.len()].iter().zip(src) {
+            d.store(s, Ordering::Relaxed);
+        }
+    }
+    fn append_to(&self, off: usize, n: usize, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.bytes(off, n));
+    }
+    fn compare_swap(&self, off: usize, compare: u64, swap: u64) -> Option<u64> {
+        let old = self.word(off)?;
+        if old == compare {
+            self.write(off, &swap.to_le_bytes());
+        }
+        Some(old)
+    }
+    fn fetch_add(&self, off: usize, add: u64) -> Option<u64> {
+        let old = self.word(off)?;
+        self.write(off, &old.wrapping_add(add).to_le_bytes());
+        Some(old)
+    }
+}
+
+/// One region per side, at `BASE`, under key `KEY`, in protection domain 1.
+struct Keys(Arc<Mem>);
+
+const BASE: u64 = 0x10_0000;
+const KEY: u32 = 0x77;
+const MEM: usize = 256 << 10;
+const MTU: u32 = 1024;
+
+impl KeyTable for Keys {
+    type Region = Mem;
+    fn check(&self, key: u32, pd: u32, va: u64, len: u64, _need: Access) -> Result<(Arc<Mem>, usize), AccessError> {
+        if key != KEY {
+            return Err(AccessError::BadKey(key));
+        }
+        if pd != 1 {
+            return Err(AccessError::WrongPd(key));
+        }
+        let end = va.checked_add(len).ok_or(AccessError::OutOfBounds { va, len })?;
+        if va < BASE || end > BASE + MEM as u64 {
+            return Err(AccessError::OutOfBounds { va, len });
+        }
+        Ok((self.0.clone(), (va - BASE) as usize))
+    }
+}
+
+const A: &str = "10.0.0.1:4791";
+const B: &str = "10.0.0.2:4791";
+
+/// A connected pair: the client (QPN 1, first PSN `client_psn`) and the server (QPN 2).
+struct Pair {
+    client: RcQp<Mem>,
+    server: RcQp<Mem>,
+    cmem: Keys,
+    smem: Keys,
+    now: u64,
+}
+
+fn addr(s: &str) -> SocketAddrV4 {
+    s.parse().expect("an address")
+}
+
+impl Pair {
+    fn new(client_psn: u32) -> Pair {
+        let cfg = RcConfig {
+            mtu: MTU,
+            ..RcConfig::default()
+        };
+        let mut client = RcQp::new(1, 1, cfg);
+        let mut server = RcQp::new(2, 1, cfg);
+        let server_psn = 5000;
+        client.modify_to_init().unwrap();
+        server.modify_to_init().unwrap();
+        client.modify_to_rtr(2, server_psn, cfg).unwrap();
+        server.modify_to_rtr(1, client_psn, cfg).unwrap();
+        client.modify_to_rts(client_psn).unwrap();
+        server.modify_to_rts(server_psn).unwrap();
+        let pattern: Vec<u8> = (0..MEM)
+            .map(|i| (i as u32).wrapping_mul(2654435761).to_le_bytes()[1])
+            .collect();
+        Pair {
+            client,
+            server,
+            cmem: Keys(Arc::new(Mem::new(&[0; MEM]))),
+            smem: Keys(Arc::new(Mem::new(&pattern))),
+            now: 1_000_000,
+        }
+    }
+
+    /// Moves packets both ways (running the delayed-ACK timers) until neither side has any;
+    /// returns the packets and payload bytes the server sent.
+    fn pump(&mut self) -> (u32, usize) {
+        let (mut pkts, mut bytes) = (0, 0);
+        loop {
+            let mut moved = false;
+            while let Some(p) = self.client.poll_transmit(self.now) {
+                let d = encode(&p, A, B);
+                let v = PacketView::parse(&d).expect("a packet the client sent parses");
+                self.server.handle_packet(self.now, &v, &self.smem);
+                moved = true;
+            }
+            while let Some(p) = self.server.poll_transmit(self.now) {
+                pkts += 1;
+                bytes += p.payload_len();
+                let d = encode(&p, B, A);
+                let v = PacketView::parse(&d).expect("a packet the server sent parses");
+                self.client.handle_packet(self.now, &v, &self.cmem);
+                moved = true;
+            }
+            self.now += 50_000; // past the delayed ACK, well before any retransmission timeout
+            self.client.handle_timeout(self.now);
+            self.server.handle_timeout(self.now);
+            if !moved && !self.client.wants_transmit(self.now) && !self.server.wants_transmit(self.now) {
+                return (pkts, bytes);
+            }
+        }
+    }
+
+    /// Hands the server a forged request and returns the packets and payload bytes it sends.
+    fn forge_to_server(&mut self, hdr: &HeaderBuf) -> (u32, usize) {
+        let d = forge(hdr, A, B);
+        let v = PacketView::parse(&d).expect("a forged packet parses");
+        self.server.handle_packet(self.now, &v, &self.smem);
+        let (mut pkts, mut bytes) = (0, 0);
+        while let Some(p) = self.server.poll_transmit(self.now) {
+            pkts += 1;
+            bytes += p.payload_len();
+        }
+        (pkts, bytes)
+    }
+
+    fn read(&mut self, wr_id: u64, local_off: u64, remote_off: u64, len: u32) {
+        let wr = SendWr::new(wr_id, WrOpcode::RdmaRead)
+            .sge(Sge {
+                addr: BASE + local_off,
+                length: len,
+                lkey: KEY,
+            })
+            .remote(BASE + remote_off, KEY);
+        self.client.post_send(wr, &self.cmem).expect("READ posted");
+    }
+
+    fn completion(&mut self) -> Wc {
+        self.client.poll_completion().expect("a completion")
+    }
+}
+
+fn encode(p: &crate::transport::TxPacket<Mem>, src: &str, dst: &str) -> Vec<u8> {
+    let mut out = Vec::new();
+    p.encode(addr(src), addr(dst), &mut out);
+    out
+}
+
+/// A datagram with a correct ICRC, as a hostile peer that spoofs `src` builds it.
+fn forge(hdr: &HeaderBuf, src: &str, dst: &str) -> Vec<u8> {
+    let mut out = Vec::new();
+    encode_into(&mut out, hdr, &[], addr(src), addr(dst));
+    out
+}
+
+fn read_request(dest_qp: u32, psn: u32, va: u64, len: u32) -> HeaderBuf {
+    let mut bth = Bth::new(Opcode::ReadRequest as u8, dest_qp, psn);
+    bth.ack_req = true;
+    let mut h = HeaderBuf::with_bth(&bth);
+    h.push_reth(&Reth {
+        va,
+        rkey: KEY,
+        dma_len: len,
+    });
+    h
+}
+
+fn ack(dest_qp: u32, psn: u32, syndrome: Syndrome) -> HeaderBuf {
+    let mut h = HeaderBuf::with_bth(&Bth::new(Opcode::Acknowledge as u8, dest_qp, psn));
+    h.push_aeth(&Aeth { syndrome, msn: 0 });
+    h
+}
+
+const FATAL: Syndrome = Syndrome::Nak(NakCode::RemoteAccessError);
+
+#[test]
+fn a_duplicate_read_is_answered_only_within_a_read_the_responder_accepted() {
+    let psn = 100;
+    let mut t = Pair::new(psn);
+    // a genuine 3000-byte READ: PSNs 100..103 (three 1 KiB response packets)
+    t.read(1, 0, 4096, 3000);
+    t.pump();
+    let wc = t.completion();
+    assert_eq!((wc.wr_id, wc.status), (1, WcStatus::Success));
+    assert_eq!(t.cmem.0.bytes(0, 3000), t.smem.0.bytes(4096, 3000));
+
+    // forged: the captured PSN with another RETH (the whole region) is not executed
+    let (pkts, bytes) = t.forge_to_server(&read_request(2, psn, BASE, MEM as u32));
+    assert_eq!((pkts, bytes), (0, 0), "a forged READ sends nothing");
+    // nor one that starts in the READ at a PSN whose data does not start there
+    let (pkts, bytes) = t.forge_to_server(&read_request(2, psn + 1, BASE + 4096, 1000));
+    assert_eq!((pkts, bytes), (0, 0), "a re-request at the wrong offset sends nothing");
+    // nor one asking beyond the READ's end
+    let (pkts, bytes) = t.forge_to_server(&read_request(2, psn, BASE + 4096, 3001));
+    assert_eq!((pkts, bytes), (0, 0), "a longer READ sends nothing");
+    let s = t.server.stats();
+    assert_eq!((s.duplicate_requests_refused, s.duplicate_requests), (3, 0), "{s:?}");
+
+    // the genuine retransmission (same PSN and RETH) is answered in full
+    let (pkts, bytes) = t.forge_to_server(&read_request(2, psn, BASE + 4096, 3000));
+    assert_eq!((pkts, bytes), (3, 3000));
+    // and so is a requester's re-request of the tail from its first missing response PSN
+    let (pkts, bytes) = t.forge_to_server(&read_request(2, psn + 1, BASE + 4096 + MTU as u64, 3000 - MTU));
+    assert_eq!((pkts, bytes), (2, 3000 - MTU as usize));
+    let s = t.server.stats();
+    assert_eq!((s.duplicate_requests_refused, s.duplicate_requests), (3, 2), "{s:?}");
+    assert_eq!(t.server.state(), QpState::Rts);
+
+    // once RESPONDER_RD_ATOMIC later READs were accepted, the first one is forgotten
+    for i in 0..RESPONDER_RD_ATOMIC as u64 {
+        t.read(10 + i, 8192, 0, 64);
+        t.pump();
+        assert_eq!(t.completion().status, WcStatus::Success);
+    }
+    let (pkts, bytes) = t.forge_to_server(&read_request(2, psn, BASE + 4096, 3000));
+    assert_eq!(
+        (pkts, bytes),
+        (0, 0),
+        "a READ older than the responder's depth is not answered"
+    );
+    assert_eq!(t.server.stats().duplicate_requests_refused, 4);
+}
+
+#[test]
+fn a_duplicate_atomic_replays_only_the_same_request() {
+    let psn = 7;
+    let mut t = Pair::new(psn);
+    let wr = SendWr {
+        compare_add: 5,
+        ..SendWr::new(1, WrOpcode::AtomicFetchAndAdd)
+            .sge(Sge {
+                addr: BASE,
+                length: 8,
+                lkey: KEY,
+            })
+            .remote(BASE + 64, KEY)
+    };
+    t.client.post_send(wr, &t.cmem).unwrap();
+    t.pump();
+    assert_eq!(t.completion().status, WcStatus::Success);
+    let after = t.smem.0.bytes(64, 8);
+    let atomic = |va: u64| {
+        let mut bth = Bth::new(Opcode::FetchAdd as u8, 2, psn);
+        bth.ack_req = true;
+        let mut h = HeaderBuf::with_bth(&bth);
+        h.push_atomic(&AtomicEth {
+            va,
+            rkey: KEY,
+            swap_add: 5,
+            compare: 0,
+        });
+        h
+    };
+    assert_eq!(t.forge_to_server(&atomic(BASE + 128)).0, 0, "another address: refused");
+    assert_eq!(t.forge_to_server(&atomic(BASE + 64)).0, 1, "the same request: replayed");
+    assert_eq!(t.smem.0.bytes(64, 8), after, "never executed twice");
+    let s = t.server.stats();
+    assert_eq!((s.duplicate_requests_refused, s.duplicate_requests), (1, 1), "{s:?}");
+}
+
+#[test]
+fn ghost_naks_and_acks_are_dropped_and_a_nak_of_an_outstanding_request_is_fatal() {
+    // the client's PSNs wrap: its WRITE takes PSNs 0xFFFFFF and 0 (2^24 unwrapped)
+    let mut t = Pair::new(0xFF_FFFF);
+    // the server has nothing outstanding: every NAK to it is a ghost
+    for psn in [0, 4 << 20, 8 << 20, 12 << 20] {
+        t.forge_to_server(&ack(2, psn, FATAL));
+    }
+    assert_eq!(t.server.state(), QpState::Rts, "ghost NAKs end no connection");
+    assert_eq!(t.server.stats().ghost_naks, 4);
+    assert!(t.server.poll_completion().is_none());
+
+    let wr = SendWr::new(9, WrOpcode::RdmaWrite)
+        .sge(Sge {
+            addr: BASE,
+            length: 2 * MTU,
+            lkey: KEY,
+        })
+        .remote(BASE, KEY);
+    t.client.post_send(wr, &t.cmem).unwrap();
+    let mut sent = 0;
+    while t.client.poll_transmit(t.now).is_some() {
+        sent += 1; // lost on the way: both PSNs stay outstanding
+    }
+    assert_eq!(sent, 2);
+    let to_client = |t: &mut Pair, h: HeaderBuf| {
+        let d = forge(&h, B, A);
+        let v = PacketView::parse(&d).unwrap();
+        t.client.handle_packet(t.now, &v, &t.cmem);
+    };
+    // behind una (across the wrap), and beyond what was sent: ghosts of every kind
+    to_client(&mut t, ack(1, 0xFF_FFFE, FATAL));
+    to_client(&mut t, ack(1, 1, FATAL));
+    to_client(&mut t, ack(1, 0xFF_FFF0, Syndrome::Rnr { timer: 1 }));
+    to_client(&mut t, ack(1, 0x40_0000, Syndrome::Nak(NakCode::PsnSequenceError)));
+    to_client(&mut t, ack(1, 5, Syndrome::Ack { credits: 0x1F }));
+    let mut resp = HeaderBuf::with_bth(&Bth::new(Opcode::ReadResponseOnly as u8, 1, 3));
+    resp.push_aeth(&Aeth {
+        syndrome: Syndrome::Ack { credits: 0x1F },
+        msn: 0,
+    });
+    to_client(&mut t, resp);
+    let s = t.client.stats();
+    assert_eq!((s.ghost_naks, s.ghost_acks, s.ghost_responses), (4, 1, 1), "{s:?}");
+    assert_eq!(t.client.state(), QpState::Rts, "ghosts end no connection");
+    assert!(t.client.poll_completion().is_none(), "and complete nothing");
+    assert_eq!(s.qp_errors, [0; QpErrorCause::COUNT]);
+
+    // a NAK naming an outstanding PSN (the WRITE's second, 0 after the wrap) still ends it
+    to_client(&mut t, ack(1, 0, FATAL));
+    assert_eq!(t.client.state(), QpState::Err);
+    let wc = t.completion();
+    assert_eq!((wc.wr_id, wc.status), (9, WcStatus::RemAccessErr));
+    assert_eq!(t.client.error_cause(), Some(QpErrorCause::RemoteAccess));
+    assert_eq!(t.client.stats().qp_errors[QpErrorCause::RemoteAccess as usize], 1);
+}
