@@ -1090,7 +1090,12 @@ impl DataCore {
                 qpn
             }
             Command::Remove(qpn) => {
-                self.qps.remove(&qpn);
+                if let Some(s) = self.qps.remove(&qpn) {
+                    let errors = s.qp.stats().qp_errors;
+                    for (c, n) in self.shared.stats.removed_qp_errors.iter().zip(errors) {
+                        c.add(n);
+                    }
+                }
                 self.managed.retain(|&q| q != qpn);
                 self.active.remove(&qpn);
                 self.stuck.remove(&qpn);

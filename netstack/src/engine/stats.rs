@@ -68,6 +68,9 @@ pub(crate) struct EngineStats {
     /// Loop passes that did work, run by a driver task on the application's runtime
     /// ([`crate::config::Drive::Runtime`]).
     pub task_passes: Counter,
+    /// Error-state entries of the QPs this core removed (their handles were dropped), by
+    /// cause: with the live QPs' counts, `flexns_qp_errors_total` never goes down.
+    pub removed_qp_errors: [Counter; crate::transport::rc::QpErrorCause::COUNT],
 }
 
 /// A point-in-time copy of the counters.

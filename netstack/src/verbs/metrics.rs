@@ -7,7 +7,7 @@ use crate::cc::CcKind;
 use crate::engine::CqShared;
 use crate::engine::{Counter, EngineStats};
 use crate::path::PathStats;
-use crate::transport::rc::RcStats;
+use crate::transport::rc::{QpErrorCause, RcStats};
 use metrics::{counter, gauge, histogram};
 use std::sync::Arc;
 
@@ -113,6 +113,15 @@ impl crate::telemetry::Collect for CtxInner {
         c("flexns_shm_doorbells_total", st.shm_doorbells);
         gauge!("flexns_shm_peers", "context" => ctx.clone()).set(st.shm_peers as f64);
 
+        // the error counts of QPs already removed, read before the live ones: a QP removed in
+        // between is missed this once rather than counted twice (the counter never goes down)
+        let mut gone = [0u64; QpErrorCause::COUNT];
+        for c in self.engine.cores() {
+            for (g, n) in gone.iter_mut().zip(&c.stats.removed_qp_errors) {
+                *g += n.get();
+            }
+        }
+
         // the QPs, summed, and their paths; their CQs; the limits congestion control set
         let mut t = RcStats::default();
         let mut qps = 0usize;
@@ -179,6 +188,20 @@ impl crate::telemetry::Collect for CtxInner {
         ck("flexns_cnps_total", "direction", "sent", t.cnps_sent);
         ck("flexns_cnps_total", "direction", "received", t.cnps_received);
         c("flexns_duplicate_requests_total", t.duplicate_requests);
+        c("flexns_duplicate_requests_refused_total", t.duplicate_requests_refused);
+        ck("flexns_ghost_responses_total", "kind", "ack", t.ghost_acks);
+        ck("flexns_ghost_responses_total", "kind", "nak", t.ghost_naks);
+        ck("flexns_ghost_responses_total", "kind", "response", t.ghost_responses);
+        // QPs that entered ERR, live ones and those already removed
+        for cause in QpErrorCause::ALL {
+            let i = cause as usize;
+            ck(
+                "flexns_qp_errors_total",
+                "cause",
+                cause.label(),
+                t.qp_errors[i] + gone[i],
+            );
+        }
         c("flexns_out_of_order_packets_total", t.out_of_order_packets);
         c("flexns_cc_deferred_packets_total", t.cc_deferred);
         let up = paths.iter().filter(|p| p.up).count();
