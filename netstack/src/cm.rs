@@ -150,9 +150,10 @@ struct Service<A: Acceptor>(Arc<A>);
 /// larger batch is refused whole, so one caller cannot make the server build an unbounded reply.
 pub const MAX_BATCH: usize = 4096;
 
-/// Requests per `ConnectQps` call that [`Connector::connect_many`] sends, and how many calls it
-/// keeps in flight: the server accepts one batch while the client connects its QPs to the last.
-const CHUNK: usize = 256;
+/// Requests per `ConnectQps` call that [`Connector::connect_many`] sends (N QPs take
+/// `N.div_ceil(CHUNK)` calls), and how many calls it keeps in flight: the server accepts one
+/// batch while the client connects its QPs to the last.
+pub const CHUNK: usize = 256;
 const CHUNKS_IN_FLIGHT: usize = 4;
 
 /// Creates and connects the server's QP for one request.
