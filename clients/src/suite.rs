@@ -176,10 +176,7 @@ fn rows(c: &Comparison, lines: &[Value]) -> Vec<Row> {
             };
             let Some(ratio) = ratio else { continue };
             // throughput: CPU per byte (the references count their own units of work)
-            let cpu = match metric.as_str() {
-                "gbps" => f(&l["cpu_per_byte_ratio"]).or(f(&l["cpu_us_per_op_ratio"])),
-                _ => f(&l["cpu_us_per_op_ratio"]),
-            };
+            let cpu = crate::perf::client::cpu_ratio(l, &metric).map(|(r, _)| r);
             Row {
                 comparison: name.into(),
                 reference: l["reference"].as_str().unwrap_or("").into(),

@@ -389,13 +389,31 @@ pub fn run(a: &ClientArgs, spawn: &ServerSpawn) -> Result<Vec<BenchResult>> {
         if a.json {
             println!("{line}");
         } else {
+            let cpu = match cpu_ratio(&line, line["metric"].as_str().unwrap_or("")) {
+                Some((r, unit)) => format!("CPU {unit} {r}"),
+                None => "CPU -".into(),
+            };
             println!(
-                "ratio {system} / {reference} ({}), median of {} pairs: {}; CPU per operation {}",
-                line["metric"], line["pairs"], line["ratio"], line["cpu_us_per_op_ratio"]
+                "ratio {system} / {reference} ({}), median of {} pairs: {}; {cpu}",
+                line["metric"], line["pairs"], line["ratio"]
             );
         }
     }
     Ok(out)
+}
+
+/// The CPU comparison to show for a ratio line of `metric` ([`ratio_line`]'s `metric`, or a
+/// reader's own), with its unit: per byte for throughput (`gbps`: a reference counts its own
+/// units of work, e.g. udp-raw's 4 KiB datagrams against 64 KiB WRITEs, so CPU per operation
+/// would compare different amounts of work), per operation otherwise (latency runs ping-pong
+/// one size on both sides). A throughput line without a per-byte figure falls back to per
+/// operation, labelled so. `None` when the line has neither.
+pub fn cpu_ratio(line: &serde_json::Value, metric: &str) -> Option<(f64, &'static str)> {
+    let per_byte = match metric {
+        "gbps" => line["cpu_per_byte_ratio"].as_f64().map(|r| (r, "per byte")),
+        _ => None,
+    };
+    per_byte.or_else(|| line["cpu_us_per_op_ratio"].as_f64().map(|r| (r, "per operation")))
 }
 
 /// The ratio line of interleaved runs (system, reference, system, ...): the median over whole
@@ -874,4 +892,61 @@ fn flexns(
     }
     r.extra.insert("recovery".into(), serde_json::to_value(a.recovery)?);
     Ok(r)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bench::ProcUsage;
+
+    /// A finished run of `ops` operations of `size` bytes that took `cpu` seconds of CPU.
+    fn run(system: &str, size: u64, ops: u64, cpu: f64) -> BenchResult {
+        let mut r = BenchResult {
+            system: system.into(),
+            msg_bytes: size,
+            ops,
+            bytes: ops * size,
+            secs: 1.0,
+            gbps: (ops * size * 8) as f64 / 1e9,
+            verified: true,
+            ..Default::default()
+        };
+        r.account(&[ProcUsage {
+            role: "client".into(),
+            pid: 1,
+            cpu_secs: cpu,
+            peak_rss_kib: 0,
+            peak_rss_since_start: false,
+        }]);
+        r
+    }
+
+    /// The demo's first step: 64 KiB WRITEs against 4 KiB datagrams, moving the same bytes
+    /// for the same CPU. Per operation that reads 16 times costlier; per byte it is even.
+    #[test]
+    fn a_throughput_comparison_of_different_sizes_reports_cpu_per_byte() {
+        let out = [
+            run("flexns", 64 << 10, 10_000, 0.5),
+            run("udp-raw", 4 << 10, 160_000, 0.5),
+        ];
+        let line = ratio_line(&out, false, "flexns", "udp-raw", Wait::Spin).unwrap();
+        assert_eq!(line["cpu_us_per_op_ratio"].as_f64(), Some(16.0));
+        assert_eq!(cpu_ratio(&line, "gbps"), Some((1.0, "per byte")));
+    }
+
+    /// Latency rows ping-pong one size on both sides: per operation is the figure.
+    #[test]
+    fn a_latency_comparison_reports_cpu_per_operation() {
+        let out = [run("flexns", 64, 10_000, 0.2), run("udp-raw", 64, 10_000, 0.4)];
+        let line = ratio_line(&out, true, "flexns", "udp-raw", Wait::Spin).unwrap();
+        assert_eq!(cpu_ratio(&line, "p50_us"), Some((0.5, "per operation")));
+    }
+
+    /// A throughput line without a per-byte figure (no bytes counted) says per operation.
+    #[test]
+    fn a_throughput_line_without_bytes_falls_back_to_per_operation() {
+        let line = serde_json::json!({"metric": "gbps", "cpu_us_per_op_ratio": 2.5, "cpu_per_byte_ratio": null});
+        assert_eq!(cpu_ratio(&line, "gbps"), Some((2.5, "per operation")));
+        assert_eq!(cpu_ratio(&serde_json::json!({}), "gbps"), None);
+    }
 }
