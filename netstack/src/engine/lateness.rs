@@ -48,9 +48,17 @@ impl Lateness {
         self.pass_max = self.pass_max.max(now.saturating_sub(arrived));
     }
 
-    /// The core goes to sleep until `deadline` at the latest (`None`: no deadline).
-    pub(super) fn sleeping(&mut self, deadline: Option<u64>) {
-        self.sleep_deadline = deadline;
+    /// The core goes to sleep at `now` until `deadline` at the latest (`None`: no deadline). A
+    /// deadline already past (the wait is the shortest there is) says nothing of lateness.
+    pub(super) fn sleeping(&mut self, now: u64, deadline: Option<u64>) {
+        self.sleep_deadline = deadline.filter(|&d| d > now);
+    }
+
+    /// The core's driver read at `at` which of its descriptors are readable (the tokio task's
+    /// driver, before each pass): a pass that receives on those alone has taken in what came
+    /// by `at`, as after a wake-up, with no lateness to sample.
+    pub(super) fn ready_as_of(&mut self, at: u64) {
+        self.woke_at = self.woke_at.max(at);
     }
 
     /// The core woke at `now`: how far past its deadline is a sample.
@@ -130,15 +138,20 @@ mod tests {
     #[test]
     fn oversleeping_a_deadline_counts() {
         let mut l = Lateness::default();
-        l.sleeping(Some(10 * MS));
+        l.sleeping(9 * MS, Some(10 * MS));
         l.woke(13 * MS);
         l.end_receive(13 * MS, true, true);
         assert_eq!(l.estimate(13 * MS), 3 * MS);
         // a wait with no deadline that ends is no lateness
         let mut l = Lateness::default();
-        l.sleeping(None);
+        l.sleeping(0, None);
         l.woke(500 * MS);
         assert_eq!(l.end_receive(500 * MS, true, true), None);
+        // nor one whose deadline had passed when it began (the shortest wait)
+        let mut l = Lateness::default();
+        l.sleeping(30 * MS, Some(10 * MS));
+        l.woke(31 * MS);
+        assert_eq!(l.end_receive(31 * MS, true, true), None);
     }
 
     #[test]
@@ -153,6 +166,11 @@ mod tests {
         l.woke(15 * MS);
         l.end_receive(16 * MS, true, false);
         assert_eq!(l.timer_now(16 * MS), 15 * MS);
+        // a driver that read its descriptors' readiness at 18 ms (the tokio task, which
+        // never sleeps while it has work) moves it as a wake-up does
+        l.ready_as_of(18 * MS);
+        l.end_receive(19 * MS, true, false);
+        assert_eq!(l.timer_now(19 * MS), 18 * MS);
         // an overloaded core's timers run at most the lag behind
         assert_eq!(l.timer_now(100 * MS), 100 * MS - MAX_HORIZON_LAG_NS);
     }

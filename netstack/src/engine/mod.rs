@@ -970,7 +970,7 @@ impl DataCore {
             }
         }
         let now = self.shared.now();
-        self.late.sleeping(next_deadline);
+        self.late.sleeping(now, next_deadline);
         let wait = next_deadline
             .map(|d| d.saturating_sub(now))
             .unwrap_or(100_000_000)

@@ -74,6 +74,9 @@ fn step(d: &AppDrive, i: usize, ready: &mut ReadyFds) -> Step {
     let Some(mut core) = cell.try_lock() else {
         return Step::Busy;
     };
+    // `ready` was read just now (`take_ready`): what the ports it leaves out had by now is
+    // nothing, so the timers' receive horizon moves here too (`lateness`), not only at a wake
+    core.late.ready_as_of(now);
     let pass = core.poll_ready(now, &*shared.link, Some(ready));
     if pass.work {
         shared.stats.task_passes.inc();

@@ -668,9 +668,12 @@ impl<R: SharedRegion> RcQp<R> {
         let qpn = self.qpn;
         let env = self.cc_env.clone();
         let errors = self.stats.qp_errors;
+        let host_delay = self.req.paths.host_delay();
         *self = RcQp::new(qpn, self.pd, self.cfg);
         self.cc_env = env;
         self.stats.qp_errors = errors;
+        // the host's delay is the driver's to say: a reset QP keeps what it was told
+        self.req.paths.set_host_delay(host_delay);
     }
 
     fn transition(&mut self, from: &[QpState], to: QpState) -> Result<(), ModifyError> {

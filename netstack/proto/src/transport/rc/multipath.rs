@@ -37,8 +37,11 @@ impl<R: SharedRegion> RcQp<R> {
         if self.req.outstanding() > 0 {
             return Err("paths: set them before posting work requests".into());
         }
+        let host_delay = self.req.paths.host_delay();
         self.req.paths = PathSet::new(n, policy, params);
         self.req.paths.set_ports(self.req.source_ports);
+        // the host's delay is the driver's to say, not the paths': it stays
+        self.req.paths.set_host_delay(host_delay);
         Ok(())
     }
 

@@ -361,3 +361,24 @@ fn ghost_naks_and_acks_are_dropped_and_a_nak_of_an_outstanding_request_is_fatal(
     assert_eq!(t.client.error_cause(), Some(QpErrorCause::RemoteAccess));
     assert_eq!(t.client.stats().qp_errors[QpErrorCause::RemoteAccess as usize], 1);
 }
+
+/// The host delay the driver told a QP stays when its paths are set anew (a connect that
+/// adopts the peer's paths) or it is reset: the driver says it again only when it changes.
+#[test]
+fn the_host_delay_survives_new_paths_and_a_reset() {
+    let cfg = RcConfig {
+        recovery: Recovery::SelectiveRepeat,
+        ..RcConfig::default()
+    };
+    let mut qp: RcQp<Mem> = RcQp::new(1, 1, cfg);
+    qp.set_host_delay(4_000_000);
+    qp.set_paths(
+        4,
+        crate::path::SprayPolicy::RoundRobin,
+        crate::path::PathParams::default(),
+    )
+    .unwrap();
+    assert_eq!(qp.paths().host_delay(), 4_000_000);
+    qp.modify_to_reset();
+    assert_eq!(qp.paths().host_delay(), 4_000_000);
+}
