@@ -664,8 +664,13 @@ impl FlexnsPath {
     /// A QP failed: it takes no more work, and its notifications waiting for room or for an
     /// answer (which can no longer arrive on it) fail with `why`.
     fn lane_failed(&self, lane: &Arc<Lane>, why: &str) {
-        lane.dead.store(true, Ordering::Relaxed);
-        let waiting: Vec<Waiter> = lane.notify.lock().waiting.drain(..).map(|(_, _, w)| w).collect();
+        // marked dead under the window's lock: a `post_notify` that saw the lane alive either
+        // queued before this drain, or sees it dead under the lock and fails (none is stranded)
+        let waiting: Vec<Waiter> = {
+            let mut win = lane.notify.lock();
+            lane.dead.store(true, Ordering::Relaxed);
+            win.waiting.drain(..).map(|(_, _, w)| w).collect()
+        };
         let unanswered: Vec<Waiter> = {
             let mut a = self.awaiting.lock();
             let ids: Vec<u64> = a
@@ -718,6 +723,12 @@ impl FlexnsPath {
         };
         // posted under the window's lock: a peer's notifications leave in the order given
         let mut win = lane.notify.lock();
+        if lane.dead.load(Ordering::Relaxed) {
+            return Err(TransferError::Failed(format!(
+                "{}: its queue pair failed while the notification was handed in",
+                p.who()
+            )));
+        }
         if win.unanswered >= NOTIFY_WINDOW {
             win.waiting.push_back((id, msg, w));
             return Ok(());
