@@ -700,24 +700,30 @@ impl VolumeStore {
         self.poison.check()?;
         // metadata first: a crash in between leaves a data file of the old size, which is
         // what the volume is opened with (the extra metadata is zeros: never written)
-        let r = self.grow_files(blocks);
-        if let Err(e) = &r {
-            // a failed sync may have dropped the files' dirty pages
-            self.poison.set(format!("growing the volume failed: {e}"));
-        }
-        r
+        self.grow_files(blocks)
     }
 
-    /// [`VolumeStore::grow`]'s resizes and syncs (commits are held off).
+    /// [`VolumeStore::grow`]'s resizes and syncs (commits are held off). A resize the file
+    /// system refuses (a size past its limit: `EFBIG`) is the request's error and changes
+    /// nothing the volume uses (a metadata file longer than the data file is what a crash
+    /// between the two leaves, and is opened at the data file's size); a failed sync may have
+    /// dropped dirty pages of either file and poisons the store.
     fn grow_files(&self, blocks: u64) -> Result<(), StoreError> {
+        let synced = |r: std::io::Result<()>, what: &'static str| {
+            r.map_err(|e| {
+                let e = self.io(what)(e);
+                self.poison.set(format!("growing the volume failed: {e}"));
+                e
+            })
+        };
         self.meta
             .set_len(blocks * META)
             .map_err(self.io("growing the metadata file"))?;
-        self.meta.sync_all().map_err(self.io("syncing the metadata file"))?;
+        synced(self.meta.sync_all(), "syncing the metadata file")?;
         self.data
             .set_len(blocks * BLOCK as u64)
             .map_err(self.io("growing the data file"))?;
-        self.data.sync_all().map_err(self.io("syncing the data file"))?;
+        synced(self.data.sync_all(), "syncing the data file")?;
         self.blocks.store(blocks, std::sync::atomic::Ordering::Release);
         Ok(())
     }
@@ -1521,6 +1527,26 @@ mod tests {
 
     fn block(seed: u8) -> Vec<u8> {
         (0..BLOCK).map(|i| (i as u8).wrapping_mul(seed) ^ seed).collect()
+    }
+
+    /// A resize the file system refuses (an ext4 file ends at 16 TiB: `EFBIG`) is the
+    /// request's error: the store is not poisoned and serves on at its old size.
+    #[test]
+    fn a_resize_the_file_system_refuses_does_not_poison_the_store() {
+        let d = dir("efbig");
+        let s = VolumeStore::create(&d, 1, 64, 1 << 20).unwrap();
+        match s.grow(1 << 40) {
+            Err(e) => {
+                assert!(matches!(e, StoreError::Io { .. }), "{e}");
+                assert_eq!(s.blocks(), 64);
+            }
+            Ok(()) => eprintln!("this file system takes 4 PiB files: no resize was refused here"),
+        }
+        let b = block(3);
+        s.write(5, &b, crc32c::crc32c(&b), 1).unwrap();
+        assert_eq!(s.read(5).unwrap().0, b);
+        drop(s);
+        let _ = std::fs::remove_dir_all(&d);
     }
 
     #[test]
