@@ -595,7 +595,17 @@ impl LocalCluster {
             pids,
             dir: self.spec.dir.clone(),
             starts,
-            argv: daemons.iter().map(|d| (d.role.clone(), d.args.clone())).collect(),
+            argv: daemons
+                .iter()
+                .map(|d| {
+                    let mut args = d.args.clone();
+                    if d.role == "control" {
+                        // restarted, it must come back where the others know it
+                        set_listen(&mut args, &self.control_addr);
+                    }
+                    (d.role.clone(), args)
+                })
+                .collect(),
         }
     }
 }
@@ -603,7 +613,9 @@ impl LocalCluster {
 /// Starts daemon `name` of a detached cluster again (after it died or was killed) with the
 /// arguments it was started with, and records its new pid in `state`. A storage node that
 /// listened on port 0 gets a new port, which the controller and the agent follow; the agent
-/// keeps its NBD address unless it was port 0 (then `state.uri` changes). Returns the pid.
+/// keeps its NBD address unless it was port 0 (then `state.uri` changes); the controller comes
+/// back on its recorded address `state.control` (waiting a few seconds while that is still in
+/// use). Returns the pid.
 pub fn restart_daemon(sp: &Spawner, state: &mut ClusterState, name: &str) -> Result<u32> {
     let i = state.pids.iter().position(|(n, _)| n == name).with_context(|| {
         let names: Vec<&str> = state.pids.iter().map(|(n, _)| n.as_str()).collect();
@@ -612,10 +624,17 @@ pub fn restart_daemon(sp: &Spawner, state: &mut ClusterState, name: &str) -> Res
     if daemon_alive(state, i) == Alive::Yes {
         bail!("{name} is running (pid {})", state.pids[i].1);
     }
-    let (role, args) = state.argv.get(i).cloned().with_context(|| {
+    let (role, mut args) = state.argv.get(i).cloned().with_context(|| {
         format!("the cluster's state has no arguments for {name} (it was started by an older blkctl)")
     })?;
-    let d = Daemon::start(sp, &state.dir, name, &role, &args, true)?;
+    let d = if role == "control" {
+        // the nodes, the agent and the state know the controller by the address it bound
+        // when it first started; a state written before that was recorded says port 0 here
+        set_listen(&mut args, &state.control);
+        start_on_old_address(sp, &state.dir, name, &role, &args, &state.control)?
+    } else {
+        Daemon::start(sp, &state.dir, name, &role, &args, true)?
+    };
     state.pids[i].1 = d.pid;
     if let Some(s) = state.starts.get_mut(i) {
         *s = proc_start_time(d.pid).unwrap_or(0);
@@ -627,6 +646,48 @@ pub fn restart_daemon(sp: &Spawner, state: &mut ClusterState, name: &str) -> Res
         }
     }
     Ok(d.pid)
+}
+
+/// How long a restarted controller waits for its old address to be free.
+const REBIND_WAIT: Duration = Duration::from_secs(5);
+
+/// Sets the value of `--listen` in `args` to `addr` (adds the flag when it is missing).
+fn set_listen(args: &mut Vec<String>, addr: &str) {
+    match args.iter().position(|a| a == "--listen") {
+        Some(p) if p + 1 < args.len() => args[p + 1] = addr.to_string(),
+        _ => args.extend(["--listen".to_string(), addr.to_string()]),
+    }
+}
+
+/// Starts a detached daemon that must listen on `addr`: while the address is in use (a
+/// process that has not quite exited yet), tries again for [`REBIND_WAIT`], then fails
+/// naming the address.
+fn start_on_old_address(
+    sp: &Spawner,
+    dir: &Path,
+    name: &str,
+    role: &str,
+    args: &[String],
+    addr: &str,
+) -> Result<Daemon> {
+    let deadline = Instant::now() + REBIND_WAIT;
+    loop {
+        match Daemon::start(sp, dir, name, role, args, true) {
+            Ok(d) => return Ok(d),
+            Err(e) if format!("{e:#}").contains("in use") => {
+                if Instant::now() > deadline {
+                    bail!(
+                        "{name} cannot listen on its address {addr} again: it is still in use after {} s \
+                         (another process holds it; `ss -ltnp` shows which):\n{e:#}",
+                        REBIND_WAIT.as_secs()
+                    );
+                }
+                tracing::debug!(%addr, "{name}'s address is still in use; trying again");
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            Err(e) => return Err(e),
+        }
+    }
 }
 
 /// Stops a detached cluster's processes (agent first, controller last); a pid that is no

@@ -456,3 +456,80 @@ fn with_etcd_a_killed_node_leaves_etcd_and_is_down_within_its_lease() {
     drop(c);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The pid `blkctl cluster up` recorded for daemon `name` in `dir/cluster.json`.
+fn recorded_pid(dir: &Path, name: &str) -> u32 {
+    let state: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("cluster.json")).unwrap()).unwrap();
+    state["pids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p[0] == name)
+        .and_then(|p| p[1].as_u64())
+        .unwrap_or_else(|| panic!("{name}'s pid in {state}")) as u32
+}
+
+/// SIGKILL to `pid`, and waits until it is gone (or a zombie).
+fn kill9_and_wait(pid: u32) {
+    let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+    let t = Instant::now();
+    while std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| !s.contains(") Z"))
+        && t.elapsed() < Duration::from_secs(5)
+    {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Waits until `blkctl cluster status` shows the controller answering with `up` storage nodes
+/// up; returns the output.
+fn wait_status_up(dir: &Path, up: usize, what: &str) -> String {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let (ok, out, err) = blkctl(dir, &["cluster", "status"]);
+        assert!(ok, "cluster status: {err}");
+        let n = out
+            .lines()
+            .filter(|l| l.contains(" admin ") && l.contains("  up "))
+            .count();
+        if !out.contains("does not answer") && n == up {
+            return out;
+        }
+        assert!(Instant::now() < deadline, "{what}: {out}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// `blkctl cluster restart control` brings a killed controller back on the address the nodes,
+/// the agent and the saved state know (it was started with `--listen 127.0.0.1:0`): `status`
+/// and `describe` answer, every node shows up, and a restarted node registers with it.
+#[test]
+fn cluster_restart_control_comes_back_on_its_address() {
+    /// Stops the detached cluster however the test ends.
+    struct Down(std::path::PathBuf);
+    impl Drop for Down {
+        fn drop(&mut self) {
+            let _ = blkctl(&self.0, &["cluster", "down", "--purge"]);
+        }
+    }
+    let dir = tmp("clictl");
+    let (ok, _, err) = blkctl(&dir, &["cluster", "up", "--size", "16MiB", "--nbd", "127.0.0.1:0"]);
+    let _down = Down(dir.clone());
+    assert!(ok, "cluster up: {err}");
+    wait_status_up(&dir, 3, "the nodes are up");
+    kill9_and_wait(recorded_pid(&dir, "control"));
+    let (ok, _, err) = blkctl(&dir, &["cluster", "restart", "control"]);
+    assert!(ok, "cluster restart control: {err}");
+    wait_status_up(&dir, 3, "the nodes' heartbeats reach the restarted controller");
+    let (ok, out, err) = blkctl(&dir, &["describe", "vol0"]);
+    assert!(
+        ok && out.contains("vol0"),
+        "describe after the controller's restart: {err}"
+    );
+    // a node started again registers with the restarted controller
+    kill9_and_wait(recorded_pid(&dir, "node2"));
+    let (ok, _, err) = blkctl(&dir, &["cluster", "restart", "node2"]);
+    assert!(ok, "cluster restart node2: {err}");
+    wait_status_up(&dir, 3, "the restarted node registers with the restarted controller");
+    let (ok, _, err) = blkctl(&dir, &["cluster", "down", "--purge"]);
+    assert!(ok, "{err}");
+}
