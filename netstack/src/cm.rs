@@ -142,9 +142,148 @@ pub trait Acceptor: Send + Sync + 'static {
     fn accept(&self, remote: &Endpoint, private_data: &[u8]) -> Result<Accepted, String>;
     /// Takes ownership of the connected QP.
     fn connected(&self, qp: Qp);
+    /// Packets the connected QP numbered `qpn` has received (`RcStats::rx_packets`), or `None`
+    /// when this acceptor no longer holds it. The CM's door asks this to free a caller's slot
+    /// once its QP is gone and to find phantoms (QPs that never received anything). The
+    /// default, for acceptors that keep no lookup by QP number, answers `None`: their QPs
+    /// then count against the per-caller cap only until the next sweep and are never reaped.
+    fn rx_packets(&self, _qpn: u32) -> Option<u64> {
+        None
+    }
+    /// Drops the connected QP numbered `qpn`: the CM reaps it because it received nothing
+    /// within [`DoorLimits::unused_timeout`]. The default does nothing (see
+    /// [`Acceptor::rx_packets`]).
+    fn reap(&self, _qpn: u32) {}
 }
 
-struct Service<A: Acceptor>(Arc<A>);
+/// Bounds on what callers of the connection manager may hold, so that unauthenticated
+/// callers cannot shut a service's door (its QP limit) with phantom QPs.
+#[derive(Debug, Clone, Copy)]
+pub struct DoorLimits {
+    /// Most requests one `ConnectQps` call may carry; a larger batch is refused whole
+    /// (`invalid_argument`). At most [`MAX_BATCH`].
+    pub max_batch: usize,
+    /// Most QPs accepted for one caller (its IP address) that are still held; requests past
+    /// it are refused (`resource_exhausted`) while other callers are served.
+    pub max_qps_per_caller: usize,
+    /// A QP accepted here that receives no packet within this time is reaped
+    /// ([`Acceptor::reap`]) and counted in `flexns_cm_qps_reaped_total`.
+    pub unused_timeout: std::time::Duration,
+}
+
+impl Default for DoorLimits {
+    fn default() -> DoorLimits {
+        DoorLimits {
+            max_batch: CHUNK,
+            max_qps_per_caller: 1024,
+            unused_timeout: std::time::Duration::from_secs(10),
+        }
+    }
+}
+
+/// One QP accepted through the door and still counted against its caller.
+struct Admitted {
+    caller: std::net::IpAddr,
+    qpn: u32,
+    at: std::time::Instant,
+    /// It has received a packet: no longer a reaping candidate.
+    used: bool,
+}
+
+/// The door's accounting: QPs accepted per caller, and QPs reaped.
+#[derive(Default)]
+struct Door {
+    admitted: Vec<Admitted>,
+    per_caller: std::collections::HashMap<std::net::IpAddr, usize>,
+    reaped: u64,
+}
+
+struct Service<A: Acceptor> {
+    acceptor: Arc<A>,
+    limits: DoorLimits,
+    door: Arc<parking_lot::Mutex<Door>>,
+}
+
+impl<A: Acceptor> Service<A> {
+    /// Frees the slots of QPs the acceptor no longer holds and reaps unused QPs older than the
+    /// timeout. Runs before each admission and periodically under [`serve_with`].
+    fn sweep(&self) {
+        sweep(&*self.acceptor, &self.limits, &self.door);
+    }
+
+    /// Reserves `n` slots for `caller` (each later [`settle`]d), or says why not.
+    fn admit(&self, caller: Option<std::net::IpAddr>, n: usize) -> Result<(), tonic::Status> {
+        let Some(caller) = caller else { return Ok(()) };
+        self.sweep();
+        let mut door = self.door.lock();
+        let held = door.per_caller.get(&caller).copied().unwrap_or(0);
+        if held + n > self.limits.max_qps_per_caller {
+            return Err(tonic::Status::resource_exhausted(format!(
+                "caller {caller} holds {held} QPs and asks for {n}; max_qps_per_caller is {}",
+                self.limits.max_qps_per_caller
+            )));
+        }
+        door.per_caller.insert(caller, held + n);
+        Ok(())
+    }
+}
+
+/// Settles one slot [`Service::admit`] reserved for `caller`: the QP `qpn` was accepted (it is
+/// now tracked) or, with `None`, the request failed (the slot is freed).
+fn settle(door: &parking_lot::Mutex<Door>, caller: Option<std::net::IpAddr>, qpn: Option<u32>) {
+    let Some(caller) = caller else { return };
+    let mut door = door.lock();
+    match qpn {
+        Some(qpn) => door.admitted.push(Admitted {
+            caller,
+            qpn,
+            at: std::time::Instant::now(),
+            used: false,
+        }),
+        None => release(&mut door.per_caller, caller),
+    }
+}
+
+fn release(per_caller: &mut std::collections::HashMap<std::net::IpAddr, usize>, caller: std::net::IpAddr) {
+    if let Some(c) = per_caller.get_mut(&caller) {
+        *c = c.saturating_sub(1);
+        if *c == 0 {
+            per_caller.remove(&caller);
+        }
+    }
+}
+
+fn sweep<A: Acceptor>(acceptor: &A, limits: &DoorLimits, door: &parking_lot::Mutex<Door>) {
+    let now = std::time::Instant::now();
+    let mut door = door.lock();
+    let Door {
+        admitted,
+        per_caller,
+        reaped,
+    } = &mut *door;
+    admitted.retain_mut(|a| {
+        let keep = match acceptor.rx_packets(a.qpn) {
+            None => false,
+            Some(n) if n > 0 => {
+                a.used = true;
+                true
+            }
+            Some(_) if a.used => true,
+            Some(_) if now.duration_since(a.at) >= limits.unused_timeout => {
+                acceptor.reap(a.qpn);
+                *reaped += 1;
+                metrics::counter!("flexns_cm_qps_reaped_total").increment(1);
+                tracing::debug!(qpn = a.qpn, caller = %a.caller, "reaped a QP that never received a packet");
+                false
+            }
+            Some(_) => true,
+        };
+        if !keep {
+            release(per_caller, a.caller);
+        }
+        keep
+    });
+}
 
 /// Most QPs one [`Connector::connect_many`] exchange (one `ConnectQps` call) may carry; a
 /// larger batch is refused whole, so one caller cannot make the server build an unbounded reply.
@@ -156,16 +295,24 @@ pub const MAX_BATCH: usize = 4096;
 pub const CHUNK: usize = 256;
 const CHUNKS_IN_FLIGHT: usize = 4;
 
-/// Creates and connects the server's QP for one request.
-fn accept_one<A: Acceptor>(acceptor: &A, remote: &Endpoint, private_data: &[u8]) -> Result<pb::ConnectReply, String> {
+/// Creates and connects the server's QP for one request; returns the reply and its QP number.
+fn accept_one<A: Acceptor>(
+    acceptor: &A,
+    remote: &Endpoint,
+    private_data: &[u8],
+) -> Result<(pb::ConnectReply, u32), String> {
     let acc = acceptor.accept(remote, private_data)?;
     acc.qp.connect(remote).map_err(|e| e.to_string())?;
     let ep = acc.qp.local_endpoint();
+    let qpn = acc.qp.qp_num();
     acceptor.connected(acc.qp);
-    Ok(pb::ConnectReply {
-        endpoint: Some(ep.into()),
-        private_data: acc.private_data,
-    })
+    Ok((
+        pb::ConnectReply {
+            endpoint: Some(ep.into()),
+            private_data: acc.private_data,
+        },
+        qpn,
+    ))
 }
 
 #[tonic::async_trait]
@@ -174,25 +321,38 @@ impl<A: Acceptor> pb::connection_manager_server::ConnectionManager for Service<A
         &self,
         req: tonic::Request<pb::ConnectRequest>,
     ) -> Result<tonic::Response<pb::ConnectReply>, tonic::Status> {
+        let caller = req.remote_addr().map(|a| a.ip());
         let req = req.into_inner();
         let remote = Endpoint::try_from(req.endpoint).map_err(|e| tonic::Status::invalid_argument(e.to_string()))?;
-        accept_one(&*self.0, &remote, &req.private_data)
-            .map(tonic::Response::new)
-            .map_err(tonic::Status::failed_precondition)
+        self.admit(caller, 1)?;
+        match accept_one(&*self.acceptor, &remote, &req.private_data) {
+            Ok((reply, qpn)) => {
+                settle(&self.door, caller, Some(qpn));
+                Ok(tonic::Response::new(reply))
+            }
+            Err(e) => {
+                settle(&self.door, caller, None);
+                Err(tonic::Status::failed_precondition(e))
+            }
+        }
     }
 
     async fn connect_qps(
         &self,
         req: tonic::Request<pb::ConnectBatch>,
     ) -> Result<tonic::Response<pb::ConnectBatchReply>, tonic::Status> {
+        let caller = req.remote_addr().map(|a| a.ip());
         let reqs = req.into_inner().requests;
-        if reqs.len() > MAX_BATCH {
+        let max = self.limits.max_batch.min(MAX_BATCH);
+        if reqs.len() > max {
             return Err(tonic::Status::invalid_argument(format!(
-                "{} connection requests in one batch; at most {MAX_BATCH}",
+                "{} connection requests in one batch; at most {max} (max_batch)",
                 reqs.len()
             )));
         }
-        let acceptor = self.0.clone();
+        self.admit(caller, reqs.len())?;
+        let acceptor = self.acceptor.clone();
+        let door = self.door.clone();
         // acceptors may block briefly per QP: a whole batch runs off the async workers
         let results = tokio::task::spawn_blocking(move || {
             reqs.into_iter()
@@ -202,8 +362,14 @@ impl<A: Acceptor> pb::connection_manager_server::ConnectionManager for Service<A
                             .map_err(|e| e.to_string())
                             .and_then(|remote| accept_one(&*acceptor, &remote, &r.private_data))
                         {
-                            Ok(reply) => pb::connect_result::Result::Reply(reply),
-                            Err(e) => pb::connect_result::Result::Error(e),
+                            Ok((reply, qpn)) => {
+                                settle(&door, caller, Some(qpn));
+                                pb::connect_result::Result::Reply(reply)
+                            }
+                            Err(e) => {
+                                settle(&door, caller, None);
+                                pb::connect_result::Result::Error(e)
+                            }
                         },
                     ),
                 })
@@ -215,32 +381,91 @@ impl<A: Acceptor> pb::connection_manager_server::ConnectionManager for Service<A
     }
 }
 
-/// The connection-manager gRPC service for `acceptor`, to serve beside other services on one
-/// port (`tonic::transport::Server::builder().add_service(cm::service(a)).add_service(..)`).
+/// The connection-manager gRPC service for `acceptor` with the default [`DoorLimits`], to
+/// serve beside other services on one port
+/// (`tonic::transport::Server::builder().add_service(cm::service(a)).add_service(..)`).
 pub fn service<A: Acceptor>(
     acceptor: Arc<A>,
 ) -> pb::connection_manager_server::ConnectionManagerServer<impl pb::connection_manager_server::ConnectionManager> {
-    pb::connection_manager_server::ConnectionManagerServer::new(Service(acceptor))
+    service_with(acceptor, DoorLimits::default()).0
 }
 
-/// Serves the connection manager on `listener` until `shutdown` resolves (then open calls get
-/// at most [`DRAIN`] to finish).
+/// Counts of the connection manager's door, read with [`DoorStats::reaped`].
+#[derive(Clone)]
+pub struct DoorStats(Arc<parking_lot::Mutex<Door>>);
+
+impl DoorStats {
+    /// QPs reaped because they received nothing within the timeout.
+    pub fn reaped(&self) -> u64 {
+        self.0.lock().reaped
+    }
+
+    /// QPs accepted for `caller` and still counted against its cap.
+    pub fn held_by(&self, caller: std::net::IpAddr) -> usize {
+        self.0.lock().per_caller.get(&caller).copied().unwrap_or(0)
+    }
+}
+
+/// [`service`] with `limits`; also returns the door's counts. Sweeps (reaping) happen before
+/// each admission; [`serve_with`] also sweeps periodically.
+pub fn service_with<A: Acceptor>(
+    acceptor: Arc<A>,
+    limits: DoorLimits,
+) -> (
+    pb::connection_manager_server::ConnectionManagerServer<impl pb::connection_manager_server::ConnectionManager>,
+    DoorStats,
+) {
+    let door = Arc::new(parking_lot::Mutex::new(Door::default()));
+    let stats = DoorStats(door.clone());
+    (
+        pb::connection_manager_server::ConnectionManagerServer::new(Service { acceptor, limits, door }),
+        stats,
+    )
+}
+
+/// Serves the connection manager on `listener` with the default [`DoorLimits`] until
+/// `shutdown` resolves (then open calls get at most [`DRAIN`] to finish).
 pub async fn serve<A: Acceptor>(
     listener: tokio::net::TcpListener,
     acceptor: Arc<A>,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> Result<(), CmError> {
+    serve_with(listener, acceptor, DoorLimits::default(), shutdown).await
+}
+
+/// [`serve`] with `limits`; sweeps the door (frees slots of QPs gone, reaps unused ones) every
+/// quarter of `limits.unused_timeout` (at least every 10 ms) as well as before each admission.
+pub async fn serve_with<A: Acceptor>(
+    listener: tokio::net::TcpListener,
+    acceptor: Arc<A>,
+    limits: DoorLimits,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> Result<(), CmError> {
     let addr = listener.local_addr()?.to_string();
     let (stop, stopped) = tokio::sync::oneshot::channel();
+    let (svc, stats) = service_with(acceptor.clone(), limits);
+    let period = (limits.unused_timeout / 4).max(std::time::Duration::from_millis(10));
+    let sweeper = tokio::spawn(async move {
+        let mut tick = tokio::time::interval(period);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let (acceptor, door) = (acceptor.clone(), stats.0.clone());
+            // the acceptor's lookups may block briefly
+            let _ = tokio::task::spawn_blocking(move || sweep(&*acceptor, &limits, &door)).await;
+        }
+    });
     let serve = tonic::transport::Server::builder()
-        .add_service(service(acceptor))
+        .add_service(svc)
         .serve_with_incoming_shutdown(incoming(listener), async move {
             shutdown.await;
             let _ = stop.send(());
         });
-    drain_bounded(serve, stopped)
+    let r = drain_bounded(serve, stopped)
         .await
-        .map_err(|source| CmError::Transport { addr, source })
+        .map_err(|source| CmError::Transport { addr, source });
+    sweeper.abort();
+    r
 }
 
 /// How long a stopping gRPC server of ours lets its open connections finish. tonic's graceful

@@ -273,7 +273,7 @@ fn an_oversized_batch_is_refused_whole() {
         })
         .unwrap_err();
     assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
-    assert!(err.message().contains("at most 4096"), "{}", err.message());
+    assert!(err.message().contains("at most 256"), "{}", err.message());
     assert!(
         s.acc.qps.lock().is_empty(),
         "nothing of an oversized batch was accepted"
