@@ -211,13 +211,15 @@ pub struct StorageNode {
 }
 
 /// The status answering a request the store refused. A failed store
-/// ([`StoreError::Poisoned`]) answers `IoError` to everything: the agent counts a write that
-/// fails so as a failed replica (down: later writes skip it, the resync catches it up once it
-/// takes writes again) and reads elsewhere.
+/// ([`StoreError::Poisoned`]) answers `IoError` to everything (`NoSpace` when it failed
+/// because its file system is full, so the NBD client sees `ENOSPC`): the agent counts a
+/// write that fails so as a failed replica (down: later writes skip it, the resync catches it
+/// up once it takes writes again) and reads elsewhere.
 fn store_status(e: &StoreError) -> Status {
     match e {
         StoreError::OutOfRange { .. } => Status::OutOfRange,
         StoreError::BadCrc { .. } => Status::CrcError,
+        e if e.is_no_space() => Status::NoSpace,
         _ => Status::IoError,
     }
 }
@@ -823,5 +825,117 @@ impl netstack::telemetry::Collect for Inner {
             gauge!("flexns_store_failed", "node" => node.clone(), "volume" => id.to_string())
                 .set(if store.poisoned().is_some() { 1.0 } else { 0.0 });
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::link::LinkError;
+    use crate::nbd::proto::{EIO, ENOSPC};
+    use crate::tcp_proto::{Header, WRITE};
+    use crate::volume::VolumeError;
+    use netstack::transport::solar::client::IoError;
+
+    /// What the NBD client sees when a storage node refuses a write with `e`: the node's
+    /// status, through a TCP reply header on the wire, the agent's link and volume errors.
+    fn nbd_error_for(e: &StoreError) -> u32 {
+        let req = Header {
+            op: WRITE,
+            flags: 0,
+            status: 0,
+            volume: 1,
+            blocks: 16,
+            id: 5,
+            lba: 0,
+            version: 1,
+            epoch: 0,
+        };
+        let wire = req.reply(store_status(e)).encode();
+        let st = Header::decode(&wire).unwrap().status();
+        let addr: SocketAddr = "127.0.0.1:7000".parse().unwrap();
+        let v = VolumeError::Replica {
+            volume: 1,
+            replica: 0,
+            source: LinkError::Io(addr, IoError::Status(st, 0)),
+        };
+        crate::nbd::server::errno(&v)
+    }
+
+    #[test]
+    fn enospc_reaches_the_nbd_client_as_enospc() {
+        let full = StoreError::Io {
+            volume: 1,
+            what: "appending to the log".into(),
+            source: std::io::Error::from_raw_os_error(libc::ENOSPC),
+        };
+        assert_eq!(store_status(&full), Status::NoSpace);
+        assert_eq!(nbd_error_for(&full), ENOSPC);
+        let poisoned = StoreError::Poisoned {
+            volume: 1,
+            cause: full.to_string(),
+            no_space: true,
+        };
+        assert_eq!(
+            nbd_error_for(&poisoned),
+            ENOSPC,
+            "a store poisoned by ENOSPC answers ENOSPC"
+        );
+        let eio = StoreError::Io {
+            volume: 1,
+            what: "syncing the log".into(),
+            source: std::io::Error::from_raw_os_error(libc::EIO),
+        };
+        assert_eq!(nbd_error_for(&eio), EIO);
+        let poisoned = StoreError::Poisoned {
+            volume: 1,
+            cause: eio.to_string(),
+            no_space: false,
+        };
+        assert_eq!(nbd_error_for(&poisoned), EIO);
+    }
+
+    /// A store on a real full file system (a 1 MiB tmpfs): the write that hits ENOSPC, and
+    /// every request after it (the store is poisoned), answer `NoSpace`.
+    #[test]
+    fn a_store_on_a_full_tmpfs_answers_no_space() {
+        const TEST: &str = "storage_node::tests::a_store_on_a_full_tmpfs_answers_no_space";
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        if unsafe { libc::geteuid() } != 0 {
+            test_support::skip(TEST, test_support::Missing::Root, "mounting a tmpfs needs root");
+            return;
+        }
+        let dir = std::env::temp_dir().join(format!("blk-enospc-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mounted = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", "size=1m", "tmpfs"])
+            .arg(&dir)
+            .status()
+            .unwrap();
+        assert!(mounted.success(), "mount -t tmpfs on {}", dir.display());
+        struct Unmount(std::path::PathBuf);
+        impl Drop for Unmount {
+            fn drop(&mut self) {
+                let _ = std::process::Command::new("umount").arg(&self.0).status();
+                let _ = std::fs::remove_dir(&self.0);
+            }
+        }
+        let _u = Unmount(dir.clone());
+        let store = VolumeStore::create(&dir, 1, 4096, 64 << 20).unwrap();
+        let data = vec![0x5au8; BLOCK];
+        let crc = crc32c::crc32c(&data);
+        let mut failed = None;
+        for lba in 0..4096u64 {
+            if let Err(e) = store.write(lba, &data, crc, lba + 1) {
+                failed = Some((lba, e));
+                break;
+            }
+        }
+        let (lba, e) = failed.expect("a 1 MiB file system fills before 16 MiB of writes");
+        assert!(lba > 0, "some writes fit: {e}");
+        assert_eq!(store_status(&e), Status::NoSpace, "the write that filled it: {e}");
+        let after = store.write(0, &data, crc, 10_000).unwrap_err();
+        assert!(matches!(after, StoreError::Poisoned { .. }), "{after}");
+        assert_eq!(store_status(&after), Status::NoSpace, "later requests: {after}");
     }
 }

@@ -273,9 +273,11 @@ where
     }
 }
 
-fn errno(e: &VolumeError) -> u32 {
+/// The NBD error a failed request answers: `ENOSPC` when a replica's storage is full.
+pub(crate) fn errno(e: &VolumeError) -> u32 {
     match e {
         VolumeError::OutOfRange { .. } => EINVAL,
+        e if e.is_no_space() => ENOSPC,
         _ => EIO,
     }
 }

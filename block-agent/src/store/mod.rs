@@ -131,23 +131,52 @@ pub enum StoreError {
     /// contents, matching the dropped metadata's CRC) until the node restarts and replays what
     /// was durable. See [`VolumeStore::poisoned`].
     #[error("volume {volume}: the store failed and refuses all I/O until the node restarts: {cause}")]
-    Poisoned { volume: u32, cause: String },
+    Poisoned {
+        volume: u32,
+        cause: String,
+        /// The failure was the file system being full (`ENOSPC`).
+        no_space: bool,
+    },
+}
+
+/// Whether `e` is the file system being full (`ENOSPC`).
+fn io_no_space(e: &std::io::Error) -> bool {
+    e.kind() == std::io::ErrorKind::StorageFull || e.raw_os_error() == Some(libc::ENOSPC)
+}
+
+impl StoreError {
+    /// Whether the error is, or a poisoned store's cause was, the file system being full
+    /// (`ENOSPC`): the storage node answers it as such, and the NBD client sees `ENOSPC`.
+    pub fn is_no_space(&self) -> bool {
+        match self {
+            StoreError::Io { source, .. } => io_no_space(source),
+            StoreError::Poisoned { no_space, .. } => *no_space,
+            _ => false,
+        }
+    }
 }
 
 /// Why a store failed (see [`StoreError::Poisoned`]): set once, shared with the background
 /// checkpoint thread.
 struct Poison {
     volume: u32,
-    cause: std::sync::OnceLock<String>,
+    /// The cause, and whether it was the file system being full.
+    cause: std::sync::OnceLock<(String, bool)>,
 }
 
 impl Poison {
-    /// Marks the store failed because of `cause` (the first cause stays; logged once).
-    fn set(&self, cause: String) {
+    /// [`Poison::set_as`] because of the error `e`, keeping whether it was `ENOSPC`.
+    fn set_err(&self, what: &str, e: &StoreError) {
+        self.set_as(format!("{what}{e}"), e.is_no_space());
+    }
+
+    /// Marks the store failed because of `cause` (the first cause stays; logged once);
+    /// `no_space`: the cause was the file system being full.
+    fn set_as(&self, cause: String, no_space: bool) {
         let mut first = false;
         self.cause.get_or_init(|| {
             first = true;
-            cause.clone()
+            (cause.clone(), no_space)
         });
         if first {
             tracing::error!(
@@ -162,9 +191,10 @@ impl Poison {
     fn check(&self) -> Result<(), StoreError> {
         match self.cause.get() {
             None => Ok(()),
-            Some(c) => Err(StoreError::Poisoned {
+            Some((c, no_space)) => Err(StoreError::Poisoned {
                 volume: self.volume,
                 cause: c.clone(),
+                no_space: *no_space,
             }),
         }
     }
@@ -712,7 +742,7 @@ impl VolumeStore {
         let synced = |r: std::io::Result<()>, what: &'static str| {
             r.map_err(|e| {
                 let e = self.io(what)(e);
-                self.poison.set(format!("growing the volume failed: {e}"));
+                self.poison.set_err("growing the volume failed: ", &e);
                 e
             })
         };
@@ -742,7 +772,7 @@ impl VolumeStore {
     /// Why the store failed, if it did ([`StoreError::Poisoned`]): it then refuses every
     /// request until the node restarts (the node reports it in its volume list and metrics).
     pub fn poisoned(&self) -> Option<String> {
-        self.poison.cause.get().cloned()
+        self.poison.cause.get().map(|(c, _)| c.clone())
     }
 
     pub fn stats(&self) -> StoreStats {
@@ -1078,7 +1108,7 @@ impl VolumeStore {
                 true
             }
             Err(e) => {
-                self.poison.set(e.to_string());
+                self.poison.set_err("", &e);
                 // the records of writers still waiting are never written: they see the poison
                 c.waiting.clear();
                 false
@@ -1184,7 +1214,7 @@ impl VolumeStore {
                 Ok(()) => sp.checkpoints += 1,
                 Err(e) => {
                     // the files' dirty pages may be gone: nothing more is served
-                    poison.set(format!("a background checkpoint failed: {e}"));
+                    poison.set_as(format!("a background checkpoint failed: {e}"), io_no_space(&e));
                     sp.failed = Some(e.to_string());
                 }
             }
@@ -1388,7 +1418,7 @@ impl VolumeStore {
         self.poison.check()?;
         let r = self.checkpoint_files();
         if let Err(e) = &r {
-            self.poison.set(format!("a checkpoint failed: {e}"));
+            self.poison.set_err("a checkpoint failed: ", e);
         }
         r
     }

@@ -90,6 +90,19 @@ pub enum VolumeError {
     Fenced { volume: u32, epoch: u32 },
 }
 
+impl VolumeError {
+    /// Whether a replica refused the request because its storage is full (`ENOSPC`).
+    pub fn is_no_space(&self) -> bool {
+        matches!(
+            self,
+            VolumeError::Replica {
+                source: LinkError::Io(_, IoError::Status(Status::NoSpace, _)),
+                ..
+            }
+        )
+    }
+}
+
 /// Settings of a volume's I/O.
 #[derive(Debug, Clone)]
 pub struct VolumeConfig {
@@ -300,7 +313,7 @@ const SUSPECT_FOR: Duration = Duration::from_secs(3);
 fn is_data_error(e: &LinkError) -> bool {
     matches!(
         e,
-        LinkError::Io(_, IoError::Crc(..)) | LinkError::Io(_, IoError::Status(Status::IoError, _))
+        LinkError::Io(_, IoError::Crc(..)) | LinkError::Io(_, IoError::Status(Status::IoError | Status::NoSpace, _))
     )
 }
 

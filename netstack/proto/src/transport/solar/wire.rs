@@ -117,6 +117,8 @@ pub enum Status {
     /// when it is durable. It frees the packet's place in the window and gives an RTT sample
     /// that does not include the disk.
     Accepted = 8,
+    /// The storage is full (`ENOSPC`): the write was not made durable.
+    NoSpace = 9,
 }
 
 impl Status {
@@ -132,6 +134,7 @@ impl Status {
             6 => Status::IoError,
             7 => Status::Busy,
             8 => Status::Accepted,
+            9 => Status::NoSpace,
             _ => return None,
         })
     }
