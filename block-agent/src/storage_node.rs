@@ -34,7 +34,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Settings of a storage node.
 #[derive(Debug, Clone)]
@@ -201,6 +201,7 @@ struct Inner {
     writes: Mutex<Option<mpsc::Sender<WriteJob>>>,
     stop: AtomicBool,
     counters: NodeCounters,
+    refusals: Arc<Refusals>,
 }
 
 /// A running storage node; dropping it stops its threads.
@@ -224,12 +225,83 @@ fn store_status(e: &StoreError) -> Status {
     }
 }
 
-/// Logs a refused write: a failed store's refusals only at debug (it logged its failure once).
-fn log_refused(e: &StoreError) {
-    if matches!(e, StoreError::Poisoned { .. }) {
-        tracing::debug!("{e}");
-    } else {
-        tracing::warn!("{e}");
+/// How often a failure episode that goes on logs a summary of the refusals it counted.
+const EPISODE_SUMMARY_EVERY: Duration = Duration::from_secs(10);
+
+/// What [`Refusals::failed`] logged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Logged {
+    /// The episode's first refusal: one warning.
+    First,
+    /// Counted silently.
+    Counted,
+    /// A summary of the refusals counted in the last [`EPISODE_SUMMARY_EVERY`].
+    Summary(u64),
+}
+
+/// Refused writes of a node, logged once per failure episode: a write refused (a 64 KiB
+/// write is 16 block writes, each refused) warns once; later refusals are counted silently
+/// until a write succeeds (then one line says how many) or every [`EPISODE_SUMMARY_EVERY`]
+/// (one summary line). `total` is `flexns_storage_refused_writes_total`.
+#[derive(Default)]
+struct Refusals {
+    /// A failure episode is on (the fast path of [`Refusals::succeeded`] reads only this).
+    failing: AtomicBool,
+    /// Refusals counted since the last line, and when that line was logged.
+    quiet: Mutex<(u64, Option<Instant>)>,
+    total: AtomicU64,
+}
+
+impl Refusals {
+    /// Counts a refused write `e` and logs it if it starts an episode (a failed store's
+    /// refusals: at debug, it logged its failure once).
+    fn failed(&self, e: &StoreError, now: Instant) -> Logged {
+        self.total.fetch_add(1, Ordering::Relaxed);
+        let mut q = self.quiet.lock();
+        match q.1 {
+            None => {
+                *q = (0, Some(now));
+                self.failing.store(true, Ordering::Relaxed);
+                if matches!(e, StoreError::Poisoned { .. }) {
+                    tracing::debug!("{e}");
+                } else {
+                    tracing::warn!("{e} (later refusals are counted until a write succeeds)");
+                }
+                Logged::First
+            }
+            Some(at) if now.duration_since(at) >= EPISODE_SUMMARY_EVERY => {
+                let n = q.0 + 1;
+                *q = (0, Some(now));
+                tracing::warn!(
+                    "{n} writes refused in the last {} s; the latest: {e}",
+                    now.duration_since(at).as_secs()
+                );
+                Logged::Summary(n)
+            }
+            Some(_) => {
+                q.0 += 1;
+                Logged::Counted
+            }
+        }
+    }
+
+    /// A write succeeded: ends a failure episode, with one line for the refusals it counted.
+    /// Returns that count (None when no episode was on).
+    fn succeeded(&self) -> Option<u64> {
+        if !self.failing.load(Ordering::Relaxed) {
+            return None;
+        }
+        let mut q = self.quiet.lock();
+        q.1?;
+        let n = q.0;
+        *q = (0, None);
+        self.failing.store(false, Ordering::Relaxed);
+        if n > 0 {
+            tracing::warn!("writes succeed again; {n} more were refused since the last line");
+        } else {
+            tracing::info!("writes succeed again");
+        }
+        Some(n)
     }
 }
 
@@ -282,6 +354,7 @@ impl StorageNode {
             writes: Mutex::new(Some(tx)),
             stop: AtomicBool::new(false),
             counters: NodeCounters::default(),
+            refusals: Arc::default(),
         });
         let weak: std::sync::Weak<dyn netstack::telemetry::Collect> = Arc::downgrade(&inner) as _;
         netstack::telemetry::register(weak);
@@ -543,11 +616,15 @@ impl Inner {
         let Some(store) = self.volumes.read().get(&volume).cloned() else {
             return done(Status::NoVolume);
         };
+        let refusals = self.refusals.clone();
         let status = move |r: Result<(), StoreError>| {
             done(match r {
-                Ok(()) => Status::Ok,
+                Ok(()) => {
+                    refusals.succeeded();
+                    Status::Ok
+                }
                 Err(e) => {
-                    log_refused(&e);
+                    refusals.failed(&e, Instant::now());
                     store_status(&e)
                 }
             })
@@ -566,9 +643,12 @@ impl Inner {
         match store {
             None => Status::NoVolume,
             Some(s) => match s.write_zeroes(lba, count, version) {
-                Ok(()) => Status::Ok,
+                Ok(()) => {
+                    self.refusals.succeeded();
+                    Status::Ok
+                }
                 Err(e) => {
-                    log_refused(&e);
+                    self.refusals.failed(&e, Instant::now());
                     store_status(&e)
                 }
             },
@@ -805,6 +885,10 @@ impl netstack::telemetry::Collect for Inner {
             k.malformed.load(Ordering::Relaxed) + es.rx_malformed + sv.malformed,
         );
         c("flexns_storage_send_errors_total", es.tx_errors);
+        c(
+            "flexns_storage_refused_writes_total",
+            self.refusals.total.load(Ordering::Relaxed),
+        );
         c("flexns_solar_server_writes_total", sv.writes);
         c("flexns_solar_server_reads_total", sv.reads);
         c("flexns_solar_server_crc_errors_total", sv.crc_errors);
@@ -893,6 +977,31 @@ mod tests {
             no_space: false,
         };
         assert_eq!(nbd_error_for(&poisoned), EIO);
+    }
+
+    #[test]
+    fn refused_writes_log_once_per_episode() {
+        let r = Refusals::default();
+        let e = StoreError::Io {
+            volume: 1,
+            what: "appending to the log".into(),
+            source: std::io::Error::from_raw_os_error(libc::ENOSPC),
+        };
+        let t0 = Instant::now();
+        assert_eq!(r.succeeded(), None, "no episode yet");
+        // a 64 KiB write: 16 block writes refused, one line
+        let logged: Vec<Logged> = (0..16).map(|_| r.failed(&e, t0)).collect();
+        assert_eq!(logged[0], Logged::First);
+        assert!(logged[1..].iter().all(|l| *l == Logged::Counted), "{logged:?}");
+        assert_eq!(r.succeeded(), Some(15), "the success ends the episode with its count");
+        assert_eq!(r.succeeded(), None);
+        // a long episode: a summary every EPISODE_SUMMARY_EVERY
+        assert_eq!(r.failed(&e, t0), Logged::First);
+        assert_eq!(r.failed(&e, t0 + Duration::from_secs(1)), Logged::Counted);
+        assert_eq!(r.failed(&e, t0 + EPISODE_SUMMARY_EVERY), Logged::Summary(2));
+        assert_eq!(r.failed(&e, t0 + EPISODE_SUMMARY_EVERY), Logged::Counted);
+        assert_eq!(r.succeeded(), Some(1));
+        assert_eq!(r.total.load(Ordering::Relaxed), 20, "every refusal is counted");
     }
 
     /// A store on a real full file system (a 1 MiB tmpfs): the write that hits ENOSPC, and
