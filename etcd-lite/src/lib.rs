@@ -137,9 +137,8 @@ impl EtcdClient {
         Ok(self.get_revision(key).await?.map(|(v, _)| v))
     }
 
-    /// The value under `key` and its modification revision (the revision of the write that set
-    /// it), for a later [`EtcdClient::put_if_unchanged`]; `None` when the key is absent.
-    pub async fn get_revision(&mut self, key: impl Into<Vec<u8>>) -> Result<Option<(Vec<u8>, i64)>, EtcdError> {
+    /// The key-value record under `key` (value, revisions, lease); `None` when it is absent.
+    async fn first_kv(&mut self, key: impl Into<Vec<u8>>) -> Result<Option<pb::KeyValue>, EtcdError> {
         let r = self
             .kv
             .range(pb::RangeRequest {
@@ -149,7 +148,13 @@ impl EtcdClient {
             .await
             .map_err(|s| self.err("range", s))?
             .into_inner();
-        Ok(r.kvs.into_iter().next().map(|kv| (kv.value, kv.mod_revision)))
+        Ok(r.kvs.into_iter().next())
+    }
+
+    /// The value under `key` and its modification revision (the revision of the write that set
+    /// it), for a later [`EtcdClient::put_if_unchanged`]; `None` when the key is absent.
+    pub async fn get_revision(&mut self, key: impl Into<Vec<u8>>) -> Result<Option<(Vec<u8>, i64)>, EtcdError> {
+        Ok(self.first_kv(key).await?.map(|kv| (kv.value, kv.mod_revision)))
     }
 
     /// Stores `value` under `key` only if the key's modification revision is still
@@ -292,16 +297,7 @@ impl EtcdClient {
 
     /// The lease `key` is attached to (0: none) and its value; `None` when the key is absent.
     pub async fn get_lease(&mut self, key: impl Into<Vec<u8>>) -> Result<Option<(i64, Vec<u8>)>, EtcdError> {
-        let r = self
-            .kv
-            .range(pb::RangeRequest {
-                key: key.into(),
-                ..Default::default()
-            })
-            .await
-            .map_err(|s| self.err("range", s))?
-            .into_inner();
-        Ok(r.kvs.into_iter().next().map(|kv| (kv.lease, kv.value)))
+        Ok(self.first_kv(key).await?.map(|kv| (kv.lease, kv.value)))
     }
 
     /// Stores `value` under `key` attached to `lease`, in one etcd transaction, only if no
