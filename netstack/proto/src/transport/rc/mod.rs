@@ -18,6 +18,7 @@ mod requester;
 mod responder;
 #[cfg(test)]
 mod tests;
+pub mod validation;
 
 use crate::cc::header::GrantHdr;
 use crate::cc::{CcAlgorithm, CcEnv, CcOutput, Generate, HeaderSpec, RxKind, RxMeta, StartInfo, Traced, Verdict};
@@ -328,6 +329,16 @@ pub struct RcStats {
     /// Payload bytes copied into registered memory: receives, WRITE and READ-response
     /// placement (the one copy from a receive buffer), loopback execution.
     pub payload_copy_bytes: u64,
+    /// Peer validation ([`validation`]): challenges sent.
+    pub challenges_sent: u64,
+    /// Routes of the peer validated by a correct challenge reply.
+    pub routes_validated: u64,
+    /// Challenge replies with a wrong nonce or route (forged or stale): dropped.
+    pub bad_challenge_replies: u64,
+    /// Times a packet waited because the allowance of an unvalidated peer was spent.
+    pub gated_packets: u64,
+    /// Packets the driver dropped on a route not validated, the allowance spent.
+    pub refused_unvalidated: u64,
 }
 
 impl RcStats {
@@ -361,6 +372,11 @@ impl RcStats {
             probes_received,
             path_downs,
             payload_copy_bytes,
+            challenges_sent,
+            routes_validated,
+            bad_challenge_replies,
+            gated_packets,
+            refused_unvalidated,
         } = *o;
         self.tx_packets += tx_packets;
         self.rx_packets += rx_packets;
@@ -391,6 +407,11 @@ impl RcStats {
         self.probes_received += probes_received;
         self.path_downs += path_downs;
         self.payload_copy_bytes += payload_copy_bytes;
+        self.challenges_sent += challenges_sent;
+        self.routes_validated += routes_validated;
+        self.bad_challenge_replies += bad_challenge_replies;
+        self.gated_packets += gated_packets;
+        self.refused_unvalidated += refused_unvalidated;
     }
 }
 
@@ -417,6 +438,8 @@ pub struct RcQp<R> {
     offload: Option<Arc<dyn offload::OffloadSink>>,
     /// Why it entered ERR, once it did.
     error_cause: Option<QpErrorCause>,
+    /// Peer address validation, when the driver asked for it.
+    validation: Option<validation::Validation<R>>,
 }
 
 /// A QP's congestion control: the algorithm's context, whether it started, its timer, the
@@ -490,6 +513,7 @@ impl<R: SharedRegion> RcQp<R> {
             rx_path: 0,
             offload: None,
             error_cause: None,
+            validation: None,
         }
     }
 
@@ -863,7 +887,10 @@ impl<R: SharedRegion> RcQp<R> {
     /// Next packet to send, if any. Generated CC packets and responses (read data, atomics,
     /// NAKs, ACKs) go first; the requester's data packets pass the CC TX function's verdict.
     pub fn poll_transmit(&mut self, now: u64) -> Option<crate::transport::TxPacket<R>> {
-        let mut p = self.next_packet(now)?;
+        if !matches!(self.state, QpState::Rtr | QpState::Rts) {
+            return None;
+        }
+        let mut p = self.gated_transmit(now)?;
         p.hdr.set_path(p.path);
         Some(p)
     }
@@ -1030,12 +1057,20 @@ impl<R: SharedRegion> RcQp<R> {
 
     /// Whether [`RcQp::poll_transmit`] may return a packet now.
     pub fn wants_transmit(&self, now: u64) -> bool {
-        matches!(self.state, QpState::Rtr | QpState::Rts)
-            && (self.cc.cnp_pending.is_some()
-                || self.cc.grant_pending.is_some()
-                || self.probe_pending()
-                || self.resp.wants_transmit(now)
-                || (self.state == QpState::Rts && self.requester_ready(now)))
+        if !matches!(self.state, QpState::Rtr | QpState::Rts) {
+            return false;
+        }
+        if self.challenge_pending(now) || self.gate_ready() {
+            return true;
+        }
+        if self.gate_closed() {
+            return false;
+        }
+        self.cc.cnp_pending.is_some()
+            || self.cc.grant_pending.is_some()
+            || self.probe_pending()
+            || self.resp.wants_transmit(now)
+            || (self.state == QpState::Rts && self.requester_ready(now))
     }
 
     fn requester_ready(&self, now: u64) -> bool {
@@ -1070,6 +1105,7 @@ impl<R: SharedRegion> RcQp<R> {
             self.resp.deadline(),
             self.cc.timer,
             self.cc.defer_until,
+            self.challenge_deadline(),
         ]
         .into_iter()
         .flatten()

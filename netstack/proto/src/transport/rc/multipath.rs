@@ -14,8 +14,8 @@ use smallvec::SmallVec;
 pub(super) struct ProbeSlot {
     /// Down paths whose probe is due.
     due: SmallVec<[u8; 4]>,
-    /// PSN fields of received probes, to echo.
-    replies: SmallVec<[u32; 4]>,
+    /// PSN fields of received probes, with their challenge nonce if they carried one, to echo.
+    replies: SmallVec<[(u32, Option<u64>); 4]>,
 }
 
 /// Most unanswered probes a QP keeps (more are dropped: the peer probes again).
@@ -92,8 +92,15 @@ impl<R: SharedRegion> RcQp<R> {
             Opcode::Probe => {
                 self.stats.probes_received += 1;
                 if self.probe.replies.len() < MAX_REPLIES {
-                    self.probe.replies.push(pkt.bth.psn);
+                    // a challenge's nonce is echoed (super::validation)
+                    let nonce = (pkt.trailer.len() == super::validation::NONCE_LEN)
+                        .then(|| u64::from_be_bytes(pkt.trailer.try_into().unwrap_or_default()));
+                    self.probe.replies.push((pkt.bth.psn, nonce));
                 }
+                true
+            }
+            Opcode::ProbeReply if pkt.bth.psn & super::validation::CHALLENGE != 0 => {
+                self.handle_challenge_reply(pkt);
                 true
             }
             Opcode::ProbeReply => {
@@ -121,16 +128,20 @@ impl<R: SharedRegion> RcQp<R> {
 
     /// A probe reply (on the path of the latest request) or a probe (on the down path it tests).
     pub(super) fn poll_probe(&mut self) -> Option<TxPacket<R>> {
-        let (op, psn, path) = if let Some(psn) = self.probe.replies.pop() {
-            (Opcode::ProbeReply, psn, self.rx_path)
+        let (op, psn, path, nonce) = if let Some((psn, nonce)) = self.probe.replies.pop() {
+            (Opcode::ProbeReply, psn, self.rx_path, nonce)
         } else {
             let p = self.probe.due.pop()?;
             self.stats.probes_sent += 1;
-            (Opcode::Probe, p as u32, p)
+            (Opcode::Probe, p as u32, p, None)
         };
         self.stats.tx_packets += 1;
+        let mut hdr = HeaderBuf::with_bth(&Bth::new(op as u8, self.dest_qpn, psn));
+        if let Some(n) = nonce {
+            hdr.push_u32((n >> 32) as u32).push_u32(n as u32);
+        }
         Some(TxPacket {
-            hdr: HeaderBuf::with_bth(&Bth::new(op as u8, self.dest_qpn, psn)),
+            hdr,
             payload: Default::default(),
             path,
         })

@@ -382,3 +382,76 @@ fn the_host_delay_survives_new_paths_and_a_reset() {
     qp.modify_to_reset();
     assert_eq!(qp.paths().host_delay(), 4_000_000);
 }
+
+/// Hands `side` a datagram as its driver does: the bytes are credited to the peer's allowance.
+fn deliver(qp: &mut RcQp<Mem>, now: u64, d: &[u8], mem: &Keys) {
+    let v = PacketView::parse(d).expect("a packet parses");
+    qp.credit_received(now, d.len());
+    qp.handle_packet(now, &v, mem);
+}
+
+#[test]
+fn a_peer_that_never_answers_the_challenge_gets_at_most_three_times_what_it_sent() {
+    // the caller named a victim as the server's peer and sends READs from its own socket:
+    // whatever the server sends goes to the victim, who never echoes the challenge
+    let mut p = Pair::new(100);
+    p.server.require_validation(&[0x1234_5678_9abc_def0]);
+    let (mut sent, mut reflected) = (0usize, 0usize);
+    for i in 0..64u32 {
+        let d = forge(&read_request(2, 100 + i, BASE, 64 << 10), A, B);
+        sent += d.len();
+        deliver(&mut p.server, p.now, &d, &p.smem);
+        while let Some(pkt) = p.server.poll_transmit(p.now) {
+            reflected += encode(&pkt, B, A).len();
+        }
+        p.now += 1_000_000;
+        p.server.handle_timeout(p.now);
+    }
+    assert!(reflected > 0, "the server sent nothing, not even a challenge");
+    // challenges are answered at most one per packet received, each no larger than it
+    assert!(
+        reflected <= 3 * sent,
+        "{reflected} bytes sent to an unvalidated peer that sent {sent}"
+    );
+    let s = p.server.stats();
+    assert!(s.gated_packets > 0 && s.challenges_sent > 0, "{s:?}");
+    assert!(!p.server.peer_validated());
+}
+
+#[test]
+fn a_peer_that_echoes_the_challenge_is_served_in_full_and_a_wrong_nonce_validates_nothing() {
+    let mut p = Pair::new(100);
+    p.server.require_validation(&[0x0bad_cafe_f00d_0001]);
+    // a forged reply with a guessed nonce is dropped and counted
+    let mut h = HeaderBuf::with_bth(&Bth::new(Opcode::ProbeReply as u8, 2, validation::CHALLENGE));
+    h.push_u32(0xdead_beef).push_u32(0x0000_0001);
+    deliver(&mut p.server, p.now, &forge(&h, A, B), &p.smem);
+    assert!(!p.server.peer_validated());
+    assert_eq!(p.server.stats().bad_challenge_replies, 1);
+    // the real client echoes the challenge: a 64 KiB READ completes and is intact
+    p.read(7, 0, 4096, 64 << 10);
+    for _ in 0..1000 {
+        let mut moved = false;
+        while let Some(pkt) = p.client.poll_transmit(p.now) {
+            deliver(&mut p.server, p.now, &encode(&pkt, A, B), &p.smem);
+            moved = true;
+        }
+        while let Some(pkt) = p.server.poll_transmit(p.now) {
+            deliver(&mut p.client, p.now, &encode(&pkt, B, A), &p.cmem);
+            moved = true;
+        }
+        p.now += 50_000;
+        p.client.handle_timeout(p.now);
+        p.server.handle_timeout(p.now);
+        if !moved && p.client.has_completions() {
+            break;
+        }
+    }
+    assert!(p.server.peer_validated());
+    let wc = p.completion();
+    assert_eq!((wc.wr_id, wc.status), (7, WcStatus::Success));
+    assert_eq!(p.cmem.0.bytes(0, 64 << 10), p.smem.0.bytes(4096, 64 << 10));
+    let s = p.server.stats();
+    assert_eq!(s.routes_validated, 1, "{s:?}");
+    assert_eq!(s.timeouts, 0, "validation must not cost a retransmission: {s:?}");
+}

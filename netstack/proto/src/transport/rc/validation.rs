@@ -1,0 +1,283 @@
+//! Peer address validation: a QP serves its peer in full only after the peer has shown that it
+//! receives at the addresses the QP sends to (RFC 9000 §8's rule for QUIC, in RC's terms).
+//!
+//! Whoever sets up a QP names the peer's addresses (over the connection manager, for
+//! instance), and nothing there proves that the peer owns them: a caller could name a victim
+//! and have the QP's READ responses, hundreds of megabytes for one request, sent there. So a
+//! QP whose driver asks for it ([`RcQp::require_validation`]) sends each of its routes a
+//! *challenge*: a PROBE packet whose PSN field carries [`CHALLENGE`] and the route's index and
+//! whose trailer carries a 64-bit nonce the driver drew at random for that route. A flexns
+//! peer echoes a probe's PSN field and trailer in its PROBE_REPLY; the reply carrying the
+//! right nonce proves that the peer received what was sent to that route (an attacker who
+//! named a victim never sees the nonce).
+//!
+//! Until route 0 (the peer's main address) is validated, everything the QP sends other than
+//! its challenges counts against an allowance of three times the bytes it received from the
+//! peer (the driver credits them, [`RcQp::credit_received`]); a packet that does not fit waits
+//! (it is not lost) until more arrives or the route is validated. The driver applies the same
+//! allowance to packets it would send on any other route not validated yet
+//! ([`RcQp::spend_unvalidated`]). Challenges go out when the QP reaches RTR, again with
+//! exponential backoff while unanswered (a peer not yet in RTR drops the first), and at once
+//! when a packet arrives from the peer and the latest challenge is older than
+//! [`RECHALLENGE_NS`]; each is as small as the packet that can trigger it.
+
+use super::RcQp;
+use crate::memory::SharedRegion;
+use crate::transport::TxPacket;
+use crate::wire::{Bth, HeaderBuf, Opcode, PacketView};
+
+/// Bit of a PROBE's PSN field that marks a challenge (path probes carry a path index below it).
+pub const CHALLENGE: u32 = 0x80_0000;
+
+/// Bytes of a challenge's nonce (the probe's trailer).
+pub const NONCE_LEN: usize = 8;
+
+/// Bytes of a challenge on the wire: BTH, nonce, ICRC.
+const CHALLENGE_LEN: usize = 12 + NONCE_LEN + 4;
+
+/// How many times the received bytes a QP may send to a peer not validated yet.
+pub const AMPLIFICATION: u64 = 3;
+
+/// First wait before a challenge is sent again; it doubles up to [`MAX_BACKOFF_NS`].
+const FIRST_BACKOFF_NS: u64 = 500_000;
+/// Longest wait between timed challenges.
+const MAX_BACKOFF_NS: u64 = 100_000_000;
+/// Timed challenges per route before the QP stops sending them on a timer (a packet from the
+/// peer still triggers one): a victim's address gets a bounded number of probes.
+const MAX_TIMED_TRIES: u32 = 24;
+/// A packet from the peer triggers a new challenge if the latest is older than this.
+pub const RECHALLENGE_NS: u64 = 200_000;
+
+/// One route's challenge.
+#[derive(Debug, Clone)]
+struct Route {
+    nonce: u64,
+    validated: bool,
+    /// When the next timed challenge is due (`None`: timed challenges are over).
+    due: Option<u64>,
+    last_sent: Option<u64>,
+    tries: u32,
+}
+
+/// A QP's validation state: its routes' challenges, the allowance left, the packet waiting
+/// for more of it.
+#[derive(Debug)]
+pub(super) struct Validation<R> {
+    routes: Vec<Route>,
+    /// Bytes the QP may still send before route 0 is validated.
+    allowance: u64,
+    /// A packet that did not fit the allowance, sent first once it does.
+    gated: Option<TxPacket<R>>,
+    /// Challenges to send now (route indexes), before anything else.
+    now_due: Vec<u8>,
+}
+
+/// Bytes a packet takes on the wire (the UDP payload: headers, payload, pad, ICRC).
+pub(super) fn wire_len<R: SharedRegion>(p: &TxPacket<R>) -> u64 {
+    (p.hdr.len() + p.payload_len() + p.hdr.bth().pad as usize + 4) as u64
+}
+
+impl<R: SharedRegion> RcQp<R> {
+    /// Validates the peer before serving it in full: one challenge per route, `nonces[k]`
+    /// (unpredictable, drawn by the driver) for route `k` (as [`RcQp::set_source_ports`]
+    /// numbers them; route 0 is the peer's main address). Call before RTR; a QP without this
+    /// call trusts its peer (the simulator, tests).
+    pub fn require_validation(&mut self, nonces: &[u64]) {
+        let routes = nonces
+            .iter()
+            .map(|&nonce| Route {
+                nonce,
+                validated: false,
+                due: Some(0),
+                last_sent: None,
+                tries: 0,
+            })
+            .collect::<Vec<_>>();
+        if routes.is_empty() {
+            self.validation = None;
+            return;
+        }
+        self.validation = Some(Validation {
+            routes,
+            allowance: 0,
+            gated: None,
+            now_due: Vec::new(),
+        });
+    }
+
+    /// Whether the QP may send to route `k` without limit (validated, or never asked for).
+    pub fn route_validated(&self, k: usize) -> bool {
+        match &self.validation {
+            None => true,
+            Some(v) => v.routes.get(k).is_some_and(|r| r.validated),
+        }
+    }
+
+    /// Whether every route is validated (or validation was never asked for).
+    pub fn peer_validated(&self) -> bool {
+        self.validation
+            .as_ref()
+            .is_none_or(|v| v.routes.iter().all(|r| r.validated))
+    }
+
+    /// The driver took in `bytes` (a whole datagram) from this QP's peer: while a route is
+    /// not validated, the QP may send [`AMPLIFICATION`] times as much more. A challenge is
+    /// due again if the latest is older than [`RECHALLENGE_NS`].
+    pub fn credit_received(&mut self, now: u64, bytes: usize) {
+        let Some(v) = &mut self.validation else {
+            return;
+        };
+        if v.routes.iter().all(|r| r.validated) {
+            return;
+        }
+        v.allowance = v.allowance.saturating_add(AMPLIFICATION * bytes as u64);
+        for (k, r) in v.routes.iter().enumerate() {
+            if !r.validated
+                && r.last_sent.is_none_or(|t| now.saturating_sub(t) >= RECHALLENGE_NS)
+                && !v.now_due.contains(&(k as u8))
+            {
+                v.now_due.push(k as u8);
+            }
+        }
+    }
+
+    /// The driver is about to send `bytes` on route `k`: true if it may (the route is
+    /// validated, or the allowance covers it, which it then spends); false means drop it.
+    pub fn spend_unvalidated(&mut self, k: usize, bytes: usize) -> bool {
+        let Some(v) = &mut self.validation else {
+            return true;
+        };
+        if v.routes.get(k).is_some_and(|r| r.validated) {
+            return true;
+        }
+        if v.allowance >= bytes as u64 {
+            v.allowance -= bytes as u64;
+            return true;
+        }
+        self.stats.refused_unvalidated += 1;
+        false
+    }
+
+    /// A PROBE_REPLY carrying [`CHALLENGE`]: validates its route if the nonce is right.
+    pub(super) fn handle_challenge_reply(&mut self, pkt: &PacketView<'_>) {
+        let k = (pkt.bth.psn & !CHALLENGE) as usize;
+        let nonce = pkt
+            .trailer
+            .get(..NONCE_LEN)
+            .filter(|_| pkt.trailer.len() == NONCE_LEN)
+            .map(|b| u64::from_be_bytes(b.try_into().unwrap_or_default()));
+        let Some(v) = &mut self.validation else {
+            self.stats.bad_challenge_replies += 1;
+            return;
+        };
+        match (v.routes.get_mut(k), nonce) {
+            (Some(r), Some(n)) if n == r.nonce => {
+                if !r.validated {
+                    r.validated = true;
+                    r.due = None;
+                    self.stats.routes_validated += 1;
+                    tracing::debug!("QP {:#x}: route {k} of the peer validated", self.qpn);
+                }
+            }
+            _ => self.stats.bad_challenge_replies += 1,
+        }
+    }
+
+    /// The next challenge due at `now` that the allowance covers, if any.
+    pub(super) fn poll_challenge(&mut self, now: u64) -> Option<TxPacket<R>> {
+        let dest_qpn = self.dest_qpn;
+        let v = self.validation.as_mut()?;
+        let allowance = v.allowance;
+        let due = |k: usize, r: &Route| {
+            !r.validated
+                && (r.tries == 0 || allowance >= CHALLENGE_LEN as u64)
+                && (v.now_due.contains(&(k as u8)) || r.due.is_some_and(|t| t <= now))
+        };
+        let k = v.routes.iter().enumerate().position(|(k, r)| due(k, r))?;
+        v.now_due.retain(|&i| i as usize != k);
+        let r = &mut v.routes[k];
+        // a challenge spends the allowance too; only the first goes unpaid (the peer asked for
+        // the QP, by a connection request far larger than this)
+        if r.tries > 0 {
+            v.allowance -= CHALLENGE_LEN as u64;
+        }
+        r.tries += 1;
+        r.last_sent = Some(now);
+        let backoff = (FIRST_BACKOFF_NS << r.tries.min(20).saturating_sub(1)).min(MAX_BACKOFF_NS);
+        r.due = (r.tries < MAX_TIMED_TRIES).then_some(now + backoff);
+        self.stats.challenges_sent += 1;
+        self.stats.tx_packets += 1;
+        let mut hdr = HeaderBuf::with_bth(&Bth::new(Opcode::Probe as u8, dest_qpn, CHALLENGE | k as u32));
+        hdr.push_u32((r.nonce >> 32) as u32).push_u32(r.nonce as u32);
+        Some(TxPacket {
+            hdr,
+            payload: Default::default(),
+            // the driver sends it on route `k` (a challenge names its route, not a path)
+            path: 0,
+        })
+    }
+
+    /// When the next challenge the allowance covers is due (0: now).
+    pub(super) fn challenge_deadline(&self) -> Option<u64> {
+        let v = self.validation.as_ref()?;
+        v.routes
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| !r.validated && (r.tries == 0 || v.allowance >= CHALLENGE_LEN as u64))
+            .filter_map(|(k, r)| if v.now_due.contains(&(k as u8)) { Some(0) } else { r.due })
+            .min()
+    }
+
+    /// Whether a challenge waits to be sent at `now`.
+    pub(super) fn challenge_pending(&self, now: u64) -> bool {
+        self.challenge_deadline().is_some_and(|t| t <= now)
+    }
+
+    /// Whether route 0 is validated: the QP's own packets flow without the allowance.
+    fn primary_validated(&self) -> bool {
+        self.validation
+            .as_ref()
+            .is_none_or(|v| v.routes.first().is_none_or(|r| r.validated))
+    }
+
+    /// [`RcQp::poll_transmit`]'s gate: challenges first; then, while route 0 is not
+    /// validated, a packet goes only if the allowance covers it, else it waits.
+    pub(super) fn gated_transmit(&mut self, now: u64) -> Option<TxPacket<R>> {
+        if let Some(c) = self.poll_challenge(now) {
+            return Some(c);
+        }
+        if self.primary_validated() {
+            if let Some(p) = self.validation.as_mut().and_then(|v| v.gated.take()) {
+                return Some(p);
+            }
+            return self.next_packet(now);
+        }
+        let p = match self.validation.as_mut().and_then(|v| v.gated.take()) {
+            Some(p) => p,
+            None => self.next_packet(now)?,
+        };
+        let n = wire_len(&p);
+        let v = self.validation.as_mut()?;
+        if v.allowance >= n {
+            v.allowance -= n;
+            return Some(p);
+        }
+        v.gated = Some(p);
+        self.stats.gated_packets += 1;
+        None
+    }
+
+    /// Whether the gate holds a packet it cannot send yet.
+    pub(super) fn gate_closed(&self) -> bool {
+        !self.primary_validated()
+            && self
+                .validation
+                .as_ref()
+                .is_some_and(|v| v.gated.as_ref().is_some_and(|p| wire_len(p) > v.allowance))
+    }
+
+    /// Whether the gate holds a packet that may go now.
+    pub(super) fn gate_ready(&self) -> bool {
+        self.validation.as_ref().is_some_and(|v| v.gated.is_some()) && !self.gate_closed()
+    }
+}
