@@ -185,10 +185,7 @@ impl<'a> PacketView<'a> {
         let got = self.icrc;
         let mut c = icrc::Icrc::new(src, dst, end);
         c.update(&datagram[..start]);
-        for (i, p) in self.payload.chunks(PLACE_PIECE).enumerate() {
-            c.update(p);
-            place(i * PLACE_PIECE, p);
-        }
+        c.update_copying(self.payload, &mut place);
         c.update(&datagram[start + self.payload.len()..end]);
         let want = c.finish();
         if got == want {
@@ -199,9 +196,10 @@ impl<'a> PacketView<'a> {
     }
 }
 
-/// The piece [`PacketView::verify_icrc_placing`] hands over at a time: small enough to stay in
-/// the L1 cache between the CRC's read and the copy's.
-pub const PLACE_PIECE: usize = 1024;
+/// The piece [`PacketView::verify_icrc_placing`] hands over at a time: that of the fused copy
+/// and CRC, [`icrc::FOLD_CHUNK`] (it stays in the L1 cache between the CRC's read and the
+/// copy's; a 4 KiB MTU's payload is one piece).
+pub const PLACE_PIECE: usize = icrc::FOLD_CHUNK;
 
 /// Headers of one outgoing packet, built in a small fixed buffer (header-only TX: the payload
 /// travels as its own scatter-gather element and is never copied in here).
@@ -382,12 +380,14 @@ mod tests {
     #[test]
     fn placing_verify_places_every_byte_and_judges_as_verify_does() {
         let (s, d) = addrs();
-        // a CC header (masked in the ICRC) and a pad, around a payload of several pieces
+        // a CC header (masked in the ICRC) and a pad, around a payload of several pieces (or
+        // the largest one a packet carries, when a piece is an MTU)
         let mut bth = Bth::new(Opcode::WriteMiddle as u8, 9, 77);
         bth.cc_words = 2;
         let mut h = HeaderBuf::with_bth(&bth);
         h.push_zeros(8);
-        let payload: Vec<u8> = (0..PLACE_PIECE * 3 + 5).map(|i| (i * 7) as u8).collect();
+        let len = (PLACE_PIECE * 3 + 5).min(MAX_MTU - 3);
+        let payload: Vec<u8> = (0..len).map(|i| (i * 7) as u8).collect();
         h.set_pad_for(payload.len());
         let mut out = Vec::new();
         encode_into(&mut out, &h, &[&payload], s, d);
@@ -401,7 +401,14 @@ mod tests {
         assert!(verdict.is_ok());
         assert_eq!(got, payload);
         // a bit flipped anywhere the ICRC covers: the same verdict as the unfused check
-        for at in [0usize, 13, 20, 30 + PLACE_PIECE, out.len() - 6, out.len() - 1] {
+        for at in [
+            0usize,
+            13,
+            20,
+            (30 + PLACE_PIECE).min(out.len() - 10),
+            out.len() - 6,
+            out.len() - 1,
+        ] {
             let mut bad = out.clone();
             bad[at] ^= 0x10;
             let Ok(v) = PacketView::parse(&bad) else { continue };
