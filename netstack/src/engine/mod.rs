@@ -41,6 +41,7 @@ use crate::link::udp::{UdpLink, UdpPorts};
 use crate::link::Link;
 use crate::mem::MrTable;
 use crate::pipe::{self, Consumer, Producer};
+use crate::transport::rc::validation::CHALLENGE;
 use crate::transport::rc::{QpState, RcQp};
 use crate::transport::TxPacket;
 use crate::wire::opcode::Opcode;
@@ -176,6 +177,16 @@ impl QpSlot {
     /// came on ([`QpSlot::note_request_source`]), the rest [`QpSlot::route`]. (A QP that has
     /// answered no request does not look at the opcode.)
     pub(crate) fn route_of(&self, pkt: &TxPacket) -> Option<(usize, SocketAddrV4)> {
+        let bth = pkt.hdr.bth();
+        if bth.opcode == Opcode::Probe as u8 && bth.psn & CHALLENGE != 0 {
+            // a challenge names the route it validates
+            let k = (bth.psn & !CHALLENGE) as usize;
+            return match self.routes.get(k) {
+                Some(&r) => Some(r),
+                None if k == 0 => self.remote.map(|r| (0, r)),
+                None => None,
+            };
+        }
         if let Some((_, k)) = self.reply_routes.get(pkt.path as usize).copied().flatten() {
             let response = !Opcode::from_u8(pkt.hdr.bth().opcode).is_some_and(Opcode::is_request);
             if let (true, Some(&r)) = (response, self.routes.get(k as usize)) {
@@ -183,6 +194,29 @@ impl QpSlot {
             }
         }
         self.route(pkt.path)
+    }
+
+    /// Starts validating the peer's addresses (one random nonce per route; see
+    /// [`crate::transport::rc::validation`]): called when the QP moves to RTR, its routes set.
+    pub(crate) fn start_validation(&mut self) {
+        let nonces: Vec<u64> = (0..self.routes.len().max(1)).map(|_| rand::random()).collect();
+        self.qp.require_validation(&nonces);
+    }
+
+    /// Whether `pkt`, about to leave on `route`, may: a route not validated yet takes what
+    /// fits in the peer's allowance, and drops the rest (route 0's packets were held back by
+    /// the QP itself; challenges always go).
+    pub(crate) fn may_send(&mut self, pkt: &TxPacket, route: (usize, SocketAddrV4)) -> bool {
+        let bth = pkt.hdr.bth();
+        if bth.opcode == Opcode::Probe as u8 && bth.psn & CHALLENGE != 0 {
+            return true;
+        }
+        let k = self.routes.iter().position(|&r| r == route).unwrap_or(0);
+        if k == 0 || self.qp.route_validated(k) {
+            return true;
+        }
+        let len = pkt.hdr.len() + pkt.payload_len() + bth.pad as usize + 4;
+        self.qp.spend_unvalidated(k, len)
     }
 
     /// Refreshes the mirror the application reads (state, retired WQEs).

@@ -251,6 +251,8 @@ impl DataCore {
             stats.rx_wrong_source.inc();
             return None;
         }
+        // what the peer sent counts towards what may be sent to it before it is validated
+        s.qp.credit_received(now, d.len());
         if Opcode::from_u8(v.bth.opcode).is_some_and(Opcode::is_request) {
             s.note_request_source(v.bth.path, src);
         }

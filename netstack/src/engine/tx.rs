@@ -22,6 +22,9 @@ impl DataCore {
                 match s.qp.poll_transmit(now) {
                     Some(pkt) => {
                         let Some((port, dst)) = s.route_of(&pkt) else { break };
+                        if !s.may_send(&pkt, (port, dst)) {
+                            continue;
+                        }
                         let src = link.local_addr(port);
                         if self.local_addrs.contains(&dst) {
                             loop_back(&self.shared.stats, &mut self.spare, &mut self.hairpin, &pkt, src, dst);

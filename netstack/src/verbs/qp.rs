@@ -664,11 +664,17 @@ fn rtr(
     s.routes = routes;
     s.peer_sources = remote.sources.iter().chain(&remote.extra_addrs).copied().collect();
     s.reply_routes.clear();
+    // whoever named these addresses, the peer proves it receives there before it is served
+    // more than three times what it sent
+    s.start_validation();
     Ok(())
 }
 
 impl Drop for Qp {
     fn drop(&mut self) {
         self.core.command(Command::Remove(self.qpn));
+        // queued behind the removal on the same core: a QP that draws this number again is
+        // added after the old one is gone
+        self.ctx.inner.release_qpn(self.qpn);
     }
 }
