@@ -43,6 +43,16 @@ pub struct ServerArgs {
     /// has --resp-max-clients.
     #[arg(long, default_value_t = 1024)]
     pub max_connections: usize,
+    /// Most RDMA connections one caller (one IP address) may hold, so that one caller cannot
+    /// take them all [default: three quarters of --max-connections]. Clients on one host
+    /// share its address: raise it for many clients from one machine.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_connections_per_caller: Option<u64>,
+    /// Seconds an RDMA connection may go without its QP receiving a packet before it is
+    /// dropped (a caller of the connection manager that named an endpoint that never
+    /// answers); half-way a probe makes a live client's idle QP answer.
+    #[arg(long, default_value = "10", value_parser = parse_unused_timeout)]
+    pub unused_connection_timeout: std::time::Duration,
     /// Most RESP connections at once (redis `maxclients`): one more gets `-ERR max number of
     /// clients reached` and is closed.
     #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
@@ -85,6 +95,15 @@ pub struct ServerArgs {
     /// Serve Prometheus metrics on this address (`GET /metrics`).
     #[arg(long, value_name = "ADDR")]
     pub metrics_addr: Option<std::net::SocketAddr>,
+}
+
+/// Parses a door timeout flag: seconds, 0.1 to 86400 (a fraction allowed).
+pub fn parse_unused_timeout(s: &str) -> Result<std::time::Duration, String> {
+    let v: f64 = s.parse().map_err(|_| format!("{s:?} is not a number of seconds"))?;
+    if !(0.1..=86_400.0).contains(&v) {
+        return Err(format!("{v} seconds is out of range: 0.1 to 86400"));
+    }
+    Ok(std::time::Duration::from_secs_f64(v))
 }
 
 fn query_buffer_limit(s: &str) -> Result<u64, String> {
@@ -134,6 +153,8 @@ impl ServerArgs {
             map,
             hot_entries: self.hot_entries,
             max_connections: self.max_connections,
+            max_connections_per_caller: self.max_connections_per_caller.map(|n| n as usize),
+            unused_timeout: self.unused_connection_timeout,
             resp_limits: crate::resp::RespLimits {
                 max_clients: self.resp_max_clients as usize,
                 query_buffer_limit: self.resp_query_buffer_limit as usize,
@@ -212,6 +233,26 @@ mod tests {
     }
 
     #[test]
+    fn door_limits_come_from_flags() {
+        let parse = |extra: &[&str]| {
+            let mut a = vec!["kv-server"];
+            a.extend_from_slice(extra);
+            Cli::parse_from(a).args.config().unwrap().door_limits().unwrap()
+        };
+        let d = parse(&[]);
+        assert_eq!((d.max_qps_per_caller, d.unused_timeout.as_secs()), (768, 10));
+        let d = parse(&["--max-connections", "100"]);
+        assert_eq!(d.max_qps_per_caller, 75, "three quarters of --max-connections");
+        let d = parse(&[
+            "--max-connections-per-caller",
+            "9",
+            "--unused-connection-timeout",
+            "0.5",
+        ]);
+        assert_eq!((d.max_qps_per_caller, d.unused_timeout.as_millis()), (9, 500));
+    }
+
+    #[test]
     fn resp_limits_come_from_flags_and_bad_values_name_the_flag() {
         let l = Cli::parse_from(["kv-server"]).args.config().unwrap().resp_limits;
         assert_eq!(l, crate::resp::RespLimits::default());
@@ -241,6 +282,9 @@ mod tests {
             ("--resp-query-buffer-limit", "lots"),
             ("--resp-max-bulk-len", "1000000000"),
             ("--resp-max-multibulk-len", "0"),
+            ("--max-connections-per-caller", "0"),
+            ("--unused-connection-timeout", "0"),
+            ("--unused-connection-timeout", "soon"),
         ] {
             let e = Cli::try_parse_from(["kv-server", flag, bad])
                 .err()

@@ -56,6 +56,15 @@ pub struct ServerConfig {
     /// to 3 × 64 × 66 KiB of message memory); more are refused with a message saying so. The
     /// RESP door has its own, `resp_limits.max_clients`.
     pub max_connections: usize,
+    /// Most RDMA connections one caller (its IP address) may hold, so that one caller cannot
+    /// take every connection; `None`: three quarters of `max_connections` (at least 1).
+    pub max_connections_per_caller: Option<usize>,
+    /// A connection whose QP has received no packet this long after it was accepted (a
+    /// phantom: its caller named an endpoint that never answers) is dropped with everything
+    /// it holds, and counted in `flexns_cm_qps_reaped_total`. Half-way, the server probes the
+    /// QP with a zero-length WRITE, which a live client's QP acknowledges however idle the
+    /// client is, so only endpoints that never answer are dropped.
+    pub unused_timeout: Duration,
     /// The RESP door's limits: connections, query buffer, bulk and multibulk lengths.
     pub resp_limits: crate::resp::RespLimits,
 }
@@ -77,6 +86,8 @@ impl Default for ServerConfig {
             etcd: None,
             keepalive: KEEPALIVE_IDLE,
             max_connections: 1024,
+            max_connections_per_caller: None,
+            unused_timeout: cm::DoorLimits::default().unused_timeout,
             resp_limits: Default::default(),
         }
     }
@@ -111,10 +122,43 @@ struct RpcConn {
     free_send: Vec<u32>,
     /// When a request last arrived (the keepalive probes connections idle for long).
     last_seen: Instant,
+    /// When the connection was accepted.
+    accepted: Instant,
+    /// Its QP has received a packet, or was probed for one (see [`Inner::probe_unused`]).
+    heard_or_probed: bool,
+}
+
+impl ServerConfig {
+    /// The connection manager's limits for this configuration (its fields checked, an error
+    /// naming the one that is wrong).
+    pub fn door_limits(&self) -> Result<cm::DoorLimits, KvError> {
+        if self.max_connections == 0 {
+            return Err(KvError::Config("max_connections: 0 admits no client".into()));
+        }
+        let per_caller = match self.max_connections_per_caller {
+            Some(0) => return Err(KvError::Config("max_connections_per_caller: 0 admits no client".into())),
+            Some(n) => n,
+            None => (self.max_connections * 3 / 4).max(1),
+        };
+        if self.unused_timeout.is_zero() {
+            return Err(KvError::Config(
+                "unused_timeout: 0 would drop connections before a client can use them".into(),
+            ));
+        }
+        Ok(cm::DoorLimits {
+            max_batch: cm::CHUNK,
+            max_qps_per_caller: per_caller,
+            unused_timeout: self.unused_timeout,
+        })
+    }
 }
 
 /// The default keepalive idle time ([`ServerConfig::keepalive`]).
 pub const KEEPALIVE_IDLE: Duration = Duration::from_secs(10);
+
+/// How long an accepted connection may wait to be connected by the connection manager (it is
+/// within one call) before its slot and memory are freed.
+const PENDING_TTL: Duration = Duration::from_secs(10);
 
 struct RednPair {
     /// The general connection (server QPN) the pair belongs to.
@@ -150,6 +194,8 @@ pub(crate) struct Inner {
     pub(crate) map: Vec<SocketAddr>,
     keepalive: Duration,
     max_connections: usize,
+    /// Connections never heard from are probed after this long (half the door's timeout).
+    probe_unused_after: Duration,
     rpc_requests: AtomicU64,
     rpc_errors: AtomicU64,
     pub(crate) resp_requests: AtomicU64,
@@ -268,6 +314,8 @@ impl Inner {
                 depth,
                 free_send: (0..2 * depth).rev().collect(),
                 last_seen: Instant::now(),
+                accepted: Instant::now(),
+                heard_or_probed: false,
             },
         );
         Ok(Accepted {
@@ -278,16 +326,24 @@ impl Inner {
 
     fn accept_redn(&self, conn: u32, pair: u64, part: u8, resp: ClientBuffer) -> Result<Accepted, String> {
         let e = |e: VerbsError| e.to_string();
-        if !self.conns.lock().contains_key(&conn) {
+        let Some(depth) = self.conns.lock().get(&conn).map(|c| c.depth) else {
             return Err(format!(
                 "RedN pair {pair}: no connection {conn:#x} to belong to (connect it first)"
             ));
-        }
+        };
         let mut pairs = self.redn.lock();
         let ready = pairs.get(&pair).map(|p| p.qps.len());
         if part > 1 || (part == 0 && ready.is_some()) || (part == 1 && ready != Some(1)) {
             return Err(format!(
                 "RedN pair {pair}: part {part} out of order (connect part 0, then 1)"
+            ));
+        }
+        // a client opens one pair per request slot: more would let one connection hold
+        // unbounded QPs and chains
+        let held = pairs.values().filter(|p| p.conn == conn).count();
+        if part == 0 && held >= depth as usize {
+            return Err(format!(
+                "RedN pair {pair}: connection {conn:#x} already has {held} pairs, its depth"
             ));
         }
         if part == 0 {
@@ -338,10 +394,14 @@ impl Inner {
     /// Application chores: RedN receives topped up, idle connections probed, dead ones (and
     /// their RedN pairs) dropped.
     fn chores(&self) {
+        // an accepted QP the connection manager could not connect (a bad endpoint) is never
+        // handed over: its slot and memory go after a while
+        self.pending.lock().retain(|_, c| c.accepted.elapsed() < PENDING_TTL);
         let live: std::collections::HashSet<u32> = {
             let mut conns = self.conns.lock();
             conns.retain(|_, c| c.qp.as_ref().is_some_and(|q| q.state() != QpState::Err));
             for c in conns.values_mut() {
+                self.probe_unused(c);
                 if c.last_seen.elapsed() > self.keepalive {
                     c.last_seen = Instant::now();
                     Self::keepalive(c);
@@ -358,6 +418,28 @@ impl Inner {
             if let Some(ch) = &p.chains {
                 ch.top_up(&p.qps[0], &p.rcq, &mut p.posted, REDN_RECVS);
             }
+        }
+    }
+
+    /// Probes a connection whose QP has received nothing `probe_unused_after` after it was
+    /// accepted with a zero-length WRITE (it needs no receive and names no memory, IBA
+    /// 9.7.4.1.5): a live client's QP acknowledges it, so the connection manager's door sees
+    /// the QP used before its timeout however idle the client stays; a phantom's endpoint
+    /// never answers, and the door reaps the QP (or the probe's retries fail it first).
+    fn probe_unused(&self, c: &mut RpcConn) {
+        let Some(qp) = c.qp.as_ref() else { return };
+        if c.heard_or_probed || c.accepted.elapsed() < self.probe_unused_after {
+            return;
+        }
+        c.heard_or_probed = true;
+        if qp.stats().rx_packets > 0 {
+            return;
+        }
+        // unsignaled: a success completes nothing, a failure is a flushed completion the
+        // handler ignores
+        let wr = SendWr::new(u64::MAX, WrOpcode::RdmaWrite).flags(SendFlags(0));
+        if let Err(e) = qp.post_send(wr) {
+            tracing::debug!(qpn = qp.qp_num(), "probing an unused connection: {e}");
         }
     }
 
@@ -393,6 +475,9 @@ impl Inner {
         if wc.opcode == WcOpcode::Send {
             c.free_send.push(wc.wr_id as u32);
             return;
+        }
+        if wc.opcode == WcOpcode::RdmaWrite {
+            return; // a probe's failure (see `probe_unused`); the chores drop the connection
         }
         if wc.status != WcStatus::Success {
             return; // flushed or the peer is gone; the chores drop the connection
@@ -482,6 +567,21 @@ impl Acceptor for KvAcceptor {
             }
         }
     }
+
+    /// The door counts and reaps the RPC connections (what `max_connections` counts). A
+    /// RedN pair's QPs answer `None`: they are held by their connection (at most its depth
+    /// of pairs), are dropped with it, and are not counted against the caller.
+    fn rx_packets(&self, qpn: u32) -> Option<u64> {
+        let conns = self.0.conns.lock();
+        let qp = conns.get(&qpn)?.qp.as_ref()?;
+        Some(qp.stats().rx_packets)
+    }
+
+    /// Drops a connection that never received a packet: its QP, message memory and RedN pairs.
+    fn reap(&self, qpn: u32) {
+        let mut conns = self.0.conns.lock();
+        self.0.bye(qpn, &mut conns);
+    }
 }
 
 /// A running partition. Dropping it stops the application thread and the front doors.
@@ -516,6 +616,7 @@ impl KvServer {
             )));
         }
         cfg.resp_limits.check().map_err(KvError::Config)?;
+        let limits = cfg.door_limits()?;
         let geometry = Geometry::for_capacity(cfg.capacity, cfg.data_bytes, cfg.redn_value_len)?;
         let ctx = Context::open(cfg.ctx.clone())?;
         let pd = ctx.alloc_pd();
@@ -561,6 +662,7 @@ impl KvServer {
             map: cfg.map.clone(),
             keepalive: cfg.keepalive,
             max_connections: cfg.max_connections,
+            probe_unused_after: cfg.unused_timeout / 2,
             rpc_requests: AtomicU64::new(0),
             rpc_errors: AtomicU64::new(0),
             resp_requests: AtomicU64::new(0),
@@ -588,7 +690,7 @@ impl KvServer {
         {
             let acc = Arc::new(KvAcceptor(inner.clone()));
             rt.spawn(async move {
-                if let Err(e) = cm::serve(listener, acc, async {
+                if let Err(e) = cm::serve_with(listener, acc, limits, async {
                     let _ = rx.await;
                 })
                 .await

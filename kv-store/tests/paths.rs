@@ -127,6 +127,8 @@ fn connections_beyond_the_limit_are_refused_with_a_reason() {
         capacity: 1024,
         data_bytes: 1 << 20,
         max_connections: 2,
+        // every client here is 127.0.0.1: let this one caller reach the server's own limit
+        max_connections_per_caller: Some(3),
         ..Default::default()
     })
     .unwrap();
