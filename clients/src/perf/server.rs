@@ -53,11 +53,31 @@ pub struct ServerArgs {
     /// Context config (TOML); flags given explicitly override it.
     #[arg(long)]
     pub config: Option<std::path::PathBuf>,
+    /// Most QPs one caller (one IP address) of the connection manager may hold; more are
+    /// refused. Clients on one host share its address: a run's --qps and --idle-qps count
+    /// together, and QPs of clients that left count until they are found gone.
+    #[arg(long, default_value_t = 16384, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_qps_per_caller: u64,
+    /// Seconds a QP may go without receiving a packet: one that never received any is then
+    /// reaped (its caller named an endpoint that never answers). Half-way, and every half
+    /// of it while a QP stays quiet, the server probes it with a zero-length WRITE, which a
+    /// live client's QP acknowledges and a client that left fails (its QP is dropped).
+    #[arg(long, default_value = "10", value_parser = kv_store::cli::parse_unused_timeout)]
+    pub unused_qp_timeout: Duration,
     #[command(flatten)]
     pub net: super::NetArgs,
 }
 
 impl ServerArgs {
+    /// The connection manager's limits these flags set.
+    pub fn door_limits(&self) -> cm::DoorLimits {
+        cm::DoorLimits {
+            max_batch: cm::CHUNK,
+            max_qps_per_caller: self.max_qps_per_caller as usize,
+            unused_timeout: self.unused_qp_timeout,
+        }
+    }
+
     /// The stack configuration: the file's (or the defaults), with the flags given applied.
     pub fn context_config(&self) -> Result<ContextConfig> {
         let mut cfg = match &self.config {
@@ -118,6 +138,42 @@ struct RednConn {
     posted: u64,
 }
 
+/// How long a QP has received nothing (for the liveness probe, see [`PerfAcceptor::watch`]).
+struct Quiet {
+    rx: u64,
+    since: std::time::Instant,
+}
+
+impl Quiet {
+    fn new() -> Quiet {
+        Quiet {
+            rx: 0,
+            since: std::time::Instant::now(),
+        }
+    }
+
+    /// Probes `qp` with a zero-length WRITE (it needs no receive and names no memory, IBA
+    /// 9.7.4.1.5) when it has received nothing for `every`: a live client's QP acknowledges
+    /// it (so the door never reaps it, however idle), a client that left never does, and its
+    /// QP fails and is dropped. Returns whether the QP is still worth keeping.
+    fn check(&mut self, qp: &Qp, every: Duration) -> bool {
+        if qp.state() == QpState::Err {
+            return false;
+        }
+        let rx = qp.stats().rx_packets;
+        if rx != self.rx {
+            self.rx = rx;
+            self.since = std::time::Instant::now();
+        } else if self.since.elapsed() >= every {
+            self.since = std::time::Instant::now();
+            // unsignaled: success completes nothing, a failure is a completion the
+            // completion thread skips (it echoes receives only)
+            let _ = qp.post_send(SendWr::new(u64::MAX, WrOpcode::RdmaWrite).flags(SendFlags(0)));
+        }
+        true
+    }
+}
+
 /// Receives kept posted on a RedN get QP.
 const REDN_RECVS: u64 = 16384;
 
@@ -159,10 +215,12 @@ struct PerfAcceptor {
     ro: Mr,
     /// The linked list and the RedN hash table with their values.
     kv: Mr,
-    /// RedN get connections: the response QP, its chains, its receive CQ, receives posted.
-    redn: Mutex<Vec<RednConn>>,
+    /// RedN get connections by QP number: the response QP, its chains, its receive CQ,
+    /// receives posted.
+    redn: Mutex<std::collections::HashMap<u32, RednConn>>,
     pending_redn: Mutex<std::collections::HashMap<u32, RednConn>>,
-    qps: Mutex<Vec<Arc<Qp>>>,
+    /// Connected QPs by number, with how long each has been quiet.
+    qps: Mutex<std::collections::HashMap<u32, (Arc<Qp>, Quiet)>>,
     /// Receive slots per QP, for SEND: (qp, slot size, slot base offset, echo)
     recv: RecvTable,
     next_recv_base: Mutex<u64>,
@@ -269,11 +327,32 @@ impl PerfAcceptor {
     /// themselves never wait for) and drops finished ones.
     fn refill_redn(&self) {
         let mut v = self.redn.lock();
-        v.retain(|c| c.qp.as_ref().is_some_and(|q| q.state() == QpState::Rts));
-        for c in v.iter_mut() {
+        v.retain(|_, c| c.qp.as_ref().is_some_and(|q| q.state() == QpState::Rts));
+        for c in v.values_mut() {
             let Some(qp) = c.qp.as_ref() else { continue };
             c.chains.top_up(qp, &c.rcq, &mut c.posted, REDN_RECVS);
         }
+    }
+}
+
+impl PerfAcceptor {
+    /// Drops QPs that failed (a client that left fails the probe) and probes those quiet for
+    /// `every` (see [`Quiet::check`]), RedN response QPs excepted.
+    fn watch(&self, every: Duration) {
+        let mut gone = Vec::new();
+        self.qps.lock().retain(|&n, (qp, quiet)| {
+            let keep = quiet.check(qp, every);
+            if !keep {
+                gone.push(n);
+            }
+            keep
+        });
+        let mut recv = self.recv.lock();
+        for n in gone {
+            recv.remove(&n);
+        }
+        // RedN response QPs are managed (their send queue is the chains'): never probed;
+        // `refill_redn` drops failed ones
     }
 }
 
@@ -341,17 +420,29 @@ impl Acceptor for PerfAcceptor {
     fn connected(&self, qp: Qp) {
         let qp = Arc::new(qp);
         if let Some(mut c) = self.pending_redn.lock().remove(&qp.qp_num()) {
-            c.qp = Some(qp);
-            self.redn.lock().push(c);
+            c.qp = Some(qp.clone());
+            self.redn.lock().insert(qp.qp_num(), c);
             return;
         }
         if let Some(slots) = self.pending.lock().remove(&qp.qp_num()) {
             self.recv.lock().insert(qp.qp_num(), (qp.clone(), slots));
         }
-        let mut v = self.qps.lock();
-        // drop QPs whose peers are gone
-        v.retain(|q| q.state() == QpState::Rts);
-        v.push(qp);
+        self.qps.lock().insert(qp.qp_num(), (qp, Quiet::new()));
+    }
+
+    fn rx_packets(&self, qpn: u32) -> Option<u64> {
+        if let Some((qp, _)) = self.qps.lock().get(&qpn) {
+            return Some(qp.stats().rx_packets);
+        }
+        let redn = self.redn.lock();
+        Some(redn.get(&qpn)?.qp.as_ref()?.stats().rx_packets)
+    }
+
+    /// Drops a QP that never received a packet, with its receive slots or RedN chains.
+    fn reap(&self, qpn: u32) {
+        self.qps.lock().remove(&qpn);
+        self.recv.lock().remove(&qpn);
+        self.redn.lock().remove(&qpn);
     }
 }
 
@@ -404,9 +495,9 @@ pub fn run(args: ServerArgs) -> Result<()> {
         mr: mr.clone(),
         ro,
         kv,
-        redn: Mutex::new(Vec::new()),
+        redn: Mutex::new(Default::default()),
         pending_redn: Mutex::new(Default::default()),
-        qps: Mutex::new(Vec::new()),
+        qps: Mutex::new(Default::default()),
         recv: recv.clone(),
         next_recv_base: Mutex::new(0),
         pending: Mutex::new(Default::default()),
@@ -439,6 +530,16 @@ pub fn run(args: ServerArgs) -> Result<()> {
         std::thread::spawn(move || loop {
             std::thread::sleep(Duration::from_millis(20));
             acc.refill_redn();
+        });
+    }
+    let limits = args.door_limits();
+    {
+        // QPs quiet for half the door's timeout are probed: a live client's answer before the
+        // door reaps a QP that never received anything
+        let (acc, every) = (acc.clone(), limits.unused_timeout / 2);
+        std::thread::spawn(move || loop {
+            std::thread::sleep((every / 4).max(Duration::from_millis(10)));
+            acc.watch(every);
         });
     }
     // completion thread: repost receives, echo for ping-pong
@@ -517,7 +618,7 @@ pub fn run(args: ServerArgs) -> Result<()> {
                 _ = tokio::signal::ctrl_c() => {},
             }
         };
-        cm::serve(listener, acc, shutdown).await
+        cm::serve_with(listener, acc, limits, shutdown).await
     })?;
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     Ok(())
