@@ -319,6 +319,51 @@ impl Region {
         }
     }
 
+    /// Copies the `n` bytes at `off` into `dst` at `dst_off` (byte-wise atomic loads, as
+    /// [`Region::read`]) in pieces of [`crate::wire::icrc::FOLD_CHUNK`] bytes, handing each
+    /// piece to `fold` from `dst` right after it landed there, while it is in the L1 cache: the
+    /// one copy of a transmit snapshot and its ICRC in one pass over memory (fold-and-copy),
+    /// where [`Region::chunks`] then [`Region::write`] copied twice (into a private chunk, then
+    /// out of it). `fold` gets each piece's offset from `off` and its bytes.
+    ///
+    /// # Safety
+    /// `dst_off..dst_off + n` of `dst` must be private to the caller for the whole call: no
+    /// other thread, peer or kernel operation reads or writes it (a snapshot buffer that no
+    /// packet holds, whose last send has returned). That is what lets `fold` see the bytes as a
+    /// plain slice. Panics (before touching a byte) when either range is out of bounds or the
+    /// two overlap.
+    pub unsafe fn copy_folding(
+        &self,
+        off: usize,
+        n: usize,
+        dst: &Region,
+        dst_off: usize,
+        mut fold: impl FnMut(usize, &[u8]),
+    ) {
+        self.check(off, n);
+        dst.check(dst_off, n);
+        let (s, d) = (self.ptr as usize + off, dst.ptr as usize + dst_off);
+        assert!(n == 0 || s + n <= d || d + n <= s, "copy_folding ranges overlap");
+        let piece = crate::wire::icrc::FOLD_CHUNK;
+        let mut at = 0;
+        while at < n {
+            let k = (n - at).min(piece);
+            // SAFETY: `off + at + k <= off + n` and `dst_off + at + k <= dst_off + n`, both in
+            // bounds (checked above), and the ranges do not overlap (asserted); the source is
+            // region memory, which others access only atomically or by the kernel, read with
+            // atomic loads; the destination is private (the caller's contract), so the plain
+            // stores of `load_bytes` race with nothing and the slice over the `k` bytes just
+            // written is valid (initialized, unaliased by writers) until the next piece.
+            let bytes = unsafe {
+                let to = dst.ptr.add(dst_off + at);
+                load_bytes(self.ptr.add(off + at), to, k);
+                std::slice::from_raw_parts(to as *const u8, k)
+            };
+            fold(at, bytes);
+            at += k;
+        }
+    }
+
     /// Whether the `n` bytes at `off` equal `expect` (copied out chunk by chunk).
     pub fn equals(&self, off: usize, expect: &[u8]) -> bool {
         let mut same = true;
@@ -585,6 +630,54 @@ impl KeyTable for MrTable {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The fold-and-copy primitive copies every byte once, folds the same bytes in order, in
+    /// pieces no larger than `FOLD_CHUNK`, at any alignment; it refuses an out-of-bounds or
+    /// overlapping range before touching a byte.
+    #[test]
+    fn copy_folding_copies_and_folds_the_same_bytes() {
+        let piece = crate::wire::icrc::FOLD_CHUNK;
+        for n in [0usize, 1, 7, 8, 9, piece - 1, piece, piece + 3, 3 * piece + 17] {
+            let src = Region::alloc(n + 16);
+            let bytes: Vec<u8> = (0..n).map(|i| (i * 29 + 3) as u8).collect();
+            src.write(3, &bytes);
+            let dst = Region::alloc(n + 16);
+            let mut folded = Vec::new();
+            // SAFETY: `dst` is this test's own and reached by nothing else.
+            unsafe {
+                src.copy_folding(3, n, &dst, 5, |at, c| {
+                    assert_eq!(at, folded.len());
+                    assert!(c.len() <= piece);
+                    folded.extend_from_slice(c);
+                })
+            };
+            assert_eq!(folded, bytes, "n {n}");
+            assert!(dst.equals(5, &bytes), "n {n}");
+            assert!(
+                dst.equals(0, &[0; 5]) && dst.equals(5 + n, &[0; 11]),
+                "nothing outside, n {n}"
+            );
+        }
+        let r = Region::alloc(64);
+        let caught = |f: &dyn Fn()| std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).is_err();
+        let (big, small) = (Region::alloc(64), Region::alloc(16));
+        let calls: [(&str, &dyn Fn()); 3] = [
+            // SAFETY: `r` is private to this test; the call panics before any access.
+            ("overlap", &|| unsafe { r.copy_folding(0, 32, &r, 16, |_, _| {}) }),
+            // SAFETY: as above, with `big` private too.
+            ("source bounds", &|| unsafe {
+                r.copy_folding(40, 32, &big, 0, |_, _| {})
+            }),
+            // SAFETY: as above, with `small` private too.
+            ("destination bounds", &|| unsafe {
+                r.copy_folding(0, 32, &small, 0, |_, _| {})
+            }),
+        ];
+        for (what, f) in calls {
+            assert!(caught(f), "{what}");
+        }
+        assert!(big.equals(0, &[0; 64]) && small.equals(0, &[0; 16]), "nothing written");
+    }
 
     #[test]
     fn keys_and_checks() {
