@@ -284,3 +284,62 @@ fn spoofed_naks_and_forged_reads_neither_end_nor_reflect_a_live_connection() {
     }
     assert_eq!((client.qp.state(), server.qp.state()), (QpState::Rts, QpState::Rts));
 }
+
+/// Every opcode the stack knows, and some it does not.
+const OPCODES: &[u8] = &[
+    0x00, 0x01, 0x02, 0x03, 0x04, 0x05, 0x06, 0x07, 0x08, 0x09, 0x0a, 0x0b, 0x0c, 0x0d, 0x0e, 0x0f, 0x10, 0x11, 0x12,
+    0x13, 0x14, 0x16, 0x17, 0x18, 0x19, 0x1a, 0x1b, 0x80, 0x81, 0x82, 0x83, 0x84, 0x85, 0x1f, 0x40, 0x64, 0xff,
+];
+
+#[test]
+fn random_packets_with_valid_bths_from_the_client_address_end_no_connection() {
+    if !test_support::is_root() {
+        test_support::skip(
+            "hostile::random_packets_with_valid_bths",
+            test_support::Missing::Root,
+            "forging a peer's source address needs a raw socket (root)",
+        );
+        return;
+    }
+    use rand::{Rng, SeedableRng};
+    let raw = RawUdp::open().expect("a raw socket (root)");
+    let client = side(2 * OP);
+    let server = side(SERVER_MEM);
+    let (ce, se) = (client.qp.local_endpoint(), server.qp.local_endpoint());
+    client.qp.connect(&se).unwrap();
+    server.qp.connect(&ce).unwrap();
+    round(&client, &server, 0);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(0x0ddba11);
+    let before = server.ctx.stats();
+    let mut forged = 0u64;
+    for i in 1..=20u32 {
+        // a burst of forgeries: a known or unknown opcode, the server's QPN, any PSN, random
+        // header and payload bytes of any length, a correct ICRC, from the client's address
+        for _ in 0..100 {
+            let op = OPCODES[rng.random_range(0..OPCODES.len())];
+            let mut bth = Bth::new(op, se.qpn, rng.random_range(0..1 << 24));
+            bth.ack_req = rng.random();
+            let mut h = HeaderBuf::with_bth(&bth);
+            let tail: Vec<u8> = (0..rng.random_range(0..96)).map(|_| rng.random()).collect();
+            h.set_pad_for(tail.len());
+            let mut out = Vec::new();
+            encode_into(&mut out, &h, &[&tail], ce.addr, se.addr);
+            raw.send(ce.addr, se.addr, &out);
+            forged += 1;
+        }
+        // the client goes on verifying between the bursts
+        round(&client, &server, i);
+    }
+    wait_for("the server to take in every forged packet", || {
+        server.ctx.stats().rx_datagrams - before.rx_datagrams >= forged
+    });
+    let s = server.qp.stats();
+    assert_eq!(
+        (client.qp.state(), server.qp.state()),
+        (QpState::Rts, QpState::Rts),
+        "{s:?}"
+    );
+    assert!(s.qp_errors.iter().all(|&n| n == 0), "{s:?}");
+    assert!(client.qp.stats().qp_errors.iter().all(|&n| n == 0));
+    round(&client, &server, 21);
+}

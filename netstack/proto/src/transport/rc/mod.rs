@@ -267,7 +267,7 @@ impl QpErrorCause {
 pub struct RcStats {
     /// Packets sent.
     pub tx_packets: u64,
-    /// Packets received.
+    /// Packets received, probes and challenges aside (they say nothing of use).
     pub rx_packets: u64,
     /// Packets sent again.
     pub retransmitted_packets: u64,
@@ -805,6 +805,12 @@ impl<R: SharedRegion> RcQp<R> {
             self.stats.dropped_packets += 1;
             return;
         }
+        if matches!(pkt.opcode, Opcode::Probe | Opcode::ProbeReply) {
+            // liveness and address validation, not traffic: `rx_packets` says whether the peer
+            // ever used the QP (a connection manager reaps those it never did)
+            self.handle_probe(now, pkt);
+            return;
+        }
         self.stats.rx_packets += 1;
         let bytes = (pkt.payload.len() + 16) as u32;
         let t = self.cc.traced;
@@ -848,10 +854,6 @@ impl<R: SharedRegion> RcQp<R> {
                 if t.rx_grant {
                     self.cc_event(now, |a, now, out| a.on_rx(now, &meta(RxKind::Grant, 0, None), out));
                 }
-                return;
-            }
-            Opcode::Probe | Opcode::ProbeReply => {
-                self.handle_probe(now, pkt);
                 return;
             }
             _ => {}
