@@ -317,7 +317,7 @@ impl TransferEngine {
             Transport::Flexns(p) => Some(p.pd().reg_region(
                 region.clone(),
                 Access::LOCAL_WRITE | Access::REMOTE_READ | Access::REMOTE_WRITE,
-            )),
+            )?),
             Transport::Tcp(_) => None,
         };
         let addr = self.inner.memory.insert(LocalBuffer {

@@ -26,6 +26,8 @@ pub use flexns_proto::memory::{Access, AccessError};
 
 use flexns_proto::memory::{KeyTable, SharedRegion};
 use parking_lot::RwLock;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 use std::os::fd::{AsRawFd, BorrowedFd};
 use std::sync::atomic::{fence, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
@@ -508,68 +510,178 @@ pub struct MrEntry {
     pub rkey: u32,
 }
 
-/// The table of registered memory regions of a context; keys are `index << 8 | generation`.
-#[derive(Default)]
+/// Live registrations a table holds at most: a key's index part has 24 bits.
+pub const MAX_MRS: usize = 1 << 24;
+
+/// A registration was refused: the table already holds [`MAX_MRS`] live regions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("memory region table full: {MAX_MRS} live registrations (deregister some first)")]
+pub struct TableFull;
+
+/// Which of a registration's two keys a lookup names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyKind {
+    /// The local key: SGEs of the context's own work requests.
+    Local,
+    /// The remote key: what peers put in RETHs and atomic headers.
+    Remote,
+}
+
+/// One index of the table: the key bytes its last registration drew, and that registration
+/// while it lives.
+struct Slot {
+    lbyte: u8,
+    rbyte: u8,
+    entry: Option<MrEntry>,
+}
+
+struct Slots {
+    slots: Vec<Slot>,
+    /// Indices of dead slots, reused last-freed first.
+    free: Vec<u32>,
+    /// Draws the key bytes (and drew the bases).
+    rng: StdRng,
+    /// The index parts of lkeys and rkeys start at these random 24-bit bases (never equal, so
+    /// a region's lkey and rkey always differ).
+    lbase: u32,
+    rbase: u32,
+}
+
+/// The key of slot `idx` in the space starting at `base`, with key byte `byte`.
+fn make_key(base: u32, idx: u32, byte: u8) -> u32 {
+    ((base.wrapping_add(idx) & MASK24) << 8) | byte as u32
+}
+
+/// A key byte for a new registration: never 0 (so no key is 0) and never the slot's previous
+/// one (so a stale key of the slot's last region does not name the new one).
+fn next_byte(rng: &mut StdRng, old: u8) -> u8 {
+    loop {
+        let b: u8 = rng.random();
+        if b != 0 && b != old {
+            return b;
+        }
+    }
+}
+
+const MASK24: u32 = 0xFF_FFFF;
+
+/// The table of registered memory regions of a context. A key is a 24-bit index part and an
+/// 8-bit key byte, as an RNIC's: the index parts of lkeys and of rkeys count from two random
+/// bases of the table, and every registration draws fresh key bytes, so no key can be guessed
+/// from another context's, a region's rkey is not its lkey, and re-registering an index gives
+/// new keys (a stale rkey of a freed region is refused, never served by its successor; with
+/// 8-bit key bytes a key comes back only after several reuses of its index, with odds
+/// 1/255 each, as on an RNIC). A lookup decodes the index from the key: O(1), no scan.
 pub struct MrTable {
-    slots: RwLock<Vec<(u8, Option<MrEntry>)>>,
+    slots: RwLock<Slots>,
+}
+
+impl Default for MrTable {
+    fn default() -> MrTable {
+        MrTable::new()
+    }
 }
 
 impl MrTable {
-    /// An empty table.
+    /// An empty table whose keys are drawn from a generator seeded by the OS (a CSPRNG).
     pub fn new() -> MrTable {
-        MrTable::default()
+        MrTable::with_rng(StdRng::from_os_rng())
     }
 
-    /// Registers a region; returns the entry with its keys.
-    pub fn register(&self, region: Arc<Region>, pd: u32, access: Access) -> MrEntry {
-        let mut s = self.slots.write();
-        let idx = match s.iter().position(|(_, e)| e.is_none()) {
-            Some(i) => i,
-            None => {
-                s.push((0, None));
-                s.len() - 1
+    /// An empty table whose keys follow from `seed` alone: for deterministic simulations,
+    /// whose runs must replay byte for byte.
+    pub fn seeded(seed: u64) -> MrTable {
+        MrTable::with_rng(StdRng::seed_from_u64(seed))
+    }
+
+    fn with_rng(mut rng: StdRng) -> MrTable {
+        let lbase = rng.random::<u32>() & MASK24;
+        let rbase = loop {
+            let b = rng.random::<u32>() & MASK24;
+            if b != lbase {
+                break b;
             }
         };
-        let gen = s[idx].0.wrapping_add(1);
-        let key = ((idx as u32 + 1) << 8) | gen as u32;
+        MrTable {
+            slots: RwLock::new(Slots {
+                slots: Vec::new(),
+                free: Vec::new(),
+                rng,
+                lbase,
+                rbase,
+            }),
+        }
+    }
+
+    /// Registers a region; returns the entry with its keys (an lkey and a different rkey, both
+    /// unique among the table's live regions), or [`TableFull`] when [`MAX_MRS`] live.
+    pub fn register(&self, region: Arc<Region>, pd: u32, access: Access) -> Result<MrEntry, TableFull> {
+        let mut guard = self.slots.write();
+        let t = &mut *guard;
+        let idx = match t.free.pop() {
+            Some(i) => i,
+            None if t.slots.len() < MAX_MRS => {
+                let (lbyte, rbyte) = (t.rng.random(), t.rng.random());
+                t.slots.push(Slot {
+                    lbyte,
+                    rbyte,
+                    entry: None,
+                });
+                (t.slots.len() - 1) as u32
+            }
+            None => return Err(TableFull),
+        };
+        let slot = &mut t.slots[idx as usize];
+        slot.lbyte = next_byte(&mut t.rng, slot.lbyte);
+        slot.rbyte = next_byte(&mut t.rng, slot.rbyte);
         let e = MrEntry {
             region,
             pd,
             access,
-            lkey: key,
-            rkey: key,
+            lkey: make_key(t.lbase, idx, slot.lbyte),
+            rkey: make_key(t.rbase, idx, slot.rbyte),
         };
-        s[idx] = (gen, Some(e.clone()));
-        e
+        slot.entry = Some(e.clone());
+        Ok(e)
     }
 
-    /// Removes a registration; later accesses with its keys fail. In-flight packets keep the
-    /// memory alive through their `Arc` until they are sent.
-    pub fn deregister(&self, key: u32) -> bool {
-        let mut s = self.slots.write();
-        let idx = (key >> 8) as usize;
-        match idx.checked_sub(1).and_then(|i| s.get_mut(i)) {
-            Some((g, e)) if *g == key as u8 && e.is_some() => {
-                *e = None;
-                true
-            }
-            _ => false,
-        }
+    /// The slot index `key` names in the space of `kind`, if a live region has that key.
+    fn find(t: &Slots, key: u32, kind: KeyKind) -> Option<(usize, &MrEntry)> {
+        let base = match kind {
+            KeyKind::Local => t.lbase,
+            KeyKind::Remote => t.rbase,
+        };
+        let idx = ((key >> 8).wrapping_sub(base) & MASK24) as usize;
+        let e = t.slots.get(idx)?.entry.as_ref()?;
+        let k = match kind {
+            KeyKind::Local => e.lkey,
+            KeyKind::Remote => e.rkey,
+        };
+        (k == key).then_some((idx, e))
     }
 
-    /// Looks up a key.
-    pub fn get(&self, key: u32) -> Option<MrEntry> {
-        let s = self.slots.read();
-        let idx = (key >> 8) as usize;
-        let (g, e) = s.get(idx.checked_sub(1)?)?;
-        if *g != key as u8 {
-            return None;
-        }
-        e.clone()
+    /// Removes the registration whose lkey is `lkey`; later accesses with either of its keys
+    /// fail. In-flight packets keep the memory alive through their `Arc` until they are sent.
+    pub fn deregister(&self, lkey: u32) -> bool {
+        let mut guard = self.slots.write();
+        let t = &mut *guard;
+        let Some((idx, _)) = MrTable::find(t, lkey, KeyKind::Local) else {
+            return false;
+        };
+        t.slots[idx].entry = None;
+        t.free.push(idx as u32);
+        true
+    }
+
+    /// Looks up a live registration by its lkey or its rkey (`kind` says which `key` is).
+    pub fn get(&self, key: u32, kind: KeyKind) -> Option<MrEntry> {
+        MrTable::find(&self.slots.read(), key, kind).map(|(_, e)| e.clone())
     }
 
     /// Checks an access of `len` bytes at virtual address `va` with `key`, in protection domain
-    /// `pd`, needing `need`; returns the region and the offset of `va` in it.
+    /// `pd`, needing `need`; returns the region and the offset of `va` in it. An access that
+    /// needs a remote right (a peer's READ, WRITE or atomic) names the region by its rkey; any
+    /// other by its lkey.
     pub fn check(
         &self,
         key: u32,
@@ -578,7 +690,13 @@ impl MrTable {
         len: u64,
         need: Access,
     ) -> Result<(Arc<Region>, usize), AccessError> {
-        let e = self.get(key).ok_or(AccessError::BadKey(key))?;
+        let kind = if need.is_remote() {
+            KeyKind::Remote
+        } else {
+            KeyKind::Local
+        };
+        let t = self.slots.read();
+        let (_, e) = MrTable::find(&t, key, kind).ok_or(AccessError::BadKey(key))?;
         if e.pd != pd {
             return Err(AccessError::WrongPd(key));
         }
@@ -590,7 +708,7 @@ impl MrTable {
         if va < base || end > base + e.region.len() as u64 {
             return Err(AccessError::OutOfBounds { va, len });
         }
-        Ok((e.region, (va - base) as usize))
+        Ok((e.region.clone(), (va - base) as usize))
     }
 }
 
@@ -683,7 +801,9 @@ mod tests {
     fn keys_and_checks() {
         let t = MrTable::new();
         let r = Arc::new(Region::alloc(4096));
-        let e = t.register(r.clone(), 1, Access::REMOTE_READ | Access::LOCAL_WRITE);
+        let e = t
+            .register(r.clone(), 1, Access::REMOTE_READ | Access::LOCAL_WRITE)
+            .unwrap();
         let a = r.addr();
         assert!(t.check(e.rkey, 1, a, 4096, Access::REMOTE_READ).is_ok());
         assert_eq!(
@@ -703,11 +823,108 @@ mod tests {
             Err(AccessError::BadKey(_))
         ));
         assert!(t.check(e.rkey, 1, u64::MAX, 2, Access::REMOTE_READ).is_err());
-        assert!(t.deregister(e.rkey));
+        assert!(!t.deregister(e.rkey), "a region is deregistered by its lkey");
+        assert!(t.deregister(e.lkey));
         assert!(t.check(e.rkey, 1, a, 1, Access::REMOTE_READ).is_err());
-        // a new registration in the same slot gets a new key
-        let e2 = t.register(r, 1, Access::ALL);
+        // a new registration in the same slot gets new keys
+        let e2 = t.register(r, 1, Access::ALL).unwrap();
         assert_ne!(e2.rkey, e.rkey);
+        assert_ne!(e2.lkey, e.lkey);
+    }
+
+    /// A region's rkey is not its lkey, and each names it only in its own role: a peer cannot
+    /// reach memory with the lkey, nor a local SGE with the rkey.
+    #[test]
+    fn lkey_and_rkey_differ_and_keep_to_their_roles() {
+        let t = MrTable::new();
+        let r = Arc::new(Region::alloc(64));
+        let a = r.addr();
+        for _ in 0..64 {
+            let e = t.register(r.clone(), 1, Access::ALL).unwrap();
+            assert_ne!(e.lkey, e.rkey);
+            assert_ne!(e.lkey, 0);
+            assert_ne!(e.rkey, 0);
+            assert!(t.check(e.rkey, 1, a, 8, Access::REMOTE_WRITE).is_ok());
+            assert!(t.check(e.lkey, 1, a, 8, Access::LOCAL_WRITE).is_ok());
+            assert_eq!(
+                t.check(e.lkey, 1, a, 8, Access::REMOTE_WRITE).unwrap_err(),
+                AccessError::BadKey(e.lkey)
+            );
+            assert_eq!(
+                t.check(e.rkey, 1, a, 8, Access::LOCAL_WRITE).unwrap_err(),
+                AccessError::BadKey(e.rkey)
+            );
+            assert_eq!(t.get(e.rkey, KeyKind::Remote).map(|x| x.lkey), Some(e.lkey));
+            assert!(t.get(e.rkey, KeyKind::Local).is_none());
+        }
+    }
+
+    /// Two tables (two contexts) draw their keys independently: the first region's keys are
+    /// not a constant, and not the same in both.
+    #[test]
+    fn tables_draw_unpredictable_keys() {
+        let r = Arc::new(Region::alloc(64));
+        let keys: Vec<(u32, u32)> = (0..4)
+            .map(|_| {
+                let e = MrTable::new().register(r.clone(), 1, Access::ALL).unwrap();
+                (e.lkey, e.rkey)
+            })
+            .collect();
+        for i in 0..keys.len() {
+            for j in i + 1..keys.len() {
+                // 32 random bits each: equal by chance with odds 2^-32
+                assert_ne!(keys[i].1, keys[j].1, "two tables' first rkeys: {keys:x?}");
+                assert_ne!(keys[i].0, keys[j].0, "two tables' first lkeys: {keys:x?}");
+            }
+        }
+        // a seeded table replays its keys, another seed gives others
+        let seeded = |s| {
+            let t = MrTable::seeded(s);
+            (0..8)
+                .map(|_| t.register(r.clone(), 1, Access::ALL).unwrap().rkey)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(seeded(7), seeded(7));
+        assert_ne!(seeded(7), seeded(8));
+    }
+
+    /// Deregistering and registering the same index again, over and over: every registration
+    /// gets an rkey unlike its predecessor's, whose stale rkey is refused; the live keys stay
+    /// unique and each finds its own region.
+    #[test]
+    fn reregistration_gives_new_keys_and_stale_ones_fail() {
+        let t = MrTable::seeded(1);
+        let r = Arc::new(Region::alloc(64));
+        let a = r.addr();
+        let mut prev = t.register(r.clone(), 1, Access::ALL).unwrap();
+        for _ in 0..1000 {
+            assert!(t.deregister(prev.lkey));
+            let e = t.register(r.clone(), 1, Access::ALL).unwrap();
+            assert_eq!(e.rkey >> 8, prev.rkey >> 8, "the same slot again");
+            assert_ne!(e.rkey, prev.rkey);
+            assert_ne!(e.lkey, prev.lkey);
+            assert_eq!(
+                t.check(prev.rkey, 1, a, 8, Access::REMOTE_READ).unwrap_err(),
+                AccessError::BadKey(prev.rkey)
+            );
+            assert!(t.check(e.rkey, 1, a, 8, Access::REMOTE_READ).is_ok());
+            prev = e;
+        }
+        let regions: Vec<Arc<Region>> = (0..500).map(|_| Arc::new(Region::alloc(8))).collect();
+        let live: Vec<MrEntry> = regions
+            .iter()
+            .map(|r| t.register(r.clone(), 1, Access::ALL).unwrap())
+            .collect();
+        let mut keys: Vec<u32> = live.iter().flat_map(|e| [e.lkey, e.rkey]).collect();
+        keys.push(prev.lkey);
+        keys.push(prev.rkey);
+        keys.sort_unstable();
+        keys.dedup();
+        assert_eq!(keys.len(), 2 * (live.len() + 1), "keys of live regions are unique");
+        for (e, r) in live.iter().zip(&regions) {
+            let (got, off) = t.check(e.rkey, 1, r.addr(), 8, Access::REMOTE_READ).unwrap();
+            assert!(Arc::ptr_eq(&got, r) && off == 0);
+        }
     }
 
     /// Copies in and out at every alignment and length around the word size land exactly

@@ -65,16 +65,17 @@ struct Node {
     addr: SocketAddrV4,
     next_free: u64,
     dead: bool,
-    mr: HashMap<&'static str, (Arc<Region>, u32)>,
+    /// Each region with its rkey and its lkey.
+    mr: HashMap<&'static str, (Arc<Region>, u32, u32)>,
 }
 
 impl Node {
-    fn new(qpn: u32, addr: &str, cfg: RcConfig) -> Node {
+    fn new(qpn: u32, addr: &str, cfg: RcConfig, key_seed: u64) -> Node {
         let mut qp = RcQp::new(qpn, 1, cfg);
         qp.modify_to_init().unwrap();
         Node {
             qp,
-            mrs: MrTable::new(),
+            mrs: MrTable::seeded(key_seed),
             addr: addr.parse().unwrap(),
             next_free: 0,
             dead: false,
@@ -86,15 +87,15 @@ impl Node {
         let mut data = vec![0u8; len];
         rng.fill(&mut data[..]);
         r.write(0, &data);
-        let e = self.mrs.register(r.clone(), 1, Access::ALL);
-        self.mr.insert(name, (r, e.rkey));
+        let e = self.mrs.register(r.clone(), 1, Access::ALL).unwrap();
+        self.mr.insert(name, (r, e.rkey, e.lkey));
     }
     fn sge(&self, name: &str, off: usize, len: usize) -> Sge {
-        let (r, k) = &self.mr[name];
+        let (r, _, lkey) = &self.mr[name];
         Sge {
             addr: r.addr() + off as u64,
             length: len as u32,
-            lkey: *k,
+            lkey: *lkey,
         }
     }
     fn bytes(&self, name: &str, off: usize, len: usize) -> Vec<u8> {
@@ -197,8 +198,9 @@ impl Scenario {
             jitter_ns: rng.random_range(0..5_000),
             gap_ns: rng.random_range(100..2_000),
         };
-        let mut a = Node::new(0x11, "10.0.0.1:4791", cfg);
-        let mut b = Node::new(0x22, "10.0.0.2:4791", cfg);
+        // keys from the seed, as a simulated context's: the scenario replays
+        let mut a = Node::new(0x11, "10.0.0.1:4791", cfg, seed ^ 0xA);
+        let mut b = Node::new(0x22, "10.0.0.2:4791", cfg, seed ^ 0xB);
         let (pa, pb) = (rng.random_range(0..1 << 24), rng.random_range(0..1 << 24));
         a.qp.modify_to_rtr(0x22, pb, cfg).unwrap();
         b.qp.modify_to_rtr(0x11, pa, cfg).unwrap();

@@ -398,7 +398,7 @@ fn async_cq_wait_and_caller_memory() {
     let mut mine = vec![0u8; 8192].into_boxed_slice();
     // SAFETY: `mine` outlives the MR and the work requests below, and is not touched through
     // Rust references until the MR is dropped.
-    let raw = unsafe { a._pd.reg_mr_raw(mine.as_mut_ptr(), mine.len(), Access::LOCAL_WRITE) };
+    let raw = unsafe { a._pd.reg_mr_raw(mine.as_mut_ptr(), mine.len(), Access::LOCAL_WRITE) }.unwrap();
     b.mr.write(100, b"from the peer");
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()

@@ -41,7 +41,9 @@ pub trait KeyTable {
     /// The memory the table's keys name.
     type Region: SharedRegion;
     /// Checks an access of `len` bytes at virtual address `va` with `key`, in protection domain
-    /// `pd`, needing `need`; returns the region and the offset of `va` in it.
+    /// `pd`, needing `need`; returns the region and the offset of `va` in it. When `need` holds
+    /// a remote right ([`Access::is_remote`]: a peer's READ, WRITE or atomic) `key` is an
+    /// rkey, otherwise an lkey; a region's two keys differ and each names it only in its role.
     fn check(
         &self,
         key: u32,
@@ -70,6 +72,11 @@ impl Access {
     /// Whether every right of `o` is granted.
     pub fn contains(self, o: Access) -> bool {
         self.0 & o.0 == o.0
+    }
+    /// Whether it holds a right only peers use (remote write, read or atomic): an access that
+    /// needs one names its region by rkey.
+    pub fn is_remote(self) -> bool {
+        self.0 & (Access::REMOTE_WRITE.0 | Access::REMOTE_READ.0 | Access::REMOTE_ATOMIC.0) != 0
     }
 }
 

@@ -9,6 +9,8 @@ use crate::mem::{Access, MrTable, Region};
 use crate::transport::rc::{RcConfig, RcQp, RcStats};
 use crate::wire::{Opcode, PacketView, ROCEV2_PORT};
 use crate::work::{SendWr, Sge, WcStatus, WrOpcode};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 use std::collections::{BTreeMap, VecDeque};
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::sync::Arc;
@@ -137,9 +139,14 @@ pub(super) struct Host {
     env: Arc<CcEnv>,
     mrs: MrTable,
     region: Arc<Region>,
-    key: u32,
+    /// The region's keys: (lkey, rkey).
+    key: (u32, u32),
     qps: BTreeMap<u32, HostQp>,
+    /// QPNs count up from 0x100: a QP's number picks its UDP source ports and so its ECMP
+    /// routes, which the fabric experiments were calibrated with.
     next_qpn: u32,
+    /// Draws initial PSNs; seeded by the network's seed and the host's number.
+    rng: StdRng,
     rr: u32,
     /// When it must run again (a QP's deadline, its line free for the next packet, delayed
     /// feedback due).
@@ -166,11 +173,16 @@ fn source_port(qpn: u32, path: u8) -> u16 {
 
 impl Host {
     pub(super) fn new(id: NodeId, net: &Arc<SimNet>, qp_cfg: RcConfig, cc: &CcParams) -> Host {
-        let mrs = MrTable::new();
+        // keys and PSNs from the network's seed, never the OS: a seed replays byte for byte
+        let seed = net.seed() ^ (id as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let mrs = MrTable::seeded(seed);
         // named by an address that depends only on the host, not on the process's heap: the
         // WRITEs carry it, so two runs of a seed send the same bytes
         let region = Arc::new(Region::alloc(CHUNK as usize).at_iova(0x1_0000_0000 * (id as u64 + 1)));
-        let key = mrs.register(region.clone(), 1, Access::ALL).rkey;
+        let e = mrs
+            .register(region.clone(), 1, Access::ALL)
+            .expect("a new table has room for one region");
+        let key = (e.lkey, e.rkey);
         let addr = addr_of(id);
         Host {
             addr,
@@ -183,6 +195,7 @@ impl Host {
             key,
             qps: BTreeMap::new(),
             next_qpn: 0x100,
+            rng: StdRng::seed_from_u64(seed ^ 0x5053_4E00),
             rr: 0,
             next_at: None,
             feedback_delay: 0,
@@ -195,13 +208,14 @@ impl Host {
         self.addr
     }
 
-    fn new_qp(&mut self, cc: CcKind) -> (u32, RcQp) {
+    /// A new QP: its number and initial send PSN (drawn from the host's seeded generator).
+    fn new_qp(&mut self, cc: CcKind) -> (u32, u32, RcQp) {
         let qpn = self.next_qpn;
         self.next_qpn += 1;
         let mut qp = RcQp::new(qpn, 1, RcConfig { cc, ..self.qp_cfg });
         qp.set_cc_env(self.env.clone());
         let _ = qp.modify_to_init();
-        (qpn, qp)
+        (qpn, self.rng.random::<u32>() & crate::wire::MASK24, qp)
     }
 }
 
@@ -221,8 +235,8 @@ impl Network {
         let now = self.net.now();
         let spec = self.flows[id].spec;
         let cfg_cc = spec.cc;
-        let (sq, mut sqp) = host(self, spec.src).new_qp(cfg_cc);
-        let (rq, mut rqp) = host(self, spec.dst).new_qp(cfg_cc);
+        let (sq, spsn, mut sqp) = host(self, spec.src).new_qp(cfg_cc);
+        let (rq, rpsn, mut rqp) = host(self, spec.dst).new_qp(cfg_cc);
         let (scfg, rcfg) = (*sqp.config(), *rqp.config());
         if let Some((n, policy)) = self.flows[id].paths {
             let p = crate::path::PathParams::default();
@@ -232,10 +246,10 @@ impl Network {
                 }
             }
         }
-        let _ = sqp.modify_to_rtr(rq, 0, scfg);
-        let _ = sqp.modify_to_rts(0);
-        let _ = rqp.modify_to_rtr(sq, 0, rcfg);
-        let _ = rqp.modify_to_rts(0);
+        let _ = sqp.modify_to_rtr(rq, rpsn, scfg);
+        let _ = sqp.modify_to_rts(spsn);
+        let _ = rqp.modify_to_rtr(sq, spsn, rcfg);
+        let _ = rqp.modify_to_rts(rpsn);
         let qp = |qp, peer, sender| HostQp {
             qp,
             peer,
@@ -256,7 +270,7 @@ impl Network {
         let (Some((sq, _)), spec) = (f.qps, f.spec) else { return };
         let (raddr, rkey) = {
             let d = host(self, spec.dst);
-            (d.region.addr(), d.key)
+            (d.region.addr(), d.key.1)
         };
         loop {
             let f = &self.flows[id];
@@ -269,7 +283,7 @@ impl Network {
             let sge = Sge {
                 addr: h.region.addr(),
                 length: len as u32,
-                lkey: h.key,
+                lkey: h.key.0,
             };
             let wr = SendWr::new(len, WrOpcode::RdmaWrite).sge(sge).remote(raddr, rkey);
             let Some(e) = h.qps.get_mut(&sq) else { return };

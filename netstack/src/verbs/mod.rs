@@ -31,6 +31,9 @@ use crate::engine::drive::AppDrive;
 use crate::engine::{CqShared, Engine, LinkKind};
 use crate::link::sim::SimNet;
 use crate::mem::{MrEntry, MrTable, Region};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use std::collections::HashSet;
 use std::net::SocketAddrV4;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
@@ -68,6 +71,50 @@ pub enum VerbsError {
     /// The QP's data core stopped before it answered (its context is shutting down).
     #[error("the engine stopped")]
     Gone,
+    /// The context's memory-region table is full.
+    #[error(transparent)]
+    TableFull(#[from] crate::mem::TableFull),
+}
+
+/// QP numbers a context never gives: 0 and 1 (IB's SMI and GSI QPs) and 0xFFFFFF (multicast).
+const RESERVED_QPNS: usize = 3;
+
+/// Where a context draws its QPNs and initial PSNs: a CSPRNG seeded by the OS, or, on a
+/// simulated network, by the network's seed and the context's address.
+struct Ids {
+    rng: StdRng,
+    /// The QPNs of the context's live QPs (a drawn QPN that collides is drawn again).
+    live: HashSet<u32>,
+}
+
+impl Ids {
+    /// A fresh QPN (24 bits, not reserved, not live) and a random initial send PSN.
+    fn draw(&mut self) -> Result<(u32, u32), VerbsError> {
+        if self.live.len() >= (1 << 24) - RESERVED_QPNS {
+            return Err(VerbsError::Invalid(format!(
+                "qpn: all {} QP numbers are in use",
+                (1 << 24) - RESERVED_QPNS
+            )));
+        }
+        let qpn = loop {
+            let q = self.rng.random::<u32>() & crate::wire::MASK24;
+            if q > 1 && q != crate::wire::MASK24 && self.live.insert(q) {
+                break q;
+            }
+        };
+        Ok((qpn, self.rng.random::<u32>() & crate::wire::MASK24))
+    }
+}
+
+/// A seed for one kind (`tag`) of a simulated context's identifiers: the network's seed and
+/// the context's address mixed (splitmix64's finalizer).
+fn sim_seed(seed: u64, addr: SocketAddrV4, tag: u64) -> u64 {
+    let mut z = seed
+        ^ (u64::from(u32::from(*addr.ip())) << 16 | u64::from(addr.port())).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        ^ tag.wrapping_mul(0xD1B5_4A32_D192_ED03);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }
 
 pub(crate) struct CtxInner {
@@ -75,9 +122,8 @@ pub(crate) struct CtxInner {
     pub(crate) cfg: ContextConfig,
     /// Congestion-control parameters and host-wide CC state shared by this context's QPs.
     pub(crate) cc_env: Arc<crate::cc::CcEnv>,
-    next_qpn: AtomicU32,
-    /// Mixed into initial PSNs: the process id, or 0 on a simulated network.
-    pub(crate) salt: u32,
+    /// QPNs and initial PSNs.
+    ids: parking_lot::Mutex<Ids>,
     /// On a simulated network, the next I/O virtual address to give memory the context
     /// allocates (see [`Region::at_iova`]); `None` names memory by its pointer.
     iovas: Option<std::sync::atomic::AtomicU64>,
@@ -92,6 +138,16 @@ pub(crate) struct CtxInner {
 impl CtxInner {
     /// `len` zeroed bytes of memory for the context to register: named by a deterministic
     /// I/O virtual address on a simulated network, by its pointer otherwise.
+    /// Draws a new QP's number and initial send PSN.
+    fn draw_qp_ids(&self) -> Result<(u32, u32), VerbsError> {
+        self.ids.lock().draw()
+    }
+
+    /// Gives back the number of a QP that is gone.
+    pub(crate) fn release_qpn(&self, qpn: u32) {
+        self.ids.lock().live.remove(&qpn);
+    }
+
     pub(crate) fn alloc_region(&self, len: usize) -> Region {
         let r = Region::alloc(len);
         match &self.iovas {
@@ -125,30 +181,34 @@ impl Context {
 
     fn open_on(cfg: ContextConfig, kind: LinkKind) -> Result<Context, VerbsError> {
         cfg.validate()?;
-        let mrs = Arc::new(MrTable::new());
-        let simulated = matches!(kind, LinkKind::Sim(_));
-        let engine = Engine::start(&cfg, mrs.clone(), kind)?;
-        // QPNs start at a per-context base (process, address and a per-process count mixed), so
-        // contexts in one process differ and a stale packet for an earlier run's QP on a reused
-        // port is unlikely to hit a new QP; on a simulated network, from the address alone
-        static CONTEXTS: AtomicU32 = AtomicU32::new(0);
-        let local = engine.cores()[0].local_addr();
-        let n = if simulated {
-            0
-        } else {
-            CONTEXTS.fetch_add(1, Ordering::Relaxed)
+        // memory keys, QPNs and initial PSNs are drawn at random (a guessed or earlier-seen one
+        // must not reach another context's memory or QPs); on a simulated network from its seed
+        // and the context's address, so that a seed replays
+        let sim_seed_of = match &kind {
+            LinkKind::Sim(net) => Some(net.seed()),
+            _ => None,
         };
-        let salt = if simulated { 0 } else { std::process::id() };
-        let mix = salt ^ u32::from(*local.ip()) ^ ((local.port() as u32) << 8) ^ (n << 16);
-        let base = mix.wrapping_mul(2654435761) & 0x7F_FF00;
+        let mrs = Arc::new(match sim_seed_of {
+            Some(seed) => MrTable::seeded(sim_seed(seed, cfg.bind, 1)),
+            None => MrTable::new(),
+        });
+        let simulated = sim_seed_of.is_some();
+        let engine = Engine::start(&cfg, mrs.clone(), kind)?;
+        let local = engine.cores()[0].local_addr();
+        let rng = match sim_seed_of {
+            Some(seed) => StdRng::seed_from_u64(sim_seed(seed, local, 2)),
+            None => StdRng::from_os_rng(),
+        };
         let offload = crate::offload::OffloadEngine::new(cfg.offload, mrs);
         let ctx = Context {
             inner: Arc::new(CtxInner {
                 engine,
                 cc_env: crate::cc::host_env(&cfg.cc),
                 cfg,
-                next_qpn: AtomicU32::new(base.max(0x100)),
-                salt,
+                ids: parking_lot::Mutex::new(Ids {
+                    rng,
+                    live: HashSet::new(),
+                }),
                 iovas: simulated.then(|| std::sync::atomic::AtomicU64::new(1 << 40)),
                 next_pd: AtomicU32::new(1),
                 next_cq: AtomicU32::new(1),
@@ -220,8 +280,9 @@ impl Context {
 
     /// Creates an RC queue pair, already in INIT so receives can be posted before connecting.
     pub fn create_qp(&self, pd: &Pd, send_cq: &Cq, recv_cq: &Cq, attr: QpInitAttr) -> Result<Qp, VerbsError> {
-        let qpn = self.inner.next_qpn.fetch_add(1, Ordering::Relaxed) & crate::wire::MASK24;
-        Qp::create(self.clone(), pd.id, qpn, send_cq, recv_cq.shared.clone(), attr)
+        let (qpn, psn) = self.inner.draw_qp_ids()?;
+        Qp::create(self.clone(), pd.id, (qpn, psn), send_cq, recv_cq.shared.clone(), attr)
+            .inspect_err(|_| self.inner.release_qpn(qpn))
     }
 
     /// Engine counters (malformed packets, bytes, staging memory...).
@@ -244,7 +305,7 @@ pub struct Pd {
 impl Pd {
     /// Allocates `len` zeroed bytes and registers them.
     pub fn reg_mr(&self, len: usize, access: Access) -> Result<Mr, VerbsError> {
-        Ok(self.register(Arc::new(self.ctx.inner.alloc_region(len)), access))
+        self.register(Arc::new(self.ctx.inner.alloc_region(len)), access)
     }
 
     /// Registers caller memory.
@@ -252,23 +313,25 @@ impl Pd {
     /// # Safety
     /// `ptr..ptr+len` must stay valid until the returned [`Mr`] and every work request using
     /// it are gone, and must not be accessed through Rust references while peers may access it.
-    pub unsafe fn reg_mr_raw(&self, ptr: *mut u8, len: usize, access: Access) -> Mr {
+    pub unsafe fn reg_mr_raw(&self, ptr: *mut u8, len: usize, access: Access) -> Result<Mr, VerbsError> {
         // SAFETY: the caller's contract is `Region::from_raw`'s.
         self.register(Arc::new(unsafe { Region::from_raw(ptr, len) }), access)
     }
 
     /// Registers a region the caller already holds (several contexts may register one region,
     /// e.g. a buffer exposed on two engines).
-    pub fn reg_region(&self, region: Arc<Region>, access: Access) -> Mr {
+    pub fn reg_region(&self, region: Arc<Region>, access: Access) -> Result<Mr, VerbsError> {
         self.register(region, access)
     }
 
-    pub(crate) fn register(&self, region: Arc<Region>, access: Access) -> Mr {
-        let entry = self.ctx.mrs().register(region, self.id, access);
-        Mr {
+    /// Registers `region`: its keys are drawn at random, the rkey unlike the lkey (see
+    /// [`MrTable`]). Fails only when the context's table is full.
+    pub(crate) fn register(&self, region: Arc<Region>, access: Access) -> Result<Mr, VerbsError> {
+        let entry = self.ctx.mrs().register(region, self.id, access)?;
+        Ok(Mr {
             entry,
             table: self.ctx.mrs().clone(),
-        }
+        })
     }
 
     /// Its number (what memory regions and QPs are checked against).
@@ -451,5 +514,35 @@ impl crate::offload::OffloadEngine {
     /// Dropping the handle revokes it.
     pub fn register_dma_region(&self, mr: &Mr, writable: bool) -> crate::offload::DmaRegionHandle {
         self.register_dma_key(mr.rkey(), writable)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A drawn QPN that a live QP already has is not given again: the context draws another.
+    #[test]
+    fn a_drawn_qpn_that_is_live_is_drawn_again() {
+        let seed = 42;
+        let first = StdRng::seed_from_u64(seed).random::<u32>() & crate::wire::MASK24;
+        assert!(
+            first > 1 && first != crate::wire::MASK24,
+            "seed draws an unreserved QPN first"
+        );
+        let mut ids = Ids {
+            rng: StdRng::seed_from_u64(seed),
+            live: HashSet::from([first]),
+        };
+        let (q, _) = ids.draw().unwrap();
+        assert_ne!(q, first);
+        assert!(q > 1 && q != crate::wire::MASK24);
+        assert_eq!(ids.live, HashSet::from([first, q]));
+        // without the collision, the same generator gives the first number
+        let mut fresh = Ids {
+            rng: StdRng::seed_from_u64(seed),
+            live: HashSet::new(),
+        };
+        assert_eq!(fresh.draw().unwrap().0, first);
     }
 }

@@ -96,7 +96,7 @@ impl Qp {
     pub(super) fn create(
         ctx: Context,
         pd: u32,
-        qpn: u32,
+        (qpn, psn): (u32, u32),
         send_cq: &super::Cq,
         recv_cq: Arc<CqShared>,
         attr: QpInitAttr,
@@ -151,8 +151,6 @@ impl Qp {
         qs.sync_mirror();
         // from here on the core owns it; the posts that follow queue behind this
         core.command(Command::Add(Box::new(qs)));
-        // a random-ish initial PSN, as NICs pick one
-        let psn = (qpn.wrapping_mul(0x9E37_79B9) ^ ctx.inner.salt) & crate::wire::MASK24;
         Ok(Qp {
             ctx,
             qpn,
@@ -213,7 +211,7 @@ impl Qp {
     /// Managed QP: registers the ring as a memory region in `pd`, so RECV scatter, WRITE, READ
     /// and CAS can change entries before they are fetched.
     pub fn reg_wq_mr(&self, pd: &super::Pd, access: crate::mem::Access) -> Result<super::Mr, VerbsError> {
-        Ok(pd.register(self.ring()?.ring.clone(), access))
+        pd.register(self.ring()?.ring.clone(), access)
     }
 
     /// The number of this QP's send completion queue.

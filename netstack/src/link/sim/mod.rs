@@ -238,6 +238,8 @@ pub struct SimNet {
     clock: AtomicU64,
     state: Mutex<NetState>,
     nodes: Mutex<Vec<Box<dyn Node>>>,
+    /// The seed it was made with (what simulated contexts derive their identifiers from).
+    seed: u64,
 }
 
 const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
@@ -277,7 +279,14 @@ impl SimNet {
                 pcap: None,
             }),
             nodes: Mutex::new(Vec::new()),
+            seed,
         })
+    }
+
+    /// The seed the network was made with: simulated contexts derive their QPNs, initial PSNs
+    /// and memory keys from it (and their address), never from the OS, so a seed replays.
+    pub fn seed(&self) -> u64 {
+        self.seed
     }
 
     /// The simulated clock (ns).
