@@ -444,17 +444,7 @@ pub async fn serve_with<A: Acceptor>(
     let addr = listener.local_addr()?.to_string();
     let (stop, stopped) = tokio::sync::oneshot::channel();
     let (svc, stats) = service_with(acceptor.clone(), limits);
-    let period = (limits.unused_timeout / 4).max(std::time::Duration::from_millis(10));
-    let sweeper = tokio::spawn(async move {
-        let mut tick = tokio::time::interval(period);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tick.tick().await;
-            let (acceptor, door) = (acceptor.clone(), stats.0.clone());
-            // the acceptor's lookups may block briefly
-            let _ = tokio::task::spawn_blocking(move || sweep(&*acceptor, &limits, &door)).await;
-        }
-    });
+    let sweeper = tokio::spawn(sweep_periodically(acceptor, limits, stats));
     let serve = tonic::transport::Server::builder()
         .add_service(svc)
         .serve_with_incoming_shutdown(incoming(listener), async move {
@@ -466,6 +456,22 @@ pub async fn serve_with<A: Acceptor>(
         .map_err(|source| CmError::Transport { addr, source });
     sweeper.abort();
     r
+}
+
+/// Sweeps the door of a service made by [`service_with`] with `acceptor` and `limits` (frees
+/// the slots of QPs gone, reaps unused ones) every quarter of `limits.unused_timeout` (at least
+/// every 10 ms), until dropped: what [`serve_with`] runs beside its server, for a service
+/// served with others on one port.
+pub async fn sweep_periodically<A: Acceptor>(acceptor: Arc<A>, limits: DoorLimits, stats: DoorStats) {
+    let period = (limits.unused_timeout / 4).max(std::time::Duration::from_millis(10));
+    let mut tick = tokio::time::interval(period);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let (acceptor, door) = (acceptor.clone(), stats.0.clone());
+        // the acceptor's lookups may block briefly
+        let _ = tokio::task::spawn_blocking(move || sweep(&*acceptor, &limits, &door)).await;
+    }
 }
 
 /// How long a stopping gRPC server of ours lets its open connections finish. tonic's graceful
