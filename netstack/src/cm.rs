@@ -295,6 +295,34 @@ pub const MAX_BATCH: usize = 4096;
 pub const CHUNK: usize = 256;
 const CHUNKS_IN_FLIGHT: usize = 4;
 
+/// Refuses an endpoint whose addresses make no sense for the caller at `caller`: an
+/// unspecified, multicast or broadcast address, port 0, or, from a caller that is not on this
+/// host's loopback, a loopback address (it would point the QP at this host's own services).
+/// Addresses that pass still serve only after the peer answers a challenge there
+/// ([`crate::transport::rc::validation`]).
+fn plausible_for(remote: &Endpoint, caller: Option<std::net::IpAddr>) -> Result<(), String> {
+    let remote_caller = caller.is_some_and(|c| !c.is_loopback());
+    let fields = std::iter::once(("addr", &remote.addr))
+        .chain(remote.extra_addrs.iter().map(|a| ("extra_addrs", a)))
+        .chain(remote.sources.iter().map(|a| ("sources", a)));
+    for (field, a) in fields {
+        let ip = a.ip();
+        let bad = if a.port() == 0 {
+            Some("port 0")
+        } else if ip.is_unspecified() || ip.is_multicast() || ip.is_broadcast() {
+            Some("not a unicast address")
+        } else if remote_caller && ip.is_loopback() {
+            Some("a loopback address from a caller that is not on this host")
+        } else {
+            None
+        };
+        if let Some(why) = bad {
+            return Err(format!("{field}: {a} is {why}"));
+        }
+    }
+    Ok(())
+}
+
 /// Creates and connects the server's QP for one request; returns the reply and its QP number.
 fn accept_one<A: Acceptor>(
     acceptor: &A,
@@ -324,6 +352,7 @@ impl<A: Acceptor> pb::connection_manager_server::ConnectionManager for Service<A
         let caller = req.remote_addr().map(|a| a.ip());
         let req = req.into_inner();
         let remote = Endpoint::try_from(req.endpoint).map_err(|e| tonic::Status::invalid_argument(e.to_string()))?;
+        plausible_for(&remote, caller).map_err(tonic::Status::invalid_argument)?;
         self.admit(caller, 1)?;
         match accept_one(&*self.acceptor, &remote, &req.private_data) {
             Ok((reply, qpn)) => {
@@ -360,7 +389,10 @@ impl<A: Acceptor> pb::connection_manager_server::ConnectionManager for Service<A
                     result: Some(
                         match Endpoint::try_from(r.endpoint)
                             .map_err(|e| e.to_string())
-                            .and_then(|remote| accept_one(&*acceptor, &remote, &r.private_data))
+                            .and_then(|remote| {
+                                plausible_for(&remote, caller)?;
+                                accept_one(&*acceptor, &remote, &r.private_data)
+                            })
                         {
                             Ok((reply, qpn)) => {
                                 settle(&door, caller, Some(qpn));
@@ -611,4 +643,45 @@ pub async fn connect(cm: SocketAddr, qp: &Qp, private_data: Vec<u8>) -> Result<V
 pub fn connect_blocking(cm: SocketAddr, qp: &Qp, private_data: Vec<u8>) -> Result<Vec<u8>, CmError> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     rt.block_on(connect(cm, qp, private_data))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ep(addr: &str) -> Endpoint {
+        Endpoint {
+            qpn: 0x100,
+            psn: 0,
+            addr: addr.parse().unwrap(),
+            mtu: 4096,
+            recovery: Recovery::GoBackN,
+            cc: Default::default(),
+            paths: 1,
+            spray: Default::default(),
+            extra_addrs: Vec::new(),
+            sources: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn endpoints_that_make_no_sense_for_the_caller_are_refused_by_field() {
+        let local = Some("127.0.0.1".parse().unwrap());
+        let remote = Some("10.1.2.3".parse().unwrap());
+        assert!(plausible_for(&ep("127.0.0.1:4791"), local).is_ok());
+        assert!(plausible_for(&ep("10.1.2.3:4791"), remote).is_ok());
+        // a data network apart from the control one is fine
+        assert!(plausible_for(&ep("192.168.7.3:4791"), remote).is_ok());
+        let e = plausible_for(&ep("127.0.0.1:4791"), remote).unwrap_err();
+        assert!(e.starts_with("addr: 127.0.0.1:4791 is a loopback"), "{e}");
+        let mut x = ep("10.1.2.3:4791");
+        x.sources = vec!["127.0.0.53:53".parse().unwrap()];
+        assert!(plausible_for(&x, remote).unwrap_err().starts_with("sources: "));
+        x.sources.clear();
+        x.extra_addrs = vec!["224.0.0.1:4791".parse().unwrap()];
+        assert!(plausible_for(&x, remote).unwrap_err().starts_with("extra_addrs: 224.0.0.1:4791 is not a unicast"));
+        assert!(plausible_for(&ep("0.0.0.0:4791"), local).is_err());
+        assert!(plausible_for(&ep("255.255.255.255:4791"), local).is_err());
+        assert!(plausible_for(&ep("127.0.0.1:0"), local).unwrap_err().contains("port 0"));
+    }
 }

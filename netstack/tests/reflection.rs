@@ -133,7 +133,10 @@ fn a_qp_pointed_at_a_victim_sends_it_at_most_three_times_what_the_attacker_sent(
         assert_eq!(wc.status, WcStatus::Success, "{wc:?}");
         let mut got = vec![0u8; OP];
         cmr.read(OP, &mut got);
-        assert!(got == data, "round {i}: the READ returned other bytes than the WRITE wrote");
+        assert!(
+            got == data,
+            "round {i}: the READ returned other bytes than the WRITE wrote"
+        );
     }
     // whatever the server would send has left well before this
     let settle = Instant::now();
@@ -152,6 +155,9 @@ fn a_qp_pointed_at_a_victim_sends_it_at_most_three_times_what_the_attacker_sent(
     assert!(s.challenges_sent > 0 && s.routes_validated == 0, "{s:?}");
     assert!(s.gated_packets > 0, "nothing was held back: {s:?}");
     let real = sqp.stats();
-    assert!(real.routes_validated >= 1, "the real client was never validated: {real:?}");
+    assert!(
+        real.routes_validated >= 1,
+        "the real client was never validated: {real:?}"
+    );
     assert_eq!(real.timeouts, 0, "{real:?}");
 }

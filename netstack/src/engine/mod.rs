@@ -179,12 +179,12 @@ impl QpSlot {
     pub(crate) fn route_of(&self, pkt: &TxPacket) -> Option<(usize, SocketAddrV4)> {
         let bth = pkt.hdr.bth();
         if bth.opcode == Opcode::Probe as u8 && bth.psn & CHALLENGE != 0 {
-            // a challenge names the route it validates
-            let k = (bth.psn & !CHALLENGE) as usize;
-            return match self.routes.get(k) {
+            // a challenge names the peer address it validates (the QP's "route" k is its k-th
+            // distinct destination): it leaves on the first route there
+            let dst = *self.peer_addrs().get((bth.psn & !CHALLENGE) as usize)?;
+            return match self.routes.iter().find(|r| r.1 == dst) {
                 Some(&r) => Some(r),
-                None if k == 0 => self.remote.map(|r| (0, r)),
-                None => None,
+                None => Some((0, dst)),
             };
         }
         if let Some((_, k)) = self.reply_routes.get(pkt.path as usize).copied().flatten() {
@@ -199,19 +199,35 @@ impl QpSlot {
     /// Starts validating the peer's addresses (one random nonce per route; see
     /// [`crate::transport::rc::validation`]): called when the QP moves to RTR, its routes set.
     pub(crate) fn start_validation(&mut self) {
-        let nonces: Vec<u64> = (0..self.routes.len().max(1)).map(|_| rand::random()).collect();
+        let nonces: Vec<u64> = (0..self.peer_addrs().len()).map(|_| rand::random()).collect();
         self.qp.require_validation(&nonces);
+    }
+
+    /// The peer's addresses this QP sends to, each once: `remote` first, then the other
+    /// destinations of its routes in route order. Validation is per address (which socket of
+    /// this side a packet leaves from does not matter to whoever receives it).
+    pub(crate) fn peer_addrs(&self) -> smallvec::SmallVec<[SocketAddrV4; 4]> {
+        let mut v: smallvec::SmallVec<[SocketAddrV4; 4]> = self.remote.into_iter().collect();
+        for &(_, d) in &self.routes {
+            if !v.contains(&d) {
+                v.push(d);
+            }
+        }
+        v
     }
 
     /// Whether `pkt`, about to leave on `route`, may: a route not validated yet takes what
     /// fits in the peer's allowance, and drops the rest (route 0's packets were held back by
     /// the QP itself; challenges always go).
     pub(crate) fn may_send(&mut self, pkt: &TxPacket, route: (usize, SocketAddrV4)) -> bool {
+        if self.qp.peer_validated() {
+            return true;
+        }
         let bth = pkt.hdr.bth();
         if bth.opcode == Opcode::Probe as u8 && bth.psn & CHALLENGE != 0 {
             return true;
         }
-        let k = self.routes.iter().position(|&r| r == route).unwrap_or(0);
+        let k = self.peer_addrs().iter().position(|&d| d == route.1).unwrap_or(usize::MAX);
         if k == 0 || self.qp.route_validated(k) {
             return true;
         }

@@ -194,10 +194,25 @@ impl crate::telemetry::Collect for CtxInner {
         ck("flexns_ghost_responses_total", "kind", "response", t.ghost_responses);
         // peer address validation (transport::rc::validation)
         ck("flexns_peer_challenges_total", "result", "sent", t.challenges_sent);
-        ck("flexns_peer_challenges_total", "result", "validated", t.routes_validated);
-        ck("flexns_peer_challenges_total", "result", "bad_reply", t.bad_challenge_replies);
+        ck(
+            "flexns_peer_challenges_total",
+            "result",
+            "validated",
+            t.routes_validated,
+        );
+        ck(
+            "flexns_peer_challenges_total",
+            "result",
+            "bad_reply",
+            t.bad_challenge_replies,
+        );
         ck("flexns_unvalidated_packets_total", "action", "held", t.gated_packets);
-        ck("flexns_unvalidated_packets_total", "action", "dropped", t.refused_unvalidated);
+        ck(
+            "flexns_unvalidated_packets_total",
+            "action",
+            "dropped",
+            t.refused_unvalidated,
+        );
         // QPs that entered ERR, live ones and those already removed
         for cause in QpErrorCause::ALL {
             let i = cause as usize;
