@@ -205,6 +205,8 @@ pub struct ClientStats {
     /// Of those, the ones sent again early: the `Ok` of a block accepted well after them came
     /// first (the server makes writes durable in about the order it accepts them).
     pub durable_resends_by_order: u64,
+    /// The server's address-validation challenges echoed.
+    pub challenges_answered: u64,
 }
 
 /// One path's packets, by PSN (health and timing are the [`PathSet`]'s). The wire carries a
@@ -229,6 +231,9 @@ const READ_RPC: u64 = 1 << 63;
 
 /// Most doublings of a path's RTO while it delivers nothing.
 const MAX_BACKOFF: u32 = 8;
+
+/// Challenges waiting to be echoed at most (one per path is what a server sends at a time).
+const MAX_ECHOES: usize = 64;
 
 /// How a packet left its path's ledger.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -354,6 +359,8 @@ pub struct SolarClient {
     queue: VecDeque<Queued>,
     events: VecDeque<ClientEvent>,
     probes: VecDeque<u16>,
+    /// Challenges to echo: (path, nonce).
+    echoes: VecDeque<(u16, u64)>,
     inflight_bytes: u64,
     cc: Option<Box<dyn CcAlgorithm>>,
     cc_window: Option<u64>,
@@ -404,6 +411,7 @@ impl SolarClient {
             queue: VecDeque::new(),
             events: VecDeque::new(),
             probes: VecDeque::new(),
+            echoes: VecDeque::new(),
             inflight_bytes: 0,
             cc,
             cc_window: None,
@@ -635,6 +643,15 @@ impl SolarClient {
     /// The next packet to send now, if the window, pacing and paths allow one.
     pub fn poll_transmit(&mut self, now: u64) -> Option<Transmit> {
         self.last_now = self.last_now.max(now);
+        if let Some((path, nonce)) = self.echoes.pop_front() {
+            // from the path's port, where the challenged requests came from
+            self.stats.challenges_answered += 1;
+            let mut h = Header::new(Op::ChallengeReply);
+            h.path = path;
+            h.rpc = nonce;
+            h.ts = now;
+            return Some(self.tx(path, &h, None));
+        }
         if let Some(path) = self.probes.pop_front() {
             self.stats.probes += 1;
             let mut h = Header::new(Op::Probe);
@@ -924,6 +941,14 @@ impl SolarClient {
                 self.paths.on_probe_reply(path as u8, now);
                 Ok(None)
             }
+            Op::Challenge => {
+                // the server asks this path's address to prove it receives: echo the nonce
+                // (a few at a time; a server asks again if one is lost)
+                if self.echoes.len() < MAX_ECHOES && !self.echoes.contains(&(path, h.rpc)) {
+                    self.echoes.push_back((path, h.rpc));
+                }
+                Ok(None)
+            }
             Op::WriteAck | Op::Nack => {
                 let psn = self.seq_of(path, h.psn);
                 let unit = self.unsend(path, psn, Outcome::Delivered);
@@ -1059,7 +1084,7 @@ impl SolarClient {
                 }
                 Ok(None)
             }
-            Op::Write | Op::ReadReq | Op::Probe => {
+            Op::Write | Op::ReadReq | Op::Probe | Op::ChallengeReply => {
                 self.stats.malformed += 1;
                 Err(WireError::Opcode(h.op as u8))
             }

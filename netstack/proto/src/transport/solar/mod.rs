@@ -12,12 +12,15 @@
 //! - [`wire`]: the 64-byte header.
 //! - [`client`]: the storage agent's side toward one storage server.
 //! - [`server`]: the storage server's side (the storage itself is the driver's).
+//! - [`validation`]: the server's address validation (a forged source address gets no more
+//!   than three times what it sent).
 //!
 //! Neither side does I/O or reads a clock: the driver hands in packets and the time, and sends
 //! what [`client::SolarClient::poll_transmit`] / [`server::SolarServer::poll_transmit`] give.
 
 pub mod client;
 pub mod server;
+pub mod validation;
 pub mod wire;
 
 use std::sync::Arc;

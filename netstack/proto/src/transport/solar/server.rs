@@ -11,7 +11,12 @@
 //! READ_REQs of a lower epoch are answered `WrongEpoch` before anything else looks at them, so
 //! a writer whose attachment moved to another agent touches neither the blocks nor the
 //! write ordering state.
+//!
+//! Address validation ([`SolarServer::require_validation`], see [`super::validation`]): a
+//! server whose driver asks for it answers an address in full only once the agent there echoed
+//! a challenge sent to it; until then it sends there at most three times what it received.
 
+use super::validation::{Gate, NonceSource, ValidationConfig};
 use super::wire::{self, flags, Header, Op, Status, WireError, BLOCK};
 use super::{BlockRef, Transmit};
 use std::collections::{HashMap, VecDeque};
@@ -77,6 +82,26 @@ pub struct ServerStats {
     pub malformed: u64,
     /// Requests refused because their volume is fenced at a higher epoch.
     pub wrong_epoch: u64,
+    /// Challenges sent to addresses not validated yet.
+    pub challenges_sent: u64,
+    /// Addresses validated by the echo of their challenge.
+    pub peers_validated: u64,
+    /// Challenge replies with a nonce that is not the one sent to their address (or from an
+    /// address that was sent none).
+    pub bad_challenge_replies: u64,
+    /// Answers that waited for an address's allowance or validation, and their bytes.
+    pub held_packets: u64,
+    /// Bytes of [`Self::held_packets`].
+    pub held_bytes: u64,
+    /// Answers to addresses not validated dropped (past the bounds on what may wait, or their
+    /// address given up), and their bytes.
+    pub dropped_unvalidated: u64,
+    /// Bytes of [`Self::dropped_unvalidated`].
+    pub dropped_unvalidated_bytes: u64,
+    /// Requests from a new address refused because too many addresses await validation.
+    pub refused_peers: u64,
+    /// Addresses awaiting validation given up to make room for a new one.
+    pub evicted_peers: u64,
 }
 
 struct PendingWrite {
@@ -110,6 +135,10 @@ pub struct SolarServer {
     next_token: Token,
     out: VecDeque<Transmit>,
     stats: ServerStats,
+    /// Address validation (None: every address is trusted).
+    gate: Option<Gate>,
+    /// The latest time the driver handed in.
+    now: u64,
 }
 
 impl Default for SolarServer {
@@ -131,7 +160,34 @@ impl SolarServer {
             next_token: 1,
             out: VecDeque::new(),
             stats: ServerStats::default(),
+            gate: None,
+            now: 0,
         }
+    }
+
+    /// Serves each address in full only once the agent there has proven it receives there
+    /// (see [`super::validation`]); `nonces` gives an unpredictable 64-bit nonce per address
+    /// (the driver's randomness). A server without this call trusts every source address (the
+    /// simulator, tests). Refuses a config with a zero bound, naming the field.
+    pub fn require_validation(&mut self, cfg: ValidationConfig, nonces: NonceSource) -> Result<(), String> {
+        cfg.check()?;
+        self.gate = Some(Gate::new(cfg, nonces));
+        Ok(())
+    }
+
+    /// Whether the server validates addresses.
+    pub fn validating(&self) -> bool {
+        self.gate.is_some()
+    }
+
+    /// Addresses validated, and awaiting validation, now ((0, 0) without validation).
+    pub fn validation_sizes(&self) -> (usize, usize) {
+        self.gate.as_ref().map_or((0, 0), |g| g.sizes())
+    }
+
+    /// Bytes of answers waiting for their address's validation now.
+    pub fn held_bytes(&self) -> u64 {
+        self.gate.as_ref().map_or(0, |g| g.held_bytes())
     }
 
     /// The counters.
@@ -171,19 +227,39 @@ impl SolarServer {
     fn push(&mut self, peer: u64, h: &Header, block: Option<BlockRef>) {
         let mut header = [0u8; wire::HDR];
         h.encode(&mut header);
-        self.out.push_back(Transmit {
+        let t = Transmit {
             path: h.path,
             port: 0,
             peer,
             header,
             block,
-        });
+        };
+        match &mut self.gate {
+            Some(g) => g.send(t, &mut self.out, &mut self.stats),
+            None => self.out.push_back(t),
+        }
     }
 
-    /// Handles a packet from `peer` (the driver's token for the agent's address). Returns what
-    /// the driver must do, if anything; malformed packets are counted and dropped. `ce` says
-    /// the packet arrived ECN-marked (echoed to the sender's congestion control).
+    /// [`Self::on_packet_at`] at the latest time the driver handed in (for a server without
+    /// validation, which needs no clock).
     pub fn on_packet<'a>(&mut self, peer: u64, pkt: &'a [u8], ce: bool) -> Result<Option<Request<'a>>, WireError> {
+        self.on_packet_at(self.now, peer, pkt, ce)
+    }
+
+    /// Handles a packet from `peer` (the driver's token for the agent's address) at `now`
+    /// (ns, the driver's clock). Returns what the driver must do, if anything; malformed
+    /// packets are counted and dropped. `ce` says the packet arrived ECN-marked (echoed to the
+    /// sender's congestion control). With validation, a request from an address not validated
+    /// yet draws a challenge and its answers wait for the echo beyond three times its bytes.
+    pub fn on_packet_at<'a>(
+        &mut self,
+        now: u64,
+        peer: u64,
+        pkt: &'a [u8],
+        ce: bool,
+    ) -> Result<Option<Request<'a>>, WireError> {
+        self.now = self.now.max(now);
+        let now = self.now;
         let (mut h, payload) = match Header::decode(pkt) {
             Ok(x) => x,
             Err(e) => {
@@ -191,6 +267,18 @@ impl SolarServer {
                 return Err(e);
             }
         };
+        if h.op == Op::ChallengeReply {
+            match &mut self.gate {
+                Some(g) => g.on_reply(now, peer, h.rpc, &mut self.out, &mut self.stats),
+                None => self.stats.bad_challenge_replies += 1,
+            }
+            return Ok(None);
+        }
+        if let (Some(g), Op::Write | Op::ReadReq | Op::Probe) = (&mut self.gate, h.op) {
+            if !g.on_request(now, peer, pkt.len(), &h, &mut self.out, &mut self.stats) {
+                return Ok(None);
+            }
+        }
         if ce {
             h.flags |= flags::ECN_ECHO;
         }
@@ -301,7 +389,7 @@ impl SolarServer {
                     count,
                 }))
             }
-            Op::WriteAck | Op::ReadData | Op::Nack | Op::ProbeAck => {
+            Op::WriteAck | Op::ReadData | Op::Nack | Op::ProbeAck | Op::Challenge | Op::ChallengeReply => {
                 self.stats.malformed += 1;
                 Err(WireError::Opcode(h.op as u8))
             }

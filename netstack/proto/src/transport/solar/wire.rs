@@ -6,7 +6,7 @@
 //! | bytes | field | |
 //! | --- | --- | --- |
 //! | 0..2 | magic `0x53` + version `1` | |
-//! | 2 | opcode | WRITE, WRITE_ACK, READ_REQ, READ_DATA, NACK, PROBE, PROBE_ACK |
+//! | 2 | opcode | WRITE, WRITE_ACK, READ_REQ, READ_DATA, NACK, PROBE, PROBE_ACK, CHALLENGE, CHALLENGE_REPLY |
 //! | 3 | flags | FUA, RETX, ECN echo, LAST, ZERO |
 //! | 4..6 | path id | the path the packet (or the packet it answers) took |
 //! | 6..8 | status | in acknowledgements and NACKs |
@@ -24,6 +24,13 @@
 //! | 60..64 | zero count | a WRITE with ZERO: the blocks from lba it zeroes (0 means 1) |
 //!
 //! Every packet is self-describing: a block is placed from its own header, in any order.
+//!
+//! CHALLENGE and CHALLENGE_REPLY (address validation, see [`super::server`]) came later within
+//! version 1: a server's CHALLENGE carries a nonce in the rpc id field and the path id of the
+//! request that made it; the agent answers with a CHALLENGE_REPLY of the same path and rpc id
+//! from that path's port. A receiver that predates them counts them as malformed (an unknown
+//! opcode), so an agent of before them is served only three times what it sends by a server
+//! that validates addresses.
 
 /// Bytes of a block, the unit of every packet.
 pub const BLOCK: usize = 4096;
@@ -53,6 +60,11 @@ pub enum Op {
     Probe = 6,
     /// The server's answer to a probe, on the probed path.
     ProbeAck = 7,
+    /// Server to agent: prove you receive at this address by echoing the nonce (the rpc id
+    /// field) in a CHALLENGE_REPLY.
+    Challenge = 8,
+    /// Agent to server: a CHALLENGE's nonce echoed, from the address it was sent to.
+    ChallengeReply = 9,
 }
 
 impl Op {
@@ -65,6 +77,8 @@ impl Op {
             5 => Op::Nack,
             6 => Op::Probe,
             7 => Op::ProbeAck,
+            8 => Op::Challenge,
+            9 => Op::ChallengeReply,
             _ => return None,
         })
     }
