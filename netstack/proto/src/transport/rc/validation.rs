@@ -4,7 +4,8 @@
 //! Whoever sets up a QP names the peer's addresses (over the connection manager, for
 //! instance), and nothing there proves that the peer owns them: a caller could name a victim
 //! and have the QP's READ responses, hundreds of megabytes for one request, sent there. So a
-//! QP whose driver asks for it ([`RcQp::require_validation`]) sends each of its routes a
+//! QP whose driver asks for it ([`RcQp::require_validation`]) sends each of its routes (here:
+//! each address of the peer it sends to, numbered by the driver, 0 the main one) a
 //! *challenge*: a PROBE packet whose PSN field carries [`CHALLENGE`] and the route's index and
 //! whose trailer carries a 64-bit nonce the driver drew at random for that route. A flexns
 //! peer echoes a probe's PSN field and trailer in its PROBE_REPLY; the reply carrying the
@@ -79,8 +80,9 @@ pub(super) fn wire_len<R: SharedRegion>(p: &TxPacket<R>) -> u64 {
 
 impl<R: SharedRegion> RcQp<R> {
     /// Validates the peer before serving it in full: one challenge per route, `nonces[k]`
-    /// (unpredictable, drawn by the driver) for route `k` (as [`RcQp::set_source_ports`]
-    /// numbers them; route 0 is the peer's main address). Call before RTR; a QP without this
+    /// (unpredictable, drawn by the driver) for route `k`, a destination of the QP's packets
+    /// as the driver numbers them (route 0 is the peer's main address; the engine numbers the
+    /// peer's distinct addresses). Call at RTR; a QP without this
     /// call trusts its peer (the simulator, tests).
     pub fn require_validation(&mut self, nonces: &[u64]) {
         let routes = nonces
