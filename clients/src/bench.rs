@@ -102,13 +102,30 @@ impl BenchResult {
         self.p999_us = Some(us(0.999));
     }
 
-    /// Fills rates from bytes, ops and seconds.
+    /// Fills rates from bytes, ops and seconds; a bulk run ([`is_bulk`]) also gets the
+    /// machine's limit beside it ([`BenchResult::memcpy_reference`]).
     pub fn rates(&mut self) {
         if self.secs > 0.0 {
             self.gbps = (self.bytes as f64 * 8.0 / self.secs / 1e9 * 1000.0).round() / 1000.0;
             self.mops = (self.ops as f64 / self.secs / 1e6 * 10000.0).round() / 10000.0;
         }
         self.secs = (self.secs * 1000.0).round() / 1000.0;
+        if is_bulk(self.msg_bytes, self.bytes) && self.gbps > 0.0 {
+            self.memcpy_reference();
+        }
+    }
+
+    /// Adds `memcpy_gbps`, what one core of this process copies in `memcpy`s of the run's
+    /// message size over a working set larger than the caches ([`memcpy_gbps`]), and
+    /// `of_memcpy`, the run's Gbit/s as a fraction of it: each bulk figure also reads as a
+    /// share of what this machine can move with one copy per byte, in the same run.
+    pub fn memcpy_reference(&mut self) {
+        let m = memcpy_gbps(self.msg_bytes as usize);
+        if m > 0.0 {
+            let r3 = |x: f64| (x * 1000.0).round() / 1000.0;
+            self.extra.insert("memcpy_gbps".into(), r3(m).into());
+            self.extra.insert("of_memcpy".into(), r3(self.gbps / m).into());
+        }
     }
 
     /// Prints as one JSON line or one human-readable line.
@@ -137,6 +154,53 @@ impl BenchResult {
             );
         }
     }
+}
+
+/// Whether a run of `msg_bytes` messages that moved `bytes` is a bulk transfer (for which a
+/// memcpy reference means something): messages of 4 KiB or more, 16 MiB or more in all.
+pub fn is_bulk(msg_bytes: u64, bytes: u64) -> bool {
+    msg_bytes >= 4096 && bytes >= 16 << 20
+}
+
+/// Bytes of each of the memcpy reference's source and destination: larger than the caches,
+/// as the bytes a transfer moves are.
+const MEMCPY_SET: usize = 64 << 20;
+
+/// Gbit/s of payload one core copies with `memcpy` in pieces of `msg_bytes` (at most
+/// [`MEMCPY_SET`]), from a 64 MiB source to a 64 MiB destination walked in order, four passes,
+/// best of three; measured once per size per process (cached), in the process that reports.
+pub fn memcpy_gbps(msg_bytes: usize) -> f64 {
+    static CACHE: std::sync::OnceLock<parking_lot::Mutex<std::collections::HashMap<usize, f64>>> =
+        std::sync::OnceLock::new();
+    let piece = msg_bytes.clamp(1, MEMCPY_SET);
+    let cache = CACHE.get_or_init(Default::default);
+    if let Some(&g) = cache.lock().get(&piece) {
+        return g;
+    }
+    let src: Vec<u8> = (0..MEMCPY_SET)
+        .map(|i| (i as u32).wrapping_mul(2654435761) as u8)
+        .collect();
+    let mut dst = vec![1u8; MEMCPY_SET];
+    let n = MEMCPY_SET / piece * piece;
+    let mut best = f64::INFINITY;
+    for _ in 0..3 {
+        let t = std::time::Instant::now();
+        for _ in 0..4 {
+            for off in (0..n).step_by(piece) {
+                dst[off..off + piece].copy_from_slice(&src[off..off + piece]);
+            }
+            std::hint::black_box(&mut dst);
+        }
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    // the copy happened: the destination holds the source
+    let g = if dst[..n] == src[..n] && best > 0.0 {
+        (4 * n) as f64 * 8.0 / best / 1e9
+    } else {
+        0.0
+    };
+    cache.lock().insert(piece, g);
+    g
 }
 
 /// A latency histogram in nanoseconds (1 ns .. 100 s, 3 significant digits).
@@ -441,5 +505,30 @@ mod tests {
     fn median_works() {
         assert_eq!(median(&mut [3.0, 1.0, 2.0]), 2.0);
         assert_eq!(median(&mut [4.0, 1.0, 2.0, 3.0]), 2.5);
+    }
+
+    #[test]
+    fn bulk_runs_carry_a_memcpy_reference_and_small_ones_do_not() {
+        let mut r = BenchResult {
+            msg_bytes: 65536,
+            bytes: 1 << 30,
+            secs: 1.0,
+            ..Default::default()
+        };
+        r.rates();
+        let m = r.extra["memcpy_gbps"].as_f64().unwrap();
+        assert!(m > 1.0, "one core copies more than 1 Gbit/s: {m}");
+        let of = r.extra["of_memcpy"].as_f64().unwrap();
+        assert!((of - r.gbps / m).abs() < 0.01, "{of} vs {} / {m}", r.gbps);
+        // measured once per size
+        assert_eq!((memcpy_gbps(65536) * 1000.0).round() / 1000.0, m);
+        let mut small = BenchResult {
+            msg_bytes: 64,
+            bytes: 1 << 30,
+            secs: 1.0,
+            ..Default::default()
+        };
+        small.rates();
+        assert!(!small.extra.contains_key("memcpy_gbps"));
     }
 }

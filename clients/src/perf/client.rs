@@ -461,11 +461,18 @@ pub fn ratio_line(
     let mut cpu_ratios: Vec<f64> = pairs.iter().map(|c| r3(cpu(&c[0]) / cpu(&c[1]))).collect();
     let mut byte_ratios: Vec<f64> = pairs.iter().map(|c| r3(per_byte(&c[0]) / per_byte(&c[1]))).collect();
     let runs = ratios.clone();
+    // the system's share of one core's memcpy (bulk runs carry it, BenchResult::rates)
+    let mut of_memcpy: Vec<f64> = pairs
+        .iter()
+        .filter_map(|c| c[0].extra.get("of_memcpy").and_then(|v| v.as_f64()))
+        .collect();
+    let of_memcpy = (!of_memcpy.is_empty()).then(|| r3(median(&mut of_memcpy)));
     Some(serde_json::json!({
         "bench": "ratio", "metric": metric, "system": system, "reference": reference,
         "pairs": pairs.len(), "ratio": r3(median(&mut ratios)), "ratios": runs,
         "cpu_us_per_op_ratio": r3(median(&mut cpu_ratios)), "cpu_per_byte_ratio": r3(median(&mut byte_ratios)), "wait": wait.name(),
         "verified": pairs.iter().all(|c| c[0].verified && c[1].verified),
+        "system_of_memcpy": of_memcpy,
     }))
 }
 
