@@ -125,6 +125,17 @@ pub struct EngineConfig {
     /// merely slow is left to the transport's own retransmission, and a request not done within
     /// `transfer_timeout` fails.
     pub slice_attempts: u32,
+    /// Most queue pairs one caller (one IP address) of this engine's connection manager may
+    /// hold (flexns); more are refused, so one host cannot take every QP with phantoms. Engines
+    /// on one host share its address: each holds `qps_per_peer` (at most 64) of this engine's
+    /// QPs, and the QPs of a peer that left count until they are found gone.
+    pub max_qps_per_caller: usize,
+    /// A queue pair accepted from a peer that receives no packet within this is reaped with its
+    /// receive buffers (flexns; its caller named an endpoint that never answers) and counted in
+    /// `flexns_cm_qps_reaped_total`. A QP quiet for half of it is probed with a zero-length
+    /// WRITE, which a live peer's QP acknowledges however idle it is (a decode node between
+    /// requests is never reaped), and which fails on the QP of a peer that left: it is dropped.
+    pub unused_qp_timeout: Duration,
     /// Overrides of the flexns stack (MTU, recovery, congestion control, poll mode, drive...).
     /// Engine threads drive it by default: measured on 2 cores, run to completion
     /// (`drive = "application"`) halves 4 KiB latency but loses 16 MiB throughput (see
@@ -152,12 +163,52 @@ impl Default for EngineConfig {
             transfer_timeout: Duration::from_secs(30),
             lease_ttl: Duration::from_secs(10),
             slice_attempts: 3,
+            max_qps_per_caller: 1024,
+            unused_qp_timeout: Duration::from_secs(10),
             stack: None,
         }
     }
 }
 
+/// Most queue pairs an engine connects to one peer ([`EngineConfig::qps_per_peer`]), all in
+/// one connection-manager call: the most a call to this engine's connection manager may ask.
+pub const MAX_QPS_PER_PEER: usize = 64;
+
+/// The shortest [`EngineConfig::unused_qp_timeout`]: a live peer must answer the probe sent
+/// half-way within the other half.
+pub const MIN_UNUSED_QP_TIMEOUT: Duration = Duration::from_millis(100);
+
 impl EngineConfig {
+    /// The connection manager's limits for this configuration (checked by [`Self::validate`]):
+    /// a call may ask for one peer's QPs, a caller may hold `max_qps_per_caller`, and QPs
+    /// unused for `unused_qp_timeout` are reaped.
+    pub fn door_limits(&self) -> netstack::cm::DoorLimits {
+        netstack::cm::DoorLimits {
+            max_batch: MAX_QPS_PER_PEER,
+            max_qps_per_caller: self.max_qps_per_caller,
+            unused_timeout: self.unused_qp_timeout,
+        }
+    }
+
+    /// Checks the connection manager's settings (part of [`Self::validate`]); the error names
+    /// the field.
+    pub fn check_door(&self) -> Result<(), TransferError> {
+        let bad = |f: &str, m: String| Err(TransferError::Config(format!("{f}: {m}")));
+        if !(1..=65536).contains(&self.max_qps_per_caller) {
+            return bad(
+                "max_qps_per_caller",
+                format!("{} not in 1..=65536", self.max_qps_per_caller),
+            );
+        }
+        if !(MIN_UNUSED_QP_TIMEOUT..=Duration::from_secs(3600)).contains(&self.unused_qp_timeout) {
+            return bad(
+                "unused_qp_timeout",
+                format!("{:?} not in 100 ms ..= 1 h", self.unused_qp_timeout),
+            );
+        }
+        Ok(())
+    }
+
     /// A configuration with this name and transport, everything else default.
     pub fn new(name: &str, transport: TransportKind) -> EngineConfig {
         EngineConfig {
@@ -200,9 +251,13 @@ impl EngineConfig {
         if !(1..=16).contains(&self.data_cores) {
             return bad("data_cores", format!("{} not in 1..=16", self.data_cores));
         }
-        if !(1..=64).contains(&self.qps_per_peer) {
-            return bad("qps_per_peer", format!("{} not in 1..=64", self.qps_per_peer));
+        if !(1..=MAX_QPS_PER_PEER).contains(&self.qps_per_peer) {
+            return bad(
+                "qps_per_peer",
+                format!("{} not in 1..={MAX_QPS_PER_PEER}", self.qps_per_peer),
+            );
         }
+        self.check_door()?;
         if !(1..=netstack::path::MAX_PATHS).contains(&self.paths) {
             return bad(
                 "paths",
@@ -266,5 +321,25 @@ mod tests {
         assert!(c.validate().unwrap_err().to_string().contains("name"));
         assert_eq!("tcp".parse::<TransportKind>(), Ok(TransportKind::Tcp));
         assert!("ib".parse::<TransportKind>().unwrap_err().contains("flexns, tcp"));
+    }
+
+    #[test]
+    fn door_settings_are_checked_by_field() {
+        let mut c = EngineConfig::new("p", TransportKind::Flexns);
+        let d = c.door_limits();
+        assert_eq!(
+            (d.max_batch, d.max_qps_per_caller, d.unused_timeout),
+            (64, 1024, Duration::from_secs(10))
+        );
+        c.max_qps_per_caller = 0;
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("max_qps_per_caller: 0 not in"), "{e}");
+        c.max_qps_per_caller = 8;
+        c.unused_qp_timeout = Duration::from_millis(10);
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("unused_qp_timeout: 10ms not in"), "{e}");
+        c.unused_qp_timeout = Duration::from_secs(1);
+        c.validate().unwrap();
+        assert_eq!(c.door_limits().max_qps_per_caller, 8);
     }
 }

@@ -59,6 +59,21 @@ pub struct ServeArgs {
     /// disappears this long after the engine dies).
     #[arg(long, default_value_t = 10)]
     pub lease_ttl: u64,
+    /// Most queue pairs one caller (one IP address) of the connection manager may hold
+    /// (flexns); more are refused. Engines on one host share its address.
+    #[arg(long, default_value_t = 1024)]
+    pub max_qps_per_caller: usize,
+    /// Seconds an accepted queue pair may go without receiving a packet before it is reaped
+    /// (flexns; its caller named an endpoint that never answers). QPs quiet for half of it are
+    /// probed: a live idle peer's QP answers, that of a peer that left fails and is dropped.
+    #[arg(long, default_value = "10", value_parser = parse_seconds)]
+    pub unused_qp_timeout: Duration,
+}
+
+/// Seconds (a decimal number, e.g. `0.5`) as a duration.
+fn parse_seconds(s: &str) -> Result<Duration, String> {
+    let v: f64 = s.parse().map_err(|_| format!("{s:?} is not a number of seconds"))?;
+    Duration::try_from_secs_f64(v).map_err(|_| format!("{s:?} is not a number of seconds >= 0"))
 }
 
 impl ServeArgs {
@@ -73,6 +88,8 @@ impl ServeArgs {
         c.data_cores = self.data_cores;
         c.paths = self.paths;
         c.extra_addrs = self.extra_addrs.clone();
+        c.max_qps_per_caller = self.max_qps_per_caller;
+        c.unused_qp_timeout = self.unused_qp_timeout;
         if let Some(p) = &self.stack_config {
             c.stack = Some(
                 netstack::verbs::ContextConfig::from_file(p)

@@ -130,6 +130,7 @@ impl TransferEngine {
                     spray: cfg.spray,
                     in_flight: cfg.slices_in_flight,
                     attempts: cfg.slice_attempts,
+                    unused_qp_timeout: cfg.unused_qp_timeout,
                 };
                 let p = FlexnsPath::new(ctx, fc, notifies.clone(), rt.handle().clone())?;
                 p.start_threads()?;
@@ -166,12 +167,20 @@ impl TransferEngine {
             buffers: Vec::new(),
         }));
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        let acceptor = match &transport {
-            Transport::Flexns(p) => Some(netstack::cm::service(Arc::new(FlexAcceptor(p.clone())))),
-            Transport::Tcp(_) => None,
+        // the connection manager's door: QPs per call and per caller capped, QPs that never
+        // receive a packet reaped (a sweep every quarter of the timeout, beside the server)
+        let limits = cfg.door_limits();
+        let (acceptor, sweeper) = match &transport {
+            Transport::Flexns(p) => {
+                let acc = Arc::new(FlexAcceptor(p.clone()));
+                let (svc, stats) = netstack::cm::service_with(acc.clone(), limits);
+                (Some(svc), Some(netstack::cm::sweep_periodically(acc, limits, stats)))
+            }
+            Transport::Tcp(_) => (None, None),
         };
         let svc = crate::rpc::pb::transfer_rpc_server::TransferRpcServer::new(crate::rpc::DescService(desc.clone()));
         rt.spawn(async move {
+            let sweeper = sweeper.map(tokio::spawn);
             let incoming = netstack::cm::incoming(listener);
             let (stop, stopped) = tokio::sync::oneshot::channel();
             let serve = tonic::transport::Server::builder()
@@ -182,6 +191,9 @@ impl TransferEngine {
                     let _ = stop.send(());
                 });
             let r = netstack::cm::drain_bounded(serve, stopped).await;
+            if let Some(s) = sweeper {
+                s.abort();
+            }
             if let Err(e) = r {
                 tracing::error!("transfer engine RPC server: {e}");
             }

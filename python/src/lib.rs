@@ -487,6 +487,28 @@ impl Engine {
         {
             cfg.transfer_timeout = Duration::from_secs(t.max(1));
         }
+        // the connection manager's door (see EngineConfig): per-caller QP cap, unused QP timeout
+        if let Ok(v) = std::env::var("FLEXNS_MAX_QPS_PER_CALLER") {
+            cfg.max_qps_per_caller = v.trim().parse().map_err(|_| {
+                PyValueError::new_err(format!(
+                    "FLEXNS_MAX_QPS_PER_CALLER: {v:?} is not a number of queue pairs"
+                ))
+            })?;
+            cfg.check_door()
+                .map_err(|e| PyValueError::new_err(format!("FLEXNS_MAX_QPS_PER_CALLER: {e}")))?;
+        }
+        if let Ok(v) = std::env::var("FLEXNS_UNUSED_QP_TIMEOUT") {
+            cfg.unused_qp_timeout = v
+                .trim()
+                .parse::<f64>()
+                .ok()
+                .and_then(|s| Duration::try_from_secs_f64(s).ok())
+                .ok_or_else(|| {
+                    PyValueError::new_err(format!("FLEXNS_UNUSED_QP_TIMEOUT: {v:?} is not a number of seconds"))
+                })?;
+            cfg.check_door()
+                .map_err(|e| PyValueError::new_err(format!("FLEXNS_UNUSED_QP_TIMEOUT: {e}")))?;
+        }
         let e = py
             .detach(|| TransferEngine::new(cfg))
             .map_err(|e| TransferError::new_err(format!("initialize: {e}")))?;

@@ -26,7 +26,7 @@ use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Receive buffers kept posted per accepted QP (notifications).
 const RECV_SLOTS: usize = 16;
@@ -36,6 +36,8 @@ const REPLY_SLOTS: usize = 8;
 const REPLY_SLOT_BYTES: usize = 1024;
 /// Notifications unanswered per QP, at most: within both sides' receive buffers.
 const NOTIFY_WINDOW: usize = REPLY_SLOTS;
+/// The work request id of a probe of an accepted QP (`next_wr` never reaches it).
+const PROBE_WR: u64 = u64::MAX;
 /// Bytes before a notification (its id) and before an answer's message (id, status).
 const NOTIFY_HDR: usize = 8;
 const REPLY_HDR: usize = 9;
@@ -50,6 +52,9 @@ pub(crate) struct FlexCfg {
     pub spray: SprayPolicy,
     pub in_flight: usize,
     pub attempts: u32,
+    /// The connection manager reaps an accepted QP that received nothing this long; the
+    /// engine probes accepted QPs quiet for half of it (see [`FlexnsPath::watch_accepted`]).
+    pub unused_qp_timeout: Duration,
 }
 
 struct Lane {
@@ -148,7 +153,24 @@ struct AcceptedQp {
     mr: Mr,
     /// The name of the engine that connected it: its notifications are bounded under it.
     from: String,
+    /// Packets the QP had received when last looked at, and since when that count stands.
+    rx: u64,
+    quiet_since: Instant,
 }
+
+/// A QP handed to the connection manager and not yet connected: its receive buffers and the
+/// connecting engine's name, until the CM hands the QP back ([`FlexAcceptor::connected`]).
+struct Pending {
+    mr: Mr,
+    from: String,
+    at: Instant,
+    /// The CM accepts and connects a QP on one thread, one request after another: a pending
+    /// entry the same thread left behind is a QP whose connect failed.
+    thread: std::thread::ThreadId,
+}
+
+/// A pending QP older than this is one the connection manager could not connect.
+const PENDING_TTL: Duration = Duration::from_secs(2);
 
 /// The flexns transport of one engine.
 pub(crate) struct FlexnsPath {
@@ -167,7 +189,7 @@ pub(crate) struct FlexnsPath {
     accepted: Mutex<HashMap<u32, AcceptedQp>>,
     /// Receive buffers (and the connecting engine's name) of QPs being connected, until the
     /// connection manager hands them back.
-    accepting: Mutex<HashMap<u32, (Mr, String)>>,
+    accepting: Mutex<HashMap<u32, Pending>>,
     /// This engine's QPs to peers by QP number (their answers to notifications arrive on them).
     initiators: Mutex<HashMap<u32, std::sync::Weak<Lane>>>,
     /// Notifications sent and not yet answered, by id, with their QP.
@@ -278,7 +300,58 @@ impl FlexnsPath {
                     p.receive_notifies();
                 }
             })?;
+        let me = Arc::downgrade(self);
+        let every = self.cfg.unused_qp_timeout / 2;
+        std::thread::Builder::new()
+            .name("kvc-qp-watch".into())
+            .spawn(move || loop {
+                std::thread::sleep((every / 4).max(Duration::from_millis(10)));
+                let Some(p) = me.upgrade() else { return };
+                if p.stop.load(Ordering::Relaxed) {
+                    return;
+                }
+                p.watch_accepted(every);
+            })?;
         Ok(())
+    }
+
+    /// Looks after the QPs peers connected: drops failed ones (a peer that left fails the
+    /// probe) with their receive buffers, probes those that received nothing for `every` with
+    /// a zero-length WRITE (it needs no receive and names no memory, IBA 9.7.4.1.5), and frees
+    /// the buffers of QPs the connection manager never connected. A live peer's QP acknowledges
+    /// the probe however idle the peer is, so the connection manager never reaps it as unused;
+    /// a phantom's endpoint never answers and the CM reaps its QP at the timeout.
+    fn watch_accepted(&self, every: Duration) {
+        self.accepting.lock().retain(|_, p| p.at.elapsed() < PENDING_TTL);
+        let held = {
+            let mut acc = self.accepted.lock();
+            acc.retain(|&qpn, a| {
+                if a.qp.state() == QpState::Err {
+                    tracing::debug!("qp {qpn:#x} from {} failed; dropping it", a.from);
+                    return false;
+                }
+                let rx = a.qp.stats().rx_packets;
+                if rx != a.rx {
+                    a.rx = rx;
+                    a.quiet_since = Instant::now();
+                } else if a.quiet_since.elapsed() >= every {
+                    a.quiet_since = Instant::now();
+                    // unsignaled: a success completes nothing; a failure is a completion
+                    // `complete` ignores (no work request has this id) and fails the QP
+                    let probe = SendWr::new(PROBE_WR, WrOpcode::RdmaWrite).flags(SendFlags(0));
+                    if let Err(e) = a.qp.post_send(probe) {
+                        tracing::debug!("probing qp {qpn:#x} from {}: {e}", a.from);
+                    }
+                }
+                true
+            });
+            acc.len()
+        };
+        metrics::gauge!("flexns_kvcache_accepted_qps").set(held as f64);
+        // a failed probe's completion waits on the send CQ, which nobody polls while idle
+        if self.spinners.load(Ordering::Acquire) == 0 {
+            self.progress();
+        }
     }
 
     /// A caller starts polling completions itself (see `spinners`).
@@ -956,7 +1029,20 @@ impl FlexnsPath {
             })
             .map_err(|e| e.to_string())?;
         }
-        self.accepting.lock().insert(qp.qp_num(), (mr, from));
+        let thread = std::thread::current().id();
+        let mut pending = self.accepting.lock();
+        // a QP this thread left pending is one whose connect failed (see `Pending::thread`)
+        pending.retain(|_, p| p.thread != thread && p.at.elapsed() < PENDING_TTL);
+        pending.insert(
+            qp.qp_num(),
+            Pending {
+                mr,
+                from,
+                at: Instant::now(),
+                thread,
+            },
+        );
+        drop(pending);
         let reply = serde_json::json!({"instance": self.cfg.instance}).to_string();
         Ok(cm::Accepted {
             qp,
@@ -975,8 +1061,30 @@ impl cm::Acceptor for FlexAcceptor {
 
     fn connected(&self, qp: Qp) {
         let qpn = qp.qp_num();
-        if let Some((mr, from)) = self.0.accepting.lock().remove(&qpn) {
-            self.0.accepted.lock().insert(qpn, AcceptedQp { qp, mr, from });
+        if let Some(Pending { mr, from, .. }) = self.0.accepting.lock().remove(&qpn) {
+            self.0.accepted.lock().insert(
+                qpn,
+                AcceptedQp {
+                    qp,
+                    mr,
+                    from,
+                    rx: 0,
+                    quiet_since: Instant::now(),
+                },
+            );
+        }
+    }
+
+    /// Packets an accepted QP received; `None` once it is dropped (failed, reaped, shut down).
+    fn rx_packets(&self, qpn: u32) -> Option<u64> {
+        Some(self.0.accepted.lock().get(&qpn)?.qp.stats().rx_packets)
+    }
+
+    /// Drops an accepted QP that never received a packet, with its receive buffers (all the
+    /// engine holds for it: no notification can have come on it).
+    fn reap(&self, qpn: u32) {
+        if let Some(a) = self.0.accepted.lock().remove(&qpn) {
+            tracing::debug!("qp {qpn:#x} from {} never received a packet; reaped", a.from);
         }
     }
 }
