@@ -98,6 +98,9 @@ pub struct ServerStats {
     pub dropped_unvalidated: u64,
     /// Bytes of [`Self::dropped_unvalidated`].
     pub dropped_unvalidated_bytes: u64,
+    /// READ_REQs from an address not validated not served because none of their blocks could
+    /// go or wait (what may wait for the address is full).
+    pub unserved_reads: u64,
     /// Requests from a new address refused because too many addresses await validation.
     pub refused_peers: u64,
     /// Addresses awaiting validation given up to make room for a new one.

@@ -16,7 +16,8 @@
 //! order, and goes out once the allowance grows or the address is validated. What waits is
 //! bounded per address ([`ValidationConfig::max_held_bytes_per_peer`]) and over all of them
 //! ([`ValidationConfig::max_held_bytes`]); past the bounds an answer is dropped and counted
-//! (the agent's retransmission asks again). A request from an address not validated while
+//! (the agent's retransmission asks again), and a READ_REQ none of whose blocks could go or
+//! wait is not served at all (the storage is not read for nothing). A request from an address not validated while
 //! its challenge is older than [`RECHALLENGE_NS`] sends the challenge again (the first may
 //! have been lost), with the same nonce.
 //!
@@ -176,6 +177,15 @@ impl Gate {
                 Self::challenge(peer, p, h, out, stats);
             }
             Self::release(p, &mut self.held_total, out);
+            // a read none of whose blocks could go or wait is not served (the storage is not
+            // read for answers that would be dropped; a real agent asks again)
+            let block = (HDR + super::wire::BLOCK) as u64;
+            let full = p.held_bytes + block > self.cfg.max_held_bytes_per_peer
+                || self.held_total + block > self.cfg.max_held_bytes;
+            if h.op == Op::ReadReq && full && (!p.held.is_empty() || p.allowance < block) {
+                stats.unserved_reads += 1;
+                return false;
+            }
             return true;
         }
         if self.pending.len() >= self.cfg.max_pending && !self.evict_oldest(now, stats) {
@@ -481,6 +491,12 @@ mod tests {
         assert_eq!((st.held_packets, st.dropped_unvalidated), (8, 92));
         assert_eq!(st.dropped_unvalidated_bytes, 92 * (HDR + BLOCK) as u64);
         assert_eq!(s.held_bytes(), 8 * (HDR + BLOCK) as u64);
+        // more reads from the address while its queue is full are not served at all: the
+        // storage is not read for answers that would be dropped
+        let reads = st.reads;
+        feed(&mut s, 1, 1, &read_req(0, 0, 100));
+        let st = s.stats();
+        assert_eq!((st.reads, st.unserved_reads, st.dropped_unvalidated), (reads, 1, 92));
         // a second address gets what is left of the total: 4 blocks
         feed(&mut s, 0, 2, &read_req(0, 0, 100));
         assert_eq!(s.stats().held_packets, 12);
