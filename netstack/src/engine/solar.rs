@@ -6,10 +6,10 @@
 //!
 //! A datagram is Solar when it starts with Solar's magic and version (`0x53 0x01`); a RoCEv2
 //! BTH never does here, because `0x53` is a Reliable Datagram opcode, which flexns does not
-//! speak. Requests (WRITE, READ_REQ, PROBE) go to the core's server; answers go to the client
-//! whose storage server sent them. A client's path `p` leaves from the core's source-port
-//! socket `p` (its own ECMP flow) and is answered there, so a core with clients also receives
-//! on its path sockets.
+//! speak. Requests (WRITE, READ_REQ, PROBE, CHALLENGE_REPLY) go to the core's server; answers
+//! (CHALLENGE included) go to the client whose storage server sent them. A client's path `p`
+//! leaves from the core's source-port socket `p` (its own ECMP flow) and is answered there, so
+//! a core with clients also receives on its path sockets.
 
 use super::EngineShared;
 use crate::link::sys::OutMsg;
@@ -499,14 +499,16 @@ impl SolarCore {
 
     /// One received Solar datagram from `src`; `ce`: its IP header carried ECN CE.
     pub(super) fn on_packet(&mut self, shared: &Arc<EngineShared>, now: u64, d: &[u8], src: SocketAddrV4, ce: bool) {
-        let request =
-            matches!(d.get(2), Some(&op) if op == Op::Write as u8 || op == Op::ReadReq as u8 || op == Op::Probe as u8);
+        let request = matches!(d.get(2), Some(&op) if op == Op::Write as u8
+            || op == Op::ReadReq as u8
+            || op == Op::Probe as u8
+            || op == Op::ChallengeReply as u8);
         if request {
             let Some(s) = &mut self.server else {
                 shared.stats.rx_unknown_qp.inc();
                 return;
             };
-            match s.server.on_packet(peer_token(src), d, ce) {
+            match s.server.on_packet_at(now, peer_token(src), d, ce) {
                 Err(e) => tracing::debug!("Solar request from {src}: {e}"),
                 Ok(None) => {}
                 Ok(Some(Request::Write {

@@ -21,7 +21,10 @@ pub use crate::engine::solar::{
 use crate::engine::EngineShared;
 use crate::transport::solar::client::{ClientConfig, SolarClient, Target};
 use crate::transport::solar::server::{ServerStats, SolarServer};
+use crate::transport::solar::validation::{NonceSource, ValidationConfig};
 use parking_lot::Mutex;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 use std::net::SocketAddrV4;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -97,12 +100,29 @@ impl Context {
 
     /// Serves Solar on this context's first data core: requests arriving at its address go to
     /// `server` (seeded by the caller, e.g. with stored block versions) and the storage behind
-    /// it, `handler`, which the core calls. One server per context.
+    /// it, `handler`, which the core calls. One server per context. Source addresses are
+    /// validated before they are served in full
+    /// ([`crate::transport::solar::validation`], nonces from the OS's randomness, or on a
+    /// simulated network from its seed), with the default bounds unless the caller set its own
+    /// ([`SolarServer::require_validation`]).
     pub fn solar_server(
         &self,
-        server: SolarServer,
+        mut server: SolarServer,
         handler: Arc<dyn StorageHandler>,
     ) -> Result<SolarService, VerbsError> {
+        if !server.validating() {
+            // a simulated context's nonces follow the network's seed (a seed replays), like its
+            // QPNs; a real one's come from the OS-seeded thread generator
+            let nonces: NonceSource = if self.inner.iovas.is_some() {
+                let mut rng = StdRng::seed_from_u64(self.inner.ids.lock().rng.random());
+                Box::new(move || rng.random())
+            } else {
+                Box::new(rand::random::<u64>)
+            };
+            server
+                .require_validation(ValidationConfig::default(), nonces)
+                .map_err(VerbsError::Invalid)?;
+        }
         if self.inner.solar.serving.swap(true, Ordering::SeqCst) {
             return Err(VerbsError::Invalid("this context already serves Solar".into()));
         }
