@@ -893,6 +893,33 @@ impl netstack::telemetry::Collect for Inner {
         c("flexns_solar_server_reads_total", sv.reads);
         c("flexns_solar_server_crc_errors_total", sv.crc_errors);
         c("flexns_solar_server_stale_dropped_total", sv.stale_dropped);
+        // address validation (netstack::transport::solar::validation)
+        let l = |name: &'static str, key: &'static str, vals: &[(&'static str, u64)]| {
+            for &(value, v) in vals {
+                counter!(name, "node" => node.clone(), key => value).absolute(v);
+            }
+        };
+        let (held, dropped) = (sv.held_packets, sv.dropped_unvalidated);
+        let (held_bytes, dropped_bytes) = (sv.held_bytes, sv.dropped_unvalidated_bytes);
+        let challenges = [
+            ("sent", sv.challenges_sent),
+            ("validated", sv.peers_validated),
+            ("bad_reply", sv.bad_challenge_replies),
+        ];
+        l("flexns_solar_server_challenges_total", "result", &challenges);
+        l(
+            "flexns_solar_server_unvalidated_answers_total",
+            "action",
+            &[("held", held), ("dropped", dropped)],
+        );
+        l(
+            "flexns_solar_server_unvalidated_bytes_total",
+            "action",
+            &[("held", held_bytes), ("dropped", dropped_bytes)],
+        );
+        let requests = [("refused", sv.refused_peers), ("unserved", sv.unserved_reads)];
+        l("flexns_solar_server_unvalidated_requests_total", "action", &requests);
+        c("flexns_solar_server_pending_evictions_total", sv.evicted_peers);
         let vols: Vec<(u32, Arc<VolumeStore>)> = self.volumes.read().iter().map(|(k, v)| (*k, v.clone())).collect();
         for (id, store) in vols {
             let st = store.stats();
