@@ -20,8 +20,9 @@ use std::time::{Duration, Instant};
 /// The attacker's cap (`--max-qps-per-caller`); the prefill engines (2 QPs each, all from
 /// 127.0.0.1) stay under it.
 const CAP: usize = 12;
-/// `--unused-qp-timeout`.
-const TIMEOUT: Duration = Duration::from_secs(1);
+/// `--unused-qp-timeout`: long enough for two engines to connect while the phantoms are held
+/// on a loaded machine.
+const TIMEOUT: Duration = Duration::from_secs(2);
 /// Bytes of one verified transfer.
 const LEN: usize = 1 << 20;
 
@@ -53,8 +54,8 @@ impl Drop for Decode {
 fn decode() -> Decode {
     // The decode engine probes a QP quiet for half the timeout; with a 67 ms ACK timeout the
     // probe's retries to a phantom's silent endpoint last 67 ms × (1 + 2 + 4 + 8 + 16 × 4) =
-    // 5.3 s, so it is the door's reaper (at 1 s, sweeping every 0.25 s) that ends the
-    // phantoms here, not the probe's failure; a departed engine's QPs fail the probe.
+    // 5.3 s, so it is the door's reaper (at 2 s, sweeping every 0.5 s) that ends the phantoms
+    // here, not the probe's failure; a departed engine's QPs fail the probe.
     let config = std::env::temp_dir().join(format!("kvcache-cm-door-{}.toml", std::process::id()));
     std::fs::write(&config, "[qp]\ntimeout_ns = 67108864\n").unwrap();
     let metrics = format!("127.0.0.1:{}", free_port());
