@@ -392,8 +392,7 @@ impl<A: Acceptor> pb::connection_manager_server::ConnectionManager for Service<A
                             .and_then(|remote| {
                                 plausible_for(&remote, caller)?;
                                 accept_one(&*acceptor, &remote, &r.private_data)
-                            })
-                        {
+                            }) {
                             Ok((reply, qpn)) => {
                                 settle(&door, caller, Some(qpn));
                                 pb::connect_result::Result::Reply(reply)
@@ -679,7 +678,9 @@ mod tests {
         assert!(plausible_for(&x, remote).unwrap_err().starts_with("sources: "));
         x.sources.clear();
         x.extra_addrs = vec!["224.0.0.1:4791".parse().unwrap()];
-        assert!(plausible_for(&x, remote).unwrap_err().starts_with("extra_addrs: 224.0.0.1:4791 is not a unicast"));
+        assert!(plausible_for(&x, remote)
+            .unwrap_err()
+            .starts_with("extra_addrs: 224.0.0.1:4791 is not a unicast"));
         assert!(plausible_for(&ep("0.0.0.0:4791"), local).is_err());
         assert!(plausible_for(&ep("255.255.255.255:4791"), local).is_err());
         assert!(plausible_for(&ep("127.0.0.1:0"), local).unwrap_err().contains("port 0"));

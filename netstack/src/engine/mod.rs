@@ -41,7 +41,7 @@ use crate::link::udp::{UdpLink, UdpPorts};
 use crate::link::Link;
 use crate::mem::MrTable;
 use crate::pipe::{self, Consumer, Producer};
-use crate::transport::rc::validation::CHALLENGE;
+use crate::transport::rc::validation::{challenge_route, CHALLENGE};
 use crate::transport::rc::{QpState, RcQp};
 use crate::transport::TxPacket;
 use crate::wire::opcode::Opcode;
@@ -181,11 +181,14 @@ impl QpSlot {
         if bth.opcode == Opcode::Probe as u8 && bth.psn & CHALLENGE != 0 {
             // a challenge names the peer address it validates (the QP's "route" k is its k-th
             // distinct destination): it leaves on the first route there
-            let dst = *self.peer_addrs().get((bth.psn & !CHALLENGE) as usize)?;
-            return match self.routes.iter().find(|r| r.1 == dst) {
-                Some(&r) => Some(r),
-                None => Some((0, dst)),
-            };
+            // on the route a path takes there now (the peer answers from its socket of the same
+            // index, QpSlot::note_request_source: a path that moved off a port whose way back
+            // is cut takes its challenge's answer along), else the first route there
+            let dst = *self.peer_addrs().get(challenge_route(bth.psn))?;
+            let on_path = (0..self.qp.paths().len()).find_map(|p| self.route(p as u8).filter(|r| r.1 == dst));
+            return on_path
+                .or_else(|| self.routes.iter().copied().find(|r| r.1 == dst))
+                .or(Some((0, dst)));
         }
         if let Some((_, k)) = self.reply_routes.get(pkt.path as usize).copied().flatten() {
             let response = !Opcode::from_u8(pkt.hdr.bth().opcode).is_some_and(Opcode::is_request);
@@ -196,11 +199,11 @@ impl QpSlot {
         self.route(pkt.path)
     }
 
-    /// Starts validating the peer's addresses (one random nonce per route; see
+    /// Starts validating the peer's addresses (one random nonce per address, drawn by the
+    /// context; see
     /// [`crate::transport::rc::validation`]): called when the QP moves to RTR, its routes set.
-    pub(crate) fn start_validation(&mut self) {
-        let nonces: Vec<u64> = (0..self.peer_addrs().len()).map(|_| rand::random()).collect();
-        self.qp.require_validation(&nonces);
+    pub(crate) fn start_validation(&mut self, nonces: &[u64]) {
+        self.qp.require_validation(nonces);
     }
 
     /// The peer's addresses this QP sends to, each once: `remote` first, then the other
@@ -227,7 +230,11 @@ impl QpSlot {
         if bth.opcode == Opcode::Probe as u8 && bth.psn & CHALLENGE != 0 {
             return true;
         }
-        let k = self.peer_addrs().iter().position(|&d| d == route.1).unwrap_or(usize::MAX);
+        let k = self
+            .peer_addrs()
+            .iter()
+            .position(|&d| d == route.1)
+            .unwrap_or(usize::MAX);
         if k == 0 || self.qp.route_validated(k) {
             return true;
         }

@@ -253,7 +253,8 @@ impl DataCore {
         }
         // what the peer sent counts towards what may be sent to it before it is validated
         s.qp.credit_received(now, d.len());
-        if Opcode::from_u8(v.bth.opcode).is_some_and(Opcode::is_request) {
+        let challenge = v.bth.opcode == Opcode::Probe as u8 && v.bth.psn & CHALLENGE != 0;
+        if challenge || Opcode::from_u8(v.bth.opcode).is_some_and(Opcode::is_request) {
             s.note_request_source(v.bth.path, src);
         }
         let copied = s.qp.payload_copy_bytes();

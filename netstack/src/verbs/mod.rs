@@ -143,6 +143,13 @@ impl CtxInner {
         self.ids.lock().draw()
     }
 
+    /// `n` nonces for a QP's peer-address challenges, from the same source as its QPNs (a
+    /// simulated context's follow the seed).
+    pub(crate) fn draw_nonces(&self, n: usize) -> Vec<u64> {
+        let mut ids = self.ids.lock();
+        (0..n).map(|_| ids.rng.random()).collect()
+    }
+
     /// Gives back the number of a QP that is gone.
     pub(crate) fn release_qpn(&self, qpn: u32) {
         self.ids.lock().live.remove(&qpn);

@@ -403,11 +403,21 @@ impl Qp {
         // the routes of as many paths as this context has sockets for
         let capacity = self.core.path_ports * self.local_addrs().min(1 + remote.extra_addrs.len());
         let routes = self.routes(capacity, remote)?;
+        // one challenge nonce per peer address the routes reach (QpSlot::peer_addrs)
+        let mut dsts = vec![remote.addr];
+        for r in &routes {
+            if !dsts.contains(&r.1) {
+                dsts.push(r.1);
+            }
+        }
+        let nonces = self.ctx.inner.draw_nonces(dsts.len());
         let params = self.ctx.inner.cfg.paths;
         let remote = remote.clone();
         let qpn = self.qpn;
         self.core
-            .call(self.qpn, move |s| rtr(s, qpn, &remote, route_mtu, routes, params))
+            .call(self.qpn, move |s| {
+                rtr(s, qpn, &remote, (route_mtu, params), routes, &nonces)
+            })
             .ok_or(VerbsError::Gone)?
     }
 
@@ -609,9 +619,9 @@ fn rtr(
     s: &mut QpSlot,
     qpn: u32,
     remote: &Endpoint,
-    route_mtu: Option<u32>,
+    (route_mtu, params): (Option<u32>, crate::path::PathParams),
     routes: Vec<(usize, SocketAddrV4)>,
-    params: crate::path::PathParams,
+    nonces: &[u64],
 ) -> Result<(), VerbsError> {
     let mut cfg = *s.qp.config();
     if cfg.recovery != remote.recovery {
@@ -664,7 +674,7 @@ fn rtr(
     s.reply_routes.clear();
     // whoever named these addresses, the peer proves it receives there before it is served
     // more than three times what it sent
-    s.start_validation();
+    s.start_validation(nonces);
     Ok(())
 }
 

@@ -9,13 +9,17 @@ use crate::transport::TxPacket;
 use crate::wire::{Bth, HeaderBuf, Opcode, PacketView};
 use smallvec::SmallVec;
 
+/// A received probe to answer: its PSN field, and for a challenge its nonce and path.
+type ProbeToEcho = (u32, Option<(u64, u8)>);
+
 /// Probes to send and probes to answer.
 #[derive(Debug, Default)]
 pub(super) struct ProbeSlot {
     /// Down paths whose probe is due.
     due: SmallVec<[u8; 4]>,
-    /// PSN fields of received probes, with their challenge nonce if they carried one, to echo.
-    replies: SmallVec<[(u32, Option<u64>); 4]>,
+    /// PSN fields of received probes, with their challenge nonce and path if they carried
+    /// one, to echo.
+    replies: SmallVec<[ProbeToEcho; 4]>,
 }
 
 /// Most unanswered probes a QP keeps (more are dropped: the peer probes again).
@@ -93,8 +97,12 @@ impl<R: SharedRegion> RcQp<R> {
                 self.stats.probes_received += 1;
                 if self.probe.replies.len() < MAX_REPLIES {
                     // a challenge's nonce is echoed (super::validation)
-                    let nonce = (pkt.trailer.len() == super::validation::NONCE_LEN)
-                        .then(|| u64::from_be_bytes(pkt.trailer.try_into().unwrap_or_default()));
+                    let nonce = (pkt.trailer.len() == super::validation::NONCE_LEN).then(|| {
+                        (
+                            u64::from_be_bytes(pkt.trailer.try_into().unwrap_or_default()),
+                            pkt.bth.path,
+                        )
+                    });
                     self.probe.replies.push((pkt.bth.psn, nonce));
                 }
                 true
@@ -128,8 +136,11 @@ impl<R: SharedRegion> RcQp<R> {
 
     /// A probe reply (on the path of the latest request) or a probe (on the down path it tests).
     pub(super) fn poll_probe(&mut self) -> Option<TxPacket<R>> {
-        let (op, psn, path, nonce) = if let Some((psn, nonce)) = self.probe.replies.pop() {
-            (Opcode::ProbeReply, psn, self.rx_path, nonce)
+        let (op, psn, path, nonce) = if let Some((psn, challenge)) = self.probe.replies.pop() {
+            // a challenge is answered on its own path, which the driver maps to the socket it
+            // came from; a path probe on the path of the latest request
+            let path = challenge.map_or(self.rx_path, |(_, p)| p);
+            (Opcode::ProbeReply, psn, path, challenge.map(|(n, _)| n))
         } else {
             let p = self.probe.due.pop()?;
             self.stats.probes_sent += 1;

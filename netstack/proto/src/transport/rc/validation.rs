@@ -6,14 +6,15 @@
 //! and have the QP's READ responses, hundreds of megabytes for one request, sent there. So a
 //! QP whose driver asks for it ([`RcQp::require_validation`]) sends each of its routes (here:
 //! each address of the peer it sends to, numbered by the driver, 0 the main one) a
-//! *challenge*: a PROBE packet whose PSN field carries [`CHALLENGE`] and the route's index and
+//! *challenge*: a PROBE packet whose PSN field carries [`CHALLENGE`] and the route's index
+//! ([`challenge_route`]), and
 //! whose trailer carries a 64-bit nonce the driver drew at random for that route. A flexns
 //! peer echoes a probe's PSN field and trailer in its PROBE_REPLY; the reply carrying the
 //! right nonce proves that the peer received what was sent to that route (an attacker who
 //! named a victim never sees the nonce).
 //!
 //! Until route 0 (the peer's main address) is validated, everything the QP sends other than
-//! its challenges counts against an allowance of three times the bytes it received from the
+//! its timed challenges counts against an allowance of three times the bytes it received from the
 //! peer (the driver credits them, [`RcQp::credit_received`]); a packet that does not fit waits
 //! (it is not lost) until more arrives or the route is validated. The driver applies the same
 //! allowance to packets it would send on any other route not validated yet
@@ -30,6 +31,11 @@ use crate::wire::{Bth, HeaderBuf, Opcode, PacketView};
 /// Bit of a PROBE's PSN field that marks a challenge (path probes carry a path index below it).
 pub const CHALLENGE: u32 = 0x80_0000;
 
+/// The route (peer address) a challenge's PSN field names.
+pub fn challenge_route(psn: u32) -> usize {
+    (psn & !CHALLENGE) as usize
+}
+
 /// Bytes of a challenge's nonce (the probe's trailer).
 pub const NONCE_LEN: usize = 8;
 
@@ -44,7 +50,10 @@ const FIRST_BACKOFF_NS: u64 = 500_000;
 /// Longest wait between timed challenges.
 const MAX_BACKOFF_NS: u64 = 100_000_000;
 /// Timed challenges per route before the QP stops sending them on a timer (a packet from the
-/// peer still triggers one): a victim's address gets a bounded number of probes.
+/// peer still triggers one, paid from the allowance it brought): a victim's address gets at
+/// most this many unpaid probes per QP (576 bytes over about 1.7 s; the caller paid for them
+/// with its connection request). They do not wait for the allowance: a side that has nothing
+/// to receive (a requester whose first challenge was lost) would otherwise never retry.
 const MAX_TIMED_TRIES: u32 = 24;
 /// A packet from the peer triggers a new challenge if the latest is older than this.
 pub const RECHALLENGE_NS: u64 = 200_000;
@@ -162,7 +171,7 @@ impl<R: SharedRegion> RcQp<R> {
 
     /// A PROBE_REPLY carrying [`CHALLENGE`]: validates its route if the nonce is right.
     pub(super) fn handle_challenge_reply(&mut self, pkt: &PacketView<'_>) {
-        let k = (pkt.bth.psn & !CHALLENGE) as usize;
+        let k = challenge_route(pkt.bth.psn);
         let nonce = pkt
             .trailer
             .get(..NONCE_LEN)
@@ -185,31 +194,43 @@ impl<R: SharedRegion> RcQp<R> {
         }
     }
 
-    /// The next challenge due at `now` that the allowance covers, if any.
+    /// The next challenge due at `now`, if any: a timed one (the first at RTR, then with
+    /// backoff, [`MAX_TIMED_TRIES`] in all), or one a packet from the peer triggered, which the
+    /// allowance that packet brought pays for.
     pub(super) fn poll_challenge(&mut self, now: u64) -> Option<TxPacket<R>> {
         let dest_qpn = self.dest_qpn;
         let v = self.validation.as_mut()?;
         let allowance = v.allowance;
-        let due = |k: usize, r: &Route| {
-            !r.validated
-                && (r.tries == 0 || allowance >= CHALLENGE_LEN as u64)
-                && (v.now_due.contains(&(k as u8)) || r.due.is_some_and(|t| t <= now))
+        // (route, paid from the allowance)
+        let due = |k: usize, r: &Route| -> Option<bool> {
+            if r.validated {
+                None
+            } else if r.due.is_some_and(|t| t <= now) {
+                Some(false)
+            } else if v.now_due.contains(&(k as u8)) && allowance >= CHALLENGE_LEN as u64 {
+                Some(true)
+            } else {
+                None
+            }
         };
-        let k = v.routes.iter().enumerate().position(|(k, r)| due(k, r))?;
+        let (k, paid) = v
+            .routes
+            .iter()
+            .enumerate()
+            .find_map(|(k, r)| due(k, r).map(|p| (k, p)))?;
         v.now_due.retain(|&i| i as usize != k);
-        let r = &mut v.routes[k];
-        // a challenge spends the allowance too; only the first goes unpaid (the peer asked for
-        // the QP, by a connection request far larger than this)
-        if r.tries > 0 {
+        if paid {
             v.allowance -= CHALLENGE_LEN as u64;
         }
+        let r = &mut v.routes[k];
         r.tries += 1;
         r.last_sent = Some(now);
         let backoff = (FIRST_BACKOFF_NS << r.tries.min(20).saturating_sub(1)).min(MAX_BACKOFF_NS);
         r.due = (r.tries < MAX_TIMED_TRIES).then_some(now + backoff);
         self.stats.challenges_sent += 1;
         self.stats.tx_packets += 1;
-        let mut hdr = HeaderBuf::with_bth(&Bth::new(Opcode::Probe as u8, dest_qpn, CHALLENGE | k as u32));
+        let psn = CHALLENGE | k as u32;
+        let mut hdr = HeaderBuf::with_bth(&Bth::new(Opcode::Probe as u8, dest_qpn, psn));
         hdr.push_u32((r.nonce >> 32) as u32).push_u32(r.nonce as u32);
         Some(TxPacket {
             hdr,
@@ -219,14 +240,15 @@ impl<R: SharedRegion> RcQp<R> {
         })
     }
 
-    /// When the next challenge the allowance covers is due (0: now).
+    /// When the next challenge is due (0: now).
     pub(super) fn challenge_deadline(&self) -> Option<u64> {
         let v = self.validation.as_ref()?;
+        let triggered = |k: usize| v.now_due.contains(&(k as u8)) && v.allowance >= CHALLENGE_LEN as u64;
         v.routes
             .iter()
             .enumerate()
-            .filter(|(_, r)| !r.validated && (r.tries == 0 || v.allowance >= CHALLENGE_LEN as u64))
-            .filter_map(|(k, r)| if v.now_due.contains(&(k as u8)) { Some(0) } else { r.due })
+            .filter(|(_, r)| !r.validated)
+            .filter_map(|(k, r)| if triggered(k) { Some(0) } else { r.due })
             .min()
     }
 
@@ -254,9 +276,9 @@ impl<R: SharedRegion> RcQp<R> {
             }
             return self.next_packet(now);
         }
-        let p = match self.validation.as_mut().and_then(|v| v.gated.take()) {
-            Some(p) => p,
-            None => self.next_packet(now)?,
+        let (p, fresh) = match self.validation.as_mut().and_then(|v| v.gated.take()) {
+            Some(p) => (p, false),
+            None => (self.next_packet(now)?, true),
         };
         let n = wire_len(&p);
         let v = self.validation.as_mut()?;
@@ -265,7 +287,9 @@ impl<R: SharedRegion> RcQp<R> {
             return Some(p);
         }
         v.gated = Some(p);
-        self.stats.gated_packets += 1;
+        if fresh {
+            self.stats.gated_packets += 1;
+        }
         None
     }
 
