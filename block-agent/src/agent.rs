@@ -255,6 +255,10 @@ impl netstack::telemetry::Collect for Agent {
             c("flexns_volume_replica_downs_total", &k.replica_downs);
             c("flexns_volume_resynced_regions_total", &k.resynced_regions);
             c("flexns_volume_reconciled_blocks_total", &k.reconciled_blocks);
+            for (i, n) in v.replica_write_failures().into_iter().enumerate() {
+                counter!("flexns_volume_replica_write_failures_total", "volume" => name.clone(), "replica" => i.to_string())
+                    .absolute(n);
+            }
             let (_, throttled, waited) = v.qos();
             counter!("flexns_volume_qos_throttled_total", "volume" => name.clone()).absolute(throttled);
             counter!("flexns_volume_qos_throttled_microseconds_total", "volume" => name.clone())

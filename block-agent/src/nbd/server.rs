@@ -503,7 +503,13 @@ async fn run(s: &Session, req: &Request, payload: Vec<u8>) -> (Vec<u8>, bool) {
     match res {
         Ok(out) => (out, false),
         Err((e, msg)) => {
-            tracing::warn!("NBD request {:?}: {msg}", req);
+            if e == ENOSPC {
+                // a full replica fails every write: the volume logs that once per failure
+                // episode, and flexns_nbd_errors_total counts each
+                tracing::debug!("NBD request {:?}: {msg}", req);
+            } else {
+                tracing::warn!("NBD request {:?}: {msg}", req);
+            }
             (error_reply(s, req, e, &msg), true)
         }
     }

@@ -17,12 +17,16 @@
 //!   volume's own quorum from the controller, else [`VolumeConfig::write_quorum`], the
 //!   agent's `--write-quorum`, override it). While the
 //!   quorum is not reached the write waits (the links resend on other paths and probe dead
-//!   ones) up to the link's I/O timeout, then fails with EIO ("stall, don't fail").
+//!   ones) up to the link's I/O timeout, then fails with EIO ("stall, don't fail"), or at once
+//!   with ENOSPC when a replica it needs answered that its storage is full.
 //! - **Dirty regions.** Per replica the volume keeps which 1 MiB regions it may lack: writes
 //!   acknowledged without its copy yet (still in flight to it: `pending`), and writes it missed
 //!   (failed, or not answered within [`VolumeConfig::replica_timeout`] after the quorum, or
-//!   not sent because it is down: `missed`). A replica that misses a write is **down**: new
-//!   writes skip it (while a quorum of others is up) and only mark their regions missed.
+//!   not sent because it is down: `missed`). A write that failed (no quorum) yet landed on
+//!   some replica is missed by the ones it failed on too, so replicas that differ are never
+//!   shown in sync. A replica that misses a write is **down**: new writes skip it (while a
+//!   quorum of others is up) and only mark their regions missed. Its failed writes are logged
+//!   once per failure episode and counted (`flexns_volume_replica_write_failures_total`).
 //! - **Reads** go only to a replica clean over the range (no pending or missed region there),
 //!   so a read never returns data older than the last acknowledged write; a range no single
 //!   replica has clean is read region by region.
@@ -199,6 +203,87 @@ pub struct VolumeCounters {
     pub reconciled_blocks: AtomicU64,
 }
 
+/// How often a replica's write-failure episode that goes on logs a summary of the failures it
+/// counted.
+const FAILURE_SUMMARY_EVERY: Duration = Duration::from_secs(10);
+
+/// What [`WriteFailures::failed`] logged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Logged {
+    /// The episode's first failure: one error line.
+    First,
+    /// Counted silently.
+    Counted,
+    /// A summary of the failures counted in the last [`FAILURE_SUMMARY_EVERY`].
+    Summary(u64),
+}
+
+/// One replica's failed writes, logged once per failure episode: a replica whose disk is full
+/// fails every write sent to it, and a line for each would flood the agent's log. The first
+/// failure logs an error; later ones are counted silently until a write to the replica lands
+/// again (then one line says how many) or every [`FAILURE_SUMMARY_EVERY`] (one summary line).
+/// `total` is `flexns_volume_replica_write_failures_total`.
+#[derive(Debug, Default)]
+struct WriteFailures {
+    /// An episode is on (the fast path of [`WriteFailures::landed`] reads only this).
+    failing: AtomicBool,
+    /// Failures counted since the last line, and when that line was logged (None: no episode).
+    quiet: Mutex<(u64, Option<std::time::Instant>)>,
+    total: AtomicU64,
+}
+
+impl WriteFailures {
+    /// Counts a write that failed on replica `i` of volume `volume` (`what` says which and
+    /// why) and logs it if it starts an episode or is due for a summary.
+    fn failed(&self, volume: u32, i: usize, what: &dyn std::fmt::Display, now: std::time::Instant) -> Logged {
+        self.total.fetch_add(1, Ordering::Relaxed);
+        let mut q = self.quiet.lock();
+        match q.1 {
+            None => {
+                *q = (0, Some(now));
+                self.failing.store(true, Ordering::Relaxed);
+                tracing::error!(
+                    "volume {volume}: replica {i}: {what} (its later write failures are counted until a write to it \
+                     lands)"
+                );
+                Logged::First
+            }
+            Some(at) if now.duration_since(at) >= FAILURE_SUMMARY_EVERY => {
+                let n = q.0 + 1;
+                *q = (0, Some(now));
+                tracing::error!(
+                    "volume {volume}: replica {i}: {n} writes failed in the last {} s; the latest: {what}",
+                    now.duration_since(at).as_secs()
+                );
+                Logged::Summary(n)
+            }
+            Some(_) => {
+                q.0 += 1;
+                Logged::Counted
+            }
+        }
+    }
+
+    /// A write to replica `i` landed: ends its failure episode, with one line for the failures
+    /// it counted. Returns that count (None when no episode was on).
+    fn landed(&self, volume: u32, i: usize) -> Option<u64> {
+        if !self.failing.load(Ordering::Relaxed) {
+            return None;
+        }
+        let mut q = self.quiet.lock();
+        q.1?;
+        let n = q.0;
+        *q = (0, None);
+        self.failing.store(false, Ordering::Relaxed);
+        if n > 0 {
+            tracing::warn!("volume {volume}: replica {i} takes writes again; {n} more failed since the last line");
+        } else {
+            tracing::info!("volume {volume}: replica {i} takes writes again");
+        }
+        Some(n)
+    }
+}
+
 /// Block ranges being written, so overlapping writes take turns.
 #[derive(Default)]
 struct RangeLocks {
@@ -305,6 +390,8 @@ pub struct Volume {
     reconciled_cv: Notify,
     /// The volume's own write quorum (0: the configuration's).
     quorum: AtomicUsize,
+    /// Per replica: its failed writes, logged once per failure episode.
+    failures: Vec<WriteFailures>,
 }
 
 /// How long reads try a replica that failed one last.
@@ -352,6 +439,7 @@ impl Volume {
             reconciled: AtomicBool::new(true),
             reconciled_cv: Notify::new(),
             quorum: AtomicUsize::new(0),
+            failures: (0..replicas_len).map(|_| WriteFailures::default()).collect(),
         })
     }
 
@@ -537,6 +625,12 @@ impl Volume {
 
     pub fn counters(&self) -> &VolumeCounters {
         &self.counters
+    }
+
+    /// Per replica, the writes that failed on it or that it did not answer in time
+    /// (`flexns_volume_replica_write_failures_total`; logged once per failure episode).
+    pub fn replica_write_failures(&self) -> Vec<u64> {
+        self.failures.iter().map(|f| f.total.load(Ordering::Relaxed)).collect()
     }
 
     fn check(&self, offset: u64, len: u64) -> Result<(), VolumeError> {
@@ -969,13 +1063,17 @@ impl Volume {
         while let Some((i, r)) = replies.next().await {
             left.retain(|&k| k != i);
             match r {
-                Ok(()) => done += 1,
+                Ok(()) => {
+                    done += 1;
+                    self.failures[i].landed(self.id, i);
+                }
                 Err(e) => {
                     if let Some(f) = self.fenced_by(&e) {
                         // not a replica failure: this attachment lost the volume
                         return Err(f);
                     }
-                    tracing::error!("volume {}: write of {n} blocks at {lba}: replica {i}: {e}", self.id);
+                    let what = format_args!("write of {n} blocks at {lba}: {e}");
+                    self.failures[i].failed(self.id, i, &what, std::time::Instant::now());
                     failed.push(i);
                     first_err.get_or_insert(VolumeError::Replica {
                         volume: self.id,
@@ -989,8 +1087,11 @@ impl Volume {
             }
         }
         let acked = done >= quorum;
-        for i in failed {
-            self.settle(i, gens[i], span.clone(), false, acked, false);
+        // a copy that failed misses the write when it was acknowledged, and also when it failed
+        // but landed on another replica: the replicas then differ over its range, and the
+        // resync makes them equal again (a landing that comes later marks it then)
+        for &i in &failed {
+            self.settle(i, gens[i], span.clone(), false, acked || done > 0, false);
         }
         if !left.is_empty() {
             if acked {
@@ -1011,26 +1112,44 @@ impl Volume {
             // run waits for them under the range lock (a replica drops a zero run that a newer
             // write to any of its blocks overtook, so none may be issued meanwhile)
             let (v, timeout) = (self.clone(), self.cfg.replica_timeout);
+            // whether the write landed on some replica, and the copies that failed before one did
+            let (mut landed_any, mut behind) = (done > 0, if done > 0 { Vec::new() } else { failed });
             let stragglers = async move {
-                let landed = tokio::time::timeout(timeout, async {
+                let all_answered = tokio::time::timeout(timeout, async {
                     while let Some((i, r)) = replies.next().await {
                         left.retain(|&k| k != i);
-                        if let Err(e) = &r {
-                            tracing::error!("volume {}: write of {n} blocks at {lba}: replica {i}: {e}", v.id);
+                        match &r {
+                            Ok(()) => {
+                                v.failures[i].landed(v.id, i);
+                                if !landed_any {
+                                    // the copies that failed before lack what this one has
+                                    landed_any = true;
+                                    for k in behind.drain(..) {
+                                        v.settle(k, gens[k], span.clone(), false, true, false);
+                                    }
+                                }
+                            }
+                            Err(e) => {
+                                let what = format_args!("write of {n} blocks at {lba}: {e}");
+                                v.failures[i].failed(v.id, i, &what, std::time::Instant::now());
+                                if !landed_any {
+                                    behind.push(i);
+                                }
+                            }
                         }
-                        v.settle(i, gens[i], span.clone(), r.is_ok(), acked, acked);
+                        v.settle(i, gens[i], span.clone(), r.is_ok(), acked || landed_any, acked);
                     }
                 })
                 .await;
-                if landed.is_err() {
+                if all_answered.is_err() {
                     drop(replies);
                     for i in left {
-                        tracing::warn!(
-                            "volume {}: replica {i} ({}) did not answer a write within {timeout:?} of the quorum",
-                            v.id,
+                        let what = format_args!(
+                            "did not answer a write of {n} blocks at {lba} within {timeout:?} of the quorum ({})",
                             v.link(i).server()
                         );
-                        v.settle(i, gens[i], span.clone(), false, acked, acked);
+                        v.failures[i].failed(v.id, i, &what, std::time::Instant::now());
+                        v.settle(i, gens[i], span.clone(), false, acked || landed_any, acked);
                     }
                 }
             };
@@ -1052,10 +1171,11 @@ impl Volume {
 
     /// Replica `i`'s copy of a write over `span` landed (`ok`) or not; `counted` when it was
     /// counted in flight (the write was answered before it came). A copy that did not land
-    /// takes the replica down, and when the write was acknowledged (`acked`) leaves its regions
-    /// missed.
-    /// An unacknowledged write leaves its range undefined on every replica, as a failed write
-    /// does on a disk: nothing to catch up. One replica has nothing to catch up from: no
+    /// takes the replica down, and when another replica has the write (`missed`: it was
+    /// acknowledged, or it failed yet landed somewhere) leaves its regions missed, so the
+    /// replicas are never shown in sync while they differ and the resync makes them equal.
+    /// A write that landed on no replica leaves its range as it was on every one, as a failed
+    /// write does on a disk: nothing to catch up. One replica has nothing to catch up from: no
     /// tracking.
     /// A copy sent to a replica since replaced (`generation` older than its current one) no
     /// longer counts.
@@ -1065,7 +1185,7 @@ impl Volume {
         generation: u64,
         span: std::ops::Range<u64>,
         ok: bool,
-        acked: bool,
+        missed: bool,
         counted: bool,
     ) {
         if self.replicas.len() == 1 {
@@ -1085,7 +1205,7 @@ impl Volume {
             }
         }
         if !ok {
-            if acked {
+            if missed {
                 r.missed.extend(span);
             }
             if !r.down {
@@ -1152,6 +1272,8 @@ impl Volume {
                 other => return Err(format!("writing region {g}: {other:?}")),
             }
         }
+        // its writes land again: a failure episode of it ends here
+        self.failures[i].landed(self.id, i);
         let mut h = self.health.lock();
         h[i].missed.remove(&g);
         if h[i].down {
@@ -1236,5 +1358,31 @@ async fn resync(v: std::sync::Weak<Volume>) {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replica_write_failures_log_once_per_episode() {
+        let f = WriteFailures::default();
+        let t0 = std::time::Instant::now();
+        let what = "write of 16 blocks at 0: no space";
+        assert_eq!(f.landed(1, 0), None, "no episode yet");
+        // a replica whose disk is full fails every write sent to it: one line
+        let logged: Vec<Logged> = (0..20).map(|_| f.failed(1, 0, &what, t0)).collect();
+        assert_eq!(logged[0], Logged::First);
+        assert!(logged[1..].iter().all(|l| *l == Logged::Counted), "{logged:?}");
+        assert_eq!(f.landed(1, 0), Some(19), "a landing ends the episode with its count");
+        assert_eq!(f.landed(1, 0), None);
+        // a long episode: a summary every FAILURE_SUMMARY_EVERY
+        assert_eq!(f.failed(1, 0, &what, t0), Logged::First);
+        assert_eq!(f.failed(1, 0, &what, t0 + Duration::from_secs(1)), Logged::Counted);
+        assert_eq!(f.failed(1, 0, &what, t0 + FAILURE_SUMMARY_EVERY), Logged::Summary(2));
+        assert_eq!(f.failed(1, 0, &what, t0 + FAILURE_SUMMARY_EVERY), Logged::Counted);
+        assert_eq!(f.landed(1, 0), Some(1));
+        assert_eq!(f.total.load(Ordering::Relaxed), 24, "every failure is counted");
     }
 }
