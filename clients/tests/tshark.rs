@@ -190,7 +190,17 @@ fn tshark_decodes_our_packets_as_infiniband() {
     let from_a: Vec<&Vec<&str>> = rows.iter().filter(|r| r[0] == "127.0.0.1").collect();
     let op = |r: &Vec<&str>| parse_num(r[1]);
     // requests from A, in order: WRITE FIRST/MIDDLE/LAST, READ, SEND ONLY, WRITE ONLY IMM, CAS, FETCH_ADD
-    let reqs: Vec<&&Vec<&str>> = from_a.iter().filter(|r| op(r) != 0x11).collect();
+    // peer address validation: each side challenges the other (PROBE 0x84 with the challenge
+    // bit in its PSN field, answered by PROBE_REPLY 0x85 echoing it), decoded and well-formed
+    for side in ["127.0.0.1", "127.0.0.2"] {
+        let of = |o: u64| {
+            rows.iter()
+                .filter(|r| r[0] == side && op(r) == o && parse_num(r[3]) & 0x80_0000 != 0)
+                .count()
+        };
+        assert!(of(0x84) >= 1 && of(0x85) >= 1, "{side}: no challenge or no answer in {rows:?}");
+    }
+    let reqs: Vec<&&Vec<&str>> = from_a.iter().filter(|r| !matches!(op(r), 0x11 | 0x84 | 0x85)).collect();
     let ops: Vec<u64> = reqs.iter().map(|r| op(r)).collect();
     assert_eq!(ops, vec![0x06, 0x07, 0x08, 0x0C, 0x04, 0x0B, 0x13, 0x14], "{reqs:?}");
     for r in &reqs {

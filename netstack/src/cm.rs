@@ -330,7 +330,8 @@ fn accept_one<A: Acceptor>(
     private_data: &[u8],
 ) -> Result<(pb::ConnectReply, u32), String> {
     let acc = acceptor.accept(remote, private_data)?;
-    acc.qp.connect(remote).map_err(|e| e.to_string())?;
+    // the caller named these addresses: they are challenged as its word (Qp::accept)
+    acc.qp.accept(remote).map_err(|e| e.to_string())?;
     let ep = acc.qp.local_endpoint();
     let qpn = acc.qp.qp_num();
     acceptor.connected(acc.qp);

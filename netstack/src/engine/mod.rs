@@ -191,7 +191,9 @@ impl QpSlot {
                 .or(Some((0, dst)));
         }
         if let Some((_, k)) = self.reply_routes.get(pkt.path as usize).copied().flatten() {
-            let response = !Opcode::from_u8(pkt.hdr.bth().opcode).is_some_and(Opcode::is_request);
+            // a path probe tests its own path's route, like a request
+            let op = Opcode::from_u8(pkt.hdr.bth().opcode);
+            let response = !op.is_some_and(|o| o.is_request() || o == Opcode::Probe);
             if let (true, Some(&r)) = (response, self.routes.get(k as usize)) {
                 return Some(r);
             }
@@ -202,8 +204,8 @@ impl QpSlot {
     /// Starts validating the peer's addresses (one random nonce per address, drawn by the
     /// context; see
     /// [`crate::transport::rc::validation`]): called when the QP moves to RTR, its routes set.
-    pub(crate) fn start_validation(&mut self, nonces: &[u64]) {
-        self.qp.require_validation(nonces);
+    pub(crate) fn start_validation(&mut self, nonces: &[u64], chooser: crate::transport::rc::validation::Chooser) {
+        self.qp.require_validation(nonces, chooser);
     }
 
     /// The peer's addresses this QP sends to, each once: `remote` first, then the other

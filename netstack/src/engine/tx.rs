@@ -23,7 +23,11 @@ impl DataCore {
                     Some(pkt) => {
                         let Some((port, dst)) = s.route_of(&pkt) else { break };
                         if !s.may_send(&pkt, (port, dst)) {
-                            continue;
+                            // dropped: that route's peer address is not validated and the
+                            // allowance is spent; the QP's next packet waits for the next pass
+                            // (a long READ answered that way costs a packet per pass, not a loop
+                            // over the whole READ)
+                            break;
                         }
                         let src = link.local_addr(port);
                         if self.local_addrs.contains(&dst) {

@@ -9,6 +9,7 @@
 use super::{Context, VerbsError};
 use crate::engine::{sq, Command, CqShared, EngineShared, QpMirror, QpSlot};
 use crate::mem::Access;
+use crate::transport::rc::validation::Chooser;
 use crate::transport::rc::PostError;
 use crate::transport::rc::{QpState, RcConfig, RcQp, RcStats, Recovery};
 use crate::work::{RecvWr, SendFlags, SendWr, Sge};
@@ -387,6 +388,24 @@ impl Qp {
     /// (so the receiver's half of the algorithm, CNPs, grants or the INT echo, runs on the other
     /// end); two different algorithms are refused.
     pub fn modify_to_rtr(&self, remote: &Endpoint) -> Result<(), VerbsError> {
+        self.rtr_as(remote, Chooser::Local)
+    }
+
+    /// [`Qp::modify_to_rtr`] for `remote` as a peer's connection request named it: its
+    /// addresses are the peer's word, so the QP challenges them once unpaid and then only as
+    /// what the peer sends pays for ([`crate::transport::rc::validation::Chooser::Remote`]).
+    pub fn accept_rtr(&self, remote: &Endpoint) -> Result<(), VerbsError> {
+        self.rtr_as(remote, Chooser::Remote)
+    }
+
+    /// [`Qp::connect`] for a peer's connection request (what a connection manager's acceptor
+    /// does): [`Qp::accept_rtr`], then RTS.
+    pub fn accept(&self, remote: &Endpoint) -> Result<(), VerbsError> {
+        self.accept_rtr(remote)?;
+        self.modify_to_rts()
+    }
+
+    fn rtr_as(&self, remote: &Endpoint, chooser: Chooser) -> Result<(), VerbsError> {
         if remote.addr.ip().is_unspecified() || remote.addr.port() == 0 {
             return Err(VerbsError::Invalid(format!(
                 "remote address {} is not routable",
@@ -416,7 +435,7 @@ impl Qp {
         let qpn = self.qpn;
         self.core
             .call(self.qpn, move |s| {
-                rtr(s, qpn, &remote, (route_mtu, params), routes, &nonces)
+                rtr(s, qpn, &remote, (route_mtu, params), routes, (&nonces, chooser))
             })
             .ok_or(VerbsError::Gone)?
     }
@@ -621,7 +640,7 @@ fn rtr(
     remote: &Endpoint,
     (route_mtu, params): (Option<u32>, crate::path::PathParams),
     routes: Vec<(usize, SocketAddrV4)>,
-    nonces: &[u64],
+    (nonces, chooser): (&[u64], Chooser),
 ) -> Result<(), VerbsError> {
     let mut cfg = *s.qp.config();
     if cfg.recovery != remote.recovery {
@@ -674,7 +693,7 @@ fn rtr(
     s.reply_routes.clear();
     // whoever named these addresses, the peer proves it receives there before it is served
     // more than three times what it sent
-    s.start_validation(nonces);
+    s.start_validation(nonces, chooser);
     Ok(())
 }
 

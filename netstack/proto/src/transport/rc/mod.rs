@@ -1062,7 +1062,7 @@ impl<R: SharedRegion> RcQp<R> {
         if !matches!(self.state, QpState::Rtr | QpState::Rts) {
             return false;
         }
-        if self.challenge_pending(now) || self.gate_ready() {
+        if self.challenge_pending(now) || self.challenge_reply_pending() || self.gate_ready() {
             return true;
         }
         if self.gate_closed() {

@@ -134,6 +134,26 @@ impl<R: SharedRegion> RcQp<R> {
         !self.probe.due.is_empty() || !self.probe.replies.is_empty()
     }
 
+    /// The answer to a challenge the peer sent ([`super::validation`]), if one waits.
+    pub(super) fn poll_challenge_reply(&mut self) -> Option<TxPacket<R>> {
+        let i = self.probe.replies.iter().position(|r| r.1.is_some())?;
+        let (psn, challenge) = self.probe.replies.remove(i);
+        let (nonce, path) = challenge?;
+        self.stats.tx_packets += 1;
+        let mut hdr = HeaderBuf::with_bth(&Bth::new(Opcode::ProbeReply as u8, self.dest_qpn, psn));
+        hdr.push_u32((nonce >> 32) as u32).push_u32(nonce as u32);
+        Some(TxPacket {
+            hdr,
+            payload: Default::default(),
+            path,
+        })
+    }
+
+    /// Whether the answer to a challenge waits to be sent.
+    pub(super) fn challenge_reply_pending(&self) -> bool {
+        self.probe.replies.iter().any(|r| r.1.is_some())
+    }
+
     /// A probe reply (on the path of the latest request) or a probe (on the down path it tests).
     pub(super) fn poll_probe(&mut self) -> Option<TxPacket<R>> {
         let (op, psn, path, nonce) = if let Some((psn, challenge)) = self.probe.replies.pop() {

@@ -395,7 +395,8 @@ fn a_peer_that_never_answers_the_challenge_gets_at_most_three_times_what_it_sent
     // the caller named a victim as the server's peer and sends READs from its own socket:
     // whatever the server sends goes to the victim, who never echoes the challenge
     let mut p = Pair::new(100);
-    p.server.require_validation(&[0x1234_5678_9abc_def0]);
+    p.server
+        .require_validation(&[0x1234_5678_9abc_def0], validation::Chooser::Remote);
     let (mut sent, mut reflected) = (0usize, 0usize);
     for i in 0..64u32 {
         let d = forge(&read_request(2, 100 + i, BASE, 64 << 10), A, B);
@@ -421,7 +422,8 @@ fn a_peer_that_never_answers_the_challenge_gets_at_most_three_times_what_it_sent
 #[test]
 fn a_peer_that_echoes_the_challenge_is_served_in_full_and_a_wrong_nonce_validates_nothing() {
     let mut p = Pair::new(100);
-    p.server.require_validation(&[0x0bad_cafe_f00d_0001]);
+    p.server
+        .require_validation(&[0x0bad_cafe_f00d_0001], validation::Chooser::Remote);
     // a forged reply with a guessed nonce is dropped and counted
     let mut h = HeaderBuf::with_bth(&Bth::new(Opcode::ProbeReply as u8, 2, validation::CHALLENGE));
     h.push_u32(0xdead_beef).push_u32(0x0000_0001);
@@ -454,4 +456,74 @@ fn a_peer_that_echoes_the_challenge_is_served_in_full_and_a_wrong_nonce_validate
     let s = p.server.stats();
     assert_eq!(s.routes_validated, 1, "{s:?}");
     assert_eq!(s.timeouts, 0, "validation must not cost a retransmission: {s:?}");
+}
+
+#[test]
+fn a_qp_whose_peer_named_its_address_challenges_it_once_unpaid() {
+    // a connection request named a victim and nothing ever comes from there: one challenge
+    // goes out, however long the QP lives
+    let mut p = Pair::new(100);
+    p.server.require_validation(&[7], validation::Chooser::Remote);
+    let mut sent = 0;
+    for _ in 0..10_000 {
+        while p.server.poll_transmit(p.now).is_some() {
+            sent += 1;
+        }
+        p.now += 1_000_000;
+        p.server.handle_timeout(p.now);
+    }
+    assert_eq!(sent, 1, "{:?}", p.server.stats());
+}
+
+#[test]
+fn two_sides_that_both_hold_a_packet_still_validate_each_other() {
+    // both post a 64 KiB WRITE right after connecting: each holds its first packet until the
+    // other answers its challenge, and each answers the other's ahead of what it holds
+    let mut p = Pair::new(100);
+    p.client.require_validation(&[11], validation::Chooser::Local);
+    p.server.require_validation(&[22], validation::Chooser::Remote);
+    let wr = |id, lkey| {
+        SendWr::new(id, WrOpcode::RdmaWrite)
+            .sge(Sge {
+                addr: BASE,
+                length: 64 << 10,
+                lkey,
+            })
+            .remote(BASE + (128 << 10), KEY)
+    };
+    p.client.post_send(wr(1, KEY), &p.cmem).expect("client WRITE posted");
+    p.server.post_send(wr(2, KEY), &p.smem).expect("server WRITE posted");
+    // both build what they can before anything arrives: a challenge each, the WRITEs held
+    let first: Vec<_> = std::iter::from_fn(|| p.client.poll_transmit(p.now)).collect();
+    let answer: Vec<_> = std::iter::from_fn(|| p.server.poll_transmit(p.now)).collect();
+    assert_eq!((first.len(), answer.len()), (1, 1), "only the challenges leave");
+    assert!(p.client.stats().gated_packets == 1 && p.server.stats().gated_packets == 1);
+    for pkt in &first {
+        deliver(&mut p.server, p.now, &encode(pkt, A, B), &p.smem);
+    }
+    for pkt in &answer {
+        deliver(&mut p.client, p.now, &encode(pkt, B, A), &p.cmem);
+    }
+    for _ in 0..2000 {
+        let mut moved = false;
+        while let Some(pkt) = p.client.poll_transmit(p.now) {
+            deliver(&mut p.server, p.now, &encode(&pkt, A, B), &p.smem);
+            moved = true;
+        }
+        while let Some(pkt) = p.server.poll_transmit(p.now) {
+            deliver(&mut p.client, p.now, &encode(&pkt, B, A), &p.cmem);
+            moved = true;
+        }
+        p.now += 50_000;
+        p.client.handle_timeout(p.now);
+        p.server.handle_timeout(p.now);
+        if !moved && p.client.has_completions() && p.server.has_completions() {
+            break;
+        }
+    }
+    let (c, s) = (p.client.poll_completion(), p.server.poll_completion());
+    assert_eq!(c.map(|w| w.status), Some(WcStatus::Success), "{:?}", p.client.stats());
+    assert_eq!(s.map(|w| w.status), Some(WcStatus::Success), "{:?}", p.server.stats());
+    assert!(p.client.peer_validated() && p.server.peer_validated());
+    assert_eq!(p.client.stats().timeouts + p.server.stats().timeouts, 0);
 }

@@ -49,11 +49,9 @@ pub const AMPLIFICATION: u64 = 3;
 const FIRST_BACKOFF_NS: u64 = 500_000;
 /// Longest wait between timed challenges.
 const MAX_BACKOFF_NS: u64 = 100_000_000;
-/// Timed challenges per route before the QP stops sending them on a timer (a packet from the
-/// peer still triggers one, paid from the allowance it brought): a victim's address gets at
-/// most this many unpaid probes per QP (576 bytes over about 1.7 s; the caller paid for them
-/// with its connection request). They do not wait for the allowance: a side that has nothing
-/// to receive (a requester whose first challenge was lost) would otherwise never retry.
+/// Timed challenges per route of a QP whose peer chose the addresses ([`Chooser::Remote`])
+/// before it stops sending them on a timer (a packet from the peer still triggers one); all
+/// but the first are paid from the allowance.
 const MAX_TIMED_TRIES: u32 = 24;
 /// A packet from the peer triggers a new challenge if the latest is older than this.
 pub const RECHALLENGE_NS: u64 = 200_000;
@@ -80,6 +78,24 @@ pub(super) struct Validation<R> {
     gated: Option<TxPacket<R>>,
     /// Challenges to send now (route indexes), before anything else.
     now_due: Vec<u8>,
+    /// Timed retries go unpaid, without end (addresses this side chose); otherwise only the
+    /// first challenge does, and retries wait for the allowance.
+    unpaid_retries: bool,
+}
+
+/// Who named the peer's addresses a QP validates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Chooser {
+    /// This side did (it connected to a peer it chose, with the addresses that peer's
+    /// connection manager answered): challenges are retried on a timer, unpaid, until answered
+    /// (backoff up to [`MAX_BACKOFF_NS`]), since a side that has nothing to receive would
+    /// otherwise never be validated after a lost challenge.
+    Local,
+    /// The peer did (a connection manager accepted its request): only the first challenge goes
+    /// unpaid; every later one, timed ([`MAX_TIMED_TRIES`]) or triggered by a packet, waits
+    /// for the allowance what the peer sent brought. A caller who names a victim gets one
+    /// challenge sent there per connection request, nothing more.
+    Remote,
 }
 
 /// Bytes a packet takes on the wire (the UDP payload: headers, payload, pad, ICRC).
@@ -93,7 +109,7 @@ impl<R: SharedRegion> RcQp<R> {
     /// as the driver numbers them (route 0 is the peer's main address; the engine numbers the
     /// peer's distinct addresses). Call at RTR; a QP without this
     /// call trusts its peer (the simulator, tests).
-    pub fn require_validation(&mut self, nonces: &[u64]) {
+    pub fn require_validation(&mut self, nonces: &[u64], chosen: Chooser) {
         let routes = nonces
             .iter()
             .map(|&nonce| Route {
@@ -113,6 +129,7 @@ impl<R: SharedRegion> RcQp<R> {
             allowance: 0,
             gated: None,
             now_due: Vec::new(),
+            unpaid_retries: chosen == Chooser::Local,
         });
     }
 
@@ -200,14 +217,15 @@ impl<R: SharedRegion> RcQp<R> {
     pub(super) fn poll_challenge(&mut self, now: u64) -> Option<TxPacket<R>> {
         let dest_qpn = self.dest_qpn;
         let v = self.validation.as_mut()?;
-        let allowance = v.allowance;
+        let (allowance, unpaid_retries) = (v.allowance, v.unpaid_retries);
+        let affordable = allowance >= CHALLENGE_LEN as u64;
         // (route, paid from the allowance)
         let due = |k: usize, r: &Route| -> Option<bool> {
             if r.validated {
                 None
-            } else if r.due.is_some_and(|t| t <= now) {
+            } else if r.due.is_some_and(|t| t <= now) && (r.tries == 0 || unpaid_retries) {
                 Some(false)
-            } else if v.now_due.contains(&(k as u8)) && allowance >= CHALLENGE_LEN as u64 {
+            } else if (r.due.is_some_and(|t| t <= now) || v.now_due.contains(&(k as u8))) && affordable {
                 Some(true)
             } else {
                 None
@@ -226,7 +244,7 @@ impl<R: SharedRegion> RcQp<R> {
         r.tries += 1;
         r.last_sent = Some(now);
         let backoff = (FIRST_BACKOFF_NS << r.tries.min(20).saturating_sub(1)).min(MAX_BACKOFF_NS);
-        r.due = (r.tries < MAX_TIMED_TRIES).then_some(now + backoff);
+        r.due = (unpaid_retries || r.tries < MAX_TIMED_TRIES).then_some(now + backoff);
         self.stats.challenges_sent += 1;
         self.stats.tx_packets += 1;
         let psn = CHALLENGE | k as u32;
@@ -243,12 +261,15 @@ impl<R: SharedRegion> RcQp<R> {
     /// When the next challenge is due (0: now).
     pub(super) fn challenge_deadline(&self) -> Option<u64> {
         let v = self.validation.as_ref()?;
-        let triggered = |k: usize| v.now_due.contains(&(k as u8)) && v.allowance >= CHALLENGE_LEN as u64;
+        let affordable = v.allowance >= CHALLENGE_LEN as u64;
+        let triggered = |k: usize| v.now_due.contains(&(k as u8)) && affordable;
+        // a timed retry that must be paid for waits for the allowance, not for its time
+        let timed = |r: &Route| r.due.filter(|_| r.tries == 0 || v.unpaid_retries || affordable);
         v.routes
             .iter()
             .enumerate()
             .filter(|(_, r)| !r.validated)
-            .filter_map(|(k, r)| if triggered(k) { Some(0) } else { r.due })
+            .filter_map(|(k, r)| if triggered(k) { Some(0) } else { timed(r) })
             .min()
     }
 
@@ -269,6 +290,14 @@ impl<R: SharedRegion> RcQp<R> {
     pub(super) fn gated_transmit(&mut self, now: u64) -> Option<TxPacket<R>> {
         if let Some(c) = self.poll_challenge(now) {
             return Some(c);
+        }
+        // the peer's challenges are answered ahead of a held packet: two sides that both hold
+        // one would otherwise wait for each other (each challenge brought 3x its size)
+        if let Some(r) = self.poll_challenge_reply() {
+            if let Some(v) = self.validation.as_mut() {
+                v.allowance = v.allowance.saturating_sub(wire_len(&r));
+            }
+            return Some(r);
         }
         if self.primary_validated() {
             if let Some(p) = self.validation.as_mut().and_then(|v| v.gated.take()) {

@@ -177,12 +177,10 @@ impl Gate {
                 Self::challenge(peer, p, h, out, stats);
             }
             Self::release(p, &mut self.held_total, out);
-            // a read none of whose blocks could go or wait is not served (the storage is not
-            // read for answers that would be dropped; a real agent asks again)
-            let block = (HDR + super::wire::BLOCK) as u64;
-            let full = p.held_bytes + block > self.cfg.max_held_bytes_per_peer
-                || self.held_total + block > self.cfg.max_held_bytes;
-            if h.op == Op::ReadReq && full && (!p.held.is_empty() || p.allowance < block) {
+            // a read whose blocks cannot all go or wait is not served: the storage is not read
+            // for answers that would be dropped (one 64-byte request may ask for 65,535
+            // blocks); a real agent asks again once validated
+            if h.op == Op::ReadReq && !Self::read_fits(&self.cfg, self.held_total, p, h) {
                 stats.unserved_reads += 1;
                 return false;
             }
@@ -201,6 +199,7 @@ impl Gate {
             held_bytes: 0,
         };
         Self::challenge(peer, &mut p, h, out, stats);
+        let fits = h.op != Op::ReadReq || Self::read_fits(&self.cfg, self.held_total, &p, h);
         self.pending.insert(peer, p);
         self.order.push_back((now, peer));
         if self.order.len() > 2 * self.cfg.max_pending + 16 {
@@ -208,7 +207,22 @@ impl Gate {
             self.order
                 .retain(|&(t, a)| pending.get(&a).is_some_and(|p| p.created == t));
         }
-        true
+        if !fits {
+            stats.unserved_reads += 1;
+        }
+        fits
+    }
+
+    /// Whether all the blocks READ_REQ `h` asks for can go now (the allowance) or wait (room
+    /// in `p`'s queue and in all queues).
+    fn read_fits(cfg: &ValidationConfig, held_total: u64, p: &Pending, h: &Header) -> bool {
+        let blocks = u64::from(h.blk_cnt.saturating_sub(h.blk_idx)).max(1);
+        let need = blocks * (HDR + super::wire::BLOCK) as u64;
+        let room = cfg
+            .max_held_bytes_per_peer
+            .saturating_sub(p.held_bytes)
+            .min(cfg.max_held_bytes.saturating_sub(held_total));
+        need <= p.allowance.saturating_add(room)
     }
 
     /// Makes room for a new pending address by giving up the oldest, if it is old enough.
@@ -486,19 +500,23 @@ mod tests {
             ..ValidationConfig::default()
         };
         let mut s = server(cfg);
+        // a read whose blocks cannot all go or wait is not served at all: the storage is not
+        // read for answers that would be dropped (one small request may ask for 65,535 blocks)
         feed(&mut s, 0, 1, &read_req(0, 0, 100));
         let st = s.stats();
-        assert_eq!((st.held_packets, st.dropped_unvalidated), (8, 92));
-        assert_eq!(st.dropped_unvalidated_bytes, 92 * (HDR + BLOCK) as u64);
-        assert_eq!(s.held_bytes(), 8 * (HDR + BLOCK) as u64);
-        // more reads from the address while its queue is full are not served at all: the
-        // storage is not read for answers that would be dropped
-        let reads = st.reads;
-        feed(&mut s, 1, 1, &read_req(0, 0, 100));
+        assert_eq!((st.reads, st.unserved_reads, st.held_packets), (0, 1, 0), "{st:?}");
+        // one that fits the address's share waits whole
+        feed(&mut s, 1, 1, &read_req(0, 0, 8));
         let st = s.stats();
-        assert_eq!((st.reads, st.unserved_reads, st.dropped_unvalidated), (reads, 1, 92));
-        // a second address gets what is left of the total: 4 blocks
-        feed(&mut s, 0, 2, &read_req(0, 0, 100));
+        assert_eq!((st.held_packets, st.dropped_unvalidated), (8, 0), "{st:?}");
+        assert_eq!(s.held_bytes(), 8 * (HDR + BLOCK) as u64);
+        // more from the address while its queue is full are not served
+        feed(&mut s, 2, 1, &read_req(0, 0, 2));
+        assert_eq!(s.stats().unserved_reads, 2);
+        // a second address gets what is left of the total: 4 blocks, not 5
+        feed(&mut s, 0, 2, &read_req(0, 0, 5));
+        assert_eq!(s.stats().unserved_reads, 3);
+        feed(&mut s, 1, 2, &read_req(0, 0, 4));
         assert_eq!(s.stats().held_packets, 12);
         assert_eq!(s.held_bytes(), 12 * (HDR + BLOCK) as u64);
         while s.poll_transmit().is_some() {}
