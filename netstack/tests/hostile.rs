@@ -10,6 +10,7 @@ use std::net::SocketAddrV4;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use test_support::rawudp::RawUdp;
 
 const T: Duration = Duration::from_secs(10);
 /// Bytes each WRITE and READ of the client's loop moves (16 packets of 4 KiB).
@@ -44,64 +45,6 @@ fn pattern(len: usize, seed: u32) -> Vec<u8> {
     (0..len)
         .map(|i| (i as u32 ^ seed).wrapping_mul(2654435761).to_le_bytes()[1])
         .collect()
-}
-
-/// A raw IPv4 socket that sends UDP datagrams from any address (the forger's).
-struct RawUdp(i32);
-
-impl RawUdp {
-    fn open() -> std::io::Result<RawUdp> {
-        // SAFETY: socket(2) takes no pointers; the descriptor is owned by the RawUdp.
-        let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_RAW, libc::IPPROTO_RAW) };
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok(RawUdp(fd))
-    }
-
-    /// Sends `body` as a UDP datagram from `src` to `dst` (IP_HDRINCL: the kernel fills the IP
-    /// checksum; the UDP checksum is 0, "none", as IPv4 allows).
-    fn send(&self, src: SocketAddrV4, dst: SocketAddrV4, body: &[u8]) {
-        let total = 20 + 8 + body.len();
-        let mut d = Vec::with_capacity(total);
-        d.extend_from_slice(&[0x45, 0]);
-        d.extend_from_slice(&(total as u16).to_be_bytes());
-        d.extend_from_slice(&[0, 0, 0x40, 0, 64, 17, 0, 0]); // ID 0, DF, TTL 64, UDP
-        d.extend_from_slice(&src.ip().octets());
-        d.extend_from_slice(&dst.ip().octets());
-        d.extend_from_slice(&src.port().to_be_bytes());
-        d.extend_from_slice(&dst.port().to_be_bytes());
-        d.extend_from_slice(&((8 + body.len()) as u16).to_be_bytes());
-        d.extend_from_slice(&[0, 0]);
-        d.extend_from_slice(body);
-        let sa = libc::sockaddr_in {
-            sin_family: libc::AF_INET as libc::sa_family_t,
-            sin_port: 0,
-            sin_addr: libc::in_addr {
-                s_addr: u32::from_ne_bytes(dst.ip().octets()),
-            },
-            sin_zero: [0; 8],
-        };
-        // SAFETY: `d` and `sa` outlive the call, and the lengths passed are theirs.
-        let n = unsafe {
-            libc::sendto(
-                self.0,
-                d.as_ptr().cast(),
-                d.len(),
-                0,
-                (&sa as *const libc::sockaddr_in).cast(),
-                std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
-            )
-        };
-        assert_eq!(n, d.len() as isize, "raw send: {}", std::io::Error::last_os_error());
-    }
-}
-
-impl Drop for RawUdp {
-    fn drop(&mut self) {
-        // SAFETY: the descriptor is this RawUdp's and closed once.
-        unsafe { libc::close(self.0) };
-    }
 }
 
 /// A RoCEv2 datagram with a correct ICRC, as sent from `src` to `dst`.
@@ -201,7 +144,8 @@ fn spoofed_naks_and_forged_reads_neither_end_nor_reflect_a_live_connection() {
             let mut sent = 0u64;
             while !stop.load(Ordering::Relaxed) || sent < 400 {
                 for psn in [0, 4 << 20, 8 << 20, 12 << 20] {
-                    raw.send(src, dst, &forge(&nak(qpn, psn), src, dst));
+                    raw.send(src, dst, &forge(&nak(qpn, psn), src, dst))
+                        .expect("a forged datagram sent");
                     sent += 1;
                 }
                 std::thread::sleep(Duration::from_millis(1));
@@ -251,13 +195,15 @@ fn spoofed_naks_and_forged_reads_neither_end_nor_reflect_a_live_connection() {
         ce.addr,
         se.addr,
         &forge(&read_request(se.qpn, last_read, whole), ce.addr, se.addr),
-    );
+    )
+    .expect("a forged datagram sent");
     // the first READ replayed exactly (long retired: dozens of READs were accepted since)
     raw.send(
         ce.addr,
         se.addr,
         &forge(&read_request(se.qpn, read_psn(0), first), ce.addr, se.addr),
-    );
+    )
+    .expect("a forged datagram sent");
     let dups = |s: &RcStats| s.duplicate_requests + s.duplicate_requests_refused;
     wait_for("the server to take both forged READs", || {
         dups(&server.qp.stats()) >= dups(&before.1) + 2
@@ -324,7 +270,7 @@ fn random_packets_with_valid_bths_from_the_client_address_end_no_connection() {
             h.set_pad_for(tail.len());
             let mut out = Vec::new();
             encode_into(&mut out, &h, &[&tail], ce.addr, se.addr);
-            raw.send(ce.addr, se.addr, &out);
+            raw.send(ce.addr, se.addr, &out).expect("a forged datagram sent");
             forged += 1;
         }
         // the client goes on verifying between the bursts

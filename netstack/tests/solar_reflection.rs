@@ -10,10 +10,11 @@ use netstack::verbs::solar::{ReadAnswer, ReadBlocks, StorageHandler, WriteBlock,
 use netstack::verbs::{Context, ContextConfig};
 use parking_lot::Mutex;
 use std::collections::HashMap;
-use std::net::{SocketAddrV4, UdpSocket};
+use std::net::UdpSocket;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use test_support::rawudp::RawUdp;
 
 /// Blocks the forged READ_REQs ask for each (256 KiB of answers per 64-byte packet).
 const BLOCKS: u16 = 64;
@@ -45,64 +46,6 @@ impl StorageHandler for MemStore {
                 None => answer.failed(k, Status::OutOfRange),
             }
         }
-    }
-}
-
-/// A raw IP socket that sends UDP datagrams from any source address.
-struct RawUdp(i32);
-
-impl RawUdp {
-    fn open() -> std::io::Result<RawUdp> {
-        // SAFETY: socket(2) takes no pointers; the descriptor is owned by the RawUdp.
-        let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_RAW, libc::IPPROTO_RAW) };
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok(RawUdp(fd))
-    }
-
-    /// Sends `body` as a UDP datagram from `src` to `dst` (IP_HDRINCL: the kernel fills the IP
-    /// checksum; the UDP checksum is 0, "none", as IPv4 allows).
-    fn send(&self, src: SocketAddrV4, dst: SocketAddrV4, body: &[u8]) {
-        let total = 20 + 8 + body.len();
-        let mut d = Vec::with_capacity(total);
-        d.extend_from_slice(&[0x45, 0]);
-        d.extend_from_slice(&(total as u16).to_be_bytes());
-        d.extend_from_slice(&[0, 0, 0x40, 0, 64, 17, 0, 0]); // ID 0, DF, TTL 64, UDP
-        d.extend_from_slice(&src.ip().octets());
-        d.extend_from_slice(&dst.ip().octets());
-        d.extend_from_slice(&src.port().to_be_bytes());
-        d.extend_from_slice(&dst.port().to_be_bytes());
-        d.extend_from_slice(&((8 + body.len()) as u16).to_be_bytes());
-        d.extend_from_slice(&[0, 0]);
-        d.extend_from_slice(body);
-        let sa = libc::sockaddr_in {
-            sin_family: libc::AF_INET as libc::sa_family_t,
-            sin_port: 0,
-            sin_addr: libc::in_addr {
-                s_addr: u32::from_ne_bytes(dst.ip().octets()),
-            },
-            sin_zero: [0; 8],
-        };
-        // SAFETY: `d` and `sa` outlive the call, and the lengths passed are theirs.
-        let n = unsafe {
-            libc::sendto(
-                self.0,
-                d.as_ptr().cast(),
-                d.len(),
-                0,
-                (&sa as *const libc::sockaddr_in).cast(),
-                std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
-            )
-        };
-        assert_eq!(n, d.len() as isize, "raw send: {}", std::io::Error::last_os_error());
-    }
-}
-
-impl Drop for RawUdp {
-    fn drop(&mut self) {
-        // SAFETY: the descriptor is this RawUdp's and closed once.
-        unsafe { libc::close(self.0) };
     }
 }
 
@@ -225,7 +168,7 @@ fn forged_read_requests_reflect_at_most_three_times_their_bytes_while_an_agent_v
     let t = Instant::now();
     for i in 0..FORGED as u64 {
         let p = read_req(i, 0);
-        raw.send(victim_addr, server, &p);
+        raw.send(victim_addr, server, &p).expect("a forged datagram sent");
         sent += p.len() as u64;
         if i % 16 == 15 {
             std::thread::sleep(Duration::from_millis(1));

@@ -9,6 +9,7 @@
 use std::io::Write;
 
 pub mod powercut;
+pub mod rawudp;
 pub mod units;
 
 /// A tokio runtime of two worker threads with timers and I/O, as the in-process tests drive
