@@ -198,7 +198,10 @@ fn tshark_decodes_our_packets_as_infiniband() {
                 .filter(|r| r[0] == side && op(r) == o && parse_num(r[3]) & 0x80_0000 != 0)
                 .count()
         };
-        assert!(of(0x84) >= 1 && of(0x85) >= 1, "{side}: no challenge or no answer in {rows:?}");
+        assert!(
+            of(0x84) >= 1 && of(0x85) >= 1,
+            "{side}: no challenge or no answer in {rows:?}"
+        );
     }
     let reqs: Vec<&&Vec<&str>> = from_a.iter().filter(|r| !matches!(op(r), 0x11 | 0x84 | 0x85)).collect();
     let ops: Vec<u64> = reqs.iter().map(|r| op(r)).collect();
