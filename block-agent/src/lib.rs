@@ -20,6 +20,7 @@
 pub mod agent;
 pub mod control;
 pub mod daemon;
+mod episode;
 pub mod link;
 pub mod nbd;
 pub mod qos;

@@ -19,6 +19,7 @@
 //! the first start) and a lock file, so one process at a time serves it; the node registers
 //! under that id wherever it listens, and the controller and agents follow it to a new address.
 
+use crate::episode::{Episode, Logged, SUMMARY_EVERY as EPISODE_SUMMARY_EVERY};
 use crate::store::{read_base, Base, StoreError, VolumeStore};
 use crate::tcp_proto;
 use netstack::transport::solar::server::SolarServer;
@@ -225,77 +226,33 @@ fn store_status(e: &StoreError) -> Status {
     }
 }
 
-/// How often a failure episode that goes on logs a summary of the refusals it counted.
-const EPISODE_SUMMARY_EVERY: Duration = Duration::from_secs(10);
-
-/// What [`Refusals::failed`] logged.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Logged {
-    /// The episode's first refusal: one warning.
-    First,
-    /// Counted silently.
-    Counted,
-    /// A summary of the refusals counted in the last [`EPISODE_SUMMARY_EVERY`].
-    Summary(u64),
-}
-
-/// Refused writes of a node, logged once per failure episode: a write refused (a 64 KiB
-/// write is 16 block writes, each refused) warns once; later refusals are counted silently
-/// until a write succeeds (then one line says how many) or every [`EPISODE_SUMMARY_EVERY`]
-/// (one summary line). `total` is `flexns_storage_refused_writes_total`.
+/// Refused writes of a node, logged once per failure episode ([`crate::episode`]): a 64 KiB
+/// write is 16 block writes, each refused, and a full disk refuses every one. Its total is
+/// `flexns_storage_refused_writes_total`.
 #[derive(Default)]
-struct Refusals {
-    /// A failure episode is on (the fast path of [`Refusals::succeeded`] reads only this).
-    failing: AtomicBool,
-    /// Refusals counted since the last line, and when that line was logged.
-    quiet: Mutex<(u64, Option<Instant>)>,
-    total: AtomicU64,
-}
+struct Refusals(Episode);
 
 impl Refusals {
     /// Counts a refused write `e` and logs it if it starts an episode (a failed store's
-    /// refusals: at debug, it logged its failure once).
+    /// refusals: at debug, it logged its failure once) or is due for a summary.
     fn failed(&self, e: &StoreError, now: Instant) -> Logged {
-        self.total.fetch_add(1, Ordering::Relaxed);
-        let mut q = self.quiet.lock();
-        match q.1 {
-            None => {
-                *q = (0, Some(now));
-                self.failing.store(true, Ordering::Relaxed);
-                if matches!(e, StoreError::Poisoned { .. }) {
-                    tracing::debug!("{e}");
-                } else {
-                    tracing::warn!("{e} (later refusals are counted until a write succeeds)");
-                }
-                Logged::First
-            }
-            Some(at) if now.duration_since(at) >= EPISODE_SUMMARY_EVERY => {
-                let n = q.0 + 1;
-                *q = (0, Some(now));
-                tracing::warn!(
-                    "{n} writes refused in the last {} s; the latest: {e}",
-                    now.duration_since(at).as_secs()
-                );
-                Logged::Summary(n)
-            }
-            Some(_) => {
-                q.0 += 1;
-                Logged::Counted
-            }
+        let logged = self.0.fail(now);
+        match logged {
+            Logged::First if matches!(e, StoreError::Poisoned { .. }) => tracing::debug!("{e}"),
+            Logged::First => tracing::warn!("{e} (later refusals are counted until a write succeeds)"),
+            Logged::Summary(n) => tracing::warn!(
+                "{n} writes refused in the last {} s or more; the latest: {e}",
+                EPISODE_SUMMARY_EVERY.as_secs()
+            ),
+            Logged::Counted => {}
         }
+        logged
     }
 
     /// A write succeeded: ends a failure episode, with one line for the refusals it counted.
     /// Returns that count (None when no episode was on).
     fn succeeded(&self) -> Option<u64> {
-        if !self.failing.load(Ordering::Relaxed) {
-            return None;
-        }
-        let mut q = self.quiet.lock();
-        q.1?;
-        let n = q.0;
-        *q = (0, None);
-        self.failing.store(false, Ordering::Relaxed);
+        let n = self.0.end()?;
         if n > 0 {
             tracing::warn!("writes succeed again; {n} more were refused since the last line");
         } else {
@@ -885,10 +842,7 @@ impl netstack::telemetry::Collect for Inner {
             k.malformed.load(Ordering::Relaxed) + es.rx_malformed + sv.malformed,
         );
         c("flexns_storage_send_errors_total", es.tx_errors);
-        c(
-            "flexns_storage_refused_writes_total",
-            self.refusals.total.load(Ordering::Relaxed),
-        );
+        c("flexns_storage_refused_writes_total", self.refusals.0.total());
         c("flexns_solar_server_writes_total", sv.writes);
         c("flexns_solar_server_reads_total", sv.reads);
         c("flexns_solar_server_crc_errors_total", sv.crc_errors);
@@ -1028,7 +982,7 @@ mod tests {
         assert_eq!(r.failed(&e, t0 + EPISODE_SUMMARY_EVERY), Logged::Summary(2));
         assert_eq!(r.failed(&e, t0 + EPISODE_SUMMARY_EVERY), Logged::Counted);
         assert_eq!(r.succeeded(), Some(1));
-        assert_eq!(r.total.load(Ordering::Relaxed), 20, "every refusal is counted");
+        assert_eq!(r.0.total(), 20, "every refusal is counted");
     }
 
     /// A store on a real full file system (a 1 MiB tmpfs): the write that hits ENOSPC, and

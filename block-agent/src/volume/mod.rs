@@ -50,6 +50,7 @@ mod reconcile;
 
 pub use reconcile::{Answer, LocalStores, NodeQueries};
 
+use crate::episode::{Episode, Logged, SUMMARY_EVERY as FAILURE_SUMMARY_EVERY};
 use crate::link::{Link, LinkError, Target};
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use netstack::transport::solar::client::IoError;
@@ -203,78 +204,35 @@ pub struct VolumeCounters {
     pub reconciled_blocks: AtomicU64,
 }
 
-/// How often a replica's write-failure episode that goes on logs a summary of the failures it
-/// counted.
-const FAILURE_SUMMARY_EVERY: Duration = Duration::from_secs(10);
-
-/// What [`WriteFailures::failed`] logged.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Logged {
-    /// The episode's first failure: one error line.
-    First,
-    /// Counted silently.
-    Counted,
-    /// A summary of the failures counted in the last [`FAILURE_SUMMARY_EVERY`].
-    Summary(u64),
-}
-
-/// One replica's failed writes, logged once per failure episode: a replica whose disk is full
-/// fails every write sent to it, and a line for each would flood the agent's log. The first
-/// failure logs an error; later ones are counted silently until a write to the replica lands
-/// again (then one line says how many) or every [`FAILURE_SUMMARY_EVERY`] (one summary line).
-/// `total` is `flexns_volume_replica_write_failures_total`.
+/// One replica's failed writes, logged once per failure episode ([`crate::episode`]): a
+/// replica whose disk is full fails every write sent to it, and a line for each would flood
+/// the agent's log. Its total is `flexns_volume_replica_write_failures_total`.
 #[derive(Debug, Default)]
-struct WriteFailures {
-    /// An episode is on (the fast path of [`WriteFailures::landed`] reads only this).
-    failing: AtomicBool,
-    /// Failures counted since the last line, and when that line was logged (None: no episode).
-    quiet: Mutex<(u64, Option<std::time::Instant>)>,
-    total: AtomicU64,
-}
+struct WriteFailures(Episode);
 
 impl WriteFailures {
     /// Counts a write that failed on replica `i` of volume `volume` (`what` says which and
     /// why) and logs it if it starts an episode or is due for a summary.
     fn failed(&self, volume: u32, i: usize, what: &dyn std::fmt::Display, now: std::time::Instant) -> Logged {
-        self.total.fetch_add(1, Ordering::Relaxed);
-        let mut q = self.quiet.lock();
-        match q.1 {
-            None => {
-                *q = (0, Some(now));
-                self.failing.store(true, Ordering::Relaxed);
-                tracing::error!(
-                    "volume {volume}: replica {i}: {what} (its later write failures are counted until a write to it \
-                     lands)"
-                );
-                Logged::First
-            }
-            Some(at) if now.duration_since(at) >= FAILURE_SUMMARY_EVERY => {
-                let n = q.0 + 1;
-                *q = (0, Some(now));
-                tracing::error!(
-                    "volume {volume}: replica {i}: {n} writes failed in the last {} s; the latest: {what}",
-                    now.duration_since(at).as_secs()
-                );
-                Logged::Summary(n)
-            }
-            Some(_) => {
-                q.0 += 1;
-                Logged::Counted
-            }
+        let logged = self.0.fail(now);
+        match logged {
+            Logged::First => tracing::error!(
+                "volume {volume}: replica {i}: {what} (its later write failures are counted until a write to it \
+                 lands)"
+            ),
+            Logged::Summary(n) => tracing::error!(
+                "volume {volume}: replica {i}: {n} writes failed in the last {} s or more; the latest: {what}",
+                FAILURE_SUMMARY_EVERY.as_secs()
+            ),
+            Logged::Counted => {}
         }
+        logged
     }
 
     /// A write to replica `i` landed: ends its failure episode, with one line for the failures
     /// it counted. Returns that count (None when no episode was on).
     fn landed(&self, volume: u32, i: usize) -> Option<u64> {
-        if !self.failing.load(Ordering::Relaxed) {
-            return None;
-        }
-        let mut q = self.quiet.lock();
-        q.1?;
-        let n = q.0;
-        *q = (0, None);
-        self.failing.store(false, Ordering::Relaxed);
+        let n = self.0.end()?;
         if n > 0 {
             tracing::warn!("volume {volume}: replica {i} takes writes again; {n} more failed since the last line");
         } else {
@@ -630,7 +588,7 @@ impl Volume {
     /// Per replica, the writes that failed on it or that it did not answer in time
     /// (`flexns_volume_replica_write_failures_total`; logged once per failure episode).
     pub fn replica_write_failures(&self) -> Vec<u64> {
-        self.failures.iter().map(|f| f.total.load(Ordering::Relaxed)).collect()
+        self.failures.iter().map(|f| f.0.total()).collect()
     }
 
     fn check(&self, offset: u64, len: u64) -> Result<(), VolumeError> {
@@ -1383,6 +1341,6 @@ mod tests {
         assert_eq!(f.failed(1, 0, &what, t0 + FAILURE_SUMMARY_EVERY), Logged::Summary(2));
         assert_eq!(f.failed(1, 0, &what, t0 + FAILURE_SUMMARY_EVERY), Logged::Counted);
         assert_eq!(f.landed(1, 0), Some(1));
-        assert_eq!(f.total.load(Ordering::Relaxed), 24, "every failure is counted");
+        assert_eq!(f.0.total(), 24, "every failure is counted");
     }
 }
