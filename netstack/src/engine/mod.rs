@@ -41,7 +41,7 @@ use crate::link::udp::{UdpLink, UdpPorts};
 use crate::link::Link;
 use crate::mem::MrTable;
 use crate::pipe::{self, Consumer, Producer};
-use crate::transport::rc::validation::{challenge_route, CHALLENGE};
+use crate::transport::rc::validation::{challenge_route, wire_len, CHALLENGE};
 use crate::transport::rc::{QpState, RcQp};
 use crate::transport::TxPacket;
 use crate::wire::opcode::Opcode;
@@ -180,10 +180,10 @@ impl QpSlot {
         let bth = pkt.hdr.bth();
         if bth.opcode == Opcode::Probe as u8 && bth.psn & CHALLENGE != 0 {
             // a challenge names the peer address it validates (the QP's "route" k is its k-th
-            // distinct destination): it leaves on the first route there
-            // on the route a path takes there now (the peer answers from its socket of the same
-            // index, QpSlot::note_request_source: a path that moved off a port whose way back
-            // is cut takes its challenge's answer along), else the first route there
+            // distinct destination); it leaves on the route a path takes there now (the peer
+            // answers from its socket of the same index, QpSlot::note_request_source: a path that
+            // moved off a port whose way back is cut takes its challenge's answer along), else
+            // on the first route there
             let dst = *self.peer_addrs().get(challenge_route(bth.psn))?;
             let on_path = (0..self.qp.paths().len()).find_map(|p| self.route(p as u8).filter(|r| r.1 == dst));
             return on_path
@@ -199,13 +199,6 @@ impl QpSlot {
             }
         }
         self.route(pkt.path)
-    }
-
-    /// Starts validating the peer's addresses (one random nonce per address, drawn by the
-    /// context; see
-    /// [`crate::transport::rc::validation`]): called when the QP moves to RTR, its routes set.
-    pub(crate) fn start_validation(&mut self, nonces: &[u64], chooser: crate::transport::rc::validation::Chooser) {
-        self.qp.require_validation(nonces, chooser);
     }
 
     /// The peer's addresses this QP sends to, each once: `remote` first, then the other
@@ -237,11 +230,8 @@ impl QpSlot {
             .iter()
             .position(|&d| d == route.1)
             .unwrap_or(usize::MAX);
-        if k == 0 || self.qp.route_validated(k) {
-            return true;
-        }
-        let len = pkt.hdr.len() + pkt.payload_len() + bth.pad as usize + 4;
-        self.qp.spend_unvalidated(k, len)
+        // route 0's packets were held to its allowance by the QP itself
+        k == 0 || self.qp.spend_unvalidated(k, wire_len(pkt) as usize)
     }
 
     /// Refreshes the mirror the application reads (state, retired WQEs).

@@ -693,7 +693,8 @@ fn rtr(
     s.reply_routes.clear();
     // whoever named these addresses, the peer proves it receives there before it is served
     // more than three times what it sent
-    s.start_validation(nonces, chooser);
+    // (one random nonce per peer address, drawn by the context: QpSlot::peer_addrs' order)
+    s.qp.require_validation(nonces, chooser);
     Ok(())
 }
 

@@ -99,7 +99,7 @@ pub enum Chooser {
 }
 
 /// Bytes a packet takes on the wire (the UDP payload: headers, payload, pad, ICRC).
-pub(super) fn wire_len<R: SharedRegion>(p: &TxPacket<R>) -> u64 {
+pub fn wire_len<R: SharedRegion>(p: &TxPacket<R>) -> u64 {
     (p.hdr.len() + p.payload_len() + p.hdr.bth().pad as usize + 4) as u64
 }
 
@@ -195,7 +195,7 @@ impl<R: SharedRegion> RcQp<R> {
             .filter(|_| pkt.trailer.len() == NONCE_LEN)
             .map(|b| u64::from_be_bytes(b.try_into().unwrap_or_default()));
         let Some(v) = &mut self.validation else {
-            self.stats.bad_challenge_replies += 1;
+            // validated already (a late echo of a retried challenge), or never asked for
             return;
         };
         match (v.routes.get_mut(k), nonce) {
@@ -302,6 +302,10 @@ impl<R: SharedRegion> RcQp<R> {
         if self.primary_validated() {
             if let Some(p) = self.validation.as_mut().and_then(|v| v.gated.take()) {
                 return Some(p);
+            }
+            if self.peer_validated() {
+                // every address answered and nothing waits: the per-packet checks end here
+                self.validation = None;
             }
             return self.next_packet(now);
         }
