@@ -59,6 +59,12 @@ impl From<Endpoint> for pb::QpEndpoint {
             spray: e.spray.to_string(),
             extra_addrs: e.extra_addrs.iter().map(|a| a.to_string()).collect(),
             sources: e.sources.iter().map(|a| a.to_string()).collect(),
+            same_host: e.same_host.map(|d| pb::SameHost {
+                pid: d.pid,
+                fd: d.fd,
+                ino: d.ino,
+                nonce: d.nonce,
+            }),
         }
     }
 }
@@ -124,6 +130,12 @@ impl TryFrom<Option<pb::QpEndpoint>> for Endpoint {
             spray,
             extra_addrs,
             sources,
+            same_host: e.same_host.map(|d| crate::samehost::SameHostDesc {
+                pid: d.pid,
+                fd: d.fd,
+                ino: d.ino,
+                nonce: d.nonce,
+            }),
         })
     }
 }
@@ -661,6 +673,7 @@ mod tests {
             spray: Default::default(),
             extra_addrs: Vec::new(),
             sources: Vec::new(),
+            same_host: None,
         }
     }
 

@@ -68,6 +68,10 @@ pub struct ContextConfig {
     /// What the data cores send and receive through: `udp`, or `shm` (rings to same-host
     /// peers that use `shm` too, UDP to the others).
     pub link: LinkMode,
+    /// With `link = "shm"`: an RDMA WRITE or READ to a same-host peer that uses `shm` too is
+    /// one copy into (or out of) its memory by this context's data core, no packets
+    /// (`netstack::samehost`); off, it goes through the rings as packets.
+    pub same_host_copy: bool,
     /// How idle engine threads wait.
     pub poll_mode: PollMode,
     /// Spin time before an adaptive engine sleeps, in microseconds.
@@ -117,6 +121,7 @@ impl Default for ContextConfig {
             data_cores: 1,
             drive: Drive::Threads,
             link: LinkMode::Udp,
+            same_host_copy: true,
             poll_mode: PollMode::Adaptive,
             spin_us: 50,
             max_inline: 256,

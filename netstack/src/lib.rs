@@ -45,6 +45,7 @@ pub mod pipe;
 #[allow(unreachable_pub)]
 mod pipe;
 pub mod redn;
+pub mod samehost;
 pub mod sim;
 pub mod telemetry;
 pub mod transport;

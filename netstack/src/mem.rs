@@ -149,8 +149,26 @@ pub struct Region {
     /// address given to it ([`Region::at_iova`]).
     iova: u64,
     /// The allocation this region owns (None: caller memory, see [`Region::from_raw`]).
-    owned: Option<std::alloc::Layout>,
+    owned: Option<Owned>,
 }
+
+/// Memory a [`Region`] allocated and frees on drop.
+enum Owned {
+    /// From the global allocator, with this layout.
+    Heap(std::alloc::Layout),
+    /// A `memfd` mapped shared, this many bytes: a process on the same host that may open the
+    /// file (`/proc/<pid>/fd/<fd>`, the kernel's ptrace-read check: same user) maps the same
+    /// pages ([`crate::samehost`]).
+    Memfd { file: std::fs::File, map_len: usize },
+}
+
+/// Regions of at least this many bytes are allocated in a `memfd` (smaller ones on the heap:
+/// a descriptor and a mapping each are not worth it).
+pub const SHARE_MIN: usize = 64 << 10;
+/// Live memfd-backed regions a process keeps at most (each holds a file descriptor); past
+/// this, regions come from the heap and peers reach them through the packet path.
+pub const MAX_SHARED_REGIONS: usize = 512;
+static SHARED_REGIONS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 // SAFETY: a Region is a raw span shared with remote peers and threads; every access through it
 // is a bounds-checked atomic copy, a word atomic, or the kernel's (the module's model), and the
@@ -167,17 +185,96 @@ impl std::fmt::Debug for Region {
 
 impl Drop for Region {
     fn drop(&mut self) {
-        if let Some(l) = self.owned {
+        match self.owned.take() {
             // SAFETY: `ptr` came from `alloc_zeroed` with this layout, and no packet or memory
             // region holds the Region any more (they hold it by `Arc`).
-            unsafe { std::alloc::dealloc(self.ptr, l) }
+            Some(Owned::Heap(l)) => unsafe { std::alloc::dealloc(self.ptr, l) },
+            Some(Owned::Memfd { map_len, .. }) => {
+                // SAFETY: `ptr..ptr+map_len` is the mapping `alloc_memfd` made, which nothing
+                // holds any more (as above); peers keep their own mappings of the file.
+                unsafe { libc::munmap(self.ptr as *mut libc::c_void, map_len) };
+                SHARED_REGIONS.fetch_sub(1, Ordering::Relaxed);
+            }
+            None => {}
         }
     }
 }
 
 impl Region {
     /// Allocates `len` zeroed bytes, 64-byte aligned (owned by the region, freed on drop).
+    /// From [`SHARE_MIN`] bytes on, the memory is a `memfd` mapped shared, which a context on
+    /// the same host can map too (the one-copy path of [`crate::samehost`]), while fewer than
+    /// [`MAX_SHARED_REGIONS`] such regions live; otherwise (or where memfd fails) heap memory.
     pub fn alloc(len: usize) -> Region {
+        if len >= SHARE_MIN {
+            if let Some(r) = Region::alloc_memfd(len) {
+                return r;
+            }
+        }
+        Region::alloc_heap(len)
+    }
+
+    fn alloc_memfd(len: usize) -> Option<Region> {
+        use std::os::fd::FromRawFd;
+        if SHARED_REGIONS.fetch_add(1, Ordering::Relaxed) >= MAX_SHARED_REGIONS {
+            SHARED_REGIONS.fetch_sub(1, Ordering::Relaxed);
+            return None;
+        }
+        let undo = || {
+            SHARED_REGIONS.fetch_sub(1, Ordering::Relaxed);
+            None
+        };
+        let map_len = len.div_ceil(4096) * 4096;
+        // SAFETY: a C string literal; the flags ask for a close-on-exec anonymous file.
+        let fd = unsafe { libc::memfd_create(c"flexns-region".as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return undo();
+        }
+        // SAFETY: `fd` is the descriptor just created, owned by nothing else.
+        let file = unsafe { std::fs::File::from_raw_fd(fd) };
+        if file.set_len(map_len as u64).is_err() {
+            return undo();
+        }
+        // SAFETY: a fresh shared mapping of the whole file at an address the kernel picks;
+        // the file's pages read as zeros until written.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return undo();
+        }
+        let ptr = ptr as *mut u8;
+        Some(Region {
+            ptr,
+            len,
+            iova: ptr as u64,
+            owned: Some(Owned::Memfd { file, map_len }),
+        })
+    }
+
+    /// The `memfd` holding the region and its inode number, if it lives in one.
+    pub(crate) fn shared_file(&self) -> Option<(i32, u64)> {
+        use std::os::unix::fs::MetadataExt;
+        match &self.owned {
+            Some(Owned::Memfd { file, .. }) => Some((file.as_raw_fd(), file.metadata().ok()?.ino())),
+            _ => None,
+        }
+    }
+
+    /// Whether the region wraps caller memory ([`Region::from_raw`]): its iova is its address
+    /// in this process.
+    pub(crate) fn is_caller_memory(&self) -> bool {
+        self.owned.is_none() && self.iova == self.ptr as u64
+    }
+
+    fn alloc_heap(len: usize) -> Region {
         let layout = std::alloc::Layout::from_size_align(len.max(1).div_ceil(64) * 64, 64)
             .expect("a region's size fits the address space");
         // SAFETY: the layout has a non-zero size.
@@ -189,7 +286,7 @@ impl Region {
             ptr,
             len,
             iova: ptr as u64,
-            owned: Some(layout),
+            owned: Some(Owned::Heap(layout)),
         }
     }
 
@@ -574,6 +671,9 @@ const MASK24: u32 = 0xFF_FFFF;
 /// 1/255 each, as on an RNIC). A lookup decodes the index from the key: O(1), no scan.
 pub struct MrTable {
     slots: RwLock<Slots>,
+    /// The table as same-host peers see it, once the context exports it
+    /// ([`crate::samehost`]).
+    export: std::sync::OnceLock<Arc<crate::samehost::Export>>,
 }
 
 impl Default for MrTable {
@@ -610,7 +710,26 @@ impl MrTable {
                 lbase,
                 rbase,
             }),
+            export: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Starts exporting the table to same-host peers ([`crate::samehost`]): every live and
+    /// future registration whose memory they can reach. Returns the export (the same one on
+    /// every call).
+    pub(crate) fn export(&self) -> std::io::Result<Arc<crate::samehost::Export>> {
+        let t = self.slots.write();
+        if let Some(x) = self.export.get() {
+            return Ok(x.clone());
+        }
+        let x = Arc::new(crate::samehost::Export::create(t.rbase)?);
+        for (idx, slot) in t.slots.iter().enumerate() {
+            if let Some(e) = &slot.entry {
+                x.publish_mr(idx, e.rkey, e.pd, e.access, &e.region);
+            }
+        }
+        let _ = self.export.set(x.clone());
+        Ok(x)
     }
 
     /// Registers a region; returns the entry with its keys (an lkey and a different rkey, both
@@ -642,6 +761,9 @@ impl MrTable {
             rkey: make_key(t.rbase, idx, slot.rbyte),
         };
         slot.entry = Some(e.clone());
+        if let Some(x) = self.export.get() {
+            x.publish_mr(idx as usize, e.rkey, e.pd, e.access, &e.region);
+        }
         Ok(e)
     }
 
@@ -668,6 +790,9 @@ impl MrTable {
         let Some((idx, _)) = MrTable::find(t, lkey, KeyKind::Local) else {
             return false;
         };
+        if let Some(x) = self.export.get() {
+            x.revoke_mr(idx);
+        }
         t.slots[idx].entry = None;
         t.free.push(idx as u32);
         true

@@ -88,6 +88,9 @@ pub(crate) struct QpMirror {
     /// Receive WRs the core took from the send queue and no longer holds (consumed, flushed
     /// or refused): with a count of posts, the receive queue's depth.
     pub recv_retired: AtomicU64,
+    /// The application dropped its handle: the QP is gone for same-host peers at once (its
+    /// core removes it later).
+    pub dropped: std::sync::atomic::AtomicBool,
 }
 
 impl QpMirror {
@@ -126,6 +129,20 @@ pub(crate) struct QpSlot {
     pub chain: Option<crate::chain::ChainRunner>,
     /// Receive WRs taken from the send queue so far.
     pub recvs_taken: u64,
+    /// The context's same-host export, where this QP's entry is kept current
+    /// ([`crate::samehost`]).
+    pub export: Option<Arc<crate::samehost::Export>>,
+    /// The peer's export and QP number, when the peer is a same-host context this QP copies
+    /// to directly.
+    pub same_host: Option<(Arc<crate::samehost::PeerExport>, u32)>,
+}
+
+impl Drop for QpSlot {
+    fn drop(&mut self) {
+        if let Some(x) = &self.export {
+            x.set_qp(self.qp.qpn(), self.qp.pd(), 0, true);
+        }
+    }
 }
 
 impl QpSlot {
@@ -244,6 +261,16 @@ impl QpSlot {
             QpState::Err => 4,
         };
         self.mirror.state.store(st, Ordering::Release);
+        if let Some(x) = &self.export {
+            // against a handle dropped meanwhile (`Qp::drop` clears the entry after setting
+            // `dropped`): whichever clears last, the entry ends cleared
+            if !self.mirror.dropped.load(Ordering::SeqCst) {
+                x.set_qp(self.qp.qpn(), self.qp.pd(), st as u64, false);
+                if self.mirror.dropped.load(Ordering::SeqCst) {
+                    x.set_qp(self.qp.qpn(), self.qp.pd(), 0, true);
+                }
+            }
+        }
         self.mirror.retired.store(self.qp.retired_sends(), Ordering::Release);
         let held = self.qp.recv_queue_len() as u64;
         self.mirror
@@ -1092,6 +1119,7 @@ impl DataCore {
             };
             match req {
                 sq::Request::Command => {}
+                sq::Request::Send { wr, inline, .. } if inline.is_none() && copied_same_host(s, &wr, &self.shared) => {}
                 sq::Request::Send { wr, inline, .. } => {
                     if let Some(d) = &inline {
                         // out of the slots, then into the WQE's own buffer
@@ -1195,6 +1223,38 @@ impl DataCore {
 }
 
 /// The earlier of two optional deadlines.
+/// Executes `wr` on the same-host path if the QP has one and nothing of it is in flight on
+/// the packet path ([`crate::samehost`]): the copy, then its completion. False: the packet
+/// path takes it.
+fn copied_same_host(s: &mut QpSlot, wr: &crate::work::SendWr, shared: &EngineShared) -> bool {
+    let Some((peer, dest)) = &s.same_host else {
+        return false;
+    };
+    if s.qp.state() != QpState::Rts || !s.qp.send_queue_idle() || s.chain.is_some() {
+        return false;
+    }
+    let done = peer.execute(wr, &shared.mrs, s.qp.pd(), *dest);
+    let n = match done {
+        None => return false,
+        Some(crate::samehost::Done::Mapped(n)) => {
+            shared.stats.same_host_copy_bytes.add(n);
+            n
+        }
+        Some(crate::samehost::Done::Cma(n)) => {
+            shared.stats.same_host_cma_bytes.add(n);
+            n
+        }
+    };
+    shared.stats.same_host_ops.inc();
+    let len = if wr.opcode == crate::work::WrOpcode::RdmaRead {
+        n as u32
+    } else {
+        0
+    };
+    s.qp.complete_local(wr, crate::work::WcStatus::Success, len);
+    true
+}
+
 fn earliest(a: Option<u64>, b: Option<u64>) -> Option<u64> {
     match (a, b) {
         (Some(a), Some(b)) => Some(a.min(b)),

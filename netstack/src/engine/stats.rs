@@ -55,6 +55,13 @@ pub(crate) struct EngineStats {
     /// The part of `rx_payload_copy_bytes` copied in the same pass that verified the ICRC (the
     /// next expected packets of WRITEs in progress, placed straight into their checked range).
     pub rx_fused_copy_bytes: Counter,
+    /// Payload bytes WRITEs and READs moved by one copy through a mapping of a same-host
+    /// peer's memory (`crate::samehost`), no packets.
+    pub same_host_copy_bytes: Counter,
+    /// Payload bytes they moved by CMA (`process_vm_writev`/`readv`) into caller memory.
+    pub same_host_cma_bytes: Counter,
+    /// Requests the same-host path executed.
+    pub same_host_ops: Counter,
     /// The receive staging memory allocated.
     pub staging_bytes: Counter,
     /// The most staging memory one receive batch filled.
@@ -111,6 +118,12 @@ pub struct StatsSnapshot {
     pub rx_payload_copy_bytes: u64,
     /// The part of those copied in the pass that verified the ICRC.
     pub rx_fused_copy_bytes: u64,
+    /// Payload bytes moved by the same-host path through a mapping of the peer's memory.
+    pub same_host_copy_bytes: u64,
+    /// Payload bytes moved by the same-host path by CMA.
+    pub same_host_cma_bytes: u64,
+    /// Requests the same-host path executed.
+    pub same_host_ops: u64,
     /// The receive staging memory allocated.
     pub staging_bytes: u64,
     /// The most staging memory one receive batch filled.
@@ -155,6 +168,9 @@ impl StatsSnapshot {
         self.shm_doorbells += o.shm_doorbells;
         self.rx_payload_copy_bytes += o.rx_payload_copy_bytes;
         self.rx_fused_copy_bytes += o.rx_fused_copy_bytes;
+        self.same_host_copy_bytes += o.same_host_copy_bytes;
+        self.same_host_cma_bytes += o.same_host_cma_bytes;
+        self.same_host_ops += o.same_host_ops;
         self.staging_bytes += o.staging_bytes;
         self.staging_bytes_peak += o.staging_bytes_peak;
         self.engine_thread_passes += o.engine_thread_passes;
@@ -210,6 +226,9 @@ impl EngineStats {
             tx_payload_copy_bytes: self.tx_payload_copy_bytes.get(),
             rx_payload_copy_bytes: self.rx_payload_copy_bytes.get(),
             rx_fused_copy_bytes: self.rx_fused_copy_bytes.get(),
+            same_host_copy_bytes: self.same_host_copy_bytes.get(),
+            same_host_cma_bytes: self.same_host_cma_bytes.get(),
+            same_host_ops: self.same_host_ops.get(),
             staging_bytes: self.staging_bytes.get(),
             staging_bytes_peak: self.staging_bytes_peak.get(),
             engine_thread_passes: self.engine_thread_passes.get(),

@@ -133,6 +133,29 @@ pub(crate) struct CtxInner {
     pub(crate) offload: crate::offload::OffloadEngine,
     /// The context's Solar endpoints (see [`solar`]).
     pub(crate) solar: solar::SolarRegistry,
+    /// The same-host one-copy path ([`crate::samehost`]): this context's export, and the
+    /// peers' exports its QPs attached (by process id and nonce), while one is used.
+    pub(crate) same_host: Option<SameHost>,
+}
+
+/// A context's side of the same-host path.
+pub(crate) struct SameHost {
+    pub(crate) export: Arc<crate::samehost::Export>,
+    peers: parking_lot::Mutex<std::collections::HashMap<(u32, u64), std::sync::Weak<crate::samehost::PeerExport>>>,
+}
+
+impl SameHost {
+    /// The peer export `d` names, mapped (one mapping per peer context, shared by its QPs).
+    pub(crate) fn attach(&self, d: crate::samehost::SameHostDesc) -> std::io::Result<Arc<crate::samehost::PeerExport>> {
+        let mut peers = self.peers.lock();
+        if let Some(p) = peers.get(&(d.pid, d.nonce)).and_then(|w| w.upgrade()) {
+            return Ok(p);
+        }
+        peers.retain(|_, w| w.strong_count() > 0);
+        let p = Arc::new(crate::samehost::PeerExport::attach(d)?);
+        peers.insert((d.pid, d.nonce), Arc::downgrade(&p));
+        Ok(p)
+    }
 }
 
 impl CtxInner {
@@ -200,6 +223,19 @@ impl Context {
             None => MrTable::new(),
         });
         let simulated = sim_seed_of.is_some();
+        let same_host = match (&kind, cfg.link, cfg.same_host_copy) {
+            (LinkKind::Udp, crate::config::LinkMode::Shm, true) => match mrs.export() {
+                Ok(export) => Some(SameHost {
+                    export,
+                    peers: Default::default(),
+                }),
+                Err(e) => {
+                    tracing::warn!("same-host copy path off: cannot create the export: {e}");
+                    None
+                }
+            },
+            _ => None,
+        };
         let engine = Engine::start(&cfg, mrs.clone(), kind)?;
         let local = engine.cores()[0].local_addr();
         let rng = match sim_seed_of {
@@ -221,6 +257,7 @@ impl Context {
                 next_cq: AtomicU32::new(1),
                 offload,
                 solar: solar::SolarRegistry::default(),
+                same_host,
             }),
         };
         let weak: std::sync::Weak<dyn crate::telemetry::Collect> = Arc::downgrade(&ctx.inner) as _;

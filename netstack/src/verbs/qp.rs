@@ -65,6 +65,11 @@ pub struct Endpoint {
     /// The other addresses its paths send from (the peer accepts packets from them).
     #[serde(default)]
     pub sources: Vec<SocketAddrV4>,
+    /// Where its context's memory table is exported to same-host peers, if it is
+    /// ([`crate::samehost`]): a QP that connects to this endpoint from the same host executes
+    /// its WRITEs and READs by one copy.
+    #[serde(default)]
+    pub same_host: Option<crate::samehost::SameHostDesc>,
 }
 
 fn one_path() -> u8 {
@@ -148,6 +153,8 @@ impl Qp {
             mirror: mirror.clone(),
             chain,
             recvs_taken: 0,
+            export: ctx.inner.same_host.as_ref().map(|h| h.export.clone()),
+            same_host: None,
         };
         qs.sync_mirror();
         // from here on the core owns it; the posts that follow queue behind this
@@ -350,6 +357,7 @@ impl Qp {
             spray,
             extra_addrs: addrs.clone().step_by(ports).skip(1).collect(),
             sources: addrs.skip(1).collect(),
+            same_host: self.ctx.inner.same_host.as_ref().map(|h| h.export.desc()),
         }
     }
 
@@ -433,9 +441,22 @@ impl Qp {
         let params = self.ctx.inner.cfg.paths;
         let remote = remote.clone();
         let qpn = self.qpn;
+        // a same-host peer's export, mapped (any failure leaves the QP on packets)
+        let peer = match (&self.ctx.inner.same_host, remote.same_host) {
+            (Some(h), Some(d)) if self.managed.is_none() => match h.attach(d) {
+                Ok(p) => Some((p, remote.qpn)),
+                Err(e) => {
+                    tracing::debug!("qp {qpn:#x}: peer's same-host export not usable ({e}); packets only");
+                    None
+                }
+            },
+            _ => None,
+        };
         self.core
             .call(self.qpn, move |s| {
-                rtr(s, qpn, &remote, (route_mtu, params), routes, (&nonces, chooser))
+                rtr(s, qpn, &remote, (route_mtu, params), routes, (&nonces, chooser))?;
+                s.same_host = peer;
+                Ok(())
             })
             .ok_or(VerbsError::Gone)?
     }
@@ -700,6 +721,11 @@ fn rtr(
 
 impl Drop for Qp {
     fn drop(&mut self) {
+        // gone for same-host peers now, as a destroyed QP is for a NIC (`QpSlot::sync_mirror`)
+        self.mirror.dropped.store(true, Ordering::SeqCst);
+        if let Some(h) = &self.ctx.inner.same_host {
+            h.export.set_qp(self.qpn, self.pd, 0, true);
+        }
         self.core.command(Command::Remove(self.qpn));
         // queued behind the removal on the same core: a QP that draws this number again is
         // added after the old one is gone
