@@ -830,6 +830,14 @@ fn flexns(
     r.extra.insert("staging_bytes".into(), st.staging_bytes.into());
     r.extra
         .insert("staging_bytes_peak".into(), st.staging_bytes_peak.into());
+    // which path the payload took: one copy into the peer's memory (mapped or CMA), or packets
+    // (UDP datagrams or shm rings)
+    r.extra
+        .insert("same_host_copy_bytes".into(), st.same_host_copy_bytes.into());
+    r.extra
+        .insert("same_host_cma_bytes".into(), st.same_host_cma_bytes.into());
+    r.extra.insert("tx_bytes".into(), st.tx_bytes.into());
+    r.extra.insert("shm_tx_messages".into(), st.shm_tx_messages.into());
     // QP set-up: creating and connecting every QP of the run (both ends)
     r.extra
         .insert("setup_secs".into(), ((setup_secs * 1e4).round() / 1e4).into());

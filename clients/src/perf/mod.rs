@@ -40,6 +40,23 @@ pub struct NetArgs {
     /// position with the peer's).
     #[arg(long = "extra-addr")]
     pub extra_addrs: Vec<std::net::Ipv4Addr>,
+    /// What the data path runs over: `udp`, or `shm` (same-host peers through shared memory:
+    /// WRITEs and READs by one copy into the peer's memory, the rest through rings)
+    /// [config: link].
+    #[arg(long, value_parser = parse_link)]
+    pub link: Option<netstack::config::LinkMode>,
+    /// With `--link shm`: WRITEs and READs go through the rings as packets instead of one copy
+    /// [config: same_host_copy = false].
+    #[arg(long)]
+    pub no_same_host_copy: bool,
+}
+
+fn parse_link(s: &str) -> Result<netstack::config::LinkMode, String> {
+    match s {
+        "udp" => Ok(netstack::config::LinkMode::Udp),
+        "shm" => Ok(netstack::config::LinkMode::Shm),
+        o => Err(format!("{o:?}: expected udp or shm")),
+    }
 }
 
 impl NetArgs {
@@ -55,6 +72,10 @@ impl NetArgs {
         if let Some(d) = self.rx_delay_us {
             cfg.rx_delay_us = d;
         }
+        if let Some(l) = self.link {
+            cfg.link = l;
+        }
+        cfg.same_host_copy &= !self.no_same_host_copy;
         cfg.gso &= !self.no_gso;
         cfg.gro &= !self.no_gro;
         cfg.udp_checksum &= !self.no_udp_checksum;
@@ -90,6 +111,7 @@ impl NetArgs {
             (self.no_gso, "--no-gso"),
             (self.no_gro, "--no-gro"),
             (self.no_udp_checksum, "--no-udp-checksum"),
+            (self.no_same_host_copy, "--no-same-host-copy"),
         ] {
             if on {
                 v.push(flag.into());
@@ -103,6 +125,13 @@ impl NetArgs {
         }
         for a in &self.extra_addrs {
             v.extend(["--extra-addr".into(), a.to_string()]);
+        }
+        if let Some(l) = self.link {
+            let name = match l {
+                netstack::config::LinkMode::Udp => "udp",
+                netstack::config::LinkMode::Shm => "shm",
+            };
+            v.extend(["--link".into(), name.into()]);
         }
         v
     }
