@@ -84,6 +84,8 @@ struct Step {
     depth: u32,
     compare: Option<System>,
     paths: usize,
+    /// The link both nodes use (`None`: the UDP default).
+    link: Option<netstack::config::LinkMode>,
 }
 
 fn demo(duration: f64, json: bool) -> Result<()> {
@@ -94,7 +96,8 @@ fn demo(duration: f64, json: bool) -> Result<()> {
     if !json {
         println!("flexns demo: a second netstack node starts as a child process on 127.0.0.1;");
         println!("this process connects RC queue pairs to it through the gRPC connection manager and");
-        println!("moves data over RoCEv2/UDP, verifying every byte end to end.\n");
+        println!("moves data over RoCEv2/UDP (one step: by one copy over the shm link), verifying");
+        println!("every byte end to end.\n");
     }
     let step = |what, op, size, depth, compare, paths| Step {
         what,
@@ -103,6 +106,7 @@ fn demo(duration: f64, json: bool) -> Result<()> {
         depth,
         compare,
         paths,
+        link: None,
     };
     let steps = [
         step(
@@ -113,6 +117,17 @@ fn demo(duration: f64, json: bool) -> Result<()> {
             Some(System::UdpRaw),
             1,
         ),
+        Step {
+            link: Some(netstack::config::LinkMode::Shm),
+            ..step(
+                "RDMA WRITE 1 MiB x depth 64 between two processes on this host over the shm link: one copy into the peer's memory, against kernel TCP",
+                Op::Write,
+                1 << 20,
+                64,
+                Some(System::Tcp),
+                1,
+            )
+        },
         step("RDMA READ 64 KiB x depth 16", Op::Read, 64 << 10, 16, None, 1),
         step(
             "SEND 64 B ping-pong latency, against UDP ping-pong",
@@ -197,13 +212,19 @@ fn demo(duration: f64, json: bool) -> Result<()> {
             mode: clients::perf::WalkMode::Offload,
             // one interleaved pair of the offload steps and their READ reference
             no_reference: false,
-            net: Default::default(),
+            net: clients::perf::NetArgs {
+                link: st.link,
+                ..Default::default()
+            },
         };
         let res = client::run(&a, &spawn)?;
         all_verified &= res
             .iter()
             .filter(|r| r.system.starts_with("flexns"))
             .all(|r| r.verified);
+        if st.link.is_some() && !json {
+            println!("{}", path_line(&res));
+        }
         if !json {
             println!();
         }
@@ -225,6 +246,33 @@ fn demo(duration: f64, json: bool) -> Result<()> {
         println!("all data verified end to end.");
     }
     Ok(())
+}
+
+/// Which path the flexns runs' bytes took, from their counters: one copy into the peer's
+/// memory (through its mapped memory or CMA), or packets.
+fn path_line(res: &[clients::bench::BenchResult]) -> String {
+    let sum = |k: &str| -> u64 {
+        res.iter()
+            .filter(|r| r.system.starts_with("flexns"))
+            .filter_map(|r| r.extra.get(k)?.as_u64())
+            .sum()
+    };
+    let (copy, cma, tx, shm) = (
+        sum("same_host_copy_bytes"),
+        sum("same_host_cma_bytes"),
+        sum("tx_bytes"),
+        sum("shm_tx_messages"),
+    );
+    if copy + cma > 0 {
+        format!(
+            "path: {:.0} MB by one copy into the server process's memory ({:.0} MB of it by CMA); \
+             {tx} B sent as packets (shm ring messages: {shm})",
+            (copy + cma) as f64 / 1e6,
+            cma as f64 / 1e6,
+        )
+    } else {
+        format!("path: no same-host copy; {tx} B sent as packets (shm ring messages: {shm})")
+    }
 }
 
 /// The block step: controller, three storage nodes and an agent as child processes; a

@@ -51,7 +51,16 @@ pub struct NetArgs {
     pub no_same_host_copy: bool,
 }
 
-fn parse_link(s: &str) -> Result<netstack::config::LinkMode, String> {
+/// The `--link` value (and config spelling) of a link mode.
+pub fn link_name(l: netstack::config::LinkMode) -> &'static str {
+    match l {
+        netstack::config::LinkMode::Udp => "udp",
+        netstack::config::LinkMode::Shm => "shm",
+    }
+}
+
+/// Parses a `--link` value, `udp` or `shm` (the flag of nsperf and kvcache-bench).
+pub fn parse_link(s: &str) -> Result<netstack::config::LinkMode, String> {
     match s {
         "udp" => Ok(netstack::config::LinkMode::Udp),
         "shm" => Ok(netstack::config::LinkMode::Shm),
@@ -127,11 +136,7 @@ impl NetArgs {
             v.extend(["--extra-addr".into(), a.to_string()]);
         }
         if let Some(l) = self.link {
-            let name = match l {
-                netstack::config::LinkMode::Udp => "udp",
-                netstack::config::LinkMode::Shm => "shm",
-            };
-            v.extend(["--link".into(), name.into()]);
+            v.extend(["--link".into(), link_name(l).into()]);
         }
         v
     }
