@@ -136,7 +136,11 @@ pub struct EngineConfig {
     /// WRITE, which a live peer's QP acknowledges however idle it is (a decode node between
     /// requests is never reaped), and which fails on the QP of a peer that left: it is dropped.
     pub unused_qp_timeout: Duration,
-    /// Overrides of the flexns stack (MTU, recovery, congestion control, poll mode, drive...).
+    /// Overrides of the flexns stack (MTU, recovery, congestion control, poll mode, drive,
+    /// link...). `None`: [`EngineConfig::default_stack`], whose link is `shm`, so a peer engine
+    /// on the same host (on `shm` too) is written and read by one copy into its registered
+    /// memory (`netstack::samehost`) and every other peer over UDP. A stack given here is used
+    /// as it is: its `link` is netstack's default, `udp`, unless it says `link = "shm"`.
     /// Engine threads drive it by default: measured on 2 cores, run to completion
     /// (`drive = "application"`) halves 4 KiB latency but loses 16 MiB throughput (see
     /// docs/BENCHMARKS.md, "who runs the engine").
@@ -207,6 +211,28 @@ impl EngineConfig {
             );
         }
         Ok(())
+    }
+
+    /// The flexns stack an engine uses when [`EngineConfig::stack`] is `None`: netstack's
+    /// defaults with `link = "shm"` (and `same_host_copy` on, netstack's default): same-host
+    /// peers on `shm` get the one-copy path, peers elsewhere (or on `udp`) get UDP.
+    pub fn default_stack() -> netstack::verbs::ContextConfig {
+        netstack::verbs::ContextConfig {
+            link: netstack::config::LinkMode::Shm,
+            ..Default::default()
+        }
+    }
+
+    /// The stack this configuration opens: [`EngineConfig::stack`] or the default one.
+    pub fn stack_or_default(&self) -> netstack::verbs::ContextConfig {
+        self.stack.clone().unwrap_or_else(Self::default_stack)
+    }
+
+    /// Sets the link of the stack (the default stack when none is given): `udp` or `shm`.
+    pub fn set_link(&mut self, link: netstack::config::LinkMode) {
+        let mut s = self.stack_or_default();
+        s.link = link;
+        self.stack = Some(s);
     }
 
     /// A configuration with this name and transport, everything else default.

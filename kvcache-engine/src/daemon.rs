@@ -49,9 +49,16 @@ pub struct ServeArgs {
     /// More local addresses (NICs) to stripe over.
     #[arg(long = "extra-addr")]
     pub extra_addrs: Vec<Ipv4Addr>,
-    /// flexns stack configuration (TOML, netstack's ContextConfig).
+    /// flexns stack configuration (TOML, netstack's ContextConfig). Without it the engine's
+    /// default stack, whose link is `shm`; a file's `link` is netstack's default (`udp`)
+    /// unless it says otherwise (or `--link` does).
     #[arg(long)]
     pub stack_config: Option<std::path::PathBuf>,
+    /// The flexns stack's link, overriding the stack's: `shm` (same-host peers on `shm` get
+    /// the one-copy path, others UDP) or `udp` (kernel UDP to every peer). Default: the
+    /// stack config's, or `shm` without one.
+    #[arg(long, value_parser = parse_link)]
+    pub link: Option<netstack::config::LinkMode>,
     /// Serve Prometheus metrics on this address (`GET /metrics`).
     #[arg(long, value_name = "ADDR")]
     pub metrics_addr: Option<std::net::SocketAddr>,
@@ -68,6 +75,15 @@ pub struct ServeArgs {
     /// probed: a live idle peer's QP answers, that of a peer that left fails and is dropped.
     #[arg(long, default_value = "10", value_parser = parse_seconds)]
     pub unused_qp_timeout: Duration,
+}
+
+/// `udp` or `shm` as a link mode.
+pub fn parse_link(s: &str) -> Result<netstack::config::LinkMode, String> {
+    match s {
+        "udp" => Ok(netstack::config::LinkMode::Udp),
+        "shm" => Ok(netstack::config::LinkMode::Shm),
+        o => Err(format!("{o:?} is not a link (udp, shm)")),
+    }
 }
 
 /// Seconds (a decimal number, e.g. `0.5`) as a duration.
@@ -95,6 +111,9 @@ impl ServeArgs {
                 netstack::verbs::ContextConfig::from_file(p)
                     .map_err(|e| TransferError::Config(format!("--stack-config {}: {e}", p.display())))?,
             );
+        }
+        if let Some(l) = self.link {
+            c.set_link(l);
         }
         c.validate()?;
         Ok(c)

@@ -107,7 +107,7 @@ impl TransferEngine {
         let notifies = Arc::new(Notifies::new(cfg.transport.as_str()));
         let (transport, data) = match cfg.transport {
             TransportKind::Flexns => {
-                let mut sc = cfg.stack.clone().unwrap_or_default();
+                let mut sc = cfg.stack_or_default();
                 sc.bind = SocketAddrV4::new(bind, sc.bind.port());
                 sc.data_cores = cfg.data_cores;
                 sc.extra_addrs = cfg.extra_addrs.clone();
@@ -249,6 +249,16 @@ impl TransferEngine {
     /// The descriptor this engine publishes.
     pub fn local_descriptor(&self) -> SegmentDesc {
         self.inner.desc.read().clone()
+    }
+
+    /// The flexns stack's counters (`None` with tcp): packets and bytes, and what the
+    /// same-host path moved (`same_host_copy_bytes` through a mapping of the peer's memory,
+    /// `same_host_cma_bytes` by CMA, `same_host_ops`) for requests this engine made.
+    pub fn stack_stats(&self) -> Option<netstack::verbs::StatsSnapshot> {
+        match &self.inner.transport {
+            Transport::Flexns(p) => Some(p.stack_stats()),
+            Transport::Tcp(_) => None,
+        }
     }
 
     /// Malformed frames the tcp transport received and dropped (0 with flexns).

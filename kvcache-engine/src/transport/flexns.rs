@@ -371,6 +371,11 @@ impl FlexnsPath {
         }
     }
 
+    /// The context's counters (see `TransferEngine::stack_stats`).
+    pub fn stack_stats(&self) -> netstack::verbs::StatsSnapshot {
+        self.ctx.stats()
+    }
+
     pub fn shutdown(&self) {
         self.stop.store(true, Ordering::Relaxed);
         self.peers.lock().clear();
