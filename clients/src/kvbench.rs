@@ -86,6 +86,14 @@ pub struct BenchArgs {
     /// flexns data cores of both engines.
     #[arg(long, default_value_t = 1)]
     pub data_cores: usize,
+    /// What the flexns data path of both engines (this prefill engine and decode engines
+    /// started here) runs over: `udp`, or `shm` (same host: WRITEs and READs by one copy into
+    /// the decode engine's memory, the rest through shared-memory rings); overrides the
+    /// `link` of --stack-config [config: link]. Default: the stack config's link, or the
+    /// engine's default stack's (`shm`) without one. Result lines say the link and what the
+    /// prefill engine's stack counted (`same_host_copy_bytes`, `tx_bytes`...).
+    #[arg(long, value_parser = crate::perf::parse_link)]
+    pub link: Option<netstack::config::LinkMode>,
     #[arg(long)]
     pub json: bool,
     /// Serve this (prefill) process's Prometheus metrics on this address while it runs.
@@ -110,9 +118,31 @@ struct Target {
     src: Arc<netstack::mem::Region>,
     check: Arc<netstack::mem::Region>,
     child: Option<ChildServer>,
+    /// The link of this (prefill) engine's stack (flexns).
+    link: Option<netstack::config::LinkMode>,
 }
 
 impl Target {
+    /// Adds which path the run's bytes took to its line (flexns): the link, and what this
+    /// prefill engine's stack counted since `before` (the run and its verifying reads): bytes
+    /// moved by one copy into or out of the decode engine's memory (mapped, or by CMA), bytes
+    /// and shm ring messages sent as packets.
+    fn path(&self, r: &mut BenchResult, before: Option<&netstack::verbs::StatsSnapshot>) {
+        let Some(l) = self.link else { return };
+        r.extra.insert("link".into(), crate::perf::link_name(l).into());
+        let (Some(b), Some(a)) = (before, self.engine.stack_stats()) else {
+            return;
+        };
+        for (k, a, b) in [
+            ("same_host_copy_bytes", a.same_host_copy_bytes, b.same_host_copy_bytes),
+            ("same_host_cma_bytes", a.same_host_cma_bytes, b.same_host_cma_bytes),
+            ("tx_bytes", a.tx_bytes, b.tx_bytes),
+            ("shm_tx_messages", a.shm_tx_messages, b.shm_tx_messages),
+        ] {
+            r.extra.insert(k.into(), a.saturating_sub(b).into());
+        }
+    }
+
     /// The processes a run on this target accounts for: this one, and its decode child.
     fn procs(&self) -> Vec<Proc> {
         let mut v = vec![Proc::this("prefill")];
@@ -145,6 +175,9 @@ fn engine_config(a: &BenchArgs, v: &Variant, name: &str) -> Result<EngineConfig>
             netstack::verbs::ContextConfig::from_file(p).with_context(|| format!("--stack-config {}", p.display()))?,
         );
     }
+    if let Some(l) = a.link {
+        c.set_link(l);
+    }
     if let Some(sl) = &a.slice {
         c.slice_size = Some(parse_size(sl).map_err(|e| anyhow::anyhow!("--slice: {e}"))? as usize);
     }
@@ -176,13 +209,18 @@ fn setup(a: &BenchArgs, v: &Variant, max: u64, exe: &std::path::Path, sub: &[Str
             if let Some(p) = &a.stack_config {
                 args.extend(["--stack-config".to_string(), p.display().to_string()]);
             }
+            if let Some(l) = a.link {
+                args.extend(["--link".to_string(), crate::perf::link_name(l).to_string()]);
+            }
             args.extend(["--paths".to_string(), v.paths.max(a.paths).to_string()]);
             let c = ChildServer::start(exe, &args)?;
             let seg = c.field("segment").context("the decode engine printed no segment")?;
             (seg, Some(c))
         }
     };
-    let engine = TransferEngine::new(engine_config(a, v, "prefill")?)?;
+    let cfg = engine_config(a, v, "prefill")?;
+    let link = (v.transport == TransportKind::Flexns).then(|| cfg.stack_or_default().link);
+    let engine = TransferEngine::new(cfg)?;
     let seg = engine
         .open_segment(&segment)
         .with_context(|| format!("opening the decode engine {segment}"))?;
@@ -205,6 +243,7 @@ fn setup(a: &BenchArgs, v: &Variant, max: u64, exe: &std::path::Path, sub: &[Str
         src,
         check,
         child,
+        link,
     })
 }
 
@@ -500,6 +539,9 @@ pub fn run(a: &BenchArgs, exe: &std::path::Path, sub: &[String]) -> Result<Vec<s
             server: a.compare_server.clone(),
         });
     }
+    if a.link.is_some() && a.system != TransportKind::Flexns && a.compare != Some(TransportKind::Flexns) {
+        bail!("--link: applies to the flexns transport, and neither --system nor --compare is flexns");
+    }
     let targets: Vec<Target> = variants
         .iter()
         .map(|v| setup(a, v, max, exe, sub))
@@ -519,10 +561,12 @@ pub fn run(a: &BenchArgs, exe: &std::path::Path, sub: &[String]) -> Result<Vec<s
                 // data of this run's own: an earlier run (or invocation) left other bytes there
                 let seed = crate::bench::run_seed();
                 progress.start(format!("{size} B"));
-                let r = match &req {
+                let before = t.engine.stack_stats();
+                let mut r = match &req {
                     Some((l, blocks)) => run_request(t, v, l, *blocks, a.duration, seed)?,
                     None => run_once(t, v, size, a.duration, seed)?,
                 };
+                t.path(&mut r, before.as_ref());
                 progress.suspend(|| r.print(a.json));
                 progress.finished_one();
                 out.push(serde_json::to_value(&r)?);
@@ -554,13 +598,16 @@ pub fn run(a: &BenchArgs, exe: &std::path::Path, sub: &[String]) -> Result<Vec<s
             let lat: Vec<f64> = p50[0].iter().zip(&p50[i]).map(|(x, y)| x / y.max(1e-9)).collect();
             let cpu: Vec<f64> = cpus[0].iter().zip(&cpus[i]).map(|(x, y)| x / y).collect();
             let r3 = |x: f64| (x * 1000.0).round() / 1000.0;
-            let line = serde_json::json!({
+            let mut line = serde_json::json!({
                 "bench": "ratio", "metric": "gbps", "system": variants[0].label, "reference": variants[i].label,
                 "msg_bytes": shown, "pairs": ratios.len(), "ratio": r3(median(&mut ratios.clone())),
                 "ratios": ratios.iter().map(|&x| r3(x)).collect::<Vec<_>>(),
                 "p50_ratio": r3(median(&mut lat.clone())),
                 "cpu_us_per_op_ratio": r3(median(&mut cpu.clone())),
             });
+            if let Some(l) = targets[0].link {
+                line["link"] = crate::perf::link_name(l).into();
+            }
             if a.json {
                 println!("{line}");
             } else {
@@ -583,6 +630,7 @@ pub fn run(a: &BenchArgs, exe: &std::path::Path, sub: &[String]) -> Result<Vec<s
 #[cfg(test)]
 mod tests {
     use super::*;
+    use clap::Parser;
     use netstack::mem::Region;
 
     /// A pool of `slots` slots written as `run_once` writes them.
@@ -635,6 +683,55 @@ mod tests {
         assert!(!verify_slots(&check, &pat, 1, |_| Ok(())).unwrap());
         // a failed read is an error, not a pass
         assert!(verify_slots(&check, &pat, 2, |_| anyhow::bail!("peer gone")).is_err());
+    }
+
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        a: BenchArgs,
+    }
+
+    fn args(extra: &[&str]) -> BenchArgs {
+        Cli::parse_from(std::iter::once("kvcache-bench").chain(extra.iter().copied())).a
+    }
+
+    #[test]
+    fn link_reaches_the_prefill_engine_and_is_refused_where_it_does_nothing() {
+        use netstack::config::LinkMode;
+        let v = Variant {
+            label: "flexns".into(),
+            transport: TransportKind::Flexns,
+            paths: 1,
+            server: None,
+        };
+        for (flag, want) in [("shm", LinkMode::Shm), ("udp", LinkMode::Udp)] {
+            let c = engine_config(&args(&["--link", flag]), &v, "prefill").unwrap();
+            assert_eq!(c.stack_or_default().link, want);
+        }
+        // over a --stack-config: the file's other fields kept, its link overridden
+        let user = std::env::temp_dir().join(format!("kvbench-link-test-{}.toml", std::process::id()));
+        std::fs::write(&user, "link = \"shm\"\nspin_us = 7\n").unwrap();
+        let c = engine_config(
+            &args(&["--stack-config", user.to_str().unwrap(), "--link", "udp"]),
+            &v,
+            "prefill",
+        )
+        .unwrap();
+        let _ = std::fs::remove_file(&user);
+        let s = c.stack_or_default();
+        assert_eq!((s.link, s.spin_us), (LinkMode::Udp, 7));
+        // a link for no flexns engine does nothing: refused, naming the flag
+        let e = run(
+            &args(&["--system", "tcp", "--link", "shm"]),
+            std::path::Path::new("/nonexistent"),
+            &[],
+        )
+        .err()
+        .unwrap();
+        assert!(format!("{e:#}").contains("--link"), "{e:#}");
+        // a bad value names the flag's choices
+        let e = Cli::try_parse_from(["kvcache-bench", "--link", "rdma"]).err().unwrap();
+        assert!(e.to_string().contains("expected udp or shm"), "{e}");
     }
 
     #[test]

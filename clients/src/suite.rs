@@ -75,6 +75,12 @@ fn comparisons(a: &SuiteArgs) -> Vec<Comparison> {
             format!("client --op write --size 64KiB --depth 64 --compare tcp --pairs {p} --duration {d}"),
         ),
         c(
+            "samehost-write-1MiB",
+            "RDMA WRITE 1 MiB x64 between two processes on this host over the shm link (one copy into the peer's memory) vs kernel TCP",
+            "nsperf",
+            format!("client --op write --size 1MiB --depth 64 --link shm --compare tcp --pairs {p} --duration {d}"),
+        ),
+        c(
             "datapath-send-latency",
             "SEND 64 B ping-pong vs UDP ping-pong, both spinning",
             "nsperf",
@@ -97,6 +103,12 @@ fn comparisons(a: &SuiteArgs) -> Vec<Comparison> {
             "KV-cache 16 MiB transfers prefill -> decode vs the pipelined tcp transport",
             "kvcache-bench",
             format!("--size 16MiB --compare tcp --pairs {p} --duration {d}"),
+        ),
+        c(
+            "kvcache-16MiB-samehost",
+            "KV-cache 16 MiB transfers prefill -> decode process on this host over the shm link (one copy into the decode pool), 2 data cores, vs the pipelined tcp transport",
+            "kvcache-bench",
+            format!("--size 16MiB --link shm --data-cores 2 --compare tcp --pairs {p} --duration {d}"),
         ),
         Comparison {
             latency: true,
@@ -154,9 +166,30 @@ fn f(v: &Value) -> Option<f64> {
     v.as_f64()
 }
 
+/// Which path flexns's bytes took in a comparison's runs, where it is not the UDP link: `one
+/// copy` (the same-host path put them into the peer's memory), `shm rings` (packets through
+/// shared memory), or, for a program that does not count them, the `shm` link its runs name.
+fn path(lines: &[Value]) -> Option<&'static str> {
+    let runs: Vec<&Value> = lines
+        .iter()
+        .filter(|l| l["bench"] != "ratio" && l["system"].as_str().is_some_and(|s| s.starts_with("flexns")))
+        .collect();
+    let sum = |k: &str| runs.iter().filter_map(|l| l[k].as_u64()).sum::<u64>();
+    if sum("same_host_copy_bytes") + sum("same_host_cma_bytes") > 0 {
+        Some("one copy")
+    } else if sum("shm_tx_messages") > 0 {
+        Some("shm rings")
+    } else if runs.iter().any(|l| l["link"] == "shm") {
+        Some("shm link")
+    } else {
+        None
+    }
+}
+
 /// The rows of one comparison's output lines.
 fn rows(c: &Comparison, lines: &[Value]) -> Vec<Row> {
-    let name = c.name;
+    let named = path(lines).map(|p| format!("{} (path: {p})", c.name));
+    let name = named.as_deref().unwrap_or(c.name);
     let runs_verified = lines
         .iter()
         .filter(|l| l.get("verified").is_some() && !l["bench"].as_str().unwrap_or("").contains("ratio"))
@@ -401,4 +434,66 @@ fn summary(a: &SuiteArgs, list: &[Comparison], rows: &[Row], failed: &[String], 
 /// The folder's files, for a test or a caller.
 pub fn outputs(dir: &Path) -> [PathBuf; 4] {
     ["results.jsonl", "summary.md", "speedup.png", "cpu.png"].map(|f| dir.join(f))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn comparison(name: &'static str) -> Comparison {
+        Comparison {
+            name,
+            what: "",
+            program: "nsperf",
+            args: Vec::new(),
+            latency: false,
+        }
+    }
+
+    fn ratio() -> Value {
+        json!({"bench": "ratio", "metric": "gbps", "system": "flexns", "reference": "tcp", "ratio": 3.0, "ratios": [3.0]})
+    }
+
+    #[test]
+    fn same_host_rows_name_the_path_their_bytes_took() {
+        let run = |sys: &str, copy: u64, shm: u64| json!({"bench": "write_bw", "system": sys, "verified": true, "same_host_copy_bytes": copy, "shm_tx_messages": shm});
+        let cases = [
+            // one copy into the peer's memory (a few control messages through the rings too)
+            (vec![run("flexns", 1 << 30, 1), run("tcp", 0, 0)], "x (path: one copy)"),
+            // --no-same-host-copy: packets through the rings
+            (vec![run("flexns", 0, 6000), run("tcp", 0, 0)], "x (path: shm rings)"),
+            // kvcache-bench: no counters, the link its runs name
+            (
+                vec![json!({"bench": "kvcache_write", "system": "flexns", "verified": true, "link": "shm"})],
+                "x (path: shm link)",
+            ),
+            // the UDP link: the name alone, whatever the reference's line holds
+            (vec![run("flexns", 0, 0), run("tcp", 5, 5)], "x"),
+        ];
+        for (mut lines, want) in cases {
+            lines.push(ratio());
+            let r = rows(&comparison("x"), &lines);
+            assert_eq!(r.len(), 1, "{lines:?}");
+            assert_eq!(r[0].comparison, want, "{lines:?}");
+            assert!(r[0].verified);
+        }
+    }
+
+    #[test]
+    fn the_same_host_comparisons_run_the_shm_link_against_tcp() {
+        let a = SuiteArgs {
+            quick: true,
+            pairs: 3,
+            out: PathBuf::new(),
+            only: Some("samehost".into()),
+        };
+        let v = comparisons(&a);
+        let names: Vec<&str> = v.iter().map(|c| c.name).collect();
+        assert_eq!(names, ["samehost-write-1MiB", "kvcache-16MiB-samehost"]);
+        for c in &v {
+            let args = c.args.join(" ");
+            assert!(args.contains("--link shm") && args.contains("--compare tcp"), "{args}");
+        }
+    }
 }

@@ -1,8 +1,9 @@
 //! The same-host one-copy path between two real processes: `nsperf client --link shm` against
-//! the `nsperf server` child it starts (which gets `--link shm` too). Each run verifies its data
-//! where it landed, and its counters say which path the bytes took: one copy into the peer's
-//! memory (almost nothing sent as packets), or, with `--no-same-host-copy`, packets through the
-//! shm rings.
+//! the `nsperf server` child it starts (which gets `--link shm` too), and `kvcache-bench --link
+//! shm` against its decode child. Each run verifies its data where it landed, and its counters
+//! (nsperf's client context, kvcache-bench's prefill engine) say which path the bytes took: one
+//! copy into the peer's memory (almost nothing sent as packets), or, with
+//! `--no-same-host-copy`, packets through the shm rings.
 
 use serde_json::Value;
 use std::process::Command;
@@ -71,4 +72,40 @@ fn without_the_same_host_copy_the_bytes_go_as_packets_through_the_rings() {
     // at most 64 KiB, and only the first few datagrams, before the rings attach, go by UDP
     assert!(n(&r, "tx_bytes") >= n(&r, "bytes"), "{r}");
     assert!(n(&r, "shm_tx_messages") >= n(&r, "bytes") / (128 << 10), "{r}");
+}
+
+#[test]
+fn kvcache_bench_over_the_shm_link_verifies_and_says_so() {
+    let lines = run(
+        env!("CARGO_BIN_EXE_kvcache-bench"),
+        &[
+            "--size",
+            "1MiB",
+            "--link",
+            "shm",
+            "--compare",
+            "tcp",
+            "--pairs",
+            "1",
+            "--duration",
+            "0.3",
+            "--json",
+        ],
+    );
+    let flexns = lines
+        .iter()
+        .find(|l| l["bench"] == "kvcache_write" && l["system"] == "flexns")
+        .unwrap_or_else(|| panic!("no flexns line in {lines:?}"));
+    assert_eq!(flexns["verified"], true, "{flexns}");
+    assert_eq!(flexns["link"], "shm", "{flexns}");
+    // the prefill engine's counters: its WRITEs (and verifying READs) went by one copy
+    by_one_copy(flexns);
+    let tcp = lines
+        .iter()
+        .find(|l| l["bench"] == "kvcache_write" && l["system"] == "tcp")
+        .unwrap_or_else(|| panic!("no tcp line in {lines:?}"));
+    assert_eq!(tcp["verified"], true, "{tcp}");
+    assert!(tcp.get("link").is_none(), "the tcp transport has no link: {tcp}");
+    let ratio = lines.iter().find(|l| l["bench"] == "ratio").expect("a ratio line");
+    assert_eq!(ratio["link"], "shm", "{ratio}");
 }
