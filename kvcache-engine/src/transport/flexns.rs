@@ -392,6 +392,21 @@ impl FlexnsPath {
         Ok(self.ctx.create_qp(&self.pd, &self.cq, &self.rcq, attr)?)
     }
 
+    /// A new QP owned by data core `core` of `cores` (QP number `n` belongs to core
+    /// `n % data_cores`, docs/ARCHITECTURE.md), so a peer's QPs spread over the cores: each core
+    /// runs its own QPs' requests (on one host, their copies), in parallel. QP numbers are
+    /// drawn at random: it draws until one fits, at most `32 * cores` times (then any will do).
+    fn new_qp_on_core(&self, recovery: Recovery, core: usize, cores: usize) -> Result<Qp, TransferError> {
+        let mut qp = self.new_qp(recovery)?;
+        for _ in 0..32 * cores {
+            if qp.qp_num() as usize % cores == core {
+                break;
+            }
+            qp = self.new_qp(recovery)?;
+        }
+        Ok(qp)
+    }
+
     /// Connects `qps_per_peer` QPs to the engine whose RPC port is `rpc`, checking it is
     /// `instance`.
     pub fn connect(&self, name: &str, rpc: SocketAddr, instance: u64) -> Result<(), TransferError> {
@@ -411,9 +426,10 @@ impl FlexnsPath {
         };
         let mut lanes = Vec::new();
         let hello = serde_json::json!({"from": self.cfg.name, "expect": instance}).to_string();
+        let cores = self.ctx.config().data_cores.max(1);
         let qps = (0..self.cfg.qps_per_peer)
-            .map(|_| {
-                let qp = self.new_qp(recovery)?;
+            .map(|i| {
+                let qp = self.new_qp_on_core(recovery, i % cores, cores)?;
                 if self.cfg.paths > 1 {
                     qp.set_paths(self.cfg.paths, self.cfg.spray)?;
                 }
@@ -1090,6 +1106,42 @@ impl cm::Acceptor for FlexAcceptor {
     fn reap(&self, qpn: u32) {
         if let Some(a) = self.0.accepted.lock().remove(&qpn) {
             tracing::debug!("qp {qpn:#x} from {} never received a packet; reaped", a.from);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_peers_qps_are_spread_over_the_data_cores() {
+        let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        let cores = 2;
+        let ctx = Context::open(netstack::verbs::ContextConfig {
+            data_cores: cores,
+            ..Default::default()
+        })
+        .unwrap();
+        let cfg = FlexCfg {
+            name: "spread".into(),
+            instance: 1,
+            qps_per_peer: 2,
+            paths: 1,
+            spray: SprayPolicy::Weighted,
+            in_flight: 64,
+            attempts: 1,
+            unused_qp_timeout: Duration::from_secs(10),
+        };
+        let p = FlexnsPath::new(ctx, cfg, Arc::new(Notifies::new("flexns")), rt.handle().clone()).unwrap();
+        let recovery = p.ctx.config().qp.recovery;
+        // random QP numbers land on one core half the time: 20 pairs all spread by chance has
+        // probability 2^-20; drawing until one fits misses with probability 2^-64 per QP
+        for _ in 0..20 {
+            let on: Vec<usize> = (0..cores)
+                .map(|c| p.new_qp_on_core(recovery, c, cores).unwrap().qp_num() as usize % cores)
+                .collect();
+            assert_eq!(on, vec![0, 1]);
         }
     }
 }
