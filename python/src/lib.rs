@@ -20,7 +20,7 @@ use netstack::mem::Region;
 use parking_lot::Mutex;
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList};
+use pyo3::types::{PyBytes, PyDict, PyList};
 use std::collections::{BTreeMap, HashMap};
 use std::net::{Ipv4Addr, ToSocketAddrs};
 use std::sync::Arc;
@@ -509,6 +509,20 @@ impl Engine {
             cfg.check_door()
                 .map_err(|e| PyValueError::new_err(format!("FLEXNS_UNUSED_QP_TIMEOUT: {e}")))?;
         }
+        // flexns data cores: on one host each copies the requests of its QPs (the engine spreads
+        // a peer's QPs over them), so two cores copy a batch in parallel
+        if let Ok(v) = std::env::var("FLEXNS_DATA_CORES") {
+            cfg.data_cores = v.trim().parse().ok().filter(|n| (1..=16).contains(n)).ok_or_else(|| {
+                PyValueError::new_err(format!("FLEXNS_DATA_CORES: {v:?} is not a number of cores in 1..=16"))
+            })?;
+        }
+        // the flexns stack's link: shm by default (a same-host peer on shm is written and read
+        // by one copy into its memory, others over UDP); udp where packets must cross the kernel
+        if let Ok(v) = std::env::var("FLEXNS_LINK") {
+            let link = kvcache_engine::daemon::parse_link(v.trim())
+                .map_err(|e| PyValueError::new_err(format!("FLEXNS_LINK: {e}")))?;
+            cfg.set_link(link);
+        }
         let e = py
             .detach(|| TransferEngine::new(cfg))
             .map_err(|e| TransferError::new_err(format!("initialize: {e}")))?;
@@ -552,6 +566,30 @@ impl Engine {
     /// The transport in use: "flexns" or "tcp".
     fn get_protocol(&self) -> PyResult<String> {
         Ok(self.engine()?.transport().as_str().to_string())
+    }
+
+    /// The flexns stack's counters as a dict (`None` with protocol "tcp"): `tx_packets`,
+    /// `tx_bytes`, `rx_datagrams`, `rx_bytes`, and what the same-host path moved for this
+    /// engine's requests: `same_host_copy_bytes` (into or out of a peer's engine-allocated
+    /// memory), `same_host_cma_bytes` (a peer's registered caller memory, by CMA),
+    /// `same_host_ops`.
+    fn stack_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let Some(s) = self.engine()?.stack_stats() else {
+            return Ok(None);
+        };
+        let d = PyDict::new(py);
+        for (k, v) in [
+            ("tx_packets", s.tx_packets),
+            ("tx_bytes", s.tx_bytes),
+            ("rx_datagrams", s.rx_datagrams),
+            ("rx_bytes", s.rx_bytes),
+            ("same_host_copy_bytes", s.same_host_copy_bytes),
+            ("same_host_cma_bytes", s.same_host_cma_bytes),
+            ("same_host_ops", s.same_host_ops),
+        ] {
+            d.set_item(k, v)?;
+        }
+        Ok(Some(d))
     }
 
     /// The message of the last failure a Mooncake-style call reported with -1 or 0.

@@ -134,3 +134,38 @@ def sink(conn, protocol, nbytes):
     assert engine.register_memory(buf) == 0
     conn.send({"session": engine.get_session_id(), "addr": buf.ctypes.data})
     conn.recv()  # never comes: the test kills this process
+
+
+SAME_HOST_BLOCKS = 16
+SAME_HOST_BLOCK = 256 << 10
+
+
+def same_host_layout(seed):
+    """The data of the same-host test's batch and the destination block of each source block."""
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, SAME_HOST_BLOCKS * SAME_HOST_BLOCK, dtype=np.uint8)
+    return data, [int(x) for x in rng.permutation(SAME_HOST_BLOCKS)]
+
+
+def same_host_decode(conn, protocol, memory):
+    """A decode process whose KV buffer is a registered NumPy array (`memory="numpy"`: caller
+    memory) or a managed buffer (`"managed"`: engine-allocated); it checks the batch the
+    prefill wrote and reports its own stack counters."""
+    engine = TransferEngine()
+    assert engine.initialize(HOST, "P2PHANDSHAKE", protocol, "") == 0
+    n = SAME_HOST_BLOCKS * SAME_HOST_BLOCK
+    if memory == "numpy":
+        buf = np.zeros(n, dtype=np.uint8)
+        assert engine.register_memory(buf) == 0
+        addr = buf.ctypes.data
+    else:
+        addr = engine.allocate_managed_buffer(n)
+        assert addr != 0, engine.last_error()
+    conn.send({"session": engine.get_session_id(), "addr": addr})
+    msg = conn.recv()
+    got = np.frombuffer(engine.read_bytes_from_buffer(addr, n), dtype=np.uint8).reshape(SAME_HOST_BLOCKS, -1)
+    data, perm = same_host_layout(msg["seed"])
+    want = data.reshape(SAME_HOST_BLOCKS, -1)
+    bad = [i for i in range(SAME_HOST_BLOCKS) if not np.array_equal(got[perm[i]], want[i])]
+    conn.send({"bad": bad, "stats": engine.stack_stats()})
+    conn.recv()  # the prefill is done with us
