@@ -7,7 +7,8 @@
 # depends on no I/O, runtime or lock crate. netstack's layers, bottom up:
 #
 #   0  wire work path mem link telemetry  the core's re-exports, memory, sockets, metrics
-#   1  pipe cc                            notification pipes, congestion control (+ Homa's ranking)
+#   1  pipe cc samehost                   notification pipes, congestion control (+ Homa's ranking),
+#                                         the same-host one-copy path
 #   2  transport                          the core's RC and Solar over netstack's memory
 #   3  offload chain                      offload handlers and jobs, RedN's engine side
 #   4  config                             a context's configuration (gathers the above)
@@ -20,7 +21,7 @@ set -euo pipefail
 src="$(cd "$(dirname "$0")/../netstack/src" && pwd)"
 declare -A layer=(
   [wire]=0 [mem]=0 [work]=0 [path]=0 [link]=0 [telemetry]=0
-  [pipe]=1 [cc]=1
+  [pipe]=1 [cc]=1 [samehost]=1
   [transport]=2
   [offload]=3 [chain]=3
   [config]=4

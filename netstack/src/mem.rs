@@ -671,9 +671,18 @@ const MASK24: u32 = 0xFF_FFFF;
 /// 1/255 each, as on an RNIC). A lookup decodes the index from the key: O(1), no scan.
 pub struct MrTable {
     slots: RwLock<Slots>,
-    /// The table as same-host peers see it, once the context exports it
-    /// ([`crate::samehost`]).
-    export: std::sync::OnceLock<Arc<crate::samehost::Export>>,
+    /// The table as same-host peers see it, once the context exports it (the same-host
+    /// path's export).
+    export: std::sync::OnceLock<Arc<dyn MrExport>>,
+}
+
+/// Where a table publishes its registrations for same-host peers (the same-host path's
+/// export implements it): called under the table's write lock, with the registration's index.
+pub(crate) trait MrExport: Send + Sync {
+    /// Registration `idx` is live with these keys, rights and memory.
+    fn publish_mr(&self, idx: usize, rkey: u32, pd: u32, access: Access, region: &Region);
+    /// Registration `idx` is gone: when this returns, no peer reaches its memory any more.
+    fn revoke_mr(&self, idx: usize);
 }
 
 impl Default for MrTable {
@@ -714,22 +723,24 @@ impl MrTable {
         }
     }
 
-    /// Starts exporting the table to same-host peers ([`crate::samehost`]): every live and
-    /// future registration whose memory they can reach. Returns the export (the same one on
-    /// every call).
-    pub(crate) fn export(&self) -> std::io::Result<Arc<crate::samehost::Export>> {
+    /// The random base the index parts of rkeys count from (an export maps an rkey to its
+    /// registration's index with it).
+    pub(crate) fn rbase(&self) -> u32 {
+        self.slots.read().rbase
+    }
+
+    /// Publishes every live and future registration to `x` (once: a table has one export).
+    pub(crate) fn set_export(&self, x: Arc<dyn MrExport>) {
         let t = self.slots.write();
-        if let Some(x) = self.export.get() {
-            return Ok(x.clone());
+        if self.export.get().is_some() {
+            return;
         }
-        let x = Arc::new(crate::samehost::Export::create(t.rbase)?);
         for (idx, slot) in t.slots.iter().enumerate() {
             if let Some(e) = &slot.entry {
                 x.publish_mr(idx, e.rkey, e.pd, e.access, &e.region);
             }
         }
-        let _ = self.export.set(x.clone());
-        Ok(x)
+        let _ = self.export.set(x);
     }
 
     /// Registers a region; returns the entry with its keys (an lkey and a different rkey, both

@@ -41,7 +41,7 @@
 //! `mmap`/`munmap` of the export and of peers' memory, `AtomicU64::from_ptr` over the export,
 //! the copy ([`copy_raw`]) and CMA over raw pointers.
 
-use crate::mem::{Access, MrTable, Region};
+use crate::mem::{Access, MrExport, MrTable, Region};
 use crate::work::{SendWr, WrOpcode};
 use parking_lot::Mutex;
 use std::collections::HashMap;
@@ -74,6 +74,8 @@ const FD_CMA: u64 = 0xFFFF_FFFF;
 /// QP states an entry may hold that accept requests (RTR, RTS).
 const QP_RTR: u64 = 2;
 const QP_RTS: u64 = 3;
+
+// Header words: 0 magic, 1 nonce, 2 pid, 3 rbase, 4 closed (set when the context drops it).
 
 /// Where a context's export is: what a QP's endpoint carries so that a peer on the same host
 /// can map it.
@@ -195,9 +197,29 @@ impl Export {
         self.desc
     }
 
+    /// Sets QP `qpn`'s entry: `state` 0-4 as [`crate::verbs::QpState`] (Reset, Init, RTR, RTS,
+    /// Err); a QP whose slot another QP holds is not exported. `gone` clears it.
+    pub(crate) fn set_qp(&self, qpn: u32, pd: u32, state: u64, gone: bool) {
+        let i = qpn as usize % QP_SLOTS;
+        let w0 = self.map.word(qp_word(i, 0));
+        let cur = w0.load(Ordering::Relaxed);
+        let mine = (qpn as u64 + 1) << 8;
+        if cur != 0 && cur >> 8 != mine >> 8 {
+            return; // another live QP holds the slot
+        }
+        if gone {
+            w0.store(0, Ordering::Release);
+            return;
+        }
+        self.map.word(qp_word(i, 1)).store(pd as u64, Ordering::Relaxed);
+        w0.store(mine | state, Ordering::Release);
+    }
+}
+
+impl MrExport for Export {
     /// Publishes registration `idx` (its table index): reachable if its memory is a memfd or
     /// caller memory, and the index fits. Called under the table's write lock.
-    pub(crate) fn publish_mr(&self, idx: usize, rkey: u32, pd: u32, access: Access, region: &Region) {
+    fn publish_mr(&self, idx: usize, rkey: u32, pd: u32, access: Access, region: &Region) {
         if idx >= MR_SLOTS || !access.is_remote() {
             return;
         }
@@ -223,7 +245,7 @@ impl Export {
     /// Withdraws registration `idx`: when this returns, no peer copies to or from its memory
     /// through this path (see the module's "Deregistration"). Called under the table's write
     /// lock.
-    pub(crate) fn revoke_mr(&self, idx: usize) {
+    fn revoke_mr(&self, idx: usize) {
         if idx >= MR_SLOTS {
             return;
         }
@@ -250,23 +272,12 @@ impl Export {
         w(1).store(0, Ordering::Relaxed);
         w(0).store(odd + 1, Ordering::Release);
     }
+}
 
-    /// Sets QP `qpn`'s entry: `state` 0-4 as [`crate::verbs::QpState`] (Reset, Init, RTR, RTS,
-    /// Err); a QP whose slot another QP holds is not exported. `gone` clears it.
-    pub(crate) fn set_qp(&self, qpn: u32, pd: u32, state: u64, gone: bool) {
-        let i = qpn as usize % QP_SLOTS;
-        let w0 = self.map.word(qp_word(i, 0));
-        let cur = w0.load(Ordering::Relaxed);
-        let mine = (qpn as u64 + 1) << 8;
-        if cur != 0 && cur >> 8 != mine >> 8 {
-            return; // another live QP holds the slot
-        }
-        if gone {
-            w0.store(0, Ordering::Release);
-            return;
-        }
-        self.map.word(qp_word(i, 1)).store(pd as u64, Ordering::Relaxed);
-        w0.store(mine | state, Ordering::Release);
+impl Drop for Export {
+    fn drop(&mut self) {
+        // peers that still map it see it closed and go by packets
+        self.map.word(4).store(1, Ordering::Release);
     }
 }
 
@@ -288,6 +299,11 @@ pub struct PeerExport {
     regions: Mutex<HashMap<usize, RegionMap>>,
     /// CMA was refused (no ptrace permission): caller memory goes by packets.
     cma_denied: std::sync::atomic::AtomicBool,
+    /// The exporting process (a pidfd, opened before the export was checked, so it names the
+    /// process that holds the export even if its id is reused later); `None` for this
+    /// process. A peer that died is written to by packets, which time out as they would on a
+    /// NIC, never "completed" into memory no one reads.
+    pidfd: Option<std::os::fd::OwnedFd>,
 }
 
 impl std::fmt::Debug for PeerExport {
@@ -318,6 +334,18 @@ impl PeerExport {
     /// Maps the export `desc` names, if this process may open it and it is the one named.
     pub fn attach(desc: SameHostDesc) -> std::io::Result<PeerExport> {
         let bad = |m: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, m.to_string());
+        let pidfd = if desc.pid == std::process::id() {
+            None
+        } else {
+            use std::os::fd::FromRawFd;
+            // SAFETY: pidfd_open(2) with no flags returns a new descriptor or -1.
+            let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, desc.pid as libc::pid_t, 0) };
+            if fd < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // SAFETY: the descriptor just returned, owned by nothing else.
+            Some(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) })
+        };
         let file = open_fd(desc.pid, desc.fd)?;
         let md = file.metadata()?;
         if md.ino() != desc.ino || md.len() < FILE_LEN as u64 {
@@ -335,7 +363,26 @@ impl PeerExport {
             map,
             regions: Mutex::new(HashMap::new()),
             cma_denied: Default::default(),
+            pidfd,
         })
+    }
+
+    /// Whether the exporter still runs and its context is open.
+    fn alive(&self) -> bool {
+        if self.map.word(4).load(Ordering::Acquire) != 0 {
+            return false; // its context closed the export
+        }
+        let Some(fd) = &self.pidfd else {
+            return true;
+        };
+        let mut p = libc::pollfd {
+            fd: fd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd, no wait; a pidfd is readable once its process exited.
+        let r = unsafe { libc::poll(&mut p, 1, 0) };
+        r == 0
     }
 
     /// The export it maps.
@@ -359,7 +406,7 @@ impl PeerExport {
             local.push((r, off, sge.length as usize));
             total += sge.length as u64;
         }
-        if total > 1 << 31 {
+        if total > 1 << 31 || crate::work::validate_send(wr).is_err() || !self.alive() {
             return None;
         }
         // the peer's QP: there, in RTR/RTS, and its protection domain

@@ -200,3 +200,91 @@ fn with_the_path_off_the_same_traffic_goes_as_packets() {
     assert_eq!(s.same_host_ops, 0);
     assert!(s.tx_bytes >= len as u64, "{s:?}");
 }
+
+/// Set in the child process of [`a_peer_process_that_died_is_not_written_to`].
+const CHILD: &str = "FLEXNS_SAME_HOST_CHILD";
+
+/// The child: an `shm` context with a 4 MiB region; prints its endpoint, address and rkey,
+/// connects to the parent's endpoint (one line on stdin), then waits to be killed.
+fn child_side() {
+    use std::io::BufRead;
+    let s = side(true);
+    let ep = serde_json::to_string(&s.qp.local_endpoint()).unwrap();
+    println!("PEER {ep} {} {}", s.mr.addr(), s.mr.rkey());
+    let mut line = String::new();
+    std::io::stdin().lock().read_line(&mut line).unwrap();
+    let parent: Endpoint = serde_json::from_str(line.trim()).unwrap();
+    s.qp.connect(&parent).unwrap();
+    println!("CONNECTED");
+    loop {
+        std::thread::sleep(Duration::from_secs(1));
+    }
+}
+
+#[test]
+fn a_peer_process_that_died_is_not_written_to() {
+    use std::io::{BufRead, BufReader, Write};
+    use std::process::{Command, Stdio};
+    if std::env::var_os(CHILD).is_some() {
+        return child_side();
+    }
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "a_peer_process_that_died_is_not_written_to",
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD, "1")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut said = |tag: &str| loop {
+        let mut line = String::new();
+        assert!(out.read_line(&mut line).unwrap() > 0, "the child ended before {tag:?}");
+        // (the harness prints the test's name on the same line, before the child's first)
+        if let Some(at) = line.find(tag) {
+            return line[at + tag.len()..].trim().to_string();
+        }
+    };
+    let peer = said("PEER ");
+    let f: Vec<&str> = peer.split_whitespace().collect();
+    let (ep, addr, rkey): (Endpoint, u64, u32) = (
+        serde_json::from_str(f[0]).unwrap(),
+        f[1].parse().unwrap(),
+        f[2].parse().unwrap(),
+    );
+    assert!(ep.same_host.is_some(), "the child exports its memory");
+    let a = side(true);
+    a.qp.connect(&ep).unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    writeln!(stdin, "{}", serde_json::to_string(&a.qp.local_endpoint()).unwrap()).unwrap();
+    said("CONNECTED");
+    // into the other process's memory by one copy, and back
+    let len = 1 << 20;
+    let data = pattern(len, 77);
+    a.mr.write(0, &data);
+    assert_eq!(write(&a, a.mr.sge(0, len), addr, rkey).status, WcStatus::Success);
+    a.mr.region().fill(0, len, 0);
+    assert_eq!(read(&a, a.mr.sge(0, len), addr, rkey).status, WcStatus::Success);
+    assert!(a.mr.region().equals(0, &data), "the bytes went to the child and back");
+    let s = a.ctx.stats();
+    assert_eq!((s.same_host_ops, s.same_host_copy_bytes), (2, 2 * len as u64), "{s:?}");
+    // the child dies: its memory is still mapped here, but a WRITE must not "complete" into
+    // it; it goes by packets, which no one answers, and fails as it would on a NIC
+    child.kill().unwrap();
+    child.wait().unwrap();
+    a.qp.post_send(
+        SendWr::new(5, WrOpcode::RdmaWrite)
+            .sge(a.mr.sge(0, len))
+            .remote(addr, rkey),
+    )
+    .unwrap();
+    let wc =
+        a.cq.next(Duration::from_secs(60))
+            .expect("the WRITE to a dead peer fails");
+    assert_ne!(wc.status, WcStatus::Success, "{wc:?}");
+    assert_eq!(a.ctx.stats().same_host_ops, 2);
+}

@@ -224,11 +224,15 @@ impl Context {
         });
         let simulated = sim_seed_of.is_some();
         let same_host = match (&kind, cfg.link, cfg.same_host_copy) {
-            (LinkKind::Udp, crate::config::LinkMode::Shm, true) => match mrs.export() {
-                Ok(export) => Some(SameHost {
-                    export,
-                    peers: Default::default(),
-                }),
+            (LinkKind::Udp, crate::config::LinkMode::Shm, true) => match crate::samehost::Export::create(mrs.rbase()) {
+                Ok(export) => {
+                    let export = Arc::new(export);
+                    mrs.set_export(export.clone());
+                    Some(SameHost {
+                        export,
+                        peers: Default::default(),
+                    })
+                }
                 Err(e) => {
                     tracing::warn!("same-host copy path off: cannot create the export: {e}");
                     None
