@@ -85,6 +85,31 @@ fn writes_and_reads_between_same_host_contexts_are_one_copy_with_no_packets() {
         assert_eq!(s.rx_payload_copy_bytes, s0.rx_payload_copy_bytes, "{s:?}");
         assert!(s.tx_bytes - s0.tx_bytes < 4096, "{s:?}");
     }
+    // the same counts on the Prometheus endpoint
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    netstack::telemetry::serve_prometheus(format!("127.0.0.1:{port}").parse().unwrap()).unwrap();
+    netstack::telemetry::collect_now();
+    let mut http = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    std::io::Write::write_all(&mut http, b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+    let mut page = String::new();
+    std::io::Read::read_to_string(&mut http, &mut page).unwrap();
+    let ctx = a.qp.local_endpoint().addr.to_string();
+    let value = |metric: &str, label: &str| -> f64 {
+        page.lines()
+            .find(|l| l.starts_with(metric) && l.contains(&format!("context=\"{ctx}\"")) && l.contains(label))
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+            .unwrap_or_else(|| panic!("no {metric} {label} for {ctx} in:\n{page}"))
+    };
+    assert_eq!(
+        value("flexns_same_host_bytes_total", "how=\"copy\""),
+        sa.same_host_copy_bytes as f64
+    );
+    assert_eq!(value("flexns_same_host_bytes_total", "how=\"cma\""), 0.0);
+    assert_eq!(value("flexns_same_host_ops_total", ""), sa.same_host_ops as f64);
 }
 
 #[test]

@@ -18,7 +18,7 @@ type EngineCounter = (
 );
 
 /// The engine's counters as metrics: name, optional label, which counter.
-const ENGINE_COUNTERS: [EngineCounter; 21] = [
+const ENGINE_COUNTERS: [EngineCounter; 24] = [
     ("flexns_engine_passes_total", Some(("thread", "engine")), |s| {
         &s.engine_thread_passes
     }),
@@ -71,6 +71,13 @@ const ENGINE_COUNTERS: [EngineCounter; 21] = [
         &s.rx_payload_copy_bytes
     }),
     ("flexns_rx_fused_copy_bytes_total", None, |s| &s.rx_fused_copy_bytes),
+    ("flexns_same_host_bytes_total", Some(("how", "copy")), |s| {
+        &s.same_host_copy_bytes
+    }),
+    ("flexns_same_host_bytes_total", Some(("how", "cma")), |s| {
+        &s.same_host_cma_bytes
+    }),
+    ("flexns_same_host_ops_total", None, |s| &s.same_host_ops),
     ("flexns_tx_calls_total", None, |s| &s.tx_calls),
 ];
 
