@@ -146,7 +146,7 @@ fn protocol(p: &str) -> PyResult<TransportKind> {
         "flexns" => Ok(TransportKind::Flexns),
         "tcp" => Ok(TransportKind::Tcp),
         o => Err(PyValueError::new_err(format!(
-            "protocol {o:?} is not supported by flexns: use \"flexns\" (the flexns stack over UDP) or \"tcp\" \
+            "protocol {o:?} is not supported by flexns: use \"flexns\" (the flexns stack: one copy to peers on this host, RoCEv2 over UDP to others) or \"tcp\" \
              (kernel TCP){}",
             if o == "rdma" {
                 "; there is no RDMA NIC backend and flexns never falls back silently (to run code that asks \
