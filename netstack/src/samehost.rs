@@ -33,9 +33,18 @@
 //! [`REVOKE_WAIT`].
 //!
 //! # Trust
-//! A process that may open another's `/proc/<pid>/fd` may also `ptrace` it; the path gives a
-//! same-user peer nothing it could not take. Its checks keep well-behaved peers honest (a bad
-//! rkey still fails), as on any RDMA device.
+//! The kernel lets a process open another's `/proc/<pid>/fd/<n>` only if it may read that
+//! process's state (same user, or root; a non-dumpable process refuses everyone): the peers
+//! that pass are those a POSIX shared-memory segment of the exporter would be open to, which is
+//! the model of Mooncake's and UCX's shared-memory transports. The requester makes the checks
+//! the responder would (a bad rkey still fails), which keeps well-behaved peers correct; they
+//! are not a wall against a hostile same-user process, which can open any of the exporter's
+//! memfds. Under Yama's `ptrace_scope = 1` such a process could not otherwise reach the memory
+//! (it may not attach), so where that matters run the context with `same_host_copy = false` (or
+//! `link = "udp"`). CMA needs the right to attach, so Yama keeps caller memory on packets.
+//! Large requests are copied whole by the data core: a 64 MiB WRITE holds it for a few
+//! milliseconds, during which its other QPs wait (the services cut transfers into slices of a
+//! few MiB).
 //!
 //! This is one of the documented `unsafe` modules (docs/ARCHITECTURE.md, "Unsafe inventory"):
 //! `mmap`/`munmap` of the export and of peers' memory, `AtomicU64::from_ptr` over the export,
