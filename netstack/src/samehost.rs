@@ -75,8 +75,9 @@ const MAGIC: u64 = u64::from_le_bytes(*b"flexnsX1");
 const HEADER: usize = 4096;
 /// Words of an MR entry: sequence, rkey, pd, rights | fd << 32, iova, length, inode, in-use.
 const MR_WORDS: usize = 8;
-/// Words of a QP entry: (qpn + 1) << 8 | state, pd.
-const QP_WORDS: usize = 2;
+/// Words of a QP entry: (qpn + 1) << 8 | state, pd, the QP number it is connected to + 1, and
+/// the export nonce of the context it is connected to.
+const QP_WORDS: usize = 4;
 const FILE_LEN: usize = HEADER + MR_SLOTS * MR_WORDS * 8 + QP_SLOTS * QP_WORDS * 8;
 /// The fd word of an entry whose memory is caller memory, reached by CMA at its address.
 const FD_CMA: u64 = 0xFFFF_FFFF;
@@ -218,10 +219,35 @@ impl Export {
         }
         if gone {
             w0.store(0, Ordering::Release);
+            self.map.word(qp_word(i, 2)).store(0, Ordering::Relaxed);
+            self.map.word(qp_word(i, 3)).store(0, Ordering::Relaxed);
             return;
+        }
+        if cur == 0 {
+            // a new holder: no peer until it connects
+            self.map.word(qp_word(i, 2)).store(0, Ordering::Relaxed);
+            self.map.word(qp_word(i, 3)).store(0, Ordering::Relaxed);
         }
         self.map.word(qp_word(i, 1)).store(pd as u64, Ordering::Relaxed);
         w0.store(mine | state, Ordering::Release);
+    }
+
+    /// Records whom QP `qpn` connects to: the peer's QP number and the nonce of the peer
+    /// context's export (0: it has none). A requester copies into this context's memory only
+    /// through a QP connected to that very requester QP, in that very context, as a NIC's
+    /// responder QP takes requests only from its own peer: without this, a caller that handed
+    /// a server this context's export and QP number in a forged endpoint would have the server
+    /// write into memory this context exposed to someone else. Called before the QP's state
+    /// leaves Init (its core publishes RTR afterwards, with a Release store).
+    pub(crate) fn set_qp_peer(&self, qpn: u32, dest_qpn: u32, peer_nonce: u64) {
+        let i = qpn as usize % QP_SLOTS;
+        if self.map.word(qp_word(i, 0)).load(Ordering::Relaxed) >> 8 != qpn as u64 + 1 {
+            return; // another QP holds the slot: this one is not exported
+        }
+        self.map
+            .word(qp_word(i, 2))
+            .store(dest_qpn as u64 + 1, Ordering::Relaxed);
+        self.map.word(qp_word(i, 3)).store(peer_nonce, Ordering::Relaxed);
     }
 }
 
@@ -399,10 +425,11 @@ impl PeerExport {
         self.desc
     }
 
-    /// Executes `wr` (a WRITE or READ of a QP in protection domain `pd`, whose local SGEs
-    /// `mrs` checks) against the peer's QP `dest_qpn`; `None` when the packet path must take
-    /// it (an opcode, key, state or range this path does not decide).
-    pub(crate) fn execute(&self, wr: &SendWr, mrs: &MrTable, pd: u32, dest_qpn: u32) -> Option<Done> {
+    /// Executes `wr` (a WRITE or READ of QP `me` = (its number, its context's export nonce),
+    /// in protection domain `pd`, whose local SGEs `mrs` checks) against the peer's QP
+    /// `dest_qpn`; `None` when the packet path must take it (an opcode, key, state, peer or
+    /// range this path does not decide).
+    pub(crate) fn execute(&self, wr: &SendWr, mrs: &MrTable, pd: u32, me: (u32, u64), dest_qpn: u32) -> Option<Done> {
         let (dir, need_local, need_remote) = match wr.opcode {
             WrOpcode::RdmaWrite => (Dir::Out, Access(0), Access::REMOTE_WRITE),
             WrOpcode::RdmaRead => (Dir::In, Access::LOCAL_WRITE, Access::REMOTE_READ),
@@ -425,6 +452,12 @@ impl PeerExport {
             return None;
         }
         let peer_pd = self.map.word(qp_word(qi, 1)).load(Ordering::Relaxed);
+        // ... connected to this very QP of this very context
+        if self.map.word(qp_word(qi, 2)).load(Ordering::Relaxed) != me.0 as u64 + 1
+            || self.map.word(qp_word(qi, 3)).load(Ordering::Relaxed) != me.1
+        {
+            return None;
+        }
         // the rkey's entry
         let rbase = self.map.word(3).load(Ordering::Relaxed) as u32;
         let idx = ((wr.rkey >> 8).wrapping_sub(rbase) & 0xFF_FFFF) as usize;

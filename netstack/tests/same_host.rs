@@ -313,3 +313,36 @@ fn a_peer_process_that_died_is_not_written_to() {
     assert_ne!(wc.status, WcStatus::Success, "{wc:?}");
     assert_eq!(a.ctx.stats().same_host_ops, 2);
 }
+
+#[test]
+fn a_qp_connected_to_someone_else_is_not_written_through() {
+    // V's QP is connected to A's; S is handed V's endpoint (its QP number and its export) as if
+    // it were its peer's, e.g. by a caller forging an endpoint. A NIC's responder QP takes
+    // requests only from its own peer; so must the copy path
+    let (v, a) = pair(true);
+    let s = side(true);
+    s.qp.connect(&v.qp.local_endpoint()).unwrap();
+    let len = 8192;
+    s.mr.write(0, &pattern(len, 9));
+    v.mr.region().fill(0, len, 0x5A);
+    s.qp.post_send(
+        SendWr::new(1, WrOpcode::RdmaWrite)
+            .sge(s.mr.sge(0, len))
+            .remote(v.mr.addr(), v.mr.rkey()),
+    )
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        v.mr.region().equals(0, &vec![0x5A; len]),
+        "V's memory was written by a stranger"
+    );
+    assert_eq!(s.ctx.stats().same_host_ops, 0);
+    // while A, V's real peer, still writes by one copy
+    a.mr.write(0, &pattern(len, 10));
+    assert_eq!(
+        write(&a, a.mr.sge(0, len), v.mr.addr(), v.mr.rkey()).status,
+        WcStatus::Success
+    );
+    assert!(v.mr.region().equals(0, &pattern(len, 10)));
+    assert_eq!(a.ctx.stats().same_host_ops, 1);
+}

@@ -1233,7 +1233,11 @@ fn copied_same_host(s: &mut QpSlot, wr: &crate::work::SendWr, shared: &EngineSha
     if s.qp.state() != QpState::Rts || !s.qp.send_queue_idle() || s.chain.is_some() {
         return false;
     }
-    let done = peer.execute(wr, &shared.mrs, s.qp.pd(), *dest);
+    let Some(own) = &s.export else {
+        return false;
+    };
+    let me = (s.qp.qpn(), own.desc().nonce);
+    let done = peer.execute(wr, &shared.mrs, s.qp.pd(), me, *dest);
     let n = match done {
         None => return false,
         Some(crate::samehost::Done::Mapped(n)) => {

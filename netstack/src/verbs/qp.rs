@@ -441,6 +441,11 @@ impl Qp {
         let params = self.ctx.inner.cfg.paths;
         let remote = remote.clone();
         let qpn = self.qpn;
+        // whom this QP connects to, for same-host peers' checks (before the core publishes RTR)
+        if let Some(h) = &self.ctx.inner.same_host {
+            h.export
+                .set_qp_peer(qpn, remote.qpn, remote.same_host.map_or(0, |d| d.nonce));
+        }
         // a same-host peer's export, mapped (any failure leaves the QP on packets)
         let peer = match (&self.ctx.inner.same_host, remote.same_host) {
             (Some(h), Some(d)) if self.managed.is_none() => match h.attach(d) {
