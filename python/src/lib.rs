@@ -299,15 +299,24 @@ impl Engine {
         buffers: &[u64],
         peers: &[u64],
         lengths: &[u64],
+        notify: Option<&TransferNotify>,
         hint: &str,
     ) -> PyResult<u64> {
         let e = self.engine()?;
         self.check_hint(&e, hint)?;
         let r = self.session(py, &e, target).and_then(|h| {
             let reqs = Self::requests(h, opcode, buffers, peers, lengths)?;
+            let n = notify.map(|n| Notification {
+                name: n.name.clone(),
+                msg: n.msg.clone(),
+            });
             py.detach(|| {
                 let id = e.allocate_batch(reqs.len().max(1))?;
-                if let Err(err) = e.submit(id, &reqs) {
+                let submitted = match &n {
+                    Some(n) => e.submit_with_notify(id, &reqs, h, n),
+                    None => e.submit(id, &reqs),
+                };
+                if let Err(err) = submitted {
                     let _ = e.wait_batch(id, Duration::from_secs(1));
                     let _ = e.free_batch(id);
                     return Err(err);
@@ -950,6 +959,7 @@ impl Engine {
             &buffers,
             &peer_buffer_addresses,
             &lengths,
+            None,
             transport_hint,
         )
     }
@@ -972,6 +982,7 @@ impl Engine {
             &buffers,
             &peer_buffer_addresses,
             &lengths,
+            None,
             transport_hint,
         )
     }
@@ -994,6 +1005,7 @@ impl Engine {
             &buffers,
             &peer_buffer_addresses,
             &lengths,
+            None,
             transport_hint,
         )
     }
@@ -1016,6 +1028,37 @@ impl Engine {
             &[buffer],
             &[peer_buffer_address],
             &[length],
+            None,
+            transport_hint,
+        )
+    }
+
+    /// Submits a batch and a notification the target receives after every request of it
+    /// has landed (the batch completes once the notification is delivered too); returns the
+    /// batch id (0 on failure, with `last_error()`). What `flexns.nixl` posts for a transfer
+    /// with a `notif_msg`.
+    #[pyo3(signature = (target_hostname, buffers, peer_buffer_addresses, lengths, opcode, notify, transport_hint = ""))]
+    #[allow(clippy::too_many_arguments)]
+    fn batch_transfer_async_notify(
+        &self,
+        py: Python<'_>,
+        target_hostname: &str,
+        buffers: Vec<u64>,
+        peer_buffer_addresses: Vec<u64>,
+        lengths: Vec<u64>,
+        opcode: TransferOpcode,
+        notify: TransferNotify,
+        transport_hint: &str,
+    ) -> PyResult<u64> {
+        self.submit(
+            py,
+            "batch_transfer_async_notify",
+            target_hostname,
+            op(opcode),
+            &buffers,
+            &peer_buffer_addresses,
+            &lengths,
+            Some(&notify),
             transport_hint,
         )
     }
