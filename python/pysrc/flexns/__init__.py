@@ -15,6 +15,9 @@ Memory may be an address (int, as in Mooncake), a NumPy array or a PyTorch tenso
     kv = np.zeros(1 << 20, dtype=np.uint8)
     e.register_memory(kv)                     # kept alive until unregistered
     e.write("127.0.0.1:15123", kv, peer_addr)  # raises flexns.TransferError on failure
+
+``flexns.nixl`` offers NIXL's agent API (``nixl_agent``, ``nixl_agent_config``) over the same
+engine, for host memory.
 """
 
 from ._flexns import (  # noqa: F401
