@@ -223,6 +223,8 @@ def test_descriptor_inputs_and_device_memory_refused():
     a = nixl_agent("solo", nixl_agent_config(protocol="tcp"))
     try:
         buf = np.zeros(4096, dtype=np.uint8)
+        small = np.zeros((4, 3), dtype=np.uint8)  # memory, not a descriptor array
+        assert list(a.get_xfer_descs(small)) == [(small.ctypes.data, 12, 0)]
         d = a.get_reg_descs(FakeTensor(buf))
         assert list(d) == [(buf.ctypes.data, 4096, 0, "")]
         assert list(a.get_xfer_descs([FakeTensor(buf[:1024]), FakeTensor(buf[1024:])])) == [

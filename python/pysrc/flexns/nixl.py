@@ -170,12 +170,14 @@ def _memory_desc(obj, i: int):
 
 
 def _is_desc_array(x) -> bool:
-    """A NumPy array of shape (N, 3) of integers: N descriptor rows (as NIXL reads one)."""
+    """A NumPy array of shape (N, 3) of 64-bit integers (addresses need 64 bits): N descriptor
+    rows, as NIXL reads one. Any other array is memory: one descriptor for its bytes."""
     return (
         hasattr(x, "__array_interface__")
         and getattr(x, "ndim", 0) == 2
         and x.shape[1] == 3
-        and getattr(x.dtype, "kind", "") in "iu"
+        and getattr(x.dtype, "kind", "") in ("i", "u")
+        and x.dtype.itemsize == 8
     )
 
 
