@@ -76,6 +76,14 @@ pub struct BenchArgs {
     /// An existing decode engine for the --compare reference.
     #[arg(long)]
     pub compare_server: Option<String>,
+    /// With --server: that decode engine's process id, when it runs on this host (in another
+    /// network namespace, say); the runs account its CPU and memory as the decode process's,
+    /// as they do for a decode engine they start.
+    #[arg(long, requires = "server")]
+    pub server_pid: Option<u32>,
+    /// With --compare-server: that decode engine's process id (as --server-pid).
+    #[arg(long, requires = "compare_server")]
+    pub compare_server_pid: Option<u32>,
     /// Local address of this (prefill) engine; 127.0.0.1 when the decode engine is a child.
     #[arg(long)]
     pub bind: Option<Ipv4Addr>,
@@ -108,6 +116,8 @@ struct Variant {
     transport: TransportKind,
     paths: usize,
     server: Option<String>,
+    /// The process id of `server` on this host, accounted as the decode process.
+    server_pid: Option<u32>,
 }
 
 struct Target {
@@ -118,6 +128,8 @@ struct Target {
     src: Arc<netstack::mem::Region>,
     check: Arc<netstack::mem::Region>,
     child: Option<ChildServer>,
+    /// The decode engine's process id when this run did not start it (`--server-pid`).
+    server_pid: Option<u32>,
     /// The link of this (prefill) engine's stack (flexns).
     link: Option<netstack::config::LinkMode>,
 }
@@ -143,10 +155,11 @@ impl Target {
         }
     }
 
-    /// The processes a run on this target accounts for: this one, and its decode child.
+    /// The processes a run on this target accounts for: this one, and its decode child (or the
+    /// decode engine `--server-pid` names).
     fn procs(&self) -> Vec<Proc> {
         let mut v = vec![Proc::this("prefill")];
-        if let Some(pid) = self.child.as_ref().and_then(|c| c.pid()) {
+        if let Some(pid) = self.child.as_ref().and_then(|c| c.pid()).or(self.server_pid) {
             v.push(Proc::new("decode", pid));
         }
         v
@@ -186,6 +199,11 @@ fn engine_config(a: &BenchArgs, v: &Variant, name: &str) -> Result<EngineConfig>
 }
 
 fn setup(a: &BenchArgs, v: &Variant, max: u64, exe: &std::path::Path, sub: &[String]) -> Result<Target> {
+    if let Some(pid) = v.server_pid {
+        if crate::bench::proc_cpu_secs(pid).is_none() {
+            bail!("--server-pid/--compare-server-pid: no process {pid} on this host");
+        }
+    }
     let (segment, child) = match &v.server {
         Some(s) => (s.clone(), None),
         None => {
@@ -243,6 +261,7 @@ fn setup(a: &BenchArgs, v: &Variant, max: u64, exe: &std::path::Path, sub: &[Str
         src,
         check,
         child,
+        server_pid: v.server_pid,
         link,
     })
 }
@@ -522,6 +541,7 @@ pub fn run(a: &BenchArgs, exe: &std::path::Path, sub: &[String]) -> Result<Vec<s
         transport: a.system,
         paths: a.paths,
         server: a.server.clone(),
+        server_pid: a.server_pid,
     }];
     if let Some(p) = a.compare_paths {
         variants.push(Variant {
@@ -529,6 +549,7 @@ pub fn run(a: &BenchArgs, exe: &std::path::Path, sub: &[String]) -> Result<Vec<s
             transport: a.system,
             paths: p,
             server: a.server.clone(),
+            server_pid: a.server_pid,
         });
     }
     if let Some(t) = a.compare {
@@ -537,6 +558,7 @@ pub fn run(a: &BenchArgs, exe: &std::path::Path, sub: &[String]) -> Result<Vec<s
             transport: t,
             paths: 1,
             server: a.compare_server.clone(),
+            server_pid: a.compare_server_pid,
         });
     }
     if a.link.is_some() && a.system != TransportKind::Flexns && a.compare != Some(TransportKind::Flexns) {
@@ -703,6 +725,7 @@ mod tests {
             transport: TransportKind::Flexns,
             paths: 1,
             server: None,
+            server_pid: None,
         };
         for (flag, want) in [("shm", LinkMode::Shm), ("udp", LinkMode::Udp)] {
             let c = engine_config(&args(&["--link", flag]), &v, "prefill").unwrap();

@@ -178,6 +178,7 @@ fn demo(duration: f64, json: bool) -> Result<()> {
             server: None,
             udp: None,
             tcp: None,
+            server_pid: None,
             system: System::Flexns,
             op,
             size,

@@ -25,6 +25,11 @@ pub struct ClientArgs {
     /// tcp reference server address (with --server).
     #[arg(long)]
     pub tcp: Option<SocketAddr>,
+    /// With --server: that server's process id, when it runs on this host (in another network
+    /// namespace, say); the runs account its CPU and memory as the server's, as they do for a
+    /// server they start.
+    #[arg(long, requires = "server")]
+    pub server_pid: Option<u32>,
     #[arg(long, value_enum, default_value = "flexns")]
     pub system: System,
     #[arg(long, value_enum, default_value = "write")]
@@ -258,13 +263,19 @@ impl ClientArgs {
     }
 }
 
-/// The processes a run accounts for: this client, and the server child if it started one.
-fn processes(p: &Peers) -> Vec<Proc> {
+/// The processes a run accounts for: this client, and the server child if it started one (or
+/// the server `--server-pid` names).
+fn processes(p: &Peers, a: &ClientArgs) -> Result<Vec<Proc>> {
     let mut v = vec![Proc::this("client")];
     if let Some(pid) = p.child.as_ref().and_then(|c| c.pid()) {
         v.push(Proc::new("server", pid));
+    } else if let Some(pid) = a.server_pid {
+        if crate::bench::proc_cpu_secs(pid).is_none() {
+            bail!("--server-pid: no process {pid} on this host");
+        }
+        v.push(Proc::new("server", pid));
     }
-    v
+    Ok(v)
 }
 
 /// Width of the throughput timeline's bins.
@@ -279,7 +290,7 @@ pub fn run(a: &ClientArgs, spawn: &ServerSpawn) -> Result<Vec<BenchResult>> {
         netstack::telemetry::serve_prometheus(addr)?;
     }
     let mut p = peers(a, spawn)?;
-    let procs = processes(&p);
+    let procs = processes(&p, a)?;
     let wait = a.wait_mode();
     if matches!(a.op, Op::BatchRead | Op::ListWalk | Op::RednGet) {
         let cm = p.cm;

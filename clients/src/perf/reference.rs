@@ -155,7 +155,8 @@ pub fn udp_bw(server: SocketAddr, dgram: usize, secs: f64, seed: u64) -> Result<
     let SocketAddr::V4(dst) = server else {
         bail!("udp-raw needs an IPv4 server address")
     };
-    let sock = UdpSocket::bind("127.0.0.1:0")?;
+    // the route to the server picks the source: loopback for a local server, else its link
+    let sock = UdpSocket::bind("0.0.0.0:0")?;
     sock.set_read_timeout(Some(Duration::from_secs(5)))?;
     let fd = sock.as_raw_fd();
     netstack::link::udp::set_large_buffers(fd);
@@ -282,7 +283,8 @@ fn udp_recv(sock: &UdpSocket, buf: &mut [u8], wait: Wait) -> Option<usize> {
 
 /// udp-raw ping-pong latency with `size`-byte datagrams; reports half the round trip.
 pub fn udp_lat(server: SocketAddr, size: usize, secs: f64, wait: Wait, seed: u64) -> Result<BenchResult> {
-    let sock = UdpSocket::bind("127.0.0.1:0")?;
+    // the route to the server picks the source: loopback for a local server, else its link
+    let sock = UdpSocket::bind("0.0.0.0:0")?;
     sock.connect(server)?;
     match wait {
         Wait::Spin => sock.set_nonblocking(true)?,
