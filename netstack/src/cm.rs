@@ -65,6 +65,7 @@ impl From<Endpoint> for pb::QpEndpoint {
                 ino: d.ino,
                 nonce: d.nonce,
             }),
+            icrc: e.icrc.name().into(),
         }
     }
 }
@@ -114,6 +115,11 @@ impl TryFrom<Option<pb::QpEndpoint>> for Endpoint {
                 crate::path::MAX_PATHS
             )));
         }
+        let icrc = if e.icrc.is_empty() {
+            crate::transport::rc::IcrcMode::Icrc
+        } else {
+            e.icrc.parse().map_err(|m| CmError::BadEndpoint(format!("icrc: {m}")))?
+        };
         let extra_addrs = parse_addrs("extra_addrs", &e.extra_addrs)?;
         let sources = parse_addrs("sources", &e.sources)?;
         if e.qpn > crate::wire::MASK24 || e.psn > crate::wire::MASK24 {
@@ -136,6 +142,7 @@ impl TryFrom<Option<pb::QpEndpoint>> for Endpoint {
                 ino: d.ino,
                 nonce: d.nonce,
             }),
+            icrc,
         })
     }
 }
@@ -674,7 +681,29 @@ mod tests {
             extra_addrs: Vec::new(),
             sources: Vec::new(),
             same_host: None,
+            icrc: Default::default(),
         }
+    }
+
+    #[test]
+    fn the_icrc_offer_crosses_the_cm_and_a_bad_one_names_the_field() {
+        use crate::transport::rc::IcrcMode;
+        for mode in [IcrcMode::Icrc, IcrcMode::None] {
+            let e = Endpoint {
+                icrc: mode,
+                ..ep("127.0.0.1:4791")
+            };
+            let wire = pb::QpEndpoint::from(e.clone());
+            assert_eq!(wire.icrc, mode.name());
+            assert_eq!(Endpoint::try_from(Some(wire)).unwrap(), e);
+        }
+        // an older peer says nothing: it runs the ICRC
+        let mut wire = pb::QpEndpoint::from(ep("127.0.0.1:4791"));
+        wire.icrc.clear();
+        assert_eq!(Endpoint::try_from(Some(wire.clone())).unwrap().icrc, IcrcMode::Icrc);
+        wire.icrc = "crc32".into();
+        let err = Endpoint::try_from(Some(wire)).unwrap_err().to_string();
+        assert!(err.contains("icrc: unknown ICRC mode \"crc32\""), "{err}");
     }
 
     #[test]

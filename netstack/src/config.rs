@@ -300,6 +300,22 @@ mod tests {
         let c = ContextConfig::from_toml("[paths]\ndown_after_rtos = 5\n").unwrap();
         assert_eq!(c.paths.down_after_rtos, 5);
     }
+
+    #[test]
+    fn the_icrc_mode_parses_and_a_bad_value_names_the_field() {
+        use crate::transport::rc::IcrcMode;
+        assert_eq!(ContextConfig::default().qp.icrc, IcrcMode::Icrc, "on by default");
+        let c = ContextConfig::from_toml("[qp]\nicrc = \"none\"\n").unwrap();
+        assert_eq!(c.qp.icrc, IcrcMode::None);
+        let c = ContextConfig::from_toml("[qp]\nicrc = \"icrc\"\n").unwrap();
+        assert_eq!(c.qp.icrc, IcrcMode::Icrc);
+        for bad in ["\"off\"", "\"ICRC\"", "0"] {
+            let e = ContextConfig::from_toml(&format!("[qp]\nicrc = {bad}\n"))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("icrc"), "{bad}: {e}");
+        }
+    }
 }
 
 #[cfg(test)]

@@ -156,6 +156,25 @@ impl QpSlot {
         }
     }
 
+    /// The ICRC mode the QP's connection runs: what was negotiated when it connected
+    /// (`rtr` in `verbs::qp`), `icrc` before.
+    pub(crate) fn icrc_mode(&self) -> crate::transport::rc::IcrcMode {
+        if self.remote.is_some() {
+            self.qp.config().icrc
+        } else {
+            crate::transport::rc::IcrcMode::Icrc
+        }
+    }
+
+    /// Whether the QP's packets go without an ICRC: sent with the field 0, received without
+    /// checking it (the UDP checksum protects them; see [`crate::transport::rc::IcrcMode`]).
+    /// Once connected, as negotiated; before, as configured: a QP that is not connected sends
+    /// nothing and accepts nothing (every packet is dropped as from a wrong source), so a
+    /// peer that connected first and sends early is not counted as sending bad ICRCs.
+    pub(crate) fn no_icrc(&self) -> bool {
+        self.qp.config().icrc == crate::transport::rc::IcrcMode::None
+    }
+
     /// Whether a packet from `src` may be this QP's peer.
     pub(crate) fn accepts(&self, src: SocketAddrV4) -> bool {
         self.remote == Some(src) || self.peer_sources.contains(&src)

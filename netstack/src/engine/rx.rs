@@ -229,13 +229,18 @@ impl DataCore {
         };
         let qpn = v.bth.dest_qp;
         // the next expected packet of a WRITE in progress is copied into its checked range in the
-        // pass that verifies its ICRC; every other packet is verified before anything reads it
+        // pass that verifies its ICRC; every other packet is verified before anything reads it.
+        // A QP whose connection runs without ICRC (both ends chose it, the UDP checksum covers
+        // the bytes) ignores the field: nothing is verified, and the transport places the
+        // payload after its checks, as it does any packet not placed here (one copy)
         let slot = qps.get_mut(&qpn);
+        let no_icrc = slot.as_ref().is_some_and(|s| s.no_icrc());
         let placement = slot
             .as_ref()
-            .filter(|s| s.accepts(src))
+            .filter(|s| !no_icrc && s.accepts(src))
             .and_then(|s| s.qp.write_placement(&v, &*shared.mrs));
         let verdict = match &placement {
+            _ if no_icrc => Ok(()),
             Some((region, off)) => v.verify_icrc_placing(d, src, local, |o, b| region.write(off + o, b)),
             None => PacketView::verify_icrc(d, src, local),
         };

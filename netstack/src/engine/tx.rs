@@ -18,6 +18,7 @@ impl DataCore {
                 self.active.remove(&qpn);
                 continue;
             }
+            let with_icrc = !s.no_icrc();
             while self.out.len() < TX_BATCH {
                 match s.qp.poll_transmit(now) {
                     Some(pkt) => {
@@ -31,11 +32,13 @@ impl DataCore {
                         }
                         let src = link.local_addr(port);
                         if self.local_addrs.contains(&dst) {
-                            loop_back(&self.shared.stats, &mut self.spare, &mut self.hairpin, &pkt, src, dst);
+                            let (spare, hairpin) = (&mut self.spare, &mut self.hairpin);
+                            loop_back(&self.shared.stats, spare, hairpin, &pkt, (src, dst), with_icrc);
                             sent_any = true;
                             continue;
                         }
-                        self.out.push(Outgoing::new(pkt, port, src, dst, &self.shared.stats));
+                        let stats = &self.shared.stats;
+                        self.out.push(Outgoing::new(pkt, port, (src, dst), stats, with_icrc));
                     }
                     None => break,
                 }
@@ -115,14 +118,15 @@ pub(super) trait Datagram {
 }
 
 /// Queues a packet from `src` for the core itself (hairpin, at `dst`): serialized with its
-/// ICRC into a buffer from `spare`, no system call.
+/// ICRC (0 `without` one, a QP whose connection runs [`crate::transport::rc::IcrcMode::None`])
+/// into a buffer from `spare`, no system call.
 fn loop_back(
     stats: &EngineStats,
     spare: &mut Vec<Vec<u8>>,
     hairpin: &mut VecDeque<(Vec<u8>, SocketAddrV4, SocketAddrV4)>,
     pkt: &TxPacket,
-    src: SocketAddrV4,
-    dst: SocketAddrV4,
+    (src, dst): (SocketAddrV4, SocketAddrV4),
+    with_icrc: bool,
 ) {
     let mut d = spare.pop().unwrap_or_default();
     d.clear();
@@ -133,7 +137,11 @@ fn loop_back(
     // a hairpin packet is serialized: its payload is copied once
     stats.tx_payload_copy_bytes.add(pkt.payload_len() as u64);
     d.extend_from_slice(&PAD_ZEROS[..pkt.hdr.bth().pad as usize]);
-    let c = icrc::compute(src, dst, &[d.as_slice()]);
+    let c = if with_icrc {
+        icrc::compute(src, dst, &[d.as_slice()])
+    } else {
+        0
+    };
     d.extend_from_slice(&c.to_le_bytes());
     stats.tx_packets.inc();
     stats.tx_bytes.add(d.len() as u64);
@@ -319,19 +327,32 @@ impl Outgoing {
     /// sends from its memory (the ICRC reads it through private chunks, see
     /// [`crate::mem::Region::chunks`]); READ responses and small payloads are snapshotted in
     /// the same pass (see [`snapshot_read_payload`]).
-    fn new(mut pkt: TxPacket, link: usize, src: SocketAddrV4, dst: SocketAddrV4, stats: &EngineStats) -> Outgoing {
+    ///
+    /// Not `with_icrc` (a QP whose connection runs [`crate::transport::rc::IcrcMode::None`]),
+    /// the ICRC field is 0 and nothing reads the payload: the kernel's copy into the datagram
+    /// is the only pass over it, and the UDP checksum it computes covers what it copied, so
+    /// no snapshot is needed for a READ response's bytes to match their checksum either.
+    fn new(
+        mut pkt: TxPacket,
+        link: usize,
+        (src, dst): (SocketAddrV4, SocketAddrV4),
+        stats: &EngineStats,
+        with_icrc: bool,
+    ) -> Outgoing {
         let pad = pkt.hdr.bth().pad as usize;
-        let body = pkt.hdr.len() + pkt.payload_len() + pad;
-        let mut c = icrc::Icrc::new(src, dst, body);
-        c.update(pkt.hdr.as_bytes());
-        if !snapshot_read_payload(&mut pkt, stats, &mut c) {
-            for p in &pkt.payload {
-                p.region.chunks(p.off, p.len, |_, s| c.update(s));
-            }
-        }
-        c.update(&PAD_ZEROS[..pad]);
         let mut trailer = [0u8; 8];
-        trailer[pad..pad + 4].copy_from_slice(&c.finish().to_le_bytes());
+        if with_icrc {
+            let body = pkt.hdr.len() + pkt.payload_len() + pad;
+            let mut c = icrc::Icrc::new(src, dst, body);
+            c.update(pkt.hdr.as_bytes());
+            if !snapshot_read_payload(&mut pkt, stats, &mut c) {
+                for p in &pkt.payload {
+                    p.region.chunks(p.off, p.len, |_, s| c.update(s));
+                }
+            }
+            c.update(&PAD_ZEROS[..pad]);
+            trailer[pad..pad + 4].copy_from_slice(&c.finish().to_le_bytes());
+        }
         Outgoing {
             pkt,
             link,
@@ -404,7 +425,7 @@ mod tests {
                 });
             }
             let stats = EngineStats::default();
-            let o = Outgoing::new(pkt, 0, src, dst, &stats);
+            let o = Outgoing::new(pkt, 0, (src, dst), &stats, true);
             assert_eq!(stats.tx_payload_copy_bytes.get(), bytes.len() as u64);
             assert_eq!(o.pkt.payload.len(), 1, "one snapshot");
             let snap = &o.pkt.payload[0];

@@ -20,7 +20,7 @@ mod qp;
 pub use crate::config::ContextConfig;
 pub use crate::engine::{Drive, PollMode, StatsSnapshot};
 pub use crate::mem::{Access, AccessError};
-pub use crate::transport::rc::{QpState, RcConfig, RcStats, Recovery};
+pub use crate::transport::rc::{IcrcMode, QpState, RcConfig, RcStats, Recovery};
 pub use crate::work::*;
 pub use qp::{Endpoint, Qp, QpInitAttr};
 

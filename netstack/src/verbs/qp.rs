@@ -11,7 +11,7 @@ use crate::engine::{sq, Command, CqShared, EngineShared, QpMirror, QpSlot};
 use crate::mem::Access;
 use crate::transport::rc::validation::Chooser;
 use crate::transport::rc::PostError;
-use crate::transport::rc::{QpState, RcConfig, RcQp, RcStats, Recovery};
+use crate::transport::rc::{IcrcMode, QpState, RcConfig, RcQp, RcStats, Recovery};
 use crate::work::{RecvWr, SendFlags, SendWr, Sge};
 use serde::{Deserialize, Serialize};
 use std::net::SocketAddrV4;
@@ -70,6 +70,10 @@ pub struct Endpoint {
     /// its WRITEs and READs by one copy.
     #[serde(default)]
     pub same_host: Option<crate::samehost::SameHostDesc>,
+    /// The ICRC mode the QP offers: `none` only when its configuration asks for it and its
+    /// context sends UDP checksums. The connection runs `none` when both ends offer it.
+    #[serde(default)]
+    pub icrc: crate::transport::rc::IcrcMode,
 }
 
 fn one_path() -> u8 {
@@ -358,7 +362,13 @@ impl Qp {
             extra_addrs: addrs.clone().step_by(ports).skip(1).collect(),
             sources: addrs.skip(1).collect(),
             same_host: self.ctx.inner.same_host.as_ref().map(|h| h.export.desc()),
+            icrc: icrc_offer(cfg.icrc, self.ctx.inner.cfg.udp_checksum),
         }
+    }
+
+    /// The ICRC mode the connection runs (`icrc` until it is connected).
+    pub fn icrc_mode(&self) -> crate::transport::rc::IcrcMode {
+        self.read(|s| Some(s.icrc_mode())).unwrap_or_default()
     }
 
     /// Local addresses this QP's data core has sockets on.
@@ -439,6 +449,7 @@ impl Qp {
         }
         let nonces = self.ctx.inner.draw_nonces(dsts.len());
         let params = self.ctx.inner.cfg.paths;
+        let udp_checksum = self.ctx.inner.cfg.udp_checksum;
         let remote = remote.clone();
         let qpn = self.qpn;
         // whom this QP connects to, for same-host peers' checks (before the core publishes RTR)
@@ -459,7 +470,14 @@ impl Qp {
         };
         self.core
             .call(self.qpn, move |s| {
-                rtr(s, qpn, &remote, (route_mtu, params), routes, (&nonces, chooser))?;
+                rtr(
+                    s,
+                    qpn,
+                    &remote,
+                    (route_mtu, params, udp_checksum),
+                    routes,
+                    (&nonces, chooser),
+                )?;
                 s.same_host = peer;
                 Ok(())
             })
@@ -664,7 +682,7 @@ fn rtr(
     s: &mut QpSlot,
     qpn: u32,
     remote: &Endpoint,
-    (route_mtu, params): (Option<u32>, crate::path::PathParams),
+    (route_mtu, params, udp_checksum): (Option<u32>, crate::path::PathParams, bool),
     routes: Vec<(usize, SocketAddrV4)>,
     (nonces, chooser): (&[u64], Chooser),
 ) -> Result<(), VerbsError> {
@@ -694,6 +712,12 @@ fn rtr(
         }
         _ => {}
     }
+    // no ICRC only when both ends offer none, each only when it sends UDP checksums: then the
+    // UDP checksum covers every packet either way; any other pair runs the ICRC both ways
+    cfg.icrc = match (icrc_offer(cfg.icrc, udp_checksum), remote.icrc) {
+        (IcrcMode::None, IcrcMode::None) => IcrcMode::None,
+        _ => IcrcMode::Icrc,
+    };
     cfg.validate()
         .map_err(|e| VerbsError::Peer(format!("offers an invalid {e}")))?;
     if s.qp.paths().len() == 1 && remote.paths > 1 {
@@ -722,6 +746,16 @@ fn rtr(
     // (one random nonce per peer address, drawn by the context: QpSlot::peer_addrs' order)
     s.qp.require_validation(nonces, chooser);
     Ok(())
+}
+
+/// The ICRC mode a QP configured with `mode` offers: `none` only if its context sends UDP
+/// checksums, which must protect the bytes in the ICRC's place.
+fn icrc_offer(mode: IcrcMode, udp_checksum: bool) -> IcrcMode {
+    if udp_checksum {
+        mode
+    } else {
+        IcrcMode::Icrc
+    }
 }
 
 impl Drop for Qp {

@@ -50,6 +50,48 @@ pub enum Recovery {
     SelectiveRepeat,
 }
 
+/// What covers a QP's packets against corruption: RoCEv2's ICRC, or (between flexns peers on a
+/// trusted link) the UDP checksum alone. A connection runs [`IcrcMode::None`] only when both
+/// ends offer it and both send UDP checksums (the driver negotiates it when connecting; this
+/// crate only carries the setting). With `None` the ICRC field is sent as 0 and not checked,
+/// so no CRC pass touches the payload; every bound and key check stays as it is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum IcrcMode {
+    /// The ICRC is computed on every packet sent and verified on every packet received.
+    #[default]
+    Icrc,
+    /// No ICRC (the field is 0 and ignored): the UDP checksum protects the bytes.
+    None,
+}
+
+impl IcrcMode {
+    /// Its name in configuration, on the wire of the connection manager and in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            IcrcMode::Icrc => "icrc",
+            IcrcMode::None => "none",
+        }
+    }
+}
+
+impl std::fmt::Display for IcrcMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for IcrcMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<IcrcMode, String> {
+        match s {
+            "icrc" => Ok(IcrcMode::Icrc),
+            "none" => Ok(IcrcMode::None),
+            o => Err(format!("unknown ICRC mode {o:?}: use \"icrc\" or \"none\"")),
+        }
+    }
+}
+
 /// QP states (`IBV_QPS_*`; SQD and SQE are not modelled).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum QpState {
@@ -101,6 +143,9 @@ pub struct RcConfig {
     /// default (256 KiB, one engine transmit batch) keeps GSO batches whole at tens of Gbit/s;
     /// a few MTUs make the pacing per-packet, as a NIC's, at the price of more sends.
     pub pacing_burst: u32,
+    /// The ICRC mode this QP offers its peer (`icrc` or `none`); see [`IcrcMode`]. Once
+    /// connected, the mode the connection runs.
+    pub icrc: IcrcMode,
 }
 
 impl Default for RcConfig {
@@ -121,6 +166,7 @@ impl Default for RcConfig {
             max_backoff_shift: 4,
             cc: crate::cc::CcKind::None,
             pacing_burst: CC_BURST_BYTES as u32,
+            icrc: IcrcMode::Icrc,
         }
     }
 }
