@@ -88,7 +88,9 @@ pub struct ContextConfig {
     pub rx_staging_bytes: usize,
     /// Compute the UDP checksum of sent packets. Off (checksum 0, allowed for UDP over IPv4)
     /// lets a switch rewrite the congestion-control header in flight, as the testbed's eBPF INT
-    /// stamper does; the ICRC still covers everything else.
+    /// stamper does; the ICRC still covers everything else. Off, packets go one per send (the
+    /// kernel does not segment UDP GSO sends without checksums), and QPs offer only
+    /// `qp.icrc = "icrc"`.
     pub udp_checksum: bool,
     /// Emulated one-way propagation delay added to every received packet before it is
     /// processed, in microseconds (0 = none): the testbed's RTT where the kernel cannot add delay

@@ -614,7 +614,8 @@ impl Engine {
                 index: i,
                 mode: cfg.poll_mode,
                 spin: Duration::from_micros(cfg.spin_us),
-                gso: cfg.gso,
+                // the kernel refuses a UDP GSO send on a socket without checksums (EINVAL)
+                gso: cfg.gso && cfg.udp_checksum,
                 gro: cfg.gro,
                 staging: cfg.rx_staging_bytes,
                 rx_delay_ns: cfg.rx_delay_us * 1000,
