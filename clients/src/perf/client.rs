@@ -917,6 +917,8 @@ fn flexns(
         r.extra.insert("cc".into(), cc);
     }
     r.extra.insert("recovery".into(), serde_json::to_value(a.recovery)?);
+    // the ICRC mode the connections run (negotiated: `none` only if both ends offered it)
+    r.extra.insert("icrc".into(), qps[0].icrc_mode().name().into());
     Ok(r)
 }
 

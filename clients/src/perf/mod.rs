@@ -49,6 +49,16 @@ pub struct NetArgs {
     /// [config: same_host_copy = false].
     #[arg(long)]
     pub no_same_host_copy: bool,
+    /// ICRC mode the QPs offer: `icrc`, or `none` for flexns peers on a trusted link (no CRC
+    /// pass; the UDP checksum protects the bytes). A connection runs `none` only when both ends
+    /// offer it and send UDP checksums; the JSON says which it ran [config: qp.icrc].
+    #[arg(long, value_parser = parse_icrc)]
+    pub icrc: Option<netstack::transport::rc::IcrcMode>,
+}
+
+/// Parses an `--icrc` value, `icrc` or `none`.
+pub fn parse_icrc(s: &str) -> Result<netstack::transport::rc::IcrcMode, String> {
+    s.parse()
 }
 
 /// The `--link` value (and config spelling) of a link mode.
@@ -88,6 +98,9 @@ impl NetArgs {
         cfg.gso &= !self.no_gso;
         cfg.gro &= !self.no_gro;
         cfg.udp_checksum &= !self.no_udp_checksum;
+        if let Some(m) = self.icrc {
+            cfg.qp.icrc = m;
+        }
         if let Some(b) = self.pacing_burst {
             cfg.qp.pacing_burst = u32::try_from(b).map_err(|_| anyhow::anyhow!("--pacing-burst: {b} is too large"))?;
         }
@@ -137,6 +150,9 @@ impl NetArgs {
         }
         if let Some(l) = self.link {
             v.extend(["--link".into(), link_name(l).into()]);
+        }
+        if let Some(m) = self.icrc {
+            v.extend(["--icrc".into(), m.name().into()]);
         }
         v
     }

@@ -91,8 +91,10 @@ fn ok(wc: &Wc) -> Result<()> {
     Ok(())
 }
 
+/// A run's row; `c` says which ICRC mode its connection runs.
 #[allow(clippy::too_many_arguments)]
 fn result(
+    c: &Conn,
     bench: &str,
     msg_bytes: u64,
     depth: u32,
@@ -117,6 +119,7 @@ fn result(
     };
     r.latencies(h);
     r.rates();
+    r.extra.insert("icrc".into(), c.qp.icrc_mode().name().into());
     r
 }
 
@@ -185,6 +188,7 @@ fn batch_read(a: &ClientArgs, cm_addr: SocketAddr) -> Result<BenchResult> {
     }
     let secs = start.elapsed().as_secs_f64();
     let mut r = result(
+        &c,
         "batch_read_rate",
         a.size,
         a.depth,
@@ -256,6 +260,7 @@ fn list_walk(a: &ClientArgs, cm_addr: SocketAddr, mode: WalkMode) -> Result<Benc
     }
     let secs = start.elapsed().as_secs_f64();
     let mut r = result(
+        &c,
         "list_walk_lat",
         VALUE_LEN as u64,
         1,
@@ -330,6 +335,7 @@ fn redn_get(a: &ClientArgs, cm_addr: SocketAddr) -> Result<BenchResult> {
     }
     let secs = start.elapsed().as_secs_f64();
     let mut r = result(
+        &c,
         "redn_get_lat",
         VALUE_LEN as u64,
         1,
