@@ -5,6 +5,7 @@ pub mod blk;
 pub mod blkbench;
 pub mod ccsim;
 pub mod kvbench;
+pub mod netns;
 pub mod perf;
 pub mod plot;
 pub mod procs;

@@ -8,6 +8,10 @@
 //! - `speedup.png` and `cpu.png`: how many times better flexns is than each reference (bars
 //!   past 1 are better), in speed and in CPU per operation.
 //!
+//! The `netns-*` comparisons run the servers in one network namespace and the program in
+//! another, joined by a veth pair ([`crate::netns`]); without root or the tools they need they
+//! are skipped, and the summary lists them with the reason.
+//!
 //! Every program already proves its own run (fresh data checked where it landed) and accounts
 //! CPU per process; this command only runs them and collects what they report.
 
@@ -41,6 +45,9 @@ struct Comparison {
     args: Vec<String>,
     /// Judged on p50 latency (small transfers) rather than throughput.
     latency: bool,
+    /// Between two network namespaces joined by a veth pair ([`crate::netns`]): the servers
+    /// run in one, the program in the other, so the bytes cross a link as between two hosts.
+    netns: bool,
 }
 
 fn words(s: &str) -> Vec<String> {
@@ -60,6 +67,7 @@ fn comparisons(a: &SuiteArgs) -> Vec<Comparison> {
         program,
         args: words(&args),
         latency: false,
+        netns: false,
     };
     let mut v = vec![
         c(
@@ -80,6 +88,15 @@ fn comparisons(a: &SuiteArgs) -> Vec<Comparison> {
             "nsperf",
             format!("client --op write --size 1MiB --depth 64 --link shm --compare tcp --pairs {p} --duration {d}"),
         ),
+        Comparison {
+            netns: true,
+            ..c(
+                "netns-write-64KiB",
+                "RDMA WRITE 64 KiB x64 from one network namespace to another across a veth pair (MTU 9000), flexns forced onto the UDP link, vs the sendmmsg/GRO UDP blaster",
+                "nsperf",
+                format!("client --op write --size 64KiB --depth 64 --link udp --compare udp-raw --pairs {p} --duration {d}"),
+            )
+        },
         c(
             "datapath-send-latency",
             "SEND 64 B ping-pong vs UDP ping-pong, both spinning",
@@ -110,6 +127,15 @@ fn comparisons(a: &SuiteArgs) -> Vec<Comparison> {
             "kvcache-bench",
             format!("--size 16MiB --link shm --data-cores 2 --compare tcp --pairs {p} --duration {d}"),
         ),
+        Comparison {
+            netns: true,
+            ..c(
+                "netns-kvcache-16MiB",
+                "KV-cache 16 MiB transfers prefill (one network namespace) -> decode (another, across a veth pair, MTU 9000), flexns forced onto the UDP link, vs the pipelined tcp transport",
+                "kvcache-bench",
+                format!("--size 16MiB --link udp --compare tcp --pairs {p} --duration {d}"),
+            )
+        },
         Comparison {
             latency: true,
             ..c(
@@ -186,9 +212,22 @@ fn path(lines: &[Value]) -> Option<&'static str> {
     }
 }
 
+/// The path of a comparison across namespaces whose flexns runs sent their bytes as packets
+/// (no one-copy bytes, no ring messages, transmitted bytes counted): UDP across the veth.
+fn netns_path(lines: &[Value]) -> Option<&'static str> {
+    let runs: Vec<&Value> = lines
+        .iter()
+        .filter(|l| l["bench"] != "ratio" && l["system"].as_str().is_some_and(|s| s.starts_with("flexns")))
+        .collect();
+    let sum = |k: &str| runs.iter().filter_map(|l| l[k].as_u64()).sum::<u64>();
+    (sum("tx_bytes") > 0 && sum("same_host_copy_bytes") + sum("same_host_cma_bytes") + sum("shm_tx_messages") == 0)
+        .then_some("UDP across the veth")
+}
+
 /// The rows of one comparison's output lines.
 fn rows(c: &Comparison, lines: &[Value]) -> Vec<Row> {
-    let named = path(lines).map(|p| format!("{} (path: {p})", c.name));
+    let p = path(lines).or_else(|| if c.netns { netns_path(lines) } else { None });
+    let named = p.map(|p| format!("{} (path: {p})", c.name));
     let name = named.as_deref().unwrap_or(c.name);
     let runs_verified = lines
         .iter()
@@ -268,19 +307,141 @@ fn sibling(program: &str) -> Result<PathBuf> {
     Ok(p)
 }
 
+/// The value of flag `name` in `args`.
+fn flag<'a>(args: &'a [String], name: &str) -> Option<&'a str> {
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .map(String::as_str)
+}
+
+/// A comparison across namespaces: the pair, the servers running in namespace B, and what the
+/// program in namespace A is told to reach them (addresses, and the servers' process ids so
+/// that its runs account their CPU as they would for servers it started).
+struct Across {
+    // dropped first: the servers stop, then the namespaces' holders
+    servers: Vec<crate::bench::ChildServer>,
+    pair: crate::netns::Pair,
+    client_args: Vec<String>,
+}
+
+impl Across {
+    fn start(c: &Comparison, exe: &Path) -> Result<Across> {
+        use crate::netns::{A_IP, B_IP};
+        let pair = crate::netns::Pair::create()?;
+        let link = flag(&c.args, "--link");
+        let cores = flag(&c.args, "--data-cores").unwrap_or("1");
+        let pid =
+            |s: &crate::bench::ChildServer| -> Result<String> { Ok(s.pid().context("the server exited")?.to_string()) };
+        let field = |s: &crate::bench::ChildServer, k: &str| -> Result<String> {
+            s.field(k)
+                .with_context(|| format!("server banner lacks {k}: {}", s.banner))
+        };
+        let mut servers = Vec::new();
+        let mut client_args = Vec::new();
+        match c.program {
+            "nsperf" => {
+                let mut args = words(&format!(
+                    "server --listen {B_IP}:0 --data {B_IP}:0 --mr-size 256MiB --recovery go-back-n \
+                     --data-cores {cores} --drive threads --poll-mode adaptive --wait block"
+                ));
+                if let Some(l) = link {
+                    args.extend(["--link".into(), l.into()]);
+                }
+                let s = pair.server(exe, &args)?;
+                client_args = vec![
+                    "--server".into(),
+                    field(&s, "cm")?,
+                    "--udp".into(),
+                    field(&s, "udp")?,
+                    "--tcp".into(),
+                    field(&s, "tcp")?,
+                    "--server-pid".into(),
+                    pid(&s)?,
+                    "--data".into(),
+                    format!("{A_IP}:0"),
+                ];
+                servers.push(s);
+            }
+            "kvcache-bench" => {
+                let size = crate::bench::parse_size(flag(&c.args, "--size").unwrap_or("16MiB"))
+                    .map_err(|e| anyhow::anyhow!("--size: {e}"))?;
+                let pool = size.max(crate::kvbench::MIN_POOL);
+                let system = flag(&c.args, "--system").unwrap_or("flexns");
+                let reference = flag(&c.args, "--compare").context("a kvcache comparison needs --compare")?;
+                for (i, transport) in [system, reference].into_iter().enumerate() {
+                    let mut args = words(&format!(
+                        "serve --transport {transport} --metadata P2PHANDSHAKE --advertise {B_IP} \
+                         --pool {pool} --data-cores {cores}"
+                    ));
+                    if let (Some(l), "flexns") = (link, transport) {
+                        args.extend(["--link".into(), l.into()]);
+                    }
+                    let s = pair.server(exe, &args)?;
+                    let (srv, srv_pid) = if i == 0 {
+                        ("--server", "--server-pid")
+                    } else {
+                        ("--compare-server", "--compare-server-pid")
+                    };
+                    client_args.extend([srv.into(), field(&s, "segment")?, srv_pid.into(), pid(&s)?]);
+                    servers.push(s);
+                }
+                client_args.extend(["--bind".into(), A_IP.into()]);
+            }
+            p => bail!("{}: no way to run {p} across namespaces", c.name),
+        }
+        Ok(Across {
+            servers,
+            pair,
+            client_args,
+        })
+    }
+}
+
 fn run_one(c: &Comparison, out: &mut std::fs::File) -> Result<Vec<Value>> {
     use std::io::Write;
     let exe = sibling(c.program)?;
-    let o = crate::procs::output(
-        crate::procs::command(&exe)
-            .args(&c.args)
-            .arg("--json")
-            .env("RUST_BACKTRACE", "0"),
-        libc::SIGINT,
-    )
-    .with_context(|| format!("running {}", exe.display()))?;
+    let mut across = if c.netns { Some(Across::start(c, &exe)?) } else { None };
+    let mut cmd = match &across {
+        Some(x) => {
+            let mut cmd = x.pair.command(crate::netns::Side::A, &exe);
+            cmd.args(&c.args).args(&x.client_args);
+            cmd
+        }
+        None => {
+            let mut cmd = crate::procs::command(&exe);
+            cmd.args(&c.args);
+            cmd
+        }
+    };
+    let before = across
+        .as_ref()
+        .map(|x| x.pair.counters(crate::netns::Side::A))
+        .transpose()?;
+    let o = crate::procs::output(cmd.arg("--json").env("RUST_BACKTRACE", "0"), libc::SIGINT)
+        .with_context(|| format!("running {}", exe.display()))?;
     let text = String::from_utf8_lossy(&o.stdout);
     let mut lines = Vec::new();
+    if let (Some(x), Some(b)) = (&mut across, before) {
+        for s in &mut x.servers {
+            if !s.is_running() {
+                bail!("the server in namespace B ({}) exited during the run", s.banner);
+            }
+        }
+        // what crossed the link during the program's runs (flexns's and the reference's)
+        let a = x.pair.counters(crate::netns::Side::A)?;
+        let v = serde_json::json!({
+            "bench": "netns_veth",
+            "comparison": c.name,
+            "veth_mtu": crate::netns::MTU,
+            "a_to_b_bytes": a.tx_bytes - b.tx_bytes,
+            "b_to_a_bytes": a.rx_bytes - b.rx_bytes,
+            "a_to_b_packets": a.tx_packets - b.tx_packets,
+            "b_to_a_packets": a.rx_packets - b.rx_packets,
+        });
+        writeln!(out, "{v}")?;
+        lines.push(v);
+    }
     for l in text.lines() {
         let Ok(mut v) = serde_json::from_str::<Value>(l) else {
             continue;
@@ -312,6 +473,8 @@ pub fn run(a: &SuiteArgs) -> Result<()> {
     let start = Instant::now();
     let mut all = Vec::new();
     let mut failed = Vec::new();
+    let mut skipped = Vec::new();
+    let mut links = Vec::new();
     let progress = crate::progress::Progress::new("flexns bench", list.len() as u64);
     for (i, c) in list.iter().enumerate() {
         if crate::procs::stopping() {
@@ -326,8 +489,24 @@ pub fn run(a: &SuiteArgs) -> Result<()> {
             c.what
         ));
         progress.start(c.name);
+        if let Some(why) = c.netns.then(crate::netns::unavailable).flatten() {
+            progress.println(format!("  skipped: {why}"));
+            skipped.push(format!("{}: {why}", c.name));
+            progress.finished_one();
+            continue;
+        }
         match run_one(c, &mut out) {
-            Ok(lines) => all.extend(rows(c, &lines)),
+            Ok(lines) => {
+                links.extend(lines.iter().filter(|l| l["bench"] == "netns_veth").map(|l| {
+                    format!(
+                        "{}: {:.3} GB from namespace A to B, {:.3} GB back, over the veth",
+                        c.name,
+                        l["a_to_b_bytes"].as_f64().unwrap_or(0.0) / 1e9,
+                        l["b_to_a_bytes"].as_f64().unwrap_or(0.0) / 1e9
+                    )
+                }));
+                all.extend(rows(c, &lines));
+            }
             Err(e) => {
                 progress.println(format!("  {e:#}"));
                 failed.push(format!("{}: {e:#}", c.name));
@@ -336,7 +515,12 @@ pub fn run(a: &SuiteArgs) -> Result<()> {
         progress.finished_one();
     }
     drop(progress);
-    let md = summary(a, &list, &all, &failed, start.elapsed().as_secs_f64());
+    let ends = Ends {
+        failed: &failed,
+        skipped: &skipped,
+        links: &links,
+    };
+    let md = summary(a, &list, &all, &ends, start.elapsed().as_secs_f64());
     std::fs::write(a.out.join("summary.md"), &md)?;
     print!("{md}");
     let label = |r: &Row| format!("{} / {}", r.comparison, r.reference);
@@ -375,7 +559,15 @@ pub fn run(a: &SuiteArgs) -> Result<()> {
     crate::procs::finish()
 }
 
-fn summary(a: &SuiteArgs, list: &[Comparison], rows: &[Row], failed: &[String], secs: f64) -> String {
+/// What the summary lists after its table: comparisons that failed, that were skipped (and
+/// why), and what crossed the veth in the comparisons across namespaces.
+struct Ends<'a> {
+    failed: &'a [String],
+    skipped: &'a [String],
+    links: &'a [String],
+}
+
+fn summary(a: &SuiteArgs, list: &[Comparison], rows: &[Row], ends: &Ends, secs: f64) -> String {
     use std::fmt::Write;
     let mut s = String::new();
     let _ = writeln!(
@@ -409,10 +601,16 @@ fn summary(a: &SuiteArgs, list: &[Comparison], rows: &[Row], failed: &[String], 
     for c in list {
         let _ = writeln!(s, "- `{}`: {} (`{} {}`)", c.name, c.what, c.program, c.args.join(" "));
     }
-    if !failed.is_empty() {
-        let _ = writeln!(s, "\nFailed:\n");
-        for f in failed {
-            let _ = writeln!(s, "- {f}");
+    for (title, items) in [
+        ("Across namespaces (the veth's counters)", ends.links),
+        ("Skipped", ends.skipped),
+        ("Failed", ends.failed),
+    ] {
+        if !items.is_empty() {
+            let _ = writeln!(s, "\n{title}:\n");
+            for f in items {
+                let _ = writeln!(s, "- {f}");
+            }
         }
     }
     let _ = writeln!(
@@ -448,6 +646,7 @@ mod tests {
             program: "nsperf",
             args: Vec::new(),
             latency: false,
+            netns: false,
         }
     }
 
@@ -495,5 +694,37 @@ mod tests {
             let args = c.args.join(" ");
             assert!(args.contains("--link shm") && args.contains("--compare tcp"), "{args}");
         }
+    }
+
+    #[test]
+    fn the_netns_comparisons_force_the_udp_link_and_name_the_veth_only_for_packets() {
+        let a = SuiteArgs {
+            quick: true,
+            pairs: 3,
+            out: PathBuf::new(),
+            only: Some("netns".into()),
+        };
+        let v = comparisons(&a);
+        let names: Vec<&str> = v.iter().map(|c| c.name).collect();
+        assert_eq!(names, ["netns-write-64KiB", "netns-kvcache-16MiB"]);
+        for c in &v {
+            // over shm, peers in two namespaces of one host still meet by one copy
+            assert!(c.netns && flag(&c.args, "--link") == Some("udp"), "{:?}", c.args);
+        }
+        assert_eq!(flag(&v[0].args, "--compare"), Some("udp-raw"));
+        assert_eq!(flag(&v[1].args, "--compare"), Some("tcp"));
+        let run = |copy: u64, tx: u64| json!({"bench": "write_bw", "system": "flexns", "verified": true, "same_host_copy_bytes": copy, "tx_bytes": tx});
+        let mut c = comparison("n");
+        c.netns = true;
+        for (line, want) in [
+            (run(0, 1 << 30), "n (path: UDP across the veth)"),
+            (run(1 << 30, 72), "n (path: one copy)"),
+            (run(0, 0), "n"),
+        ] {
+            let r = rows(&c, &[line.clone(), ratio()]);
+            assert_eq!(r[0].comparison, want, "{line}");
+        }
+        // the same lines of a comparison on one namespace name no veth
+        assert_eq!(rows(&comparison("n"), &[run(0, 1 << 30), ratio()])[0].comparison, "n");
     }
 }
