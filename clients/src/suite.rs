@@ -117,9 +117,9 @@ fn comparisons(a: &SuiteArgs) -> Vec<Comparison> {
         ),
         c(
             "kvcache-16MiB",
-            "KV-cache 16 MiB transfers prefill -> decode vs the pipelined tcp transport",
+            "KV-cache 16 MiB transfers prefill -> decode over loopback UDP vs the pipelined tcp transport",
             "kvcache-bench",
-            format!("--size 16MiB --compare tcp --pairs {p} --duration {d}"),
+            format!("--size 16MiB --link udp --compare tcp --pairs {p} --duration {d}"),
         ),
         c(
             "kvcache-16MiB-samehost",
