@@ -291,7 +291,8 @@ impl TransferEngine {
 
     /// Allocates `len` zeroed bytes of host memory and registers them (remotely accessible).
     pub fn allocate_memory(&self, len: usize, location: Location) -> Result<Arc<Region>, TransferError> {
-        let r = Arc::new(Region::alloc(len));
+        // a same-host peer on the shm link maps it: one copy per transfer
+        let r = Arc::new(Region::alloc_shareable(len));
         self.register_memory(r.clone(), location)?;
         Ok(r)
     }

@@ -94,7 +94,7 @@ impl GpuBuffer {
         #[cfg(not(feature = "gpu"))]
         let dev = Device { ordinal };
         let dev = Arc::new(dev);
-        let mirror = Arc::new(Region::alloc(len));
+        let mirror = Arc::new(Region::alloc_shareable(len));
         mirrors().lock().insert(mirror.addr(), dev.clone());
         Ok(GpuBuffer { dev, mirror })
     }

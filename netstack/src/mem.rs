@@ -201,11 +201,19 @@ impl Drop for Region {
 }
 
 impl Region {
-    /// Allocates `len` zeroed bytes, 64-byte aligned (owned by the region, freed on drop).
-    /// From [`SHARE_MIN`] bytes on, the memory is a `memfd` mapped shared, which a context on
-    /// the same host can map too (the one-copy path of [`crate::samehost`]), while fewer than
-    /// [`MAX_SHARED_REGIONS`] such regions live; otherwise (or where memfd fails) heap memory.
+    /// Allocates `len` zeroed bytes of heap memory, 64-byte aligned (owned by the region,
+    /// freed on drop). Private to this process: after `fork` a child gets its own copy.
     pub fn alloc(len: usize) -> Region {
+        Region::alloc_heap(len)
+    }
+
+    /// Allocates `len` zeroed bytes for registration that a context on the same host may map
+    /// too (the one-copy path of [`crate::samehost`]): from [`SHARE_MIN`] bytes on, a `memfd`
+    /// mapped shared, while fewer than [`MAX_SHARED_REGIONS`] such regions live; otherwise
+    /// (or where memfd fails) heap memory. Shared mappings stay shared across `fork`: a child
+    /// writes the parent's memory. What `Pd::reg_mr` of a context with the same-host path, and
+    /// the KV-cache engine's pools, allocate.
+    pub fn alloc_shareable(len: usize) -> Region {
         if len >= SHARE_MIN {
             if let Some(r) = Region::alloc_memfd(len) {
                 return r;
@@ -268,10 +276,10 @@ impl Region {
         }
     }
 
-    /// Whether the region wraps caller memory ([`Region::from_raw`]): its iova is its address
-    /// in this process.
-    pub(crate) fn is_caller_memory(&self) -> bool {
-        self.owned.is_none() && self.iova == self.ptr as u64
+    /// Whether peers name the region by its address in this process (not an iova given to it:
+    /// [`Region::at_iova`]), so that another process reaches it there by CMA.
+    pub(crate) fn is_process_memory(&self) -> bool {
+        self.iova == self.ptr as u64
     }
 
     fn alloc_heap(len: usize) -> Region {
@@ -681,8 +689,9 @@ pub struct MrTable {
 pub(crate) trait MrExport: Send + Sync {
     /// Registration `idx` is live with these keys, rights and memory.
     fn publish_mr(&self, idx: usize, rkey: u32, pd: u32, access: Access, region: &Region);
-    /// Registration `idx` is gone: when this returns, no peer reaches its memory any more.
-    fn revoke_mr(&self, idx: usize);
+    /// Registration `idx` is gone: when this returns true, no peer reaches its memory any
+    /// more; false, a peer may still hold it, and the index must never be reused.
+    fn revoke_mr(&self, idx: usize) -> bool;
 }
 
 impl Default for MrTable {
@@ -801,11 +810,11 @@ impl MrTable {
         let Some((idx, _)) = MrTable::find(t, lkey, KeyKind::Local) else {
             return false;
         };
-        if let Some(x) = self.export.get() {
-            x.revoke_mr(idx);
-        }
+        let quiet = self.export.get().is_none_or(|x| x.revoke_mr(idx));
         t.slots[idx].entry = None;
-        t.free.push(idx as u32);
+        if quiet {
+            t.free.push(idx as u32);
+        }
         true
     }
 

@@ -70,6 +70,11 @@ pub const QP_SLOTS: usize = 1 << 16;
 pub const REVOKE_WAIT: Duration = Duration::from_secs(1);
 /// Mappings of a peer's memory one attachment keeps before it drops the idle ones.
 const MAX_MAPPINGS: usize = 1024;
+/// A copy checks between pieces of this size that its entry was not withdrawn (so a
+/// deregistration waits for one piece at most) and stops if it was.
+pub const COPY_PIECE: usize = 1 << 20;
+/// Requests between two sweeps of an attachment's mappings for regions the peer withdrew.
+const SWEEP_EVERY: u64 = 4096;
 
 const MAGIC: u64 = u64::from_le_bytes(*b"flexnsX1");
 const HEADER: usize = 4096;
@@ -260,7 +265,7 @@ impl MrExport for Export {
         }
         let (fd, ino) = match region.shared_file() {
             Some((fd, ino)) => (fd as u32 as u64, ino),
-            None if region.is_caller_memory() => (FD_CMA, 0),
+            None if region.is_process_memory() => (FD_CMA, 0),
             None => return,
         };
         let w = |k| self.map.word(mr_word(idx, k));
@@ -277,35 +282,38 @@ impl MrExport for Export {
         w(0).store(odd + 1, Ordering::Release);
     }
 
-    /// Withdraws registration `idx`: when this returns, no peer copies to or from its memory
-    /// through this path (see the module's "Deregistration"). Called under the table's write
-    /// lock.
-    fn revoke_mr(&self, idx: usize) {
+    /// Withdraws registration `idx`: when this returns true, no peer copies to or from its
+    /// memory through this path (see the module's "Deregistration"). A copy in progress stops
+    /// at its next piece ([`COPY_PIECE`]), so a live peer lets go within a millisecond or so.
+    /// False: a peer still held the entry after [`REVOKE_WAIT`] (stopped, or dead in the
+    /// middle of a copy); the entry stays withdrawn (odd) for good, and the table must not
+    /// reuse its index. Called under the table's write lock.
+    fn revoke_mr(&self, idx: usize) -> bool {
         if idx >= MR_SLOTS {
-            return;
+            return true;
         }
         let w = |k| self.map.word(mr_word(idx, k));
         let seq = w(0).load(Ordering::Relaxed);
         if w(1).load(Ordering::Relaxed) == 0 {
-            return; // never published
+            return true; // never published
         }
         let odd = seq | 1;
         w(0).store(odd, Ordering::SeqCst);
         let start = Instant::now();
         while w(7).load(Ordering::SeqCst) != 0 {
             if start.elapsed() > REVOKE_WAIT {
-                tracing::warn!(
-                    "deregistration: a same-host peer's copy into MR slot {idx} did not end within {REVOKE_WAIT:?} \
-                     (did it die?); going on"
+                tracing::error!(
+                    "deregistration: a same-host peer still held MR slot {idx} after {REVOKE_WAIT:?} (stopped, or \
+                     dead in the middle of a copy); the slot is retired for good"
                 );
-                w(7).store(0, Ordering::SeqCst);
-                break;
+                return false;
             }
             std::hint::spin_loop();
             std::thread::yield_now();
         }
         w(1).store(0, Ordering::Relaxed);
         w(0).store(odd + 1, Ordering::Release);
+        true
     }
 }
 
@@ -322,9 +330,10 @@ enum Target {
     Cma(u64),
 }
 
-/// A mapping of a peer region's memfd: the descriptor and inode it was opened by, and the
-/// mapping.
-type RegionMap = (u64, u64, Arc<Mapping>);
+/// A mapping of a peer region's memfd: the descriptor and inode it was opened by, the entry's
+/// sequence word it was made under (a changed word: the peer withdrew or replaced the
+/// registration, and the mapping only keeps its pages alive), and the mapping.
+type RegionMap = (u64, u64, u64, Arc<Mapping>);
 
 /// A peer's export, mapped (the requester's side).
 pub struct PeerExport {
@@ -339,6 +348,8 @@ pub struct PeerExport {
     /// process. A peer that died is written to by packets, which time out as they would on a
     /// NIC, never "completed" into memory no one reads.
     pidfd: Option<std::os::fd::OwnedFd>,
+    /// Requests executed (paces the sweeps of `regions`).
+    ops: AtomicU64,
 }
 
 impl std::fmt::Debug for PeerExport {
@@ -381,9 +392,9 @@ impl PeerExport {
             // SAFETY: the descriptor just returned, owned by nothing else.
             Some(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) })
         };
-        let file = open_fd(desc.pid, desc.fd)?;
+        let file = open_fd(desc.pid, desc.fd, desc.ino)?;
         let md = file.metadata()?;
-        if md.ino() != desc.ino || md.len() < FILE_LEN as u64 {
+        if md.len() < FILE_LEN as u64 {
             return Err(bad("the descriptor names another file"));
         }
         let map = Mapping::map(&file, FILE_LEN)?;
@@ -399,6 +410,7 @@ impl PeerExport {
             regions: Mutex::new(HashMap::new()),
             cma_denied: Default::default(),
             pidfd,
+            ops: AtomicU64::new(0),
         })
     }
 
@@ -488,7 +500,7 @@ impl PeerExport {
             && mr_pd == peer_pd
             && access.contains(need_remote)
             && wr.remote_addr >= iova
-            && end.is_some_and(|e| e <= iova + len);
+            && end.is_some_and(|e| iova.checked_add(len).is_some_and(|top| e <= top));
         if !ok {
             release();
             return None;
@@ -506,7 +518,7 @@ impl PeerExport {
             }
             Target::Cma(wr.remote_addr)
         } else {
-            match self.region(idx, fd, ino, len) {
+            match self.region(idx, (fd, ino, s1), len) {
                 Some(m) => Target::Mapped(m),
                 None => {
                     release();
@@ -514,63 +526,96 @@ impl PeerExport {
                 }
             }
         };
+        // between pieces: stop if the owner withdrew the entry meanwhile (the packet path then
+        // retries the request, and the owner's NAK fails it, as a NIC's would)
+        let valid = || w(0).load(Ordering::SeqCst) == s1;
         let done = match &target {
             Target::Mapped(m) => {
                 let mut at = off;
-                for (r, loff, n) in &local {
-                    let lp = r.mut_ptr_at(*loff, *n);
-                    // SAFETY: `at + n <= len <= m.len` (the bounds check above, the mapping
-                    // covers the region's length); the local range is checked by the table;
-                    // both are shared memory no Rust reference points into, and distinct
-                    // mappings (a region of this process mapped twice may alias: a copy of
-                    // overlapping bytes, which `copy_raw` allows).
-                    unsafe {
-                        let rp = m.ptr.add(at);
-                        match dir {
-                            Dir::Out => copy_raw(lp, rp, *n),
-                            Dir::In => copy_raw(rp, lp, *n),
+                let mut whole = true;
+                'sges: for (r, loff, n) in &local {
+                    let mut k = 0;
+                    while k < *n {
+                        if !valid() {
+                            whole = false;
+                            break 'sges;
                         }
+                        let piece = (*n - k).min(COPY_PIECE);
+                        let lp = r.mut_ptr_at(*loff + k, piece);
+                        // SAFETY: `at + piece <= off + total <= len <= m.len` (the bounds check
+                        // above; the mapping covers the region's length); the local range is
+                        // checked by the table; both are shared memory no Rust reference
+                        // points into, and distinct mappings (a region of this process mapped
+                        // twice aliases only where `overlaps_itself` said no overlap).
+                        unsafe {
+                            let rp = m.ptr.add(at);
+                            match dir {
+                                Dir::Out => copy_raw(lp, rp, piece),
+                                Dir::In => copy_raw(rp, lp, piece),
+                            }
+                        }
+                        at += piece;
+                        k += piece;
                     }
-                    at += n;
                 }
-                Some(Done::Mapped(total))
+                whole.then_some(Done::Mapped(total))
             }
-            Target::Cma(addr) => match cma(self.desc.pid, dir, &local, *addr) {
-                Ok(()) => Some(Done::Cma(total)),
+            Target::Cma(addr) => match cma(self.desc.pid, dir, &local, *addr, &valid) {
+                Ok(true) => Some(Done::Cma(total)),
+                Ok(false) => None,
                 Err(e) => {
-                    tracing::info!(
-                        "same-host path: CMA to process {} refused ({e}); its caller memory goes by packets",
-                        self.desc.pid
-                    );
-                    self.cma_denied.store(true, Ordering::Relaxed);
+                    // no right to attach: every later one would fail too; anything else (a
+                    // range unmapped there meanwhile) fails only this request
+                    if e.raw_os_error() == Some(libc::EPERM) {
+                        tracing::info!(
+                            "same-host path: CMA to process {} refused ({e}); its caller memory goes by packets",
+                            self.desc.pid
+                        );
+                        self.cma_denied.store(true, Ordering::Relaxed);
+                    }
                     None
                 }
             },
         };
         release();
+        if self.ops.fetch_add(1, Ordering::Relaxed) % SWEEP_EVERY == SWEEP_EVERY - 1 {
+            self.sweep();
+        }
         done
     }
 
-    /// The mapping of the memfd of MR slot `idx` (descriptor `fd`, inode `ino`, at least `len`
-    /// bytes), made on first use.
-    fn region(&self, idx: usize, fd: u64, ino: u64, len: u64) -> Option<Arc<Mapping>> {
+    /// The mapping of the memfd of MR slot `idx` (descriptor, inode and the entry's sequence
+    /// word; at least `len` bytes), made on first use.
+    fn region(&self, idx: usize, (fd, ino, seq): (u64, u64, u64), len: u64) -> Option<Arc<Mapping>> {
         let mut regions = self.regions.lock();
-        if let Some((f, i, m)) = regions.get(&idx) {
+        if let Some((f, i, _, m)) = regions.get(&idx) {
             if *f == fd && *i == ino && m.len as u64 >= len {
                 return Some(m.clone());
             }
         }
-        let file = open_fd(self.desc.pid, fd as i32).ok()?;
+        let file = open_fd(self.desc.pid, fd as i32, ino).ok()?;
         let md = file.metadata().ok()?;
-        if md.ino() != ino || md.len() < len {
+        if md.len() < len {
             return None;
         }
         let m = Arc::new(Mapping::map(&file, md.len() as usize).ok()?);
         if regions.len() >= MAX_MAPPINGS {
-            regions.retain(|_, (_, _, m)| Arc::strong_count(m) > 1);
+            regions.retain(|_, (_, _, _, m)| Arc::strong_count(m) > 1);
         }
-        regions.insert(idx, (fd, ino, m.clone()));
+        regions.insert(idx, (fd, ino, seq, m.clone()));
+        drop(regions);
+        self.sweep();
         Some(m)
+    }
+
+    /// Unmaps the peer regions whose entry changed since they were mapped (withdrawn or
+    /// replaced): their pages are the peer's memory no more, and a mapping would keep them
+    /// alive (a freed 10 GiB pool would stay in RAM). Runs on every new mapping and every
+    /// [`SWEEP_EVERY`] requests.
+    fn sweep(&self) {
+        self.regions.lock().retain(|&idx, (_, _, seq, m)| {
+            Arc::strong_count(m) > 1 || self.map.word(mr_word(idx, 0)).load(Ordering::Acquire) == *seq
+        });
     }
 }
 
@@ -597,27 +642,55 @@ fn overlaps_itself(local: &[(Arc<Region>, usize, usize)], fd: u64, ino: u64, off
     })
 }
 
-fn open_fd(pid: u32, fd: i32) -> std::io::Result<File> {
-    std::fs::OpenOptions::new()
+/// Opens the file descriptor `fd` of process `pid` names, if it is a regular file (a memfd)
+/// with inode `ino`: checked by `stat` through the link before anything is opened, so a
+/// descriptor a peer names that is a terminal, a device or a pipe is never opened (an open
+/// can block, or act, there); opened without becoming a controlling terminal or blocking.
+fn open_fd(pid: u32, fd: i32, ino: u64) -> std::io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = format!("/proc/{pid}/fd/{fd}");
+    let bad = || std::io::Error::new(std::io::ErrorKind::InvalidData, "the descriptor names another file");
+    let md = std::fs::metadata(&path)?;
+    if !md.is_file() || md.ino() != ino {
+        return Err(bad());
+    }
+    let f = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
-        .open(format!("/proc/{pid}/fd/{fd}"))
+        .custom_flags(libc::O_NOCTTY | libc::O_NONBLOCK)
+        .open(&path)?;
+    let md = f.metadata()?;
+    if !md.is_file() || md.ino() != ino {
+        return Err(bad());
+    }
+    Ok(f)
 }
 
-/// One CMA call per local SGE, `process_vm_writev` (out) or `process_vm_readv` (in), at the
-/// peer's `addr` onwards.
-fn cma(pid: u32, dir: Dir, local: &[(Arc<Region>, usize, usize)], addr: u64) -> std::io::Result<()> {
+/// CMA calls of at most [`COPY_PIECE`] bytes, `process_vm_writev` (out) or
+/// `process_vm_readv` (in), at the peer's `addr` onwards, checking `valid` before each; false:
+/// stopped because it no longer held.
+fn cma(
+    pid: u32,
+    dir: Dir,
+    local: &[(Arc<Region>, usize, usize)],
+    addr: u64,
+    valid: &dyn Fn() -> bool,
+) -> std::io::Result<bool> {
     let mut at = addr;
     for (r, off, n) in local {
         let mut done = 0;
         while done < *n {
+            if !valid() {
+                return Ok(false);
+            }
+            let piece = (n - done).min(COPY_PIECE);
             let liov = libc::iovec {
-                iov_base: r.mut_ptr_at(off + done, n - done) as *mut libc::c_void,
-                iov_len: n - done,
+                iov_base: r.mut_ptr_at(off + done, piece) as *mut libc::c_void,
+                iov_len: piece,
             };
             let riov = libc::iovec {
                 iov_base: (at + done as u64) as *mut libc::c_void,
-                iov_len: n - done,
+                iov_len: piece,
             };
             // SAFETY: the local iovec lies in a checked range of a live region; the remote one
             // is checked against the peer's registration (the kernel checks it is mapped
@@ -639,7 +712,7 @@ fn cma(pid: u32, dir: Dir, local: &[(Arc<Region>, usize, usize)], addr: u64) -> 
         }
         at += *n as u64;
     }
-    Ok(())
+    Ok(true)
 }
 
 /// Copies `n` bytes from `src` to `dst`, both shared memory that other threads or processes
@@ -686,6 +759,29 @@ mod tests {
             assert_eq!(&b[d_o..d_o + n], &a[so..so + n]);
             assert!(b[..d_o].iter().all(|&x| x == 0) && b[d_o + n..].iter().all(|&x| x == 0));
         }
+    }
+
+    /// A deregistration that a peer's copy does not let go of within REVOKE_WAIT leaves the
+    /// entry withdrawn and the holder's count as it is, and the table never hands that index
+    /// out again (a peer that wakes up later must not write into a successor's memory).
+    #[test]
+    fn a_slot_held_past_the_wait_is_retired_not_reused() {
+        let t = MrTable::new();
+        let x = Arc::new(Export::create(t.rbase()).unwrap());
+        t.set_export(x.clone());
+        let r = Arc::new(Region::alloc_shareable(1 << 20));
+        let e = t.register(r.clone(), 1, Access::ALL).unwrap();
+        let idx = ((e.rkey >> 8).wrapping_sub(t.rbase()) & 0xFF_FFFF) as usize;
+        let held = x.map.word(mr_word(idx, 7));
+        held.fetch_add(1, Ordering::SeqCst); // a peer in the middle of a copy
+        let start = Instant::now();
+        assert!(t.deregister(e.lkey));
+        assert!(start.elapsed() >= REVOKE_WAIT);
+        assert_eq!(x.map.word(mr_word(idx, 0)).load(Ordering::SeqCst) & 1, 1, "withdrawn");
+        assert_eq!(held.load(Ordering::SeqCst), 1, "the holder's count is left alone");
+        let e2 = t.register(r, 1, Access::ALL).unwrap();
+        let idx2 = ((e2.rkey >> 8).wrapping_sub(t.rbase()) & 0xFF_FFFF) as usize;
+        assert_ne!(idx2, idx, "a retired index is not handed out again");
     }
 
     #[test]

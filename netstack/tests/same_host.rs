@@ -346,3 +346,30 @@ fn a_qp_connected_to_someone_else_is_not_written_through() {
     assert!(v.mr.region().equals(0, &pattern(len, 10)));
     assert_eq!(a.ctx.stats().same_host_ops, 1);
 }
+
+#[test]
+fn a_refused_second_connect_does_not_change_who_may_copy() {
+    let (a, b) = pair(true);
+    let c = side(true);
+    // `a` is connected (RTS): connecting it again is refused and must change nothing
+    assert!(a.qp.connect(&c.qp.local_endpoint()).is_err());
+    c.qp.connect(&a.qp.local_endpoint()).unwrap();
+    let len = 4096;
+    b.mr.write(0, &pattern(len, 21));
+    assert_eq!(
+        write(&b, b.mr.sge(0, len), a.mr.addr(), a.mr.rkey()).status,
+        WcStatus::Success
+    );
+    assert!(a.mr.region().equals(0, &pattern(len, 21)));
+    assert_eq!(b.ctx.stats().same_host_ops, 1, "a's real peer still writes by one copy");
+    c.mr.write(0, &pattern(len, 22));
+    c.qp.post_send(
+        SendWr::new(1, WrOpcode::RdmaWrite)
+            .sge(c.mr.sge(0, len))
+            .remote(a.mr.addr(), a.mr.rkey()),
+    )
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(a.mr.region().equals(0, &pattern(len, 21)), "c is not a's peer");
+    assert_eq!(c.ctx.stats().same_host_ops, 0);
+}

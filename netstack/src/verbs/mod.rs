@@ -179,7 +179,12 @@ impl CtxInner {
     }
 
     pub(crate) fn alloc_region(&self, len: usize) -> Region {
-        let r = Region::alloc(len);
+        // memory a same-host peer may map, where the context offers that path
+        let r = if self.same_host.is_some() {
+            Region::alloc_shareable(len)
+        } else {
+            Region::alloc(len)
+        };
         match &self.iovas {
             // 1 TiB apart: past any region's end
             Some(next) => r.at_iova(next.fetch_add(1 << 40, Ordering::Relaxed)),

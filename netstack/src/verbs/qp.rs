@@ -452,11 +452,6 @@ impl Qp {
         let udp_checksum = self.ctx.inner.cfg.udp_checksum;
         let remote = remote.clone();
         let qpn = self.qpn;
-        // whom this QP connects to, for same-host peers' checks (before the core publishes RTR)
-        if let Some(h) = &self.ctx.inner.same_host {
-            h.export
-                .set_qp_peer(qpn, remote.qpn, remote.same_host.map_or(0, |d| d.nonce));
-        }
         // a same-host peer's export, mapped (any failure leaves the QP on packets)
         let peer = match (&self.ctx.inner.same_host, remote.same_host) {
             (Some(h), Some(d)) if self.managed.is_none() => match h.attach(d) {
@@ -478,6 +473,12 @@ impl Qp {
                     routes,
                     (&nonces, chooser),
                 )?;
+                // whom this QP is connected to, for same-host peers' checks: only once the
+                // connection is made (a refused one changes nothing), and before the core
+                // publishes the new state (`sync_mirror`, after this closure, Release)
+                if let Some(x) = &s.export {
+                    x.set_qp_peer(qpn, remote.qpn, remote.same_host.map_or(0, |d| d.nonce));
+                }
                 s.same_host = peer;
                 Ok(())
             })
