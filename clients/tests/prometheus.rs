@@ -185,7 +185,13 @@ fn prometheus_scrapes_every_daemon_and_sees_the_workload() {
     // wait for scrapes after the workload (the collectors copy counters once a second)
     let deadline = Instant::now() + Duration::from_secs(30);
     let want = format!("sum(flexns_nbd_requests_total{{op=\"write\"}}) == {writes}");
-    let received = format!("sum(flexns_rx_bytes_total{{job=\"kvcache\"}}) >= {sent}");
+    // the decode daemon received the bytes: as packets (rx bytes), or, from a same-host prefill
+    // on the shm link (the engine's default), copied into its memory by the peer (its export
+    // counts them)
+    let received = format!(
+        "(sum(flexns_rx_bytes_total{{job=\"kvcache\"}}) or vector(0)) + \
+         (sum(flexns_same_host_peer_bytes_total{{job=\"kvcache\",direction=\"in\"}}) or vector(0)) >= {sent}"
+    );
     loop {
         let up = query(&prom, "up");
         let all_up = up.len() == targets.len() + 1 && up.iter().all(|(_, v)| *v == 1.0);

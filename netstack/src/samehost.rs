@@ -90,7 +90,8 @@ const FD_CMA: u64 = 0xFFFF_FFFF;
 const QP_RTR: u64 = 2;
 const QP_RTS: u64 = 3;
 
-// Header words: 0 magic, 1 nonce, 2 pid, 3 rbase, 4 closed (set when the context drops it).
+// Header words: 0 magic, 1 nonce, 2 pid, 3 rbase, 4 closed (set when the context drops it),
+// 5 bytes peers wrote into the context's memory, 6 bytes peers read from it (added by them).
 
 /// Where a context's export is: what a QP's endpoint carries so that a peer on the same host
 /// can map it.
@@ -204,6 +205,16 @@ impl Export {
             nonce,
         };
         Ok(Export { file, map, desc })
+    }
+
+    /// Bytes same-host peers wrote into (`.0`) and read from (`.1`) this context's memory by
+    /// the copy path: what the responder of a NIC would count as received and sent, which no
+    /// packet here shows (the peers count them in the export as they copy).
+    pub fn peer_bytes(&self) -> (u64, u64) {
+        (
+            self.map.word(5).load(Ordering::Relaxed),
+            self.map.word(6).load(Ordering::Relaxed),
+        )
     }
 
     /// What endpoints carry.
@@ -578,6 +589,11 @@ impl PeerExport {
             },
         };
         release();
+        if done.is_some() {
+            // the owner's count of what peers moved in and out of its memory
+            let word = if dir == Dir::Out { 5 } else { 6 };
+            self.map.word(word).fetch_add(total, Ordering::Relaxed);
+        }
         if self.ops.fetch_add(1, Ordering::Relaxed) % SWEEP_EVERY == SWEEP_EVERY - 1 {
             self.sweep();
         }

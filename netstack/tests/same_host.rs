@@ -110,6 +110,22 @@ fn writes_and_reads_between_same_host_contexts_are_one_copy_with_no_packets() {
     );
     assert_eq!(value("flexns_same_host_bytes_total", "how=\"cma\""), 0.0);
     assert_eq!(value("flexns_same_host_ops_total", ""), sa.same_host_ops as f64);
+    // and the responder's side: what `a` wrote into `b` and read back out of it
+    let bctx = b.qp.local_endpoint().addr.to_string();
+    let of_b = |metric: &str, label: &str| -> f64 {
+        page.lines()
+            .find(|l| l.starts_with(metric) && l.contains(&format!("context=\"{bctx}\"")) && l.contains(label))
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+            .unwrap_or_else(|| panic!("no {metric} {label} for {bctx} in:\n{page}"))
+    };
+    assert_eq!(
+        of_b("flexns_same_host_peer_bytes_total", "direction=\"in\""),
+        (moved / 2) as f64
+    );
+    assert_eq!(
+        of_b("flexns_same_host_peer_bytes_total", "direction=\"out\""),
+        (moved / 2) as f64
+    );
 }
 
 #[test]

@@ -119,6 +119,13 @@ impl crate::telemetry::Collect for CtxInner {
         ck("flexns_shm_messages_total", "direction", "rx", st.shm_rx_messages);
         c("flexns_shm_doorbells_total", st.shm_doorbells);
         gauge!("flexns_shm_peers", "context" => ctx.clone()).set(st.shm_peers as f64);
+        // what same-host peers copied into and out of this context's memory (its side of the
+        // one-copy path, where no packet arrives)
+        if let Some(h) = &self.same_host {
+            let (written, read) = h.export.peer_bytes();
+            ck("flexns_same_host_peer_bytes_total", "direction", "in", written);
+            ck("flexns_same_host_peer_bytes_total", "direction", "out", read);
+        }
 
         // the error counts of QPs already removed, read before the live ones: a QP removed in
         // between is missed this once rather than counted twice (the counter never goes down)
