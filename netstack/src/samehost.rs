@@ -169,7 +169,8 @@ fn qp_word(i: usize, w: usize) -> usize {
 
 /// A context's own export (the owner's side).
 pub struct Export {
-    file: File,
+    /// The export's memfd: held open so that peers can open it through `/proc/<pid>/fd`.
+    _file: File,
     map: Mapping,
     desc: SameHostDesc,
 }
@@ -204,7 +205,7 @@ impl Export {
             ino: file.metadata()?.ino(),
             nonce,
         };
-        Ok(Export { file, map, desc })
+        Ok(Export { _file: file, map, desc })
     }
 
     /// Bytes same-host peers wrote into (`.0`) and read from (`.1`) this context's memory by
@@ -219,7 +220,6 @@ impl Export {
 
     /// What endpoints carry.
     pub fn desc(&self) -> SameHostDesc {
-        let _ = &self.file;
         self.desc
     }
 

@@ -97,33 +97,27 @@ fn writes_and_reads_between_same_host_contexts_are_one_copy_with_no_packets() {
     std::io::Write::write_all(&mut http, b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
     let mut page = String::new();
     std::io::Read::read_to_string(&mut http, &mut page).unwrap();
-    let ctx = a.qp.local_endpoint().addr.to_string();
-    let value = |metric: &str, label: &str| -> f64 {
+    // a context's value of `metric` with `label` on the page
+    let value = |side: &Side, metric: &str, label: &str| -> f64 {
+        let ctx = side.qp.local_endpoint().addr.to_string();
         page.lines()
             .find(|l| l.starts_with(metric) && l.contains(&format!("context=\"{ctx}\"")) && l.contains(label))
             .and_then(|l| l.rsplit(' ').next()?.parse().ok())
             .unwrap_or_else(|| panic!("no {metric} {label} for {ctx} in:\n{page}"))
     };
     assert_eq!(
-        value("flexns_same_host_bytes_total", "how=\"copy\""),
+        value(&a, "flexns_same_host_bytes_total", "how=\"copy\""),
         sa.same_host_copy_bytes as f64
     );
-    assert_eq!(value("flexns_same_host_bytes_total", "how=\"cma\""), 0.0);
-    assert_eq!(value("flexns_same_host_ops_total", ""), sa.same_host_ops as f64);
+    assert_eq!(value(&a, "flexns_same_host_bytes_total", "how=\"cma\""), 0.0);
+    assert_eq!(value(&a, "flexns_same_host_ops_total", ""), sa.same_host_ops as f64);
     // and the responder's side: what `a` wrote into `b` and read back out of it
-    let bctx = b.qp.local_endpoint().addr.to_string();
-    let of_b = |metric: &str, label: &str| -> f64 {
-        page.lines()
-            .find(|l| l.starts_with(metric) && l.contains(&format!("context=\"{bctx}\"")) && l.contains(label))
-            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
-            .unwrap_or_else(|| panic!("no {metric} {label} for {bctx} in:\n{page}"))
-    };
     assert_eq!(
-        of_b("flexns_same_host_peer_bytes_total", "direction=\"in\""),
+        value(&b, "flexns_same_host_peer_bytes_total", "direction=\"in\""),
         (moved / 2) as f64
     );
     assert_eq!(
-        of_b("flexns_same_host_peer_bytes_total", "direction=\"out\""),
+        value(&b, "flexns_same_host_peer_bytes_total", "direction=\"out\""),
         (moved / 2) as f64
     );
 }
@@ -136,7 +130,6 @@ fn the_responders_checks_still_answer_and_touch_nothing() {
     b.mr.region().fill(0, 4 << 20, 0x5A);
     let untouched = |b: &Side| b.mr.region().equals(0, &vec![0x5A; 4 << 20]);
     let copies = |a: &Side| a.ctx.stats().same_host_ops;
-    let before = copies(&a);
     // a bad rkey
     let wc = write(&a, a.mr.sge(0, len), b.mr.addr(), b.mr.rkey() ^ 0x100);
     assert_eq!(wc.status, WcStatus::RemAccessErr);
@@ -176,7 +169,6 @@ fn the_responders_checks_still_answer_and_touch_nothing() {
     assert!(region.equals(0, &vec![0x5A; 1 << 20]));
     // none of the refused ones was copied: only the one WRITE before the deregistration
     assert_eq!(copies(&a), 1, "{:?}", a.ctx.stats());
-    let _ = before;
 }
 
 #[test]
