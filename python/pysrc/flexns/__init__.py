@@ -17,7 +17,8 @@ Memory may be an address (int, as in Mooncake), a NumPy array or a PyTorch tenso
     e.write("127.0.0.1:15123", kv, peer_addr)  # raises flexns.TransferError on failure
 
 ``flexns.nixl`` offers NIXL's agent API (``nixl_agent``, ``nixl_agent_config``) over the same
-engine, for host memory.
+engine, for host memory; ``flexns.use_as_nixl()`` (or ``FLEXNS_AS_NIXL``, or
+``python -m flexns.as_nixl``) makes ``from nixl._api import nixl_agent`` resolve to it.
 """
 
 from ._flexns import (  # noqa: F401
@@ -37,6 +38,7 @@ __all__ = [
     "SUPPORT_CUDA",
     "SUPPORTED_PROTOCOLS",
     "use_as_mooncake",
+    "use_as_nixl",
 ]
 
 
@@ -67,3 +69,39 @@ def use_as_mooncake(export=True):
     sys.modules["mooncake"] = pkg
     sys.modules["mooncake.engine"] = engine
     return engine
+
+
+def use_as_nixl(export=True):
+    """Makes ``import nixl``, ``from nixl._api import nixl_agent, nixl_agent_config`` and
+    ``from nixl._bindings import nixlXferTelemetry`` (what vLLM's NixlConnector imports) resolve
+    to ``flexns.nixl`` in this process, and (``export``) sets ``FLEXNS_AS_NIXL=force`` in the
+    environment, so that worker processes started from here (multiprocessing ``spawn``,
+    ``subprocess``) resolve them to flexns too, through the ``flexns_nixl.pth`` hook the wheel
+    installs. Opt-in, as ``use_as_mooncake``: a real NIXL is never shadowed unless this is
+    called, a program is started with ``python -m flexns.as_nixl``, or ``FLEXNS_AS_NIXL`` is set
+    (``1``: only where no real NIXL is installed; ``force``: always). Returns the alias of
+    ``nixl._api``."""
+    import os
+    import sys
+    import types
+
+    from . import nixl as impl
+
+    if export:
+        os.environ["FLEXNS_AS_NIXL"] = "force"
+    pkg = types.ModuleType("nixl")
+    pkg.__path__ = []  # a package, so that submodule imports resolve
+    pkg.__doc__ = "flexns standing in for NIXL (flexns.use_as_nixl, FLEXNS_AS_NIXL)"
+    bindings = types.ModuleType("nixl._bindings")
+    for name in impl.BINDINGS:
+        setattr(bindings, name, getattr(impl, name))
+    api = types.ModuleType("nixl._api")
+    for name in impl.__all__:
+        setattr(api, name, getattr(impl, name))
+    api.nixlBind = bindings
+    api.logger = impl.log
+    logmod = types.ModuleType("nixl.logging")
+    logmod.get_logger = impl.get_logger
+    pkg._api, pkg._bindings, pkg.logging = api, bindings, logmod
+    sys.modules.update({"nixl": pkg, "nixl._api": api, "nixl._bindings": bindings, "nixl.logging": logmod})
+    return api

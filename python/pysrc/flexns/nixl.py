@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import threading
+import time
 from typing import Optional
 
 from . import _flexns
@@ -38,12 +39,45 @@ __all__ = [
     "nixlNotFoundError",
     "nixlBackendError",
     "nixlRepostActiveError",
+    "nixlNoTelemetryError",
+    "nixlXferTelemetry",
     "NIXL_INIT_AGENT",
+    "DEFAULT_COMM_PORT",
+]
+
+# What ``nixl._bindings`` holds under the alias (flexns.use_as_nixl): the names code written
+# for NIXL imports from it (vLLM: ``from nixl._bindings import nixlXferTelemetry``).
+BINDINGS = [
+    "nixlXferTelemetry",
+    "nixlXferDList",
+    "nixlRegDList",
+    "nixlError",
+    "nixlInvalidParamError",
+    "nixlNotFoundError",
+    "nixlBackendError",
+    "nixlRepostActiveError",
+    "nixlNoTelemetryError",
+    "NIXL_INIT_AGENT",
+    "DEFAULT_COMM_PORT",
+    "DRAM_SEG",
+    "VRAM_SEG",
+    "BLK_SEG",
+    "OBJ_SEG",
+    "FILE_SEG",
+    "NIXL_READ",
+    "NIXL_WRITE",
 ]
 
 log = logging.getLogger("flexns.nixl")
 
 NIXL_INIT_AGENT = ""
+# NIXL's default listener port (nixlBind.DEFAULT_COMM_PORT); flexns.nixl has no listener, the
+# value is only the default of the ``port`` arguments it ignores for peer-to-peer metadata.
+DEFAULT_COMM_PORT = 8888
+# NIXL's memory segment and operation enums (nixl_mem_t, nixl_xfer_op_t), for code that
+# compares against them; flexns.nixl's descriptor lists carry the memory type by name.
+DRAM_SEG, VRAM_SEG, BLK_SEG, OBJ_SEG, FILE_SEG = range(5)
+NIXL_READ, NIXL_WRITE = 0, 1
 nixl_prepped_dlist_handle = int
 nixl_xfer_handle = int
 
@@ -71,6 +105,37 @@ class nixlBackendError(nixlError):
 
 class nixlRepostActiveError(nixlError):
     """A transfer posted again while it is still in progress (NIXL_ERR_REPOST_ACTIVE)."""
+
+
+class nixlNoTelemetryError(nixlError):
+    """Telemetry asked of an agent made without ``capture_telemetry`` (NIXL_ERR_NO_TELEMETRY)."""
+
+
+def get_logger(name: str = "nixl") -> logging.Logger:
+    """``nixl.logging.get_logger`` under the alias: a logger below ``flexns.nixl``."""
+    return logging.getLogger(f"flexns.nixl.{name}")
+
+
+class nixlXferTelemetry:
+    """A transfer's telemetry, as NIXL reports it (``get_xfer_telemetry``): ``startTime`` (the
+    post, microseconds of a monotonic clock), ``postDuration`` (how long posting took, us),
+    ``xferDuration`` (post to completion seen, us; so far while in progress), ``totalBytes`` and
+    ``descCount`` (descriptors after merging: the operations the stack was given)."""
+
+    __slots__ = ("startTime", "postDuration", "xferDuration", "totalBytes", "descCount")
+
+    def __init__(self, startTime=0, postDuration=0, xferDuration=0, totalBytes=0, descCount=0):
+        self.startTime = startTime
+        self.postDuration = postDuration
+        self.xferDuration = xferDuration
+        self.totalBytes = totalBytes
+        self.descCount = descCount
+
+    def __repr__(self):
+        return (
+            f"nixlXferTelemetry(startTime={self.startTime}, postDuration={self.postDuration}, "
+            f"xferDuration={self.xferDuration}, totalBytes={self.totalBytes}, descCount={self.descCount})"
+        )
 
 
 def _mem_type(mem_type: Optional[str], what: str) -> str:
@@ -205,21 +270,27 @@ def _rows(descs, mem_type, reg: bool):
 
 
 class nixl_agent_config:
-    """NIXL's agent configuration. ``enable_prog_thread``, ``enable_listen_thread`` and
-    ``listen_port`` are accepted for compatibility (flexns's engine progresses by itself and
-    metadata goes by blob); ``backends`` may name "UCX" or "FLEXNS" (both mean the flexns
-    engine). flexns additions: ``host`` (the address peers reach this agent's engine at;
-    default ``FLEXNS_NIXL_HOST`` or 127.0.0.1) and ``protocol`` ("flexns" or "tcp")."""
+    """NIXL's agent configuration, with NIXL's positional order. ``enable_prog_thread``,
+    ``enable_listen_thread``, ``listen_port`` and ``num_threads`` are accepted for compatibility
+    (flexns's engine progresses by itself; metadata goes by blob or etcd); ``capture_telemetry``
+    makes ``get_xfer_telemetry`` answer (as in NIXL, it raises ``nixlNoTelemetryError``
+    otherwise); ``backends`` may name "UCX" or "FLEXNS" (both mean the flexns engine). flexns
+    additions: ``host`` (the address peers reach this agent's engine at; default
+    ``FLEXNS_NIXL_HOST`` or 127.0.0.1) and ``protocol`` ("flexns" or "tcp")."""
 
     def __init__(
         self,
         enable_prog_thread: bool = True,
         enable_listen_thread: bool = False,
         listen_port: int = 0,
+        capture_telemetry: bool = False,
+        num_threads: int = 0,
         backends: list[str] = ["UCX"],  # noqa: B006 (NIXL's signature)
         host: Optional[str] = None,
         protocol: str = "flexns",
     ):
+        if isinstance(backends, str):
+            raise nixlInvalidParamError(f"backends: a list of backend names, not the string {backends!r}")
         for b in backends:
             if b not in _BACKENDS:
                 raise nixlInvalidParamError(f"backends: {b!r}: flexns.nixl runs one engine; name \"UCX\" or \"FLEXNS\"")
@@ -227,6 +298,8 @@ class nixl_agent_config:
         self.enable_pthread = enable_prog_thread
         self.enable_listen = enable_listen_thread
         self.port = listen_port
+        self.capture_telemetry = bool(capture_telemetry)
+        self.num_threads = num_threads
         self.host = host or os.environ.get("FLEXNS_NIXL_HOST", "127.0.0.1")
         self.protocol = protocol
 
@@ -242,6 +315,7 @@ class _Xfer:
         self.batch = 0
         self.state = "INIT"  # INIT, PROC, DONE, ERR
         self.error = ""
+        self.telemetry = nixlXferTelemetry(totalBytes=sum(p[2] for p in pieces), descCount=len(pieces))
 
 
 class nixl_agent:
@@ -478,11 +552,14 @@ class nixl_agent:
             return self._fail(handle, x, str(e))
         op = _flexns.TransferOpcode.Write if x.op == "WRITE" else _flexns.TransferOpcode.Read
         args = (session, [p[0] for p in x.pieces], [p[1] for p in x.pieces], [p[2] for p in x.pieces], op)
+        t = x.telemetry
+        t.startTime, t.xferDuration = time.monotonic_ns() // 1000, 0
         if x.notif:
             note = _flexns.TransferNotify(self.name, x.notif.decode("latin-1"))
             x.batch = self.engine.batch_transfer_async_notify(*args, note)
         else:
             x.batch = self.engine.batch_transfer_async(*args)
+        t.postDuration = time.monotonic_ns() // 1000 - t.startTime
         if x.batch == 0:
             return self._fail(handle, x, self.engine.last_error())
         x.state = "PROC"
@@ -511,8 +588,22 @@ class nixl_agent:
             return "PROC"
         if rc == 1:
             x.state, x.batch = "DONE", 0
+            x.telemetry.xferDuration = time.monotonic_ns() // 1000 - x.telemetry.startTime
             return "DONE"
         return self._fail(handle, x, self.engine.last_error())
+
+    def get_xfer_telemetry(self, handle: int) -> nixlXferTelemetry:
+        """The transfer's telemetry (``nixlXferTelemetry``); as NIXL, only for an agent whose
+        config has ``capture_telemetry=True``."""
+        x = self._xfer(handle)
+        if not self.conf.capture_telemetry:
+            raise nixlNoTelemetryError(
+                f"get_xfer_telemetry: agent {self.name} was made without capture_telemetry=True in its nixl_agent_config"
+            )
+        t = x.telemetry
+        if x.state == "PROC":
+            t.xferDuration = time.monotonic_ns() // 1000 - t.startTime
+        return nixlXferTelemetry(t.startTime, t.postDuration, t.xferDuration, t.totalBytes, t.descCount)
 
     def get_xfer_error(self, handle: int) -> str:
         """flexns addition: why a transfer in state "ERR" failed ("" otherwise)."""
