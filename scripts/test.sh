@@ -55,6 +55,8 @@ cargo clippy -p netstack --features bench-internals --benches --quiet -- -D warn
 scripts/layers.sh
 # --no-fail-fast: one run shows every failing test binary, not only the first
 cargo test --workspace --no-fail-fast
+# every path, crate, test target, binary, subcommand and flag the docs name exists
+scripts/check-docs.py
 cargo test -p kvcache-engine --features gpu --lib --test gpu -- --nocapture
 
 # the Python package (a Mooncake-compatible TransferEngine): built, installed, and its tests
