@@ -421,12 +421,29 @@ def check_command(doc, n, cmd):
         return
 
 
+def check_spans(doc, para):
+    """The `code spans` of a paragraph (a span may run over a line break) as commands."""
+    text = " ".join(line for _, line in para)
+    starts, pos = [], 0
+    for n, line in para:
+        starts.append((pos, n))
+        pos += len(line) + 1
+    for m in re.finditer(r"`([^`]+)`", text):
+        n = [ln for p, ln in starts if p <= m.start()][-1]
+        check_command(doc, n, m.group(1))
+
+
 def check_doc(doc):
     with open(doc, encoding="utf-8") as f:
         lines = f.read().split("\n")
     fenced = None
     pending, pending_line = "", 0
+    para = []
     for n, line in enumerate(lines, 1):
+        if fenced is not None or not line.strip() or line.lstrip().startswith(("```", "#", "|", "- ")):
+            if para:
+                check_spans(doc, para)
+                para = []
         if line.lstrip().startswith("```"):
             fenced = None if fenced is not None else line.strip()[3:]
             continue
@@ -442,8 +459,12 @@ def check_doc(doc):
             for part in re.split(r"\s(?:&&|\|\||;)\s", cmd):
                 check_command(doc, pending_line, part)
         elif fenced is None:
-            for span in re.findall(r"`([^`]+)`", line):
-                check_command(doc, n, span)
+            if line.lstrip().startswith(("#", "|")):
+                check_spans(doc, [(n, line)])
+            elif line.strip():
+                para.append((n, line))
+    if para:
+        check_spans(doc, para)
 
 
 def main():
