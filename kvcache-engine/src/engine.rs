@@ -60,6 +60,10 @@ struct Inner {
     next_seg: AtomicU64,
     batches: Mutex<HashMap<u64, Arc<Batch>>>,
     next_batch: AtomicU64,
+    /// Descriptor publications (metadata store writes) and memory registrations so far: what
+    /// [`TransferEngine::publications`] and [`TransferEngine::registrations`] report.
+    publications: AtomicU64,
+    registrations: AtomicU64,
     stop: AtomicBool,
     shutdown: Mutex<Option<tokio::sync::oneshot::Sender<()>>>,
 }
@@ -213,6 +217,8 @@ impl TransferEngine {
             next_seg: AtomicU64::new(1),
             batches: Mutex::new(HashMap::new()),
             next_batch: AtomicU64::new(1),
+            publications: AtomicU64::new(0),
+            registrations: AtomicU64::new(0),
             stop: AtomicBool::new(false),
             shutdown: Mutex::new(Some(tx)),
         });
@@ -277,7 +283,21 @@ impl TransferEngine {
 
     fn publish(&self) -> Result<(), TransferError> {
         let d = self.inner.desc.read().clone();
+        self.inner.publications.fetch_add(1, Ordering::Relaxed);
         self.inner.rt.block_on(self.inner.meta.publish(&d))
+    }
+
+    /// How many times this engine has published its descriptor to the metadata store (at
+    /// start, and once per registration or unregistration of remotely accessible memory, or
+    /// per [`TransferEngine::register_memory_batch`]).
+    pub fn publications(&self) -> u64 {
+        self.inner.publications.load(Ordering::Relaxed)
+    }
+
+    /// How many memory regions this engine has registered (each a memory region with the
+    /// stack's protection domain under the flexns transport).
+    pub fn registrations(&self) -> u64 {
+        self.inner.registrations.load(Ordering::Relaxed)
     }
 
     fn republish_buffers(&self) -> Result<(), TransferError> {
@@ -301,6 +321,28 @@ impl TransferEngine {
     /// (requests name memory by virtual address, as in Mooncake).
     pub fn register_memory(&self, region: Arc<Region>, location: Location) -> Result<u64, TransferError> {
         self.register(region, location, true)
+    }
+
+    /// Registers several buffers for remote access and publishes the descriptor once for all
+    /// of them (Mooncake's `registerLocalMemoryBatch`); returns their addresses. On an error
+    /// none of them stays registered and nothing is published.
+    pub fn register_memory_batch(&self, regions: Vec<(Arc<Region>, Location)>) -> Result<Vec<u64>, TransferError> {
+        let mut done = Vec::with_capacity(regions.len());
+        for (region, location) in regions {
+            match self.register_unpublished(region, location, true) {
+                Ok(a) => done.push(a),
+                Err(e) => {
+                    for a in done {
+                        self.inner.memory.remove(a);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        if !done.is_empty() {
+            self.republish_buffers()?;
+        }
+        Ok(done)
     }
 
     /// Registers a buffer usable only as the local side of requests (not published).
@@ -331,6 +373,19 @@ impl TransferEngine {
     }
 
     pub(crate) fn register(&self, region: Arc<Region>, location: Location, remote: bool) -> Result<u64, TransferError> {
+        let addr = self.register_unpublished(region, location, remote)?;
+        if remote {
+            self.republish_buffers()?;
+        }
+        Ok(addr)
+    }
+
+    fn register_unpublished(
+        &self,
+        region: Arc<Region>,
+        location: Location,
+        remote: bool,
+    ) -> Result<u64, TransferError> {
         if matches!(location, Location::Cuda(_)) && !crate::gpu::is_gpu_mirror(&region) {
             return Err(TransferError::Gpu(
                 "cuda memory is registered through gpu::GpuBuffer (register_gpu_memory), not a host region".into(),
@@ -349,9 +404,7 @@ impl TransferEngine {
             mr,
             remote,
         })?;
-        if remote {
-            self.republish_buffers()?;
-        }
+        self.inner.registrations.fetch_add(1, Ordering::Relaxed);
         Ok(addr)
     }
 

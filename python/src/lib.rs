@@ -14,6 +14,8 @@
 //! memory, or a range outside this process's writable host memory, is -1 with the reason, never
 //! dereferenced). Every blocking call releases the GIL.
 
+mod slab;
+
 use kvcache_engine::batch::{Notification, Opcode, SegmentHandle, TransferRequest, TransferState};
 use kvcache_engine::{BatchId, EngineConfig, Location, MetadataConfig, TransferEngine, TransportKind};
 use netstack::mem::Region;
@@ -201,7 +203,7 @@ struct Engine {
     engine: Mutex<Option<Arc<TransferEngine>>>,
     sessions: Mutex<HashMap<String, SegmentHandle>>,
     registered: Mutex<BTreeMap<u64, Registered>>,
-    managed: Mutex<BTreeMap<u64, Arc<Region>>>,
+    managed: Mutex<slab::Slabs>,
     last_error: Mutex<String>,
 }
 
@@ -354,6 +356,31 @@ impl Engine {
         location: &str,
     ) -> PyResult<Result<u64, String>> {
         let e = self.engine()?;
+        let p = match self.prepare_one(obj, capacity, location)? {
+            Ok(p) => p,
+            Err(m) => return Ok(Err(m)),
+        };
+        let addr = match py.detach(|| e.register_memory(p.region.clone(), p.location)) {
+            Ok(a) => a,
+            Err(err) => return Ok(Err(format!("{}: {err}", p.at))),
+        };
+        self.registered.lock().insert(
+            addr,
+            Registered {
+                region: p.region,
+                _owner: p.owner,
+            },
+        );
+        Ok(Ok(addr))
+    }
+
+    /// Checks one buffer to register and makes its region (see `register_one`).
+    fn prepare_one(
+        &self,
+        obj: &Bound<'_, PyAny>,
+        capacity: Option<usize>,
+        location: &str,
+    ) -> PyResult<Result<Prepared, String>> {
         let m = memory_of(obj)?;
         let requested = Location::parse_requested(location).map_err(PyValueError::new_err)?;
         let len = match (capacity, m.len) {
@@ -389,14 +416,12 @@ impl Engine {
         // never as a Rust reference.
         let region = Arc::new(unsafe { Region::from_raw(m.addr as *mut u8, len) });
         let owner = (m.len.is_some()).then(|| obj.clone().unbind());
-        let addr = match py.detach(|| e.register_memory(region.clone(), loc)) {
-            Ok(a) => a,
-            Err(err) => return Ok(Err(format!("{at}: {err}"))),
-        };
-        self.registered
-            .lock()
-            .insert(addr, Registered { region, _owner: owner });
-        Ok(Ok(addr))
+        Ok(Ok(Prepared {
+            region,
+            location: loc,
+            owner,
+            at,
+        }))
     }
 
     /// The registered (or managed) region holding `[addr, addr+len)`, and the offset in it.
@@ -404,15 +429,22 @@ impl Engine {
         let inside = |base: u64, r: &Arc<Region>| {
             (addr >= base && addr - base + len as u64 <= r.len() as u64).then(|| (r.clone(), (addr - base) as usize))
         };
-        if let Some((b, r)) = self.managed.lock().range(..=addr).next_back() {
-            if let Some(x) = inside(*b, r) {
-                return Some(x);
-            }
+        if let Some(x) = self.managed.lock().region_at(addr, len) {
+            return Some(x);
         }
         let reg = self.registered.lock();
         let (b, r) = reg.range(..=addr).next_back()?;
         inside(*b, &r.region)
     }
+}
+
+/// A buffer checked for registration: its region, where it is, the Python object that owns
+/// it, and how to name it in an error.
+struct Prepared {
+    region: Arc<Region>,
+    location: Location,
+    owner: Option<Py<PyAny>>,
+    at: String,
 }
 
 fn code(r: Result<(), String>) -> i32 {
@@ -431,7 +463,7 @@ impl Engine {
             engine: Mutex::new(None),
             sessions: Mutex::new(HashMap::new()),
             registered: Mutex::new(BTreeMap::new()),
-            managed: Mutex::new(BTreeMap::new()),
+            managed: Mutex::new(slab::Slabs::default()),
             last_error: Mutex::new(String::new()),
         }
     }
@@ -640,9 +672,11 @@ impl Engine {
         Ok(code(r.map_err(|m| self.failed(py, "unregister_memory", m))))
     }
 
-    /// Registers several buffers (lists of addresses or objects, and of capacities). Returns 0,
-    /// or -1 (with `last_error()` naming the buffer) if one cannot be registered; on an error
-    /// (or a raised malformed argument) none of them stays registered.
+    /// Registers several buffers (lists of addresses or objects, and of capacities) and
+    /// publishes the engine's descriptor once for all of them, as Mooncake's
+    /// `registerLocalMemoryBatch`. Returns 0, or -1 (with `last_error()` naming the buffer) if
+    /// one cannot be registered; on an error (or a raised malformed argument) none of them is
+    /// registered.
     #[pyo3(signature = (buffer_addresses, capacities = None, location = "*"))]
     fn batch_register_memory(
         &self,
@@ -660,27 +694,41 @@ impl Engine {
                 )));
             }
         }
-        let mut done = Vec::new();
+        let e = self.engine()?;
+        let mut prepared = Vec::with_capacity(buffer_addresses.len());
         for (i, obj) in buffer_addresses.iter().enumerate() {
-            let r = self.register_one(py, &obj, capacities.as_ref().map(|c| c[i]), location);
-            if let Ok(Ok(a)) = r {
-                done.push(a);
-                continue;
+            match self.prepare_one(&obj, capacities.as_ref().map(|c| c[i]), location)? {
+                Ok(p) => prepared.push(p),
+                Err(m) => {
+                    self.failed(
+                        py,
+                        "batch_register_memory",
+                        format!("buffer {i}: {m} (none registered)"),
+                    );
+                    return Ok(-1);
+                }
             }
-            let e = self.engine()?;
-            for a in done {
-                let _ = e.unregister_memory(a);
-                self.registered.lock().remove(&a);
-            }
-            let m = r?.err().unwrap_or_default();
-            self.failed(
-                py,
-                "batch_register_memory",
-                format!("buffer {i}: {m} (none registered)"),
-            );
-            return Ok(-1);
         }
-        Ok(0)
+        let regions: Vec<(Arc<Region>, Location)> = prepared.iter().map(|p| (p.region.clone(), p.location)).collect();
+        match py.detach(|| e.register_memory_batch(regions)) {
+            Ok(addrs) => {
+                let mut reg = self.registered.lock();
+                for (a, p) in addrs.into_iter().zip(prepared) {
+                    reg.insert(
+                        a,
+                        Registered {
+                            region: p.region,
+                            _owner: p.owner,
+                        },
+                    );
+                }
+                Ok(0)
+            }
+            Err(err) => {
+                self.failed(py, "batch_register_memory", format!("{err} (none registered)"));
+                Ok(-1)
+            }
+        }
     }
 
     /// Unregisters several buffers. Returns 0, or -1 if any was not registered.
@@ -695,17 +743,30 @@ impl Engine {
     }
 
     /// Allocates `length` bytes of engine-owned, registered host memory; returns its address
-    /// (0 on failure).
+    /// (0 on failure). Buffers are carved from slabs of registered memory (64 MiB, or one
+    /// buffer's size if larger), as Mooncake's are from its pool: a new slab, one
+    /// registration and one descriptor publication, only when no free range fits. The
+    /// contents of a buffer are not cleared when it is reused (as in Mooncake).
     fn allocate_managed_buffer(&self, py: Python<'_>, length: usize) -> PyResult<u64> {
         let e = self.engine()?;
-        match py.detach(|| e.allocate_memory(length, Location::Cpu(0))) {
+        if length == 0 {
+            return Err(PyValueError::new_err("length: a managed buffer needs at least 1 byte"));
+        }
+        let Some(want) = slab::rounded(length as u64) else {
+            return Err(PyValueError::new_err(format!("length: {length} bytes is too large")));
+        };
+        if let Some(a) = self.managed.lock().alloc(length as u64) {
+            return Ok(a);
+        }
+        let size = (want as usize).max(slab::SLAB_BYTES);
+        match py.detach(|| e.allocate_memory(size, Location::Cpu(0))) {
             Ok(r) => {
-                let a = r.addr();
-                self.managed.lock().insert(a, r);
-                Ok(a)
+                let mut m = self.managed.lock();
+                m.add_slab(r);
+                Ok(m.alloc(length as u64).unwrap_or(0))
             }
             Err(err) => {
-                self.failed(py, "allocate_managed_buffer", err);
+                self.failed(py, "allocate_managed_buffer", format!("a new {size}-byte slab: {err}"));
                 Ok(0)
             }
         }
@@ -713,8 +774,7 @@ impl Engine {
 
     /// Frees a managed buffer. Returns 0, or -1 if `buffer_addr` is not one.
     fn free_managed_buffer(&self, py: Python<'_>, buffer_addr: u64, length: usize) -> PyResult<i32> {
-        let e = self.engine()?;
-        let Some(r) = self.managed.lock().remove(&buffer_addr) else {
+        let Some(len) = self.managed.lock().free(buffer_addr) else {
             self.failed(
                 py,
                 "free_managed_buffer",
@@ -722,17 +782,26 @@ impl Engine {
             );
             return Ok(-1);
         };
-        if r.len() != length {
-            let m = format!(
-                "{buffer_addr:#x} was allocated with {} bytes, freed with {length} (freed anyway)",
-                r.len()
-            );
+        if len != length as u64 {
+            let m = format!("{buffer_addr:#x} was allocated with {len} bytes, freed with {length} (freed anyway)");
             self.failed(py, "free_managed_buffer", m);
         }
-        Ok(code(
-            py.detach(|| e.unregister_memory(buffer_addr))
-                .map_err(|m| self.failed(py, "free_managed_buffer", m)),
-        ))
+        Ok(0)
+    }
+
+    /// flexns addition: what this engine has done to register memory, from the engine's own
+    /// counters: `registrations` (regions registered), `publications` (descriptor writes to
+    /// the metadata store or handshake server, the start's included), `managed_slabs` and
+    /// `managed_buffers` (live buffers handed out by `allocate_managed_buffer`).
+    fn registration_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let e = self.engine()?;
+        let d = PyDict::new(py);
+        d.set_item("registrations", e.registrations())?;
+        d.set_item("publications", e.publications())?;
+        let m = self.managed.lock();
+        d.set_item("managed_slabs", m.slab_count())?;
+        d.set_item("managed_buffers", m.live())?;
+        Ok(d)
     }
 
     /// Copies `length` bytes of `src_ptr` (bytes) into registered or managed memory at
@@ -1010,6 +1079,8 @@ impl Engine {
         )
     }
 
+    /// Submits one WRITE; returns its batch id, or -1 (with `last_error()`) if it cannot be
+    /// submitted, as Mooncake's `transfer_submit_write`.
     #[pyo3(signature = (target_hostname, buffer, peer_buffer_address, length, transport_hint = ""))]
     fn transfer_submit_write(
         &self,
@@ -1019,8 +1090,9 @@ impl Engine {
         peer_buffer_address: u64,
         length: u64,
         transport_hint: &str,
-    ) -> PyResult<u64> {
-        self.submit(
+    ) -> PyResult<i64> {
+        // Mooncake returns -1 (not 0) when this submission fails
+        let id = self.submit(
             py,
             "transfer_submit_write",
             target_hostname,
@@ -1030,7 +1102,8 @@ impl Engine {
             &[length],
             None,
             transport_hint,
-        )
+        )?;
+        Ok(if id == 0 { -1 } else { id as i64 })
     }
 
     /// Submits a batch and a notification the target receives after every request of it
@@ -1063,7 +1136,8 @@ impl Engine {
         )
     }
 
-    /// 1 completed, 0 still running, -1 failed, -2 timed out; a final batch is freed.
+    /// 1 completed, 0 still running, -1 failed, -2 timed out. A completed or failed batch is
+    /// freed; a timed-out one is kept, as Mooncake keeps it, so its status can be read again.
     fn transfer_check_status(&self, py: Python<'_>, batch_id: u64) -> PyResult<i32> {
         let e = self.engine()?;
         let id = BatchId(batch_id);
@@ -1082,7 +1156,7 @@ impl Engine {
             }
             TransferState::TimedOut(m) => {
                 self.failed(py, &format!("batch {batch_id}"), m);
-                -2
+                return Ok(-2);
             }
             TransferState::Waiting | TransferState::Pending => return Ok(0),
         };
@@ -1200,6 +1274,7 @@ impl Engine {
     fn close(&self, py: Python<'_>) {
         let e = self.engine.lock().take();
         self.sessions.lock().clear();
+        *self.managed.lock() = slab::Slabs::default();
         py.detach(|| drop(e));
     }
 
