@@ -12,6 +12,11 @@
 //! another, joined by a veth pair ([`crate::netns`]); without root or the tools they need they
 //! are skipped, and the summary lists them with the reason.
 //!
+//! The `python-*` comparisons run the Python package's benchmarks (`python/bench/`, with
+//! `python3`) against the real NIXL and Mooncake packages; where the package or a reference is
+//! not installed (`python/bench/install-refs.sh` installs the references) they are skipped with
+//! the script's reason.
+//!
 //! Every program already proves its own run (fresh data checked where it landed) and accounts
 //! CPU per process; this command only runs them and collects what they report.
 
@@ -48,6 +53,9 @@ struct Comparison {
     /// Between two network namespaces joined by a veth pair ([`crate::netns`]): the servers
     /// run in one, the program in the other, so the bytes cross a link as between two hosts.
     netns: bool,
+    /// A benchmark of the Python package: `program` is its script in `python/bench/`, run by
+    /// `python3`, and skipped (with its reason) when the script's `--check` exits with 3.
+    python: bool,
 }
 
 fn words(s: &str) -> Vec<String> {
@@ -68,6 +76,11 @@ fn comparisons(a: &SuiteArgs) -> Vec<Comparison> {
         args: words(&args),
         latency: false,
         netns: false,
+        python: false,
+    };
+    let py = |name, what, script, args: String| Comparison {
+        python: true,
+        ..c(name, what, script, args)
     };
     let mut v = vec![
         c(
@@ -145,6 +158,18 @@ fn comparisons(a: &SuiteArgs) -> Vec<Comparison> {
                 format!("--size 4KiB --compare tcp --pairs {p} --duration {d}"),
             )
         },
+        py(
+            "python-nixl-vs-ucx",
+            "NIXL agent API READs with a notification (vLLM NixlConnector's loop: 64 x 16 KiB scattered blocks, and 16 MiB) between two processes on this host, flexns.nixl vs the real NIXL (PyPI nixl) over UCX with its default transports",
+            "nixl_vs_ucx.py",
+            format!("--pairs {p} --duration {d}"),
+        ),
+        py(
+            "python-mooncake-vs-wheel",
+            "Mooncake TransferEngine batch_transfer_sync_write 64 x 256 KiB between two processes on this host, flexns.TransferEngine vs the real Mooncake wheel's TCP transport",
+            "mooncake_vs_wheel.py",
+            format!("--pairs {p} --duration {d}"),
+        ),
         c(
             "block-randread",
             "block 4 KiB randread QD32 through fio's NBD engine vs qemu-nbd (writethrough, and O_DIRECT|O_DSYNC with aio) and the plain-TCP agent",
@@ -250,7 +275,11 @@ fn rows(c: &Comparison, lines: &[Value]) -> Vec<Row> {
             // throughput: CPU per byte (the references count their own units of work)
             let cpu = crate::perf::client::cpu_ratio(l, &metric).map(|(r, _)| r);
             Row {
-                comparison: name.into(),
+                // one program, several cases (the NIXL benchmark's blocks and 16MiB)
+                comparison: match l["case"].as_str() {
+                    Some(case) => format!("{name} {case}"),
+                    None => name.into(),
+                },
                 reference: l["reference"].as_str().unwrap_or("").into(),
                 speedup: if metric == "p50_us" { 1.0 / ratio } else { ratio },
                 metric,
@@ -305,6 +334,37 @@ fn sibling(program: &str) -> Result<PathBuf> {
         );
     }
     Ok(p)
+}
+
+/// The interpreter of the Python benchmarks: `$PYTHON`, else `python3`.
+fn python() -> std::ffi::OsString {
+    std::env::var_os("PYTHON").unwrap_or_else(|| "python3".into())
+}
+
+/// A script of `python/bench/`: under the current directory (a checkout), else in the
+/// checkout this program was built from.
+fn python_bench(script: &str) -> Result<PathBuf> {
+    let rel = Path::new("python/bench").join(script);
+    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(&rel);
+    [rel.clone(), built]
+        .into_iter()
+        .find(|p| p.is_file())
+        .with_context(|| format!("{} not found (run flexns bench from the checkout)", rel.display()))
+}
+
+/// Why a Python comparison cannot run here: the script's own reason when its `--check` exits
+/// with 3 (the package or the reference is not installed), or why the check could not run;
+/// None when it can. `cmd` is the script's command line, without `--check`.
+fn python_unavailable(cmd: &mut std::process::Command) -> Option<String> {
+    let o = match cmd.arg("--check").output() {
+        Ok(o) => o,
+        Err(e) => return Some(format!("{} did not start: {e}", python().to_string_lossy())),
+    };
+    if o.status.code() == Some(3) {
+        let err = String::from_utf8_lossy(&o.stderr);
+        return Some(err.lines().last().unwrap_or("the script's check failed").to_string());
+    }
+    None
 }
 
 /// The value of flag `name` in `args`.
@@ -400,12 +460,22 @@ impl Across {
 
 fn run_one(c: &Comparison, out: &mut std::fs::File) -> Result<Vec<Value>> {
     use std::io::Write;
-    let exe = sibling(c.program)?;
+    // a Python comparison's program is its script
+    let exe = if c.python {
+        python_bench(c.program)?
+    } else {
+        sibling(c.program)?
+    };
     let mut across = if c.netns { Some(Across::start(c, &exe)?) } else { None };
     let mut cmd = match &across {
         Some(x) => {
             let mut cmd = x.pair.command(crate::netns::Side::A, &exe);
             cmd.args(&c.args).args(&x.client_args);
+            cmd
+        }
+        None if c.python => {
+            let mut cmd = crate::procs::command(python());
+            cmd.arg(&exe).args(&c.args);
             cmd
         }
         None => {
@@ -489,7 +559,15 @@ pub fn run(a: &SuiteArgs) -> Result<()> {
             c.what
         ));
         progress.start(c.name);
-        if let Some(why) = c.netns.then(crate::netns::unavailable).flatten() {
+        let unavailable = if c.python {
+            python_bench(c.program).map_or_else(
+                |e| Some(format!("{e:#}")),
+                |script| python_unavailable(crate::procs::command(python()).arg(script)),
+            )
+        } else {
+            c.netns.then(crate::netns::unavailable).flatten()
+        };
+        if let Some(why) = unavailable {
             progress.println(format!("  skipped: {why}"));
             skipped.push(format!("{}: {why}", c.name));
             progress.finished_one();
@@ -647,6 +725,7 @@ mod tests {
             args: Vec::new(),
             latency: false,
             netns: false,
+            python: false,
         }
     }
 
@@ -726,5 +805,80 @@ mod tests {
         }
         // the same lines of a comparison on one namespace name no veth
         assert_eq!(rows(&comparison("n"), &[run(0, 1 << 30), ratio()])[0].comparison, "n");
+    }
+
+    #[test]
+    fn the_python_comparisons_run_their_scripts_and_name_each_case() {
+        let a = SuiteArgs {
+            quick: true,
+            pairs: 4,
+            out: PathBuf::new(),
+            only: Some("python".into()),
+        };
+        let v = comparisons(&a);
+        let names: Vec<&str> = v.iter().map(|c| c.name).collect();
+        assert_eq!(names, ["python-nixl-vs-ucx", "python-mooncake-vs-wheel"]);
+        for c in &v {
+            assert!(c.python && !c.netns, "{}", c.name);
+            assert!(python_bench(c.program).is_ok(), "{} has no script", c.program);
+            assert_eq!(flag(&c.args, "--pairs"), Some("4"));
+        }
+        // the NIXL benchmark prints one ratio line per case: one row each, named by its case
+        let run = |case: &str| json!({"bench": "nixl_read", "system": "flexns", "case": case, "verified": true, "same_host_cma_bytes": 1 << 20});
+        let ratio = |case: &str| json!({"bench": "ratio", "metric": "gbps", "system": "flexns", "reference": "nixl-ucx", "case": case, "ratio": 1.6, "ratios": [1.6, 1.5, 1.7], "cpu_per_byte_ratio": 0.5, "verified": true});
+        let lines = [run("blocks"), ratio("blocks"), run("16MiB"), ratio("16MiB")];
+        let r = rows(&v[0], &lines);
+        let got: Vec<(&str, &str, Option<f64>)> = r
+            .iter()
+            .map(|r| (r.comparison.as_str(), r.reference.as_str(), r.cpu_ratio))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("python-nixl-vs-ucx (path: one copy) blocks", "nixl-ucx", Some(0.5)),
+                ("python-nixl-vs-ucx (path: one copy) 16MiB", "nixl-ucx", Some(0.5)),
+            ]
+        );
+    }
+
+    #[test]
+    fn a_python_comparison_whose_reference_does_not_import_is_skipped_with_the_reason() {
+        let numpy = std::process::Command::new(python())
+            .args(["-c", "import numpy"])
+            .output();
+        if !numpy.is_ok_and(|o| o.status.success()) {
+            return test_support::skip(
+                "a_python_comparison_whose_reference_does_not_import_is_skipped_with_the_reason",
+                test_support::Missing::Tool,
+                "python3 with NumPy is not installed (scripts/install-test-deps.sh)",
+            );
+        }
+        // packages named as the references, first on the path, whose import fails as a
+        // broken or absent wheel's does
+        let dir = std::env::temp_dir().join(format!("flexns-suite-refs-{}", std::process::id()));
+        for pkg in ["nixl", "mooncake"] {
+            std::fs::create_dir_all(dir.join(pkg)).unwrap();
+            std::fs::write(
+                dir.join(pkg).join("__init__.py"),
+                format!("raise ImportError('{pkg} shadowed by the suite test')\n"),
+            )
+            .unwrap();
+        }
+        for (script, reference) in [("nixl_vs_ucx.py", "nixl"), ("mooncake_vs_wheel.py", "mooncake")] {
+            let mut cmd = std::process::Command::new(python());
+            cmd.arg(python_bench(script).unwrap()).env("PYTHONPATH", &dir);
+            let why = python_unavailable(&mut cmd).unwrap_or_else(|| panic!("{script} did not say why it cannot run"));
+            // the package itself may be what is missing on a machine that has not built it
+            let flexns_missing = why.contains("scripts/python.sh");
+            assert!(
+                flexns_missing || why.contains(&format!("install-refs.sh {reference}")),
+                "{script}: {why}"
+            );
+            assert!(
+                flexns_missing || why.contains("shadowed by the suite test"),
+                "{script}: {why}"
+            );
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

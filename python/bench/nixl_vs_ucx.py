@@ -1,0 +1,439 @@
+#!/usr/bin/env python3
+"""NIXL's agent API over flexns against the real NIXL with its UCX backend: the same transfer
+loop, written once against ``nixl._api`` (the import is the only difference), between two
+processes on one host, in host memory (DRAM), interleaved (flexns nixl-ucx, nixl-ucx flexns,
+...), >= 3 pairs, fresh processes and a fresh random pattern per run.
+
+    python/bench/install-refs.sh nixl        # the real NIXL (PyPI nixl, UCX bundled)
+    python3 python/bench/nixl_vs_ucx.py --json            # --case blocks|16MiB|both, --pairs 5
+
+The loop is vLLM's NixlConnector's: the decode process (the initiator) pulls a request's KV
+blocks from the prefill process (the target) with one-sided READs and a notification, i.e.
+``make_prepped_xfer("READ", local_dlist, local_ids, remote_dlist, remote_ids, notif_msg)``,
+``transfer``, ``check_xfer_state`` until DONE, ``release_xfer_handle``; the target takes the
+notifications with ``get_new_notifs`` (polling every millisecond, as a serving loop does).
+Cases: ``blocks``, 64 blocks of 16 KiB per transfer, scattered over the target's 256-block
+pool (a fixed random permutation, so no two neighbours merge into one piece) into the next 64
+blocks of the initiator's 64 MiB pool; ``16MiB``, one 16 MiB descriptor per transfer into the
+next 16 MiB of the same pool. Each run's target fills its pool with a fresh random pattern;
+after the run the initiator checks every block of its pool the run wrote against the target
+block last read into it, and the target that it got every transfer's notification
+(``verified``). Timing and CPU cover the timed loop only (after a warm-up of the connection);
+CPU is that of both processes (from /proc).
+
+The reference is what a user gets from ``pip install nixl`` with UCX left to its defaults
+(UCX_TLS unset: UCX picks the transports; the lines' ``ucx_read_transports`` and
+``ucx_am_transports`` name what its protocol selection printed for the READs and for the active
+messages that carry NIXL's notifications, from a ``UCX_PROTO_INFO=y`` run before the pairs).
+flexns's side is ``flexns.nixl`` with its engine's defaults (protocol "flexns", the shm link:
+one copy per byte between the processes); its lines carry the path the bytes took.
+
+Output follows docs/BENCHMARKS.md: one JSON line per run (``bench: nixl_read``), then per case
+a ratio line, flexns's Gbit/s over NIXL+UCX's (median of the pairs; targets: 1.5 for blocks,
+1.0 for 16 MiB) with the CPU per byte ratio. Without the real NIXL it says how to install it
+and exits with status 3 (``--check`` only checks).
+"""
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+BLOCK = 16 << 10
+BLOCKS = 64
+REMOTE_BLOCKS = 256  # the target's pool: 4 MiB
+LOCAL_POOL = 64 << 20
+BIG = 16 << 20
+TICK = os.sysconf("SC_CLK_TCK")
+MISSING = 3
+SYSTEMS = ("flexns", "nixl-ucx")
+TARGETS = {"blocks": 1.5, "16MiB": 1.0}
+
+
+def missing_reference():
+    """Why the comparison cannot run here (None when it can)."""
+    for mod, how in (("flexns.nixl", "scripts/python.sh"), ("nixl._api", "python/bench/install-refs.sh nixl")):
+        try:
+            __import__(mod)
+        except Exception as e:  # an ImportError, or a wheel that fails to load
+            return f"{mod} does not import ({type(e).__name__}: {e}); install it with {how}"
+    return None
+
+
+def api(system):
+    if system == "flexns":
+        from flexns.nixl import nixl_agent, nixl_agent_config
+
+        return nixl_agent, nixl_agent_config
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    return nixl_agent, nixl_agent_config
+
+
+def proc_cpu(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(") ", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def reset_peak_rss(pid):
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def peak_rss_kib(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    return 0
+
+
+def memcpy_gbps(piece):
+    """What one core of this process copies in pieces of `piece` over 64 MiB buffers, best of 3."""
+    a = np.ones(64 << 20, dtype=np.uint8)
+    b = np.empty_like(a)
+    best = 0.0
+    for _ in range(3):
+        t = time.perf_counter()
+        for o in range(0, len(a), piece):
+            b[o:o + piece] = a[o:o + piece]
+        best = max(best, len(a) * 8 / (time.perf_counter() - t) / 1e9)
+    return round(best, 2)
+
+
+def shape(case):
+    """(bytes per descriptor, descriptors per transfer, the target pool's descriptors)."""
+    return (BLOCK, BLOCKS, REMOTE_BLOCKS) if case == "blocks" else (BIG, 1, 1)
+
+
+def plan(case, seed):
+    """Which target descriptors transfer i reads: a fixed permutation of the target's pool,
+    taken `per` at a time (the blocks case), or its one descriptor (16MiB)."""
+    size, per, pool = shape(case)
+    perm = np.random.default_rng(seed ^ 0x5EED).permutation(pool)
+    laps = pool // per
+    return [[int(x) for x in perm[k * per:(k + 1) * per]] for k in range(laps)]
+
+
+# ---- the child processes: JSON lines on a private descriptor, libraries' prints on stderr ----
+
+
+def die_with_parent():
+    """A child dies with the benchmark, however it ends (PR_SET_PDEATHSIG, SIGKILL)."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)
+
+
+def channel():
+    """This child's line channel to the parent: stdout, moved aside, so that whatever the
+    libraries print (UCX's protocol tables, NIXL's logger) goes to stderr."""
+    die_with_parent()
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    return out
+
+
+def target_role(a):
+    nixl_agent, nixl_agent_config = api(a.system)
+    out = channel()
+    size, _per, pool = shape(a.case)
+    agent = nixl_agent("prefill", nixl_agent_config(backends=["UCX"]))
+    kv = np.zeros(size * pool, dtype=np.uint8)
+    agent.register_memory(agent.get_reg_descs([(kv.ctypes.data, kv.nbytes, 0, "")], "DRAM"))
+    out.write(json.dumps({"md": agent.get_agent_metadata().hex(), "addr": kv.ctypes.data}) + "\n")
+    cmd = json.loads(sys.stdin.readline())
+    agent.add_remote_agent(bytes.fromhex(cmd["md"]))
+    kv[:] = np.random.default_rng(cmd["seed"]).integers(0, 256, kv.nbytes, dtype=np.uint8)
+    out.write(json.dumps({"filled": True}) + "\n")
+    # serve: take notifications as they come until the initiator says how many it sent
+    got = set()
+    os.set_blocking(sys.stdin.fileno(), False)
+    want = None
+    buf = ""
+    while True:
+        for _who, msgs in agent.get_new_notifs().items():
+            got.update(msgs)
+        if want is None:
+            try:
+                chunk = os.read(sys.stdin.fileno(), 4096).decode()
+            except BlockingIOError:
+                chunk = None
+            if chunk == "":
+                os._exit(1)  # the parent is gone
+            buf += chunk or ""
+            if "\n" in buf:
+                want = json.loads(buf.split("\n", 1)[0])
+                deadline = time.monotonic() + 10
+        if want is not None:
+            names = {f"{want['tag']}:{i}".encode() for i in range(want["sent"])}
+            if names <= got or time.monotonic() > deadline:
+                out.write(json.dumps({"notifs": len(names & got), "missing": len(names - got)}) + "\n")
+                break
+        time.sleep(0.001)
+    os.set_blocking(sys.stdin.fileno(), True)
+    sys.stdin.readline()  # quit
+    os._exit(0)  # NIXL's bundled libnl-route crashes in its exit-time destructor (SIGSEGV)
+
+
+def initiator_role(a):
+    nixl_agent, nixl_agent_config = api(a.system)
+    out = channel()
+    size, per, pool = shape(a.case)
+    agent = nixl_agent("decode", nixl_agent_config(backends=["UCX"]))
+    local = np.zeros(LOCAL_POOL, dtype=np.uint8)
+    agent.register_memory(agent.get_reg_descs([(local.ctypes.data, local.nbytes, 0, "")], "DRAM"))
+    slots = LOCAL_POOL // (size * per)  # transfers per lap of the local pool
+    out.write(json.dumps({"md": agent.get_agent_metadata().hex()}) + "\n")
+    go = json.loads(sys.stdin.readline())
+    remote = agent.add_remote_agent(bytes.fromhex(go["md"]))
+    raddr = go["addr"]
+    local_h = agent.prep_xfer_dlist(
+        "NIXL_INIT_AGENT", [(local.ctypes.data + i * size, size, 0) for i in range(LOCAL_POOL // size)], "DRAM")
+    remote_h = agent.prep_xfer_dlist(remote, [(raddr + i * size, size, 0) for i in range(pool)], "DRAM")
+    reads = plan(a.case, go["seed"])
+    local_ids = [list(range(s * per, (s + 1) * per)) for s in range(slots)]
+
+    def read(i, tag):
+        h = agent.make_prepped_xfer("READ", local_h, local_ids[i % slots], remote_h, reads[i % len(reads)],
+                                    f"{tag}:{i}".encode())
+        state = agent.transfer(h)
+        while state == "PROC":
+            os.sched_yield()  # the engines' threads share the two cores with this loop
+            state = agent.check_xfer_state(h)
+        if state != "DONE":
+            raise RuntimeError(f"transfer {i}: {state}")
+        agent.release_xfer_handle(h)
+
+    # the connection and the first transfers before the clock starts
+    t = time.monotonic()
+    n = 0
+    while n < 8 or time.monotonic() - t < 0.2:
+        read(n, "warm")
+        n += 1
+    s0 = stats(agent)
+    out.write(json.dumps({"ready": True}) + "\n")
+    sys.stdin.readline()
+    lat = []
+    calls = 0
+    start = time.perf_counter()
+    until = start + go["duration"]
+    while True:
+        t0 = time.perf_counter()
+        read(calls, "run")
+        calls += 1
+        t1 = time.perf_counter()
+        lat.append(t1 - t0)
+        if t1 >= until and calls >= 3:
+            break
+    took = time.perf_counter() - start
+    s1 = stats(agent)
+    lat.sort()
+    out.write(json.dumps({
+        "calls": calls, "secs": took, "p50_us": lat[len(lat) // 2] * 1e6, "p99_us": lat[int(len(lat) * 0.99)] * 1e6,
+        "stack": {k: s1[k] - s0.get(k, 0) for k in s1},
+    }) + "\n")
+    # every slot the run wrote holds the target block last read into it
+    src = np.random.default_rng(go["seed"]).integers(0, 256, size * pool, dtype=np.uint8).reshape(pool, size)
+    got = local.reshape(-1, size)
+    ok = True
+    for s in range(min(slots, calls)):
+        last = max(i for i in range(calls - min(slots, calls), calls) if i % slots == s)
+        for j, r in enumerate(reads[last % len(reads)]):
+            ok = ok and np.array_equal(got[s * per + j], src[r])
+    out.write(json.dumps({"verified": bool(ok)}) + "\n")
+    sys.stdin.readline()  # quit
+    os._exit(0)  # as the target's
+
+
+def stats(agent):
+    """The flexns engine's path counters (flexns.nixl's agent); the real NIXL has none."""
+    eng = getattr(agent, "engine", None)
+    return (eng.stack_stats() or {}) if eng is not None and hasattr(eng, "stack_stats") else {}
+
+
+# ---- the parent ----
+
+
+def child(role, system, case, env, log=None):
+    return subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), "--role", role, "--system", system, "--case", case],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+
+
+def ask(p, obj=None):
+    if obj is not None:
+        p.stdin.write(json.dumps(obj) + "\n")
+        p.stdin.flush()
+    line = p.stdout.readline()
+    if not line:
+        p.wait()
+        raise RuntimeError(f"the {p.args[3]} process of {p.args[5]} exited with {p.returncode} (its error is above)")
+    return json.loads(line)
+
+
+def run(system, case, duration, memcpy, proto_info=False):
+    env = dict(os.environ)
+    env.setdefault("NIXL_LOG_LEVEL", "WARN")
+    log = None
+    if proto_info:
+        env["UCX_PROTO_INFO"] = "y"
+        log = tempfile.TemporaryFile("w+")
+    tgt = child("target", system, case, env, log)
+    ini = None
+    try:
+        t = ask(tgt)
+        ini = child("initiator", system, case, env, log)
+        i = ask(ini)
+        seed = int.from_bytes(os.urandom(8), "little")
+        ask(tgt, {"md": i["md"], "seed": seed})
+        ask(ini, {"md": t["md"], "addr": t["addr"], "seed": seed, "duration": duration})
+        for p in (tgt, ini):
+            reset_peak_rss(p.pid)
+        c0 = {p.pid: proc_cpu(p.pid) for p in (tgt, ini)}
+        r = ask(ini, {"go": True})
+        c1 = {p.pid: proc_cpu(p.pid) for p in (tgt, ini)}
+        rss = {p.pid: peak_rss_kib(p.pid) for p in (tgt, ini)}
+        v = ask(ini)
+        n = ask(tgt, {"tag": "run", "sent": r["calls"]})
+        for p in (tgt, ini):
+            p.stdin.write("quit\n")
+            p.stdin.flush()
+        for p in (tgt, ini):
+            p.wait(30)
+    finally:
+        for p in (ini, tgt):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+    size, per, _pool = shape(case)
+    nbytes = r["calls"] * size * per
+    procs = []
+    for role, p in (("initiator", ini), ("target", tgt)):
+        cpu = round(c1[p.pid] - c0[p.pid], 3)
+        procs.append({
+            "role": role, "pid": p.pid, "cpu_secs": cpu, "cpu_us_per_op": round(cpu / r["calls"] * 1e6, 1),
+            "bytes_per_cpu_sec": round(nbytes / cpu) if cpu > 0 else None, "peak_rss_kib": rss[p.pid],
+        })
+    cpu = sum(p["cpu_secs"] for p in procs)
+    gbps = nbytes * 8 / r["secs"] / 1e9
+    line = {
+        "bench": "nixl_read", "system": system, "case": case, "msg_bytes": size, "batch": per, "depth": 1,
+        "notif": True, "ops": r["calls"], "bytes": nbytes, "secs": round(r["secs"], 4), "gbps": round(gbps, 3),
+        "p50_us": round(r["p50_us"], 1), "p99_us": round(r["p99_us"], 1),
+        "verified": bool(v["verified"]) and n["missing"] == 0, "notifs": n["notifs"], "notifs_missing": n["missing"],
+        "wait": "spin", "memcpy_gbps": memcpy, "of_memcpy": round(gbps / memcpy, 3),
+        "cpu_secs": round(cpu, 3), "cpu_us_per_op": round(cpu / r["calls"] * 1e6, 1),
+        "bytes_per_cpu_sec": round(nbytes / cpu) if cpu > 0 else None, "processes": procs,
+    }
+    if system == "flexns":
+        st = r["stack"]
+        line["link"] = os.environ.get("FLEXNS_LINK", "shm (default)")
+        for k in ("same_host_copy_bytes", "same_host_cma_bytes", "same_host_ops", "tx_bytes", "shm_tx_messages"):
+            line[k] = st.get(k, 0)
+    else:
+        line["ucx_tls"] = os.environ.get("UCX_TLS", "unset (UCX's choice)")
+    logs = ""
+    if log is not None:
+        log.seek(0)
+        logs = log.read()
+        log.close()
+    return line, logs
+
+
+def ucx_transports(logs):
+    """The transports UCX's protocol selection printed (UCX_PROTO_INFO=y) in a run: {"read":
+    those of its 'remote memory read' tables (the READs' bytes), "am": those of its 'active
+    message' tables (NIXL's notifications and control)}, each as 'tl/device' (e.g. cma/memory)."""
+    found = {"read": set(), "am": set()}
+    kind = None
+    for line in logs.splitlines():
+        cells = [c.strip() for c in line.split("|")[1:-1]]
+        if len(cells) == 1:
+            text = cells[0]
+            if text.startswith("remote memory read"):
+                kind = "read"
+            elif text.startswith("active message"):
+                kind = "am"
+            elif not re.search(r"cfg#\d+$", text):
+                kind = None
+        elif len(cells) == 3 and kind and cells[0] != "Range":
+            found[kind].update(re.findall(r"\b[a-z_0-9]+/[A-Za-z_0-9.:-]+", cells[2]))
+    return {k: sorted(v) for k, v in found.items()}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--role", choices=["target", "initiator"], help=argparse.SUPPRESS)
+    ap.add_argument("--system", choices=SYSTEMS, help=argparse.SUPPRESS)
+    ap.add_argument("--case", default="both", choices=["blocks", "16MiB", "both"])
+    ap.add_argument("--pairs", type=int, default=3)
+    ap.add_argument("--duration", type=float, default=2.0)
+    ap.add_argument("--check", action="store_true", help="only say whether both systems import, exit 3 if not")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    if a.role == "target":
+        return target_role(a)
+    if a.role == "initiator":
+        return initiator_role(a)
+    why = missing_reference()
+    if why:
+        print(f"nixl_vs_ucx: cannot compare: {why}", file=sys.stderr)
+        if a.json:
+            print(json.dumps({"bench": "skipped", "reason": why}), flush=True)
+        return MISSING
+    if a.check:
+        return 0
+    if a.pairs < 3:
+        ap.error("--pairs: a ratio needs at least 3 pairs")
+    if a.duration <= 0:
+        ap.error("--duration: seconds > 0")
+
+    def emit(r):
+        if a.json:
+            print(json.dumps(r), flush=True)
+        else:
+            print(" ".join(f"{k}={v}" for k, v in r.items() if k != "processes"), flush=True)
+
+    cases = ["blocks", "16MiB"] if a.case == "both" else [a.case]
+    for case in cases:
+        size, _per, _pool = shape(case)
+        memcpy = memcpy_gbps(size)
+        # which transports UCX picks for these READs, from a short run of its own
+        _, logs = run("nixl-ucx", case, 0.1, memcpy, proto_info=True)
+        tls = ucx_transports(logs)
+        runs = {s: [] for s in SYSTEMS}
+        for i in range(a.pairs):
+            for system in (SYSTEMS if i % 2 == 0 else SYSTEMS[::-1]):
+                r, _ = run(system, case, a.duration, memcpy)
+                if system == "nixl-ucx":
+                    r["ucx_read_transports"], r["ucx_am_transports"] = tls["read"], tls["am"]
+                runs[system].append(r)
+                emit(r)
+        fx, ref = runs["flexns"], runs["nixl-ucx"]
+        ratios = [f["gbps"] / max(u["gbps"], 1e-9) for f, u in zip(fx, ref)]
+        cpu = [(f["cpu_secs"] / f["bytes"]) / max(u["cpu_secs"] / u["bytes"], 1e-18) for f, u in zip(fx, ref)]
+        emit({
+            "bench": "ratio", "metric": "gbps", "system": "flexns", "reference": "nixl-ucx", "case": case,
+            "msg_bytes": size, "batch": shape(case)[1], "pairs": a.pairs, "ratio": round(statistics.median(ratios), 3),
+            "ratios": [round(x, 3) for x in ratios], "target": TARGETS[case],
+            "cpu_per_byte_ratio": round(statistics.median(cpu), 3), "cpu_per_byte_ratios": [round(x, 3) for x in cpu],
+            "ucx_read_transports": tls["read"], "ucx_am_transports": tls["am"], "wait": "spin", "verified": all(r["verified"] for r in fx + ref),
+        })
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
