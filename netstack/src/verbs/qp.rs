@@ -494,6 +494,20 @@ impl Qp {
         Ok(())
     }
 
+    /// RTR -> RTS sending from `sq_psn` (24 bits) instead of the PSN drawn at creation: for a
+    /// caller that chose its own and told the peer (`ibv_modify_qp`'s `IBV_QP_SQ_PSN`).
+    pub fn modify_to_rts_at(&self, sq_psn: u32) -> Result<(), VerbsError> {
+        if sq_psn > crate::wire::MASK24 {
+            return Err(VerbsError::Invalid(format!(
+                "sq_psn: {sq_psn:#x} is wider than 24 bits"
+            )));
+        }
+        self.core
+            .call(self.qpn, move |s| s.qp.modify_to_rts(sq_psn))
+            .ok_or(VerbsError::Gone)??;
+        Ok(())
+    }
+
     /// -> ERR: outstanding work requests complete with WR_FLUSH_ERR.
     pub fn modify_to_err(&self) {
         self.core.call(self.qpn, |s| s.qp.modify_to_err());
