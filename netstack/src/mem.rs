@@ -267,6 +267,47 @@ impl Region {
         })
     }
 
+    /// Maps the first `len` bytes of a memory file another process passed (flexnsd registers
+    /// an application's memory this way) shared, and owns the mapping and the file: unmapped
+    /// and closed when the region is dropped. The caller must make sure the file cannot shrink
+    /// below `len` while mapped (flexnsd seals it with `F_SEAL_SHRINK`): touching a page past
+    /// the file's end raises `SIGBUS`.
+    pub fn from_memfd(file: std::fs::File, len: usize) -> std::io::Result<Region> {
+        let size = file.metadata()?.len();
+        if len == 0 || (len as u64) > size {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("len: {len} bytes, the file has {size}"),
+            ));
+        }
+        let map_len = len.div_ceil(4096) * 4096;
+        // SAFETY: a fresh shared mapping of the file's first `map_len` bytes at an address the
+        // kernel picks (the last page may pass the file's end only within the page that holds
+        // byte `len - 1`, which the kernel maps).
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        // counted like the regions `alloc_memfd` makes, which `Drop` uncounts
+        SHARED_REGIONS.fetch_add(1, Ordering::Relaxed);
+        let ptr = ptr as *mut u8;
+        Ok(Region {
+            ptr,
+            len,
+            iova: ptr as u64,
+            owned: Some(Owned::Memfd { file, map_len }),
+        })
+    }
+
     /// The `memfd` holding the region and its inode number, if it lives in one.
     pub(crate) fn shared_file(&self) -> Option<(i32, u64)> {
         use std::os::unix::fs::MetadataExt;

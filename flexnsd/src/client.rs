@@ -1,0 +1,525 @@
+//! The application's side: attach to a running `flexnsd` and use its engine through the verbs
+//! names netstack has ([`Pd::reg_mr`], [`Attachment::create_cq`], [`Attachment::create_qp`],
+//! [`Qp::post_send`], [`Qp::post_recv`], [`Cq::poll`], [`Cq::wait`], [`Cq::next`]), with
+//! netstack's work-request and completion types. Posting and polling touch only shared memory
+//! (and, when the daemon sleeps, one eventfd write); commands go over the Unix socket.
+//!
+//! ```no_run
+//! use flexnsd::client::*;
+//! use netstack::verbs::{Access, SendWr, WrOpcode};
+//! let att = Attachment::connect("/run/flexnsd.sock", "demo").unwrap();
+//! let pd = att.alloc_pd().unwrap();
+//! let mr = pd.reg_mr(1 << 20, Access::ALL).unwrap();
+//! let cq = att.create_cq(256).unwrap();
+//! let qp = att.create_qp(&pd, &cq, &cq, QpInitAttr::default()).unwrap();
+//! # let remote = qp.local_endpoint().unwrap();
+//! qp.connect(&remote).unwrap();
+//! qp.post_send(SendWr::new(1, WrOpcode::RdmaWrite).sge(mr.sge(0, 4096)).remote(0x1000, 0x1234)).unwrap();
+//! let wc = cq.next(std::time::Duration::from_secs(1)).unwrap();
+//! ```
+
+use crate::proto::{self, Reply, Request, Status};
+use crate::shm::{self, Mapping, RingFault};
+use crate::sys;
+use netstack::mem::Region;
+use netstack::verbs::{Access, Endpoint, RecvWr, SendWr, Sge, Wc};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::path::Path;
+use std::sync::atomic::{fence, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Errors of the client.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// A system call failed.
+    #[error("I/O: {0}")]
+    Io(#[from] std::io::Error),
+    /// The daemon closed the connection (it died or was stopped).
+    #[error("flexnsd is gone (its socket closed)")]
+    DaemonGone,
+    /// The daemon refused the command.
+    #[error("flexnsd refused {field}: {message}")]
+    Refused {
+        /// The field at fault.
+        field: String,
+        /// Why.
+        message: String,
+    },
+    /// The daemon answered something this client does not expect.
+    #[error("protocol: {0}")]
+    Protocol(String),
+    /// An argument is invalid (which, and why).
+    #[error("invalid argument: {0}")]
+    Invalid(String),
+    /// The QP's send ring has no free entry.
+    #[error("send ring full ({0} entries outstanding)")]
+    QueueFull(usize),
+    /// The daemon closed the QP's send ring.
+    #[error("the daemon closed this QP's ring: {0:?}")]
+    RingClosed(RingFault),
+}
+
+type Result<T> = std::result::Result<T, ClientError>;
+
+struct Inner {
+    sock: OwnedFd,
+    /// One command at a time.
+    lock: Mutex<()>,
+    doorbell: OwnedFd,
+    app: u64,
+}
+
+impl Inner {
+    fn call(&self, req: &Request, fds: &[BorrowedFd<'_>]) -> Result<Reply> {
+        let _g = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+        proto::send(self.sock.as_fd(), req, fds).map_err(gone)?;
+        match proto::recv::<Reply>(self.sock.as_fd()).map_err(gone)? {
+            None => Err(ClientError::DaemonGone),
+            Some((Ok(Reply::Err { field, message }), _)) => Err(ClientError::Refused { field, message }),
+            Some((Ok(r), _)) => Ok(r),
+            Some((Err(e), _)) => Err(ClientError::Protocol(e.to_string())),
+        }
+    }
+
+    /// Whether the daemon's end of the socket closed.
+    fn hung_up(revents: i16) -> bool {
+        revents & (libc::POLLHUP | libc::POLLRDHUP | libc::POLLERR) != 0
+    }
+}
+
+fn gone(e: std::io::Error) -> ClientError {
+    match e.kind() {
+        std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset => ClientError::DaemonGone,
+        _ => ClientError::Io(e),
+    }
+}
+
+fn unexpected(r: Reply) -> ClientError {
+    ClientError::Protocol(format!("unexpected reply {r:?}"))
+}
+
+/// An application's attachment to a daemon (like netstack's `Context`). Cloning shares it.
+#[derive(Clone)]
+pub struct Attachment {
+    inner: Arc<Inner>,
+}
+
+/// Creation attributes of a QP.
+#[derive(Debug, Clone, Copy)]
+pub struct QpInitAttr {
+    /// Entries of its send ring (a power of two).
+    pub sq_slots: u32,
+}
+
+impl Default for QpInitAttr {
+    fn default() -> QpInitAttr {
+        QpInitAttr { sq_slots: 1024 }
+    }
+}
+
+impl Attachment {
+    /// Attaches to the daemon listening at `socket`, as `name` (for its logs and metrics).
+    pub fn connect(socket: impl AsRef<Path>, name: &str) -> Result<Attachment> {
+        let sock = sys::connect(socket.as_ref())?;
+        let doorbell = sys::eventfd()?;
+        let inner = Inner {
+            sock,
+            lock: Mutex::new(()),
+            doorbell,
+            app: 0,
+        };
+        let r = inner.call(&Request::Hello { name: name.into() }, &[inner.doorbell.as_fd()])?;
+        let Reply::Hello { app } = r else {
+            return Err(unexpected(r));
+        };
+        Ok(Attachment {
+            inner: Arc::new(Inner { app, ..inner }),
+        })
+    }
+
+    /// The daemon's id of this attachment.
+    pub fn app_id(&self) -> u64 {
+        self.inner.app
+    }
+
+    /// Allocates a protection domain.
+    pub fn alloc_pd(&self) -> Result<Pd> {
+        match self.inner.call(&Request::AllocPd, &[])? {
+            Reply::Handle(h) => Ok(Pd {
+                att: self.clone(),
+                handle: h,
+            }),
+            r => Err(unexpected(r)),
+        }
+    }
+
+    /// Creates a completion queue whose ring holds `cqe` completions (rounded up to a power of
+    /// two).
+    pub fn create_cq(&self, cqe: usize) -> Result<Cq> {
+        let slots = cqe.max(1).checked_next_power_of_two().unwrap_or(usize::MAX);
+        if slots > shm::MAX_SLOTS {
+            return Err(ClientError::Invalid(format!("cqe: {cqe}, at most {}", shm::MAX_SLOTS)));
+        }
+        let ring = Mapping::create(c"flexnsd-cq", shm::cq_bytes(slots))?;
+        let notify = sys::eventfd()?;
+        let r = self.inner.call(
+            &Request::CreateCq { slots: slots as u32 },
+            &[ring.file().as_fd(), notify.as_fd()],
+        )?;
+        let Reply::Handle(handle) = r else {
+            return Err(unexpected(r));
+        };
+        Ok(Cq {
+            att: self.clone(),
+            handle,
+            ring,
+            slots,
+            head: Mutex::new(0),
+            notify,
+        })
+    }
+
+    /// Creates an RC queue pair (in INIT: receives can be posted before connecting).
+    pub fn create_qp(&self, pd: &Pd, send_cq: &Cq, recv_cq: &Cq, attr: QpInitAttr) -> Result<Qp> {
+        let slots = attr.sq_slots as usize;
+        if slots == 0 || slots > shm::MAX_SLOTS || !slots.is_power_of_two() {
+            return Err(ClientError::Invalid(format!(
+                "sq_slots: {slots}, must be a power of two, 1..={}",
+                shm::MAX_SLOTS
+            )));
+        }
+        let ring = Mapping::create(c"flexnsd-sq", shm::sq_bytes(slots))?;
+        let r = self.inner.call(
+            &Request::CreateQp {
+                pd: pd.handle,
+                send_cq: send_cq.handle,
+                recv_cq: recv_cq.handle,
+                slots: slots as u32,
+            },
+            &[ring.file().as_fd()],
+        )?;
+        let Reply::Qp { handle, qpn } = r else {
+            return Err(unexpected(r));
+        };
+        Ok(Qp {
+            att: self.clone(),
+            handle,
+            qpn,
+            ring,
+            slots,
+            tail: Mutex::new(0),
+        })
+    }
+
+    /// The daemon's counts (all attachments).
+    pub fn status(&self) -> Result<Status> {
+        match self.inner.call(&Request::Status, &[])? {
+            Reply::Status(s) => Ok(s),
+            r => Err(unexpected(r)),
+        }
+    }
+
+    /// Sends `req` as is, with `fds` (raw protocol access, for tools and for tests of the
+    /// daemon's checks: what a broken or hostile application could send).
+    pub fn raw_call(&self, req: &Request, fds: &[BorrowedFd<'_>]) -> Result<Reply> {
+        self.inner.call(req, fds)
+    }
+}
+
+/// A protection domain.
+pub struct Pd {
+    att: Attachment,
+    handle: u32,
+}
+
+impl Pd {
+    /// Its handle in the attachment.
+    pub fn handle(&self) -> u32 {
+        self.handle
+    }
+
+    /// Allocates `len` zeroed bytes in a memfd, maps them and registers them with the daemon,
+    /// which maps the same pages (its engine reads and writes them directly).
+    pub fn reg_mr(&self, len: usize, access: Access) -> Result<Mr> {
+        if len == 0 {
+            return Err(ClientError::Invalid("len: 0 bytes".into()));
+        }
+        let file = sys::memfd(c"flexnsd-mr")?;
+        file.set_len(len as u64)?;
+        let fd = file.try_clone()?;
+        let region = Arc::new(Region::from_memfd(file, len)?);
+        let r = self.att.inner.call(
+            &Request::RegMr {
+                pd: self.handle,
+                len: len as u64,
+                addr: region.addr(),
+                access: access.0,
+            },
+            &[fd.as_fd()],
+        )?;
+        let Reply::Mr { handle, lkey, rkey } = r else {
+            return Err(unexpected(r));
+        };
+        Ok(Mr {
+            att: self.att.clone(),
+            handle,
+            lkey,
+            rkey,
+            region,
+        })
+    }
+}
+
+/// A registered memory region (deregistered on drop).
+pub struct Mr {
+    att: Attachment,
+    handle: u32,
+    lkey: u32,
+    rkey: u32,
+    region: Arc<Region>,
+}
+
+impl Mr {
+    /// Its local key.
+    pub fn lkey(&self) -> u32 {
+        self.lkey
+    }
+    /// Its remote key.
+    pub fn rkey(&self) -> u32 {
+        self.rkey
+    }
+    /// The address of its first byte (what SGEs and peers' RETHs name).
+    pub fn addr(&self) -> u64 {
+        self.region.addr()
+    }
+    /// Its length in bytes.
+    pub fn len(&self) -> usize {
+        self.region.len()
+    }
+    /// Whether it has no bytes (never).
+    pub fn is_empty(&self) -> bool {
+        self.region.is_empty()
+    }
+    /// A scatter-gather element over `len` bytes at offset `off`.
+    pub fn sge(&self, off: usize, len: usize) -> Sge {
+        Sge {
+            addr: self.addr() + off as u64,
+            length: len as u32,
+            lkey: self.lkey,
+        }
+    }
+    /// Copies bytes out of the region.
+    pub fn read(&self, off: usize, dst: &mut [u8]) {
+        self.region.read(off, dst)
+    }
+    /// Copies bytes into the region.
+    pub fn write(&self, off: usize, src: &[u8]) {
+        self.region.write(off, src)
+    }
+    /// The memory (this process's mapping).
+    pub fn region(&self) -> &Arc<Region> {
+        &self.region
+    }
+}
+
+impl Drop for Mr {
+    fn drop(&mut self) {
+        let _ = self.att.inner.call(&Request::DeregMr { mr: self.handle }, &[]);
+    }
+}
+
+/// A completion queue: a ring the daemon writes completions into.
+pub struct Cq {
+    att: Attachment,
+    handle: u32,
+    ring: Mapping,
+    slots: usize,
+    head: Mutex<u64>,
+    notify: OwnedFd,
+}
+
+impl Cq {
+    /// Moves up to `wc.len()` completions into `wc`; returns how many.
+    pub fn poll(&self, wc: &mut [Wc]) -> Result<usize> {
+        let mut head = self.head.lock().unwrap_or_else(|e| e.into_inner());
+        let tail = self.ring.word(shm::CQ_TAIL).load(Ordering::Acquire);
+        let ready = tail.wrapping_sub(*head);
+        if ready > self.slots as u64 {
+            return Err(ClientError::Protocol(format!(
+                "completion ring tail {tail} is {ready} past head {} (ring of {})",
+                *head, self.slots
+            )));
+        }
+        let n = (ready as usize).min(wc.len());
+        for w in wc.iter_mut().take(n) {
+            *w = shm::decode_wc(
+                self.ring
+                    .read_words::<4>(shm::slot_off(*head, self.slots, shm::CQE_BYTES)),
+            );
+            *head += 1;
+        }
+        if n > 0 {
+            self.ring.word(shm::CQ_HEAD).store(*head, Ordering::Release);
+        }
+        Ok(n)
+    }
+
+    fn ready(&self) -> bool {
+        let head = *self.head.lock().unwrap_or_else(|e| e.into_inner());
+        self.ring.word(shm::CQ_TAIL).load(Ordering::SeqCst) != head
+    }
+
+    /// Blocks until a completion is available (`Ok(true)`) or `timeout` passes (`Ok(false)`):
+    /// spins briefly, then sleeps on the CQ's eventfd. Returns [`ClientError::DaemonGone`] as
+    /// soon as the daemon's socket closes.
+    pub fn wait(&self, timeout: Duration) -> Result<bool> {
+        let start = Instant::now();
+        let deadline = start + timeout;
+        while start.elapsed() < Duration::from_micros(20) {
+            if self.ready() {
+                return Ok(true);
+            }
+            std::hint::spin_loop();
+        }
+        loop {
+            self.ring.word(shm::CQ_ARMED).store(1, Ordering::SeqCst);
+            if self.ready() {
+                self.ring.word(shm::CQ_ARMED).store(0, Ordering::Relaxed);
+                return Ok(true);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Ok(false);
+            }
+            let sock = self.att.inner.sock.as_fd();
+            let r = sys::poll(
+                &[(self.notify.as_fd(), libc::POLLIN), (sock, libc::POLLRDHUP)],
+                Some(left.max(Duration::from_millis(1))),
+            )?;
+            if Inner::hung_up(r[1]) {
+                return Err(ClientError::DaemonGone);
+            }
+            if r[0] != 0 {
+                sys::eventfd_drain(self.notify.as_fd());
+            }
+        }
+    }
+
+    /// Polls one completion, blocking up to `timeout`.
+    pub fn next(&self, timeout: Duration) -> Result<Option<Wc>> {
+        let deadline = Instant::now() + timeout;
+        let mut wc = [netstack::verbs::EMPTY_WC];
+        loop {
+            if self.poll(&mut wc)? == 1 {
+                return Ok(Some(wc[0]));
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Ok(None);
+            }
+            self.wait(left)?;
+        }
+    }
+
+    /// Its handle in the attachment.
+    pub fn handle(&self) -> u32 {
+        self.handle
+    }
+}
+
+/// An RC queue pair whose send ring the daemon drains (destroyed on drop).
+pub struct Qp {
+    att: Attachment,
+    handle: u32,
+    qpn: u32,
+    ring: Mapping,
+    slots: usize,
+    tail: Mutex<u64>,
+}
+
+impl Qp {
+    /// Its QP number.
+    pub fn qp_num(&self) -> u32 {
+        self.qpn
+    }
+
+    /// Its handle in the attachment.
+    pub fn handle(&self) -> u32 {
+        self.handle
+    }
+
+    /// This QP's half of a connection exchange.
+    pub fn local_endpoint(&self) -> Result<Endpoint> {
+        match self.att.inner.call(&Request::QpEndpoint { qp: self.handle }, &[])? {
+            Reply::Endpoint(e) => Ok(e),
+            r => Err(unexpected(r)),
+        }
+    }
+
+    /// Connects to a peer (INIT -> RTR -> RTS).
+    pub fn connect(&self, remote: &Endpoint) -> Result<()> {
+        match self.att.inner.call(
+            &Request::Connect {
+                qp: self.handle,
+                remote: remote.clone(),
+            },
+            &[],
+        )? {
+            Reply::Done => Ok(()),
+            r => Err(unexpected(r)),
+        }
+    }
+
+    fn push(&self, words: [u64; 8]) -> Result<()> {
+        if let Some(f) = RingFault::from_word(self.ring.word(shm::SQ_ERROR).load(Ordering::Acquire)) {
+            return Err(ClientError::RingClosed(f));
+        }
+        let mut tail = self.tail.lock().unwrap_or_else(|e| e.into_inner());
+        let head = self.ring.word(shm::SQ_HEAD).load(Ordering::Acquire);
+        let used = tail.wrapping_sub(head);
+        if used >= self.slots as u64 {
+            return Err(ClientError::QueueFull(used as usize));
+        }
+        self.ring
+            .write_words(shm::slot_off(*tail, self.slots, shm::WQE_BYTES), &words);
+        *tail += 1;
+        self.ring.word(shm::SQ_TAIL).store(*tail, Ordering::Release);
+        fence(Ordering::SeqCst);
+        if self.ring.word(shm::SQ_SLEEPING).load(Ordering::SeqCst) != 0 {
+            sys::eventfd_signal(self.att.inner.doorbell.as_fd());
+        }
+        Ok(())
+    }
+
+    /// Posts a send work request (SEND, WRITE or READ, with or without immediate; at most two
+    /// SGEs, in this attachment's memory regions).
+    pub fn post_send(&self, wr: SendWr) -> Result<()> {
+        let words = shm::encode_send(&wr).map_err(|e| ClientError::Invalid(e.into()))?;
+        self.push(words)
+    }
+
+    /// Posts a receive work request (at most two SGEs).
+    pub fn post_recv(&self, wr: RecvWr) -> Result<()> {
+        let words = shm::encode_recv(&wr).map_err(|e| ClientError::Invalid(e.into()))?;
+        self.push(words)
+    }
+
+    /// Stores `tail` as the send ring's tail without writing entries: what a broken or hostile
+    /// application can do to the ring it shares (for tests of the daemon's checks).
+    pub fn store_raw_tail(&self, tail: u64) {
+        self.ring.word(shm::SQ_TAIL).store(tail, Ordering::Release);
+        sys::eventfd_signal(self.att.inner.doorbell.as_fd());
+    }
+
+    /// Why the daemon closed this QP's ring, if it did.
+    pub fn ring_fault(&self) -> Option<RingFault> {
+        RingFault::from_word(self.ring.word(shm::SQ_ERROR).load(Ordering::Acquire))
+    }
+}
+
+impl Drop for Qp {
+    fn drop(&mut self) {
+        let _ = self.att.inner.call(&Request::DestroyQp { qp: self.handle }, &[]);
+    }
+}

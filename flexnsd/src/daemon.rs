@@ -1,0 +1,701 @@
+//! The daemon's service: an accept loop, and per attachment one thread that answers its
+//! commands, drains its send rings into the engine and writes the engine's completions into its
+//! completion rings (docs/FLEXNSD.md, "Who owns what, threads").
+
+use crate::proto::{self, Counts, Reply, Request, Status};
+use crate::shm::{self, Mapping, RingFault, Wqe};
+use crate::sys;
+use netstack::verbs::{Access, Context, Cq, Mr, Pd, Qp, QpInitAttr, VerbsError, Wc, WcOpcode, WcStatus, EMPTY_WC};
+use std::collections::{HashMap, VecDeque};
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::atomic::{fence, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::io::unix::AsyncFd;
+
+/// The longest memory region an application may register (1 TiB).
+pub const MAX_MR: u64 = 1 << 40;
+/// Work requests taken from one send ring per pass (the others get their turn).
+const BATCH: u64 = 64;
+
+/// What every attachment thread shares: the engine context and the status table.
+pub struct Daemon {
+    ctx: Context,
+    /// Poll the rings this long after the last work before sleeping.
+    spin: Duration,
+    apps: std::sync::Mutex<HashMap<u64, Counts>>,
+    next_app: AtomicU64,
+}
+
+impl Daemon {
+    /// A daemon serving `ctx`, spinning `spin` before each sleep.
+    pub fn new(ctx: Context, spin: Duration) -> Arc<Daemon> {
+        Arc::new(Daemon {
+            ctx,
+            spin,
+            apps: Default::default(),
+            next_app: AtomicU64::new(1),
+        })
+    }
+
+    /// Accepts attachments on `listener` forever, one thread each.
+    pub fn serve(self: &Arc<Daemon>, listener: OwnedFd) -> std::io::Result<()> {
+        loop {
+            let sock = sys::accept(listener.as_fd())?;
+            let id = self.next_app.fetch_add(1, Ordering::Relaxed);
+            let d = self.clone();
+            std::thread::Builder::new()
+                .name(format!("flexnsd-app{id}"))
+                .spawn(move || d.run_app(id, sock))?;
+        }
+    }
+
+    /// What the daemon holds now.
+    pub fn status(&self) -> Status {
+        let apps: Vec<(u64, Counts)> = {
+            let mut v: Vec<_> = self
+                .apps
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .iter()
+                .map(|(k, c)| (*k, *c))
+                .collect();
+            v.sort_by_key(|x| x.0);
+            v
+        };
+        let mut totals = Counts::default();
+        for (_, c) in &apps {
+            totals.pds += c.pds;
+            totals.mrs += c.mrs;
+            totals.cqs += c.cqs;
+            totals.qps += c.qps;
+            totals.wrs += c.wrs;
+            totals.bytes += c.bytes;
+            totals.errors += c.errors;
+        }
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+        Status {
+            attachments: apps.len() as u64,
+            totals,
+            apps,
+            mapped_memfds: maps.lines().filter(|l| l.contains("/memfd:flexnsd-")).count() as u64,
+            open_fds: std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count() as u64),
+        }
+    }
+
+    fn run_app(self: Arc<Daemon>, id: u64, sock: OwnedFd) {
+        let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+            Ok(rt) => rt,
+            Err(e) => {
+                tracing::error!("attachment {id}: cannot start its runtime: {e}");
+                return;
+            }
+        };
+        rt.block_on(async {
+            let sock = match sys::set_nonblocking(sock.as_fd(), true).and_then(|_| sys::async_fd(sock)) {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::error!("attachment {id}: {e}");
+                    return;
+                }
+            };
+            self.apps
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(id, Counts::default());
+            let mut app = App {
+                qps: HashMap::new(),
+                mrs: HashMap::new(),
+                cqs: HashMap::new(),
+                pds: HashMap::new(),
+                id,
+                name: String::new(),
+                d: self.clone(),
+                sock,
+                doorbell: None,
+                next: 1,
+                counts: Counts::default(),
+                published: Counts::default(),
+            };
+            tracing::info!("attachment {id}: attached");
+            app.serve().await;
+            // drop order: QPs out of the engine first, then the memory and queues they used
+            let counts = app.counts;
+            app.qps.clear();
+            app.mrs.clear();
+            app.cqs.clear();
+            app.pds.clear();
+            app.counts = Counts {
+                wrs: counts.wrs,
+                bytes: counts.bytes,
+                errors: counts.errors,
+                ..Counts::default()
+            };
+            app.publish();
+            self.apps.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+            tracing::info!(
+                "attachment {id} ({}): detached; freed {} QPs, {} MRs, {} CQs",
+                app.name,
+                counts.qps,
+                counts.mrs,
+                counts.cqs
+            );
+        });
+    }
+}
+
+struct AppCq {
+    cq: Cq,
+    ring: Mapping,
+    slots: usize,
+    /// The daemon's own copy of the ring's tail (the ring's word is only published).
+    tail: u64,
+    notify: OwnedFd,
+    /// Completions the daemon made itself (refused posts) waiting for room.
+    pending: VecDeque<Wc>,
+}
+
+struct AppQp {
+    qp: Qp,
+    ring: Mapping,
+    slots: usize,
+    /// The daemon's own copy of the ring's head.
+    head: u64,
+    send_cq: u32,
+    recv_cq: u32,
+    /// Closed for a fault: served no more.
+    fault: Option<RingFault>,
+}
+
+/// One attachment. Fields drop in order: QPs before the MRs and CQs they use.
+struct App {
+    qps: HashMap<u32, AppQp>,
+    mrs: HashMap<u32, Mr>,
+    cqs: HashMap<u32, AppCq>,
+    pds: HashMap<u32, Pd>,
+    id: u64,
+    name: String,
+    d: Arc<Daemon>,
+    sock: AsyncFd<OwnedFd>,
+    doorbell: Option<AsyncFd<OwnedFd>>,
+    next: u32,
+    counts: Counts,
+    published: Counts,
+}
+
+/// A refused command: the field and why.
+struct Refusal(&'static str, String);
+
+fn refuse<T>(field: &'static str, message: impl Into<String>) -> Result<T, Refusal> {
+    Err(Refusal(field, message.into()))
+}
+
+impl App {
+    async fn serve(&mut self) {
+        let mut buf = vec![0u8; proto::MAX_MSG];
+        let mut last_work = Instant::now();
+        loop {
+            let mut work = match self.control(&mut buf) {
+                Ok(w) => w,
+                Err(()) => return,
+            };
+            work |= self.drain_rings();
+            work |= self.drain_cqs();
+            if work {
+                self.publish();
+                last_work = Instant::now();
+                continue;
+            }
+            if last_work.elapsed() < self.d.spin {
+                std::hint::spin_loop();
+                continue;
+            }
+            self.sleep().await;
+            last_work = Instant::now();
+        }
+    }
+
+    /// Sleeps until a command, a doorbell or a completion (at most 1 ms while a completion
+    /// ring is full: the application's reads of it do not ring).
+    async fn sleep(&mut self) {
+        for q in self.qps.values() {
+            q.ring.word(shm::SQ_SLEEPING).store(1, Ordering::SeqCst);
+        }
+        let pending = self
+            .qps
+            .values()
+            .any(|q| q.fault.is_none() && q.ring.word(shm::SQ_TAIL).load(Ordering::SeqCst) != q.head);
+        if !pending {
+            let full = self.cqs.values().any(|c| c.room() == 0);
+            let waits: Vec<_> = self
+                .cqs
+                .values()
+                .filter(|c| c.room() > 0)
+                .map(|c| Box::pin(c.cq.wait_async()))
+                .collect();
+            let cq_ready = async {
+                if waits.is_empty() {
+                    std::future::pending::<()>().await
+                } else {
+                    futures_util::future::select_all(waits).await;
+                }
+            };
+            let door = async {
+                match &self.doorbell {
+                    Some(d) => {
+                        if let Ok(mut g) = d.readable().await {
+                            g.clear_ready();
+                            sys::eventfd_drain(d.get_ref().as_fd());
+                        }
+                    }
+                    None => std::future::pending().await,
+                }
+            };
+            let tick = async {
+                if full {
+                    tokio::time::sleep(Duration::from_millis(1)).await
+                } else {
+                    std::future::pending().await
+                }
+            };
+            tokio::select! {
+                r = self.sock.readable() => if let Ok(mut g) = r { g.clear_ready() },
+                _ = door => {},
+                _ = cq_ready => {},
+                _ = tick => {},
+            }
+        }
+        for q in self.qps.values() {
+            q.ring.word(shm::SQ_SLEEPING).store(0, Ordering::SeqCst);
+        }
+    }
+
+    /// Publishes the counts to the status table and metrics when they changed.
+    fn publish(&mut self) {
+        if self.counts == self.published {
+            return;
+        }
+        let c = self.counts;
+        self.published = c;
+        if let Some(e) = self.d.apps.lock().unwrap_or_else(|e| e.into_inner()).get_mut(&self.id) {
+            *e = c;
+        }
+        let app = self.id.to_string();
+        metrics::gauge!("flexnsd_app_qps", "app" => app.clone()).set(c.qps as f64);
+        metrics::gauge!("flexnsd_app_mrs", "app" => app.clone()).set(c.mrs as f64);
+        metrics::gauge!("flexnsd_app_cqs", "app" => app.clone()).set(c.cqs as f64);
+        metrics::gauge!("flexnsd_app_wrs", "app" => app.clone()).set(c.wrs as f64);
+        metrics::gauge!("flexnsd_app_bytes", "app" => app.clone()).set(c.bytes as f64);
+        metrics::gauge!("flexnsd_app_errors", "app" => app).set(c.errors as f64);
+    }
+
+    /// Answers every command waiting; `Err` when the application is gone.
+    fn control(&mut self, buf: &mut [u8]) -> Result<bool, ()> {
+        let mut any = false;
+        loop {
+            let (n, fds) = match sys::recv_msg(self.sock.get_ref().as_fd(), buf, true) {
+                Ok(sys::Recv::Msg(n, fds)) => (n, fds),
+                Ok(sys::Recv::WouldBlock) => return Ok(any),
+                Ok(sys::Recv::Eof) => return Err(()),
+                Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
+                    self.counts.errors += 1;
+                    self.reply(&Reply::Err {
+                        field: "message".into(),
+                        message: e.to_string(),
+                    });
+                    any = true;
+                    continue;
+                }
+                Err(e) => {
+                    tracing::warn!("attachment {}: control socket: {e}", self.id);
+                    return Err(());
+                }
+            };
+            any = true;
+            let reply = match proto::decode::<Request>(&buf[..n]) {
+                Ok(req) => self.command(req, fds).unwrap_or_else(|Refusal(f, m)| {
+                    self.counts.errors += 1;
+                    tracing::debug!("attachment {}: refused: {f}: {m}", self.id);
+                    Reply::Err {
+                        field: f.into(),
+                        message: m,
+                    }
+                }),
+                Err(e) => {
+                    self.counts.errors += 1;
+                    Reply::Err {
+                        field: e.field.into(),
+                        message: e.message,
+                    }
+                }
+            };
+            // published before the reply: a status asked after it counts what it did
+            self.publish();
+            self.reply(&reply);
+        }
+    }
+
+    fn reply(&self, r: &Reply) {
+        // a socket that cannot take the reply is closing: its EOF ends the attachment
+        let _ = proto::send(self.sock.get_ref().as_fd(), r, &[]);
+    }
+
+    fn handle(&mut self) -> u32 {
+        let h = self.next;
+        self.next += 1;
+        h
+    }
+
+    fn command(&mut self, req: Request, mut fds: Vec<OwnedFd>) -> Result<Reply, Refusal> {
+        let want = match &req {
+            Request::Hello { .. } | Request::RegMr { .. } | Request::CreateQp { .. } => 1,
+            Request::CreateCq { .. } => 2,
+            _ => 0,
+        };
+        if fds.len() != want {
+            return refuse(
+                "fds",
+                format!("{} descriptors passed, this command takes {want}", fds.len()),
+            );
+        }
+        if self.doorbell.is_none() && !matches!(req, Request::Hello { .. }) {
+            return refuse("message", "the first command must be Hello");
+        }
+        match req {
+            Request::Hello { name } => {
+                if self.doorbell.is_some() {
+                    return refuse("message", "Hello twice");
+                }
+                let fd = fds.pop().expect("one descriptor, checked");
+                if !sys::is_eventfd(fd.as_fd()) {
+                    return refuse("fds", "the doorbell must be an eventfd");
+                }
+                let _ = sys::set_nonblocking(fd.as_fd(), true);
+                self.doorbell = Some(sys::async_fd(fd).map_err(|e| Refusal("fds", e.to_string()))?);
+                self.name = name.chars().take(64).collect();
+                Ok(Reply::Hello { app: self.id })
+            }
+            Request::AllocPd => {
+                let h = self.handle();
+                self.pds.insert(h, self.d.ctx.alloc_pd());
+                self.counts.pds += 1;
+                Ok(Reply::Handle(h))
+            }
+            Request::RegMr { pd, len, addr, access } => {
+                let Some(pd) = self.pds.get(&pd) else {
+                    return refuse("pd", format!("{pd} is not a PD of this application"));
+                };
+                if len == 0 || len > MAX_MR {
+                    return refuse("len", format!("{len} bytes: must be 1..={MAX_MR}"));
+                }
+                if addr.checked_add(len).is_none() {
+                    return refuse("addr", format!("{addr:#x} + {len} passes the end of the address space"));
+                }
+                if access & !Access::ALL.0 != 0 {
+                    return refuse("access", format!("{access:#x} has bits that are not access rights"));
+                }
+                let file = std::fs::File::from(fds.pop().expect("one descriptor, checked"));
+                let file = sealed(file, len)?;
+                let region = netstack::mem::Region::from_memfd(file, len as usize)
+                    .map_err(|e| Refusal("fds", format!("cannot map the memfd: {e}")))?
+                    .at_iova(addr);
+                let mr = pd
+                    .reg_region(Arc::new(region), Access(access))
+                    .map_err(|e| Refusal("pd", e.to_string()))?;
+                let h = self.handle();
+                let r = Reply::Mr {
+                    handle: h,
+                    lkey: mr.lkey(),
+                    rkey: mr.rkey(),
+                };
+                self.mrs.insert(h, mr);
+                self.counts.mrs += 1;
+                Ok(r)
+            }
+            Request::DeregMr { mr } => {
+                if self.mrs.remove(&mr).is_none() {
+                    return refuse("mr", format!("{mr} is not an MR of this application"));
+                }
+                self.counts.mrs -= 1;
+                Ok(Reply::Done)
+            }
+            Request::CreateCq { slots } => {
+                let slots = ring_slots(slots)?;
+                let notify = fds.pop().expect("two descriptors, checked");
+                if !sys::is_eventfd(notify.as_fd()) {
+                    return refuse("fds", "the second descriptor (notify) must be an eventfd");
+                }
+                let bytes = shm::cq_bytes(slots);
+                let file = sealed(std::fs::File::from(fds.pop().expect("checked")), bytes as u64)?;
+                let ring =
+                    Mapping::map(file, bytes).map_err(|e| Refusal("fds", format!("cannot map the ring: {e}")))?;
+                let cq = self
+                    .d
+                    .ctx
+                    .create_cq(slots)
+                    .map_err(|e| Refusal("slots", e.to_string()))?;
+                let tail = ring.word(shm::CQ_TAIL).load(Ordering::Acquire);
+                let h = self.handle();
+                self.cqs.insert(
+                    h,
+                    AppCq {
+                        cq,
+                        ring,
+                        slots,
+                        tail,
+                        notify,
+                        pending: VecDeque::new(),
+                    },
+                );
+                self.counts.cqs += 1;
+                Ok(Reply::Handle(h))
+            }
+            Request::CreateQp {
+                pd,
+                send_cq,
+                recv_cq,
+                slots,
+            } => {
+                let slots = ring_slots(slots)?;
+                let Some(pdo) = self.pds.get(&pd) else {
+                    return refuse("pd", format!("{pd} is not a PD of this application"));
+                };
+                let (Some(scq), Some(rcq)) = (self.cqs.get(&send_cq), self.cqs.get(&recv_cq)) else {
+                    let bad = if self.cqs.contains_key(&send_cq) {
+                        "recv_cq"
+                    } else {
+                        "send_cq"
+                    };
+                    return refuse(bad, "not a CQ of this application");
+                };
+                let bytes = shm::sq_bytes(slots);
+                let file = sealed(std::fs::File::from(fds.pop().expect("checked")), bytes as u64)?;
+                let ring =
+                    Mapping::map(file, bytes).map_err(|e| Refusal("fds", format!("cannot map the ring: {e}")))?;
+                let qp = self
+                    .d
+                    .ctx
+                    .create_qp(pdo, &scq.cq, &rcq.cq, QpInitAttr::default())
+                    .map_err(|e| Refusal("qp", e.to_string()))?;
+                let head = ring.word(shm::SQ_TAIL).load(Ordering::Acquire);
+                ring.word(shm::SQ_HEAD).store(head, Ordering::Release);
+                let h = self.handle();
+                let qpn = qp.qp_num();
+                self.qps.insert(
+                    h,
+                    AppQp {
+                        qp,
+                        ring,
+                        slots,
+                        head,
+                        send_cq,
+                        recv_cq,
+                        fault: None,
+                    },
+                );
+                self.counts.qps += 1;
+                Ok(Reply::Qp { handle: h, qpn })
+            }
+            Request::QpEndpoint { qp } => Ok(Reply::Endpoint(self.qp(qp)?.qp.local_endpoint())),
+            Request::Connect { qp, remote } => {
+                self.qp(qp)?
+                    .qp
+                    .connect(&remote)
+                    .map_err(|e| Refusal("remote", e.to_string()))?;
+                Ok(Reply::Done)
+            }
+            Request::DestroyQp { qp } => {
+                if self.qps.remove(&qp).is_none() {
+                    return refuse("qp", format!("{qp} is not a QP of this application"));
+                }
+                self.counts.qps -= 1;
+                Ok(Reply::Done)
+            }
+            Request::Status => {
+                self.publish();
+                Ok(Reply::Status(self.d.status()))
+            }
+        }
+    }
+
+    fn qp(&self, qp: u32) -> Result<&AppQp, Refusal> {
+        self.qps
+            .get(&qp)
+            .ok_or_else(|| Refusal("qp", format!("{qp} is not a QP of this application")))
+    }
+
+    /// Takes new work requests from every send ring into the engine.
+    fn drain_rings(&mut self) -> bool {
+        let mut any = false;
+        let mut failed: Vec<(u32, Wc)> = Vec::new();
+        for q in self.qps.values_mut() {
+            if q.fault.is_some() {
+                continue;
+            }
+            let tail = q.ring.word(shm::SQ_TAIL).load(Ordering::Acquire);
+            let n = tail.wrapping_sub(q.head);
+            if n == 0 {
+                continue;
+            }
+            any = true;
+            if n > q.slots as u64 {
+                // an index out of range, or more entries than the ring has: the ring is closed
+                // and the QP flushed, for this application only
+                tracing::warn!(
+                    "attachment {}: QP {} ring tail {tail} is {n} past head {} (ring of {}): closed",
+                    self.id,
+                    q.qp.qp_num(),
+                    q.head,
+                    q.slots
+                );
+                q.fault = Some(RingFault::Overrun);
+                q.ring
+                    .word(shm::SQ_ERROR)
+                    .store(RingFault::Overrun as u64, Ordering::Release);
+                q.qp.modify_to_err();
+                self.counts.errors += 1;
+                continue;
+            }
+            for _ in 0..n.min(BATCH) {
+                let w = q.ring.read_words::<8>(shm::slot_off(q.head, q.slots, shm::WQE_BYTES));
+                let posted = match shm::decode(w) {
+                    Ok(Wqe::Send(wr)) => {
+                        let (id, op, len) = (wr.wr_id, wr.opcode, wr.total_len());
+                        match q.qp.post_send(wr) {
+                            Ok(()) => {
+                                self.counts.bytes += len;
+                                Ok(())
+                            }
+                            Err(e) => Err((e, q.send_cq, id, WcOpcode::from_wr(op))),
+                        }
+                    }
+                    Ok(Wqe::Recv(wr)) => {
+                        let id = wr.wr_id;
+                        q.qp.post_recv(wr).map_err(|e| (e, q.recv_cq, id, WcOpcode::Recv))
+                    }
+                    Err(why) => Err((VerbsError::Invalid(why.into()), q.send_cq, w[0], WcOpcode::Send)),
+                };
+                match posted {
+                    Ok(()) => self.counts.wrs += 1,
+                    // the engine's queue is full: this entry waits in the ring
+                    Err((VerbsError::Post(netstack::transport::rc::PostError::QueueFull(_)), ..)) => break,
+                    Err((e, cq, wr_id, opcode)) => {
+                        tracing::debug!("attachment {}: QP {}: post refused: {e}", self.id, q.qp.qp_num());
+                        self.counts.errors += 1;
+                        failed.push((
+                            cq,
+                            Wc {
+                                wr_id,
+                                status: WcStatus::LocQpOpErr,
+                                opcode,
+                                qp_num: q.qp.qp_num(),
+                                ..EMPTY_WC
+                            },
+                        ));
+                    }
+                }
+                q.head += 1;
+            }
+            q.ring.word(shm::SQ_HEAD).store(q.head, Ordering::Release);
+        }
+        for (cq, wc) in failed {
+            if let Some(c) = self.cqs.get_mut(&cq) {
+                c.pending.push_back(wc);
+            }
+        }
+        any
+    }
+
+    /// Moves completions into every completion ring with room; wakes an armed waiter.
+    fn drain_cqs(&mut self) -> bool {
+        let mut any = false;
+        let mut wcs = [EMPTY_WC; 32];
+        for c in self.cqs.values_mut() {
+            let mut wrote = 0u64;
+            loop {
+                let room = c.room();
+                if room == 0 {
+                    break;
+                }
+                let n = if !c.pending.is_empty() {
+                    let mut k = 0;
+                    while k < room.min(wcs.len()) {
+                        match c.pending.pop_front() {
+                            Some(wc) => wcs[k] = wc,
+                            None => break,
+                        }
+                        k += 1;
+                    }
+                    k
+                } else {
+                    c.cq.poll(&mut wcs[..room.min(32)])
+                };
+                if n == 0 {
+                    break;
+                }
+                for wc in &wcs[..n] {
+                    c.ring
+                        .write_words(shm::slot_off(c.tail, c.slots, shm::CQE_BYTES), &shm::encode_wc(wc));
+                    c.tail += 1;
+                }
+                wrote += n as u64;
+            }
+            if wrote > 0 {
+                any = true;
+                c.ring.word(shm::CQ_TAIL).store(c.tail, Ordering::Release);
+                fence(Ordering::SeqCst);
+                if c.ring.word(shm::CQ_ARMED).swap(0, Ordering::SeqCst) != 0 {
+                    sys::eventfd_signal(c.notify.as_fd());
+                }
+            }
+        }
+        any
+    }
+}
+
+impl AppCq {
+    /// Free entries of the ring, as the application's head says (a head the application broke
+    /// reads as a full ring: it stops its own completions only).
+    fn room(&self) -> usize {
+        let head = self.ring.word(shm::CQ_HEAD).load(Ordering::Acquire);
+        let used = self.tail.wrapping_sub(head);
+        if used > self.slots as u64 {
+            0
+        } else {
+            self.slots - used as usize
+        }
+    }
+}
+
+/// Checks a ring's slot count: a power of two, 1..=MAX_SLOTS.
+fn ring_slots(slots: u32) -> Result<usize, Refusal> {
+    let s = slots as usize;
+    if s == 0 || s > shm::MAX_SLOTS || !s.is_power_of_two() {
+        return refuse(
+            "slots",
+            format!("{slots}: must be a power of two, 1..={}", shm::MAX_SLOTS),
+        );
+    }
+    Ok(s)
+}
+
+/// Seals a passed memfd against shrinking, then checks it has at least `len` bytes (in that
+/// order: a file checked first could shrink in between, and a mapping past its end faults).
+fn sealed(file: std::fs::File, len: u64) -> Result<std::fs::File, Refusal> {
+    sys::seal_shrink(file.as_fd()).map_err(|e| {
+        Refusal(
+            "fds",
+            format!(
+                "the memfd cannot be sealed against shrinking (a memfd made with MFD_ALLOW_SEALING is needed): {e}"
+            ),
+        )
+    })?;
+    let size = file
+        .metadata()
+        .map_err(|e| Refusal("fds", format!("fstat: {e}")))?
+        .len();
+    if size < len {
+        return refuse("len", format!("{len} bytes, but the memfd has {size}"));
+    }
+    Ok(file)
+}

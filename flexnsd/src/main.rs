@@ -1,0 +1,77 @@
+//! `flexnsd`: the flexns stack as a daemon applications attach to (docs/FLEXNSD.md).
+
+use anyhow::Context as _;
+use clap::Parser;
+use std::path::PathBuf;
+
+/// The flexns stack as its own process: applications attach over a Unix socket and post work
+/// through shared-memory rings (docs/FLEXNSD.md).
+#[derive(Parser, Debug)]
+#[command(name = "flexnsd", version)]
+struct Args {
+    /// The Unix socket applications attach to [default: /run/flexnsd.sock, or the config's].
+    #[arg(long)]
+    socket: Option<PathBuf>,
+    /// A TOML configuration: `socket`, `metrics`, `spin_us` and a `[context]` table (the engine
+    /// context, netstack's ContextConfig).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Serve Prometheus metrics on this address (GET /metrics).
+    #[arg(long)]
+    metrics: Option<std::net::SocketAddr>,
+}
+
+/// The configuration file.
+#[derive(serde::Deserialize, Default, Debug)]
+#[serde(deny_unknown_fields)]
+struct Config {
+    socket: Option<PathBuf>,
+    metrics: Option<std::net::SocketAddr>,
+    /// Microseconds an attachment's thread polls its rings after the last work before it sleeps.
+    spin_us: Option<u64>,
+    context: Option<toml::Table>,
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    if let Err(e) = run(Args::parse()) {
+        eprintln!("flexnsd: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(args: Args) -> anyhow::Result<()> {
+    let cfg: Config = match &args.config {
+        Some(p) => {
+            let text = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            toml::from_str(&text).with_context(|| format!("config {}", p.display()))?
+        }
+        None => Config::default(),
+    };
+    let ctx_cfg = match &cfg.context {
+        Some(t) => netstack::verbs::ContextConfig::from_toml(&toml::to_string(t)?).context("config [context]")?,
+        None => netstack::verbs::ContextConfig::default(),
+    };
+    let socket = args
+        .socket
+        .or(cfg.socket)
+        .unwrap_or_else(|| PathBuf::from("/run/flexnsd.sock"));
+    if let Some(addr) = args.metrics.or(cfg.metrics) {
+        netstack::telemetry::serve_prometheus(addr).context("--metrics")?;
+    }
+    let ctx = netstack::verbs::Context::open(ctx_cfg).context("opening the engine context")?;
+    let listener = flexnsd::sys::listen(&socket).with_context(|| format!("--socket {}", socket.display()))?;
+    tracing::info!(
+        "flexnsd: engine on {}, applications attach at {}",
+        ctx.local_addr(),
+        socket.display()
+    );
+    let spin = std::time::Duration::from_micros(cfg.spin_us.unwrap_or(50));
+    flexnsd::daemon::Daemon::new(ctx, spin)
+        .serve(listener)
+        .context("accepting attachments")?;
+    Ok(())
+}

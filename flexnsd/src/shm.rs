@@ -1,0 +1,386 @@
+//! Shared memory: memfd mappings and the rings laid out in them (docs/FLEXNSD.md, "Data path").
+//!
+//! A ring's pages are written by another process at any time, so no Rust reference to their
+//! bytes is ever formed: every word is an [`AtomicU64`] reached through a raw pointer into the
+//! mapping, at an offset checked against the mapping's length, and every index read from the
+//! other side is validated before it is used.
+
+use netstack::verbs::{SendFlags, SendWr, Sge, Wc, WcOpcode, WcStatus, WrOpcode};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// A shared mapping of a whole memfd, unmapped on drop (the file closes with it).
+pub struct Mapping {
+    ptr: *mut u8,
+    len: usize,
+    file: std::fs::File,
+}
+
+// SAFETY: the mapping is shared memory accessed only through atomics (see the module doc).
+unsafe impl Send for Mapping {}
+// SAFETY: as above.
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    /// Creates a sealable memfd of `len` bytes (`name` shows in /proc/*/maps) and maps it.
+    pub fn create(name: &std::ffi::CStr, len: usize) -> std::io::Result<Mapping> {
+        let file = crate::sys::memfd(name)?;
+        file.set_len(len as u64)?;
+        Mapping::map(file, len)
+    }
+
+    /// Maps the first `len` bytes of `file` shared. The caller has checked (after sealing it
+    /// against shrinking, for a file another process holds) that it has at least `len`.
+    pub fn map(file: std::fs::File, len: usize) -> std::io::Result<Mapping> {
+        if len == 0 {
+            return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "len: 0 bytes"));
+        }
+        // SAFETY: a fresh shared mapping at an address the kernel picks.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(Mapping {
+            ptr: ptr as *mut u8,
+            len,
+            file,
+        })
+    }
+
+    /// The file.
+    pub fn file(&self) -> &std::fs::File {
+        &self.file
+    }
+
+    /// The address of the first byte in this process.
+    pub fn addr(&self) -> u64 {
+        self.ptr as u64
+    }
+
+    /// Its length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it has no bytes (never: a mapping has at least one).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The 8-byte word at `off`.
+    ///
+    /// # Panics
+    /// If `off` is not 8-aligned or the word passes the end: callers compute offsets from
+    /// validated indices, so this is a bug of this crate, never of the peer.
+    pub fn word(&self, off: usize) -> &AtomicU64 {
+        assert!(
+            off.is_multiple_of(8) && off + 8 <= self.len,
+            "word {off} outside a {}-byte mapping",
+            self.len
+        );
+        // SAFETY: in bounds and aligned (the mapping is page-aligned); the memory lives as long
+        // as `self`, and every access to it from either process is atomic.
+        unsafe { AtomicU64::from_ptr(self.ptr.add(off) as *mut u64) }
+    }
+
+    /// Copies `src` in at `off` (word by word; `off` and the length must be 8-aligned).
+    pub fn write_words(&self, off: usize, src: &[u64]) {
+        for (i, w) in src.iter().enumerate() {
+            self.word(off + 8 * i).store(*w, Ordering::Relaxed);
+        }
+    }
+
+    /// Copies `n` words out from `off`.
+    pub fn read_words<const N: usize>(&self, off: usize) -> [u64; N] {
+        std::array::from_fn(|i| self.word(off + 8 * i).load(Ordering::Relaxed))
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: the mapping this value made; nothing refers to it past `self`'s life.
+        unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.len) };
+    }
+}
+
+/// Bytes before a ring's first entry: its index words, each on its own cache line.
+pub const RING_HEADER: usize = 256;
+/// Send ring: the index of the next entry the application writes (app stores, release).
+pub const SQ_TAIL: usize = 0;
+/// Send ring: the index of the next entry the daemon reads (daemon stores, release).
+pub const SQ_HEAD: usize = 64;
+/// Send ring: nonzero while the daemon sleeps on the doorbell (daemon stores, SeqCst).
+pub const SQ_SLEEPING: usize = 128;
+/// Send ring: nonzero once the daemon closed the ring for a fault ([`RingFault`]).
+pub const SQ_ERROR: usize = 192;
+/// Bytes of a send-ring entry.
+pub const WQE_BYTES: usize = 64;
+/// Completion ring: the index of the next completion the daemon writes.
+pub const CQ_TAIL: usize = 0;
+/// Completion ring: the index of the next completion the application reads.
+pub const CQ_HEAD: usize = 64;
+/// Completion ring: nonzero while the application sleeps on the notify eventfd.
+pub const CQ_ARMED: usize = 128;
+/// Bytes of a completion-ring entry.
+pub const CQE_BYTES: usize = 32;
+/// Most entries a ring has.
+pub const MAX_SLOTS: usize = 1 << 16;
+
+/// Why the daemon closed a send ring (the value in its `SQ_ERROR` word).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RingFault {
+    /// `tail - head` exceeded the ring's slots (an out-of-range index or an overrun).
+    Overrun = 1,
+    /// The ring's memfd could not be read any more.
+    Gone = 2,
+}
+
+impl RingFault {
+    /// The fault a nonzero `SQ_ERROR` word names.
+    pub fn from_word(w: u64) -> Option<RingFault> {
+        match w {
+            1 => Some(RingFault::Overrun),
+            2 => Some(RingFault::Gone),
+            _ => None,
+        }
+    }
+}
+
+/// Bytes of a send ring of `slots` entries.
+pub fn sq_bytes(slots: usize) -> usize {
+    RING_HEADER + slots * WQE_BYTES
+}
+
+/// Bytes of a completion ring of `slots` entries.
+pub fn cq_bytes(slots: usize) -> usize {
+    RING_HEADER + slots * CQE_BYTES
+}
+
+/// The offset of index `i`'s entry in a ring of `slots` (a power of two) `bytes`-sized entries.
+pub fn slot_off(i: u64, slots: usize, bytes: usize) -> usize {
+    RING_HEADER + (i as usize & (slots - 1)) * bytes
+}
+
+/// Send-ring entry kind: a send work request.
+pub const KIND_SEND: u64 = 1;
+/// Send-ring entry kind: a receive work request.
+pub const KIND_RECV: u64 = 2;
+
+fn op_code(op: WrOpcode) -> Option<u64> {
+    Some(match op {
+        WrOpcode::Send => 1,
+        WrOpcode::SendWithImm => 2,
+        WrOpcode::RdmaWrite => 3,
+        WrOpcode::RdmaWriteWithImm => 4,
+        WrOpcode::RdmaRead => 5,
+        _ => return None,
+    })
+}
+
+fn code_op(c: u64) -> Option<WrOpcode> {
+    Some(match c {
+        1 => WrOpcode::Send,
+        2 => WrOpcode::SendWithImm,
+        3 => WrOpcode::RdmaWrite,
+        4 => WrOpcode::RdmaWriteWithImm,
+        5 => WrOpcode::RdmaRead,
+        _ => return None,
+    })
+}
+
+fn sge_words(s: Option<&Sge>) -> [u64; 2] {
+    s.map_or([0, 0], |s| [s.addr, u64::from(s.length) | u64::from(s.lkey) << 32])
+}
+
+fn words_sge(w: [u64; 2]) -> Sge {
+    Sge {
+        addr: w[0],
+        length: w[1] as u32,
+        lkey: (w[1] >> 32) as u32,
+    }
+}
+
+/// A decoded send-ring entry.
+#[derive(Debug, Clone)]
+pub enum Wqe {
+    /// A send work request.
+    Send(SendWr),
+    /// A receive work request.
+    Recv(netstack::verbs::RecvWr),
+}
+
+/// Encodes a send WR as an entry: the ring carries SEND, SEND with immediate, WRITE, WRITE with
+/// immediate and READ, with at most two SGEs.
+pub fn encode_send(wr: &SendWr) -> Result<[u64; 8], &'static str> {
+    let op =
+        op_code(wr.opcode).ok_or("opcode: only SEND, WRITE and READ (with or without immediate) go through flexnsd")?;
+    if wr.sg_list.len() > 2 {
+        return Err("sg_list: at most 2 scatter-gather elements");
+    }
+    let s0 = sge_words(wr.sg_list.first());
+    let s1 = sge_words(wr.sg_list.get(1));
+    Ok([
+        wr.wr_id,
+        KIND_SEND | op << 8 | (wr.sg_list.len() as u64) << 16 | u64::from(wr.flags.0) << 32,
+        wr.remote_addr,
+        u64::from(wr.rkey) | u64::from(wr.imm_data) << 32,
+        s0[0],
+        s0[1],
+        s1[0],
+        s1[1],
+    ])
+}
+
+/// Encodes a receive WR as an entry (at most two SGEs).
+pub fn encode_recv(wr: &netstack::verbs::RecvWr) -> Result<[u64; 8], &'static str> {
+    if wr.sg_list.len() > 2 {
+        return Err("sg_list: at most 2 scatter-gather elements");
+    }
+    let s0 = sge_words(wr.sg_list.first());
+    let s1 = sge_words(wr.sg_list.get(1));
+    Ok([
+        wr.wr_id,
+        KIND_RECV | (wr.sg_list.len() as u64) << 16,
+        0,
+        0,
+        s0[0],
+        s0[1],
+        s1[0],
+        s1[1],
+    ])
+}
+
+/// Decodes an entry the application wrote (any bit pattern: a bad one is an error naming the
+/// field, never a panic).
+pub fn decode(w: [u64; 8]) -> Result<Wqe, &'static str> {
+    let kind = w[1] & 0xff;
+    let nsge = ((w[1] >> 16) & 0xff) as usize;
+    if nsge > 2 {
+        return Err("num_sge: more than 2");
+    }
+    let mut sg = netstack::verbs::SgList::new();
+    for i in 0..nsge {
+        sg.push(words_sge([w[4 + 2 * i], w[5 + 2 * i]]));
+    }
+    match kind {
+        KIND_SEND => {
+            let opcode = code_op((w[1] >> 8) & 0xff).ok_or("opcode: not one flexnsd carries")?;
+            Ok(Wqe::Send(SendWr {
+                wr_id: w[0],
+                opcode,
+                sg_list: sg,
+                flags: SendFlags((w[1] >> 32) as u32),
+                imm_data: (w[3] >> 32) as u32,
+                remote_addr: w[2],
+                rkey: w[3] as u32,
+                compare_add: 0,
+                swap: 0,
+            }))
+        }
+        KIND_RECV => Ok(Wqe::Recv(netstack::verbs::RecvWr {
+            wr_id: w[0],
+            sg_list: sg,
+        })),
+        _ => Err("kind: neither send nor receive"),
+    }
+}
+
+const STATUSES: [WcStatus; 10] = [
+    WcStatus::Success,
+    WcStatus::LocLenErr,
+    WcStatus::LocQpOpErr,
+    WcStatus::LocProtErr,
+    WcStatus::WrFlushErr,
+    WcStatus::RemInvReqErr,
+    WcStatus::RemAccessErr,
+    WcStatus::RemOpErr,
+    WcStatus::RetryExcErr,
+    WcStatus::RnrRetryExcErr,
+];
+const OPCODES: [WcOpcode; 9] = [
+    WcOpcode::Send,
+    WcOpcode::RdmaWrite,
+    WcOpcode::RdmaRead,
+    WcOpcode::CompSwap,
+    WcOpcode::FetchAdd,
+    WcOpcode::Recv,
+    WcOpcode::RecvRdmaWithImm,
+    WcOpcode::Offload,
+    WcOpcode::Noop,
+];
+
+/// Encodes a completion as a completion-ring entry.
+pub fn encode_wc(wc: &Wc) -> [u64; 4] {
+    let st = STATUSES.iter().position(|s| *s == wc.status).unwrap_or(2) as u64;
+    let op = OPCODES.iter().position(|o| *o == wc.opcode).unwrap_or(8) as u64;
+    [
+        wc.wr_id,
+        st | op << 8 | u64::from(wc.imm_data.is_some()) << 16 | u64::from(wc.byte_len) << 32,
+        u64::from(wc.imm_data.unwrap_or(0)) | u64::from(wc.qp_num) << 32,
+        u64::from(wc.src_qp) | u64::from(wc.vendor_err) << 32,
+    ]
+}
+
+/// Decodes a completion-ring entry (a bad status or opcode from a broken daemon reads as
+/// `LocQpOpErr` / `Noop`).
+pub fn decode_wc(w: [u64; 4]) -> Wc {
+    Wc {
+        wr_id: w[0],
+        status: *STATUSES.get((w[1] & 0xff) as usize).unwrap_or(&WcStatus::LocQpOpErr),
+        opcode: *OPCODES.get(((w[1] >> 8) & 0xff) as usize).unwrap_or(&WcOpcode::Noop),
+        byte_len: (w[1] >> 32) as u32,
+        imm_data: ((w[1] >> 16) & 1 == 1).then_some(w[2] as u32),
+        qp_num: (w[2] >> 32) as u32,
+        src_qp: w[3] as u32,
+        vendor_err: (w[3] >> 32) as u32,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn entries_round_trip_and_garbage_is_an_error() {
+        let wr = SendWr::new(7, WrOpcode::RdmaWriteWithImm)
+            .sge(Sge {
+                addr: 0x1000,
+                length: 64,
+                lkey: 9,
+            })
+            .sge(Sge {
+                addr: 0x2000,
+                length: 8,
+                lkey: 10,
+            })
+            .remote(0x3000, 11)
+            .imm(0xdead);
+        let Wqe::Send(back) = decode(encode_send(&wr).unwrap()).unwrap() else {
+            panic!("a send entry decodes as a send")
+        };
+        assert_eq!(format!("{back:?}"), format!("{wr:?}"));
+        assert!(decode([0, 3 << 16 | KIND_SEND, 0, 0, 0, 0, 0, 0]).is_err());
+        assert!(decode([0, 99 << 8 | KIND_SEND, 0, 0, 0, 0, 0, 0]).is_err());
+        assert!(decode([0, 7, 0, 0, 0, 0, 0, 0]).is_err());
+        let wc = Wc {
+            wr_id: 5,
+            status: WcStatus::RemAccessErr,
+            opcode: WcOpcode::RecvRdmaWithImm,
+            byte_len: 4096,
+            imm_data: Some(3),
+            qp_num: 77,
+            src_qp: 88,
+            vendor_err: 0,
+        };
+        assert_eq!(format!("{:?}", decode_wc(encode_wc(&wc))), format!("{wc:?}"));
+    }
+}

@@ -1,0 +1,515 @@
+//! flexnsd with real processes: a `flexnsd` daemon process, applications in this process and
+//! in child processes (this test binary started again with `FLEXNSD_ROLE`, running [`child`]).
+
+use flexnsd::client::{Attachment, ClientError, Cq, Mr, Pd, Qp, QpInitAttr};
+use flexnsd::proto::{Reply, Request};
+use flexnsd::shm::RingFault;
+use netstack::verbs::{Access, Endpoint, RecvWr, SendWr, WcOpcode, WcStatus, WrOpcode};
+use std::io::{BufRead, BufReader, Write};
+use std::os::fd::AsFd;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const T: Duration = Duration::from_secs(10);
+
+/// A `flexnsd` process on a socket of its own; killed with SIGKILL on drop.
+struct Daemon {
+    child: Child,
+    socket: PathBuf,
+    dir: PathBuf,
+}
+
+impl Daemon {
+    fn start(tag: &str) -> Daemon {
+        let dir = std::env::temp_dir().join(format!("flexnsd-test-{}-{tag}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let socket = dir.join("flexnsd.sock");
+        let config = dir.join("flexnsd.toml");
+        std::fs::write(&config, "spin_us = 50\n[context]\nbind = \"127.0.0.1:0\"\n").unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_flexnsd"))
+            .arg("--socket")
+            .arg(&socket)
+            .arg("--config")
+            .arg(&config)
+            .env("RUST_LOG", "warn")
+            .spawn()
+            .expect("start flexnsd");
+        let d = Daemon { child, socket, dir };
+        let deadline = Instant::now() + T;
+        while Attachment::connect(&d.socket, "probe").is_err() {
+            assert!(Instant::now() < deadline, "flexnsd did not listen within {T:?}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        d
+    }
+
+    fn attach(&self, name: &str) -> Attachment {
+        Attachment::connect(&self.socket, name).expect("attach")
+    }
+
+    /// Waits until the daemon's status satisfies `ok` (the probe attachment of `att` counted).
+    fn status_until(
+        &self,
+        att: &Attachment,
+        what: &str,
+        ok: impl Fn(&flexnsd::proto::Status) -> bool,
+    ) -> flexnsd::proto::Status {
+        let deadline = Instant::now() + T;
+        loop {
+            let s = att.status().unwrap();
+            if ok(&s) {
+                return s;
+            }
+            assert!(Instant::now() < deadline, "{what}: status stayed {s:?}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The byte at offset `i` of pattern `seed`.
+fn pat(seed: u8, i: usize) -> u8 {
+    (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 8) as u8
+}
+
+fn fill(mr: &Mr, off: usize, len: usize, seed: u8) {
+    let v: Vec<u8> = (0..len).map(|i| pat(seed, i)).collect();
+    mr.write(off, &v);
+}
+
+fn check(mr: &Mr, off: usize, len: usize, seed: u8, what: &str) {
+    let mut v = vec![0u8; len];
+    mr.read(off, &mut v);
+    if let Some(i) = (0..len).find(|&i| v[i] != pat(seed, i)) {
+        panic!("{what}: byte {i} of {len} is {:#x}, expected {:#x}", v[i], pat(seed, i));
+    }
+}
+
+/// One application's objects: a PD, a 1 MiB MR, a CQ and a QP.
+struct Node {
+    qp: Qp,
+    cq: Cq,
+    mr: Mr,
+    _pd: Pd,
+    att: Attachment,
+}
+
+const MR_LEN: usize = 1 << 20;
+
+fn node(att: Attachment) -> Node {
+    let pd = att.alloc_pd().unwrap();
+    let mr = pd.reg_mr(MR_LEN, Access::ALL).unwrap();
+    let cq = att.create_cq(256).unwrap();
+    let qp = att.create_qp(&pd, &cq, &cq, QpInitAttr::default()).unwrap();
+    Node {
+        qp,
+        cq,
+        mr,
+        _pd: pd,
+        att,
+    }
+}
+
+/// Waits for one completion and checks it succeeded with `op`.
+fn done(cq: &Cq, wr_id: u64, op: WcOpcode) -> u32 {
+    let wc = cq.next(T).unwrap().expect("a completion within the timeout");
+    assert_eq!(
+        (wc.wr_id, wc.status, wc.opcode),
+        (wr_id, WcStatus::Success, op),
+        "{wc:?}"
+    );
+    wc.byte_len
+}
+
+/// What the peer process tells the test: its endpoint and its memory.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Hello {
+    ep: Endpoint,
+    addr: u64,
+    rkey: u32,
+}
+
+fn send_line<T: serde::Serialize>(w: &mut impl Write, v: &T) {
+    // marked: the test harness of a child writes its own lines to stdout too
+    writeln!(w, "\nFLEXNSD:{}", serde_json::to_string(v).unwrap()).unwrap();
+    w.flush().unwrap();
+}
+
+fn read_line<T: for<'de> serde::Deserialize<'de>>(r: &mut impl BufRead) -> T {
+    loop {
+        let mut s = String::new();
+        assert!(r.read_line(&mut s).unwrap() > 0, "the peer closed its output");
+        if let Some((_, msg)) = s.split_once("FLEXNSD:") {
+            return serde_json::from_str(msg).unwrap_or_else(|e| panic!("peer said {s:?}: {e}"));
+        }
+    }
+}
+
+/// Starts this test binary as a child application running `role` against `socket`.
+fn spawn_child(role: &str, socket: &Path) -> Child {
+    Command::new(std::env::current_exe().unwrap())
+        .args(["--ignored", "--exact", "child", "--nocapture", "--test-threads=1"])
+        .env("FLEXNSD_ROLE", role)
+        .env("FLEXNSD_SOCKET", socket)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// The child applications' entry point (not a test by itself: the tests start it).
+#[test]
+#[ignore = "entry point of the child applications the other tests start"]
+fn child() {
+    let role = std::env::var("FLEXNSD_ROLE").expect("FLEXNSD_ROLE");
+    let socket = PathBuf::from(std::env::var("FLEXNSD_SOCKET").expect("FLEXNSD_SOCKET"));
+    let mut out = std::io::stdout();
+    let mut input = BufReader::new(std::io::stdin());
+    match role.as_str() {
+        // the passive side of `two_processes_move_data`
+        "peer" => {
+            let n = node(Attachment::connect(&socket, "peer").unwrap());
+            fill(&n.mr, 0, MR_LEN, 0xB0);
+            n.qp.post_recv(recv(10, n.mr.sge(MR_LEN - 4096, 4096))).unwrap();
+            let ep = n.qp.local_endpoint().unwrap();
+            send_line(
+                &mut out,
+                &Hello {
+                    ep,
+                    addr: n.mr.addr(),
+                    rkey: n.mr.rkey(),
+                },
+            );
+            let theirs: Hello = read_line(&mut input);
+            n.qp.connect(&theirs.ep).unwrap();
+            send_line(&mut out, &"connected");
+            // the test WRITEs our first 256 KiB, READs the next 256 KiB, then SENDs 64 bytes
+            let wc = n.cq.next(T).unwrap().expect("the SEND arrives");
+            assert_eq!(
+                (wc.wr_id, wc.status, wc.byte_len),
+                (10, WcStatus::Success, 64),
+                "{wc:?}"
+            );
+            check(&n.mr, 0, 256 << 10, 0xA0, "the WRITE's bytes in the peer");
+            check(&n.mr, MR_LEN - 4096, 64, 0xA1, "the SEND's bytes in the peer");
+            // answer with a SEND of 4 KiB
+            fill(&n.mr, 512 << 10, 4096, 0xB1);
+            n.qp.post_send(SendWr::new(11, WrOpcode::Send).sge(n.mr.sge(512 << 10, 4096)))
+                .unwrap();
+            done(&n.cq, 11, WcOpcode::Send);
+            send_line(&mut out, &"ok");
+            // stay attached until the test closes our stdin
+            let _ = input.read_line(&mut String::new());
+        }
+        // an application that keeps its own QP pair busy with WRITEs until it is killed
+        "load" => {
+            let att = Attachment::connect(&socket, "load").unwrap();
+            let a = node(att.clone());
+            let b = node(att);
+            a.qp.connect(&b.qp.local_endpoint().unwrap()).unwrap();
+            b.qp.connect(&a.qp.local_endpoint().unwrap()).unwrap();
+            send_line(&mut out, &"loaded");
+            let mut id = 0u64;
+            loop {
+                for _ in 0..8 {
+                    id += 1;
+                    let wr = SendWr::new(id, WrOpcode::RdmaWrite)
+                        .sge(a.mr.sge(0, 64 << 10))
+                        .remote(b.mr.addr(), b.mr.rkey());
+                    a.qp.post_send(wr).unwrap();
+                }
+                for _ in 0..8 {
+                    a.cq.next(T).unwrap().expect("load completes");
+                }
+            }
+        }
+        r => panic!("unknown role {r}"),
+    }
+}
+
+/// Two application processes attached to one daemon move data between their memory with
+/// WRITE, READ and SEND in both directions, every byte checked on the side that receives it.
+#[test]
+fn two_processes_move_data() {
+    let d = Daemon::start("data");
+    let n = node(d.attach("test"));
+    fill(&n.mr, 0, MR_LEN, 0xA0);
+    let mut peer = spawn_child("peer", &d.socket);
+    let mut to_peer = peer.stdin.take().unwrap();
+    let mut from_peer = BufReader::new(peer.stdout.take().unwrap());
+    let theirs: Hello = read_line(&mut from_peer);
+    send_line(
+        &mut to_peer,
+        &Hello {
+            ep: n.qp.local_endpoint().unwrap(),
+            addr: n.mr.addr(),
+            rkey: n.mr.rkey(),
+        },
+    );
+    n.qp.post_recv(recv(3, n.mr.sge(768 << 10, 4096))).unwrap();
+    n.qp.connect(&theirs.ep).unwrap();
+    assert_eq!(read_line::<String>(&mut from_peer), "connected");
+
+    // WRITE our first 256 KiB into the peer's first 256 KiB
+    n.qp.post_send(
+        SendWr::new(1, WrOpcode::RdmaWrite)
+            .sge(n.mr.sge(0, 256 << 10))
+            .remote(theirs.addr, theirs.rkey),
+    )
+    .unwrap();
+    done(&n.cq, 1, WcOpcode::RdmaWrite);
+    // READ the peer's second 256 KiB (its pattern 0xB0 at offsets 256 KiB..) into ours there
+    n.qp.post_send(
+        SendWr::new(2, WrOpcode::RdmaRead)
+            .sge(n.mr.sge(256 << 10, 256 << 10))
+            .remote(theirs.addr + (256 << 10), theirs.rkey),
+    )
+    .unwrap();
+    done(&n.cq, 2, WcOpcode::RdmaRead);
+    let mut got = vec![0u8; 256 << 10];
+    n.mr.read(256 << 10, &mut got);
+    for (i, b) in got.iter().enumerate() {
+        assert_eq!(*b, pat(0xB0, (256 << 10) + i), "READ byte {i}");
+    }
+    // SEND 64 bytes into the peer's posted receive
+    fill(&n.mr, 600 << 10, 64, 0xA1);
+    n.qp.post_send(SendWr::new(4, WrOpcode::Send).sge(n.mr.sge(600 << 10, 64)))
+        .unwrap();
+    done(&n.cq, 4, WcOpcode::Send);
+    // the peer checked the WRITE and the SEND and answers with a SEND of 4 KiB
+    assert_eq!(done(&n.cq, 3, WcOpcode::Recv), 4096);
+    check(&n.mr, 768 << 10, 4096, 0xB1, "the peer's SEND in our receive buffer");
+    assert_eq!(read_line::<String>(&mut from_peer), "ok");
+    drop(to_peer);
+    assert!(peer.wait().unwrap().success(), "the peer process failed");
+}
+
+/// An application killed with SIGKILL while it posts: the other application, on the same
+/// daemon, sees no error and keeps moving correct data; the daemon frees everything the dead
+/// one held (its QPs, MRs, CQs, PDs, the mappings of its memfds and their descriptors).
+#[test]
+fn app_killed_under_load_frees_everything_and_others_see_no_error() {
+    let d = Daemon::start("appkill");
+    let probe = d.attach("probe");
+    // the survivor: its own QP pair, WRITE then READ back, every byte checked
+    let att = d.attach("survivor");
+    let a = node(att.clone());
+    let b = node(att);
+    a.qp.connect(&b.qp.local_endpoint().unwrap()).unwrap();
+    b.qp.connect(&a.qp.local_endpoint().unwrap()).unwrap();
+    let before = d.status_until(&probe, "probe and survivor attached", |s| s.attachments == 2);
+
+    let mut victim = spawn_child("load", &d.socket);
+    let mut from_victim = BufReader::new(victim.stdout.take().unwrap());
+    assert_eq!(read_line::<String>(&mut from_victim), "loaded");
+    let loaded = d.status_until(&probe, "the victim attached and posting", |s| {
+        s.attachments == 3 && s.apps.iter().any(|(_, c)| c.wrs > 50)
+    });
+    assert_eq!(loaded.totals.qps, before.totals.qps + 2, "{loaded:?}");
+    assert!(loaded.mapped_memfds > before.mapped_memfds, "{loaded:?}");
+
+    let mut round = 0u64;
+    let round_trip = |round: u64| {
+        let seed = round as u8;
+        fill(&a.mr, 0, 128 << 10, seed);
+        let w = SendWr::new(round * 2, WrOpcode::RdmaWrite)
+            .sge(a.mr.sge(0, 128 << 10))
+            .remote(b.mr.addr(), b.mr.rkey());
+        a.qp.post_send(w).unwrap();
+        done(&a.cq, round * 2, WcOpcode::RdmaWrite);
+        let r = SendWr::new(round * 2 + 1, WrOpcode::RdmaRead)
+            .sge(a.mr.sge(256 << 10, 128 << 10))
+            .remote(b.mr.addr(), b.mr.rkey());
+        a.qp.post_send(r).unwrap();
+        done(&a.cq, round * 2 + 1, WcOpcode::RdmaRead);
+        check(&a.mr, 256 << 10, 128 << 10, seed, "survivor's data read back");
+    };
+    for _ in 0..20 {
+        round += 1;
+        round_trip(round);
+    }
+    victim.kill().unwrap(); // SIGKILL
+    victim.wait().unwrap();
+    let killed = Instant::now();
+    // keep going while the daemon tears the victim down
+    while killed.elapsed() < Duration::from_millis(500) {
+        round += 1;
+        round_trip(round);
+    }
+    let after = d.status_until(&probe, "the victim's resources freed", |s| s.attachments == 2);
+    // everything back to its level before the victim attached: its objects, the mappings of
+    // its memfds and every descriptor it passed
+    let level = |s: &flexnsd::proto::Status| {
+        (
+            s.totals.pds,
+            s.totals.mrs,
+            s.totals.cqs,
+            s.totals.qps,
+            s.mapped_memfds,
+            s.open_fds,
+        )
+    };
+    assert_eq!(level(&after), level(&before), "after {after:?}\nbefore {before:?}");
+    let survivor = |s: &flexnsd::proto::Status| s.apps.iter().find(|x| x.0 == a.att.app_id()).unwrap().1.errors;
+    assert_eq!(survivor(&after), 0, "{after:?}");
+    round += 1;
+    round_trip(round);
+}
+
+/// A daemon killed with SIGKILL: an application waiting for a completion gets an error within
+/// 1 s, and a command fails, instead of hanging.
+#[test]
+fn daemon_killed_waiting_call_errors_within_a_second() {
+    let mut d = Daemon::start("dkill");
+    let n = node(d.attach("waiter"));
+    let (tx, rx) = std::sync::mpsc::channel();
+    let waiter = std::thread::spawn(move || {
+        let r = n.cq.wait(Duration::from_secs(30));
+        tx.send(Instant::now()).unwrap();
+        (r, n)
+    });
+    std::thread::sleep(Duration::from_millis(300)); // the waiter is asleep on its eventfd
+    d.child.kill().unwrap();
+    let killed = Instant::now();
+    let returned = rx
+        .recv_timeout(Duration::from_secs(5))
+        .expect("the waiting call returned");
+    let took = returned.saturating_duration_since(killed);
+    let (r, n) = waiter.join().unwrap();
+    assert!(matches!(r, Err(ClientError::DaemonGone)), "{r:?}");
+    assert!(
+        took < Duration::from_secs(1),
+        "the waiting call returned {took:?} after the kill"
+    );
+    assert!(matches!(n.qp.local_endpoint(), Err(ClientError::DaemonGone)));
+}
+
+/// A hostile application: bad handles, handles of another application, a memfd too small, a
+/// file that cannot be sealed, a shrink after registration, a ring index far out of range.
+/// Each gets an error for it alone; the other application keeps moving correct data.
+#[test]
+fn hostile_app_gets_errors_and_the_daemon_keeps_serving_others() {
+    let mut d = Daemon::start("hostile");
+    let good = d.attach("good");
+    let a = node(good.clone());
+    let b = node(good);
+    a.qp.connect(&b.qp.local_endpoint().unwrap()).unwrap();
+    b.qp.connect(&a.qp.local_endpoint().unwrap()).unwrap();
+    let write_check = |round: u8| {
+        fill(&a.mr, 0, 64 << 10, round);
+        let w = SendWr::new(u64::from(round), WrOpcode::RdmaWrite)
+            .sge(a.mr.sge(0, 64 << 10))
+            .remote(b.mr.addr(), b.mr.rkey());
+        a.qp.post_send(w).unwrap();
+        done(&a.cq, u64::from(round), WcOpcode::RdmaWrite);
+        check(&b.mr, 0, 64 << 10, round, "the good application's WRITE");
+    };
+    write_check(1);
+
+    let h = d.attach("hostile");
+    let refused = |r: Result<Reply, ClientError>, field: &str| match r {
+        Err(ClientError::Refused { field: f, .. }) if f == field => {}
+        r => panic!("expected a refusal of {field}, got {r:?}"),
+    };
+    // handles it never got: the good application's QP handle (1..) is not the hostile one's
+    refused(h.raw_call(&Request::QpEndpoint { qp: a.qp.handle() }, &[]), "qp");
+    refused(h.raw_call(&Request::DestroyQp { qp: 999 }, &[]), "qp");
+    refused(h.raw_call(&Request::DeregMr { mr: 1 }, &[]), "mr");
+    let hpd = h.alloc_pd().unwrap();
+    let file = flexnsd::sys::memfd(c"flexnsd-mr").unwrap();
+    file.set_len(4096).unwrap();
+    let reg = |len: u64, pd: u32, f: &std::fs::File| {
+        h.raw_call(
+            &Request::RegMr {
+                pd,
+                len,
+                addr: 0x1000,
+                access: 15,
+            },
+            &[f.as_fd()],
+        )
+    };
+    refused(reg(4096, 77, &file), "pd");
+    refused(reg(1 << 20, hpd.handle(), &file), "len"); // longer than the memfd
+    refused(
+        h.raw_call(
+            &Request::RegMr {
+                pd: hpd.handle(),
+                len: 4096,
+                addr: 0,
+                access: 1 << 9,
+            },
+            &[file.as_fd()],
+        ),
+        "access",
+    );
+    refused(h.raw_call(&Request::AllocPd, &[file.as_fd()]), "fds");
+    // a regular file cannot be sealed: refused before anything maps it
+    let plain = tempfile_in(&d.dir);
+    refused(reg(4096, hpd.handle(), &plain), "fds");
+    // registered, then shrunk: the seal refuses the shrink (the daemon never faults on it)
+    assert!(matches!(reg(4096, hpd.handle(), &file), Ok(Reply::Mr { .. })));
+    let e = file.set_len(0).expect_err("a registered memfd cannot shrink");
+    assert_eq!(e.raw_os_error(), Some(libc::EPERM), "{e}");
+
+    // a ring index far past the ring: the hostile QP's ring is closed, nothing else is
+    let hn = node(h.clone());
+    let before = h.status().unwrap();
+    hn.qp.store_raw_tail(1 << 40);
+    let deadline = Instant::now() + T;
+    while hn.qp.ring_fault().is_none() {
+        assert!(Instant::now() < deadline, "the daemon did not close the overrun ring");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(hn.qp.ring_fault(), Some(RingFault::Overrun));
+    let e = hn
+        .qp
+        .post_send(SendWr::new(1, WrOpcode::Send))
+        .expect_err("a closed ring takes no post");
+    assert!(matches!(e, ClientError::RingClosed(RingFault::Overrun)), "{e:?}");
+    let after = h.status().unwrap();
+    let errs = |s: &flexnsd::proto::Status, app: u64| s.apps.iter().find(|x| x.0 == app).map(|x| x.1.errors);
+    assert!(
+        errs(&after, h.app_id()) > errs(&before, h.app_id()),
+        "the ring fault is counted for the hostile app"
+    );
+    assert_eq!(
+        errs(&after, a.att.app_id()),
+        Some(0),
+        "no error is counted for the good app"
+    );
+    for round in 2..10 {
+        write_check(round);
+    }
+    assert!(d.child.try_wait().unwrap().is_none(), "the daemon is still running");
+    refused(h.raw_call(&Request::QpEndpoint { qp: 12345 }, &[]), "qp");
+}
+
+fn recv(wr_id: u64, sge: netstack::verbs::Sge) -> RecvWr {
+    RecvWr {
+        wr_id,
+        sg_list: [sge].into_iter().collect(),
+    }
+}
+
+fn tempfile_in(dir: &Path) -> std::fs::File {
+    let p = dir.join("plain");
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&p)
+        .unwrap();
+    f.set_len(4096).unwrap();
+    f
+}
