@@ -14,6 +14,7 @@
 //! memory, or a range outside this process's writable host memory, is -1 with the reason, never
 //! dereferenced). Every blocking call releases the GIL.
 
+mod etcd;
 mod slab;
 
 use kvcache_engine::batch::{Notification, Opcode, SegmentHandle, TransferRequest, TransferState};
@@ -1339,8 +1340,11 @@ fn _flexns(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Engine>()?;
     m.add_class::<TransferOpcode>()?;
     m.add_class::<TransferNotify>()?;
+    m.add_class::<etcd::EtcdStore>()?;
     m.add("TransferError", m.py().get_type::<TransferError>())?;
     m.add("SUPPORT_CUDA", false)?;
+    // the largest notification (its JSON encoding: {"name":..,"msg":..}) one message carries
+    m.add("MAX_NOTIFY_BYTES", kvcache_engine::MAX_NOTIFY_BYTES)?;
     m.add("SUPPORTED_PROTOCOLS", ("flexns", "tcp"))?;
     Ok(())
 }

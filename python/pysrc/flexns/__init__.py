@@ -22,6 +22,7 @@ engine, for host memory; ``flexns.use_as_nixl()`` (or ``FLEXNS_AS_NIXL``, or
 """
 
 from ._flexns import (  # noqa: F401
+    MAX_NOTIFY_BYTES,
     SUPPORT_CUDA,
     SUPPORTED_PROTOCOLS,
     TransferEngine,
@@ -37,6 +38,7 @@ __all__ = [
     "TransferOpcode",
     "SUPPORT_CUDA",
     "SUPPORTED_PROTOCOLS",
+    "MAX_NOTIFY_BYTES",
     "use_as_mooncake",
     "use_as_nixl",
 ]
