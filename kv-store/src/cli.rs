@@ -12,9 +12,6 @@ pub struct ServerArgs {
     /// Connection-manager (gRPC) listen address: what clients and the shard map name.
     #[arg(long, default_value = "127.0.0.1:0")]
     pub cm: SocketAddrV4,
-    /// Data-path (RoCEv2/UDP) address [config: bind; default 127.0.0.1:0].
-    #[arg(long)]
-    pub data: Option<SocketAddrV4>,
     /// RESP (redis protocol) front door listen address; `off` for none.
     #[arg(long, default_value = "127.0.0.1:0")]
     pub resp: String,
@@ -72,9 +69,6 @@ pub struct ServerArgs {
     #[arg(long, default_value_t = 1024,
           value_parser = clap::value_parser!(u64).range(1..=crate::resp::MAX_MULTIBULK as u64))]
     pub resp_max_multibulk_len: u64,
-    /// Engine threads (data cores) [config: data_cores; default 1].
-    #[arg(long)]
-    pub data_cores: Option<usize>,
     /// Offload threads (the offloaded gets run there) [config: offload.threads].
     #[arg(long)]
     pub offload_threads: Option<usize>,
@@ -95,6 +89,9 @@ pub struct ServerArgs {
     /// Serve Prometheus metrics on this address (`GET /metrics`).
     #[arg(long, value_name = "ADDR")]
     pub metrics_addr: Option<std::net::SocketAddr>,
+    /// The stack's flags (`--data`, `--data-cores`, `--link`, ...), applied over --config.
+    #[command(flatten)]
+    pub ctx: netstack::cli::ContextArgs,
 }
 
 /// Parses a door timeout flag: seconds, 0.1 to 86400 (a fraction allowed).
@@ -125,15 +122,10 @@ impl ServerArgs {
             Some(p) => ContextConfig::from_file(p).with_context(|| format!("config {}", p.display()))?,
             None => ContextConfig::default(),
         };
-        if let Some(d) = self.data {
-            ctx.bind = d;
-        }
-        if let Some(n) = self.data_cores {
-            ctx.data_cores = n;
-        }
         if let Some(t) = self.offload_threads {
             ctx.offload.threads = t;
         }
+        self.ctx.apply(&mut ctx)?;
         let resp = match self.resp.as_str() {
             "off" | "none" => None,
             a => Some(

@@ -16,6 +16,8 @@
 //! - [`redn`]: RedN work-request programs on managed QPs (WAIT, ENABLE, self-modifying chains):
 //!   the model, the chain builder and the programs, over [`verbs`] and `chain`.
 //! - [`cm`]: connection management over gRPC.
+//! - `cli` (feature `cli`): the command-line flags every binary flattens, mapped to a
+//!   [`config::ContextConfig`] in one place.
 //! - [`path`]: multipath: spray policies, per-path RTT, loss and health with probing.
 //! - `rtt` (internal): the RTT estimator (RFC 6298) RC, the paths and Solar share.
 //! - [`cc`]: per-packet programmable congestion control (DCQCN, TIMELY, HPCC, Swift, Homa).
@@ -30,6 +32,8 @@
 #![warn(unreachable_pub, missing_docs)]
 
 pub mod cc;
+#[cfg(feature = "cli")]
+pub mod cli;
 mod chain;
 pub mod cm;
 pub mod config;
