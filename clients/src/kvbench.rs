@@ -100,7 +100,7 @@ pub struct BenchArgs {
     /// `link` of --stack-config [config: link]. Default: the stack config's link, or the
     /// engine's default stack's (`shm`) without one. Result lines say the link and what the
     /// prefill engine's stack counted (`same_host_copy_bytes`, `tx_bytes`...).
-    #[arg(long, value_parser = crate::perf::parse_link)]
+    #[arg(long, value_parser = netstack::cli::parse_link)]
     pub link: Option<netstack::config::LinkMode>,
     #[arg(long)]
     pub json: bool,
@@ -141,7 +141,7 @@ impl Target {
     /// and shm ring messages sent as packets.
     fn path(&self, r: &mut BenchResult, before: Option<&netstack::verbs::StatsSnapshot>) {
         let Some(l) = self.link else { return };
-        r.extra.insert("link".into(), crate::perf::link_name(l).into());
+        r.extra.insert("link".into(), netstack::cli::link_name(l).into());
         let (Some(b), Some(a)) = (before, self.engine.stack_stats()) else {
             return;
         };
@@ -228,7 +228,7 @@ fn setup(a: &BenchArgs, v: &Variant, max: u64, exe: &std::path::Path, sub: &[Str
                 args.extend(["--stack-config".to_string(), p.display().to_string()]);
             }
             if let Some(l) = a.link {
-                args.extend(["--link".to_string(), crate::perf::link_name(l).to_string()]);
+                args.extend(["--link".to_string(), netstack::cli::link_name(l).to_string()]);
             }
             args.extend(["--paths".to_string(), v.paths.max(a.paths).to_string()]);
             let c = ChildServer::start(exe, &args)?;
@@ -628,7 +628,7 @@ pub fn run(a: &BenchArgs, exe: &std::path::Path, sub: &[String]) -> Result<Vec<s
                 "cpu_us_per_op_ratio": r3(median(&mut cpu.clone())),
             });
             if let Some(l) = targets[0].link {
-                line["link"] = crate::perf::link_name(l).into();
+                line["link"] = netstack::cli::link_name(l).into();
             }
             if a.json {
                 println!("{line}");

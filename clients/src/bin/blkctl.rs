@@ -8,6 +8,7 @@
 
 use anyhow::{Context as _, Result};
 use block_agent::control::pb;
+use block_agent::control::pb::block_control_client::BlockControlClient;
 use clap::{Parser, Subcommand};
 use clients::blk::{self, ClusterSpec, ClusterState, DaemonCmd, LocalCluster, Spawner};
 use std::path::PathBuf;
@@ -312,7 +313,6 @@ fn run() -> anyhow::Result<()> {
         prefix: vec!["daemon".into()],
     };
     let ctl = control_addr(&cli);
-    let st = |e: tonic::Status| anyhow::anyhow!("{}", e.message());
     match cli.cmd {
         Cmd::Daemon { cmd } => blk::run_daemon(cmd),
         Cmd::Bench(a) => {
@@ -320,236 +320,265 @@ fn run() -> anyhow::Result<()> {
             clients::blkbench::run(&a, &spawner)?;
             clients::procs::finish()
         }
-        Cmd::Cluster { cmd } => match cmd {
-            ClusterCmd::Up {
-                replicas,
-                nodes,
-                size,
-                volume,
-                transport,
-                paths,
-                nbd,
-                etcd,
-                metrics_base,
-                write_quorum,
-            } => {
-                if let Some(s) = load_state(&cli.dir) {
-                    anyhow::bail!(
-                        "a cluster is already up in {} (NBD {}); `blkctl cluster down` first",
-                        cli.dir.display(),
-                        s.uri
-                    );
-                }
-                let mut spec = ClusterSpec::new(cli.dir.clone());
-                spec.replicas = replicas;
-                spec.nodes = nodes.unwrap_or(replicas).max(replicas);
-                spec.size = size;
-                let spec_volume = volume.clone();
-                spec.volume = volume;
-                spec.transport = transport;
-                spec.paths = paths;
-                spec.nbd = nbd;
-                spec.etcd = etcd;
-                spec.detached = true;
-                spec.metrics_base = metrics_base;
-                spec.write_quorum = write_quorum;
-                let metrics = spec.metrics_addrs();
-                let c = LocalCluster::start(&spawner, spec)?;
-                let state = c.state();
-                std::fs::write(state_file(&cli.dir), serde_json::to_vec_pretty(&state)?)?;
-                println!("{}", c.uri);
-                if let Some(size) = c.reused {
-                    eprintln!(
-                        "volume {} ({size} bytes) is the one kept in {}: its data is served again (--size applies to new volumes only)",
-                        spec_volume, cli.dir.display()
-                    );
-                }
-                eprintln!(
-                    "cluster up in {}: controller {}, {} storage nodes, agent NBD {} (unix socket {}); logs there",
-                    cli.dir.display(),
-                    c.control_addr,
-                    c.nodes.len(),
-                    c.agent.field("nbd").unwrap_or_default(),
-                    cli.dir.join("nbd.sock").display()
-                );
-                for (d, a) in metrics {
-                    eprintln!("metrics of {d}: http://{a}/metrics");
-                }
-                Ok(())
-            }
-            ClusterCmd::Restart { name } => {
-                let mut s =
-                    load_state(&cli.dir).with_context(|| format!("no cluster is up in {}", cli.dir.display()))?;
-                let pid = blk::restart_daemon(&spawner, &mut s, &name)?;
-                std::fs::write(state_file(&cli.dir), serde_json::to_vec_pretty(&s)?)?;
-                eprintln!(
-                    "restarted {name} (pid {pid}); logs in {}",
-                    cli.dir.join(format!("{name}.log")).display()
-                );
-                Ok(())
-            }
-            ClusterCmd::Down { purge } => {
-                let s = load_state(&cli.dir).with_context(|| format!("no cluster is up in {}", cli.dir.display()))?;
-                blk::cluster_down(&s);
-                std::fs::remove_file(state_file(&cli.dir))?;
-                if purge {
-                    std::fs::remove_dir_all(&cli.dir)?;
-                    eprintln!("removed {}", cli.dir.display());
-                } else {
-                    eprintln!("data kept in {} (--purge removes it)", cli.dir.display());
-                }
-                Ok(())
-            }
-            ClusterCmd::Status => {
-                let s = load_state(&cli.dir).with_context(|| format!("no cluster is up in {}", cli.dir.display()))?;
-                println!("controller {}  NBD {}", s.control, s.uri);
-                for (i, (n, p)) in s.pids.iter().enumerate() {
-                    let state = match blk::daemon_alive(&s, i) {
-                        blk::Alive::Yes => "running",
-                        blk::Alive::Gone => "NOT RUNNING",
-                        blk::Alive::Other => "NOT RUNNING (its pid is another process now)",
-                    };
-                    println!("  {n:<10} pid {p:<8} {state}");
-                }
-                // the controller's view: each node's and each replica's state
-                let rt = blk::runtime()?;
-                let l = rt.block_on(async {
-                    let mut c = blk::control(&s.control).await?;
-                    c.list(pb::ListRequest {}).await.map_err(st)
-                });
-                match l {
-                    Ok(l) => {
-                        let l = l.into_inner();
-                        print_nodes(&l.nodes);
-                        println!("volumes:");
-                        for v in &l.volumes {
-                            print_spec(v);
-                        }
-                    }
-                    Err(e) => println!("the controller does not answer: {e:#}"),
-                }
-                Ok(())
-            }
-        },
+        Cmd::Cluster { cmd } => cluster(&cli.dir, &spawner, cmd),
         cmd => {
             let rt = blk::runtime()?;
             rt.block_on(async move {
                 let mut c = blk::control(&ctl).await?;
-                match cmd {
-                    Cmd::Create {
-                        name,
-                        size,
-                        replicas,
-                        write_quorum,
-                        qos,
-                    } => {
-                        let q = Some(qos.pb());
-                        let v = c
-                            .create(pb::CreateRequest {
-                                name,
-                                size,
-                                replicas,
-                                qos: q,
-                                write_quorum,
-                            })
-                            .await
-                            .map_err(st)?;
-                        print_spec(v.get_ref());
-                    }
-                    Cmd::Qos { name, qos } => {
-                        let v = c
-                            .set_qos(pb::SetQosRequest {
-                                name,
-                                qos: Some(qos.pb()),
-                            })
-                            .await
-                            .map_err(st)?;
-                        print_spec(v.get_ref());
-                    }
-                    Cmd::Delete { name } => {
-                        c.delete(pb::NameRequest { name: name.clone() }).await.map_err(st)?;
-                        println!("deleted {name}");
-                    }
-                    Cmd::Resize { name, size } => {
-                        let v = c.resize(pb::ResizeRequest { name, size }).await.map_err(st)?;
-                        print_spec(v.get_ref());
-                    }
-                    Cmd::List => {
-                        let l = c.list(pb::ListRequest {}).await.map_err(st)?.into_inner();
-                        for v in &l.volumes {
-                            print_spec(v);
-                        }
-                        print_nodes(&l.nodes);
-                        println!("agents: {}", l.agents.join(", "));
-                    }
-                    Cmd::Describe { name } => {
-                        let v = c.describe(pb::NameRequest { name }).await.map_err(st)?;
-                        println!("{}", serde_json::to_string_pretty(&describe_json(v.get_ref()))?);
-                    }
-                    Cmd::Attach { name, agent } => {
-                        let r = c.attach(pb::AttachVolumeRequest { name, agent }).await.map_err(st)?;
-                        println!("{}", r.get_ref().uri);
-                    }
-                    Cmd::Detach { name, force } => {
-                        c.detach(pb::DetachVolumeRequest {
-                            name: name.clone(),
-                            force,
-                        })
-                        .await
-                        .map_err(st)?;
-                        println!("volume {name} detached");
-                    }
-                    Cmd::Snapshot { cmd } => match cmd {
-                        SnapshotCmd::Create {
-                            snapshot: (volume, name),
-                        } => {
-                            let x = c.create_snapshot(pb::SnapshotName { volume, name }).await.map_err(st)?;
-                            print_snapshot(x.get_ref());
-                        }
-                        SnapshotCmd::List { volume } => {
-                            let l = c
-                                .list_snapshots(pb::NameRequest {
-                                    name: volume.unwrap_or_default(),
-                                })
-                                .await
-                                .map_err(st)?;
-                            for x in &l.get_ref().snapshots {
-                                print_snapshot(x);
-                            }
-                        }
-                        SnapshotCmd::Delete {
-                            snapshot: (volume, name),
-                        } => {
-                            c.delete_snapshot(pb::SnapshotName {
-                                volume: volume.clone(),
-                                name: name.clone(),
-                            })
-                            .await
-                            .map_err(st)?;
-                            println!("deleted {volume}@{name}");
-                        }
-                    },
-                    Cmd::Clone {
-                        snapshot: (volume, snapshot),
-                        name,
-                    } => {
-                        let v = c
-                            .clone_snapshot(pb::CloneRequest {
-                                volume,
-                                snapshot,
-                                name,
-                                qos: None,
-                            })
-                            .await
-                            .map_err(st)?;
-                        print_spec(v.get_ref());
-                    }
-                    _ => unreachable!("handled above"),
-                }
-                anyhow::Ok(())
+                volume(&mut c, cmd).await
             })
         }
     }
+}
+
+/// The message of a controller's error.
+fn st(e: tonic::Status) -> anyhow::Error {
+    anyhow::anyhow!("{}", e.message())
+}
+
+/// `blkctl cluster ...`: the local cluster in `dir`.
+fn cluster(dir: &std::path::Path, spawner: &Spawner, cmd: ClusterCmd) -> Result<()> {
+    match cmd {
+        ClusterCmd::Up {
+            replicas,
+            nodes,
+            size,
+            volume,
+            transport,
+            paths,
+            nbd,
+            etcd,
+            metrics_base,
+            write_quorum,
+        } => {
+            if let Some(s) = load_state(dir) {
+                anyhow::bail!(
+                    "a cluster is already up in {} (NBD {}); `blkctl cluster down` first",
+                    dir.display(),
+                    s.uri
+                );
+            }
+            let mut spec = ClusterSpec::new(dir.to_path_buf());
+            spec.replicas = replicas;
+            spec.nodes = nodes.unwrap_or(replicas).max(replicas);
+            spec.size = size;
+            let spec_volume = volume.clone();
+            spec.volume = volume;
+            spec.transport = transport;
+            spec.paths = paths;
+            spec.nbd = nbd;
+            spec.etcd = etcd;
+            spec.detached = true;
+            spec.metrics_base = metrics_base;
+            spec.write_quorum = write_quorum;
+            cluster_up(dir, spawner, spec, &spec_volume)
+        }
+        ClusterCmd::Restart { name } => {
+            let mut s = load_state(dir).with_context(|| format!("no cluster is up in {}", dir.display()))?;
+            let pid = blk::restart_daemon(spawner, &mut s, &name)?;
+            std::fs::write(state_file(dir), serde_json::to_vec_pretty(&s)?)?;
+            eprintln!(
+                "restarted {name} (pid {pid}); logs in {}",
+                dir.join(format!("{name}.log")).display()
+            );
+            Ok(())
+        }
+        ClusterCmd::Down { purge } => {
+            let s = load_state(dir).with_context(|| format!("no cluster is up in {}", dir.display()))?;
+            blk::cluster_down(&s);
+            std::fs::remove_file(state_file(dir))?;
+            if purge {
+                std::fs::remove_dir_all(dir)?;
+                eprintln!("removed {}", dir.display());
+            } else {
+                eprintln!("data kept in {} (--purge removes it)", dir.display());
+            }
+            Ok(())
+        }
+        ClusterCmd::Status => cluster_status(dir),
+    }
+}
+
+/// Starts the cluster `spec` describes, records its state in `dir` and says where it runs.
+fn cluster_up(dir: &std::path::Path, spawner: &Spawner, spec: ClusterSpec, spec_volume: &str) -> Result<()> {
+    let metrics = spec.metrics_addrs();
+    let c = LocalCluster::start(spawner, spec)?;
+    let state = c.state();
+    std::fs::write(state_file(dir), serde_json::to_vec_pretty(&state)?)?;
+    println!("{}", c.uri);
+    if let Some(size) = c.reused {
+        eprintln!(
+            "volume {} ({size} bytes) is the one kept in {}: its data is served again (--size applies to new volumes only)",
+            spec_volume, dir.display()
+        );
+    }
+    eprintln!(
+        "cluster up in {}: controller {}, {} storage nodes, agent NBD {} (unix socket {}); logs there",
+        dir.display(),
+        c.control_addr,
+        c.nodes.len(),
+        c.agent.field("nbd").unwrap_or_default(),
+        dir.join("nbd.sock").display()
+    );
+    for (d, a) in metrics {
+        eprintln!("metrics of {d}: http://{a}/metrics");
+    }
+    Ok(())
+}
+
+/// `blkctl cluster status`: each daemon's process, and the controller's view of the nodes and
+/// volumes.
+fn cluster_status(dir: &std::path::Path) -> Result<()> {
+    let s = load_state(dir).with_context(|| format!("no cluster is up in {}", dir.display()))?;
+    println!("controller {}  NBD {}", s.control, s.uri);
+    for (i, (n, p)) in s.pids.iter().enumerate() {
+        let state = match blk::daemon_alive(&s, i) {
+            blk::Alive::Yes => "running",
+            blk::Alive::Gone => "NOT RUNNING",
+            blk::Alive::Other => "NOT RUNNING (its pid is another process now)",
+        };
+        println!("  {n:<10} pid {p:<8} {state}");
+    }
+    // the controller's view: each node's and each replica's state
+    let rt = blk::runtime()?;
+    let l = rt.block_on(async {
+        let mut c = blk::control(&s.control).await?;
+        c.list(pb::ListRequest {}).await.map_err(st)
+    });
+    match l {
+        Ok(l) => {
+            let l = l.into_inner();
+            print_nodes(&l.nodes);
+            println!("volumes:");
+            for v in &l.volumes {
+                print_spec(v);
+            }
+        }
+        Err(e) => println!("the controller does not answer: {e:#}"),
+    }
+    Ok(())
+}
+
+/// The volume commands: one request to the controller, its answer printed.
+async fn volume(c: &mut BlockControlClient<tonic::transport::Channel>, cmd: Cmd) -> Result<()> {
+    match cmd {
+        Cmd::Create {
+            name,
+            size,
+            replicas,
+            write_quorum,
+            qos,
+        } => {
+            let q = Some(qos.pb());
+            let v = c
+                .create(pb::CreateRequest {
+                    name,
+                    size,
+                    replicas,
+                    qos: q,
+                    write_quorum,
+                })
+                .await
+                .map_err(st)?;
+            print_spec(v.get_ref());
+        }
+        Cmd::Qos { name, qos } => {
+            let v = c
+                .set_qos(pb::SetQosRequest {
+                    name,
+                    qos: Some(qos.pb()),
+                })
+                .await
+                .map_err(st)?;
+            print_spec(v.get_ref());
+        }
+        Cmd::Delete { name } => {
+            c.delete(pb::NameRequest { name: name.clone() }).await.map_err(st)?;
+            println!("deleted {name}");
+        }
+        Cmd::Resize { name, size } => {
+            let v = c.resize(pb::ResizeRequest { name, size }).await.map_err(st)?;
+            print_spec(v.get_ref());
+        }
+        Cmd::List => {
+            let l = c.list(pb::ListRequest {}).await.map_err(st)?.into_inner();
+            for v in &l.volumes {
+                print_spec(v);
+            }
+            print_nodes(&l.nodes);
+            println!("agents: {}", l.agents.join(", "));
+        }
+        Cmd::Describe { name } => {
+            let v = c.describe(pb::NameRequest { name }).await.map_err(st)?;
+            println!("{}", serde_json::to_string_pretty(&describe_json(v.get_ref()))?);
+        }
+        Cmd::Attach { name, agent } => {
+            let r = c.attach(pb::AttachVolumeRequest { name, agent }).await.map_err(st)?;
+            println!("{}", r.get_ref().uri);
+        }
+        Cmd::Detach { name, force } => {
+            c.detach(pb::DetachVolumeRequest {
+                name: name.clone(),
+                force,
+            })
+            .await
+            .map_err(st)?;
+            println!("volume {name} detached");
+        }
+        Cmd::Snapshot { cmd } => snapshot(c, cmd).await?,
+        Cmd::Clone {
+            snapshot: (volume, snapshot),
+            name,
+        } => {
+            let v = c
+                .clone_snapshot(pb::CloneRequest {
+                    volume,
+                    snapshot,
+                    name,
+                    qos: None,
+                })
+                .await
+                .map_err(st)?;
+            print_spec(v.get_ref());
+        }
+        Cmd::Cluster { .. } | Cmd::Daemon { .. } | Cmd::Bench(_) => anyhow::bail!("not a volume command"),
+    }
+    Ok(())
+}
+
+/// `blkctl snapshot ...`.
+async fn snapshot(c: &mut BlockControlClient<tonic::transport::Channel>, cmd: SnapshotCmd) -> Result<()> {
+    match cmd {
+        SnapshotCmd::Create {
+            snapshot: (volume, name),
+        } => {
+            let x = c.create_snapshot(pb::SnapshotName { volume, name }).await.map_err(st)?;
+            print_snapshot(x.get_ref());
+        }
+        SnapshotCmd::List { volume } => {
+            let l = c
+                .list_snapshots(pb::NameRequest {
+                    name: volume.unwrap_or_default(),
+                })
+                .await
+                .map_err(st)?;
+            for x in &l.get_ref().snapshots {
+                print_snapshot(x);
+            }
+        }
+        SnapshotCmd::Delete {
+            snapshot: (volume, name),
+        } => {
+            c.delete_snapshot(pb::SnapshotName {
+                volume: volume.clone(),
+                name: name.clone(),
+            })
+            .await
+            .map_err(st)?;
+            println!("deleted {volume}@{name}");
+        }
+    }
+    Ok(())
 }
 
 /// A volume as `describe` prints it: the controller's record (each replica's node, address and

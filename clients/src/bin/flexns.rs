@@ -99,6 +99,34 @@ fn demo(duration: f64, json: bool) -> Result<()> {
         println!("moves data over RoCEv2/UDP (one step: by one copy over the shm link), verifying");
         println!("every byte end to end.\n");
     }
+    let mut all_verified = true;
+    for st in demo_steps() {
+        if clients::procs::stopping() {
+            return Ok(());
+        }
+        all_verified &= perf_step(&st, &spawn, duration, json)?;
+    }
+    type StepFn = fn(f64, bool) -> Result<()>;
+    for step in [kv_step as StepFn, kvcache_step, block_step] {
+        if clients::procs::stopping() {
+            return Ok(());
+        }
+        all_verified &= step(duration, json).is_ok();
+    }
+    if clients::procs::stopping() {
+        return Ok(());
+    }
+    if !all_verified {
+        anyhow::bail!("a demo step moved data that did not verify");
+    }
+    if !json {
+        println!("all data verified end to end.");
+    }
+    Ok(())
+}
+
+/// The demo's nsperf steps, in the order they run.
+fn demo_steps() -> [Step; 8] {
     let step = |what, op, size, depth, compare, paths| Step {
         what,
         op,
@@ -108,7 +136,7 @@ fn demo(duration: f64, json: bool) -> Result<()> {
         paths,
         link: None,
     };
-    let steps = [
+    [
         step(
             "RDMA WRITE 64 KiB x depth 64, against a plain UDP blaster with 4 KiB datagrams",
             Op::Write,
@@ -162,91 +190,74 @@ fn demo(duration: f64, json: bool) -> Result<()> {
             None,
             1,
         ),
-    ];
-    let mut all_verified = true;
-    for st in steps {
-        if clients::procs::stopping() {
-            return Ok(());
-        }
-        let (what, op, size, depth, compare, paths) = (st.what, st.op, st.size, st.depth, st.compare, st.paths);
-        if !json {
-            println!("== {what}");
-        }
-        let a = client::ClientArgs {
-            metrics_addr: None,
-            idle_qps: 0,
-            server: None,
-            udp: None,
-            tcp: None,
-            server_pid: None,
-            system: System::Flexns,
-            op,
-            size,
-            depth,
-            qps: 1,
-            duration,
-            json,
-            recovery: if paths > 1 {
-                netstack::verbs::Recovery::SelectiveRepeat
-            } else {
-                netstack::verbs::Recovery::GoBackN
-            },
-            mtu: 4096,
-            data: "127.0.0.1:0".parse()?,
-            compare,
-            pairs: 1,
-            server_mr_size: 64 << 20,
-            data_cores: 1,
-            poll_mode: client::PollModeArg::Adaptive,
-            wait: None,
-            drive: None,
-            standard_qp: false,
-            rate_limit: None,
-            cc: netstack::cc::CcKind::None,
-            compare_cc: None,
-            paths,
-            spray: netstack::path::SprayPolicy::Weighted,
-            compare_paths: None,
-            bytes: None,
-            batch: 32,
-            hops: 8,
-            mode: clients::perf::WalkMode::Offload,
-            // one interleaved pair of the offload steps and their READ reference
-            no_reference: false,
-            net: clients::perf::NetArgs {
-                link: st.link,
-                ..Default::default()
-            },
-        };
-        let res = client::run(&a, &spawn)?;
-        all_verified &= res
-            .iter()
-            .filter(|r| r.system.starts_with("flexns"))
-            .all(|r| r.verified);
-        if st.link.is_some() && !json {
-            println!("{}", path_line(&res));
-        }
-        if !json {
-            println!();
-        }
+    ]
+}
+
+/// Runs one nsperf step of the demo; returns whether its flexns runs verified.
+fn perf_step(st: &Step, spawn: &client::ServerSpawn, duration: f64, json: bool) -> Result<bool> {
+    if !json {
+        println!("== {}", st.what);
     }
-    type StepFn = fn(f64, bool) -> Result<()>;
-    for step in [kv_step as StepFn, kvcache_step, block_step] {
-        if clients::procs::stopping() {
-            return Ok(());
-        }
-        all_verified &= step(duration, json).is_ok();
-    }
-    if clients::procs::stopping() {
-        return Ok(());
-    }
-    if !all_verified {
-        anyhow::bail!("a demo step moved data that did not verify");
+    let res = client::run(&step_args(st, duration, json), spawn)?;
+    let verified = res
+        .iter()
+        .filter(|r| r.system.starts_with("flexns"))
+        .all(|r| r.verified);
+    if st.link.is_some() && !json {
+        println!("{}", path_line(&res));
     }
     if !json {
-        println!("all data verified end to end.");
+        println!();
     }
-    Ok(())
+    Ok(verified)
+}
+
+/// The `nsperf client` options of a demo step.
+fn step_args(st: &Step, duration: f64, json: bool) -> clients::perf::args::ClientArgs {
+    clients::perf::args::ClientArgs {
+        metrics_addr: None,
+        idle_qps: 0,
+        server: None,
+        udp: None,
+        tcp: None,
+        server_pid: None,
+        system: System::Flexns,
+        op: st.op,
+        size: st.size,
+        depth: st.depth,
+        qps: 1,
+        duration,
+        json,
+        recovery: if st.paths > 1 {
+            netstack::verbs::Recovery::SelectiveRepeat
+        } else {
+            netstack::verbs::Recovery::GoBackN
+        },
+        mtu: 4096,
+        compare: st.compare,
+        pairs: 1,
+        server_mr_size: 64 << 20,
+        poll_mode: clients::perf::args::PollModeArg::Adaptive,
+        wait: None,
+        drive: None,
+        standard_qp: false,
+        rate_limit: None,
+        cc: netstack::cc::CcKind::None,
+        compare_cc: None,
+        paths: st.paths,
+        spray: netstack::path::SprayPolicy::Weighted,
+        compare_paths: None,
+        bytes: None,
+        batch: 32,
+        hops: 8,
+        mode: clients::perf::WalkMode::Offload,
+        // one interleaved pair of the offload steps and their READ reference
+        no_reference: false,
+        ctx: netstack::cli::ContextArgs {
+            link: st.link,
+            ..Default::default()
+        },
+    }
 }
 
 /// Which path the flexns runs' bytes took, from their counters: one copy into the peer's
@@ -343,7 +354,7 @@ fn kv_step(duration: f64, json: bool) -> Result<()> {
         system: systems,
         get_path: vec![A1, Offload, Redn, Rpc, Hybrid],
         threads: 1,
-        drive: clients::perf::client::DriveArg::Application,
+        drive: clients::perf::args::DriveArg::Application,
         depth: 8,
         batch: 8,
         duration: (duration / 2.0).max(0.3),
@@ -356,6 +367,7 @@ fn kv_step(duration: f64, json: bool) -> Result<()> {
         no_load: false,
         json,
         metrics_addr: None,
+        ctx: Default::default(),
     };
     let r = clients::ycsb::run(a, &std::env::current_exe()?, &["kv-server".to_string()]);
     if let Err(e) = &r {

@@ -5,7 +5,7 @@
 //! references, `--compare udp-raw` interleaves one with flexns and prints the median ratio.
 
 use clap::{Parser, Subcommand};
-use clients::perf::{client, server};
+use clients::perf::{args, client, server};
 
 #[derive(Parser)]
 #[command(name = "nsperf", version, about = "flexns verbs micro-benchmarks")]
@@ -19,7 +19,7 @@ enum Cmd {
     /// Serve benchmark clients (flexns CM + data path, udp-raw and tcp references).
     Server(server::ServerArgs),
     /// Run a benchmark against a server (started as a child when --server is not given).
-    Client(client::ClientArgs),
+    Client(args::ClientArgs),
 }
 
 fn main() -> std::process::ExitCode {

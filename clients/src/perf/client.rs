@@ -1,187 +1,17 @@
 //! The `nsperf client`: runs one operation for a bounded time over one or more QPs, verifies the
 //! data it moved, and reports per `docs/BENCHMARKS.md`; optionally interleaved with a reference system.
 
+use super::args::{recovery_name, ClientArgs};
+use super::completion::next_wc;
 use super::reference::Wait;
-use super::server::parse_recovery;
 use super::{reference, Hello, Op, System, Welcome};
 use crate::bench::{histogram, median, pattern_byte, BenchResult, ChildServer, Meter, Proc};
 use anyhow::{bail, Context as _, Result};
 use netstack::cm;
 use netstack::verbs::*;
-use std::net::{SocketAddr, SocketAddrV4};
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
-
-/// Client options.
-#[derive(Debug, Clone, clap::Args)]
-pub struct ClientArgs {
-    /// Connection manager of a running `nsperf server`; without it a server is started as a
-    /// child process on 127.0.0.1 and stopped at the end.
-    #[arg(long)]
-    pub server: Option<SocketAddr>,
-    /// udp-raw reference server address (with --server).
-    #[arg(long)]
-    pub udp: Option<SocketAddr>,
-    /// tcp reference server address (with --server).
-    #[arg(long)]
-    pub tcp: Option<SocketAddr>,
-    /// With --server: that server's process id, when it runs on this host (in another network
-    /// namespace, say); the runs account its CPU and memory as the server's, as they do for a
-    /// server they start.
-    #[arg(long, requires = "server")]
-    pub server_pid: Option<u32>,
-    #[arg(long, value_enum, default_value = "flexns")]
-    pub system: System,
-    #[arg(long, value_enum, default_value = "write")]
-    pub op: Op,
-    /// Message size.
-    #[arg(long, default_value = "64KiB", value_parser = crate::bench::parse_size)]
-    pub size: u64,
-    /// Outstanding work requests per QP.
-    #[arg(long, default_value_t = 64)]
-    pub depth: u32,
-    #[arg(long, default_value_t = 1)]
-    pub qps: u32,
-    /// More QPs, connected to the server but carrying no traffic (a server's idle
-    /// connections): what the data cores pay for QPs they have nothing to do for.
-    #[arg(long, default_value_t = 0)]
-    pub idle_qps: u32,
-    /// Seconds per run.
-    #[arg(long, default_value_t = 3.0)]
-    pub duration: f64,
-    /// One JSON object per result line.
-    #[arg(long)]
-    pub json: bool,
-    /// Serve this process's Prometheus metrics (its context's counters) on this address.
-    #[arg(long, value_name = "ADDR")]
-    pub metrics_addr: Option<std::net::SocketAddr>,
-    #[arg(long, default_value = "go-back-n", value_parser = parse_recovery)]
-    pub recovery: Recovery,
-    #[arg(long, default_value_t = 4096)]
-    pub mtu: u32,
-    /// Local data-path address.
-    #[arg(long, default_value = "127.0.0.1:0")]
-    pub data: SocketAddrV4,
-    /// Also run this reference, interleaved (A B A B ...), and print the median ratio.
-    #[arg(long, value_enum)]
-    pub compare: Option<System>,
-    /// Runs of each system with --compare.
-    #[arg(long, default_value_t = 3)]
-    pub pairs: u32,
-    /// Congestion control of the QPs on both ends (none, dcqcn, timely, hpcc, swift, homa).
-    #[arg(long, default_value = "none")]
-    pub cc: netstack::cc::CcKind,
-    /// Also run flexns with this congestion control, interleaved (A B A B ...), and print the
-    /// median ratio: the cost of `--cc` against, say, `none`.
-    #[arg(long, conflicts_with = "compare")]
-    pub compare_cc: Option<netstack::cc::CcKind>,
-    /// Pace each QP to this many bytes per second (the congestion-control pacing hook).
-    #[arg(long, value_parser = crate::bench::parse_size)]
-    pub rate_limit: Option<u64>,
-    /// Paths per QP (multipath: source ports, and address pairs with `--extra-addr`).
-    #[arg(long, default_value_t = 1)]
-    pub paths: usize,
-    /// How a QP spreads packets over its paths: single, round-robin, weighted.
-    #[arg(long, default_value = "weighted")]
-    pub spray: netstack::path::SprayPolicy,
-    /// Also run with this many paths (policy single), interleaved, and print the ratio.
-    #[arg(long, conflicts_with_all = ["compare", "compare_cc"])]
-    pub compare_paths: Option<usize>,
-    /// Stop after this many bytes instead of after --duration.
-    #[arg(long, value_parser = crate::bench::parse_size)]
-    pub bytes: Option<u64>,
-    /// SEND ping-pong over standard QPs instead of low-latency ones.
-    #[arg(long)]
-    pub standard_qp: bool,
-    /// batch-read: ranges per request.
-    #[arg(long, default_value_t = 32)]
-    pub batch: u32,
-    /// list-walk: which node of the list is looked up (its hop count).
-    #[arg(long, default_value_t = 8)]
-    pub hops: u32,
-    /// list-walk: where the walk runs.
-    #[arg(long, value_enum, default_value = "offload")]
-    pub mode: super::WalkMode,
-    /// batch-read, list-walk, redn-get: do not interleave the reference run (separate READs,
-    /// the other walk mode, one 64 B READ).
-    #[arg(long)]
-    pub no_reference: bool,
-    /// Engine poll mode of this client's context (and of a server it starts).
-    #[arg(long, value_enum, default_value = "adaptive")]
-    pub poll_mode: PollModeArg,
-    /// How this client and a server it starts wait for completions and replies, flexns and
-    /// references alike: spin or block (default: spin for latency operations, block for
-    /// bandwidth). The result lines say which.
-    #[arg(long, value_enum)]
-    pub wait: Option<Wait>,
-    /// Engine threads of this client's context (and of a server it starts).
-    #[arg(long, default_value_t = 1)]
-    pub data_cores: usize,
-    /// Who runs the engine's cores in this client's context (and in a server it starts):
-    /// engine threads, or the application threads that post and poll (run to completion).
-    /// Default: application when the run spins (latency operations), threads when it blocks
-    /// (bandwidth), which is what measured faster for each on 2 cores (docs/BENCHMARKS.md).
-    #[arg(long, value_enum)]
-    pub drive: Option<DriveArg>,
-    /// Memory region of a server this client starts.
-    #[arg(long, default_value = "256MiB", value_parser = crate::bench::parse_size)]
-    pub server_mr_size: u64,
-    #[command(flatten)]
-    pub net: super::NetArgs,
-}
-
-/// `--drive` values.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum DriveArg {
-    Threads,
-    Application,
-}
-
-impl DriveArg {
-    pub fn name(self) -> &'static str {
-        match self {
-            DriveArg::Threads => "threads",
-            DriveArg::Application => "application",
-        }
-    }
-}
-
-impl From<DriveArg> for netstack::verbs::Drive {
-    fn from(d: DriveArg) -> netstack::verbs::Drive {
-        match d {
-            DriveArg::Threads => netstack::verbs::Drive::Threads,
-            DriveArg::Application => netstack::verbs::Drive::Application,
-        }
-    }
-}
-
-/// `--poll-mode` values.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum PollModeArg {
-    BusyPoll,
-    Adaptive,
-    Sleep,
-}
-
-impl PollModeArg {
-    pub fn name(self) -> &'static str {
-        match self {
-            PollModeArg::BusyPoll => "busy-poll",
-            PollModeArg::Adaptive => "adaptive",
-            PollModeArg::Sleep => "sleep",
-        }
-    }
-}
-
-impl From<PollModeArg> for PollMode {
-    fn from(p: PollModeArg) -> PollMode {
-        match p {
-            PollModeArg::BusyPoll => PollMode::BusyPoll,
-            PollModeArg::Adaptive => PollMode::Adaptive,
-            PollModeArg::Sleep => PollMode::Sleep,
-        }
-    }
-}
 
 /// How to start a server child: this executable and the subcommand words before its flags.
 #[derive(Debug, Clone)]
@@ -207,17 +37,11 @@ fn peers(a: &ClientArgs, spawn: &ServerSpawn) -> Result<Peers> {
         });
     }
     let mut args = spawn.subcommand.clone();
-    let rec = match a.recovery {
-        Recovery::GoBackN => "go-back-n",
-        Recovery::SelectiveRepeat => "selective-repeat",
-    };
     args.extend([
         "--mr-size".to_string(),
         a.server_mr_size.to_string(),
         "--recovery".into(),
-        rec.into(),
-        "--data-cores".into(),
-        a.data_cores.to_string(),
+        recovery_name(a.recovery).into(),
         "--poll-mode".into(),
         a.poll_mode.name().into(),
         "--drive".into(),
@@ -225,7 +49,8 @@ fn peers(a: &ClientArgs, spawn: &ServerSpawn) -> Result<Peers> {
         "--wait".into(),
         a.wait_mode().name().into(),
     ]);
-    args.extend(a.net.to_args());
+    // the stack's flags but the data-path address (the server binds its own)
+    args.extend(a.ctx.without_data().to_args());
     let child = ChildServer::start(&spawn.exe, &args)?;
     let f = |k: &str| -> Result<SocketAddr> {
         child
@@ -240,27 +65,6 @@ fn peers(a: &ClientArgs, spawn: &ServerSpawn) -> Result<Peers> {
         tcp: Some(f("tcp")?),
         child: Some(child),
     })
-}
-
-impl ClientArgs {
-    /// Whether the operation measures latency (one request in flight).
-    pub fn latency_op(&self) -> bool {
-        matches!(self.op, Op::ListWalk | Op::RednGet) || (self.op == Op::Send && self.depth == 1)
-    }
-
-    /// The waiting discipline of the run's application threads.
-    pub fn wait_mode(&self) -> Wait {
-        self.wait
-            .unwrap_or(if self.latency_op() { Wait::Spin } else { Wait::Block })
-    }
-
-    /// Who runs the engine's cores: as asked, or run to completion when the threads spin.
-    pub fn drive_mode(&self) -> DriveArg {
-        self.drive.unwrap_or(match self.wait_mode() {
-            Wait::Spin => DriveArg::Application,
-            Wait::Block => DriveArg::Threads,
-        })
-    }
 }
 
 /// The processes a run accounts for: this client, and the server child if it started one (or
@@ -500,26 +304,7 @@ fn bench_name(a: &ClientArgs) -> &'static str {
     }
 }
 
-/// Waits for the next completion: spinning on the CQ, or sleeping on it.
-pub fn next_wc(cq: &Cq, wcs: &mut [Wc], limit: Instant, wait: Wait) -> Result<usize> {
-    loop {
-        let n = cq.poll(wcs);
-        if n > 0 {
-            return Ok(n);
-        }
-        let now = Instant::now();
-        if now > limit {
-            bail!("no completion before the deadline: the peer stopped answering");
-        }
-        match wait {
-            Wait::Spin => std::thread::yield_now(),
-            Wait::Block => {
-                cq.wait((limit - now).min(Duration::from_millis(5)));
-            }
-        }
-    }
-}
-
+/// One flexns run: connect, move data for the run's time, verify it, report.
 fn flexns(
     a: &ClientArgs,
     cc: netstack::cc::CcKind,
@@ -528,142 +313,14 @@ fn flexns(
     seed: u64,
 ) -> Result<BenchResult> {
     let wait = a.wait_mode();
-    let qcfg = RcConfig {
-        mtu: a.mtu,
-        recovery: a.recovery,
-        cc,
-        ..Default::default()
-    };
-    let mut cfg = ContextConfig {
-        bind: a.data,
-        qp: qcfg,
-        data_cores: a.data_cores,
-        drive: a.drive_mode().into(),
-        poll_mode: a.poll_mode.into(),
-        // spare source ports: a path that looks cut moves to one (a fresh ECMP hash)
-        path_ports: netstack::path::with_spares(npaths.div_ceil(1 + a.net.extra_addrs.len())).max(8) as u8,
-        ..Default::default()
-    };
-    a.net.apply(&mut cfg)?;
-    let ctx = Context::open(cfg)?;
-    let pd = ctx.alloc_pd();
-    let (size, depth, nq) = (a.size as usize, a.depth as usize, a.qps as usize);
-    let slots = depth * nq;
-    let cq = ctx.create_cq(slots * 2 + 64)?;
-    let unit = if a.op == Op::Atomic { 8 } else { size };
-    let mr = pd.reg_mr(unit * slots, Access::LOCAL_WRITE)?;
-    let check = pd.reg_mr(unit * slots, Access::LOCAL_WRITE)?;
-    let mut buf = vec![0u8; unit * slots];
-    crate::bench::fill_pattern(&mut buf, 0, seed);
-    mr.write(0, &buf);
-    let echo = a.op == Op::Send && a.depth == 1;
-    let low_latency = echo && !a.standard_qp;
-    let hello = serde_json::to_vec(&Hello {
-        op: a.op,
-        size: a.size,
-        depth: a.depth,
-        echo,
-        low_latency,
-        resp_addr: 0,
-        resp_rkey: 0,
-        // SEND receive slots are the server's own business; everything else writes its slots
-        need: if a.op == Op::Send { 0 } else { (unit * slots) as u64 },
-        session: seed,
-    })?;
-    // set-up: create every QP, then connect them all in batched exchanges
-    let setup = Instant::now();
-    let mut qps = Vec::with_capacity(nq);
-    for _ in 0..nq {
-        let qp = ctx.create_qp(
-            &pd,
-            &cq,
-            &cq,
-            QpInitAttr {
-                low_latency,
-                ..Default::default()
-            },
-        )?;
-        if npaths > 1 {
-            qp.set_paths(npaths, spray)?;
-        }
-        qps.push(qp);
-    }
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    let reqs: Vec<(&Qp, Vec<u8>)> = qps.iter().map(|q| (q, hello.clone())).collect();
-    let replies = rt.block_on(async {
-        let mut connector = cm::Connector::new(cm_addr).await?;
-        connector.connect_many(&reqs).await
-    })?;
-    drop(reqs);
-    let setup_secs = setup.elapsed().as_secs_f64();
-    let mut remote = None;
-    for (i, reply) in replies.into_iter().enumerate() {
-        let reply = reply.with_context(|| format!("connecting QP {i} of {nq}"))?;
-        let w: Welcome = serde_json::from_slice(&reply).context("bad welcome from server")?;
-        if (unit * slots) as u64 > w.len {
-            bail!("server memory region ({} bytes) is smaller than {} QPs x depth {} x {} bytes; start the server with a larger --mr-size", w.len, nq, depth, unit);
-        }
-        remote = Some(w);
-    }
-    if let Some(r) = a.rate_limit {
-        for qp in &qps {
-            qp.set_rate_limit(Some(r), 64 << 10);
-        }
-    }
-    // idle connections, held (connected, silent) until the run ends
-    let idle: Vec<Qp> = (0..a.idle_qps)
-        .map(|_| ctx.create_qp(&pd, &cq, &cq, QpInitAttr::default()))
-        .collect::<Result<_, _>>()?;
-    if !idle.is_empty() {
-        let reqs: Vec<(&Qp, Vec<u8>)> = idle.iter().map(|q| (q, hello.clone())).collect();
-        let replies = rt.block_on(async {
-            let mut connector = cm::Connector::new(cm_addr).await?;
-            connector.connect_many(&reqs).await
-        })?;
-        for (i, r) in replies.into_iter().enumerate() {
-            r.with_context(|| format!("connecting idle QP {i} of {}", a.idle_qps))?;
-        }
-    }
-    let w = remote.context("no QP")?;
-    let raddr = |slot: usize| w.addr + (slot * unit) as u64;
-    let wr_for = |slot: usize, id: u64| -> SendWr {
-        let sge = mr.sge(slot * unit, unit);
-        match a.op {
-            Op::Write => SendWr::new(id, WrOpcode::RdmaWrite)
-                .sge(sge)
-                .remote(raddr(slot), w.rkey),
-            Op::Read => SendWr::new(id, WrOpcode::RdmaRead).sge(sge).remote(raddr(slot), w.rkey),
-            Op::Send => SendWr::new(id, WrOpcode::Send).sge(sge),
-            Op::Atomic => SendWr::new(id, WrOpcode::AtomicFetchAndAdd)
-                .sge(sge)
-                .remote(w.addr + (id as usize % nq * 8) as u64, w.rkey)
-                .atomic(1, 0),
-            // handled by offload_ops
-            Op::BatchRead | Op::ListWalk | Op::RednGet => SendWr::new(id, WrOpcode::Noop),
-        }
-    };
+    let c = Conns::open(a, cc, (npaths, spray), cm_addr, seed)?;
     let mut wcs = [EMPTY_WC; 64];
-    let read_counters = |wcs: &mut [Wc]| -> Result<Vec<u64>> {
-        for (q, qp) in qps.iter().enumerate() {
-            qp.post_send(
-                SendWr::new(q as u64, WrOpcode::RdmaRead)
-                    .sge(check.sge(q * 8, 8))
-                    .remote(w.addr + (q * 8) as u64, w.rkey),
-            )?;
-        }
-        for _ in 0..nq {
-            next_wc(&cq, &mut wcs[..1], Instant::now() + Duration::from_secs(30), wait)?;
-        }
-        Ok((0..nq).map(|q| check.load_u64(q * 8).unwrap_or(0)).collect())
-    };
     // atomics: the counters' starting values (earlier runs may have moved them)
     let start_counters = if a.op == Op::Atomic {
-        read_counters(&mut wcs)?
+        c.read_counters(&mut wcs, wait)?
     } else {
         Vec::new()
     };
-    let mut h = histogram();
-    let mut ops = 0u64;
     let start = Instant::now();
     let start_mono = netstack::link::sys::monotonic_ns();
     // with --bytes, the run ends when that much was posted (the duration is then a bound)
@@ -674,26 +331,247 @@ fn flexns(
             Duration::from_secs_f64(a.duration)
         };
     let limit = end + Duration::from_secs(30);
-    let mut posted_bytes = (slots * unit) as u64;
-    // completed bytes per timeline bin, and the longest time without a completion
-    let mut timeline = vec![0u64; 0];
-    let (mut last_done, mut max_gap) = (start, Duration::ZERO);
-    let mut verified = true;
-    if echo {
-        // ping-pong: SEND, wait for the echo; half the round trip is the latency, as perftest
-        let qp = &qps[0];
+    let mut m = Measured::new(start);
+    if a.op == Op::Send && a.depth == 1 {
+        c.ping_pong(end, limit, wait, &mut m)?;
+    } else {
+        c.stream(a, end, limit, wait, &mut m)?;
+    }
+    let secs = start.elapsed().as_secs_f64();
+    // end-to-end verification (not of a run cut short: the program has to stop now)
+    let interrupted = crate::procs::stopping();
+    let note = c.verify(a, &mut m, &start_counters, limit, wait, interrupted)?;
+    let mut r = BenchResult {
+        bench: bench_name(a).into(),
+        system: "flexns".into(),
+        transport: Some("rc".into()),
+        msg_bytes: a.size,
+        qps: a.qps,
+        depth: a.depth,
+        bytes: m.ops * a.size,
+        ops: m.ops,
+        secs,
+        verified: m.verified,
+        incomplete: interrupted,
+        note,
+        ..Default::default()
+    };
+    r.latencies(&m.h);
+    r.rates();
+    stack_extras(&mut r, &c.ctx.stats());
+    qp_extras(&mut r, &c);
+    if !(a.op == Op::Send && a.depth == 1) {
+        timeline_extras(&mut r, &m, start_mono)?;
+    }
+    if npaths > 1 {
+        multipath_extra(&mut r, &c.qps, npaths, spray);
+    }
+    cc_extra(&mut r, &c.qps);
+    r.extra.insert("recovery".into(), serde_json::to_value(a.recovery)?);
+    // the ICRC mode the connections run (negotiated: `none` only if both ends offered it)
+    r.extra.insert("icrc".into(), c.qps[0].icrc_mode().name().into());
+    Ok(r)
+}
+
+/// A flexns run's context, memory and connected QPs: `--qps` that carry the traffic and
+/// `--idle-qps` that stay connected and silent until the run ends. Fields drop in declaration
+/// order, as the run's locals did: the QPs before the memory, the context last.
+struct Conns {
+    _idle: Vec<Qp>,
+    _rt: tokio::runtime::Runtime,
+    qps: Vec<Qp>,
+    /// Where read-backs land (WRITE verification, atomic counters, echoed SENDs).
+    check: Mr,
+    /// The source (and READ destination) slots, `unit` bytes each.
+    mr: Mr,
+    cq: Cq,
+    _pd: Pd,
+    ctx: Context,
+    /// What `mr` was filled with (a WRITE run reads it back from the server).
+    buf: Vec<u8>,
+    /// The server's answer: this run's window of its region.
+    w: Welcome,
+    /// The operation, bytes per slot (8 for atomics), slots per QP, QPs.
+    op: Op,
+    size: usize,
+    unit: usize,
+    depth: usize,
+    nq: usize,
+    /// Seconds creating and connecting the traffic QPs took (both ends).
+    setup_secs: f64,
+}
+
+impl Conns {
+    /// Opens the run's context, registers its memory, creates every QP and connects them all
+    /// to the server at `cm_addr` in batched exchanges.
+    fn open(
+        a: &ClientArgs,
+        cc: netstack::cc::CcKind,
+        (npaths, spray): (usize, netstack::path::SprayPolicy),
+        cm_addr: SocketAddr,
+        seed: u64,
+    ) -> Result<Conns> {
+        let qcfg = RcConfig {
+            mtu: a.mtu,
+            recovery: a.recovery,
+            cc,
+            ..Default::default()
+        };
+        // spare source ports: a path that looks cut moves to one (a fresh ECMP hash)
+        let path_ports = netstack::path::with_spares(npaths.div_ceil(1 + a.ctx.extra_addrs.len())).max(8) as u8;
+        let ctx = Context::open(a.context_config(qcfg, path_ports)?)?;
+        let pd = ctx.alloc_pd();
+        let (size, depth, nq) = (a.size as usize, a.depth as usize, a.qps as usize);
+        let slots = depth * nq;
+        let cq = ctx.create_cq(slots * 2 + 64)?;
+        let unit = if a.op == Op::Atomic { 8 } else { size };
+        let mr = pd.reg_mr(unit * slots, Access::LOCAL_WRITE)?;
+        let check = pd.reg_mr(unit * slots, Access::LOCAL_WRITE)?;
+        let mut buf = vec![0u8; unit * slots];
+        crate::bench::fill_pattern(&mut buf, 0, seed);
+        mr.write(0, &buf);
+        let echo = a.op == Op::Send && a.depth == 1;
+        let low_latency = echo && !a.standard_qp;
+        let hello = serde_json::to_vec(&Hello {
+            op: a.op,
+            size: a.size,
+            depth: a.depth,
+            echo,
+            low_latency,
+            resp_addr: 0,
+            resp_rkey: 0,
+            // SEND receive slots are the server's own business; everything else writes its slots
+            need: if a.op == Op::Send { 0 } else { (unit * slots) as u64 },
+            session: seed,
+        })?;
+        // set-up: create every QP, then connect them all in batched exchanges
+        let setup = Instant::now();
+        let mut qps = Vec::with_capacity(nq);
+        for _ in 0..nq {
+            let qp = ctx.create_qp(
+                &pd,
+                &cq,
+                &cq,
+                QpInitAttr {
+                    low_latency,
+                    ..Default::default()
+                },
+            )?;
+            if npaths > 1 {
+                qp.set_paths(npaths, spray)?;
+            }
+            qps.push(qp);
+        }
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        let replies = connect_all(&rt, cm_addr, &qps, &hello)?;
+        let setup_secs = setup.elapsed().as_secs_f64();
+        let mut remote = None;
+        for (i, reply) in replies.into_iter().enumerate() {
+            let reply = reply.with_context(|| format!("connecting QP {i} of {nq}"))?;
+            let w: Welcome = serde_json::from_slice(&reply).context("bad welcome from server")?;
+            if (unit * slots) as u64 > w.len {
+                bail!("server memory region ({} bytes) is smaller than {} QPs x depth {} x {} bytes; start the server with a larger --mr-size", w.len, nq, depth, unit);
+            }
+            remote = Some(w);
+        }
+        if let Some(r) = a.rate_limit {
+            for qp in &qps {
+                qp.set_rate_limit(Some(r), 64 << 10);
+            }
+        }
+        // idle connections, held (connected, silent) until the run ends
+        let idle: Vec<Qp> = (0..a.idle_qps)
+            .map(|_| ctx.create_qp(&pd, &cq, &cq, QpInitAttr::default()))
+            .collect::<Result<_, _>>()?;
+        if !idle.is_empty() {
+            for (i, r) in connect_all(&rt, cm_addr, &idle, &hello)?.into_iter().enumerate() {
+                r.with_context(|| format!("connecting idle QP {i} of {}", a.idle_qps))?;
+            }
+        }
+        let w = remote.context("no QP")?;
+        Ok(Conns {
+            _idle: idle,
+            _rt: rt,
+            qps,
+            check,
+            mr,
+            cq,
+            _pd: pd,
+            ctx,
+            buf,
+            w,
+            op: a.op,
+            size,
+            unit,
+            depth,
+            nq,
+            setup_secs,
+        })
+    }
+
+    /// Slots of the run: `depth` per QP.
+    fn slots(&self) -> usize {
+        self.depth * self.nq
+    }
+
+    /// The server's address of a slot.
+    fn raddr(&self, slot: usize) -> u64 {
+        self.w.addr + (slot * self.unit) as u64
+    }
+
+    /// The work request of the run's operation on `slot`.
+    fn wr_for(&self, slot: usize, id: u64) -> SendWr {
+        let (w, unit) = (&self.w, self.unit);
+        let sge = self.mr.sge(slot * unit, unit);
+        match self.op {
+            Op::Write => SendWr::new(id, WrOpcode::RdmaWrite)
+                .sge(sge)
+                .remote(self.raddr(slot), w.rkey),
+            Op::Read => SendWr::new(id, WrOpcode::RdmaRead)
+                .sge(sge)
+                .remote(self.raddr(slot), w.rkey),
+            Op::Send => SendWr::new(id, WrOpcode::Send).sge(sge),
+            Op::Atomic => SendWr::new(id, WrOpcode::AtomicFetchAndAdd)
+                .sge(sge)
+                .remote(w.addr + (id as usize % self.nq * 8) as u64, w.rkey)
+                .atomic(1, 0),
+            // handled by offload_ops
+            Op::BatchRead | Op::ListWalk | Op::RednGet => SendWr::new(id, WrOpcode::Noop),
+        }
+    }
+
+    /// READs every QP's atomic counter (counter `q` at 8 x `q` bytes into the window).
+    fn read_counters(&self, wcs: &mut [Wc], wait: Wait) -> Result<Vec<u64>> {
+        for (q, qp) in self.qps.iter().enumerate() {
+            qp.post_send(
+                SendWr::new(q as u64, WrOpcode::RdmaRead)
+                    .sge(self.check.sge(q * 8, 8))
+                    .remote(self.w.addr + (q * 8) as u64, self.w.rkey),
+            )?;
+        }
+        for _ in 0..self.nq {
+            next_wc(&self.cq, &mut wcs[..1], Instant::now() + Duration::from_secs(30), wait)?;
+        }
+        Ok((0..self.nq).map(|q| self.check.load_u64(q * 8).unwrap_or(0)).collect())
+    }
+
+    /// Ping-pong until `end`: SEND, wait for the echo; half the round trip is the latency, as
+    /// perftest; each echo is compared with what was sent.
+    fn ping_pong(&self, end: Instant, limit: Instant, wait: Wait, m: &mut Measured) -> Result<()> {
+        let (qp, size) = (&self.qps[0], self.size);
+        let mut wcs = [EMPTY_WC; 1];
         let mut n = 0u64;
         while crate::procs::running_until(end) {
-            mr.write(0, &n.to_le_bytes()[..size.min(8)]);
+            self.mr.write(0, &n.to_le_bytes()[..size.min(8)]);
             qp.post_recv(RecvWr {
                 wr_id: 1,
-                sg_list: [check.sge(0, size)].into_iter().collect(),
+                sg_list: [self.check.sge(0, size)].into_iter().collect(),
             })?;
             let t = Instant::now();
             let flags = if size <= 256 { SendFlags::INLINE } else { SendFlags(0) };
-            qp.post_send(SendWr::new(0, WrOpcode::Send).sge(mr.sge(0, size)).flags(flags))?;
+            qp.post_send(SendWr::new(0, WrOpcode::Send).sge(self.mr.sge(0, size)).flags(flags))?;
             loop {
-                let k = next_wc(&cq, &mut wcs[..1], limit, wait)?;
+                let k = next_wc(&self.cq, &mut wcs, limit, wait)?;
                 let wc = wcs[0];
                 if wc.status != WcStatus::Success {
                     bail!("work completion {:?} on QP {:#x}", wc.status, wc.qp_num);
@@ -702,30 +580,38 @@ fn flexns(
                     break;
                 }
             }
-            h.record((t.elapsed().as_nanos() as u64 / 2).max(1))?;
+            m.h.record((t.elapsed().as_nanos() as u64 / 2).max(1))?;
             let (mut x, mut y) = (vec![0u8; size], vec![0u8; size]);
-            mr.read(0, &mut x);
-            check.read(0, &mut y);
-            verified &= x == y;
+            self.mr.read(0, &mut x);
+            self.check.read(0, &mut y);
+            m.verified &= x == y;
             n += 1;
         }
-        ops = n;
-    } else {
-        let mut posted_at = vec![start; slots];
+        m.ops = n;
+        Ok(())
+    }
+
+    /// Keeps every slot's work request in flight until `end` (or `--bytes` posted): each
+    /// completion records its latency and timeline bin and reposts its slot.
+    fn stream(&self, a: &ClientArgs, end: Instant, limit: Instant, wait: Wait, m: &mut Measured) -> Result<()> {
+        let (depth, unit, start) = (self.depth, self.unit, m.start);
+        let mut wcs = [EMPTY_WC; 64];
+        let mut posted_bytes = (self.slots() * unit) as u64;
+        let mut posted_at = vec![start; self.slots()];
         let mut outstanding = 0usize;
-        for (q, qp) in qps.iter().enumerate() {
+        for (q, qp) in self.qps.iter().enumerate() {
             let batch: Vec<SendWr> = (0..depth)
-                .map(|s| wr_for(q * depth + s, (q * depth + s) as u64))
+                .map(|s| self.wr_for(q * depth + s, (q * depth + s) as u64))
                 .collect();
             qp.post_send_batch(batch)?;
             outstanding += depth;
         }
         while outstanding > 0 {
-            let n = next_wc(&cq, &mut wcs, limit, wait)?;
+            let n = next_wc(&self.cq, &mut wcs, limit, wait)?;
             let now = Instant::now();
             for wc in &wcs[..n] {
                 if wc.status != WcStatus::Success {
-                    if let Some(f) = qps.iter().find_map(|q| q.cc_fault()) {
+                    if let Some(f) = self.qps.iter().find_map(|q| q.cc_fault()) {
                         bail!("congestion control stopped the QP: {f}");
                     }
                     bail!(
@@ -736,190 +622,251 @@ fn flexns(
                     );
                 }
                 let slot = wc.wr_id as usize;
-                h.record((now - posted_at[slot]).as_nanos() as u64)?;
-                ops += 1;
-                let bin = ((now - start).as_nanos() / TIMELINE_BIN.as_nanos()) as usize;
-                if timeline.len() <= bin {
-                    timeline.resize(bin + 1, 0);
-                }
-                timeline[bin] += unit as u64;
-                max_gap = max_gap.max(now - last_done);
-                last_done = now;
+                m.completed(now, now - posted_at[slot], unit as u64)?;
                 let more = a.bytes.is_none_or(|b| posted_bytes < b);
                 if now < end && more && !crate::procs::stopping() {
                     posted_bytes += unit as u64;
                     posted_at[slot] = now;
-                    qps[slot / depth].post_send(wr_for(slot, wc.wr_id))?;
+                    self.qps[slot / depth].post_send(self.wr_for(slot, wc.wr_id))?;
                 } else {
                     outstanding -= 1;
                 }
             }
         }
+        Ok(())
     }
-    let secs = start.elapsed().as_secs_f64();
-    // end-to-end verification (not of a run cut short: the program has to stop now)
-    let mut note = None;
-    let interrupted = crate::procs::stopping();
-    if interrupted {
-        verified = false;
-        note = Some("interrupted: stopped early, not verified".into());
-    }
-    match a.op {
-        _ if interrupted => {}
-        Op::Write => {
-            // read every remote slot back and compare with what was written
-            for (q, qp) in qps.iter().enumerate() {
-                for s in 0..depth {
-                    let slot = q * depth + s;
-                    qp.post_send(
-                        SendWr::new(slot as u64, WrOpcode::RdmaRead)
-                            .sge(check.sge(slot * unit, unit))
-                            .remote(raddr(slot), w.rkey),
-                    )?;
+
+    /// Checks the run's data end to end (WRITE: reads every slot back; READ: the server's
+    /// pattern; atomics: the counters advanced by the completed operations); returns a note
+    /// when the run is not verified for a reason of its own.
+    fn verify(
+        &self,
+        a: &ClientArgs,
+        m: &mut Measured,
+        start_counters: &[u64],
+        limit: Instant,
+        wait: Wait,
+        interrupted: bool,
+    ) -> Result<Option<String>> {
+        let (unit, slots) = (self.unit, self.slots());
+        let echo = a.op == Op::Send && a.depth == 1;
+        let mut wcs = [EMPTY_WC; 64];
+        let mut note = None;
+        if interrupted {
+            m.verified = false;
+            note = Some("interrupted: stopped early, not verified".into());
+        }
+        match a.op {
+            _ if interrupted => {}
+            Op::Write => {
+                // read every remote slot back and compare with what was written
+                for (q, qp) in self.qps.iter().enumerate() {
+                    for s in 0..self.depth {
+                        let slot = q * self.depth + s;
+                        qp.post_send(
+                            SendWr::new(slot as u64, WrOpcode::RdmaRead)
+                                .sge(self.check.sge(slot * unit, unit))
+                                .remote(self.raddr(slot), self.w.rkey),
+                        )?;
+                    }
+                }
+                for _ in 0..slots {
+                    let n = next_wc(&self.cq, &mut wcs[..1], limit, wait)?;
+                    m.verified &= n == 1 && wcs[0].status == WcStatus::Success;
+                }
+                let mut got = vec![0u8; unit * slots];
+                self.check.read(0, &mut got);
+                m.verified &= got == self.buf;
+            }
+            Op::Read => {
+                let mut got = vec![0u8; unit * slots];
+                self.mr.read(0, &mut got);
+                m.verified = got
+                    .iter()
+                    .enumerate()
+                    .all(|(i, &b)| b == pattern_byte(self.w.off + i as u64, self.w.seed));
+            }
+            Op::Atomic => {
+                // each completed FETCH_ADD added 1 to counter (wr_id % qps)
+                let end_counters = self.read_counters(&mut wcs, wait)?;
+                let total: u64 = end_counters
+                    .iter()
+                    .zip(start_counters)
+                    .map(|(e, s)| e.wrapping_sub(*s))
+                    .sum();
+                m.verified = total == m.ops;
+                if !m.verified {
+                    note = Some(format!(
+                        "remote counters advanced by {total}, {} FETCH_ADDs completed",
+                        m.ops
+                    ));
                 }
             }
-            for _ in 0..slots {
-                let n = next_wc(&cq, &mut wcs[..1], limit, wait)?;
-                verified &= n == 1 && wcs[0].status == WcStatus::Success;
+            Op::Send if !echo => {
+                m.verified = false;
+                note = Some("SEND bandwidth mode: the server does not check payloads".into());
             }
-            let mut got = vec![0u8; unit * slots];
-            check.read(0, &mut got);
-            verified &= got == buf;
+            Op::Send | Op::BatchRead | Op::ListWalk | Op::RednGet => {}
         }
-        Op::Read => {
-            let mut got = vec![0u8; unit * slots];
-            mr.read(0, &mut got);
-            verified = got
-                .iter()
-                .enumerate()
-                .all(|(i, &b)| b == pattern_byte(w.off + i as u64, w.seed));
-        }
-        Op::Atomic => {
-            // each completed FETCH_ADD added 1 to counter (wr_id % qps)
-            let end_counters = read_counters(&mut wcs)?;
-            let total: u64 = end_counters
-                .iter()
-                .zip(&start_counters)
-                .map(|(e, s)| e.wrapping_sub(*s))
-                .sum();
-            verified = total == ops;
-            if !verified {
-                note = Some(format!(
-                    "remote counters advanced by {total}, {ops} FETCH_ADDs completed"
-                ));
-            }
-        }
-        Op::Send if !echo => {
-            verified = false;
-            note = Some("SEND bandwidth mode: the server does not check payloads".into());
-        }
-        Op::Send | Op::BatchRead | Op::ListWalk | Op::RednGet => {}
+        Ok(note)
     }
-    let st = ctx.stats();
-    let mut r = BenchResult {
-        bench: bench_name(a).into(),
-        system: "flexns".into(),
-        transport: Some("rc".into()),
-        msg_bytes: a.size,
-        qps: a.qps,
-        depth: a.depth,
-        bytes: ops * a.size,
-        ops,
-        secs,
-        verified,
-        incomplete: interrupted,
-        note,
-        ..Default::default()
-    };
-    r.latencies(&h);
-    r.rates();
-    // the client context's copies (the server's are its own); staging allocated and used
+}
+
+/// Connects `qps` to the server at `cm_addr` in batched exchanges, each with `hello`; the
+/// server's replies, in order.
+fn connect_all(
+    rt: &tokio::runtime::Runtime,
+    cm_addr: SocketAddr,
+    qps: &[Qp],
+    hello: &[u8],
+) -> Result<Vec<Result<Vec<u8>, cm::CmError>>> {
+    let reqs: Vec<(&Qp, Vec<u8>)> = qps.iter().map(|q| (q, hello.to_vec())).collect();
+    Ok(rt.block_on(async {
+        let mut connector = cm::Connector::new(cm_addr).await?;
+        connector.connect_many(&reqs).await
+    })?)
+}
+
+/// What a run measured: latencies, operations, completed bytes per timeline bin, the longest
+/// time without a completion, and whether every check so far passed.
+struct Measured {
+    start: Instant,
+    h: hdrhistogram::Histogram<u64>,
+    ops: u64,
+    timeline: Vec<u64>,
+    last_done: Instant,
+    max_gap: Duration,
+    verified: bool,
+}
+
+impl Measured {
+    fn new(start: Instant) -> Measured {
+        Measured {
+            start,
+            h: histogram(),
+            ops: 0,
+            timeline: Vec::new(),
+            last_done: start,
+            max_gap: Duration::ZERO,
+            verified: true,
+        }
+    }
+
+    /// Records one completion at `now` of `bytes` that took `latency`.
+    fn completed(&mut self, now: Instant, latency: Duration, bytes: u64) -> Result<()> {
+        self.h.record(latency.as_nanos() as u64)?;
+        self.ops += 1;
+        let bin = ((now - self.start).as_nanos() / TIMELINE_BIN.as_nanos()) as usize;
+        if self.timeline.len() <= bin {
+            self.timeline.resize(bin + 1, 0);
+        }
+        self.timeline[bin] += bytes;
+        self.max_gap = self.max_gap.max(now - self.last_done);
+        self.last_done = now;
+        Ok(())
+    }
+}
+
+/// The client context's copies (the server's are its own), its staging, and which path the
+/// payload took: one copy into the peer's memory (mapped or CMA), or packets (UDP datagrams
+/// or shm rings).
+fn stack_extras(r: &mut BenchResult, st: &StatsSnapshot) {
+    for (k, v) in [
+        ("tx_payload_copy_bytes", st.tx_payload_copy_bytes),
+        ("rx_payload_copy_bytes", st.rx_payload_copy_bytes),
+        ("staging_bytes", st.staging_bytes),
+        ("staging_bytes_peak", st.staging_bytes_peak),
+        ("same_host_copy_bytes", st.same_host_copy_bytes),
+        ("same_host_cma_bytes", st.same_host_cma_bytes),
+        ("tx_bytes", st.tx_bytes),
+        ("shm_tx_messages", st.shm_tx_messages),
+    ] {
+        r.extra.insert(k.into(), v.into());
+    }
+}
+
+/// QP set-up (creating and connecting every QP of the run, both ends), QP state, and the
+/// retransmissions of the traffic QPs.
+fn qp_extras(r: &mut BenchResult, c: &Conns) {
     r.extra
-        .insert("tx_payload_copy_bytes".into(), st.tx_payload_copy_bytes.into());
-    r.extra
-        .insert("rx_payload_copy_bytes".into(), st.rx_payload_copy_bytes.into());
-    r.extra.insert("staging_bytes".into(), st.staging_bytes.into());
-    r.extra
-        .insert("staging_bytes_peak".into(), st.staging_bytes_peak.into());
-    // which path the payload took: one copy into the peer's memory (mapped or CMA), or packets
-    // (UDP datagrams or shm rings)
-    r.extra
-        .insert("same_host_copy_bytes".into(), st.same_host_copy_bytes.into());
-    r.extra
-        .insert("same_host_cma_bytes".into(), st.same_host_cma_bytes.into());
-    r.extra.insert("tx_bytes".into(), st.tx_bytes.into());
-    r.extra.insert("shm_tx_messages".into(), st.shm_tx_messages.into());
-    // QP set-up: creating and connecting every QP of the run (both ends)
-    r.extra
-        .insert("setup_secs".into(), ((setup_secs * 1e4).round() / 1e4).into());
-    r.extra
-        .insert("qp_connects_per_sec".into(), ((nq as f64 / setup_secs).round()).into());
+        .insert("setup_secs".into(), ((c.setup_secs * 1e4).round() / 1e4).into());
+    r.extra.insert(
+        "qp_connects_per_sec".into(),
+        ((c.nq as f64 / c.setup_secs).round()).into(),
+    );
     r.extra.insert(
         "qp_state_bytes".into(),
-        qps.iter().map(|q| q.state_bytes()).max().unwrap_or(0).into(),
+        c.qps.iter().map(|q| q.state_bytes()).max().unwrap_or(0).into(),
     );
-    let retx: u64 = qps.iter().map(|q| q.stats().retransmitted_packets).sum();
+    let retx: u64 = c.qps.iter().map(|q| q.stats().retransmitted_packets).sum();
     r.extra.insert("retransmitted_packets".into(), retx.into());
-    let spurious: u64 = qps.iter().map(|q| q.stats().spurious_retransmissions).sum();
+    let spurious: u64 = c.qps.iter().map(|q| q.stats().spurious_retransmissions).sum();
     r.extra.insert("spurious_retransmissions".into(), spurious.into());
-    let timeouts: u64 = qps.iter().map(|q| q.stats().timeouts).sum();
+    let timeouts: u64 = c.qps.iter().map(|q| q.stats().timeouts).sum();
     r.extra.insert("timeouts".into(), timeouts.into());
-    if !echo {
-        let mbps: Vec<f64> = timeline
-            .iter()
-            .map(|&b| (b as f64 * 8.0 / TIMELINE_BIN.as_secs_f64() / 1e4).round() / 100.0)
-            .collect();
-        r.extra
-            .insert("timeline_bin_ms".into(), (TIMELINE_BIN.as_millis() as u64).into());
-        // CLOCK_MONOTONIC at the timeline's start, so a script can place its own events on it
-        r.extra.insert("timeline_start_monotonic_ns".into(), start_mono.into());
-        r.extra.insert("timeline_mbps".into(), serde_json::to_value(mbps)?);
-        r.extra.insert(
-            "max_gap_ms".into(),
-            ((max_gap.as_secs_f64() * 1e6).round() / 1e3).into(),
-        );
-    }
-    if npaths > 1 {
-        let stats = qps[0].path_stats();
-        let paths: Vec<serde_json::Value> = stats
-            .iter()
-            .map(|p| {
-                serde_json::json!({"up": p.up, "sent": p.sent, "lost": p.lost, "srtt_us": p.srtt_ns / 1000,
-                    "downs": p.downs, "ups": p.ups, "probes_sent": p.probes_sent})
-            })
-            .collect();
-        r.extra.insert(
-            "multipath".into(),
-            serde_json::json!({"paths": npaths, "spray": spray.to_string(),
-                "path_downs": qps.iter().map(|q| q.stats().path_downs).sum::<u64>(), "per_path": paths}),
-        );
-    }
-    if let Some((name, bytes)) = qps[0].cc_info() {
-        let sum = |f: fn(&netstack::transport::rc::RcStats) -> u64| qps.iter().map(|q| f(&q.stats())).sum::<u64>();
-        let mut loops: Vec<u32> = qps.iter().flat_map(|q| q.take_control_loop_samples()).collect();
-        loops.sort_unstable();
-        let p = |q: f64| {
-            loops
-                .get(((loops.len().max(1) - 1) as f64 * q) as usize)
-                .map(|&v| v as f64 / 1000.0)
-        };
-        let cc = serde_json::json!({
-            "algorithm": name,
-            "context_bytes": bytes,
-            "cnps_received": sum(|s| s.cnps_received),
-            "grants_received": sum(|s| s.grants_received),
-            "cc_deferred": sum(|s| s.cc_deferred),
-            "control_loop_samples": loops.len(),
-            "control_loop_p50_us": p(0.5),
-            "control_loop_p99_us": p(0.99),
-            "fault": qps.iter().find_map(|q| q.cc_fault()),
-        });
-        r.extra.insert("cc".into(), cc);
-    }
-    r.extra.insert("recovery".into(), serde_json::to_value(a.recovery)?);
-    // the ICRC mode the connections run (negotiated: `none` only if both ends offered it)
-    r.extra.insert("icrc".into(), qps[0].icrc_mode().name().into());
-    Ok(r)
+}
+
+/// The throughput timeline (Mbit/s per bin) and the longest gap between completions.
+fn timeline_extras(r: &mut BenchResult, m: &Measured, start_mono: u64) -> Result<()> {
+    let mbps: Vec<f64> = m
+        .timeline
+        .iter()
+        .map(|&b| (b as f64 * 8.0 / TIMELINE_BIN.as_secs_f64() / 1e4).round() / 100.0)
+        .collect();
+    r.extra
+        .insert("timeline_bin_ms".into(), (TIMELINE_BIN.as_millis() as u64).into());
+    // CLOCK_MONOTONIC at the timeline's start, so a script can place its own events on it
+    r.extra.insert("timeline_start_monotonic_ns".into(), start_mono.into());
+    r.extra.insert("timeline_mbps".into(), serde_json::to_value(mbps)?);
+    r.extra.insert(
+        "max_gap_ms".into(),
+        ((m.max_gap.as_secs_f64() * 1e6).round() / 1e3).into(),
+    );
+    Ok(())
+}
+
+/// The paths of the first QP (multipath runs).
+fn multipath_extra(r: &mut BenchResult, qps: &[Qp], npaths: usize, spray: netstack::path::SprayPolicy) {
+    let stats = qps[0].path_stats();
+    let paths: Vec<serde_json::Value> = stats
+        .iter()
+        .map(|p| {
+            serde_json::json!({"up": p.up, "sent": p.sent, "lost": p.lost, "srtt_us": p.srtt_ns / 1000,
+                "downs": p.downs, "ups": p.ups, "probes_sent": p.probes_sent})
+        })
+        .collect();
+    r.extra.insert(
+        "multipath".into(),
+        serde_json::json!({"paths": npaths, "spray": spray.to_string(),
+            "path_downs": qps.iter().map(|q| q.stats().path_downs).sum::<u64>(), "per_path": paths}),
+    );
+}
+
+/// The congestion control's counters and control-loop times (when the QPs run one).
+fn cc_extra(r: &mut BenchResult, qps: &[Qp]) {
+    let Some((name, bytes)) = qps[0].cc_info() else {
+        return;
+    };
+    let sum = |f: fn(&netstack::transport::rc::RcStats) -> u64| qps.iter().map(|q| f(&q.stats())).sum::<u64>();
+    let mut loops: Vec<u32> = qps.iter().flat_map(|q| q.take_control_loop_samples()).collect();
+    loops.sort_unstable();
+    let p = |q: f64| {
+        loops
+            .get(((loops.len().max(1) - 1) as f64 * q) as usize)
+            .map(|&v| v as f64 / 1000.0)
+    };
+    let cc = serde_json::json!({
+        "algorithm": name,
+        "context_bytes": bytes,
+        "cnps_received": sum(|s| s.cnps_received),
+        "grants_received": sum(|s| s.grants_received),
+        "cc_deferred": sum(|s| s.cc_deferred),
+        "control_loop_samples": loops.len(),
+        "control_loop_p50_us": p(0.5),
+        "control_loop_p99_us": p(0.99),
+        "fault": qps.iter().find_map(|q| q.cc_fault()),
+    });
+    r.extra.insert("cc".into(), cc);
 }
 
 #[cfg(test)]

@@ -2,7 +2,8 @@
 //! and the RedN hash get, each verified, each with its reference run interleaved in the same
 //! invocation (`--pairs`): 32 separate READs, the other walk mode, one 64-byte READ.
 
-use super::client::ClientArgs;
+use super::args::ClientArgs;
+use super::completion::next_wc;
 use super::{Hello, Op, WalkMode, Welcome, LIST_NODES, TABLE_BUCKETS, VALUE_LEN};
 use crate::bench::{histogram, median, pattern_byte, BenchResult};
 use anyhow::{bail, Context as _, Result};
@@ -23,20 +24,12 @@ struct Conn {
 }
 
 fn connect(a: &ClientArgs, cm_addr: SocketAddr, op: Op, mr_len: usize) -> Result<Conn> {
-    let mut cfg = ContextConfig {
-        bind: a.data,
-        qp: RcConfig {
-            mtu: a.mtu,
-            recovery: a.recovery,
-            ..Default::default()
-        },
-        data_cores: a.data_cores,
-        drive: a.drive_mode().into(),
-        poll_mode: a.poll_mode.into(),
+    let qp = RcConfig {
+        mtu: a.mtu,
+        recovery: a.recovery,
         ..Default::default()
     };
-    a.net.apply(&mut cfg)?;
-    let ctx = Context::open(cfg)?;
+    let ctx = Context::open(a.context_config(qp, ContextConfig::default().path_ports)?)?;
     let pd = ctx.alloc_pd();
     let cq = ctx.create_cq(4096)?;
     let qp = ctx.create_qp(&pd, &cq, &cq, QpInitAttr::default())?;
@@ -75,7 +68,7 @@ fn connect(a: &ClientArgs, cm_addr: SocketAddr, op: Op, mr_len: usize) -> Result
 /// The next completion, waiting as the run's discipline says.
 fn wait_wc(cq: &Cq, limit: Instant, wait: super::reference::Wait) -> Result<Wc> {
     let mut wc = [EMPTY_WC];
-    super::client::next_wc(cq, &mut wc, limit, wait)?;
+    next_wc(cq, &mut wc, limit, wait)?;
     Ok(wc[0])
 }
 

@@ -2,6 +2,8 @@
 //! WRITE to, READ from and run atomics on, receive queues for SENDs (echoed for ping-pong), and
 //! the `udp-raw` and `tcp` reference servers on their own sockets.
 
+use super::args::{parse_recovery, DriveArg, PollModeArg};
+use super::reference::Wait;
 use super::{Hello, Op, Welcome};
 use crate::bench::fill_pattern;
 use anyhow::{Context as _, Result};
@@ -22,18 +24,12 @@ pub struct ServerArgs {
     /// Connection-manager (gRPC) listen address.
     #[arg(long, default_value = "127.0.0.1:0")]
     pub listen: SocketAddrV4,
-    /// Data-path (RoCEv2/UDP) address [config: bind; default 127.0.0.1:0].
-    #[arg(long)]
-    pub data: Option<SocketAddrV4>,
     /// Size of the memory region clients access.
     #[arg(long, default_value = "64MiB", value_parser = crate::bench::parse_size)]
     pub mr_size: u64,
     /// Loss recovery of the server's QPs (must match the client's) [config: qp.recovery].
     #[arg(long, value_parser = parse_recovery)]
     pub recovery: Option<Recovery>,
-    /// Engine threads (data cores) [config: data_cores].
-    #[arg(long)]
-    pub data_cores: Option<usize>,
     /// Congestion control of the server's QPs; `none` adopts each client's (the receiver runs
     /// the algorithm's receiving half: DCQCN's CNPs, HPCC's INT echo, Homa's grants)
     /// [config: qp.cc].
@@ -42,14 +38,14 @@ pub struct ServerArgs {
     /// Who runs the engine's cores: engine threads, or the threads that post and poll
     /// [config: drive].
     #[arg(long, value_enum)]
-    pub drive: Option<super::client::DriveArg>,
+    pub drive: Option<DriveArg>,
     /// Engine poll mode [config: poll_mode].
     #[arg(long, value_enum)]
-    pub poll_mode: Option<super::client::PollModeArg>,
+    pub poll_mode: Option<PollModeArg>,
     /// How the server's threads wait (completions to echo, the references' sockets): spin or
     /// block. A client that starts its server passes its own.
     #[arg(long, value_enum, default_value = "block")]
-    pub wait: super::reference::Wait,
+    pub wait: Wait,
     /// Context config (TOML); flags given explicitly override it.
     #[arg(long)]
     pub config: Option<std::path::PathBuf>,
@@ -64,8 +60,9 @@ pub struct ServerArgs {
     /// live client's QP acknowledges and a client that left fails (its QP is dropped).
     #[arg(long, default_value = "10", value_parser = kv_store::cli::parse_unused_timeout)]
     pub unused_qp_timeout: Duration,
+    /// The stack's flags (`--data`, `--data-cores`, `--link`, ...).
     #[command(flatten)]
-    pub net: super::NetArgs,
+    pub ctx: netstack::cli::ContextArgs,
 }
 
 impl ServerArgs {
@@ -84,12 +81,6 @@ impl ServerArgs {
             Some(p) => ContextConfig::from_file(p).with_context(|| format!("config {}", p.display()))?,
             None => ContextConfig::default(),
         };
-        if let Some(d) = self.data {
-            cfg.bind = d;
-        }
-        if let Some(n) = self.data_cores {
-            cfg.data_cores = n;
-        }
         if let Some(p) = self.poll_mode {
             cfg.poll_mode = p.into();
         }
@@ -102,17 +93,8 @@ impl ServerArgs {
         if let Some(c) = self.cc {
             cfg.qp.cc = c;
         }
-        self.net.apply(&mut cfg)?;
+        self.ctx.apply(&mut cfg)?;
         Ok(cfg)
-    }
-}
-
-/// Parses a recovery-mode flag value.
-pub fn parse_recovery(s: &str) -> Result<Recovery, String> {
-    match s {
-        "go-back-n" | "gbn" => Ok(Recovery::GoBackN),
-        "selective-repeat" | "sr" => Ok(Recovery::SelectiveRepeat),
-        _ => Err(format!("unknown recovery {s:?}: use go-back-n or selective-repeat")),
     }
 }
 
@@ -458,14 +440,7 @@ pub fn run(args: ServerArgs) -> Result<()> {
     let cq = ctx.create_cq(1 << 16)?;
     let mr = Arc::new(pd.reg_mr(args.mr_size as usize, Access::ALL)?);
     // the region holds a known pattern so READs can be verified by the client
-    let mut chunk = vec![0u8; 1 << 20];
-    let mut off = 0u64;
-    while off < args.mr_size {
-        let n = ((args.mr_size - off) as usize).min(chunk.len());
-        fill_pattern(&mut chunk[..n], off, SEED);
-        mr.write(off as usize, &chunk[..n]);
-        off += n as u64;
-    }
+    fill_region(&mr, args.mr_size);
     let kv = pd.reg_mr(KV_LEN, Access::ALL)?;
     fill_kv(&kv);
     // offloads: batched READ over the main region, list walk over the list (read-only DMA)
@@ -544,70 +519,8 @@ pub fn run(args: ServerArgs) -> Result<()> {
     }
     // completion thread: repost receives, echo for ping-pong
     {
-        let stop = stop.clone();
-        let mr = mr.clone();
-        std::thread::spawn(move || {
-            let mut wcs = [EMPTY_WC; 64];
-            let mut last_work = std::time::Instant::now();
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                let n = cq.poll(&mut wcs);
-                if n == 0 {
-                    // spin: poll again; block: sleep on the CQ (after a short spin following
-                    // work, less than one wake-up costs)
-                    match wait {
-                        // idle between runs: park, as the references' servers do
-                        super::reference::Wait::Spin if last_work.elapsed() > super::reference::PARK_AFTER => {
-                            cq.wait(Duration::from_millis(100));
-                        }
-                        super::reference::Wait::Spin => std::thread::yield_now(),
-                        super::reference::Wait::Block if last_work.elapsed() < Duration::from_micros(20) => {
-                            std::thread::yield_now()
-                        }
-                        super::reference::Wait::Block => {
-                            cq.wait(Duration::from_millis(100));
-                        }
-                    }
-                    continue;
-                }
-                last_work = std::time::Instant::now();
-                for wc in &wcs[..n] {
-                    if !matches!(wc.opcode, WcOpcode::Recv | WcOpcode::RecvRdmaWithImm) {
-                        continue; // echo send completions (unsignaled ones never come)
-                    }
-                    let Some((qp, RecvSlots { size, base, echo })) = recv.lock().get(&wc.qp_num).cloned() else {
-                        continue;
-                    };
-                    if wc.status != WcStatus::Success {
-                        recv.lock().remove(&wc.qp_num);
-                        continue;
-                    }
-                    let off = (base + wc.wr_id * size) as usize;
-                    if echo && wc.opcode == WcOpcode::RecvRdmaWithImm {
-                        // echo a WRITE_WITH_IMM's immediate back in an empty SEND_WITH_IMM
-                        let imm = wc.imm_data.unwrap_or(0);
-                        let wr = SendWr::new(wc.wr_id, WrOpcode::SendWithImm).imm(imm);
-                        let _ = qp.post_send(wr.flags(SendFlags(0)));
-                    } else if echo {
-                        // small echoes travel INLINE (in the WQE slots, or straight out on a
-                        // low-latency QP)
-                        let flags = if wc.byte_len <= 256 {
-                            SendFlags::INLINE
-                        } else {
-                            SendFlags(0)
-                        };
-                        let _ = qp.post_send(
-                            SendWr::new(wc.wr_id, WrOpcode::Send)
-                                .sge(mr.sge(off, wc.byte_len as usize))
-                                .flags(flags),
-                        );
-                    }
-                    let _ = qp.post_recv(RecvWr {
-                        wr_id: wc.wr_id,
-                        sg_list: [mr.sge(off, size as usize)].into_iter().collect(),
-                    });
-                }
-            }
-        });
+        let (stop, mr) = (stop.clone(), mr.clone());
+        std::thread::spawn(move || serve_completions(&cq, &mr, &recv, wait, &stop));
     }
     rt.block_on(async move {
         let shutdown = async {
@@ -622,6 +535,88 @@ pub fn run(args: ServerArgs) -> Result<()> {
     })?;
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     Ok(())
+}
+
+/// Writes the pattern READs are verified against into the first `len` bytes of `mr`.
+fn fill_region(mr: &Mr, len: u64) {
+    let mut chunk = vec![0u8; 1 << 20];
+    let mut off = 0u64;
+    while off < len {
+        let n = ((len - off) as usize).min(chunk.len());
+        fill_pattern(&mut chunk[..n], off, SEED);
+        mr.write(off as usize, &chunk[..n]);
+        off += n as u64;
+    }
+}
+
+/// The completion thread until `stop`: reposts each receive, and echoes it on a ping-pong QP.
+fn serve_completions(cq: &Cq, mr: &Mr, recv: &RecvTable, wait: Wait, stop: &std::sync::atomic::AtomicBool) {
+    let mut wcs = [EMPTY_WC; 64];
+    let mut last_work = std::time::Instant::now();
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        let n = cq.poll(&mut wcs);
+        if n == 0 {
+            idle(cq, wait, last_work);
+            continue;
+        }
+        last_work = std::time::Instant::now();
+        for wc in &wcs[..n] {
+            answer_recv(wc, mr, recv);
+        }
+    }
+}
+
+/// Waits for more completions: spin: poll again; block: sleep on the CQ (after a short spin
+/// following work, less than one wake-up costs).
+fn idle(cq: &Cq, wait: Wait, last_work: std::time::Instant) {
+    match wait {
+        // idle between runs: park, as the references' servers do
+        Wait::Spin if last_work.elapsed() > super::reference::PARK_AFTER => {
+            cq.wait(Duration::from_millis(100));
+        }
+        Wait::Spin => std::thread::yield_now(),
+        Wait::Block if last_work.elapsed() < Duration::from_micros(20) => std::thread::yield_now(),
+        Wait::Block => {
+            cq.wait(Duration::from_millis(100));
+        }
+    }
+}
+
+/// Reposts the receive `wc` completed, after echoing it when its QP ping-pongs.
+fn answer_recv(wc: &Wc, mr: &Mr, recv: &RecvTable) {
+    if !matches!(wc.opcode, WcOpcode::Recv | WcOpcode::RecvRdmaWithImm) {
+        return; // echo send completions (unsignaled ones never come)
+    }
+    let Some((qp, RecvSlots { size, base, echo })) = recv.lock().get(&wc.qp_num).cloned() else {
+        return;
+    };
+    if wc.status != WcStatus::Success {
+        recv.lock().remove(&wc.qp_num);
+        return;
+    }
+    let off = (base + wc.wr_id * size) as usize;
+    if echo && wc.opcode == WcOpcode::RecvRdmaWithImm {
+        // echo a WRITE_WITH_IMM's immediate back in an empty SEND_WITH_IMM
+        let imm = wc.imm_data.unwrap_or(0);
+        let wr = SendWr::new(wc.wr_id, WrOpcode::SendWithImm).imm(imm);
+        let _ = qp.post_send(wr.flags(SendFlags(0)));
+    } else if echo {
+        // small echoes travel INLINE (in the WQE slots, or straight out on a low-latency QP)
+        let flags = if wc.byte_len <= 256 {
+            SendFlags::INLINE
+        } else {
+            SendFlags(0)
+        };
+        let _ = qp.post_send(
+            SendWr::new(wc.wr_id, WrOpcode::Send)
+                .sge(mr.sge(off, wc.byte_len as usize))
+                .flags(flags),
+        );
+    }
+    let _ = qp.post_recv(RecvWr {
+        wr_id: wc.wr_id,
+        sg_list: [mr.sge(off, size as usize)].into_iter().collect(),
+    });
 }
 
 #[cfg(test)]

@@ -58,7 +58,7 @@ pub struct YcsbArgs {
     /// completion), or engine threads. Run to completion measured faster on 2 cores (YCSB-C
     /// offloaded gets over redis, 3 pairs: 1.51x against 1.22x on engine threads).
     #[arg(long, value_enum, default_value = "application")]
-    pub drive: crate::perf::client::DriveArg,
+    pub drive: crate::perf::args::DriveArg,
     /// Requests in flight per thread (its batch).
     #[arg(long, default_value_t = 8)]
     pub depth: u32,
@@ -99,6 +99,10 @@ pub struct YcsbArgs {
     /// latency per path: `flexns_kv_get_duration_seconds`).
     #[arg(long, value_name = "ADDR")]
     pub metrics_addr: Option<std::net::SocketAddr>,
+    /// The stack's flags (`--data`, `--data-cores`, `--link`, ...) of this client's context
+    /// (the kv-servers `ycsb` starts keep their defaults).
+    #[command(flatten)]
+    pub ctx: netstack::cli::ContextArgs,
 }
 
 /// What each system's records look like to the verifier: the last acknowledged write sequence
@@ -497,33 +501,15 @@ pub fn run(a: YcsbArgs, exe: &std::path::Path, sub: &[String]) -> Result<()> {
     if let Some(addr) = a.metrics_addr {
         netstack::telemetry::serve_prometheus(addr)?;
     }
-    if a.value_size < 16 {
-        bail!("--value-size: at least 16 bytes (record number and write sequence lead every value)");
-    }
-    if a.threads == 0 || a.depth == 0 || a.records == 0 || a.pairs == 0 {
-        bail!("--threads, --depth, --records and --pairs must be at least 1");
-    }
-    if a.depth > 64 {
-        bail!("--depth {}: at most 64 requests in flight per thread", a.depth);
-    }
-    let mut configs = Vec::new();
-    for &sys in &a.system {
-        match sys {
-            System::Flexns => configs.extend(a.get_path.iter().map(|&p| Config {
-                system: sys,
-                path: Some(p),
-            })),
-            System::Redis => configs.push(Config {
-                system: sys,
-                path: None,
-            }),
-        }
-    }
+    check_args(&a)?;
+    let configs = configs(&a);
     let servers = start_servers(&a, exe, sub)?;
-    let ctx = Context::open(ContextConfig {
+    let mut cfg = ContextConfig {
         drive: a.drive.into(),
         ..ContextConfig::default()
-    })?;
+    };
+    a.ctx.apply(&mut cfg)?;
+    let ctx = Context::open(cfg)?;
     let extra = if a.workload == Workload::D {
         a.records / 2 + 100_000
     } else {
@@ -560,95 +546,17 @@ pub fn run(a: YcsbArgs, exe: &std::path::Path, sub: &[String]) -> Result<()> {
                 break 'pairs;
             }
             progress.start(format!("{:?} pair {}", cfg.system, pair + 1));
-            let mut backends = (0..a.threads)
-                .map(|_| backend(cfg, &a, &ctx, &servers))
-                .collect::<Result<Vec<_>>>()?;
-            let meter = crate::bench::Meter::start(&servers.procs(cfg.system));
-            let budget = AtomicU64::new(a.ops.unwrap_or(u64::MAX));
-            let start = Instant::now();
-            let end = start + Duration::from_secs_f64(a.duration);
-            let tr = truth(cfg);
-            let outs: Vec<(Tally, hdrhistogram::Histogram<u64>)> = std::thread::scope(|sc| {
-                let hs: Vec<_> = backends
-                    .iter_mut()
-                    .enumerate()
-                    .map(|(i, b)| {
-                        let (a, chooser, budget) = (&a, &chooser, &budget);
-                        sc.spawn(move || client_loop(b, a, tr, chooser, end, budget, (pair * 1000 + i) as u64))
-                    })
-                    .collect();
-                hs.into_iter().map(|h| h.join().expect("client thread")).collect()
-            });
-            let secs = start.elapsed().as_secs_f64();
-            let usage = meter.finish();
-            let mut t = Tally::default();
-            let mut h = histogram();
-            for (ti, hi) in &outs {
-                t.add(ti);
-                let _ = h.add(hi);
-            }
-            let flexns_stats = backends.iter().find_map(|b| match b {
-                Backend::Flexns(c) => Some(c.stats()),
-                _ => None,
-            });
-            let ops = t.reads + t.updates + t.inserts + t.rmws;
-            let mut r = BenchResult {
-                bench: format!("ycsb-{:?}", a.workload).to_lowercase(),
-                system: cfg.name(),
-                msg_bytes: a.value_size as u64,
-                qps: a.threads as u32,
-                depth: a.depth,
-                bytes: ops * a.value_size as u64,
-                ops,
-                secs,
-                verified: ops > 0 && t.torn == 0 && t.stale == 0 && t.foreign == 0 && t.errors == 0 && t.missing == 0,
-                note: t.first_error.clone(),
-                ..Default::default()
+            let world = RunCtx {
+                a: &a,
+                ctx: &ctx,
+                servers: &servers,
+                chooser: &chooser,
             };
-            r.rates();
-            r.latencies(&h);
-            r.account(&usage);
-            r.incomplete = crate::procs::stopping();
-            let x = &mut r.extra;
-            let j = |v: u64| serde_json::Value::from(v);
-            x.insert("reads".into(), j(t.reads));
-            x.insert("updates".into(), j(t.updates));
-            x.insert("inserts".into(), j(t.inserts));
-            x.insert("rmws".into(), j(t.rmws));
-            x.insert("torn".into(), j(t.torn));
-            x.insert("stale".into(), j(t.stale));
-            x.insert("foreign".into(), j(t.foreign));
-            x.insert("errors".into(), j(t.errors));
-            x.insert("write_conflicts".into(), j(t.write_conflicts));
-            x.insert("records".into(), j(a.records));
-            if cfg.path == Some(GetPath::Offload) {
-                x.insert("batch".into(), j(a.batch as u64));
-            }
-            x.insert("dist".into(), serde_json::to_value(a.dist)?);
-            if let (Some(c), true) = (r.server_cpu_secs, ops > 0) {
-                x.insert(
-                    "server_cpu_us_per_op".into(),
-                    serde_json::Value::from((c / ops as f64 * 1e6 * 100.0).round() / 100.0),
-                );
-            }
-            if let Some(cs) = flexns_stats {
-                if cs.gets > 0 {
-                    x.insert(
-                        "round_trips_per_get".into(),
-                        serde_json::Value::from((cs.get_round_trips as f64 / cs.gets as f64 * 100.0).round() / 100.0),
-                    );
-                    x.insert("fallbacks".into(), j(cs.fallbacks));
-                    x.insert("torn_copies_reread".into(), j(cs.torn));
-                    x.insert("hot_hits".into(), j(cs.hot_hits));
-                }
-            }
+            let (r, first_error) = one_run(&world, cfg, pair, truth(cfg))?;
             progress.suspend(|| {
                 r.print(a.json);
                 if !a.json && !r.verified {
-                    eprintln!(
-                        "  NOT verified: {}",
-                        t.first_error.as_deref().unwrap_or("no operations")
-                    );
+                    eprintln!("  NOT verified: {}", first_error.as_deref().unwrap_or("no operations"));
                 }
             });
             progress.finished_one();
@@ -657,13 +565,168 @@ pub fn run(a: YcsbArgs, exe: &std::path::Path, sub: &[String]) -> Result<()> {
     }
     drop(progress);
     ratios(&a, &configs, &results);
+    redis_cross_check(&a, &servers, &results);
+    crate::procs::finish()?;
+    let all_ok = results.iter().all(|(_, r)| r.verified);
+    if !all_ok {
+        bail!("some runs were not verified (see the lines above)");
+    }
+    Ok(())
+}
+
+/// Refuses options a run cannot use, naming them.
+fn check_args(a: &YcsbArgs) -> Result<()> {
+    if a.value_size < 16 {
+        bail!("--value-size: at least 16 bytes (record number and write sequence lead every value)");
+    }
+    if a.threads == 0 || a.depth == 0 || a.records == 0 || a.pairs == 0 {
+        bail!("--threads, --depth, --records and --pairs must be at least 1");
+    }
+    if a.depth > 64 {
+        bail!("--depth {}: at most 64 requests in flight per thread", a.depth);
+    }
+    Ok(())
+}
+
+/// The configurations a pair runs, in order: every get path of flexns, then redis.
+fn configs(a: &YcsbArgs) -> Vec<Config> {
+    let mut configs = Vec::new();
+    for &sys in &a.system {
+        match sys {
+            System::Flexns => configs.extend(a.get_path.iter().map(|&p| Config {
+                system: sys,
+                path: Some(p),
+            })),
+            System::Redis => configs.push(Config {
+                system: sys,
+                path: None,
+            }),
+        }
+    }
+    configs
+}
+
+/// What every run of an invocation shares: its options, the client context, the servers and
+/// the key chooser.
+struct RunCtx<'a> {
+    a: &'a YcsbArgs,
+    ctx: &'a Context,
+    servers: &'a Servers,
+    chooser: &'a KeyChooser,
+}
+
+/// One run of `cfg`: `--threads` client loops for `--duration` (or `--ops`), checked against
+/// `tr`; its result line and the first failed check.
+fn one_run(w: &RunCtx, cfg: Config, pair: usize, tr: &Truth) -> Result<(BenchResult, Option<String>)> {
+    let (a, ctx, servers, chooser) = (w.a, w.ctx, w.servers, w.chooser);
+    let mut backends = (0..a.threads)
+        .map(|_| backend(cfg, a, ctx, servers))
+        .collect::<Result<Vec<_>>>()?;
+    let meter = crate::bench::Meter::start(&servers.procs(cfg.system));
+    let budget = AtomicU64::new(a.ops.unwrap_or(u64::MAX));
+    let start = Instant::now();
+    let end = start + Duration::from_secs_f64(a.duration);
+    let outs: Vec<(Tally, hdrhistogram::Histogram<u64>)> = std::thread::scope(|sc| {
+        let hs: Vec<_> = backends
+            .iter_mut()
+            .enumerate()
+            .map(|(i, b)| {
+                let budget = &budget;
+                sc.spawn(move || client_loop(b, a, tr, chooser, end, budget, (pair * 1000 + i) as u64))
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("client thread")).collect()
+    });
+    let secs = start.elapsed().as_secs_f64();
+    let usage = meter.finish();
+    let mut t = Tally::default();
+    let mut h = histogram();
+    for (ti, hi) in &outs {
+        t.add(ti);
+        let _ = h.add(hi);
+    }
+    let flexns_stats = backends.iter().find_map(|b| match b {
+        Backend::Flexns(c) => Some(c.stats()),
+        _ => None,
+    });
+    let ops = t.reads + t.updates + t.inserts + t.rmws;
+    let mut r = BenchResult {
+        bench: format!("ycsb-{:?}", a.workload).to_lowercase(),
+        system: cfg.name(),
+        msg_bytes: a.value_size as u64,
+        qps: a.threads as u32,
+        depth: a.depth,
+        bytes: ops * a.value_size as u64,
+        ops,
+        secs,
+        verified: ops > 0 && t.torn == 0 && t.stale == 0 && t.foreign == 0 && t.errors == 0 && t.missing == 0,
+        note: t.first_error.clone(),
+        ..Default::default()
+    };
+    r.rates();
+    r.latencies(&h);
+    r.account(&usage);
+    r.incomplete = crate::procs::stopping();
+    extras(&mut r, a, cfg, &t, ops, flexns_stats)?;
+    Ok((r, t.first_error))
+}
+
+/// The counters of a ycsb run's line: operations by kind, failed checks, the server's CPU per
+/// operation, the flexns client's round trips and fallbacks.
+fn extras(
+    r: &mut BenchResult,
+    a: &YcsbArgs,
+    cfg: Config,
+    t: &Tally,
+    ops: u64,
+    flexns_stats: Option<kv_store::client::ClientStats>,
+) -> Result<()> {
+    let x = &mut r.extra;
+    let j = |v: u64| serde_json::Value::from(v);
+    x.insert("reads".into(), j(t.reads));
+    x.insert("updates".into(), j(t.updates));
+    x.insert("inserts".into(), j(t.inserts));
+    x.insert("rmws".into(), j(t.rmws));
+    x.insert("torn".into(), j(t.torn));
+    x.insert("stale".into(), j(t.stale));
+    x.insert("foreign".into(), j(t.foreign));
+    x.insert("errors".into(), j(t.errors));
+    x.insert("write_conflicts".into(), j(t.write_conflicts));
+    x.insert("records".into(), j(a.records));
+    if cfg.path == Some(GetPath::Offload) {
+        x.insert("batch".into(), j(a.batch as u64));
+    }
+    x.insert("dist".into(), serde_json::to_value(a.dist)?);
+    if let (Some(c), true) = (r.server_cpu_secs, ops > 0) {
+        x.insert(
+            "server_cpu_us_per_op".into(),
+            serde_json::Value::from((c / ops as f64 * 1e6 * 100.0).round() / 100.0),
+        );
+    }
+    if let Some(cs) = flexns_stats {
+        if cs.gets > 0 {
+            x.insert(
+                "round_trips_per_get".into(),
+                serde_json::Value::from((cs.get_round_trips as f64 / cs.gets as f64 * 100.0).round() / 100.0),
+            );
+            x.insert("fallbacks".into(), j(cs.fallbacks));
+            x.insert("torn_copies_reread".into(), j(cs.torn));
+            x.insert("hot_hits".into(), j(cs.hot_hits));
+        }
+    }
+    Ok(())
+}
+
+/// Runs redis-benchmark against the redis-server of the runs, and prints how ycsb's redis
+/// client compares with it (a run's figures are only as good as its client).
+fn redis_cross_check(a: &YcsbArgs, servers: &Servers, results: &[(Config, BenchResult)]) {
     let redis_runs: Vec<&BenchResult> = results
         .iter()
         .filter(|(c, r)| c.system == System::Redis && !r.incomplete)
         .map(|(_, r)| r)
         .collect();
     if let (Some(addr), false, false) = (servers.redis, redis_runs.is_empty(), crate::procs::stopping()) {
-        match redis_benchmark_check(&a, addr, servers.procs(System::Redis), &redis_runs) {
+        match redis_benchmark_check(a, addr, servers.procs(System::Redis), &redis_runs) {
             Ok(Some(line)) => {
                 if a.json {
                     println!("{line}");
@@ -679,12 +742,6 @@ pub fn run(a: YcsbArgs, exe: &std::path::Path, sub: &[String]) -> Result<()> {
             Err(e) => eprintln!("the redis-benchmark cross-check failed: {e:#}"),
         }
     }
-    crate::procs::finish()?;
-    let all_ok = results.iter().all(|(_, r)| r.verified);
-    if !all_ok {
-        bail!("some runs were not verified (see the lines above)");
-    }
-    Ok(())
 }
 
 /// Ratio lines: every flexns path against redis (throughput) and against A1 (p50 latency),
