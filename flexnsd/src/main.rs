@@ -47,7 +47,11 @@ fn run(args: Args) -> anyhow::Result<()> {
     let cfg: Config = match &args.config {
         Some(p) => {
             let text = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
-            toml::from_str(&text).with_context(|| format!("config {}", p.display()))?
+            toml::from_str(&text).map_err(|e| {
+                // one line: the message and where, not toml's multi-line snippet
+                let line = e.span().map_or(0, |s| text[..s.start].lines().count().max(1));
+                anyhow::anyhow!("config {} line {line}: {}", p.display(), e.message().trim())
+            })?
         }
         None => Config::default(),
     };
