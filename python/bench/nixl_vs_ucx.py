@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """NIXL's agent API over flexns against the real NIXL with its UCX backend: the same transfer
-loop, written once against ``nixl._api`` (the import is the only difference), between two
-processes on one host, in host memory (DRAM), interleaved (flexns nixl-ucx, nixl-ucx flexns,
-...), >= 3 pairs, fresh processes and a fresh random pattern per run.
+loop, written once against ``nixl._api`` (the import and the agent's configuration are the only
+differences), between two processes on one host, in host memory (DRAM), interleaved (flexns
+nixl-ucx, nixl-ucx flexns, ...), >= 3 pairs, fresh processes and a fresh pattern per run.
 
     python/bench/install-refs.sh nixl        # the real NIXL (PyPI nixl, UCX bundled)
     python3 python/bench/nixl_vs_ucx.py --json            # --case blocks|16MiB|both, --pairs 5
@@ -21,7 +21,10 @@ block last read into it, and the target that it got every transfer's notificatio
 (``verified``). Timing and CPU cover the timed loop only (after a warm-up of the connection);
 CPU is that of both processes (from /proc).
 
-The reference is what a user gets from ``pip install nixl`` with UCX left to its defaults
+The reference is what a user gets from ``pip install nixl``, configured as vLLM's
+NixlConnector configures it (``nixl_agent_config(num_threads=4, capture_telemetry=True)``, the
+UCX backend; ``--ucx-threads 0`` for NIXL's own default; flexns.nixl's configuration takes
+neither argument and runs its engine's defaults), with UCX left to its defaults
 (UCX_TLS unset: UCX picks the transports; the lines' ``ucx_read_transports`` and
 ``ucx_am_transports`` name what its protocol selection printed for the READs and for the active
 messages that carry NIXL's notifications, from a ``UCX_PROTO_INFO=y`` run before the pairs).
@@ -67,14 +70,16 @@ def missing_reference():
     return None
 
 
-def api(system):
-    if system == "flexns":
+def make_agent(a, name):
+    """A NIXL agent of system `a.system`, configured as vLLM's NixlConnector configures its
+    own (UCX with `num_threads`, telemetry on) where the system takes that configuration."""
+    if a.system == "flexns":
         from flexns.nixl import nixl_agent, nixl_agent_config
 
-        return nixl_agent, nixl_agent_config
+        return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
     from nixl._api import nixl_agent, nixl_agent_config
 
-    return nixl_agent, nixl_agent_config
+    return nixl_agent(name, nixl_agent_config(backends=["UCX"], num_threads=a.ucx_threads, capture_telemetry=True))
 
 
 def proc_cpu(pid):
@@ -147,10 +152,9 @@ def channel():
 
 
 def target_role(a):
-    nixl_agent, nixl_agent_config = api(a.system)
     out = channel()
     size, _per, pool = shape(a.case)
-    agent = nixl_agent("prefill", nixl_agent_config(backends=["UCX"]))
+    agent = make_agent(a, "prefill")
     kv = np.zeros(size * pool, dtype=np.uint8)
     agent.register_memory(agent.get_reg_descs([(kv.ctypes.data, kv.nbytes, 0, "")], "DRAM"))
     out.write(json.dumps({"md": agent.get_agent_metadata().hex(), "addr": kv.ctypes.data}) + "\n")
@@ -189,10 +193,9 @@ def target_role(a):
 
 
 def initiator_role(a):
-    nixl_agent, nixl_agent_config = api(a.system)
     out = channel()
     size, per, pool = shape(a.case)
-    agent = nixl_agent("decode", nixl_agent_config(backends=["UCX"]))
+    agent = make_agent(a, "decode")
     local = np.zeros(LOCAL_POOL, dtype=np.uint8)
     agent.register_memory(agent.get_reg_descs([(local.ctypes.data, local.nbytes, 0, "")], "DRAM"))
     slots = LOCAL_POOL // (size * per)  # transfers per lap of the local pool
@@ -267,9 +270,10 @@ def stats(agent):
 # ---- the parent ----
 
 
-def child(role, system, case, env, log=None):
+def child(role, system, case, env, ucx_threads, log=None):
     return subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), "--role", role, "--system", system, "--case", case],
+        [sys.executable, os.path.abspath(__file__), "--role", role, "--system", system, "--case", case,
+         "--ucx-threads", str(ucx_threads)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
 
 
@@ -284,18 +288,18 @@ def ask(p, obj=None):
     return json.loads(line)
 
 
-def run(system, case, duration, memcpy, proto_info=False):
+def run(system, case, duration, memcpy, ucx_threads, proto_info=False):
     env = dict(os.environ)
     env.setdefault("NIXL_LOG_LEVEL", "WARN")
     log = None
     if proto_info:
         env["UCX_PROTO_INFO"] = "y"
         log = tempfile.TemporaryFile("w+")
-    tgt = child("target", system, case, env, log)
+    tgt = child("target", system, case, env, ucx_threads, log)
     ini = None
     try:
         t = ask(tgt)
-        ini = child("initiator", system, case, env, log)
+        ini = child("initiator", system, case, env, ucx_threads, log)
         i = ask(ini)
         seed = int.from_bytes(os.urandom(8), "little")
         ask(tgt, {"md": i["md"], "seed": seed})
@@ -345,6 +349,7 @@ def run(system, case, duration, memcpy, proto_info=False):
             line[k] = st.get(k, 0)
     else:
         line["ucx_tls"] = os.environ.get("UCX_TLS", "unset (UCX's choice)")
+        line["ucx_threads"] = ucx_threads
     logs = ""
     if log is not None:
         log.seek(0)
@@ -381,6 +386,8 @@ def main():
     ap.add_argument("--case", default="both", choices=["blocks", "16MiB", "both"])
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--duration", type=float, default=2.0)
+    ap.add_argument("--ucx-threads", type=int, default=4,
+                    help="the real NIXL's num_threads for UCX (default 4: vLLM's NixlConnector's; 0: NIXL's default)")
     ap.add_argument("--check", action="store_true", help="only say whether both systems import, exit 3 if not")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
@@ -412,12 +419,12 @@ def main():
         size, _per, _pool = shape(case)
         memcpy = memcpy_gbps(size)
         # which transports UCX picks for these READs, from a short run of its own
-        _, logs = run("nixl-ucx", case, 0.1, memcpy, proto_info=True)
+        _, logs = run("nixl-ucx", case, 0.1, memcpy, a.ucx_threads, proto_info=True)
         tls = ucx_transports(logs)
         runs = {s: [] for s in SYSTEMS}
         for i in range(a.pairs):
             for system in (SYSTEMS if i % 2 == 0 else SYSTEMS[::-1]):
-                r, _ = run(system, case, a.duration, memcpy)
+                r, _ = run(system, case, a.duration, memcpy, a.ucx_threads)
                 if system == "nixl-ucx":
                     r["ucx_read_transports"], r["ucx_am_transports"] = tls["read"], tls["am"]
                 runs[system].append(r)
