@@ -31,6 +31,10 @@ command -v fusermount3 >/dev/null 2>&1 || missing+=(fuse3)
 command -v mkfs.ext4 >/dev/null 2>&1 || missing+=(e2fsprogs)
 # every daemon's --metrics-addr scraped by a real Prometheus server
 command -v prometheus >/dev/null 2>&1 || missing+=(prometheus)
+# ibverbs: unmodified RDMA programs on flexns's libibverbs.so.1, and verbs.h for its ABI test
+command -v ibv_devinfo >/dev/null 2>&1 || missing+=(ibverbs-utils)
+command -v ib_write_bw >/dev/null 2>&1 || missing+=(perftest)
+[ -f /usr/include/infiniband/verbs.h ] || missing+=(libibverbs-dev)
 
 if [ "${#missing[@]}" -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

@@ -245,6 +245,8 @@ struct FlexQp {
 
 struct QpInner {
     qp: Qp,
+    /// Its engine (for the linger of [`linger`]).
+    engine: Context,
     sq_sig_all: bool,
     /// The ibverbs state (netstack's QP is in INIT from its creation; RESET is ours).
     state: AtomicI32,
@@ -316,8 +318,10 @@ fn engine_acquire() -> Result<Context, String> {
         return Ok(c.clone());
     }
     let ip = process_addr()?;
+    let drive = drive_of(std::env::var("FLEXNS_IBV_DRIVE").ok().as_deref())?;
     let cfg = ContextConfig {
         bind: SocketAddrV4::new(ip, ROCE_PORT),
+        drive,
         path_ports: 1,
         max_inline: MAX_INLINE,
         ..ContextConfig::default()
@@ -325,6 +329,20 @@ fn engine_acquire() -> Result<Context, String> {
     let c = Context::open(cfg).map_err(|e| format!("opening the flexns engine on {ip}:{ROCE_PORT}: {e}"))?;
     *g = Some((c.clone(), 1));
     Ok(c)
+}
+
+/// Who runs the engine (`FLEXNS_IBV_DRIVE`): by default the application's own threads in their
+/// `ibv_poll_cq`/`ibv_post_*` calls (`application`; perftest and the pingpongs spin on their
+/// CQs, and an engine thread of its own would compete with them for a core), or an engine
+/// thread (`threads`). A backstop thread runs the engine while the program does not call.
+pub(crate) fn drive_of(v: Option<&str>) -> Result<netstack::verbs::Drive, String> {
+    match v.map(str::trim) {
+        None | Some("") | Some("application") => Ok(netstack::verbs::Drive::Application),
+        Some("threads") => Ok(netstack::verbs::Drive::Threads),
+        Some(o) => Err(format!(
+            "FLEXNS_IBV_DRIVE: {o:?} is neither \"application\" nor \"threads\""
+        )),
+    }
 }
 
 fn engine_release() {
@@ -1286,6 +1304,7 @@ pub unsafe extern "C" fn ibv_create_qp(pd: *mut IbvPd, init: *mut IbvQpInitAttr)
             magic: MAGIC_QP,
             inner: QpInner {
                 qp,
+                engine: c.engine.clone(),
                 sq_sig_all: sig_all != 0,
                 state: AtomicI32::new(IBV_QPS_RESET),
                 attr: Mutex::new(IbvQpAttr {
@@ -1306,14 +1325,52 @@ pub unsafe extern "C" fn ibv_create_qp(pd: *mut IbvPd, init: *mut IbvQpInitAttr)
 pub unsafe extern "C" fn ibv_destroy_qp(qp: *mut IbvQp) -> c_int {
     guard("ibv_destroy_qp", EINVAL, || {
         // SAFETY: per the contract.
-        if unsafe { qp_of(qp) }.is_none() {
+        let Some(q) = (unsafe { qp_of(qp) }) else {
             return EINVAL;
-        }
+        };
+        linger(q);
         let w = qp as *mut FlexQp;
         // SAFETY: checked live FlexQp.
         unsafe { destroy(w, ptr::addr_of_mut!((*w).magic)) };
         0
     })
+}
+
+/// How long a QP being destroyed must have received nothing before it goes: longer than a
+/// delayed ACK and than the peer's first retransmission timeout (16.8 ms), so that an ACK the
+/// peer lost is asked for again and answered.
+const LINGER_QUIET: Duration = Duration::from_millis(40);
+/// The longest a destroy lingers.
+const LINGER_MAX: Duration = Duration::from_millis(500);
+
+/// Keeps a connected QP's engine running until the QP has been quiet for [`LINGER_QUIET`]:
+/// the acknowledgement of the last message a program received is still to be sent when the
+/// program destroys the QP right after polling it (ibv_rc_pingpong's client does), and a
+/// hardware NIC would send it; without it the peer's last send ends in RETRY_EXC_ERR. Run to
+/// completion, waiting on a scratch CQ hands the engine to its backstop thread meanwhile.
+fn linger(q: &QpInner) {
+    if q.state.load(Ordering::Acquire) < IBV_QPS_RTR {
+        return;
+    }
+    let scratch = q.engine.create_cq(1).ok();
+    let start = std::time::Instant::now();
+    let mut last = q.qp.stats().rx_packets;
+    let mut quiet_since = start;
+    while start.elapsed() < LINGER_MAX {
+        match &scratch {
+            Some(c) => {
+                c.wait(Duration::from_millis(2));
+            }
+            None => std::thread::sleep(Duration::from_millis(2)),
+        }
+        let rx = q.qp.stats().rx_packets;
+        if rx != last {
+            last = rx;
+            quiet_since = std::time::Instant::now();
+        } else if quiet_since.elapsed() >= LINGER_QUIET {
+            break;
+        }
+    }
 }
 
 /// The peer's data-path address in a RoCEv2 GID (`::ffff:a.b.c.d`).

@@ -1,0 +1,306 @@
+//! Unmodified ibverbs programs (Debian's `ibverbs-utils` and `perftest`) on flexns: each test
+//! builds `libibverbs.so.1` and its companions (`scripts/build-ibverbs.sh`), runs the program
+//! with `LD_LIBRARY_PATH` pointing there (a server and a client process for the two-sided ones,
+//! each on its own loopback address, see `docs/IBVERBS.md`), checks the exit codes and reads
+//! the figures out of the output. Programs run one pair at a time (the machine has two cores
+//! and perftest spins on its CQs).
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+/// One program pair at a time.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+/// The directory with the built libraries (built once per test process).
+fn libdir() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf();
+        let out = Command::new(root.join("scripts/build-ibverbs.sh"))
+            .current_dir(&root)
+            .output()
+            .expect("scripts/build-ibverbs.sh runs");
+        assert!(
+            out.status.success(),
+            "build-ibverbs.sh failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let dir = PathBuf::from(String::from_utf8(out.stdout).unwrap().trim());
+        assert!(
+            dir.join("libibverbs.so.1").exists(),
+            "{} has no libibverbs.so.1",
+            dir.display()
+        );
+        dir
+    })
+}
+
+/// Whether `prog` is installed; otherwise reports the skip.
+fn have(test: &str, prog: &str, package: &str) -> bool {
+    let found = std::env::var_os("PATH").is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(prog).is_file()));
+    if !found {
+        test_support::skip(
+            test,
+            test_support::Missing::Tool,
+            &format!("{prog} not installed ({package}; scripts/install-test-deps.sh installs it)"),
+        );
+    }
+    found
+}
+
+fn command(prog: &str, args: &[&str]) -> Command {
+    let mut c = Command::new(prog);
+    c.args(args)
+        .env("LD_LIBRARY_PATH", libdir())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    c
+}
+
+/// Waits for `child` up to `limit`, killing it past that; its output.
+fn finish(mut child: Child, limit: Duration, what: &str) -> Output {
+    let deadline = Instant::now() + limit;
+    loop {
+        if child.try_wait().expect("try_wait").is_some() {
+            return child.wait_with_output().expect("output");
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let o = child.wait_with_output().expect("output");
+            panic!(
+                "{what} ran past {limit:?}; stdout:\n{}\nstderr:\n{}",
+                String::from_utf8_lossy(&o.stdout),
+                String::from_utf8_lossy(&o.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Whether a TCP socket listens on `port` (from /proc/net/tcp, without connecting to it: the
+/// programs serve exactly one connection).
+fn listening(port: u16) -> bool {
+    let want = format!(":{port:04X}");
+    ["/proc/net/tcp", "/proc/net/tcp6"].iter().any(|f| {
+        std::fs::read_to_string(f).unwrap_or_default().lines().skip(1).any(|l| {
+            let cols: Vec<&str> = l.split_whitespace().collect();
+            cols.len() > 3 && cols[1].ends_with(&want) && cols[3] == "0A"
+        })
+    })
+}
+
+/// The TCP port of a test's pair (perftest's and the pingpongs' exchange), distinct per test.
+fn port_of(name: &str) -> u16 {
+    20000
+        + (name
+            .bytes()
+            .fold(7u32, |h, b| h.wrapping_mul(31).wrapping_add(b as u32))
+            % 20000) as u16
+}
+
+/// Runs `prog` as a server and then as a client of it (both with `args` and the program's port
+/// option), each within `limit`; both outputs (stdout+stderr text) after checking both exit 0.
+fn pair(prog: &str, args: &[&str], port_flag: &str, limit: Duration) -> (String, String) {
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let port = port_of(&format!("{prog} {}", args.join(" ")));
+    let p = port.to_string();
+    let mut sargs: Vec<&str> = args.to_vec();
+    sargs.extend([port_flag, &p]);
+    let server = command(prog, &sargs).spawn().expect("server starts");
+    let start = Instant::now();
+    while !listening(port) {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "{prog} server never listened on {port}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut cargs = sargs.clone();
+    cargs.push("127.0.0.1");
+    let client = command(prog, &cargs).spawn().expect("client starts");
+    let c = finish(client, limit, &format!("{prog} client"));
+    let s = finish(server, limit, &format!("{prog} server"));
+    let text = |o: &Output| {
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        )
+    };
+    let (ct, st) = (text(&c), text(&s));
+    assert!(
+        c.status.success() && s.status.success(),
+        "{prog} {args:?}: client {:?}, server {:?}\nclient:\n{ct}\nserver:\n{st}",
+        c.status,
+        s.status
+    );
+    (ct, st)
+}
+
+/// The rows of a perftest result table: the numbers of each line that starts with a number.
+fn rows(out: &str) -> Vec<Vec<f64>> {
+    out.lines()
+        .filter_map(|l| {
+            let v: Vec<f64> = l.split_whitespace().map_while(|w| w.parse().ok()).collect();
+            (v.len() >= 4).then_some(v)
+        })
+        .collect()
+}
+
+/// Checks a bandwidth table: rows for every size in `sizes`, each with BW average > 0.
+fn check_bw(prog: &str, out: &str, sizes: &[f64]) {
+    let r = rows(out);
+    for s in sizes {
+        let row = r
+            .iter()
+            .find(|v| v[0] == *s)
+            .unwrap_or_else(|| panic!("{prog}: no row for {s} bytes in:\n{out}"));
+        // #bytes #iterations BW-peak BW-average MsgRate
+        assert!(row[3] > 0.0, "{prog}: {s} bytes: BW average {} in:\n{out}", row[3]);
+    }
+}
+
+/// Checks a latency table's row for `size`: t_min > 0, t_typical >= t_min.
+fn check_lat(prog: &str, out: &str, size: f64) {
+    let r = rows(out);
+    let row = r
+        .iter()
+        .find(|v| v[0] == size && v.len() >= 5)
+        .unwrap_or_else(|| panic!("{prog}: no latency row for {size} bytes in:\n{out}"));
+    // #bytes #iterations t_min t_max t_typical ...
+    assert!(
+        row[2] > 0.0 && row[4] >= row[2],
+        "{prog}: bad latency row {row:?} in:\n{out}"
+    );
+}
+
+const LIMIT: Duration = Duration::from_secs(60);
+
+/// `ibv_devinfo -v` lists flexns0 with an active Ethernet port whose GID 0 is the process's
+/// RoCEv2 address (set with FLEXNS_IBV_ADDR here).
+#[test]
+fn ibv_devinfo_lists_flexns0() {
+    if !have("ibv_devinfo_lists_flexns0", "ibv_devinfo", "ibverbs-utils") {
+        return;
+    }
+    let out = command("ibv_devinfo", &["-v"])
+        .env("FLEXNS_IBV_ADDR", "127.9.8.7")
+        .output()
+        .expect("ibv_devinfo runs");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "ibv_devinfo: {:?}\n{text}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for want in [
+        "hca_id:\tflexns0",
+        "PORT_ACTIVE (4)",
+        "active_mtu:\t\t4096 (5)",
+        "link_layer:\t\tEthernet",
+        "GID[  0]:\t\t::ffff:127.9.8.7, RoCE v2",
+        "atomic_cap:\t\t\tATOMIC_HCA (1)",
+    ] {
+        assert!(text.contains(want), "ibv_devinfo output lacks {want:?}:\n{text}");
+    }
+}
+
+/// `ibv_rc_pingpong` with buffer validation (`-c`) completes its iterations in both processes,
+/// polling and with completion events (`-e`).
+#[test]
+fn ibv_rc_pingpong_validates_its_buffers() {
+    if !have(
+        "ibv_rc_pingpong_validates_its_buffers",
+        "ibv_rc_pingpong",
+        "ibverbs-utils",
+    ) {
+        return;
+    }
+    for extra in [&[][..], &["-e"][..]] {
+        let mut args = vec!["-g", "0", "-c", "-n", "200", "-s", "4096"];
+        args.extend_from_slice(extra);
+        let (c, s) = pair("ibv_rc_pingpong", &args, "-p", LIMIT);
+        for (who, out) in [("client", &c), ("server", &s)] {
+            assert!(out.contains("200 iters in"), "{who} {args:?}:\n{out}");
+            assert!(
+                !out.contains("invalid data"),
+                "{who} {args:?}: validation failed:\n{out}"
+            );
+        }
+    }
+}
+
+/// perftest's bandwidth tests over every size from 2 B to 8 MiB (`-a`), in Gb/s.
+#[test]
+fn perftest_bw_all_sizes() {
+    if !have("perftest_bw_all_sizes", "ib_write_bw", "perftest") {
+        return;
+    }
+    let sizes: Vec<f64> = (1..=23).map(|k| (1u64 << k) as f64).collect();
+    for prog in ["ib_write_bw", "ib_read_bw", "ib_send_bw"] {
+        let (c, s) = pair(prog, &["-x", "0", "-a", "-n", "10", "--report_gbits"], "-p", LIMIT);
+        check_bw(prog, &c, &sizes);
+        if prog == "ib_send_bw" {
+            // the receiver reports too
+            check_bw(prog, &s, &[64.0, 1048576.0]);
+        }
+    }
+}
+
+/// perftest's latency tests at 64 B.
+#[test]
+fn perftest_latency() {
+    if !have("perftest_latency", "ib_send_lat", "perftest") {
+        return;
+    }
+    for prog in ["ib_send_lat", "ib_write_lat", "ib_read_lat"] {
+        let (c, _) = pair(prog, &["-x", "0", "-s", "64", "-n", "100"], "-p", LIMIT);
+        check_lat(prog, &c, 64.0);
+    }
+    // inline sends (the payload copied at post time)
+    let (c, _) = pair(
+        "ib_send_lat",
+        &["-x", "0", "-s", "64", "-n", "100", "-I", "64"],
+        "-p",
+        LIMIT,
+    );
+    check_lat("ib_send_lat -I 64", &c, 64.0);
+}
+
+/// perftest's atomics (fetch-and-add and compare-and-swap).
+#[test]
+fn perftest_atomics() {
+    if !have("perftest_atomics", "ib_atomic_bw", "perftest") {
+        return;
+    }
+    for atomic in ["FETCH_AND_ADD", "CMP_AND_SWAP"] {
+        let (c, _) = pair("ib_atomic_bw", &["-x", "0", "-n", "100", "-A", atomic], "-p", LIMIT);
+        check_bw("ib_atomic_bw", &c, &[8.0]);
+    }
+    let (c, _) = pair("ib_atomic_lat", &["-x", "0", "-n", "100"], "-p", LIMIT);
+    check_lat("ib_atomic_lat", &c, 8.0);
+}
+
+/// Programs that need a verb flexns lacks (UD QPs, SRQs, XRC domains) exit with an error
+/// message, not a crash, and the library names what it refused.
+#[test]
+fn missing_verbs_fail_cleanly() {
+    if !have("missing_verbs_fail_cleanly", "ibv_ud_pingpong", "ibverbs-utils") {
+        return;
+    }
+    for (prog, args, says) in [
+        ("ibv_ud_pingpong", &["-g", "0"][..], "qp_type 4 (UD) not supported"),
+        ("ibv_srq_pingpong", &["-g", "0"][..], "ibv_create_srq: not supported"),
+        ("ibv_xsrq_pingpong", &[][..], "Couldn't Open the XRC Domain"),
+    ] {
+        let out = finish(command(prog, args).spawn().expect("starts"), LIMIT, prog);
+        let err = String::from_utf8_lossy(&out.stderr);
+        // exit code 1: an error exit, not a signal
+        assert_eq!(out.status.code(), Some(1), "{prog}: {:?}\n{err}", out.status);
+        assert!(err.contains(says), "{prog}: stderr lacks {says:?}:\n{err}");
+    }
+}
