@@ -62,6 +62,10 @@ pub enum ClientError {
 
 type Result<T> = std::result::Result<T, ClientError>;
 
+/// How long a waiting call polls its completion ring before it sleeps on the eventfd (as long
+/// as netstack's default `spin_us`).
+const SPIN: Duration = Duration::from_micros(50);
+
 struct Inner {
     sock: OwnedFd,
     /// One command at a time.
@@ -376,7 +380,7 @@ impl Cq {
     pub fn wait(&self, timeout: Duration) -> Result<bool> {
         let start = Instant::now();
         let deadline = start + timeout;
-        while start.elapsed() < Duration::from_micros(20) {
+        while start.elapsed() < SPIN {
             if self.ready() {
                 return Ok(true);
             }

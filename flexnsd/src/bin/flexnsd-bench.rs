@@ -1,0 +1,286 @@
+//! `flexnsd-bench`: the same work through the in-process engine and through `flexnsd`, in
+//! interleaved pairs (issue 46's targets): WRITE 1 MiB bandwidth, SEND 64 B latency (post to the
+//! receiver's completion, p50), and CPU per operation (the application's, plus the daemon's in
+//! flexnsd mode). Two QPs of one context (or attachment) connected to each other, same host.
+
+use anyhow::{bail, Context as _};
+use clap::Parser;
+use netstack::verbs::{Access, RecvWr, SendWr, WcStatus, WrOpcode};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+/// In-process engine vs flexnsd, interleaved pairs.
+#[derive(Parser, Debug)]
+#[command(name = "flexnsd-bench")]
+struct Args {
+    /// Interleaved (in-process, flexnsd) pairs.
+    #[arg(long, default_value_t = 3)]
+    pairs: u32,
+    /// 1 MiB WRITEs per run.
+    #[arg(long, default_value_t = 300)]
+    writes: u32,
+    /// 64-byte SENDs per run (one at a time).
+    #[arg(long, default_value_t = 3000)]
+    sends: u32,
+    /// A configuration file for the daemon (flexnsd --config).
+    #[arg(long)]
+    daemon_config: Option<PathBuf>,
+    /// The flexnsd binary [default: next to this one].
+    #[arg(long)]
+    flexnsd: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct Run {
+    write_gbps: f64,
+    send_p50_us: f64,
+    /// CPU seconds (application + daemon) per 1 MiB WRITE and per 64 B SEND.
+    cpu_write_us: f64,
+    cpu_send_us: f64,
+}
+
+fn cpu_self() -> f64 {
+    flexnsd::sys::cpu_seconds_self()
+}
+
+fn cpu_of(pid: u32) -> f64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // fields after the command's closing parenthesis: utime and stime are the 12th and 13th
+    let rest = s.rsplit_once(')').map_or("", |x| x.1);
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let t = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    (t(11) + t(12)) / flexnsd::sys::clock_ticks_per_second()
+}
+
+/// The two ways of running the same verbs.
+trait Bench {
+    /// WRITEs `n` MiB one after another; returns the time.
+    fn writes(&self, n: u32) -> anyhow::Result<Duration>;
+    /// SENDs 64 B `n` times, one at a time; returns each one's latency.
+    fn sends(&self, n: u32) -> anyhow::Result<Vec<Duration>>;
+}
+
+const MIB: usize = 1 << 20;
+
+struct InProc {
+    a: netstack::verbs::Qp,
+    b: netstack::verbs::Qp,
+    cq_a: netstack::verbs::Cq,
+    cq_b: netstack::verbs::Cq,
+    src: netstack::verbs::Mr,
+    dst: netstack::verbs::Mr,
+    _ctx: netstack::verbs::Context,
+}
+
+impl InProc {
+    fn new() -> anyhow::Result<InProc> {
+        use netstack::verbs::*;
+        let ctx = Context::open(ContextConfig::default())?;
+        let pd = ctx.alloc_pd();
+        let src = pd.reg_mr(MIB, Access::ALL)?;
+        let dst = pd.reg_mr(MIB, Access::ALL)?;
+        let cq_a = ctx.create_cq(1024)?;
+        let cq_b = ctx.create_cq(1024)?;
+        let a = ctx.create_qp(&pd, &cq_a, &cq_a, QpInitAttr::default())?;
+        let b = ctx.create_qp(&pd, &cq_b, &cq_b, QpInitAttr::default())?;
+        a.connect(&b.local_endpoint())?;
+        b.connect(&a.local_endpoint())?;
+        Ok(InProc {
+            a,
+            b,
+            cq_a,
+            cq_b,
+            src,
+            dst,
+            _ctx: ctx,
+        })
+    }
+}
+
+fn ok(wc: Option<netstack::verbs::Wc>) -> anyhow::Result<()> {
+    match wc {
+        Some(w) if w.status == WcStatus::Success => Ok(()),
+        w => bail!("completion {w:?}"),
+    }
+}
+
+const T: Duration = Duration::from_secs(10);
+
+fn recv(wr_id: u64, sge: netstack::verbs::Sge) -> RecvWr {
+    RecvWr {
+        wr_id,
+        sg_list: [sge].into_iter().collect(),
+    }
+}
+
+impl Bench for InProc {
+    fn writes(&self, n: u32) -> anyhow::Result<Duration> {
+        let t = Instant::now();
+        for i in 0..n {
+            let wr = SendWr::new(u64::from(i), WrOpcode::RdmaWrite)
+                .sge(self.src.sge(0, MIB))
+                .remote(self.dst.addr(), self.dst.rkey());
+            self.a.post_send(wr)?;
+            ok(self.cq_a.next(T))?;
+        }
+        Ok(t.elapsed())
+    }
+    fn sends(&self, n: u32) -> anyhow::Result<Vec<Duration>> {
+        let mut lat = Vec::with_capacity(n as usize);
+        for i in 0..n {
+            self.b.post_recv(recv(u64::from(i), self.dst.sge(0, 64)))?;
+            let t = Instant::now();
+            self.a
+                .post_send(SendWr::new(u64::from(i), WrOpcode::Send).sge(self.src.sge(0, 64)))?;
+            ok(self.cq_b.next(T))?;
+            lat.push(t.elapsed());
+            ok(self.cq_a.next(T))?;
+        }
+        Ok(lat)
+    }
+}
+
+struct ViaDaemon {
+    a: flexnsd::client::Qp,
+    b: flexnsd::client::Qp,
+    cq_a: flexnsd::client::Cq,
+    cq_b: flexnsd::client::Cq,
+    src: flexnsd::client::Mr,
+    dst: flexnsd::client::Mr,
+    _pd: flexnsd::client::Pd,
+}
+
+impl ViaDaemon {
+    fn new(socket: &std::path::Path) -> anyhow::Result<ViaDaemon> {
+        use flexnsd::client::*;
+        let att = Attachment::connect(socket, "bench")?;
+        let pd = att.alloc_pd()?;
+        let src = pd.reg_mr(MIB, Access::ALL)?;
+        let dst = pd.reg_mr(MIB, Access::ALL)?;
+        let cq_a = att.create_cq(1024)?;
+        let cq_b = att.create_cq(1024)?;
+        let a = att.create_qp(&pd, &cq_a, &cq_a, QpInitAttr::default())?;
+        let b = att.create_qp(&pd, &cq_b, &cq_b, QpInitAttr::default())?;
+        a.connect(&b.local_endpoint()?)?;
+        b.connect(&a.local_endpoint()?)?;
+        Ok(ViaDaemon {
+            a,
+            b,
+            cq_a,
+            cq_b,
+            src,
+            dst,
+            _pd: pd,
+        })
+    }
+}
+
+impl Bench for ViaDaemon {
+    fn writes(&self, n: u32) -> anyhow::Result<Duration> {
+        let t = Instant::now();
+        for i in 0..n {
+            let wr = SendWr::new(u64::from(i), WrOpcode::RdmaWrite)
+                .sge(self.src.sge(0, MIB))
+                .remote(self.dst.addr(), self.dst.rkey());
+            self.a.post_send(wr)?;
+            ok(self.cq_a.next(T)?)?;
+        }
+        Ok(t.elapsed())
+    }
+    fn sends(&self, n: u32) -> anyhow::Result<Vec<Duration>> {
+        let mut lat = Vec::with_capacity(n as usize);
+        for i in 0..n {
+            self.b.post_recv(recv(u64::from(i), self.dst.sge(0, 64)))?;
+            let t = Instant::now();
+            self.a
+                .post_send(SendWr::new(u64::from(i), WrOpcode::Send).sge(self.src.sge(0, 64)))?;
+            ok(self.cq_b.next(T)?)?;
+            lat.push(t.elapsed());
+            ok(self.cq_a.next(T)?)?;
+        }
+        Ok(lat)
+    }
+}
+
+fn measure(b: &dyn Bench, args: &Args, daemon: Option<u32>) -> anyhow::Result<Run> {
+    let cpu = || cpu_self() + daemon.map_or(0.0, cpu_of);
+    b.writes(10)?; // warm up
+    let c0 = cpu();
+    let t = b.writes(args.writes)?;
+    let c1 = cpu();
+    let mut lat = b.sends(args.sends)?;
+    let c2 = cpu();
+    lat.sort();
+    Ok(Run {
+        write_gbps: f64::from(args.writes) * MIB as f64 * 8.0 / t.as_secs_f64() / 1e9,
+        send_p50_us: lat[lat.len() / 2].as_secs_f64() * 1e6,
+        cpu_write_us: (c1 - c0) / f64::from(args.writes) * 1e6,
+        cpu_send_us: (c2 - c1) / f64::from(args.sends) * 1e6,
+    })
+}
+
+fn main() {
+    if let Err(e) = run(Args::parse()) {
+        eprintln!("flexnsd-bench: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(args: Args) -> anyhow::Result<()> {
+    if args.writes == 0 || args.sends == 0 || args.pairs == 0 {
+        bail!("--pairs, --writes and --sends must be at least 1");
+    }
+    let exe = match &args.flexnsd {
+        Some(p) => p.clone(),
+        None => std::env::current_exe()?
+            .parent()
+            .context("this binary's directory")?
+            .join("flexnsd"),
+    };
+    let dir = std::env::temp_dir().join(format!("flexnsd-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let socket = dir.join("flexnsd.sock");
+    let mut cmd = std::process::Command::new(&exe);
+    cmd.arg("--socket").arg(&socket).env("RUST_LOG", "warn");
+    if let Some(c) = &args.daemon_config {
+        cmd.arg("--config").arg(c);
+    }
+    let mut daemon = cmd.spawn().with_context(|| format!("--flexnsd {}", exe.display()))?;
+    let deadline = Instant::now() + T;
+    while flexnsd::client::Attachment::connect(&socket, "probe").is_err() {
+        if Instant::now() > deadline {
+            let _ = daemon.kill();
+            bail!("flexnsd did not listen at {} within {T:?}", socket.display());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let result = (|| -> anyhow::Result<()> {
+        println!("mode      WRITE-1MiB-Gbit/s  SEND-64B-p50-us  CPU-us/WRITE  CPU-us/SEND");
+        let mut ratios = Vec::new();
+        for _ in 0..args.pairs {
+            let inproc = measure(&InProc::new()?, &args, None)?;
+            let via = measure(&ViaDaemon::new(&socket)?, &args, Some(daemon.id()))?;
+            for (name, r) in [("in-proc", inproc), ("flexnsd", via)] {
+                println!(
+                    "{name:8}  {:17.2}  {:15.1}  {:12.1}  {:11.2}",
+                    r.write_gbps, r.send_p50_us, r.cpu_write_us, r.cpu_send_us
+                );
+            }
+            ratios.push((
+                via.write_gbps / inproc.write_gbps,
+                via.send_p50_us / inproc.send_p50_us,
+                via.cpu_write_us / inproc.cpu_write_us,
+                via.cpu_send_us / inproc.cpu_send_us,
+            ));
+        }
+        println!("ratio flexnsd/in-proc per pair (targets: WRITE >= 0.9, SEND p50 <= 1.3, CPU <= 1.2):");
+        for (w, s, cw, cs) in ratios {
+            println!("  WRITE {w:.2}  SEND p50 {s:.2}  CPU/WRITE {cw:.2}  CPU/SEND {cs:.2}");
+        }
+        Ok(())
+    })();
+    let _ = daemon.kill();
+    let _ = daemon.wait();
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
