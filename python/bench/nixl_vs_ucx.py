@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """NIXL's agent API over flexns against the real NIXL with its UCX backend: the same transfer
-loop, written once against ``nixl._api`` (the import and the agent's configuration are the only
-differences), between two processes on one host, in host memory (DRAM), interleaved (flexns
-nixl-ucx, nixl-ucx flexns, ...), >= 3 pairs, fresh processes and a fresh pattern per run.
+loop, written once against ``nixl._api`` (the import is the only difference), between two
+processes on one host, in host memory (DRAM), interleaved (flexns nixl-ucx, nixl-ucx flexns,
+...), >= 3 pairs, fresh processes and a fresh pattern per run.
 
     python/bench/install-refs.sh nixl        # the real NIXL (PyPI nixl, UCX bundled)
     python3 python/bench/nixl_vs_ucx.py --json            # --case blocks|16MiB|both, --pairs 5
@@ -21,10 +21,10 @@ block last read into it, and the target that it got every transfer's notificatio
 (``verified``). Timing and CPU cover the timed loop only (after a warm-up of the connection);
 CPU is that of both processes (from /proc).
 
-The reference is what a user gets from ``pip install nixl``, configured as vLLM's
-NixlConnector configures it (``nixl_agent_config(num_threads=4, capture_telemetry=True)``, the
-UCX backend; ``--ucx-threads 0`` for NIXL's own default; flexns.nixl's configuration takes
-neither argument and runs its engine's defaults), with UCX left to its defaults
+Both agents are configured as vLLM's NixlConnector configures its own
+(``nixl_agent_config(num_threads=4, capture_telemetry=True)``, the UCX backend; ``--ucx-threads
+0`` for NIXL's own default; flexns.nixl accepts ``num_threads`` and leaves it unused). The
+reference is what a user gets from ``pip install nixl``, with UCX left to its defaults
 (UCX_TLS unset: UCX picks the transports; the lines' ``ucx_read_transports`` and
 ``ucx_am_transports`` name what its protocol selection printed for the READs and for the active
 messages that carry NIXL's notifications, from a ``UCX_PROTO_INFO=y`` run before the pairs).
@@ -72,12 +72,11 @@ def missing_reference():
 
 def make_agent(a, name):
     """A NIXL agent of system `a.system`, configured as vLLM's NixlConnector configures its
-    own (UCX with `num_threads`, telemetry on) where the system takes that configuration."""
+    own (the UCX backend, `num_threads`, telemetry on); the import is the only difference."""
     if a.system == "flexns":
         from flexns.nixl import nixl_agent, nixl_agent_config
-
-        return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
-    from nixl._api import nixl_agent, nixl_agent_config
+    else:
+        from nixl._api import nixl_agent, nixl_agent_config
 
     return nixl_agent(name, nixl_agent_config(backends=["UCX"], num_threads=a.ucx_threads, capture_telemetry=True))
 
@@ -387,7 +386,7 @@ def main():
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--duration", type=float, default=2.0)
     ap.add_argument("--ucx-threads", type=int, default=4,
-                    help="the real NIXL's num_threads for UCX (default 4: vLLM's NixlConnector's; 0: NIXL's default)")
+                    help="both agents' num_threads (default 4: vLLM's NixlConnector's; 0: NIXL's default)")
     ap.add_argument("--check", action="store_true", help="only say whether both systems import, exit 3 if not")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
