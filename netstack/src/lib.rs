@@ -32,9 +32,9 @@
 #![warn(unreachable_pub, missing_docs)]
 
 pub mod cc;
+mod chain;
 #[cfg(feature = "cli")]
 pub mod cli;
-mod chain;
 pub mod cm;
 pub mod config;
 mod engine;
