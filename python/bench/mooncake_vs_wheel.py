@@ -35,6 +35,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.dont_write_bytecode = True  # no __pycache__ beside the scripts of the checkout
 from samehost_batch import BLOCK, BLOCKS, TOTAL, memcpy_gbps, pattern, peak_rss_kib, proc_cpu, reset_peak_rss, stamp  # noqa: E402
 
 MISSING = 3
