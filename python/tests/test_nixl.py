@@ -261,3 +261,40 @@ def test_descriptor_inputs_and_device_memory_refused():
             a.deregister_memory(reg)
     finally:
         a.close()
+
+
+def test_nixl_1_5_positional_backends_and_handle_objects():
+    """NIXL 1.5 dropped ``is_sorted``: ``register_memory(list, mem_type, backends)`` and
+    ``prep_xfer_dlist(agent, list, mem_type, backends)`` take the backends fourth/third, and
+    its handles are objects with ``release()`` (released again by GC, never twice)."""
+    a = nixl_agent("solo15", nixl_agent_config(protocol="tcp"))
+    try:
+        buf = np.zeros(8192, dtype=np.uint8)
+        with pytest.raises(nixlNotFoundError, match="NOPE"):
+            a.register_memory([(buf.ctypes.data, 8192, 0, "")], "DRAM", ["NOPE"])
+        reg = a.register_memory([(buf.ctypes.data, 8192, 0, "")], "DRAM", ["UCX"])
+        rows = [(buf.ctypes.data, 4096, 0), (buf.ctypes.data + 4096, 4096, 0)]
+        with pytest.raises(nixlNotFoundError, match="NOPE"):
+            a.prep_xfer_dlist("", rows, "DRAM", ["NOPE"])
+        local = a.prep_xfer_dlist("", rows[:1], "DRAM", ["UCX"])
+        remote = a.prep_xfer_dlist("solo15", rows[1:], "DRAM")
+        assert "nixl_prepped_dlist_handle" in repr(local)
+        buf[:4096] = 9
+        h = a.make_prepped_xfer("WRITE", local, [0], remote, [0])
+        assert "nixl_xfer_handle" in repr(h)
+        state = a.transfer(h)
+        deadline = time.time() + 10
+        while state == "PROC" and time.time() < deadline:
+            state = a.check_xfer_state(h)
+        assert state == "DONE" and (buf[4096:] == 9).all()
+        h.release()
+        h.release()  # a second release does nothing, as NIXL's
+        with pytest.raises(nixlNotFoundError):
+            a.check_xfer_state(h)
+        local.release()
+        with pytest.raises(nixlNotFoundError):
+            a.release_dlist_handle(local)
+        a.release_dlist_handle(remote)
+        a.deregister_memory(reg)
+    finally:
+        a.close()

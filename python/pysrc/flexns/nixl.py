@@ -88,8 +88,61 @@ DEFAULT_COMM_PORT = 8888
 # compares against them; flexns.nixl's descriptor lists carry the memory type by name.
 DRAM_SEG, VRAM_SEG, BLK_SEG, OBJ_SEG, FILE_SEG = range(5)
 NIXL_READ, NIXL_WRITE = 0, 1
-nixl_prepped_dlist_handle = int
-nixl_xfer_handle = int
+
+
+class _Handle(int):
+    """NIXL 1.5's handle objects (``nixl_prepped_dlist_handle``, ``nixl_xfer_handle``): opaque,
+    with ``release()``; released when garbage-collected, as NIXL's are. They are ints too, so
+    code written for older NIXL, which returned plain integers, keeps working."""
+
+    def __new__(cls, agent, value: int):
+        h = super().__new__(cls, value)
+        h._agent = agent
+        h._released = False
+        return h
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(0x{int(self):x}, released={self._released})"
+
+    def release(self):
+        if not self._released:
+            self._release(self._agent, int(self))
+            self._released = True
+
+    def __del__(self):
+        if not self._released:
+            try:
+                self._release_quietly(self._agent, int(self))
+            except Exception:  # noqa: BLE001 (finalizers never raise; NIXL logs and goes on)
+                pass
+
+
+class nixl_prepped_dlist_handle(_Handle):
+    """A prepared descriptor list (``prep_xfer_dlist``)."""
+
+    @staticmethod
+    def _release(agent, h):
+        agent.release_dlist_handle(h)
+
+    @staticmethod
+    def _release_quietly(agent, h):
+        agent._dlists.pop(h, None)
+
+
+class nixl_xfer_handle(_Handle):
+    """A transfer request (``make_prepped_xfer``, ``initialize_xfer``). Released while it is in
+    progress, it raises, as NIXL does when it cannot cancel; dropped while in progress, the
+    request stays with its agent until it ends."""
+
+    @staticmethod
+    def _release(agent, h):
+        agent.release_xfer_handle(h)
+
+    @staticmethod
+    def _release_quietly(agent, h):
+        x = agent._xfers.get(h)
+        if x is not None and x.state != "PROC":
+            del agent._xfers[h]
 
 _MAGIC = b"FLEXNS-NIXL1\n"
 _HOST_MEM = {"DRAM": "DRAM", "cpu": "DRAM"}
@@ -388,7 +441,7 @@ class nixl_agent:
                 raise nixlNotFoundError(f"backends: {b!r} is not instantiated in agent {self.name}")
 
     # ---- descriptor lists ----
-    def get_xfer_descs(self, descs, mem_type: Optional[str] = None, is_sorted: bool = False) -> nixlXferDList:
+    def get_xfer_descs(self, descs, mem_type: Optional[str] = None, *, is_sorted: bool = False) -> nixlXferDList:
         if isinstance(descs, nixlXferDList):
             return descs
         if isinstance(descs, nixlRegDList):
@@ -396,7 +449,7 @@ class nixl_agent:
         rows, mt = _rows(descs, mem_type, reg=False)
         return nixlXferDList(mt, rows, is_sorted)
 
-    def get_reg_descs(self, descs, mem_type: Optional[str] = None, is_sorted: bool = False) -> nixlRegDList:
+    def get_reg_descs(self, descs, mem_type: Optional[str] = None, *, is_sorted: bool = False) -> nixlRegDList:
         if isinstance(descs, nixlRegDList):
             return descs
         if isinstance(descs, nixlXferDList):
@@ -415,9 +468,9 @@ class nixl_agent:
         return cls(d["mem"], [tuple(x) for x in d["descs"]])
 
     # ---- memory ----
-    def register_memory(self, reg_list, mem_type: Optional[str] = None, is_sorted: bool = False, backends: list[str] = []) -> nixlRegDList:  # noqa: B006
+    def register_memory(self, reg_list, mem_type: Optional[str] = None, backends: list[str] = [], *, is_sorted: bool = False) -> nixlRegDList:  # noqa: B006
         self._check_backends(backends)
-        descs = self.get_reg_descs(reg_list, mem_type, is_sorted)
+        descs = self.get_reg_descs(reg_list, mem_type, is_sorted=is_sorted)
         done = []
         for i, (addr, length, _dev, _meta) in enumerate(descs):
             if self.engine.register_memory(addr, length) != 0:
@@ -512,9 +565,9 @@ class nixl_agent:
                 raise nixlNotFoundError(f"descriptor {i} ({a:#x}, {n}) is not inside memory {whose} registered")
 
     # ---- transfers ----
-    def prep_xfer_dlist(self, agent_name: str, xfer_list, mem_type: Optional[str] = None, is_sorted: bool = False, backends: list[str] = []) -> int:  # noqa: B006
+    def prep_xfer_dlist(self, agent_name: str, xfer_list, mem_type: Optional[str] = None, backends: list[str] = [], *, is_sorted: bool = False) -> "nixl_prepped_dlist_handle":  # noqa: B006
         self._check_backends(backends)
-        descs = self.get_xfer_descs(xfer_list, mem_type, is_sorted)
+        descs = self.get_xfer_descs(xfer_list, mem_type, is_sorted=is_sorted)
         if agent_name in ("", "NIXL_INIT_AGENT"):
             self._check_inside(self._regs, descs, f"agent {self.name}")
             agent = None
@@ -523,7 +576,7 @@ class nixl_agent:
             agent = agent_name
         h = next(self._ids)
         self._dlists[h] = (agent, descs)
-        return h
+        return nixl_prepped_dlist_handle(self, h)
 
     def release_dlist_handle(self, handle: int):
         if self._dlists.pop(handle, None) is None:
@@ -547,7 +600,7 @@ class nixl_agent:
         notif = self._check_notif(_as_bytes(notif_msg, "notif_msg"))
         h = next(self._ids)
         self._xfers[h] = _Xfer(operation, agent, pieces, notif)
-        return h
+        return nixl_xfer_handle(self, h)
 
     def make_prepped_xfer(self, operation: str, local_xfer_side: int, local_indices: list[int], remote_xfer_side: int, remote_indices: list[int], notif_msg: bytes = b"", backends: list[str] = [], skip_desc_merge: bool = False) -> int:  # noqa: B006
         self._check_backends(backends)
