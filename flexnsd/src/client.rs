@@ -509,6 +509,14 @@ impl Qp {
         self.push(words)
     }
 
+    /// Its transport counters, from the daemon's engine.
+    pub fn stats(&self) -> Result<crate::proto::QpStats> {
+        match self.att.inner.call(&Request::QpStats { qp: self.handle }, &[])? {
+            Reply::QpStats(s) => Ok(s),
+            r => Err(unexpected(r)),
+        }
+    }
+
     /// Stores `tail` as the send ring's tail without writing entries: what a broken or hostile
     /// application can do to the ring it shares (for tests of the daemon's checks).
     pub fn store_raw_tail(&self, tail: u64) {

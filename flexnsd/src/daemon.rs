@@ -165,6 +165,9 @@ struct AppQp {
     recv_cq: u32,
     /// Closed for a fault: served no more.
     fault: Option<RingFault>,
+    /// Send WRs taken from the ring that the engine's full queue refused, in order (the ring
+    /// is not read until they are posted; at most one pass's worth).
+    deferred: VecDeque<netstack::verbs::SendWr>,
 }
 
 /// One attachment. Fields drop in order: QPs before the MRs and CQs they use.
@@ -491,6 +494,7 @@ impl App {
                         send_cq,
                         recv_cq,
                         fault: None,
+                        deferred: VecDeque::new(),
                     },
                 );
                 self.counts.qps += 1;
@@ -511,6 +515,16 @@ impl App {
                 self.counts.qps -= 1;
                 Ok(Reply::Done)
             }
+            Request::QpStats { qp } => {
+                let st = self.qp(qp)?.qp.stats();
+                Ok(Reply::QpStats(proto::QpStats {
+                    tx_packets: st.tx_packets,
+                    rx_packets: st.rx_packets,
+                    retransmitted_packets: st.retransmitted_packets,
+                    rnr_naks_sent: st.rnr_naks_sent,
+                    rnr_naks_received: st.rnr_naks_received,
+                }))
+            }
             Request::Status => {
                 self.publish();
                 Ok(Reply::Status(self.d.status()))
@@ -525,11 +539,57 @@ impl App {
     }
 
     /// Takes new work requests from every send ring into the engine.
+    ///
+    /// Posts keep the application's order across QPs where it matters: a receive posted on one
+    /// QP before a SEND on another (that the first QP receives) must reach the engine first, or
+    /// the SEND meets no receive and waits out an RNR timer. So the tails are read twice; a send
+    /// entry is taken only below the first reading (everything the application wrote before it,
+    /// on any ring, is below the second), and a pass posts every receive it took before any send.
     fn drain_rings(&mut self) -> bool {
         let mut any = false;
         let mut failed: Vec<(u32, Wc)> = Vec::new();
+        let fail = |failed: &mut Vec<(u32, Wc)>, cq: u32, wr_id: u64, opcode: WcOpcode, qpn: u32| {
+            failed.push((
+                cq,
+                Wc {
+                    wr_id,
+                    status: WcStatus::LocQpOpErr,
+                    opcode,
+                    qp_num: qpn,
+                    ..EMPTY_WC
+                },
+            ))
+        };
+        // sends the engine's full queue refused earlier go first, in order
         for q in self.qps.values_mut() {
-            if q.fault.is_some() {
+            while let Some(wr) = q.deferred.pop_front() {
+                let (id, op, len) = (wr.wr_id, wr.opcode, wr.total_len());
+                match q.qp.post_send(wr.clone()) {
+                    Ok(()) => {
+                        self.counts.wrs += 1;
+                        self.counts.bytes += len;
+                        any = true;
+                    }
+                    Err(VerbsError::Post(netstack::transport::rc::PostError::QueueFull(_))) => {
+                        q.deferred.push_front(wr);
+                        break;
+                    }
+                    Err(e) => {
+                        tracing::debug!("attachment {}: QP {}: post refused: {e}", self.id, q.qp.qp_num());
+                        self.counts.errors += 1;
+                        fail(&mut failed, q.send_cq, id, WcOpcode::from_wr(op), q.qp.qp_num());
+                    }
+                }
+            }
+        }
+        let first: Vec<u64> = self
+            .qps
+            .values()
+            .map(|q| q.ring.word(shm::SQ_TAIL).load(Ordering::Acquire))
+            .collect();
+        let mut sends: Vec<(u32, Vec<netstack::verbs::SendWr>)> = Vec::new();
+        for (q, t1) in self.qps.values_mut().zip(first) {
+            if q.fault.is_some() || !q.deferred.is_empty() {
                 continue;
             }
             let tail = q.ring.word(shm::SQ_TAIL).load(Ordering::Acquire);
@@ -538,9 +598,9 @@ impl App {
                 continue;
             }
             any = true;
-            if n > q.slots as u64 {
-                // an index out of range, or more entries than the ring has: the ring is closed
-                // and the QP flushed, for this application only
+            if n > q.slots as u64 || t1.wrapping_sub(q.head) > n {
+                // an index out of range, or more entries than the ring has (or a tail that
+                // went back): the ring is closed and the QP flushed, for this application only
                 tracing::warn!(
                     "attachment {}: QP {} ring tail {tail} is {n} past head {} (ring of {}): closed",
                     self.id,
@@ -556,47 +616,66 @@ impl App {
                 self.counts.errors += 1;
                 continue;
             }
-            for _ in 0..n.min(BATCH) {
+            let qpn = q.qp.qp_num();
+            let mut mine = Vec::new();
+            let end = q.head + n.min(BATCH);
+            while q.head < end {
                 let w = q.ring.read_words::<8>(shm::slot_off(q.head, q.slots, shm::WQE_BYTES));
-                let posted = match shm::decode(w) {
-                    Ok(Wqe::Send(wr)) => {
-                        let (id, op, len) = (wr.wr_id, wr.opcode, wr.total_len());
-                        match q.qp.post_send(wr) {
-                            Ok(()) => {
-                                self.counts.bytes += len;
-                                Ok(())
-                            }
-                            Err(e) => Err((e, q.send_cq, id, WcOpcode::from_wr(op))),
-                        }
-                    }
+                match shm::decode(w) {
+                    // a send the first reading did not cover waits for the next pass
+                    Ok(Wqe::Send(_)) if q.head >= t1 => break,
+                    Ok(Wqe::Send(wr)) => mine.push(wr),
                     Ok(Wqe::Recv(wr)) => {
                         let id = wr.wr_id;
-                        q.qp.post_recv(wr).map_err(|e| (e, q.recv_cq, id, WcOpcode::Recv))
+                        match q.qp.post_recv(wr) {
+                            Ok(()) => self.counts.wrs += 1,
+                            Err(e) => {
+                                tracing::debug!("attachment {}: QP {qpn}: receive refused: {e}", self.id);
+                                self.counts.errors += 1;
+                                fail(&mut failed, q.recv_cq, id, WcOpcode::Recv, qpn);
+                            }
+                        }
                     }
-                    Err(why) => Err((VerbsError::Invalid(why.into()), q.send_cq, w[0], WcOpcode::Send)),
-                };
-                match posted {
-                    Ok(()) => self.counts.wrs += 1,
-                    // the engine's queue is full: this entry waits in the ring
-                    Err((VerbsError::Post(netstack::transport::rc::PostError::QueueFull(_)), ..)) => break,
-                    Err((e, cq, wr_id, opcode)) => {
-                        tracing::debug!("attachment {}: QP {}: post refused: {e}", self.id, q.qp.qp_num());
+                    Err(why) => {
+                        tracing::debug!("attachment {}: QP {qpn}: bad ring entry: {why}", self.id);
                         self.counts.errors += 1;
-                        failed.push((
-                            cq,
-                            Wc {
-                                wr_id,
-                                status: WcStatus::LocQpOpErr,
-                                opcode,
-                                qp_num: q.qp.qp_num(),
-                                ..EMPTY_WC
-                            },
-                        ));
+                        fail(&mut failed, q.send_cq, w[0], WcOpcode::Send, qpn);
                     }
                 }
                 q.head += 1;
             }
             q.ring.word(shm::SQ_HEAD).store(q.head, Ordering::Release);
+            if !mine.is_empty() {
+                sends.push((qpn, mine));
+            }
+        }
+        // every receive of this pass is posted; now the sends
+        for (qpn, wrs) in sends {
+            let Some(q) = self.qps.values_mut().find(|q| q.qp.qp_num() == qpn) else {
+                continue;
+            };
+            let mut wrs = wrs.into_iter();
+            for wr in wrs.by_ref() {
+                let (id, op, len) = (wr.wr_id, wr.opcode, wr.total_len());
+                match q.qp.post_send(wr.clone()) {
+                    Ok(()) => {
+                        self.counts.wrs += 1;
+                        self.counts.bytes += len;
+                    }
+                    // the engine's queue is full: this one and the rest wait in the daemon
+                    // (and the ring is not read until they are posted)
+                    Err(VerbsError::Post(netstack::transport::rc::PostError::QueueFull(_))) => {
+                        q.deferred.push_back(wr);
+                        break;
+                    }
+                    Err(e) => {
+                        tracing::debug!("attachment {}: QP {qpn}: post refused: {e}", self.id);
+                        self.counts.errors += 1;
+                        fail(&mut failed, q.send_cq, id, WcOpcode::from_wr(op), qpn);
+                    }
+                }
+            }
+            q.deferred.extend(wrs);
         }
         for (cq, wc) in failed {
             if let Some(c) = self.cqs.get_mut(&cq) {

@@ -71,6 +71,11 @@ pub enum Request {
         /// The QP.
         qp: u32,
     },
+    /// The transport counters of one QP.
+    QpStats {
+        /// The QP.
+        qp: u32,
+    },
     /// The daemon's counts.
     Status,
 }
@@ -107,6 +112,8 @@ pub enum Reply {
     Done,
     /// The daemon's counts.
     Status(Status),
+    /// A QP's transport counters.
+    QpStats(QpStats),
     /// Refused: the field at fault, and why.
     Err {
         /// The request field (or `fds`, `message`) that was bad.
@@ -129,6 +136,21 @@ pub struct Status {
     pub mapped_memfds: u64,
     /// The daemon's open file descriptors (from /proc/self/fd).
     pub open_fds: u64,
+}
+
+/// Transport counters of one QP (a subset of netstack's `RcStats`).
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct QpStats {
+    /// Packets sent.
+    pub tx_packets: u64,
+    /// Packets received.
+    pub rx_packets: u64,
+    /// Packets sent again.
+    pub retransmitted_packets: u64,
+    /// RNR NAKs sent (a message arrived before a receive was posted).
+    pub rnr_naks_sent: u64,
+    /// RNR NAKs received.
+    pub rnr_naks_received: u64,
 }
 
 /// One attachment's objects and traffic.

@@ -22,12 +22,21 @@ struct Daemon {
 
 impl Daemon {
     fn start(tag: &str) -> Daemon {
+        Daemon::start_with(tag, "")
+    }
+
+    /// A daemon whose engine context has `context` (TOML lines) besides its address.
+    fn start_with(tag: &str, context: &str) -> Daemon {
         let dir = std::env::temp_dir().join(format!("flexnsd-test-{}-{tag}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let socket = dir.join("flexnsd.sock");
         let config = dir.join("flexnsd.toml");
-        std::fs::write(&config, "spin_us = 50\n[context]\nbind = \"127.0.0.1:0\"\n").unwrap();
+        std::fs::write(
+            &config,
+            format!("spin_us = 50\n[context]\nbind = \"127.0.0.1:0\"\n{context}\n"),
+        )
+        .unwrap();
         let child = Command::new(env!("CARGO_BIN_EXE_flexnsd"))
             .arg("--socket")
             .arg(&socket)
@@ -492,6 +501,49 @@ fn hostile_app_gets_errors_and_the_daemon_keeps_serving_others() {
     }
     assert!(d.child.try_wait().unwrap().is_none(), "the daemon is still running");
     refused(h.raw_call(&Request::QpEndpoint { qp: 12345 }, &[]), "qp");
+}
+
+/// Receives posted before SENDs on other QPs reach the engine before those SENDs, as they do
+/// in-process: ping-pong between two QPs of one application, each SEND right after the receive
+/// for it on the other QP, meets no RNR NAK. (A daemon that drained the QPs' rings one after
+/// the other could post a SEND before the receive the application posted before it: in one
+/// of the two directions, whichever order it drains them in.)
+#[test]
+fn receives_posted_before_sends_on_other_qps_come_first() {
+    // run to completion: the daemon's post runs the engine's core at once, so a SEND posted
+    // before its receive reaches the peer QP first
+    let d = Daemon::start_with("order", "drive = \"application\"");
+    let att = d.attach("order");
+    let a = node(att.clone());
+    let b = node(att);
+    a.qp.connect(&b.qp.local_endpoint().unwrap()).unwrap();
+    b.qp.connect(&a.qp.local_endpoint().unwrap()).unwrap();
+    fill(&a.mr, 0, 64, 0xA0);
+    fill(&b.mr, 0, 64, 0xB0);
+    for i in 0..60u64 {
+        // even rounds a -> b, odd rounds b -> a; each after the daemon fell asleep, so that
+        // the doorbell of the receive wakes it to find both entries
+        std::thread::sleep(Duration::from_millis(2));
+        let (tx, rx) = if i % 2 == 0 { (&a, &b) } else { (&b, &a) };
+        rx.qp.post_recv(recv(i, rx.mr.sge(4096, 64))).unwrap();
+        tx.qp
+            .post_send(SendWr::new(i, WrOpcode::Send).sge(tx.mr.sge(0, 64)))
+            .unwrap();
+        assert_eq!(done(&rx.cq, i, WcOpcode::Recv), 64);
+        done(&tx.cq, i, WcOpcode::Send);
+        check(
+            &rx.mr,
+            4096,
+            64,
+            if i % 2 == 0 { 0xA0 } else { 0xB0 },
+            "the SEND's bytes",
+        );
+    }
+    for n in [&a, &b] {
+        let st = n.qp.stats().unwrap();
+        assert_eq!((st.rnr_naks_sent, st.rnr_naks_received), (0, 0), "{st:?}");
+        assert!(st.rx_packets >= 30, "{st:?}");
+    }
 }
 
 fn recv(wr_id: u64, sge: netstack::verbs::Sge) -> RecvWr {
