@@ -41,7 +41,29 @@ impl Daemon {
     /// Accepts attachments on `listener` forever, one thread each.
     pub fn serve(self: &Arc<Daemon>, listener: OwnedFd) -> std::io::Result<()> {
         loop {
-            let sock = sys::accept(listener.as_fd())?;
+            let sock = match sys::accept(listener.as_fd()) {
+                Ok(s) => s,
+                // out of descriptors or memory for now, or a connection that died before it
+                // was accepted: the attached applications are served on; try again shortly
+                Err(e)
+                    if matches!(
+                        e.raw_os_error(),
+                        Some(
+                            libc::EMFILE
+                                | libc::ENFILE
+                                | libc::ENOBUFS
+                                | libc::ENOMEM
+                                | libc::ECONNABORTED
+                                | libc::EPROTO
+                        )
+                    ) =>
+                {
+                    tracing::warn!("accept: {e}");
+                    std::thread::sleep(Duration::from_millis(10));
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
             let id = self.next_app.fetch_add(1, Ordering::Relaxed);
             let d = self.clone();
             std::thread::Builder::new()
