@@ -384,7 +384,9 @@ impl Cq {
             if self.ready() {
                 return Ok(true);
             }
-            std::hint::spin_loop();
+            // yield between looks, as the daemon and the engine's adaptive mode do: the daemon
+            // thread that writes this ring may be waiting for this core
+            std::thread::yield_now();
         }
         loop {
             self.ring.word(shm::CQ_ARMED).store(1, Ordering::SeqCst);
