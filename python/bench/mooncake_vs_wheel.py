@@ -27,18 +27,17 @@ how to install it and exits with status 3 (``--check`` only checks).
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.dont_write_bytecode = True  # no __pycache__ beside the scripts of the checkout
-from samehost_batch import BLOCK, BLOCKS, TOTAL, memcpy_gbps, pattern, peak_rss_kib, proc_cpu, reset_peak_rss, stamp  # noqa: E402
+from _bench import (  # noqa: E402
+    ask, channel, delta, emitter, memcpy_gbps, pair_args, parse, ratio_line, reap, run_pairs, spawn, timed_loop)
+from samehost_batch import (  # noqa: E402
+    BLOCK, BLOCKS, TOTAL, batch_line, pattern, stamp, timed_and_checked, verify)
 
-MISSING = 3
 SYSTEMS = ("flexns", "mooncake-tcp")
 TARGET = 2.0
 PROTOCOL = {"flexns": "flexns", "mooncake-tcp": "tcp"}
@@ -85,23 +84,6 @@ def session(e):
     return e.get_session_id() if hasattr(e, "get_session_id") else f"127.0.0.1:{e.get_rpc_port()}"
 
 
-def die_with_parent():
-    """A child dies with the benchmark, however it ends (PR_SET_PDEATHSIG, SIGKILL)."""
-    import ctypes
-    import signal
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)
-
-
-def channel():
-    """This child's line channel to the parent: stdout, moved aside, so that what the engines
-    print (the wheel's glog lines) goes to stderr."""
-    die_with_parent()
-    out = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
-    return out
-
-
 def decode_role(a):
     out = channel()
     eng = engine(a.system)
@@ -112,12 +94,7 @@ def decode_role(a):
     for line in sys.stdin:
         m = json.loads(line)
         if m["cmd"] == "check":
-            data, perm = pattern(m["seed"])
-            stamp(data, m["calls"])
-            got = buf.reshape(BLOCKS, BLOCK)
-            want = data.reshape(BLOCKS, BLOCK)
-            ok = all(np.array_equal(got[perm[i]], want[i]) for i in range(BLOCKS))
-            out.write(json.dumps({"verified": bool(ok)}) + "\n")
+            out.write(json.dumps({"verified": verify(buf, m["seed"], m["calls"])}) + "\n")
         elif m["cmd"] == "quit":
             break
     os._exit(0)
@@ -145,46 +122,20 @@ def prefill_role(a):
     s0 = stats() or {}
     out.write(json.dumps({"ready": True}) + "\n")
     sys.stdin.readline()
-    lat = []
-    calls = 0
-    start = time.perf_counter()
-    until = start + go["duration"]
-    while True:
-        calls += 1
-        stamp(view, calls)
-        t0 = time.perf_counter()
+
+    def step(i):
         if write(go["target"], srcs, dsts, lens) != 0:
-            raise RuntimeError(f"batch_transfer_sync_write failed (call {calls})")
-        t1 = time.perf_counter()
-        lat.append(t1 - t0)
-        if t1 >= until and calls >= 3:
-            break
-    took = time.perf_counter() - start
-    s1 = stats() or {}
-    lat.sort()
-    out.write(json.dumps({
-        "calls": calls, "secs": took, "p50_us": lat[len(lat) // 2] * 1e6, "p99_us": lat[int(len(lat) * 0.99)] * 1e6,
-        "stack": {k: s1[k] - s0.get(k, 0) for k in s1},
-    }) + "\n")
+            raise RuntimeError(f"batch_transfer_sync_write failed (call {i + 1})")
+
+    r = timed_loop(go["duration"], step, before=lambda i: stamp(view, i + 1))
+    r["stack"] = delta(s0, stats() or {})
+    out.write(json.dumps(r) + "\n")
     sys.stdin.readline()  # quit
     os._exit(0)
 
 
 def child(role, system, env):
-    return subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), "--role", role, "--system", system],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-
-
-def ask(p, obj=None):
-    if obj is not None:
-        p.stdin.write((obj if isinstance(obj, str) else json.dumps(obj)) + "\n")
-        p.stdin.flush()
-    line = p.stdout.readline()
-    if not line:
-        p.wait()
-        raise RuntimeError(f"the {p.args[3]} process of {p.args[5]} exited with {p.returncode} (its error is above)")
-    return json.loads(line)
+    return spawn(__file__, role, system, ["--system", system], env)
 
 
 def run(system, duration, memcpy):
@@ -196,43 +147,11 @@ def run(system, duration, memcpy):
         pre = child("prefill", system, env)
         seed = int.from_bytes(os.urandom(8), "little")
         ask(pre, {"target": d["session"], "remote": d["addr"], "seed": seed, "duration": duration})
-        for p in (dec, pre):
-            reset_peak_rss(p.pid)
-        c0 = {p.pid: proc_cpu(p.pid) for p in (dec, pre)}
-        r = ask(pre, "go")
-        c1 = {p.pid: proc_cpu(p.pid) for p in (dec, pre)}
-        rss = {p.pid: peak_rss_kib(p.pid) for p in (dec, pre)}
-        v = ask(dec, {"cmd": "check", "seed": seed, "calls": r["calls"]})
-        pre.stdin.write("quit\n")
-        pre.stdin.flush()
-        dec.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
-        dec.stdin.flush()
-        for p in (pre, dec):
-            p.wait(30)
+        r, verified, cpus, rss = timed_and_checked(pre, dec, seed, "go")
     finally:
-        for p in (pre, dec):
-            if p is not None and p.poll() is None:
-                p.kill()
-                p.wait()
-    nbytes = r["calls"] * TOTAL
-    procs = []
-    for role, p in (("prefill", pre), ("decode", dec)):
-        cpu = round(c1[p.pid] - c0[p.pid], 3)
-        procs.append({
-            "role": role, "pid": p.pid, "cpu_secs": cpu, "cpu_us_per_op": round(cpu / r["calls"] * 1e6, 1),
-            "bytes_per_cpu_sec": round(nbytes / cpu) if cpu > 0 else None, "peak_rss_kib": rss[p.pid],
-        })
-    cpu = sum(p["cpu_secs"] for p in procs)
-    gbps = nbytes * 8 / r["secs"] / 1e9
-    line = {
-        "bench": "kvcache_batch_write", "system": system, "protocol": PROTOCOL[system], "memory": "numpy",
-        "msg_bytes": BLOCK, "batch": BLOCKS, "depth": 1, "ops": r["calls"], "bytes": nbytes,
-        "secs": round(r["secs"], 4), "gbps": round(gbps, 3), "p50_us": round(r["p50_us"], 1),
-        "p99_us": round(r["p99_us"], 1), "verified": v["verified"], "wait": "block", "memcpy_gbps": memcpy,
-        "of_memcpy": round(gbps / memcpy, 3), "cpu_secs": round(cpu, 3),
-        "cpu_us_per_op": round(cpu / r["calls"] * 1e6, 1),
-        "bytes_per_cpu_sec": round(nbytes / cpu) if cpu > 0 else None, "processes": procs,
-    }
+        reap(pre, dec)
+    line = batch_line({"system": system, "protocol": PROTOCOL[system], "memory": "numpy"}, r, verified, memcpy,
+                      (pre, dec), cpus, rss)
     if system == "flexns":
         st = r["stack"]
         line["link"] = os.environ.get("FLEXNS_LINK", "shm (default)")
@@ -245,52 +164,17 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--role", choices=["decode", "prefill"], help=argparse.SUPPRESS)
     ap.add_argument("--system", choices=SYSTEMS, help=argparse.SUPPRESS)
-    ap.add_argument("--pairs", type=int, default=3)
-    ap.add_argument("--duration", type=float, default=2.0)
+    pair_args(ap)
     ap.add_argument("--check", action="store_true", help="only say whether both engines import, exit 3 if not")
-    ap.add_argument("--json", action="store_true")
-    a = ap.parse_args()
-    if a.role == "decode":
-        return decode_role(a)
-    if a.role == "prefill":
-        return prefill_role(a)
-    why = missing_reference()
-    if why:
-        print(f"mooncake_vs_wheel: cannot compare: {why}", file=sys.stderr)
-        if a.json:
-            print(json.dumps({"bench": "skipped", "reason": why}), flush=True)
-        return MISSING
-    if a.check:
-        return 0
-    if a.pairs < 3:
-        ap.error("--pairs: a ratio needs at least 3 pairs")
-    if a.duration <= 0:
-        ap.error("--duration: seconds > 0")
-
-    def emit(r):
-        if a.json:
-            print(json.dumps(r), flush=True)
-        else:
-            print(" ".join(f"{k}={v}" for k, v in r.items() if k != "processes"), flush=True)
-
-    memcpy = memcpy_gbps()
-    runs = {s: [] for s in SYSTEMS}
-    for i in range(a.pairs):
-        # alternate which goes first, so drift on a shared machine falls on both
-        for system in (SYSTEMS if i % 2 == 0 else SYSTEMS[::-1]):
-            r = run(system, a.duration, memcpy)
-            runs[system].append(r)
-            emit(r)
-    fx, mc = runs["flexns"], runs["mooncake-tcp"]
-    ratios = [f["gbps"] / max(m["gbps"], 1e-9) for f, m in zip(fx, mc)]
-    cpu = [(f["cpu_secs"] / f["bytes"]) / max(m["cpu_secs"] / m["bytes"], 1e-18) for f, m in zip(fx, mc)]
-    emit({
-        "bench": "ratio", "metric": "gbps", "system": "flexns", "reference": "mooncake-tcp", "memory": "numpy",
-        "msg_bytes": BLOCK, "batch": BLOCKS, "pairs": a.pairs, "ratio": round(statistics.median(ratios), 3),
-        "ratios": [round(x, 3) for x in ratios], "target": TARGET,
-        "cpu_per_byte_ratio": round(statistics.median(cpu), 3), "cpu_per_byte_ratios": [round(x, 3) for x in cpu],
-        "wait": "block", "verified": all(r["verified"] for r in fx + mc),
-    })
+    a, status = parse(ap, {"decode": decode_role, "prefill": prefill_role}, "mooncake_vs_wheel", missing_reference)
+    if status is not None:
+        return status
+    emit = emitter(a.json)
+    memcpy = memcpy_gbps(BLOCK)
+    runs = run_pairs(SYSTEMS, a.pairs, lambda system: run(system, a.duration, memcpy), emit)
+    emit(ratio_line(
+        {"reference": "mooncake-tcp", "memory": "numpy", "msg_bytes": BLOCK, "batch": BLOCKS},
+        runs["flexns"], runs["mooncake-tcp"], TARGET, {"wait": "block"}))
     return 0
 
 

@@ -41,21 +41,22 @@ import argparse
 import json
 import os
 import re
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 import numpy as np
 
+sys.dont_write_bytecode = True  # no __pycache__ beside the scripts of the checkout
+from _bench import (  # noqa: E402
+    ask, channel, delta, emitter, measure, memcpy_gbps, pair_args, parse, ratio_line, reap, run_line, run_pairs, spawn,
+    tell, timed_loop)
+
 BLOCK = 16 << 10
 BLOCKS = 64
 REMOTE_BLOCKS = 256  # the target's pool: 4 MiB
 LOCAL_POOL = 64 << 20
 BIG = 16 << 20
-TICK = os.sysconf("SC_CLK_TCK")
-MISSING = 3
 SYSTEMS = ("flexns", "nixl-ucx")
 TARGETS = {"blocks": 1.5, "16MiB": 1.0}
 
@@ -81,41 +82,6 @@ def make_agent(a, name):
     return nixl_agent(name, nixl_agent_config(backends=["UCX"], num_threads=a.ucx_threads, capture_telemetry=True))
 
 
-def proc_cpu(pid):
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(") ", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
-
-
-def reset_peak_rss(pid):
-    try:
-        with open(f"/proc/{pid}/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
-def peak_rss_kib(pid):
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    return 0
-
-
-def memcpy_gbps(piece):
-    """What one core of this process copies in pieces of `piece` over 64 MiB buffers, best of 3."""
-    a = np.ones(64 << 20, dtype=np.uint8)
-    b = np.empty_like(a)
-    best = 0.0
-    for _ in range(3):
-        t = time.perf_counter()
-        for o in range(0, len(a), piece):
-            b[o:o + piece] = a[o:o + piece]
-        best = max(best, len(a) * 8 / (time.perf_counter() - t) / 1e9)
-    return round(best, 2)
-
-
 def shape(case):
     """(bytes per descriptor, descriptors per transfer, the target pool's descriptors)."""
     return (BLOCK, BLOCKS, REMOTE_BLOCKS) if case == "blocks" else (BIG, 1, 1)
@@ -131,23 +97,6 @@ def plan(case, seed):
 
 
 # ---- the child processes: JSON lines on a private descriptor, libraries' prints on stderr ----
-
-
-def die_with_parent():
-    """A child dies with the benchmark, however it ends (PR_SET_PDEATHSIG, SIGKILL)."""
-    import ctypes
-    import signal
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)
-
-
-def channel():
-    """This child's line channel to the parent: stdout, moved aside, so that whatever the
-    libraries print (UCX's protocol tables, NIXL's logger) goes to stderr."""
-    die_with_parent()
-    out = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
-    return out
 
 
 def target_role(a):
@@ -228,25 +177,10 @@ def initiator_role(a):
     s0 = stats(agent)
     out.write(json.dumps({"ready": True}) + "\n")
     sys.stdin.readline()
-    lat = []
-    calls = 0
-    start = time.perf_counter()
-    until = start + go["duration"]
-    while True:
-        t0 = time.perf_counter()
-        read(calls, "run")
-        calls += 1
-        t1 = time.perf_counter()
-        lat.append(t1 - t0)
-        if t1 >= until and calls >= 3:
-            break
-    took = time.perf_counter() - start
-    s1 = stats(agent)
-    lat.sort()
-    out.write(json.dumps({
-        "calls": calls, "secs": took, "p50_us": lat[len(lat) // 2] * 1e6, "p99_us": lat[int(len(lat) * 0.99)] * 1e6,
-        "stack": {k: s1[k] - s0.get(k, 0) for k in s1},
-    }) + "\n")
+    r = timed_loop(go["duration"], lambda i: read(i, "run"))
+    r["stack"] = delta(s0, stats(agent))
+    out.write(json.dumps(r) + "\n")
+    calls = r["calls"]
     # every slot the run wrote holds the target block last read into it
     src = np.random.default_rng(go["seed"]).integers(0, 256, size * pool, dtype=np.uint8).reshape(pool, size)
     got = local.reshape(-1, size)
@@ -270,21 +204,8 @@ def stats(agent):
 
 
 def child(role, system, case, env, ucx_threads, log=None):
-    return subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), "--role", role, "--system", system, "--case", case,
-         "--ucx-threads", str(ucx_threads)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
-
-
-def ask(p, obj=None):
-    if obj is not None:
-        p.stdin.write(json.dumps(obj) + "\n")
-        p.stdin.flush()
-    line = p.stdout.readline()
-    if not line:
-        p.wait()
-        raise RuntimeError(f"the {p.args[3]} process of {p.args[5]} exited with {p.returncode} (its error is above)")
-    return json.loads(line)
+    return spawn(__file__, role, system, ["--system", system, "--case", case, "--ucx-threads", str(ucx_threads)], env,
+                 log)
 
 
 def run(system, case, duration, memcpy, ucx_threads, proto_info=False):
@@ -303,44 +224,23 @@ def run(system, case, duration, memcpy, ucx_threads, proto_info=False):
         seed = int.from_bytes(os.urandom(8), "little")
         ask(tgt, {"md": i["md"], "seed": seed})
         ask(ini, {"md": t["md"], "addr": t["addr"], "seed": seed, "duration": duration})
-        for p in (tgt, ini):
-            reset_peak_rss(p.pid)
-        c0 = {p.pid: proc_cpu(p.pid) for p in (tgt, ini)}
-        r = ask(ini, {"go": True})
-        c1 = {p.pid: proc_cpu(p.pid) for p in (tgt, ini)}
-        rss = {p.pid: peak_rss_kib(p.pid) for p in (tgt, ini)}
+        r, cpus, rss = measure((ini, tgt), lambda: ask(ini, {"go": True}))
         v = ask(ini)
         n = ask(tgt, {"tag": "run", "sent": r["calls"]})
         for p in (tgt, ini):
-            p.stdin.write("quit\n")
-            p.stdin.flush()
+            tell(p, "quit")
         for p in (tgt, ini):
             p.wait(30)
     finally:
-        for p in (ini, tgt):
-            if p is not None and p.poll() is None:
-                p.kill()
-                p.wait()
+        reap(ini, tgt)
     size, per, _pool = shape(case)
-    nbytes = r["calls"] * size * per
-    procs = []
-    for role, p in (("initiator", ini), ("target", tgt)):
-        cpu = round(c1[p.pid] - c0[p.pid], 3)
-        procs.append({
-            "role": role, "pid": p.pid, "cpu_secs": cpu, "cpu_us_per_op": round(cpu / r["calls"] * 1e6, 1),
-            "bytes_per_cpu_sec": round(nbytes / cpu) if cpu > 0 else None, "peak_rss_kib": rss[p.pid],
-        })
-    cpu = sum(p["cpu_secs"] for p in procs)
-    gbps = nbytes * 8 / r["secs"] / 1e9
-    line = {
-        "bench": "nixl_read", "system": system, "case": case, "msg_bytes": size, "batch": per, "depth": 1,
-        "notif": True, "ops": r["calls"], "bytes": nbytes, "secs": round(r["secs"], 4), "gbps": round(gbps, 3),
-        "p50_us": round(r["p50_us"], 1), "p99_us": round(r["p99_us"], 1),
-        "verified": bool(v["verified"]) and n["missing"] == 0, "notifs": n["notifs"], "notifs_missing": n["missing"],
-        "wait": "spin", "memcpy_gbps": memcpy, "of_memcpy": round(gbps / memcpy, 3),
-        "cpu_secs": round(cpu, 3), "cpu_us_per_op": round(cpu / r["calls"] * 1e6, 1),
-        "bytes_per_cpu_sec": round(nbytes / cpu) if cpu > 0 else None, "processes": procs,
-    }
+    line = run_line(
+        {"bench": "nixl_read", "system": system, "case": case, "msg_bytes": size, "batch": per, "depth": 1,
+         "notif": True},
+        r, r["calls"] * size * per,
+        {"verified": bool(v["verified"]) and n["missing"] == 0, "notifs": n["notifs"], "notifs_missing": n["missing"],
+         "wait": "spin"},
+        memcpy, ("initiator", "target"), (ini, tgt), cpus, rss)
     if system == "flexns":
         st = r["stack"]
         line["link"] = os.environ.get("FLEXNS_LINK", "shm (default)")
@@ -383,36 +283,14 @@ def main():
     ap.add_argument("--role", choices=["target", "initiator"], help=argparse.SUPPRESS)
     ap.add_argument("--system", choices=SYSTEMS, help=argparse.SUPPRESS)
     ap.add_argument("--case", default="both", choices=["blocks", "16MiB", "both"])
-    ap.add_argument("--pairs", type=int, default=3)
-    ap.add_argument("--duration", type=float, default=2.0)
+    pair_args(ap)
     ap.add_argument("--ucx-threads", type=int, default=4,
                     help="both agents' num_threads (default 4: vLLM's NixlConnector's; 0: NIXL's default)")
     ap.add_argument("--check", action="store_true", help="only say whether both systems import, exit 3 if not")
-    ap.add_argument("--json", action="store_true")
-    a = ap.parse_args()
-    if a.role == "target":
-        return target_role(a)
-    if a.role == "initiator":
-        return initiator_role(a)
-    why = missing_reference()
-    if why:
-        print(f"nixl_vs_ucx: cannot compare: {why}", file=sys.stderr)
-        if a.json:
-            print(json.dumps({"bench": "skipped", "reason": why}), flush=True)
-        return MISSING
-    if a.check:
-        return 0
-    if a.pairs < 3:
-        ap.error("--pairs: a ratio needs at least 3 pairs")
-    if a.duration <= 0:
-        ap.error("--duration: seconds > 0")
-
-    def emit(r):
-        if a.json:
-            print(json.dumps(r), flush=True)
-        else:
-            print(" ".join(f"{k}={v}" for k, v in r.items() if k != "processes"), flush=True)
-
+    a, status = parse(ap, {"target": target_role, "initiator": initiator_role}, "nixl_vs_ucx", missing_reference)
+    if status is not None:
+        return status
+    emit = emitter(a.json)
     cases = ["blocks", "16MiB"] if a.case == "both" else [a.case]
     for case in cases:
         size, _per, _pool = shape(case)
@@ -420,24 +298,18 @@ def main():
         # which transports UCX picks for these READs, from a short run of its own
         _, logs = run("nixl-ucx", case, 0.1, memcpy, a.ucx_threads, proto_info=True)
         tls = ucx_transports(logs)
-        runs = {s: [] for s in SYSTEMS}
-        for i in range(a.pairs):
-            for system in (SYSTEMS if i % 2 == 0 else SYSTEMS[::-1]):
-                r, _ = run(system, case, a.duration, memcpy, a.ucx_threads)
-                if system == "nixl-ucx":
-                    r["ucx_read_transports"], r["ucx_am_transports"] = tls["read"], tls["am"]
-                runs[system].append(r)
-                emit(r)
-        fx, ref = runs["flexns"], runs["nixl-ucx"]
-        ratios = [f["gbps"] / max(u["gbps"], 1e-9) for f, u in zip(fx, ref)]
-        cpu = [(f["cpu_secs"] / f["bytes"]) / max(u["cpu_secs"] / u["bytes"], 1e-18) for f, u in zip(fx, ref)]
-        emit({
-            "bench": "ratio", "metric": "gbps", "system": "flexns", "reference": "nixl-ucx", "case": case,
-            "msg_bytes": size, "batch": shape(case)[1], "pairs": a.pairs, "ratio": round(statistics.median(ratios), 3),
-            "ratios": [round(x, 3) for x in ratios], "target": TARGETS[case],
-            "cpu_per_byte_ratio": round(statistics.median(cpu), 3), "cpu_per_byte_ratios": [round(x, 3) for x in cpu],
-            "ucx_read_transports": tls["read"], "ucx_am_transports": tls["am"], "wait": "spin", "verified": all(r["verified"] for r in fx + ref),
-        })
+
+        def run_one(system):
+            r, _ = run(system, case, a.duration, memcpy, a.ucx_threads)
+            if system == "nixl-ucx":
+                r["ucx_read_transports"], r["ucx_am_transports"] = tls["read"], tls["am"]
+            return r
+
+        runs = run_pairs(SYSTEMS, a.pairs, run_one, emit)
+        emit(ratio_line(
+            {"reference": "nixl-ucx", "case": case, "msg_bytes": size, "batch": shape(case)[1]},
+            runs["flexns"], runs["nixl-ucx"], TARGETS[case],
+            {"ucx_read_transports": tls["read"], "ucx_am_transports": tls["am"], "wait": "spin"}))
     return 0
 
 

@@ -22,20 +22,15 @@ import resource
 import statistics
 import subprocess
 import sys
-import time
 
 import numpy as np
 
 import flexns
 
+sys.dont_write_bytecode = True  # no __pycache__ beside the scripts of the checkout
+from _bench import emitter, proc_cpu, timed_loop  # noqa: E402
+
 SIZES = {"4KiB": 4 << 10, "1MiB": 1 << 20, "16MiB": 16 << 20}
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def proc_cpu(pid):
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(") ", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
 
 
 def self_cpu():
@@ -81,35 +76,27 @@ def python_run(exe, protocol, size, secs, seed):
         if remote == 0:
             raise RuntimeError(eng.last_error())
         slots = max(pool // size, 1)
-        lat = []
-        ops = 0
         sa, sp = src.ctypes.data, dec.segment
         write = eng.transfer_sync_write
-        cpu0, dcpu0 = self_cpu(), proc_cpu(dec.p.pid)
-        start = time.perf_counter()
-        until = start + secs
-        while True:
-            t0 = time.perf_counter()
-            if write(sp, sa, remote + (ops % slots) * size, size) != 0:
+
+        def step(i):
+            if write(sp, sa, remote + (i % slots) * size, size) != 0:
                 raise RuntimeError(f"python write of {size} B: {eng.last_error()}")
-            t1 = time.perf_counter()
-            lat.append(t1 - t0)
-            ops += 1
-            if t1 >= until and ops >= 3:
-                break
-        took = time.perf_counter() - start
+
+        cpu0, dcpu0 = self_cpu(), proc_cpu(dec.p.pid)
+        r = timed_loop(secs, step)
         cpu, dcpu = self_cpu() - cpu0, proc_cpu(dec.p.pid) - dcpu0
+        ops, took = r["calls"], r["secs"]
         verified = True
         for s in range(min(slots, ops)):
             if eng.transfer_sync_read(sp, check.ctypes.data, remote + s * size, size) != 0:
                 raise RuntimeError(f"verifying read: {eng.last_error()}")
             verified &= bool(np.array_equal(check, src))
-        lat.sort()
         return {
             "bench": "kvcache_write", "system": f"python-{protocol}", "msg_bytes": size, "depth": 1,
             "ops": ops, "bytes": ops * size, "secs": round(took, 4),
             "gbps": round(ops * size * 8 / took / 1e9, 3),
-            "p50_us": round(lat[len(lat) // 2] * 1e6, 2), "p99_us": round(lat[int(len(lat) * 0.99)] * 1e6, 2),
+            "p50_us": round(r["p50_us"], 2), "p99_us": round(r["p99_us"], 2),
             "verified": verified, "wait": "spin" if size <= 64 << 10 else "block",
             "cpu_secs": round(cpu + dcpu, 4), "cpu_us_per_op": round((cpu + dcpu) / ops * 1e6, 2),
             "processes": [
@@ -154,12 +141,7 @@ def main():
             ap.error(f"--sizes: {s!r} is not one of {', '.join(SIZES)}")
         sizes.append(SIZES[s])
 
-    def emit(r):
-        if a.json:
-            print(json.dumps(r), flush=True)
-        else:
-            print(" ".join(f"{k}={v}" for k, v in r.items() if k != "processes"), flush=True)
-
+    emit = emitter(a.json)
     for size in sizes:
         py, rs = [], []
         for i in range(a.pairs):
