@@ -176,6 +176,8 @@ struct AppCq {
     /// The daemon's own copy of the ring's tail (the ring's word is only published).
     tail: u64,
     notify: OwnedFd,
+    /// Completions polled from `cq` so far (compared with its produced count).
+    taken: u64,
     /// Completions the daemon made itself (refused posts) waiting for room.
     pending: VecDeque<Wc>,
 }
@@ -495,6 +497,7 @@ impl App {
                         slots,
                         tail,
                         notify,
+                        taken: 0,
                         pending: VecDeque::new(),
                     },
                 );
@@ -734,9 +737,15 @@ impl App {
     }
 
     /// Moves completions into every completion ring with room; wakes an armed waiter.
+    ///
+    /// Run to completion (`drive = "application"`), a poll of an engine CQ that finds nothing
+    /// runs the engine's cores once. One such poll per pass drives the engine; the other CQs
+    /// are polled only when their produced count says a completion waits, so a pass over an
+    /// attachment with many CQs is one engine pass, not one per CQ.
     fn drain_cqs(&mut self) -> bool {
         let mut any = false;
         let mut wcs = [EMPTY_WC; 32];
+        let mut drove = false;
         for c in self.cqs.values_mut() {
             let mut wrote = 0u64;
             loop {
@@ -754,8 +763,14 @@ impl App {
                         k += 1;
                     }
                     k
+                } else if drove && c.cq.produced() == c.taken {
+                    0
                 } else {
-                    c.cq.poll(&mut wcs[..room.min(32)])
+                    let k = c.cq.poll(&mut wcs[..room.min(32)]);
+                    c.taken = c.taken.wrapping_add(k as u64);
+                    // a poll that found nothing ran the engine (run to completion)
+                    drove |= k == 0;
+                    k
                 };
                 if n == 0 {
                     break;

@@ -2,6 +2,11 @@
 //! interleaved pairs (issue 46's targets): WRITE 1 MiB bandwidth, SEND 64 B latency (post to the
 //! receiver's completion, p50), and CPU per operation (the application's, plus the daemon's in
 //! flexnsd mode). Two QPs of one context (or attachment) connected to each other, same host.
+//!
+//! Polling discipline, the same on both sides by default: the application polls its CQ (its
+//! completion ring, through flexnsd) yielding between looks for 50 us, then sleeps on its
+//! eventfd (`--inproc-spin-us` changes the in-process side's); the in-process engine's threads
+//! and the daemon's attachment threads poll, yielding, for their `spin_us` (50), then sleep.
 
 use anyhow::{bail, Context as _};
 use clap::Parser;
@@ -28,6 +33,11 @@ struct Args {
     /// The flexnsd binary [default: next to this one].
     #[arg(long)]
     flexnsd: Option<PathBuf>,
+    /// Microseconds the in-process application polls its CQ (yielding between looks) before
+    /// it sleeps in `Cq::wait`: the same discipline as flexnsd's client, whose waits poll its
+    /// completion ring for 50 us. 0: netstack's `Cq::next`, which sleeps at once.
+    #[arg(long, default_value_t = 50)]
+    inproc_spin_us: u64,
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -70,10 +80,25 @@ struct InProc {
     src: netstack::verbs::Mr,
     dst: netstack::verbs::Mr,
     _ctx: netstack::verbs::Context,
+    /// How long a wait polls before it sleeps.
+    spin: Duration,
 }
 
 impl InProc {
-    fn new() -> anyhow::Result<InProc> {
+    /// One completion of `cq`: polled (yielding) for `spin`, then waited for.
+    fn next(&self, cq: &netstack::verbs::Cq) -> Option<netstack::verbs::Wc> {
+        let start = Instant::now();
+        let mut wc = [netstack::verbs::EMPTY_WC];
+        while start.elapsed() < self.spin {
+            if cq.poll(&mut wc) == 1 {
+                return Some(wc[0]);
+            }
+            std::thread::yield_now();
+        }
+        cq.next(T)
+    }
+
+    fn new(spin: Duration) -> anyhow::Result<InProc> {
         use netstack::verbs::*;
         let ctx = Context::open(ContextConfig::default())?;
         let pd = ctx.alloc_pd();
@@ -93,6 +118,7 @@ impl InProc {
             src,
             dst,
             _ctx: ctx,
+            spin,
         })
     }
 }
@@ -121,7 +147,7 @@ impl Bench for InProc {
                 .sge(self.src.sge(0, MIB))
                 .remote(self.dst.addr(), self.dst.rkey());
             self.a.post_send(wr)?;
-            ok(self.cq_a.next(T))?;
+            ok(self.next(&self.cq_a))?;
         }
         Ok(t.elapsed())
     }
@@ -132,9 +158,9 @@ impl Bench for InProc {
             let t = Instant::now();
             self.a
                 .post_send(SendWr::new(u64::from(i), WrOpcode::Send).sge(self.src.sge(0, 64)))?;
-            ok(self.cq_b.next(T))?;
+            ok(self.next(&self.cq_b))?;
             lat.push(t.elapsed());
-            ok(self.cq_a.next(T))?;
+            ok(self.next(&self.cq_a))?;
         }
         Ok(lat)
     }
@@ -255,10 +281,15 @@ fn run(args: Args) -> anyhow::Result<()> {
         std::thread::sleep(Duration::from_millis(20));
     }
     let result = (|| -> anyhow::Result<()> {
+        println!(
+            "in-process application polls its CQ {} us before sleeping; flexnsd's polls its ring 50 us",
+            args.inproc_spin_us
+        );
         println!("mode      WRITE-1MiB-Gbit/s  SEND-64B-p50-us  CPU-us/WRITE  CPU-us/SEND");
         let mut ratios = Vec::new();
         for _ in 0..args.pairs {
-            let inproc = measure(&InProc::new()?, &args, None)?;
+            let spin = Duration::from_micros(args.inproc_spin_us);
+            let inproc = measure(&InProc::new(spin)?, &args, None)?;
             let via = measure(&ViaDaemon::new(&socket)?, &args, Some(daemon.id()))?;
             for (name, r) in [("in-proc", inproc), ("flexnsd", via)] {
                 println!(
