@@ -25,11 +25,26 @@ use super::{DataCore, EngineShared};
 use crate::config::Drive;
 use crate::link::sys::{self, EventFd};
 use parking_lot::Mutex;
+use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// How long after an application thread last ran a core its backstop thread leaves it alone.
 pub(crate) const HANDOFF_NS: u64 = 1_000_000;
+
+/// Run to completion, a datagram that arrives while the application has not run the core for
+/// this long is taken in by the backstop at once, as an RNIC places a WRITE without the program
+/// calling anything (a program that spins on the last byte of its buffer, as `ib_write_lat`
+/// does, waits for it). An application that ran the core more recently is given until this
+/// long after its last call to call again; if it does, it is polling and receives its own
+/// arrivals.
+pub(crate) const ARRIVAL_GRACE_NS: u64 = 20_000;
+
+/// After the backstop found the application polling (or running the core), it stops watching
+/// arrivals for this long, doubled each time it finds it polling again (up to the hand-off
+/// time) and back to this after it took in an arrival itself: a program that polls all along
+/// costs a few wake-ups per hand-off time, one that stops calling waits at most this long more.
+pub(crate) const CALM_MIN_NS: u64 = 50_000;
 
 /// The data cores of a run-to-completion context, shared by its application threads and its
 /// backstop threads.
@@ -118,13 +133,74 @@ impl AppDrive {
     /// at once when it blocks in [`AppDrive::release`]) or the engine is told to stop. A
     /// driver task watches the core's wake-up eventfd itself: the backstop leaves it alone,
     /// or every command at depth would wake this thread too.
-    pub(super) fn wait_while_driven(&self, shared: &EngineShared, until: u64, now: u64) {
+    ///
+    /// Run to completion, the wait also watches `arrivals` (the core's receive descriptors;
+    /// `None` when the application held the core, so is running it now) and returns true when
+    /// a datagram waits that the application does not take in: it has not run the core for
+    /// [`ARRIVAL_GRACE_NS`]. The caller then runs one pass. `calm` is how long the wait leaves
+    /// arrivals unwatched after it finds the application polling ([`CALM_MIN_NS`]; the caller
+    /// keeps it between waits).
+    pub(super) fn wait_while_driven(
+        &self,
+        shared: &EngineShared,
+        until: u64,
+        now: u64,
+        arrivals: Option<&[RawFd]>,
+        calm: &mut u64,
+    ) -> bool {
         if self.drive == Drive::Runtime {
             let _ = sys::ppoll_readable(&[self.released.fd()], until - now);
-        } else {
-            let _ = sys::ppoll_readable(&[self.released.fd(), shared.wake.fd()], until - now);
+            self.released.drain();
+            return false;
+        }
+        let controls = [self.released.fd(), shared.wake.fd()];
+        let Some(arrivals) = arrivals.filter(|a| !a.is_empty()) else {
+            // the application is running the core this moment
+            self.calm_down(shared, &controls, until, calm);
+            return false;
+        };
+        let mut fds: smallvec::SmallVec<[RawFd; 8]> = controls.iter().copied().collect();
+        fds.extend_from_slice(arrivals);
+        let ready = sys::ppoll_ready(&fds, until - now).unwrap_or_default();
+        if ready.contains(&shared.wake.fd()) {
             shared.wake.drain();
         }
+        if ready.contains(&self.released.fd()) {
+            self.released.drain();
+            return false;
+        }
+        if !ready.iter().any(|fd| arrivals.contains(fd)) {
+            return false;
+        }
+        // a datagram waits: is the application polling (it will take it in), or not calling?
+        let seen = self.last.load(Ordering::Relaxed);
+        let t = shared.now();
+        let grace_end = seen.saturating_add(ARRIVAL_GRACE_NS);
+        if seen != 0 && t < grace_end {
+            self.wait_controls(shared, &controls, grace_end - t);
+            if self.last.load(Ordering::Relaxed) != seen {
+                self.calm_down(shared, &controls, until, calm);
+                return false;
+            }
+        }
+        *calm = CALM_MIN_NS;
+        true
+    }
+
+    /// The application polls: arrivals are left to it for `calm` (at most until `until`), and
+    /// the next such wait is twice as long, up to the hand-off time.
+    fn calm_down(&self, shared: &EngineShared, controls: &[RawFd], until: u64, calm: &mut u64) {
+        let t = shared.now();
+        if t < until {
+            self.wait_controls(shared, controls, (until - t).min(*calm));
+        }
+        *calm = (*calm * 2).min(self.handoff_ns());
+    }
+
+    /// Waits up to `ns` on the control eventfds alone.
+    fn wait_controls(&self, shared: &EngineShared, controls: &[RawFd], ns: u64) {
+        let _ = sys::ppoll_readable(controls, ns);
+        shared.wake.drain();
         self.released.drain();
     }
 

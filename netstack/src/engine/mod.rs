@@ -830,6 +830,8 @@ impl DataCore {
         let shared = cell.lock().shared.clone();
         let driven = |now| app.and_then(|a| a.driven_until(now).map(|until| (a, until)));
         let mut idle_since: Option<Instant> = None;
+        // how long a backstop leaves arrivals to an application it found polling
+        let mut calm = drive::CALM_MIN_NS;
         // after a wait, the descriptors it reported readable: the ports to receive on
         let mut only: Option<rx::ReadyFds> = None;
         while !shared.stop.load(Ordering::Relaxed) {
@@ -837,7 +839,16 @@ impl DataCore {
             if let Some((a, until)) = driven(now) {
                 idle_since = None;
                 only = None;
-                a.wait_while_driven(&shared, until, now);
+                // the receive descriptors, watched for arrivals the application does not take
+                // in; none while it holds the core (it is running it now)
+                let arrivals = cell.try_lock().map(|c| c.arrival_fds());
+                if a.wait_while_driven(&shared, until, now, arrivals.as_deref(), &mut calm) {
+                    if let Some(mut core) = cell.try_lock() {
+                        if core.poll_app(shared.now(), &*shared.link) {
+                            shared.stats.engine_thread_passes.inc();
+                        }
+                    }
+                }
                 continue;
             }
             // another thread running a pass is never waited for: yield until it is done
@@ -1040,6 +1051,15 @@ impl DataCore {
             PollMode::Adaptive if near || since.elapsed() < self.spin => Idle::Yield,
             _ => Idle::Sleep,
         }
+    }
+
+    /// The descriptors datagrams for this core arrive on (what a backstop watches while the
+    /// application drives the core).
+    fn arrival_fds(&self) -> Fds {
+        self.rx_ports
+            .iter()
+            .filter_map(|&p| self.shared.link.wait_fd(p))
+            .collect()
     }
 
     /// Says this core sleeps, and returns what to wait on (its sockets, its send queue's and
