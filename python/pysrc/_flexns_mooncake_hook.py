@@ -2,9 +2,10 @@
 
 The wheel installs ``flexns_mooncake.pth`` into site-packages; Python runs its one line at
 every interpreter start. That line reads ``FLEXNS_AS_MOONCAKE`` and imports this module only
-when it is set, and this module only installs a meta-path finder: nothing of flexns (not the
-extension module) is imported until the program imports ``mooncake``. Because the variable is
-inherited, worker processes (multiprocessing ``spawn``, ``subprocess``) get the alias too.
+when it is set, and this module only installs a meta-path finder (``_flexns_alias_hook``):
+nothing of flexns (not the extension module) is imported until the program imports
+``mooncake``. Because the variable is inherited, worker processes (multiprocessing ``spawn``,
+``subprocess``) get the alias too.
 
 ``FLEXNS_AS_MOONCAKE``:
 
@@ -17,80 +18,19 @@ inherited, worker processes (multiprocessing ``spawn``, ``subprocess``) get the 
 Anything else makes ``import mooncake`` fail with an ``ImportError`` naming the variable.
 """
 
-import os
-import sys
+from _flexns_alias_hook import MODES, Alias  # noqa: F401
 
 VAR = "FLEXNS_AS_MOONCAKE"
-MODES = ("1", "force")
-_NAMES = ("mooncake", "mooncake.engine")
 
 
-def _log(level, msg):
-    import logging
+class MooncakeAlias(Alias):
+    """The finder that answers ``mooncake`` and ``mooncake.engine`` with flexns's modules
+    (``flexns.use_as_mooncake``), as ``mode`` (``"1"`` or ``"force"``) says."""
 
-    logging.getLogger("flexns").log(level, "%s", msg)
-
-
-class MooncakeAlias:
-    """A meta-path finder that answers ``mooncake`` and ``mooncake.engine`` with flexns's
-    modules (``flexns.use_as_mooncake``), as ``mode`` (``"1"`` or ``"force"``) says."""
-
-    def __init__(self, mode):
-        self.mode = mode
-        self.decided = None  # True: flexns stands in; False: a real Mooncake is used
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname not in _NAMES:
-            return None
-        if self.mode not in MODES:
-            raise ImportError(
-                f"{VAR}={self.mode!r}: expected 1 (flexns stands in for Mooncake where none is "
-                f"installed), force (even where one is) or 0 (off)",
-                name=fullname,
-            )
-        if self.decided is None:
-            import importlib.machinery
-
-            real = importlib.machinery.PathFinder.find_spec("mooncake")
-            where = getattr(real, "origin", None) or (list(real.submodule_search_locations or []) if real else None)
-            if real is None:
-                self.decided = True
-                _log(20, f"mooncake resolves to flexns ({VAR}={self.mode}; no real Mooncake is installed)")
-            elif self.mode == "force":
-                self.decided = True
-                _log(30, f"mooncake resolves to flexns ({VAR}=force), shadowing the real Mooncake at {where}")
-            else:
-                self.decided = False
-                _log(30, f"{VAR}=1: a real Mooncake is installed at {where} and is used "
-                         f"(set {VAR}=force to run flexns in its place)")
-        if not self.decided:
-            return None
-        import importlib.util
-
-        return importlib.util.spec_from_loader(fullname, _Loader(), is_package=fullname == "mooncake")
+    VAR = VAR
+    NAMES = ("mooncake", "mooncake.engine")
+    LABEL = "Mooncake"
+    USE = "use_as_mooncake"
 
 
-class _Loader:
-    def create_module(self, spec):
-        import flexns
-
-        engine = flexns.use_as_mooncake(export=False)
-        return sys.modules["mooncake"] if spec.name == "mooncake" else engine
-
-    def exec_module(self, module):
-        pass
-
-
-def install(mode=None):
-    """Installs the finder (first on ``sys.meta_path``) for ``mode``, by default the value of
-    ``FLEXNS_AS_MOONCAKE``; once per interpreter. Returns it, or None when the mode is off."""
-    mode = os.environ.get(VAR, "") if mode is None else mode
-    if mode in ("", "0"):
-        return None
-    for f in sys.meta_path:
-        if isinstance(f, MooncakeAlias):
-            f.mode = mode
-            return f
-    f = MooncakeAlias(mode)
-    sys.meta_path.insert(0, f)
-    return f
+install = MooncakeAlias.install

@@ -44,6 +44,20 @@ __all__ = [
 ]
 
 
+def _alias_package(name, label, use, var, export):
+    """The empty package module an alias installs as ``name`` (its submodules are set by the
+    caller), after setting ``var=force`` in the environment when ``export`` says so."""
+    import os
+    import types
+
+    if export:
+        os.environ[var] = "force"
+    pkg = types.ModuleType(name)
+    pkg.__path__ = []  # a package, so that submodule imports resolve
+    pkg.__doc__ = f"flexns standing in for {label} (flexns.{use}, {var})"
+    return pkg
+
+
 def use_as_mooncake(export=True):
     """Makes ``from mooncake.engine import TransferEngine`` (and ``import mooncake.engine``)
     resolve to flexns's engine in this process, and (``export``) sets
@@ -53,17 +67,12 @@ def use_as_mooncake(export=True):
     ``mooncake``, so a real Mooncake is never shadowed unless this is called, a program is
     started with ``python -m flexns.as_mooncake``, or ``FLEXNS_AS_MOONCAKE`` is set (``1``: only
     where no real Mooncake is installed; ``force``: always). Returns the alias module."""
-    import os
     import sys
     import types
 
     from . import _flexns
 
-    if export:
-        os.environ["FLEXNS_AS_MOONCAKE"] = "force"
-    pkg = types.ModuleType("mooncake")
-    pkg.__path__ = []  # a package, so that submodule imports resolve
-    pkg.__doc__ = "flexns standing in for Mooncake (flexns.use_as_mooncake, FLEXNS_AS_MOONCAKE)"
+    pkg = _alias_package("mooncake", "Mooncake", "use_as_mooncake", "FLEXNS_AS_MOONCAKE", export)
     engine = types.ModuleType("mooncake.engine")
     for name in ("TransferEngine", "TransferNotify", "TransferOpcode", "SUPPORT_CUDA"):
         setattr(engine, name, getattr(_flexns, name))
@@ -83,17 +92,12 @@ def use_as_nixl(export=True):
     called, a program is started with ``python -m flexns.as_nixl``, or ``FLEXNS_AS_NIXL`` is set
     (``1``: only where no real NIXL is installed; ``force``: always). Returns the alias of
     ``nixl._api``."""
-    import os
     import sys
     import types
 
     from . import nixl as impl
 
-    if export:
-        os.environ["FLEXNS_AS_NIXL"] = "force"
-    pkg = types.ModuleType("nixl")
-    pkg.__path__ = []  # a package, so that submodule imports resolve
-    pkg.__doc__ = "flexns standing in for NIXL (flexns.use_as_nixl, FLEXNS_AS_NIXL)"
+    pkg = _alias_package("nixl", "NIXL", "use_as_nixl", "FLEXNS_AS_NIXL", export)
     bindings = types.ModuleType("nixl._bindings")
     for name in impl.BINDINGS:
         setattr(bindings, name, getattr(impl, name))

@@ -10,28 +10,16 @@ processes the program starts (multiprocessing ``spawn``, ``subprocess``) get the
 flexns, so a real NIXL is shadowed (with a warning in the workers).
 """
 
-import runpy
 import sys
 
 from . import use_as_nixl
+from ._runner import run_with_alias
 
 
 def main(argv=None):
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__.strip())
-        return 0 if argv else 2
-    use_as_nixl()
-    if argv[0] == "-m":
-        if len(argv) < 2:
-            print("flexns.as_nixl: -m needs a module name", file=sys.stderr)
-            return 2
-        sys.argv = argv[1:]
-        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = argv
-        runpy.run_path(argv[0], run_name="__main__")
-    return 0
+    """Runs the program ``argv`` names (default ``sys.argv[1:]``) with the alias; returns the
+    exit status."""
+    return run_with_alias("flexns.as_nixl", __doc__, use_as_nixl, argv)
 
 
 if __name__ == "__main__":

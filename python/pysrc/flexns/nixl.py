@@ -37,6 +37,16 @@ from typing import Optional
 
 from . import _flexns
 
+# NIXL's exception classes, in both name lists below.
+_ERRORS = [
+    "nixlError",
+    "nixlInvalidParamError",
+    "nixlNotFoundError",
+    "nixlBackendError",
+    "nixlRepostActiveError",
+    "nixlNoTelemetryError",
+]
+
 __all__ = [
     "nixl_agent",
     "nixl_agent_config",
@@ -44,12 +54,7 @@ __all__ = [
     "nixlRegDList",
     "nixl_xfer_handle",
     "nixl_prepped_dlist_handle",
-    "nixlError",
-    "nixlInvalidParamError",
-    "nixlNotFoundError",
-    "nixlBackendError",
-    "nixlRepostActiveError",
-    "nixlNoTelemetryError",
+    *_ERRORS,
     "nixlXferTelemetry",
     "NIXL_INIT_AGENT",
     "DEFAULT_COMM_PORT",
@@ -61,12 +66,7 @@ BINDINGS = [
     "nixlXferTelemetry",
     "nixlXferDList",
     "nixlRegDList",
-    "nixlError",
-    "nixlInvalidParamError",
-    "nixlNotFoundError",
-    "nixlBackendError",
-    "nixlRepostActiveError",
-    "nixlNoTelemetryError",
+    *_ERRORS,
     "NIXL_INIT_AGENT",
     "DEFAULT_COMM_PORT",
     "DRAM_SEG",
