@@ -6,20 +6,15 @@
 //! other side is validated before it is used.
 
 use netstack::verbs::{SendFlags, SendWr, Sge, Wc, WcOpcode, WcStatus, WrOpcode};
-use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// A shared mapping of a whole memfd, unmapped on drop (the file closes with it).
+/// A shared mapping of a whole memfd, unmapped on drop (the file closes with it): netstack's
+/// [`netstack::samehost::Mapping`] (the one mmap of shared memory both use) with the file it
+/// maps, addressed by byte offsets.
 pub struct Mapping {
-    ptr: *mut u8,
-    len: usize,
+    map: netstack::samehost::Mapping,
     file: std::fs::File,
 }
-
-// SAFETY: the mapping is shared memory accessed only through atomics (see the module doc).
-unsafe impl Send for Mapping {}
-// SAFETY: as above.
-unsafe impl Sync for Mapping {}
 
 impl Mapping {
     /// Creates a sealable memfd of `len` bytes (`name` shows in /proc/*/maps) and maps it.
@@ -32,28 +27,8 @@ impl Mapping {
     /// Maps the first `len` bytes of `file` shared. The caller has checked (after sealing it
     /// against shrinking, for a file another process holds) that it has at least `len`.
     pub fn map(file: std::fs::File, len: usize) -> std::io::Result<Mapping> {
-        if len == 0 {
-            return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "len: 0 bytes"));
-        }
-        // SAFETY: a fresh shared mapping at an address the kernel picks.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                file.as_raw_fd(),
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok(Mapping {
-            ptr: ptr as *mut u8,
-            len,
-            file,
-        })
+        let map = netstack::samehost::Mapping::map(&file, len)?;
+        Ok(Mapping { map, file })
     }
 
     /// The file.
@@ -63,17 +38,17 @@ impl Mapping {
 
     /// The address of the first byte in this process.
     pub fn addr(&self) -> u64 {
-        self.ptr as u64
+        self.map.as_ptr() as u64
     }
 
     /// Its length in bytes.
     pub fn len(&self) -> usize {
-        self.len
+        self.map.len()
     }
 
     /// Whether it has no bytes (never: a mapping has at least one).
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.map.is_empty()
     }
 
     /// The 8-byte word at `off`.
@@ -82,14 +57,8 @@ impl Mapping {
     /// If `off` is not 8-aligned or the word passes the end: callers compute offsets from
     /// validated indices, so this is a bug of this crate, never of the peer.
     pub fn word(&self, off: usize) -> &AtomicU64 {
-        assert!(
-            off.is_multiple_of(8) && off + 8 <= self.len,
-            "word {off} outside a {}-byte mapping",
-            self.len
-        );
-        // SAFETY: in bounds and aligned (the mapping is page-aligned); the memory lives as long
-        // as `self`, and every access to it from either process is atomic.
-        unsafe { AtomicU64::from_ptr(self.ptr.add(off) as *mut u64) }
+        assert!(off.is_multiple_of(8), "word {off} not 8-aligned");
+        self.map.word(off / 8)
     }
 
     /// Copies `src` in at `off` (word by word; `off` and the length must be 8-aligned).
@@ -102,13 +71,6 @@ impl Mapping {
     /// Copies `n` words out from `off`.
     pub fn read_words<const N: usize>(&self, off: usize) -> [u64; N] {
         std::array::from_fn(|i| self.word(off + 8 * i).load(Ordering::Relaxed))
-    }
-}
-
-impl Drop for Mapping {
-    fn drop(&mut self) {
-        // SAFETY: the mapping this value made; nothing refers to it past `self`'s life.
-        unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.len) };
     }
 }
 
@@ -223,40 +185,33 @@ pub enum Wqe {
 pub fn encode_send(wr: &SendWr) -> Result<[u64; 8], &'static str> {
     let op =
         op_code(wr.opcode).ok_or("opcode: only SEND, WRITE and READ (with or without immediate) go through flexnsd")?;
-    if wr.sg_list.len() > 2 {
-        return Err("sg_list: at most 2 scatter-gather elements");
-    }
-    let s0 = sge_words(wr.sg_list.first());
-    let s1 = sge_words(wr.sg_list.get(1));
-    Ok([
-        wr.wr_id,
-        KIND_SEND | op << 8 | (wr.sg_list.len() as u64) << 16 | u64::from(wr.flags.0) << 32,
-        wr.remote_addr,
-        u64::from(wr.rkey) | u64::from(wr.imm_data) << 32,
-        s0[0],
-        s0[1],
-        s1[0],
-        s1[1],
-    ])
+    entry(
+        [
+            wr.wr_id,
+            KIND_SEND | op << 8 | (wr.sg_list.len() as u64) << 16 | u64::from(wr.flags.0) << 32,
+            wr.remote_addr,
+            u64::from(wr.rkey) | u64::from(wr.imm_data) << 32,
+        ],
+        &wr.sg_list,
+    )
 }
 
 /// Encodes a receive WR as an entry (at most two SGEs).
 pub fn encode_recv(wr: &netstack::verbs::RecvWr) -> Result<[u64; 8], &'static str> {
-    if wr.sg_list.len() > 2 {
+    entry(
+        [wr.wr_id, KIND_RECV | (wr.sg_list.len() as u64) << 16, 0, 0],
+        &wr.sg_list,
+    )
+}
+
+/// An entry: the four words `head`, then the SGEs of `sg` (at most two; an absent one is zeros).
+fn entry(head: [u64; 4], sg: &[Sge]) -> Result<[u64; 8], &'static str> {
+    if sg.len() > 2 {
         return Err("sg_list: at most 2 scatter-gather elements");
     }
-    let s0 = sge_words(wr.sg_list.first());
-    let s1 = sge_words(wr.sg_list.get(1));
-    Ok([
-        wr.wr_id,
-        KIND_RECV | (wr.sg_list.len() as u64) << 16,
-        0,
-        0,
-        s0[0],
-        s0[1],
-        s1[0],
-        s1[1],
-    ])
+    let [a, b] = sge_words(sg.first());
+    let [c, d] = sge_words(sg.get(1));
+    Ok([head[0], head[1], head[2], head[3], a, b, c, d])
 }
 
 /// Decodes an entry the application wrote (any bit pattern: a bad one is an error naming the

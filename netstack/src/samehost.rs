@@ -108,8 +108,13 @@ pub struct SameHostDesc {
     pub nonce: u64,
 }
 
-/// A shared mapping of a file, unmapped on drop.
-struct Mapping {
+/// A shared, read-write mapping of the first bytes of a file (a `memfd`), unmapped on drop.
+///
+/// Its bytes are shared with other processes that map the same file and may change at any
+/// time, so no Rust reference to them is ever formed: words are reached as atomics
+/// ([`Mapping::word`]) and bulk bytes only by raw copies at [`Mapping::as_ptr`]. The export
+/// tables here use it, and so does flexnsd for its rings.
+pub struct Mapping {
     ptr: *mut u8,
     len: usize,
 }
@@ -121,7 +126,14 @@ unsafe impl Send for Mapping {}
 unsafe impl Sync for Mapping {}
 
 impl Mapping {
-    fn map(file: &File, len: usize) -> std::io::Result<Mapping> {
+    /// Maps the first `len` bytes of `file` shared, readable and writable. The caller makes
+    /// sure the file has at least `len` bytes for as long as it is mapped (a file another
+    /// process holds must be sealed against shrinking): touching a page past its end raises
+    /// `SIGBUS`. Fails with `InvalidInput` for `len` 0, and with the OS error of `mmap`.
+    pub fn map(file: &File, len: usize) -> std::io::Result<Mapping> {
+        if len == 0 {
+            return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "len: 0 bytes"));
+        }
         // SAFETY: a new shared mapping of `len` bytes of an open file at an address the kernel
         // picks; no Rust reference to it is ever formed.
         let ptr = unsafe {
@@ -143,12 +155,32 @@ impl Mapping {
         })
     }
 
-    /// The 8-byte word `i` of the mapping as an atomic.
-    fn word(&self, i: usize) -> &AtomicU64 {
-        assert!((i + 1) * 8 <= self.len, "export word {i} out of the mapping");
+    /// The 8-byte word `i` of the mapping (bytes `8 * i ..`) as an atomic.
+    ///
+    /// # Panics
+    /// If the word passes the end of the mapping: callers index with validated values, so
+    /// that is a bug of the caller, never of the process on the other side.
+    pub fn word(&self, i: usize) -> &AtomicU64 {
+        assert!((i + 1) * 8 <= self.len, "word {i} outside a {}-byte mapping", self.len);
         // SAFETY: in bounds (checked), 8-aligned (a page-aligned mapping), valid while `self`
         // is, and only ever accessed atomically by every process that maps it.
         unsafe { AtomicU64::from_ptr(self.ptr.add(i * 8) as *mut u64) }
+    }
+
+    /// The address of the first byte in this process (for raw copies; never make a
+    /// reference from it).
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    /// Its length in bytes (never 0).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it has no bytes: never (`map` refuses 0).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
     }
 }
 
