@@ -243,8 +243,20 @@ impl Region {
         if file.set_len(map_len as u64).is_err() {
             return undo();
         }
-        // SAFETY: a fresh shared mapping of the whole file at an address the kernel picks;
-        // the file's pages read as zeros until written.
+        // the file's pages read as zeros until written
+        match Region::map_file(file, len, map_len) {
+            Ok(r) => Some(r),
+            Err(_) => undo(),
+        }
+    }
+
+    /// Maps the first `map_len` bytes (whole pages, at least `len`) of `file` shared at an
+    /// address the kernel picks, as a region of `len` bytes that owns the mapping and the file.
+    /// The caller has counted it in [`SHARED_REGIONS`], which `Drop` uncounts.
+    fn map_file(file: std::fs::File, len: usize, map_len: usize) -> std::io::Result<Region> {
+        // SAFETY: a fresh shared mapping of the file's first `map_len` bytes; nothing else
+        // refers to the address range the kernel returns. Both callers hold a file that covers
+        // every page up to byte `len - 1` (the kernel maps the last, partial page whole).
         let ptr = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
@@ -256,10 +268,10 @@ impl Region {
             )
         };
         if ptr == libc::MAP_FAILED {
-            return undo();
+            return Err(std::io::Error::last_os_error());
         }
         let ptr = ptr as *mut u8;
-        Some(Region {
+        Ok(Region {
             ptr,
             len,
             iova: ptr as u64,
@@ -281,30 +293,10 @@ impl Region {
             ));
         }
         let map_len = len.div_ceil(4096) * 4096;
-        // SAFETY: a fresh shared mapping of the file's first `map_len` bytes at an address the
-        // kernel picks (the last page may pass the file's end only within the page that holds
-        // byte `len - 1`, which the kernel maps).
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                map_len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                file.as_raw_fd(),
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(std::io::Error::last_os_error());
-        }
         // counted like the regions `alloc_memfd` makes, which `Drop` uncounts
         SHARED_REGIONS.fetch_add(1, Ordering::Relaxed);
-        let ptr = ptr as *mut u8;
-        Ok(Region {
-            ptr,
-            len,
-            iova: ptr as u64,
-            owned: Some(Owned::Memfd { file, map_len }),
+        Region::map_file(file, len, map_len).inspect_err(|_| {
+            SHARED_REGIONS.fetch_sub(1, Ordering::Relaxed);
         })
     }
 
