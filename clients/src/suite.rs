@@ -17,8 +17,14 @@
 //! not installed (`python/bench/install-refs.sh` installs the references) they are skipped with
 //! the script's reason.
 //!
+//! The `perftest-*` comparisons run the unmodified perftest programs over flexns's
+//! `libibverbs.so.1` beside `nsperf` at the same size and depth ([`perftest`]); without
+//! perftest or the library they are skipped with the reason.
+//!
 //! Every program already proves its own run (fresh data checked where it landed) and accounts
 //! CPU per process; this command only runs them and collects what they report.
+
+mod perftest;
 
 use anyhow::{bail, Context as _, Result};
 use serde_json::Value;
@@ -56,6 +62,9 @@ struct Comparison {
     /// A benchmark of the Python package: `program` is its script in `python/bench/`, run by
     /// `python3`, and skipped (with its reason) when the script's `--check` exits with 3.
     python: bool,
+    /// A perftest program over flexns's libibverbs, interleaved with `program` (nsperf) run
+    /// with `args`: the ratio is perftest's figure over nsperf's.
+    perftest: Option<perftest::Perftest>,
 }
 
 fn words(s: &str) -> Vec<String> {
@@ -77,10 +86,20 @@ fn comparisons(a: &SuiteArgs) -> Vec<Comparison> {
         latency: false,
         netns: false,
         python: false,
+        perftest: None,
     };
     let py = |name, what, script, args: String| Comparison {
         python: true,
         ..c(name, what, script, args)
+    };
+    let (write_n, lat_n) = if a.quick { ("10000", "5000") } else { ("30000", "20000") };
+    let pt = |name, what, nsperf_args: String, program, args: String, latency| Comparison {
+        latency,
+        perftest: Some(perftest::Perftest {
+            program,
+            args: words(&args),
+        }),
+        ..c(name, what, "nsperf", nsperf_args)
     };
     let mut v = vec![
         c(
@@ -115,6 +134,22 @@ fn comparisons(a: &SuiteArgs) -> Vec<Comparison> {
             "SEND 64 B ping-pong vs UDP ping-pong, both spinning",
             "nsperf",
             format!("client --op send --size 64 --depth 1 --wait spin --compare udp-raw --pairs {p} --duration {d}"),
+        ),
+        pt(
+            "perftest-write-64KiB",
+            "perftest's ib_write_bw 64 KiB, 128 outstanding, over flexns's libibverbs.so.1 vs nsperf's WRITE at the same size and depth (ratio: perftest / nsperf)",
+            format!("client --op write --size 64KiB --depth 128 --duration {d}"),
+            "ib_write_bw",
+            format!("-x 0 -s 65536 -t 128 -n {write_n} --report_gbits"),
+            false,
+        ),
+        pt(
+            "perftest-send-latency",
+            "perftest's ib_send_lat 64 B (t_typical) over flexns's libibverbs.so.1 vs nsperf's SEND 64 B at depth 1 (p50; ratio: perftest / nsperf)",
+            format!("client --op send --size 64 --depth 1 --duration {d}"),
+            "ib_send_lat",
+            format!("-x 0 -s 64 -n {lat_n}"),
+            true,
         ),
         c(
             "offload-batch-read",
@@ -564,6 +599,8 @@ pub fn run(a: &SuiteArgs) -> Result<()> {
                 |e| Some(format!("{e:#}")),
                 |script| python_unavailable(crate::procs::command(python()).arg(script)),
             )
+        } else if let Some(p) = &c.perftest {
+            perftest::unavailable(p)
         } else {
             c.netns.then(crate::netns::unavailable).flatten()
         };
@@ -573,7 +610,11 @@ pub fn run(a: &SuiteArgs) -> Result<()> {
             progress.finished_one();
             continue;
         }
-        match run_one(c, &mut out) {
+        let ran = match &c.perftest {
+            Some(p) => perftest::run(c, p, a.pairs, &mut out),
+            None => run_one(c, &mut out),
+        };
+        match ran {
             Ok(lines) => {
                 links.extend(lines.iter().filter(|l| l["bench"] == "netns_veth").map(|l| {
                     format!(
@@ -726,6 +767,7 @@ mod tests {
             latency: false,
             netns: false,
             python: false,
+            perftest: None,
         }
     }
 
@@ -805,6 +847,49 @@ mod tests {
         }
         // the same lines of a comparison on one namespace name no veth
         assert_eq!(rows(&comparison("n"), &[run(0, 1 << 30), ratio()])[0].comparison, "n");
+    }
+
+    #[test]
+    fn the_perftest_comparisons_pair_perftest_with_nsperf_at_the_same_size_and_depth() {
+        let a = SuiteArgs {
+            quick: false,
+            pairs: 3,
+            out: PathBuf::new(),
+            only: Some("perftest".into()),
+        };
+        let v = comparisons(&a);
+        let names: Vec<&str> = v.iter().map(|c| c.name).collect();
+        assert_eq!(names, ["perftest-write-64KiB", "perftest-send-latency"]);
+        let p: Vec<&perftest::Perftest> = v.iter().map(|c| c.perftest.as_ref().unwrap()).collect();
+        assert_eq!((p[0].program, p[1].program), ("ib_write_bw", "ib_send_lat"));
+        // the same size and depth on both sides
+        assert_eq!(flag(&v[0].args, "--op"), Some("write"));
+        assert_eq!(flag(&v[0].args, "--size"), Some("64KiB"));
+        assert_eq!(flag(&p[0].args, "-s"), Some("65536"));
+        assert_eq!(flag(&v[0].args, "--depth"), Some("128"));
+        assert_eq!(flag(&p[0].args, "-t"), Some("128"));
+        assert_eq!(flag(&v[1].args, "--op"), Some("send"));
+        assert_eq!(flag(&v[1].args, "--size"), Some("64"));
+        assert_eq!(flag(&p[1].args, "-s"), Some("64"));
+        assert_eq!(flag(&v[1].args, "--depth"), Some("1"));
+        assert!(!v[0].latency && v[1].latency);
+        // perftest's tables: BW average of the size's row, t_typical of a latency row
+        let bw = " #bytes     #iterations    BW peak[Gb/sec]    BW average[Gb/sec]   MsgRate[Mpps]\n 65536      30000            0.00               8.92   \t\t   0.017014\n";
+        assert_eq!(perftest::figure(bw, 65536.0, false).unwrap(), 8.92);
+        assert!(perftest::figure(bw, 64.0, false).is_err());
+        let lat = " 64      5000          9.43           12170.77      10.47    \t       188.18\n";
+        assert_eq!(perftest::figure(lat, 64.0, true).unwrap(), 10.47);
+        let inf = " 64      2000          inf            inf          inf      \t       inf\n";
+        assert!(perftest::figure(inf, 64.0, true).is_err());
+        // the ratio line makes one row against nsperf; latency is judged on its p50 ratio
+        let ratio = json!({"bench": "ratio", "metric": "p50_us", "system": "perftest-flexns", "reference": "nsperf", "ratio": 0.85, "p50_ratio": 0.85, "ratios": [0.8, 0.85, 0.9]});
+        let r = rows(&v[1], &[ratio]);
+        assert_eq!(r.len(), 1);
+        assert_eq!(
+            (r[0].comparison.as_str(), r[0].reference.as_str(), r[0].metric.as_str()),
+            ("perftest-send-latency", "nsperf", "p50_us")
+        );
+        assert!((r[0].speedup - 1.0 / 0.85).abs() < 1e-9);
     }
 
     #[test]
