@@ -55,10 +55,15 @@ fn run(args: Args) -> anyhow::Result<()> {
         }
         None => Config::default(),
     };
-    let ctx_cfg = match &cfg.context {
-        Some(t) => netstack::verbs::ContextConfig::from_toml(&toml::to_string(t)?).context("config [context]")?,
-        None => netstack::verbs::ContextConfig::default(),
-    };
+    // The daemon's own default is run to completion from the attachment threads, not
+    // netstack's engine threads: on a host with few cores a third spinning thread and a hop per
+    // operation cost 1.4-1.8x the SEND latency (docs/FLEXNSD.md, figures). `drive` in the
+    // config's [context] table overrides it.
+    let mut table = cfg.context.clone().unwrap_or_default();
+    table
+        .entry("drive")
+        .or_insert_with(|| toml::Value::String("application".into()));
+    let ctx_cfg = netstack::verbs::ContextConfig::from_toml(&toml::to_string(&table)?).context("config [context]")?;
     let socket = args
         .socket
         .or(cfg.socket)
