@@ -26,7 +26,7 @@ use crate::config::Drive;
 use crate::link::sys::{self, EventFd};
 use parking_lot::Mutex;
 use std::os::fd::RawFd;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// How long after an application thread last ran a core its backstop thread leaves it alone.
@@ -53,6 +53,8 @@ pub(crate) struct AppDrive {
     shared: Vec<Arc<EngineShared>>,
     /// Engine-clock time an application thread last ran the cores; 0 when it released them.
     last: AtomicU64,
+    /// Per core: an application call found it held by another thread and skipped it.
+    skipped: Vec<AtomicBool>,
     /// Rung by [`AppDrive::release`]: the backstops take over at once.
     released: EventFd,
     /// Who drives the cores ([`Drive::Application`] or [`Drive::Runtime`]), and so how long
@@ -64,6 +66,7 @@ impl AppDrive {
     pub(super) fn new(cores: Vec<Arc<Mutex<DataCore>>>, drive: Drive) -> std::io::Result<AppDrive> {
         Ok(AppDrive {
             shared: cores.iter().map(|c| c.lock().shared.clone()).collect(),
+            skipped: cores.iter().map(|_| AtomicBool::new(false)).collect(),
             cores,
             last: AtomicU64::new(0),
             released: EventFd::new()?,
@@ -80,6 +83,12 @@ impl AppDrive {
     /// engine time `now`.
     pub(super) fn touch(&self, now: u64) {
         self.last.store(now.max(1), Ordering::Relaxed);
+    }
+
+    /// Whether an application call found core `i` held by another thread (and so skipped it)
+    /// since the last time this was asked.
+    pub(super) fn take_skipped(&self, i: usize) -> bool {
+        self.skipped.get(i).is_some_and(|s| s.swap(false, Ordering::Relaxed))
     }
 
     /// Wakes the backstops (the engine stops).
@@ -104,12 +113,14 @@ impl AppDrive {
     pub(crate) fn progress(&self) -> bool {
         self.touch(self.shared[0].now());
         let mut work = false;
-        for (c, shared) in self.cores.iter().zip(&self.shared) {
+        for (i, (c, shared)) in self.cores.iter().zip(&self.shared).enumerate() {
             if let Some(mut core) = c.try_lock() {
                 if core.poll_app(shared.now(), &*shared.link) {
                     core.shared.stats.application_passes.inc();
                     work = true;
                 }
+            } else {
+                self.skipped[i].store(true, Ordering::Relaxed);
             }
         }
         work

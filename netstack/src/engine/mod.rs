@@ -827,7 +827,10 @@ impl DataCore {
     fn run(cell: Arc<Mutex<DataCore>>, app: Option<&drive::AppDrive>) {
         // sleeps end within a microsecond of their deadline, not the default 50 us slack
         sys::set_timer_slack_ns(1_000);
-        let shared = cell.lock().shared.clone();
+        let (shared, index) = {
+            let c = cell.lock();
+            (c.shared.clone(), c.index)
+        };
         let driven = |now| app.and_then(|a| a.driven_until(now).map(|until| (a, until)));
         let mut idle_since: Option<Instant> = None;
         // how long a backstop leaves arrivals to an application it found polling
@@ -842,12 +845,21 @@ impl DataCore {
                 // the receive descriptors, watched for arrivals the application does not take
                 // in; none while it holds the core (it is running it now)
                 let arrivals = cell.try_lock().map(|c| c.arrival_fds());
-                if a.wait_while_driven(&shared, until, now, arrivals.as_deref(), &mut calm) {
+                let pass = || {
                     if let Some(mut core) = cell.try_lock() {
                         if core.poll_app(shared.now(), &*shared.link) {
                             shared.stats.engine_thread_passes.inc();
                         }
                     }
+                };
+                // an application call that came while this thread held the core skipped it
+                // (its post did not leave): this thread runs the pass it missed, then waits
+                // as ever (at most one such pass per wait)
+                if a.take_skipped(index) {
+                    pass();
+                }
+                if a.wait_while_driven(&shared, until, now, arrivals.as_deref(), &mut calm) {
+                    pass();
                 }
                 continue;
             }
