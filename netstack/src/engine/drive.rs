@@ -119,8 +119,12 @@ impl AppDrive {
                     core.shared.stats.application_passes.inc();
                     work = true;
                 }
-            } else {
-                self.skipped[i].store(true, Ordering::Relaxed);
+            } else if !self.skipped[i].swap(true, Ordering::Relaxed) {
+                // the thread holding the core may have asked `take_skipped` already and be
+                // about to wait until the hand-off time: wake it, so the missed pass runs now
+                // (once per flag set, so threads that keep finding the core held cost one
+                // eventfd write until the flag is taken)
+                shared.wake.notify();
             }
         }
         work
