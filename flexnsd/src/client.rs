@@ -77,7 +77,17 @@ struct Inner {
 impl Inner {
     fn call(&self, req: &Request, fds: &[BorrowedFd<'_>]) -> Result<Reply> {
         let _g = self.lock.lock().unwrap_or_else(|e| e.into_inner());
-        proto::send(self.sock.as_fd(), req, fds).map_err(gone)?;
+        if let Err(e) = proto::send(self.sock.as_fd(), req, fds) {
+            // a daemon that refused the connection (at its attachment limit) said why before
+            // it closed: that reply is still queued here
+            let mut buf = vec![0u8; proto::MAX_MSG];
+            if let Ok(sys::Recv::Msg(n, _)) = sys::recv_msg(self.sock.as_fd(), &mut buf, true) {
+                if let Ok(Reply::Err { field, message }) = proto::decode::<Reply>(&buf[..n]) {
+                    return Err(ClientError::Refused { field, message });
+                }
+            }
+            return Err(gone(e));
+        }
         match proto::recv::<Reply>(self.sock.as_fd()).map_err(gone)? {
             None => Err(ClientError::DaemonGone),
             Some((Ok(Reply::Err { field, message }), _)) => Err(ClientError::Refused { field, message }),

@@ -13,36 +13,93 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::io::unix::AsyncFd;
 
-/// The longest memory region an application may register (1 TiB).
-pub const MAX_MR: u64 = 1 << 40;
+/// The longest memory region an application may register (16 GiB; an attachment's total is
+/// bounded by [`Limits::max_app_bytes`] too).
+pub const MAX_MR: u64 = 16 << 30;
 /// Work requests taken from one send ring per pass (the others get their turn).
 const BATCH: u64 = 64;
 /// While spinning, the control socket is read once every this many passes (one `recvmsg` per
 /// pass was a tenth of a busy daemon's time); a sleeping daemon wakes on it at once.
 const CONTROL_EVERY: u32 = 16;
 
+/// What one application, and all of them, may hold (docs/FLEXNSD.md, "Limits"): bounds on the
+/// daemon's address space, mappings, descriptors and threads that no attachment can pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Attachments served at once; one more is refused (`max_attachments`) and closed.
+    pub max_attachments: usize,
+    /// Objects (PDs, MRs, CQs and QPs together) one attachment may hold.
+    pub max_app_objects: u64,
+    /// Bytes of application memory (MRs, rounded up to pages, and rings) one attachment may
+    /// have mapped into the daemon.
+    pub max_app_bytes: u64,
+    /// How long a new connection may take to send its Hello before it is closed.
+    pub hello_timeout: Duration,
+}
+
+impl Default for Limits {
+    /// 64 attachments of at most 512 objects and 64 GiB each (64 x 512 mappings stay well
+    /// below the default `vm.max_map_count` of 65530), 5 s for the Hello.
+    fn default() -> Limits {
+        Limits {
+            max_attachments: 64,
+            max_app_objects: 512,
+            max_app_bytes: 64 << 30,
+            hello_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
 /// What every attachment thread shares: the engine context and the status table.
 pub struct Daemon {
     ctx: Context,
     /// Poll the rings this long after the last work before sleeping.
     spin: Duration,
+    limits: Limits,
     apps: std::sync::Mutex<HashMap<u64, Counts>>,
     next_app: AtomicU64,
+    /// Connections accepted and not yet closed (each has, or is about to have, a thread).
+    live: std::sync::atomic::AtomicUsize,
+}
+
+/// One accepted connection's claim on the daemon: dropped when its thread ends, however it
+/// ends (a panic included), it removes the attachment's status entry and metrics series and
+/// frees its place under [`Limits::max_attachments`].
+struct Live {
+    d: Arc<Daemon>,
+    id: u64,
+}
+
+impl Drop for Live {
+    fn drop(&mut self) {
+        self.d.apps.lock().unwrap_or_else(|e| e.into_inner()).remove(&self.id);
+        self.d.live.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 impl Daemon {
-    /// A daemon serving `ctx`, spinning `spin` before each sleep.
+    /// A daemon serving `ctx`, spinning `spin` before each sleep, with the default [`Limits`].
     pub fn new(ctx: Context, spin: Duration) -> Arc<Daemon> {
+        Daemon::with_limits(ctx, spin, Limits::default())
+    }
+
+    /// A daemon serving `ctx`, spinning `spin` before each sleep, with `limits`.
+    pub fn with_limits(ctx: Context, spin: Duration, limits: Limits) -> Arc<Daemon> {
         Arc::new(Daemon {
             ctx,
             spin,
+            limits,
             apps: Default::default(),
             next_app: AtomicU64::new(1),
+            live: Default::default(),
         })
     }
 
     /// Accepts attachments on `listener` forever, one thread each.
     pub fn serve(self: &Arc<Daemon>, listener: OwnedFd) -> std::io::Result<()> {
+        // refused connections stay open a moment (at most 16 of them) so that their Hello,
+        // unread, does not reset the connection before the refusal is read
+        let mut refused: VecDeque<(Instant, OwnedFd)> = VecDeque::new();
         loop {
             let sock = match sys::accept(listener.as_fd()) {
                 Ok(s) => s,
@@ -67,11 +124,46 @@ impl Daemon {
                 }
                 Err(e) => return Err(e),
             };
+            if self.live.fetch_add(1, Ordering::AcqRel) >= self.limits.max_attachments {
+                self.live.fetch_sub(1, Ordering::AcqRel);
+                // told why, then closed (the client reads the reply even if its Hello found
+                // the socket closed)
+                let _ = sys::set_nonblocking(sock.as_fd(), true);
+                let msg = format!(
+                    "{} attachments already (the daemon's limit)",
+                    self.limits.max_attachments
+                );
+                tracing::warn!("refused a connection: {msg}");
+                let _ = proto::send(
+                    sock.as_fd(),
+                    &Reply::Err {
+                        field: "max_attachments".into(),
+                        message: msg,
+                    },
+                    &[],
+                );
+                while refused
+                    .front()
+                    .is_some_and(|(t, _)| refused.len() >= 16 || t.elapsed() > Duration::from_secs(1))
+                {
+                    refused.pop_front();
+                }
+                refused.push_back((Instant::now(), sock));
+                continue;
+            }
             let id = self.next_app.fetch_add(1, Ordering::Relaxed);
-            let d = self.clone();
-            std::thread::Builder::new()
+            let live = Live { d: self.clone(), id };
+            let spawned = std::thread::Builder::new()
                 .name(format!("flexnsd-app{id}"))
-                .spawn(move || d.run_app(id, sock))?;
+                .spawn(move || {
+                    let live = live;
+                    live.d.clone().run_app(id, sock);
+                });
+            // out of threads or memory: this connection is dropped (with the closure, its
+            // socket and its place), the attached applications are served on
+            if let Err(e) = spawned {
+                tracing::warn!("attachment {id}: cannot start its thread: {e}");
+            }
         }
     }
 
@@ -141,6 +233,7 @@ impl Daemon {
                 next: 1,
                 counts: Counts::default(),
                 published: Counts::default(),
+                mapped: 0,
             };
             tracing::info!("attachment {id}: attached");
             app.serve().await;
@@ -200,7 +293,8 @@ struct AppQp {
 /// One attachment. Fields drop in order: QPs before the MRs and CQs they use.
 struct App {
     qps: HashMap<u32, AppQp>,
-    mrs: HashMap<u32, Mr>,
+    /// Each with the bytes it maps.
+    mrs: HashMap<u32, (Mr, u64)>,
     cqs: HashMap<u32, AppCq>,
     pds: HashMap<u32, Pd>,
     id: u64,
@@ -211,6 +305,8 @@ struct App {
     next: u32,
     counts: Counts,
     published: Counts,
+    /// Bytes of its memory mapped into the daemon (MRs rounded up to pages, rings).
+    mapped: u64,
 }
 
 /// A refused command: the field and why.
@@ -225,6 +321,25 @@ impl App {
         let mut buf = vec![0u8; proto::MAX_MSG];
         let mut last_work = Instant::now();
         let mut packets = self.engine_packets();
+        // a connection that does not say Hello in time is closed (before it holds anything)
+        let hello_by = tokio::time::Instant::now() + self.d.limits.hello_timeout;
+        while self.doorbell.is_none() {
+            match tokio::time::timeout_at(hello_by, self.sock.readable()).await {
+                Ok(Ok(mut g)) => g.clear_ready(),
+                Ok(Err(_)) => return,
+                Err(_) => {
+                    tracing::warn!(
+                        "attachment {}: no Hello within {:?}: closed",
+                        self.id,
+                        self.d.limits.hello_timeout
+                    );
+                    return;
+                }
+            }
+            if self.control(&mut buf).is_err() {
+                return;
+            }
+        }
         // the first pass (and the first after every sleep) answers commands
         let mut pass: u32 = 0;
         loop {
@@ -274,10 +389,16 @@ impl App {
         for q in self.qps.values() {
             q.ring.word(shm::SQ_SLEEPING).store(1, Ordering::SeqCst);
         }
-        let pending = self
-            .qps
-            .values()
-            .any(|q| q.fault.is_none() && q.ring.word(shm::SQ_TAIL).load(Ordering::SeqCst) != q.head);
+        // entries waiting behind a full engine queue or a blocked CQ are not work to spin on:
+        // the engine's completion (or the 1 ms tick of a full ring) wakes the thread for them
+        let blocked = self.blocked_cqs();
+        let pending = self.qps.values().any(|q| {
+            q.fault.is_none()
+                && q.deferred.is_empty()
+                && !blocked.contains(&q.send_cq)
+                && !blocked.contains(&q.recv_cq)
+                && q.ring.word(shm::SQ_TAIL).load(Ordering::SeqCst) != q.head
+        });
         if !pending {
             let full = self.cqs.values().any(|c| c.room() == 0);
             let waits: Vec<_> = self
@@ -429,6 +550,7 @@ impl App {
                 Ok(Reply::Hello { app: self.id })
             }
             Request::AllocPd => {
+                self.room_for(0)?;
                 let h = self.handle();
                 self.pds.insert(h, self.d.ctx.alloc_pd());
                 self.counts.pds += 1;
@@ -447,6 +569,8 @@ impl App {
                 if access & !Access::ALL.0 != 0 {
                     return refuse("access", format!("{access:#x} has bits that are not access rights"));
                 }
+                let map_len = len.div_ceil(4096) * 4096;
+                self.room_for(map_len)?;
                 let file = std::fs::File::from(fds.pop().expect("one descriptor, checked"));
                 let file = sealed(file, len)?;
                 let region = netstack::mem::Region::from_memfd(file, len as usize)
@@ -461,15 +585,17 @@ impl App {
                     lkey: mr.lkey(),
                     rkey: mr.rkey(),
                 };
-                self.mrs.insert(h, mr);
+                self.mrs.insert(h, (mr, map_len));
                 self.counts.mrs += 1;
+                self.mapped += map_len;
                 Ok(r)
             }
             Request::DeregMr { mr } => {
-                if self.mrs.remove(&mr).is_none() {
+                let Some((_, bytes)) = self.mrs.remove(&mr) else {
                     return refuse("mr", format!("{mr} is not an MR of this application"));
-                }
+                };
                 self.counts.mrs -= 1;
+                self.mapped -= bytes;
                 Ok(Reply::Done)
             }
             Request::CreateCq { slots } => {
@@ -479,6 +605,7 @@ impl App {
                     return refuse("fds", "the second descriptor (notify) must be an eventfd");
                 }
                 let bytes = shm::cq_bytes(slots);
+                self.room_for(bytes as u64)?;
                 let file = sealed(std::fs::File::from(fds.pop().expect("checked")), bytes as u64)?;
                 let ring =
                     Mapping::map(file, bytes).map_err(|e| Refusal("fds", format!("cannot map the ring: {e}")))?;
@@ -487,8 +614,13 @@ impl App {
                     .ctx
                     .create_cq(slots)
                     .map_err(|e| Refusal("slots", e.to_string()))?;
-                let tail = ring.word(shm::CQ_TAIL).load(Ordering::Acquire);
+                // the ring starts at 0 whatever the application stored there: its indices
+                // are the daemon's to start, so no arithmetic on them nears u64::MAX
+                ring.word(shm::CQ_HEAD).store(0, Ordering::Release);
+                ring.word(shm::CQ_TAIL).store(0, Ordering::Release);
+                let tail = 0;
                 let h = self.handle();
+                self.mapped += bytes as u64;
                 self.cqs.insert(
                     h,
                     AppCq {
@@ -523,6 +655,7 @@ impl App {
                     return refuse(bad, "not a CQ of this application");
                 };
                 let bytes = shm::sq_bytes(slots);
+                self.room_for(bytes as u64)?;
                 let file = sealed(std::fs::File::from(fds.pop().expect("checked")), bytes as u64)?;
                 let ring =
                     Mapping::map(file, bytes).map_err(|e| Refusal("fds", format!("cannot map the ring: {e}")))?;
@@ -531,9 +664,12 @@ impl App {
                     .ctx
                     .create_qp(pdo, &scq.cq, &rcq.cq, QpInitAttr::default())
                     .map_err(|e| Refusal("qp", e.to_string()))?;
-                let head = ring.word(shm::SQ_TAIL).load(Ordering::Acquire);
-                ring.word(shm::SQ_HEAD).store(head, Ordering::Release);
+                // indices start at 0 whatever the application stored (as for CQs)
+                ring.word(shm::SQ_TAIL).store(0, Ordering::Release);
+                ring.word(shm::SQ_HEAD).store(0, Ordering::Release);
+                let head = 0;
                 let h = self.handle();
+                self.mapped += bytes as u64;
                 let qpn = qp.qp_num();
                 self.qps.insert(
                     h,
@@ -560,10 +696,11 @@ impl App {
                 Ok(Reply::Done)
             }
             Request::DestroyQp { qp } => {
-                if self.qps.remove(&qp).is_none() {
+                let Some(q) = self.qps.remove(&qp) else {
                     return refuse("qp", format!("{qp} is not a QP of this application"));
-                }
+                };
                 self.counts.qps -= 1;
+                self.mapped -= shm::sq_bytes(q.slots) as u64;
                 Ok(Reply::Done)
             }
             Request::QpStats { qp } => {
@@ -639,8 +776,15 @@ impl App {
             .map(|q| q.ring.word(shm::SQ_TAIL).load(Ordering::Acquire))
             .collect();
         let mut sends: Vec<(u32, Vec<netstack::verbs::SendWr>)> = Vec::new();
+        let blocked = self.blocked_cqs();
         for (q, t1) in self.qps.values_mut().zip(first) {
-            if q.fault.is_some() || !q.deferred.is_empty() {
+            // a QP whose CQ has a ring's worth of the daemon's own completions waiting (its
+            // application reads none) is not read until they are taken: they stay bounded
+            if q.fault.is_some()
+                || !q.deferred.is_empty()
+                || blocked.contains(&q.send_cq)
+                || blocked.contains(&q.recv_cq)
+            {
                 continue;
             }
             let tail = q.ring.word(shm::SQ_TAIL).load(Ordering::Acquire);
@@ -736,6 +880,15 @@ impl App {
         any
     }
 
+    /// The CQs with at least a ring's worth of completions the daemon made waiting for room.
+    fn blocked_cqs(&self) -> Vec<u32> {
+        self.cqs
+            .iter()
+            .filter(|(_, c)| c.pending.len() >= c.slots)
+            .map(|(h, _)| *h)
+            .collect()
+    }
+
     /// Moves completions into every completion ring with room; wakes an armed waiter.
     ///
     /// Run to completion (`drive = "application"`), a poll of an engine CQ that finds nothing
@@ -792,6 +945,32 @@ impl App {
             }
         }
         any
+    }
+}
+
+impl App {
+    /// Refuses a new object (of `bytes` to map) past the attachment's limits, before anything
+    /// is mapped.
+    fn room_for(&self, bytes: u64) -> Result<(), Refusal> {
+        let l = self.d.limits;
+        let c = self.counts;
+        let objects = c.pds + c.mrs + c.cqs + c.qps;
+        if objects >= l.max_app_objects {
+            return refuse(
+                "max_app_objects",
+                format!("this application holds {objects} objects, the daemon's limit"),
+            );
+        }
+        if self.mapped.saturating_add(bytes) > l.max_app_bytes {
+            return refuse(
+                "max_app_bytes",
+                format!(
+                    "{bytes} more bytes on the {} this application has mapped pass the daemon's limit of {}",
+                    self.mapped, l.max_app_bytes
+                ),
+            );
+        }
+        Ok(())
     }
 }
 

@@ -29,6 +29,14 @@ struct Config {
     metrics: Option<std::net::SocketAddr>,
     /// Microseconds an attachment's thread polls its rings after the last work before it sleeps.
     spin_us: Option<u64>,
+    /// Attachments served at once (docs/FLEXNSD.md, "Limits").
+    max_attachments: Option<usize>,
+    /// Objects (PDs, MRs, CQs, QPs together) one attachment may hold.
+    max_app_objects: Option<u64>,
+    /// Bytes of application memory one attachment may have mapped into the daemon.
+    max_app_bytes: Option<u64>,
+    /// Milliseconds a new connection may take to send its Hello.
+    hello_timeout_ms: Option<u64>,
     context: Option<toml::Table>,
 }
 
@@ -79,8 +87,39 @@ fn run(args: Args) -> anyhow::Result<()> {
         socket.display()
     );
     let spin = std::time::Duration::from_micros(cfg.spin_us.unwrap_or(50));
-    flexnsd::daemon::Daemon::new(ctx, spin)
+    let d = flexnsd::daemon::Limits::default();
+    let limits = flexnsd::daemon::Limits {
+        max_attachments: cfg.max_attachments.unwrap_or(d.max_attachments),
+        max_app_objects: cfg.max_app_objects.unwrap_or(d.max_app_objects),
+        max_app_bytes: cfg.max_app_bytes.unwrap_or(d.max_app_bytes),
+        hello_timeout: cfg
+            .hello_timeout_ms
+            .map_or(d.hello_timeout, std::time::Duration::from_millis),
+    };
+    if limits.max_attachments == 0 || limits.max_app_objects == 0 || limits.max_app_bytes == 0 {
+        anyhow::bail!("config: max_attachments, max_app_objects and max_app_bytes must be at least 1");
+    }
+    raise_nofile();
+    flexnsd::daemon::Daemon::with_limits(ctx, spin, limits)
         .serve(listener)
         .context("accepting attachments")?;
     Ok(())
+}
+
+/// Raises the soft limit on open descriptors to the hard one: the attachments' memfds and
+/// eventfds are held open (bounded by the limits of the config).
+fn raise_nofile() {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit with a live, initialized struct.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) == 0 && r.rlim_cur < r.rlim_max {
+            r.rlim_cur = r.rlim_max;
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &r) != 0 {
+                tracing::warn!("cannot raise RLIMIT_NOFILE: {}", std::io::Error::last_os_error());
+            }
+        }
+    }
 }

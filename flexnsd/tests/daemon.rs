@@ -27,6 +27,11 @@ impl Daemon {
 
     /// A daemon whose engine context has `context` (TOML lines) besides its address.
     fn start_with(tag: &str, context: &str) -> Daemon {
+        Daemon::start_cfg(tag, "", context)
+    }
+
+    /// A daemon with `top` (TOML lines) at the top of its config and `context` in [context].
+    fn start_cfg(tag: &str, top: &str, context: &str) -> Daemon {
         let dir = std::env::temp_dir().join(format!("flexnsd-test-{}-{tag}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
@@ -34,7 +39,7 @@ impl Daemon {
         let config = dir.join("flexnsd.toml");
         std::fs::write(
             &config,
-            format!("spin_us = 50\n[context]\nbind = \"127.0.0.1:0\"\n{context}\n"),
+            format!("spin_us = 50\n{top}\n[context]\nbind = \"127.0.0.1:0\"\n{context}\n"),
         )
         .unwrap();
         let child = Command::new(env!("CARGO_BIN_EXE_flexnsd"))
@@ -564,4 +569,173 @@ fn tempfile_in(dir: &Path) -> std::fs::File {
         .unwrap();
     f.set_len(4096).unwrap();
     f
+}
+
+/// A QP whose send ring is the test's own memfd (made before the QP, with the indices it
+/// likes): what a hostile application controls.
+fn raw_qp(att: &Attachment, pd: &Pd, cq: &Cq, slots: u32, start: u64) -> (flexnsd::shm::Mapping, u32) {
+    use flexnsd::shm;
+    let ring = shm::Mapping::create(c"flexnsd-sq", shm::sq_bytes(slots as usize)).unwrap();
+    ring.word(shm::SQ_TAIL)
+        .store(start, std::sync::atomic::Ordering::SeqCst);
+    ring.word(shm::SQ_HEAD)
+        .store(start, std::sync::atomic::Ordering::SeqCst);
+    let r = att.raw_call(
+        &Request::CreateQp {
+            pd: pd.handle(),
+            send_cq: cq.handle(),
+            recv_cq: cq.handle(),
+            slots,
+        },
+        &[ring.file().as_fd()],
+    );
+    let Ok(Reply::Qp { handle, .. }) = r else {
+        panic!("CreateQp: {r:?}");
+    };
+    (ring, handle)
+}
+
+fn refused_field<T>(r: Result<T, ClientError>, field: &str) {
+    match r {
+        Err(ClientError::Refused { field: f, .. }) if f == field => {}
+        Err(e) => panic!("expected a refusal of {field}, got {e:?}"),
+        Ok(_) => panic!("expected a refusal of {field}, it succeeded"),
+    }
+}
+
+/// Per-attachment limits: objects and mapped bytes past the config's limits are refused
+/// (naming the limit) before anything is mapped, a connection past `max_attachments` is told
+/// so, and a connection that never says Hello is closed after `hello_timeout_ms`.
+#[test]
+fn limits_bound_attachments_objects_bytes_and_silent_connections() {
+    let d = Daemon::start_cfg(
+        "limits",
+        "max_attachments = 3\nmax_app_objects = 6\nmax_app_bytes = 1048576\nhello_timeout_ms = 300",
+        "",
+    );
+    let h = d.attach("greedy");
+    let pd = h.alloc_pd().unwrap();
+    let mut mrs: Vec<Mr> = (0..5).map(|_| pd.reg_mr(4096, Access::ALL).unwrap()).collect();
+    refused_field(pd.reg_mr(4096, Access::ALL), "max_app_objects");
+    refused_field(h.create_cq(4), "max_app_objects");
+    let s = h.status().unwrap();
+    let mine = s.apps.iter().find(|x| x.0 == h.app_id()).unwrap().1;
+    assert_eq!((mine.pds, mine.mrs), (1, 5), "{s:?}");
+    mrs.pop();
+    // 4 pages mapped: 1 MiB more passes the 1 MiB limit; what is left of it does not
+    refused_field(pd.reg_mr(1 << 20, Access::ALL), "max_app_bytes");
+    mrs.push(pd.reg_mr((1 << 20) - 4 * 4096, Access::ALL).unwrap());
+
+    // attachments: greedy + two more; the fourth is refused, and admitted once one leaves
+    let b = d.attach("b");
+    let c = d.attach("c");
+    d.status_until(&b, "three attachments (the probe gone)", |s| s.attachments == 3);
+    refused_field(Attachment::connect(&d.socket, "fourth"), "max_attachments");
+    drop(c);
+    let deadline = Instant::now() + T;
+    let fourth = loop {
+        match Attachment::connect(&d.socket, "fourth") {
+            Ok(a) => break a,
+            Err(ClientError::Refused { .. }) => {
+                assert!(Instant::now() < deadline, "no place freed after a detach");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => panic!("{e}"),
+        }
+    };
+    drop(fourth);
+    drop(b);
+
+    // a connection that says nothing is closed after the Hello timeout
+    let deadline = Instant::now() + T;
+    let silent = loop {
+        let s = flexnsd::sys::connect(&d.socket).unwrap();
+        // a refused one (the places of b and fourth not freed yet) is closed at once: retry
+        std::thread::sleep(Duration::from_millis(50));
+        let r = flexnsd::sys::poll(&[(s.as_fd(), libc::POLLIN)], Some(Duration::ZERO)).unwrap();
+        if r[0] == 0 {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "the daemon kept refusing");
+    };
+    let t0 = Instant::now();
+    let r = flexnsd::sys::poll(&[(silent.as_fd(), libc::POLLIN)], Some(T)).unwrap();
+    assert!(r[0] & (libc::POLLHUP | libc::POLLIN) != 0, "not closed within {T:?}");
+    assert!(t0.elapsed() < Duration::from_secs(5), "closed after {:?}", t0.elapsed());
+    drop(mrs);
+}
+
+/// An application that never takes completions and keeps filling its send ring with garbage:
+/// the daemon stops reading the ring once a ring's worth of its own error completions waits
+/// (instead of queueing without bound), and reads on when the application takes them.
+#[test]
+fn unread_error_completions_stop_the_ring_instead_of_growing() {
+    use flexnsd::shm;
+    use std::sync::atomic::Ordering::SeqCst;
+    let d = Daemon::start("pending");
+    let h = d.attach("flood");
+    let pd = h.alloc_pd().unwrap();
+    let cq = h.create_cq(4).unwrap();
+    let (ring, _qp) = raw_qp(&h, &pd, &cq, 64, 0);
+    // zeroed entries are bad entries: each makes an error completion
+    let flood = |dur: Duration| {
+        let t0 = Instant::now();
+        while t0.elapsed() < dur {
+            let head = ring.word(shm::SQ_HEAD).load(SeqCst);
+            ring.word(shm::SQ_TAIL).store(head + 64, SeqCst);
+            h.status().unwrap(); // a command wakes the daemon
+        }
+        ring.word(shm::SQ_HEAD).load(SeqCst)
+    };
+    let taken = flood(Duration::from_millis(500));
+    // 4 in the ring, at least 4 and at most one pass (64) more waiting: nothing like the
+    // thousands an unbounded daemon takes in half a second
+    assert!(
+        taken <= 4 + 4 + 64 + 64,
+        "the daemon took {taken} entries nobody completes"
+    );
+    assert!(taken >= 8, "the daemon took only {taken} entries");
+    // the completions come in the ring's order, each an error, and reading them frees the ring
+    for i in 0..taken {
+        let wc = cq.next(T).unwrap().expect("an error completion");
+        assert_eq!(wc.status, WcStatus::LocQpOpErr, "completion {i}: {wc:?}");
+    }
+    let later = flood(Duration::from_millis(100));
+    assert!(
+        later > taken,
+        "the ring was not read again after completions were taken"
+    );
+}
+
+/// Ring indices an application stored before CreateQp (near u64::MAX) do not reach the
+/// daemon's arithmetic: it starts the ring at 0, and the attachment keeps working.
+#[test]
+fn ring_indices_start_at_zero_whatever_the_application_stored() {
+    use flexnsd::shm;
+    use std::sync::atomic::Ordering::SeqCst;
+    let d = Daemon::start("indices");
+    let h = d.attach("wrap");
+    let pd = h.alloc_pd().unwrap();
+    let cq = h.create_cq(16).unwrap();
+    let (ring, _qp) = raw_qp(&h, &pd, &cq, 4, u64::MAX - 1);
+    assert_eq!(
+        ring.word(shm::SQ_TAIL).load(SeqCst),
+        0,
+        "the daemon starts the tail at 0"
+    );
+    assert_eq!(
+        ring.word(shm::SQ_HEAD).load(SeqCst),
+        0,
+        "the daemon starts the head at 0"
+    );
+    // the application goes on from where it started: 4 entries past u64::MAX - 1 (wrapped)
+    ring.word(shm::SQ_TAIL).store((u64::MAX - 1).wrapping_add(4), SeqCst);
+    h.status().unwrap();
+    // 2 entries (the wrapped tail is 2) of zeros: two error completions, no panic
+    for _ in 0..2 {
+        let wc = cq.next(T).unwrap().expect("an error completion");
+        assert_eq!(wc.status, WcStatus::LocQpOpErr, "{wc:?}");
+    }
+    let s = h.status().expect("the attachment is served on");
+    assert!(s.apps.iter().any(|x| x.0 == h.app_id()), "{s:?}");
 }
