@@ -4,6 +4,7 @@
 //! [`layout`] with these.
 
 use libc::{c_char, c_int, c_uint, c_void};
+use std::ptr;
 
 /// `struct ibv_device`.
 #[repr(C)]
@@ -335,7 +336,10 @@ pub struct IbvSendWr {
 impl IbvSendWr {
     /// `wr.rdma.rkey` (offset 8 of the union).
     pub fn rdma_rkey(&self) -> u32 {
-        self.wr.compare_add as u32
+        // SAFETY: `wr.rdma.rkey` is the u32 at offset 8 of the union, which is `compare_add`'s
+        // first 4 bytes (8-aligned); only those 4 bytes are read (the 4 after them are padding
+        // a program need not initialise).
+        unsafe { ptr::read(ptr::addr_of!(self.wr.compare_add).cast::<u32>()) }
     }
 }
 

@@ -47,6 +47,32 @@ pub(crate) fn set_errno(e: libc::c_int) {
 /// sees), unless `FLEXNS_IBV_QUIET` is set.
 pub(crate) fn report(msg: &str) {
     if std::env::var_os("FLEXNS_IBV_QUIET").is_none() {
-        eprintln!("flexns-ibverbs: {msg}");
+        use std::io::Write;
+        // a failed write to stderr is ignored: `eprintln!` would panic (and panic again in the
+        // guard that reports a panic)
+        let _ = writeln!(std::io::stderr(), "flexns-ibverbs: {msg}");
+    }
+}
+
+/// [`report`] for the refusals of a post (a program may repeat one per request, millions of
+/// times): at most one line per second, the next one saying how many were left out.
+pub(crate) fn report_post(msg: &str) {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static LAST_S: AtomicU64 = AtomicU64::new(u64::MAX);
+    static SUPPRESSED: AtomicU64 = AtomicU64::new(0);
+    static EPOCH: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    let now = EPOCH.get_or_init(std::time::Instant::now).elapsed().as_secs();
+    let last = LAST_S.load(Ordering::Relaxed);
+    if last != u64::MAX && now <= last
+        || LAST_S
+            .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+            .is_err()
+    {
+        SUPPRESSED.fetch_add(1, Ordering::Relaxed);
+        return;
+    }
+    match SUPPRESSED.swap(0, Ordering::Relaxed) {
+        0 => report(msg),
+        n => report(&format!("{msg} ({n} similar lines left out in the last second)")),
     }
 }

@@ -8,7 +8,7 @@
 //! written through the raw pointer, never through a Rust reference.
 
 use crate::abi::*;
-use crate::{guard, report, set_errno};
+use crate::{guard, report, report_post, set_errno};
 use libc::{c_char, c_int, c_uint, c_void, EINVAL, ENOMEM, EOPNOTSUPP};
 use netstack::verbs::{
     Access, Context, ContextConfig, Cq, Endpoint, Mr, Pd, Qp, QpInitAttr, RecvWr, SendFlags, SendWr, SgList, Sge,
@@ -120,14 +120,27 @@ struct CtxInner {
 struct FlexPd {
     ibv: IbvPd,
     magic: u64,
-    inner: Pd,
+    inner: PdInner,
+}
+
+struct PdInner {
+    pd: Pd,
+    /// One clone per MR and QP of the PD: `ibv_dealloc_pd` is refused (`EBUSY`) while any is
+    /// left.
+    users: Arc<()>,
 }
 
 #[repr(C)]
 struct FlexMr {
     ibv: IbvMr,
     magic: u64,
-    inner: Mr,
+    inner: MrInner,
+}
+
+struct MrInner {
+    mr: Mr,
+    /// Its PD's use count.
+    _pd_use: Arc<()>,
 }
 
 #[repr(C)]
@@ -141,12 +154,33 @@ struct FlexCh {
 /// the CQs whose events those are, in order.
 struct ChannelInner {
     fd: c_int,
-    queue: Mutex<VecDeque<usize>>,
+    queue: Mutex<EventQueue>,
+    /// One clone per CQ of the channel: `ibv_destroy_comp_channel` is refused (`EBUSY`) while
+    /// any is left (the C `refcnt` mirrors the count).
+    users: Arc<()>,
+}
+
+/// The events posted on a channel and not yet handed out, in order, with their CQs' counts.
+#[derive(Default)]
+struct EventQueue {
+    events: VecDeque<(usize, Arc<CqEvents>)>,
+    /// Eventfd counts whose events a destroyed CQ took back (see [`ibv_destroy_cq`]): the
+    /// eventfd is read by blocking reads, so the counts are consumed by later readers.
+    stale: u64,
+}
+
+/// A CQ's channel events: handed out by `ibv_get_cq_event` and acknowledged by
+/// `ibv_ack_cq_events`; `ibv_destroy_cq` waits until the two balance, as rdma-core's does.
+#[derive(Default)]
+struct CqEvents {
+    /// (reported, acked).
+    counts: Mutex<(u64, u64)>,
+    cv: Condvar,
 }
 
 impl ChannelInner {
-    fn post(&self, cq: usize) {
-        self.queue.lock().push_back(cq);
+    fn post(&self, cq: usize, events: &Arc<CqEvents>) {
+        self.queue.lock().events.push_back((cq, events.clone()));
         let one: u64 = 1;
         // SAFETY: writes 8 bytes from a live u64 to the eventfd this channel owns.
         let n = unsafe { libc::write(self.fd, (&one as *const u64).cast(), 8) };
@@ -165,6 +199,12 @@ struct FlexCq {
 
 struct CqInner {
     cq: Cq,
+    /// One clone per QP using the CQ: `ibv_destroy_cq` is refused (`EBUSY`) while any is left.
+    users: Arc<()>,
+    /// Its channel events (with a channel).
+    events: Arc<CqEvents>,
+    /// Its channel's use count (with a channel).
+    _channel_use: Option<Arc<()>>,
     /// With a completion channel: the thread that turns armed completions into events.
     notifier: Option<Notifier>,
     /// Since when (ns after [`epoch`]; 0: not) polls of this CQ have found it empty.
@@ -214,7 +254,7 @@ struct NotifyShared {
 }
 
 impl Notifier {
-    fn start(cq: Cq, channel: Arc<ChannelInner>, cq_ptr: usize) -> std::io::Result<Notifier> {
+    fn start(cq: Cq, channel: Arc<ChannelInner>, cq_ptr: usize, events: Arc<CqEvents>) -> std::io::Result<Notifier> {
         let shared = Arc::new(NotifyShared {
             armed: Mutex::new(false),
             cv: Condvar::new(),
@@ -240,7 +280,7 @@ impl Notifier {
                     }
                 }
                 *s.armed.lock() = false;
-                channel.post(cq_ptr);
+                channel.post(cq_ptr, &events);
             })?;
         Ok(Notifier {
             shared,
@@ -275,7 +315,10 @@ struct FlexQp {
 }
 
 struct QpInner {
-    qp: Qp,
+    /// `None` once `ibv_destroy_qp` has destroyed it.
+    qp: Option<Qp>,
+    /// Its PD's and CQs' use counts.
+    _uses: [Arc<()>; 3],
     /// Its engine (for the linger of [`linger`]).
     engine: Context,
     sq_sig_all: bool,
@@ -284,6 +327,29 @@ struct QpInner {
     /// What `ibv_query_qp` reports: the attributes the program set.
     attr: Mutex<IbvQpAttr>,
     cap: IbvQpCap,
+}
+
+impl QpInner {
+    /// Its engine QP (present until the box is freed: only `ibv_destroy_qp` takes it).
+    fn qp(&self) -> &Qp {
+        self.qp.as_ref().expect("a live QP has its engine QP")
+    }
+
+    /// The ibverbs state: RESET (which is ours: the engine's QP is in INIT from its creation)
+    /// or the engine's (an error the engine ran into moves it to ERR).
+    fn state(&self) -> c_int {
+        let ours = self.state.load(Ordering::Acquire);
+        if ours == IBV_QPS_RESET {
+            return ours;
+        }
+        match self.qp().state() {
+            netstack::transport::rc::QpState::Reset => IBV_QPS_RESET,
+            netstack::transport::rc::QpState::Init => IBV_QPS_INIT,
+            netstack::transport::rc::QpState::Rtr => IBV_QPS_RTR,
+            netstack::transport::rc::QpState::Rts => IBV_QPS_RTS,
+            netstack::transport::rc::QpState::Err => IBV_QPS_ERR,
+        }
+    }
 }
 
 /// The Rust state behind a program's pointer, if it is non-NULL and of the right kind.
@@ -319,8 +385,8 @@ macro_rules! getter {
     };
 }
 getter!(ctx_of, FlexCtx, IbvContext, CtxInner, MAGIC_CTX);
-getter!(pd_of, FlexPd, IbvPd, Pd, MAGIC_PD);
-getter!(mr_of, FlexMr, IbvMr, Mr, MAGIC_MR);
+getter!(pd_of, FlexPd, IbvPd, PdInner, MAGIC_PD);
+getter!(mr_of, FlexMr, IbvMr, MrInner, MAGIC_MR);
 getter!(cq_of, FlexCq, IbvCq, CqInner, MAGIC_CQ);
 getter!(qp_of, FlexQp, IbvQp, QpInner, MAGIC_QP);
 getter!(ch_of, FlexCh, IbvCompChannel, Arc<ChannelInner>, MAGIC_CH);
@@ -468,6 +534,21 @@ pub unsafe extern "C" fn ibv_open_device(dev: *mut IbvDevice) -> *mut IbvContext
                 libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK),
             )
         };
+        if cmd_fd < 0 || async_fd < 0 {
+            let e = std::io::Error::last_os_error();
+            // SAFETY: closes only the fds just made here.
+            unsafe {
+                for fd in [cmd_fd, async_fd] {
+                    if fd >= 0 {
+                        libc::close(fd);
+                    }
+                }
+            }
+            engine_release();
+            report(&format!("ibv_open_device: eventfd: {e}"));
+            set_errno(e.raw_os_error().unwrap_or(libc::EMFILE));
+            return null_mut();
+        }
         let ibv = IbvContext {
             device: dev,
             ops: IbvContextOps {
@@ -762,7 +843,10 @@ pub unsafe extern "C" fn ibv_alloc_pd(ctx: *mut IbvContext) -> *mut IbvPd {
                 handle: pd.id(),
             },
             magic: MAGIC_PD,
-            inner: pd,
+            inner: PdInner {
+                pd,
+                users: Arc::new(()),
+            },
         })) as *mut IbvPd
     })
 }
@@ -775,8 +859,15 @@ pub unsafe extern "C" fn ibv_alloc_pd(ctx: *mut IbvContext) -> *mut IbvPd {
 pub unsafe extern "C" fn ibv_dealloc_pd(pd: *mut IbvPd) -> c_int {
     guard("ibv_dealloc_pd", EINVAL, || {
         // SAFETY: per the contract.
-        if unsafe { pd_of(pd) }.is_none() {
+        let Some(p) = (unsafe { pd_of(pd) }) else {
             return EINVAL;
+        };
+        let n = Arc::strong_count(&p.users) - 1;
+        if n > 0 {
+            report(&format!(
+                "ibv_dealloc_pd: {n} memory regions and QPs still use the PD (EBUSY)"
+            ));
+            return libc::EBUSY;
         }
         let w = pd as *mut FlexPd;
         // SAFETY: checked live FlexPd.
@@ -786,15 +877,22 @@ pub unsafe extern "C" fn ibv_dealloc_pd(pd: *mut IbvPd) -> c_int {
 }
 
 /// The netstack access of ibverbs access flags, or why they are refused.
-fn access_of(flags: c_int) -> Result<Access, String> {
+fn access_of(flags: c_int) -> Result<Access, (c_int, String)> {
     let basic = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC;
     // HUGETLB (128) is a hint; MW_BIND is accepted (no window can be bound); the optional range
     // is hints a provider may ignore
     let ignored = IBV_ACCESS_MW_BIND | 128 | IBV_ACCESS_OPTIONAL_RANGE;
     let rest = flags & !(basic | ignored);
     if rest != 0 {
-        return Err(format!(
-            "access: flags {rest:#x} not supported (zero-based, on-demand paging and the like)"
+        return Err((
+            EOPNOTSUPP,
+            format!("access: flags {rest:#x} not supported (zero-based, on-demand paging and the like)"),
+        ));
+    }
+    if flags & (IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC) != 0 && flags & IBV_ACCESS_LOCAL_WRITE == 0 {
+        return Err((
+            EINVAL,
+            "access: IBV_ACCESS_REMOTE_WRITE and IBV_ACCESS_REMOTE_ATOMIC need IBV_ACCESS_LOCAL_WRITE".into(),
         ));
     }
     Ok(Access((flags & basic) as u32))
@@ -823,12 +921,19 @@ fn reg(pd: *mut IbvPd, addr: *mut c_void, len: usize, iova: u64, access: c_int, 
     }
     let acc = match access_of(access) {
         Ok(a) => a,
-        Err(m) => return fail(m, EOPNOTSUPP),
+        Err((e, m)) => return fail(m, e),
     };
+    if (addr as usize).checked_add(len).is_none() {
+        return fail(format!("addr {addr:p} + length {len:#x} wraps around"), EINVAL);
+    }
+    let writable = access & (IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC) != 0;
+    if let Err(m) = probe(addr as usize, len, writable) {
+        return fail(m, libc::EFAULT);
+    }
     // SAFETY: the program keeps `addr..addr+len` mapped until it deregisters the region (the
     // contract of ibv_reg_mr); work requests that use it complete before that in a correct
     // program, and flexns only copies in and out of it.
-    let mr = match unsafe { p.reg_mr_raw(addr.cast(), len, acc) } {
+    let mr = match unsafe { p.pd.reg_mr_raw(addr.cast(), len, acc) } {
         Ok(m) => m,
         Err(e) => return fail(e.to_string(), errno_of(&e)),
     };
@@ -845,9 +950,59 @@ fn reg(pd: *mut IbvPd, addr: *mut c_void, len: usize, iova: u64, access: c_int, 
             rkey: mr.rkey(),
         },
         magic: MAGIC_MR,
-        inner: mr,
+        inner: MrInner {
+            mr,
+            _pd_use: p.users.clone(),
+        },
     })) as *mut IbvMr
 }
+
+/// Checks that `addr..addr+len` is mapped readable (and writable when `writable`) in this
+/// process, from `/proc/self/maps`; why not, naming the first byte that is not.
+fn probe(addr: usize, len: usize, writable: bool) -> Result<(), String> {
+    if len == 0 {
+        return Ok(());
+    }
+    let end = addr + len;
+    let maps = std::fs::read_to_string("/proc/self/maps").map_err(|e| format!("reading /proc/self/maps: {e}"))?;
+    let mut at = addr;
+    for line in maps.lines() {
+        let mut cols = line.split_whitespace();
+        let (Some(range), Some(perms)) = (cols.next(), cols.next()) else {
+            continue;
+        };
+        let Some((lo, hi)) = range.split_once('-') else {
+            continue;
+        };
+        let (Ok(lo), Ok(hi)) = (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16)) else {
+            continue;
+        };
+        if hi <= at {
+            continue;
+        }
+        if lo > at {
+            break;
+        }
+        let p = perms.as_bytes();
+        if p.first() != Some(&b'r') {
+            return Err(format!("addr..addr+length: {at:#x} is not readable"));
+        }
+        if writable && p.get(1) != Some(&b'w') {
+            return Err(format!(
+                "addr..addr+length: {at:#x} is read-only and the access flags ask for writes"
+            ));
+        }
+        at = hi;
+        if at >= end {
+            return Ok(());
+        }
+    }
+    Err(format!("addr..addr+length: {at:#x} is not mapped"))
+}
+
+/// How long `ibv_dereg_mr` waits for the engine's in-flight work to let go of a region (a QP
+/// with a request on it completes or flushes within its retry budget, well below this).
+const DEREG_WAIT_MAX: Duration = Duration::from_secs(30);
 
 /// `ibv_reg_mr`.
 ///
@@ -878,7 +1033,19 @@ pub unsafe extern "C" fn ibv_reg_mr_iova2(
     })
 }
 
-/// `ibv_dereg_mr`.
+/// The engine of a PD's context.
+///
+/// # Safety
+/// `pd` is NULL or a PD this library allocated.
+unsafe fn pd_context_engine(pd: *mut IbvPd) -> Option<Context> {
+    // SAFETY: per the contract.
+    unsafe { pd_of(pd) }?;
+    // SAFETY: `pd` is live (checked); its context outlives it in a correct program.
+    unsafe { ctx_of((*pd).context) }.map(|c| c.engine.clone())
+}
+
+/// `ibv_dereg_mr`: returns once the engine has let go of the region's memory (in-flight
+/// requests on it finished or flushed), bounded by [`DEREG_WAIT_MAX`] (then `EBUSY`).
 ///
 /// # Safety
 /// `mr` is NULL or a region this library registered, not used again.
@@ -886,12 +1053,35 @@ pub unsafe extern "C" fn ibv_reg_mr_iova2(
 pub unsafe extern "C" fn ibv_dereg_mr(mr: *mut IbvMr) -> c_int {
     guard("ibv_dereg_mr", EINVAL, || {
         // SAFETY: per the contract.
-        if unsafe { mr_of(mr) }.is_none() {
+        let Some(m) = (unsafe { mr_of(mr) }) else {
             return EINVAL;
-        }
+        };
+        let region = m.mr.region().clone();
+        // SAFETY: `mr` is a live FlexMr (checked); its PD outlives it (EBUSY otherwise).
+        let engine = unsafe { pd_context_engine((*mr).pd) };
         let w = mr as *mut FlexMr;
         // SAFETY: checked live FlexMr.
         unsafe { destroy(w, ptr::addr_of_mut!((*w).magic)) };
+        // the registration is gone; in-flight work (a READ response being sent, a send
+        // request's segments) may still hold the region, which is the program's memory: the
+        // program may free it once this returns, so wait for them to finish, running the engine
+        let start = std::time::Instant::now();
+        let scratch = engine.and_then(|e| e.create_cq(1).ok());
+        while Arc::strong_count(&region) > 1 {
+            if start.elapsed() > DEREG_WAIT_MAX {
+                report(&format!(
+                    "ibv_dereg_mr: in-flight work still uses the region after {DEREG_WAIT_MAX:?} (EBUSY); \
+                     the registration is gone, but the memory must not be freed yet"
+                ));
+                return libc::EBUSY;
+            }
+            match &scratch {
+                Some(c) => {
+                    c.wait(Duration::from_millis(1));
+                }
+                None => std::thread::sleep(Duration::from_millis(1)),
+            }
+        }
         0
     })
 }
@@ -925,7 +1115,8 @@ pub unsafe extern "C" fn ibv_create_comp_channel(ctx: *mut IbvContext) -> *mut I
             magic: MAGIC_CH,
             inner: Arc::new(ChannelInner {
                 fd,
-                queue: Mutex::new(VecDeque::new()),
+                queue: Mutex::new(EventQueue::default()),
+                users: Arc::new(()),
             }),
         })) as *mut IbvCompChannel
     })
@@ -939,15 +1130,15 @@ pub unsafe extern "C" fn ibv_create_comp_channel(ctx: *mut IbvContext) -> *mut I
 pub unsafe extern "C" fn ibv_destroy_comp_channel(ch: *mut IbvCompChannel) -> c_int {
     guard("ibv_destroy_comp_channel", EINVAL, || {
         // SAFETY: per the contract.
-        if unsafe { ch_of(ch) }.is_none() {
+        let Some(c) = (unsafe { ch_of(ch) }) else {
             return EINVAL;
+        };
+        if Arc::strong_count(&c.users) > 1 {
+            return libc::EBUSY;
         }
         let w = ch as *mut FlexCh;
         // SAFETY: checked live FlexCh; its fd is its own.
         unsafe {
-            if (*w).ibv.refcnt > 0 {
-                return libc::EBUSY;
-            }
             libc::close((*w).ibv.fd);
             destroy(w, ptr::addr_of_mut!((*w).magic));
         }
@@ -1013,17 +1204,23 @@ pub unsafe extern "C" fn ibv_create_cq(
             magic: MAGIC_CQ,
             inner: CqInner {
                 cq: cq.clone(),
+                users: Arc::new(()),
+                events: Arc::new(CqEvents::default()),
+                _channel_use: ch.as_ref().map(|c| c.users.clone()),
                 notifier: None,
                 empty_since: AtomicU64::new(0),
             },
         }));
         if let Some(ch) = ch {
-            match Notifier::start(cq, ch, b as usize) {
+            // SAFETY: `b` is the box just made, not yet shared with the program.
+            let events = unsafe { (*b).inner.events.clone() };
+            let users = ch.users.clone();
+            match Notifier::start(cq, ch, b as usize, events) {
                 // SAFETY: `b` is the box just made, not yet shared with the program; `channel` a
-                // live channel (checked).
+                // live channel (checked): its C `refcnt` mirrors the use count.
                 Ok(n) => unsafe {
                     (*b).inner.notifier = Some(n);
-                    (*channel).refcnt += 1;
+                    (*channel).refcnt = (Arc::strong_count(&users) - 2) as c_int;
                 },
                 Err(e) => {
                     report(&format!("ibv_create_cq: starting the event thread: {e}"));
@@ -1046,16 +1243,48 @@ pub unsafe extern "C" fn ibv_create_cq(
 pub unsafe extern "C" fn ibv_destroy_cq(cq: *mut IbvCq) -> c_int {
     guard("ibv_destroy_cq", EINVAL, || {
         // SAFETY: per the contract.
-        if unsafe { cq_of(cq) }.is_none() {
+        let Some(c) = (unsafe { cq_of(cq) }) else {
             return EINVAL;
+        };
+        let n = Arc::strong_count(&c.users) - 1;
+        if n > 0 {
+            report(&format!("ibv_destroy_cq: {n} QPs still use the CQ (EBUSY)"));
+            return libc::EBUSY;
         }
         let w = cq as *mut FlexCq;
-        // SAFETY: checked live FlexCq; its channel (if any) outlives it (refcnt).
+        // SAFETY: checked live FlexCq; the program does not use it concurrently (the contract
+        // of destroy), so its notifier may be taken out.
+        let notifier = unsafe { (*ptr::addr_of_mut!((*w).inner.notifier)).take() };
+        // its thread is joined: no further event of this CQ is posted
+        drop(notifier);
+        // SAFETY: checked live FlexCq; its channel (if any) outlives it (the use count).
+        let ch = unsafe { ch_of((*w).ibv.channel) };
+        if let Some(ch) = ch {
+            // take back its events not yet handed out
+            let mut q = ch.queue.lock();
+            let before = q.events.len();
+            q.events.retain(|(p, _)| *p != cq as usize);
+            q.stale += (before - q.events.len()) as u64;
+        }
+        // wait until every event handed out was acknowledged, as rdma-core's destroy does
+        let mut counts = c.events.counts.lock();
+        let mut warned = false;
+        while counts.0 != counts.1 {
+            if c.events.cv.wait_for(&mut counts, Duration::from_secs(1)).timed_out() && !warned {
+                warned = true;
+                report(&format!(
+                    "ibv_destroy_cq: waiting for ibv_ack_cq_events of {} events",
+                    counts.0 - counts.1
+                ));
+            }
+        }
+        drop(counts);
+        // SAFETY: checked live FlexCq; the channel (if any) is live (the use count).
         unsafe {
-            let ch = (*w).ibv.channel;
+            let chp = (*w).ibv.channel;
             destroy(w, ptr::addr_of_mut!((*w).magic));
-            if !ch.is_null() {
-                (*ch).refcnt -= 1;
+            if let Some(ch) = ch {
+                (*chp).refcnt = (Arc::strong_count(&ch.users) - 1) as c_int;
             }
         }
         0
@@ -1094,15 +1323,27 @@ pub unsafe extern "C" fn ibv_get_cq_event(
             set_errno(EINVAL);
             return -1;
         }
-        let mut v: u64 = 0;
-        // SAFETY: reads 8 bytes into a live u64 from the channel's eventfd.
-        let n = unsafe { libc::read(c.fd, (&mut v as *mut u64).cast(), 8) };
-        if n != 8 {
-            return -1;
-        }
-        let Some(cq) = c.queue.lock().pop_front() else {
-            set_errno(libc::EAGAIN);
-            return -1;
+        let cq = loop {
+            let mut v: u64 = 0;
+            // SAFETY: reads 8 bytes into a live u64 from the channel's eventfd.
+            let n = unsafe { libc::read(c.fd, (&mut v as *mut u64).cast(), 8) };
+            if n != 8 {
+                return -1;
+            }
+            let mut q = c.queue.lock();
+            if q.stale > 0 {
+                // the count of an event a destroyed CQ took back
+                q.stale -= 1;
+                continue;
+            }
+            let Some((cq, events)) = q.events.pop_front() else {
+                set_errno(libc::EAGAIN);
+                return -1;
+            };
+            // counted while the queue is locked: a destroy of the CQ either took the event
+            // back or waits for its acknowledgement
+            events.counts.lock().0 += 1;
+            break cq;
         };
         let cq = cq as *mut IbvCq;
         // SAFETY: `cq` is a live CQ of this channel (a CQ with events pending is not destroyed
@@ -1123,9 +1364,12 @@ pub unsafe extern "C" fn ibv_get_cq_event(
 pub unsafe extern "C" fn ibv_ack_cq_events(cq: *mut IbvCq, n: c_uint) {
     guard("ibv_ack_cq_events", (), || {
         // SAFETY: per the contract.
-        if unsafe { cq_of(cq) }.is_some() {
-            // SAFETY: live CQ (checked).
-            unsafe { (*cq).comp_events_completed = (*cq).comp_events_completed.wrapping_add(n) };
+        if let Some(c) = unsafe { cq_of(cq) } {
+            let mut counts = c.events.counts.lock();
+            counts.1 = (counts.1 + u64::from(n)).min(counts.0);
+            c.events.cv.notify_all();
+            // SAFETY: live CQ (checked); the C field mirrors the count.
+            unsafe { (*cq).comp_events_completed = counts.1 as c_uint };
         }
     })
 }
@@ -1308,7 +1552,7 @@ pub unsafe extern "C" fn ibv_create_qp(pd: *mut IbvPd, init: *mut IbvQpInitAttr)
             config: Some(cfg),
             ..QpInitAttr::default()
         };
-        let qp = match c.engine.create_qp(p, &scq.cq, &rcq.cq, attr) {
+        let qp = match c.engine.create_qp(&p.pd, &scq.cq, &rcq.cq, attr) {
             Ok(q) => q,
             Err(e) => return fail(&e.to_string(), errno_of(&e)),
         };
@@ -1340,7 +1584,8 @@ pub unsafe extern "C" fn ibv_create_qp(pd: *mut IbvPd, init: *mut IbvQpInitAttr)
             },
             magic: MAGIC_QP,
             inner: QpInner {
-                qp,
+                qp: Some(qp),
+                _uses: [p.users.clone(), scq.users.clone(), rcq.users.clone()],
                 engine: c.engine.clone(),
                 sq_sig_all: sig_all != 0,
                 state: AtomicI32::new(IBV_QPS_RESET),
@@ -1367,8 +1612,15 @@ pub unsafe extern "C" fn ibv_destroy_qp(qp: *mut IbvQp) -> c_int {
         };
         linger(q);
         let w = qp as *mut FlexQp;
-        // SAFETY: checked live FlexQp.
-        unsafe { destroy(w, ptr::addr_of_mut!((*w).magic)) };
+        // SAFETY: checked live FlexQp, not used concurrently (the contract of destroy): its QP
+        // is taken out and destroyed, which returns once the engine's core has removed it (no
+        // further delivery into its receive buffers), before the box goes.
+        unsafe {
+            if let Some(x) = (*ptr::addr_of_mut!((*w).inner.qp)).take() {
+                x.destroy();
+            }
+            destroy(w, ptr::addr_of_mut!((*w).magic));
+        }
         0
     })
 }
@@ -1391,7 +1643,7 @@ fn linger(q: &QpInner) {
     }
     let scratch = q.engine.create_cq(1).ok();
     let start = std::time::Instant::now();
-    let mut last = q.qp.stats().rx_packets;
+    let mut last = q.qp().stats().rx_packets;
     let mut quiet_since = start;
     while start.elapsed() < LINGER_MAX {
         match &scratch {
@@ -1400,7 +1652,7 @@ fn linger(q: &QpInner) {
             }
             None => std::thread::sleep(Duration::from_millis(2)),
         }
-        let rx = q.qp.stats().rx_packets;
+        let rx = q.qp().stats().rx_packets;
         if rx != last {
             last = rx;
             quiet_since = std::time::Instant::now();
@@ -1461,7 +1713,7 @@ fn modify(q: &QpInner, a: &IbvQpAttr, mask: c_int) -> Result<c_int, (c_int, Stri
                 return Err((EINVAL, format!("path_mtu: {} not in 1..=5", a.path_mtu)));
             }
             let mtu = 256u32 << (a.path_mtu - 1);
-            let template = q.qp.local_endpoint();
+            let template = q.qp().local_endpoint();
             let remote = Endpoint {
                 qpn: a.dest_qp_num & 0xff_ffff,
                 psn: a.rq_psn & 0xff_ffff,
@@ -1472,7 +1724,9 @@ fn modify(q: &QpInner, a: &IbvQpAttr, mask: c_int) -> Result<c_int, (c_int, Stri
                 same_host: None,
                 ..template
             };
-            q.qp.modify_to_rtr(&remote).map_err(|e| (errno_of(&e), e.to_string()))?;
+            q.qp()
+                .modify_to_rtr(&remote)
+                .map_err(|e| (errno_of(&e), e.to_string()))?;
             saved.ah_attr = a.ah_attr;
             saved.path_mtu = a.path_mtu;
             saved.dest_qp_num = a.dest_qp_num;
@@ -1486,7 +1740,8 @@ fn modify(q: &QpInner, a: &IbvQpAttr, mask: c_int) -> Result<c_int, (c_int, Stri
         }
         (IBV_QPS_RTR, IBV_QPS_RTS) => {
             need(IBV_QP_SQ_PSN, "IBV_QP_SQ_PSN")?;
-            q.qp.modify_to_rts_at(a.sq_psn & 0xff_ffff)
+            q.qp()
+                .modify_to_rts_at(a.sq_psn & 0xff_ffff)
                 .map_err(|e| (errno_of(&e), e.to_string()))?;
             saved.sq_psn = a.sq_psn;
             for (bit, dst, src) in [
@@ -1501,7 +1756,7 @@ fn modify(q: &QpInner, a: &IbvQpAttr, mask: c_int) -> Result<c_int, (c_int, Stri
             }
         }
         (IBV_QPS_RTS, IBV_QPS_RTS) => {}
-        (_, IBV_QPS_ERR) => q.qp.modify_to_err(),
+        (_, IBV_QPS_ERR) => q.qp().modify_to_err(),
         (_, IBV_QPS_RESET) => {
             return Err((
                 EOPNOTSUPP,
@@ -1565,7 +1820,9 @@ pub unsafe extern "C" fn ibv_query_qp(
         if attr.is_null() || init.is_null() {
             return EINVAL;
         }
-        let a = *q.attr.lock();
+        let mut a = *q.attr.lock();
+        a.qp_state = q.state();
+        a.cur_qp_state = a.qp_state;
         // SAFETY: writable per the contract; `qp` live (checked).
         unsafe {
             ptr::write(attr, a);
@@ -1655,6 +1912,33 @@ fn send_wr(w: &IbvSendWr, sig_all: bool) -> Result<SendWr, (c_int, String)> {
     })
 }
 
+/// Posts one send request. With `IBV_SEND_INLINE` the payload is read from the SGEs' addresses
+/// now, without checking their lkeys (`man ibv_post_send`: the buffers need not be registered),
+/// and handed to the engine as INLINE bytes.
+fn post_one(qp: &Qp, s: SendWr) -> Result<(), VerbsError> {
+    if !s.flags.contains(SendFlags::INLINE) {
+        return qp.post_send(s);
+    }
+    let total: u64 = s.sg_list.iter().map(|g| u64::from(g.length)).sum();
+    if total > u64::from(MAX_INLINE) {
+        return Err(VerbsError::InlineTooLong {
+            len: total,
+            max: MAX_INLINE,
+        });
+    }
+    let mut data = Vec::with_capacity(total as usize);
+    for g in &s.sg_list {
+        if g.length > 0 && g.addr == 0 {
+            return Err(VerbsError::Invalid("sg_list: an INLINE element's addr is NULL".into()));
+        }
+        // SAFETY: with IBV_SEND_INLINE the program guarantees the SGEs' bytes are readable
+        // during the call (`man ibv_post_send`); at most MAX_INLINE bytes in all.
+        let bytes = unsafe { std::slice::from_raw_parts(g.addr as usize as *const u8, g.length as usize) };
+        data.extend_from_slice(bytes);
+    }
+    qp.post_send_inline(s, &data)
+}
+
 /// `ops.post_send`: posts the list in order; on the first refused request sets `*bad` to it and
 /// returns its errno.
 unsafe extern "C" fn post_send(qp: *mut IbvQp, mut wr: *mut IbvSendWr, bad: *mut *mut IbvSendWr) -> c_int {
@@ -1662,19 +1946,22 @@ unsafe extern "C" fn post_send(qp: *mut IbvQp, mut wr: *mut IbvSendWr, bad: *mut
         // SAFETY: the program passes a QP of this library (checked).
         let Some(q) = (unsafe { qp_of(qp) }) else { return EINVAL };
         while !wr.is_null() {
+            if !bad.is_null() {
+                // SAFETY: writable per the contract; set first, so that a panic caught below
+                // names the request too.
+                unsafe { *bad = wr };
+            }
             // SAFETY: a valid list per the contract of ibv_post_send.
             let w = unsafe { &*wr };
-            let r = if q.state.load(Ordering::Relaxed) != IBV_QPS_RTS {
-                Err((EINVAL, "the QP is not in RTS".to_string()))
+            let state = q.state.load(Ordering::Relaxed);
+            let r = if state != IBV_QPS_RTS && state != IBV_QPS_ERR {
+                // (in ERR the engine completes the request with IBV_WC_WR_FLUSH_ERR)
+                Err((EINVAL, "the QP is neither in RTS nor in ERR".to_string()))
             } else {
-                send_wr(w, q.sq_sig_all).and_then(|s| q.qp.post_send(s).map_err(|e| (errno_of(&e), e.to_string())))
+                send_wr(w, q.sq_sig_all).and_then(|s| post_one(q.qp(), s).map_err(|e| (errno_of(&e), e.to_string())))
             };
             if let Err((e, why)) = r {
-                report(&format!("ibv_post_send: {why}"));
-                if !bad.is_null() {
-                    // SAFETY: writable per the contract.
-                    unsafe { *bad = wr };
-                }
+                report_post(&format!("ibv_post_send: {why}"));
                 return e;
             }
             wr = w.next;
@@ -1689,6 +1976,11 @@ unsafe extern "C" fn post_recv(qp: *mut IbvQp, mut wr: *mut IbvRecvWr, bad: *mut
         // SAFETY: the program passes a QP of this library (checked).
         let Some(q) = (unsafe { qp_of(qp) }) else { return EINVAL };
         while !wr.is_null() {
+            if !bad.is_null() {
+                // SAFETY: writable per the contract; set first, so that a panic caught below
+                // names the request too.
+                unsafe { *bad = wr };
+            }
             // SAFETY: a valid list per the contract of ibv_post_recv.
             let w = unsafe { &*wr };
             let r = if q.state.load(Ordering::Relaxed) == IBV_QPS_RESET {
@@ -1698,19 +1990,16 @@ unsafe extern "C" fn post_recv(qp: *mut IbvQp, mut wr: *mut IbvRecvWr, bad: *mut
                 unsafe { sges(w.sg_list, w.num_sge) }
                     .map_err(|m| (EINVAL, m))
                     .and_then(|sg_list| {
-                        q.qp.post_recv(RecvWr {
-                            wr_id: w.wr_id,
-                            sg_list,
-                        })
-                        .map_err(|e| (errno_of(&e), e.to_string()))
+                        q.qp()
+                            .post_recv(RecvWr {
+                                wr_id: w.wr_id,
+                                sg_list,
+                            })
+                            .map_err(|e| (errno_of(&e), e.to_string()))
                     })
             };
             if let Err((e, why)) = r {
-                report(&format!("ibv_post_recv: {why}"));
-                if !bad.is_null() {
-                    // SAFETY: writable per the contract.
-                    unsafe { *bad = wr };
-                }
+                report_post(&format!("ibv_post_recv: {why}"));
                 return e;
             }
             wr = w.next;

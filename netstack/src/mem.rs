@@ -836,7 +836,11 @@ impl MrTable {
     }
 
     /// Removes the registration whose lkey is `lkey`; later accesses with either of its keys
-    /// fail. In-flight packets keep the memory alive through their `Arc` until they are sent.
+    /// fail. In-flight work (packets being built or sent, READ responses, send requests' segments)
+    /// keeps its `Arc<Region>` until it finishes: memory the engine owns stays alive, but a
+    /// region of the caller's memory (`Region::from_raw`) does nothing on drop, so a caller
+    /// that frees such memory must first wait for the `Arc`'s other holders to go (flexns's
+    /// `ibv_dereg_mr` waits for its strong count to fall to its own clone).
     pub fn deregister(&self, lkey: u32) -> bool {
         let mut guard = self.slots.write();
         let t = &mut *guard;

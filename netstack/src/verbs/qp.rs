@@ -624,6 +624,50 @@ impl Qp {
         Ok(())
     }
 
+    /// Posts a send whose INLINE payload the caller has gathered itself (`ibv_post_send` with
+    /// `IBV_SEND_INLINE`, which reads the SGEs' bytes at post time without checking their
+    /// lkeys): `data` is the payload, `wr`'s scatter list only its description.
+    pub fn post_send_inline(&self, wr: SendWr, data: &[u8]) -> Result<(), VerbsError> {
+        crate::work::validate_send(&wr).map_err(PostError::Invalid)?;
+        let max = self.ctx.inner.cfg.max_inline;
+        if data.len() as u64 > max as u64 || data.len() as u64 != wr.total_len() {
+            return Err(VerbsError::InlineTooLong {
+                len: data.len() as u64,
+                max,
+            });
+        }
+        if self.managed.is_some() {
+            return Err(VerbsError::Invalid(
+                "INLINE bytes cannot be posted to a managed QP".into(),
+            ));
+        }
+        match self.mirror.state() {
+            QpState::Rts | QpState::Err => {}
+            st => return Err(PostError::InvalidState(st).into()),
+        }
+        let mut slots = sq::Slots::new();
+        let mut q = self.core.sq.lock();
+        check_room(&self.posted, &self.mirror.retired, self.max_send_wr, wr.sg_list.len())?;
+        sq::encode_send(self.qpn, &wr, Some(data), &mut slots);
+        self.core.stats.tx_payload_copy_bytes.add(data.len() as u64);
+        push_waiting(&mut q, &slots)?;
+        self.posted.fetch_add(1, Ordering::Relaxed);
+        drop(q);
+        self.kick();
+        Ok(())
+    }
+
+    /// Destroys the QP and returns once its core has removed it (dropping it only queues the
+    /// removal): from then on the engine neither delivers to its receive buffers nor reads its
+    /// send requests' memory on its behalf, except packets already built, which hold their
+    /// region (`Arc`) until sent.
+    pub fn destroy(self) {
+        let core = self.core.clone();
+        drop(self);
+        // a command queued behind the removal on the same core: answered after it
+        let _ = core.call_each(|_| ());
+    }
+
     /// Posts a receive work request (`ibv_post_recv`): checked against the QP's state and
     /// receive queue depth as its core last published them, then queued for the core behind
     /// the QP's earlier posts.
