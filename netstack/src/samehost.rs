@@ -161,7 +161,8 @@ impl Mapping {
     /// If the word passes the end of the mapping: callers index with validated values, so
     /// that is a bug of the caller, never of the process on the other side.
     pub fn word(&self, i: usize) -> &AtomicU64 {
-        assert!((i + 1) * 8 <= self.len, "word {i} outside a {}-byte mapping", self.len);
+        // `i < len / 8`, not `(i + 1) * 8 <= len`: that product wraps for a huge `i`
+        assert!(i < self.len / 8, "word {i} outside a {}-byte mapping", self.len);
         // SAFETY: in bounds (checked), 8-aligned (a page-aligned mapping), valid while `self`
         // is, and only ever accessed atomically by every process that maps it.
         unsafe { AtomicU64::from_ptr(self.ptr.add(i * 8) as *mut u64) }
@@ -796,6 +797,15 @@ pub(crate) unsafe fn copy_raw(src: *const u8, dst: *mut u8, n: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An index whose byte offset wraps `usize` is refused like any other past the end (the
+    /// old `(i + 1) * 8 <= len` check wrapped to a small number and let it through in release).
+    #[test]
+    #[should_panic(expected = "outside")]
+    fn a_word_index_whose_offset_wraps_is_refused() {
+        let x = Export::create(5).unwrap();
+        let _ = x.map.word(usize::MAX / 8 + 1);
+    }
 
     #[test]
     fn copy_raw_copies_at_any_alignment() {
