@@ -343,6 +343,18 @@ impl Drop for Mr {
     }
 }
 
+impl Drop for Cq {
+    fn drop(&mut self) {
+        let _ = self.att.inner.call(&Request::DestroyCq { cq: self.handle }, &[]);
+    }
+}
+
+impl Drop for Pd {
+    fn drop(&mut self) {
+        let _ = self.att.inner.call(&Request::DeallocPd { pd: self.handle }, &[]);
+    }
+}
+
 /// A completion queue: a ring the daemon writes completions into.
 pub struct Cq {
     att: Attachment,

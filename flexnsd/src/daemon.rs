@@ -283,6 +283,8 @@ struct AppQp {
     head: u64,
     send_cq: u32,
     recv_cq: u32,
+    /// Its PD's handle.
+    pd: u32,
     /// Closed for a fault: served no more.
     fault: Option<RingFault>,
     /// Send WRs taken from the ring that the engine's full queue refused, in order (the ring
@@ -293,8 +295,8 @@ struct AppQp {
 /// One attachment. Fields drop in order: QPs before the MRs and CQs they use.
 struct App {
     qps: HashMap<u32, AppQp>,
-    /// Each with the bytes it maps.
-    mrs: HashMap<u32, (Mr, u64)>,
+    /// Each with the bytes it maps and its PD's handle.
+    mrs: HashMap<u32, (Mr, u64, u32)>,
     cqs: HashMap<u32, AppCq>,
     pds: HashMap<u32, Pd>,
     id: u64,
@@ -544,7 +546,8 @@ impl App {
                 if !sys::is_eventfd(fd.as_fd()) {
                     return refuse("fds", "the doorbell must be an eventfd");
                 }
-                let _ = sys::set_nonblocking(fd.as_fd(), true);
+                sys::set_nonblocking(fd.as_fd(), true)
+                    .map_err(|e| Refusal("fds", format!("the doorbell cannot be made non-blocking: {e}")))?;
                 self.doorbell = Some(sys::async_fd(fd).map_err(|e| Refusal("fds", e.to_string()))?);
                 self.name = name.chars().take(64).collect();
                 Ok(Reply::Hello { app: self.id })
@@ -557,6 +560,7 @@ impl App {
                 Ok(Reply::Handle(h))
             }
             Request::RegMr { pd, len, addr, access } => {
+                let pd_h = pd;
                 let Some(pd) = self.pds.get(&pd) else {
                     return refuse("pd", format!("{pd} is not a PD of this application"));
                 };
@@ -585,13 +589,13 @@ impl App {
                     lkey: mr.lkey(),
                     rkey: mr.rkey(),
                 };
-                self.mrs.insert(h, (mr, map_len));
+                self.mrs.insert(h, (mr, map_len, pd_h));
                 self.counts.mrs += 1;
                 self.mapped += map_len;
                 Ok(r)
             }
             Request::DeregMr { mr } => {
-                let Some((_, bytes)) = self.mrs.remove(&mr) else {
+                let Some((_, bytes, _)) = self.mrs.remove(&mr) else {
                     return refuse("mr", format!("{mr} is not an MR of this application"));
                 };
                 self.counts.mrs -= 1;
@@ -604,6 +608,9 @@ impl App {
                 if !sys::is_eventfd(notify.as_fd()) {
                     return refuse("fds", "the second descriptor (notify) must be an eventfd");
                 }
+                // a blocking eventfd at its maximum count would block the signal forever
+                sys::set_nonblocking(notify.as_fd(), true)
+                    .map_err(|e| Refusal("fds", format!("the notify eventfd cannot be made non-blocking: {e}")))?;
                 let bytes = shm::cq_bytes(slots);
                 self.room_for(bytes as u64)?;
                 let file = sealed(std::fs::File::from(fds.pop().expect("checked")), bytes as u64)?;
@@ -680,6 +687,7 @@ impl App {
                         head,
                         send_cq,
                         recv_cq,
+                        pd,
                         fault: None,
                         deferred: VecDeque::new(),
                     },
@@ -701,6 +709,32 @@ impl App {
                 };
                 self.counts.qps -= 1;
                 self.mapped -= shm::sq_bytes(q.slots) as u64;
+                Ok(Reply::Done)
+            }
+            Request::DestroyCq { cq } => {
+                if !self.cqs.contains_key(&cq) {
+                    return refuse("cq", format!("{cq} is not a CQ of this application"));
+                }
+                if let Some((h, _)) = self.qps.iter().find(|(_, q)| q.send_cq == cq || q.recv_cq == cq) {
+                    return refuse("cq", format!("{cq} is in use by QP {h}"));
+                }
+                let c = self.cqs.remove(&cq).expect("checked");
+                self.counts.cqs -= 1;
+                self.mapped -= shm::cq_bytes(c.slots) as u64;
+                Ok(Reply::Done)
+            }
+            Request::DeallocPd { pd } => {
+                if !self.pds.contains_key(&pd) {
+                    return refuse("pd", format!("{pd} is not a PD of this application"));
+                }
+                if let Some((h, _)) = self.mrs.iter().find(|(_, m)| m.2 == pd) {
+                    return refuse("pd", format!("{pd} is in use by MR {h}"));
+                }
+                if let Some((h, _)) = self.qps.iter().find(|(_, q)| q.pd == pd) {
+                    return refuse("pd", format!("{pd} is in use by QP {h}"));
+                }
+                self.pds.remove(&pd);
+                self.counts.pds -= 1;
                 Ok(Reply::Done)
             }
             Request::QpStats { qp } => {
@@ -940,7 +974,7 @@ impl App {
                 c.ring.word(shm::CQ_TAIL).store(c.tail, Ordering::Release);
                 fence(Ordering::SeqCst);
                 if c.ring.word(shm::CQ_ARMED).swap(0, Ordering::SeqCst) != 0 {
-                    sys::eventfd_signal(c.notify.as_fd());
+                    sys::eventfd_signal_peer(c.notify.as_fd());
                 }
             }
         }

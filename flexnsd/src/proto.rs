@@ -71,6 +71,16 @@ pub enum Request {
         /// The QP.
         qp: u32,
     },
+    /// Destroys a CQ (refused while a QP of the attachment uses it).
+    DestroyCq {
+        /// The CQ.
+        cq: u32,
+    },
+    /// Deallocates a PD (refused while an MR or QP of the attachment is in it).
+    DeallocPd {
+        /// The PD.
+        pd: u32,
+    },
     /// The transport counters of one QP.
     QpStats {
         /// The QP.

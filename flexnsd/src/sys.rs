@@ -229,6 +229,15 @@ pub fn eventfd() -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
+/// Adds one to an eventfd another process passed (and could have made blocking again since):
+/// never blocks, an eventfd at its maximum count (readable already, so its waiter wakes
+/// anyway) is skipped.
+pub fn eventfd_signal_peer(fd: BorrowedFd<'_>) {
+    if matches!(poll(&[(fd, libc::POLLOUT)], Some(Duration::ZERO)), Ok(r) if r[0] & libc::POLLOUT != 0) {
+        eventfd_signal(fd);
+    }
+}
+
 /// Adds one to an eventfd (wakes its waiter).
 pub fn eventfd_signal(fd: BorrowedFd<'_>) {
     let one = 1u64.to_ne_bytes();
@@ -236,11 +245,17 @@ pub fn eventfd_signal(fd: BorrowedFd<'_>) {
     unsafe { libc::write(fd.as_raw_fd(), one.as_ptr() as *const libc::c_void, 8) };
 }
 
-/// Resets an eventfd's counter (non-blocking).
+/// Resets an eventfd's counter: reads until EAGAIN (one read for a plain eventfd; an
+/// `EFD_SEMAPHORE` one gives 1 a read, so at most 64 reads). `fd` must be non-blocking.
 pub fn eventfd_drain(fd: BorrowedFd<'_>) {
     let mut v = [0u8; 8];
-    // SAFETY: an 8-byte read into a live buffer; EAGAIN (already zero) is fine.
-    unsafe { libc::read(fd.as_raw_fd(), v.as_mut_ptr() as *mut libc::c_void, 8) };
+    for _ in 0..64 {
+        // SAFETY: an 8-byte read into a live buffer; EAGAIN (already zero) ends the loop.
+        let r = unsafe { libc::read(fd.as_raw_fd(), v.as_mut_ptr() as *mut libc::c_void, 8) };
+        if r != 8 {
+            break;
+        }
+    }
 }
 
 /// Whether `fd` is an eventfd (what a passed doorbell or notify descriptor must be).

@@ -573,7 +573,7 @@ fn tempfile_in(dir: &Path) -> std::fs::File {
 
 /// A QP whose send ring is the test's own memfd (made before the QP, with the indices it
 /// likes): what a hostile application controls.
-fn raw_qp(att: &Attachment, pd: &Pd, cq: &Cq, slots: u32, start: u64) -> (flexnsd::shm::Mapping, u32) {
+fn raw_qp(att: &Attachment, pd: &Pd, cq: u32, slots: u32, start: u64) -> (flexnsd::shm::Mapping, u32) {
     use flexnsd::shm;
     let ring = shm::Mapping::create(c"flexnsd-sq", shm::sq_bytes(slots as usize)).unwrap();
     ring.word(shm::SQ_TAIL)
@@ -583,8 +583,8 @@ fn raw_qp(att: &Attachment, pd: &Pd, cq: &Cq, slots: u32, start: u64) -> (flexns
     let r = att.raw_call(
         &Request::CreateQp {
             pd: pd.handle(),
-            send_cq: cq.handle(),
-            recv_cq: cq.handle(),
+            send_cq: cq,
+            recv_cq: cq,
             slots,
         },
         &[ring.file().as_fd()],
@@ -676,7 +676,7 @@ fn unread_error_completions_stop_the_ring_instead_of_growing() {
     let h = d.attach("flood");
     let pd = h.alloc_pd().unwrap();
     let cq = h.create_cq(4).unwrap();
-    let (ring, _qp) = raw_qp(&h, &pd, &cq, 64, 0);
+    let (ring, _qp) = raw_qp(&h, &pd, cq.handle(), 64, 0);
     // zeroed entries are bad entries: each makes an error completion
     let flood = |dur: Duration| {
         let t0 = Instant::now();
@@ -717,7 +717,7 @@ fn ring_indices_start_at_zero_whatever_the_application_stored() {
     let h = d.attach("wrap");
     let pd = h.alloc_pd().unwrap();
     let cq = h.create_cq(16).unwrap();
-    let (ring, _qp) = raw_qp(&h, &pd, &cq, 4, u64::MAX - 1);
+    let (ring, _qp) = raw_qp(&h, &pd, cq.handle(), 4, u64::MAX - 1);
     assert_eq!(
         ring.word(shm::SQ_TAIL).load(SeqCst),
         0,
@@ -738,4 +738,131 @@ fn ring_indices_start_at_zero_whatever_the_application_stored() {
     }
     let s = h.status().expect("the attachment is served on");
     assert!(s.apps.iter().any(|x| x.0 == h.app_id()), "{s:?}");
+}
+
+/// DestroyCq and DeallocPd: refused while a QP (or MR) uses the object, done after; the
+/// client's `Cq` and `Pd` free theirs on drop (the daemon's counts go back to zero while the
+/// application stays attached).
+#[test]
+fn cqs_and_pds_are_freed_on_drop_and_refused_while_in_use() {
+    let d = Daemon::start("free");
+    let h = d.attach("freer");
+    let pd = h.alloc_pd().unwrap();
+    let mr = pd.reg_mr(4096, Access::ALL).unwrap();
+    let cq = h.create_cq(16).unwrap();
+    let qp = h.create_qp(&pd, &cq, &cq, QpInitAttr::default()).unwrap();
+    refused_field(h.raw_call(&Request::DestroyCq { cq: cq.handle() }, &[]), "cq");
+    refused_field(h.raw_call(&Request::DeallocPd { pd: pd.handle() }, &[]), "pd");
+    drop(qp);
+    refused_field(h.raw_call(&Request::DeallocPd { pd: pd.handle() }, &[]), "pd"); // the MR
+    drop(mr);
+    let held = |s: &flexnsd::proto::Status| s.apps.iter().find(|x| x.0 == h.app_id()).unwrap().1;
+    let s = h.status().unwrap();
+    assert_eq!((held(&s).pds, held(&s).cqs), (1, 1), "{s:?}");
+    let fds = s.open_fds;
+    drop(cq);
+    drop(pd);
+    let s = h.status().unwrap();
+    let c = held(&s);
+    assert_eq!((c.pds, c.mrs, c.cqs, c.qps), (0, 0, 0, 0), "{s:?}");
+    // the CQ's ring memfd and notify eventfd are closed with it
+    assert!(s.open_fds + 2 <= fds, "{} descriptors open, {fds} before", s.open_fds);
+    refused_field(h.raw_call(&Request::DestroyCq { cq: 12345 }, &[]), "cq");
+}
+
+/// A notify eventfd passed blocking and at its maximum count: the daemon's signal of a
+/// completion does not block its attachment thread (which keeps answering commands).
+#[test]
+fn a_blocking_full_notify_eventfd_does_not_wedge_the_daemon() {
+    use flexnsd::shm;
+    use std::os::fd::FromRawFd;
+    use std::sync::atomic::Ordering::SeqCst;
+    let d = Daemon::start("wedge");
+    let h = d.attach("wedger");
+    let pd = h.alloc_pd().unwrap();
+    let ring = shm::Mapping::create(c"flexnsd-cq", shm::cq_bytes(16)).unwrap();
+    // SAFETY: plain eventfd(2), checked, owned at once.
+    let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+    assert!(efd >= 0);
+    // SAFETY: a fresh descriptor nothing else owns.
+    let notify = unsafe { std::os::fd::OwnedFd::from_raw_fd(efd) };
+    let Ok(Reply::Handle(cq)) = h.raw_call(&Request::CreateCq { slots: 16 }, &[ring.file().as_fd(), notify.as_fd()])
+    else {
+        panic!("CreateCq refused");
+    };
+    // the application makes its eventfd blocking again (it shares the open file) and fills it
+    flexnsd::sys::set_nonblocking(notify.as_fd(), false).unwrap();
+    let max = (u64::MAX - 1).to_ne_bytes();
+    // SAFETY: an 8-byte write from a live buffer.
+    assert_eq!(unsafe { libc::write(efd, max.as_ptr().cast(), 8) }, 8);
+    ring.word(shm::CQ_ARMED).store(1, SeqCst);
+    let (sq, _qp) = raw_qp(&h, &pd, cq, 4, 0);
+    sq.word(shm::SQ_TAIL).store(1, SeqCst); // one zeroed entry: an error completion
+    let (tx, rx) = std::sync::mpsc::channel();
+    let h2 = h.clone();
+    std::thread::spawn(move || {
+        h2.status().unwrap(); // wakes the daemon: it takes the entry and signals
+        std::thread::sleep(Duration::from_millis(100));
+        tx.send(h2.status().is_ok()).unwrap();
+    });
+    let answered = rx.recv_timeout(Duration::from_secs(5));
+    assert_eq!(answered, Ok(true), "the attachment thread stopped answering");
+    assert_eq!(ring.word(shm::CQ_TAIL).load(SeqCst), 1, "the completion was written");
+    assert_eq!(ring.word(shm::CQ_ARMED).load(SeqCst), 0, "the arm was taken");
+}
+
+/// Isolation, not just unknown handles: a hostile application posts the good application's
+/// lkey (as its own SGE) and rkey (as the target of a WRITE and of a READ) on QPs connected to
+/// its own QPs; it gets protection errors and the good application's memory is untouched.
+#[test]
+fn another_applications_keys_get_protection_errors() {
+    let d = Daemon::start("keys");
+    let good = node(d.attach("good"));
+    fill(&good.mr, 0, MR_LEN, 0x5A);
+    let h = d.attach("hostile");
+    // a fresh pair of the hostile application's QPs per case (an error moves a QP to error)
+    let pair = || {
+        let a = node(h.clone());
+        let b = node(h.clone());
+        a.qp.connect(&b.qp.local_endpoint().unwrap()).unwrap();
+        b.qp.connect(&a.qp.local_endpoint().unwrap()).unwrap();
+        fill(&a.mr, 0, 4096, 0x11);
+        (a, b)
+    };
+    let first = |n: &Node, wr_id: u64| {
+        let wc = n.cq.next(T).unwrap().expect("a completion");
+        assert_eq!(wc.wr_id, wr_id, "{wc:?}");
+        wc.status
+    };
+    // its own memory, named with the good application's lkey
+    let (a, b) = pair();
+    let mut sge = a.mr.sge(0, 4096);
+    sge.lkey = good.mr.lkey();
+    a.qp.post_send(
+        SendWr::new(1, WrOpcode::RdmaWrite)
+            .sge(sge)
+            .remote(b.mr.addr(), b.mr.rkey()),
+    )
+    .unwrap();
+    assert_eq!(first(&a, 1), WcStatus::LocProtErr);
+    // a WRITE to the good application's address with its rkey
+    let (a, _b) = pair();
+    a.qp.post_send(
+        SendWr::new(2, WrOpcode::RdmaWrite)
+            .sge(a.mr.sge(0, 4096))
+            .remote(good.mr.addr(), good.mr.rkey()),
+    )
+    .unwrap();
+    assert_eq!(first(&a, 2), WcStatus::RemAccessErr);
+    // a READ of it
+    let (a, _b) = pair();
+    a.qp.post_send(
+        SendWr::new(3, WrOpcode::RdmaRead)
+            .sge(a.mr.sge(0, 4096))
+            .remote(good.mr.addr(), good.mr.rkey()),
+    )
+    .unwrap();
+    assert_eq!(first(&a, 3), WcStatus::RemAccessErr);
+    check(&a.mr, 0, 4096, 0x11, "the hostile READ's buffer (nothing read into it)");
+    check(&good.mr, 0, MR_LEN, 0x5A, "the good application's memory");
 }
