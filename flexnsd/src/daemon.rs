@@ -1034,9 +1034,19 @@ fn ring_slots(slots: u32) -> Result<usize, Refusal> {
     Ok(s)
 }
 
-/// Seals a passed memfd against shrinking, then checks it has at least `len` bytes (in that
+/// Checks a passed memfd is on tmpfs, seals it against shrinking, then checks it has at least `len` bytes (in that
 /// order: a file checked first could shrink in between, and a mapping past its end faults).
 fn sealed(file: std::fs::File, len: u64) -> Result<std::fs::File, Refusal> {
+    match sys::is_tmpfs(file.as_fd()) {
+        Ok(true) => {}
+        Ok(false) => {
+            return refuse(
+                "fds",
+                "the memfd is not on tmpfs (a hugetlbfs memfd cannot be mapped safely: MFD_HUGETLB is not supported)",
+            )
+        }
+        Err(e) => return refuse("fds", format!("fstatfs: {e}")),
+    }
     sys::seal_shrink(file.as_fd()).map_err(|e| {
         Refusal(
             "fds",

@@ -265,6 +265,16 @@ pub fn is_eventfd(fd: BorrowedFd<'_>) -> bool {
         .unwrap_or(false)
 }
 
+/// Whether `fd` is a file of tmpfs (a plain memfd is; a hugetlbfs one, whose punched holes
+/// fault with SIGBUS and whose 4 KiB-rounded unmaps fail, is not).
+pub fn is_tmpfs(fd: BorrowedFd<'_>) -> io::Result<bool> {
+    // SAFETY: statfs is plain data; all-zero is valid.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: fstatfs(2) fills the live struct; the result is checked.
+    cvt(unsafe { libc::fstatfs(fd.as_raw_fd(), &mut st) })?;
+    Ok(st.f_type as i64 == libc::TMPFS_MAGIC as i64)
+}
+
 /// A new memfd that can be sealed (so that a daemon mapping it can forbid shrinking).
 pub fn memfd(name: &CStr) -> io::Result<std::fs::File> {
     // SAFETY: a C string; the flags ask for a close-on-exec file that allows seals.

@@ -866,3 +866,49 @@ fn another_applications_keys_get_protection_errors() {
     check(&a.mr, 0, 4096, 0x11, "the hostile READ's buffer (nothing read into it)");
     check(&good.mr, 0, MR_LEN, 0x5A, "the good application's memory");
 }
+
+/// A hugetlbfs memfd (MFD_HUGETLB) is refused before the daemon maps it.
+#[test]
+fn a_hugetlb_memfd_is_refused() {
+    // SAFETY: a C string; the flags ask for a sealable hugetlb memfd; the result is checked.
+    let fd = unsafe {
+        libc::memfd_create(
+            c"flexnsd-huge".as_ptr(),
+            libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING | libc::MFD_HUGETLB,
+        )
+    };
+    if fd < 0 {
+        let why = format!(
+            "a_hugetlb_memfd_is_refused: memfd_create(MFD_HUGETLB): {} (no hugetlbfs in this kernel)",
+            std::io::Error::last_os_error()
+        );
+        eprintln!("SKIPPED {why}");
+        if let Some(p) = std::env::var_os("FLEXNS_SKIP_LOG") {
+            if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(p) {
+                let _ = writeln!(f, "{why}");
+            }
+        }
+        return;
+    }
+    use std::os::fd::FromRawFd;
+    // SAFETY: a fresh descriptor nothing else owns.
+    let file = unsafe { std::fs::File::from_raw_fd(fd) };
+    // one huge page long, where the kernel lets it be sized (the old daemon then mapped it)
+    let _ = file.set_len(2 << 20);
+    let d = Daemon::start("huge");
+    let h = d.attach("huge");
+    let pd = h.alloc_pd().unwrap();
+    let r = h.raw_call(
+        &Request::RegMr {
+            pd: pd.handle(),
+            len: 4096,
+            addr: 0x1000,
+            access: 15,
+        },
+        &[file.as_fd()],
+    );
+    match r {
+        Err(ClientError::Refused { field, message }) if field == "fds" && message.contains("tmpfs") => {}
+        r => panic!("expected a refusal of the hugetlb memfd, got {r:?}"),
+    }
+}
