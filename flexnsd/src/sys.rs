@@ -272,7 +272,10 @@ pub fn is_tmpfs(fd: BorrowedFd<'_>) -> io::Result<bool> {
     let mut st: libc::statfs = unsafe { std::mem::zeroed() };
     // SAFETY: fstatfs(2) fills the live struct; the result is checked.
     cvt(unsafe { libc::fstatfs(fd.as_raw_fd(), &mut st) })?;
-    Ok(st.f_type as i64 == libc::TMPFS_MAGIC as i64)
+    // both are `c_long` here, other types on other targets: compared as i64 everywhere
+    #[allow(clippy::unnecessary_cast)]
+    let tmpfs = st.f_type as i64 == libc::TMPFS_MAGIC as i64;
+    Ok(tmpfs)
 }
 
 /// A new memfd that can be sealed (so that a daemon mapping it can forbid shrinking).
