@@ -290,6 +290,12 @@ struct AppQp {
     /// Send WRs taken from the ring that the engine's full queue refused, in order (the ring
     /// is not read until they are posted; at most one pass's worth).
     deferred: VecDeque<netstack::verbs::SendWr>,
+    /// Sends posted to the engine whose completions are not polled yet.
+    sends_out: u64,
+    /// A send error completion the daemon made (a refused post, a bad entry), held until every
+    /// send posted before it has completed, so it does not overtake their completions; the QP's
+    /// sends wait behind it (at most one per pass).
+    held: VecDeque<Wc>,
 }
 
 /// One attachment. Fields drop in order: QPs before the MRs and CQs they use.
@@ -397,6 +403,7 @@ impl App {
         let pending = self.qps.values().any(|q| {
             q.fault.is_none()
                 && q.deferred.is_empty()
+                && q.held.is_empty()
                 && !blocked.contains(&q.send_cq)
                 && !blocked.contains(&q.recv_cq)
                 && q.ring.word(shm::SQ_TAIL).load(Ordering::SeqCst) != q.head
@@ -690,6 +697,8 @@ impl App {
                         pd,
                         fault: None,
                         deferred: VecDeque::new(),
+                        sends_out: 0,
+                        held: VecDeque::new(),
                     },
                 );
                 self.counts.qps += 1;
@@ -782,14 +791,32 @@ impl App {
                 },
             ))
         };
+        let made = |wr_id: u64, opcode: WcOpcode, qpn: u32| Wc {
+            wr_id,
+            status: WcStatus::LocQpOpErr,
+            opcode,
+            qp_num: qpn,
+            ..EMPTY_WC
+        };
+        // held send errors go to their CQ once every send posted before them has completed
+        for q in self.qps.values_mut() {
+            if q.sends_out == 0 && !q.held.is_empty() {
+                failed.extend(q.held.drain(..).map(|wc| (q.send_cq, wc)));
+                any = true;
+            }
+        }
         // sends the engine's full queue refused earlier go first, in order
         for q in self.qps.values_mut() {
+            if !q.held.is_empty() {
+                continue;
+            }
             while let Some(wr) = q.deferred.pop_front() {
                 let (id, op, len) = (wr.wr_id, wr.opcode, wr.total_len());
                 match q.qp.post_send(wr.clone()) {
                     Ok(()) => {
                         self.counts.wrs += 1;
                         self.counts.bytes += len;
+                        q.sends_out += 1;
                         any = true;
                     }
                     Err(VerbsError::Post(netstack::transport::rc::PostError::QueueFull(_))) => {
@@ -799,7 +826,8 @@ impl App {
                     Err(e) => {
                         tracing::debug!("attachment {}: QP {}: post refused: {e}", self.id, q.qp.qp_num());
                         self.counts.errors += 1;
-                        fail(&mut failed, q.send_cq, id, WcOpcode::from_wr(op), q.qp.qp_num());
+                        q.held.push_back(made(id, WcOpcode::from_wr(op), q.qp.qp_num()));
+                        break;
                     }
                 }
             }
@@ -816,6 +844,7 @@ impl App {
             // application reads none) is not read until they are taken: they stay bounded
             if q.fault.is_some()
                 || !q.deferred.is_empty()
+                || !q.held.is_empty()
                 || blocked.contains(&q.send_cq)
                 || blocked.contains(&q.recv_cq)
             {
@@ -868,7 +897,10 @@ impl App {
                     Err(why) => {
                         tracing::debug!("attachment {}: QP {qpn}: bad ring entry: {why}", self.id);
                         self.counts.errors += 1;
-                        fail(&mut failed, q.send_cq, w[0], WcOpcode::Send, qpn);
+                        // after the sends taken before it complete; nothing more this pass
+                        q.held.push_back(made(w[0], WcOpcode::Send, qpn));
+                        q.head += 1;
+                        break;
                     }
                 }
                 q.head += 1;
@@ -890,6 +922,7 @@ impl App {
                     Ok(()) => {
                         self.counts.wrs += 1;
                         self.counts.bytes += len;
+                        q.sends_out += 1;
                     }
                     // the engine's queue is full: this one and the rest wait in the daemon
                     // (and the ring is not read until they are posted)
@@ -897,10 +930,12 @@ impl App {
                         q.deferred.push_back(wr);
                         break;
                     }
+                    // held until the sends before it complete; the rest wait behind it
                     Err(e) => {
                         tracing::debug!("attachment {}: QP {qpn}: post refused: {e}", self.id);
                         self.counts.errors += 1;
-                        fail(&mut failed, q.send_cq, id, WcOpcode::from_wr(op), qpn);
+                        q.held.push_back(made(id, WcOpcode::from_wr(op), qpn));
+                        break;
                     }
                 }
             }
@@ -955,6 +990,13 @@ impl App {
                 } else {
                     let k = c.cq.poll(&mut wcs[..room.min(32)]);
                     c.taken = c.taken.wrapping_add(k as u64);
+                    for wc in &wcs[..k] {
+                        if !matches!(wc.opcode, WcOpcode::Recv | WcOpcode::RecvRdmaWithImm) {
+                            if let Some(q) = self.qps.values_mut().find(|q| q.qp.qp_num() == wc.qp_num) {
+                                q.sends_out = q.sends_out.saturating_sub(1);
+                            }
+                        }
+                    }
                     // a poll that found nothing ran the engine (run to completion)
                     drove |= k == 0;
                     k

@@ -912,3 +912,45 @@ fn a_hugetlb_memfd_is_refused() {
         r => panic!("expected a refusal of the hugetlb memfd, got {r:?}"),
     }
 }
+
+/// An error completion the daemon makes itself (a bad ring entry) comes after the completion
+/// of a send posted before it on the same QP, as verbs orders a send queue's completions, even
+/// when that send completes late (a SEND waiting for its receive).
+#[test]
+fn a_daemon_made_error_does_not_overtake_an_earlier_send() {
+    use flexnsd::shm;
+    use std::sync::atomic::Ordering::SeqCst;
+    let d = Daemon::start("order-err");
+    let h = d.attach("order-err");
+    let b = node(h.clone());
+    let pd = h.alloc_pd().unwrap();
+    let mr = pd.reg_mr(4096, Access::ALL).unwrap();
+    let cq = h.create_cq(16).unwrap();
+    let (ring, qp) = raw_qp(&h, &pd, cq.handle(), 4, 0);
+    let Ok(Reply::Endpoint(ep)) = h.raw_call(&Request::QpEndpoint { qp }, &[]) else {
+        panic!("QpEndpoint");
+    };
+    b.qp.connect(&ep).unwrap();
+    let r = h.raw_call(
+        &Request::Connect {
+            qp,
+            remote: b.qp.local_endpoint().unwrap(),
+        },
+        &[],
+    );
+    assert!(matches!(r, Ok(Reply::Done)), "{r:?}");
+    // entry 0: a SEND the peer has no receive for yet; entry 1: zeros (a bad entry)
+    let send = shm::encode_send(&SendWr::new(1, WrOpcode::Send).sge(mr.sge(0, 64))).unwrap();
+    ring.write_words(shm::slot_off(0, 4, shm::WQE_BYTES), &send);
+    ring.word(shm::SQ_TAIL).store(2, SeqCst);
+    h.status().unwrap(); // wakes the daemon
+    std::thread::sleep(Duration::from_millis(20));
+    b.qp.post_recv(recv(9, b.mr.sge(0, 4096))).unwrap();
+    let first = cq.next(T).unwrap().expect("a completion");
+    let second = cq.next(T).unwrap().expect("a second completion");
+    assert_eq!(
+        first.wr_id, 1,
+        "the SEND's completion comes first: {first:?} then {second:?}"
+    );
+    assert_eq!((second.wr_id, second.status), (0, WcStatus::LocQpOpErr), "{second:?}");
+}
