@@ -109,6 +109,12 @@ fn gone(e: std::io::Error) -> ClientError {
     }
 }
 
+/// The memfd of a ring this side created (and so kept).
+fn ring_file(ring: &Mapping) -> Result<&std::fs::File> {
+    ring.file()
+        .ok_or_else(|| ClientError::Protocol("a ring created here has no file".into()))
+}
+
 fn unexpected(r: Reply) -> ClientError {
     ClientError::Protocol(format!("unexpected reply {r:?}"))
 }
@@ -177,9 +183,10 @@ impl Attachment {
         }
         let ring = Mapping::create(c"flexnsd-cq", shm::cq_bytes(slots))?;
         let notify = sys::eventfd()?;
+        let file = ring_file(&ring)?;
         let r = self.inner.call(
             &Request::CreateCq { slots: slots as u32 },
-            &[ring.file().as_fd(), notify.as_fd()],
+            &[file.as_fd(), notify.as_fd()],
         )?;
         let Reply::Handle(handle) = r else {
             return Err(unexpected(r));
@@ -211,7 +218,7 @@ impl Attachment {
                 recv_cq: recv_cq.handle,
                 slots: slots as u32,
             },
-            &[ring.file().as_fd()],
+            &[ring_file(&ring)?.as_fd()],
         )?;
         let Reply::Qp { handle, qpn } = r else {
             return Err(unexpected(r));

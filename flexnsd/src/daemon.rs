@@ -250,10 +250,12 @@ impl Daemon {
                 ..Counts::default()
             };
             app.publish();
+            let name = std::mem::take(&mut app.name);
+            // its socket and doorbell closed too before the status stops listing it
+            drop(app);
             self.apps.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
             tracing::info!(
-                "attachment {id} ({}): detached; freed {} QPs, {} MRs, {} CQs",
-                app.name,
+                "attachment {id} ({name}): detached; freed {} QPs, {} MRs, {} CQs",
                 counts.qps,
                 counts.mrs,
                 counts.cqs
@@ -621,8 +623,8 @@ impl App {
                 let bytes = shm::cq_bytes(slots);
                 self.room_for(bytes as u64)?;
                 let file = sealed(std::fs::File::from(fds.pop().expect("checked")), bytes as u64)?;
-                let ring =
-                    Mapping::map(file, bytes).map_err(|e| Refusal("fds", format!("cannot map the ring: {e}")))?;
+                let ring = Mapping::map_and_close(file, bytes)
+                    .map_err(|e| Refusal("fds", format!("cannot map the ring: {e}")))?;
                 let cq = self
                     .d
                     .ctx
@@ -671,8 +673,8 @@ impl App {
                 let bytes = shm::sq_bytes(slots);
                 self.room_for(bytes as u64)?;
                 let file = sealed(std::fs::File::from(fds.pop().expect("checked")), bytes as u64)?;
-                let ring =
-                    Mapping::map(file, bytes).map_err(|e| Refusal("fds", format!("cannot map the ring: {e}")))?;
+                let ring = Mapping::map_and_close(file, bytes)
+                    .map_err(|e| Refusal("fds", format!("cannot map the ring: {e}")))?;
                 let qp = self
                     .d
                     .ctx

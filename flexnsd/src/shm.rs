@@ -8,12 +8,13 @@
 use netstack::verbs::{SendFlags, SendWr, Sge, Wc, WcOpcode, WcStatus, WrOpcode};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// A shared mapping of a whole memfd, unmapped on drop (the file closes with it): netstack's
-/// [`netstack::samehost::Mapping`] (the one mmap of shared memory both use) with the file it
-/// maps, addressed by byte offsets.
+/// A shared mapping of a whole memfd, unmapped on drop (the file, when kept, closes with it):
+/// netstack's [`netstack::samehost::Mapping`] (the one mmap of shared memory both use) with the
+/// file it maps, addressed by byte offsets.
 pub struct Mapping {
     map: netstack::samehost::Mapping,
-    file: std::fs::File,
+    /// Kept by the side that passes it on (the application); the daemon closes it once mapped.
+    file: Option<std::fs::File>,
 }
 
 impl Mapping {
@@ -28,12 +29,19 @@ impl Mapping {
     /// against shrinking, for a file another process holds) that it has at least `len`.
     pub fn map(file: std::fs::File, len: usize) -> std::io::Result<Mapping> {
         let map = netstack::samehost::Mapping::map(&file, len)?;
-        Ok(Mapping { map, file })
+        Ok(Mapping { map, file: Some(file) })
     }
 
-    /// The file.
-    pub fn file(&self) -> &std::fs::File {
-        &self.file
+    /// Maps like [`Mapping::map`], then closes the file (the mapping keeps the memory): what the
+    /// daemon does with a ring, so that each costs it no descriptor.
+    pub fn map_and_close(file: std::fs::File, len: usize) -> std::io::Result<Mapping> {
+        let map = netstack::samehost::Mapping::map(&file, len)?;
+        Ok(Mapping { map, file: None })
+    }
+
+    /// The file, unless it was closed once mapped ([`Mapping::map_and_close`]).
+    pub fn file(&self) -> Option<&std::fs::File> {
+        self.file.as_ref()
     }
 
     /// The address of the first byte in this process.
