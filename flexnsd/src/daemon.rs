@@ -63,7 +63,7 @@ pub struct Daemon {
 }
 
 /// One accepted connection's claim on the daemon: dropped when its thread ends, however it
-/// ends (a panic included), it removes the attachment's status entry and metrics series and
+/// ends (a panic included), it removes the attachment's status entry and
 /// frees its place under [`Limits::max_attachments`].
 struct Live {
     d: Arc<Daemon>,
