@@ -5,6 +5,7 @@
 #include <errno.h>
 #include <poll.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -189,7 +190,7 @@ static void xfer(int wfd, int rfd, const void *out, void *in, size_t n) {
     size_t got = 0;
     while (got < n) {
         ssize_t r = read(rfd, (char *)in + got, n - got);
-        CHECK(r > 0, "pipe read");
+        CHECK(r > 0, "pipe read: the other process is gone");
         got += r;
     }
 }
@@ -245,11 +246,15 @@ static void post_recv(struct ibv_qp *qp, void *addr, uint32_t len, uint32_t lkey
 
 static int pair(void) {
     int a2b[2], b2a[2];
+    signal(SIGPIPE, SIG_IGN); /* a write to a process that is gone fails instead */
     CHECK(pipe(a2b) == 0 && pipe(b2a) == 0, "pipe");
     pid_t pid = fork();
     CHECK(pid >= 0, "fork");
     int is_a = pid != 0;
     int wfd = is_a ? a2b[1] : b2a[1], rfd = is_a ? b2a[0] : a2b[0];
+    /* only the ends this side uses stay open: the other side's exit is an EOF here */
+    close(is_a ? a2b[0] : b2a[0]);
+    close(is_a ? b2a[1] : a2b[1]);
     open_dev();
     struct ibv_cq *cq = ibv_create_cq(ctx, 256, NULL, NULL, 0);
     CHECK(cq, "cq");
@@ -285,6 +290,7 @@ static int pair(void) {
         memset(small, 0, sizeof small); /* copied at post time */
         struct ibv_wc wc = poll1(cq);
         CHECK(wc.status == IBV_WC_SUCCESS, "inline send: status %d", wc.status);
+        sync_(wfd, rfd); /* B checked both messages: its buffer may be written */
         fill(buf, SZ, 3);
         post(qp, IBV_WR_RDMA_WRITE, buf, SZ, mr->lkey, 0, peer.addr, peer.rkey);
         CHECK(poll1(cq).status == IBV_WC_SUCCESS, "write");
@@ -300,7 +306,13 @@ static int pair(void) {
         post(qp, IBV_WR_RDMA_READ, buf + SZ, BIG, big->lkey, 0, bb.addr, bb.rkey);
         sync_(wfd, rfd);
         wc = poll1(cq);
-        sync_(wfd, rfd); /* B is done */
+        char c = 's', d;
+        if (write(wfd, &c, 1) != 1 || read(rfd, &d, 1) != 1) {
+            int st = 0;
+            waitpid(pid, &st, 0);
+            CHECK(0, "B is gone (wait status %#x, signal %d) after the big READ (status %d)", st,
+                  WIFSIGNALED(st) ? WTERMSIG(st) : 0, wc.status);
+        }
         fprintf(stderr, "big READ status %d\n", wc.status);
         int st;
         CHECK(waitpid(pid, &st, 0) == pid, "wait");
@@ -312,6 +324,7 @@ static int pair(void) {
         wc = poll1(cq);
         CHECK(wc.status == IBV_WC_SUCCESS && wc.byte_len == 200, "inline recv: %d %u", wc.status, wc.byte_len);
         same(inl, 200, 2, "INLINE SEND");
+        sync_(wfd, rfd);
         sync_(wfd, rfd);
         same(buf, SZ, 3, "RDMA WRITE");
         fill(buf, SZ, 4);
