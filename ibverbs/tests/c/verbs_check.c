@@ -314,6 +314,10 @@ static int pair(void) {
                   WIFSIGNALED(st) ? WTERMSIG(st) : 0, wc.status);
         }
         fprintf(stderr, "big READ status %d\n", wc.status);
+        /* a READ that failed (B's region went away under a retransmitted request) moved the
+         * QP to ERR in the engine: ibv_query_qp says so */
+        if (wc.status != IBV_WC_SUCCESS)
+            CHECK(qp_state(qp) == IBV_QPS_ERR, "after a failed READ the QP is in %d, not ERR", qp_state(qp));
         int st;
         CHECK(waitpid(pid, &st, 0) == pid, "wait");
         CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0, "B: status %#x", st);
