@@ -476,8 +476,12 @@ impl<R: SharedRegion> Responder<R> {
                     .iter()
                     .any(|r| matches!(r, Resp::Read { first, next: 0, .. } if *first == p));
                 if !queued {
-                    if let Ok(r) = Self::read_resp(qp, p, &reth, mrs) {
-                        qp.resp.resp_q.push_back(r);
+                    match Self::read_resp(qp, p, &reth, mrs) {
+                        Ok(r) => qp.resp.resp_q.push_back(r),
+                        // the region went away since the READ was accepted (deregistered): the
+                        // peer's retry gets the access error, as the first request would now,
+                        // not silence until its retries run out
+                        Err(e) => Self::reject(qp, p, e),
                     }
                 }
             }

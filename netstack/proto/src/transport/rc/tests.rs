@@ -268,6 +268,43 @@ fn a_duplicate_read_is_answered_only_within_a_read_the_responder_accepted() {
     assert_eq!(t.server.stats().duplicate_requests_refused, 4);
 }
 
+/// A key table whose region was deregistered: every key is refused.
+struct NoKeys;
+
+impl KeyTable for NoKeys {
+    type Region = Mem;
+    fn check(&self, key: u32, _pd: u32, _va: u64, _len: u64, _need: Access) -> Result<(Arc<Mem>, usize), AccessError> {
+        Err(AccessError::BadKey(key))
+    }
+}
+
+#[test]
+fn a_duplicate_read_of_a_region_gone_since_gets_the_access_error_not_silence() {
+    let psn = 300;
+    let mut t = Pair::new(psn);
+    t.read(1, 0, 4096, 3000);
+    t.pump();
+    assert_eq!(t.completion().status, WcStatus::Success);
+    // the requester lost the responses and asks again; the region was deregistered meanwhile
+    let d = forge(&read_request(2, psn, BASE + 4096, 3000), A, B);
+    let v = PacketView::parse(&d).expect("a packet parses");
+    t.server.handle_packet(t.now, &v, &NoKeys);
+    let mut sent = Vec::new();
+    while let Some(p) = t.server.poll_transmit(t.now) {
+        sent.push(encode(&p, B, A));
+    }
+    assert_eq!(
+        sent.len(),
+        1,
+        "one answer: the NAK (silence would run the peer's retries out)"
+    );
+    let v = PacketView::parse(&sent[0]).expect("the answer parses");
+    assert_eq!(v.opcode, Opcode::Acknowledge);
+    assert_eq!(v.bth.psn, psn);
+    assert_eq!(v.aeth.map(|a| a.syndrome), Some(FATAL), "{:?}", v.aeth);
+    assert_eq!(v.payload.len(), 0, "no memory sent");
+}
+
 #[test]
 fn a_duplicate_atomic_replays_only_the_same_request() {
     let psn = 7;
