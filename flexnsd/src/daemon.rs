@@ -621,10 +621,7 @@ impl App {
                 sys::set_nonblocking(notify.as_fd(), true)
                     .map_err(|e| Refusal("fds", format!("the notify eventfd cannot be made non-blocking: {e}")))?;
                 let bytes = shm::cq_bytes(slots);
-                self.room_for(bytes as u64)?;
-                let file = sealed(std::fs::File::from(fds.pop().expect("checked")), bytes as u64)?;
-                let ring = Mapping::map_and_close(file, bytes)
-                    .map_err(|e| Refusal("fds", format!("cannot map the ring: {e}")))?;
+                let ring = self.map_ring(fds.pop().expect("checked"), bytes)?;
                 let cq = self
                     .d
                     .ctx
@@ -671,10 +668,7 @@ impl App {
                     return refuse(bad, "not a CQ of this application");
                 };
                 let bytes = shm::sq_bytes(slots);
-                self.room_for(bytes as u64)?;
-                let file = sealed(std::fs::File::from(fds.pop().expect("checked")), bytes as u64)?;
-                let ring = Mapping::map_and_close(file, bytes)
-                    .map_err(|e| Refusal("fds", format!("cannot map the ring: {e}")))?;
+                let ring = self.map_ring(fds.pop().expect("checked"), bytes)?;
                 let qp = self
                     .d
                     .ctx
@@ -1027,6 +1021,14 @@ impl App {
 }
 
 impl App {
+    /// Maps a ring of `bytes` from the memfd the application passed: within its limits, sealed
+    /// against shrinking, and the descriptor closed once mapped.
+    fn map_ring(&self, fd: OwnedFd, bytes: usize) -> Result<Mapping, Refusal> {
+        self.room_for(bytes as u64)?;
+        let file = sealed(std::fs::File::from(fd), bytes as u64)?;
+        Mapping::map_and_close(file, bytes).map_err(|e| Refusal("fds", format!("cannot map the ring: {e}")))
+    }
+
     /// Refuses a new object (of `bytes` to map) past the attachment's limits, before anything
     /// is mapped.
     fn room_for(&self, bytes: u64) -> Result<(), Refusal> {

@@ -589,14 +589,20 @@ impl Qp {
         true
     }
 
-    /// Checks a WR against what the application side knows and encodes it.
-    fn encode(&self, wr: &SendWr, slots: &mut sq::Slots) -> Result<(), VerbsError> {
+    /// Checks a WR against what the application side knows: its form, the QP's state and the
+    /// room left in the send queue (called with the send queue's lock held).
+    fn check_post(&self, wr: &SendWr) -> Result<(), VerbsError> {
         crate::work::validate_send(wr).map_err(PostError::Invalid)?;
         match self.mirror.state() {
             QpState::Rts | QpState::Err => {}
             st => return Err(PostError::InvalidState(st).into()),
         }
-        check_room(&self.posted, &self.mirror.retired, self.max_send_wr, wr.sg_list.len())?;
+        check_room(&self.posted, &self.mirror.retired, self.max_send_wr, wr.sg_list.len())
+    }
+
+    /// Checks a WR ([`Qp::check_post`]) and encodes it.
+    fn encode(&self, wr: &SendWr, slots: &mut sq::Slots) -> Result<(), VerbsError> {
+        self.check_post(wr)?;
         if wr.flags.contains(SendFlags::INLINE) {
             let max = self.ctx.inner.cfg.max_inline;
             if wr.total_len() > max as u64 {
@@ -628,9 +634,15 @@ impl Qp {
     /// `IBV_SEND_INLINE`, which reads the SGEs' bytes at post time without checking their
     /// lkeys): `data` is the payload, `wr`'s scatter list only its description.
     pub fn post_send_inline(&self, wr: SendWr, data: &[u8]) -> Result<(), VerbsError> {
-        crate::work::validate_send(&wr).map_err(PostError::Invalid)?;
         let max = self.ctx.inner.cfg.max_inline;
-        if data.len() as u64 > max as u64 || data.len() as u64 != wr.total_len() {
+        if data.len() as u64 != wr.total_len() {
+            return Err(VerbsError::Invalid(format!(
+                "INLINE payload of {} bytes where the scatter list describes {}",
+                data.len(),
+                wr.total_len()
+            )));
+        }
+        if data.len() as u64 > max as u64 {
             return Err(VerbsError::InlineTooLong {
                 len: data.len() as u64,
                 max,
@@ -641,13 +653,9 @@ impl Qp {
                 "INLINE bytes cannot be posted to a managed QP".into(),
             ));
         }
-        match self.mirror.state() {
-            QpState::Rts | QpState::Err => {}
-            st => return Err(PostError::InvalidState(st).into()),
-        }
         let mut slots = sq::Slots::new();
         let mut q = self.core.sq.lock();
-        check_room(&self.posted, &self.mirror.retired, self.max_send_wr, wr.sg_list.len())?;
+        self.check_post(&wr)?;
         sq::encode_send(self.qpn, &wr, Some(data), &mut slots);
         self.core.stats.tx_payload_copy_bytes.add(data.len() as u64);
         push_waiting(&mut q, &slots)?;
