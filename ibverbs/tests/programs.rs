@@ -5,37 +5,14 @@
 //! the figures out of the output. Programs run one pair at a time (the machine has two cores
 //! and perftest spins on its CQs).
 
-use std::path::{Path, PathBuf};
+mod common;
+use common::libdir;
 use std::process::{Child, Command, Output, Stdio};
-use std::sync::{Mutex, OnceLock};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 /// One program pair at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
-
-/// The directory with the built libraries (built once per test process).
-fn libdir() -> &'static Path {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf();
-        let out = Command::new(root.join("scripts/build-ibverbs.sh"))
-            .current_dir(&root)
-            .output()
-            .expect("scripts/build-ibverbs.sh runs");
-        assert!(
-            out.status.success(),
-            "build-ibverbs.sh failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let dir = PathBuf::from(String::from_utf8(out.stdout).unwrap().trim());
-        assert!(
-            dir.join("libibverbs.so.1").exists(),
-            "{} has no libibverbs.so.1",
-            dir.display()
-        );
-        dir
-    })
-}
 
 /// Whether `prog` is installed; otherwise reports the skip.
 fn have(test: &str, prog: &str, package: &str) -> bool {

@@ -8,6 +8,7 @@
 //! every byte checked, and one deregisters and unmaps a region while a 48 MiB READ of it is
 //! being answered (the engine must not touch the memory after `ibv_dereg_mr` returns).
 
+mod common;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -41,16 +42,7 @@ fn program(test: &str) -> Option<(PathBuf, PathBuf)> {
 
 fn build() -> (PathBuf, PathBuf) {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf();
-    let out = Command::new(root.join("scripts/build-ibverbs.sh"))
-        .current_dir(&root)
-        .output()
-        .expect("scripts/build-ibverbs.sh runs");
-    assert!(
-        out.status.success(),
-        "build-ibverbs.sh: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let lib = PathBuf::from(String::from_utf8(out.stdout).unwrap().trim());
+    let lib = common::libdir().to_path_buf();
     let dir = std::env::temp_dir().join(format!("flexns-verbs-c-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let bin = dir.join("verbs_check");
