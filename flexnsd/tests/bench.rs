@@ -56,6 +56,10 @@ fn bench_compares_both_sides_with_either_in_process_wait() {
             )),
             "the bench does not say which discipline it measured:\n{stdout}"
         );
+        assert!(
+            stdout.contains("every run's WRITEs verified at the target"),
+            "the bench does not say its data was checked:\n{stdout}"
+        );
         let lines: Vec<&str> = stdout
             .lines()
             .filter(|l| l.trim_start().starts_with("WRITE "))

@@ -7,6 +7,9 @@
 //! completion ring, through flexnsd) yielding between looks for 50 us, then sleeps on its
 //! eventfd (`--inproc-spin-us` changes the in-process side's); the in-process engine's threads
 //! and the daemon's attachment threads poll, yielding, for their `spin_us` (50), then sleep.
+//!
+//! Each run writes a pattern of its own into the source and zeros the destination first, and
+//! checks every byte at the destination after its WRITEs; a run whose data differs fails.
 
 use anyhow::{bail, Context as _};
 use clap::Parser;
@@ -68,6 +71,43 @@ trait Bench {
     fn writes(&self, n: u32) -> anyhow::Result<Duration>;
     /// SENDs 64 B `n` times, one at a time; returns each one's latency.
     fn sends(&self, n: u32) -> anyhow::Result<Vec<Duration>>;
+    /// The WRITE source and destination regions.
+    fn regions(
+        &self,
+    ) -> (
+        &std::sync::Arc<netstack::mem::Region>,
+        &std::sync::Arc<netstack::mem::Region>,
+    );
+}
+
+/// Before a run: a pattern of this run's own (from `seed`) in the WRITE source, and zeros at
+/// the destination, so the check after it sees only what this run moved.
+fn prepare(b: &dyn Bench, seed: u64) {
+    let (src, dst) = b.regions();
+    let mut x = seed | 1;
+    let pattern: Vec<u8> = (0..MIB)
+        .map(|_| {
+            // xorshift64: cheap, and different for every run
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect();
+    src.write(0, &pattern);
+    dst.fill(0, MIB, 0);
+}
+
+/// After a run's WRITEs: the destination holds the source's bytes, every one.
+fn verify(b: &dyn Bench) -> anyhow::Result<()> {
+    let (src, dst) = b.regions();
+    let (mut want, mut got) = (vec![0u8; MIB], vec![0u8; MIB]);
+    src.read(0, &mut want);
+    dst.read(0, &mut got);
+    match want.iter().zip(&got).position(|(w, g)| w != g) {
+        None => Ok(()),
+        Some(i) => bail!("the WRITEs' data differs at the target from byte {i}"),
+    }
 }
 
 const MIB: usize = 1 << 20;
@@ -164,6 +204,14 @@ impl Bench for InProc {
         }
         Ok(lat)
     }
+    fn regions(
+        &self,
+    ) -> (
+        &std::sync::Arc<netstack::mem::Region>,
+        &std::sync::Arc<netstack::mem::Region>,
+    ) {
+        (self.src.region(), self.dst.region())
+    }
 }
 
 struct ViaDaemon {
@@ -226,14 +274,24 @@ impl Bench for ViaDaemon {
         }
         Ok(lat)
     }
+    fn regions(
+        &self,
+    ) -> (
+        &std::sync::Arc<netstack::mem::Region>,
+        &std::sync::Arc<netstack::mem::Region>,
+    ) {
+        (self.src.region(), self.dst.region())
+    }
 }
 
-fn measure(b: &dyn Bench, args: &Args, daemon: Option<u32>) -> anyhow::Result<Run> {
+fn measure(b: &dyn Bench, args: &Args, daemon: Option<u32>, seed: u64) -> anyhow::Result<Run> {
     let cpu = || cpu_self() + daemon.map_or(0.0, cpu_of);
     b.writes(10)?; // warm up
+    prepare(b, seed);
     let c0 = cpu();
     let t = b.writes(args.writes)?;
     let c1 = cpu();
+    verify(b)?;
     let mut lat = b.sends(args.sends)?;
     let c2 = cpu();
     lat.sort();
@@ -287,10 +345,13 @@ fn run(args: Args) -> anyhow::Result<()> {
         );
         println!("mode      WRITE-1MiB-Gbit/s  SEND-64B-p50-us  CPU-us/WRITE  CPU-us/SEND");
         let mut ratios = Vec::new();
-        for _ in 0..args.pairs {
+        let t0 = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        for pair in 0..u64::from(args.pairs) {
             let spin = Duration::from_micros(args.inproc_spin_us);
-            let inproc = measure(&InProc::new(spin)?, &args, None)?;
-            let via = measure(&ViaDaemon::new(&socket)?, &args, Some(daemon.id()))?;
+            let inproc = measure(&InProc::new(spin)?, &args, None, t0 ^ (2 * pair))?;
+            let via = measure(&ViaDaemon::new(&socket)?, &args, Some(daemon.id()), t0 ^ (2 * pair + 1))?;
             for (name, r) in [("in-proc", inproc), ("flexnsd", via)] {
                 println!(
                     "{name:8}  {:17.2}  {:15.1}  {:12.1}  {:11.2}",
@@ -304,6 +365,9 @@ fn run(args: Args) -> anyhow::Result<()> {
                 via.cpu_send_us / inproc.cpu_send_us,
             ));
         }
+        println!(
+            "every run's WRITEs verified at the target (a fresh pattern per run, the destination zeroed before it)"
+        );
         println!("ratio flexnsd/in-proc per pair (targets: WRITE >= 0.9, SEND p50 <= 1.3, CPU <= 1.2):");
         for (w, s, cw, cs) in ratios {
             println!("  WRITE {w:.2}  SEND p50 {s:.2}  CPU/WRITE {cw:.2}  CPU/SEND {cs:.2}");
