@@ -36,7 +36,7 @@ use crate::config::LinkMode;
 pub use crate::config::{Drive, PollMode};
 use crate::link::shm::ShmLink;
 use crate::link::sim::SimNet;
-use crate::link::sys::{self, EventFd, OutMsg, RecvBatch};
+use crate::link::sys::{self, EventFd, OutMsg, RecvBatch, SendScratch};
 use crate::link::udp::{UdpLink, UdpPorts};
 use crate::link::Link;
 use crate::mem::MrTable;
@@ -749,7 +749,7 @@ struct DataCore {
     /// Send buffers reused across batches (messages, packets per message, kernel headers).
     tx_msgs: Vec<OutMsg>,
     tx_per_msg: Vec<usize>,
-    tx_hdrs: Vec<libc::mmsghdr>,
+    tx_hdrs: SendScratch,
     /// Emulated propagation delay of received packets (0 = none), the delay line in arrival
     /// order, and its recycled buffers.
     rx_delay: u64,
@@ -769,8 +769,8 @@ struct DataCore {
 }
 
 // SAFETY: the raw pointers a core holds are in its reusable system-call buffers (`rx`'s
-// headers and iovecs point into `rx`'s own heap buffers; `tx_msgs` and `tx_hdrs` are rebuilt
-// from `out` before every send and never read after it). They point only into memory the core
+// headers and iovecs point into `rx`'s own heap buffers; `tx_msgs` is rebuilt from `out` before
+// every send and never read after it, as are the headers in `tx_hdrs`, a `SendScratch`). They point only into memory the core
 // owns, which moves with it, and only the thread running the core's pass uses them: a core
 // moved to its thread, or handed between threads under `AppDrive`'s mutex, stays sound.
 unsafe impl Send for DataCore {}
@@ -799,7 +799,7 @@ impl DataCore {
             out: Vec::with_capacity(TX_BATCH),
             tx_msgs: Vec::with_capacity(TX_BATCH),
             tx_per_msg: Vec::with_capacity(TX_BATCH),
-            tx_hdrs: Vec::with_capacity(TX_BATCH),
+            tx_hdrs: SendScratch::with_capacity(TX_BATCH),
             rx_delay: o.rx_delay_ns,
             delayed: VecDeque::new(),
             spare: Vec::new(),

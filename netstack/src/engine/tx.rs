@@ -160,7 +160,7 @@ fn send_batch<T: Datagram>(
     stats: &EngineStats,
     msgs: &mut Vec<OutMsg>,
     per_msg: &mut Vec<usize>,
-    hdrs: &mut Vec<libc::mmsghdr>,
+    hdrs: &mut SendScratch,
 ) -> bool {
     if out.is_empty() {
         return false;

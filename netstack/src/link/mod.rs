@@ -17,7 +17,7 @@ pub mod udp;
 use std::io;
 use std::net::SocketAddrV4;
 use std::os::fd::RawFd;
-use sys::{OutMsg, RecvBatch};
+use sys::{OutMsg, RecvBatch, SendScratch};
 
 /// The ports a data core sends and receives through. Every method is nonblocking.
 pub trait Link: Send + Sync {
@@ -25,9 +25,9 @@ pub trait Link: Send + Sync {
     fn ports(&self) -> usize;
     /// The local address of port `port` (the source of what it sends).
     fn local_addr(&self, port: usize) -> SocketAddrV4;
-    /// Sends a batch from `port` (`hdrs` is scratch space the caller reuses); returns how many
-    /// messages were taken. A message with a GSO size is cut into datagrams of that size.
-    fn send(&self, port: usize, msgs: &mut [OutMsg], hdrs: &mut Vec<libc::mmsghdr>) -> io::Result<usize>;
+    /// Sends a batch from `port` (`scratch` is space the caller reuses across batches); returns
+    /// how many messages were taken. A message with a GSO size is cut into datagrams of that size.
+    fn send(&self, port: usize, msgs: &mut [OutMsg], scratch: &mut SendScratch) -> io::Result<usize>;
     /// Receives what has arrived at `port` into `batch`; returns how many receives it holds.
     fn recv(&self, port: usize, batch: &mut RecvBatch) -> io::Result<usize>;
     /// A descriptor that becomes readable when `port` has datagrams, for a core that sleeps;

@@ -44,7 +44,7 @@
 //! `mmap`/`munmap`, `AtomicU64::from_ptr` over the mapping, the atomic copies, and `kill(pid,
 //! 0)`/`getpid`/`geteuid`.
 
-use super::sys::{OutMsg, RecvBatch};
+use super::sys::{OutMsg, RecvBatch, SendScratch};
 use super::udp::UdpPorts;
 use super::{Link, LinkStats};
 use parking_lot::Mutex;
@@ -631,7 +631,7 @@ impl Link for ShmLink {
         self.udp.local_addr(port)
     }
 
-    fn send(&self, port: usize, msgs: &mut [OutMsg], hdrs: &mut Vec<libc::mmsghdr>) -> io::Result<usize> {
+    fn send(&self, port: usize, msgs: &mut [OutMsg], scratch: &mut SendScratch) -> io::Result<usize> {
         let mut st = self.ports[port].lock();
         let mut done = 0;
         let mut rang: smallvec::SmallVec<[SocketAddrV4; 4]> = smallvec::SmallVec::new();
@@ -642,7 +642,7 @@ impl Link for ShmLink {
                 end += 1;
             }
             if end > done {
-                match self.udp.send(port, &mut msgs[done..end], hdrs) {
+                match self.udp.send(port, &mut msgs[done..end], scratch) {
                     Ok(took) => {
                         done += took;
                         if done < end {
@@ -675,7 +675,7 @@ impl Link for ShmLink {
                     st.out.remove(&dst);
                     st.rings_out -= 1;
                 }
-                Push::TooLarge => match self.udp.send(port, &mut msgs[done..done + 1], hdrs) {
+                Push::TooLarge => match self.udp.send(port, &mut msgs[done..done + 1], scratch) {
                     Ok(1) => done += 1,
                     Ok(_) => break Ok(done),
                     Err(e) if done == 0 => break Err(e),

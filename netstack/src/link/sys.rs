@@ -161,13 +161,44 @@ impl OutMsg {
 /// The iovecs must point to live memory; callers build them from buffers they hold (header
 /// buffers in the batch, payload in registered regions held by `Arc`) until this returns.
 pub fn sendmmsg(fd: RawFd, msgs: &mut [OutMsg]) -> io::Result<usize> {
-    sendmmsg_with(fd, msgs, &mut Vec::new())
+    sendmmsg_with(fd, msgs, &mut SendScratch::default())
 }
 
-/// [`sendmmsg`] building the kernel's message headers in `hdrs`, a buffer the caller reuses
+/// Scratch space a sender reuses across batches: the kernel's message headers for `sendmmsg`,
+/// rebuilt from the messages before every send and never read after it (no allocation per batch
+/// on the data path). Links that make no system call ignore it.
+#[derive(Default)]
+pub struct SendScratch {
+    hdrs: Vec<libc::mmsghdr>,
+}
+
+impl SendScratch {
+    /// Scratch with room for `n` messages per batch before it grows.
+    pub fn with_capacity(n: usize) -> SendScratch {
+        SendScratch {
+            hdrs: Vec::with_capacity(n),
+        }
+    }
+}
+
+impl std::fmt::Debug for SendScratch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SendScratch")
+            .field("capacity", &self.hdrs.capacity())
+            .finish()
+    }
+}
+
+// SAFETY: the headers' raw pointers are written by `sendmmsg_with` from the messages it was
+// given and used only inside that call; between calls they are stale values nothing reads, so
+// moving the scratch to another thread (with the data core that owns it) cannot reach them.
+unsafe impl Send for SendScratch {}
+
+/// [`sendmmsg`] building the kernel's message headers in `scratch`, which the caller reuses
 /// across calls (no allocation per batch on the data path).
-pub fn sendmmsg_with(fd: RawFd, msgs: &mut [OutMsg], hdrs: &mut Vec<libc::mmsghdr>) -> io::Result<usize> {
+pub fn sendmmsg_with(fd: RawFd, msgs: &mut [OutMsg], scratch: &mut SendScratch) -> io::Result<usize> {
     let space = cmsg_space(std::mem::size_of::<u16>());
+    let hdrs = &mut scratch.hdrs;
     hdrs.clear();
     hdrs.extend(msgs.iter_mut().map(|m| {
         let (control, controllen) = if m.gso > 0 {

@@ -1,7 +1,7 @@
 //! The UDP link: one nonblocking socket per engine, DF set (so Linux sends IP ID 0 on an
 //! unconnected socket, which the ICRC covers), large buffers, batched send and receive.
 
-use super::sys::{self, OutMsg, RecvBatch};
+use super::sys::{self, OutMsg, RecvBatch, SendScratch};
 use std::io;
 use std::net::{SocketAddrV4, UdpSocket};
 use std::os::fd::{AsRawFd, RawFd};
@@ -92,8 +92,8 @@ impl UdpLink {
     }
 
     /// [`UdpLink::send_batch`] with a reused buffer for the kernel's message headers.
-    pub fn send_batch_with(&self, msgs: &mut [OutMsg], hdrs: &mut Vec<libc::mmsghdr>) -> io::Result<usize> {
-        sys::sendmmsg_with(self.fd(), msgs, hdrs)
+    pub fn send_batch_with(&self, msgs: &mut [OutMsg], scratch: &mut SendScratch) -> io::Result<usize> {
+        sys::sendmmsg_with(self.fd(), msgs, scratch)
     }
 
     /// Sends one datagram to `to` without blocking (a control message of another link layered
@@ -118,8 +118,8 @@ impl super::Link for UdpPorts {
     fn local_addr(&self, port: usize) -> SocketAddrV4 {
         self.0[port].local_addr()
     }
-    fn send(&self, port: usize, msgs: &mut [OutMsg], hdrs: &mut Vec<libc::mmsghdr>) -> io::Result<usize> {
-        self.0[port].send_batch_with(msgs, hdrs)
+    fn send(&self, port: usize, msgs: &mut [OutMsg], scratch: &mut SendScratch) -> io::Result<usize> {
+        self.0[port].send_batch_with(msgs, scratch)
     }
     fn recv(&self, port: usize, batch: &mut RecvBatch) -> io::Result<usize> {
         self.0[port].recv_batch(batch)

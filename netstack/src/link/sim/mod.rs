@@ -40,7 +40,7 @@ use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use super::sys::{OutMsg, RecvBatch};
+use super::sys::{OutMsg, RecvBatch, SendScratch};
 
 /// Datagrams an address may have waiting before more are dropped (a socket's receive buffer).
 const INBOX_LIMIT: usize = 4096;
@@ -765,7 +765,7 @@ impl super::Link for SimLink {
     fn local_addr(&self, port: usize) -> SocketAddrV4 {
         self.addrs[port]
     }
-    fn send(&self, port: usize, msgs: &mut [OutMsg], _hdrs: &mut Vec<libc::mmsghdr>) -> io::Result<usize> {
+    fn send(&self, port: usize, msgs: &mut [OutMsg], _scratch: &mut SendScratch) -> io::Result<usize> {
         let src = self.addrs[port];
         for m in msgs.iter() {
             let mut bytes = Vec::new();
