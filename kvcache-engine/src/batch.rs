@@ -8,7 +8,9 @@ use std::time::{Duration, Instant};
 /// READ copies remote memory into the local `source`; WRITE copies `source` to the remote.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum Opcode {
+    /// Copy from the target's memory into the local buffer.
     Read,
+    /// Copy the local buffer into the target's memory.
     Write,
 }
 
@@ -19,12 +21,15 @@ pub struct SegmentHandle(pub(crate) u64);
 /// One transfer request (Mooncake's `TransferRequest`).
 #[derive(Debug, Clone, Copy)]
 pub struct TransferRequest {
+    /// READ or WRITE.
     pub opcode: Opcode,
     /// Local address inside a registered buffer (the source of a WRITE, the destination of a READ).
     pub source: u64,
+    /// The target segment (from `TransferEngine::open_segment`).
     pub target: SegmentHandle,
     /// Remote virtual address inside one of the target segment's registered buffers.
     pub target_offset: u64,
+    /// Bytes to move.
     pub length: u64,
 }
 
@@ -44,6 +49,7 @@ pub enum TransferState {
 }
 
 impl TransferState {
+    /// Whether the state can no longer change (completed, failed or timed out).
     pub fn is_final(&self) -> bool {
         !matches!(self, TransferState::Waiting | TransferState::Pending)
     }
@@ -52,6 +58,7 @@ impl TransferState {
 /// A request's (or a batch's) state and how many bytes are known to be transferred.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TransferStatus {
+    /// Where the request (or batch) stands.
     pub state: TransferState,
     /// A lower bound while pending; the request's length once completed.
     pub transferred_bytes: u64,
@@ -61,7 +68,9 @@ pub struct TransferStatus {
 /// landed". `name` says who sent it or what it is about; `msg` is the payload.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Notification {
+    /// Who sent the notification or what it is about (e.g. a request id).
     pub name: String,
+    /// The payload (e.g. the block ids that landed).
     pub msg: String,
 }
 
@@ -106,7 +115,7 @@ pub(crate) struct Batch {
 }
 
 impl Batch {
-    pub fn new(capacity: usize) -> Batch {
+    pub(crate) fn new(capacity: usize) -> Batch {
         Batch {
             inner: Mutex::new(BatchInner {
                 capacity,
@@ -117,7 +126,7 @@ impl Batch {
     }
 
     /// A slice of `task` finished placing `bytes`.
-    pub fn slice_done(&self, task: usize, bytes: u64) -> bool {
+    pub(crate) fn slice_done(&self, task: usize, bytes: u64) -> bool {
         let mut b = self.inner.lock();
         let t = &mut b.tasks[task];
         if t.state != TransferState::Pending {
@@ -140,13 +149,13 @@ impl Batch {
     }
 
     /// Notes a retried slice error of `task` (for the timeout message).
-    pub fn note_error(&self, task: usize, e: &str) {
+    pub(crate) fn note_error(&self, task: usize, e: &str) {
         self.inner.lock().tasks[task].last_error = Some(e.to_string());
     }
 
     /// Takes the notification to send once every task is final: `Some` only when all completed
     /// (a failed batch's notification is not sent, and the batch says why).
-    pub fn take_notify(&self) -> Option<(String, Vec<u8>)> {
+    pub(crate) fn take_notify(&self) -> Option<(String, Vec<u8>)> {
         let mut b = self.inner.lock();
         if !b.tasks.iter().all(|t| t.state.is_final()) {
             return None;
@@ -164,7 +173,7 @@ impl Batch {
     }
 
     /// The notification was delivered (`Ok`) or could not be (`Err` with the reason).
-    pub fn notify_done(&self, r: Result<(), String>) {
+    pub(crate) fn notify_done(&self, r: Result<(), String>) {
         let mut b = self.inner.lock();
         b.notify_inflight = false;
         if let Err(e) = r {
@@ -175,7 +184,7 @@ impl Batch {
     }
 
     /// `task` failed (the first failure wins).
-    pub fn fail(&self, task: usize, state: TransferState) {
+    pub(crate) fn fail(&self, task: usize, state: TransferState) {
         let mut b = self.inner.lock();
         if b.tasks[task].state == TransferState::Pending {
             let cause = match &state {
@@ -190,11 +199,11 @@ impl Batch {
     }
 
     /// Whether every task is final.
-    pub fn data_done(&self) -> bool {
+    pub(crate) fn data_done(&self) -> bool {
         self.inner.lock().tasks.iter().all(|t| t.state.is_final())
     }
 
-    pub fn task_status(&self, task: usize) -> Option<TransferStatus> {
+    pub(crate) fn task_status(&self, task: usize) -> Option<TransferStatus> {
         let b = self.inner.lock();
         b.tasks.get(task).map(|t| TransferStatus {
             state: t.state.clone(),
@@ -204,7 +213,7 @@ impl Batch {
 
     /// The batch as a whole: Completed when every task is (and the notification delivered),
     /// else the first failure or timeout, else Pending (Waiting before any submit).
-    pub fn status(&self) -> TransferStatus {
+    pub(crate) fn status(&self) -> TransferStatus {
         let b = self.inner.lock();
         let bytes = b.tasks.iter().map(|t| t.done).sum();
         let st = |state| TransferStatus {
@@ -230,7 +239,7 @@ impl Batch {
     }
 
     /// Blocks until the batch is final or `timeout` passes; returns its status.
-    pub fn wait(&self, timeout: Duration) -> TransferStatus {
+    pub(crate) fn wait(&self, timeout: Duration) -> TransferStatus {
         let until = Instant::now() + timeout;
         loop {
             let s = self.status();
@@ -255,7 +264,7 @@ impl Batch {
 
     /// Marks tasks still pending past their deadline TimedOut, naming the peer, how long it
     /// was given and the last (retried) error; returns whether any expired.
-    pub fn expire(&self, now: Instant, timeout: Duration) -> bool {
+    pub(crate) fn expire(&self, now: Instant, timeout: Duration) -> bool {
         let mut b = self.inner.lock();
         let mut any = false;
         for t in b.tasks.iter_mut() {

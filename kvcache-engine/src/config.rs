@@ -56,7 +56,12 @@ pub enum MetadataConfig {
     P2p,
     /// A real etcd cluster; descriptors live under `PREFIX/segments/NAME`, so tenants with
     /// different prefixes share one etcd without seeing each other.
-    Etcd { endpoint: String, prefix: String },
+    Etcd {
+        /// The etcd endpoint URL (`http://HOST:PORT`).
+        endpoint: String,
+        /// The key prefix of this tenant's descriptors.
+        prefix: String,
+    },
 }
 
 impl MetadataConfig {
@@ -84,7 +89,9 @@ pub struct EngineConfig {
     /// The segment name other engines open this one by (cluster-unique). In P2P mode it is
     /// replaced by `ADVERTISE_IP:RPC_PORT`.
     pub name: String,
+    /// The data path peers reach this engine on (flexns or kernel TCP).
     pub transport: TransportKind,
+    /// Where segment descriptors are published and looked up.
     pub metadata: MetadataConfig,
     /// Local IPv4 address the RPC port and the data path bind; `None` binds the advertised
     /// address (a port on every address would accept peers the descriptor never names).

@@ -248,6 +248,7 @@ impl TransferEngine {
         self.inner.desc.read().rpc
     }
 
+    /// The transport this engine was configured with (the one every transfer uses).
     pub fn transport(&self) -> TransportKind {
         self.inner.cfg.transport
     }

@@ -15,11 +15,23 @@ pub enum TransferError {
     Metadata(String),
     /// A peer could not be reached or refused; the message names it.
     #[error("peer {peer}: {message}")]
-    Peer { peer: String, message: String },
+    Peer {
+        /// The peer (segment name or address).
+        peer: String,
+        /// What went wrong.
+        message: String,
+    },
     /// The descriptor of a segment names an engine instance that is no longer the one running
     /// at its address (the engine restarted, or another took its name); refreshed, never used.
     #[error("segment {segment}: stale descriptor (published instance {published:#x}, live instance {live:#x})")]
-    StaleDescriptor { segment: String, published: u64, live: u64 },
+    StaleDescriptor {
+        /// The segment whose descriptor is stale.
+        segment: String,
+        /// The engine instance the descriptor names.
+        published: u64,
+        /// The engine instance running at the descriptor's address.
+        live: u64,
+    },
     /// A transfer failed; the message names the peer, the path and the cause.
     #[error("transfer failed: {0}")]
     Failed(String),

@@ -109,14 +109,17 @@ impl GpuBuffer {
         self.mirror.addr()
     }
 
+    /// The buffer's length in bytes (device memory and mirror alike).
     pub fn len(&self) -> usize {
         self.mirror.len()
     }
 
+    /// Whether the buffer is zero bytes long.
     pub fn is_empty(&self) -> bool {
         self.mirror.len() == 0
     }
 
+    /// The CUDA device ordinal the buffer lives on.
     pub fn device(&self) -> u32 {
         self.dev.ordinal
     }

@@ -21,9 +21,13 @@ use crate::{Location, TransferError};
 /// One line of `/proc/self/maps`: `[start, end)` and its permissions.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Mapping {
+    /// First address of the mapping.
     pub start: u64,
+    /// One past the last address of the mapping.
     pub end: u64,
+    /// Mapped readable (`r`).
     pub read: bool,
+    /// Mapped writable (`w`).
     pub write: bool,
     /// The mapped file or the kernel's name for it (`[heap]`, `[stack]`); empty if anonymous.
     pub path: String,

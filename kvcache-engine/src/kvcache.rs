@@ -19,14 +19,19 @@ pub enum BlockOrder {
 /// Geometry of a paged KV-cache pool.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct PagedKvLayout {
+    /// Transformer layers (one K and one V tensor each).
     pub layers: usize,
+    /// KV heads per layer.
     pub kv_heads: usize,
+    /// Elements per head.
     pub head_dim: usize,
     /// Tokens per block (vLLM's `block_size`, typically 16).
     pub block_tokens: usize,
     /// Bytes per element (2 for fp16/bf16, 1 for fp8).
     pub dtype_bytes: usize,
+    /// Blocks in the pool.
     pub num_blocks: usize,
+    /// How blocks sit in the pool.
     pub order: BlockOrder,
 }
 

@@ -20,6 +20,8 @@
 //! [`kvcache::PagedKvLayout`] maps vLLM-style paged KV blocks to requests, and [`daemon`] is
 //! the `kvcache-engine` process (a decode node's KV pool, serving until stopped).
 
+#![warn(unreachable_pub, missing_docs)]
+
 pub mod batch;
 pub mod config;
 pub mod daemon;

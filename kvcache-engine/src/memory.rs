@@ -20,13 +20,13 @@ pub(crate) struct LocalBuffer {
 }
 
 impl LocalBuffer {
-    pub fn addr(&self) -> u64 {
+    pub(crate) fn addr(&self) -> u64 {
         self.region.addr()
     }
-    pub fn len(&self) -> u64 {
+    pub(crate) fn len(&self) -> u64 {
         self.region.len() as u64
     }
-    pub fn desc(&self) -> BufferDesc {
+    pub(crate) fn desc(&self) -> BufferDesc {
         BufferDesc {
             addr: self.addr(),
             len: self.len(),
@@ -43,7 +43,7 @@ pub(crate) struct Memory {
 }
 
 impl Memory {
-    pub fn insert(&self, b: LocalBuffer) -> Result<u64, TransferError> {
+    pub(crate) fn insert(&self, b: LocalBuffer) -> Result<u64, TransferError> {
         let (addr, len) = (b.addr(), b.len());
         if len == 0 {
             return Err(TransferError::Invalid("register_memory: an empty buffer".into()));
@@ -62,12 +62,12 @@ impl Memory {
         Ok(addr)
     }
 
-    pub fn remove(&self, addr: u64) -> Option<Arc<LocalBuffer>> {
+    pub(crate) fn remove(&self, addr: u64) -> Option<Arc<LocalBuffer>> {
         self.map.write().remove(&addr)
     }
 
     /// The buffer holding `[addr, addr+len)` and the offset of `addr` in it.
-    pub fn find(&self, addr: u64, len: u64) -> Option<(Arc<LocalBuffer>, usize)> {
+    pub(crate) fn find(&self, addr: u64, len: u64) -> Option<(Arc<LocalBuffer>, usize)> {
         let m = self.map.read();
         let (&a, b) = m.range(..=addr).next_back()?;
         let end = addr.checked_add(len)?;
@@ -75,7 +75,7 @@ impl Memory {
     }
 
     /// Descriptors of the remotely accessible buffers.
-    pub fn descs(&self) -> Vec<BufferDesc> {
+    pub(crate) fn descs(&self) -> Vec<BufferDesc> {
         self.map
             .read()
             .values()

@@ -36,7 +36,7 @@ pub(crate) enum MetaStore {
 }
 
 impl MetaStore {
-    pub fn new(c: &MetadataConfig, ttl: Duration) -> MetaStore {
+    pub(crate) fn new(c: &MetadataConfig, ttl: Duration) -> MetaStore {
         match c {
             MetadataConfig::Embedded => MetaStore::Embedded,
             MetadataConfig::P2p => MetaStore::P2p,
@@ -55,7 +55,7 @@ impl MetaStore {
     /// What the etcd watch last saw of segment `name`: `Some(Some(d))` published, `Some(None)`
     /// not published (so its engine is gone: stopped, or its lease expired); `None` when unknown
     /// (no etcd, no watch started yet, or etcd out of reach).
-    pub fn watched(&self, name: &str) -> Option<Option<SegmentDesc>> {
+    pub(crate) fn watched(&self, name: &str) -> Option<Option<SegmentDesc>> {
         let MetaStore::Etcd { prefix, view, .. } = self else {
             return None;
         };
@@ -72,7 +72,7 @@ impl MetaStore {
 
     /// [`Self::watched`], only the engine instance the descriptor names (parsed once per
     /// revision of the descriptor: this is asked for every request).
-    pub fn watched_instance(&self, name: &str) -> Option<Option<u64>> {
+    pub(crate) fn watched_instance(&self, name: &str) -> Option<Option<u64>> {
         let MetaStore::Etcd {
             prefix,
             view,
@@ -126,7 +126,7 @@ impl MetaStore {
         let _ = view.set(v);
     }
 
-    pub fn describe(&self) -> String {
+    pub(crate) fn describe(&self) -> String {
         match self {
             MetaStore::Embedded => "embedded".into(),
             MetaStore::P2p => "P2PHANDSHAKE".into(),
@@ -154,7 +154,7 @@ impl MetaStore {
     }
 
     /// Publishes (or re-publishes) this engine's descriptor.
-    pub async fn publish(&self, d: &SegmentDesc) -> Result<(), TransferError> {
+    pub(crate) async fn publish(&self, d: &SegmentDesc) -> Result<(), TransferError> {
         match self {
             MetaStore::Embedded => {
                 embedded().lock().insert(d.name.clone(), d.clone());
@@ -187,7 +187,7 @@ impl MetaStore {
     }
 
     /// Finds the descriptor of segment `name`.
-    pub async fn fetch(&self, name: &str) -> Result<SegmentDesc, TransferError> {
+    pub(crate) async fn fetch(&self, name: &str) -> Result<SegmentDesc, TransferError> {
         match self {
             MetaStore::Embedded => embedded().lock().get(name).cloned().ok_or_else(|| {
                 TransferError::Metadata(format!(
@@ -247,7 +247,7 @@ impl MetaStore {
 
     /// Removes this engine's descriptor if it is still the published one (a successor with the
     /// same name keeps its own).
-    pub async fn remove(&self, name: &str, instance: u64) {
+    pub(crate) async fn remove(&self, name: &str, instance: u64) {
         match self {
             MetaStore::Embedded => {
                 let mut r = embedded().lock();

@@ -60,16 +60,20 @@ impl std::fmt::Display for Location {
 pub struct BufferDesc {
     /// Virtual address of the first byte (the `target_offset` of requests into it).
     pub addr: u64,
+    /// Length in bytes.
     pub len: u64,
     /// The flexns rkey (0 for the tcp transport).
     pub rkey: u32,
+    /// Host or GPU memory (a GPU buffer is registered through its host mirror).
     pub location: Location,
 }
 
 /// A segment: one engine's remotely accessible memory and how to reach it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SegmentDesc {
+    /// The segment's name (what peers open it by).
     pub name: String,
+    /// The transport the engine serves its memory on.
     pub transport: TransportKind,
     /// The engine's RPC port (connection manager, descriptors).
     pub rpc: SocketAddr,
@@ -81,6 +85,7 @@ pub struct SegmentDesc {
     pub instance: u64,
     /// Bumped on every (un)registration, so a newer descriptor is recognizable.
     pub version: u64,
+    /// The registered buffers peers may address.
     pub buffers: Vec<BufferDesc>,
 }
 
@@ -92,6 +97,7 @@ impl SegmentDesc {
             .find(|b| addr >= b.addr && addr.checked_add(len).is_some_and(|e| e <= b.addr + b.len))
     }
 
+    /// The descriptor as JSON (what the metadata store holds).
     pub fn to_json(&self) -> String {
         serde_json::to_string(self).expect("descriptors serialize")
     }

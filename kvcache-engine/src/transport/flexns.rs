@@ -231,7 +231,7 @@ fn retryable(s: WcStatus) -> bool {
 }
 
 impl FlexnsPath {
-    pub fn new(
+    pub(crate) fn new(
         ctx: Context,
         cfg: FlexCfg,
         notifies: Arc<Notifies>,
@@ -264,12 +264,12 @@ impl FlexnsPath {
         }))
     }
 
-    pub fn pd(&self) -> &Pd {
+    pub(crate) fn pd(&self) -> &Pd {
         &self.pd
     }
 
     /// Starts the completion thread (slices, retries) and the notification receiver.
-    pub fn start_threads(self: &Arc<Self>) -> std::io::Result<()> {
+    pub(crate) fn start_threads(self: &Arc<Self>) -> std::io::Result<()> {
         let me = Arc::downgrade(self);
         std::thread::Builder::new()
             .name("kvc-progress".into())
@@ -355,28 +355,28 @@ impl FlexnsPath {
     }
 
     /// A caller starts polling completions itself (see `spinners`).
-    pub fn spin_begin(&self) {
+    pub(crate) fn spin_begin(&self) {
         self.spinners.fetch_add(1, Ordering::AcqRel);
     }
 
     /// Blocks until a completion is queued or `timeout` passes (a caller that polls itself).
-    pub fn wait_cq(&self, timeout: Duration) {
+    pub(crate) fn wait_cq(&self, timeout: Duration) {
         self.cq.wait(timeout);
     }
 
     /// The caller stops polling; the completion thread takes over what is left.
-    pub fn spin_end(&self) {
+    pub(crate) fn spin_end(&self) {
         if self.spinners.fetch_sub(1, Ordering::AcqRel) == 1 {
             self.idle_cv.notify_one();
         }
     }
 
     /// The context's counters (see `TransferEngine::stack_stats`).
-    pub fn stack_stats(&self) -> netstack::verbs::StatsSnapshot {
+    pub(crate) fn stack_stats(&self) -> netstack::verbs::StatsSnapshot {
         self.ctx.stats()
     }
 
-    pub fn shutdown(&self) {
+    pub(crate) fn shutdown(&self) {
         self.stop.store(true, Ordering::Relaxed);
         self.peers.lock().clear();
         self.accepted.lock().clear();
@@ -409,7 +409,7 @@ impl FlexnsPath {
 
     /// Connects `qps_per_peer` QPs to the engine whose RPC port is `rpc`, checking it is
     /// `instance`.
-    pub fn connect(&self, name: &str, rpc: SocketAddr, instance: u64) -> Result<(), TransferError> {
+    pub(crate) fn connect(&self, name: &str, rpc: SocketAddr, instance: u64) -> Result<(), TransferError> {
         if let Some(p) = self.peers.lock().get(name) {
             if p.instance == instance && p.rpc == rpc && p.lanes.iter().any(|l| !l.dead.load(Ordering::Relaxed)) {
                 return Ok(());
@@ -507,12 +507,12 @@ impl FlexnsPath {
         Ok(())
     }
 
-    pub fn close(&self, name: &str) {
+    pub(crate) fn close(&self, name: &str) {
         self.peers.lock().remove(name);
     }
 
     /// Queues slices for `peer` and posts what fits now.
-    pub fn submit(&self, peer: &str, slices: Vec<Slice>) -> Result<(), TransferError> {
+    pub(crate) fn submit(&self, peer: &str, slices: Vec<Slice>) -> Result<(), TransferError> {
         if !self.peers.lock().contains_key(peer) {
             return Err(TransferError::Invalid(format!("segment {peer} is not open")));
         }
@@ -677,7 +677,7 @@ impl FlexnsPath {
     }
 
     /// Processes send completions and posts what waits; any thread may call it.
-    pub fn progress(&self) {
+    pub(crate) fn progress(&self) {
         let Some(_g) = self.progress_lock.try_lock() else {
             return;
         };
@@ -874,12 +874,12 @@ impl FlexnsPath {
     }
 
     /// Sends a batch's notification (its data has completed); the batch hears the outcome.
-    pub fn notify_async(&self, peer: &str, payload: Vec<u8>, batch: Arc<Batch>) -> Result<(), TransferError> {
+    pub(crate) fn notify_async(&self, peer: &str, payload: Vec<u8>, batch: Arc<Batch>) -> Result<(), TransferError> {
         self.post_notify(peer, &payload, Some(batch), None)
     }
 
     /// Sends a notification and waits until the peer's receive took it.
-    pub fn notify(&self, peer: &str, payload: &[u8], timeout: Duration) -> Result<(), TransferError> {
+    pub(crate) fn notify(&self, peer: &str, payload: &[u8], timeout: Duration) -> Result<(), TransferError> {
         let (tx, rx) = std::sync::mpsc::channel();
         self.post_notify(peer, payload, None, Some(tx))?;
         let until = std::time::Instant::now() + timeout;

@@ -3,8 +3,8 @@
 //! [`Slice`]s, place data, report each slice to its [`Batch`], retry a failed slice on another
 //! queue pair or lane, and deliver a batch's notification after its data.
 
-pub mod flexns;
-pub mod tcp;
+pub(crate) mod flexns;
+pub(crate) mod tcp;
 
 use crate::batch::{Batch, Notification, Opcode, TransferState, MAX_NOTIFY_BYTES};
 use parking_lot::{Condvar, Mutex};
@@ -30,7 +30,7 @@ pub(crate) struct Slice {
 
 impl Slice {
     /// Retries the slice (returns it) or fails its request when `max` attempts are spent.
-    pub fn retry_or_fail(mut self, max: u32, error: String) -> Option<Slice> {
+    pub(crate) fn retry_or_fail(mut self, max: u32, error: String) -> Option<Slice> {
         self.attempts += 1;
         if self.attempts >= max {
             self.batch.fail(
@@ -46,11 +46,11 @@ impl Slice {
     }
 
     /// Fails the slice's request now (an error no retry can fix).
-    pub fn fail(self, error: String) {
+    pub(crate) fn fail(self, error: String) {
         self.batch.fail(self.task, TransferState::Failed(error));
     }
 
-    pub fn describe(&self) -> String {
+    pub(crate) fn describe(&self) -> String {
         let op = match self.op {
             Opcode::Read => "READ",
             Opcode::Write => "WRITE",
@@ -108,7 +108,7 @@ pub(crate) struct Notifies {
 
 impl Notifies {
     /// An empty queue; `transport` labels its metrics.
-    pub fn new(transport: &'static str) -> Notifies {
+    pub(crate) fn new(transport: &'static str) -> Notifies {
         let c = |reason: &'static str| metrics::counter!("flexns_kvcache_notifies_refused_total", "transport" => transport, "reason" => reason);
         Notifies {
             q: Mutex::new(Queue::default()),
@@ -121,7 +121,7 @@ impl Notifies {
     /// Queues an encoded notification from peer engine `from`, or refuses it with the reason
     /// (for the sender): malformed, or `from`'s share of the queue (or the whole queue) is full.
     /// A refusal is counted; the first of an episode is logged, and the episode's end.
-    pub fn push_encoded(&self, from: &str, bytes: &[u8]) -> Result<(), String> {
+    pub(crate) fn push_encoded(&self, from: &str, bytes: &[u8]) -> Result<(), String> {
         let n = match decode_notify(bytes) {
             Ok(n) => n,
             Err(e) => {
@@ -175,7 +175,7 @@ impl Notifies {
         Ok(())
     }
 
-    pub fn take_all(&self) -> Vec<Notification> {
+    pub(crate) fn take_all(&self) -> Vec<Notification> {
         let mut q = self.q.lock();
         let all = q.q.drain(..).map(|(_, n)| n).collect();
         q.peers.retain(|_, p| {
@@ -185,7 +185,7 @@ impl Notifies {
         all
     }
 
-    pub fn wait_one(&self, timeout: Duration) -> Option<Notification> {
+    pub(crate) fn wait_one(&self, timeout: Duration) -> Option<Notification> {
         let until = std::time::Instant::now() + timeout;
         let mut q = self.q.lock();
         loop {

@@ -377,7 +377,7 @@ fn dial(addr: SocketAddr, me: &str, expect: u64) -> io::Result<(TcpStream, u64)>
 
 impl TcpPath {
     /// Binds the data port on `bind` and starts accepting peers.
-    pub fn start(
+    pub(crate) fn start(
         bind: SocketAddr,
         sh: Shared,
         lanes: usize,
@@ -413,21 +413,21 @@ impl TcpPath {
         })
     }
 
-    pub fn data_addr(&self) -> SocketAddr {
+    pub(crate) fn data_addr(&self) -> SocketAddr {
         self.data_addr
     }
 
-    pub fn malformed(&self) -> u64 {
+    pub(crate) fn malformed(&self) -> u64 {
         self.sh.malformed.load(Ordering::Relaxed)
     }
 
     /// The most requests one lane of this process had in flight at once.
-    pub fn peak_in_flight() -> usize {
+    pub(crate) fn peak_in_flight() -> usize {
         PEAK_IN_FLIGHT.load(Ordering::Relaxed)
     }
 
     /// Connects `lanes` connections to a peer's data port, checking it is `instance`.
-    pub fn connect(&self, name: &str, addr: SocketAddr, instance: u64) -> Result<(), TransferError> {
+    pub(crate) fn connect(&self, name: &str, addr: SocketAddr, instance: u64) -> Result<(), TransferError> {
         if let Some(p) = self.sh.peers.lock().get(name) {
             if p.instance == instance && p.addr == addr && p.alive.load(Ordering::Relaxed) > 0 {
                 return Ok(());
@@ -488,7 +488,7 @@ impl TcpPath {
         }
     }
 
-    pub fn submit(&self, peer: &str, mut slices: Vec<Slice>) -> Result<(), TransferError> {
+    pub(crate) fn submit(&self, peer: &str, mut slices: Vec<Slice>) -> Result<(), TransferError> {
         let p = self.peer(peer)?;
         if slices.len() == 1 && slices[0].len as usize <= INLINE_MAX {
             // one small request: written from this thread on an idle lane (no hand-off to the
@@ -514,12 +514,12 @@ impl TcpPath {
     }
 
     /// Queues a batch's notification behind its data (every slice has completed).
-    pub fn notify_batch(&self, peer: &str, payload: Vec<u8>, batch: Arc<Batch>) {
+    pub(crate) fn notify_batch(&self, peer: &str, payload: Vec<u8>, batch: Arc<Batch>) {
         notify_batch(&self.sh, peer, payload, batch)
     }
 
     /// Sends a notification and waits for the peer to have queued it.
-    pub fn notify(&self, peer: &str, payload: Vec<u8>, timeout: Duration) -> Result<(), TransferError> {
+    pub(crate) fn notify(&self, peer: &str, payload: Vec<u8>, timeout: Duration) -> Result<(), TransferError> {
         let p = self.peer(peer)?;
         let (tx, rx) = std::sync::mpsc::channel();
         p.push(
@@ -536,14 +536,14 @@ impl TcpPath {
         }
     }
 
-    pub fn close(&self, peer: &str) {
+    pub(crate) fn close(&self, peer: &str) {
         if let Some(p) = self.sh.peers.lock().remove(peer) {
             p.closed.store(true, Ordering::Relaxed);
             p.cv.notify_all();
         }
     }
 
-    pub fn shutdown(&self) {
+    pub(crate) fn shutdown(&self) {
         self.sh.stop.store(true, Ordering::Relaxed);
         for (_, p) in self.sh.peers.lock().drain() {
             p.closed.store(true, Ordering::Relaxed);
