@@ -99,6 +99,7 @@ impl Default for ClientConfig {
 /// One request of a batch.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Op {
+    /// Read the value of the key.
     Get(Vec<u8>),
     /// Insert or update.
     Put(Vec<u8>, Vec<u8>),
@@ -106,6 +107,7 @@ pub enum Op {
     Insert(Vec<u8>, Vec<u8>),
     /// Update; fails with [`KvError::NotFound`] when the key is absent.
     Update(Vec<u8>, Vec<u8>),
+    /// Delete the key; fails with [`KvError::NotFound`] when the key is absent.
     Delete(Vec<u8>),
 }
 
@@ -120,7 +122,9 @@ impl Op {
 /// Counters of a client.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct ClientStats {
+    /// Gets issued.
     pub gets: u64,
+    /// Writes issued (puts, inserts, updates, deletes).
     pub writes: u64,
     /// Network round trips of gets (a READ, an offload, a RedN request, an RPC).
     pub get_round_trips: u64,
@@ -487,9 +491,11 @@ impl KvClient {
     pub fn shards(&self) -> usize {
         self.shards.len()
     }
+    /// This client's counters so far.
     pub fn stats(&self) -> ClientStats {
         self.stats
     }
+    /// The configuration the client was connected with.
     pub fn config(&self) -> &ClientConfig {
         &self.cfg
     }
@@ -1228,12 +1234,15 @@ impl AsyncKvClient {
         rx.await
             .map_err(|_| KvError::Protocol("client driver stopped".into()))?
     }
+    /// Gets `key`'s value (`None` when absent), batched with other concurrent calls.
     pub async fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, KvError> {
         self.call(Op::Get(key.to_vec())).await
     }
+    /// Puts (inserts or updates) `key`, batched with other concurrent calls.
     pub async fn put(&self, key: &[u8], value: &[u8]) -> Result<(), KvError> {
         self.call(Op::Put(key.to_vec(), value.to_vec())).await.map(|_| ())
     }
+    /// Deletes `key`, batched with other concurrent calls.
     pub async fn delete(&self, key: &[u8]) -> Result<(), KvError> {
         self.call(Op::Delete(key.to_vec())).await.map(|_| ())
     }

@@ -61,7 +61,9 @@ const HASH_SEED: u64 = 0x6b76_2d73_746f_7265; // "kv-store"
 
 /// Slot types.
 pub const SLOT_EMPTY: u64 = 0;
+/// Slot type: an entry.
 pub const SLOT_ENTRY: u64 = 1;
+/// Slot type: a link to an overflow bucket.
 pub const SLOT_LINK: u64 = 2;
 
 const INC_MASK: u64 = 0x3fff;
@@ -103,15 +105,20 @@ pub fn class_for(klen: usize, vlen: usize) -> Option<usize> {
 /// A decoded slot word 1.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Slot {
+    /// An unused slot.
     Empty,
     /// An entry at byte `offset` of the data area, of class `class`, with incarnation `inc`.
     Entry {
+        /// Byte offset of the entry in the data area.
         offset: u64,
+        /// Size class of the entry.
         class: usize,
+        /// Incarnation of the entry (low 14 bits).
         inc: u16,
     },
     /// A link to overflow bucket `bucket` (numbered after the main buckets).
     Link {
+        /// Overflow bucket number.
         bucket: u64,
     },
 }
@@ -155,7 +162,14 @@ pub fn bucket_slot(bucket: &[u8], i: usize) -> (u64, Slot) {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Scan {
     /// A slot with the key word: read this entry.
-    Entry { offset: u64, class: usize, inc: u16 },
+    Entry {
+        /// Byte offset of the entry in the data area.
+        offset: u64,
+        /// Size class of the entry.
+        class: usize,
+        /// Incarnation of the entry (low 14 bits).
+        inc: u16,
+    },
     /// Not here: follow the link to this overflow bucket.
     Next(u64),
     /// The chain ends without the key.
@@ -196,8 +210,11 @@ pub enum Invalid {
 /// A validated entry copy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct EntryView<'a> {
+    /// The entry's version (head and tail agreed, even).
     pub version: u64,
+    /// Incarnation of the entry (low 14 bits).
     pub inc: u16,
+    /// The value bytes.
     pub value: &'a [u8],
 }
 

@@ -26,7 +26,9 @@ use std::sync::Arc;
 /// against the requesting QP's protection domain, as that QP's own READ would be).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Mapped {
+    /// Address of the store's region.
     pub base: u64,
+    /// The rkey of the store's region.
     pub rkey: u32,
 }
 
@@ -171,12 +173,17 @@ struct Hot {
 /// Counters of the hot-value cache.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct HotStats {
+    /// Gets served from the cache.
     pub hits: u64,
+    /// Gets not found in the cache.
     pub misses: u64,
     /// Hits refused because the entry changed since it was cached.
     pub stale: u64,
+    /// Values copied into the cache.
     pub admitted: u64,
+    /// Values dropped from the cache to make room.
     pub evicted: u64,
+    /// Values in the cache now.
     pub entries: u64,
 }
 
@@ -214,6 +221,7 @@ impl HotCache {
         }
     }
 
+    /// The cache's counters so far.
     pub fn stats(&self) -> HotStats {
         HotStats {
             hits: self.hits.load(Ordering::Relaxed),

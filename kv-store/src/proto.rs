@@ -21,6 +21,7 @@ pub const OFFLOAD_MULTI_GET: u16 = 0x0B12;
 
 /// Reply statuses of offloaded gets (first word of [`GetReply`]).
 pub const GET_FOUND: u32 = 0;
+/// Not found (the chain ended without the key).
 pub const GET_NOT_FOUND: u32 = 1;
 /// Found in the hot-value cache.
 pub const GET_HOT: u32 = 2;
@@ -37,17 +38,22 @@ pub const GET_REPLY_HEADER: usize = 16;
 /// An offloaded get's reply header: `status: u32, len: u32, arg: u64`, then the payload.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GetReply {
+    /// One of the `GET_*` statuses.
     pub status: u32,
+    /// Payload bytes that follow (or, for [`GET_ADDRESS`], the entry's class length).
     pub len: u32,
+    /// Status-specific argument (for [`GET_ADDRESS`], the entry's region offset).
     pub arg: u64,
 }
 
 impl GetReply {
+    /// Writes the 16-byte header into `out[..GET_REPLY_HEADER]`.
     pub fn encode(&self, out: &mut [u8]) {
         out[0..4].copy_from_slice(&self.status.to_le_bytes());
         out[4..8].copy_from_slice(&self.len.to_le_bytes());
         out[8..16].copy_from_slice(&self.arg.to_le_bytes());
     }
+    /// Reads a header from `b`; `None` when `b` is shorter than [`GET_REPLY_HEADER`].
     pub fn decode(b: &[u8]) -> Option<GetReply> {
         Some(GetReply {
             status: u32::from_le_bytes(b.get(0..4)?.try_into().ok()?),
@@ -104,10 +110,15 @@ pub fn decode_multi_get(b: &[u8]) -> Result<Vec<&[u8]>, String> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
 pub enum RpcOp {
+    /// Read a key's value.
     Get = 1,
+    /// Insert or update a key.
     Put = 2,
+    /// Insert a key that must be absent.
     Insert = 3,
+    /// Update a key that must be present.
     Update = 4,
+    /// Delete a key.
     Delete = 5,
     /// The client is leaving: the server drops the connection and the RedN pairs it owns (no
     /// reply). Clients that vanish without it are found by the server's keepalive.
@@ -130,7 +141,9 @@ impl RpcOp {
 
 /// RPC reply statuses.
 pub const RPC_OK: u8 = 0;
+/// The key is absent.
 pub const RPC_NOT_FOUND: u8 = 1;
+/// The key exists (an insert refused).
 pub const RPC_EXISTS: u8 = 2;
 /// The payload is an error message.
 pub const RPC_ERROR: u8 = 3;
@@ -155,9 +168,13 @@ pub fn encode_request(out: &mut Vec<u8>, op: RpcOp, id: u64, key: &[u8], value: 
 /// A decoded RPC request.
 #[derive(Debug, PartialEq, Eq)]
 pub struct Request<'a> {
+    /// What the request does.
     pub op: RpcOp,
+    /// The client's request id, echoed in the reply.
     pub id: u64,
+    /// The key.
     pub key: &'a [u8],
+    /// The value (empty for gets and deletes).
     pub value: &'a [u8],
 }
 
@@ -213,16 +230,23 @@ pub fn decode_reply(b: &[u8]) -> Option<(u8, u64, &[u8])> {
 pub enum Hello {
     /// The general connection (RPC, one-sided READs, offloaded gets) with `depth` requests in
     /// flight at most.
-    Kv { depth: u32 },
+    Kv {
+        /// Requests in flight at most.
+        depth: u32,
+    },
     /// One of the two response QPs of a RedN get pair: the server builds the chains when both
     /// parts are connected; the responses go to the client's buffer `resp_addr`/`resp_rkey`.
     Redn {
         /// The server's QP number of the client's general connection (its welcome's `conn`):
         /// the pair lives as long as that connection.
         conn: u32,
+        /// The client's id of the pair.
         pair: u64,
+        /// Which of the pair's two QPs this is (0 or 1).
         part: u8,
+        /// Address of the client's response buffer.
         resp_addr: u64,
+        /// The rkey of the client's response buffer.
         resp_rkey: u32,
     },
 }
@@ -233,11 +257,15 @@ pub struct Welcome {
     /// This server's shard and the map it knows (connection-manager addresses by shard; empty
     /// when the server was started without one).
     pub shard: u32,
+    /// How many shards there are.
     pub shards: u32,
+    /// Connection-manager addresses by shard.
     pub map: Vec<SocketAddr>,
     /// The store's region: its address, rkey and layout.
     pub region_addr: u64,
+    /// The rkey of the store's region.
     pub rkey: u32,
+    /// The store's layout in its region.
     pub geometry: Geometry,
     /// Receives the server keeps posted for this connection's RPCs.
     pub rpc_slots: u32,

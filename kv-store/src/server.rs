@@ -34,16 +34,19 @@ pub struct ServerConfig {
     pub resp: Option<SocketAddr>,
     /// Keys the index is sized for, and bytes of entry memory.
     pub capacity: u64,
+    /// Bytes of entry memory.
     pub data_bytes: u64,
     /// The value length RedN gets serve (their responses have a fixed length).
     pub redn_value_len: usize,
     /// This partition's shard number and the shard count.
     pub shard: u32,
+    /// The number of shards.
     pub shards: u32,
     /// The shard map handed to clients (connection-manager addresses by shard), if known.
     pub map: Vec<SocketAddr>,
     /// Hot-value cache of the hybrid get: entries, and accesses before a key is admitted.
     pub hot_entries: usize,
+    /// Accesses of a key before it is admitted to the hot-value cache.
     pub hot_admit: u8,
     /// The stack's context (data address, data cores, offload threads, ...).
     pub ctx: ContextConfig,
@@ -96,16 +99,25 @@ impl Default for ServerConfig {
 /// Counters of a partition, for `kv stats` and the benchmarks.
 #[derive(Debug, Clone, Serialize)]
 pub struct ServerStats {
+    /// The store's writer.
     pub store: StoreStats,
+    /// The hot-value cache.
     pub hot: HotStats,
+    /// Offloaded gets.
     pub offload: OffloadStats,
+    /// RedN gets.
     pub redn: netstack::redn::RednStats,
+    /// RPC requests served.
     pub rpc_requests: u64,
+    /// RPC requests answered with an error.
     pub rpc_errors: u64,
+    /// RESP commands served.
     pub resp_requests: u64,
     /// The RESP door's connections and refusals.
     pub resp: crate::resp::RespStats,
+    /// QP connections accepted.
     pub connections: u64,
+    /// RedN get pairs set up.
     pub redn_pairs: u64,
 }
 

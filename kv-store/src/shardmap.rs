@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 /// Where the map lives: an etcd endpoint (`http://HOST:PORT`) and a key prefix.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EtcdMap {
+    /// The etcd endpoint (`http://HOST:PORT`).
     pub endpoint: String,
+    /// The key prefix the map lives under.
     pub prefix: String,
     /// A shard's address is registered under a lease of this length, renewed by its server
     /// (every third of it): a server that dies drops out of the map within it.
@@ -18,6 +20,7 @@ pub struct EtcdMap {
 }
 
 impl EtcdMap {
+    /// A map at `endpoint` (normalized to a URL) under `prefix`, registered with a 10 s lease.
     pub fn new(endpoint: &str, prefix: &str) -> EtcdMap {
         EtcdMap {
             endpoint: etcd_lite::normalize_endpoint(endpoint),

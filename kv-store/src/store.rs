@@ -19,15 +19,18 @@ use std::time::{Duration, Instant};
 pub struct Geometry {
     /// Main buckets (a power of two); overflow buckets follow them.
     pub buckets: u64,
+    /// Overflow buckets.
     pub overflow: u64,
     /// Byte offset and bucket count (a power of two) of the RedN mirror: 16-byte buckets
     /// `{key word, entry address}`.
     pub mirror_off: u64,
+    /// Buckets of the RedN mirror.
     pub mirror_buckets: u64,
     /// The entry class the mirror serves (RedN sends a fixed length).
     pub redn_class: usize,
     /// Byte offset and length of the data area.
     pub data_off: u64,
+    /// Length of the data area in bytes.
     pub data_len: u64,
 }
 
@@ -96,11 +99,15 @@ impl ReadMem for Region {
 /// A found entry.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Found {
+    /// The value.
     pub value: Vec<u8>,
     /// Data-area offset, class and incarnation of the entry, and its version.
     pub offset: u64,
+    /// Size class of the entry.
     pub class: usize,
+    /// Incarnation of the entry.
     pub inc: u16,
+    /// Version of the entry.
     pub version: u64,
 }
 
@@ -203,24 +210,34 @@ pub fn lookup_within<M: ReadMem + ?Sized>(
 /// Counters of the writer.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StoreStats {
+    /// Keys stored.
     pub keys: u64,
+    /// Inserts done.
     pub inserts: u64,
+    /// Updates done.
     pub updates: u64,
+    /// Deletes done.
     pub deletes: u64,
+    /// Updates written in place (the new value fitted the entry).
     pub in_place: u64,
     /// Entries waiting out the grace period before reuse.
     pub deferred: u64,
+    /// Bytes of the data area in use.
     pub data_used: u64,
+    /// Overflow buckets in use.
     pub overflow_used: u64,
     /// Keys the RedN mirror holds, and keys it could not place.
     pub mirrored: u64,
+    /// Keys the mirror could not place.
     pub mirror_misses: u64,
 }
 
 /// What a write did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Written {
+    /// The key was absent and is now stored.
     Inserted,
+    /// The key was present and its value replaced.
     Updated,
 }
 
@@ -275,12 +292,15 @@ impl Store {
     pub fn set_grace(&mut self, d: Duration) {
         self.grace = d;
     }
+    /// The store's layout in its region.
     pub fn geometry(&self) -> &Geometry {
         &self.g
     }
+    /// The registered region holding the store.
     pub fn region(&self) -> &Arc<Region> {
         &self.region
     }
+    /// The writer's counters so far.
     pub fn stats(&self) -> StoreStats {
         StoreStats {
             deferred: self.deferred.len() as u64,
