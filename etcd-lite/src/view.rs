@@ -13,12 +13,20 @@ use tokio_stream::StreamExt;
 pub enum WatchEvent {
     /// `key` now holds `value` (written at store revision `revision`).
     Put {
+        /// The key written.
         key: Vec<u8>,
+        /// Its new value.
         value: Vec<u8>,
+        /// The store revision of the write.
         revision: i64,
     },
     /// `key` was deleted (by a delete, or because its lease expired).
-    Delete { key: Vec<u8>, revision: i64 },
+    Delete {
+        /// The key deleted.
+        key: Vec<u8>,
+        /// The store revision of the delete.
+        revision: i64,
+    },
 }
 
 /// An open watch on a key prefix; dropping it cancels the watch (the gRPC stream closes).
