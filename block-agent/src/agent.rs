@@ -13,16 +13,22 @@ use std::sync::Arc;
 /// Errors of attaching a volume.
 #[derive(Debug, thiserror::Error)]
 pub enum AttachError {
+    /// A replica address that is not `IP:PORT`.
     #[error("replica address {0:?} is not IP:PORT")]
     Address(String),
+    /// A replica's storage node id is empty.
     #[error("replica node id {0:?} is empty")]
     Node(String),
+    /// The volume (its id) lists no replicas.
     #[error("volume {0} has no replicas")]
     NoReplicas(u32),
+    /// The volume size is not a positive multiple of 4096 bytes.
     #[error("volume size {0} is not a positive multiple of 4096")]
     Size(u64),
+    /// The export name is empty.
     #[error("export name must not be empty")]
     Name,
+    /// A link to a storage node could not be set up.
     #[error(transparent)]
     Link(#[from] LinkError),
 }
@@ -30,9 +36,11 @@ pub enum AttachError {
 /// What an agent carries volumes over.
 #[derive(Debug, Clone)]
 pub struct AgentConfig {
+    /// Solar over UDP, or the plain protocol over TCP.
     pub carrier: Carrier,
     /// Link settings template (the server address is filled in per storage node).
     pub link: LinkConfig,
+    /// Settings of each attached volume (timeouts, queue depth).
     pub volume: VolumeConfig,
 }
 
@@ -51,8 +59,11 @@ impl AgentConfig {
 /// admin address ("" when not known: no allocation maps, no reconciliation).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ReplicaAt {
+    /// The storage node's id.
     pub node: String,
+    /// Where the node serves volumes now (`IP:PORT`).
     pub addr: String,
+    /// The node's admin address (`""` when not known).
     pub admin: String,
 }
 
@@ -67,6 +78,7 @@ pub struct Agent {
 }
 
 impl Agent {
+    /// An agent with no volumes attached yet.
     pub fn new(cfg: AgentConfig) -> Arc<Agent> {
         let a = Arc::new(Agent {
             cfg,
@@ -90,6 +102,7 @@ impl Agent {
         &self.exports
     }
 
+    /// What this agent carries volumes over.
     pub fn carrier(&self) -> Carrier {
         self.cfg.carrier
     }

@@ -21,24 +21,34 @@ use std::time::Duration;
 /// Errors that stop a daemon.
 #[derive(Debug, thiserror::Error)]
 pub enum DaemonError {
+    /// A command-line or configuration value is invalid (the message names it).
     #[error("{0}")]
     Config(String),
+    /// An I/O operation failed.
     #[error("{what}: {source}")]
     Io {
+        /// What was being done.
         what: String,
+        /// The error.
         #[source]
         source: std::io::Error,
     },
+    /// The storage node failed.
     #[error(transparent)]
     Node(#[from] crate::storage_node::NodeError),
+    /// The controller's metadata store failed.
     #[error(transparent)]
     Meta(#[from] crate::control::MetaError),
+    /// The gRPC server failed.
     #[error("gRPC server: {0}")]
     Grpc(#[from] tonic::transport::Error),
+    /// Registering with the controller (its address) failed (why).
     #[error("registering with the controller at {0}: {1}")]
     Register(String, String),
+    /// The process lost its liveness key to another one and stopped (the reason).
     #[error("stopped: {0}")]
     Superseded(String),
+    /// The metrics endpoint failed.
     #[error(transparent)]
     Metrics(#[from] netstack::telemetry::TelemetryError),
 }
@@ -145,6 +155,7 @@ pub struct NodeArgs {
     /// Serve Prometheus metrics on this address (`GET /metrics`).
     #[arg(long, value_name = "ADDR")]
     pub metrics_addr: Option<SocketAddr>,
+    /// Where the process says it is alive (etcd).
     #[command(flatten)]
     pub live: LiveArgs,
 }
@@ -206,6 +217,7 @@ pub struct AgentArgs {
     /// Serve Prometheus metrics on this address (`GET /metrics`).
     #[arg(long, value_name = "ADDR")]
     pub metrics_addr: Option<SocketAddr>,
+    /// Where the process says it is alive (etcd).
     #[command(flatten)]
     pub live: LiveArgs,
 }

@@ -17,6 +17,8 @@
 //!   controller with placement and its metadata in a file or etcd).
 //! - [`daemon`]: the daemons (`block-server`, `block-agent`, `block-control`) as functions.
 
+#![warn(unreachable_pub, missing_docs)]
+
 pub mod agent;
 pub mod control;
 pub mod daemon;

@@ -71,6 +71,7 @@ pub struct Qos {
     bytes: Option<Bucket>,
     /// Requests that had to wait, and the time they waited in total.
     pub throttled: u64,
+    /// Total nanoseconds throttled requests waited.
     pub throttled_ns: u64,
 }
 
@@ -82,6 +83,7 @@ impl Qos {
         q
     }
 
+    /// The limits in force.
     pub fn limits(&self) -> QosLimits {
         self.limits
     }

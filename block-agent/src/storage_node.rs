@@ -68,32 +68,50 @@ impl NodeConfig {
 /// Errors of the storage node.
 #[derive(Debug, thiserror::Error)]
 pub enum NodeError {
+    /// The listen address is not a concrete IPv4 address.
     #[error("listen address {0}: must be a concrete IPv4 address (Solar's engine binds it)")]
     NotIpv4(SocketAddr),
+    /// The Solar engine could not start on the address (why).
     #[error("starting the Solar engine on {0}: {1}")]
     Engine(SocketAddr, String),
+    /// An I/O operation failed.
     #[error("{what}: {source}")]
     Io {
+        /// What was being done.
         what: String,
+        /// The error.
         #[source]
         source: std::io::Error,
     },
+    /// The block store failed.
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// A volume with this id already exists.
     #[error("volume {0} already exists")]
     Exists(u32),
+    /// No volume has this id.
     #[error("volume {0} does not exist")]
     NoVolume(u32),
+    /// The volume size is not a positive multiple of 4096 bytes.
     #[error("volume size must be a positive multiple of 4096 bytes, not {0}")]
     Size(u64),
+    /// The data directory (its path) is locked by another storage node process.
     #[error("{0} is in use by another storage node process (its lock is held)")]
     Locked(PathBuf),
+    /// The node id file (its path) holds no valid node id (what it holds).
     #[error("node id file {0}: {1:?} is not a node id")]
     BadId(PathBuf, String),
+    /// The volume (first) has no snapshot with this id (second).
     #[error("volume {0} has no snapshot {1}")]
     NoSnapshot(u32, u32),
+    /// The operation would break a clone that reads through to its target.
     #[error("{what} is refused: clone volume {clone} reads through to it; delete the clone first")]
-    InUse { what: String, clone: u32 },
+    InUse {
+        /// The refused operation.
+        what: String,
+        /// The clone volume that reads through.
+        clone: u32,
+    },
 }
 
 /// The name of the file holding a node's id in its data directory.
@@ -162,9 +180,13 @@ fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> NodeError {
 /// requests the Solar server's).
 #[derive(Debug, Default)]
 pub struct NodeCounters {
+    /// Requests received over TCP.
     pub packets_in: AtomicU64,
+    /// Replies sent over TCP.
     pub packets_out: AtomicU64,
+    /// Malformed request headers received (each closes its connection).
     pub malformed: AtomicU64,
+    /// TCP connections accepted.
     pub tcp_connections: AtomicU64,
 }
 

@@ -34,7 +34,9 @@ const MAGIC: u32 = u32::from_le_bytes(*b"TBK2");
 
 /// Operations.
 pub const READ: u8 = 1;
+/// Operation: write the blocks that follow the header.
 pub const WRITE: u8 = 2;
+/// Operation: zero (deallocate) the blocks; no payload.
 pub const WRITE_ZEROES: u8 = 3;
 /// Flags.
 pub const FUA: u8 = 1;
@@ -42,32 +44,45 @@ pub const FUA: u8 = 1;
 /// A request or reply header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Header {
+    /// `READ`, `WRITE` or `WRITE_ZEROES`.
     pub op: u8,
+    /// Flags (`FUA`).
     pub flags: u8,
     /// 0 = OK (replies).
     pub status: u8,
+    /// The volume.
     pub volume: u32,
+    /// Blocks of the request (1 to [`MAX_BLOCKS`]).
     pub blocks: u32,
+    /// The request id (chosen by the client, echoed in the reply).
     pub id: u64,
+    /// First block (lba).
     pub lba: u64,
+    /// Write version (orders writes to a block).
     pub version: u64,
+    /// The sender's attachment epoch of the volume (a node fenced at a higher one refuses).
     pub epoch: u32,
 }
 
 /// Why a header was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum HeaderError {
+    /// The magic is not `TBK2` (the value read).
     #[error("bad magic {0:#x} (not the plain block protocol)")]
     Magic(u32),
+    /// The op is not one of `READ`, `WRITE`, `WRITE_ZEROES`.
     #[error("unknown op {0}")]
     Op(u8),
+    /// The block count is 0 or above [`MAX_BLOCKS`].
     #[error("{0} blocks: 1 to {MAX_BLOCKS} per request")]
     Blocks(u32),
+    /// The range (lba, blocks) overflows.
     #[error("lba {0} + {1} blocks overflows")]
     Range(u64, u32),
 }
 
 impl Header {
+    /// The header's 48 bytes on the wire.
     pub fn encode(&self) -> [u8; HDR] {
         let mut b = [0u8; HDR];
         b[0..4].copy_from_slice(&MAGIC.to_le_bytes());

@@ -458,6 +458,7 @@ impl NodeQueries for NodeAdminQueries {
 
 /// The agent's admin service.
 pub struct AgentAdmin {
+    /// The agent it administers.
     pub agent: Arc<Agent>,
     /// The NBD address clients use.
     pub nbd: String,

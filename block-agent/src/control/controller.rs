@@ -179,7 +179,7 @@ fn clones_of(s: &ControlState, volume: &str, snapshot: Option<&str>) -> Vec<Stri
 
 /// A recorded volume, or NOT_FOUND naming it.
 /// QoS limits on the wire.
-pub fn qos_pb(q: &crate::qos::QosLimits) -> pb::Qos {
+pub(super) fn qos_pb(q: &crate::qos::QosLimits) -> pb::Qos {
     pb::Qos {
         iops: q.iops,
         bytes_per_sec: q.bytes_per_sec,
@@ -188,7 +188,7 @@ pub fn qos_pb(q: &crate::qos::QosLimits) -> pb::Qos {
 }
 
 /// QoS limits from the wire.
-pub fn qos_limits(q: &pb::Qos) -> crate::qos::QosLimits {
+pub(super) fn qos_limits(q: &pb::Qos) -> crate::qos::QosLimits {
     crate::qos::QosLimits {
         iops: q.iops,
         bytes_per_sec: q.bytes_per_sec,
@@ -720,6 +720,7 @@ impl netstack::telemetry::Collect for Controller {
     }
 }
 
+/// The controller as the `BlockControl` gRPC service.
 pub struct ControllerService(pub Arc<Controller>);
 
 #[tonic::async_trait]

@@ -19,11 +19,14 @@ pub const STATE_VERSION: u32 = 2;
 /// A volume as the controller records it.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct VolumeRecord {
+    /// The volume's id (also its NBD export and Solar volume number).
     pub id: u32,
+    /// Size in bytes.
     pub size: u64,
     /// The storage nodes holding its replicas, by node id (a legacy state's entries are
     /// addresses until claimed).
     pub replicas: Vec<String>,
+    /// The agent it is attached to, by agent name (`None`: detached).
     pub agent: Option<String>,
     /// Provisioned IOPS and bandwidth (none in states written before QoS).
     #[serde(default)]
@@ -75,18 +78,24 @@ pub struct NodeRecord {
 /// A registered agent.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct AgentRecord {
+    /// The agent's admin (gRPC) address.
     pub admin: String,
+    /// The agent's NBD address.
     pub nbd: String,
 }
 
 /// The controller's state (one document).
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
 pub struct ControlState {
+    /// Format version of the document.
     pub version: u32,
+    /// The id the next created volume gets.
     pub next_id: u32,
+    /// Volumes by name.
     pub volumes: BTreeMap<String, VolumeRecord>,
     /// Storage nodes by id.
     pub nodes: BTreeMap<String, NodeRecord>,
+    /// Registered agents by name.
     pub agents: BTreeMap<String, AgentRecord>,
 }
 
@@ -154,7 +163,9 @@ pub enum MetaStore {
     /// second controller's write makes this one's next save a [`MetaError::Conflict`], never a
     /// lost update).
     Etcd {
+        /// The etcd client.
         client: Box<tokio::sync::Mutex<EtcdClient>>,
+        /// The key the state document lives under.
         key: String,
         /// The key's modification revision as last read or written (0: absent).
         rev: std::sync::atomic::AtomicI64,
@@ -164,12 +175,16 @@ pub enum MetaStore {
 /// Errors of the metadata store.
 #[derive(Debug, thiserror::Error)]
 pub enum MetaError {
+    /// The state file (its path) could not be read or written.
     #[error("state file {0}: {1}")]
     File(PathBuf, std::io::Error),
+    /// The state is not valid JSON.
     #[error("state is not valid JSON: {0}")]
     Json(#[from] serde_json::Error),
+    /// etcd failed.
     #[error("etcd: {0}")]
     Etcd(#[from] etcd_lite::EtcdError),
+    /// Another controller wrote the state since this one read it (nothing was written).
     #[error("{0} changed since this controller read it (another controller wrote it); nothing was written")]
     Conflict(String),
 }
@@ -184,6 +199,7 @@ impl MetaStore {
         })
     }
 
+    /// Reads the state (an empty one when none was saved yet), upgraded to the current version.
     pub async fn load(&self) -> Result<ControlState, MetaError> {
         let mut s = match self {
             MetaStore::File(p) => match std::fs::read(p) {
@@ -207,6 +223,7 @@ impl MetaStore {
         Ok(s)
     }
 
+    /// Writes the state (atomically for a file; only if unchanged since read, for etcd).
     pub async fn save(&self, s: &ControlState) -> Result<(), MetaError> {
         let b = serde_json::to_vec_pretty(s)?;
         match self {

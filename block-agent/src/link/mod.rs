@@ -29,7 +29,10 @@ use tokio::sync::oneshot;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Carrier {
     /// Solar over UDP with this many paths (source ports).
-    Udp { paths: u16 },
+    Udp {
+        /// Paths (source ports), 1 or more.
+        paths: u16,
+    },
     /// The plain block protocol over one kernel TCP connection.
     Tcp,
 }
@@ -37,7 +40,9 @@ pub enum Carrier {
 /// Settings of a link.
 #[derive(Debug, Clone)]
 pub struct LinkConfig {
+    /// The storage node's address.
     pub server: SocketAddr,
+    /// How the blocks travel.
     pub carrier: Carrier,
     /// The Solar client's settings (`paths` is taken from the carrier); the TCP link takes
     /// its request ids (`rpc_base`) and I/O timeout from here too.
@@ -91,12 +96,16 @@ impl LinkConfig {
 /// Why a link request failed.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum LinkError {
+    /// A request failed in transit (the node's address, the error).
     #[error("storage node {0}: {1}")]
     Io(SocketAddr, IoError),
+    /// A request could not be submitted (the node's address, why).
     #[error("storage node {0}: {1}")]
     Submit(SocketAddr, SubmitError),
+    /// The link's thread has stopped (the node's address).
     #[error("storage node {0}: the link stopped")]
     Stopped(SocketAddr),
+    /// The link could not be set up (the node's address, why).
     #[error("storage node {0}: {1}")]
     Setup(SocketAddr, String),
 }
@@ -107,11 +116,15 @@ pub type ReadResult = Result<Vec<u8>, LinkError>;
 /// What a link reports about itself.
 #[derive(Debug, Clone, Default)]
 pub struct LinkStatus {
+    /// The link's client counters (packets, blocks, resends).
     pub stats: ClientStats,
+    /// Paths the link uses (1 over TCP).
     pub paths: u16,
+    /// Paths up now.
     pub paths_up: u16,
     /// Per path (Solar): up, sent, delivered, lost, RTT. Empty over TCP.
     pub path_stats: Vec<netstack::path::PathStats>,
+    /// Requests in flight now.
     pub outstanding: usize,
 }
 

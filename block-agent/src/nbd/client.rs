@@ -10,12 +10,23 @@ use std::time::Duration;
 /// Errors of the client; `Nbd` carries the server's error number.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
+    /// A socket operation failed.
     #[error("I/O: {0}")]
     Io(#[from] std::io::Error),
+    /// The server broke the protocol (what it sent).
     #[error("protocol: {0}")]
     Protocol(String),
+    /// The server refused an option.
     #[error("the server refused option {opt}: reply {reply:#x} {msg}")]
-    Refused { opt: u32, reply: u32, msg: String },
+    Refused {
+        /// The option (`OPT_*`).
+        opt: u32,
+        /// The server's reply type (`REP_ERR_*`).
+        reply: u32,
+        /// The server's message.
+        msg: String,
+    },
+    /// The server answered a request with this error number.
     #[error("the server answered error {0}")]
     Nbd(u32),
 }

@@ -8,83 +8,134 @@ pub const NBDMAGIC: u64 = 0x4e42_444d_4147_4943;
 pub const IHAVEOPT: u64 = 0x4948_4156_454F_5054;
 /// Magic of option replies.
 pub const REPLY_MAGIC: u64 = 0x0003_e889_0455_65a9;
+/// Magic of a transmission request (`NBD_REQUEST_MAGIC`).
 pub const REQUEST_MAGIC: u32 = 0x2560_9513;
+/// Magic of a simple reply (`NBD_SIMPLE_REPLY_MAGIC`).
 pub const SIMPLE_REPLY_MAGIC: u32 = 0x6744_6698;
+/// Magic of a structured reply chunk (`NBD_STRUCTURED_REPLY_MAGIC`).
 pub const STRUCTURED_REPLY_MAGIC: u32 = 0x668e_33ef;
 
 /// Handshake flags (server) and client flags.
 pub const FLAG_FIXED_NEWSTYLE: u16 = 1;
+/// `NBD_FLAG_NO_ZEROES`: no 124 zero bytes after the export info of `NBD_OPT_EXPORT_NAME`.
 pub const FLAG_NO_ZEROES: u16 = 2;
 
 /// Options.
 pub const OPT_EXPORT_NAME: u32 = 1;
+/// `NBD_OPT_ABORT`: the client ends the negotiation.
 pub const OPT_ABORT: u32 = 2;
+/// `NBD_OPT_LIST`: list the exports.
 pub const OPT_LIST: u32 = 3;
+/// `NBD_OPT_STARTTLS`: upgrade to TLS (refused: not offered).
 pub const OPT_STARTTLS: u32 = 5;
+/// `NBD_OPT_INFO`: describe an export without entering transmission.
 pub const OPT_INFO: u32 = 6;
+/// `NBD_OPT_GO`: describe an export and enter transmission.
 pub const OPT_GO: u32 = 7;
+/// `NBD_OPT_STRUCTURED_REPLY`: use structured replies.
 pub const OPT_STRUCTURED_REPLY: u32 = 8;
+/// `NBD_OPT_LIST_META_CONTEXT`: list the meta contexts matching a query.
 pub const OPT_LIST_META_CONTEXT: u32 = 9;
+/// `NBD_OPT_SET_META_CONTEXT`: select meta contexts for `NBD_CMD_BLOCK_STATUS`.
 pub const OPT_SET_META_CONTEXT: u32 = 10;
 
 /// Option replies.
 pub const REP_ACK: u32 = 1;
+/// `NBD_REP_SERVER`: one export of a list.
 pub const REP_SERVER: u32 = 2;
+/// `NBD_REP_INFO`: one piece of export information.
 pub const REP_INFO: u32 = 3;
+/// `NBD_REP_META_CONTEXT`: one selected or listed meta context.
 pub const REP_META_CONTEXT: u32 = 4;
+/// `NBD_REP_ERR_UNSUP`: the option is not supported.
 pub const REP_ERR_UNSUP: u32 = (1 << 31) + 1;
+/// `NBD_REP_ERR_POLICY`: refused by policy.
 pub const REP_ERR_POLICY: u32 = (1 << 31) + 2;
+/// `NBD_REP_ERR_INVALID`: the option is malformed.
 pub const REP_ERR_INVALID: u32 = (1 << 31) + 3;
+/// `NBD_REP_ERR_UNKNOWN`: no such export.
 pub const REP_ERR_UNKNOWN: u32 = (1 << 31) + 6;
+/// `NBD_REP_ERR_TOO_BIG`: the option's payload is too large.
 pub const REP_ERR_TOO_BIG: u32 = (1 << 31) + 9;
 
 /// Information types of NBD_OPT_INFO/GO.
 pub const INFO_EXPORT: u16 = 0;
+/// `NBD_INFO_NAME`: the export's name.
 pub const INFO_NAME: u16 = 1;
+/// `NBD_INFO_DESCRIPTION`: the export's description.
 pub const INFO_DESCRIPTION: u16 = 2;
+/// `NBD_INFO_BLOCK_SIZE`: minimum, preferred and maximum block sizes.
 pub const INFO_BLOCK_SIZE: u16 = 3;
 
 /// Transmission flags.
 pub const TF_HAS_FLAGS: u16 = 1;
+/// `NBD_FLAG_READ_ONLY`: the export is read-only.
 pub const TF_READ_ONLY: u16 = 1 << 1;
+/// `NBD_FLAG_SEND_FLUSH`: the server accepts `NBD_CMD_FLUSH`.
 pub const TF_SEND_FLUSH: u16 = 1 << 2;
+/// `NBD_FLAG_SEND_FUA`: the server accepts `NBD_CMD_FLAG_FUA`.
 pub const TF_SEND_FUA: u16 = 1 << 3;
+/// `NBD_FLAG_SEND_TRIM`: the server accepts `NBD_CMD_TRIM`.
 pub const TF_SEND_TRIM: u16 = 1 << 5;
+/// `NBD_FLAG_SEND_WRITE_ZEROES`: the server accepts `NBD_CMD_WRITE_ZEROES`.
 pub const TF_SEND_WRITE_ZEROES: u16 = 1 << 6;
+/// `NBD_FLAG_SEND_DF`: the server accepts `NBD_CMD_FLAG_DF` on reads.
 pub const TF_SEND_DF: u16 = 1 << 7;
+/// `NBD_FLAG_CAN_MULTI_CONN`: several connections to the export see each other's writes.
 pub const TF_CAN_MULTI_CONN: u16 = 1 << 8;
+/// `NBD_FLAG_SEND_FAST_ZERO`: the server accepts `NBD_CMD_FLAG_FAST_ZERO`.
 pub const TF_SEND_FAST_ZERO: u16 = 1 << 11;
 
 /// Commands.
 pub const CMD_READ: u16 = 0;
+/// `NBD_CMD_WRITE`.
 pub const CMD_WRITE: u16 = 1;
+/// `NBD_CMD_DISC`: the client disconnects.
 pub const CMD_DISC: u16 = 2;
+/// `NBD_CMD_FLUSH`: make completed writes durable.
 pub const CMD_FLUSH: u16 = 3;
+/// `NBD_CMD_TRIM`: the range's contents may be discarded.
 pub const CMD_TRIM: u16 = 4;
+/// `NBD_CMD_WRITE_ZEROES`: write zeros to the range.
 pub const CMD_WRITE_ZEROES: u16 = 6;
+/// `NBD_CMD_BLOCK_STATUS`: the range's extents in the selected meta context.
 pub const CMD_BLOCK_STATUS: u16 = 7;
 
 /// Command flags.
 pub const CMD_FLAG_FUA: u16 = 1;
+/// `NBD_CMD_FLAG_NO_HOLE`: write zeroes without punching a hole.
 pub const CMD_FLAG_NO_HOLE: u16 = 1 << 1;
+/// `NBD_CMD_FLAG_DF`: answer a read in one data chunk.
 pub const CMD_FLAG_DF: u16 = 1 << 2;
+/// `NBD_CMD_FLAG_REQ_ONE`: answer block status with one extent.
 pub const CMD_FLAG_REQ_ONE: u16 = 1 << 3;
+/// `NBD_CMD_FLAG_FAST_ZERO`: fail write-zeroes rather than write slowly.
 pub const CMD_FLAG_FAST_ZERO: u16 = 1 << 4;
 
 /// Structured reply chunks.
 pub const REPLY_FLAG_DONE: u16 = 1;
+/// `NBD_REPLY_TYPE_NONE`: a chunk with no payload (ends a reply).
 pub const CHUNK_NONE: u16 = 0;
+/// `NBD_REPLY_TYPE_OFFSET_DATA`: read data at an offset.
 pub const CHUNK_OFFSET_DATA: u16 = 1;
+/// `NBD_REPLY_TYPE_BLOCK_STATUS`: extents of one meta context.
 pub const CHUNK_BLOCK_STATUS: u16 = 5;
+/// `NBD_REPLY_TYPE_ERROR`: the request failed (an errno and a message).
 pub const CHUNK_ERROR: u16 = (1 << 15) + 1;
 
 /// Errors.
 pub const EPERM: u32 = 1;
+/// `EIO`: an I/O error.
 pub const EIO: u32 = 5;
+/// `EINVAL`: an invalid request.
 pub const EINVAL: u32 = 22;
+/// `ENOSPC`: a write past the end of the export.
 pub const ENOSPC: u32 = 28;
+/// `EOVERFLOW`: a read longer than the largest accepted.
 pub const EOVERFLOW: u32 = 75;
+/// `ENOTSUP`: the command is not supported.
 pub const ENOTSUP: u32 = 95;
+/// `ESHUTDOWN`: the server is shutting down.
 pub const ESHUTDOWN: u32 = 108;
 
 /// The meta context this server offers (everything reads as allocated data).
@@ -93,6 +144,7 @@ pub const BASE_ALLOCATION: &str = "base:allocation";
 pub const BASE_ALLOCATION_ID: u32 = 1;
 /// `base:allocation` extent flags: unallocated, and reads as zeros.
 pub const STATE_HOLE: u32 = 1;
+/// `NBD_STATE_ZERO`: the extent reads as zeros.
 pub const STATE_ZERO: u32 = 2;
 
 /// Largest request payload accepted (advertised as the maximum block size).
@@ -113,10 +165,15 @@ pub const EXPORT_FLAGS: u16 = TF_HAS_FLAGS
 /// A request header (28 bytes on the wire).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Request {
+    /// Command flags (`CMD_FLAG_*`).
     pub flags: u16,
+    /// The command (`CMD_*`).
     pub typ: u16,
+    /// The client's handle, echoed in the reply.
     pub handle: u64,
+    /// Byte offset in the export.
     pub offset: u64,
+    /// Length in bytes (of the data, or of the range).
     pub length: u32,
 }
 
@@ -126,8 +183,10 @@ pub struct Request {
 pub struct BadMagic(pub u32);
 
 impl Request {
+    /// Bytes of a request header on the wire.
     pub const LEN: usize = 28;
 
+    /// Parses a request header; [`BadMagic`] when it does not start with [`REQUEST_MAGIC`].
     pub fn parse(b: &[u8; 28]) -> Result<Request, BadMagic> {
         let magic = u32::from_be_bytes(b[0..4].try_into().expect("4"));
         if magic != REQUEST_MAGIC {
@@ -142,6 +201,7 @@ impl Request {
         })
     }
 
+    /// The request header as sent on the wire (big-endian).
     pub fn encode(&self) -> [u8; 28] {
         let mut b = [0u8; 28];
         b[0..4].copy_from_slice(&REQUEST_MAGIC.to_be_bytes());

@@ -47,16 +47,22 @@ pub struct Exports {
 /// Counters of the NBD server.
 #[derive(Debug, Default)]
 pub struct NbdStats {
+    /// Connections accepted.
     pub connections: AtomicU64,
+    /// Requests served.
     pub requests: AtomicU64,
+    /// Requests answered with an error.
     pub errors: AtomicU64,
+    /// Negotiation options refused.
     pub refused_options: AtomicU64,
+    /// Requests with a bad magic (each closes its connection).
     pub bad_magic: AtomicU64,
     /// Requests that waited for their connection's in-flight budget.
     pub throttled: AtomicU64,
 }
 
 impl Exports {
+    /// An empty set of exports.
     pub fn new() -> Arc<Exports> {
         Arc::new(Exports::default())
     }
@@ -71,14 +77,17 @@ impl Exports {
         self.map.write().insert(name.to_string(), v);
     }
 
+    /// Removes the export `name`, returning its volume.
     pub fn remove(&self, name: &str) -> Option<Arc<Volume>> {
         self.map.write().remove(name)
     }
 
+    /// The volume exported as `name`.
     pub fn get(&self, name: &str) -> Option<Arc<Volume>> {
         self.map.read().get(name).cloned()
     }
 
+    /// The names of the exports.
     pub fn names(&self) -> Vec<String> {
         self.map.read().keys().cloned().collect()
     }
@@ -87,8 +96,10 @@ impl Exports {
 /// Why a connection ended abnormally.
 #[derive(Debug, thiserror::Error)]
 pub enum NbdError {
+    /// A socket operation failed.
     #[error("I/O: {0}")]
     Io(#[from] std::io::Error),
+    /// The client broke the protocol (what it sent).
     #[error("client: {0}")]
     Protocol(String),
 }

@@ -103,27 +103,59 @@ const PRESERVE_BATCH: usize = 4096;
 /// Errors of the store; each names the volume and, where it applies, the block.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
+    /// A file operation failed.
     #[error("volume {volume}: {what}: {source}")]
     Io {
+        /// The volume.
         volume: u32,
+        /// What was being done.
         what: String,
+        /// The error.
         source: std::io::Error,
     },
+    /// A stored block's data does not match its stored CRC32C.
     #[error("volume {volume}: block {lba} is corrupt (stored CRC {stored:#010x}, data CRC {actual:#010x})")]
     Corrupt {
+        /// The volume.
         volume: u32,
+        /// The block.
         lba: u64,
+        /// The CRC32C stored with the block.
         stored: u32,
+        /// The CRC32C of the data read.
         actual: u32,
     },
+    /// A block past the volume's end.
     #[error("volume {volume}: block {lba} is outside its {blocks} blocks")]
-    OutOfRange { volume: u32, lba: u64, blocks: u64 },
+    OutOfRange {
+        /// The volume.
+        volume: u32,
+        /// The block asked for.
+        lba: u64,
+        /// The volume's size in blocks.
+        blocks: u64,
+    },
+    /// A written block's CRC32C does not match its data.
     #[error("volume {volume}: the block's CRC {given:#010x} does not match its data ({actual:#010x})")]
-    BadCrc { volume: u32, given: u32, actual: u32 },
+    BadCrc {
+        /// The volume.
+        volume: u32,
+        /// The CRC32C the writer sent.
+        given: u32,
+        /// The CRC32C of the data received.
+        actual: u32,
+    },
+    /// A request or file content is invalid (what, and the volume).
     #[error("volume {volume}: {0}", volume = .1)]
     Invalid(String, u32),
+    /// A background checkpoint failed; its log is kept.
     #[error("volume {volume}: a background checkpoint failed (its log is kept): {what}")]
-    Checkpoint { volume: u32, what: String },
+    Checkpoint {
+        /// The volume.
+        volume: u32,
+        /// What failed.
+        what: String,
+    },
     /// A write or sync of the log, or of the data or metadata files in a checkpoint, or a log
     /// switch failed: after a failed sync the kernel may have dropped the dirty pages, so
     /// nothing past the last durable record can be trusted. The store refuses every request
@@ -132,7 +164,9 @@ pub enum StoreError {
     /// was durable. See [`VolumeStore::poisoned`].
     #[error("volume {volume}: the store failed and refuses all I/O until the node restarts: {cause}")]
     Poisoned {
+        /// The volume.
         volume: u32,
+        /// The failure that poisoned the store.
         cause: String,
         /// The failure was the file system being full (`ENOSPC`).
         no_space: bool,
@@ -203,11 +237,15 @@ impl Poison {
 /// Counters.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct StoreStats {
+    /// Blocks written.
     pub writes: u64,
     /// Log syncs (each commits a group of writes).
     pub syncs: u64,
+    /// Checkpoints done (the log folded into the data and metadata files).
     pub checkpoints: u64,
+    /// Blocks read.
     pub reads: u64,
+    /// Reads that found a block whose data did not match its CRC.
     pub corrupt_reads: u64,
     /// Records replayed at open.
     pub replayed: u64,
@@ -696,6 +734,7 @@ impl VolumeStore {
         Ok(s)
     }
 
+    /// The volume's id.
     pub fn volume(&self) -> u32 {
         self.volume
     }
@@ -712,6 +751,7 @@ impl VolumeStore {
         self.fence.epoch()
     }
 
+    /// The volume's size in blocks.
     pub fn blocks(&self) -> u64 {
         self.blocks.load(std::sync::atomic::Ordering::Acquire)
     }
@@ -758,6 +798,7 @@ impl VolumeStore {
         Ok(())
     }
 
+    /// The directory holding the volume's files.
     pub fn dir(&self) -> &Path {
         &self.dir
     }
@@ -775,6 +816,7 @@ impl VolumeStore {
         self.poison.cause.get().map(|(c, _)| c.clone())
     }
 
+    /// The store's counters so far.
     pub fn stats(&self) -> StoreStats {
         let mut s = *self.stats.lock();
         s.checkpoints += self.spare.0.lock().checkpoints;

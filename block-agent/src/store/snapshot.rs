@@ -426,7 +426,9 @@ fn write_manifest(dir: &Path, volume: u32, ids: &[u32]) -> Result<(), StoreError
 /// A clone's base: a snapshot of another volume of the same node.
 #[derive(Clone)]
 pub struct Base {
+    /// The volume the snapshot belongs to.
     pub store: Arc<super::VolumeStore>,
+    /// The snapshot's id.
     pub snapshot: u32,
 }
 

@@ -72,27 +72,48 @@ const REGION_BLOCKS: u64 = 256;
 /// Why a volume request failed.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum VolumeError {
+    /// The request reaches past the volume's end.
     #[error("volume {volume}: {offset}+{len} is outside its {size} bytes")]
     OutOfRange {
+        /// The volume.
         volume: u32,
+        /// Byte offset of the request.
         offset: u64,
+        /// Bytes of the request.
         len: u64,
+        /// The volume's size in bytes.
         size: u64,
     },
+    /// A replica failed the request.
     #[error("volume {volume}: replica {replica}: {source}")]
     Replica {
+        /// The volume.
         volume: u32,
+        /// The replica's index.
         replica: usize,
+        /// The link's error.
         #[source]
         source: LinkError,
     },
+    /// No replica answered a read.
     #[error("volume {volume}: no replica answered the read ({last})")]
-    AllReplicasFailed { volume: u32, last: String },
+    AllReplicasFailed {
+        /// The volume.
+        volume: u32,
+        /// The last replica's error.
+        last: String,
+    },
+    /// The volume was attached elsewhere since: a storage node refused this attachment's epoch.
     #[error(
         "volume {volume} was attached elsewhere since: a storage node refused this attachment's epoch {epoch}; \
          it is fenced (detach it)"
     )]
-    Fenced { volume: u32, epoch: u32 },
+    Fenced {
+        /// The volume.
+        volume: u32,
+        /// This attachment's epoch, which the node refused.
+        epoch: u32,
+    },
 }
 
 impl VolumeError {
@@ -189,10 +210,15 @@ fn regions(lba: u64, n: u64) -> std::ops::Range<u64> {
 /// Counters of a volume.
 #[derive(Debug, Default)]
 pub struct VolumeCounters {
+    /// Read requests served.
     pub reads: AtomicU64,
+    /// Write requests served.
     pub writes: AtomicU64,
+    /// Reads that failed over to another replica.
     pub read_failovers: AtomicU64,
+    /// Repair writes to a replica whose read failed or returned corrupt data.
     pub repairs: AtomicU64,
+    /// Repairs that failed.
     pub repair_failures: AtomicU64,
     /// Writes acknowledged before every replica had them (a quorum did).
     pub degraded_writes: AtomicU64,
@@ -526,6 +552,7 @@ impl Volume {
         self.health.lock().iter().map(|h| (h.state(), h.missed.len())).collect()
     }
 
+    /// The volume's id.
     pub fn id(&self) -> u32 {
         self.id
     }
@@ -543,6 +570,7 @@ impl Volume {
         self.size.fetch_max(size, Ordering::AcqRel);
     }
 
+    /// The links to its replicas, in replica order.
     pub fn replicas(&self) -> Vec<Arc<Link>> {
         self.replicas.iter().map(|r| r.read().clone()).collect()
     }
@@ -581,6 +609,7 @@ impl Volume {
         }
     }
 
+    /// The volume's counters.
     pub fn counters(&self) -> &VolumeCounters {
         &self.counters
     }
