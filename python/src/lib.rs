@@ -14,6 +14,8 @@
 //! memory, or a range outside this process's writable host memory, is -1 with the reason, never
 //! dereferenced). Every blocking call releases the GIL.
 
+#![warn(unreachable_pub, missing_docs)]
+
 mod etcd;
 mod slab;
 

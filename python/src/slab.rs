@@ -10,9 +10,9 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 /// Buffers start on this boundary (a cache line), and their lengths are rounded up to it.
-pub const ALIGN: u64 = 64;
+pub(crate) const ALIGN: u64 = 64;
 /// Bytes of a slab, unless a single buffer needs more (the slab is then that buffer's size).
-pub const SLAB_BYTES: usize = 64 << 20;
+pub(crate) const SLAB_BYTES: usize = 64 << 20;
 
 struct Slab {
     region: Arc<Region>,
@@ -23,21 +23,21 @@ struct Slab {
 
 /// The slabs and the buffers handed out from them.
 #[derive(Default)]
-pub struct Slabs {
+pub(crate) struct Slabs {
     slabs: Vec<Slab>,
     /// Buffer address -> (slab index, length asked for, length taken).
     allocs: BTreeMap<u64, (usize, u64, u64)>,
 }
 
 /// `len` rounded up to [`ALIGN`]; None on overflow.
-pub fn rounded(len: u64) -> Option<u64> {
+pub(crate) fn rounded(len: u64) -> Option<u64> {
     len.checked_add(ALIGN - 1).map(|l| l & !(ALIGN - 1))
 }
 
 impl Slabs {
     /// Takes `len` bytes (> 0) from a free range of an existing slab (first fit); None when
     /// none fits (the caller then adds a slab).
-    pub fn alloc(&mut self, len: u64) -> Option<u64> {
+    pub(crate) fn alloc(&mut self, len: u64) -> Option<u64> {
         let want = rounded(len)?;
         for (i, s) in self.slabs.iter_mut().enumerate() {
             let Some((&off, &n)) = s.free.iter().find(|(_, &n)| n >= want) else {
@@ -55,7 +55,7 @@ impl Slabs {
     }
 
     /// Adds a registered slab (its base is the region's address) with all of it free.
-    pub fn add_slab(&mut self, region: Arc<Region>) {
+    pub(crate) fn add_slab(&mut self, region: Arc<Region>) {
         let base = region.addr();
         let n = region.len() as u64 & !(ALIGN - 1);
         let mut free = BTreeMap::new();
@@ -65,7 +65,7 @@ impl Slabs {
 
     /// Returns a buffer to its slab; Some(the length it was allocated with), or None if
     /// `addr` is not a buffer handed out here.
-    pub fn free(&mut self, addr: u64) -> Option<u64> {
+    pub(crate) fn free(&mut self, addr: u64) -> Option<u64> {
         let (i, len, taken) = self.allocs.remove(&addr)?;
         let s = &mut self.slabs[i];
         let mut off = addr - s.base;
@@ -86,7 +86,7 @@ impl Slabs {
 
     /// The slab region holding `[addr, addr+len)` inside one handed-out buffer, and the
     /// offset in the region.
-    pub fn region_at(&self, addr: u64, len: usize) -> Option<(Arc<Region>, usize)> {
+    pub(crate) fn region_at(&self, addr: u64, len: usize) -> Option<(Arc<Region>, usize)> {
         let (&b, &(i, blen, _)) = self.allocs.range(..=addr).next_back()?;
         if addr.checked_add(len as u64)? > b + blen {
             return None;
@@ -96,12 +96,12 @@ impl Slabs {
     }
 
     /// Slabs registered so far.
-    pub fn slab_count(&self) -> usize {
+    pub(crate) fn slab_count(&self) -> usize {
         self.slabs.len()
     }
 
     /// Buffers handed out and not freed.
-    pub fn live(&self) -> usize {
+    pub(crate) fn live(&self) -> usize {
         self.allocs.len()
     }
 }
