@@ -5,6 +5,8 @@
 //! `unsafe` lives in two modules only: [`sys`] (system calls: sockets with `SCM_RIGHTS`,
 //! eventfds, memfds, `poll`) and [`shm`] (mappings of shared memory, accessed by atomics).
 
+#![warn(unreachable_pub, missing_docs)]
+
 pub mod client;
 pub mod daemon;
 pub mod proto;

@@ -6,6 +6,8 @@
 //! when it ends). Under CI (`FLEXNS_CI=1`, set by `.ci/run`) a skip for something CI provides
 //! (a tool the install script installs, root) fails the test instead.
 
+#![warn(unreachable_pub, missing_docs)]
+
 use std::io::Write;
 
 pub mod powercut;
