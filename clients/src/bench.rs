@@ -55,36 +55,57 @@ pub use netstack::config::parse_size;
 /// One result line (fields that do not apply are left out of the JSON).
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct BenchResult {
+    /// The benchmark (`write`, `read`, `send`, `get`, ...).
     pub bench: String,
+    /// The system measured (`flexns`, `tcp`, `redis`, ...).
     pub system: String,
+    /// The transport under the system, where it has a choice.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub transport: Option<String>,
+    /// Bytes per message or operation.
     pub msg_bytes: u64,
+    /// Queue pairs or connections.
     pub qps: u32,
+    /// Operations in flight per queue pair or connection.
     pub depth: u32,
+    /// Bytes moved.
     pub bytes: u64,
+    /// Operations completed.
     pub ops: u64,
+    /// Measured time in seconds.
     pub secs: f64,
+    /// Throughput in Gbit/s.
     pub gbps: f64,
+    /// Operations per second, in millions.
     pub mops: f64,
+    /// Median latency in microseconds.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub p50_us: Option<f64>,
+    /// 99th-percentile latency in microseconds.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub p99_us: Option<f64>,
+    /// 99.9th-percentile latency in microseconds.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub p999_us: Option<f64>,
+    /// Whether the data moved was checked at its destination.
     pub verified: bool,
     /// The run was cut short by SIGINT/SIGTERM: its figures cover only part of it.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub incomplete: bool,
+    /// CPU seconds the client used (user and system).
     pub cpu_secs: f64,
+    /// The client's peak resident memory in KiB.
     pub peak_rss_kib: u64,
+    /// CPU seconds the server used, where a server ran.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub server_cpu_secs: Option<f64>,
+    /// The server's peak resident memory in KiB, where a server ran.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub server_peak_rss_kib: Option<u64>,
+    /// A remark printed and recorded with the result.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub note: Option<String>,
+    /// Benchmark-specific fields, flattened into the JSON line.
     #[serde(skip_serializing_if = "serde_json::Map::is_empty")]
     #[serde(flatten)]
     pub extra: serde_json::Map<String, serde_json::Value>,
@@ -227,10 +248,12 @@ pub fn rusage(children: bool) -> (f64, u64) {
 pub struct Proc {
     /// What it is in the run (`client`, `server`, `agent`, `node1`, `qemu-nbd`, ...).
     pub role: String,
+    /// Its process id.
     pub pid: u32,
 }
 
 impl Proc {
+    /// A process `pid` in role `role`.
     pub fn new(role: impl Into<String>, pid: u32) -> Proc {
         Proc { role: role.into(), pid }
     }
@@ -276,12 +299,16 @@ pub fn reset_peak_rss(pid: u32) -> bool {
 /// What one process used during a run.
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct ProcUsage {
+    /// What the process was in the run.
     pub role: String,
+    /// Its process id.
     pub pid: u32,
+    /// CPU seconds it used during the run (user and system).
     pub cpu_secs: f64,
     /// Peak resident memory during the run (since the process started, where the mark could
     /// not be reset: `peak_rss_since_start`).
     pub peak_rss_kib: u64,
+    /// The peak covers the process's whole life, not only the run.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub peak_rss_since_start: bool,
 }

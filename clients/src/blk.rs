@@ -45,19 +45,26 @@ pub fn run_daemon(cmd: DaemonCmd) -> Result<()> {
 /// How this executable starts its daemons: `exe PREFIX... node|agent|control ARGS`.
 #[derive(Debug, Clone)]
 pub struct Spawner {
+    /// The executable.
     pub exe: PathBuf,
+    /// Arguments before the role (e.g. a subcommand).
     pub prefix: Vec<String>,
 }
 
 /// A daemon process with its log file; stopped on drop unless detached.
 pub struct Daemon {
+    /// The daemon's name (its log is `NAME.log`).
     pub name: String,
     /// `node`, `agent` or `control`, and its arguments (what starts it again).
     pub role: String,
+    /// Its arguments.
     pub args: Vec<String>,
     child: Option<Child>,
+    /// Its process id.
     pub pid: u32,
+    /// The first line it printed (its banner: addresses it serves on).
     pub banner: String,
+    /// Its log file (stdout and stderr).
     pub log: PathBuf,
 }
 
@@ -155,12 +162,19 @@ fn tail(s: &str, n: usize) -> String {
 /// What a local cluster is made of.
 #[derive(Debug, Clone)]
 pub struct ClusterSpec {
+    /// Directory of the daemons' logs, data and state.
     pub dir: PathBuf,
+    /// Storage nodes to start.
     pub nodes: usize,
+    /// Replicas of the volume.
     pub replicas: usize,
+    /// The volume's size in bytes.
     pub size: u64,
+    /// The volume's name.
     pub volume: String,
+    /// The agent's transport: `solar` or `tcp`.
     pub transport: String,
+    /// Solar paths (UDP source ports) per link.
     pub paths: u16,
     /// The agent's Solar congestion control (swift or none).
     pub cc: String,
@@ -168,8 +182,11 @@ pub struct ClusterSpec {
     pub poll_mode: String,
     /// Who runs the agent's Solar data core: runtime or threads (`--engine-drive`).
     pub engine_drive: String,
+    /// The agent's NBD listen address.
     pub nbd: String,
+    /// The etcd endpoint the controller keeps its state in and the daemons register in (`None`: a state file in `dir`).
     pub etcd: Option<String>,
+    /// Start the daemons in their own sessions, so they outlive this process.
     pub detached: bool,
     /// Heartbeat period of the storage nodes and the agent.
     pub heartbeat_ms: u64,
@@ -189,6 +206,7 @@ pub struct ClusterSpec {
 }
 
 impl ClusterSpec {
+    /// The defaults: 3 nodes, 3 replicas, a 1 GiB volume `vol0` over Solar with 4 paths, in `dir`.
     pub fn new(dir: PathBuf) -> ClusterSpec {
         ClusterSpec {
             dir,
@@ -236,13 +254,19 @@ impl ClusterSpec {
 
 /// A controller, storage nodes and one agent on this machine, with one volume attached.
 pub struct LocalCluster {
+    /// The controller.
     pub control: Daemon,
+    /// The storage nodes.
     pub nodes: Vec<Daemon>,
+    /// The agent.
     pub agent: Daemon,
+    /// The controller's gRPC address.
     pub control_addr: String,
+    /// The NBD URI of the attached volume.
     pub uri: String,
     /// The size of the volume when the kept state already had it (its data served again).
     pub reused: Option<u64>,
+    /// What the cluster was started from.
     pub spec: ClusterSpec,
     spawner: Spawner,
 }
@@ -250,9 +274,13 @@ pub struct LocalCluster {
 /// What `blkctl cluster up` leaves for `down` and the other commands.
 #[derive(Debug, Serialize, Deserialize)]
 pub struct ClusterState {
+    /// The controller's gRPC address.
     pub control: String,
+    /// The NBD URI of the attached volume.
     pub uri: String,
+    /// Each daemon's name and pid.
     pub pids: Vec<(String, u32)>,
+    /// The cluster's directory.
     pub dir: PathBuf,
     /// Each pid's start time (clock ticks after boot, from /proc): a pid and its start time
     /// name one process, so `down` never signals a process that reused a daemon's pid.
@@ -278,7 +306,9 @@ pub fn proc_start_time(pid: u32) -> Option<u64> {
 /// Whether a cluster's recorded daemon still runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Alive {
+    /// The daemon still runs.
     Yes,
+    /// No process has the pid any more.
     Gone,
     /// The pid runs, but it is another process (it started at another time, or is not one of
     /// this cluster's daemons).

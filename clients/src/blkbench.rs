@@ -34,8 +34,10 @@ pub struct BenchArgs {
     /// randread, randwrite, read or write.
     #[arg(long, default_value = "randread")]
     pub rw: String,
+    /// Block size of each I/O.
     #[arg(long, default_value = "4k", value_parser = size)]
     pub bs: u64,
+    /// I/Os in flight.
     #[arg(long, default_value_t = 32)]
     pub depth: u32,
     /// Replicas of the flexns and tcp volumes (as many storage nodes are started).
@@ -77,6 +79,7 @@ pub struct BenchArgs {
     /// Benchmark this NBD URI instead of starting anything (one system, named by --system).
     #[arg(long)]
     pub uri: Option<String>,
+    /// Print the results as JSON lines.
     #[arg(long)]
     pub json: bool,
 }

@@ -102,6 +102,7 @@ pub struct BenchArgs {
     /// prefill engine's stack counted (`same_host_copy_bytes`, `tx_bytes`...).
     #[arg(long, value_parser = netstack::cli::parse_link)]
     pub link: Option<netstack::config::LinkMode>,
+    /// Print the results as JSON lines.
     #[arg(long)]
     pub json: bool,
     /// Serve this (prefill) process's Prometheus metrics on this address while it runs.

@@ -1,5 +1,7 @@
 //! Shared code of the flexns command-line clients and benchmarks.
 
+#![warn(unreachable_pub, missing_docs)]
+
 pub mod bench;
 pub mod blk;
 pub mod blkbench;

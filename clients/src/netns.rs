@@ -115,9 +115,13 @@ pub enum Side {
 /// Bytes a veth end has sent and received.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Counters {
+    /// Bytes sent.
     pub tx_bytes: u64,
+    /// Bytes received.
     pub rx_bytes: u64,
+    /// Packets sent.
     pub tx_packets: u64,
+    /// Packets received.
     pub rx_packets: u64,
 }
 

@@ -7,11 +7,15 @@ use std::path::Path;
 
 /// One chart of a figure.
 pub struct Panel {
+    /// The chart's title.
     pub title: String,
+    /// Label of the x axis.
     pub x_label: String,
+    /// Label of the y axis.
     pub y_label: String,
     /// `(name, points)` per line.
     pub series: Vec<(String, Vec<(f64, f64)>)>,
+    /// Draw the y axis on a logarithmic scale.
     pub log_y: bool,
 }
 

@@ -32,7 +32,9 @@ const FINE_NS: u64 = 2_000;
 /// How big a run is: `quick` runs are shorter (CI smoke tests).
 #[derive(Debug, Clone, Copy)]
 pub struct Scale {
+    /// A short run (CI smoke tests).
     pub quick: bool,
+    /// Seed of the run's random choices (a run is reproducible from it).
     pub seed: u64,
 }
 

@@ -4,10 +4,10 @@
 use rand::Rng;
 
 /// A flow-size CDF.
-pub struct Cdf(pub &'static [(f64, f64)]);
+pub(super) struct Cdf(pub &'static [(f64, f64)]);
 
 /// WebSearch (DCTCP paper), as used by HPCC.
-pub const WEBSEARCH: Cdf = Cdf(&[
+pub(super) const WEBSEARCH: Cdf = Cdf(&[
     (0.0, 0.0),
     (10_000.0, 15.0),
     (20_000.0, 20.0),
@@ -24,7 +24,7 @@ pub const WEBSEARCH: Cdf = Cdf(&[
 
 impl Cdf {
     /// A size drawn from the distribution.
-    pub fn sample(&self, rng: &mut impl Rng) -> f64 {
+    pub(super) fn sample(&self, rng: &mut impl Rng) -> f64 {
         let u = rng.random::<f64>() * 100.0;
         for w in self.0.windows(2) {
             let ((x0, y0), (x1, y1)) = (w[0], w[1]);
@@ -36,7 +36,7 @@ impl Cdf {
     }
 
     /// The mean size (trapezoids between the points).
-    pub fn mean(&self) -> f64 {
+    pub(super) fn mean(&self) -> f64 {
         self.0
             .windows(2)
             .map(|w| (w[0].0 + w[1].0) / 2.0 * (w[1].1 - w[0].1) / 100.0)

@@ -27,8 +27,10 @@ pub struct ClientArgs {
     /// server they start.
     #[arg(long, requires = "server")]
     pub server_pid: Option<u32>,
+    /// The system under test.
     #[arg(long, value_enum, default_value = "flexns")]
     pub system: System,
+    /// The operation to run.
     #[arg(long, value_enum, default_value = "write")]
     pub op: Op,
     /// Message size.
@@ -37,6 +39,7 @@ pub struct ClientArgs {
     /// Outstanding work requests per QP.
     #[arg(long, default_value_t = 64)]
     pub depth: u32,
+    /// Queue pairs (connections) carrying traffic.
     #[arg(long, default_value_t = 1)]
     pub qps: u32,
     /// More QPs, connected to the server but carrying no traffic (a server's idle
@@ -52,8 +55,10 @@ pub struct ClientArgs {
     /// Serve this process's Prometheus metrics (its context's counters) on this address.
     #[arg(long, value_name = "ADDR")]
     pub metrics_addr: Option<std::net::SocketAddr>,
+    /// Loss recovery of the RC transport (`go-back-n` or `selective-repeat`).
     #[arg(long, default_value = "go-back-n", value_parser = parse_recovery)]
     pub recovery: Recovery,
+    /// Path MTU in bytes.
     #[arg(long, default_value_t = 4096)]
     pub mtu: u32,
     /// Also run this reference, interleaved (A B A B ...), and print the median ratio.
@@ -126,11 +131,14 @@ pub struct ClientArgs {
 /// `--drive` values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum DriveArg {
+    /// Engine threads drive the stack.
     Threads,
+    /// The application's own calls drive the stack.
     Application,
 }
 
 impl DriveArg {
+    /// The value as on the command line.
     pub fn name(self) -> &'static str {
         match self {
             DriveArg::Threads => "threads",
@@ -151,12 +159,16 @@ impl From<DriveArg> for netstack::verbs::Drive {
 /// `--poll-mode` values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum PollModeArg {
+    /// Data cores spin forever.
     BusyPoll,
+    /// Data cores spin a while, then sleep until there is work.
     Adaptive,
+    /// Data cores sleep as soon as there is no work.
     Sleep,
 }
 
 impl PollModeArg {
+    /// The value as on the command line.
     pub fn name(self) -> &'static str {
         match self {
             PollModeArg::BusyPoll => "busy-poll",

@@ -16,7 +16,9 @@ use std::time::{Duration, Instant};
 /// How to start a server child: this executable and the subcommand words before its flags.
 #[derive(Debug, Clone)]
 pub struct ServerSpawn {
+    /// The executable (this program).
     pub exe: PathBuf,
+    /// Subcommand words before the server's flags.
     pub subcommand: Vec<String>,
 }
 

@@ -14,9 +14,13 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
 pub enum Op {
+    /// One-sided RDMA WRITE.
     Write,
+    /// One-sided RDMA READ.
     Read,
+    /// Two-sided SEND into the server's posted receives.
     Send,
+    /// Atomic fetch-and-add.
     Atomic,
     /// The built-in batched-READ offload: `--batch` ranges of `--size` bytes per request.
     BatchRead,
@@ -54,12 +58,16 @@ pub fn value_of(k: u64) -> [u8; VALUE_LEN] {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
 pub enum System {
+    /// The flexns stack.
     Flexns,
+    /// Plain UDP sockets (a reference without reliability).
     UdpRaw,
+    /// Kernel TCP (the reference).
     Tcp,
 }
 
 impl System {
+    /// The system's name as on the command line (`flexns`, `udp-raw`, `tcp`).
     pub fn name(self) -> &'static str {
         match self {
             System::Flexns => "flexns",
@@ -72,8 +80,11 @@ impl System {
 /// Private data a client sends with its connection request.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Hello {
+    /// The operation the client will run.
     pub op: Op,
+    /// Message size in bytes.
     pub size: u64,
+    /// Work requests in flight per QP.
     pub depth: u32,
     /// SEND at depth 1: the server echoes each message (ping-pong latency).
     pub echo: bool,
@@ -83,6 +94,7 @@ pub struct Hello {
     /// RedN get: the client's buffer the answers are written to.
     #[serde(default)]
     pub resp_addr: u64,
+    /// The rkey of that buffer.
     #[serde(default)]
     pub resp_rkey: u32,
     /// Bytes of the server's region this client writes (its QPs' slots); 0: the whole region.
@@ -100,7 +112,9 @@ pub struct Hello {
 pub struct Welcome {
     /// The client's window of the region (`off` bytes into it), `len` bytes.
     pub addr: u64,
+    /// The rkey of the region.
     pub rkey: u32,
+    /// Length of the window in bytes.
     pub len: u64,
     /// Where the window starts in the region (the server's pattern is by region offset).
     #[serde(default)]
@@ -109,13 +123,17 @@ pub struct Welcome {
     pub seed: u64,
     /// A second region the server registered with REMOTE_READ only (access-check tests).
     pub ro_addr: u64,
+    /// The rkey of that region.
     pub ro_rkey: u32,
+    /// Length of that region in bytes.
     pub ro_len: u64,
     /// The linked list (offload and client walks) and the RedN hash table.
     #[serde(default)]
     pub list_head: u64,
+    /// The rkey of the region holding the list and the table.
     #[serde(default)]
     pub kv_rkey: u32,
+    /// Address of the RedN hash table.
     #[serde(default)]
     pub table_addr: u64,
 }

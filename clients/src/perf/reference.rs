@@ -43,6 +43,7 @@ pub enum Wait {
 pub const PARK_AFTER: Duration = Duration::from_millis(5);
 
 impl Wait {
+    /// The value as on the command line (`spin`, `block`).
     pub fn name(self) -> &'static str {
         match self {
             Wait::Spin => "spin",
@@ -60,6 +61,7 @@ pub struct UdpServer {
 }
 
 impl UdpServer {
+    /// Binds the server to `addr`; it waits for datagrams as `wait` says.
     pub fn bind(addr: SocketAddrV4, wait: Wait) -> Result<UdpServer> {
         let sock = UdpSocket::bind(addr)?;
         let fd = sock.as_raw_fd();
@@ -71,6 +73,7 @@ impl UdpServer {
         }
         Ok(UdpServer { sock, wait })
     }
+    /// The address it is bound to.
     pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
         self.sock.local_addr()
     }

@@ -161,8 +161,11 @@ const REDN_RECVS: u64 = 16384;
 
 /// Layout of the `kv` region: the list's nodes, then the table's buckets, then its values.
 pub const LIST_OFF: usize = 0;
+/// Where the RedN hash table's 16-byte buckets start.
 pub const TABLE_OFF: usize = 1 << 16;
+/// Where the table's values start.
 pub const VALUES_OFF: usize = TABLE_OFF + (super::TABLE_BUCKETS as usize) * 16;
+/// Length of the `kv` region in bytes.
 pub const KV_LEN: usize = VALUES_OFF + (super::TABLE_BUCKETS as usize) * super::VALUE_LEN;
 
 /// Fills the `kv` region: a list of `LIST_NODES` nodes `{key, next, value}` and a table with

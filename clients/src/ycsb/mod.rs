@@ -24,13 +24,16 @@ use workload::{check, key, value, Distribution, KeyChooser, OpKind, Workload};
 /// The systems `ycsb` drives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum System {
+    /// The flexns kv-store.
     Flexns,
+    /// redis-server (the reference).
     Redis,
 }
 
 /// `ycsb` options.
 #[derive(Debug, Clone, clap::Args)]
 pub struct YcsbArgs {
+    /// The YCSB core workload (its read/update/insert mix).
     #[arg(long, value_enum, default_value = "c")]
     pub workload: Workload,
     /// Records loaded before the run.
@@ -39,6 +42,7 @@ pub struct YcsbArgs {
     /// Value bytes (at least 16: record number and write sequence lead every value).
     #[arg(long, default_value_t = 64)]
     pub value_size: usize,
+    /// How records are chosen.
     #[arg(long, value_enum, default_value = "zipfian")]
     pub dist: Distribution,
     /// Zipfian constant.

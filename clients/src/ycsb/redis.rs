@@ -57,10 +57,15 @@ fn command(out: &mut Vec<u8>, args: &[&[u8]]) {
 /// One parsed reply.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Reply {
+    /// A simple string (`+OK`).
     Simple(String),
+    /// An error (`-ERR ...`).
     Error(String),
+    /// An integer (`:1`).
     Int(i64),
+    /// A bulk string (`$`); `None` for the null bulk string.
     Bulk(Option<Vec<u8>>),
+    /// An array of replies (`*`).
     Array(Vec<Reply>),
 }
 
@@ -77,6 +82,7 @@ fn parse_int(b: &[u8]) -> Result<i64> {
 }
 
 impl RedisConn {
+    /// Connects to the redis server at `addr`.
     pub fn connect(addr: SocketAddr) -> Result<RedisConn> {
         let s = TcpStream::connect(addr).with_context(|| format!("connecting to redis at {addr}"))?;
         s.set_nodelay(true)?;
@@ -203,7 +209,9 @@ impl RedisConn {
 
 /// A redis-server child process (persistence off, like the research anchors), stopped on drop.
 pub struct RedisServer {
+    /// The child process.
     pub server: crate::bench::ChildServer,
+    /// The address it serves on.
     pub addr: SocketAddr,
 }
 

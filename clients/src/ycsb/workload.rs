@@ -21,9 +21,13 @@ pub enum Workload {
 /// One operation of a run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OpKind {
+    /// Read a record.
     Read,
+    /// Update a record.
     Update,
+    /// Insert a new record.
     Insert,
+    /// Read a record, then write it back.
     ReadModifyWrite,
 }
 
@@ -54,6 +58,7 @@ impl Workload {
 pub enum Distribution {
     /// Scrambled Zipfian (YCSB's default): Zipfian ranks hashed over the key space.
     Zipfian,
+    /// Every record equally likely.
     Uniform,
 }
 
@@ -73,6 +78,7 @@ fn zeta(n: u64, theta: f64) -> f64 {
 }
 
 impl Zipfian {
+    /// A generator of ranks `0..n` (at least 2) with Zipfian constant `theta`.
     pub fn new(n: u64, theta: f64) -> Zipfian {
         let n = n.max(2);
         let zetan = zeta(n, theta);
@@ -118,6 +124,7 @@ pub struct KeyChooser {
 }
 
 impl KeyChooser {
+    /// Chooses among `records` records by `dist` (`theta` is the Zipfian constant).
     pub fn new(dist: Distribution, records: u64, theta: f64) -> KeyChooser {
         KeyChooser {
             dist,
