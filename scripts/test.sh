@@ -57,6 +57,9 @@ scripts/layers.sh
 cargo test --workspace --no-fail-fast
 # every path, crate, test target, binary, subcommand and flag the docs name exists
 scripts/check-docs.py
+# the public API of each library crate is the checked-in one (docs/api/): it changes only on
+# purpose (scripts/public-api.sh --bless rewrites the lists)
+scripts/public-api.sh
 cargo test -p kvcache-engine --features gpu --lib --test gpu -- --nocapture
 
 # the Python package (a Mooncake-compatible TransferEngine): built, installed, and its tests
