@@ -12,8 +12,9 @@
 #   2  transport                          the core's RC and Solar over netstack's memory
 #   3  offload chain                      offload handlers and jobs, RedN's engine side
 #   4  config                             a context's configuration (gathers the above)
-#   5  engine                             data cores, Solar endpoints, run-to-completion
-#   6  verbs                              Context, Pd, Mr, Cq, Qp, SolarAgent, SolarService
+#   5  engine                             data cores, run-to-completion, the protocol hook
+#   6  verbs                              Context, Pd, Mr, Cq, Qp, SolarAgent, SolarService (and
+#                                         Solar's side of each core)
 #   7  redn cm sim                        RedN programs, connection manager, simulator
 #
 # Usage: scripts/layers.sh   (from anywhere in the repository)

@@ -6,7 +6,7 @@
 //!   timestamp) and a pass processing it, and how far past its deadline a sleeping core woke.
 //!   On a 2-core machine shared with two busy loops these are milliseconds: a thread waits for
 //!   a core. The peak of the recent samples, halving every [`HALF_LIFE_NS`], is handed to the
-//!   flows (`RcQp::set_host_delay`, `solar::Client::set_host_delay`), which add it to their
+//!   flows (`RcQp::set_host_delay`, and each protocol's through `CoreProtocol::set_host_delay`), which add it to their
 //!   retransmission timeouts: a peer on such a host answers late for the same reason.
 //! - **Receive horizon**: the time up to which everything that arrived has been taken in. A
 //!   pass whose receive batch came back full left datagrams in a socket (answers, perhaps, to

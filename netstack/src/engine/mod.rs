@@ -16,8 +16,8 @@ mod cq;
 mod deadlines;
 pub(crate) mod drive;
 mod lateness;
+pub(crate) mod protocol;
 mod rx;
-pub(crate) mod solar;
 pub(crate) mod sq;
 mod stats;
 mod task;
@@ -25,7 +25,7 @@ mod timers;
 mod tx;
 
 use rx::Delayed;
-use tx::{Datagram, Outgoing};
+use tx::Outgoing;
 
 pub(crate) use cq::CqShared;
 pub use stats::StatsSnapshot;
@@ -363,8 +363,6 @@ pub(crate) struct EngineShared {
     /// CQ counters and managed QPs of the context (shared by its cores), and the guards.
     pub redn: Arc<crate::chain::RednRegistry>,
     pub guards: crate::config::RednGuards,
-    /// Commands to the core's Solar endpoints ([`EngineShared::solar_command`]).
-    solar: solar::SolarHost,
     local: SocketAddrV4,
     clock: Clock,
 }
@@ -490,6 +488,11 @@ impl EngineShared {
         true
     }
 
+    /// Wakes the core's thread if it sleeps (a protocol's command for its next pass).
+    pub(crate) fn notify(&self) {
+        self.wake.notify();
+    }
+
     /// The transports' clock: CLOCK_MONOTONIC in nanoseconds (shared by all processes on the
     /// host, so a CNP's CE timestamp can be compared by its receiver), or the simulated one.
     pub(crate) fn now(&self) -> u64 {
@@ -541,7 +544,12 @@ impl Engine {
     /// Binds one link per data core and starts the data-core threads (or, run to completion,
     /// the backstop threads). Core `i` binds the configured address with port `port + i` (or a
     /// free port when the port is 0).
-    pub(crate) fn start(cfg: &ContextConfig, mrs: Arc<MrTable>, kind: LinkKind) -> std::io::Result<Engine> {
+    pub(crate) fn start(
+        cfg: &ContextConfig,
+        mrs: Arc<MrTable>,
+        kind: LinkKind,
+        protocols: &dyn protocol::ProtocolFactory,
+    ) -> std::io::Result<Engine> {
         let redn = Arc::new(crate::chain::RednRegistry::default());
         let epoch = Instant::now();
         let epoch_ns = sys::monotonic_ns();
@@ -605,7 +613,6 @@ impl Engine {
                 stats: EngineStats::default(),
                 redn: redn.clone(),
                 guards: cfg.redn,
-                solar: solar::SolarHost::default(),
                 local,
                 clock,
             });
@@ -620,7 +627,8 @@ impl Engine {
                 staging: cfg.rx_staging_bytes,
                 rx_delay_ns: cfg.rx_delay_us * 1000,
             };
-            let cell = Arc::new(Mutex::new(DataCore::new(s2, sq_rx, &opts)));
+            let protos = protocol::Protocols::new(protocols.for_core(i, &shared));
+            let cell = Arc::new(Mutex::new(DataCore::new(s2, sq_rx, &opts, protos)));
             let _ = shared.cell.set(Arc::downgrade(&cell));
             e.cores.push(shared);
             if let LinkKind::Sim(net) = &kind {
@@ -735,10 +743,10 @@ struct DataCore {
     qps: HashMap<u32, QpSlot, Ordered>,
     managed: Vec<u32>,
     /// The ports the core receives on: the main port of each local address, and the source
-    /// ports its Solar clients' paths leave from now (where their servers answer).
+    /// ports the protocols' multipath clients send from now (where their servers answer).
     rx_ports: Vec<usize>,
-    /// The Solar clients' ports generation `rx_ports` was built for.
-    rx_ports_gen: (u64, u64),
+    /// The protocols' port generations `rx_ports` was built for.
+    rx_ports_gen: Vec<(u64, u64)>,
     sq: Consumer<sq::Slot>,
     mode: PollMode,
     spin: Duration,
@@ -762,8 +770,8 @@ struct DataCore {
     /// The QPs' deadlines in time order, and when every QP's is next read afresh.
     deadlines: deadlines::Deadlines,
     next_scan: u64,
-    /// The core's Solar endpoints (storage clients and server).
-    solar: solar::SolarCore,
+    /// The protocols the core carries beside RC ([`protocol::CoreProtocol`]).
+    protocols: protocol::Protocols,
     /// How late this core has lately been: its flows' host delay and its timers' horizon.
     late: lateness::Lateness,
 }
@@ -776,7 +784,12 @@ struct DataCore {
 unsafe impl Send for DataCore {}
 
 impl DataCore {
-    fn new(shared: Arc<EngineShared>, sq: Consumer<sq::Slot>, o: &CoreOptions) -> DataCore {
+    fn new(
+        shared: Arc<EngineShared>,
+        sq: Consumer<sq::Slot>,
+        o: &CoreOptions,
+        protocols: protocol::Protocols,
+    ) -> DataCore {
         let rx_ports = (0..shared.link.ports()).step_by(shared.path_ports).collect();
         // with GRO one receive may hold up to 64 KiB of coalesced datagrams
         let buf = if o.gro { 1 << 16 } else { MAX_DATAGRAM + 64 };
@@ -789,7 +802,7 @@ impl DataCore {
             qps: HashMap::default(),
             managed: Vec::new(),
             rx_ports,
-            rx_ports_gen: (0, 0),
+            rx_ports_gen: Vec::new(),
             sq,
             mode: o.mode,
             spin: o.spin,
@@ -807,7 +820,7 @@ impl DataCore {
             hairpin: VecDeque::new(),
             deadlines: deadlines::Deadlines::default(),
             next_scan: 0,
-            solar: solar::SolarCore::default(),
+            protocols,
             late: lateness::Lateness::default(),
         }
         .with_local_addrs()
@@ -949,8 +962,8 @@ impl DataCore {
         // timers are judged at what has been taken in (`lateness`): one due after a horizon
         // behind the clock (a full batch) stays due, and the next pass receives the rest
         let at = self.late.timer_now(now);
-        let next_deadline = earliest(earliest(self.rc_deadline(at), chains_retry), self.solar.timers(at));
-        work |= self.solar.collect(&self.shared, now);
+        let next_deadline = earliest(earliest(self.rc_deadline(at), chains_retry), self.protocols.timers(at));
+        work |= self.protocols.collect(&self.shared, now);
         // once per pass, after the commands (new clients) and the timers (paths that moved):
         // no answer can come on a port before the first packet leaves from it, below
         self.sync_rx_ports(link);
@@ -958,10 +971,10 @@ impl DataCore {
         Pass { work, next_deadline }
     }
 
-    /// The first step of a pass: Solar's commands, the send queue (posts and commands), and
+    /// The first step of a pass: the protocols' commands, the send queue (posts and commands), and
     /// completions that found their CQ full earlier. Whether any of it was work.
     fn take_requests(&mut self, now: u64) -> bool {
-        let work = self.solar.commands(&self.shared, now) | self.drain_sq(now);
+        let work = self.protocols.commands(now) | self.drain_sq(now);
         self.retry_stuck();
         work
     }
@@ -981,7 +994,7 @@ impl DataCore {
         self.run_chains(now, work)
     }
 
-    /// What the QPs and Solar endpoints have to send, sent: packets this core sends to itself
+    /// What the QPs and the other protocols have to send, sent: packets this core sends to itself
     /// (RedN chains on loopback QPs) are processed at once, so a chain advances several steps
     /// per loop without a system call; the packets for the network go out together afterwards.
     fn send_all(&mut self, now: u64, link: &dyn Link) -> bool {
@@ -996,7 +1009,7 @@ impl DataCore {
             self.transmit(now, false, link);
         }
         work |= self.flush(link);
-        work |= self.flush_solar(link);
+        work |= self.flush_protocols(link);
         work
     }
 
@@ -1016,13 +1029,13 @@ impl DataCore {
         // again, or the backstop takes over), so their deadlines are not needed here
         let at = self.late.timer_now(now);
         self.rc_deadline(at);
-        self.solar.timers(at);
+        self.protocols.timers(at);
         // before anything leaves: a port a moved path sends from is received on
         self.sync_rx_ports(link);
         work |= self.send_all(now, link);
         // chains to retry are retried by the next call too
         let _ = self.take_arrivals(now, link, None, &mut work);
-        work | self.solar.collect(&self.shared, now)
+        work | self.protocols.collect(&self.shared, now)
     }
 
     /// The send side of a pass, run by a thread that posted or sent a command: the send queue
@@ -1031,27 +1044,27 @@ impl DataCore {
     fn post_pass(&mut self, now: u64, link: &dyn Link) -> Pass {
         let mut work = self.take_requests(now);
         work |= self.transmit(now, true, link);
-        // Solar: a lone request leaves from the thread that handed it in, with no wake-up
-        // of the core's thread (`EngineShared::solar_command`)
+        // a protocol's lone request leaves from the thread that handed it in, with no wake-up
+        // of the core's thread (`EngineShared::run_here`)
         // this pass receives nothing: its timers are judged at what the core's receives took in
         let at = self.late.timer_now(now);
-        let solar = self.solar.timers(at);
-        work |= self.solar.collect(&self.shared, now);
-        work |= self.flush_solar(link);
+        let protocols = self.protocols.timers(at);
+        work |= self.protocols.collect(&self.shared, now);
+        work |= self.flush_protocols(link);
         // packets to this core itself are its thread's to receive, but they must not wait
         // for a sleeping thread's deadline
         let hairpin = (!self.hairpin.is_empty()).then_some(now);
         Pass {
             work,
-            next_deadline: earliest(earliest(self.rc_deadline(at), hairpin), solar),
+            next_deadline: earliest(earliest(self.rc_deadline(at), hairpin), protocols),
         }
     }
 
     /// Whether the ports this core must receive on changed since its thread last looked (a
-    /// pass run by another thread added a Solar client or moved a path): a sleeping thread
-    /// waits on the old set and must be woken.
+    /// pass run by another thread added a protocol's endpoint or moved a path): a sleeping
+    /// thread waits on the old set and must be woken.
     fn rx_ports_stale(&self) -> bool {
-        self.solar.ports_generation() != self.rx_ports_gen
+        self.protocols.ports_changed(&self.rx_ports_gen)
     }
 
     /// How an idle core waits, idle since `since`: a deadline closer than a sleep's wake-up
@@ -1083,7 +1096,7 @@ impl DataCore {
         if !self.sq.prepare_sleep() {
             return None;
         }
-        if !self.solar.prepare_sleep(&self.shared) {
+        if !self.protocols.prepare_sleep() {
             self.sq.woke();
             return None;
         }
@@ -1092,7 +1105,7 @@ impl DataCore {
                 for &q in &self.rx_ports[..k] {
                     self.shared.link.woke(q);
                 }
-                self.solar.woke(&self.shared);
+                self.protocols.woke();
                 self.sq.woke();
                 return None;
             }
@@ -1122,7 +1135,7 @@ impl DataCore {
             self.shared.link.woke(p);
         }
         self.sq.woke_ready(rung(self.sq.wake_fd()));
-        self.solar.woke(&self.shared);
+        self.protocols.woke();
         if rung(self.shared.wake.fd()) {
             self.shared.wake.drain();
         }
@@ -1256,18 +1269,17 @@ impl DataCore {
         }
     }
 
-    /// A core with Solar clients also receives on the source ports their paths leave from,
-    /// where their storage servers answer: only those (each port received on costs a system
+    /// A core also receives on the source ports its protocols name (a multipath client's
+    /// paths, where its server answers): only those (each port received on costs a system
     /// call per pass), so a spare port is watched once a path moves to it.
     fn sync_rx_ports(&mut self, link: &dyn Link) {
-        let gen = self.solar.ports_generation();
-        if gen == self.rx_ports_gen {
+        if !self.protocols.ports_changed(&self.rx_ports_gen) {
             return;
         }
-        self.rx_ports_gen = gen;
+        self.protocols.ports_generations(&mut self.rx_ports_gen);
         let ports = self.shared.path_ports;
         let mut rx: Vec<usize> = (0..link.ports()).step_by(ports).collect();
-        self.solar.client_ports(ports, &mut rx);
+        self.protocols.rx_ports(ports, &mut rx);
         rx.sort_unstable();
         rx.dedup();
         self.rx_ports = rx;

@@ -1,5 +1,5 @@
 //! A data core's receive side: batches from the link, the emulated propagation delay line,
-//! hairpin packets, and dispatch of each datagram to its QP (or to the Solar endpoints).
+//! hairpin packets, and dispatch of each datagram to its QP (or to the protocol that claims it).
 
 use super::*;
 use std::os::fd::RawFd;
@@ -16,7 +16,7 @@ pub(super) struct Delayed {
 
 /// The descriptors a wait reported readable (a thread's `ppoll`, or a driver task's reactor,
 /// [`super::task`]) since the core last received on them: a pass receives only on those, not
-/// on every port (a Solar client's paths are a socket each, and most are empty in any one
+/// on every port (a multipath client's paths are a socket each, and most are empty in any one
 /// pass).
 #[derive(Default)]
 pub(super) struct ReadyFds {
@@ -73,7 +73,7 @@ impl DataCore {
         for s in self.qps.values_mut() {
             s.qp.set_host_delay(ns);
         }
-        self.solar.set_host_delay(ns);
+        self.protocols.set_host_delay(ns);
     }
 
     /// Receives one batch on `port`; returns how many receive buffers it filled.
@@ -118,10 +118,10 @@ impl DataCore {
                     });
                     continue;
                 }
-                if crate::transport::solar::wire::is_solar_packet(dgram) {
+                if let Some(p) = self.protocols.claiming(dgram) {
                     self.shared.stats.rx_datagrams.inc();
                     self.shared.stats.rx_bytes.add(dgram.len() as u64);
-                    self.solar.on_packet(&self.shared, now, dgram, src, ce);
+                    p.on_packet(&self.shared, now, dgram, src, ce);
                     continue;
                 }
                 if let Some((qpn, delivered)) = Self::dispatch(
@@ -176,10 +176,10 @@ impl DataCore {
         while self.delayed.front().is_some_and(|d| d.due <= now) {
             let Some(d) = self.delayed.pop_front() else { break };
             any = true;
-            if crate::transport::solar::wire::is_solar_packet(&d.data) {
+            if let Some(p) = self.protocols.claiming(&d.data) {
                 self.shared.stats.rx_datagrams.inc();
                 self.shared.stats.rx_bytes.add(d.data.len() as u64);
-                self.solar.on_packet(&self.shared, now, &d.data, d.src, d.ce);
+                p.on_packet(&self.shared, now, &d.data, d.src, d.ce);
                 self.spare.push(d.data);
                 continue;
             }

@@ -7,7 +7,7 @@
 //! place and wakes once per event.
 //!
 //! The task holds the core's lock only during a pass, as a data-core thread does, so a lone
-//! Solar request still leaves from the thread that hands it in
+//! request to a protocol still leaves from the thread that hands it in
 //! ([`super::EngineShared::run_here`]). After a pass that did work it yields, so the tasks
 //! the pass completed run before the next pass (their replies go out, their next requests
 //! come in and leave together).
@@ -129,7 +129,7 @@ async fn run(d: Arc<AppDrive>, i: usize) {
 }
 
 /// Registers `fds` with the reactor, in place of what was registered before, when they changed
-/// (a Solar path moved to another port, a client came or went).
+/// (a multipath client's path moved to another port, a client came or went).
 fn watch(watched: &mut Vec<AsyncFd<Watched>>, fds: &[RawFd], ready: &mut ReadyFds) -> std::io::Result<()> {
     if watched.len() == fds.len() && watched.iter().zip(fds).all(|(w, &fd)| w.get_ref().0 == fd) {
         return Ok(());

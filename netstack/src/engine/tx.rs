@@ -75,17 +75,17 @@ impl DataCore {
         )
     }
 
-    /// Sends the batch of Solar packets (see [`send_batch`]).
-    pub(super) fn flush_solar(&mut self, link: &dyn Link) -> bool {
-        send_batch(
-            &mut self.solar.out,
-            self.gso,
+    /// Sends what the other protocols gathered (see [`send_batch`]).
+    pub(super) fn flush_protocols(&mut self, link: &dyn Link) -> bool {
+        let mut tx = super::protocol::Transmitter {
+            gso: self.gso,
             link,
-            &self.shared.stats,
-            &mut self.tx_msgs,
-            &mut self.tx_per_msg,
-            &mut self.tx_hdrs,
-        )
+            stats: &self.shared.stats,
+            msgs: &mut self.tx_msgs,
+            per_msg: &mut self.tx_per_msg,
+            scratch: &mut self.tx_hdrs,
+        };
+        self.protocols.flush(&mut tx)
     }
 }
 
@@ -101,7 +101,7 @@ pub(super) struct Outgoing {
 }
 
 /// A packet a core sends: the socket it leaves from, where it goes, and its bytes as spans.
-pub(super) trait Datagram {
+pub(crate) trait Datagram {
     /// Index of the port it leaves from (`EngineShared::link`).
     fn link(&self) -> usize;
     fn dst(&self) -> SocketAddrV4;
@@ -153,7 +153,7 @@ fn loop_back(
 /// (a socket buffer full) is kept for the next round. With GSO, runs of packets to one
 /// destination with the same length (the last of a run may be shorter) go out as one message
 /// the kernel segments. The message buffers are reused: no allocation per batch.
-fn send_batch<T: Datagram>(
+pub(super) fn send_batch<T: Datagram>(
     out: &mut Vec<T>,
     gso: bool,
     link: &dyn Link,

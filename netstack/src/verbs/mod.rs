@@ -245,7 +245,9 @@ impl Context {
             },
             _ => None,
         };
-        let engine = Engine::start(&cfg, mrs.clone(), kind)?;
+        // the protocols each data core carries beside RC: Solar
+        let solar = solar::SolarFactory::default();
+        let engine = Engine::start(&cfg, mrs.clone(), kind, &solar)?;
         let local = engine.cores()[0].local_addr();
         let rng = match sim_seed_of {
             Some(seed) => StdRng::seed_from_u64(sim_seed(seed, local, 2)),
@@ -265,7 +267,7 @@ impl Context {
                 next_pd: AtomicU32::new(1),
                 next_cq: AtomicU32::new(1),
                 offload,
-                solar: solar::SolarRegistry::default(),
+                solar: solar::SolarRegistry::new(solar.into_hosts()),
                 same_host,
             }),
         };

@@ -13,12 +13,12 @@
 //! // done.blocking_recv() (or .await) answers once the block is durable on the server
 //! ```
 
+mod core;
+
+use self::core::{check_client_config, SolarCmd};
+pub use self::core::{AgentStatus, ReadAnswer, ReadBlocks, SolarError, StorageHandler, WriteBlock, WriteDone};
+pub(crate) use self::core::{SolarFactory, SolarHost};
 use super::{Context, VerbsError};
-use crate::engine::solar::{check_client_config, SolarCmd};
-pub use crate::engine::solar::{
-    AgentStatus, ReadAnswer, ReadBlocks, SolarError, StorageHandler, WriteBlock, WriteDone,
-};
-use crate::engine::EngineShared;
 use crate::transport::solar::client::{ClientConfig, SolarClient, Target};
 use crate::transport::solar::server::{ServerStats, SolarServer};
 use crate::transport::solar::validation::{NonceSource, ValidationConfig};
@@ -35,12 +35,25 @@ pub const SOLAR_MIN_MTU: u32 =
     (20 + 8 + crate::transport::solar::wire::HDR + crate::transport::solar::wire::BLOCK) as u32;
 
 /// Which storage servers a context's clients talk to (one client per server address, since
-/// answers are told apart by their source), and whether it serves.
-#[derive(Default)]
+/// answers are told apart by their source), whether it serves, and each data core's Solar
+/// command queue.
 pub(crate) struct SolarRegistry {
     servers: Mutex<std::collections::HashMap<SocketAddrV4, u64>>,
     serving: std::sync::atomic::AtomicBool,
     next_id: AtomicU64,
+    hosts: Vec<Arc<SolarHost>>,
+}
+
+impl SolarRegistry {
+    /// The registry of a context whose cores' Solar endpoints `hosts` reach (in core order).
+    pub(crate) fn new(hosts: Vec<Arc<SolarHost>>) -> SolarRegistry {
+        SolarRegistry {
+            servers: Mutex::new(std::collections::HashMap::new()),
+            serving: std::sync::atomic::AtomicBool::new(false),
+            next_id: AtomicU64::new(0),
+            hosts,
+        }
+    }
 }
 
 impl Context {
@@ -79,11 +92,10 @@ impl Context {
             }
             servers.insert(server, id);
         }
-        let cores = self.inner.engine.cores();
-        let core = cores[id as usize % cores.len()].clone();
+        let core = reg.hosts[id as usize % reg.hosts.len()].clone();
         let status = Arc::new(Mutex::new(AgentStatus::default()));
         let client = SolarClient::new(cfg, cc, core.now());
-        core.solar_command(SolarCmd::AddClient {
+        core.command(SolarCmd::AddClient {
             id,
             server,
             client: Box::new(client),
@@ -126,9 +138,9 @@ impl Context {
         if self.inner.solar.serving.swap(true, Ordering::SeqCst) {
             return Err(VerbsError::Invalid("this context already serves Solar".into()));
         }
-        let core = self.inner.engine.cores()[0].clone();
+        let core = self.inner.solar.hosts[0].clone();
         let stats = Arc::new(Mutex::new(server.stats()));
-        core.solar_command(SolarCmd::Serve {
+        core.command(SolarCmd::Serve {
             server: Box::new(server),
             handler,
             stats: stats.clone(),
@@ -145,7 +157,7 @@ impl Context {
 /// with [`SolarError::Stopped`]).
 pub struct SolarAgent {
     ctx: Context,
-    core: Arc<EngineShared>,
+    core: Arc<SolarHost>,
     id: u64,
     server: Mutex<SocketAddrV4>,
     status: Arc<Mutex<AgentStatus>>,
@@ -196,7 +208,7 @@ impl SolarAgent {
         version: Option<u64>,
     ) -> oneshot::Receiver<Result<(), SolarError>> {
         let (done, rx) = oneshot::channel();
-        self.core.solar_command(SolarCmd::Write {
+        self.core.command(SolarCmd::Write {
             id: self.id,
             volume,
             lba,
@@ -226,7 +238,7 @@ impl SolarAgent {
         blocks: u16,
     ) -> oneshot::Receiver<Result<Vec<u8>, SolarError>> {
         let (done, rx) = oneshot::channel();
-        self.core.solar_command(SolarCmd::Read {
+        self.core.command(SolarCmd::Read {
             id: self.id,
             volume,
             lba,
@@ -261,7 +273,7 @@ impl SolarAgent {
             servers.insert(addr, self.id);
         }
         *cur = addr;
-        self.core.solar_command(SolarCmd::Retarget {
+        self.core.command(SolarCmd::Retarget {
             id: self.id,
             server: addr,
         });
@@ -276,7 +288,7 @@ impl SolarAgent {
 
 impl Drop for SolarAgent {
     fn drop(&mut self) {
-        self.core.solar_command(SolarCmd::CloseClient { id: self.id });
+        self.core.command(SolarCmd::CloseClient { id: self.id });
         let server = *self.server.lock();
         let mut servers = self.ctx.inner.solar.servers.lock();
         if servers.get(&server) == Some(&self.id) {
@@ -288,7 +300,7 @@ impl Drop for SolarAgent {
 /// A context's Solar server; dropping it stops serving (and releases the handler).
 pub struct SolarService {
     ctx: Context,
-    core: Arc<EngineShared>,
+    core: Arc<SolarHost>,
     stats: Arc<Mutex<ServerStats>>,
 }
 
@@ -312,7 +324,7 @@ impl SolarService {
         epoch: u32,
     ) -> impl std::future::Future<Output = Result<u32, VerbsError>> + Send + 'static {
         let (done, rx) = oneshot::channel();
-        self.core.solar_command(SolarCmd::Fence { volume, epoch, done });
+        self.core.command(SolarCmd::Fence { volume, epoch, done });
         async move {
             match rx.await {
                 Ok(Some(f)) => Ok(f),
@@ -329,7 +341,7 @@ impl SolarService {
 
 impl Drop for SolarService {
     fn drop(&mut self) {
-        self.core.solar_command(SolarCmd::CloseServer);
+        self.core.command(SolarCmd::CloseServer);
         self.ctx.inner.solar.serving.store(false, Ordering::SeqCst);
     }
 }

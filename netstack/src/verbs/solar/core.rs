@@ -1,8 +1,9 @@
 //! Solar endpoints on a data core: storage-agent clients ([`SolarClient`]) and a storage server
 //! ([`SolarServer`]) run beside the RC QPs, on the core's sockets, in the core's loop. The core
 //! is their only owner: application threads reach them through commands
-//! ([`EngineShared::solar_command`]) and learn results through one-shot channels, published
-//! status snapshots, and the storage handler the core calls.
+//! ([`SolarHost::command`]) and learn results through one-shot channels, published status
+//! snapshots, and the storage handler the core calls. The engine knows them only as a
+//! [`CoreProtocol`], registered for every core when the context opens ([`SolarFactory`]).
 //!
 //! A datagram is Solar when it starts with Solar's magic and version (`0x53 0x01`); a RoCEv2
 //! BTH never does here, because `0x53` is a Reliable Datagram opcode, which flexns does not
@@ -11,7 +12,8 @@
 //! leaves from the core's source-port socket `p` (its own ECMP flow) and is answered there, so
 //! a core with clients also receives on its path sockets.
 
-use super::EngineShared;
+use crate::engine::protocol::{CoreProtocol, Datagram, ProtocolFactory, Transmitter};
+use crate::engine::EngineShared;
 use crate::link::sys::OutMsg;
 use crate::transport::solar::client::{
     ClientConfig, ClientEvent, ClientStats, IoError, IoId, SolarClient, SubmitError, Target,
@@ -104,7 +106,7 @@ pub trait StorageHandler: Send + Sync {
 /// The answer to one WRITE block, finished from any thread. Dropped unfinished, it answers
 /// `Busy` (the agent sends the block again).
 pub struct WriteDone {
-    shared: Arc<EngineShared>,
+    host: Arc<SolarHost>,
     token: Token,
     arrived: u64,
     finished: bool,
@@ -118,8 +120,8 @@ impl WriteDone {
     }
 
     fn send(&self, status: Status) {
-        let service_ns = self.shared.now().saturating_sub(self.arrived);
-        self.shared.solar_command(SolarCmd::WriteDone {
+        let service_ns = self.host.now().saturating_sub(self.arrived);
+        self.host.command(SolarCmd::WriteDone {
             token: self.token,
             status,
             service_ns,
@@ -211,9 +213,10 @@ pub(crate) enum SolarCmd {
     CloseServer,
 }
 
-/// The command queue of a core's Solar endpoints (in [`EngineShared`]).
-#[derive(Default)]
+/// The application threads' side of a core's Solar endpoints: their command queue and the
+/// core it goes to.
 pub(crate) struct SolarHost {
+    core: Arc<EngineShared>,
     cmds: Mutex<Vec<SolarCmd>>,
     /// The core said it sleeps: a command must ring its eventfd.
     sleeping: AtomicBool,
@@ -221,7 +224,26 @@ pub(crate) struct SolarHost {
     outstanding: AtomicUsize,
 }
 
-impl EngineShared {
+impl SolarHost {
+    fn new(core: Arc<EngineShared>) -> SolarHost {
+        SolarHost {
+            core,
+            cmds: Mutex::new(Vec::new()),
+            sleeping: AtomicBool::new(false),
+            outstanding: AtomicUsize::new(0),
+        }
+    }
+
+    /// The core's clock (ns).
+    pub(crate) fn now(&self) -> u64 {
+        self.core.now()
+    }
+
+    /// The core's address (where its server answers).
+    pub(crate) fn local_addr(&self) -> SocketAddrV4 {
+        self.core.local_addr()
+    }
+
     /// Hands a command to this core's Solar endpoints. A lone request (none other awaiting
     /// its answer) to a core that sleeps does not wake it: the core's send side runs from
     /// this thread ([`EngineShared::run_here`]), so the request leaves in this call, one
@@ -229,19 +251,43 @@ impl EngineShared {
     /// Otherwise the core takes the command in its next pass, batched with the others that
     /// arrive meanwhile (one `sendmmsg` for many requests at depth, or for the answers of a
     /// storage node's group commit, which come as one command per block).
-    pub(crate) fn solar_command(&self, c: SolarCmd) {
+    pub(crate) fn command(&self, c: SolarCmd) {
         let request = matches!(c, SolarCmd::Write { .. } | SolarCmd::Read { .. });
-        self.solar.cmds.lock().push(c);
+        self.cmds.lock().push(c);
         if request
-            && self.solar.outstanding.load(Ordering::Relaxed) == 0
-            && self.solar.sleeping.load(Ordering::SeqCst)
-            && self.run_here()
+            && self.outstanding.load(Ordering::Relaxed) == 0
+            && self.sleeping.load(Ordering::SeqCst)
+            && self.core.run_here()
         {
             return;
         }
-        if self.solar.sleeping.swap(false, Ordering::SeqCst) {
-            self.wake.notify();
+        if self.sleeping.swap(false, Ordering::SeqCst) {
+            self.core.notify();
         }
+    }
+}
+
+/// Registers Solar with each data core as the engine starts it, and keeps each core's
+/// [`SolarHost`] for the context's Solar handles.
+#[derive(Default)]
+pub(crate) struct SolarFactory {
+    hosts: Mutex<Vec<Arc<SolarHost>>>,
+}
+
+impl SolarFactory {
+    /// The hosts of the cores made so far, in core order.
+    pub(crate) fn into_hosts(self) -> Vec<Arc<SolarHost>> {
+        self.hosts.into_inner()
+    }
+}
+
+impl ProtocolFactory for SolarFactory {
+    fn for_core(&self, index: usize, shared: &Arc<EngineShared>) -> Vec<Box<dyn CoreProtocol>> {
+        let host = Arc::new(SolarHost::new(shared.clone()));
+        let mut hosts = self.hosts.lock();
+        debug_assert_eq!(hosts.len(), index, "cores are made in order");
+        hosts.push(host.clone());
+        vec![Box::new(SolarCore::new(host))]
     }
 }
 
@@ -287,14 +333,14 @@ struct ServerEp {
 }
 
 /// A Solar packet on its way out.
-pub(super) struct SolarOut {
+struct SolarOut {
     t: Transmit,
     /// The core's port it leaves from (`EngineShared::link`).
     link: usize,
     dst: SocketAddrV4,
 }
 
-impl super::Datagram for SolarOut {
+impl Datagram for SolarOut {
     fn link(&self) -> usize {
         self.link
     }
@@ -321,11 +367,11 @@ impl super::Datagram for SolarOut {
 }
 
 /// A core's Solar endpoints, owned by the core.
-#[derive(Default)]
-pub(super) struct SolarCore {
+struct SolarCore {
+    host: Arc<SolarHost>,
     clients: Vec<ClientEp>,
     server: Option<ServerEp>,
-    pub(super) out: Vec<SolarOut>,
+    out: Vec<SolarOut>,
     next_publish: u64,
     cmd_buf: Vec<SolarCmd>,
     /// Clients added or closed so far (a part of [`SolarCore::ports_generation`]).
@@ -335,38 +381,21 @@ pub(super) struct SolarCore {
 }
 
 impl SolarCore {
+    fn new(host: Arc<SolarHost>) -> SolarCore {
+        SolarCore {
+            host,
+            clients: Vec::new(),
+            server: None,
+            out: Vec::new(),
+            next_publish: 0,
+            cmd_buf: Vec::new(),
+            client_changes: 0,
+            host_delay: 0,
+        }
+    }
+
     fn has_clients(&self) -> bool {
         !self.clients.is_empty()
-    }
-
-    /// Changes whenever the source ports the clients' paths leave from may have changed (a
-    /// client came or went, a path moved to a spare port).
-    pub(super) fn ports_generation(&self) -> (u64, u64) {
-        let moves = self.clients.iter().map(|ep| ep.client.paths().repaths()).sum();
-        (self.client_changes, moves)
-    }
-
-    /// Adds the source ports (link indexes below `path_ports`) the clients' paths leave from
-    /// now, where their storage servers answer.
-    pub(super) fn client_ports(&self, path_ports: usize, out: &mut Vec<usize>) {
-        for ep in &self.clients {
-            let paths = ep.client.paths();
-            out.extend((0..paths.len()).map(|i| paths.port(i as u8) as usize % path_ports));
-        }
-    }
-
-    /// Applies the commands queued for this core; returns whether there were any.
-    pub(super) fn commands(&mut self, shared: &Arc<EngineShared>, now: u64) -> bool {
-        std::mem::swap(&mut *shared.solar.cmds.lock(), &mut self.cmd_buf);
-        if self.cmd_buf.is_empty() {
-            return false;
-        }
-        let mut cmds = std::mem::take(&mut self.cmd_buf);
-        for c in cmds.drain(..) {
-            self.apply(c, now);
-        }
-        self.cmd_buf = cmds;
-        true
     }
 
     fn client(&mut self, id: u64) -> Option<&mut ClientEp> {
@@ -483,22 +512,30 @@ impl SolarCore {
         }
     }
 
-    /// Says the core is about to sleep; false when a command raced in (then it must not).
-    pub(super) fn prepare_sleep(&self, shared: &EngineShared) -> bool {
-        shared.solar.sleeping.store(true, Ordering::SeqCst);
-        if !shared.solar.cmds.lock().is_empty() {
-            shared.solar.sleeping.store(false, Ordering::SeqCst);
-            return false;
+    fn publish(&self) {
+        for ep in &self.clients {
+            *ep.status.lock() = AgentStatus {
+                stats: ep.client.stats(),
+                paths: ep.client.paths().len() as u16,
+                paths_up: ep.client.paths_up(),
+                path_stats: ep.client.path_stats(),
+                outstanding: ep.client.outstanding(),
+            };
         }
-        true
+        if let Some(s) = &self.server {
+            *s.stats.lock() = s.server.stats();
+        }
     }
+}
 
-    pub(super) fn woke(&self, shared: &EngineShared) {
-        shared.solar.sleeping.store(false, Ordering::SeqCst);
+impl CoreProtocol for SolarCore {
+    /// A datagram is Solar when it starts with Solar's magic and version (see the module).
+    fn claims(&self, d: &[u8]) -> bool {
+        wire::is_solar_packet(d)
     }
 
     /// One received Solar datagram from `src`; `ce`: its IP header carried ECN CE.
-    pub(super) fn on_packet(&mut self, shared: &Arc<EngineShared>, now: u64, d: &[u8], src: SocketAddrV4, ce: bool) {
+    fn on_packet(&mut self, shared: &Arc<EngineShared>, now: u64, d: &[u8], src: SocketAddrV4, ce: bool) {
         let request = matches!(d.get(2), Some(&op) if op == Op::Write as u8
             || op == Op::ReadReq as u8
             || op == Op::Probe as u8
@@ -523,7 +560,7 @@ impl SolarCore {
                     rpc,
                 })) => {
                     let done = WriteDone {
-                        shared: shared.clone(),
+                        host: self.host.clone(),
                         token,
                         arrived: now,
                         finished: false,
@@ -578,16 +615,22 @@ impl SolarCore {
         }
     }
 
-    /// Hands every client a new host-delay estimate (see [`super::lateness`]).
-    pub(super) fn set_host_delay(&mut self, ns: u64) {
-        self.host_delay = ns;
-        for ep in &mut self.clients {
-            ep.client.set_host_delay(ns);
+    /// Applies the commands queued for this core; returns whether there were any.
+    fn commands(&mut self, now: u64) -> bool {
+        std::mem::swap(&mut *self.host.cmds.lock(), &mut self.cmd_buf);
+        if self.cmd_buf.is_empty() {
+            return false;
         }
+        let mut cmds = std::mem::take(&mut self.cmd_buf);
+        for c in cmds.drain(..) {
+            self.apply(c, now);
+        }
+        self.cmd_buf = cmds;
+        true
     }
 
     /// Runs the clients' due timers; returns the earliest deadline left.
-    pub(super) fn timers(&mut self, now: u64) -> Option<u64> {
+    fn timers(&mut self, now: u64) -> Option<u64> {
         let mut next: Option<u64> = None;
         for ep in &mut self.clients {
             if ep.client.next_timeout().is_some_and(|t| t <= now) {
@@ -605,7 +648,7 @@ impl SolarCore {
 
     /// Delivers finished requests, gathers what the endpoints have to send into `self.out`,
     /// and publishes status when due; returns whether anything happened.
-    pub(super) fn collect(&mut self, shared: &EngineShared, now: u64) -> bool {
+    fn collect(&mut self, shared: &EngineShared, now: u64) -> bool {
         let mut any = false;
         let ports = shared.path_ports;
         for ep in &mut self.clients {
@@ -641,7 +684,7 @@ impl SolarCore {
             }
         }
         let outstanding = self.clients.iter().map(|ep| ep.pending.len()).sum();
-        shared.solar.outstanding.store(outstanding, Ordering::Relaxed);
+        self.host.outstanding.store(outstanding, Ordering::Relaxed);
         if now >= self.next_publish {
             self.next_publish = now + PUBLISH_NS;
             self.publish();
@@ -649,18 +692,45 @@ impl SolarCore {
         any
     }
 
-    fn publish(&self) {
-        for ep in &self.clients {
-            *ep.status.lock() = AgentStatus {
-                stats: ep.client.stats(),
-                paths: ep.client.paths().len() as u16,
-                paths_up: ep.client.paths_up(),
-                path_stats: ep.client.path_stats(),
-                outstanding: ep.client.outstanding(),
-            };
+    fn flush(&mut self, tx: &mut Transmitter<'_>) -> bool {
+        tx.send(&mut self.out)
+    }
+
+    /// Says the core is about to sleep; false when a command raced in (then it must not).
+    fn prepare_sleep(&self) -> bool {
+        self.host.sleeping.store(true, Ordering::SeqCst);
+        if !self.host.cmds.lock().is_empty() {
+            self.host.sleeping.store(false, Ordering::SeqCst);
+            return false;
         }
-        if let Some(s) = &self.server {
-            *s.stats.lock() = s.server.stats();
+        true
+    }
+
+    fn woke(&self) {
+        self.host.sleeping.store(false, Ordering::SeqCst);
+    }
+
+    /// Changes whenever the source ports the clients' paths leave from may have changed (a
+    /// client came or went, a path moved to a spare port).
+    fn ports_generation(&self) -> (u64, u64) {
+        let moves = self.clients.iter().map(|ep| ep.client.paths().repaths()).sum();
+        (self.client_changes, moves)
+    }
+
+    /// Adds the source ports (link indexes below `path_ports`) the clients' paths leave from
+    /// now, where their storage servers answer.
+    fn rx_ports(&self, path_ports: usize, out: &mut Vec<usize>) {
+        for ep in &self.clients {
+            let paths = ep.client.paths();
+            out.extend((0..paths.len()).map(|i| paths.port(i as u8) as usize % path_ports));
+        }
+    }
+
+    /// Hands every client a new host-delay estimate (see [`super::lateness`]).
+    fn set_host_delay(&mut self, ns: u64) {
+        self.host_delay = ns;
+        for ep in &mut self.clients {
+            ep.client.set_host_delay(ns);
         }
     }
 }

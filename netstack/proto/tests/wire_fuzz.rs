@@ -1,7 +1,7 @@
 //! Property tests: the packet decoder never panics on arbitrary bytes, and what the header
 //! builder emits parses back to the same fields.
 
-use netstack::wire::*;
+use flexns_proto::wire::*;
 use proptest::prelude::*;
 use std::net::SocketAddrV4;
 
