@@ -84,6 +84,9 @@ def crate_api(doc_dir, lib):
                     lines.add(f"{path}::{member}::{field} (variant field)")
                 else:
                     lines.add(f"{path}::{member} ({mkind})")
+    if not lines:
+        # an all.html this parser does not understand (another rustdoc's layout) must not pass
+        raise SystemExit(f"public-api: {lib}/all.html: no items found (rustdoc's HTML layout changed?)")
     return sorted(lines)
 
 
@@ -120,6 +123,7 @@ def main(argv):
             )
             failed.append(crate)
     if failed:
+        sys.stdout.flush()
         print(
             f"public-api: the public API of {', '.join(failed)} differs from docs/api/; "
             "run scripts/public-api.sh --bless if the change is on purpose",
