@@ -36,6 +36,14 @@ struct Args {
     /// The flexnsd binary [default: next to this one].
     #[arg(long)]
     flexnsd: Option<PathBuf>,
+    /// Attach to a flexnsd at this socket (waiting up to 10 s for it to accept) instead of
+    /// starting one (its owner stops it); needs --daemon-pid, whose CPU time the flexnsd runs
+    /// count.
+    #[arg(long, requires = "daemon_pid", conflicts_with_all = ["flexnsd", "daemon_config"])]
+    socket: Option<PathBuf>,
+    /// The process id of the daemon at --socket.
+    #[arg(long, requires = "socket")]
+    daemon_pid: Option<u32>,
     /// Microseconds the in-process application polls its CQ (yielding between looks) before
     /// it sleeps in `Cq::wait`: the same discipline as flexnsd's client, whose waits poll its
     /// completion ring for 50 us. 0: netstack's `Cq::next`, which sleeps at once.
@@ -314,30 +322,20 @@ fn run(args: Args) -> anyhow::Result<()> {
     if args.writes == 0 || args.sends == 0 || args.pairs == 0 {
         bail!("--pairs, --writes and --sends must be at least 1");
     }
-    let exe = match &args.flexnsd {
-        Some(p) => p.clone(),
-        None => std::env::current_exe()?
-            .parent()
-            .context("this binary's directory")?
-            .join("flexnsd"),
-    };
-    let dir = std::env::temp_dir().join(format!("flexnsd-bench-{}", std::process::id()));
-    std::fs::create_dir_all(&dir)?;
-    let socket = dir.join("flexnsd.sock");
-    let mut cmd = std::process::Command::new(&exe);
-    cmd.arg("--socket").arg(&socket).env("RUST_LOG", "warn");
-    if let Some(c) = &args.daemon_config {
-        cmd.arg("--config").arg(c);
-    }
-    let mut daemon = cmd.spawn().with_context(|| format!("--flexnsd {}", exe.display()))?;
-    let deadline = Instant::now() + T;
-    while flexnsd::client::Attachment::connect(&socket, "probe").is_err() {
-        if Instant::now() > deadline {
-            let _ = daemon.kill();
-            bail!("flexnsd did not listen at {} within {T:?}", socket.display());
+    let (daemon, socket, dir) = match (&args.socket, args.daemon_pid) {
+        (Some(s), Some(pid)) => {
+            if !listens(s) {
+                bail!("--socket {}: no flexnsd accepted within {T:?}", s.display());
+            }
+            (Daemon::Attached(pid), s.clone(), None)
         }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+        _ => {
+            let dir = std::env::temp_dir().join(format!("flexnsd-bench-{}", std::process::id()));
+            std::fs::create_dir_all(&dir)?;
+            let socket = dir.join("flexnsd.sock");
+            (Daemon::Child(start_daemon(&args, &socket)?), socket, Some(dir))
+        }
+    };
     let result = (|| -> anyhow::Result<()> {
         println!(
             "in-process application polls its CQ {} us before sleeping; flexnsd's polls its ring 50 us",
@@ -351,7 +349,12 @@ fn run(args: Args) -> anyhow::Result<()> {
         for pair in 0..u64::from(args.pairs) {
             let spin = Duration::from_micros(args.inproc_spin_us);
             let inproc = measure(&InProc::new(spin)?, &args, None, t0 ^ (2 * pair))?;
-            let via = measure(&ViaDaemon::new(&socket)?, &args, Some(daemon.id()), t0 ^ (2 * pair + 1))?;
+            let via = measure(
+                &ViaDaemon::new(&socket)?,
+                &args,
+                Some(daemon.pid()),
+                t0 ^ (2 * pair + 1),
+            )?;
             for (name, r) in [("in-proc", inproc), ("flexnsd", via)] {
                 println!(
                     "{name:8}  {:17.2}  {:15.1}  {:12.1}  {:11.2}",
@@ -374,8 +377,62 @@ fn run(args: Args) -> anyhow::Result<()> {
         }
         Ok(())
     })();
-    let _ = daemon.kill();
-    let _ = daemon.wait();
-    let _ = std::fs::remove_dir_all(&dir);
+    if let Daemon::Child(mut c) = daemon {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+    if let Some(dir) = dir {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
     result
+}
+
+/// The daemon the flexnsd runs go through: one this bench started, or one it was given.
+enum Daemon {
+    Child(std::process::Child),
+    Attached(u32),
+}
+
+impl Daemon {
+    fn pid(&self) -> u32 {
+        match self {
+            Daemon::Child(c) => c.id(),
+            Daemon::Attached(pid) => *pid,
+        }
+    }
+}
+
+/// Starts `flexnsd` listening at `socket` and waits until it accepts an attachment.
+fn start_daemon(args: &Args, socket: &std::path::Path) -> anyhow::Result<std::process::Child> {
+    let exe = match &args.flexnsd {
+        Some(p) => p.clone(),
+        None => std::env::current_exe()?
+            .parent()
+            .context("this binary's directory")?
+            .join("flexnsd"),
+    };
+    let mut cmd = std::process::Command::new(&exe);
+    cmd.arg("--socket").arg(socket).env("RUST_LOG", "warn");
+    if let Some(c) = &args.daemon_config {
+        cmd.arg("--config").arg(c);
+    }
+    let mut daemon = cmd.spawn().with_context(|| format!("--flexnsd {}", exe.display()))?;
+    if !listens(socket) {
+        let _ = daemon.kill();
+        let _ = daemon.wait();
+        bail!("flexnsd did not listen at {} within {T:?}", socket.display());
+    }
+    Ok(daemon)
+}
+
+/// Whether a flexnsd accepts an attachment at `socket` within `T`.
+fn listens(socket: &std::path::Path) -> bool {
+    let deadline = Instant::now() + T;
+    while flexnsd::client::Attachment::connect(socket, "probe").is_err() {
+        if Instant::now() > deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    true
 }
