@@ -9,7 +9,7 @@ scripts/install-test-deps.sh
 # Processes the tests start (the project's programs and daemons, and the servers and tools they
 # run) must not outlive them. The ones already running (a cluster a user left up) are noted
 # now and not counted.
-watched='^(nsperf|ycsb|kv-server|kv|kvcache-bench|kvcache-engine|blkctl|block-server|block-agent|block-control|flexns|ccsim|redis-server|etcd|qemu-nbd|nbdfuse|fio)$'
+watched='^(nsperf|ycsb|kv-server|kv|kvcache-bench|kvcache-engine|blkctl|block-server|block-agent|block-control|flexns|flexnsd|flexnsd-bench|ccsim|redis-server|etcd|qemu-nbd|nbdfuse|fio)$'
 leftovers() {
   ps -e -o pid=,comm= | awk -v re="$watched" '$2 ~ re {print $1}' | LC_ALL=C sort
 }

@@ -6,6 +6,7 @@ pub mod bench;
 pub mod blk;
 pub mod blkbench;
 pub mod ccsim;
+pub mod demo;
 pub mod kvbench;
 pub mod netns;
 pub mod perf;

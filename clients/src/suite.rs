@@ -24,7 +24,7 @@
 //! Every program already proves its own run (fresh data checked where it landed) and accounts
 //! CPU per process; this command only runs them and collects what they report.
 
-mod perftest;
+pub(crate) mod perftest;
 
 use anyhow::{bail, Context as _, Result};
 use serde_json::Value;

@@ -10,9 +10,12 @@ dummy weights (``load_format="dummy"``: no download, no hub), on CPU. vLLM's own
    ``kv_transfer_params`` (its engine, host, port and ``remote_block_ids``) to decode;
 3. decode (``kv_consumer``, ``kv_load_failure_policy="fail"``: a failed load is an error, not a
    recompute) generates the tokens from the prefill's blocks, READ over flexns;
-4. the result holds when decode's tokens equal the reference AND decode's flexns engine counters
-   (read inside vLLM's worker through a worker extension) moved at least the KV bytes of the
-   blocks it was given: equal tokens alone would not tell a load from a recompute.
+4. the result holds when every whole block of the prompt is in decode's cache byte for byte
+   (SHA-256 of each block, every layer, read inside vLLM's workers through a worker extension;
+   the partial last block also holds decode's own tokens), decode's tokens equal the reference,
+   AND decode's flexns engine counters moved at least the KV bytes of the blocks it was given:
+   equal tokens alone would not tell a load from a recompute (the dummy weights' greedy tokens
+   hardly depend on the context).
 
 Usage: ``python3 python/demo/vllm_pair.py [--json] [--tokens N]``. Prints the tokens, the bytes
 moved and the times; with ``--json`` one JSON object (the last line). Exit status 1 when the
@@ -45,6 +48,7 @@ MODEL_CONFIG = {  # python/tests/vllm_roles.py's tiny Llama
 }
 BLOCK_SIZE = 32  # the CPU attention backend's kernel block size is a multiple of 32
 PROMPT_LEN = 100  # 4 blocks, the last one partial
+NUM_BLOCKS = 48  # each engine's KV cache (so that every block can be hashed in a moment)
 MARK = "@vllm-pair@ "  # protocol lines between this script and its two roles start with this
 
 
@@ -75,10 +79,12 @@ def free_port():
 
 
 class FlexnsStats:
-    """A vLLM worker extension (``worker_extension_cls``): the counters of the flexns engine
-    under the NixlConnector of this worker, and which module that engine is."""
+    """A vLLM worker extension (``worker_extension_cls``): what the demo reads inside vLLM's
+    worker process."""
 
     def flexns_stats(self):
+        """The counters of the flexns engine under this worker's NixlConnector, and which
+        module that engine is."""
         from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
 
         cw = get_kv_transfer_group().connector_worker
@@ -86,6 +92,26 @@ class FlexnsStats:
         inner = getattr(agent, "engine", None)  # flexns.nixl's agent owns a TransferEngine
         stats = inner.stack_stats() if inner is not None and hasattr(inner, "stack_stats") else None
         return {"module": type(agent).__module__, "stats": stats}
+
+    def block_digests(self):
+        """The SHA-256 of every KV-cache block of this worker: its bytes in every layer, in
+        layer order (the block dimension found as the one of ``num_gpu_blocks`` entries)."""
+        import hashlib
+
+        n = self.vllm_config.cache_config.num_gpu_blocks
+        layers = []
+        for t in self.model_runner.kv_caches:
+            dims = [i for i, d in enumerate(t.shape) if d == n]
+            if len(dims) != 1:
+                raise RuntimeError(f"KV cache shape {tuple(t.shape)}: no single dimension of {n} blocks")
+            layers.append(t.movedim(dims[0], 0).contiguous().view(n, -1))
+        digests = []
+        for b in range(n):
+            h = hashlib.sha256()
+            for rows in layers:
+                h.update(rows[b].numpy().tobytes())
+            digests.append(h.hexdigest())
+        return digests
 
 
 def engine(role, model_dir, tokens):
@@ -99,6 +125,7 @@ def engine(role, model_dir, tokens):
     return LLM(model=model_dir, skip_tokenizer_init=True, load_format="dummy", dtype="float32",
                seed=0, block_size=BLOCK_SIZE, enforce_eager=True, max_model_len=512,
                max_num_seqs=4, enable_prefix_caching=False, kv_transfer_config=kvt,
+               num_gpu_blocks_override=NUM_BLOCKS,
                worker_extension_cls="vllm_pair.FlexnsStats")
 
 
@@ -135,14 +162,16 @@ def role_main(role, model_dir, tokens):
               "prefill_s": prefill_s, "kv_transfer_params": out.kv_transfer_params,
               "module": before["module"]})
         sys.stdin.readline()  # decode is done with the blocks: stop
-        emit({"stats": stats_of(llm)["stats"], "stats_before": before["stats"]})
+        (digests,) = llm.collective_rpc("block_digests")
+        emit({"stats": stats_of(llm)["stats"], "stats_before": before["stats"], "digests": digests})
     else:
         params = json.loads(sys.stdin.readline())
         t = time.monotonic()
         out = generate(llm, tokens, tokens, params)
         decode_s = time.monotonic() - t
         after = stats_of(llm)
-        emit({"start_s": started, "tokens": list(out.outputs[0].token_ids), "decode_s": decode_s,
+        (digests,) = llm.collective_rpc("block_digests")
+        emit({"digests": digests,"start_s": started, "tokens": list(out.outputs[0].token_ids), "decode_s": decode_s,
               "finish_reason": out.outputs[0].finish_reason,
               "num_cached_tokens": getattr(out, "num_cached_tokens", None),
               "module": after["module"], "stats": after["stats"], "stats_before": before["stats"]})
@@ -209,12 +238,22 @@ def parent_main(args):
                 proc.wait()
         report(args, {"ran": False, "verified": False, "error": str(e), "logs": logs})
         return 2
-    blocks = len(params["remote_block_ids"][0]) if params["remote_block_ids"] and \
-        isinstance(params["remote_block_ids"][0], list) else len(params["remote_block_ids"])
+    ids = params["remote_block_ids"]
+    blocks = len(ids[0]) if ids and isinstance(ids[0], list) else len(ids)
     kv_bytes = blocks * kv_bytes_per_block()
     m = moved(d["stats_before"], d["stats"] or {})
     total = sum(m.values())
+    # the prompt's whole blocks, byte for byte: each of the prefill's is somewhere in decode's
+    # cache (decode writes its own tokens into the partial last block, so that one is covered by
+    # the counters only)
+    whole = PROMPT_LEN // BLOCK_SIZE
+    ids = params["remote_block_ids"]
+    ids = ids[0] if ids and isinstance(ids[0], list) else ids
+    sent = [ps["digests"][i] for i in ids[:whole]]
+    held = set(d["digests"])
     checks = {
+        "whole_blocks_equal_at_decode": len(sent) == whole and len(set(sent)) == whole
+        and all(h in held for h in sent),
         "tokens_equal_reference": d["tokens"] == p["reference"] and len(d["tokens"]) == args.tokens,
         "engine_is_flexns": d["module"] == "flexns.nixl" and p["module"] == "flexns.nixl",
         "kv_bytes_moved_over_flexns": d["stats"] is not None and total >= kv_bytes,
@@ -223,7 +262,7 @@ def parent_main(args):
         "bench": "vllm-pair", "system": "vllm+flexns", "connector": "NixlConnector",
         "ran": True, "verified": all(checks.values()), "checks": checks,
         "prompt_tokens": PROMPT_LEN, "tokens": d["tokens"], "reference": p["reference"],
-        "blocks": blocks, "kv_bytes": kv_bytes, "moved": m, "moved_bytes": total,
+        "blocks": blocks, "whole_blocks_compared": len(sent), "kv_bytes": kv_bytes, "moved": m, "moved_bytes": total,
         "prefill_stats": ps["stats"], "num_cached_tokens": d["num_cached_tokens"],
         "start_s": {"prefill": p["start_s"], "decode": d["start_s"]},
         "prefill_s": p["prefill_s"], "decode_s": d["decode_s"], "reference_s": p["reference_s"],
@@ -244,7 +283,8 @@ def report(args, r):
           f"({r['kv_bytes']} B) to decode by vLLM's NixlConnector over flexns")
     print(f"decode tokens    {r['tokens']}")
     print(f"reference tokens {r['reference']} (prefill engine, not disaggregated)")
-    print(f"moved by decode's flexns engine: {r['moved']}")
+    print(f"moved by decode's flexns engine: {r['moved']}; the {r['whole_blocks_compared']} whole "
+          f"blocks compared byte for byte (SHA-256 of each block, every layer)")
     print(f"engines started in {r['start_s']['prefill']:.0f} s / {r['start_s']['decode']:.0f} s "
           f"(side by side); prefill {r['prefill_s'] * 1e3:.0f} ms, decode {r['decode_s'] * 1e3:.0f} ms;"
           f" wall {r['wall_s']:.0f} s")

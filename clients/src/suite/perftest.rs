@@ -15,15 +15,16 @@ use std::time::{Duration, Instant};
 
 /// A perftest program and its arguments (the TCP port and, for the client, the server's
 /// address are added per run).
-pub(super) struct Perftest {
+pub(crate) struct Perftest {
     /// `ib_write_bw` or `ib_send_lat`.
-    pub program: &'static str,
-    pub args: Vec<String>,
+    pub(crate) program: &'static str,
+    /// Its arguments.
+    pub(crate) args: Vec<String>,
 }
 
 /// The folder of flexns's `libibverbs.so.1`: `$FLEXNS_IBVERBS_DIR`, else
 /// `target/ibverbs/<profile>` beside this build's `target/<profile>/flexns`.
-pub(super) fn library_dir() -> Result<PathBuf> {
+pub(crate) fn library_dir() -> Result<PathBuf> {
     if let Some(d) = std::env::var_os("FLEXNS_IBVERBS_DIR") {
         return Ok(PathBuf::from(d));
     }
@@ -112,7 +113,7 @@ fn stop(mut child: Child) {
 }
 
 /// One perftest server and client pair over the library in `lib`; the client's output.
-fn pair(p: &Perftest, lib: &Path, limit: Duration) -> Result<String> {
+pub(crate) fn pair(p: &Perftest, lib: &Path, limit: Duration) -> Result<String> {
     let port = free_port()?.to_string();
     let cmd = |extra: &[&str]| {
         let mut c = crate::procs::command(p.program);
@@ -146,7 +147,7 @@ fn pair(p: &Perftest, lib: &Path, limit: Duration) -> Result<String> {
 /// The figure of a perftest result table: for a bandwidth test the BW average (Gbit/s with
 /// `--report_gbits`, 4th column), for a latency test t_typical (µs, 5th column), of the row
 /// of `size` bytes.
-pub(super) fn figure(out: &str, size: f64, latency: bool) -> Result<f64> {
+pub(crate) fn figure(out: &str, size: f64, latency: bool) -> Result<f64> {
     let col = if latency { 4 } else { 3 };
     let v = out
         .lines()
