@@ -482,17 +482,34 @@ fn qps_are_sharded_over_several_data_cores() {
     let ma = pa.reg_mr(1 << 20, Access::ALL).unwrap();
     let mb = pb.reg_mr(1 << 20, Access::ALL).unwrap();
     ma.write(0, &pattern(1 << 20, 5));
+    // QPs go to the core their QPN names (QPN mod cores); QPNs are random, so twelve of them
+    // miss one of three cores about one time in 43: the QPs are made until each core has one
+    // (or 100 pairs: a miss then is a one-in-10^17 event, or a bug), at least 12
     let mut ports = std::collections::HashSet::new();
+    let mut core_port = std::collections::HashMap::new();
     let mut qps = Vec::new();
-    for _ in 0..12 {
+    while qps.len() < 12 || (ports.len() < 3 && qps.len() < 100) {
         let qa = ca.create_qp(&pa, &cqa, &cqa, QpInitAttr::default()).unwrap();
         let qb = cb.create_qp(&pb, &cqb, &cqb, QpInitAttr::default()).unwrap();
         qa.connect(&qb.local_endpoint()).unwrap();
         qb.connect(&qa.local_endpoint()).unwrap();
-        ports.insert(qa.local_endpoint().addr.port());
+        let port = qa.local_endpoint().addr.port();
+        ports.insert(port);
+        // one core, one socket: every QP of a core sends from its port
+        assert_eq!(
+            *core_port.entry(qa.qp_num() % 3).or_insert(port),
+            port,
+            "QPN {}",
+            qa.qp_num()
+        );
         qps.push((qa, qb));
     }
     assert_eq!(ports.len(), 3, "QPs should be spread over 3 data cores (3 sockets)");
+    // the WRITEs below use 12 of them, a QP of each core among them
+    let mut cores = std::collections::HashSet::new();
+    let (mut qps, mut rest): (Vec<_>, Vec<_>) = qps.into_iter().partition(|(qa, _)| cores.insert(qa.qp_num() % 3));
+    qps.append(&mut rest);
+    qps.truncate(12);
     for (i, (qa, _)) in qps.iter().enumerate() {
         let off = i * 65536;
         qa.post_send(
