@@ -65,6 +65,8 @@ cargo test -p kvcache-engine --features gpu --lib --test gpu -- --nocapture
 # the Python package (a Mooncake-compatible TransferEngine): built, installed, and its tests
 scripts/python.sh --dev
 python3 -m pytest -q python/tests
+# flexns demo's LLM step: two vLLM engines over the package just installed (about 40 s)
+cargo test -p clients --test demo_steps -- --ignored llm_step
 
 # the notification pipe's protocol under every interleaving (loom; its own target directory)
 scripts/loom.sh --quiet

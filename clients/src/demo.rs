@@ -216,7 +216,12 @@ pub fn flexnsd_step(scale: f64, json_out: bool) -> Result<Outcome> {
     crate::procs::terminate(daemon, Duration::from_secs(2));
     let daemon_log = std::fs::read_to_string(&log).unwrap_or_default();
     let _ = std::fs::remove_dir_all(&dir);
-    let r = r.with_context(|| format!("flexnsd's log: {}", daemon_log.trim()))?;
+    let r = match r {
+        Err(e) if !daemon_log.trim().is_empty() => {
+            return Err(e.context(format!("flexnsd's log: {}", daemon_log.trim())))
+        }
+        r => r?,
+    };
     if !alive {
         bail!("flexnsd exited during the step: {}", daemon_log.trim());
     }

@@ -1,8 +1,9 @@
 //! `flexns demo`'s steps that run other programs, each through the real binary
 //! (`flexns demo --only STEP --json`): the stack as a daemon (`flexnsd`, with `flexnsd-bench`),
 //! unmodified perftest on flexns's `libibverbs.so.1`, and the served vLLM pair (`--no-llm`
-//! leaves it out; the pair itself is `#[ignore]`d: about 100 s on a 2-core host, see
-//! docs/TESTING.md).
+//! leaves it out; the pair itself is `#[ignore]`d in `cargo test --workspace`, which runs
+//! before the test command installs the flexns Python package: scripts/test.sh runs it after
+//! that, see docs/TESTING.md).
 
 use serde_json::Value;
 use std::process::{Command, Stdio};
@@ -135,10 +136,12 @@ fn no_llm_leaves_the_llm_step_out() {
 /// The LLM step: two vLLM engines, the prefill's KV blocks moved to decode over flexns by
 /// vLLM's NixlConnector; the prompt's whole blocks are in decode's cache byte for byte,
 /// decode's tokens equal a non-disaggregated run and decode's flexns
-/// engine moved at least the blocks' bytes. About 100 s on a 2-core host: outside the test
-/// command (`cargo test -p clients --test demo_steps -- --ignored`).
+/// engine moved at least the blocks' bytes. About 40 s on an idle 2-core host (100 s beside
+/// builds). It needs the flexns Python package, which scripts/test.sh installs after `cargo
+/// test --workspace`, and then runs this (`cargo test -p clients --test demo_steps --
+/// --ignored llm_step`).
 #[test]
-#[ignore = "two vLLM engines: about 100 s on a 2-core host; run with --ignored"]
+#[ignore = "needs the flexns Python package installed (scripts/test.sh runs it after scripts/python.sh)"]
 fn llm_step_serves_a_disaggregated_pair_over_flexns() {
     let (ok, lines, err) = demo(&["--only", "llm"]);
     let skipped = lines

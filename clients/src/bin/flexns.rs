@@ -168,7 +168,7 @@ fn demo(duration: f64, json: bool, steps: &[DemoStep]) -> Result<()> {
                         if clients::procs::stopping() {
                             return Ok(());
                         }
-                        eprintln!("{step:?} step failed: {e:#}");
+                        eprintln!("{} step failed: {e:#}", format!("{step:?}").to_lowercase());
                         all_verified = false;
                     }
                 }
