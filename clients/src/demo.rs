@@ -374,7 +374,7 @@ fn python() -> std::ffi::OsString {
 }
 
 /// The LLM step's script.
-pub fn vllm_pair_script() -> PathBuf {
+fn vllm_pair_script() -> PathBuf {
     checkout().join("python/demo/vllm_pair.py")
 }
 
