@@ -25,6 +25,7 @@ pair ran but did not verify, 2 when it could not run.
 import argparse
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -268,6 +269,9 @@ def parent_main(args):
         "prefill_s": p["prefill_s"], "decode_s": d["decode_s"], "reference_s": p["reference_s"],
         "wall_s": time.monotonic() - t_all, "logs": logs,
     }
+    if result["verified"]:  # the logs are kept (their folder named in the result) only on failure
+        shutil.rmtree(work, ignore_errors=True)
+        del result["logs"]
     report(args, result)
     return 0 if result["verified"] else 1
 
