@@ -193,6 +193,16 @@ fn comparisons(a: &SuiteArgs) -> Vec<Comparison> {
                 format!("--size 4KiB --compare tcp --pairs {p} --duration {d}"),
             )
         },
+        c(
+            "flexnsd",
+            "the same verbs through the flexnsd daemon (shared-memory rings, memfd regions) vs the in-process engine: WRITE 1 MiB one at a time (every byte checked at the target) and SEND 64 B ping (p50), CPU of application and daemon together",
+            "flexnsd-bench",
+            if a.quick {
+                format!("--pairs {p} --writes 100 --sends 1000")
+            } else {
+                format!("--pairs {p}")
+            },
+        ),
         py(
             "python-nixl-vs-ucx",
             "NIXL agent API READs with a notification (vLLM NixlConnector's loop: 64 x 16 KiB scattered blocks, and 16 MiB) between two processes on this host, flexns.nixl vs the real NIXL (PyPI nixl) over UCX with its default transports",

@@ -10,6 +10,10 @@
 //!
 //! Each run writes a pattern of its own into the source and zeros the destination first, and
 //! checks every byte at the destination after its WRITEs; a run whose data differs fails.
+//!
+//! `--json` prints JSON lines in place of the table (docs/BENCHMARKS.md): one per run, then one
+//! `"bench": "ratio"` line per case with the median over pairs of flexnsd / in-process (the
+//! lines `flexns bench` reads for its `flexnsd-*` rows).
 
 use anyhow::{bail, Context as _};
 use clap::Parser;
@@ -49,6 +53,9 @@ struct Args {
     /// completion ring for 50 us. 0: netstack's `Cq::next`, which sleeps at once.
     #[arg(long, default_value_t = 50)]
     inproc_spin_us: u64,
+    /// JSON lines (each run, then the ratios) instead of the table.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -337,11 +344,13 @@ fn run(args: Args) -> anyhow::Result<()> {
         }
     };
     let result = (|| -> anyhow::Result<()> {
-        println!(
-            "in-process application polls its CQ {} us before sleeping; flexnsd's polls its ring 50 us",
-            args.inproc_spin_us
-        );
-        println!("mode      WRITE-1MiB-Gbit/s  SEND-64B-p50-us  CPU-us/WRITE  CPU-us/SEND");
+        if !args.json {
+            println!(
+                "in-process application polls its CQ {} us before sleeping; flexnsd's polls its ring 50 us",
+                args.inproc_spin_us
+            );
+            println!("mode      WRITE-1MiB-Gbit/s  SEND-64B-p50-us  CPU-us/WRITE  CPU-us/SEND");
+        }
         let mut ratios = Vec::new();
         let t0 = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -356,10 +365,14 @@ fn run(args: Args) -> anyhow::Result<()> {
                 t0 ^ (2 * pair + 1),
             )?;
             for (name, r) in [("in-proc", inproc), ("flexnsd", via)] {
-                println!(
-                    "{name:8}  {:17.2}  {:15.1}  {:12.1}  {:11.2}",
-                    r.write_gbps, r.send_p50_us, r.cpu_write_us, r.cpu_send_us
-                );
+                if args.json {
+                    println!("{}", run_line(name, &r, &args));
+                } else {
+                    println!(
+                        "{name:8}  {:17.2}  {:15.1}  {:12.1}  {:11.2}",
+                        r.write_gbps, r.send_p50_us, r.cpu_write_us, r.cpu_send_us
+                    );
+                }
             }
             ratios.push((
                 via.write_gbps / inproc.write_gbps,
@@ -367,6 +380,12 @@ fn run(args: Args) -> anyhow::Result<()> {
                 via.cpu_write_us / inproc.cpu_write_us,
                 via.cpu_send_us / inproc.cpu_send_us,
             ));
+        }
+        if args.json {
+            for line in ratio_lines(&ratios) {
+                println!("{line}");
+            }
+            return Ok(());
         }
         println!(
             "every run's WRITEs verified at the target (a fresh pattern per run, the destination zeroed before it)"
@@ -385,6 +404,52 @@ fn run(args: Args) -> anyhow::Result<()> {
         let _ = std::fs::remove_dir_all(&dir);
     }
     result
+}
+
+/// The JSON line of one run (`mode`: `in-proc` or `flexnsd`). A run that returned verified its
+/// WRITEs at the target ([`verify`]); its SENDs carry no checked data.
+fn run_line(mode: &str, r: &Run, args: &Args) -> serde_json::Value {
+    serde_json::json!({
+        "bench": "flexnsd",
+        "system": if mode == "flexnsd" { "flexns-flexnsd" } else { "flexns-inproc" },
+        "write_size": MIB,
+        "writes": args.writes,
+        "gbps": r.write_gbps,
+        "send_size": 64,
+        "sends": args.sends,
+        "p50_us": r.send_p50_us,
+        "cpu_us_per_write": r.cpu_write_us,
+        "cpu_us_per_send": r.cpu_send_us,
+        "verified": true,
+    })
+}
+
+/// The median of `v` (not empty).
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// The ratio lines over the pairs' (WRITE, SEND p50, CPU per WRITE, CPU per SEND) ratios,
+/// flexnsd / in-process: one for WRITE 1 MiB (Gbit/s) and one for SEND 64 B (p50).
+fn ratio_lines(pairs: &[(f64, f64, f64, f64)]) -> [serde_json::Value; 2] {
+    let col = |f: fn(&(f64, f64, f64, f64)) -> f64| pairs.iter().map(f).collect::<Vec<f64>>();
+    let line = |case: &str, metric: &str, ratios: Vec<f64>, cpu: Vec<f64>, target: &str| {
+        serde_json::json!({
+            "bench": "ratio",
+            "case": case,
+            "metric": metric,
+            "reference": "the in-process engine",
+            "ratio": median(ratios.clone()),
+            "ratios": ratios,
+            "cpu_us_per_op_ratio": median(cpu),
+            "target": target,
+        })
+    };
+    [
+        line("WRITE-1MiB", "gbps", col(|p| p.0), col(|p| p.2), ">= 0.9, CPU <= 1.2"),
+        line("SEND-64B", "p50_us", col(|p| p.1), col(|p| p.3), "<= 1.3, CPU <= 1.2"),
+    ]
 }
 
 /// The daemon the flexnsd runs go through: one this bench started, or one it was given.
