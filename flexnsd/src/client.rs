@@ -4,6 +4,11 @@
 //! netstack's work-request and completion types. Posting and polling touch only shared memory
 //! (and, when the daemon sleeps, one eventfd write); commands go over the Unix socket.
 //!
+//! A daemon that dies (its socket closes) fails waiting calls and commands with
+//! [`ClientError::DaemonGone`], and every work request posted and not completed then completes
+//! with [`WcStatus::WrFlushErr`] on its CQ, as a QP in the error state flushes its queues: the
+//! client keeps, per QP, what it posted until the completion that retires it.
+//!
 //! ```no_run
 //! use flexnsd::client::*;
 //! use netstack::verbs::{Access, SendWr, WrOpcode};
@@ -22,10 +27,11 @@ use crate::proto::{self, Reply, Request, Status};
 use crate::shm::{self, Mapping, RingFault};
 use crate::sys;
 use netstack::mem::Region;
-use netstack::verbs::{Access, Endpoint, RecvWr, SendWr, Sge, Wc};
+use netstack::verbs::{Access, Endpoint, RecvWr, SendWr, Sge, Wc, WcOpcode, WcStatus};
+use std::collections::{HashMap, VecDeque};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::Path;
-use std::sync::atomic::{fence, Ordering};
+use std::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -72,6 +78,46 @@ struct Inner {
     lock: Mutex<()>,
     doorbell: OwnedFd,
     app: u64,
+    /// The daemon's socket closed: what is outstanding is flushed.
+    dead: AtomicBool,
+    /// When (ms since `epoch`) a poll that found nothing last looked at the socket.
+    looked_ms: AtomicU64,
+    epoch: Instant,
+    /// Each live QP's outstanding work requests, by QP number.
+    qps: Mutex<HashMap<u32, Arc<Track>>>,
+}
+
+/// How often a poll that finds no completion checks whether the daemon is still there.
+const LIVENESS_EVERY_MS: u64 = 1;
+
+/// A QP's work requests posted and not yet completed, in posting order, with the CQs their
+/// completions go to.
+struct Track {
+    send_cq: u32,
+    recv_cq: u32,
+    out: Mutex<Outstanding>,
+}
+
+#[derive(Default)]
+struct Outstanding {
+    /// Send WRs: id and completion opcode. An unsignaled one is retired by the next
+    /// completion after it (RC completes sends in order).
+    sends: VecDeque<(u64, WcOpcode)>,
+    recvs: VecDeque<u64>,
+}
+
+impl Outstanding {
+    /// The WRs a completion of this QP retires: up to and including `wc.wr_id` on its queue.
+    fn retire(&mut self, wc: &Wc) {
+        let recv = matches!(wc.opcode, WcOpcode::Recv | WcOpcode::RecvRdmaWithImm);
+        if recv {
+            if let Some(i) = self.recvs.iter().position(|&id| id == wc.wr_id) {
+                self.recvs.drain(..=i);
+            }
+        } else if let Some(i) = self.sends.iter().position(|&(id, _)| id == wc.wr_id) {
+            self.sends.drain(..=i);
+        }
+    }
 }
 
 impl Inner {
@@ -99,6 +145,71 @@ impl Inner {
     /// Whether the daemon's end of the socket closed.
     fn hung_up(revents: i16) -> bool {
         revents & (libc::POLLHUP | libc::POLLRDHUP | libc::POLLERR) != 0
+    }
+
+    /// Notes that the daemon is gone (from then on outstanding work is flushed).
+    fn died(&self) {
+        self.dead.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether the daemon is gone: known already, or (at most every [`LIVENESS_EVERY_MS`]) its
+    /// socket says so now, without waiting.
+    fn gone_now(&self) -> bool {
+        if self.dead.load(Ordering::Relaxed) {
+            return true;
+        }
+        let now = self.epoch.elapsed().as_millis() as u64;
+        let last = self.looked_ms.load(Ordering::Relaxed);
+        if now < last + LIVENESS_EVERY_MS || self.looked_ms.swap(now, Ordering::Relaxed) != last {
+            return false;
+        }
+        match sys::poll(&[(self.sock.as_fd(), libc::POLLRDHUP)], Some(Duration::ZERO)) {
+            Ok(r) if Inner::hung_up(r[0]) => {
+                self.died();
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Moves flush completions of every outstanding WR whose completion goes to CQ `cq` into
+    /// `wc`; returns how many.
+    fn flush_into(&self, cq: u32, wc: &mut [Wc]) -> usize {
+        let qps = self.qps.lock().unwrap_or_else(|e| e.into_inner());
+        let mut n = 0;
+        for (&qpn, t) in qps.iter() {
+            let mut out = t.out.lock().unwrap_or_else(|e| e.into_inner());
+            let flushed = |wr_id, opcode| Wc {
+                wr_id,
+                status: WcStatus::WrFlushErr,
+                opcode,
+                byte_len: 0,
+                imm_data: None,
+                qp_num: qpn,
+                src_qp: 0,
+                vendor_err: 0,
+            };
+            while t.send_cq == cq && n < wc.len() {
+                let Some((id, op)) = out.sends.pop_front() else { break };
+                wc[n] = flushed(id, op);
+                n += 1;
+            }
+            while t.recv_cq == cq && n < wc.len() {
+                let Some(id) = out.recvs.pop_front() else { break };
+                wc[n] = flushed(id, WcOpcode::Recv);
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// Whether a flush would give CQ `cq` anything.
+    fn has_flush_for(&self, cq: u32) -> bool {
+        let qps = self.qps.lock().unwrap_or_else(|e| e.into_inner());
+        qps.values().any(|t| {
+            let out = t.out.lock().unwrap_or_else(|e| e.into_inner());
+            (t.send_cq == cq && !out.sends.is_empty()) || (t.recv_cq == cq && !out.recvs.is_empty())
+        })
     }
 }
 
@@ -148,6 +259,10 @@ impl Attachment {
             lock: Mutex::new(()),
             doorbell,
             app: 0,
+            dead: AtomicBool::new(false),
+            looked_ms: AtomicU64::new(0),
+            epoch: Instant::now(),
+            qps: Mutex::new(HashMap::new()),
         };
         let r = inner.call(&Request::Hello { name: name.into() }, &[inner.doorbell.as_fd()])?;
         let Reply::Hello { app } = r else {
@@ -223,6 +338,13 @@ impl Attachment {
         let Reply::Qp { handle, qpn } = r else {
             return Err(unexpected(r));
         };
+        let track = Arc::new(Track {
+            send_cq: send_cq.handle,
+            recv_cq: recv_cq.handle,
+            out: Mutex::new(Outstanding::default()),
+        });
+        let qps = &self.inner.qps;
+        qps.lock().unwrap_or_else(|e| e.into_inner()).insert(qpn, track.clone());
         Ok(Qp {
             att: self.clone(),
             handle,
@@ -230,6 +352,7 @@ impl Attachment {
             ring,
             slots,
             tail: Mutex::new(0),
+            track,
         })
     }
 
@@ -373,8 +496,28 @@ pub struct Cq {
 }
 
 impl Cq {
-    /// Moves up to `wc.len()` completions into `wc`; returns how many.
+    /// Moves up to `wc.len()` completions into `wc`; returns how many. Once the daemon is
+    /// gone, what it completed is delivered first, then a [`WcStatus::WrFlushErr`] completion
+    /// for every work request still outstanding on this CQ's QPs.
     pub fn poll(&self, wc: &mut [Wc]) -> Result<usize> {
+        let n = self.poll_ring(wc)?;
+        if n > 0 {
+            let qps = self.att.inner.qps.lock().unwrap_or_else(|e| e.into_inner());
+            for w in &wc[..n] {
+                if let Some(t) = qps.get(&w.qp_num) {
+                    t.out.lock().unwrap_or_else(|e| e.into_inner()).retire(w);
+                }
+            }
+            return Ok(n);
+        }
+        if self.att.inner.gone_now() {
+            return Ok(self.att.inner.flush_into(self.handle, wc));
+        }
+        Ok(0)
+    }
+
+    /// The completions the daemon wrote into the ring.
+    fn poll_ring(&self, wc: &mut [Wc]) -> Result<usize> {
         let mut head = self.head.lock().unwrap_or_else(|e| e.into_inner());
         let tail = self.ring.word(shm::CQ_TAIL).load(Ordering::Acquire);
         let ready = tail.wrapping_sub(*head);
@@ -401,11 +544,23 @@ impl Cq {
     fn ready(&self) -> bool {
         let head = *self.head.lock().unwrap_or_else(|e| e.into_inner());
         self.ring.word(shm::CQ_TAIL).load(Ordering::SeqCst) != head
+            || (self.att.inner.dead.load(Ordering::SeqCst) && self.att.inner.has_flush_for(self.handle))
+    }
+
+    /// The daemon is gone: completions remain (its last ones, or flushes), or the error.
+    fn after_death(&self) -> Result<bool> {
+        self.att.inner.died();
+        if self.ready() {
+            Ok(true)
+        } else {
+            Err(ClientError::DaemonGone)
+        }
     }
 
     /// Blocks until a completion is available (`Ok(true)`) or `timeout` passes (`Ok(false)`):
-    /// spins briefly, then sleeps on the CQ's eventfd. Returns [`ClientError::DaemonGone`] as
-    /// soon as the daemon's socket closes.
+    /// spins briefly, then sleeps on the CQ's eventfd. As soon as the daemon's socket closes it
+    /// returns `Ok(true)` while completions remain (the daemon's last ones, then the flushes of
+    /// the outstanding work requests), then [`ClientError::DaemonGone`].
     pub fn wait(&self, timeout: Duration) -> Result<bool> {
         let start = Instant::now();
         let deadline = start + timeout;
@@ -433,7 +588,7 @@ impl Cq {
                 Some(left.max(Duration::from_millis(1))),
             )?;
             if Inner::hung_up(r[1]) {
-                return Err(ClientError::DaemonGone);
+                return self.after_death();
             }
             if r[0] != 0 {
                 sys::eventfd_drain(self.notify.as_fd());
@@ -471,6 +626,8 @@ pub struct Qp {
     ring: Mapping,
     slots: usize,
     tail: Mutex<u64>,
+    /// What it posted and has not seen complete (flushed if the daemon dies).
+    track: Arc<Track>,
 }
 
 impl Qp {
@@ -506,7 +663,10 @@ impl Qp {
         }
     }
 
-    fn push(&self, words: [u64; 8]) -> Result<()> {
+    fn push(&self, words: [u64; 8], posted: impl FnOnce(&mut Outstanding)) -> Result<()> {
+        if self.att.inner.dead.load(Ordering::Relaxed) {
+            return Err(ClientError::DaemonGone);
+        }
         if let Some(f) = RingFault::from_word(self.ring.word(shm::SQ_ERROR).load(Ordering::Acquire)) {
             return Err(ClientError::RingClosed(f));
         }
@@ -516,6 +676,8 @@ impl Qp {
         if used >= self.slots as u64 {
             return Err(ClientError::QueueFull(used as usize));
         }
+        // recorded before the daemon can see it, so that its completion finds it
+        posted(&mut self.track.out.lock().unwrap_or_else(|e| e.into_inner()));
         self.ring
             .write_words(shm::slot_off(*tail, self.slots, shm::WQE_BYTES), &words);
         *tail += 1;
@@ -531,13 +693,14 @@ impl Qp {
     /// SGEs, in this attachment's memory regions).
     pub fn post_send(&self, wr: SendWr) -> Result<()> {
         let words = shm::encode_send(&wr).map_err(|e| ClientError::Invalid(e.into()))?;
-        self.push(words)
+        let opcode = WcOpcode::from_wr(wr.opcode);
+        self.push(words, |o| o.sends.push_back((wr.wr_id, opcode)))
     }
 
     /// Posts a receive work request (at most two SGEs).
     pub fn post_recv(&self, wr: RecvWr) -> Result<()> {
         let words = shm::encode_recv(&wr).map_err(|e| ClientError::Invalid(e.into()))?;
-        self.push(words)
+        self.push(words, |o| o.recvs.push_back(wr.wr_id))
     }
 
     /// Its transport counters, from the daemon's engine.
@@ -563,6 +726,8 @@ impl Qp {
 
 impl Drop for Qp {
     fn drop(&mut self) {
+        let qps = &self.att.inner.qps;
+        qps.lock().unwrap_or_else(|e| e.into_inner()).remove(&self.qpn);
         let _ = self.att.inner.call(&Request::DestroyQp { qp: self.handle }, &[]);
     }
 }

@@ -407,6 +407,75 @@ fn daemon_killed_waiting_call_errors_within_a_second() {
     assert!(matches!(n.qp.local_endpoint(), Err(ClientError::DaemonGone)));
 }
 
+/// A daemon killed with SIGKILL while work is outstanding: every work request posted and not
+/// completed completes with a flush error within 1 s (sends, stuck on a receiver with no
+/// receive posted, and receives nobody sends to), one already completed is not flushed again,
+/// and then the CQ, posts and commands say the daemon is gone.
+#[test]
+fn daemon_killed_outstanding_work_completes_with_flush_errors() {
+    let mut d = Daemon::start("dflush");
+    let att = d.attach("app");
+    let a = node(att.clone());
+    let b = node(att);
+    a.qp.connect(&b.qp.local_endpoint().unwrap()).unwrap();
+    b.qp.connect(&a.qp.local_endpoint().unwrap()).unwrap();
+    fill(&a.mr, 0, 4096, 7);
+    let w = SendWr::new(1, WrOpcode::RdmaWrite)
+        .sge(a.mr.sge(0, 4096))
+        .remote(b.mr.addr(), b.mr.rkey());
+    a.qp.post_send(w).unwrap();
+    done(&a.cq, 1, WcOpcode::RdmaWrite);
+    // b posts no receive: these SENDs wait on RNR (retried without end), and nothing sends to a
+    for id in [2, 3] {
+        a.qp.post_send(SendWr::new(id, WrOpcode::Send).sge(a.mr.sge(0, 64)))
+            .unwrap();
+    }
+    for id in [20, 21] {
+        a.qp.post_recv(RecvWr {
+            wr_id: id,
+            sg_list: [a.mr.sge(8192, 64)].into_iter().collect(),
+        })
+        .unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        a.cq.poll(&mut [netstack::verbs::EMPTY_WC; 4]).unwrap(),
+        0,
+        "nothing completed yet"
+    );
+    d.child.kill().unwrap();
+    let killed = Instant::now();
+    let mut flushed = Vec::new();
+    let end = loop {
+        match a.cq.next(Duration::from_secs(5)) {
+            Ok(Some(wc)) => flushed.push((wc.wr_id, wc.status, wc.opcode, wc.qp_num)),
+            other => break other,
+        }
+    };
+    let took = killed.elapsed();
+    let q = a.qp.qp_num();
+    assert_eq!(
+        flushed,
+        [
+            (2, WcStatus::WrFlushErr, WcOpcode::Send, q),
+            (3, WcStatus::WrFlushErr, WcOpcode::Send, q),
+            (20, WcStatus::WrFlushErr, WcOpcode::Recv, q),
+            (21, WcStatus::WrFlushErr, WcOpcode::Recv, q),
+        ]
+    );
+    assert!(matches!(end, Err(ClientError::DaemonGone)), "{end:?}");
+    assert!(
+        took < Duration::from_secs(1),
+        "the flushes came {took:?} after the kill"
+    );
+    assert!(matches!(
+        b.cq.next(Duration::from_secs(5)),
+        Err(ClientError::DaemonGone)
+    ));
+    let again = a.qp.post_send(SendWr::new(4, WrOpcode::Send).sge(a.mr.sge(0, 64)));
+    assert!(matches!(again, Err(ClientError::DaemonGone)), "{again:?}");
+}
+
 /// A hostile application: bad handles, handles of another application, a memfd too small, a
 /// file that cannot be sealed, a shrink after registration, a ring index far out of range.
 /// Each gets an error for it alone; the other application keeps moving correct data.
