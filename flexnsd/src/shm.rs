@@ -152,6 +152,8 @@ fn op_code(op: WrOpcode) -> Option<u64> {
         WrOpcode::RdmaWrite => 3,
         WrOpcode::RdmaWriteWithImm => 4,
         WrOpcode::RdmaRead => 5,
+        WrOpcode::AtomicCmpAndSwp => 6,
+        WrOpcode::AtomicFetchAndAdd => 7,
         _ => return None,
     })
 }
@@ -163,8 +165,16 @@ fn code_op(c: u64) -> Option<WrOpcode> {
         3 => WrOpcode::RdmaWrite,
         4 => WrOpcode::RdmaWriteWithImm,
         5 => WrOpcode::RdmaRead,
+        6 => WrOpcode::AtomicCmpAndSwp,
+        7 => WrOpcode::AtomicFetchAndAdd,
         _ => return None,
     })
+}
+
+/// An atomic takes one SGE (the 8 bytes the old value lands in): its entry carries the compare
+/// (or add) and swap operands where a second SGE would be.
+fn is_atomic(op: WrOpcode) -> bool {
+    matches!(op, WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd)
 }
 
 fn sge_words(s: Option<&Sge>) -> [u64; 2] {
@@ -189,10 +199,33 @@ pub enum Wqe {
 }
 
 /// Encodes a send WR as an entry: the ring carries SEND, SEND with immediate, WRITE, WRITE with
-/// immediate and READ, with at most two SGEs.
+/// immediate and READ, with at most two SGEs, and the two atomics (one SGE; their operands where
+/// a second SGE would be). INLINE is refused: the daemon reads the payload only when it takes the
+/// entry, after the post has returned.
 pub fn encode_send(wr: &SendWr) -> Result<[u64; 8], &'static str> {
-    let op =
-        op_code(wr.opcode).ok_or("opcode: only SEND, WRITE and READ (with or without immediate) go through flexnsd")?;
+    let op = op_code(wr.opcode)
+        .ok_or("opcode: only SEND, WRITE, READ (with or without immediate) and the atomics go through flexnsd")?;
+    if wr.flags.contains(SendFlags::INLINE) {
+        // the daemon reads the payload when it takes the entry, after the post has returned:
+        // the caller could already have changed it, which INLINE promises it may
+        return Err("flags: INLINE is not carried through flexnsd's ring (post from registered memory)");
+    }
+    if is_atomic(wr.opcode) {
+        if wr.sg_list.len() != 1 {
+            return Err("sg_list: an atomic takes one 8-byte scatter-gather element");
+        }
+        let [a, b] = sge_words(wr.sg_list.first());
+        return Ok([
+            wr.wr_id,
+            KIND_SEND | op << 8 | 1 << 16 | u64::from(wr.flags.0) << 32,
+            wr.remote_addr,
+            u64::from(wr.rkey),
+            a,
+            b,
+            wr.compare_add,
+            wr.swap,
+        ]);
+    }
     entry(
         [
             wr.wr_id,
@@ -237,6 +270,26 @@ pub fn decode(w: [u64; 8]) -> Result<Wqe, &'static str> {
     match kind {
         KIND_SEND => {
             let opcode = code_op((w[1] >> 8) & 0xff).ok_or("opcode: not one flexnsd carries")?;
+            let flags = SendFlags((w[1] >> 32) as u32);
+            if flags.contains(SendFlags::INLINE) {
+                return Err("flags: INLINE is not carried through the ring");
+            }
+            if is_atomic(opcode) {
+                if nsge != 1 {
+                    return Err("num_sge: an atomic takes one");
+                }
+                return Ok(Wqe::Send(SendWr {
+                    wr_id: w[0],
+                    opcode,
+                    sg_list: sg,
+                    flags,
+                    imm_data: 0,
+                    remote_addr: w[2],
+                    rkey: w[3] as u32,
+                    compare_add: w[6],
+                    swap: w[7],
+                }));
+            }
             Ok(Wqe::Send(SendWr {
                 wr_id: w[0],
                 opcode,
@@ -334,6 +387,29 @@ mod tests {
         assert!(decode([0, 3 << 16 | KIND_SEND, 0, 0, 0, 0, 0, 0]).is_err());
         assert!(decode([0, 99 << 8 | KIND_SEND, 0, 0, 0, 0, 0, 0]).is_err());
         assert!(decode([0, 7, 0, 0, 0, 0, 0, 0]).is_err());
+        // atomics: one SGE, the operands where the second would be
+        let one = Sge {
+            addr: 0x4000,
+            length: 8,
+            lkey: 12,
+        };
+        let cas = SendWr::new(8, WrOpcode::AtomicCmpAndSwp)
+            .sge(one)
+            .remote(0x5000, 13)
+            .atomic(u64::MAX - 1, 0x0123_4567_89ab_cdef);
+        let Wqe::Send(back) = decode(encode_send(&cas).unwrap()).unwrap() else {
+            panic!("an atomic entry decodes as a send")
+        };
+        assert_eq!(format!("{back:?}"), format!("{cas:?}"));
+        assert!(encode_send(&cas.clone().sge(one)).is_err(), "an atomic with two SGEs");
+        let mut two = encode_send(&cas).unwrap();
+        two[1] = two[1] & !(0xff << 16) | 2 << 16;
+        assert!(decode(two).is_err(), "an atomic entry naming two SGEs");
+        let inline = SendWr::new(9, WrOpcode::Send).sge(one).flags(SendFlags::INLINE);
+        assert!(encode_send(&inline).is_err());
+        let mut e = encode_send(&SendWr::new(9, WrOpcode::Send).sge(one)).unwrap();
+        e[1] |= u64::from(SendFlags::INLINE.0) << 32;
+        assert!(decode(e).is_err(), "an INLINE entry a hostile application wrote");
         let wc = Wc {
             wr_id: 5,
             status: WcStatus::RemAccessErr,

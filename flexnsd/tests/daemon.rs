@@ -4,7 +4,7 @@
 use flexnsd::client::{Attachment, ClientError, Cq, Mr, Pd, Qp, QpInitAttr};
 use flexnsd::proto::{Reply, Request};
 use flexnsd::shm::RingFault;
-use netstack::verbs::{Access, Endpoint, RecvWr, SendWr, WcOpcode, WcStatus, WrOpcode};
+use netstack::verbs::{Access, Endpoint, RecvWr, SendFlags, SendWr, WcOpcode, WcStatus, WrOpcode};
 use std::io::{BufRead, BufReader, Write};
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
@@ -474,6 +474,50 @@ fn daemon_killed_outstanding_work_completes_with_flush_errors() {
     ));
     let again = a.qp.post_send(SendWr::new(4, WrOpcode::Send).sge(a.mr.sge(0, 64)));
     assert!(matches!(again, Err(ClientError::DaemonGone)), "{again:?}");
+}
+
+/// Both atomics go through the ring (their operands ride where a second SGE would) and give the
+/// old value and the new memory; INLINE, whose payload the daemon would read after the post
+/// returned, is refused at the post.
+#[test]
+fn atomics_go_through_the_ring_and_inline_is_refused() {
+    let d = Daemon::start("atomics");
+    let att = d.attach("app");
+    let a = node(att.clone());
+    let b = node(att);
+    a.qp.connect(&b.qp.local_endpoint().unwrap()).unwrap();
+    b.qp.connect(&a.qp.local_endpoint().unwrap()).unwrap();
+    b.mr.region().store_u64(64, 5).unwrap();
+    let atomic = |id: u64, op: WrOpcode, compare_add: u64, swap: u64| {
+        a.qp.post_send(
+            SendWr::new(id, op)
+                .sge(a.mr.sge(8 * id as usize, 8))
+                .remote(b.mr.addr() + 64, b.mr.rkey())
+                .atomic(compare_add, swap),
+        )
+        .unwrap();
+        let want = if op == WrOpcode::AtomicFetchAndAdd {
+            WcOpcode::FetchAdd
+        } else {
+            WcOpcode::CompSwap
+        };
+        done(&a.cq, id, want);
+        (
+            a.mr.region().load_u64(8 * id as usize).unwrap(),
+            b.mr.region().load_u64(64).unwrap(),
+        )
+    };
+    assert_eq!(atomic(1, WrOpcode::AtomicFetchAndAdd, 3, 0), (5, 8));
+    assert_eq!(atomic(2, WrOpcode::AtomicCmpAndSwp, 8, 42), (8, 42));
+    // a compare that fails leaves the memory as it was and still returns the old value
+    assert_eq!(atomic(3, WrOpcode::AtomicCmpAndSwp, 1, 0), (42, 42));
+    let inline = SendWr::new(4, WrOpcode::Send)
+        .sge(a.mr.sge(0, 16))
+        .flags(SendFlags::SIGNALED | SendFlags::INLINE);
+    match a.qp.post_send(inline) {
+        Err(ClientError::Invalid(m)) if m.contains("INLINE") => {}
+        r => panic!("INLINE through the ring: {r:?}"),
+    }
 }
 
 /// A hostile application: bad handles, handles of another application, a memfd too small, a
