@@ -27,7 +27,7 @@ use crate::proto::{self, Reply, Request, Status};
 use crate::shm::{self, Mapping, RingFault};
 use crate::sys;
 use netstack::mem::Region;
-use netstack::verbs::{Access, Endpoint, RecvWr, SendWr, Sge, Wc, WcOpcode, WcStatus};
+use netstack::verbs::{Access, Endpoint, RecvWr, SendFlags, SendWr, Sge, Wc, WcOpcode, WcStatus};
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::Path;
@@ -58,8 +58,9 @@ pub enum ClientError {
     /// An argument is invalid (which, and why).
     #[error("invalid argument: {0}")]
     Invalid(String),
-    /// The QP's send ring has no free entry.
-    #[error("send ring full ({0} entries outstanding)")]
+    /// The QP's send ring has no free entry, or the QP already has as many work requests
+    /// outstanding (posted, not yet completed) as its ring has entries.
+    #[error("send queue full ({0} entries outstanding)")]
     QueueFull(usize),
     /// The daemon closed the QP's send ring.
     #[error("the daemon closed this QP's ring: {0:?}")]
@@ -100,22 +101,45 @@ struct Track {
 
 #[derive(Default)]
 struct Outstanding {
-    /// Send WRs: id and completion opcode. An unsignaled one is retired by the next
-    /// completion after it (RC completes sends in order).
-    sends: VecDeque<(u64, WcOpcode)>,
+    /// Send WRs in posting order.
+    sends: VecDeque<PostedSend>,
+    /// Receive WRs' ids in posting order (a QP's receives complete in order).
     recvs: VecDeque<u64>,
 }
 
+/// A send WR as the client remembers it until its completion.
+#[derive(Debug, Clone, Copy)]
+struct PostedSend {
+    wr_id: u64,
+    opcode: WcOpcode,
+    /// A signaled WR completes visibly; an unsignaled one is retired by the next completion
+    /// after it (RC completes a QP's sends in order).
+    signaled: bool,
+}
+
 impl Outstanding {
-    /// The WRs a completion of this QP retires: up to and including `wc.wr_id` on its queue.
+    /// Retires the WRs a completion of this QP accounts for. A receive: the oldest receive. A
+    /// successful send: every send up to and including the oldest signaled one (the unsignaled
+    /// ones before it completed silently). A send that failed: up to and including the oldest
+    /// with its id, since a failed WR completes even when unsignaled and the flushes after it
+    /// come one per WR (the ids may repeat; the oldest match is the one RC's order gives).
     fn retire(&mut self, wc: &Wc) {
-        let recv = matches!(wc.opcode, WcOpcode::Recv | WcOpcode::RecvRdmaWithImm);
-        if recv {
-            if let Some(i) = self.recvs.iter().position(|&id| id == wc.wr_id) {
-                self.recvs.drain(..=i);
+        if matches!(wc.opcode, WcOpcode::Recv | WcOpcode::RecvRdmaWithImm) {
+            self.recvs.pop_front();
+            return;
+        }
+        let upto = if wc.status == WcStatus::Success {
+            self.sends.iter().position(|s| s.signaled)
+        } else {
+            self.sends.iter().position(|s| s.wr_id == wc.wr_id)
+        };
+        match upto {
+            Some(i) => {
+                self.sends.drain(..=i);
             }
-        } else if let Some(i) = self.sends.iter().position(|&(id, _)| id == wc.wr_id) {
-            self.sends.drain(..=i);
+            None => {
+                self.sends.pop_front();
+            }
         }
     }
 }
@@ -190,8 +214,8 @@ impl Inner {
                 vendor_err: 0,
             };
             while t.send_cq == cq && n < wc.len() {
-                let Some((id, op)) = out.sends.pop_front() else { break };
-                wc[n] = flushed(id, op);
+                let Some(s) = out.sends.pop_front() else { break };
+                wc[n] = flushed(s.wr_id, s.opcode);
                 n += 1;
             }
             while t.recv_cq == cq && n < wc.len() {
@@ -500,25 +524,39 @@ impl Cq {
     /// gone, what it completed is delivered first, then a [`WcStatus::WrFlushErr`] completion
     /// for every work request still outstanding on this CQ's QPs.
     pub fn poll(&self, wc: &mut [Wc]) -> Result<usize> {
-        let n = self.poll_ring(wc)?;
+        // the head stays locked until what was taken is retired (or flushed), so that another
+        // poller of this CQ cannot flush a WR whose completion this one holds
+        let mut head = self.head.lock().unwrap_or_else(|e| e.into_inner());
+        let n = self.poll_ring(&mut head, wc)?;
         if n > 0 {
-            let qps = self.att.inner.qps.lock().unwrap_or_else(|e| e.into_inner());
-            for w in &wc[..n] {
-                if let Some(t) = qps.get(&w.qp_num) {
-                    t.out.lock().unwrap_or_else(|e| e.into_inner()).retire(w);
-                }
-            }
+            self.retire(&wc[..n]);
             return Ok(n);
         }
-        if self.att.inner.gone_now() {
-            return Ok(self.att.inner.flush_into(self.handle, wc));
+        if !self.att.inner.gone_now() {
+            return Ok(0);
         }
-        Ok(0)
+        // the daemon may have written its last completions after the look above and before
+        // its socket closed; nothing comes after that, so a ring still empty now is final
+        let n = self.poll_ring(&mut head, wc)?;
+        if n > 0 {
+            self.retire(&wc[..n]);
+            return Ok(n);
+        }
+        Ok(self.att.inner.flush_into(self.handle, wc))
     }
 
-    /// The completions the daemon wrote into the ring.
-    fn poll_ring(&self, wc: &mut [Wc]) -> Result<usize> {
-        let mut head = self.head.lock().unwrap_or_else(|e| e.into_inner());
+    /// Retires the WRs the completions `wc` account for.
+    fn retire(&self, wc: &[Wc]) {
+        let qps = self.att.inner.qps.lock().unwrap_or_else(|e| e.into_inner());
+        for w in wc {
+            if let Some(t) = qps.get(&w.qp_num) {
+                t.out.lock().unwrap_or_else(|e| e.into_inner()).retire(w);
+            }
+        }
+    }
+
+    /// The completions the daemon wrote into the ring, from `head` on.
+    fn poll_ring(&self, head: &mut u64, wc: &mut [Wc]) -> Result<usize> {
         let tail = self.ring.word(shm::CQ_TAIL).load(Ordering::Acquire);
         let ready = tail.wrapping_sub(*head);
         if ready > self.slots as u64 {
@@ -663,7 +701,11 @@ impl Qp {
         }
     }
 
-    fn push(&self, words: [u64; 8], posted: impl FnOnce(&mut Outstanding)) -> Result<()> {
+    /// Writes an entry into the send ring. `posted` records the WR among the outstanding ones
+    /// and says whether there was room: a QP holds at most its ring's size of WRs not yet
+    /// completed, unsignaled sends included (as an SQ holds `max_send_wr`), however fast the
+    /// daemon takes entries.
+    fn push(&self, words: [u64; 8], posted: impl FnOnce(&mut Outstanding) -> bool) -> Result<()> {
         if self.att.inner.dead.load(Ordering::Relaxed) {
             return Err(ClientError::DaemonGone);
         }
@@ -677,7 +719,9 @@ impl Qp {
             return Err(ClientError::QueueFull(used as usize));
         }
         // recorded before the daemon can see it, so that its completion finds it
-        posted(&mut self.track.out.lock().unwrap_or_else(|e| e.into_inner()));
+        if !posted(&mut self.track.out.lock().unwrap_or_else(|e| e.into_inner())) {
+            return Err(ClientError::QueueFull(self.slots));
+        }
         self.ring
             .write_words(shm::slot_off(*tail, self.slots, shm::WQE_BYTES), &words);
         *tail += 1;
@@ -693,14 +737,30 @@ impl Qp {
     /// SGEs, in this attachment's memory regions).
     pub fn post_send(&self, wr: SendWr) -> Result<()> {
         let words = shm::encode_send(&wr).map_err(|e| ClientError::Invalid(e.into()))?;
-        let opcode = WcOpcode::from_wr(wr.opcode);
-        self.push(words, |o| o.sends.push_back((wr.wr_id, opcode)))
+        let send = PostedSend {
+            wr_id: wr.wr_id,
+            opcode: WcOpcode::from_wr(wr.opcode),
+            signaled: wr.flags.contains(SendFlags::SIGNALED),
+        };
+        let slots = self.slots;
+        self.push(words, |o| {
+            o.sends.len() < slots && {
+                o.sends.push_back(send);
+                true
+            }
+        })
     }
 
     /// Posts a receive work request (at most two SGEs).
     pub fn post_recv(&self, wr: RecvWr) -> Result<()> {
         let words = shm::encode_recv(&wr).map_err(|e| ClientError::Invalid(e.into()))?;
-        self.push(words, |o| o.recvs.push_back(wr.wr_id))
+        let slots = self.slots;
+        self.push(words, |o| {
+            o.recvs.len() < slots && {
+                o.recvs.push_back(wr.wr_id);
+                true
+            }
+        })
     }
 
     /// Its transport counters, from the daemon's engine.

@@ -409,8 +409,9 @@ fn daemon_killed_waiting_call_errors_within_a_second() {
 
 /// A daemon killed with SIGKILL while work is outstanding: every work request posted and not
 /// completed completes with a flush error within 1 s (sends, stuck on a receiver with no
-/// receive posted, and receives nobody sends to), one already completed is not flushed again,
-/// and then the CQ, posts and commands say the daemon is gone.
+/// receive posted, and receives nobody sends to); ones already completed are not flushed
+/// again, an unsignaled one with the same id as the signaled one after it included; and then
+/// the CQ, posts and commands say the daemon is gone.
 #[test]
 fn daemon_killed_outstanding_work_completes_with_flush_errors() {
     let mut d = Daemon::start("dflush");
@@ -420,9 +421,11 @@ fn daemon_killed_outstanding_work_completes_with_flush_errors() {
     a.qp.connect(&b.qp.local_endpoint().unwrap()).unwrap();
     b.qp.connect(&a.qp.local_endpoint().unwrap()).unwrap();
     fill(&a.mr, 0, 4096, 7);
+    // two WRITEs with one id, the first unsignaled: the second's completion retires both
     let w = SendWr::new(1, WrOpcode::RdmaWrite)
         .sge(a.mr.sge(0, 4096))
         .remote(b.mr.addr(), b.mr.rkey());
+    a.qp.post_send(w.clone().flags(SendFlags(0))).unwrap();
     a.qp.post_send(w).unwrap();
     done(&a.cq, 1, WcOpcode::RdmaWrite);
     // b posts no receive: these SENDs wait on RNR (retried without end), and nothing sends to a
