@@ -124,11 +124,14 @@ fn ibverbs_step_runs_unmodified_perftest_and_says_it_checks_no_data() {
     }
 }
 
-/// `--no-llm` really leaves the LLM step out: no vLLM process starts, no line of it.
+/// `--no-llm` really leaves the LLM step out: no vLLM process starts, no line of it; and when
+/// that leaves no step at all (`--only llm --no-llm`) the demo fails saying so, instead of
+/// running nothing and reporting success.
 #[test]
 fn no_llm_leaves_the_llm_step_out() {
     let (ok, lines, err) = demo(&["--only", "llm", "--no-llm"]);
-    assert!(ok, "{err}");
+    assert!(!ok, "a demo with no step to run succeeded: {lines:?}\n{err}");
+    assert!(err.contains("leaves no step to run"), "{err}");
     assert!(lines.iter().all(|l| l["bench"] != "demo-llm"), "{lines:?}");
     assert!(!err.contains("vllm_pair"), "{err}");
 }

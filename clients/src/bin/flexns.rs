@@ -85,16 +85,33 @@ fn run() -> anyhow::Result<()> {
             if !(duration.is_finite() && duration > 0.0) {
                 anyhow::bail!("--duration: a positive number of seconds, not {duration}");
             }
-            let steps: Vec<DemoStep> = if only.is_empty() {
-                <DemoStep as clap::ValueEnum>::value_variants().to_vec()
-            } else {
-                only
-            };
-            let steps: Vec<DemoStep> = steps.into_iter().filter(|s| !(no_llm && *s == DemoStep::Llm)).collect();
+            let steps = selected_steps(&only, no_llm)?;
             demo(duration, json, &steps)?;
             clients::procs::finish()
         }
     }
+}
+
+/// The steps to run: `--only`'s (all when it names none), each once and in the demo's own
+/// order, less the LLM step under `--no-llm`. An empty set is an error: a demo that runs
+/// nothing must not say that all its data verified.
+fn selected_steps(only: &[DemoStep], no_llm: bool) -> Result<Vec<DemoStep>> {
+    let steps: Vec<DemoStep> = <DemoStep as clap::ValueEnum>::value_variants()
+        .iter()
+        .copied()
+        .filter(|s| only.is_empty() || only.contains(s))
+        .filter(|s| !(no_llm && *s == DemoStep::Llm))
+        .collect();
+    if steps.is_empty() {
+        anyhow::bail!(
+            "--only {} with --no-llm leaves no step to run",
+            only.iter()
+                .map(|s| format!("{s:?}").to_lowercase())
+                .collect::<Vec<_>>()
+                .join(",")
+        );
+    }
+    Ok(steps)
 }
 
 /// The demo's steps, in the order they run.
@@ -527,4 +544,25 @@ fn kvcache_step(duration: f64, json: bool) -> Result<()> {
         println!();
     }
     r.map(|_| ())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{selected_steps, DemoStep};
+
+    /// `--only` runs each named step once, in the demo's order, whatever order it names them
+    /// in; `--no-llm` takes the LLM step out; a set left empty is an error.
+    #[test]
+    fn only_dedups_and_keeps_the_demo_order() {
+        use DemoStep::*;
+        assert_eq!(
+            selected_steps(&[Llm, Flexnsd, Verbs, Flexnsd], false).unwrap(),
+            [Verbs, Flexnsd, Llm]
+        );
+        assert_eq!(selected_steps(&[Llm, Kv, Llm], true).unwrap(), [Kv]);
+        assert_eq!(selected_steps(&[], true).unwrap().len(), 6);
+        assert_eq!(selected_steps(&[], false).unwrap().len(), 7);
+        let e = selected_steps(&[Llm, Llm], true).unwrap_err().to_string();
+        assert!(e.contains("--only llm,llm") && e.contains("--no-llm"), "{e}");
+    }
 }
