@@ -145,6 +145,26 @@ fn wait_output(mut child: Child, limit: Duration, what: &str) -> Result<(std::pr
     }
 }
 
+/// A folder this process made, removed with everything in it when the guard is dropped (on
+/// every return path, errors included).
+struct TempDir(PathBuf);
+
+impl TempDir {
+    /// Makes `path` (and its parents) and guards it.
+    fn create(path: PathBuf) -> Result<TempDir> {
+        std::fs::create_dir_all(&path).with_context(|| format!("creating {}", path.display()))?;
+        Ok(TempDir(path))
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        if let Err(e) = std::fs::remove_dir_all(&self.0) {
+            tracing::warn!("removing {}: {e}", self.0.display());
+        }
+    }
+}
+
 /// One row of flexnsd-bench's table: `mode  WRITE-Gbit/s  SEND-p50-us  CPU-us/WRITE  CPU-us/SEND`.
 fn bench_row(out: &str, mode: &str) -> Result<[f64; 4]> {
     let line = out
@@ -170,16 +190,16 @@ const BENCH_VERIFIED: &str = "every run's WRITEs verified at the target";
 /// the runs. The daemon is stopped at the end.
 pub fn flexnsd_step(scale: f64, json_out: bool) -> Result<Outcome> {
     let (daemon_exe, bench_exe) = flexnsd_programs()?;
-    let dir = std::env::temp_dir().join(format!("flexns-demo-flexnsd-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    let (socket, log) = (dir.join("flexnsd.sock"), dir.join("flexnsd.log"));
+    // removed however this function returns, a failed log creation or spawn included
+    let dir = TempDir::create(std::env::temp_dir().join(format!("flexns-demo-flexnsd-{}", std::process::id())))?;
+    let (socket, log) = (dir.0.join("flexnsd.sock"), dir.0.join("flexnsd.log"));
     let mut cmd = crate::procs::command(&daemon_exe);
     cmd.arg("--socket")
         .arg(&socket)
         .env("RUST_LOG", "warn")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log)?);
+        .stderr(std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?);
     let daemon = crate::procs::spawn(&mut cmd).with_context(|| format!("starting {}", daemon_exe.display()))?;
     let pid = daemon.id();
     let r = (|| -> Result<Value> {
@@ -215,7 +235,7 @@ pub fn flexnsd_step(scale: f64, json_out: bool) -> Result<Outcome> {
     let alive = crate::procs::exists(pid);
     crate::procs::terminate(daemon, Duration::from_secs(2));
     let daemon_log = std::fs::read_to_string(&log).unwrap_or_default();
-    let _ = std::fs::remove_dir_all(&dir);
+    drop(dir);
     let r = match r {
         Err(e) if !daemon_log.trim().is_empty() => {
             return Err(e.context(format!("flexnsd's log: {}", daemon_log.trim())))
