@@ -9,7 +9,9 @@
 //! and the daemon's attachment threads poll, yielding, for their `spin_us` (50), then sleep.
 //!
 //! Each run writes a pattern of its own into the source and zeros the destination first, and
-//! checks every byte at the destination after its WRITEs; a run whose data differs fails.
+//! checks every byte at the destination after its WRITEs; each WRITE and each SEND also carries
+//! a stamp of its own, checked at the target after its completion, so every operation is seen
+//! to have moved its data. A run whose data differs fails.
 //!
 //! `--json` prints JSON lines in place of the table (docs/BENCHMARKS.md): one per run, then one
 //! `"bench": "ratio"` line per case with the median over pairs of flexnsd / in-process (the
@@ -71,21 +73,39 @@ fn cpu_self() -> f64 {
     flexnsd::sys::cpu_seconds_self()
 }
 
-fn cpu_of(pid: u32) -> f64 {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    // fields after the command's closing parenthesis: utime and stime are the 12th and 13th
-    let rest = s.rsplit_once(')').map_or("", |x| x.1);
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let t = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
-    (t(11) + t(12)) / flexnsd::sys::clock_ticks_per_second()
+/// CPU seconds the threads of process `pid` have run: the sum of their schedstat run times
+/// (nanoseconds; /proc/<pid>/stat counts in 10 ms ticks, coarser than a short run's share).
+fn cpu_of(pid: u32) -> anyhow::Result<f64> {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .with_context(|| format!("the daemon's threads (pid {pid}) cannot be read"))?;
+    let mut ns = 0u64;
+    for t in tasks.flatten() {
+        // a thread that ended since the listing counts nothing
+        let Ok(s) = std::fs::read_to_string(t.path().join("schedstat")) else {
+            continue;
+        };
+        ns += s
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0);
+    }
+    Ok(ns as f64 * 1e-9)
 }
 
-/// The two ways of running the same verbs.
+/// The two ways of running the same verbs: the posts and completions the shared loops
+/// ([`writes`], [`sends`]) time and check.
 trait Bench {
-    /// WRITEs `n` MiB one after another; returns the time.
-    fn writes(&self, n: u32) -> anyhow::Result<Duration>;
-    /// SENDs 64 B `n` times, one at a time; returns each one's latency.
-    fn sends(&self, n: u32) -> anyhow::Result<Vec<Duration>>;
+    /// Posts WRITE `i`: the source's first MiB to the destination's.
+    fn post_write(&self, i: u64) -> anyhow::Result<()>;
+    /// The next completion of QP `a` (its WRITEs and SENDs), which must be a success.
+    fn writer_done(&self) -> anyhow::Result<()>;
+    /// Posts receive `i` into the destination's first 64 bytes.
+    fn post_recv(&self, i: u64) -> anyhow::Result<()>;
+    /// Posts SEND `i` of the source's first 64 bytes.
+    fn post_send(&self, i: u64) -> anyhow::Result<()>;
+    /// The next completion of the receiver's QP, a success; returns its byte count.
+    fn receiver_done(&self) -> anyhow::Result<u32>;
     /// The WRITE source and destination regions.
     fn regions(
         &self,
@@ -93,6 +113,53 @@ trait Bench {
         &std::sync::Arc<netstack::mem::Region>,
         &std::sync::Arc<netstack::mem::Region>,
     );
+}
+
+/// The stamp of operation `i` of the run seeded `seed`: different for every operation of
+/// every run, so a check cannot pass on bytes an earlier one left.
+fn stamp(seed: u64, i: u64) -> u64 {
+    (seed ^ 0x9e37_79b9_7f4a_7c15).wrapping_mul(i + 1) | 1
+}
+
+/// WRITEs `n` MiB one after another; returns the time. Before each, its stamp goes into the
+/// source's first and last 8 bytes; after its completion both must be at the destination,
+/// so every WRITE is seen to have moved data (two 8-byte stores and loads per MiB, inside
+/// the timed loop, the same on both sides).
+fn writes(b: &dyn Bench, n: u32, seed: u64) -> anyhow::Result<Duration> {
+    let (src, dst) = b.regions();
+    let t = Instant::now();
+    for i in 0..u64::from(n) {
+        let s = stamp(seed, i);
+        src.store_u64(0, s).context("source")?;
+        src.store_u64(MIB - 8, s).context("source")?;
+        b.post_write(i)?;
+        b.writer_done()?;
+        if dst.load_u64(0) != Some(s) || dst.load_u64(MIB - 8) != Some(s) {
+            bail!("WRITE {i} completed but its data is not at the target");
+        }
+    }
+    Ok(t.elapsed())
+}
+
+/// SENDs 64 B `n` times, one at a time; returns each one's latency (post to the receive
+/// completion). Each carries its own stamp, checked at the receiver after the clock stopped.
+fn sends(b: &dyn Bench, n: u32, seed: u64) -> anyhow::Result<Vec<Duration>> {
+    let (src, dst) = b.regions();
+    let mut lat = Vec::with_capacity(n as usize);
+    for i in 0..u64::from(n) {
+        let s = stamp(!seed, i);
+        src.store_u64(0, s).context("source")?;
+        b.post_recv(i)?;
+        let t = Instant::now();
+        b.post_send(i)?;
+        let len = b.receiver_done()?;
+        lat.push(t.elapsed());
+        if len != 64 || dst.load_u64(0) != Some(s) {
+            bail!("SEND {i} arrived with {len} bytes or not its own");
+        }
+        b.writer_done()?;
+    }
+    Ok(lat)
 }
 
 /// Before a run: a pattern of this run's own (from `seed`) in the WRITE source, and zeros at
@@ -178,9 +245,10 @@ impl InProc {
     }
 }
 
-fn ok(wc: Option<netstack::verbs::Wc>) -> anyhow::Result<()> {
+/// A successful completion's byte count.
+fn ok(wc: Option<netstack::verbs::Wc>) -> anyhow::Result<u32> {
     match wc {
-        Some(w) if w.status == WcStatus::Success => Ok(()),
+        Some(w) if w.status == WcStatus::Success => Ok(w.byte_len),
         w => bail!("completion {w:?}"),
     }
 }
@@ -195,29 +263,25 @@ fn recv(wr_id: u64, sge: netstack::verbs::Sge) -> RecvWr {
 }
 
 impl Bench for InProc {
-    fn writes(&self, n: u32) -> anyhow::Result<Duration> {
-        let t = Instant::now();
-        for i in 0..n {
-            let wr = SendWr::new(u64::from(i), WrOpcode::RdmaWrite)
-                .sge(self.src.sge(0, MIB))
-                .remote(self.dst.addr(), self.dst.rkey());
-            self.a.post_send(wr)?;
-            ok(self.next(&self.cq_a))?;
-        }
-        Ok(t.elapsed())
+    fn post_write(&self, i: u64) -> anyhow::Result<()> {
+        let wr = SendWr::new(i, WrOpcode::RdmaWrite)
+            .sge(self.src.sge(0, MIB))
+            .remote(self.dst.addr(), self.dst.rkey());
+        Ok(self.a.post_send(wr)?)
     }
-    fn sends(&self, n: u32) -> anyhow::Result<Vec<Duration>> {
-        let mut lat = Vec::with_capacity(n as usize);
-        for i in 0..n {
-            self.b.post_recv(recv(u64::from(i), self.dst.sge(0, 64)))?;
-            let t = Instant::now();
-            self.a
-                .post_send(SendWr::new(u64::from(i), WrOpcode::Send).sge(self.src.sge(0, 64)))?;
-            ok(self.next(&self.cq_b))?;
-            lat.push(t.elapsed());
-            ok(self.next(&self.cq_a))?;
-        }
-        Ok(lat)
+    fn writer_done(&self) -> anyhow::Result<()> {
+        ok(self.next(&self.cq_a)).map(|_| ())
+    }
+    fn post_recv(&self, i: u64) -> anyhow::Result<()> {
+        Ok(self.b.post_recv(recv(i, self.dst.sge(0, 64)))?)
+    }
+    fn post_send(&self, i: u64) -> anyhow::Result<()> {
+        Ok(self
+            .a
+            .post_send(SendWr::new(i, WrOpcode::Send).sge(self.src.sge(0, 64)))?)
+    }
+    fn receiver_done(&self) -> anyhow::Result<u32> {
+        ok(self.next(&self.cq_b))
     }
     fn regions(
         &self,
@@ -265,29 +329,25 @@ impl ViaDaemon {
 }
 
 impl Bench for ViaDaemon {
-    fn writes(&self, n: u32) -> anyhow::Result<Duration> {
-        let t = Instant::now();
-        for i in 0..n {
-            let wr = SendWr::new(u64::from(i), WrOpcode::RdmaWrite)
-                .sge(self.src.sge(0, MIB))
-                .remote(self.dst.addr(), self.dst.rkey());
-            self.a.post_send(wr)?;
-            ok(self.cq_a.next(T)?)?;
-        }
-        Ok(t.elapsed())
+    fn post_write(&self, i: u64) -> anyhow::Result<()> {
+        let wr = SendWr::new(i, WrOpcode::RdmaWrite)
+            .sge(self.src.sge(0, MIB))
+            .remote(self.dst.addr(), self.dst.rkey());
+        Ok(self.a.post_send(wr)?)
     }
-    fn sends(&self, n: u32) -> anyhow::Result<Vec<Duration>> {
-        let mut lat = Vec::with_capacity(n as usize);
-        for i in 0..n {
-            self.b.post_recv(recv(u64::from(i), self.dst.sge(0, 64)))?;
-            let t = Instant::now();
-            self.a
-                .post_send(SendWr::new(u64::from(i), WrOpcode::Send).sge(self.src.sge(0, 64)))?;
-            ok(self.cq_b.next(T)?)?;
-            lat.push(t.elapsed());
-            ok(self.cq_a.next(T)?)?;
-        }
-        Ok(lat)
+    fn writer_done(&self) -> anyhow::Result<()> {
+        ok(self.cq_a.next(T)?).map(|_| ())
+    }
+    fn post_recv(&self, i: u64) -> anyhow::Result<()> {
+        Ok(self.b.post_recv(recv(i, self.dst.sge(0, 64)))?)
+    }
+    fn post_send(&self, i: u64) -> anyhow::Result<()> {
+        Ok(self
+            .a
+            .post_send(SendWr::new(i, WrOpcode::Send).sge(self.src.sge(0, 64)))?)
+    }
+    fn receiver_done(&self) -> anyhow::Result<u32> {
+        ok(self.cq_b.next(T)?)
     }
     fn regions(
         &self,
@@ -300,15 +360,15 @@ impl Bench for ViaDaemon {
 }
 
 fn measure(b: &dyn Bench, args: &Args, daemon: Option<u32>, seed: u64) -> anyhow::Result<Run> {
-    let cpu = || cpu_self() + daemon.map_or(0.0, cpu_of);
-    b.writes(10)?; // warm up
+    let cpu = || -> anyhow::Result<f64> { Ok(cpu_self() + daemon.map(cpu_of).transpose()?.unwrap_or(0.0)) };
+    writes(b, 10, !seed)?; // warm up
     prepare(b, seed);
-    let c0 = cpu();
-    let t = b.writes(args.writes)?;
-    let c1 = cpu();
+    let c0 = cpu()?;
+    let t = writes(b, args.writes, seed)?;
+    let c1 = cpu()?;
     verify(b)?;
-    let mut lat = b.sends(args.sends)?;
-    let c2 = cpu();
+    let mut lat = sends(b, args.sends, seed)?;
+    let c2 = cpu()?;
     lat.sort();
     Ok(Run {
         write_gbps: f64::from(args.writes) * MIB as f64 * 8.0 / t.as_secs_f64() / 1e9,
@@ -388,7 +448,7 @@ fn run(args: Args) -> anyhow::Result<()> {
             return Ok(());
         }
         println!(
-            "every run's WRITEs verified at the target (a fresh pattern per run, the destination zeroed before it)"
+            "every run's WRITEs verified at the target (a fresh pattern per run, the destination zeroed before it), and each WRITE's and SEND's own stamp after its completion"
         );
         println!("ratio flexnsd/in-proc per pair (targets: WRITE >= 0.9, SEND p50 <= 1.3, CPU <= 1.2):");
         for (w, s, cw, cs) in ratios {
