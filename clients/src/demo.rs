@@ -92,19 +92,46 @@ fn flexnsd_programs() -> Result<(PathBuf, PathBuf)> {
 }
 
 /// Kills `child`'s whole process group (it was made by [`crate::procs::command`], so the
-/// group is its own) and reaps it.
-fn kill_group(mut child: Child) {
+/// group is its own) and reaps it. With a `grace`, the group gets SIGTERM first and the child
+/// up to `grace` to exit (the LLM step's script then kills its roles' groups, which are not in
+/// its own), then SIGKILL.
+fn kill_group(mut child: Child, grace: Duration) {
     let pid = child.id();
-    if let Some(p) = rustix::process::Pid::from_raw(pid as i32) {
-        let _ = rustix::process::kill_process_group(p, rustix::process::Signal::KILL);
+    if !grace.is_zero() {
+        if let Some(p) = rustix::process::Pid::from_raw(pid as i32) {
+            let _ = rustix::process::kill_process_group(p, rustix::process::Signal::TERM);
+        }
+        let end = Instant::now() + grace;
+        while Instant::now() < end && matches!(child.try_wait(), Ok(None)) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
+    kill_pgid(pid);
     let _ = child.wait();
     crate::procs::reaped(pid);
 }
 
+/// SIGKILLs the process group `pgid` (harmless when it is empty: the group of a child that
+/// exited and was reaped lives on, under the same id, while any of its members do, and its id
+/// is not reused until then).
+fn kill_pgid(pgid: u32) {
+    if let Some(p) = rustix::process::Pid::from_raw(pgid as i32) {
+        let _ = rustix::process::kill_process_group(p, rustix::process::Signal::KILL);
+    }
+}
+
 /// Waits for `child` up to `limit` (or until this program is asked to stop), its stdout and
-/// stderr read meanwhile; past either its process group is killed and an error returned.
-fn wait_output(mut child: Child, limit: Duration, what: &str) -> Result<(std::process::ExitStatus, String, String)> {
+/// stderr read meanwhile; past either its process group is killed ([`kill_group`] with
+/// `grace`) and an error returned. When
+/// it exits, what is left of its process group (the grandchildren it started and did not
+/// stop, which could hold its pipes open) is killed too, before its output is read to the end:
+/// whichever way this returns, nothing of the child's group outlives it.
+fn wait_output(
+    mut child: Child,
+    limit: Duration,
+    grace: Duration,
+    what: &str,
+) -> Result<(std::process::ExitStatus, String, String)> {
     use std::io::Read as _;
     let drain = |r: Option<Box<dyn std::io::Read + Send>>| {
         std::thread::spawn(move || {
@@ -129,16 +156,24 @@ fn wait_output(mut child: Child, limit: Duration, what: &str) -> Result<(std::pr
     );
     let start = Instant::now();
     loop {
-        if let Some(st) = child.try_wait()? {
+        let exited = match child.try_wait() {
+            Ok(e) => e,
+            Err(e) => {
+                kill_group(child, grace);
+                return Err(e.into());
+            }
+        };
+        if let Some(st) = exited {
             crate::procs::reaped(child.id());
+            kill_pgid(child.id());
             return Ok((st, out.join().unwrap_or_default(), err.join().unwrap_or_default()));
         }
         if crate::procs::stopping() {
-            kill_group(child);
+            kill_group(child, grace);
             return Err(crate::procs::interrupted_error());
         }
         if start.elapsed() > limit {
-            kill_group(child);
+            kill_group(child, grace);
             bail!("{what} did not finish within {} s", limit.as_secs());
         }
         std::thread::sleep(Duration::from_millis(20));
@@ -222,7 +257,7 @@ pub fn flexnsd_step(scale: f64, json_out: bool) -> Result<Outcome> {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
         let child = crate::procs::spawn(&mut b).with_context(|| format!("starting {}", bench_exe.display()))?;
-        let (st, out, err) = wait_output(child, Duration::from_secs(300), "flexnsd-bench")?;
+        let (st, out, err) = wait_output(child, Duration::from_secs(300), Duration::ZERO, "flexnsd-bench")?;
         if !st.success() {
             bail!("flexnsd-bench failed ({st}): {}", err.trim());
         }
@@ -431,7 +466,14 @@ pub fn llm_step(tokens: u32, json_out: bool) -> Result<Outcome> {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
     let child = crate::procs::spawn(&mut cmd).context("starting python/demo/vllm_pair.py")?;
-    let (st, out, err) = wait_output(child, Duration::from_secs(600), "python/demo/vllm_pair.py")?;
+    // the script's whole process group is killed when it returns, success or not (the script
+    // itself kills its roles' groups, vLLM's engine cores and workers in them, on its way out)
+    let (st, out, err) = wait_output(
+        child,
+        Duration::from_secs(600),
+        Duration::from_secs(5),
+        "python/demo/vllm_pair.py",
+    )?;
     let r: Value = out
         .lines()
         .rev()

@@ -10,10 +10,16 @@ use std::process::{Command, Stdio};
 
 /// Runs `flexns demo ARGS --json`; its exit success, its JSON lines, its stderr and its pid.
 fn demo_pid(args: &[&str]) -> (bool, Vec<Value>, String, u32) {
+    demo_env(args, &[])
+}
+
+/// [`demo_pid`] with `envs` added to the demo's environment.
+fn demo_env(args: &[&str], envs: &[(&str, &std::path::Path)]) -> (bool, Vec<Value>, String, u32) {
     let child = Command::new(env!("CARGO_BIN_EXE_flexns"))
         .arg("demo")
         .args(args)
         .arg("--json")
+        .envs(envs.iter().map(|(k, v)| (k, v)))
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -134,6 +140,63 @@ fn no_llm_leaves_the_llm_step_out() {
     assert!(err.contains("leaves no step to run"), "{err}");
     assert!(lines.iter().all(|l| l["bench"] != "demo-llm"), "{lines:?}");
     assert!(!err.contains("vllm_pair"), "{err}");
+}
+
+/// The LLM step kills the script's whole process group once the script returns, whatever it
+/// returned: a process the script started in its group and left running (as vLLM's engine core
+/// and workers could be) does not outlive the step. The script is a stand-in run as `$PYTHON`
+/// (it passes the `import vllm, flexns` probe, starts a `sleep` in the background, prints a
+/// did-not-run result and exits), so this needs no vLLM.
+#[test]
+fn llm_step_kills_what_the_script_left_in_its_process_group() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let dir = std::env::temp_dir().join(format!("flexns-demo-fakepy-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (fake, pidfile) = (dir.join("python3"), dir.join("left.pid"));
+    std::fs::write(
+        &fake,
+        "#!/bin/sh\n\
+         [ \"$1\" = -c ] && exit 0\n\
+         sleep 600 </dev/null >/dev/null 2>&1 &\n\
+         echo $! > \"$FLEXNS_TEST_LEFT_PID\"\n\
+         echo '{\"ran\": false, \"verified\": false, \"error\": \"stand-in script\"}'\n\
+         exit 2\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let (ok, _, err, _) = demo_env(
+        &["--only", "llm"],
+        &[("PYTHON", &fake), ("FLEXNS_TEST_LEFT_PID", &pidfile)],
+    );
+    let pid: u32 = std::fs::read_to_string(&pidfile)
+        .unwrap_or_else(|e| panic!("the stand-in wrote no pid ({e}); demo: {err}"))
+        .trim()
+        .parse()
+        .unwrap();
+    // alive: /proc/PID is there, not a zombie, and still our sleep
+    let alive = || {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let state = stat.rsplit(") ").next().and_then(|r| r.chars().next());
+        state.is_some_and(|c| c != 'Z') && String::from_utf8_lossy(&cmd).starts_with("sleep\u{0}600")
+    };
+    // SIGKILL was sent before the demo exited; give the kernel a moment to finish the kill
+    let end = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while alive() && std::time::Instant::now() < end {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let left = alive();
+    if left {
+        // SAFETY: kill(2) with a pid and a signal number touches no memory of this process.
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(!ok, "a step whose script did not run succeeded: {err}");
+    assert!(err.contains("did not run: stand-in script"), "{err}");
+    assert!(
+        !left,
+        "the sleep the script left in its process group outlived the LLM step"
+    );
 }
 
 /// The LLM step: two vLLM engines, the prefill's KV blocks moved to decode over flexns by

@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -190,6 +191,37 @@ def read_line(proc, what, log_path):
             return json.loads(line[len(MARK):])
 
 
+def role_preexec():
+    """In each role's process before exec: ``PR_SET_PDEATHSIG(SIGKILL)``, so that the role dies
+    with this script even when the script is SIGKILLed (its vLLM engine-core and worker children
+    are then killed by the group kill of whoever ran the script, or by vLLM's own parent-death
+    watch). The role is in a process group of its own (``start_new_session``), so that
+    ``kill_roles`` can kill it with its children."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_set_pdeathsig = 1
+    if libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+
+
+def kill_roles(procs):
+    """SIGKILL each role's whole process group (the role, vLLM's engine core and workers) and
+    reap the role. Harmless for groups already gone."""
+    for proc in procs.values():
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+def exit_on_signal(signum, _frame):
+    """SIGTERM/SIGHUP end the script through ``SystemExit``, so that its ``finally`` kills the
+    roles' groups."""
+    raise SystemExit(128 + signum)
+
+
 def moved(before, after):
     """Bytes decode's flexns engine moved for the transfer: by the same-host copy or CMA, and
     received in packets."""
@@ -210,15 +242,29 @@ def parent_main(args):
                  "PYTHONPATH": os.pathsep.join([HERE] + [p for p in [base.get("PYTHONPATH")] if p])})
     procs = {}
     logs = {}
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, exit_on_signal)
+    try:
+        return run_pair(args, t_all, work, model_dir, base, procs, logs)
+    finally:
+        # every exit path (a result, an error, SIGTERM/SIGHUP/Ctrl-C): no role process group,
+        # vLLM's engine cores and workers included, outlives the script
+        kill_roles(procs)
+
+
+def run_pair(args, t_all, work, model_dir, base, procs, logs):
+    """The pair's run; ``procs`` and ``logs`` are filled as the roles start (the caller kills
+    the roles' groups however this returns)."""
     try:
         for role in ("prefill", "decode"):
             env = dict(base, VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port()))
             logs[role] = os.path.join(work, f"{role}.log")
-            procs[role] = subprocess.Popen(
-                [sys.executable, os.path.abspath(__file__), "--role", role, "--model-dir", model_dir,
-                 "--tokens", str(args.tokens)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(logs[role], "w"),
-                env=env, text=True)
+            with open(logs[role], "w") as log_file:
+                procs[role] = subprocess.Popen(
+                    [sys.executable, os.path.abspath(__file__), "--role", role, "--model-dir",
+                     model_dir, "--tokens", str(args.tokens)],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file,
+                    env=env, text=True, start_new_session=True, preexec_fn=role_preexec)
         p = read_line(procs["prefill"], "prefill", logs["prefill"])
         params = p["kv_transfer_params"]
         if not params or not params.get("remote_block_ids"):
@@ -233,10 +279,7 @@ def parent_main(args):
             proc.stdin.close()
             proc.wait(timeout=120)
     except Exception as e:  # noqa: BLE001 - reported as the step's reason
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        kill_roles(procs)
         report(args, {"ran": False, "verified": False, "error": str(e), "logs": logs})
         return 2
     ids = params["remote_block_ids"]
