@@ -48,7 +48,7 @@
 //!
 //! This is one of the documented `unsafe` modules (docs/ARCHITECTURE.md, "Unsafe inventory"):
 //! `mmap`/`munmap` of the export and of peers' memory, `AtomicU64::from_ptr` over the export,
-//! the copy ([`copy_raw`]) and CMA over raw pointers.
+//! the copy (`copy_raw`) and CMA over raw pointers.
 
 use crate::mem::{Access, MrExport, MrTable, Region};
 use crate::work::{SendWr, WrOpcode};

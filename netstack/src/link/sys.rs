@@ -85,14 +85,17 @@ pub const MAX_GSO_SEGMENTS: usize = 64;
 pub const MAX_GSO_BYTES: usize = 65_000;
 
 /// One message to send: a destination, up to [`MAX_IOV`] byte spans, and, for GSO, the segment
-/// size at which the kernel cuts the concatenated spans into datagrams.
+/// size at which the kernel cuts the concatenated spans into datagrams. The spans are not
+/// public: outside netstack they enter only through [`OutMsg::push`], whose contract keeps them
+/// readable until the message is sent, so the safe [`OutMsg::gather`] and [`sendmmsg`] can
+/// read them (netstack's own links read them in place).
 pub struct OutMsg {
     /// The destination.
-    pub dst: libc::sockaddr_in,
+    pub(crate) dst: libc::sockaddr_in,
     /// The byte spans, in order.
-    pub iov: [libc::iovec; MAX_IOV],
-    /// How many of `iov` are used.
-    pub iovcnt: usize,
+    pub(crate) iov: [libc::iovec; MAX_IOV],
+    /// How many of `iov` are used (at most [`MAX_IOV`]).
+    pub(crate) iovcnt: usize,
     /// Segment size for UDP GSO; 0 sends one datagram.
     pub gso: u16,
     cmsg: [u64; 4],

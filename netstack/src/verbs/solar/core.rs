@@ -726,7 +726,8 @@ impl CoreProtocol for SolarCore {
         }
     }
 
-    /// Hands every client a new host-delay estimate (see [`super::lateness`]).
+    /// Hands every client a new host-delay estimate (how late the core runs, which the engine
+    /// measures; see `CoreProtocol::set_host_delay`).
     fn set_host_delay(&mut self, ns: u64) {
         self.host_delay = ns;
         for ep in &mut self.clients {
