@@ -490,6 +490,7 @@ pub fn llm_step(tokens: u32, json_out: bool) -> Result<Outcome> {
                 "verified": r["verified"], "checks": r["checks"], "tokens": r["tokens"],
                 "reference": r["reference"], "blocks": r["blocks"], "kv_bytes": r["kv_bytes"],
             "whole_blocks_compared": r["whole_blocks_compared"],
+                "num_cached_tokens": r["num_cached_tokens"],
                 "moved": r["moved"], "start_s": r["start_s"], "prefill_s": r["prefill_s"],
                 "decode_s": r["decode_s"], "wall_s": r["wall_s"],
             })
@@ -506,8 +507,8 @@ pub fn llm_step(tokens: u32, json_out: bool) -> Result<Outcome> {
             r["blocks"], r["kv_bytes"], m["same_host_copy_bytes"], m["same_host_cma_bytes"], m["rx_bytes"]
         );
         println!(
-            "the prompt's {} whole blocks are in decode's cache byte for byte (SHA-256 per block, every layer)",
-            r["whole_blocks_compared"]
+            "the prompt's {} whole blocks are in decode's cache byte for byte (SHA-256 per block, every layer); decode took {} prompt tokens from the remote KV",
+            r["whole_blocks_compared"], r["num_cached_tokens"]
         );
         println!(
             "time: engines started in {:.0} s and {:.0} s (side by side), prefill {:.0} ms, decode {:.0} ms; step {:.0} s",

@@ -227,6 +227,12 @@ fn llm_step_serves_a_disaggregated_pair_over_flexns() {
     assert_eq!(r["verified"], true, "{r}");
     assert_eq!(r["checks"]["whole_blocks_equal_at_decode"], true, "{r}");
     assert!(r["whole_blocks_compared"].as_u64().is_some_and(|n| n > 0), "{r}");
+    assert_eq!(r["checks"]["whole_blocks_loaded_not_computed"], true, "{r}");
+    let whole = r["whole_blocks_compared"].as_u64().unwrap_or(0);
+    assert!(
+        r["num_cached_tokens"].as_u64().is_some_and(|n| n >= whole * 32),
+        "decode did not take the whole blocks' tokens from the remote KV: {r}"
+    );
     assert_eq!(r["tokens"], r["reference"], "{r}");
     assert_eq!(r["tokens"].as_array().map(Vec::len), Some(8), "{r}");
     let moved: u64 = ["same_host_copy_bytes", "same_host_cma_bytes", "rx_bytes"]

@@ -269,6 +269,11 @@ def run_pair(args, t_all, work, model_dir, base, procs, logs):
         params = p["kv_transfer_params"]
         if not params or not params.get("remote_block_ids"):
             raise RuntimeError(f"prefill returned no kv_transfer_params with blocks: {params!r}")
+        # vLLM 0.32 copies this (the prefill's own prefix-cache hits) into decode's
+        # num_cached_tokens in place of decode's count (v1/engine/output_processor.py); without
+        # it decode reports its own: local prefix hits (none, prefix caching is off) plus the
+        # tokens its scheduler took from the remote KV through the connector
+        params = {k: v for k, v in params.items() if k != "remote_prefill_cached_tokens"}
         procs["decode"].stdin.write(json.dumps(params) + "\n")
         procs["decode"].stdin.flush()
         d = read_line(procs["decode"], "decode", logs["decode"])
@@ -301,6 +306,11 @@ def run_pair(args, t_all, work, model_dir, base, procs, logs):
         "tokens_equal_reference": d["tokens"] == p["reference"] and len(d["tokens"]) == args.tokens,
         "engine_is_flexns": d["module"] == "flexns.nixl" and p["module"] == "flexns.nixl",
         "kv_bytes_moved_over_flexns": d["stats"] is not None and total >= kv_bytes,
+        # decode's scheduler took the prompt's whole blocks from the remote KV, not computed
+        # them: the tokens and digests alone would not tell (both engines' dummy weights are
+        # seeded alike, so a recompute gives the same blocks and tokens)
+        "whole_blocks_loaded_not_computed": isinstance(d["num_cached_tokens"], int)
+        and d["num_cached_tokens"] >= whole * BLOCK_SIZE,
     }
     result = {
         "bench": "vllm-pair", "system": "vllm+flexns", "connector": "NixlConnector",
