@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The public-API snapshot: lists every public item (and the inherent methods, fields, variants
-# and associated items of its types) of each library crate from rustdoc's HTML, and compares the
-# lists with the checked-in ones in docs/api/<crate>.txt, so the surface changes only on purpose.
+# and associated items of its types), each with its signature as rustdoc renders it, and each
+# type's trait and auto-trait implementations, of each library crate from rustdoc's HTML, and
+# compares the lists with the checked-in ones in docs/api/<crate>.txt, so the surface changes
+# only on purpose. rustdoc's output differs across toolchains: see docs/TESTING.md.
 #   scripts/public-api.sh           check; exits 1 with a unified diff when a list differs
 #   scripts/public-api.sh --bless   rewrite docs/api/*.txt from the code as it is
 # Not listed: flexns-ibverbs (its surface is the C ABI of libibverbs.so.1, checked by
