@@ -58,6 +58,10 @@ pub struct Daemon {
     limits: Limits,
     apps: std::sync::Mutex<HashMap<u64, Counts>>,
     next_app: AtomicU64,
+    /// Which metric slots (`slot` label, 0..max_attachments) an attachment holds: the per-app
+    /// series are labelled by slot, so their number stays bounded however many applications
+    /// come and go (labelled by attachment id, every one ever made would stay in the registry).
+    slots: std::sync::Mutex<Vec<bool>>,
     /// Connections accepted and not yet closed (each has, or is about to have, a thread).
     live: std::sync::atomic::AtomicUsize,
 }
@@ -68,13 +72,38 @@ pub struct Daemon {
 struct Live {
     d: Arc<Daemon>,
     id: u64,
+    slot: usize,
 }
 
 impl Drop for Live {
     fn drop(&mut self) {
         self.d.apps.lock().unwrap_or_else(|e| e.into_inner()).remove(&self.id);
+        // the slot's series read 0 until the next attachment takes it
+        publish_slot(self.slot, 0, Counts::default());
+        if let Some(s) = self
+            .d
+            .slots
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_mut(self.slot)
+        {
+            *s = false;
+        }
         self.d.live.fetch_sub(1, Ordering::AcqRel);
     }
+}
+
+/// Sets the per-attachment gauges of metric slot `slot`: which attachment holds it (`id`, 0 for
+/// none) and its counts.
+fn publish_slot(slot: usize, id: u64, c: Counts) {
+    let slot = slot.to_string();
+    metrics::gauge!("flexnsd_app_id", "slot" => slot.clone()).set(id as f64);
+    metrics::gauge!("flexnsd_app_qps", "slot" => slot.clone()).set(c.qps as f64);
+    metrics::gauge!("flexnsd_app_mrs", "slot" => slot.clone()).set(c.mrs as f64);
+    metrics::gauge!("flexnsd_app_cqs", "slot" => slot.clone()).set(c.cqs as f64);
+    metrics::gauge!("flexnsd_app_wrs", "slot" => slot.clone()).set(c.wrs as f64);
+    metrics::gauge!("flexnsd_app_bytes", "slot" => slot.clone()).set(c.bytes as f64);
+    metrics::gauge!("flexnsd_app_errors", "slot" => slot).set(c.errors as f64);
 }
 
 impl Daemon {
@@ -91,6 +120,7 @@ impl Daemon {
             limits,
             apps: Default::default(),
             next_app: AtomicU64::new(1),
+            slots: std::sync::Mutex::new(vec![false; limits.max_attachments]),
             live: Default::default(),
         })
     }
@@ -151,13 +181,26 @@ impl Daemon {
                 refused.push_back((Instant::now(), sock));
                 continue;
             }
+            // fewer than max_attachments are live, so a slot is free (each Live frees its own)
+            let slot = {
+                let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+                let free = slots.iter().position(|taken| !taken).unwrap_or(slots.len());
+                if let Some(s) = slots.get_mut(free) {
+                    *s = true;
+                }
+                free
+            };
             let id = self.next_app.fetch_add(1, Ordering::Relaxed);
-            let live = Live { d: self.clone(), id };
+            let live = Live {
+                d: self.clone(),
+                id,
+                slot,
+            };
             let spawned = std::thread::Builder::new()
                 .name(format!("flexnsd-app{id}"))
                 .spawn(move || {
                     let live = live;
-                    live.d.clone().run_app(id, sock);
+                    live.d.clone().run_app(id, live.slot, sock);
                 });
             // out of threads or memory: this connection is dropped (with the closure, its
             // socket and its place), the attached applications are served on
@@ -200,7 +243,7 @@ impl Daemon {
         }
     }
 
-    fn run_app(self: Arc<Daemon>, id: u64, sock: OwnedFd) {
+    fn run_app(self: Arc<Daemon>, id: u64, slot: usize, sock: OwnedFd) {
         let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
             Ok(rt) => rt,
             Err(e) => {
@@ -220,12 +263,15 @@ impl Daemon {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .insert(id, Counts::default());
+            // listed in /metrics from the start, idle or not
+            publish_slot(slot, id, Counts::default());
             let mut app = App {
                 qps: HashMap::new(),
                 mrs: HashMap::new(),
                 cqs: HashMap::new(),
                 pds: HashMap::new(),
                 id,
+                slot,
                 name: String::new(),
                 d: self.clone(),
                 sock,
@@ -308,6 +354,8 @@ struct App {
     cqs: HashMap<u32, AppCq>,
     pds: HashMap<u32, Pd>,
     id: u64,
+    /// Its metric slot (the `slot` label of its series).
+    slot: usize,
     name: String,
     d: Arc<Daemon>,
     sock: AsyncFd<OwnedFd>,
@@ -465,13 +513,7 @@ impl App {
         if let Some(e) = self.d.apps.lock().unwrap_or_else(|e| e.into_inner()).get_mut(&self.id) {
             *e = c;
         }
-        let app = self.id.to_string();
-        metrics::gauge!("flexnsd_app_qps", "app" => app.clone()).set(c.qps as f64);
-        metrics::gauge!("flexnsd_app_mrs", "app" => app.clone()).set(c.mrs as f64);
-        metrics::gauge!("flexnsd_app_cqs", "app" => app.clone()).set(c.cqs as f64);
-        metrics::gauge!("flexnsd_app_wrs", "app" => app.clone()).set(c.wrs as f64);
-        metrics::gauge!("flexnsd_app_bytes", "app" => app.clone()).set(c.bytes as f64);
-        metrics::gauge!("flexnsd_app_errors", "app" => app).set(c.errors as f64);
+        publish_slot(self.slot, self.id, c);
     }
 
     /// Answers every command waiting; `Err` when the application is gone.

@@ -523,6 +523,65 @@ fn atomics_go_through_the_ring_and_inline_is_refused() {
     }
 }
 
+/// GET /metrics from `addr`: the body.
+fn scrape(addr: &str) -> String {
+    use std::io::Read as _;
+    let mut s = std::net::TcpStream::connect(addr).expect("connect to /metrics");
+    write!(s, "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").unwrap();
+    let mut body = String::new();
+    s.read_to_string(&mut body).unwrap();
+    body
+}
+
+/// The per-application series stay bounded: they are labelled by the attachment's slot (at
+/// most `max_attachments`), which the next attachment reuses, not by its ever-growing id, and a
+/// detached application's slot reads 0. Twelve applications attached one after another leave
+/// one slot's series, not twelve.
+#[test]
+fn per_application_metrics_reuse_slots_instead_of_growing() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let d = Daemon::start_cfg("metrics", &format!("metrics = \"{addr}\""), "");
+    let watcher = d.attach("watcher");
+    for i in 0..12 {
+        let n = node(d.attach(&format!("app{i}")));
+        let id = n.att.app_id();
+        let deadline = Instant::now() + T;
+        // this attachment's counts are published under a slot of its own while it lives
+        while !scrape(&addr)
+            .lines()
+            .any(|l| l.starts_with("flexnsd_app_id{") && l.ends_with(&format!(" {id}")))
+        {
+            assert!(
+                Instant::now() < deadline,
+                "attachment {id} not in /metrics:\n{}",
+                scrape(&addr)
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        drop(n);
+        d.status_until(&watcher, "the application detached", |s| s.attachments == 1);
+    }
+    let body = scrape(&addr);
+    let series = |name: &str| body.lines().filter(|l| l.starts_with(&format!("{name}{{"))).count();
+    // the startup probe, the watcher and one application at a time: at most three slots
+    for name in ["flexnsd_app_id", "flexnsd_app_qps", "flexnsd_app_bytes"] {
+        assert!(series(name) <= 3, "{} series of {name}:\n{body}", series(name));
+    }
+    // no slot still names a detached application, and the freed slots read 0 QPs
+    let ids: Vec<&str> = body
+        .lines()
+        .filter(|l| l.starts_with("flexnsd_app_id{"))
+        .filter_map(|l| l.rsplit(' ').next())
+        .filter(|v| *v != "0")
+        .collect();
+    assert_eq!(ids, [watcher.app_id().to_string()], "slots naming attachments:\n{body}");
+}
+
 /// A hostile application: bad handles, handles of another application, a memfd too small, a
 /// file that cannot be sealed, a shrink after registration, a ring index far out of range.
 /// Each gets an error for it alone; the other application keeps moving correct data.
