@@ -9,8 +9,9 @@
 //!   keeps sending over UDP.
 //! - A shm link receiving the HELLO maps the file, checks its owner, size, nonce and both
 //!   addresses, and answers ACK over UDP. A plain UDP peer counts the HELLO as a malformed
-//!   packet and drops it, so the sender stays on UDP (after [`HELLOS`] unanswered HELLOs it
-//!   stops asking and removes the file).
+//!   packet and drops it, so the sender stays on UDP (after [`HELLOS`] unanswered HELLOs, at
+//!   most one a millisecond, and [`HELLO_PATIENCE`] after the first, it stops asking and
+//!   removes the file).
 //! - On the ACK the sender removes the file's name (both ends keep their mappings) and from
 //!   then on writes that peer's datagrams into the ring. Datagrams sent over UDP before may
 //!   arrive after ring ones; the transports tolerate reordering.
@@ -79,10 +80,18 @@ const CTRL_MAGIC: [u8; 8] = *b"FLXSHM\x00\x01";
 const HELLO: u8 = 1;
 const ACK: u8 = 2;
 const DOORBELL: u8 = 3;
-/// Unanswered HELLOs after which a sender stays on UDP for that peer.
+/// Unanswered HELLOs after which (and [`HELLO_PATIENCE`] after the first) a sender stays on
+/// UDP for that peer.
 pub const HELLOS: u32 = 8;
+/// How long a sender keeps offering a ring to a peer that has not answered: a peer process
+/// that a loaded host leaves unscheduled for some milliseconds must not lose its rings for
+/// good (counted in sends alone, 8 HELLOs passed in a few milliseconds at 17 Gbit/s).
+pub const HELLO_PATIENCE: std::time::Duration = std::time::Duration::from_secs(1);
 /// Datagrams sent over UDP to a pending peer between two HELLOs.
 const SENDS_PER_HELLO: u32 = 64;
+/// The shortest time between two HELLOs to one peer (a fast sender reaches
+/// [`SENDS_PER_HELLO`] in microseconds).
+const HELLO_EVERY: std::time::Duration = std::time::Duration::from_millis(1);
 /// Polls between two reads of the UDP socket while rings are attached.
 pub const UDP_EVERY: u32 = 32;
 /// Rings a port keeps, each way: a peer past this stays on UDP (sending) or is not answered
@@ -420,6 +429,9 @@ struct Pending {
     nonce: u64,
     sends: u32,
     hellos: u32,
+    /// When the first HELLO and the last one went.
+    first_hello: std::time::Instant,
+    last_hello: std::time::Instant,
 }
 
 impl Drop for Pending {
@@ -546,6 +558,8 @@ impl ShmLink {
                             nonce,
                             sends: 0,
                             hellos: 0,
+                            first_hello: std::time::Instant::now(),
+                            last_hello: std::time::Instant::now(),
                         };
                         self.hello(port, dst, &p);
                         Peer::Pending(p)
@@ -562,13 +576,12 @@ impl ShmLink {
             Some(Peer::Ring(_)) => return true,
             Some(Peer::Pending(p)) => {
                 p.sends += 1;
-                if p.sends.is_multiple_of(SENDS_PER_HELLO) {
+                if p.sends.is_multiple_of(SENDS_PER_HELLO) && p.last_hello.elapsed() >= HELLO_EVERY {
                     p.hellos += 1;
-                    if p.hellos < HELLOS {
-                        self.hello(port, dst, p);
-                    }
+                    p.last_hello = std::time::Instant::now();
+                    self.hello(port, dst, p);
                 }
-                p.hellos >= HELLOS
+                p.hellos >= HELLOS && p.first_hello.elapsed() >= HELLO_PATIENCE
             }
             _ => false,
         };
