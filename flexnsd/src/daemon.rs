@@ -2,9 +2,9 @@
 //! commands, drains its send rings into the engine and writes the engine's completions into its
 //! completion rings (docs/FLEXNSD.md, "Who owns what, threads").
 
-use crate::proto::{self, Counts, Reply, Request, Status};
-use crate::shm::{self, Mapping, RingFault, Wqe};
-use crate::sys;
+use netstack::attach::proto::{self, Counts, ModifyStep, Reply, Request, Status};
+use netstack::attach::shm::{self, Mapping, RingFault, Wqe};
+use netstack::attach::sys;
 use netstack::verbs::{Access, Context, Cq, Mr, Pd, Qp, QpInitAttr, VerbsError, Wc, WcOpcode, WcStatus, EMPTY_WC};
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::{AsFd, OwnedFd};
@@ -601,7 +601,10 @@ impl App {
                     .map_err(|e| Refusal("fds", format!("the doorbell cannot be made non-blocking: {e}")))?;
                 self.doorbell = Some(sys::async_fd(fd).map_err(|e| Refusal("fds", e.to_string()))?);
                 self.name = name.chars().take(64).collect();
-                Ok(Reply::Hello { app: self.id })
+                Ok(Reply::Hello {
+                    app: self.id,
+                    addr: Some(self.d.ctx.local_addr()),
+                })
             }
             Request::AllocPd => {
                 self.room_for(0)?;
@@ -696,6 +699,7 @@ impl App {
                 send_cq,
                 recv_cq,
                 slots,
+                config,
             } => {
                 let slots = ring_slots(slots)?;
                 let Some(pdo) = self.pds.get(&pd) else {
@@ -714,7 +718,15 @@ impl App {
                 let qp = self
                     .d
                     .ctx
-                    .create_qp(pdo, &scq.cq, &rcq.cq, QpInitAttr::default())
+                    .create_qp(
+                        pdo,
+                        &scq.cq,
+                        &rcq.cq,
+                        QpInitAttr {
+                            config,
+                            ..QpInitAttr::default()
+                        },
+                    )
                     .map_err(|e| Refusal("qp", e.to_string()))?;
                 // indices start at 0 whatever the application stored (as for CQs)
                 ring.word(shm::SQ_TAIL).store(0, Ordering::Release);
@@ -750,6 +762,34 @@ impl App {
                     .map_err(|e| Refusal("remote", e.to_string()))?;
                 Ok(Reply::Done)
             }
+            Request::Modify { qp, step } => {
+                let q = &self.qp(qp)?.qp;
+                match step {
+                    ModifyStep::Rtr { remote, accept: false } => q.modify_to_rtr(&remote),
+                    ModifyStep::Rtr { remote, accept: true } => q.accept_rtr(&remote),
+                    ModifyStep::Rts { sq_psn: None } => q.modify_to_rts(),
+                    ModifyStep::Rts { sq_psn: Some(p) } => q.modify_to_rts_at(p),
+                    ModifyStep::Err => {
+                        q.modify_to_err();
+                        Ok(())
+                    }
+                }
+                .map_err(|e| Refusal("step", e.to_string()))?;
+                Ok(Reply::Done)
+            }
+            Request::RateLimit {
+                qp,
+                bytes_per_sec,
+                burst,
+            } => {
+                self.qp(qp)?.qp.set_rate_limit(bytes_per_sec, burst);
+                Ok(Reply::Done)
+            }
+            Request::WindowLimit { qp, bytes } => {
+                self.qp(qp)?.qp.set_window_limit(bytes);
+                Ok(Reply::Done)
+            }
+            Request::EngineStats => Ok(Reply::EngineStats(Box::new(self.d.ctx.stats()))),
             Request::DestroyQp { qp } => {
                 let Some(q) = self.qps.remove(&qp) else {
                     return refuse("qp", format!("{qp} is not a QP of this application"));
@@ -785,14 +825,18 @@ impl App {
                 Ok(Reply::Done)
             }
             Request::QpStats { qp } => {
-                let st = self.qp(qp)?.qp.stats();
-                Ok(Reply::QpStats(proto::QpStats {
+                let q = &self.qp(qp)?.qp;
+                let st = q.stats();
+                Ok(Reply::QpStats(Box::new(proto::QpStats {
                     tx_packets: st.tx_packets,
                     rx_packets: st.rx_packets,
                     retransmitted_packets: st.retransmitted_packets,
                     rnr_naks_sent: st.rnr_naks_sent,
                     rnr_naks_received: st.rnr_naks_received,
-                }))
+                    rc: st,
+                    state: Some(q.state()),
+                    icrc: q.icrc_mode(),
+                })))
             }
             Request::Status => {
                 self.publish();

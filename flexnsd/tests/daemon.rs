@@ -761,6 +761,7 @@ fn raw_qp(att: &Attachment, pd: &Pd, cq: u32, slots: u32, start: u64) -> (flexns
             send_cq: cq,
             recv_cq: cq,
             slots,
+            config: None,
         },
         &[ring.file().unwrap().as_fd()],
     );

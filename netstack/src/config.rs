@@ -114,6 +114,10 @@ pub struct ContextConfig {
     pub offload: crate::offload::OffloadConfig,
     /// Guards of RedN work-request programs on managed QPs (`[redn]`).
     pub redn: RednGuards,
+    /// Attach to the `flexnsd` listening at this Unix socket instead of starting an engine in
+    /// this process (docs/FLEXNSD.md): the daemon's own configuration then governs the data
+    /// path (links, data cores, addresses); of this one, only `qp` (new QPs' parameters) is used.
+    pub flexnsd: Option<std::path::PathBuf>,
 }
 
 impl Default for ContextConfig {
@@ -140,6 +144,7 @@ impl Default for ContextConfig {
             cc: crate::cc::CcParams::default(),
             offload: Default::default(),
             redn: Default::default(),
+            flexnsd: None,
         }
     }
 }

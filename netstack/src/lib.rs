@@ -16,6 +16,8 @@
 //! - [`redn`]: RedN work-request programs on managed QPs (WAIT, ENABLE, self-modifying chains):
 //!   the model, the chain builder and the programs, over [`verbs`] and `chain`.
 //! - [`cm`]: connection management over gRPC.
+//! - [`attach`]: attaching to `flexnsd` (the stack as its own process): its control protocol,
+//!   shared-memory rings and client, which [`verbs`] uses when configured to.
 //! - `cli` (feature `cli`): the command-line flags every binary flattens, mapped to a
 //!   [`config::ContextConfig`] in one place.
 //! - [`path`]: multipath: spray policies, per-path RTT, loss and health with probing.
@@ -31,6 +33,7 @@
 
 #![warn(unreachable_pub, missing_docs)]
 
+pub mod attach;
 pub mod cc;
 mod chain;
 #[cfg(feature = "cli")]

@@ -233,8 +233,9 @@ impl Region {
             None
         };
         let map_len = len.div_ceil(4096) * 4096;
-        // SAFETY: a C string literal; the flags ask for a close-on-exec anonymous file.
-        let fd = unsafe { libc::memfd_create(c"flexns-region".as_ptr(), libc::MFD_CLOEXEC) };
+        // SAFETY: a C string literal; the flags ask for a close-on-exec anonymous file that
+        // allows seals (flexnsd seals the memfds applications register against shrinking).
+        let fd = unsafe { libc::memfd_create(c"flexns-region".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
         if fd < 0 {
             return undo();
         }
@@ -298,6 +299,14 @@ impl Region {
         Region::map_file(file, len, map_len).inspect_err(|_| {
             SHARED_REGIONS.fetch_sub(1, Ordering::Relaxed);
         })
+    }
+
+    /// The `memfd` holding the region, if it lives in one (from its first byte on).
+    pub(crate) fn memfd(&self) -> Option<&std::fs::File> {
+        match &self.owned {
+            Some(Owned::Memfd { file, .. }) => Some(file),
+            _ => None,
+        }
     }
 
     /// The `memfd` holding the region and its inode number, if it lives in one.

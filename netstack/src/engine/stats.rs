@@ -81,7 +81,7 @@ pub(crate) struct EngineStats {
 }
 
 /// A point-in-time copy of the counters.
-#[derive(Debug, Clone, Copy, Default, Serialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, Serialize, serde::Deserialize, PartialEq, Eq)]
 pub struct StatsSnapshot {
     /// Datagrams received.
     pub rx_datagrams: u64,

@@ -134,6 +134,9 @@ pub enum OffloadError {
     /// The offload threads could not be started.
     #[error("offload threads: {0}")]
     Runtime(String),
+    /// This context has no offloading engine of its own (why: it is attached to `flexnsd`).
+    #[error("no offloading engine here: {0}")]
+    Unavailable(&'static str),
 }
 
 impl OffloadError {
@@ -254,6 +257,8 @@ pub(crate) struct Inner {
     counters: Counters,
     /// Serializes runtime start-up.
     start: Mutex<()>,
+    /// Why this engine refuses every handler (a context attached to `flexnsd`), if it does.
+    unavailable: Option<&'static str>,
 }
 
 /// A context's offloading engine (see the module docs). Cheap to clone.
@@ -278,6 +283,20 @@ impl Drop for Registered {
 
 impl OffloadEngine {
     pub(crate) fn new(cfg: OffloadConfig, mrs: Arc<crate::mem::MrTable>) -> OffloadEngine {
+        OffloadEngine::build(cfg, mrs, None)
+    }
+
+    /// An engine that refuses every registration with [`OffloadError::Unavailable`]`(why)`:
+    /// what a context attached to `flexnsd` has, whose QPs' requests reach the daemon's engine.
+    pub(crate) fn unavailable(why: &'static str) -> OffloadEngine {
+        OffloadEngine::build(
+            OffloadConfig::default(),
+            Arc::new(crate::mem::MrTable::new()),
+            Some(why),
+        )
+    }
+
+    fn build(cfg: OffloadConfig, mrs: Arc<crate::mem::MrTable>, unavailable: Option<&'static str>) -> OffloadEngine {
         OffloadEngine {
             inner: Arc::new(Inner {
                 cfg,
@@ -289,6 +308,7 @@ impl OffloadEngine {
                 submitted: Arc::new(AtomicU64::new(0)),
                 counters: Counters::default(),
                 start: Mutex::new(()),
+                unavailable,
             }),
         }
     }
@@ -385,6 +405,9 @@ impl OffloadEngine {
         budget: Duration,
         inline: bool,
     ) -> Result<Registered, OffloadError> {
+        if let Some(why) = self.inner.unavailable {
+            return Err(OffloadError::Unavailable(why));
+        }
         if RESERVED_OPCODES.contains(&opcode) {
             return Err(OffloadError::Opcode(opcode));
         }

@@ -15,6 +15,7 @@
 //! qp.post_send(SendWr::new(1, WrOpcode::RdmaWrite).sge(mr.sge(0, 4096)).remote(0x1000, 0x1234)).unwrap();
 //! ```
 
+mod engine_qp;
 mod qp;
 
 pub use crate::config::ContextConfig;
@@ -24,6 +25,7 @@ pub use crate::transport::rc::{IcrcMode, QpState, RcConfig, RcStats, Recovery};
 pub use crate::work::*;
 pub use qp::{Endpoint, Qp, QpInitAttr};
 
+mod attached;
 mod metrics;
 pub mod solar;
 
@@ -74,6 +76,13 @@ pub enum VerbsError {
     /// The context's memory-region table is full.
     #[error(transparent)]
     TableFull(#[from] crate::mem::TableFull),
+    /// What was asked runs only in an in-process engine, and this context is attached to
+    /// `flexnsd` (what, and why).
+    #[error("not available through flexnsd: {0}")]
+    Unsupported(String),
+    /// The `flexnsd` this context is attached to refused a command or is gone.
+    #[error("flexnsd: {0}")]
+    Daemon(#[from] crate::attach::client::ClientError),
 }
 
 /// QP numbers a context never gives: 0 and 1 (IB's SMI and GSI QPs) and 0xFFFFFF (multicast).
@@ -193,28 +202,15 @@ impl CtxInner {
     }
 }
 
-/// An open device context: one engine (data core) with its link and memory-region table.
+/// The in-process engine's side of a [`Context`]: its data cores with their links, the
+/// memory-region table, the offloading engine and the Solar endpoints.
 #[derive(Clone)]
-pub struct Context {
+pub(crate) struct EngineCtx {
     pub(crate) inner: Arc<CtxInner>,
 }
 
-impl Context {
-    /// Opens a context: binds the data-path socket and starts the engine.
-    pub fn open(cfg: ContextConfig) -> Result<Context, VerbsError> {
-        Context::open_on(cfg, LinkKind::Udp)
-    }
-
-    /// Opens a context on a simulated network: its data cores send and receive through `net`
-    /// at the address `cfg.bind` (port 0 picks one), read the network's clock, and run only
-    /// when the network runs them ([`SimNet::step`]), in the thread that steps it. Everything
-    /// it does follows from the network's seed and the calls made on it: QPNs, PSNs and keys
-    /// do not depend on the process.
-    pub fn open_simulated(cfg: ContextConfig, net: &Arc<SimNet>) -> Result<Context, VerbsError> {
-        Context::open_on(cfg, LinkKind::Sim(net.clone()))
-    }
-
-    fn open_on(cfg: ContextConfig, kind: LinkKind) -> Result<Context, VerbsError> {
+impl EngineCtx {
+    fn open_on(cfg: ContextConfig, kind: LinkKind) -> Result<EngineCtx, VerbsError> {
         cfg.validate()?;
         // memory keys, QPNs and initial PSNs are drawn at random (a guessed or earlier-seen one
         // must not reach another context's memory or QPs); on a simulated network from its seed
@@ -254,7 +250,7 @@ impl Context {
             None => StdRng::from_os_rng(),
         };
         let offload = crate::offload::OffloadEngine::new(cfg.offload, mrs);
-        let ctx = Context {
+        let ctx = EngineCtx {
             inner: Arc::new(CtxInner {
                 engine,
                 cc_env: crate::cc::host_env(&cfg.cc),
@@ -276,38 +272,7 @@ impl Context {
         Ok(ctx)
     }
 
-    /// The data-path address of the first data core (each QP's own is in its endpoint).
-    /// The address of its first data core (where peers send).
-    pub fn local_addr(&self) -> SocketAddrV4 {
-        self.inner.engine.cores()[0].local_addr()
-    }
-
-    /// Its configuration.
-    pub fn config(&self) -> &ContextConfig {
-        &self.inner.cfg
-    }
-
-    /// Allocates a protection domain.
-    pub fn alloc_pd(&self) -> Pd {
-        Pd {
-            ctx: self.clone(),
-            id: self.inner.next_pd.fetch_add(1, Ordering::Relaxed),
-        }
-    }
-
-    /// Creates a completion queue with room for `cqe` completions per data core (a completion
-    /// that finds it full waits in its QP and is delivered later; `Cq::overruns` counts that).
-    pub fn create_cq(&self, cqe: usize) -> Result<Cq, VerbsError> {
-        self.new_cq(cqe, false)
-    }
-
-    /// A completion queue that drops completions when full instead of keeping them (still
-    /// counting them): for queues only RedN WAITs look at, which no thread polls.
-    pub fn create_cq_ignore_overrun(&self, cqe: usize) -> Result<Cq, VerbsError> {
-        self.new_cq(cqe, true)
-    }
-
-    fn new_cq(&self, cqe: usize, ignore_overrun: bool) -> Result<Cq, VerbsError> {
+    fn new_cq(&self, cqe: usize, ignore_overrun: bool) -> Result<EngineCq, VerbsError> {
         let shared = Arc::new(CqShared::with_overrun(
             cqe.max(1),
             self.inner.engine.cores().len(),
@@ -315,7 +280,7 @@ impl Context {
         )?);
         let num = self.inner.next_cq.fetch_add(1, Ordering::Relaxed);
         self.inner.engine.cores()[0].redn.add_cq(num, shared.produced());
-        Ok(Cq {
+        Ok(EngineCq {
             shared,
             num,
             drive: self.inner.engine.drive().cloned(),
@@ -323,100 +288,286 @@ impl Context {
         })
     }
 
-    /// The offloading engine: register handlers and DMA regions here.
-    pub fn offload(&self) -> &crate::offload::OffloadEngine {
-        &self.inner.offload
+    pub(crate) fn mrs(&self) -> &Arc<MrTable> {
+        &self.inner.engine.cores()[0].mrs
+    }
+}
+
+/// An open device context: an in-process engine (data cores with their links and
+/// memory-region table), or an attachment to `flexnsd`, the stack as its own process, when
+/// the configuration names one ([`ContextConfig::flexnsd`]). The same calls work on both;
+/// what only an in-process engine has (offload handlers, RedN's managed QPs, Solar, installed
+/// congestion-control algorithms, several paths per QP, caller memory outside a memfd) is
+/// refused through `flexnsd` with [`VerbsError::Unsupported`].
+#[derive(Clone)]
+pub struct Context {
+    kind: CtxKind,
+}
+
+#[derive(Clone)]
+enum CtxKind {
+    Engine(EngineCtx),
+    Attached(Arc<attached::AttachedCtx>),
+}
+
+impl Context {
+    /// Opens a context: binds the data-path socket and starts the engine, or, when
+    /// `cfg.flexnsd` names a daemon's socket, attaches to that daemon (whose own
+    /// configuration then governs the data path: links, data cores, addresses).
+    pub fn open(cfg: ContextConfig) -> Result<Context, VerbsError> {
+        cfg.validate()?;
+        if cfg.flexnsd.is_some() {
+            return Ok(Context {
+                kind: CtxKind::Attached(Arc::new(attached::AttachedCtx::open(cfg)?)),
+            });
+        }
+        Ok(Context {
+            kind: CtxKind::Engine(EngineCtx::open_on(cfg, LinkKind::Udp)?),
+        })
     }
 
-    /// Counters of the context's RedN programs (chains, steps, aborts).
+    /// Opens a context on a simulated network: its data cores send and receive through `net`
+    /// at the address `cfg.bind` (port 0 picks one), read the network's clock, and run only
+    /// when the network runs them ([`SimNet::step`]), in the thread that steps it. Everything
+    /// it does follows from the network's seed and the calls made on it: QPNs, PSNs and keys
+    /// do not depend on the process.
+    pub fn open_simulated(cfg: ContextConfig, net: &Arc<SimNet>) -> Result<Context, VerbsError> {
+        if cfg.flexnsd.is_some() {
+            return Err(VerbsError::Invalid(
+                "flexnsd: a simulated context runs its own engine; leave flexnsd unset".into(),
+            ));
+        }
+        Ok(Context {
+            kind: CtxKind::Engine(EngineCtx::open_on(cfg, LinkKind::Sim(net.clone()))?),
+        })
+    }
+
+    /// Whether this context is attached to `flexnsd` (not running an engine of its own).
+    pub fn is_attached(&self) -> bool {
+        matches!(self.kind, CtxKind::Attached(_))
+    }
+
+    /// The in-process engine, or [`VerbsError::Unsupported`] naming `what` through flexnsd.
+    pub(crate) fn engine(&self, what: &str) -> Result<&EngineCtx, VerbsError> {
+        match &self.kind {
+            CtxKind::Engine(e) => Ok(e),
+            CtxKind::Attached(_) => Err(VerbsError::Unsupported(format!(
+                "{what} runs only in an in-process engine (leave flexnsd unset)"
+            ))),
+        }
+    }
+
+    /// The data-path address of the first data core (each QP's own is in its endpoint);
+    /// attached, the daemon's.
+    pub fn local_addr(&self) -> SocketAddrV4 {
+        match &self.kind {
+            CtxKind::Engine(e) => e.inner.engine.cores()[0].local_addr(),
+            CtxKind::Attached(a) => a.local_addr(),
+        }
+    }
+
+    /// Its configuration.
+    pub fn config(&self) -> &ContextConfig {
+        match &self.kind {
+            CtxKind::Engine(e) => &e.inner.cfg,
+            CtxKind::Attached(a) => a.config(),
+        }
+    }
+
+    /// Allocates a protection domain (attached, the daemon's PD is made at its first use).
+    pub fn alloc_pd(&self) -> Pd {
+        match &self.kind {
+            CtxKind::Engine(e) => Pd {
+                kind: PdKind::Engine {
+                    ctx: e.clone(),
+                    id: e.inner.next_pd.fetch_add(1, Ordering::Relaxed),
+                },
+            },
+            CtxKind::Attached(a) => Pd {
+                kind: PdKind::Attached(attached::AttachedPd::new(a)),
+            },
+        }
+    }
+
+    /// Creates a completion queue with room for `cqe` completions per data core (a completion
+    /// that finds it full waits in its QP and is delivered later; `Cq::overruns` counts that).
+    pub fn create_cq(&self, cqe: usize) -> Result<Cq, VerbsError> {
+        let kind = match &self.kind {
+            CtxKind::Engine(e) => CqKind::Engine(e.new_cq(cqe, false)?),
+            CtxKind::Attached(a) => CqKind::Attached(Arc::new(a.create_cq(cqe)?)),
+        };
+        Ok(Cq { kind })
+    }
+
+    /// A completion queue that drops completions when full instead of keeping them (still
+    /// counting them): for queues only RedN WAITs look at, which no thread polls.
+    pub fn create_cq_ignore_overrun(&self, cqe: usize) -> Result<Cq, VerbsError> {
+        let e = self.engine("a CQ for RedN WAITs (create_cq_ignore_overrun)")?;
+        Ok(Cq {
+            kind: CqKind::Engine(e.new_cq(cqe, true)?),
+        })
+    }
+
+    /// The offloading engine: register handlers and DMA regions here. Attached to flexnsd,
+    /// every registration is refused ([`crate::offload::OffloadError::Unavailable`]): handlers
+    /// run beside the engine, in its process.
+    pub fn offload(&self) -> &crate::offload::OffloadEngine {
+        match &self.kind {
+            CtxKind::Engine(e) => &e.inner.offload,
+            CtxKind::Attached(a) => a.offload(),
+        }
+    }
+
+    /// Counters of the context's RedN programs (chains, steps, aborts); attached, none run
+    /// (managed QPs are refused), so all are 0.
     pub fn redn_stats(&self) -> crate::chain::RednStats {
-        self.inner.engine.cores()[0].redn.stats()
+        match &self.kind {
+            CtxKind::Engine(e) => e.inner.engine.cores()[0].redn.stats(),
+            CtxKind::Attached(_) => Default::default(),
+        }
     }
 
     /// Creates an RC queue pair, already in INIT so receives can be posted before connecting.
     pub fn create_qp(&self, pd: &Pd, send_cq: &Cq, recv_cq: &Cq, attr: QpInitAttr) -> Result<Qp, VerbsError> {
-        let (qpn, psn) = self.inner.draw_qp_ids()?;
-        Qp::create(self.clone(), pd.id, (qpn, psn), send_cq, recv_cq.shared.clone(), attr)
-            .inspect_err(|_| self.inner.release_qpn(qpn))
+        match (&self.kind, &pd.kind, &send_cq.kind, &recv_cq.kind) {
+            (CtxKind::Engine(e), PdKind::Engine { id, .. }, CqKind::Engine(scq), CqKind::Engine(rcq)) => {
+                let (qpn, psn) = e.inner.draw_qp_ids()?;
+                engine_qp::EngineQp::create(e.clone(), *id, (qpn, psn), scq, rcq.shared.clone(), attr)
+                    .inspect_err(|_| e.inner.release_qpn(qpn))
+                    .map(Qp::engine)
+            }
+            (CtxKind::Attached(a), PdKind::Attached(pd), CqKind::Attached(scq), CqKind::Attached(rcq)) => {
+                Ok(Qp::attached(a.create_qp(pd, scq, rcq, attr)?))
+            }
+            _ => Err(VerbsError::Invalid(
+                "pd, send_cq and recv_cq must belong to this context".into(),
+            )),
+        }
     }
 
-    /// Engine counters (malformed packets, bytes, staging memory...).
+    /// Engine counters (malformed packets, bytes, staging memory...); attached, the daemon
+    /// engine's, all its applications together (zeros if the daemon cannot answer).
     pub fn stats(&self) -> StatsSnapshot {
-        self.inner.engine.stats()
-    }
-
-    pub(crate) fn mrs(&self) -> &Arc<MrTable> {
-        &self.inner.engine.cores()[0].mrs
+        match &self.kind {
+            CtxKind::Engine(e) => e.inner.engine.stats(),
+            CtxKind::Attached(a) => a.stats(),
+        }
     }
 }
 
 /// A protection domain: memory regions and QPs of one PD only see each other.
 #[derive(Clone)]
 pub struct Pd {
-    ctx: Context,
-    id: u32,
+    kind: PdKind,
+}
+
+#[derive(Clone)]
+enum PdKind {
+    Engine { ctx: EngineCtx, id: u32 },
+    Attached(Arc<attached::AttachedPd>),
 }
 
 impl Pd {
-    /// Allocates `len` zeroed bytes and registers them.
+    /// Allocates `len` zeroed bytes and registers them (attached: in a memfd the daemon maps).
     pub fn reg_mr(&self, len: usize, access: Access) -> Result<Mr, VerbsError> {
-        self.register(Arc::new(self.ctx.inner.alloc_region(len)), access)
+        match &self.kind {
+            PdKind::Engine { ctx, .. } => self.register(Arc::new(ctx.inner.alloc_region(len)), access),
+            PdKind::Attached(pd) => Ok(Mr {
+                kind: MrKind::Attached(pd.reg_mr(len, access)?),
+            }),
+        }
     }
 
-    /// Registers caller memory.
+    /// Registers caller memory. Attached to flexnsd it is refused
+    /// ([`VerbsError::Unsupported`]): the daemon cannot reach memory outside a memfd.
     ///
     /// # Safety
     /// `ptr..ptr+len` must stay valid until the returned [`Mr`] and every work request using
     /// it are gone, and must not be accessed through Rust references while peers may access it.
     pub unsafe fn reg_mr_raw(&self, ptr: *mut u8, len: usize, access: Access) -> Result<Mr, VerbsError> {
+        if let PdKind::Attached(_) = &self.kind {
+            return Err(VerbsError::Unsupported(format!(
+                "registering caller memory ({len} bytes at {ptr:p}): flexnsd maps only memory in \
+                 a memfd (Pd::reg_mr, or Pd::reg_region of Region::alloc_shareable memory)"
+            )));
+        }
         // SAFETY: the caller's contract is `Region::from_raw`'s.
         self.register(Arc::new(unsafe { Region::from_raw(ptr, len) }), access)
     }
 
     /// Registers a region the caller already holds (several contexts may register one region,
-    /// e.g. a buffer exposed on two engines).
+    /// e.g. a buffer exposed on two engines). Attached to flexnsd, the region must live in a
+    /// memfd (as [`Region::alloc_shareable`] gives from 64 KiB): the daemon maps the same file.
     pub fn reg_region(&self, region: Arc<Region>, access: Access) -> Result<Mr, VerbsError> {
-        self.register(region, access)
+        match &self.kind {
+            PdKind::Engine { .. } => self.register(region, access),
+            PdKind::Attached(pd) => Ok(Mr {
+                kind: MrKind::Attached(pd.reg_region(region, access)?),
+            }),
+        }
     }
 
     /// Registers `region`: its keys are drawn at random, the rkey unlike the lkey (see
     /// [`MrTable`]). Fails only when the context's table is full.
     pub(crate) fn register(&self, region: Arc<Region>, access: Access) -> Result<Mr, VerbsError> {
-        let entry = self.ctx.mrs().register(region, self.id, access)?;
-        Ok(Mr {
-            entry,
-            table: self.ctx.mrs().clone(),
-        })
+        match &self.kind {
+            PdKind::Engine { ctx, id } => {
+                let entry = ctx.mrs().register(region, *id, access)?;
+                Ok(Mr {
+                    kind: MrKind::Engine {
+                        entry,
+                        table: ctx.mrs().clone(),
+                    },
+                })
+            }
+            PdKind::Attached(pd) => Ok(Mr {
+                kind: MrKind::Attached(pd.reg_region(region, access)?),
+            }),
+        }
     }
 
-    /// Its number (what memory regions and QPs are checked against).
+    /// Its number (what memory regions and QPs are checked against); attached, the daemon's
+    /// handle of it (0 until its first MR or QP makes it).
     pub fn id(&self) -> u32 {
-        self.id
+        match &self.kind {
+            PdKind::Engine { id, .. } => *id,
+            PdKind::Attached(pd) => pd.handle(),
+        }
     }
 }
 
 /// A registered memory region. Deregistered on drop.
 pub struct Mr {
-    entry: MrEntry,
-    table: Arc<MrTable>,
+    kind: MrKind,
+}
+
+enum MrKind {
+    Engine { entry: MrEntry, table: Arc<MrTable> },
+    Attached(attached::AttachedMr),
 }
 
 impl Mr {
     /// Its local key (for SGEs).
     pub fn lkey(&self) -> u32 {
-        self.entry.lkey
+        match &self.kind {
+            MrKind::Engine { entry, .. } => entry.lkey,
+            MrKind::Attached(m) => m.lkey(),
+        }
     }
     /// Its remote key (for peers' RETHs).
     pub fn rkey(&self) -> u32 {
-        self.entry.rkey
+        match &self.kind {
+            MrKind::Engine { entry, .. } => entry.rkey,
+            MrKind::Attached(m) => m.rkey(),
+        }
     }
     /// Virtual address of the first byte (for RETHs and SGEs).
     pub fn addr(&self) -> u64 {
-        self.entry.region.addr()
+        self.region().addr()
     }
     /// Its length in bytes.
     pub fn len(&self) -> usize {
-        self.entry.region.len()
+        self.region().len()
     }
     /// Whether it has no bytes.
     pub fn is_empty(&self) -> bool {
@@ -432,32 +583,50 @@ impl Mr {
     }
     /// Copies bytes out of the region.
     pub fn read(&self, off: usize, dst: &mut [u8]) {
-        self.entry.region.read(off, dst)
+        self.region().read(off, dst)
     }
     /// Copies bytes into the region.
     pub fn write(&self, off: usize, src: &[u8]) {
-        self.entry.region.write(off, src)
+        self.region().write(off, src)
     }
     /// Atomic load of an aligned 8-byte word.
     pub fn load_u64(&self, off: usize) -> Option<u64> {
-        self.entry.region.load_u64(off)
+        self.region().load_u64(off)
     }
     /// The underlying region.
     pub fn region(&self) -> &Arc<Region> {
-        &self.entry.region
+        match &self.kind {
+            MrKind::Engine { entry, .. } => &entry.region,
+            MrKind::Attached(m) => m.region(),
+        }
     }
 }
 
 impl Drop for Mr {
     fn drop(&mut self) {
-        self.table.deregister(self.entry.lkey);
+        // attached, the client's MR deregisters itself with the daemon
+        if let MrKind::Engine { entry, table } = &self.kind {
+            table.deregister(entry.lkey);
+        }
     }
 }
 
 /// A completion queue.
 #[derive(Clone)]
 pub struct Cq {
-    shared: Arc<CqShared>,
+    kind: CqKind,
+}
+
+#[derive(Clone)]
+enum CqKind {
+    Engine(EngineCq),
+    Attached(Arc<crate::attach::client::Cq>),
+}
+
+/// A completion queue of the in-process engine.
+#[derive(Clone)]
+pub(crate) struct EngineCq {
+    pub(crate) shared: Arc<CqShared>,
     num: u32,
     /// Run to completion: polling and waiting run the context's cores.
     drive: Option<Arc<AppDrive>>,
@@ -466,17 +635,90 @@ pub struct Cq {
 }
 
 impl Cq {
-    /// The CQ's number in its context (what a WAIT work request names).
+    /// The CQ's number in its context (what a WAIT work request names); attached, the
+    /// daemon's handle of it.
     pub fn cq_num(&self) -> u32 {
-        self.num
+        match &self.kind {
+            CqKind::Engine(c) => c.num,
+            CqKind::Attached(c) => c.handle(),
+        }
     }
     /// Completions produced so far (polling does not lower it; WAIT counts compare with it).
     pub fn produced(&self) -> u64 {
-        self.shared.produced().load(Ordering::Acquire)
+        match &self.kind {
+            CqKind::Engine(c) => c.shared.produced().load(Ordering::Acquire),
+            CqKind::Attached(c) => c.produced(),
+        }
     }
     /// Moves up to `wc.len()` completions into `wc` (like `ibv_poll_cq`); returns how many.
     /// Run to completion, a poll that finds none runs the context's cores once and looks again.
+    /// Attached, a daemon that died leaves its last completions, then a `WR_FLUSH_ERR` for
+    /// every work request still outstanding.
     pub fn poll(&self, wc: &mut [Wc]) -> usize {
+        match &self.kind {
+            CqKind::Engine(c) => c.poll(wc),
+            CqKind::Attached(c) => attached::poll(c, wc),
+        }
+    }
+    /// Blocks until a completion is available or `timeout` passes. Run to completion, the
+    /// caller runs the cores while it waits (spinning as the context's poll mode says: forever
+    /// when busy-polling, `spin_us` when adaptive), then leaves them to the backstop and sleeps.
+    /// Attached, it spins briefly on the completion ring, then sleeps on the CQ's eventfd; once
+    /// the daemon is gone and nothing is left to deliver it returns `false` at once.
+    pub fn wait(&self, timeout: Duration) -> bool {
+        match &self.kind {
+            CqKind::Engine(c) => c.wait(timeout),
+            CqKind::Attached(c) => attached::wait(c, timeout),
+        }
+    }
+    /// Waits asynchronously until a completion is available (run to completion, the cores'
+    /// backstop runs them meanwhile).
+    pub async fn wait_async(&self) {
+        match &self.kind {
+            CqKind::Engine(c) => c.wait_async().await,
+            CqKind::Attached(c) => attached::wait_async(c).await,
+        }
+    }
+    /// Polls one completion, blocking up to `timeout`.
+    pub fn next(&self, timeout: Duration) -> Option<Wc> {
+        let deadline = std::time::Instant::now() + timeout;
+        let mut wc = [EMPTY_WC];
+        loop {
+            if self.poll(&mut wc) == 1 {
+                return Some(wc[0]);
+            }
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return None;
+            }
+            if !self.wait(left) && self.is_dead() {
+                return None;
+            }
+        }
+    }
+    /// Attached, whether the daemon is gone and nothing more will come.
+    fn is_dead(&self) -> bool {
+        match &self.kind {
+            CqKind::Engine(_) => false,
+            CqKind::Attached(c) => attached::drained(c),
+        }
+    }
+    /// Completions that arrived while the queue was full (attached: the daemon holds a
+    /// completion until the ring has room, so none).
+    pub fn overruns(&self) -> u64 {
+        match &self.kind {
+            CqKind::Engine(c) => c.shared.overruns(),
+            CqKind::Attached(_) => 0,
+        }
+    }
+}
+
+impl EngineCq {
+    pub(crate) fn cq_num(&self) -> u32 {
+        self.num
+    }
+
+    fn poll(&self, wc: &mut [Wc]) -> usize {
         let n = self.shared.poll(wc);
         match &self.drive {
             Some(d) if n == 0 && !wc.is_empty() => {
@@ -486,10 +728,8 @@ impl Cq {
             _ => n,
         }
     }
-    /// Blocks until a completion is available or `timeout` passes. Run to completion, the
-    /// caller runs the cores while it waits (spinning as the context's poll mode says: forever
-    /// when busy-polling, `spin_us` when adaptive), then leaves them to the backstop and sleeps.
-    pub fn wait(&self, timeout: Duration) -> bool {
+
+    fn wait(&self, timeout: Duration) -> bool {
         let Some(d) = &self.drive else {
             return self.shared.wait(timeout);
         };
@@ -515,9 +755,8 @@ impl Cq {
         self.shared
             .wait(deadline.saturating_duration_since(std::time::Instant::now()))
     }
-    /// Waits asynchronously until a completion is available (run to completion, the cores'
-    /// backstop runs them meanwhile).
-    pub async fn wait_async(&self) {
+
+    async fn wait_async(&self) {
         if let Some(d) = &self.drive {
             d.progress();
             if self.shared.any_ready() {
@@ -526,25 +765,6 @@ impl Cq {
             d.release();
         }
         self.shared.wait_async().await
-    }
-    /// Polls one completion, blocking up to `timeout`.
-    pub fn next(&self, timeout: Duration) -> Option<Wc> {
-        let deadline = std::time::Instant::now() + timeout;
-        let mut wc = [EMPTY_WC];
-        loop {
-            if self.poll(&mut wc) == 1 {
-                return Some(wc[0]);
-            }
-            let left = deadline.saturating_duration_since(std::time::Instant::now());
-            if left.is_zero() {
-                return None;
-            }
-            self.wait(left);
-        }
-    }
-    /// Completions that arrived while the queue was full.
-    pub fn overruns(&self) -> u64 {
-        self.shared.overruns()
     }
 }
 

@@ -69,9 +69,10 @@ impl Context {
         cfg: ClientConfig,
         cc: Option<Box<dyn crate::cc::CcAlgorithm>>,
     ) -> Result<SolarAgent, VerbsError> {
-        check_client_config(&cfg, self.inner.cfg.path_ports.max(1) as usize).map_err(VerbsError::Invalid)?;
+        let inner = self.engine("Solar")?.inner.clone();
+        check_client_config(&cfg, inner.cfg.path_ports.max(1) as usize).map_err(VerbsError::Invalid)?;
         // the context's link knows its routes (the kernel's, or a simulated network's)
-        let mtu = self.inner.engine.cores()[0]
+        let mtu = inner.engine.cores()[0]
             .link
             .route_mtu(server)
             .ok_or_else(|| VerbsError::Invalid(format!("no route toward {server} (its MTU could not be read)")))?;
@@ -81,7 +82,7 @@ impl Context {
                  without fragmenting it, which needs an MTU of at least {SOLAR_MIN_MTU} (jumbo frames)"
             )));
         }
-        let reg = &self.inner.solar;
+        let reg = &inner.solar;
         let id = reg.next_id.fetch_add(1, Ordering::Relaxed);
         {
             let mut servers = reg.servers.lock();
@@ -102,7 +103,7 @@ impl Context {
             status: status.clone(),
         });
         Ok(SolarAgent {
-            ctx: self.clone(),
+            inner,
             core,
             id,
             server: Mutex::new(server),
@@ -122,11 +123,12 @@ impl Context {
         mut server: SolarServer,
         handler: Arc<dyn StorageHandler>,
     ) -> Result<SolarService, VerbsError> {
+        let inner = self.engine("Solar")?.inner.clone();
         if !server.validating() {
             // a simulated context's nonces follow the network's seed (a seed replays), like its
             // QPNs; a real one's come from the OS-seeded thread generator
-            let nonces: NonceSource = if self.inner.iovas.is_some() {
-                let mut rng = StdRng::seed_from_u64(self.inner.ids.lock().rng.random());
+            let nonces: NonceSource = if inner.iovas.is_some() {
+                let mut rng = StdRng::seed_from_u64(inner.ids.lock().rng.random());
                 Box::new(move || rng.random())
             } else {
                 Box::new(rand::random::<u64>)
@@ -135,10 +137,10 @@ impl Context {
                 .require_validation(ValidationConfig::default(), nonces)
                 .map_err(VerbsError::Invalid)?;
         }
-        if self.inner.solar.serving.swap(true, Ordering::SeqCst) {
+        if inner.solar.serving.swap(true, Ordering::SeqCst) {
             return Err(VerbsError::Invalid("this context already serves Solar".into()));
         }
-        let core = self.inner.solar.hosts[0].clone();
+        let core = inner.solar.hosts[0].clone();
         let stats = Arc::new(Mutex::new(server.stats()));
         core.command(SolarCmd::Serve {
             server: Box::new(server),
@@ -147,6 +149,7 @@ impl Context {
         });
         Ok(SolarService {
             ctx: self.clone(),
+            inner,
             core,
             stats,
         })
@@ -156,7 +159,8 @@ impl Context {
 /// A Solar client toward one storage server; dropping it closes it (requests in flight fail
 /// with [`SolarError::Stopped`]).
 pub struct SolarAgent {
-    ctx: Context,
+    /// Its context's engine (the context is an in-process one: Solar runs only there).
+    inner: Arc<super::CtxInner>,
     core: Arc<SolarHost>,
     id: u64,
     server: Mutex<SocketAddrV4>,
@@ -263,7 +267,7 @@ impl SolarAgent {
             return Ok(());
         }
         {
-            let mut servers = self.ctx.inner.solar.servers.lock();
+            let mut servers = self.inner.solar.servers.lock();
             if servers.contains_key(&addr) {
                 return Err(VerbsError::Invalid(format!(
                     "this context already has a Solar client toward {addr}"
@@ -290,7 +294,7 @@ impl Drop for SolarAgent {
     fn drop(&mut self) {
         self.core.command(SolarCmd::CloseClient { id: self.id });
         let server = *self.server.lock();
-        let mut servers = self.ctx.inner.solar.servers.lock();
+        let mut servers = self.inner.solar.servers.lock();
         if servers.get(&server) == Some(&self.id) {
             servers.remove(&server);
         }
@@ -300,6 +304,8 @@ impl Drop for SolarAgent {
 /// A context's Solar server; dropping it stops serving (and releases the handler).
 pub struct SolarService {
     ctx: Context,
+    /// Its context's engine.
+    inner: Arc<super::CtxInner>,
     core: Arc<SolarHost>,
     stats: Arc<Mutex<ServerStats>>,
 }
@@ -342,6 +348,6 @@ impl SolarService {
 impl Drop for SolarService {
     fn drop(&mut self) {
         self.core.command(SolarCmd::CloseServer);
-        self.ctx.inner.solar.serving.store(false, Ordering::SeqCst);
+        self.inner.solar.serving.store(false, Ordering::SeqCst);
     }
 }

@@ -93,7 +93,7 @@ impl std::str::FromStr for IcrcMode {
 }
 
 /// QP states (`IBV_QPS_*`; SQD and SQE are not modelled).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum QpState {
     /// Made, not configured.
     Reset,
@@ -309,7 +309,7 @@ impl QpErrorCause {
 }
 
 /// Counters of one QP.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct RcStats {
     /// Packets sent.
     pub tx_packets: u64,

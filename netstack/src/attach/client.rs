@@ -10,8 +10,8 @@
 //! client keeps, per QP, what it posted until the completion that retires it.
 //!
 //! ```no_run
-//! use flexnsd::client::*;
-//! use netstack::verbs::{Access, SendWr, WrOpcode};
+//! use netstack::attach::client::*;
+//! use crate::verbs::{Access, SendWr, WrOpcode};
 //! let att = Attachment::connect("/run/flexnsd.sock", "demo").unwrap();
 //! let pd = att.alloc_pd().unwrap();
 //! let mr = pd.reg_mr(1 << 20, Access::ALL).unwrap();
@@ -23,11 +23,11 @@
 //! let wc = cq.next(std::time::Duration::from_secs(1)).unwrap();
 //! ```
 
-use crate::proto::{self, Reply, Request, Status};
-use crate::shm::{self, Mapping, RingFault};
-use crate::sys;
-use netstack::mem::Region;
-use netstack::verbs::{Access, Endpoint, RecvWr, SendFlags, SendWr, Sge, Wc, WcOpcode, WcStatus};
+use super::proto::{self, ModifyStep, Reply, Request, Status};
+use super::shm::{self, Mapping, RingFault};
+use super::sys;
+use crate::mem::Region;
+use crate::verbs::{Access, Endpoint, RecvWr, SendFlags, SendWr, Sge, Wc, WcOpcode, WcStatus};
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::Path;
@@ -86,6 +86,8 @@ struct Inner {
     epoch: Instant,
     /// Each live QP's outstanding work requests, by QP number.
     qps: Mutex<HashMap<u32, Arc<Track>>>,
+    /// The daemon's data-path address, as its `Hello` said.
+    addr: Option<std::net::SocketAddrV4>,
 }
 
 /// How often a poll that finds no completion checks whether the daemon is still there.
@@ -97,6 +99,9 @@ struct Track {
     send_cq: u32,
     recv_cq: u32,
     out: Mutex<Outstanding>,
+    /// A completion of this QP failed (not a flush the client made): the daemon's QP is in
+    /// the error state, as RC puts a QP whose work request failed.
+    failed: AtomicBool,
 }
 
 #[derive(Default)]
@@ -265,11 +270,16 @@ pub struct Attachment {
 pub struct QpInitAttr {
     /// Entries of its send ring (a power of two).
     pub sq_slots: u32,
+    /// Its transport parameters; `None` takes the daemon context's defaults.
+    pub config: Option<crate::transport::rc::RcConfig>,
 }
 
 impl Default for QpInitAttr {
     fn default() -> QpInitAttr {
-        QpInitAttr { sq_slots: 1024 }
+        QpInitAttr {
+            sq_slots: 1024,
+            config: None,
+        }
     }
 }
 
@@ -287,19 +297,39 @@ impl Attachment {
             looked_ms: AtomicU64::new(0),
             epoch: Instant::now(),
             qps: Mutex::new(HashMap::new()),
+            addr: None,
         };
         let r = inner.call(&Request::Hello { name: name.into() }, &[inner.doorbell.as_fd()])?;
-        let Reply::Hello { app } = r else {
+        let Reply::Hello { app, addr } = r else {
             return Err(unexpected(r));
         };
         Ok(Attachment {
-            inner: Arc::new(Inner { app, ..inner }),
+            inner: Arc::new(Inner { app, addr, ..inner }),
         })
     }
 
     /// The daemon's id of this attachment.
     pub fn app_id(&self) -> u64 {
         self.inner.app
+    }
+
+    /// The daemon's data-path address (its first data core's), where peers of this
+    /// attachment's QPs send; `None` from a daemon that did not say.
+    pub fn daemon_addr(&self) -> Option<std::net::SocketAddrV4> {
+        self.inner.addr
+    }
+
+    /// The daemon engine's counters (all its attachments together).
+    pub fn engine_stats(&self) -> Result<crate::engine::StatsSnapshot> {
+        match self.inner.call(&Request::EngineStats, &[])? {
+            Reply::EngineStats(s) => Ok(*s),
+            r => Err(unexpected(r)),
+        }
+    }
+
+    /// Whether the daemon is known to be gone (its socket closed).
+    pub fn is_gone(&self) -> bool {
+        self.inner.gone_now()
     }
 
     /// Allocates a protection domain.
@@ -356,6 +386,7 @@ impl Attachment {
                 send_cq: send_cq.handle,
                 recv_cq: recv_cq.handle,
                 slots: slots as u32,
+                config: attr.config,
             },
             &[ring_file(&ring)?.as_fd()],
         )?;
@@ -366,6 +397,7 @@ impl Attachment {
             send_cq: send_cq.handle,
             recv_cq: recv_cq.handle,
             out: Mutex::new(Outstanding::default()),
+            failed: AtomicBool::new(false),
         });
         let qps = &self.inner.qps;
         qps.lock().unwrap_or_else(|e| e.into_inner()).insert(qpn, track.clone());
@@ -425,6 +457,48 @@ impl Pd {
                 access: access.0,
             },
             &[fd.as_fd()],
+        )?;
+        let Reply::Mr { handle, lkey, rkey } = r else {
+            return Err(unexpected(r));
+        };
+        Ok(Mr {
+            att: self.att.clone(),
+            handle,
+            lkey,
+            rkey,
+            region,
+        })
+    }
+}
+
+impl Pd {
+    /// Registers memory the caller already holds, which must live in a memfd from its first
+    /// byte on (what `Region::alloc_shareable` gives from 64 KiB, and `Pd::reg_mr` here) and be
+    /// named by its address in this process: the daemon maps the same file. Other memory is
+    /// refused (`ClientError::Invalid`, naming why): the daemon cannot reach it.
+    pub fn reg_region(&self, region: Arc<Region>, access: Access) -> Result<Mr> {
+        let Some(file) = region.memfd() else {
+            return Err(ClientError::Invalid(format!(
+                "region: {} bytes at {:#x} are not in a memfd, so flexnsd cannot map them \
+                 (allocate with Pd::reg_mr, or Region::alloc_shareable from 64 KiB)",
+                region.len(),
+                region.addr()
+            )));
+        };
+        if !region.is_process_memory() {
+            return Err(ClientError::Invalid(format!(
+                "region: named by the I/O virtual address {:#x}, not its address here",
+                region.addr()
+            )));
+        }
+        let r = self.att.inner.call(
+            &Request::RegMr {
+                pd: self.handle,
+                len: region.len() as u64,
+                addr: region.addr(),
+                access: access.0,
+            },
+            &[file.as_fd()],
         )?;
         let Reply::Mr { handle, lkey, rkey } = r else {
             return Err(unexpected(r));
@@ -550,6 +624,9 @@ impl Cq {
         let qps = self.att.inner.qps.lock().unwrap_or_else(|e| e.into_inner());
         for w in wc {
             if let Some(t) = qps.get(&w.qp_num) {
+                if w.status != WcStatus::Success {
+                    t.failed.store(true, Ordering::Relaxed);
+                }
                 t.out.lock().unwrap_or_else(|e| e.into_inner()).retire(w);
             }
         }
@@ -637,7 +714,7 @@ impl Cq {
     /// Polls one completion, blocking up to `timeout`.
     pub fn next(&self, timeout: Duration) -> Result<Option<Wc>> {
         let deadline = Instant::now() + timeout;
-        let mut wc = [netstack::verbs::EMPTY_WC];
+        let mut wc = [crate::verbs::EMPTY_WC];
         loop {
             if self.poll(&mut wc)? == 1 {
                 return Ok(Some(wc[0]));
@@ -653,6 +730,17 @@ impl Cq {
     /// Its handle in the attachment.
     pub fn handle(&self) -> u32 {
         self.handle
+    }
+
+    /// Whether the daemon is gone and this CQ has nothing left to deliver (neither the
+    /// daemon's last completions nor flushes).
+    pub fn is_finished(&self) -> bool {
+        self.att.inner.dead.load(Ordering::SeqCst) && !self.ready()
+    }
+
+    /// Completions the daemon has written to this CQ so far (polling does not lower it).
+    pub fn produced(&self) -> u64 {
+        self.ring.word(shm::CQ_TAIL).load(Ordering::Acquire)
     }
 }
 
@@ -685,6 +773,42 @@ impl Qp {
             Reply::Endpoint(e) => Ok(e),
             r => Err(unexpected(r)),
         }
+    }
+
+    /// One step of the QP state machine (see [`ModifyStep`]).
+    pub fn modify(&self, step: ModifyStep) -> Result<()> {
+        match self.att.inner.call(&Request::Modify { qp: self.handle, step }, &[])? {
+            Reply::Done => Ok(()),
+            r => Err(unexpected(r)),
+        }
+    }
+
+    /// Limits the QP's sending rate (bytes per second, with a burst), or lifts it (`None`).
+    pub fn set_rate_limit(&self, bytes_per_sec: Option<u64>, burst: u64) -> Result<()> {
+        let req = Request::RateLimit {
+            qp: self.handle,
+            bytes_per_sec,
+            burst,
+        };
+        match self.att.inner.call(&req, &[])? {
+            Reply::Done => Ok(()),
+            r => Err(unexpected(r)),
+        }
+    }
+
+    /// Limits the QP's payload bytes in flight, or lifts it (`None`).
+    pub fn set_window_limit(&self, bytes: Option<u64>) -> Result<()> {
+        let req = Request::WindowLimit { qp: self.handle, bytes };
+        match self.att.inner.call(&req, &[])? {
+            Reply::Done => Ok(()),
+            r => Err(unexpected(r)),
+        }
+    }
+
+    /// Whether one of its completions failed (the daemon's QP is then in the error state), or
+    /// the daemon is gone.
+    pub fn failed(&self) -> bool {
+        self.track.failed.load(Ordering::Relaxed) || self.att.inner.dead.load(Ordering::Relaxed)
     }
 
     /// Connects to a peer (INIT -> RTR -> RTS).
@@ -764,9 +888,9 @@ impl Qp {
     }
 
     /// Its transport counters, from the daemon's engine.
-    pub fn stats(&self) -> Result<crate::proto::QpStats> {
+    pub fn stats(&self) -> Result<super::proto::QpStats> {
         match self.att.inner.call(&Request::QpStats { qp: self.handle }, &[])? {
-            Reply::QpStats(s) => Ok(s),
+            Reply::QpStats(s) => Ok(*s),
             r => Err(unexpected(r)),
         }
     }

@@ -1,6 +1,6 @@
 //! The system calls flexnsd makes that std does not wrap: `SOCK_SEQPACKET` Unix sockets with
 //! `SCM_RIGHTS`, eventfds, memfds and their seals, and `poll(2)`. Every `unsafe` block of the
-//! crate that is not a shared-memory access ([`crate::shm`]) is here.
+//! crate that is not a shared-memory access ([`super::shm`]) is here.
 
 use std::ffi::CStr;
 use std::io;

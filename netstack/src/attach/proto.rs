@@ -30,7 +30,7 @@ pub enum Request {
         len: u64,
         /// The application's address of the first byte (what its SGEs and rkeys name).
         addr: u64,
-        /// `netstack::verbs::Access` bits.
+        /// `crate::verbs::Access` bits.
         access: u32,
     },
     /// Deregisters a memory region.
@@ -53,6 +53,10 @@ pub enum Request {
         recv_cq: u32,
         /// Entries of its send ring (a power of two).
         slots: u32,
+        /// Its transport parameters (`None`: the daemon context's defaults), as
+        /// `crate::verbs::QpInitAttr::config`.
+        #[serde(default)]
+        config: Option<crate::transport::rc::RcConfig>,
     },
     /// The QP's half of a connection exchange.
     QpEndpoint {
@@ -64,8 +68,34 @@ pub enum Request {
         /// The QP.
         qp: u32,
         /// The peer's endpoint.
-        remote: netstack::verbs::Endpoint,
+        remote: crate::verbs::Endpoint,
     },
+    /// One step of the QP state machine (what `ibv_modify_qp` does), for an application that
+    /// takes the steps apart instead of [`Request::Connect`].
+    Modify {
+        /// The QP.
+        qp: u32,
+        /// The step.
+        step: ModifyStep,
+    },
+    /// Limits a QP's sending rate (bytes per second and burst), or lifts the limit (`None`).
+    RateLimit {
+        /// The QP.
+        qp: u32,
+        /// Bytes per second.
+        bytes_per_sec: Option<u64>,
+        /// Burst bytes.
+        burst: u64,
+    },
+    /// Limits a QP's payload bytes in flight, or lifts the limit (`None`).
+    WindowLimit {
+        /// The QP.
+        qp: u32,
+        /// Bytes.
+        bytes: Option<u64>,
+    },
+    /// The daemon engine's counters (all attachments together).
+    EngineStats,
     /// Destroys a QP.
     DestroyQp {
         /// The QP.
@@ -97,6 +127,9 @@ pub enum Reply {
     Hello {
         /// The attachment's id.
         app: u64,
+        /// The daemon's data-path address (its first data core's).
+        #[serde(default)]
+        addr: Option<std::net::SocketAddrV4>,
     },
     /// A new object's handle.
     Handle(u32),
@@ -117,13 +150,15 @@ pub enum Reply {
         qpn: u32,
     },
     /// An endpoint.
-    Endpoint(netstack::verbs::Endpoint),
+    Endpoint(crate::verbs::Endpoint),
     /// Done.
     Done,
     /// The daemon's counts.
     Status(Status),
     /// A QP's transport counters.
-    QpStats(QpStats),
+    QpStats(Box<QpStats>),
+    /// The daemon engine's counters.
+    EngineStats(Box<crate::engine::StatsSnapshot>),
     /// Refused: the field at fault, and why.
     Err {
         /// The request field (or `fds`, `message`) that was bad.
@@ -161,6 +196,35 @@ pub struct QpStats {
     pub rnr_naks_sent: u64,
     /// RNR NAKs received.
     pub rnr_naks_received: u64,
+    /// All of the QP's counters, as the in-process engine's `Qp::stats` has them.
+    #[serde(default)]
+    pub rc: crate::transport::rc::RcStats,
+    /// Its state, as its data core last published it.
+    #[serde(default)]
+    pub state: Option<crate::transport::rc::QpState>,
+    /// The ICRC mode its connection runs.
+    #[serde(default)]
+    pub icrc: crate::transport::rc::IcrcMode,
+}
+
+/// A step of the QP state machine ([`Request::Modify`]).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum ModifyStep {
+    /// INIT -> RTR towards `remote`; `accept`: as a peer's connection request named it
+    /// (`crate::verbs::Qp::accept_rtr`), else as this side chose it (`modify_to_rtr`).
+    Rtr {
+        /// The peer's endpoint.
+        remote: crate::verbs::Endpoint,
+        /// Whether the peer's request named the endpoint.
+        accept: bool,
+    },
+    /// RTR -> RTS, sending from `sq_psn` if given (else the PSN drawn at creation).
+    Rts {
+        /// The first PSN to send.
+        sq_psn: Option<u32>,
+    },
+    /// -> ERR: outstanding work requests complete with `WR_FLUSH_ERR`.
+    Err,
 }
 
 /// One attachment's objects and traffic.
@@ -229,7 +293,7 @@ pub fn decode<T: for<'de> Deserialize<'de>>(pkt: &[u8]) -> Result<T, Malformed> 
 
 /// Sends `body` with `fds`.
 pub fn send<T: Serialize>(sock: BorrowedFd<'_>, body: &T, fds: &[BorrowedFd<'_>]) -> std::io::Result<()> {
-    crate::sys::send_msg(sock, &encode(body), fds)
+    super::sys::send_msg(sock, &encode(body), fds)
 }
 
 /// A received message: the parsed body (or why it is malformed) and the descriptors it carried.
@@ -238,10 +302,10 @@ pub type Received<T> = (Result<T, Malformed>, Vec<OwnedFd>);
 /// Receives one message (blocking); `None` at EOF.
 pub fn recv<T: for<'de> Deserialize<'de>>(sock: BorrowedFd<'_>) -> std::io::Result<Option<Received<T>>> {
     let mut buf = vec![0u8; MAX_MSG];
-    match crate::sys::recv_msg(sock, &mut buf, false)? {
-        crate::sys::Recv::Msg(n, fds) => Ok(Some((decode(&buf[..n]), fds))),
-        crate::sys::Recv::Eof => Ok(None),
-        crate::sys::Recv::WouldBlock => Err(std::io::ErrorKind::WouldBlock.into()),
+    match super::sys::recv_msg(sock, &mut buf, false)? {
+        super::sys::Recv::Msg(n, fds) => Ok(Some((decode(&buf[..n]), fds))),
+        super::sys::Recv::Eof => Ok(None),
+        super::sys::Recv::WouldBlock => Err(std::io::ErrorKind::WouldBlock.into()),
     }
 }
 

@@ -5,14 +5,14 @@
 //! mapping, at an offset checked against the mapping's length, and every index read from the
 //! other side is validated before it is used.
 
-use netstack::verbs::{SendFlags, SendWr, Sge, Wc, WcOpcode, WcStatus, WrOpcode};
+use crate::verbs::{SendFlags, SendWr, Sge, Wc, WcOpcode, WcStatus, WrOpcode};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// A shared mapping of a whole memfd, unmapped on drop (the file, when kept, closes with it):
-/// netstack's [`netstack::samehost::Mapping`] (the one mmap of shared memory both use) with the
+/// netstack's [`crate::samehost::Mapping`] (the one mmap of shared memory both use) with the
 /// file it maps, addressed by byte offsets.
 pub struct Mapping {
-    map: netstack::samehost::Mapping,
+    map: crate::samehost::Mapping,
     /// Kept by the side that passes it on (the application); the daemon closes it once mapped.
     file: Option<std::fs::File>,
 }
@@ -20,7 +20,7 @@ pub struct Mapping {
 impl Mapping {
     /// Creates a sealable memfd of `len` bytes (`name` shows in /proc/*/maps) and maps it.
     pub fn create(name: &std::ffi::CStr, len: usize) -> std::io::Result<Mapping> {
-        let file = crate::sys::memfd(name)?;
+        let file = super::sys::memfd(name)?;
         file.set_len(len as u64)?;
         Mapping::map(file, len)
     }
@@ -28,14 +28,14 @@ impl Mapping {
     /// Maps the first `len` bytes of `file` shared. The caller has checked (after sealing it
     /// against shrinking, for a file another process holds) that it has at least `len`.
     pub fn map(file: std::fs::File, len: usize) -> std::io::Result<Mapping> {
-        let map = netstack::samehost::Mapping::map(&file, len)?;
+        let map = crate::samehost::Mapping::map(&file, len)?;
         Ok(Mapping { map, file: Some(file) })
     }
 
     /// Maps like [`Mapping::map`], then closes the file (the mapping keeps the memory): what the
     /// daemon does with a ring, so that each costs it no descriptor.
     pub fn map_and_close(file: std::fs::File, len: usize) -> std::io::Result<Mapping> {
-        let map = netstack::samehost::Mapping::map(&file, len)?;
+        let map = crate::samehost::Mapping::map(&file, len)?;
         Ok(Mapping { map, file: None })
     }
 
@@ -195,7 +195,7 @@ pub enum Wqe {
     /// A send work request.
     Send(SendWr),
     /// A receive work request.
-    Recv(netstack::verbs::RecvWr),
+    Recv(crate::verbs::RecvWr),
 }
 
 /// Encodes a send WR as an entry: the ring carries SEND, SEND with immediate, WRITE, WRITE with
@@ -238,7 +238,7 @@ pub fn encode_send(wr: &SendWr) -> Result<[u64; 8], &'static str> {
 }
 
 /// Encodes a receive WR as an entry (at most two SGEs).
-pub fn encode_recv(wr: &netstack::verbs::RecvWr) -> Result<[u64; 8], &'static str> {
+pub fn encode_recv(wr: &crate::verbs::RecvWr) -> Result<[u64; 8], &'static str> {
     entry(
         [wr.wr_id, KIND_RECV | (wr.sg_list.len() as u64) << 16, 0, 0],
         &wr.sg_list,
@@ -263,7 +263,7 @@ pub fn decode(w: [u64; 8]) -> Result<Wqe, &'static str> {
     if nsge > 2 {
         return Err("num_sge: more than 2");
     }
-    let mut sg = netstack::verbs::SgList::new();
+    let mut sg = crate::verbs::SgList::new();
     for i in 0..nsge {
         sg.push(words_sge([w[4 + 2 * i], w[5 + 2 * i]]));
     }
@@ -302,7 +302,7 @@ pub fn decode(w: [u64; 8]) -> Result<Wqe, &'static str> {
                 swap: 0,
             }))
         }
-        KIND_RECV => Ok(Wqe::Recv(netstack::verbs::RecvWr {
+        KIND_RECV => Ok(Wqe::Recv(crate::verbs::RecvWr {
             wr_id: w[0],
             sg_list: sg,
         })),

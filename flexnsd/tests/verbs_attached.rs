@@ -1,0 +1,328 @@
+//! netstack's verbs API attached to a real `flexnsd` process (`ContextConfig::flexnsd`): the
+//! same code that runs on an in-process engine runs through the daemon, against an in-process
+//! peer; what only an in-process engine has is refused by name; a daemon that dies flushes the
+//! outstanding work through the same API.
+
+use netstack::verbs::*;
+use std::path::PathBuf;
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+const T: Duration = Duration::from_secs(10);
+
+/// A `flexnsd` process on a socket of its own; killed on drop.
+struct Daemon {
+    child: Child,
+    socket: PathBuf,
+    dir: PathBuf,
+}
+
+impl Daemon {
+    fn start(tag: &str) -> Daemon {
+        let dir = std::env::temp_dir().join(format!("flexnsd-verbs-{}-{tag}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let socket = dir.join("flexnsd.sock");
+        let config = dir.join("flexnsd.toml");
+        std::fs::write(&config, "spin_us = 50\n[context]\nbind = \"127.0.0.1:0\"\n").unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_flexnsd"))
+            .arg("--socket")
+            .arg(&socket)
+            .arg("--config")
+            .arg(&config)
+            .env("RUST_LOG", "warn")
+            .spawn()
+            .expect("start flexnsd");
+        let d = Daemon { child, socket, dir };
+        let deadline = Instant::now() + T;
+        while flexnsd::client::Attachment::connect(&d.socket, "probe").is_err() {
+            assert!(Instant::now() < deadline, "flexnsd did not listen within {T:?}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        d
+    }
+
+    /// A context attached to this daemon.
+    fn context(&self) -> Context {
+        let ctx = Context::open(ContextConfig {
+            flexnsd: Some(self.socket.clone()),
+            ..Default::default()
+        })
+        .expect("attach");
+        assert!(ctx.is_attached());
+        ctx
+    }
+
+    fn status(&self) -> flexnsd::proto::Status {
+        flexnsd::client::Attachment::connect(&self.socket, "status")
+            .unwrap()
+            .status()
+            .unwrap()
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// One side of a connection: a QP with its CQs and 1 MiB of registered memory.
+struct Side {
+    _pd: Pd,
+    cq: Cq,
+    qp: Qp,
+    mr: Mr,
+}
+
+const LEN: usize = 1 << 20;
+
+fn side(ctx: &Context) -> Side {
+    let pd = ctx.alloc_pd();
+    let mr = pd.reg_mr(LEN, Access::ALL).unwrap();
+    let cq = ctx.create_cq(256).unwrap();
+    let qp = ctx.create_qp(&pd, &cq, &cq, QpInitAttr::default()).unwrap();
+    Side { _pd: pd, cq, qp, mr }
+}
+
+fn connect(a: &Side, b: &Side) {
+    let (ea, eb) = (a.qp.local_endpoint(), b.qp.local_endpoint());
+    a.qp.connect(&eb).unwrap();
+    // the other side as a connection manager's acceptor does it (RTR as the peer named it,
+    // then RTS), so both paths of the state machine go through
+    b.qp.accept(&ea).unwrap();
+    assert_eq!(a.qp.state(), QpState::Rts);
+    assert_eq!(b.qp.state(), QpState::Rts);
+}
+
+fn next_ok(cq: &Cq, what: &str) -> Wc {
+    let wc = cq
+        .next(T)
+        .unwrap_or_else(|| panic!("{what}: no completion within {T:?}"));
+    assert_eq!(wc.status, WcStatus::Success, "{what}: {wc:?}");
+    wc
+}
+
+/// Fresh bytes for one operation (data that did not exist at the target before it).
+fn fresh(seed: u64, n: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+/// WRITE, READ, SEND with immediate, and both atomics from `a` to `b`, each checked at its
+/// target; the same code whichever mode either context runs in.
+fn exercise(a: &Side, b: &Side, seed: u64) {
+    // WRITE 256 KiB into b
+    let w = fresh(seed, 256 << 10);
+    a.mr.write(0, &w);
+    a.qp.post_send(
+        SendWr::new(1, WrOpcode::RdmaWrite)
+            .sge(a.mr.sge(0, w.len()))
+            .remote(b.mr.addr() + 4096, b.mr.rkey()),
+    )
+    .unwrap();
+    assert_eq!(next_ok(&a.cq, "WRITE").opcode, WcOpcode::RdmaWrite);
+    let mut got = vec![0u8; w.len()];
+    b.mr.read(4096, &mut got);
+    assert!(got == w, "WRITE: the target does not hold the bytes written");
+
+    // READ 64 KiB of b's memory (fresh there) into a
+    let r = fresh(seed + 1, 64 << 10);
+    b.mr.write(512 << 10, &r);
+    a.qp.post_send(
+        SendWr::new(2, WrOpcode::RdmaRead)
+            .sge(a.mr.sge(768 << 10, r.len()))
+            .remote(b.mr.addr() + (512 << 10), b.mr.rkey()),
+    )
+    .unwrap();
+    assert_eq!(next_ok(&a.cq, "READ").byte_len as usize, r.len());
+    let mut got = vec![0u8; r.len()];
+    a.mr.read(768 << 10, &mut got);
+    assert!(got == r, "READ: the local buffer does not hold the remote bytes");
+
+    // SEND with immediate into a posted receive
+    let m = fresh(seed + 2, 3000);
+    b.qp.post_recv(RecvWr {
+        wr_id: 77,
+        sg_list: [b.mr.sge(900 << 10, 4096)].into_iter().collect(),
+    })
+    .unwrap();
+    a.mr.write(100, &m);
+    a.qp.post_send(
+        SendWr::new(3, WrOpcode::SendWithImm)
+            .sge(a.mr.sge(100, m.len()))
+            .imm(0xfeed_0000 | seed as u32 & 0xffff),
+    )
+    .unwrap();
+    next_ok(&a.cq, "SEND");
+    let rwc = next_ok(&b.cq, "RECV");
+    assert_eq!((rwc.wr_id, rwc.byte_len as usize), (77, m.len()));
+    assert_eq!(rwc.imm_data, Some(0xfeed_0000 | seed as u32 & 0xffff));
+    let mut got = vec![0u8; m.len()];
+    b.mr.read(900 << 10, &mut got);
+    assert!(got == m, "SEND: the receive buffer does not hold the message");
+
+    // fetch-and-add, then compare-and-swap, on a word of b
+    let word = 1000 << 10;
+    let base = seed << 8;
+    b.mr.write(word, &base.to_le_bytes());
+    a.qp.post_send(
+        SendWr::new(4, WrOpcode::AtomicFetchAndAdd)
+            .sge(a.mr.sge(8, 8))
+            .remote(b.mr.addr() + word as u64, b.mr.rkey())
+            .atomic(5, 0),
+    )
+    .unwrap();
+    next_ok(&a.cq, "FAA");
+    assert_eq!(a.mr.load_u64(8), Some(base), "FAA returns the old value");
+    a.qp.post_send(
+        SendWr::new(5, WrOpcode::AtomicCmpAndSwp)
+            .sge(a.mr.sge(16, 8))
+            .remote(b.mr.addr() + word as u64, b.mr.rkey())
+            .atomic(base + 5, 42),
+    )
+    .unwrap();
+    next_ok(&a.cq, "CAS");
+    assert_eq!(a.mr.load_u64(16), Some(base + 5), "CAS returns the old value");
+    assert_eq!(b.mr.load_u64(word), Some(42), "CAS swapped");
+}
+
+/// The same code runs with the requester attached to flexnsd and the responder in-process,
+/// the other way round, and both attached; the daemon counts the work it carried, so it is
+/// not this process's engine that moved the bytes.
+#[test]
+fn the_verbs_api_runs_unchanged_through_flexnsd() {
+    let d = Daemon::start("modes");
+    let local = Context::open(ContextConfig::default()).unwrap();
+    for (i, (a_attached, b_attached)) in [(true, false), (false, true), (true, true)].into_iter().enumerate() {
+        let ca = if a_attached { d.context() } else { local.clone() };
+        let cb = if b_attached { d.context() } else { local.clone() };
+        let (a, b) = (side(&ca), side(&cb));
+        connect(&a, &b);
+        let before = d.status().totals.bytes;
+        exercise(&a, &b, 10 + i as u64);
+        exercise(&b, &a, 20 + i as u64);
+        let after = d.status().totals.bytes;
+        assert!(
+            after >= before + (256 << 10) + 3000,
+            "case {i}: the daemon carried {} payload bytes, fewer than the attached side sent",
+            after - before
+        );
+        // counters come from the daemon's engine
+        let attached = if a_attached { &a } else { &b };
+        let st = attached.qp.stats();
+        assert!(st.tx_packets > 0 && st.rx_packets > 0, "case {i}: {st:?}");
+        assert!(ca.stats().rx_datagrams > 0 && cb.stats().rx_datagrams > 0);
+    }
+}
+
+/// What runs only in an in-process engine is refused through flexnsd with an error that names
+/// it; nothing is silently dropped.
+#[test]
+fn what_runs_only_in_process_is_refused_by_name() {
+    let d = Daemon::start("refused");
+    let ctx = d.context();
+    let pd = ctx.alloc_pd();
+    let cq = ctx.create_cq(16).unwrap();
+    let unsupported = |r: Result<(), VerbsError>, what: &str| match r {
+        Err(VerbsError::Unsupported(m)) => assert!(m.contains(what), "{what}: {m}"),
+        other => panic!("{what}: {other:?}"),
+    };
+    let managed = QpInitAttr {
+        managed_slots: 16,
+        ..Default::default()
+    };
+    unsupported(ctx.create_qp(&pd, &cq, &cq, managed).map(drop), "managed");
+    let ll = QpInitAttr {
+        low_latency: true,
+        ..Default::default()
+    };
+    unsupported(ctx.create_qp(&pd, &cq, &cq, ll).map(drop), "low_latency");
+    let mut buf = vec![0u8; 1 << 16];
+    // SAFETY: `buf` outlives the call, which refuses it without registering anything.
+    let raw = unsafe { pd.reg_mr_raw(buf.as_mut_ptr(), buf.len(), Access::ALL) };
+    unsupported(raw.map(drop), "memfd");
+    // heap memory (under 64 KiB is not put in a memfd) is refused; memfd memory is taken
+    let heap = std::sync::Arc::new(netstack::mem::Region::alloc(4096));
+    unsupported(pd.reg_region(heap, Access::ALL).map(drop), "memfd");
+    let shared = std::sync::Arc::new(netstack::mem::Region::alloc_shareable(1 << 20));
+    let mr = pd.reg_region(shared.clone(), Access::ALL).unwrap();
+    assert_eq!(mr.addr(), shared.addr());
+    unsupported(ctx.create_cq_ignore_overrun(16).map(drop), "RedN");
+    let qp = ctx.create_qp(&pd, &cq, &cq, QpInitAttr::default()).unwrap();
+    unsupported(qp.set_paths(2, Default::default()), "one path");
+    qp.set_paths(1, Default::default()).unwrap();
+    unsupported(qp.post_managed(&SendWr::new(1, WrOpcode::Send), 0).map(drop), "managed");
+    let handler = |_c: netstack::offload::OffloadCall| -> netstack::offload::HandlerFuture {
+        Box::pin(async { Err(netstack::offload::OffloadError::Handler("unused".into())) })
+    };
+    match ctx
+        .offload()
+        .register_opcode(0x100, netstack::offload::QpFilter::Any, handler)
+    {
+        Err(netstack::offload::OffloadError::Unavailable(why)) => assert!(why.contains("flexnsd"), "{why}"),
+        other => panic!("offload registration: {:?}", other.map(|_| ())),
+    }
+    unsupported(
+        ctx.solar_client("127.0.0.1:7".parse().unwrap(), Default::default(), None)
+            .map(drop),
+        "Solar",
+    );
+    // a bad socket names itself
+    let bad = Context::open(ContextConfig {
+        flexnsd: Some("/nonexistent/flexnsd.sock".into()),
+        ..Default::default()
+    });
+    match bad {
+        Err(e) => assert!(e.to_string().contains("/nonexistent/flexnsd.sock"), "{e}"),
+        Ok(_) => panic!("attached to a socket that does not exist"),
+    }
+}
+
+/// A daemon killed with work outstanding: the receive posted through the verbs API completes
+/// with WR_FLUSH_ERR within a second, the QP reads ERR and a new post is refused.
+#[test]
+fn a_daemon_that_dies_flushes_through_the_verbs_api() {
+    let mut d = Daemon::start("dies");
+    let local = Context::open(ContextConfig::default()).unwrap();
+    let ctx = d.context();
+    let (a, b) = (side(&ctx), side(&local));
+    connect(&a, &b);
+    a.qp.post_recv(RecvWr {
+        wr_id: 9,
+        sg_list: [a.mr.sge(0, 64)].into_iter().collect(),
+    })
+    .unwrap();
+    d.child.kill().unwrap();
+    d.child.wait().unwrap();
+    let t0 = Instant::now();
+    let wc = a.cq.next(T).expect("a flush completion");
+    assert!(
+        t0.elapsed() < Duration::from_secs(1),
+        "flushed after {:?}",
+        t0.elapsed()
+    );
+    assert_eq!((wc.wr_id, wc.status), (9, WcStatus::WrFlushErr));
+    assert_eq!(a.qp.state(), QpState::Err);
+    assert!(a
+        .qp
+        .post_send(SendWr::new(1, WrOpcode::Send).sge(a.mr.sge(0, 8)))
+        .is_err());
+    // nothing more will come, and the wait says so at once
+    let t0 = Instant::now();
+    assert!(a.cq.next(Duration::from_secs(5)).is_none());
+    assert!(
+        t0.elapsed() < Duration::from_secs(1),
+        "waited {:?} on a dead daemon",
+        t0.elapsed()
+    );
+}
