@@ -72,6 +72,11 @@ fn run(args: Args) -> anyhow::Result<()> {
         .entry("drive")
         .or_insert_with(|| toml::Value::String("application".into()));
     let ctx_cfg = netstack::verbs::ContextConfig::from_toml(&toml::to_string(&table)?).context("config [context]")?;
+    if ctx_cfg.flexnsd.is_some() {
+        anyhow::bail!(
+            "config [context] flexnsd: the daemon runs the engine itself; it cannot attach to another flexnsd"
+        );
+    }
     let socket = args
         .socket
         .or(cfg.socket)

@@ -242,6 +242,15 @@ impl EngineConfig {
         self.stack = Some(s);
     }
 
+    /// Runs the engine's flexns stack in the `flexnsd` listening at `socket` instead of in this
+    /// process (netstack's `ContextConfig::flexnsd`): its QPs and memory regions are the
+    /// daemon's, and the engine's buffers are memfds the daemon maps.
+    pub fn set_flexnsd(&mut self, socket: std::path::PathBuf) {
+        let mut s = self.stack_or_default();
+        s.flexnsd = Some(socket);
+        self.stack = Some(s);
+    }
+
     /// A configuration with this name and transport, everything else default.
     pub fn new(name: &str, transport: TransportKind) -> EngineConfig {
         EngineConfig {
@@ -280,6 +289,12 @@ impl EngineConfig {
             if prefix.contains(' ') {
                 return bad("metadata.prefix", format!("{prefix:?} contains a space"));
             }
+        }
+        if self.paths > 1 && self.stack.as_ref().is_some_and(|s| s.flexnsd.is_some()) {
+            return bad(
+                "paths",
+                format!("{}: a queue pair through flexnsd has one path", self.paths),
+            );
         }
         if !(1..=16).contains(&self.data_cores) {
             return bad("data_cores", format!("{} not in 1..=16", self.data_cores));

@@ -59,6 +59,10 @@ pub struct ServeArgs {
     /// stack config's, or `shm` without one.
     #[arg(long, value_parser = parse_link)]
     pub link: Option<netstack::config::LinkMode>,
+    /// Run the flexns stack in the `flexnsd` listening at this Unix socket instead of in this
+    /// process (the daemon's configuration then governs links and data cores).
+    #[arg(long, value_name = "SOCKET")]
+    pub flexnsd: Option<std::path::PathBuf>,
     /// Serve Prometheus metrics on this address (`GET /metrics`).
     #[arg(long, value_name = "ADDR")]
     pub metrics_addr: Option<std::net::SocketAddr>,
@@ -114,6 +118,9 @@ impl ServeArgs {
         }
         if let Some(l) = self.link {
             c.set_link(l);
+        }
+        if let Some(p) = &self.flexnsd {
+            c.set_flexnsd(p.clone());
         }
         c.validate()?;
         Ok(c)

@@ -312,8 +312,14 @@ impl TransferEngine {
 
     /// Allocates `len` zeroed bytes of host memory and registers them (remotely accessible).
     pub fn allocate_memory(&self, len: usize, location: Location) -> Result<Arc<Region>, TransferError> {
-        // a same-host peer on the shm link maps it: one copy per transfer
-        let r = Arc::new(Region::alloc_shareable(len));
+        // a same-host peer on the shm link maps it: one copy per transfer; attached to flexnsd,
+        // the daemon maps it (a memfd whatever the size)
+        let r = Arc::new(if self.inner.cfg.stack_or_default().flexnsd.is_some() {
+            Region::alloc_shared(len)
+                .map_err(|e| TransferError::Config(format!("allocating {len} bytes for flexnsd: {e}")))?
+        } else {
+            Region::alloc_shareable(len)
+        });
         self.register_memory(r.clone(), location)?;
         Ok(r)
     }

@@ -87,6 +87,10 @@ pub struct ContextArgs {
     /// offer it and send UDP checksums; the JSON says which it ran [config: qp.icrc].
     #[arg(long, value_parser = parse_icrc)]
     pub icrc: Option<IcrcMode>,
+    /// Run the stack in the `flexnsd` listening at this Unix socket instead of in this process
+    /// (its configuration then governs links, data cores and addresses) [config: flexnsd].
+    #[arg(long, value_name = "SOCKET")]
+    pub flexnsd: Option<std::path::PathBuf>,
 }
 
 /// Parses an `--icrc` value, `icrc` or `none`.
@@ -151,6 +155,12 @@ impl ContextArgs {
         if let Some(m) = self.icrc {
             cfg.qp.icrc = m;
         }
+        if let Some(p) = &self.flexnsd {
+            if p.as_os_str().is_empty() {
+                return Err(bad("--flexnsd", "an empty path (the daemon's Unix socket)"));
+            }
+            cfg.flexnsd = Some(p.clone());
+        }
         if let Some(b) = self.pacing_burst {
             cfg.qp.pacing_burst = u32::try_from(b).map_err(|_| bad("--pacing-burst", format!("{b} is too large")))?;
         }
@@ -209,6 +219,9 @@ impl ContextArgs {
         }
         if let Some(m) = self.icrc {
             v.extend(["--icrc".into(), m.name().into()]);
+        }
+        if let Some(p) = &self.flexnsd {
+            v.extend(["--flexnsd".into(), p.display().to_string()]);
         }
         v
     }
@@ -291,11 +304,15 @@ mod tests {
     fn to_args_parses_back_to_the_same_flags() {
         let a = parse(concat!(
             "--data 127.0.0.2:0 --data-cores 2 --line-rate 10gbit --cc-param dcqcn.g=0.5 --link shm ",
-            "--icrc none --no-gro --spray-burst 4 --extra-addr 127.0.0.3"
+            "--icrc none --no-gro --spray-burst 4 --extra-addr 127.0.0.3 --flexnsd /run/flexnsd.sock"
         ));
         let words = a.to_args();
         let back = parse(&words.join(" "));
         assert_eq!(back, a);
+        assert_eq!(
+            a.to_config().unwrap().flexnsd.as_deref(),
+            Some(std::path::Path::new("/run/flexnsd.sock"))
+        );
         assert_eq!(a.without_data().data, None);
     }
 }

@@ -222,6 +222,17 @@ impl Region {
         Region::alloc_heap(len)
     }
 
+    /// Allocates `len` zeroed bytes in a `memfd` mapped shared, whatever the size: memory that
+    /// another process can map (what a context attached to `flexnsd` registers). Fails when
+    /// [`MAX_SHARED_REGIONS`] such regions live, or the kernel refuses.
+    pub fn alloc_shared(len: usize) -> std::io::Result<Region> {
+        Region::alloc_memfd(len).ok_or_else(|| {
+            std::io::Error::other(format!(
+                "no memfd for {len} bytes (at most {MAX_SHARED_REGIONS} live, or memfd_create failed)"
+            ))
+        })
+    }
+
     fn alloc_memfd(len: usize) -> Option<Region> {
         use std::os::fd::FromRawFd;
         if SHARED_REGIONS.fetch_add(1, Ordering::Relaxed) >= MAX_SHARED_REGIONS {

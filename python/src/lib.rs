@@ -567,6 +567,16 @@ impl Engine {
                 .map_err(|e| PyValueError::new_err(format!("FLEXNS_LINK: {e}")))?;
             cfg.set_link(link);
         }
+        // the flexns stack in a flexnsd daemon instead of this process: its socket
+        if let Ok(v) = std::env::var("FLEXNS_FLEXNSD") {
+            let v = v.trim();
+            if v.is_empty() {
+                return Err(PyValueError::new_err(
+                    "FLEXNS_FLEXNSD: empty (the daemon's Unix socket path)",
+                ));
+            }
+            cfg.set_flexnsd(v.into());
+        }
         let e = py
             .detach(|| TransferEngine::new(cfg))
             .map_err(|e| TransferError::new_err(format!("initialize: {e}")))?;

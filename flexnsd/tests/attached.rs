@@ -1,7 +1,7 @@
-//! netstack's verbs API attached to a real `flexnsd` process (`ContextConfig::flexnsd`): the
-//! same code that runs on an in-process engine runs through the daemon, against an in-process
-//! peer; what only an in-process engine has is refused by name; a daemon that dies flushes the
-//! outstanding work through the same API.
+//! netstack's verbs API, and the KV-cache engine on it, attached to a real `flexnsd` process
+//! (`ContextConfig::flexnsd`): the same code that runs on an in-process engine runs through the
+//! daemon, against an in-process peer; what only an in-process engine has is refused by name;
+//! a daemon that dies flushes the outstanding work through the same API.
 
 use netstack::verbs::*;
 use std::path::PathBuf;
@@ -53,11 +53,13 @@ impl Daemon {
         ctx
     }
 
-    fn status(&self) -> flexnsd::proto::Status {
-        flexnsd::client::Attachment::connect(&self.socket, "status")
+    /// Bytes the daemon's engine sent and received, all attachments together.
+    fn engine_bytes(&self) -> u64 {
+        let st = flexnsd::client::Attachment::connect(&self.socket, "stats")
             .unwrap()
-            .status()
-            .unwrap()
+            .engine_stats()
+            .unwrap();
+        st.tx_bytes + st.rx_bytes
     }
 }
 
@@ -197,8 +199,8 @@ fn exercise(a: &Side, b: &Side, seed: u64) {
 }
 
 /// The same code runs with the requester attached to flexnsd and the responder in-process,
-/// the other way round, and both attached; the daemon counts the work it carried, so it is
-/// not this process's engine that moved the bytes.
+/// the other way round, and both attached; the daemon's engine counts the bytes of the work,
+/// so it is not an engine in this process that moved them.
 #[test]
 fn the_verbs_api_runs_unchanged_through_flexnsd() {
     let d = Daemon::start("modes");
@@ -208,13 +210,13 @@ fn the_verbs_api_runs_unchanged_through_flexnsd() {
         let cb = if b_attached { d.context() } else { local.clone() };
         let (a, b) = (side(&ca), side(&cb));
         connect(&a, &b);
-        let before = d.status().totals.bytes;
+        let before = d.engine_bytes();
         exercise(&a, &b, 10 + i as u64);
         exercise(&b, &a, 20 + i as u64);
-        let after = d.status().totals.bytes;
+        let after = d.engine_bytes();
         assert!(
-            after >= before + (256 << 10) + 3000,
-            "case {i}: the daemon carried {} payload bytes, fewer than the attached side sent",
+            after >= before + 2 * ((256 << 10) + (64 << 10) + 3000),
+            "case {i}: the daemon's engine sent and received {} bytes, fewer than the work",
             after - before
         );
         // counters come from the daemon's engine
@@ -325,4 +327,74 @@ fn a_daemon_that_dies_flushes_through_the_verbs_api() {
         "waited {:?} on a dead daemon",
         t0.elapsed()
     );
+}
+
+/// The KV-cache engine with its stack in flexnsd (`EngineConfig::set_flexnsd`, what
+/// `kvcache-engine serve --flexnsd` sets) writes to and reads from an engine with an in-process
+/// stack, and two attached engines transfer between themselves: every byte checked at its
+/// target, the notification after its data, and the daemon counts the bytes it carried.
+#[test]
+fn the_kvcache_engine_runs_on_flexnsd() {
+    use kvcache_engine::*;
+    let d = Daemon::start("kvcache");
+    let mk = |role: &str, attached: bool| {
+        let mut c = EngineConfig::new(&format!("{role}-{}", std::process::id()), TransportKind::Flexns);
+        c.slice_size = Some(64 << 10);
+        c.transfer_timeout = T;
+        if attached {
+            c.set_flexnsd(d.socket.clone());
+        }
+        TransferEngine::new(c).unwrap()
+    };
+    let n = 3 << 20;
+    for (i, (p_att, d_att)) in [(true, false), (false, true), (true, true)].into_iter().enumerate() {
+        let (p, dec) = (mk(&format!("prefill{i}"), p_att), mk(&format!("decode{i}"), d_att));
+        let local = p.allocate_memory(4 << 20, Location::Cpu(0)).unwrap();
+        let remote = dec.allocate_memory(4 << 20, Location::Cpu(0)).unwrap();
+        let data = fresh(100 + i as u64, n);
+        local.write(0, &data);
+        let before = d.engine_bytes();
+        let seg = p.open_segment(dec.segment_name()).unwrap();
+        p.transfer_sync_write(seg, local.addr(), remote.addr() + 4096, n as u64)
+            .unwrap();
+        let mut got = vec![0u8; n];
+        remote.read(4096, &mut got);
+        assert!(got == data, "case {i}: the written bytes differ at the target");
+        // read part of it back elsewhere, fresh at the target first
+        let back = fresh(200 + i as u64, 1 << 20);
+        remote.write(4096, &back);
+        p.transfer_sync_read(seg, local.addr() + (3 << 20), remote.addr() + 4096, 1 << 20)
+            .unwrap();
+        let mut got = vec![0u8; 1 << 20];
+        local.read(3 << 20, &mut got);
+        assert!(got == back, "case {i}: the bytes read back differ");
+        // a batch with a notification: it arrives after its data
+        let b = p.allocate_batch(2).unwrap();
+        let reqs: Vec<TransferRequest> = (0..2u64)
+            .map(|k| TransferRequest {
+                opcode: Opcode::Write,
+                source: local.addr() + k * 100_000,
+                target: seg,
+                target_offset: remote.addr() + (2 << 20) + k * 200_000,
+                length: 100_000,
+            })
+            .collect();
+        let note = Notification {
+            name: "prefill".into(),
+            msg: format!("case {i} landed"),
+        };
+        p.submit_with_notify(b, &reqs, seg, &note).unwrap();
+        assert_eq!(p.wait_batch(b, T).unwrap().state, TransferState::Completed, "case {i}");
+        assert_eq!(dec.wait_notify(T).expect("notification"), note);
+        for k in 0..2usize {
+            let mut v = vec![0u8; 100_000];
+            remote.read((2 << 20) + k * 200_000, &mut v);
+            assert!(v == data[k * 100_000..][..100_000], "case {i}: batch request {k}");
+        }
+        let carried = d.engine_bytes() - before;
+        assert!(
+            carried >= n as u64,
+            "case {i}: the daemon's engine sent and received {carried} bytes for a {n}-byte write"
+        );
+    }
 }
