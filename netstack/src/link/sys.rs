@@ -405,12 +405,13 @@ impl RecvBatch {
         Some(self.arrived[i]).filter(|&t| t != 0)
     }
 
-    /// Fills the batch from `datagrams` (source address, TOS byte, bytes) without a system
-    /// call, as a simulated link delivers; returns how many it took (at most its size). A
-    /// datagram larger than a buffer is reported truncated, as `recvmmsg` reports it.
-    pub fn fill<'a>(&mut self, datagrams: impl Iterator<Item = (SocketAddrV4, u8, &'a [u8])>) -> usize {
+    /// Fills the batch from `datagrams` (source address, TOS byte, receive time as
+    /// [`RecvBatch::arrived`] reports it (0: not known), bytes) without a system call, as a
+    /// simulated link delivers; returns how many it took (at most its size). A datagram larger
+    /// than a buffer is reported truncated, as `recvmmsg` reports it.
+    pub fn fill<'a>(&mut self, datagrams: impl Iterator<Item = (SocketAddrV4, u8, u64, &'a [u8])>) -> usize {
         let mut n = 0;
-        for (src, tos, data) in datagrams.take(self.bufs.len()) {
+        for (src, tos, arrived, data) in datagrams.take(self.bufs.len()) {
             let buf = &mut self.bufs[n];
             self.lens[n] = if data.len() > buf.len() {
                 usize::MAX
@@ -421,7 +422,7 @@ impl RecvBatch {
             self.names[n] = sockaddr(&src);
             self.segs[n] = 0;
             self.tos[n] = tos;
-            self.arrived[n] = 0;
+            self.arrived[n] = arrived;
             n += 1;
         }
         n

@@ -9,7 +9,9 @@
 //!
 //! Faults: random loss, duplication, corruption (one flipped bit, which the ICRC catches) and
 //! reordering (a random extra delay per datagram, `jitter_ns`), ECN CE marks on datagrams that
-//! queued for their port's line past a threshold, partitions between two hosts
+//! queued for their port's line past a threshold (or on every datagram of a source,
+//! [`SimNet::set_ce_marking`]), hosts that take their datagrams in late with the arrival time as
+//! the receive timestamp ([`SimNet::set_host_wait`]), partitions between two hosts
 //! and cuts of one path (datagrams from one source port), each for a stretch of simulated
 //! time; paths of their own length ([`SimNet::set_path_delay`]) and paths gone black both ways
 //! until brought back ([`SimNet::set_down`]). [`SimNet::pcap`] records what is delivered as
@@ -137,6 +139,9 @@ struct Datagram {
     dst: SocketAddrV4,
     /// The IP TOS byte it carries (its low two bits: ECN).
     tos: u8,
+    /// When it reached its destination host, once it has and waits there to be taken in
+    /// ([`SimNet::set_host_wait`]).
+    arrived: Option<u64>,
     data: Vec<u8>,
 }
 
@@ -215,17 +220,26 @@ pub struct Records {
     pub dropped: Vec<(SocketAddrV4, SocketAddrV4, Vec<u8>)>,
 }
 
+/// A datagram in an address's inbox: its source, IP TOS byte, when it arrived (0 unless its
+/// host takes datagrams in late, [`SimNet::set_host_wait`]) and its bytes.
+type Waiting = (SocketAddrV4, u8, u64, Vec<u8>);
+
 struct NetState {
     rng: StdRng,
     faults: Faults,
     events: Schedule,
     fabric: fabric::Fabric,
-    inboxes: BTreeMap<SocketAddrV4, VecDeque<(SocketAddrV4, u8, Vec<u8>)>>,
+    /// Each linked address's datagrams waiting.
+    inboxes: BTreeMap<SocketAddrV4, VecDeque<Waiting>>,
     /// When each sending port's line is free again (serialization at `rate_bps`).
     line_free: BTreeMap<SocketAddrV4, u64>,
     blocks: Vec<Block>,
     /// Extra one-way delay of datagrams from or to an address (a longer path).
     extra_delay: BTreeMap<SocketAddrV4, u64>,
+    /// Sources whose every datagram arrives marked congestion experienced.
+    ce_from: std::collections::BTreeSet<SocketAddrV4>,
+    /// How long datagrams wait at their destination address before it takes them in.
+    host_wait: BTreeMap<SocketAddrV4, u64>,
     records: Option<Records>,
     stats: SimStats,
     trace: u64,
@@ -273,6 +287,8 @@ impl SimNet {
                 line_free: BTreeMap::new(),
                 blocks: Vec::new(),
                 extra_delay: BTreeMap::new(),
+                ce_from: Default::default(),
+                host_wait: BTreeMap::new(),
                 records: None,
                 stats: SimStats::default(),
                 trace: FNV_OFFSET,
@@ -449,6 +465,25 @@ impl SimNet {
         self.state.lock().extra_delay.insert(addr, ns);
     }
 
+    /// Marks every datagram sent from `src` congestion experienced (ECN CE) while `on`: a queue
+    /// on its path that stays above its marking threshold, however slowly `src` sends. Counted
+    /// in [`SimStats::ce_marked`].
+    pub fn set_ce_marking(&self, src: SocketAddrV4, on: bool) {
+        let mut s = self.state.lock();
+        if on {
+            s.ce_from.insert(src);
+        } else {
+            s.ce_from.remove(&src);
+        }
+    }
+
+    /// Datagrams that arrive at `addr` are taken in by its receiver `ns` later (0: at once),
+    /// with their arrival time as the receive timestamp ([`RecvBatch::arrived`]): a host that
+    /// runs its receive path late (a thread waiting for a core), as a kernel's timestamps show.
+    pub fn set_host_wait(&self, addr: SocketAddrV4, ns: u64) {
+        self.state.lock().host_wait.insert(addr, ns);
+    }
+
     /// Drops every datagram from or to `addr` (a path gone black, both ways) while `down`.
     pub fn set_down(&self, addr: SocketAddrV4, down: bool) {
         let mut s = self.state.lock();
@@ -486,7 +521,7 @@ impl SimNet {
         s.inboxes
             .get_mut(&at)?
             .pop_front()
-            .map(|(src, tos, d)| (src, tos & 3 == 3, d))
+            .map(|(src, tos, _, d)| (src, tos & 3 == 3, d))
     }
 
     /// The linked addresses that have datagrams waiting, in address order.
@@ -578,7 +613,16 @@ impl SimNet {
                 break;
             };
             let f = match ev {
-                Ev::Deliver(d) => d,
+                Ev::Deliver(mut d) => {
+                    // a host that takes its datagrams in late: it arrived now, it is read later
+                    let wait = s.host_wait.get(&d.dst).copied().unwrap_or(0);
+                    if wait > 0 && d.arrived.is_none() {
+                        d.arrived = Some(at);
+                        s.events.at(at + wait, Ev::Deliver(d));
+                        continue;
+                    }
+                    d
+                }
                 Ev::AtSwitch(sw, d) => {
                     s.fabric.arrive(at, sw, d, &mut s.events, &mut s.rng);
                     continue;
@@ -603,7 +647,7 @@ impl SimNet {
             }
             match s.inboxes.get_mut(&f.dst) {
                 Some(q) if q.len() < INBOX_LIMIT => {
-                    q.push_back((f.src, f.tos, f.data));
+                    q.push_back((f.src, f.tos, f.arrived.unwrap_or(0), f.data));
                     s.stats.delivered += 1;
                 }
                 _ => s.stats.unroutable += 1,
@@ -645,8 +689,8 @@ impl SimNet {
             *free = depart;
             (waited, depart)
         };
-        // ECT(0), or CE past the marking threshold
-        let tos = if f.ecn_mark_ns > 0 && waited > f.ecn_mark_ns {
+        // ECT(0), or CE past the marking threshold (or from a source marked always)
+        let tos = if (f.ecn_mark_ns > 0 && waited > f.ecn_mark_ns) || s.ce_from.contains(&src) {
             s.stats.ce_marked += 1;
             3
         } else {
@@ -689,6 +733,7 @@ impl SimNet {
                 src,
                 dst,
                 tos,
+                arrived: None,
                 data: if k + 1 == copies {
                     std::mem::take(&mut data)
                 } else {
@@ -787,7 +832,11 @@ impl super::Link for SimLink {
             return Ok(0);
         };
         let k = q.len().min(batch.capacity());
-        let n = batch.fill(q.iter().take(k).map(|(src, tos, d)| (*src, *tos, d.as_slice())));
+        let n = batch.fill(
+            q.iter()
+                .take(k)
+                .map(|(src, tos, at, d)| (*src, *tos, *at, d.as_slice())),
+        );
         q.drain(..n);
         Ok(n)
     }
@@ -796,5 +845,65 @@ impl super::Link for SimLink {
     }
     fn route_mtu(&self, _to: SocketAddrV4) -> Option<u32> {
         Some(self.net.state.lock().faults.mtu)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::link::Link;
+
+    fn addr(s: &str) -> SocketAddrV4 {
+        s.parse().expect("an address")
+    }
+
+    fn quiet() -> Faults {
+        Faults {
+            delay_ns: 1_000,
+            rate_bps: 0,
+            ..Faults::default()
+        }
+    }
+
+    #[test]
+    fn a_source_marked_always_arrives_ce_until_unmarked() {
+        let net = SimNet::new(1, quiet());
+        let (a, b) = (addr("10.0.0.1:1"), addr("10.0.0.2:1"));
+        let _ports = net.link(&[a, b]).unwrap();
+        let t0 = net.now();
+        net.set_ce_marking(a, true);
+        net.send(a, b, vec![1]);
+        net.send(b, a, vec![2]);
+        net.advance(t0 + 1_000);
+        assert_eq!(net.recv_ecn(b), Some((a, true, vec![1])), "from the marked source");
+        assert_eq!(net.recv_ecn(a), Some((b, false, vec![2])), "the other way: unmarked");
+        net.set_ce_marking(a, false);
+        net.send(a, b, vec![3]);
+        net.advance(t0 + 2_000);
+        assert_eq!(net.recv_ecn(b), Some((a, false, vec![3])));
+        assert_eq!(net.stats().ce_marked, 1);
+    }
+
+    #[test]
+    fn a_host_that_waits_takes_datagrams_in_late_with_their_arrival_time() {
+        let net = SimNet::new(2, quiet());
+        let (a, b) = (addr("10.0.0.1:1"), addr("10.0.0.2:1"));
+        let ports = net.link(&[a, b]).unwrap();
+        net.set_host_wait(b, 5_000);
+        let t0 = net.now();
+        net.send(a, b, vec![7; 10]);
+        net.send(b, a, vec![8; 10]);
+        // arrived at 1 us: the waiting host has nothing to read yet, the other reads its own
+        net.advance(t0 + 1_000);
+        let mut batch = RecvBatch::new(4, 2048);
+        assert_eq!(ports.recv(1, &mut batch).unwrap(), 0, "taken in only after the wait");
+        assert_eq!(ports.recv(0, &mut batch).unwrap(), 1);
+        assert_eq!(batch.arrived(0), None, "no wait, no timestamp: read at once");
+        assert_eq!(net.next_arrival(), Some(t0 + 6_000), "the late read is an event");
+        net.advance(t0 + 6_000);
+        assert_eq!(ports.recv(1, &mut batch).unwrap(), 1);
+        assert_eq!(batch.get(0).0, Some(&[7u8; 10][..]));
+        assert_eq!(batch.arrived(0), Some(t0 + 1_000), "stamped when it arrived");
+        assert_eq!(net.stats().delivered, 2);
     }
 }
