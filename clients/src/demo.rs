@@ -221,8 +221,9 @@ const BENCH_VERIFIED: &str = "every run's WRITEs verified at the target";
 /// The flexnsd step: a `flexnsd` daemon as a child process listening on a socket in a
 /// temporary folder; `flexnsd-bench` attaches two applications' QPs to it and runs the same
 /// WRITE 1 MiB and SEND 64 B work through it and through an in-process engine (one interleaved
-/// pair), checking every byte the WRITEs moved. `scale` (the demo's seconds per step) sizes
-/// the runs. The daemon is stopped at the end.
+/// pair), checking every byte the WRITEs moved; then a KV-cache engine whose stack is in the
+/// daemon writes to one whose stack is in-process (a service on flexnsd, by configuration).
+/// `scale` (the demo's seconds per step) sizes the runs. The daemon is stopped at the end.
 pub fn flexnsd_step(scale: f64, json_out: bool) -> Result<Outcome> {
     let (daemon_exe, bench_exe) = flexnsd_programs()?;
     // removed however this function returns, a failed log creation or spawn included
@@ -265,7 +266,8 @@ pub fn flexnsd_step(scale: f64, json_out: bool) -> Result<Outcome> {
             bail!("flexnsd-bench did not say its WRITEs verified:\n{out}");
         }
         let (inproc, via) = (bench_row(&out, "in-proc")?, bench_row(&out, "flexnsd")?);
-        Ok(json!({"writes": writes, "sends": sends, "in-proc": inproc, "flexnsd": via}))
+        let kv = kvcache_on_flexnsd(&socket, scale)?;
+        Ok(json!({"writes": writes, "sends": sends, "in-proc": inproc, "flexnsd": via, "kvcache": kv}))
     })();
     let alive = crate::procs::exists(pid);
     crate::procs::terminate(daemon, Duration::from_secs(2));
@@ -322,7 +324,60 @@ pub fn flexnsd_step(scale: f64, json_out: bool) -> Result<Outcome> {
             );
         }
     }
+    let kv = &r["kvcache"];
+    if json_out {
+        let mut j = kv.clone();
+        j["bench"] = "demo-flexnsd-kvcache".into();
+        j["verified"] = true.into();
+        println!("{j}");
+    } else {
+        println!(
+            "KV cache   prefill's stack in flexnsd, decode's in-process: {} MiB written in {:.1} ms, {:.2} Gbit/s (every byte checked at the decode)",
+            kv["bytes"].as_u64().unwrap_or(0) >> 20,
+            kv["ms"].as_f64().unwrap_or(f64::NAN),
+            kv["gbps"].as_f64().unwrap_or(f64::NAN)
+        );
+    }
     Ok(Outcome::Verified)
+}
+
+/// A service on the daemon: two KV-cache engines in this process, the prefill's stack in the
+/// `flexnsd` at `socket` (`EngineConfig::set_flexnsd`, what `FLEXNS_FLEXNSD` and
+/// `kvcache-engine serve --flexnsd` set) and the decode's in-process; a synchronous write of
+/// fresh bytes, every one checked at the decode.
+fn kvcache_on_flexnsd(socket: &Path, scale: f64) -> Result<Value> {
+    use kvcache_engine::{EngineConfig, Location, TransferEngine, TransportKind};
+    let mk = |role: &str, attached: bool| -> Result<TransferEngine> {
+        let mut c = EngineConfig::new(&format!("demo-{role}-{}", std::process::id()), TransportKind::Flexns);
+        c.transfer_timeout = Duration::from_secs(30);
+        if attached {
+            c.set_flexnsd(socket.to_path_buf());
+        }
+        TransferEngine::new(c).with_context(|| format!("the {role} KV-cache engine"))
+    };
+    let (prefill, decode) = (mk("prefill", true)?, mk("decode", false)?);
+    let n = if scale < 1.0 { 16usize << 20 } else { 64 << 20 };
+    let src = prefill.allocate_memory(n, Location::Cpu(0))?;
+    let dst = decode.allocate_memory(n, Location::Cpu(0))?;
+    let seed = std::process::id() as u64
+        ^ std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+    let data: Vec<u8> = (0..n as u64)
+        .map(|i| ((i ^ seed << 32).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as u8)
+        .collect();
+    src.write(0, &data);
+    let seg = prefill.open_segment(decode.segment_name())?;
+    let t0 = Instant::now();
+    prefill.transfer_sync_write(seg, src.addr(), dst.addr(), n as u64)?;
+    let secs = t0.elapsed().as_secs_f64();
+    if !dst.equals(0, &data) {
+        bail!("KV cache through flexnsd: the decode's buffer differs from what the prefill wrote");
+    }
+    Ok(
+        json!({"bytes": n, "ms": secs * 1e3, "gbps": n as f64 * 8.0 / secs / 1e9,
+              "how": "prefill stack in flexnsd, decode in-process; fresh bytes checked at the decode"}),
+    )
 }
 
 /// The ibverbs step's perftest runs: (program, arguments, message size, latency test).

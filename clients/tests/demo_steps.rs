@@ -62,7 +62,8 @@ fn processes_with(needle: &str) -> Vec<String> {
 }
 
 /// The flexnsd step moves WRITE 1 MiB and SEND 64 B through a flexnsd daemon and through an
-/// in-process engine, every WRITE byte checked at the target, and stops the daemon.
+/// in-process engine, every WRITE byte checked at the target, runs a KV-cache engine on the
+/// daemon, and stops the daemon.
 #[test]
 fn flexnsd_step_moves_verified_data_through_the_daemon_and_stops_it() {
     let (ok, lines, err, pid) = demo_pid(&["--only", "flexnsd", "--duration", "0.5"]);
@@ -83,6 +84,11 @@ fn flexnsd_step_moves_verified_data_through_the_daemon_and_stops_it() {
             .unwrap_or_else(|| panic!("no {system} SEND line: {rows:?}"));
         assert!(s["p50_us"].as_f64().is_some_and(|p| p > 0.0), "{s}");
     }
+    // a KV-cache engine with its stack in the daemon wrote checked bytes to an in-process one
+    let kv = of(&lines, "demo-flexnsd-kvcache");
+    assert_eq!(kv.len(), 1, "one KV-cache line: {kv:?}");
+    assert_eq!(kv[0]["verified"], true, "{}", kv[0]);
+    assert!(kv[0]["bytes"].as_u64().is_some_and(|b| b >= 16 << 20), "{}", kv[0]);
     // the daemon was the demo's child, on a socket in a folder named by the demo's pid:
     // neither is left
     let dir = std::env::temp_dir().join(format!("flexns-demo-flexnsd-{pid}"));

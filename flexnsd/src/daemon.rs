@@ -2,9 +2,9 @@
 //! commands, drains its send rings into the engine and writes the engine's completions into its
 //! completion rings (docs/FLEXNSD.md, "Who owns what, threads").
 
-use netstack::attach::proto::{self, Counts, ModifyStep, Reply, Request, Status};
-use netstack::attach::shm::{self, Mapping, RingFault, Wqe};
-use netstack::attach::sys;
+use netstack::verbs::attach::proto::{self, Counts, ModifyStep, Reply, Request, Status};
+use netstack::verbs::attach::shm::{self, Mapping, RingFault, Wqe};
+use netstack::verbs::attach::sys;
 use netstack::verbs::{Access, Context, Cq, Mr, Pd, Qp, QpInitAttr, VerbsError, Wc, WcOpcode, WcStatus, EMPTY_WC};
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::{AsFd, OwnedFd};

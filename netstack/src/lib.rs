@@ -11,13 +11,13 @@
 //!   `sendmmsg`/`recvmmsg`, or a deterministic simulated network and clock.
 //! - `chain` (internal): the engine's side of RedN: managed work queues and the chain runner.
 //! - `engine` (internal): the data-core threads that drive transports over a link.
-//! - [`verbs`]: the application API (`Context`, `Pd`, `Mr`, `Cq`, `Qp`).
+//! - [`verbs`]: the application API (`Context`, `Pd`, `Mr`, `Cq`, `Qp`), on an in-process engine
+//!   or attached to `flexnsd` (the stack as its own process: [`verbs::attach`], its control
+//!   protocol, shared-memory rings and client).
 //! - [`offload`]: the programmable offloading engine (handlers on offload threads, DMA).
 //! - [`redn`]: RedN work-request programs on managed QPs (WAIT, ENABLE, self-modifying chains):
 //!   the model, the chain builder and the programs, over [`verbs`] and `chain`.
 //! - [`cm`]: connection management over gRPC.
-//! - [`attach`]: attaching to `flexnsd` (the stack as its own process): its control protocol,
-//!   shared-memory rings and client, which [`verbs`] uses when configured to.
 //! - `cli` (feature `cli`): the command-line flags every binary flattens, mapped to a
 //!   [`config::ContextConfig`] in one place.
 //! - [`path`]: multipath: spray policies, per-path RTT, loss and health with probing.
@@ -33,7 +33,6 @@
 
 #![warn(unreachable_pub, missing_docs)]
 
-pub mod attach;
 pub mod cc;
 mod chain;
 #[cfg(feature = "cli")]

@@ -227,7 +227,8 @@ fn program_step(step: DemoStep, duration: f64, json: bool) -> Result<Outcome> {
             match step {
                 DemoStep::Flexnsd =>
                     "flexnsd: the stack as its own process; an application attaches over a Unix socket and \
-                     shared-memory rings, against the same verbs on an in-process engine",
+                     shared-memory rings, against the same verbs on an in-process engine; a KV-cache \
+                     engine runs on it by configuration",
                 DemoStep::Ibverbs =>
                     "libibverbs: unmodified perftest programs (server and client processes) on flexns's libibverbs.so.1",
                 _ =>

@@ -1,14 +1,14 @@
-//! The verbs of a context attached to `flexnsd` ([`crate::attach`]): the same calls as the
+//! The verbs of a context attached to `flexnsd` ([`attach`]): the same calls as the
 //! in-process engine's, made through the daemon's Unix socket (control) and the shared-memory
 //! rings (posts and completions). What only an in-process engine has is refused with
 //! [`VerbsError::Unsupported`], naming it.
 
 use super::qp::{Endpoint, QpInitAttr};
 use super::{ContextConfig, StatsSnapshot, VerbsError};
-use crate::attach::client::{self, ClientError};
-use crate::attach::proto::ModifyStep;
 use crate::mem::{Access, Region};
 use crate::transport::rc::{IcrcMode, QpState, RcConfig, RcStats};
+use crate::verbs::attach::client::{self, ClientError};
+use crate::verbs::attach::proto::ModifyStep;
 use crate::work::{RecvWr, SendWr, Wc};
 use std::net::SocketAddrV4;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
@@ -101,7 +101,7 @@ impl AttachedCtx {
         let slots = want
             .checked_next_power_of_two()
             .unwrap_or(usize::MAX)
-            .min(crate::attach::shm::MAX_SLOTS);
+            .min(crate::verbs::attach::shm::MAX_SLOTS);
         let qp = self.att.create_qp(
             pd.get()?,
             send_cq,
@@ -247,7 +247,7 @@ impl AttachedQp {
         }
     }
 
-    fn daemon_stats(&self) -> Option<crate::attach::proto::QpStats> {
+    fn daemon_stats(&self) -> Option<crate::verbs::attach::proto::QpStats> {
         self.qp
             .stats()
             .inspect_err(|e| tracing::debug!("qp {:#x}: flexnsd counters: {e}", self.qp_num()))

@@ -25,6 +25,7 @@ pub use crate::transport::rc::{IcrcMode, QpState, RcConfig, RcStats, Recovery};
 pub use crate::work::*;
 pub use qp::{Endpoint, Qp, QpInitAttr};
 
+pub mod attach;
 mod attached;
 mod metrics;
 pub mod solar;
@@ -82,7 +83,7 @@ pub enum VerbsError {
     Unsupported(String),
     /// The `flexnsd` this context is attached to refused a command or is gone.
     #[error("flexnsd: {0}")]
-    Daemon(#[from] crate::attach::client::ClientError),
+    Daemon(#[from] crate::verbs::attach::client::ClientError),
 }
 
 /// QP numbers a context never gives: 0 and 1 (IB's SMI and GSI QPs) and 0xFFFFFF (multicast).
@@ -620,7 +621,7 @@ pub struct Cq {
 #[derive(Clone)]
 enum CqKind {
     Engine(EngineCq),
-    Attached(Arc<crate::attach::client::Cq>),
+    Attached(Arc<crate::verbs::attach::client::Cq>),
 }
 
 /// A completion queue of the in-process engine.

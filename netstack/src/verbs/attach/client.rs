@@ -10,8 +10,8 @@
 //! client keeps, per QP, what it posted until the completion that retires it.
 //!
 //! ```no_run
-//! use netstack::attach::client::*;
-//! use crate::verbs::{Access, SendWr, WrOpcode};
+//! use netstack::verbs::attach::client::*;
+//! use netstack::verbs::{Access, SendWr, WrOpcode};
 //! let att = Attachment::connect("/run/flexnsd.sock", "demo").unwrap();
 //! let pd = att.alloc_pd().unwrap();
 //! let mr = pd.reg_mr(1 << 20, Access::ALL).unwrap();
