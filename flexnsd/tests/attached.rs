@@ -249,16 +249,17 @@ fn what_runs_only_in_process_is_refused_by_name() {
         ..Default::default()
     };
     unsupported(ctx.create_qp(&pd, &cq, &cq, ll).map(drop), "low_latency");
-    let mut buf = vec![0u8; 1 << 16];
-    // SAFETY: `buf` outlives the call, which refuses it without registering anything.
-    let raw = unsafe { pd.reg_mr_raw(buf.as_mut_ptr(), buf.len(), Access::ALL) };
-    unsupported(raw.map(drop), "memfd");
-    // heap memory (under 64 KiB is not put in a memfd) is refused; memfd memory is taken
-    let heap = std::sync::Arc::new(netstack::mem::Region::alloc(4096));
-    unsupported(pd.reg_region(heap, Access::ALL).map(drop), "memfd");
+    // caller memory that does not start on a page boundary cannot be moved into a memfd in
+    // place (the page's first bytes are another allocation's): refused, the reason named
+    let mut buf = vec![0u8; 3 << 16];
+    let off = 8 + (4096 - buf.as_ptr() as usize % 4096) % 4096;
+    // SAFETY: `buf` outlives the call, which refuses the span without touching it.
+    let raw = unsafe { pd.reg_mr_raw(buf.as_mut_ptr().add(off), 1 << 16, Access::ALL) };
+    unsupported(raw.map(drop), "page boundary");
     let shared = std::sync::Arc::new(netstack::mem::Region::alloc_shareable(1 << 20));
     let mr = pd.reg_region(shared.clone(), Access::ALL).unwrap();
     assert_eq!(mr.addr(), shared.addr());
+    drop(mr);
     unsupported(ctx.create_cq_ignore_overrun(16).map(drop), "RedN");
     let qp = ctx.create_qp(&pd, &cq, &cq, QpInitAttr::default()).unwrap();
     unsupported(qp.set_paths(2, Default::default()), "one path");
@@ -397,4 +398,66 @@ fn the_kvcache_engine_runs_on_flexnsd() {
             "case {i}: the daemon's engine sent and received {carried} bytes for a {n}-byte write"
         );
     }
+}
+
+/// Page-aligned caller memory registered through an attached context (`reg_mr_raw`, what
+/// flexns's libibverbs does for perftest's buffers) has its pages moved into a memfd in place:
+/// the bytes it held are still there through the caller's own pointer, a peer's WRITE lands
+/// where the caller reads it, and a READ takes what the caller wrote after registering.
+#[test]
+fn caller_memory_is_moved_into_a_memfd_in_place() {
+    let d = Daemon::start("in-place");
+    let local = Context::open(ContextConfig::default()).unwrap();
+    let ctx = d.context();
+    let (a, b) = (side(&ctx), side(&local));
+    connect(&a, &b);
+    let len = 5 * 4096 + 100;
+    let layout = std::alloc::Layout::from_size_align(len, 4096).unwrap();
+    // SAFETY: a non-zero size; freed at the end, after the MR that uses it is gone.
+    let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+    assert!(!ptr.is_null());
+    let before = fresh(1, len);
+    // SAFETY: `ptr..ptr+len` is this allocation; no reference to it is held meanwhile.
+    unsafe { std::ptr::copy_nonoverlapping(before.as_ptr(), ptr, len) };
+    // SAFETY: page-aligned, readable and writable, valid until after the MR is dropped; no
+    // other thread writes it.
+    let mr = unsafe { a._pd.reg_mr_raw(ptr, len, Access::ALL) }.expect("registered in place");
+    let mut now = vec![0u8; len];
+    // SAFETY: as above; a copy out through the caller's pointer.
+    unsafe { std::ptr::copy_nonoverlapping(ptr, now.as_mut_ptr(), len) };
+    assert!(
+        now == before,
+        "the bytes under the caller's pointer changed when the pages moved"
+    );
+    // the peer WRITEs into it: the caller sees the bytes through its own pointer
+    let w = fresh(2, 3 * 4096);
+    b.mr.write(0, &w);
+    b.qp.post_send(
+        SendWr::new(1, WrOpcode::RdmaWrite)
+            .sge(b.mr.sge(0, w.len()))
+            .remote(mr.addr() + 100, mr.rkey()),
+    )
+    .unwrap();
+    next_ok(&b.cq, "WRITE into caller memory");
+    // SAFETY: as above.
+    unsafe { std::ptr::copy_nonoverlapping(ptr.add(100), now.as_mut_ptr(), w.len()) };
+    assert!(now[..w.len()] == w[..], "the WRITE did not land where the caller reads");
+    // the caller writes through its pointer; the peer READs it
+    let r = fresh(3, 4096);
+    // SAFETY: as above.
+    unsafe { std::ptr::copy_nonoverlapping(r.as_ptr(), ptr.add(len - 4096), 4096) };
+    b.qp.post_send(
+        SendWr::new(2, WrOpcode::RdmaRead)
+            .sge(b.mr.sge(8192, 4096))
+            .remote(mr.addr() + (len - 4096) as u64, mr.rkey()),
+    )
+    .unwrap();
+    next_ok(&b.cq, "READ of caller memory");
+    let mut got = vec![0u8; 4096];
+    b.mr.read(8192, &mut got);
+    assert!(got == r, "the READ did not return what the caller wrote");
+    drop(mr);
+    // SAFETY: allocated above with this layout; the MR is gone (the pages stay a shared
+    // mapping of the memfd, which the allocator may reuse as any memory).
+    unsafe { std::alloc::dealloc(ptr, layout) };
 }

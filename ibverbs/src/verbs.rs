@@ -40,11 +40,38 @@ const MAGIC_CQ: u64 = 0x666c_786e_5f63_7100;
 const MAGIC_QP: u64 = 0x666c_786e_5f71_7000;
 const MAGIC_CH: u64 = 0x666c_786e_5f63_6800;
 
-/// This process's address: `FLEXNS_IBV_ADDR` (an IPv4 address), or `127.a.b.c` from the pid
-/// (`a` in 1..=254, so never `127.0.0.0` nor `127.255.255.255`), distinct for every pid below
-/// 2^24. Its RoCEv2 GID is `::ffff:` followed by it.
+/// The `flexnsd` socket the engine is in (`FLEXNS_FLEXNSD`), if the program runs on one.
+fn flexnsd_socket() -> Option<std::path::PathBuf> {
+    std::env::var_os("FLEXNS_FLEXNSD")
+        .filter(|v| !v.is_empty())
+        .map(Into::into)
+}
+
+/// This process's address: with `FLEXNS_FLEXNSD`, the daemon's data address (whose port must
+/// be 4791: peers are named by GID alone); else `FLEXNS_IBV_ADDR` (an IPv4 address), or
+/// `127.a.b.c` from the pid (`a` in 1..=254, so never `127.0.0.0` nor `127.255.255.255`),
+/// distinct for every pid below 2^24. Its RoCEv2 GID is `::ffff:` followed by it.
 pub fn process_addr() -> Result<Ipv4Addr, String> {
     static ADDR: OnceLock<Result<Ipv4Addr, String>> = OnceLock::new();
+    if let Some(sock) = flexnsd_socket() {
+        return ADDR
+            .get_or_init(|| {
+                let att = netstack::verbs::attach::client::Attachment::connect(&sock, "flexns-ibverbs-probe")
+                    .map_err(|e| format!("FLEXNS_FLEXNSD: cannot attach to {}: {e}", sock.display()))?;
+                let addr = att
+                    .daemon_addr()
+                    .ok_or_else(|| format!("FLEXNS_FLEXNSD: {} did not say its data address", sock.display()))?;
+                if addr.port() != ROCE_PORT {
+                    return Err(format!(
+                        "FLEXNS_FLEXNSD: {} listens on {addr}; ibverbs programs name peers by GID alone, so \
+                         the daemon's [context] bind must use port {ROCE_PORT}",
+                        sock.display()
+                    ));
+                }
+                Ok(*addr.ip())
+            })
+            .clone();
+    }
     ADDR.get_or_init(|| match std::env::var("FLEXNS_IBV_ADDR") {
         Ok(s) => s
             .trim()
@@ -421,6 +448,8 @@ fn engine_acquire() -> Result<Context, String> {
         drive,
         path_ports: 1,
         max_inline: MAX_INLINE,
+        // the engine in a flexnsd daemon instead of this process, if one is named
+        flexnsd: flexnsd_socket(),
         ..ContextConfig::default()
     };
     let c = Context::open(cfg).map_err(|e| format!("opening the flexns engine on {ip}:{ROCE_PORT}: {e}"))?;

@@ -27,9 +27,10 @@ fn have(test: &str, prog: &str, package: &str) -> bool {
     found
 }
 
-fn command(prog: &str, args: &[&str]) -> Command {
+fn command(prog: &str, args: &[&str], envs: &[(&str, &str)]) -> Command {
     let mut c = Command::new(prog);
     c.args(args)
+        .envs(envs.iter().copied())
         .env("LD_LIBRARY_PATH", libdir())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -100,12 +101,17 @@ fn port_of(name: &str) -> u16 {
 /// Runs `prog` as a server and then as a client of it (both with `args` and the program's port
 /// option), each within `limit`; both outputs (stdout+stderr text) after checking both exit 0.
 fn pair(prog: &str, args: &[&str], port_flag: &str, limit: Duration) -> (String, String) {
+    pair_env(prog, args, port_flag, limit, &[])
+}
+
+/// [`pair`] with `envs` set in both processes.
+fn pair_env(prog: &str, args: &[&str], port_flag: &str, limit: Duration, envs: &[(&str, &str)]) -> (String, String) {
     let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let port = port_of(&format!("{prog} {}", args.join(" ")));
     let p = port.to_string();
     let mut sargs: Vec<&str> = args.to_vec();
     sargs.extend([port_flag, &p]);
-    let server = KillOnDrop(Some(command(prog, &sargs).spawn().expect("server starts")));
+    let server = KillOnDrop(Some(command(prog, &sargs, envs).spawn().expect("server starts")));
     let start = Instant::now();
     while !listening(port) {
         assert!(
@@ -116,7 +122,7 @@ fn pair(prog: &str, args: &[&str], port_flag: &str, limit: Duration) -> (String,
     }
     let mut cargs = sargs.clone();
     cargs.push("127.0.0.1");
-    let client = command(prog, &cargs).spawn().expect("client starts");
+    let client = command(prog, &cargs, envs).spawn().expect("client starts");
     let c = finish(client, limit, &format!("{prog} client"));
     let s = finish(server.take(), limit, &format!("{prog} server"));
     let text = |o: &Output| {
@@ -182,7 +188,7 @@ fn ibv_devinfo_lists_flexns0() {
     if !have("ibv_devinfo_lists_flexns0", "ibv_devinfo", "ibverbs-utils") {
         return;
     }
-    let out = command("ibv_devinfo", &["-v"])
+    let out = command("ibv_devinfo", &["-v"], &[])
         .env("FLEXNS_IBV_ADDR", "127.9.8.7")
         .output()
         .expect("ibv_devinfo runs");
@@ -321,10 +327,112 @@ fn missing_verbs_fail_cleanly() {
         ("ibv_srq_pingpong", &["-g", "0"][..], "ibv_create_srq: not supported"),
         ("ibv_xsrq_pingpong", &[][..], "Couldn't Open the XRC Domain"),
     ] {
-        let out = finish(command(prog, args).spawn().expect("starts"), LIMIT, prog);
+        let out = finish(command(prog, args, &[]).spawn().expect("starts"), LIMIT, prog);
         let err = String::from_utf8_lossy(&out.stderr);
         // exit code 1: an error exit, not a signal
         assert_eq!(out.status.code(), Some(1), "{prog}: {:?}\n{err}", out.status);
         assert!(err.contains(says), "{prog}: stderr lacks {says:?}:\n{err}");
     }
+}
+
+/// The `flexnsd` binary of this build (built now, in this test's profile, if it is not yet).
+fn flexnsd_binary() -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("test executable");
+    // target/<profile>/deps/programs-<hash>
+    let dir = exe.parent().and_then(|d| d.parent()).expect("target/<profile>");
+    let bin = dir.join("flexnsd");
+    if !bin.exists() {
+        let mut c = Command::new(env!("CARGO"));
+        c.args(["build", "-q", "-p", "flexnsd", "--bin", "flexnsd"]);
+        if dir.ends_with("release") {
+            c.arg("--release");
+        }
+        let out = c.output().expect("cargo runs");
+        assert!(
+            out.status.success(),
+            "building flexnsd: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    bin
+}
+
+/// Unmodified programs with the engine in a `flexnsd` daemon (`FLEXNS_FLEXNSD`): the daemon
+/// listens on 127.0.0.77:4791 (GIDs name a peer's address alone) and both processes of each
+/// pair attach to it. `ibv_rc_pingpong -c` validates its buffers (malloc'd memory, moved into a
+/// memfd at registration), `ib_write_bw` and `ib_read_lat` complete with figures, `ib_send_lat`
+/// posts INLINE sends (copied into a bounce buffer at post time) and `ib_atomic_bw` both
+/// atomics; the daemon's engine counts at least the bytes the programs moved, so none of it
+/// ran in an engine of their own.
+#[test]
+fn unmodified_programs_run_on_flexnsd() {
+    if !have("unmodified_programs_run_on_flexnsd", "ib_write_bw", "perftest")
+        || !have("unmodified_programs_run_on_flexnsd", "ibv_rc_pingpong", "ibverbs-utils")
+    {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("flexns-ibv-flexnsd-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let (socket, config) = (dir.join("flexnsd.sock"), dir.join("flexnsd.toml"));
+    std::fs::write(&config, "[context]\nbind = \"127.0.0.77:4791\"\n").unwrap();
+    let mut daemon = KillOnDrop(Some(
+        Command::new(flexnsd_binary())
+            .arg("--socket")
+            .arg(&socket)
+            .arg("--config")
+            .arg(&config)
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("flexnsd starts"),
+    ));
+    let start = Instant::now();
+    let stats = || netstack::verbs::attach::client::Attachment::connect(&socket, "test").and_then(|a| a.engine_stats());
+    while stats().is_err() {
+        if let Some(st) = daemon.0.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
+            panic!("flexnsd exited ({st}) before it answered: is 127.0.0.77:4791 taken?");
+        }
+        assert!(start.elapsed() < Duration::from_secs(20), "flexnsd never answered");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let before = stats().unwrap();
+    let sock = socket.to_str().unwrap();
+    let env = [("FLEXNS_FLEXNSD", sock)];
+    for extra in [&[][..], &["-e"][..]] {
+        let mut args = vec!["-g", "0", "-c", "-n", "100", "-s", "4096"];
+        args.extend_from_slice(extra);
+        let (c, s) = pair_env("ibv_rc_pingpong", &args, "-p", LIMIT, &env);
+        for (who, out) in [("client", &c), ("server", &s)] {
+            assert!(out.contains("100 iters in"), "{who} {args:?}:\n{out}");
+            assert!(
+                !out.contains("invalid data"),
+                "{who} {args:?}: validation failed:\n{out}"
+            );
+        }
+    }
+    let (c, _) = pair_env(
+        "ib_write_bw",
+        &["-x", "0", "-s", "65536", "-n", "200", "--report_gbits"],
+        "-p",
+        LIMIT,
+        &env,
+    );
+    check_bw("ib_write_bw", &c, &[65536.0]);
+    for prog in ["ib_send_lat", "ib_read_lat"] {
+        let (c, _) = pair_env(prog, &["-x", "0", "-s", "64", "-n", "200"], "-p", LIMIT, &env);
+        check_lat(prog, &c, 64.0);
+    }
+    let (c, _) = pair_env("ib_atomic_bw", &["-x", "0", "-n", "100"], "-p", LIMIT, &env);
+    check_bw("ib_atomic_bw", &c, &[8.0]);
+    let after = stats().unwrap();
+    // pingpong 2 x 2 x 100 x 4 KiB, the WRITEs 200 x 64 KiB (each counted sent and received)
+    let moved = 2 * 2 * 100 * 4096 + 200 * 65536;
+    let counted = (after.tx_bytes - before.tx_bytes) + (after.rx_bytes - before.rx_bytes);
+    assert!(
+        counted >= moved,
+        "the daemon's engine sent and received {counted} bytes; the programs moved {moved}"
+    );
+    drop(daemon);
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -160,6 +160,10 @@ enum Owned {
     /// file (`/proc/<pid>/fd/<fd>`, the kernel's ptrace-read check: same user) maps the same
     /// pages ([`crate::samehost`]).
     Memfd { file: std::fs::File, map_len: usize },
+    /// Caller memory whose pages were moved into this `memfd` in place
+    /// ([`Region::share_in_place`]): the caller's mapping of the file stays when the region
+    /// goes (the memory is the caller's); the region keeps the file to pass it on.
+    Adopted { file: std::fs::File },
 }
 
 /// Regions of at least this many bytes are allocated in a `memfd` (smaller ones on the heap:
@@ -190,11 +194,13 @@ impl Drop for Region {
             // region holds the Region any more (they hold it by `Arc`).
             Some(Owned::Heap(l)) => unsafe { std::alloc::dealloc(self.ptr, l) },
             Some(Owned::Memfd { map_len, .. }) => {
-                // SAFETY: `ptr..ptr+map_len` is the mapping `alloc_memfd` made, which nothing
+                // SAFETY: `ptr..ptr+map_len` is the mapping `map_file` made, which nothing
                 // holds any more (as above); peers keep their own mappings of the file.
                 unsafe { libc::munmap(self.ptr as *mut libc::c_void, map_len) };
                 SHARED_REGIONS.fetch_sub(1, Ordering::Relaxed);
             }
+            // the pages stay mapped: they are the caller's memory
+            Some(Owned::Adopted { .. }) => {}
             None => {}
         }
     }
@@ -312,10 +318,103 @@ impl Region {
         })
     }
 
-    /// The `memfd` holding the region, if it lives in one (from its first byte on).
+    /// Moves the pages under caller memory `ptr..ptr+len` into a new `memfd` in place: the
+    /// bytes are copied into the file, then the file is mapped shared over the same addresses
+    /// (`MAP_FIXED`), so the caller's pointers stay valid and see the same bytes, and another
+    /// process that maps the file (flexnsd) reaches the same memory. `ptr` must be on a page
+    /// boundary; the rest of the last page moves too (its other bytes unchanged). What a
+    /// context attached to flexnsd does
+    /// with memory a program registers that is not in a memfd (perftest's buffers, a NumPy
+    /// array). The pages become readable and writable and stay shared after the region goes
+    /// (the memory is the caller's; a `fork`ed child then shares it too).
+    ///
+    /// # Safety
+    /// `ptr..ptr+len`, and the rest of its last page, must be mapped, readable and writable
+    /// memory of this process that no other thread writes while this runs (a write between the
+    /// copy and the remapping would be lost), and stay valid while the region is used, as
+    /// [`Region::from_raw`] asks.
+    pub unsafe fn share_in_place(ptr: *mut u8, len: usize) -> std::io::Result<Region> {
+        use std::os::fd::FromRawFd;
+        if len == 0 {
+            return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "len: 0 bytes"));
+        }
+        let page = 4096usize;
+        // a span that starts inside a page would move the page's first bytes too: another
+        // allocation's, which a thread of this process may be writing
+        if !(ptr as usize).is_multiple_of(page) {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!(
+                    "{ptr:p} is not on a page boundary (allocate page-aligned memory, as posix_memalign(4096) gives)"
+                ),
+            ));
+        }
+        let start = ptr as usize;
+        let end = (ptr as usize)
+            .checked_add(len)
+            .and_then(|e| e.checked_next_multiple_of(page))
+            .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidInput, "ptr + len wraps around"))?;
+        let span = end - start;
+        // SAFETY: a C string literal; a close-on-exec memfd that allows seals (flexnsd seals it).
+        let fd = unsafe { libc::memfd_create(c"flexns-adopted".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: `fd` is the descriptor just created, owned by nothing else.
+        let file = unsafe { std::fs::File::from_raw_fd(fd) };
+        file.set_len(span as u64)?;
+        // the pages' bytes into the file: the kernel reads them from our memory (`pwrite` of
+        // the mapped span), no Rust reference to memory peers may write is formed
+        let mut done = 0usize;
+        while done < span {
+            // SAFETY: `start+done..end` is mapped readable memory of this process (the caller's
+            // contract covers `ptr..ptr+len`, and whole pages of a mapping are mapped).
+            let n = unsafe {
+                libc::pwrite(
+                    file.as_raw_fd(),
+                    (start + done) as *const libc::c_void,
+                    span - done,
+                    done as libc::off_t,
+                )
+            };
+            if n < 0 {
+                let e = std::io::Error::last_os_error();
+                if e.kind() == std::io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(e);
+            }
+            done += n as usize;
+        }
+        // SAFETY: replaces the pages `start..end`, which the caller's contract says are this
+        // process's memory that nothing writes meanwhile, by a shared mapping of the file that
+        // holds their bytes: every pointer into them reads the same bytes afterwards.
+        let p = unsafe {
+            libc::mmap(
+                start as *mut libc::c_void,
+                span,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_FIXED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(Region {
+            ptr,
+            len,
+            iova: ptr as u64,
+            owned: Some(Owned::Adopted { file }),
+        })
+    }
+
+    /// The `memfd` holding the region from its first byte on, if it lives in one (allocated
+    /// there, or moved there in place by [`Region::share_in_place`]).
     pub(crate) fn memfd(&self) -> Option<&std::fs::File> {
         match &self.owned {
-            Some(Owned::Memfd { file, .. }) => Some(file),
+            Some(Owned::Memfd { file, .. }) | Some(Owned::Adopted { file }) => Some(file),
             _ => None,
         }
     }

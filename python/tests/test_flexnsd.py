@@ -1,8 +1,9 @@
 """The Python package with its stack in a `flexnsd` daemon (FLEXNS_FLEXNSD=socket): a prefill
 engine attached to a real flexnsd process writes a batch into a decode process whose stack runs
 in-process; the decode checks every block. Attached, the engine's buffers are memfds the daemon
-maps (`allocate_managed_buffer`), caller memory such as a NumPy array is refused with the reason
-in `last_error()`, and `stack_stats()` are the daemon engine's counters."""
+maps (`allocate_managed_buffer`); caller memory is moved into a memfd in place when it starts on a
+page boundary and refused with the reason in `last_error()` when it does not (a NumPy view);
+`stack_stats()` are the daemon engine's counters."""
 
 import multiprocessing as mp
 import os
@@ -63,10 +64,12 @@ def test_an_attached_engine_writes_into_an_in_process_one(daemon, monkeypatch):
     engine = flexns.TransferEngine()
     try:
         assert engine.initialize(roles.HOST, "P2PHANDSHAKE", "flexns", "") == 0, engine.last_error()
-        # caller memory cannot be reached by the daemon: refused, with the reason
-        arr = np.zeros(1 << 20, dtype=np.uint8)
-        assert engine.register_memory(arr) != 0
-        assert "memfd" in engine.last_error(), engine.last_error()
+        # caller memory that does not start on a page boundary cannot be moved into a memfd
+        # for the daemon: refused, with the reason
+        arr = np.zeros(3 << 20, dtype=np.uint8)
+        skip = 8 + (-arr.ctypes.data) % 4096
+        assert engine.register_memory(arr[skip:skip + (1 << 20)]) != 0
+        assert "page boundary" in engine.last_error(), engine.last_error()
         meta = a.recv() if a.poll(30) else pytest.fail("the decode process did not start")
         src = engine.allocate_managed_buffer(TOTAL)
         assert src != 0, engine.last_error()

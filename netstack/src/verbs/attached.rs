@@ -118,6 +118,8 @@ impl AttachedCtx {
             cfg,
             state: AtomicU8::new(STATE_INIT),
             cc_refused: AtomicBool::new(false),
+            inline: OnceLock::new(),
+            inline_slot: (self.cfg.max_inline as usize).max(1).next_multiple_of(64),
             send_cq: send_cq.clone(),
             _recv_cq: recv_cq.clone(),
             _pd: pd.clone(),
@@ -163,16 +165,61 @@ impl AttachedPd {
     pub(super) fn reg_mr(self: &Arc<Self>, len: usize, access: Access) -> Result<AttachedMr, VerbsError> {
         Ok(AttachedMr {
             mr: self.get()?.reg_mr(len, access)?,
+            _origin: None,
             _pd: self.clone(),
         })
     }
 
+    /// Registers `region`: memory in a memfd as it is; other memory of this process (heap,
+    /// caller memory) after moving its pages into a memfd in place
+    /// ([`Region::share_in_place`]), since the daemon maps only memfds.
     pub(super) fn reg_region(self: &Arc<Self>, region: Arc<Region>, access: Access) -> Result<AttachedMr, VerbsError> {
-        let mr = self.get()?.reg_region(region, access).map_err(|e| match e {
-            ClientError::Invalid(why) => VerbsError::Unsupported(why),
-            e => e.into(),
+        if region.memfd().is_some() || !region.is_process_memory() {
+            let mr = self.get()?.reg_region(region, access).map_err(|e| match e {
+                ClientError::Invalid(why) => VerbsError::Unsupported(why),
+                e => e.into(),
+            })?;
+            return Ok(AttachedMr {
+                mr,
+                _origin: None,
+                _pd: self.clone(),
+            });
+        }
+        // SAFETY: `region` is this process's memory (its address is its pointer), valid while
+        // the returned MR holds it (`_origin`); registering it promises, as `reg_mr_raw` and
+        // `Region::from_raw` do, that no other thread writes it while it is registered here.
+        let adopted =
+            unsafe { Region::share_in_place(region.mut_ptr_at(0, region.len()), region.len()) }.map_err(|e| {
+                VerbsError::Unsupported(format!("moving {} bytes into a memfd for flexnsd: {e}", region.len()))
+            })?;
+        let mut mr = self.reg_shared(Arc::new(adopted), access)?;
+        mr._origin = Some(region);
+        Ok(mr)
+    }
+
+    /// Registers caller memory `ptr..ptr+len`, moved into a memfd in place.
+    ///
+    /// # Safety
+    /// [`Region::share_in_place`]'s contract.
+    pub(super) unsafe fn reg_raw(
+        self: &Arc<Self>,
+        ptr: *mut u8,
+        len: usize,
+        access: Access,
+    ) -> Result<AttachedMr, VerbsError> {
+        // SAFETY: the caller's contract.
+        let adopted = unsafe { Region::share_in_place(ptr, len) }.map_err(|e| {
+            VerbsError::Unsupported(format!("moving {len} bytes at {ptr:p} into a memfd for flexnsd: {e}"))
         })?;
-        Ok(AttachedMr { mr, _pd: self.clone() })
+        self.reg_shared(Arc::new(adopted), access)
+    }
+
+    fn reg_shared(self: &Arc<Self>, region: Arc<Region>, access: Access) -> Result<AttachedMr, VerbsError> {
+        Ok(AttachedMr {
+            mr: self.get()?.reg_region(region, access)?,
+            _origin: None,
+            _pd: self.clone(),
+        })
     }
 }
 
@@ -180,6 +227,9 @@ impl AttachedPd {
 /// that still has MRs).
 pub(super) struct AttachedMr {
     mr: client::Mr,
+    /// The region the caller registered, when its pages were moved into a memfd in place
+    /// (the MR's region then names the same memory, and this keeps it allocated).
+    _origin: Option<Arc<Region>>,
     _pd: Arc<AttachedPd>,
 }
 
@@ -213,6 +263,10 @@ pub(crate) struct AttachedQp {
     state: AtomicU8,
     /// `install_cc` was called (and refused).
     cc_refused: AtomicBool,
+    /// Where INLINE payloads are copied at post time (made at the first), a slot of
+    /// `inline_slot` bytes per send-ring entry.
+    inline: OnceLock<client::Mr>,
+    inline_slot: usize,
     send_cq: Arc<client::Cq>,
     _recv_cq: Arc<client::Cq>,
     _pd: Arc<AttachedPd>,
@@ -331,6 +385,35 @@ impl AttachedQp {
             n += 1;
         }
         Ok(n)
+    }
+
+    /// An INLINE send: `data` copied now into this QP's bounce memory (registered with the
+    /// daemon at the first INLINE post), which the send then names.
+    pub(super) fn post_send_inline(&self, wr: SendWr, data: &[u8]) -> Result<(), VerbsError> {
+        if data.len() as u64 != wr.total_len() {
+            return Err(VerbsError::Invalid(format!(
+                "INLINE payload of {} bytes where the scatter list describes {}",
+                data.len(),
+                wr.total_len()
+            )));
+        }
+        if data.len() > self.inline_slot {
+            return Err(VerbsError::InlineTooLong {
+                len: data.len() as u64,
+                max: self.inline_slot as u32,
+            });
+        }
+        let bounce = match self.inline.get() {
+            Some(b) => b,
+            None => {
+                let b = self
+                    ._pd
+                    .get()?
+                    .reg_mr(self.qp.slots() * self.inline_slot, Access::LOCAL_WRITE)?;
+                self.inline.get_or_init(|| b)
+            }
+        };
+        Ok(self.qp.post_send_inline(wr, data, bounce, self.inline_slot)?)
     }
 
     pub(super) fn post_recv(&self, wr: RecvWr) -> Result<(), VerbsError> {

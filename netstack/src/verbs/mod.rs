@@ -479,26 +479,32 @@ impl Pd {
         }
     }
 
-    /// Registers caller memory. Attached to flexnsd it is refused
-    /// ([`VerbsError::Unsupported`]): the daemon cannot reach memory outside a memfd.
+    /// Registers caller memory. Attached to flexnsd, its pages are first moved into a memfd in
+    /// place ([`Region::share_in_place`]: the same addresses and bytes, now a shared mapping
+    /// the daemon maps too).
     ///
     /// # Safety
     /// `ptr..ptr+len` must stay valid until the returned [`Mr`] and every work request using
     /// it are gone, and must not be accessed through Rust references while peers may access it.
+    /// Attached, it must also be readable and writable, and no other thread may write it while
+    /// this call runs.
     pub unsafe fn reg_mr_raw(&self, ptr: *mut u8, len: usize, access: Access) -> Result<Mr, VerbsError> {
-        if let PdKind::Attached(_) = &self.kind {
-            return Err(VerbsError::Unsupported(format!(
-                "registering caller memory ({len} bytes at {ptr:p}): flexnsd maps only memory in \
-                 a memfd (Pd::reg_mr, or Pd::reg_region of Region::alloc_shareable memory)"
-            )));
+        if let PdKind::Attached(pd) = &self.kind {
+            // SAFETY: the caller's contract, which includes share_in_place's.
+            let mr = unsafe { pd.reg_raw(ptr, len, access) }?;
+            return Ok(Mr {
+                kind: MrKind::Attached(mr),
+            });
         }
         // SAFETY: the caller's contract is `Region::from_raw`'s.
         self.register(Arc::new(unsafe { Region::from_raw(ptr, len) }), access)
     }
 
     /// Registers a region the caller already holds (several contexts may register one region,
-    /// e.g. a buffer exposed on two engines). Attached to flexnsd, the region must live in a
-    /// memfd (as [`Region::alloc_shareable`] gives from 64 KiB): the daemon maps the same file.
+    /// e.g. a buffer exposed on two engines). Attached to flexnsd, a region that is not in a
+    /// memfd has its pages moved into one in place first ([`Region::share_in_place`]; no other
+    /// thread may write it meanwhile), since the daemon maps only memfds; one named by an I/O
+    /// virtual address is refused.
     pub fn reg_region(&self, region: Arc<Region>, access: Access) -> Result<Mr, VerbsError> {
         match &self.kind {
             PdKind::Engine { .. } => self.register(region, access),

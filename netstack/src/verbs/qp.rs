@@ -80,7 +80,7 @@ pub struct Qp {
 
 enum QpKind {
     Engine(EngineQp),
-    Attached(AttachedQp),
+    Attached(Box<AttachedQp>),
 }
 
 impl Qp {
@@ -92,7 +92,7 @@ impl Qp {
 
     pub(super) fn attached(q: AttachedQp) -> Qp {
         Qp {
-            kind: QpKind::Attached(q),
+            kind: QpKind::Attached(Box::new(q)),
         }
     }
 
@@ -370,9 +370,13 @@ impl Qp {
     /// Posts a send whose INLINE payload the caller has gathered itself (`ibv_post_send` with
     /// `IBV_SEND_INLINE`, which reads the SGEs' bytes at post time without checking their
     /// lkeys): `data` is the payload, `wr`'s scatter list only its description.
+    /// Attached, the bytes are copied into a per-QP bounce buffer the daemon maps, and the
+    /// send names it.
     pub fn post_send_inline(&self, wr: SendWr, data: &[u8]) -> Result<(), VerbsError> {
-        self.engine_only("INLINE data (post_send_inline)")?
-            .post_send_inline(wr, data)
+        match &self.kind {
+            QpKind::Engine(q) => q.post_send_inline(wr, data),
+            QpKind::Attached(q) => q.post_send_inline(wr, data),
+        }
     }
 
     /// Destroys the QP and returns once its engine has removed it (dropping it only queues the

@@ -409,6 +409,7 @@ impl Attachment {
             slots,
             tail: Mutex::new(0),
             track,
+            inline_posts: Mutex::new(0),
         })
     }
 
@@ -472,9 +473,10 @@ impl Pd {
 }
 
 impl Pd {
-    /// Registers memory the caller already holds, which must live in a memfd from its first
-    /// byte on (what `Region::alloc_shareable` gives from 64 KiB, and `Pd::reg_mr` here) and be
-    /// named by its address in this process: the daemon maps the same file. Other memory is
+    /// Registers memory the caller already holds, which must live in a memfd (what
+    /// `Region::alloc_shareable` gives from 64 KiB, `Pd::reg_mr` here, or
+    /// `Region::share_in_place`) and be named by its address in this process: the daemon maps
+    /// the same file. Other memory is
     /// refused (`ClientError::Invalid`, naming why): the daemon cannot reach it.
     pub fn reg_region(&self, region: Arc<Region>, access: Access) -> Result<Mr> {
         let Some(file) = region.memfd() else {
@@ -754,9 +756,52 @@ pub struct Qp {
     tail: Mutex<u64>,
     /// What it posted and has not seen complete (flushed if the daemon dies).
     track: Arc<Track>,
+    /// INLINE sends posted so far (the next one's bounce slot is this modulo `slots`).
+    inline_posts: Mutex<u64>,
 }
 
 impl Qp {
+    /// Entries of its send ring: at most this many work requests of each kind outstanding.
+    pub fn slots(&self) -> usize {
+        self.slots
+    }
+
+    /// Posts a send whose INLINE payload is `data` (`wr`'s scatter list only describes it):
+    /// the bytes are copied now into slot `k mod slots` of `bounce` (slots of `slot_bytes`
+    /// each, `k` counting this QP's INLINE posts) and the send names that slot, so the
+    /// caller may reuse its buffer when this returns, as INLINE promises. A slot is written
+    /// only once the send that used it last has completed: the QP holds at most `slots`
+    /// sends outstanding, and they complete in order.
+    pub fn post_send_inline(&self, wr: SendWr, data: &[u8], bounce: &Mr, slot_bytes: usize) -> Result<()> {
+        if data.len() > slot_bytes || bounce.len() < self.slots * slot_bytes {
+            return Err(ClientError::Invalid(format!(
+                "INLINE payload of {} bytes, at most {slot_bytes}",
+                data.len()
+            )));
+        }
+        let mut next = self.inline_posts.lock().unwrap_or_else(|e| e.into_inner());
+        // room now means the send that used the slot last has retired (all after it are
+        // outstanding otherwise, `slots` in all); another thread's post can only fill the room
+        // again, which makes the push below fail, never the slot busy
+        let room = self.track.out.lock().unwrap_or_else(|e| e.into_inner()).sends.len() < self.slots;
+        if !room {
+            return Err(ClientError::QueueFull(self.slots));
+        }
+        let off = (*next % self.slots as u64) as usize * slot_bytes;
+        bounce.write(off, data);
+        let mut w = SendWr {
+            flags: SendFlags(wr.flags.0 & !SendFlags::INLINE.0),
+            ..wr
+        };
+        w.sg_list.clear();
+        if !data.is_empty() {
+            w.sg_list.push(bounce.sge(off, data.len()));
+        }
+        self.post_send(w)?;
+        *next += 1;
+        Ok(())
+    }
+
     /// Its QP number.
     pub fn qp_num(&self) -> u32 {
         self.qpn
