@@ -4,44 +4,14 @@
 //! a daemon that dies flushes the outstanding work through the same API.
 
 use netstack::verbs::*;
-use std::path::PathBuf;
-use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 const T: Duration = Duration::from_secs(10);
 
-/// A `flexnsd` process on a socket of its own; killed on drop.
-struct Daemon {
-    child: Child,
-    socket: PathBuf,
-    dir: PathBuf,
-}
+mod common;
+use common::Daemon;
 
 impl Daemon {
-    fn start(tag: &str) -> Daemon {
-        let dir = std::env::temp_dir().join(format!("flexnsd-verbs-{}-{tag}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let socket = dir.join("flexnsd.sock");
-        let config = dir.join("flexnsd.toml");
-        std::fs::write(&config, "spin_us = 50\n[context]\nbind = \"127.0.0.1:0\"\n").unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_flexnsd"))
-            .arg("--socket")
-            .arg(&socket)
-            .arg("--config")
-            .arg(&config)
-            .env("RUST_LOG", "warn")
-            .spawn()
-            .expect("start flexnsd");
-        let d = Daemon { child, socket, dir };
-        let deadline = Instant::now() + T;
-        while flexnsd::client::Attachment::connect(&d.socket, "probe").is_err() {
-            assert!(Instant::now() < deadline, "flexnsd did not listen within {T:?}");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        d
-    }
-
     /// A context attached to this daemon.
     fn context(&self) -> Context {
         let ctx = Context::open(ContextConfig {
@@ -60,14 +30,6 @@ impl Daemon {
             .engine_stats()
             .unwrap();
         st.tx_bytes + st.rx_bytes
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 

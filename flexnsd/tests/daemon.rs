@@ -11,54 +11,12 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+mod common;
+use common::Daemon;
+
 const T: Duration = Duration::from_secs(10);
 
-/// A `flexnsd` process on a socket of its own; killed with SIGKILL on drop.
-struct Daemon {
-    child: Child,
-    socket: PathBuf,
-    dir: PathBuf,
-}
-
 impl Daemon {
-    fn start(tag: &str) -> Daemon {
-        Daemon::start_with(tag, "")
-    }
-
-    /// A daemon whose engine context has `context` (TOML lines) besides its address.
-    fn start_with(tag: &str, context: &str) -> Daemon {
-        Daemon::start_cfg(tag, "", context)
-    }
-
-    /// A daemon with `top` (TOML lines) at the top of its config and `context` in [context].
-    fn start_cfg(tag: &str, top: &str, context: &str) -> Daemon {
-        let dir = std::env::temp_dir().join(format!("flexnsd-test-{}-{tag}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let socket = dir.join("flexnsd.sock");
-        let config = dir.join("flexnsd.toml");
-        std::fs::write(
-            &config,
-            format!("spin_us = 50\n{top}\n[context]\nbind = \"127.0.0.1:0\"\n{context}\n"),
-        )
-        .unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_flexnsd"))
-            .arg("--socket")
-            .arg(&socket)
-            .arg("--config")
-            .arg(&config)
-            .env("RUST_LOG", "warn")
-            .spawn()
-            .expect("start flexnsd");
-        let d = Daemon { child, socket, dir };
-        let deadline = Instant::now() + T;
-        while Attachment::connect(&d.socket, "probe").is_err() {
-            assert!(Instant::now() < deadline, "flexnsd did not listen within {T:?}");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        d
-    }
-
     fn attach(&self, name: &str) -> Attachment {
         Attachment::connect(&self.socket, name).expect("attach")
     }
@@ -79,14 +37,6 @@ impl Daemon {
             assert!(Instant::now() < deadline, "{what}: status stayed {s:?}");
             std::thread::sleep(Duration::from_millis(20));
         }
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 

@@ -449,15 +449,19 @@ impl Pd {
         let file = sys::memfd(c"flexnsd-mr")?;
         file.set_len(len as u64)?;
         let fd = file.try_clone()?;
-        let region = Arc::new(Region::from_memfd(file, len)?);
+        self.register(fd.as_fd(), Arc::new(Region::from_memfd(file, len)?), access)
+    }
+
+    /// Registers `region`, which lives in the memfd `fd` from its first byte on.
+    fn register(&self, fd: BorrowedFd<'_>, region: Arc<Region>, access: Access) -> Result<Mr> {
         let r = self.att.inner.call(
             &Request::RegMr {
                 pd: self.handle,
-                len: len as u64,
+                len: region.len() as u64,
                 addr: region.addr(),
                 access: access.0,
             },
-            &[fd.as_fd()],
+            &[fd],
         )?;
         let Reply::Mr { handle, lkey, rkey } = r else {
             return Err(unexpected(r));
@@ -476,8 +480,8 @@ impl Pd {
     /// Registers memory the caller already holds, which must live in a memfd (what
     /// `Region::alloc_shareable` gives from 64 KiB, `Pd::reg_mr` here, or
     /// `Region::share_in_place`) and be named by its address in this process: the daemon maps
-    /// the same file. Other memory is
-    /// refused (`ClientError::Invalid`, naming why): the daemon cannot reach it.
+    /// the same file. Other memory is refused (`ClientError::Invalid`, naming why): the daemon
+    /// cannot reach it.
     pub fn reg_region(&self, region: Arc<Region>, access: Access) -> Result<Mr> {
         let Some(file) = region.memfd() else {
             return Err(ClientError::Invalid(format!(
@@ -493,25 +497,8 @@ impl Pd {
                 region.addr()
             )));
         }
-        let r = self.att.inner.call(
-            &Request::RegMr {
-                pd: self.handle,
-                len: region.len() as u64,
-                addr: region.addr(),
-                access: access.0,
-            },
-            &[file.as_fd()],
-        )?;
-        let Reply::Mr { handle, lkey, rkey } = r else {
-            return Err(unexpected(r));
-        };
-        Ok(Mr {
-            att: self.att.clone(),
-            handle,
-            lkey,
-            rkey,
-            region,
-        })
+        let fd = file.try_clone()?;
+        self.register(fd.as_fd(), region, access)
     }
 }
 
