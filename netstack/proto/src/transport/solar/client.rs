@@ -370,6 +370,8 @@ pub struct SolarClient {
     next_send_at: u64,
     /// The latest time the driver handed in.
     last_now: u64,
+    /// When the timers last ran ([`SolarClient::on_timer`]).
+    last_timer: u64,
     /// Smoothed time the server takes to make a write durable (from its `Ok` answers).
     service_ns: u64,
     /// When packets last expired (0: never).
@@ -420,6 +422,7 @@ impl SolarClient {
             cc_hold: false,
             next_send_at: 0,
             last_now: now,
+            last_timer: now,
             service_ns: 0,
             last_timeout: 0,
             accept_order: BTreeSet::new(),
@@ -1177,11 +1180,13 @@ impl SolarClient {
             .flat_map(|p| p.sent.in_flight().map(|(_, s)| s.data.deadline))
             .min();
         // a path's health deadline already passed stays unchanged until another path
-        // delivers: looked at again one minimum RTO later, not in a spin
+        // delivers: looked at again one minimum RTO after the timers last ran, not in a spin
+        // (counted from the last packet instead, it never came while packets kept flowing:
+        // a down path went unprobed under load)
         let paths = self
             .paths
             .next_deadline()
-            .map(|t| t.max(self.last_now + self.cfg.min_rto_ns.max(1)));
+            .map(|t| t.max(self.last_timer + self.cfg.min_rto_ns.max(1)));
         let io = self
             .ios
             .values()
@@ -1196,6 +1201,7 @@ impl SolarClient {
     /// request timeouts.
     pub fn on_timer(&mut self, now: u64) {
         self.last_now = self.last_now.max(now);
+        self.last_timer = self.last_timer.max(now);
         if self.cc_timer.is_some_and(|t| t <= now) {
             self.cc_timer = None;
             if let Some(cc) = self.cc.as_mut() {
@@ -1347,6 +1353,49 @@ mod tests {
             "every path's PSNs went past 2^32"
         );
         assert!(c.ledgers.iter().all(|l| l.sent.is_empty()), "nothing left in flight");
+    }
+
+    /// A driver that runs the timers only when [`SolarClient::next_timeout`] says (the engine's
+    /// data core) probes a down path while the other path carries a steady load: the path's
+    /// probe deadline comes due although packets flow all the time.
+    #[test]
+    fn a_down_path_is_probed_under_load_by_a_driver_that_runs_timers_when_due() {
+        let cfg = ClientConfig {
+            paths: 2,
+            burst_blocks: 1,
+            ..Default::default()
+        };
+        let mut c = SolarClient::new(cfg, None, 1_000);
+        let mut s = SolarServer::new();
+        let mut now = 1_000u64;
+        let mut lba = 0u64;
+        // 200 ms, a step every 10 us: path 1's packets vanish, path 0's are answered
+        for _ in 0..20_000 {
+            now += 10_000;
+            while c.outstanding() < 8 {
+                c.write(now, 1, lba % 64, Arc::from(vec![1u8; BLOCK]), false).unwrap();
+                lba += 1;
+            }
+            while let Some(t) = c.poll_transmit(now) {
+                if t.path == 1 {
+                    continue;
+                }
+                if let Ok(Some(Request::Write { token, .. })) = s.on_packet(0, &t.to_vec(), false) {
+                    s.write_done(token, Status::Ok);
+                }
+            }
+            while let Some(t) = s.poll_transmit() {
+                c.on_packet(now, &t.to_vec()).unwrap();
+            }
+            if c.next_timeout().is_some_and(|t| t <= now) {
+                c.on_timer(now);
+            }
+            while c.poll_event().is_some() {}
+        }
+        let p = &c.path_stats()[1];
+        assert!(!p.up, "the silent path went down: {p:?}");
+        // down for ~190 ms with a 10 ms probe interval
+        assert!(p.probes_sent >= 10, "the down path was probed: {p:?}");
     }
 
     /// A server whose host answers late (its threads wait for a core) is not a lossy fabric
