@@ -25,12 +25,14 @@ pair ran but did not verify, 2 when it could not run.
 import argparse
 import json
 import os
+import queue
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -179,16 +181,45 @@ def role_main(role, model_dir, tokens):
               "module": after["module"], "stats": after["stats"], "stats_before": before["stats"]})
 
 
-def read_line(proc, what, log_path):
-    """The next ``MARK`` line of ``proc`` (other stdout lines are vLLM's logs)."""
+# Longest wait for one answer of a role (a cold start of two engines side by side took 99 s
+# on the loaded 2-core host); the demo's own limit for the step is 600 s.
+READ_TIMEOUT_S = 300
+
+
+def watch_marks(proc):
+    """Reads ``proc``'s stdout on a thread of its own and queues its ``MARK`` lines (None at
+    EOF), so that ``read_line`` can wait with a deadline and notice the role's exit even while
+    its vLLM children keep the pipe open."""
+    marks = queue.Queue()
+
+    def pump():
+        for line in proc.stdout:
+            if line.startswith(MARK):
+                marks.put(line)
+        marks.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    proc.marks = marks
+
+
+def read_line(proc, what, log_path, timeout=READ_TIMEOUT_S):
+    """The next ``MARK`` line of ``proc`` (other stdout lines are vLLM's logs), within
+    ``timeout`` seconds; an error naming the role and its log if it exits first or stays
+    silent that long."""
+    deadline = time.monotonic() + timeout
     while True:
-        line = proc.stdout.readline()
-        if not line:
+        try:
+            line = proc.marks.get(timeout=1.0)
+        except queue.Empty:
+            line = ""
+        if line is None or (not line and proc.poll() is not None):
             proc.wait(timeout=60)
             raise RuntimeError(f"{what} exited (rc={proc.returncode}) before answering; "
                                f"its log: {log_path}")
-        if line.startswith(MARK):
+        if line:
             return json.loads(line[len(MARK):])
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not answer within {timeout} s; its log: {log_path}")
 
 
 def role_preexec():
@@ -265,6 +296,7 @@ def run_pair(args, t_all, work, model_dir, base, procs, logs):
                      model_dir, "--tokens", str(args.tokens)],
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file,
                     env=env, text=True, start_new_session=True, preexec_fn=role_preexec)
+                watch_marks(procs[role])
         p = read_line(procs["prefill"], "prefill", logs["prefill"])
         params = p["kv_transfer_params"]
         if not params or not params.get("remote_block_ids"):
