@@ -1,21 +1,34 @@
-//! The Solar transport (sans-IO client and server) over the stack's simulated network
-//! (`link::sim::SimNet`, which the test drives itself), K paths: per-path delay (paths differ, so packets reorder across paths; a path keeps order),
-//! loss, duplication, corruption, black-holed paths, a bandwidth bottleneck. Every request
-//! completes with the right data; only lost blocks are resent; an old retransmitted write never
-//! overtakes a newer one; a dead path is routed around and probed back; congestion control
-//! holds the window under a bottleneck. On a switch fabric (two spines, ECMP by each source
-//! port's 5-tuple), a spine link that goes black one way for two seconds stalls no write for
-//! long, and four agents writing into one server share its link evenly without stalls.
+//! Solar on the engine over the stack's simulated network: a storage agent's simulated context
+//! (`Context::solar_client`) and a storage server's (`Context::solar_server`, over a storage
+//! handler that keeps blocks in memory and makes writes durable at once or at the test's group
+//! commit) on a seeded `link::sim::SimNet`, whose clock the test steps. The endpoints are
+//! reached only through the engine's Solar API (`SolarAgent`, `SolarService`, their published
+//! counters) and what the network records. K paths, a source port each: per-path delay (paths
+//! differ, so packets reorder across paths; a path keeps order), loss, duplication,
+//! corruption, black-holed paths, a bandwidth bottleneck. Every request completes with the
+//! right data; only lost blocks are resent; an old retransmitted write never overtakes a newer
+//! one; a dead path is routed around and probed back; congestion control holds the window under
+//! a bottleneck; a fenced volume refuses an older epoch. On a switch fabric (two spines, ECMP
+//! by each source port's 5-tuple), a spine link that goes black one way for two seconds stalls
+//! no write for long, and four agents writing into one server share its link evenly without
+//! stalls.
 
-use netstack::link::sim::{Faults, LinkSpec, PortId, SimLink, SimNet, SwitchSpec};
-use netstack::transport::solar::client::{ClientConfig, ClientEvent, ClientStats, IoError, SolarClient, Target};
-use netstack::transport::solar::server::{Request, SolarServer};
+use netstack::cc::{CcAlgorithm, CcKind, CcParams};
+use netstack::link::sim::{Faults, LinkSpec, PortId, SimNet, SwitchSpec};
+use netstack::transport::solar::client::{ClientConfig, ClientStats, IoError, Target};
+use netstack::transport::solar::server::{ServerStats, SolarServer};
 use netstack::transport::solar::wire::{self, Header, Op, Status, BLOCK};
+use netstack::verbs::solar::{
+    AgentStatus, ReadAnswer, ReadBlocks, SolarAgent, SolarError, SolarService, StorageHandler, WriteBlock, WriteDone,
+};
+use netstack::verbs::{Context, ContextConfig};
+use parking_lot::Mutex;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::collections::HashMap;
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::sync::Arc;
+use tokio::sync::oneshot;
 
 #[derive(Default, Clone)]
 struct NetCfg {
@@ -32,52 +45,217 @@ struct NetCfg {
     fabric_rate: u64,
 }
 
-/// The storage server's address, and the client's source port `i` (path `i` starts on port
-/// `i`; a path that looks cut moves to a spare port).
+/// The storage server's address (its context's only port).
 const SERVER: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 2), 7000);
-fn client(port: u16) -> SocketAddrV4 {
-    SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 1), 40_000 + port)
+/// The agent's host.
+const AGENT: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 1);
+
+/// The address of source port `port` of an agent context bound at `ip`:40000 (the simulated
+/// network gives the context's other ports the next free numbers, 40001 on). The agent's path
+/// `i` starts on port `i`; a path that looks cut moves to a spare port.
+fn port_addr(ip: Ipv4Addr, port: u16) -> SocketAddrV4 {
+    SocketAddrV4::new(ip, 40_000 + port)
 }
 
-/// Blocks a packet carries (a READ_REQ asks for its blocks; probes carry none).
+/// Port `port` of the agent.
+fn client(port: u16) -> SocketAddrV4 {
+    port_addr(AGENT, port)
+}
+
+/// How often the engine publishes its Solar endpoints' counters (`verbs::solar`, 5 ms): a
+/// check of them lets this much pass first.
+const PUBLISH_NS: u64 = 5_000_001;
+
+/// Blocks a packet carries (a READ_REQ asks for its blocks; probes and the server's
+/// address-validation exchange carry none).
 fn blocks_of(p: &[u8]) -> u64 {
     match Header::decode(p) {
         Ok((h, _)) if h.op == Op::ReadReq => h.blk_cnt.saturating_sub(h.blk_idx) as u64,
-        Ok((h, _)) if h.op == Op::Probe || h.op == Op::ProbeAck => 0,
+        Ok((h, _)) if matches!(h.op, Op::Probe | Op::ProbeAck | Op::Challenge | Op::ChallengeReply) => 0,
         _ => 1,
     }
 }
 
-/// The storage: blocks with their CRCs, by (volume, lba).
-type Store = HashMap<(u32, u64), (Arc<[u8]>, u32)>;
+/// A packet's opcode and status (None: not a Solar header, or a damaged one).
+fn op_of(p: &[u8]) -> Option<(Op, u16)> {
+    Header::decode(p).ok().map(|(h, _)| (h.op, h.status))
+}
 
+/// A never-written block: zeros, with their CRC.
+fn zero_block() -> (Arc<[u8]>, u32) {
+    let z: Arc<[u8]> = Arc::from(vec![0u8; BLOCK]);
+    let crc = wire::block_crc(&z);
+    (z, crc)
+}
+
+/// The storage behind the server (the handler its core calls): blocks with their CRCs, by
+/// (volume, lba), stored as they arrive. Writes are durable at once unless the test holds them
+/// (`hold`): then they wait, with their lba, for the test's group commit or its own hand.
+#[derive(Default)]
+struct Store {
+    s: Mutex<StoreState>,
+}
+
+/// Blocks with their CRCs, by (volume, lba).
+type Blocks = HashMap<(u32, u64), (Arc<[u8]>, u32)>;
+
+#[derive(Default)]
+struct StoreState {
+    blocks: Blocks,
+    /// Every write block handed in: (volume, lba, version).
+    writes: Vec<(u32, u64, u64)>,
+    /// READs handed in.
+    reads: u64,
+    hold: bool,
+    waiting: Vec<(u64, WriteDone)>,
+}
+
+impl StorageHandler for Store {
+    fn write(&self, b: WriteBlock<'_>, done: WriteDone) {
+        let mut s = self.s.lock();
+        s.blocks.insert((b.volume, b.lba), (Arc::from(b.data), b.crc));
+        s.writes.push((b.volume, b.lba, b.rpc));
+        if s.hold {
+            s.waiting.push((b.lba, done));
+        } else {
+            drop(s);
+            done.finish(Status::Ok);
+        }
+    }
+
+    fn read(&self, r: ReadBlocks, answer: &mut ReadAnswer<'_>) {
+        let mut s = self.s.lock();
+        s.reads += 1;
+        for k in 0..r.count {
+            let (d, crc) = s
+                .blocks
+                .get(&(r.volume, r.lba + k as u64))
+                .cloned()
+                .unwrap_or_else(zero_block);
+            answer.block(k, d, 0, crc);
+        }
+    }
+}
+
+impl Store {
+    /// The stored block `lba` of `volume`.
+    fn block(&self, volume: u32, lba: u64) -> Option<Arc<[u8]>> {
+        self.s.lock().blocks.get(&(volume, lba)).map(|b| b.0.clone())
+    }
+}
+
+/// A storage node's group commit: held writes are made durable at the first commit after they
+/// arrive, one every `every_ns`, as the storage node's writers make them.
+struct Commit {
+    every_ns: u64,
+    next: u64,
+}
+
+impl Commit {
+    fn every(ns: u64) -> Commit {
+        Commit { every_ns: ns, next: 0 }
+    }
+
+    /// When the next commit is due, if a write waits for it.
+    fn due(&self, store: &Store) -> Option<u64> {
+        (!store.s.lock().waiting.is_empty()).then_some(self.next)
+    }
+
+    /// Commits what waits when a commit is due at `now`.
+    fn run(&mut self, store: &Store, now: u64) {
+        if now >= self.next {
+            let waiting = std::mem::take(&mut store.s.lock().waiting);
+            for (_, done) in waiting {
+                done.finish(Status::Ok);
+            }
+            self.next = now + self.every_ns;
+        }
+    }
+}
+
+/// Opens a simulated context at `bind` with `path_ports` source ports.
+fn open(net: &Arc<SimNet>, bind: SocketAddrV4, path_ports: u16) -> Context {
+    Context::open_simulated(
+        ContextConfig {
+            bind,
+            path_ports: path_ports as u8,
+            rx_staging_bytes: 256 << 10,
+            ..ContextConfig::default()
+        },
+        net,
+    )
+    .expect("a simulated context")
+}
+
+/// Runs until `rx` answers or `limit` ns pass (then panics, naming `what`).
+fn answer<T>(net: &SimNet, rx: &mut oneshot::Receiver<T>, limit: u64, what: &str) -> T {
+    let end = net.now() + limit;
+    loop {
+        match rx.try_recv() {
+            Ok(v) => return v,
+            Err(oneshot::error::TryRecvError::Empty) => {
+                assert!(net.now() < end, "{what}: unanswered after {limit} ns");
+                net.step_until(end);
+            }
+            Err(e) => panic!("{what}: {e}"),
+        }
+    }
+}
+
+/// One agent (a simulated context with a Solar client) and one storage server (a simulated
+/// context serving Solar over a [`Store`]) on a seeded network.
 struct Sim {
-    c: SolarClient,
-    s: SolarServer,
-    /// The network: the stack's simulated network (`link::sim`), with a route per client port
-    /// (port i's datagrams, both ways, take base + i * spread); a test that checks what was
-    /// sent or dropped has it recorded (`net.record()`).
+    agent: SolarAgent,
+    /// The server (None only while it restarts).
+    service: Option<SolarService>,
+    store: Arc<Store>,
+    /// The network, with a route per agent port (port i's datagrams, both ways, take base + i
+    /// * spread); a test that checks what was sent or dropped has it recorded (`net.record()`).
     net: Arc<SimNet>,
-    _ports: SimLink,
-    /// The client's source ports (its paths, and spares).
+    /// The agent's source ports (its paths, and spares).
     ports: u16,
-    store: Store,
+    next_io: u64,
+    writes: HashMap<u64, oneshot::Receiver<Result<(), SolarError>>>,
+    pending_reads: HashMap<u64, oneshot::Receiver<Result<Vec<u8>, SolarError>>>,
+    /// Finished requests, and what the reads returned.
+    done: HashMap<u64, Result<(), SolarError>>,
     reads: HashMap<u64, Vec<u8>>,
-    done: HashMap<u64, Result<(), IoError>>,
-    /// With a group commit every this many ns, writes are durable (answered `Ok`) at the
-    /// first commit after they arrive, as the storage node's writers make them; 0: at once.
-    commit_ns: u64,
-    next_commit: u64,
-    uncommitted: Vec<u64>,
+    /// With a group commit, writes are durable (answered `Ok`) at the first commit after they
+    /// arrive; without, at once.
+    commit: Option<Commit>,
+    // the contexts go last: the endpoints close on them
+    _agent_ctx: Context,
+    server_ctx: Context,
+}
+
+/// Swift with a target delay of `target_ns`, and a window floor of `floor` blocks when given.
+fn swift(target_ns: u64, floor: Option<f64>) -> Box<dyn CcAlgorithm> {
+    let mut p = CcParams::default();
+    p.swift.base_target_ns = target_ns;
+    if let Some(f) = floor {
+        p.swift.min_cwnd = f;
+        p.swift.fs_min_cwnd = p.swift.fs_min_cwnd.max(f);
+    }
+    CcKind::Swift.build(&netstack::cc::host_env(&p)).expect("swift")
 }
 
 impl Sim {
+    /// An agent with `paths` paths (Swift with a 200 us target when `cc`), RTOs of 2 ms initial
+    /// and 500 us minimum, an I/O timeout of 5 s.
     fn new(paths: u16, net: NetCfg, seed: u64, cc: bool) -> Sim {
-        Sim::with_ports(paths, paths, net, seed, cc)
+        let cfg = ClientConfig {
+            paths,
+            source_ports: paths,
+            initial_rto_ns: 2_000_000,
+            min_rto_ns: 500_000,
+            io_timeout_ns: 5_000_000_000,
+            ..Default::default()
+        };
+        Sim::open(paths, net, seed, cfg, cc.then(|| swift(200_000, None)))
     }
 
-    /// A client with `paths` paths over `ports` source ports.
-    fn with_ports(paths: u16, ports: u16, net: NetCfg, seed: u64, cc: bool) -> Sim {
+    /// An agent context with `ports` source ports and a client of `cfg` with `cc` on it.
+    fn open(ports: u16, net: NetCfg, seed: u64, cfg: ClientConfig, cc: Option<Box<dyn CcAlgorithm>>) -> Sim {
         let faults = Faults {
             loss: net.loss,
             duplicate: net.dup,
@@ -85,8 +263,9 @@ impl Sim {
             delay_ns: net.base_ns,
             jitter_ns: 0,
             rate_bps: net.rate * 8,
+            // Solar sends a whole 4 KiB block per datagram
+            mtu: 9000,
             ecn_mark_ns: 0,
-            ..Faults::default()
         };
         let sim = SimNet::new(seed, faults);
         if net.fabric_rate > 0 {
@@ -100,7 +279,7 @@ impl Sim {
                 int: false,
             };
             let spines = [sim.add_switch(sw), sim.add_switch(sw)];
-            for ip in [*client(0).ip(), *SERVER.ip()] {
+            for ip in [AGENT, *SERVER.ip()] {
                 let leaf = sim.add_switch(sw);
                 for spine in spines {
                     sim.connect(leaf, spine, link);
@@ -109,39 +288,31 @@ impl Sim {
             }
             sim.build_routes();
         }
-        let mut addrs: Vec<SocketAddrV4> = (0..ports).map(client).collect();
-        addrs.push(SERVER);
-        let link = sim.link(&addrs).expect("free simulated addresses");
+        let server_ctx = open(&sim, SERVER, 1);
+        let agent_ctx = open(&sim, client(0), ports);
         for i in 0..ports {
             sim.set_path_delay(client(i), i as u64 * net.spread_ns);
         }
-        let cfg = ClientConfig {
-            paths,
-            source_ports: ports,
-            initial_rto_ns: 2_000_000,
-            min_rto_ns: 500_000,
-            io_timeout_ns: 5_000_000_000,
-            ..Default::default()
-        };
-        let cc = cc.then(|| {
-            let mut p = netstack::cc::CcParams::default();
-            p.swift.base_target_ns = 200_000;
-            netstack::cc::CcKind::Swift
-                .build(&netstack::cc::host_env(&p))
-                .expect("swift")
-        });
+        let store = Arc::new(Store::default());
+        let service = server_ctx
+            .solar_server(SolarServer::new(), store.clone())
+            .expect("a Solar server");
+        assert_eq!(service.local_addr(), SERVER);
+        let agent = agent_ctx.solar_client(SERVER, cfg, cc).expect("a Solar client");
         Sim {
-            c: SolarClient::new(cfg, cc, sim.now()),
-            s: SolarServer::new(),
+            agent,
+            service: Some(service),
+            store,
             net: sim,
-            _ports: link,
             ports,
-            store: HashMap::new(),
-            reads: HashMap::new(),
+            next_io: 0,
+            writes: HashMap::new(),
+            pending_reads: HashMap::new(),
             done: HashMap::new(),
-            commit_ns: 0,
-            next_commit: 0,
-            uncommitted: Vec::new(),
+            reads: HashMap::new(),
+            commit: None,
+            _agent_ctx: agent_ctx,
+            server_ctx,
         }
     }
 
@@ -155,25 +326,55 @@ impl Sim {
         self.net.records().dropped.iter().map(|(_, _, p)| blocks_of(p)).sum()
     }
 
-    /// The packets the client sent toward the server, in order, before any fault.
-    fn sent_to_server(&self) -> Vec<Vec<u8>> {
+    /// The WRITE packets the agent sent toward the server, in order, before any fault, with the
+    /// port each left from.
+    fn writes_to_server(&self) -> Vec<(SocketAddrV4, Vec<u8>)> {
         let r = self.net.records();
         r.sent
             .into_iter()
-            .filter(|(_, d, _)| *d == SERVER)
-            .map(|(_, _, p)| p)
+            .filter(|(_, d, p)| *d == SERVER && op_of(p).is_some_and(|(op, _)| op == Op::Write))
+            .map(|(s, _, p)| (s, p))
             .collect()
     }
 
-    /// The client leaf's port toward the first spine (with a fabric): what
+    /// The agent's counters as of at most 5 ms ago (the engine publishes them that often):
+    /// lets that much time pass first.
+    fn status(&mut self) -> AgentStatus {
+        self.idle(PUBLISH_NS);
+        self.agent.status()
+    }
+
+    /// The server's counters, likewise.
+    fn server_stats(&mut self) -> ServerStats {
+        self.idle(PUBLISH_NS);
+        self.service().stats()
+    }
+
+    fn service(&self) -> &SolarService {
+        self.service.as_ref().expect("a server")
+    }
+
+    /// The server restarts at its address with nothing of its state (validated addresses,
+    /// writes in progress), over `store`.
+    fn restart_server(&mut self, store: Arc<Store>) {
+        self.service = None;
+        let service = self
+            .server_ctx
+            .solar_server(SolarServer::new(), store.clone())
+            .expect("a new server");
+        self.service = Some(service);
+        self.store = store;
+    }
+
+    /// The agent leaf's port toward the first spine (with a fabric): what
     /// [`Sim::set_spine_link`] takes down.
     fn spine_port(&self) -> PortId {
-        // switches in the order made: the two spines, then the client's leaf, whose first
+        // switches in the order made: the two spines, then the agent's leaf, whose first
         // link is to spine 0
         PortId::Switch(2, 0)
     }
 
-    /// The client leaf's link toward the first spine goes black (client to server only: the
+    /// The agent leaf's link toward the first spine goes black (agent to server only: the
     /// ECMP testbed's cut) or comes back.
     fn set_spine_link(&self, up: bool) {
         self.net.set_port_up(self.spine_port(), up);
@@ -187,53 +388,47 @@ impl Sim {
     }
 
     fn write(&mut self, lba: u64, data: &[u8]) -> u64 {
-        self.c
-            .write(self.now(), 1, lba, Arc::from(data.to_vec()), true)
-            .unwrap()
+        let rx = self.agent.write(1, lba, Arc::from(data), true);
+        self.next_io += 1;
+        self.writes.insert(self.next_io, rx);
+        self.next_io
     }
 
     fn read(&mut self, lba: u64, blocks: u16) -> u64 {
-        let io = self.c.read(self.now(), 1, lba, blocks).unwrap();
-        self.reads.insert(io, vec![0u8; blocks as usize * BLOCK]);
-        io
+        let rx = self.agent.read(1, lba, blocks);
+        self.next_io += 1;
+        self.pending_reads.insert(self.next_io, rx);
+        self.next_io
     }
 
-    /// Serves a packet from the client's source port `port` (the server answers there).
-    fn serve(&mut self, port: u16, pkt: &[u8]) {
-        match self.s.on_packet(port as u64, pkt, false) {
-            Ok(Some(Request::Write {
-                token,
-                volume,
-                lba,
-                data,
-                crc,
-                ..
-            })) => {
-                self.store.insert((volume, lba), (Arc::from(data.to_vec()), crc));
-                if self.commit_ns == 0 {
-                    self.s.write_done(token, Status::Ok);
-                } else {
-                    self.uncommitted.push(token);
-                }
+    /// Requests not answered yet.
+    fn outstanding(&self) -> usize {
+        self.writes.len() + self.pending_reads.len()
+    }
+
+    /// Takes the answers that came.
+    fn collect(&mut self) {
+        let done = &mut self.done;
+        self.writes.retain(|&io, rx| match rx.try_recv() {
+            Ok(r) => {
+                done.insert(io, r);
+                false
             }
-            Ok(Some(Request::Read {
-                token,
-                volume,
-                lba,
-                count,
-            })) => {
-                for k in 0..count {
-                    let (d, crc) = self.store.get(&(volume, lba + k as u64)).cloned().unwrap_or_else(|| {
-                        let z: Arc<[u8]> = Arc::from(vec![0u8; BLOCK]);
-                        let c = wire::block_crc(&z);
-                        (z, c)
-                    });
-                    self.s.read_block(token, k, d, 0, crc);
-                }
-                self.s.read_finished(token);
+            Err(oneshot::error::TryRecvError::Empty) => true,
+            Err(e) => panic!("write {io}: {e}"),
+        });
+        let reads = &mut self.reads;
+        self.pending_reads.retain(|&io, rx| match rx.try_recv() {
+            Ok(r) => {
+                let r = r.map(|d| {
+                    reads.insert(io, d);
+                });
+                done.insert(io, r);
+                false
             }
-            _ => {}
-        }
+            Err(oneshot::error::TryRecvError::Empty) => true,
+            Err(e) => panic!("read {io}: {e}"),
+        });
     }
 
     /// Runs until every request is done or `limit` ns pass.
@@ -248,44 +443,13 @@ impl Sim {
 
     fn step(&mut self, limit: u64, until_done: bool) {
         let end = self.now() + limit;
-        while (!until_done || self.c.outstanding() > 0) && self.now() < end {
-            let now = self.now();
-            while let Some(t) = self.c.poll_transmit(now) {
-                self.net.send(client(t.port), SERVER, t.to_vec());
+        while (!until_done || self.outstanding() > 0) && self.now() < end {
+            let commit = self.commit.as_ref().and_then(|c| c.due(&self.store));
+            self.net.step_until(commit.map_or(end, |c| c.min(end)));
+            if let Some(c) = &mut self.commit {
+                c.run(&self.store, self.net.now());
             }
-            while let Some(t) = self.s.poll_transmit() {
-                self.net.send(SERVER, client(t.peer as u16), t.to_vec());
-            }
-            let commit = (self.commit_ns > 0 && !self.uncommitted.is_empty()).then_some(self.next_commit);
-            let next = [self.net.next_arrival(), self.c.next_timeout(), commit]
-                .into_iter()
-                .flatten()
-                .min()
-                .unwrap_or(end);
-            self.net.advance(next.min(end));
-            let now = self.now();
-            if self.commit_ns > 0 && now >= self.next_commit {
-                let service = self.commit_ns;
-                for token in self.uncommitted.drain(..) {
-                    self.s.write_done_after(token, Status::Ok, service);
-                }
-                self.next_commit = now + self.commit_ns;
-            }
-            while let Some((from, p)) = self.net.recv(SERVER) {
-                self.serve(from.port() - 40_000, &p);
-            }
-            for i in 0..self.ports {
-                while let Some((_, p)) = self.net.recv(client(i)) {
-                    if let Ok(Some(pl)) = self.c.on_packet(now, &p) {
-                        let buf = self.reads.get_mut(&pl.io).expect("a read's buffer");
-                        buf[pl.idx as usize * BLOCK..][..BLOCK].copy_from_slice(pl.data);
-                    }
-                }
-            }
-            self.c.on_timer(now);
-            while let Some(ClientEvent::Done { io, result }) = self.c.poll_event() {
-                self.done.insert(io, result);
-            }
+            self.collect();
         }
     }
 }
@@ -296,81 +460,121 @@ fn data(rng: &mut StdRng, blocks: usize) -> Vec<u8> {
     v
 }
 
+/// Runs `f` on every seed of `seeds`, spread over the machine's cores; a seed's failure fails
+/// the test (its message names the seed).
+fn each_seed(seeds: std::ops::Range<u64>, f: impl Fn(u64) + Sync) {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;
+    std::thread::scope(|s| {
+        let f = &f;
+        let seeds = &seeds;
+        let handles: Vec<_> = (0..threads)
+            .map(|t| s.spawn(move || seeds.clone().skip(t as usize).step_by(threads as usize).for_each(f)))
+            .collect();
+        for h in handles {
+            if let Err(e) = h.join() {
+                std::panic::resume_unwind(e);
+            }
+        }
+    });
+}
+
 #[test]
 fn lossy_reordering_paths_deliver_every_block_and_resend_only_lost_ones() {
-    for seed in 0..300u64 {
-        let mut rng = StdRng::seed_from_u64(seed);
-        let paths = rng.random_range(1..=8);
-        let net = NetCfg {
-            loss: [0.0, 0.01, 0.05, 0.1][seed as usize % 4],
-            dup: if seed % 3 == 0 { 0.02 } else { 0.0 },
-            base_ns: 20_000,
-            spread_ns: rng.random_range(0..50_000),
-            ..Default::default()
-        };
-        let lossless = net.loss == 0.0 && net.dup == 0.0;
-        let net_loss = net.loss;
-        // congestion control (Swift) on the runs with little random loss: it takes every
-        // timeout for congestion, so at 5-10 % random loss it crawls (correctly, and slowly)
-        let mut sim = Sim::new(paths, net, seed, net_loss <= 0.01 && seed % 8 < 4);
-        sim.net.record();
-        let mut model: HashMap<u64, Vec<u8>> = HashMap::new();
-        for round in 0..4 {
-            // non-overlapping writes in flight together (the agent serializes overlapping ones)
-            let mut ios = Vec::new();
-            for k in 0..6u64 {
-                let blocks = rng.random_range(1..=12);
-                let lba = k * 16 + rng.random_range(0..4);
-                let d = data(&mut rng, blocks);
-                for b in 0..blocks {
-                    model.insert(lba + b as u64, d[b * BLOCK..][..BLOCK].to_vec());
-                }
-                ios.push(sim.write(lba, &d));
+    // SOLAR_SEED=n runs seed n alone
+    match std::env::var("SOLAR_SEED") {
+        Ok(v) => lossy_seed(v.parse().expect("a seed number")),
+        Err(_) => each_seed(0..300, lossy_seed),
+    }
+}
+
+fn lossy_seed(seed: u64) {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let paths = rng.random_range(1..=8);
+    let net = NetCfg {
+        loss: [0.0, 0.01, 0.05, 0.1][seed as usize % 4],
+        dup: if seed.is_multiple_of(3) { 0.02 } else { 0.0 },
+        base_ns: 20_000,
+        spread_ns: rng.random_range(0..50_000),
+        ..Default::default()
+    };
+    let lossless = net.loss == 0.0 && net.dup == 0.0;
+    let net_loss = net.loss;
+    // congestion control (Swift) on the runs with little random loss: it takes every
+    // timeout for congestion, so at 5-10 % random loss it crawls (correctly, and slowly)
+    let mut sim = Sim::new(paths, net, seed, net_loss <= 0.01 && seed % 8 < 4);
+    // the server validates each path's address first (a challenge, echoed): done on a clean
+    // network, so that a lost echo, which holds that path's READ answers until the server asks
+    // again, is not counted here as resends beyond the losses
+    let faults = sim.net.faults();
+    sim.net.set_faults(Faults {
+        loss: 0.0,
+        duplicate: 0.0,
+        ..faults
+    });
+    let warm = sim.write(1_000, &vec![0u8; paths as usize * 8 * BLOCK]);
+    sim.run(1_000_000_000);
+    assert_eq!(sim.done.get(&warm), Some(&Ok(())), "seed {seed}: the warm-up");
+    sim.net.set_faults(faults);
+    sim.net.record();
+    let mut model: HashMap<u64, Vec<u8>> = HashMap::new();
+    for round in 0..4 {
+        // non-overlapping writes in flight together (the agent serializes overlapping ones)
+        let mut ios = Vec::new();
+        for k in 0..6u64 {
+            let blocks = rng.random_range(1..=12);
+            let lba = k * 16 + rng.random_range(0..4);
+            let d = data(&mut rng, blocks);
+            for b in 0..blocks {
+                model.insert(lba + b as u64, d[b * BLOCK..][..BLOCK].to_vec());
             }
-            sim.run(2_000_000_000);
-            for io in ios {
-                assert_eq!(
-                    sim.done.get(&io),
-                    Some(&Ok(())),
-                    "seed {seed} round {round}: write {io}"
+            ios.push(sim.write(lba, &d));
+        }
+        sim.run(2_000_000_000);
+        for io in ios {
+            assert_eq!(
+                sim.done.get(&io),
+                Some(&Ok(())),
+                "seed {seed} round {round}: write {io}"
+            );
+        }
+        // read everything back, in chunks of different sizes
+        let mut lba = 0;
+        let mut rs = Vec::new();
+        while lba < 96 {
+            let n = rng.random_range(1..=40).min(96 - lba as u16);
+            rs.push((sim.read(lba, n), lba, n));
+            lba += n as u64;
+        }
+        sim.run(2_000_000_000);
+        for (io, lba, n) in rs {
+            assert_eq!(sim.done.get(&io), Some(&Ok(())), "seed {seed} round {round}: read {io}");
+            let buf = &sim.reads[&io];
+            for b in 0..n as u64 {
+                let want = model.get(&(lba + b)).cloned().unwrap_or_else(|| vec![0u8; BLOCK]);
+                assert!(
+                    buf[b as usize * BLOCK..][..BLOCK] == want[..],
+                    "seed {seed} round {round}: block {} differs",
+                    lba + b
                 );
             }
-            // read everything back, in chunks of different sizes
-            let mut lba = 0;
-            let mut rs = Vec::new();
-            while lba < 96 {
-                let n = rng.random_range(1..=40).min(96 - lba as u16);
-                rs.push((sim.read(lba, n), lba, n));
-                lba += n as u64;
-            }
-            sim.run(2_000_000_000);
-            for (io, lba, n) in rs {
-                assert_eq!(sim.done.get(&io), Some(&Ok(())), "seed {seed} round {round}: read {io}");
-                let buf = &sim.reads[&io];
-                for b in 0..n as u64 {
-                    let want = model.get(&(lba + b)).cloned().unwrap_or_else(|| vec![0u8; BLOCK]);
-                    assert!(
-                        buf[b as usize * BLOCK..][..BLOCK] == want[..],
-                        "seed {seed} round {round}: block {} differs",
-                        lba + b
-                    );
-                }
-            }
         }
-        let st = sim.c.stats();
-        if lossless {
-            assert_eq!(st.blocks_resent, 0, "seed {seed}: no loss, no resend: {st:?}");
-        }
-        // resends are the lost blocks; only a path declared down (random loss three times in
-        // a row) takes packets that were merely late with it: a few percent at most
-        let spurious = if st.path_downs == 0 { 0 } else { st.blocks_sent / 20 };
-        assert!(
-            st.blocks_resent <= sim.dropped_blocks() + spurious,
-            "seed {seed}: {} blocks resent for {} lost: {st:?}",
-            st.blocks_resent,
-            sim.dropped_blocks()
-        );
     }
+    let st = sim.status().stats;
+    if lossless {
+        assert_eq!(st.blocks_resent, 0, "seed {seed}: no loss, no resend: {st:?}");
+    }
+    // resends are the lost blocks; only a path declared down (random loss three times in
+    // a row) takes packets that were merely late with it: a few percent at most. And a block
+    // asked again early because a later block's Ok overtook its own (`durable_resends_by_order`,
+    // a guess that its Ok was lost) may have had its Ok merely late (seed 137: 16 for 15)
+    let late_down = if st.path_downs == 0 { 0 } else { st.blocks_sent / 20 };
+    let spurious = late_down + st.durable_resends_by_order;
+    assert!(
+        st.blocks_resent <= sim.dropped_blocks() + spurious,
+        "seed {seed}: {} blocks resent for {} lost: {st:?}",
+        st.blocks_resent,
+        sim.dropped_blocks()
+    );
 }
 
 #[test]
@@ -381,24 +585,41 @@ fn an_old_retransmitted_write_never_overtakes_a_newer_one() {
     let b = vec![0xBBu8; BLOCK];
     let w1 = sim.write(5, &a);
     sim.run(1_000_000_000);
-    let old = sim.sent_to_server().last().cloned().expect("the first write's packet");
+    let (from, old) = sim
+        .writes_to_server()
+        .last()
+        .cloned()
+        .expect("the first write's packet");
     let w2 = sim.write(5, &b);
     sim.run(1_000_000_000);
     assert_eq!(sim.done[&w1], Ok(()));
     assert_eq!(sim.done[&w2], Ok(()));
-    // the first write's packet arrives again, late (a retransmission that raced another path)
-    sim.serve(0, &old);
-    assert_eq!(sim.s.stats().stale_dropped, 1);
-    let reply = sim.s.poll_transmit().expect("an answer");
-    let (h, _) = Header::decode(&reply.to_vec()).unwrap();
-    assert_eq!((h.op, h.status), (Op::WriteAck, Status::Stale as u16));
-    assert_eq!(&sim.store[&(1, 5)].0[..], &b[..], "the newer data stays");
+    let newer = sim
+        .writes_to_server()
+        .last()
+        .cloned()
+        .expect("the second write's packet");
+    let applied = sim.store.s.lock().writes.len();
+    // the first write's packet arrives again, late (a retransmission that raced another
+    // path), from the port it left
+    let sent = sim.net.records().sent.len();
+    sim.net.send(from, SERVER, old);
+    assert_eq!(sim.server_stats().stale_dropped, 1);
+    let answers: Vec<(Op, u16)> = sim.net.records().sent[sent..]
+        .iter()
+        .filter(|(s, d, _)| *s == SERVER && *d == from)
+        .filter_map(|(_, _, p)| op_of(p))
+        .collect();
+    assert_eq!(answers, vec![(Op::WriteAck, Status::Stale as u16)], "answered Stale");
+    assert_eq!(&sim.store.block(1, 5).unwrap()[..], &b[..], "the newer data stays");
     // the newer write's duplicate is answered Ok without being applied again
-    let newer = sim.sent_to_server().last().cloned().unwrap();
-    let writes = sim.s.stats().writes;
-    sim.serve(0, &newer);
-    assert_eq!(sim.s.stats().writes, writes);
-    assert_eq!(sim.s.stats().duplicates, 1);
+    let (from, newer) = newer;
+    let writes = sim.server_stats().writes;
+    sim.net.send(from, SERVER, newer);
+    let st = sim.server_stats();
+    assert_eq!(st.writes, writes);
+    assert_eq!(st.duplicates, 1);
+    assert_eq!(sim.store.s.lock().writes.len(), applied, "the storage saw neither");
 }
 
 #[test]
@@ -427,8 +648,9 @@ fn a_dead_path_is_routed_around_and_probed_back() {
         sim.now() - start
     );
     sim.idle(100_000_000); // unanswered probes take it down
-    assert!(!sim.c.paths().is_up(1), "{:?}", sim.c.path_stats()[1]);
-    assert!(sim.c.stats().path_downs >= 1);
+    let st = sim.status();
+    assert!(!st.path_stats[1].up, "{:?}", st.path_stats[1]);
+    assert!(st.stats.path_downs >= 1);
     // the path heals: a probe brings it back and it carries traffic again
     sim.set_dead(&[]);
     let r = sim.read(100, 256);
@@ -438,8 +660,9 @@ fn a_dead_path_is_routed_around_and_probed_back() {
     assert!(sim.now() - t < 200_000_000);
     assert_eq!(sim.done[&r], Ok(()));
     assert!(sim.reads[&r] == more);
-    assert!(sim.c.paths().is_up(1), "{:?}", sim.c.path_stats()[1]);
-    assert!(sim.c.stats().path_ups >= 1 && sim.c.stats().probes >= 1);
+    let st = sim.status();
+    assert!(st.path_stats[1].up, "{:?}", st.path_stats[1]);
+    assert!(st.stats.path_ups >= 1 && st.stats.probes >= 1);
 }
 
 #[test]
@@ -460,15 +683,24 @@ fn corrupted_packets_are_caught_and_resent_and_garbage_is_counted() {
     sim.run(2_000_000_000);
     assert_eq!(sim.done[&r], Ok(()));
     assert!(sim.reads[&r] == d, "every block read back intact");
-    let (c, s) = (sim.c.stats(), sim.s.stats());
+    let (c, s) = (sim.status().stats, sim.service().stats());
     assert!(c.crc_errors + s.crc_errors > 0, "corruption was seen: {c:?} {s:?}");
     assert!(c.malformed + s.malformed > 0, "header damage was counted: {c:?} {s:?}");
-    // plain garbage
-    assert!(sim
-        .s
-        .on_packet(0, b"not a solar packet at all, just some bytes", false)
-        .is_err());
-    assert!(sim.c.on_packet(sim.now(), &[0u8; 4160]).is_err());
+    // plain garbage behind Solar's magic (what the engine hands to Solar), on a clean network:
+    // each end counts it and drops it
+    sim.net.set_faults(Faults {
+        corrupt: 0.0,
+        ..sim.net.faults()
+    });
+    let mut garbage = vec![0x53, 0x01, Op::Write as u8];
+    garbage.extend_from_slice(b"not a solar packet at all, just some bytes");
+    sim.net.send(client(0), SERVER, garbage);
+    let mut answer = vec![0u8; 4160];
+    answer[..3].copy_from_slice(&[0x53, 0x01, Op::WriteAck as u8]);
+    sim.net.send(SERVER, client(0), answer);
+    let (c2, s2) = (sim.status().stats, sim.service().stats());
+    assert_eq!(s2.malformed, s.malformed + 1, "the server counted the garbage");
+    assert_eq!(c2.malformed, c.malformed + 1, "the agent counted the garbage");
 }
 
 /// Every path silent at once: the request waits, resending with the RTO backed off, and fails
@@ -476,27 +708,23 @@ fn corrupted_packets_are_caught_and_resent_and_garbage_is_counted() {
 /// last one stays (there is nothing to fail over to).
 #[test]
 fn with_every_path_silent_a_request_waits_backs_off_then_times_out() {
-    let mut sim = Sim::new(2, NetCfg::default(), 3, false);
-    sim.c = SolarClient::new(
-        ClientConfig {
-            paths: 2,
-            io_timeout_ns: 1_300_000_000,
-            ..Default::default()
-        },
-        None,
-        sim.now(),
-    );
+    let cfg = ClientConfig {
+        paths: 2,
+        io_timeout_ns: 1_300_000_000,
+        ..Default::default()
+    };
+    let mut sim = Sim::open(2, NetCfg::default(), 3, cfg, None);
     sim.set_dead(&[0, 1]);
     let w = sim.write(0, &[7u8; BLOCK]);
-    sim.run(1_250_000_000);
-    assert!(!sim.done.contains_key(&w), "still waiting while the paths are silent");
+    sim.run(1_245_000_000);
     // 5 ms initial RTO doubling to the 200 ms maximum: about a dozen sends in 1.25 s (a
     // fixed 5 ms RTO would send 250)
-    let sent = sim.c.stats().blocks_sent;
+    let sent = sim.status().stats.blocks_sent;
+    assert!(!sim.done.contains_key(&w), "still waiting while the paths are silent");
     assert!((6..=16).contains(&sent), "{sent} sends while nothing answered");
     sim.run(1_000_000_000);
     match &sim.done[&w] {
-        Err(IoError::TimedOut { blocks_left, paths_up }) => {
+        Err(SolarError::Io(IoError::TimedOut { blocks_left, paths_up })) => {
             assert_eq!(*blocks_left, 1);
             assert!(*paths_up >= 1, "the last path stays up");
         }
@@ -513,100 +741,124 @@ fn congestion_control_holds_the_window_under_a_bottleneck() {
         ..Default::default()
     };
     let mut sim = Sim::new(2, net, 5, true);
-    let initial = sim.c.window();
+    let initial = sim.status().window_bytes;
     let mut rng = StdRng::seed_from_u64(5);
     let d = data(&mut rng, 2000);
     let w = sim.write(0, &d);
     sim.run(5_000_000_000);
     assert_eq!(sim.done[&w], Ok(()));
-    let srtt = sim.c.path_stats().iter().map(|p| p.srtt_ns).max().unwrap();
-    assert!(sim.c.window() < initial, "window {} from {initial}", sim.c.window());
+    let st = sim.status();
+    let srtt = st.path_stats.iter().map(|p| p.srtt_ns).max().unwrap();
+    assert!(st.window_bytes < initial, "window {} from {initial}", st.window_bytes);
     assert!(
         srtt < 2_000_000,
         "srtt {srtt} ns near the 200 us target, not a full queue"
     );
-    assert_eq!(sim.c.stats().blocks_resent, 0);
+    assert_eq!(st.stats.blocks_resent, 0);
 }
 
 /// Writes are answered twice: `Accepted` on arrival (the packet leaves the window, the RTT has
-/// no disk in it) and `Ok` when durable. A slow disk is then neither a timeout nor congestion;
-/// a server that accepted a block and lost it (it restarted before making it durable) gets
-/// the block again once the `Ok` is overdue, and the write completes on the new server.
+/// no disk in it) and `Ok` when durable. A slow disk the agent knows (its `Ok`s so far came
+/// 50 ms after the blocks) is then neither a timeout nor congestion nor a resend; a server that
+/// accepted a block and lost it (it restarted before making it durable) gets the block again
+/// once the `Ok` is overdue, and the write completes on the new server.
 #[test]
 fn accepted_blocks_wait_for_durability_and_a_lost_one_is_sent_again() {
+    const DISK_NS: u64 = 50_000_000;
     let cfg = ClientConfig {
         paths: 2,
         initial_rto_ns: 1_000_000,
         min_rto_ns: 1_000_000,
         ..Default::default()
     };
-    let mut now = 1_000u64;
-    let mut c = SolarClient::new(cfg, None, now);
-    let mut s = SolarServer::new();
-    let d: Arc<[u8]> = Arc::from(vec![0x5Au8; 2 * BLOCK]);
-    let io = c.write(now, 1, 10, d, false).unwrap();
-    let mut pending = Vec::new();
-    while let Some(t) = c.poll_transmit(now) {
-        if let Ok(Some(Request::Write { token, .. })) = s.on_packet(0, &t.to_vec(), false) {
-            pending.push(token);
+    let net = NetCfg {
+        base_ns: 10_000,
+        ..Default::default()
+    };
+    let mut sim = Sim::open(2, net, 17, cfg, None);
+    sim.store.s.lock().hold = true;
+    // makes each held block durable DISK_NS after it reached the storage
+    let disk = |sim: &mut Sim, lba: u64, from: u64| {
+        while sim.now() < from + DISK_NS {
+            sim.net.step_until(from + DISK_NS);
         }
+        let done = {
+            let mut s = sim.store.s.lock();
+            let i = s.waiting.iter().position(|(l, _)| *l == lba).expect("a held block");
+            s.waiting.swap_remove(i).1
+        };
+        done.finish(Status::Ok);
+    };
+    let held = |sim: &mut Sim, n: usize| {
+        let end = sim.now() + 100_000_000;
+        while sim.store.s.lock().waiting.len() < n {
+            assert!(sim.now() < end, "blocks did not reach the storage");
+            sim.net.step_until(end);
+        }
+        sim.now()
+    };
+    // the agent learns the disk: four writes, each durable 50 ms after it arrived (a fresh
+    // agent expects no service time, and asks again for blocks accepted an RTO ago)
+    for lba in 0..4 {
+        let w = sim.write(lba, &[lba as u8; BLOCK]);
+        let arrived = held(&mut sim, 1);
+        disk(&mut sim, lba, arrived);
+        sim.run(1_000_000_000);
+        assert_eq!(sim.done[&w], Ok(()));
     }
-    assert_eq!(pending.len(), 2);
-    now += 20_000;
-    while let Some(t) = s.poll_transmit() {
-        let (h, _) = Header::decode(&t.to_vec()).unwrap();
-        assert_eq!((h.op, h.status), (Op::WriteAck, Status::Accepted as u16));
-        c.on_packet(now, &t.to_vec()).unwrap();
-    }
-    assert_eq!(c.outstanding(), 1, "accepted, not done");
+    let before = sim.status().stats;
+    sim.net.record();
+    let d: Arc<[u8]> = Arc::from(vec![0x5Au8; 2 * BLOCK]);
+    let mut rx = sim.agent.write(1, 10, d, false);
+    let arrived = held(&mut sim, 2);
+    sim.idle(200_000);
+    let answers: Vec<(Op, u16)> = sim
+        .net
+        .records()
+        .sent
+        .iter()
+        .filter(|(s, ..)| *s == SERVER)
+        .filter_map(|(_, _, p)| op_of(p))
+        .filter(|(op, _)| *op != Op::Challenge)
+        .collect();
+    assert_eq!(answers, vec![(Op::WriteAck, Status::Accepted as u16); 2]);
     // the disk takes 50 ms for block 0, far past the 1 ms RTO: no timeout (no congestion
     // signal, no path marked suspect) and no resend of the packet
-    now += 50_000_000;
-    s.write_done(pending[0], Status::Ok);
-    while let Some(t) = s.poll_transmit() {
-        c.on_packet(now, &t.to_vec()).unwrap();
-    }
-    c.on_timer(now);
-    let st = c.stats();
-    assert_eq!((st.timeouts, st.blocks_resent, st.path_downs), (0, 0, 0), "{st:?}");
-    assert!(
-        c.path_stats().iter().all(|p| p.up && p.lost == 0),
-        "{:?}",
-        c.path_stats()
+    disk(&mut sim, 10, arrived);
+    let st = sim.status();
+    assert!(rx.try_recv().is_err() && st.outstanding == 1, "accepted, not done");
+    let delta = |a: u64, b: u64| a - b;
+    assert_eq!(
+        (
+            delta(st.stats.timeouts, before.timeouts),
+            delta(st.stats.blocks_resent, before.blocks_resent),
+            delta(st.stats.path_downs, before.path_downs)
+        ),
+        (0, 0, 0),
+        "{st:?}"
     );
-    // block 1 is lost with the server: the Ok never comes; the block goes again, to a new one
-    let mut s = SolarServer::new();
-    let mut resent = 0;
-    for _ in 0..100 {
-        now += 10_000_000;
-        c.on_timer(now);
-        while let Some(t) = c.poll_transmit(now) {
-            resent += 1;
-            match s.on_packet(0, &t.to_vec(), false) {
-                Ok(Some(Request::Write { token, lba, .. })) => {
-                    assert_eq!(lba, 11);
-                    s.write_done(token, Status::Ok);
-                }
-                other => panic!("{other:?}"),
-            }
-        }
-        while let Some(t) = s.poll_transmit() {
-            c.on_packet(now, &t.to_vec()).unwrap();
-        }
-        if c.outstanding() == 0 {
-            break;
-        }
-    }
-    assert_eq!(resent, 1, "only the lost block went again");
-    assert_eq!(c.stats().durable_resends, 1);
-    assert_eq!(c.poll_event(), Some(ClientEvent::Done { io, result: Ok(()) }));
+    assert!(st.path_stats.iter().all(|p| p.up && p.lost == 0), "{:?}", st.path_stats);
+    // block 1 is lost with the server: the Ok never comes (its answer is dropped unsent: an
+    // unfinished one would answer Busy); the block goes again, to a new server at the address
+    let lost = std::mem::take(&mut sim.store.s.lock().waiting);
+    assert_eq!(lost.iter().map(|(l, _)| *l).collect::<Vec<_>>(), vec![11]);
+    std::mem::forget(lost);
+    let store = Arc::new(Store::default());
+    sim.restart_server(store.clone());
+    let restarted = sim.net.records().sent.len();
+    let r = answer(&sim.net, &mut rx, 1_000_000_000, "the write");
+    assert_eq!(r, Ok(()));
+    let again: Vec<Vec<u8>> = sim.net.records().sent[restarted..]
+        .iter()
+        .filter(|(_, d, p)| *d == SERVER && op_of(p).is_none_or(|(op, _)| op != Op::ChallengeReply))
+        .map(|(_, _, p)| p.clone())
+        .collect();
+    assert_eq!(again.len(), 1, "only the lost block went again");
+    assert_eq!(store.s.lock().writes.iter().map(|w| w.1).collect::<Vec<_>>(), vec![11]);
+    let st = sim.status().stats;
+    assert_eq!(st.durable_resends - before.durable_resends, 1, "{st:?}");
 }
 
-/// Half the routes cut at once under a steady stream of writes at depth 32 (an ECMP link
-/// going dark: every path hashed onto it goes silent together), then restored: no write
-/// fails, and none takes much longer than one RTO (2 ms here). Resends avoid paths silent for their RTO, the cut paths leave the
-/// rotation once the others deliver, and probes bring them back. With the agent's RTO
-/// settings (20 ms initial, 2 ms minimum) on a 40 us fabric.
 /// A stream of single-block writes of fresh data at depth 32, never two to one block at once,
 /// with the acknowledged contents of every block written.
 /// Writes in flight: request -> (block, data, when submitted).
@@ -693,7 +945,7 @@ impl Stream {
             "every write finished"
         );
         for (lba, d) in &self.model {
-            assert!(sim.store[&(1, *lba)].0[..] == d[..], "block {lba}");
+            assert!(sim.store.block(1, *lba).expect("stored")[..] == d[..], "block {lba}");
         }
     }
 }
@@ -731,9 +983,10 @@ fn at_one_percent_loss_a_lost_ok_costs_no_deadline() {
         ..Default::default()
     };
     let mut sim = Sim::new(4, net, 11, false);
-    sim.commit_ns = 200_000;
+    sim.store.s.lock().hold = true;
+    sim.commit = Some(Commit::every(200_000));
     let lat = depth32_writes(&mut sim, 11, 20_000);
-    let st = sim.c.stats();
+    let st = sim.status().stats;
     let p999 = quantile(&lat, 0.999);
     eprintln!(
         "p50 {} p99.9 {p999} max {} ns; {st:?}",
@@ -761,20 +1014,26 @@ fn at_five_percent_loss_swift_paces_no_write_for_long() {
         spread_ns: 2_000,
         ..Default::default()
     };
-    for seed in 1..4 {
+    each_seed(1..4, |seed| {
         let mut sim = Sim::new(8, net.clone(), seed, true);
-        sim.commit_ns = 200_000;
+        sim.store.s.lock().hold = true;
+        sim.commit = Some(Commit::every(200_000));
         let lat = depth32_writes(&mut sim, seed, 10_000);
-        let st = sim.c.stats();
+        let st = sim.status().stats;
         let (p99, max) = (quantile(&lat, 0.99), lat[lat.len() - 1]);
         eprintln!("seed {seed}: p99 {p99} max {max} ns; {st:?}");
         assert!(
             p99 < 2_000_000 && max < 5_000_000,
             "seed {seed}: p99 {p99} ns, max {max} ns: {st:?}"
         );
-    }
+    });
 }
 
+/// Half the routes cut at once under a steady stream of writes at depth 32 (an ECMP link
+/// going dark: every path hashed onto it goes silent together), then restored: no write
+/// fails, and none takes much longer than one RTO (2 ms here). Resends avoid paths silent for
+/// their RTO, the cut paths leave the rotation once the others deliver, and probes bring them
+/// back. With the agent's RTO settings (20 ms initial, 2 ms minimum) on a 40 us fabric.
 #[test]
 fn cutting_half_the_paths_under_load_stalls_no_write_for_long() {
     let st = cut_under_load(8, &[1, 3, 5, 7], 5_000_000);
@@ -802,71 +1061,76 @@ fn cutting_every_port_the_paths_start_on_moves_them_to_spares() {
     assert!(st.repaths >= 4, "the paths moved to the 4 spare ports: {st:?}");
 }
 
-/// A client over 8 paths and `ports` source ports with the agent's RTOs (20 ms initial, 2 ms
-/// minimum) and an I/O timeout of 5 s.
-fn agent_client(ports: u16, cc: Option<Box<dyn netstack::cc::CcAlgorithm>>, now: u64) -> SolarClient {
-    let cfg = ClientConfig {
+/// The agent's settings for a client over 8 paths and `ports` source ports: RTOs of 20 ms
+/// initial and 2 ms minimum, an I/O timeout of 5 s.
+fn agent_cfg(ports: u16) -> ClientConfig {
+    ClientConfig {
         paths: 8,
         source_ports: ports,
         initial_rto_ns: 20_000_000,
         min_rto_ns: 2_000_000,
         io_timeout_ns: 5_000_000_000,
         ..Default::default()
-    };
-    SolarClient::new(cfg, cc, now)
+    }
 }
 
-/// A client with all the agent's settings: [`agent_client`] with Swift (a 500 us target, a
-/// window floor of 2).
-fn agent_swift_client(ports: u16, now: u64) -> SolarClient {
-    let mut p = netstack::cc::CcParams::default();
-    p.swift.base_target_ns = 500_000;
-    p.swift.min_cwnd = 2.0;
-    p.swift.fs_min_cwnd = p.swift.fs_min_cwnd.max(2.0);
-    let cc = netstack::cc::CcKind::Swift
-        .build(&netstack::cc::host_env(&p))
-        .expect("swift");
-    agent_client(ports, Some(cc), now)
+/// The agent's congestion control: Swift with a 500 us target and a window floor of 2.
+fn agent_swift() -> Box<dyn CcAlgorithm> {
+    swift(500_000, Some(2.0))
 }
 
-/// A [`Sim`] whose client has the agent's settings ([`agent_swift_client`]) toward a server
-/// that group-commits every 200 us.
+/// A [`Sim`] whose agent has all the agent's settings ([`agent_cfg`], [`agent_swift`])
+/// toward a server that group-commits every 200 us.
 fn agent_sim(ports: u16, net: NetCfg, seed: u64) -> Sim {
-    let mut sim = Sim::with_ports(8, ports, net, seed, false);
-    sim.c = agent_swift_client(ports, sim.now());
-    sim.commit_ns = 200_000;
+    let mut sim = Sim::open(ports, net, seed, agent_cfg(ports), Some(agent_swift()));
+    sim.store.s.lock().hold = true;
+    sim.commit = Some(Commit::every(200_000));
     sim
 }
 
 /// Writes at depth 32 over 8 paths and `ports` source ports; the `cut` ports go black for
 /// 100 ms and come back: no write takes `limit_ns` (a path RTO is 2 ms), and every
-/// acknowledged block is stored. Returns the client's counters.
+/// acknowledged block is stored. Returns the agent's counters.
 fn cut_under_load(ports: u16, cut: &[u16], limit_ns: u64) -> ClientStats {
     let net = NetCfg {
         base_ns: 20_000,
         spread_ns: 2_000,
         ..Default::default()
     };
-    let mut sim = Sim::with_ports(8, ports, net, 5, false);
-    sim.c = agent_client(ports, None, sim.now());
+    let mut sim = Sim::open(ports, net, 5, agent_cfg(ports), None);
     let start = sim.now();
     let (cut_at, heal_at, end) = (start + 50_000_000, start + 150_000_000, start + 250_000_000);
     let mut w = Stream::new(5);
     let dead = |s: &Sim, on: bool| s.set_dead(if on { cut } else { &[] });
     let (longest, completed) = w.through_cut(&mut sim, &dead, (cut_at, heal_at, end));
-    let st = sim.c.stats();
-    assert!(completed > 1_000, "{completed} writes completed: {st:?}");
-    assert!(
-        longest < limit_ns,
-        "a write took {longest} ns (one RTO is 2 ms): {st:?}"
-    );
     // everything acknowledged is there
     w.finish_and_check(&mut sim);
-    eprintln!(
-        "slowest write {longest} ns, {completed} writes, {st:?} {:?}",
-        sim.c.path_stats()
+    let st = sim.status();
+    assert!(completed > 1_000, "{completed} writes completed: {:?}", st.stats);
+    assert!(
+        longest < limit_ns,
+        "a write took {longest} ns (one RTO is 2 ms): {:?}",
+        st.stats
     );
-    st
+    eprintln!(
+        "slowest write {longest} ns, {completed} writes, {:?} {:?}",
+        st.stats, st.path_stats
+    );
+    st.stats
+}
+
+/// Polls `f` to its end while the network steps, for at most `limit` ns (a fence's answer).
+fn wait<F: std::future::Future>(net: &SimNet, f: F, limit: u64) -> F::Output {
+    let mut f = std::pin::pin!(f);
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    let end = net.now() + limit;
+    loop {
+        if let std::task::Poll::Ready(v) = f.as_mut().poll(&mut cx) {
+            return v;
+        }
+        assert!(net.now() < end, "unanswered after {limit} ns");
+        net.step_until(end);
+    }
 }
 
 /// A volume fenced at an epoch refuses the WRITEs and READs of a lower one (`WrongEpoch`, the
@@ -875,13 +1139,17 @@ fn cut_under_load(ports: u16, cut: &[u16], limit_ns: u64) -> ClientStats {
 /// volumes, and newer epochs, are served; a fence never goes down.
 #[test]
 fn a_fenced_volume_refuses_requests_of_an_older_epoch_without_touching_its_blocks() {
-    let mut now = 1_000u64;
-    let mut c = SolarClient::new(ClientConfig::default(), None, now);
-    let mut s = SolarServer::new();
-    assert_eq!(s.fence(7, 3), 3);
-    assert_eq!(s.fence(7, 2), 3, "a fence only rises");
+    let net = NetCfg {
+        base_ns: 10_000,
+        ..Default::default()
+    };
+    let mut sim = Sim::new(4, net, 13, false);
+    let fence = |sim: &Sim, epoch| wait(&sim.net, sim.service().fence(7, epoch), 1_000_000).expect("a fence");
+    assert_eq!(fence(&sim, 3), 3);
+    assert_eq!(fence(&sim, 2), 3, "a fence only rises");
     let block: Arc<[u8]> = Arc::from(vec![0xA5u8; BLOCK]);
     let at = |volume, epoch| Target { volume, lba: 4, epoch };
+    let wrong_epoch = Err(SolarError::Io(IoError::Status(Status::WrongEpoch, 0)));
     // (target, version, expected to reach the storage)
     let cases = [
         (at(7, 2), 900, false),
@@ -890,52 +1158,26 @@ fn a_fenced_volume_refuses_requests_of_an_older_epoch_without_touching_its_block
         (at(7, 4), 101, true),
     ];
     for (target, version, served) in cases {
-        let io = c
-            .write_versioned(now, target, Some(block.clone()), 1, false, version)
-            .unwrap();
-        let mut reached = false;
-        while let Some(t) = c.poll_transmit(now) {
-            if let Ok(Some(Request::Write { token, rpc, .. })) = s.on_packet(0, &t.to_vec(), false) {
-                assert_eq!(rpc, version);
-                reached = true;
-                s.write_done(token, Status::Ok);
-            }
-        }
-        now += 10_000;
-        while let Some(t) = s.poll_transmit() {
-            c.on_packet(now, &t.to_vec()).unwrap();
-        }
-        assert_eq!(reached, served, "{target:?}");
+        let before = sim.store.s.lock().writes.len();
+        let mut rx = sim
+            .agent
+            .write_versioned(target, Some(block.clone()), 1, false, version);
+        let r = answer(&sim.net, &mut rx, 1_000_000_000, "a write");
+        let reached = sim.store.s.lock().writes[before..].to_vec();
         let want = if served {
-            Ok(())
+            vec![(target.volume, 4, version)]
         } else {
-            Err(IoError::Status(Status::WrongEpoch, 0))
+            vec![]
         };
-        assert_eq!(
-            c.poll_event(),
-            Some(ClientEvent::Done { io, result: want }),
-            "{target:?}"
-        );
+        assert_eq!(reached, want, "{target:?}: what reached the storage, with its version");
+        assert_eq!(r, if served { Ok(()) } else { wrong_epoch.clone() }, "{target:?}");
     }
-    let io = c.read_at(now, at(7, 2), 1).unwrap();
-    while let Some(t) = c.poll_transmit(now) {
-        assert_eq!(
-            s.on_packet(0, &t.to_vec(), false),
-            Ok(None),
-            "refused before the storage"
-        );
-    }
-    while let Some(t) = s.poll_transmit() {
-        c.on_packet(now, &t.to_vec()).unwrap();
-    }
-    assert_eq!(
-        c.poll_event(),
-        Some(ClientEvent::Done {
-            io,
-            result: Err(IoError::Status(Status::WrongEpoch, 0))
-        })
-    );
-    assert_eq!(s.stats().wrong_epoch, 2);
+    let reads = sim.store.s.lock().reads;
+    let mut rx = sim.agent.read_at(at(7, 2), 1);
+    let r = answer(&sim.net, &mut rx, 1_000_000_000, "a read");
+    assert_eq!(r.map(drop), wrong_epoch);
+    assert_eq!(sim.store.s.lock().reads, reads, "refused before the storage");
+    assert_eq!(sim.server_stats().wrong_epoch, 2);
 }
 
 /// The ECMP testbed's cut, with the agent's settings: 8 paths over 12 source ports (spares
@@ -943,11 +1185,11 @@ fn a_fenced_volume_refuses_requests_of_an_older_epoch_without_touching_its_block
 /// agent's 500 us target and window floor of 2, RTOs of 20 ms initial and 2 ms minimum, 25 MB/s
 /// per path, group commits every 200 us; the cut lasts 2 s. Per seed (a cut set), no write may
 /// take 20 ms (the target is a stall under 100 ms), and every acknowledged block is stored.
-/// (`SOLAR_CUT_SEEDS=n` runs more; 30 seeds: the slowest write 3-6 ms.)
+/// (`SOLAR_CUT_SEEDS=n` runs more.)
 #[test]
 fn a_two_second_cut_of_random_ports_with_the_agents_settings_stalls_no_write_for_long() {
     let seeds: u64 = std::env::var("SOLAR_CUT_SEEDS").map_or(4, |s| s.parse().expect("a number"));
-    for seed in 0..seeds {
+    each_seed(0..seeds, |seed| {
         let mut rng = StdRng::seed_from_u64(seed * 7 + 1);
         let ports = netstack::path::with_spares(8) as u16;
         let cut: Vec<u16> = (0..ports).filter(|_| rng.random_bool(0.5)).collect();
@@ -963,26 +1205,26 @@ fn a_two_second_cut_of_random_ports_with_the_agents_settings_stalls_no_write_for
         let mut w = Stream::new(seed);
         let dead = |s: &Sim, on: bool| s.set_dead(if on { &cut[..] } else { &[] });
         let (longest, completed) = w.through_cut(&mut sim, &dead, (cut_at, heal_at, end));
-        let st = sim.c.stats();
+        w.finish_and_check(&mut sim);
+        let st = sim.status().stats;
         eprintln!("seed {seed}: ports {cut:?} cut: slowest write {longest} ns of {completed}; {st:?}");
         assert!(longest < 20_000_000, "seed {seed}: a write took {longest} ns: {st:?}");
         assert!(st.timeouts > 0, "seed {seed}: the cut was felt: {st:?}");
-        w.finish_and_check(&mut sim);
-    }
+    });
 }
 
-/// The ECMP testbed's cut on a fabric: the client and the storage server on a leaf each, two
-/// spines, 25 MB/s links; the client leaf's link to one spine goes black toward the server
+/// The ECMP testbed's cut on a fabric: the agent and the storage server on a leaf each, two
+/// spines, 25 MB/s links; the agent leaf's link to one spine goes black toward the server
 /// for two seconds while writes stream at depth 32 with the agent's settings (Swift, 8 paths
 /// over spare ports, a 200 us group commit). The switches hash each source port onto a spine
 /// (a hash seeded by the seed), so about half the paths fall into the hole: no write takes
 /// 50 ms (the ECMP testbed's target is 100 ms), every acknowledged block is stored, and the
 /// paths were seen to fail (timeouts, paths down). `SOLAR_CUT_SEEDS=n` runs more seeds (4 by
-/// default; 100 seeds: the slowest write 16.8-30.2 ms, median 17.4 ms).
+/// default).
 #[test]
 fn a_two_second_spine_link_cut_on_a_fabric_stalls_no_write_for_long() {
     let seeds: u64 = std::env::var("SOLAR_CUT_SEEDS").map_or(4, |s| s.parse().expect("a number"));
-    for seed in 0..seeds {
+    each_seed(0..seeds, |seed| {
         let ports = netstack::path::with_spares(8) as u16;
         let net = NetCfg {
             base_ns: 20_000,
@@ -998,20 +1240,20 @@ fn a_two_second_spine_link_cut_on_a_fabric_stalls_no_write_for_long() {
         let mut w = Stream::new(seed);
         let spine = |s: &Sim, on: bool| s.set_spine_link(!on);
         let (longest, completed) = w.through_cut(&mut sim, &spine, (cut_at, heal_at, end));
-        let st = sim.c.stats();
+        w.finish_and_check(&mut sim);
+        let st = sim.status().stats;
         let lost = sim.net.port_stats(sim.spine_port()).drops;
         eprintln!("seed {seed}: slowest write {longest} ns of {completed}; {lost} datagrams into the cut; {st:?}");
         assert!(lost > 0, "seed {seed}: some paths crossed the cut link");
         // 32 writes queue ~5 ms at a 25 MB/s link, so a path's RTO is ~8 ms: a write caught in
         // the hole waits its queue, an RTO and its resend's queue (17-18 ms), two RTOs when the
-        // resend's path hashes into the hole too (23 ms: seed 14, 7 of 8 paths cut)
+        // resend's path hashes into the hole too
         assert!(longest < 50_000_000, "seed {seed}: a write took {longest} ns: {st:?}");
         assert!(
             st.timeouts > 0 && st.path_downs > 0,
             "seed {seed}: the cut was felt: {st:?}"
         );
-        w.finish_and_check(&mut sim);
-    }
+    });
 }
 
 /// An incast on a fabric: four agents (a host each, the agent's settings, 8 paths over spare
@@ -1020,15 +1262,15 @@ fn a_two_second_spine_link_cut_on_a_fabric_stalls_no_write_for_long() {
 /// busy, the agents get even shares (Jain's index over 0.9), no write fails or takes 100 ms
 /// (the ECMP testbed's stall target), the switch drops under 1 %, and every acknowledged block
 /// is stored; after the first round trips Swift holds the queue to the agents' window floors
-/// (2 blocks each: 33 KB). (Measured: 1,517-1,518 writes each, slowest 22 ms, no drop, the
-/// longest queue 160 KB in the first windows' burst, then a median of 25 KB.)
+/// (2 blocks each: 33 KB).
 #[test]
 fn an_incast_of_four_agents_into_one_server_shares_its_link_without_stalls() {
-    const AGENTS: u64 = 4;
+    const AGENTS: usize = 4;
     const RATE: u64 = 25_000_000;
     let faults = Faults {
         delay_ns: 0,
         rate_bps: 0,
+        mtu: 9000,
         ..Faults::default()
     };
     let net = SimNet::new(3, faults);
@@ -1041,95 +1283,70 @@ fn an_incast_of_four_agents_into_one_server_shares_its_link_without_stalls() {
         rate_bps: RATE * 8,
         delay_ns: 10_000,
     };
-    let host = |k: u64| Ipv4Addr::new(10, 0, 1, k as u8 + 1);
+    let host = |k: usize| Ipv4Addr::new(10, 0, 1, k as u8 + 1);
     let ports = netstack::path::with_spares(8) as u16;
-    let addr = |k: u64, port: u16| SocketAddrV4::new(host(k), 40_000 + port);
     let server_port = net.attach_host(*SERVER.ip(), sw, link);
-    let mut addrs = vec![SERVER];
     for k in 0..AGENTS {
         net.attach_host(host(k), sw, link);
-        addrs.extend((0..ports).map(|p| addr(k, p)));
     }
     net.build_routes();
     net.monitor(sw, server_port, 1_000_000);
-    let _link = net.link(&addrs).expect("free simulated addresses");
-    let mut clients: Vec<SolarClient> = (0..AGENTS).map(|_| agent_swift_client(ports, net.now())).collect();
-    let mut server = SolarServer::new();
-    let mut store: Store = HashMap::new();
+    let server_ctx = open(&net, SERVER, 1);
+    let store = Arc::new(Store::default());
+    store.s.lock().hold = true;
+    let _service = server_ctx
+        .solar_server(SolarServer::new(), store.clone())
+        .expect("a Solar server");
+    let ctxs: Vec<Context> = (0..AGENTS).map(|k| open(&net, port_addr(host(k), 0), ports)).collect();
+    let agents: Vec<SolarAgent> = ctxs
+        .iter()
+        .map(|c| {
+            c.solar_client(SERVER, agent_cfg(ports), Some(agent_swift()))
+                .expect("a Solar client")
+        })
+        .collect();
+    let mut commit = Commit::every(200_000);
     let mut rng = StdRng::seed_from_u64(3);
-    let mut outstanding: Vec<Outstanding> = vec![HashMap::new(); AGENTS as usize];
+    // each agent's writes in flight: (block, data, when submitted, its answer)
+    type InFlight = Vec<(u64, Vec<u8>, u64, oneshot::Receiver<Result<(), SolarError>>)>;
+    let mut outstanding: Vec<InFlight> = (0..AGENTS).map(|_| Vec::new()).collect();
     let mut acked: HashMap<(u32, u64), Vec<u8>> = HashMap::new();
-    let (mut uncommitted, mut next_commit) = (Vec::new(), 0u64);
-    let (mut longest, mut completed) = (0u64, vec![0u64; AGENTS as usize]);
+    let (mut longest, mut completed) = (0u64, [0u64; AGENTS]);
     let start = net.now();
     let end = start + 1_000_000_000;
-    let mut next_lba = vec![0u64; AGENTS as usize];
+    let mut next_lba = [0u64; AGENTS];
     while net.now() < end || outstanding.iter().any(|o| !o.is_empty()) {
         assert!(
             net.now() < end + 2_000_000_000,
             "writes still outstanding 2 s after the last"
         );
         let now = net.now();
-        for (k, c) in clients.iter_mut().enumerate() {
+        for (k, a) in agents.iter().enumerate() {
             while now < end && outstanding[k].len() < 32 {
                 let lba = next_lba[k] % 4096;
                 next_lba[k] += 1;
                 let d = data(&mut rng, 1);
-                let io = c.write(now, k as u32 + 1, lba, Arc::from(d.clone()), true).unwrap();
-                outstanding[k].insert(io, (lba, d, now));
-            }
-            while let Some(t) = c.poll_transmit(now) {
-                net.send(addr(k as u64, t.port), SERVER, t.to_vec());
+                let rx = a.write(k as u32 + 1, lba, Arc::from(d.clone()), true);
+                outstanding[k].push((lba, d, now, rx));
             }
         }
-        while let Some(t) = server.poll_transmit() {
-            let (k, port) = (t.peer / 1000, (t.peer % 1000) as u16);
-            net.send(SERVER, addr(k, port), t.to_vec());
-        }
-        let commit = (!uncommitted.is_empty()).then_some(next_commit);
-        let timers = clients.iter().filter_map(|c| c.next_timeout());
-        let next = timers
-            .chain(net.next_arrival())
-            .chain(commit)
-            .min()
-            .unwrap_or(now + 100_000);
-        net.advance(next.max(now + 1));
+        net.step_until(commit.due(&store).unwrap_or(u64::MAX).min(now + 100_000));
+        commit.run(&store, net.now());
         let now = net.now();
-        if now >= next_commit {
-            for token in uncommitted.drain(..) {
-                server.write_done_after(token, Status::Ok, 200_000);
-            }
-            next_commit = now + 200_000;
-        }
-        while let Some((from, p)) = net.recv(SERVER) {
-            let k = (u32::from(*from.ip()) & 0xff) as u64 - 1;
-            let peer = k * 1000 + (from.port() - 40_000) as u64;
-            if let Ok(Some(Request::Write {
-                token,
-                volume,
-                lba,
-                data,
-                crc,
-                ..
-            })) = server.on_packet(peer, &p, false)
-            {
-                store.insert((volume, lba), (Arc::from(data.to_vec()), crc));
-                uncommitted.push(token);
-            }
-        }
-        for (k, c) in clients.iter_mut().enumerate() {
-            for port in 0..ports {
-                while let Some((_, p)) = net.recv(addr(k as u64, port)) {
-                    let _ = c.on_packet(now, &p);
+        for (k, o) in outstanding.iter_mut().enumerate() {
+            let mut i = 0;
+            while i < o.len() {
+                match o[i].3.try_recv() {
+                    Ok(r) => {
+                        assert_eq!(r, Ok(()), "agent {k}: a write failed");
+                        let (lba, d, at, _) = o.swap_remove(i);
+                        acked.insert((k as u32 + 1, lba), d);
+                        longest = longest.max(now - at);
+                        completed[k] += 1;
+                    }
+                    Err(oneshot::error::TryRecvError::Empty) => i += 1,
+                    Err(e) => panic!("agent {k}: {e}"),
                 }
-            }
-            c.on_timer(now);
-            while let Some(ClientEvent::Done { io, result }) = c.poll_event() {
-                assert_eq!(result, Ok(()), "agent {k}: write {io} failed");
-                let (lba, d, at) = outstanding[k].remove(&io).expect("an outstanding write");
-                acked.insert((k as u32 + 1, lba), d);
-                longest = longest.max(now - at);
-                completed[k] += 1;
             }
         }
     }
@@ -1162,7 +1379,10 @@ fn an_incast_of_four_agents_into_one_server_shares_its_link_without_stalls() {
         st.drops,
         st.tx_packets
     );
-    for (key, d) in &acked {
-        assert!(store[key].0[..] == d[..], "block {key:?}");
+    for ((volume, lba), d) in &acked {
+        assert!(
+            store.block(*volume, *lba).expect("stored")[..] == d[..],
+            "block {lba} of {volume}"
+        );
     }
 }

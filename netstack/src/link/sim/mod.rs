@@ -23,9 +23,10 @@
 //! ([`SimNet::add_switch`], [`SimNet::attach_host`], [`SimNet::connect`]; the `fabric` module).
 //!
 //! Two ways to drive it: engines' cores attached as [`Node`]s and run by [`SimNet::step`]
-//! (the whole stack), or a driver that runs sans-IO endpoints itself and moves datagrams with
-//! [`SimNet::send`], [`SimNet::recv`] and [`SimNet::advance`] (Solar's client and server in
-//! `netstack/tests/solar_sim.rs`, the congestion-control experiments' hosts in `crate::sim`).
+//! (the whole stack; [`SimNet::step_until`] when the driver has events of its own), or a
+//! driver that runs sans-IO endpoints itself and moves datagrams with [`SimNet::send`],
+//! [`SimNet::recv`] and [`SimNet::advance`] (the congestion-control experiments' hosts in
+//! `crate::sim`).
 
 mod fabric;
 
@@ -556,6 +557,19 @@ impl SimNet {
     /// due, then moves the clock to the next event. Returns false when nothing is left to
     /// happen (no datagram in flight, no deadline).
     pub fn step(&self) -> bool {
+        self.step_capped(None)
+    }
+
+    /// [`SimNet::step`], but the clock moves at most to `deadline` (and to it when nothing is
+    /// scheduled before): a driver's own events, such as a storage node's group commit or a
+    /// test's next action, then happen on time. Returns whether a datagram or a core's deadline
+    /// is still scheduled.
+    pub fn step_until(&self, deadline: u64) -> bool {
+        self.step_capped(Some(deadline))
+    }
+
+    /// One step; with `cap`, the clock moves no further than it.
+    fn step_capped(&self, cap: Option<u64>) -> bool {
         let now = self.now();
         let mut nodes = self.nodes.lock();
         nodes.retain(|n| n.alive());
@@ -575,13 +589,11 @@ impl SimNet {
         }
         drop(nodes);
         let arrival = self.state.lock().events.next_at();
-        match earliest(next, arrival) {
-            Some(t) => {
-                self.clock.store(t.max(now + 1), Ordering::Release);
-                true
-            }
-            None => false,
+        let scheduled = earliest(next, arrival);
+        if let Some(t) = earliest(scheduled, cap) {
+            self.clock.store(t.max(now + 1), Ordering::Release);
         }
+        scheduled.is_some()
     }
 
     /// Steps until `until` returns true or `ns` of simulated time pass; returns whether
@@ -882,6 +894,29 @@ mod tests {
         net.advance(t0 + 2_000);
         assert_eq!(net.recv_ecn(b), Some((a, false, vec![3])));
         assert_eq!(net.stats().ce_marked, 1);
+    }
+
+    #[test]
+    fn a_capped_step_stops_the_clock_at_its_deadline() {
+        let net = SimNet::new(3, quiet());
+        let (a, b) = (addr("10.0.0.1:1"), addr("10.0.0.2:1"));
+        let _ports = net.link(&[a, b]).unwrap();
+        let t0 = net.now();
+        net.send(a, b, vec![9]);
+        // the datagram arrives at t0 + 1 us: a step capped before stops there, undelivered
+        assert!(net.step_until(t0 + 400), "the datagram is still in flight");
+        assert_eq!(net.now(), t0 + 400);
+        assert_eq!(net.recv(b), None);
+        // capped after: the clock goes to the arrival, not to the cap
+        assert!(net.step_until(t0 + 50_000));
+        assert_eq!(net.now(), t0 + 1_000);
+        // the next step delivers it; nothing is left, so the clock goes to the cap
+        assert!(!net.step_until(t0 + 50_000), "nothing scheduled");
+        assert_eq!(net.now(), t0 + 50_000);
+        assert_eq!(net.recv(b), Some((a, vec![9])));
+        // uncapped, a step with nothing scheduled leaves the clock alone
+        assert!(!net.step());
+        assert_eq!(net.now(), t0 + 50_000);
     }
 
     #[test]

@@ -58,6 +58,9 @@ pub struct AgentStatus {
     pub path_stats: Vec<crate::path::PathStats>,
     /// Requests in flight.
     pub outstanding: usize,
+    /// The window in effect, bytes in flight allowed over all paths: the congestion control's,
+    /// or the configured `window_bytes` without one.
+    pub window_bytes: u64,
 }
 
 /// One block of a WRITE the core hands to the storage handler.
@@ -520,6 +523,7 @@ impl SolarCore {
                 paths_up: ep.client.paths_up(),
                 path_stats: ep.client.path_stats(),
                 outstanding: ep.client.outstanding(),
+                window_bytes: ep.client.window(),
             };
         }
         if let Some(s) = &self.server {
