@@ -449,8 +449,12 @@ impl Sim {
             if let Some(c) = &mut self.commit {
                 c.run(&self.store, self.net.now());
             }
-            self.collect();
+            // the answers are looked at as they come only when they end the run
+            if until_done {
+                self.collect();
+            }
         }
+        self.collect();
     }
 }
 
