@@ -338,8 +338,13 @@ struct AppQp {
     /// Send WRs taken from the ring that the engine's full queue refused, in order (the ring
     /// is not read until they are posted; at most one pass's worth).
     deferred: VecDeque<netstack::verbs::SendWr>,
-    /// Sends posted to the engine whose completions are not polled yet.
-    sends_out: u64,
+    /// Sends posted to the engine whose completions are not polled yet, in posting order, each
+    /// with whether the application asked for its completion. The daemon posts every send
+    /// signaled, so each one completes in the engine and is known done (an unsignaled one
+    /// completes silently, and counted by completions it would stay outstanding for ever, with
+    /// a held error behind it); a successful completion the application did not ask for is not
+    /// written to its ring.
+    sends_out: VecDeque<bool>,
     /// A send error completion the daemon made (a refused post, a bad entry), held until every
     /// send posted before it has completed, so it does not overtake their completions; the QP's
     /// sends wait behind it (at most one per pass).
@@ -747,7 +752,7 @@ impl App {
                         pd,
                         fault: None,
                         deferred: VecDeque::new(),
-                        sends_out: 0,
+                        sends_out: VecDeque::new(),
                         held: VecDeque::new(),
                     },
                 );
@@ -882,7 +887,7 @@ impl App {
         };
         // held send errors go to their CQ once every send posted before them has completed
         for q in self.qps.values_mut() {
-            if q.sends_out == 0 && !q.held.is_empty() {
+            if q.sends_out.is_empty() && !q.held.is_empty() {
                 failed.extend(q.held.drain(..).map(|wc| (q.send_cq, wc)));
                 any = true;
             }
@@ -894,11 +899,12 @@ impl App {
             }
             while let Some(wr) = q.deferred.pop_front() {
                 let (id, op, len) = (wr.wr_id, wr.opcode, wr.total_len());
-                match q.qp.post_send(wr.clone()) {
+                let signaled = wr.flags.contains(netstack::verbs::SendFlags::SIGNALED);
+                match q.qp.post_send(signaled_always(&wr)) {
                     Ok(()) => {
                         self.counts.wrs += 1;
                         self.counts.bytes += len;
-                        q.sends_out += 1;
+                        q.sends_out.push_back(signaled);
                         any = true;
                     }
                     Err(VerbsError::Post(netstack::transport::rc::PostError::QueueFull(_))) => {
@@ -1000,11 +1006,12 @@ impl App {
             let mut wrs = wrs.into_iter();
             for wr in wrs.by_ref() {
                 let (id, op, len) = (wr.wr_id, wr.opcode, wr.total_len());
-                match q.qp.post_send(wr.clone()) {
+                let signaled = wr.flags.contains(netstack::verbs::SendFlags::SIGNALED);
+                match q.qp.post_send(signaled_always(&wr)) {
                     Ok(()) => {
                         self.counts.wrs += 1;
                         self.counts.bytes += len;
-                        q.sends_out += 1;
+                        q.sends_out.push_back(signaled);
                     }
                     // the engine's queue is full: this one and the rest wait in the daemon
                     // (and the ring is not read until they are posted)
@@ -1072,16 +1079,30 @@ impl App {
                 } else {
                     let k = c.cq.poll(&mut wcs[..room.min(32)]);
                     c.taken = c.taken.wrapping_add(k as u64);
-                    for wc in &wcs[..k] {
+                    // every send completes in the engine (posted signaled); the application
+                    // gets those it asked for, and every failed one
+                    let mut kept = 0;
+                    for i in 0..k {
+                        let wc = wcs[i];
+                        let mut keep = true;
                         if !matches!(wc.opcode, WcOpcode::Recv | WcOpcode::RecvRdmaWithImm) {
                             if let Some(q) = self.qps.values_mut().find(|q| q.qp.qp_num() == wc.qp_num) {
-                                q.sends_out = q.sends_out.saturating_sub(1);
+                                let asked = q.sends_out.pop_front().unwrap_or(true);
+                                keep = asked || wc.status != WcStatus::Success;
                             }
+                        }
+                        if keep {
+                            wcs[kept] = wc;
+                            kept += 1;
                         }
                     }
                     // a poll that found nothing ran the engine (run to completion)
                     drove |= k == 0;
-                    k
+                    if k > 0 && kept == 0 {
+                        // only completions nobody asked for: look again for the rest
+                        continue;
+                    }
+                    kept
                 };
                 if n == 0 {
                     break;
@@ -1168,6 +1189,13 @@ fn ring_slots(slots: u32) -> Result<usize, Refusal> {
 
 /// Checks a passed memfd is on tmpfs, seals it against shrinking, then checks it has at least `len` bytes (in that
 /// order: a file checked first could shrink in between, and a mapping past its end faults).
+/// `wr` with its completion asked for, whatever the application asked (see `AppQp::sends_out`).
+fn signaled_always(wr: &netstack::verbs::SendWr) -> netstack::verbs::SendWr {
+    let mut w = wr.clone();
+    w.flags = netstack::verbs::SendFlags(w.flags.0 | netstack::verbs::SendFlags::SIGNALED.0);
+    w
+}
+
 fn sealed(file: std::fs::File, len: u64) -> Result<std::fs::File, Refusal> {
     match sys::is_tmpfs(file.as_fd()) {
         Ok(true) => {}

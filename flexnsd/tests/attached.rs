@@ -365,7 +365,8 @@ fn the_kvcache_engine_runs_on_flexnsd() {
 /// Page-aligned caller memory registered through an attached context (`reg_mr_raw`, what
 /// flexns's libibverbs does for perftest's buffers) has its pages moved into a memfd in place:
 /// the bytes it held are still there through the caller's own pointer, a peer's WRITE lands
-/// where the caller reads it, and a READ takes what the caller wrote after registering.
+/// where the caller reads it, and a READ takes what the caller wrote after registering. The same
+/// pages are refused a second registration while the first lives, and taken again after it.
 #[test]
 fn caller_memory_is_moved_into_a_memfd_in_place() {
     let d = Daemon::start("in-place");
@@ -373,7 +374,9 @@ fn caller_memory_is_moved_into_a_memfd_in_place() {
     let ctx = d.context();
     let (a, b) = (side(&ctx), side(&local));
     connect(&a, &b);
-    let len = 5 * 4096 + 100;
+    // whole pages: the span shares no page with another allocation, which another thread
+    // (another test) could be writing while the pages move
+    let len = 6 * 4096;
     let layout = std::alloc::Layout::from_size_align(len, 4096).unwrap();
     // SAFETY: a non-zero size; freed at the end, after the MR that uses it is gone.
     let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
@@ -418,8 +421,101 @@ fn caller_memory_is_moved_into_a_memfd_in_place() {
     let mut got = vec![0u8; 4096];
     b.mr.read(8192, &mut got);
     assert!(got == r, "the READ did not return what the caller wrote");
+    // the same pages cannot be moved again while registered (a second file over the first
+    // would part the two registrations silently); once deregistered, they can
+    // SAFETY: as above.
+    match unsafe { a._pd.reg_mr_raw(ptr, 4096, Access::ALL) } {
+        Err(VerbsError::Unsupported(m)) => assert!(m.contains("registered already"), "{m}"),
+        other => panic!("a second registration of the same pages: {:?}", other.map(|_| ())),
+    }
     drop(mr);
+    // SAFETY: as above.
+    let again = unsafe { a._pd.reg_mr_raw(ptr, len, Access::ALL) }.expect("registered again");
+    let mut now = vec![0u8; 4096];
+    // SAFETY: as above.
+    unsafe { std::ptr::copy_nonoverlapping(ptr.add(len - 4096), now.as_mut_ptr(), 4096) };
+    assert!(now == r, "the bytes changed when the pages moved a second time");
+    drop(again);
     // SAFETY: allocated above with this layout; the MR is gone (the pages stay a shared
     // mapping of the memfd, which the allocator may reuse as any memory).
     unsafe { std::alloc::dealloc(ptr, layout) };
+}
+
+/// A post the daemon's engine refuses (an atomic at an unaligned address) after an unsignaled
+/// WRITE: its error completion arrives once the WRITE has completed, and the QP goes on
+/// serving. The daemon used to count outstanding sends by completions, so the unsignaled WRITE
+/// (which completes silently) stayed outstanding for ever and the error, held until the sends
+/// before it complete, never came: the QP hung.
+#[test]
+fn a_refused_post_after_an_unsignaled_send_is_answered_and_the_qp_goes_on() {
+    let d = Daemon::start("unsignaled");
+    let local = Context::open(ContextConfig::default()).unwrap();
+    let ctx = d.context();
+    let (a, b) = (side(&ctx), side(&local));
+    connect(&a, &b);
+    let w = fresh(4, 4096);
+    a.mr.write(0, &w);
+    a.qp.post_send(
+        SendWr::new(1, WrOpcode::RdmaWrite)
+            .sge(a.mr.sge(0, 4096))
+            .remote(b.mr.addr(), b.mr.rkey())
+            .flags(SendFlags(0)),
+    )
+    .unwrap();
+    a.qp.post_send(
+        SendWr::new(2, WrOpcode::AtomicFetchAndAdd)
+            .sge(a.mr.sge(8192, 8))
+            .remote(b.mr.addr() + 4, b.mr.rkey())
+            .atomic(1, 0),
+    )
+    .unwrap();
+    let wc = a.cq.next(T).expect("the refused atomic's completion");
+    assert_eq!((wc.wr_id, wc.status), (2, WcStatus::LocQpOpErr), "{wc:?}");
+    // the refusal leaves the QP as it was, as the in-process engine's refusal at the post does
+    assert_eq!(a.qp.state(), QpState::Rts);
+    let mut got = vec![0u8; 4096];
+    b.mr.read(0, &mut got);
+    assert!(got == w, "the unsignaled WRITE did not land");
+    a.qp.post_send(
+        SendWr::new(3, WrOpcode::RdmaWrite)
+            .sge(a.mr.sge(0, 64))
+            .remote(b.mr.addr() + 8192, b.mr.rkey()),
+    )
+    .unwrap();
+    assert_eq!(next_ok(&a.cq, "WRITE after the refusal").wr_id, 3);
+}
+
+/// A QP's `max_recv_wr` and `max_send_wr` bound what it holds outstanding through the daemon as
+/// in-process: the post past them is refused at once with `QueueFull`, not later by the daemon
+/// with an error completion that would leave the QP looking failed.
+#[test]
+fn queue_depths_are_the_qps_own_through_the_daemon() {
+    let d = Daemon::start("depths");
+    let ctx = d.context();
+    let pd = ctx.alloc_pd();
+    let mr = pd.reg_mr(1 << 16, Access::ALL).unwrap();
+    let cq = ctx.create_cq(256).unwrap();
+    let cfg = RcConfig {
+        max_recv_wr: 100,
+        ..ctx.config().qp
+    };
+    let attr = QpInitAttr {
+        config: Some(cfg),
+        ..Default::default()
+    };
+    let qp = ctx.create_qp(&pd, &cq, &cq, attr).unwrap();
+    let recv = |i: u64| RecvWr {
+        wr_id: i,
+        sg_list: [mr.sge(0, 64)].into_iter().collect(),
+    };
+    for i in 0..100 {
+        qp.post_recv(recv(i)).unwrap();
+    }
+    match qp.post_recv(recv(100)) {
+        Err(VerbsError::Post(netstack::transport::rc::PostError::QueueFull(_))) => {}
+        other => panic!("the 101st receive: {other:?}"),
+    }
+    assert_eq!(qp.state(), QpState::Init);
+    // nothing was refused behind the application's back
+    assert!(cq.next(Duration::from_millis(200)).is_none());
 }

@@ -61,10 +61,10 @@ pub fn process_addr() -> Result<Ipv4Addr, String> {
                 let addr = att
                     .daemon_addr()
                     .ok_or_else(|| format!("FLEXNS_FLEXNSD: {} did not say its data address", sock.display()))?;
-                if addr.port() != ROCE_PORT {
+                if addr.ip().is_unspecified() || addr.port() != ROCE_PORT {
                     return Err(format!(
                         "FLEXNS_FLEXNSD: {} listens on {addr}; ibverbs programs name peers by GID alone, so \
-                         the daemon's [context] bind must use port {ROCE_PORT}",
+                         the daemon's [context] bind must be a concrete address with port {ROCE_PORT}",
                         sock.display()
                     ));
                 }

@@ -163,7 +163,11 @@ enum Owned {
     /// Caller memory whose pages were moved into this `memfd` in place
     /// ([`Region::share_in_place`]): the caller's mapping of the file stays when the region
     /// goes (the memory is the caller's); the region keeps the file to pass it on.
-    Adopted { file: std::fs::File },
+    Adopted {
+        file: std::fs::File,
+        /// The pages moved, `start..end`, as [`ADOPTED`] lists them.
+        span: (usize, usize),
+    },
 }
 
 /// Regions of at least this many bytes are allocated in a `memfd` (smaller ones on the heap:
@@ -173,6 +177,11 @@ pub const SHARE_MIN: usize = 64 << 10;
 /// this, regions come from the heap and peers reach them through the packet path.
 pub const MAX_SHARED_REGIONS: usize = 512;
 static SHARED_REGIONS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+/// Pages moved into a memfd in place ([`Region::share_in_place`]) whose region lives, by
+/// start: moving them again would map a second file over the first, which a registration
+/// (flexnsd's mapping) still uses, and the two would silently part.
+static ADOPTED: std::sync::Mutex<std::collections::BTreeMap<usize, usize>> =
+    std::sync::Mutex::new(std::collections::BTreeMap::new());
 
 // SAFETY: a Region is a raw span shared with remote peers and threads; every access through it
 // is a bounds-checked atomic copy, a word atomic, or the kernel's (the module's model), and the
@@ -199,8 +208,10 @@ impl Drop for Region {
                 unsafe { libc::munmap(self.ptr as *mut libc::c_void, map_len) };
                 SHARED_REGIONS.fetch_sub(1, Ordering::Relaxed);
             }
-            // the pages stay mapped: they are the caller's memory
-            Some(Owned::Adopted { .. }) => {}
+            // the pages stay mapped: they are the caller's memory; they may be moved again
+            Some(Owned::Adopted { span, .. }) => {
+                ADOPTED.lock().unwrap_or_else(|e| e.into_inner()).remove(&span.0);
+            }
             None => {}
         }
     }
@@ -355,6 +366,18 @@ impl Region {
             .and_then(|e| e.checked_next_multiple_of(page))
             .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidInput, "ptr + len wraps around"))?;
         let span = end - start;
+        let mut adopted = ADOPTED.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((&s, &e)) = adopted.range(..end).next_back() {
+            if e > start {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::AlreadyExists,
+                    format!(
+                        "{ptr:p}: its pages {s:#x}..{e:#x} are registered already (moved into a memfd for \
+                         flexnsd); register them once"
+                    ),
+                ));
+            }
+        }
         // SAFETY: a C string literal; a close-on-exec memfd that allows seals (flexnsd seals it).
         let fd = unsafe { libc::memfd_create(c"flexns-adopted".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
         if fd < 0 {
@@ -400,13 +423,49 @@ impl Region {
             )
         };
         if p == libc::MAP_FAILED {
-            return Err(std::io::Error::last_os_error());
+            let err = std::io::Error::last_os_error();
+            // the kernel may have unmapped the span already: put private memory back there with
+            // the bytes it held (the file has them), so the caller's pointers stay valid
+            // SAFETY: the same span of this process's memory as above, mapped anonymous again.
+            let q = unsafe {
+                libc::mmap(
+                    start as *mut libc::c_void,
+                    span,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
+                    -1,
+                    0,
+                )
+            };
+            if q != libc::MAP_FAILED {
+                let mut done = 0usize;
+                while done < span {
+                    // SAFETY: `start+done..end` was just mapped writable; the kernel writes it.
+                    let n = unsafe {
+                        libc::pread(
+                            file.as_raw_fd(),
+                            (start + done) as *mut libc::c_void,
+                            span - done,
+                            done as libc::off_t,
+                        )
+                    };
+                    if n <= 0 {
+                        break;
+                    }
+                    done += n as usize;
+                }
+            }
+            return Err(err);
         }
+        adopted.insert(start, end);
         Ok(Region {
             ptr,
             len,
             iova: ptr as u64,
-            owned: Some(Owned::Adopted { file }),
+            owned: Some(Owned::Adopted {
+                file,
+                span: (start, end),
+            }),
         })
     }
 
@@ -414,7 +473,7 @@ impl Region {
     /// there, or moved there in place by [`Region::share_in_place`]).
     pub(crate) fn memfd(&self) -> Option<&std::fs::File> {
         match &self.owned {
-            Some(Owned::Memfd { file, .. }) | Some(Owned::Adopted { file }) => Some(file),
+            Some(Owned::Memfd { file, .. }) | Some(Owned::Adopted { file, .. }) => Some(file),
             _ => None,
         }
     }

@@ -212,7 +212,13 @@ def read_line(proc, what, log_path, timeout=READ_TIMEOUT_S):
             line = proc.marks.get(timeout=1.0)
         except queue.Empty:
             line = ""
-        if line is None or (not line and proc.poll() is not None):
+        if not line and proc.poll() is not None:
+            # it exited: its last line may still be on its way through the pipe
+            try:
+                line = proc.marks.get(timeout=2.0)
+            except queue.Empty:
+                line = None
+        if line is None:
             proc.wait(timeout=60)
             raise RuntimeError(f"{what} exited (rc={proc.returncode}) before answering; "
                                f"its log: {log_path}")

@@ -381,7 +381,7 @@ impl AttachedQp {
     pub(super) fn post_send_batch(&self, wrs: impl IntoIterator<Item = SendWr>) -> Result<usize, VerbsError> {
         let mut n = 0;
         for wr in wrs {
-            self.qp.post_send(wr)?;
+            self.qp.post_send(wr).map_err(post_error)?;
             n += 1;
         }
         Ok(n)
@@ -413,11 +413,22 @@ impl AttachedQp {
                 self.inline.get_or_init(|| b)
             }
         };
-        Ok(self.qp.post_send_inline(wr, data, bounce, self.inline_slot)?)
+        self.qp
+            .post_send_inline(wr, data, bounce, self.inline_slot)
+            .map_err(post_error)
     }
 
     pub(super) fn post_recv(&self, wr: RecvWr) -> Result<(), VerbsError> {
-        Ok(self.qp.post_recv(wr)?)
+        self.qp.post_recv(wr).map_err(post_error)
+    }
+}
+
+/// A refused post as the in-process engine reports it: a full queue is `PostError::QueueFull`
+/// (callers back off on it), the rest as the daemon's errors.
+fn post_error(e: ClientError) -> VerbsError {
+    match e {
+        ClientError::QueueFull(n) => crate::transport::rc::PostError::QueueFull(n as u32).into(),
+        e => e.into(),
     }
 }
 

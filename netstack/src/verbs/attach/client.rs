@@ -270,7 +270,10 @@ pub struct Attachment {
 pub struct QpInitAttr {
     /// Entries of its send ring (a power of two).
     pub sq_slots: u32,
-    /// Its transport parameters; `None` takes the daemon context's defaults.
+    /// Its transport parameters; `None` takes the daemon context's defaults. Their
+    /// `max_send_wr` and `max_recv_wr` (at most `sq_slots`) bound what the QP holds outstanding
+    /// here, so that a post past them is refused at once (`QueueFull`), as the in-process
+    /// engine refuses it, not later by the daemon.
     pub config: Option<crate::transport::rc::RcConfig>,
 }
 
@@ -379,6 +382,9 @@ impl Attachment {
                 shm::MAX_SLOTS
             )));
         }
+        let depth = |d: Option<u32>| d.map_or(slots, |d| (d as usize).min(slots));
+        let max_send = depth(attr.config.map(|c| c.max_send_wr));
+        let max_recv = depth(attr.config.map(|c| c.max_recv_wr));
         let ring = Mapping::create(c"flexnsd-sq", shm::sq_bytes(slots))?;
         let r = self.inner.call(
             &Request::CreateQp {
@@ -410,6 +416,8 @@ impl Attachment {
             tail: Mutex::new(0),
             track,
             inline_posts: Mutex::new(0),
+            max_send,
+            max_recv,
         })
     }
 
@@ -613,7 +621,9 @@ impl Cq {
         let qps = self.att.inner.qps.lock().unwrap_or_else(|e| e.into_inner());
         for w in wc {
             if let Some(t) = qps.get(&w.qp_num) {
-                if w.status != WcStatus::Success {
+                // LocQpOpErr is the daemon's answer to a post it refused (the in-process engine
+                // refuses those at the post), which leaves its QP as it was
+                if !matches!(w.status, WcStatus::Success | WcStatus::LocQpOpErr) {
                     t.failed.store(true, Ordering::Relaxed);
                 }
                 t.out.lock().unwrap_or_else(|e| e.into_inner()).retire(w);
@@ -745,6 +755,9 @@ pub struct Qp {
     track: Arc<Track>,
     /// INLINE sends posted so far (the next one's bounce slot is this modulo `slots`).
     inline_posts: Mutex<u64>,
+    /// Sends and receives it holds outstanding at most (its `max_send_wr` and `max_recv_wr`).
+    max_send: usize,
+    max_recv: usize,
 }
 
 impl Qp {
@@ -898,9 +911,9 @@ impl Qp {
             opcode: WcOpcode::from_wr(wr.opcode),
             signaled: wr.flags.contains(SendFlags::SIGNALED),
         };
-        let slots = self.slots;
+        let max = self.max_send;
         self.push(words, |o| {
-            o.sends.len() < slots && {
+            o.sends.len() < max && {
                 o.sends.push_back(send);
                 true
             }
@@ -910,9 +923,9 @@ impl Qp {
     /// Posts a receive work request (at most two SGEs).
     pub fn post_recv(&self, wr: RecvWr) -> Result<()> {
         let words = shm::encode_recv(&wr).map_err(|e| ClientError::Invalid(e.into()))?;
-        let slots = self.slots;
+        let max = self.max_recv;
         self.push(words, |o| {
-            o.recvs.len() < slots && {
+            o.recvs.len() < max && {
                 o.recvs.push_back(wr.wr_id);
                 true
             }

@@ -148,6 +148,9 @@ pub struct RcConfig {
     pub icrc: IcrcMode,
 }
 
+/// The longest local ACK timeout a QP takes: ibverbs' largest, 4.096 µs × 2^31.
+pub const MAX_TIMEOUT_NS: u64 = 4_096 << 31;
+
 impl Default for RcConfig {
     fn default() -> Self {
         RcConfig {
@@ -177,8 +180,27 @@ impl RcConfig {
         if ![256, 512, 1024, 2048, 4096].contains(&self.mtu) {
             return Err(format!("mtu: {} is not one of 256, 512, 1024, 2048, 4096", self.mtu));
         }
-        if self.timeout_ns == 0 {
-            return Err("timeout_ns: must be > 0".into());
+        // bounded so that deadlines (`now + timeout << backoff`) cannot overflow: ibverbs'
+        // largest timeout is 4.096 µs × 2^31, about 2.4 hours
+        if self.timeout_ns == 0 || self.timeout_ns > MAX_TIMEOUT_NS {
+            return Err(format!("timeout_ns: {} not in 1..={MAX_TIMEOUT_NS}", self.timeout_ns));
+        }
+        if self.max_backoff_shift > 16 {
+            return Err(format!("max_backoff_shift: {} > 16", self.max_backoff_shift));
+        }
+        if self.ack_delay_ns > 1_000_000_000 {
+            return Err(format!("ack_delay_ns: {} > 1 s", self.ack_delay_ns));
+        }
+        // a queue's depth is memory the engine keeps per QP (one peer must not claim it all)
+        for (f, v) in [
+            ("max_send_wr", self.max_send_wr),
+            ("max_recv_wr", self.max_recv_wr),
+            ("max_rd_atomic", self.max_rd_atomic),
+            ("ack_every", self.ack_every),
+        ] {
+            if v > 1 << 20 {
+                return Err(format!("{f}: {v} > 1048576"));
+            }
         }
         if self.retry_cnt > 7 {
             return Err(format!("retry_cnt: {} > 7", self.retry_cnt));

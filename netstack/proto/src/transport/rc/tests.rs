@@ -564,3 +564,58 @@ fn two_sides_that_both_hold_a_packet_still_validate_each_other() {
     assert!(p.client.peer_validated() && p.server.peer_validated());
     assert_eq!(p.client.stats().timeouts + p.server.stats().timeouts, 0);
 }
+
+/// Parameters a peer or an application could pick to overflow a deadline or claim unbounded
+/// queue memory are refused, naming the field; the largest allowed timeout with the largest
+/// backoff still fits a deadline.
+#[test]
+fn rc_config_bounds_what_could_overflow_a_deadline_or_claim_unbounded_memory() {
+    let ok = RcConfig::default();
+    for (bad, field) in [
+        (
+            RcConfig {
+                timeout_ns: u64::MAX,
+                ..ok
+            },
+            "timeout_ns",
+        ),
+        (
+            RcConfig {
+                max_backoff_shift: 63,
+                ..ok
+            },
+            "max_backoff_shift",
+        ),
+        (
+            RcConfig {
+                ack_delay_ns: u64::MAX,
+                ..ok
+            },
+            "ack_delay_ns",
+        ),
+        (
+            RcConfig {
+                max_send_wr: u32::MAX,
+                ..ok
+            },
+            "max_send_wr",
+        ),
+        (
+            RcConfig {
+                max_recv_wr: 1 << 30,
+                ..ok
+            },
+            "max_recv_wr",
+        ),
+    ] {
+        let e = bad.validate().expect_err(field);
+        assert!(e.starts_with(field), "{field}: {e}");
+    }
+    let edge = RcConfig {
+        timeout_ns: MAX_TIMEOUT_NS,
+        max_backoff_shift: 16,
+        ..ok
+    };
+    edge.validate().unwrap();
+    assert!(edge.retry_bound_ns() < u64::MAX / 4);
+}
