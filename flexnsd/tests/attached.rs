@@ -519,3 +519,85 @@ fn queue_depths_are_the_qps_own_through_the_daemon() {
     // nothing was refused behind the application's back
     assert!(cq.next(Duration::from_millis(200)).is_none());
 }
+
+/// INLINE sends through the daemon at depth: 3 × the QP's 64 bounce slots, mostly unsignaled
+/// (every 16th signaled), each with its own payload copied at post time and the caller's buffer
+/// overwritten right after the post, as INLINE allows. Every payload arrives as it was at its
+/// post: no slot is rewritten while its send is in flight.
+#[test]
+fn inline_sends_at_depth_keep_their_payloads() {
+    let d = Daemon::start("inline");
+    let local = Context::open(ContextConfig::default()).unwrap();
+    let ctx = d.context();
+    let small = |c: &Context| {
+        let pd = c.alloc_pd();
+        let mr = pd.reg_mr(LEN, Access::ALL).unwrap();
+        let cq = c.create_cq(1024).unwrap();
+        let cfg = RcConfig {
+            max_send_wr: 64,
+            max_recv_wr: 64,
+            ..c.config().qp
+        };
+        let attr = QpInitAttr {
+            config: Some(cfg),
+            ..Default::default()
+        };
+        let qp = c.create_qp(&pd, &cq, &cq, attr).unwrap();
+        Side { _pd: pd, cq, qp, mr }
+    };
+    let (a, b) = (small(&ctx), small(&local));
+    connect(&a, &b);
+    const N: u64 = 3 * 64;
+    const SZ: usize = 200;
+    let recv = |i: u64| RecvWr {
+        wr_id: i,
+        sg_list: [b.mr.sge((i % 64) as usize * 256, 256)].into_iter().collect(),
+    };
+    for i in 0..64 {
+        b.qp.post_recv(recv(i)).unwrap();
+    }
+    let payload = |i: u64| fresh(1000 + i, SZ);
+    let (mut posted, mut received) = (0u64, 0u64);
+    let deadline = std::time::Instant::now() + T;
+    let mut wcs = [EMPTY_WC; 16];
+    while received < N {
+        assert!(std::time::Instant::now() < deadline, "{received} of {N} arrived");
+        if posted < N {
+            let data = payload(posted);
+            a.mr.write(0, &data);
+            let mut wr = SendWr::new(posted, WrOpcode::Send).sge(a.mr.sge(0, SZ));
+            if posted % 16 != 15 {
+                wr = wr.flags(SendFlags(0));
+            }
+            match a.qp.post_send_inline(wr, &data) {
+                Ok(()) => {
+                    // INLINE: the caller's bytes may change at once
+                    a.mr.write(0, &[0xEE; SZ]);
+                    posted += 1;
+                }
+                Err(VerbsError::Post(netstack::transport::rc::PostError::QueueFull(_))) => {}
+                Err(e) => panic!("INLINE post {posted}: {e}"),
+            }
+        }
+        let n = a.cq.poll(&mut wcs);
+        for wc in &wcs[..n] {
+            assert_eq!(wc.status, WcStatus::Success, "{wc:?}");
+        }
+        let n = b.cq.poll(&mut wcs);
+        for wc in &wcs[..n] {
+            assert_eq!(wc.status, WcStatus::Success, "{wc:?}");
+            assert_eq!(
+                (wc.wr_id, wc.byte_len as usize),
+                (received, SZ),
+                "receives complete in order"
+            );
+            let mut got = vec![0u8; SZ];
+            b.mr.read((received % 64) as usize * 256, &mut got);
+            assert!(got == payload(received), "INLINE send {received} arrived changed");
+            if received + 64 < N {
+                b.qp.post_recv(recv(received + 64)).unwrap();
+            }
+            received += 1;
+        }
+    }
+}
