@@ -366,7 +366,8 @@ fn the_kvcache_engine_runs_on_flexnsd() {
 /// flexns's libibverbs does for perftest's buffers) has its pages moved into a memfd in place:
 /// the bytes it held are still there through the caller's own pointer, a peer's WRITE lands
 /// where the caller reads it, and a READ takes what the caller wrote after registering. The same
-/// pages are refused a second registration while the first lives, and taken again after it.
+/// pages are refused a second registration while the first lives, and taken again after it;
+/// once the last registration goes they are private memory again, with their bytes.
 #[test]
 fn caller_memory_is_moved_into_a_memfd_in_place() {
     let d = Daemon::start("in-place");
@@ -435,7 +436,30 @@ fn caller_memory_is_moved_into_a_memfd_in_place() {
     // SAFETY: as above.
     unsafe { std::ptr::copy_nonoverlapping(ptr.add(len - 4096), now.as_mut_ptr(), 4096) };
     assert!(now == r, "the bytes changed when the pages moved a second time");
+    let moved = || {
+        std::fs::read_to_string("/proc/self/maps")
+            .unwrap()
+            .lines()
+            .filter(|l| l.contains("flexns-adopted"))
+            .any(|l| {
+                let (a, b) = l.split_whitespace().next().unwrap().split_once('-').unwrap();
+                let (a, b) = (
+                    usize::from_str_radix(a, 16).unwrap(),
+                    usize::from_str_radix(b, 16).unwrap(),
+                );
+                a <= ptr as usize && (ptr as usize) < b
+            })
+    };
+    assert!(moved(), "registered, the pages are a mapping of the memfd");
     drop(again);
+    // deregistered, they are private memory again, with their bytes
+    assert!(
+        !moved(),
+        "the pages are still the memfd's after the last registration went"
+    );
+    // SAFETY: as above.
+    unsafe { std::ptr::copy_nonoverlapping(ptr.add(len - 4096), now.as_mut_ptr(), 4096) };
+    assert!(now == r, "the bytes changed when the pages became private again");
     // SAFETY: allocated above with this layout; the MR is gone (the pages stay a shared
     // mapping of the memfd, which the allocator may reuse as any memory).
     unsafe { std::alloc::dealloc(ptr, layout) };

@@ -208,13 +208,49 @@ impl Drop for Region {
                 unsafe { libc::munmap(self.ptr as *mut libc::c_void, map_len) };
                 SHARED_REGIONS.fetch_sub(1, Ordering::Relaxed);
             }
-            // the pages stay mapped: they are the caller's memory; they may be moved again
-            Some(Owned::Adopted { span, .. }) => {
-                ADOPTED.lock().unwrap_or_else(|e| e.into_inner()).remove(&span.0);
+            // the pages are the caller's memory: they stay, private again (as before the move:
+            // not shared with a forked child, zeroed by MADV_DONTNEED), with their bytes
+            Some(Owned::Adopted { file, span }) => {
+                let mut adopted = ADOPTED.lock().unwrap_or_else(|e| e.into_inner());
+                restore_private(&file, span);
+                adopted.remove(&span.0);
             }
             None => {}
         }
     }
+}
+
+/// Maps private anonymous memory back over pages [`Region::share_in_place`] moved into `file`,
+/// with the bytes they hold now (read back from the file, which the shared mapping wrote).
+/// Best effort: if the kernel refuses, the pages stay a shared mapping of the file, which keeps
+/// them and their bytes.
+fn restore_private(file: &std::fs::File, (start, end): (usize, usize)) {
+    let span = end - start;
+    // the bytes, while the shared mapping still holds them
+    let mut bytes = vec![0u8; span];
+    // SAFETY: `start..end` is mapped (the shared mapping of `file`); the kernel copies out of it.
+    let n = unsafe { libc::pread(file.as_raw_fd(), bytes.as_mut_ptr().cast(), span, 0) };
+    if n != span as isize {
+        return;
+    }
+    // SAFETY: the pages `start..end` of this process that `share_in_place` moved and that the
+    // region, now dropped, was the last registration of; under the caller's contract no other
+    // thread writes them while this runs. They become private anonymous memory again.
+    let p = unsafe {
+        libc::mmap(
+            start as *mut libc::c_void,
+            span,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return;
+    }
+    // SAFETY: `start..end` was just mapped writable; `bytes` holds `span` bytes.
+    unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), start as *mut u8, span) };
 }
 
 impl Region {
@@ -336,8 +372,8 @@ impl Region {
     /// boundary; the rest of the last page moves too (its other bytes unchanged). What a
     /// context attached to flexnsd does
     /// with memory a program registers that is not in a memfd (perftest's buffers, a NumPy
-    /// array). The pages become readable and writable and stay shared after the region goes
-    /// (the memory is the caller's; a `fork`ed child then shares it too).
+    /// array). The pages become readable and writable; when the region goes they are mapped
+    /// private again with the bytes they hold then (the memory is the caller's).
     ///
     /// # Safety
     /// `ptr..ptr+len`, and the rest of its last page, must be mapped, readable and writable
