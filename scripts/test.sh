@@ -65,14 +65,17 @@ cargo test -p kvcache-engine --features gpu --lib --test gpu -- --nocapture
 # the Python package (a Mooncake-compatible TransferEngine): built, installed, and its tests
 scripts/python.sh --dev
 python3 -m pytest -q python/tests
-# flexns demo's LLM step: two vLLM engines over the package just installed (about 40 s)
-cargo test -p clients --test demo_steps -- --ignored llm_step
+# flexns demo's LLM step: two vLLM engines over the package just installed (about 40 s);
+# --workspace, so that the test binary and the programs it runs are the ones built above
+# (with -p clients alone cargo resolves netstack's features anew and builds it all again)
+cargo test --workspace --test demo_steps -- --ignored llm_step
 
 # the notification pipe's protocol under every interleaving (loom; its own target directory)
 scripts/loom.sh --quiet
-# a short smoke of every fuzz target (the long runs: scripts/fuzz.sh --seconds N)
+# a short smoke of every fuzz target, built unoptimized with overflow checks (the long runs:
+# scripts/fuzz.sh --seconds N, optimized)
 if command -v cargo-fuzz >/dev/null 2>&1; then
-  scripts/fuzz.sh --seconds 5
+  scripts/fuzz.sh --dev --seconds 5
 elif [ "${FLEXNS_CI:-}" = 1 ]; then
   echo "FAIL: fuzz smoke: cargo-fuzz is missing, yet scripts/install-test-deps.sh installs it" >&2
   exit 1
