@@ -145,8 +145,8 @@ fn comparisons(a: &SuiteArgs) -> Vec<Comparison> {
         ),
         pt(
             "perftest-send-latency",
-            "perftest's ib_send_lat 64 B (t_typical) over flexns's libibverbs.so.1 vs nsperf's SEND 64 B at depth 1 (p50; ratio: perftest / nsperf)",
-            format!("client --op send --size 64 --depth 1 --duration {d}"),
+            "perftest's ib_send_lat 64 B (t_typical) over flexns's libibverbs.so.1 vs nsperf's SEND 64 B ping-pong with every SEND signaled, as ib_send_lat's are, so that each waits for its ACK (p50; ratio: perftest / nsperf)",
+            format!("client --op send --size 64 --depth 1 --signaled --duration {d}"),
             "ib_send_lat",
             format!("-x 0 -s 64 -n {lat_n}"),
             true,

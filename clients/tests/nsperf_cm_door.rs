@@ -60,6 +60,7 @@ fn phantoms(n: usize, sink: SocketAddr) -> pb::ConnectBatch {
         depth: 1,
         echo: false,
         low_latency: false,
+        signaled: false,
         resp_addr: 0,
         resp_rkey: 0,
         need: 0,

@@ -70,6 +70,7 @@ fn every_opcode_moves_verified_data_between_processes() {
             depth: 4,
             echo: true,
             low_latency: false,
+            signaled: false,
             resp_addr: 0,
             resp_rkey: 0,
             need: 0,
@@ -210,6 +211,7 @@ fn one_gib_write_with_end_to_end_checksum() {
             depth: 1,
             echo: false,
             low_latency: false,
+            signaled: false,
             resp_addr: 0,
             resp_rkey: 0,
             need: 0,
@@ -264,6 +266,7 @@ fn bad_remote_accesses_end_in_rem_access_err_and_touch_nothing() {
         depth: 1,
         echo: false,
         low_latency: false,
+        signaled: false,
         resp_addr: 0,
         resp_rkey: 0,
         need: 0,
@@ -382,6 +385,7 @@ fn garbage_datagrams_do_not_hurt_the_server() {
             depth: 1,
             echo: false,
             low_latency: false,
+            signaled: false,
             resp_addr: 0,
             resp_rkey: 0,
             need: 0,
@@ -406,4 +410,35 @@ fn garbage_datagrams_do_not_hurt_the_server() {
     mr.read(4096, &mut b);
     assert_eq!(&b, b"still serving");
     assert!(srv.is_running(), "the server process died");
+}
+
+/// `nsperf client --op send --depth 1 --signaled`: the ping-pong runs with every SEND
+/// signaled (each round trip waits for its own send's completion too, as perftest's
+/// ib_send_lat does), checks every echo and says so on its line; any other operation is
+/// refused naming the flag.
+#[test]
+fn a_signaled_ping_pong_completes_every_send_and_checks_every_echo() {
+    let exe = env!("CARGO_BIN_EXE_nsperf");
+    let out = std::process::Command::new(exe)
+        .args(["client", "--op", "send", "--size", "64", "--depth", "1", "--signaled"])
+        .args(["--duration", "0.5", "--json"])
+        .output()
+        .expect("nsperf runs");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    let line: serde_json::Value = text
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .find(|v: &serde_json::Value| v["bench"] == "send_lat")
+        .unwrap_or_else(|| panic!("no send_lat line in:\n{text}"));
+    assert_eq!(line["signaled"], true, "{line}");
+    assert_eq!(line["verified"], true, "{line}");
+    assert!(line["ops"].as_u64().is_some_and(|n| n > 10), "{line}");
+    let out = std::process::Command::new(exe)
+        .args(["client", "--op", "write", "--signaled", "--duration", "0.2"])
+        .output()
+        .expect("nsperf runs");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--signaled"), "the refusal names the flag: {err}");
 }

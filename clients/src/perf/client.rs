@@ -92,6 +92,9 @@ pub fn run(a: &ClientArgs, spawn: &ServerSpawn) -> Result<Vec<BenchResult>> {
     if a.size == 0 || a.depth == 0 || a.qps == 0 || a.duration <= 0.0 {
         bail!("--size, --depth, --qps and --duration must be positive");
     }
+    if a.signaled && !(a.op == Op::Send && a.depth == 1) {
+        bail!("--signaled: only the SEND ping-pong (--op send --depth 1) takes it");
+    }
     if let Some(addr) = a.metrics_addr {
         netstack::telemetry::serve_prometheus(addr)?;
     }
@@ -169,6 +172,9 @@ pub fn run(a: &ClientArgs, spawn: &ServerSpawn) -> Result<Vec<BenchResult>> {
         r.extra.insert("wait".into(), wait.name().into());
         if sys == System::Flexns {
             r.extra.insert("drive".into(), a.drive_mode().name().into());
+            if a.signaled {
+                r.extra.insert("signaled".into(), true.into());
+            }
         }
         if a.idle_qps > 0 {
             r.extra.insert("idle_qps".into(), a.idle_qps.into());
@@ -335,7 +341,7 @@ fn flexns(
     let limit = end + Duration::from_secs(30);
     let mut m = Measured::new(start);
     if a.op == Op::Send && a.depth == 1 {
-        c.ping_pong(end, limit, wait, &mut m)?;
+        c.ping_pong(end, limit, wait, a.signaled, &mut m)?;
     } else {
         c.stream(a, end, limit, wait, &mut m)?;
     }
@@ -440,6 +446,7 @@ impl Conns {
             depth: a.depth,
             echo,
             low_latency,
+            signaled: a.signaled,
             resp_addr: 0,
             resp_rkey: 0,
             // SEND receive slots are the server's own business; everything else writes its slots
@@ -557,9 +564,10 @@ impl Conns {
         Ok((0..self.nq).map(|q| self.check.load_u64(q * 8).unwrap_or(0)).collect())
     }
 
-    /// Ping-pong until `end`: SEND, wait for the echo; half the round trip is the latency, as
-    /// perftest; each echo is compared with what was sent.
-    fn ping_pong(&self, end: Instant, limit: Instant, wait: Wait, m: &mut Measured) -> Result<()> {
+    /// Ping-pong until `end`: SEND, wait for the echo (and, `signaled`, for the SEND's own
+    /// completion too); half the round trip is the latency, as perftest; each echo is
+    /// compared with what was sent.
+    fn ping_pong(&self, end: Instant, limit: Instant, wait: Wait, signaled: bool, m: &mut Measured) -> Result<()> {
         let (qp, size) = (&self.qps[0], self.size);
         let mut wcs = [EMPTY_WC; 1];
         let mut n = 0u64;
@@ -570,16 +578,23 @@ impl Conns {
                 sg_list: [self.check.sge(0, size)].into_iter().collect(),
             })?;
             let t = Instant::now();
-            let flags = if size <= 256 { SendFlags::INLINE } else { SendFlags(0) };
+            let mut flags = if size <= 256 { SendFlags::INLINE } else { SendFlags(0) };
+            if signaled {
+                flags = flags | SendFlags::SIGNALED;
+            }
             qp.post_send(SendWr::new(0, WrOpcode::Send).sge(self.mr.sge(0, size)).flags(flags))?;
-            loop {
+            // the echo, and a signaled SEND's own completion (it comes once the peer ACKed it)
+            let (mut echoed, mut sent) = (false, !signaled);
+            while !(echoed && sent) {
                 let k = next_wc(&self.cq, &mut wcs, limit, wait)?;
                 let wc = wcs[0];
                 if wc.status != WcStatus::Success {
                     bail!("work completion {:?} on QP {:#x}", wc.status, wc.qp_num);
                 }
-                if k == 1 && wc.opcode == WcOpcode::Recv {
-                    break;
+                match (k, wc.opcode) {
+                    (1, WcOpcode::Recv) => echoed = true,
+                    (1, WcOpcode::Send) => sent = true,
+                    _ => {}
                 }
             }
             m.h.record((t.elapsed().as_nanos() as u64 / 2).max(1))?;

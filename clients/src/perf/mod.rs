@@ -91,6 +91,9 @@ pub struct Hello {
     /// Use low-latency QPs (transmit from the posting thread) for the exchange.
     #[serde(default)]
     pub low_latency: bool,
+    /// The ping-pong's SENDs are signaled: the server signals its echoes too.
+    #[serde(default)]
+    pub signaled: bool,
     /// RedN get: the client's buffer the answers are written to.
     #[serde(default)]
     pub resp_addr: u64,

@@ -40,6 +40,7 @@ fn connect(a: &ClientArgs, cm_addr: SocketAddr, op: Op, mr_len: usize) -> Result
         depth: a.depth,
         echo: false,
         low_latency: false,
+        signaled: false,
         resp_addr: mr.addr(),
         resp_rkey: mr.rkey(),
         need: 0,

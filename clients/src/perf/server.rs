@@ -101,12 +101,14 @@ impl ServerArgs {
 /// Pattern seed of the server region.
 pub const SEED: u64 = 0x5eed;
 
-/// Where a QP's receive slots for SENDs live in the region, and whether to echo.
+/// Where a QP's receive slots for SENDs live in the region, whether to echo, and whether the
+/// echoes are signaled (the client's `--signaled`, as perftest's ib_send_lat on both sides).
 #[derive(Debug, Clone, Copy)]
 struct RecvSlots {
     size: u64,
     base: u64,
     echo: bool,
+    signaled: bool,
 }
 
 type RecvTable = Arc<Mutex<std::collections::HashMap<u32, (Arc<Qp>, RecvSlots)>>>;
@@ -393,6 +395,7 @@ impl Acceptor for PerfAcceptor {
                     size: hello.size.max(1),
                     base,
                     echo: hello.echo,
+                    signaled: hello.signaled,
                 },
             );
         }
@@ -588,9 +591,18 @@ fn idle(cq: &Cq, wait: Wait, last_work: std::time::Instant) {
 /// Reposts the receive `wc` completed, after echoing it when its QP ping-pongs.
 fn answer_recv(wc: &Wc, mr: &Mr, recv: &RecvTable) {
     if !matches!(wc.opcode, WcOpcode::Recv | WcOpcode::RecvRdmaWithImm) {
-        return; // echo send completions (unsignaled ones never come)
+        return; // an echo's send completion (only a --signaled ping-pong has them)
     }
-    let Some((qp, RecvSlots { size, base, echo })) = recv.lock().get(&wc.qp_num).cloned() else {
+    let Some((
+        qp,
+        RecvSlots {
+            size,
+            base,
+            echo,
+            signaled,
+        },
+    )) = recv.lock().get(&wc.qp_num).cloned()
+    else {
         return;
     };
     if wc.status != WcStatus::Success {
@@ -605,11 +617,15 @@ fn answer_recv(wc: &Wc, mr: &Mr, recv: &RecvTable) {
         let _ = qp.post_send(wr.flags(SendFlags(0)));
     } else if echo {
         // small echoes travel INLINE (in the WQE slots, or straight out on a low-latency QP)
-        let flags = if wc.byte_len <= 256 {
+        let mut flags = if wc.byte_len <= 256 {
             SendFlags::INLINE
         } else {
             SendFlags(0)
         };
+        if signaled {
+            // its completion comes back to this thread, which skips it (above)
+            flags = flags | SendFlags::SIGNALED;
+        }
         let _ = qp.post_send(
             SendWr::new(wc.wr_id, WrOpcode::Send)
                 .sge(mr.sge(off, wc.byte_len as usize))
