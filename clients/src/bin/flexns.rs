@@ -371,6 +371,7 @@ fn step_args(st: &Step, duration: f64, json: bool) -> clients::perf::args::Clien
         wait: None,
         drive: None,
         standard_qp: false,
+        signaled: false,
         rate_limit: None,
         cc: netstack::cc::CcKind::None,
         compare_cc: None,
