@@ -15,14 +15,21 @@ set -euo pipefail
 cd "$(dirname "$0")/../fuzz"
 secs=60
 profile=-O
-if [ "${1:-}" = "--dev" ]; then
-  profile=--dev
-  shift
-fi
-if [ "${1:-}" = "--seconds" ]; then
-  secs="$2"
-  shift 2
-fi
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dev) profile=--dev; shift ;;
+    --seconds)
+      if [ $# -lt 2 ] || ! [[ "$2" =~ ^[0-9]+$ ]]; then
+        echo "scripts/fuzz.sh: --seconds takes a whole number of seconds" >&2
+        exit 2
+      fi
+      secs="$2"
+      shift 2
+      ;;
+    -*) echo "scripts/fuzz.sh: unknown option $1 (usage: scripts/fuzz.sh [--dev] [--seconds N] [TARGET...])" >&2; exit 2 ;;
+    *) break ;;
+  esac
+done
 if [ -n "${FUZZ_TOOLCHAIN:-}" ]; then
   fuzz=(cargo "+$FUZZ_TOOLCHAIN" fuzz)
 else

@@ -210,7 +210,7 @@ fn llm_step_kills_what_the_script_left_in_its_process_group() {
 /// decode's tokens equal a non-disaggregated run and decode's flexns
 /// engine moved at least the blocks' bytes. About 40 s on an idle 2-core host (100 s beside
 /// builds). It needs the flexns Python package, which scripts/test.sh installs after `cargo
-/// test --workspace`, and then runs this (`cargo test -p clients --test demo_steps --
+/// test --workspace`, and then runs this (`cargo test --workspace --test demo_steps --
 /// --ignored llm_step`).
 #[test]
 #[ignore = "needs the flexns Python package installed (scripts/test.sh runs it after scripts/python.sh)"]

@@ -434,6 +434,8 @@ fn a_signaled_ping_pong_completes_every_send_and_checks_every_echo() {
     assert_eq!(line["signaled"], true, "{line}");
     assert_eq!(line["verified"], true, "{line}");
     assert!(line["ops"].as_u64().is_some_and(|n| n > 10), "{line}");
+    // each round trip waited for its own SEND's completion: one per round trip, counted
+    assert_eq!(line["send_completions"], line["ops"], "{line}");
     let out = std::process::Command::new(exe)
         .args(["client", "--op", "write", "--signaled", "--duration", "0.2"])
         .output()

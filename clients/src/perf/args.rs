@@ -92,11 +92,12 @@ pub struct ClientArgs {
     /// SEND ping-pong over standard QPs instead of low-latency ones.
     #[arg(long)]
     pub standard_qp: bool,
-    /// SEND ping-pong (`--op send --depth 1`) with every SEND signaled, each side's and the
-    /// echo's, and each round trip waiting for its own send's completion as well as the echo,
-    /// as perftest's ib_send_lat does: an RC SEND that is signaled completes only on its ACK,
-    /// so the ACK of each SEND is on the path (an unsignaled one is acknowledged later, in a
-    /// coalesced ACK).
+    /// SEND ping-pong (`--op send --depth 1`, flexns) with every SEND signaled, the client's and
+    /// the server's echoes, and each round trip waiting for its own send's completion as well
+    /// as the echo, as perftest's ib_send_lat client does: an RC SEND that is signaled
+    /// completes only on its ACK, so the ACK of each SEND is on the path (an unsignaled one is
+    /// acknowledged later, in a coalesced ACK). The server does not wait for its echoes'
+    /// completions (the client's ACK of an echo leaves before its next SEND).
     #[arg(long)]
     pub signaled: bool,
     /// batch-read: ranges per request.

@@ -95,6 +95,12 @@ pub fn run(a: &ClientArgs, spawn: &ServerSpawn) -> Result<Vec<BenchResult>> {
     if a.signaled && !(a.op == Op::Send && a.depth == 1) {
         bail!("--signaled: only the SEND ping-pong (--op send --depth 1) takes it");
     }
+    if a.signaled && a.system != System::Flexns {
+        bail!(
+            "--signaled: the {} ping-pong has no send completions to wait for",
+            a.system.name()
+        );
+    }
     if let Some(addr) = a.metrics_addr {
         netstack::telemetry::serve_prometheus(addr)?;
     }
@@ -378,6 +384,10 @@ fn flexns(
     r.extra.insert("recovery".into(), serde_json::to_value(a.recovery)?);
     // the ICRC mode the connections run (negotiated: `none` only if both ends offered it)
     r.extra.insert("icrc".into(), c.qps[0].icrc_mode().name().into());
+    if a.signaled {
+        // counted where the ping-pong took them, not copied from the flag
+        r.extra.insert("send_completions".into(), m.sends_completed.into());
+    }
     Ok(r)
 }
 
@@ -593,7 +603,10 @@ impl Conns {
                 }
                 match (k, wc.opcode) {
                     (1, WcOpcode::Recv) => echoed = true,
-                    (1, WcOpcode::Send) => sent = true,
+                    (1, WcOpcode::Send) => {
+                        sent = true;
+                        m.sends_completed += 1;
+                    }
                     _ => {}
                 }
             }
@@ -754,6 +767,8 @@ struct Measured {
     last_done: Instant,
     max_gap: Duration,
     verified: bool,
+    /// Send completions a `--signaled` ping-pong waited for (one per round trip).
+    sends_completed: u64,
 }
 
 impl Measured {
@@ -762,6 +777,7 @@ impl Measured {
             start,
             h: histogram(),
             ops: 0,
+            sends_completed: 0,
             timeline: Vec::new(),
             last_done: start,
             max_gap: Duration::ZERO,
