@@ -883,7 +883,7 @@ mod tests {
         assert_eq!(flag(&p[1].args, "-s"), Some("64"));
         assert_eq!(flag(&v[1].args, "--depth"), Some("1"));
         // ib_send_lat signals every SEND and waits for it: so does its reference
-        assert!(v[1].args.split_whitespace().any(|w| w == "--signaled"), "{}", v[1].args);
+        assert!(v[1].args.iter().any(|w| w == "--signaled"), "{:?}", v[1].args);
         assert!(!v[0].latency && v[1].latency);
         // perftest's tables: BW average of the size's row, t_typical of a latency row
         let bw = " #bytes     #iterations    BW peak[Gb/sec]    BW average[Gb/sec]   MsgRate[Mpps]\n 65536      30000            0.00               8.92   \t\t   0.017014\n";
