@@ -135,10 +135,11 @@ fn comparisons(a: &SuiteArgs) -> Vec<Comparison> {
             "nsperf",
             format!("client --op send --size 64 --depth 1 --wait spin --compare udp-raw --pairs {p} --duration {d}"),
         ),
+        // perftest spins on its CQs; nsperf spins too (--wait spin), the same discipline
         pt(
             "perftest-write-64KiB",
-            "perftest's ib_write_bw 64 KiB, 128 outstanding, over flexns's libibverbs.so.1 vs nsperf's WRITE at the same size and depth (ratio: perftest / nsperf)",
-            format!("client --op write --size 64KiB --depth 128 --duration {d}"),
+            "perftest's ib_write_bw 64 KiB, 128 outstanding, over flexns's libibverbs.so.1 vs nsperf's WRITE at the same size and depth, both spinning (ratio: perftest / nsperf)",
+            format!("client --op write --size 64KiB --depth 128 --wait spin --duration {d}"),
             "ib_write_bw",
             format!("-x 0 -s 65536 -t 128 -n {write_n} --report_gbits"),
             false,
@@ -148,6 +149,30 @@ fn comparisons(a: &SuiteArgs) -> Vec<Comparison> {
             "perftest's ib_send_lat 64 B (t_typical) over flexns's libibverbs.so.1 vs nsperf's SEND 64 B ping-pong with every SEND signaled, as ib_send_lat's are, so that each waits for its ACK (p50; ratio: perftest / nsperf)",
             format!("client --op send --size 64 --depth 1 --signaled --duration {d}"),
             "ib_send_lat",
+            format!("-x 0 -s 64 -n {lat_n}"),
+            true,
+        ),
+        pt(
+            "perftest-send-64KiB",
+            "perftest's ib_send_bw 64 KiB, 128 outstanding, over flexns's libibverbs.so.1 vs nsperf's SEND at the same size and depth, both spinning (ratio: perftest / nsperf)",
+            format!("client --op send --size 64KiB --depth 128 --wait spin --duration {d}"),
+            "ib_send_bw",
+            format!("-x 0 -s 65536 -t 128 -n {write_n} --report_gbits"),
+            false,
+        ),
+        pt(
+            "perftest-read-64KiB",
+            "perftest's ib_read_bw 64 KiB, 16 outstanding (the initiator depth), over flexns's libibverbs.so.1 vs nsperf's READ at the same size and depth, both spinning (ratio: perftest / nsperf)",
+            format!("client --op read --size 64KiB --depth 16 --wait spin --duration {d}"),
+            "ib_read_bw",
+            format!("-x 0 -s 65536 -t 16 -o 16 -n {write_n} --report_gbits"),
+            false,
+        ),
+        pt(
+            "perftest-read-latency",
+            "perftest's ib_read_lat 64 B (t_typical: a READ's round trip) over flexns's libibverbs.so.1 vs nsperf's READ 64 B at depth 1, spinning (p50, post to completion; ratio: perftest / nsperf)",
+            format!("client --op read --size 64 --depth 1 --wait spin --duration {d}"),
+            "ib_read_lat",
             format!("-x 0 -s 64 -n {lat_n}"),
             true,
         ),
@@ -869,9 +894,49 @@ mod tests {
         };
         let v = comparisons(&a);
         let names: Vec<&str> = v.iter().map(|c| c.name).collect();
-        assert_eq!(names, ["perftest-write-64KiB", "perftest-send-latency"]);
+        assert_eq!(
+            names,
+            [
+                "perftest-write-64KiB",
+                "perftest-send-latency",
+                "perftest-send-64KiB",
+                "perftest-read-64KiB",
+                "perftest-read-latency"
+            ]
+        );
         let p: Vec<&perftest::Perftest> = v.iter().map(|c| c.perftest.as_ref().unwrap()).collect();
-        assert_eq!((p[0].program, p[1].program), ("ib_write_bw", "ib_send_lat"));
+        let programs: Vec<&str> = p.iter().map(|p| p.program).collect();
+        assert_eq!(
+            programs,
+            ["ib_write_bw", "ib_send_lat", "ib_send_bw", "ib_read_bw", "ib_read_lat"]
+        );
+        // every one on both sides: the operation, the size, the depth in flight, and both spin
+        // (perftest always does)
+        for (c, p) in v.iter().zip(&p) {
+            let op = match p.program {
+                "ib_write_bw" => "write",
+                "ib_send_lat" | "ib_send_bw" => "send",
+                _ => "read",
+            };
+            assert_eq!(flag(&c.args, "--op"), Some(op), "{}", c.name);
+            let size = if c.latency { ("64", "64") } else { ("64KiB", "65536") };
+            assert_eq!(
+                (flag(&c.args, "--size"), flag(&p.args, "-s")),
+                (Some(size.0), Some(size.1)),
+                "{}",
+                c.name
+            );
+            if c.latency {
+                assert_eq!(flag(&c.args, "--depth"), Some("1"), "{}", c.name);
+            } else {
+                assert_eq!(flag(&c.args, "--depth"), flag(&p.args, "-t"), "{}", c.name);
+            }
+            if p.program == "ib_read_bw" {
+                assert_eq!(flag(&p.args, "-o"), flag(&p.args, "-t"), "reads in flight: {}", c.name);
+            }
+            let spins = c.args.iter().any(|w| w == "spin") || flag(&c.args, "--depth") == Some("1");
+            assert!(spins, "{}: nsperf must spin as perftest does", c.name);
+        }
         // the same size and depth on both sides
         assert_eq!(flag(&v[0].args, "--op"), Some("write"));
         assert_eq!(flag(&v[0].args, "--size"), Some("64KiB"));
