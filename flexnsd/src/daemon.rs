@@ -430,20 +430,21 @@ impl App {
                 continue;
             }
             if last_work.elapsed() < self.d.spin {
-                // the send rings are watched for a moment (RING_WATCH) before the yield and the
-                // next pass: a work request posted now is taken at once, where it waited for an
-                // engine pass (a `recvmmsg`) and a `sched_yield` (flexnsd-bench, idle VM: SEND
-                // p50 1.48x in-process instead of 1.64x, CPU per SEND 1.38x instead of 1.46x).
-                // The price: idle, the engine's passes come up to RING_WATCH further apart, so
-                // a datagram from a remote peer waits up to that much longer. Then polling idle
-                // yields the core between passes, as the engine's adaptive mode does: an
-                // application woken on this core runs at once instead of waiting for the end of
-                // the spin (on two cores that wait was most of a SEND's latency)
+                // the send rings are watched for up to RING_WATCH first: a work request posted
+                // meanwhile is taken at once instead of after an engine pass and a yield
+                // (docs/FLEXNSD.md, "Figures on 2026-12-06"); the engine's idle passes come
+                // that much further apart. Then polling idle yields the core between passes, as
+                // the engine's adaptive mode does: an application woken on this core runs at
+                // once instead of waiting for the end of the spin (on two cores that wait was
+                // most of a SEND's latency)
+                let blocked = self.blocked_cqs();
                 let until = Instant::now() + RING_WATCH;
-                while Instant::now() < until && !self.rings_have_work() {
+                let mut ready = self.takeable(&blocked);
+                while !ready && Instant::now() < until {
                     std::hint::spin_loop();
+                    ready = self.takeable(&blocked);
                 }
-                if !self.rings_have_work() {
+                if !ready {
                     std::thread::yield_now();
                 }
                 continue;
@@ -454,11 +455,18 @@ impl App {
         }
     }
 
-    /// Whether a send ring holds an entry the daemon has not taken.
-    fn rings_have_work(&self) -> bool {
-        self.qps
-            .values()
-            .any(|q| q.fault.is_none() && q.ring.word(shm::SQ_TAIL).load(Ordering::Acquire) != q.head)
+    /// Whether a send ring holds an entry the next pass would take: its QP serves, nothing of
+    /// it waits behind the engine's full queue or a held error, and neither of its CQs is in
+    /// `blocked` (full, with completions waiting for room).
+    fn takeable(&self, blocked: &[u32]) -> bool {
+        self.qps.values().any(|q| {
+            q.fault.is_none()
+                && q.deferred.is_empty()
+                && q.held.is_empty()
+                && !blocked.contains(&q.send_cq)
+                && !blocked.contains(&q.recv_cq)
+                && q.ring.word(shm::SQ_TAIL).load(Ordering::SeqCst) != q.head
+        })
     }
 
     /// Packets the engine context sent and received so far (all attachments'): a change
@@ -476,15 +484,7 @@ impl App {
         }
         // entries waiting behind a full engine queue or a blocked CQ are not work to spin on:
         // the engine's completion (or the 1 ms tick of a full ring) wakes the thread for them
-        let blocked = self.blocked_cqs();
-        let pending = self.qps.values().any(|q| {
-            q.fault.is_none()
-                && q.deferred.is_empty()
-                && q.held.is_empty()
-                && !blocked.contains(&q.send_cq)
-                && !blocked.contains(&q.recv_cq)
-                && q.ring.word(shm::SQ_TAIL).load(Ordering::SeqCst) != q.head
-        });
+        let pending = self.takeable(&self.blocked_cqs());
         if !pending {
             let full = self.cqs.values().any(|c| c.room() == 0);
             let waits: Vec<_> = self
